@@ -1,0 +1,115 @@
+//! The CPU backend: quantized dot products from `quant` (SIMD chosen at run time), split across
+//! threads by rows. Rows are processed in chunks that stay in cache while every token of a batch
+//! is multiplied with them, so batched prefill reads each weight once.
+
+use rayon::prelude::*;
+
+use super::Backend;
+use crate::model::weights::Weight;
+use crate::quant::{vec_dot, vec_dot_rows, PreparedInput};
+
+/// Rows per work item: small enough to balance two threads, large enough that scheduling is
+/// noise next to the dot products (a Q4_K row of 1536 is 864 bytes; 64 rows stay in L2).
+const CHUNK_ROWS: usize = 64;
+
+pub struct CpuBackend {
+    pool: rayon::ThreadPool,
+    threads: usize,
+}
+
+impl CpuBackend {
+    /// `threads == 0` means one per available core.
+    pub fn new(threads: usize) -> CpuBackend {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("thread pool");
+        CpuBackend { pool, threads }
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+}
+
+/// A raw output pointer shared by workers that write disjoint indices.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: workers write through it only at indices no other worker touches (disjoint row
+// chunks), and the owning slice outlives the parallel scope that uses it.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        format!(
+            "cpu ({} threads, {} kernels)",
+            self.threads,
+            crate::quant::kernel_name()
+        )
+    }
+
+    fn matmul(&self, w: &Weight, xs: &[PreparedInput], out: &mut [f32]) {
+        let n_tok = xs.len();
+        assert_eq!(out.len(), n_tok * w.rows, "matmul output size");
+        if n_tok == 1 {
+            let chunk = CHUNK_ROWS.max(w.rows / (self.threads * 8)).max(1);
+            self.pool.install(|| {
+                out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+                    let start = c * chunk;
+                    vec_dot_rows(w.ty, w.rows_bytes(start, start + o.len()), &xs[0], o);
+                })
+            });
+            return;
+        }
+        let ptr = OutPtr(out.as_mut_ptr());
+        let n_chunks = w.rows.div_ceil(CHUNK_ROWS);
+        self.pool.install(|| {
+            (0..n_chunks).into_par_iter().for_each(|c| {
+                let start = c * CHUNK_ROWS;
+                let end = (start + CHUNK_ROWS).min(w.rows);
+                let rows = w.rows_bytes(start, end);
+                let mut local = [0f32; CHUNK_ROWS];
+                for (t, x) in xs.iter().enumerate() {
+                    vec_dot_rows(w.ty, rows, x, &mut local[..end - start]);
+                    let dst = ptr;
+                    for (i, &v) in local[..end - start].iter().enumerate() {
+                        // SAFETY: index t*rows + start + i is inside `out` (asserted length) and
+                        // belongs to this chunk's rows only.
+                        unsafe { *dst.0.add(t * w.rows + start + i) = v };
+                    }
+                }
+            })
+        });
+    }
+
+    fn matmul_rows(&self, w: &Weight, rows: &[u32], xs: &[PreparedInput], out: &mut [f32]) {
+        let n = rows.len();
+        assert_eq!(out.len(), xs.len() * n, "matmul_rows output size");
+        let ptr = OutPtr(out.as_mut_ptr());
+        self.pool.install(|| {
+            rows.par_chunks(CHUNK_ROWS).enumerate().for_each(|(c, chunk)| {
+                for (t, x) in xs.iter().enumerate() {
+                    for (i, &r) in chunk.iter().enumerate() {
+                        let v = vec_dot(w.ty, w.row(r as usize), x);
+                        let dst = ptr;
+                        // SAFETY: index t*n + c*CHUNK_ROWS + i is inside `out` and owned by this chunk.
+                        unsafe { *dst.0.add(t * n + c * CHUNK_ROWS + i) = v };
+                    }
+                }
+            })
+        });
+    }
+}
+
+impl CpuBackend {
+    /// Run `f` on this backend's threads (attention and other per-head work).
+    pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(f)
+    }
+}

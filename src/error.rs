@@ -1,0 +1,68 @@
+//! The library's one error type. Every variant says what was wrong, where (file, offset, tensor),
+//! and, where there is one, what to do about it. The binary turns these into a message and exit code.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+
+    /// A model file whose bytes do not parse: truncated, wrong magic, absurd counts, bad offsets.
+    #[error("{path}: malformed {format} file at byte offset {offset_bytes}: {what}")]
+    Malformed {
+        path: PathBuf,
+        format: &'static str,
+        offset_bytes: u64,
+        what: String,
+    },
+
+    /// A tensor element type this build cannot compute on.
+    #[error("{path}: tensor `{tensor}` has type {type_name} (ggml type id {type_id}), which gatestream does not support; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K. Re-quantize the model to one of these")]
+    UnsupportedTensorType {
+        path: PathBuf,
+        tensor: String,
+        type_id: u32,
+        type_name: String,
+    },
+
+    #[error("{path}: tensor `{tensor}` is missing (architecture {arch} needs it); is this a complete {arch} model?")]
+    MissingTensor {
+        path: PathBuf,
+        tensor: String,
+        arch: String,
+    },
+
+    #[error("{path}: tensor `{tensor}` has shape {found:?}, expected {expected:?} from the model config")]
+    WrongShape {
+        path: PathBuf,
+        tensor: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+
+    #[error("{path}: architecture `{arch}` is not supported; supported: llama, qwen2, gemma3")]
+    UnsupportedArchitecture { path: PathBuf, arch: String },
+
+    /// Metadata or config that is present but unusable (missing key, inconsistent sizes).
+    #[error("{path}: bad model config: {what}")]
+    Config { path: PathBuf, what: String },
+
+    #[error("{path}: no usable tokenizer: {what}")]
+    Tokenizer { path: PathBuf, what: String },
+
+    /// A request the caller made that cannot be honoured (prompt too long, bad option value).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,13 @@
+//! gatestream: run language models larger than memory by streaming only the FFN neurons a token
+//! needs from disk. This crate is the library; the `gatestream` binary only parses arguments and
+//! prints. See README.md for the code map and the invariants between modules.
+
+pub mod backend;
+pub mod error;
+pub mod gguf;
+pub mod model;
+pub mod perplexity;
+pub mod quant;
+pub mod safetensors;
+
+pub use error::{Error, Result};

@@ -1,0 +1,158 @@
+//! Models: architecture config, weights, tokenizer, forward pass, sampling and generation.
+//! `model` never opens a file except through `gguf`/`safetensors` at load time and never names a
+//! read engine: weights are byte slices it is handed.
+
+pub mod chat;
+pub mod config;
+pub mod forward;
+pub mod generate;
+pub mod sampler;
+pub mod tokenizer;
+pub mod weights;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::gguf::{GgufFile, MetaValue};
+use crate::safetensors::SafetensorsModel;
+use config::ModelConfig;
+use tokenizer::{GgufVocab, Tokenizer};
+use weights::{ModelWeights, TensorSource};
+
+pub struct Model {
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    pub weights: ModelWeights,
+    pub tokenizer: Tokenizer,
+    pub backend: Arc<dyn Backend>,
+    cpu: Arc<CpuBackend>,
+}
+
+/// Options for loading.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Worker threads; 0 = one per core.
+    pub threads: usize,
+}
+
+impl Model {
+    /// Load a `.gguf` file or a Hugging Face safetensors folder.
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        let (src, config, tokenizer) = if meta.is_dir() {
+            load_hf_dir(path)?
+        } else {
+            let g = GgufFile::open(path)?;
+            let tokenizer = Tokenizer::from_gguf(path, &gguf_vocab(&g)?)?;
+            let embd = g.tensor("token_embd.weight").ok_or_else(|| Error::MissingTensor {
+                path: path.to_path_buf(),
+                tensor: "token_embd.weight".into(),
+                arch: g
+                    .get("general.architecture")
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("?")
+                    .into(),
+            })?;
+            let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+            let config = ModelConfig::from_gguf(&g, vocab)?;
+            (TensorSource::Gguf(g), config, tokenizer)
+        };
+        let weights = ModelWeights::load(&src, &config)?;
+        let cpu = Arc::new(CpuBackend::new(opts.threads));
+        Ok(Model {
+            path: path.to_path_buf(),
+            config,
+            weights,
+            tokenizer,
+            backend: cpu.clone(),
+            cpu,
+        })
+    }
+}
+
+fn load_hf_dir(dir: &Path) -> Result<(TensorSource, ModelConfig, Tokenizer)> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        path: cfg_path.clone(),
+        what: format!("not JSON: {e}"),
+    })?;
+    let config = ModelConfig::from_hf_config(&cfg_path, &json)?;
+    let tokenizer = if dir.join("tokenizer.json").exists() {
+        Tokenizer::from_hf_dir(dir)?
+    } else if let Some(bin) = find_llama2c_tokenizer(dir) {
+        let id = |k: &str, d: u32| json.get(k).and_then(|v| v.as_u64()).map(|v| v as u32).unwrap_or(d);
+        Tokenizer::from_llama2c(&bin, id("bos_token_id", 1), id("eos_token_id", 2))?
+    } else {
+        return Err(Error::Tokenizer {
+            path: dir.to_path_buf(),
+            what: "no tokenizer.json (or llama2.c tok*.bin) in the model folder; copy the model's tokenizer.json beside config.json".into(),
+        });
+    };
+    let model = SafetensorsModel::open_dir(dir)?;
+    Ok((
+        TensorSource::Safetensors {
+            dir: dir.to_path_buf(),
+            model,
+        },
+        config,
+        tokenizer,
+    ))
+}
+
+fn find_llama2c_tokenizer(dir: &Path) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with("tok") && name.ends_with(".bin")
+        })
+        .collect();
+    found.sort();
+    found.into_iter().next()
+}
+
+/// Gather the tokenizer.* metadata of a GGUF file.
+pub fn gguf_vocab(g: &GgufFile) -> Result<GgufVocab> {
+    let get = |k: &str| g.get(&format!("tokenizer.ggml.{k}"));
+    let id = |k: &str| get(k).and_then(|v| v.as_u64()).map(|v| v as u32);
+    let flag = |k: &str| get(k).and_then(|v| v.as_bool());
+    let strings =
+        |v: &MetaValue| -> Option<Vec<String>> { v.as_array()?.iter().map(|s| s.as_str().map(String::from)).collect() };
+    let bad = |what: &str| Error::Tokenizer {
+        path: g.path.clone(),
+        what: what.into(),
+    };
+    let model = get("model")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| bad("no tokenizer.ggml.model in the GGUF metadata"))?;
+    let tokens = get("tokens")
+        .and_then(strings)
+        .ok_or_else(|| bad("no tokenizer.ggml.tokens array in the GGUF metadata"))?;
+    Ok(GgufVocab {
+        model: model.to_string(),
+        pre: get("pre").and_then(|v| v.as_str()).map(String::from),
+        tokens,
+        scores: get("scores").and_then(|v| v.as_array()?.iter().map(|s| s.as_f64().map(|f| f as f32)).collect()),
+        token_types: get("token_type")
+            .and_then(|v| v.as_array()?.iter().map(|s| s.as_i64().map(|i| i as i32)).collect()),
+        merges: get("merges").and_then(strings),
+        bos_id: id("bos_token_id"),
+        eos_id: id("eos_token_id"),
+        eot_id: id("eot_token_id"),
+        eom_id: id("eom_token_id"),
+        unknown_id: id("unknown_token_id"),
+        padding_id: id("padding_token_id"),
+        add_bos: flag("add_bos_token"),
+        add_eos: flag("add_eos_token"),
+        add_space_prefix: flag("add_space_prefix"),
+        chat_template: g
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(String::from),
+    })
+}

@@ -1,0 +1,358 @@
+//! Weight tensors and their loading. A `Weight` is a 2-D matrix `[rows, cols]` whose rows run
+//! along the input dimension (so quantization blocks stay whole) and whose bytes live wherever
+//! the source put them: a memory map of the model file by default, so nothing assumes the whole
+//! model is in RAM. Small vectors (norms, biases) are decoded to f32 once.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::gguf::{self, GgufFile};
+use crate::model::config::{Arch, ModelConfig};
+use crate::quant::{dequantize_row, GgmlType};
+use crate::safetensors::SafetensorsModel;
+
+#[derive(Clone)]
+enum Storage {
+    Mapped(Arc<memmap2::Mmap>),
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at `offset + r * row_bytes`.
+#[derive(Clone)]
+pub struct Weight {
+    pub name: String,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    storage: Storage,
+    offset_bytes: usize,
+}
+
+impl Weight {
+    /// A weight held in memory (tests, converted tensors).
+    pub fn owned(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Weight> {
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
+        if rows.checked_mul(row_bytes) != Some(bytes.len()) {
+            return Err(Error::Invalid(format!(
+                "{name}: {} bytes for {rows}x{cols} {ty:?}",
+                bytes.len()
+            )));
+        }
+        Ok(Weight {
+            name: name.into(),
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            storage: Storage::Owned(Arc::new(bytes)),
+            offset_bytes: 0,
+        })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        let all: &[u8] = match &self.storage {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        };
+        &all[self.offset_bytes..self.offset_bytes + self.rows * self.row_bytes]
+    }
+
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes()[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Rows `[start, end)` as one contiguous byte slice.
+    pub fn rows_bytes(&self, start: usize, end: usize) -> &[u8] {
+        &self.bytes()[start * self.row_bytes..end * self.row_bytes]
+    }
+
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize_row(self.ty, self.row(r), out);
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.rows * self.row_bytes
+    }
+}
+
+/// Where tensors come from; names are the source's own.
+pub enum TensorSource {
+    Gguf(GgufFile),
+    Safetensors { dir: PathBuf, model: SafetensorsModel },
+}
+
+impl TensorSource {
+    pub fn path(&self) -> &Path {
+        match self {
+            TensorSource::Gguf(g) => &g.path,
+            TensorSource::Safetensors { dir, .. } => dir,
+        }
+    }
+
+    /// Shape as `[rows, cols]` (cols fastest) for a 1-D or 2-D tensor, or None if absent.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        match self {
+            TensorSource::Gguf(g) => g
+                .tensor(name)
+                .map(|t| t.dims.iter().rev().map(|&d| d as usize).collect()),
+            TensorSource::Safetensors { model, .. } => model.tensors.get(name).map(|t| t.shape.clone()),
+        }
+    }
+
+    fn missing(&self, name: &str, arch: Arch) -> Error {
+        Error::MissingTensor {
+            path: self.path().to_path_buf(),
+            tensor: name.into(),
+            arch: arch.name().into(),
+        }
+    }
+
+    /// A matrix with the expected `[rows, cols]`.
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize, arch: Arch) -> Result<Weight> {
+        let wrong = |found: Vec<usize>| Error::WrongShape {
+            path: self.path().to_path_buf(),
+            tensor: name.into(),
+            expected: vec![rows, cols],
+            found,
+        };
+        match self {
+            TensorSource::Gguf(g) => {
+                let t = g.tensor(name).ok_or_else(|| self.missing(name, arch))?;
+                let found: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+                if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
+                    return Err(wrong(found));
+                }
+                let ty = t.ty.ok_or_else(|| gguf::unsupported_type_error(&g.path, t))?;
+                let row_bytes = ty.row_bytes(cols).ok_or_else(|| wrong(found.clone()))?;
+                Ok(Weight {
+                    name: name.into(),
+                    ty,
+                    rows,
+                    cols,
+                    row_bytes,
+                    storage: Storage::Mapped(g.map.clone()),
+                    offset_bytes: t.offset_bytes as usize,
+                })
+            }
+            TensorSource::Safetensors { model, .. } => {
+                let t = model.tensors.get(name).ok_or_else(|| self.missing(name, arch))?;
+                if t.shape != [rows, cols] {
+                    return Err(wrong(t.shape.clone()));
+                }
+                let row_bytes = t.ty.row_bytes(cols).ok_or_else(|| wrong(t.shape.clone()))?;
+                Ok(Weight {
+                    name: name.into(),
+                    ty: t.ty,
+                    rows,
+                    cols,
+                    row_bytes,
+                    storage: Storage::Mapped(model.maps[t.file].clone()),
+                    offset_bytes: t.offset_bytes,
+                })
+            }
+        }
+    }
+
+    /// A vector of `len` values decoded to f32.
+    pub fn vector(&self, name: &str, len: usize, arch: Arch) -> Result<Vec<f32>> {
+        let shape = self.shape(name).ok_or_else(|| self.missing(name, arch))?;
+        if shape.iter().product::<usize>() != len || shape.len() > 2 {
+            return Err(Error::WrongShape {
+                path: self.path().to_path_buf(),
+                tensor: name.into(),
+                expected: vec![len],
+                found: shape,
+            });
+        }
+        let w = self.matrix_any(name, arch, 1, len)?;
+        let mut out = vec![0.0; len];
+        w.dequantize_row(0, &mut out);
+        Ok(out)
+    }
+
+    fn matrix_any(&self, name: &str, arch: Arch, rows: usize, cols: usize) -> Result<Weight> {
+        // Reinterpret a vector as one row; the shape was checked by the caller.
+        match self {
+            TensorSource::Gguf(g) => {
+                let t = g.tensor(name).ok_or_else(|| self.missing(name, arch))?;
+                let ty = t.ty.ok_or_else(|| gguf::unsupported_type_error(&g.path, t))?;
+                let row_bytes = ty
+                    .row_bytes(cols)
+                    .ok_or_else(|| Error::Invalid(format!("{name}: bad vector length")))?;
+                Ok(Weight {
+                    name: name.into(),
+                    ty,
+                    rows,
+                    cols,
+                    row_bytes,
+                    storage: Storage::Mapped(g.map.clone()),
+                    offset_bytes: t.offset_bytes as usize,
+                })
+            }
+            TensorSource::Safetensors { model, .. } => {
+                let t = model.tensors.get(name).ok_or_else(|| self.missing(name, arch))?;
+                Ok(Weight {
+                    name: name.into(),
+                    ty: t.ty,
+                    rows,
+                    cols,
+                    row_bytes: t.ty.block_bytes() * cols,
+                    storage: Storage::Mapped(model.maps[t.file].clone()),
+                    offset_bytes: t.offset_bytes,
+                })
+            }
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.shape(name).is_some()
+    }
+}
+
+/// One transformer block's weights. Shapes are `[rows, cols]` = `[out, in]`.
+pub struct LayerWeights {
+    pub attn_norm: Vec<f32>,              // [hidden]
+    pub wq: Weight,                       // [n_heads*head_dim, hidden]
+    pub wk: Weight,                       // [n_kv_heads*head_dim, hidden]
+    pub wv: Weight,                       // [n_kv_heads*head_dim, hidden]
+    pub wo: Weight,                       // [hidden, n_heads*head_dim]
+    pub bq: Option<Vec<f32>>,             // [n_heads*head_dim] (qwen2)
+    pub bk: Option<Vec<f32>>,             // [n_kv_heads*head_dim]
+    pub bv: Option<Vec<f32>>,             // [n_kv_heads*head_dim]
+    pub q_norm: Option<Vec<f32>>,         // [head_dim] (gemma3)
+    pub k_norm: Option<Vec<f32>>,         // [head_dim]
+    pub post_attn_norm: Option<Vec<f32>>, // [hidden] (gemma3)
+    pub ffn_norm: Vec<f32>,               // [hidden]
+    pub ffn_gate: Weight,                 // [ffn, hidden]
+    pub ffn_up: Weight,                   // [ffn, hidden]
+    pub ffn_down: Weight,                 // [hidden, ffn]
+    pub post_ffn_norm: Option<Vec<f32>>,  // [hidden] (gemma3)
+}
+
+pub struct ModelWeights {
+    pub token_embd: Weight, // [vocab, hidden]
+    pub layers: Vec<LayerWeights>,
+    pub output_norm: Vec<f32>, // [hidden]
+    pub output: Weight,        // [vocab, hidden]; the embedding matrix when tied
+}
+
+/// The per-layer tensor names of each source format.
+struct Names {
+    gguf: bool,
+}
+
+impl Names {
+    fn global(&self, what: &str) -> &'static str {
+        match (self.gguf, what) {
+            (true, "embd") => "token_embd.weight",
+            (true, "norm") => "output_norm.weight",
+            (true, "output") => "output.weight",
+            (false, "embd") => "model.embed_tokens.weight",
+            (false, "norm") => "model.norm.weight",
+            (false, "output") => "lm_head.weight",
+            _ => unreachable!("unknown global tensor {what}"),
+        }
+    }
+
+    /// `what` is the GGUF short name; the Hugging Face name is derived from it.
+    fn layer(&self, l: usize, what: &str, arch: Arch) -> String {
+        if self.gguf {
+            return format!("blk.{l}.{what}");
+        }
+        let hf = match (what, arch) {
+            ("attn_norm.weight", _) => "input_layernorm.weight",
+            ("attn_q.weight", _) => "self_attn.q_proj.weight",
+            ("attn_k.weight", _) => "self_attn.k_proj.weight",
+            ("attn_v.weight", _) => "self_attn.v_proj.weight",
+            ("attn_output.weight", _) => "self_attn.o_proj.weight",
+            ("attn_q.bias", _) => "self_attn.q_proj.bias",
+            ("attn_k.bias", _) => "self_attn.k_proj.bias",
+            ("attn_v.bias", _) => "self_attn.v_proj.bias",
+            ("attn_q_norm.weight", _) => "self_attn.q_norm.weight",
+            ("attn_k_norm.weight", _) => "self_attn.k_norm.weight",
+            ("post_attention_norm.weight", _) => "post_attention_layernorm.weight",
+            ("ffn_norm.weight", Arch::Gemma3) => "pre_feedforward_layernorm.weight",
+            ("ffn_norm.weight", _) => "post_attention_layernorm.weight",
+            ("post_ffw_norm.weight", _) => "post_feedforward_layernorm.weight",
+            ("ffn_gate.weight", _) => "mlp.gate_proj.weight",
+            ("ffn_up.weight", _) => "mlp.up_proj.weight",
+            ("ffn_down.weight", _) => "mlp.down_proj.weight",
+            _ => unreachable!("unknown layer tensor {what}"),
+        };
+        format!("model.layers.{l}.{hf}")
+    }
+}
+
+impl ModelWeights {
+    pub fn load(src: &TensorSource, cfg: &ModelConfig) -> Result<ModelWeights> {
+        let names = Names {
+            gguf: matches!(src, TensorSource::Gguf(_)),
+        };
+        let arch = cfg.arch;
+        // Hugging Face Gemma checkpoints store norm weights as w with the model using (1 + w);
+        // GGUF files already hold 1 + w.
+        let norm_offset = if arch == Arch::Gemma3 && !names.gguf { 1.0 } else { 0.0 };
+        let norm = |name: &str, len: usize| -> Result<Vec<f32>> {
+            let mut v = src.vector(name, len, arch)?;
+            v.iter_mut().for_each(|x| *x += norm_offset);
+            Ok(v)
+        };
+        let (h, q, kv, f) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let n = |what: &str| names.layer(l, what, arch);
+            let opt_vec = |what: &str, len: usize| -> Result<Option<Vec<f32>>> {
+                let name = n(what);
+                if src.has(&name) {
+                    src.vector(&name, len, arch).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let need_norm = |what: &str, len: usize, needed: bool| -> Result<Option<Vec<f32>>> {
+                if needed {
+                    norm(&n(what), len).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(LayerWeights {
+                attn_norm: norm(&n("attn_norm.weight"), h)?,
+                wq: src.matrix(&n("attn_q.weight"), q, h, arch)?,
+                wk: src.matrix(&n("attn_k.weight"), kv, h, arch)?,
+                wv: src.matrix(&n("attn_v.weight"), kv, h, arch)?,
+                wo: src.matrix(&n("attn_output.weight"), h, q, arch)?,
+                bq: opt_vec("attn_q.bias", q)?,
+                bk: opt_vec("attn_k.bias", kv)?,
+                bv: opt_vec("attn_v.bias", kv)?,
+                q_norm: need_norm("attn_q_norm.weight", cfg.head_dim, cfg.qk_norm)?,
+                k_norm: need_norm("attn_k_norm.weight", cfg.head_dim, cfg.qk_norm)?,
+                post_attn_norm: need_norm("post_attention_norm.weight", h, cfg.post_norms)?,
+                ffn_norm: norm(&n("ffn_norm.weight"), h)?,
+                ffn_gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
+                ffn_up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
+                ffn_down: src.matrix(&n("ffn_down.weight"), h, f, arch)?,
+                post_ffn_norm: need_norm("post_ffw_norm.weight", h, cfg.post_norms)?,
+            });
+            if cfg.attn_bias && layers[l].bq.is_none() {
+                return Err(src.missing(&n("attn_q.bias"), arch));
+            }
+        }
+        let token_embd = src.matrix(names.global("embd"), cfg.vocab, h, arch)?;
+        let output = if src.has(names.global("output")) {
+            src.matrix(names.global("output"), cfg.vocab, h, arch)?
+        } else {
+            token_embd.clone()
+        };
+        Ok(ModelWeights {
+            token_embd,
+            layers,
+            output_norm: norm(names.global("norm"), h)?,
+            output,
+        })
+    }
+}

@@ -1,0 +1,95 @@
+//! Test helpers: a small deterministic RNG and random rows of every type whose quant bytes are
+//! arbitrary (every bit pattern is exercised) while their f16 scales stay finite and modest.
+
+use super::{GgmlType, PreparedInput};
+
+/// xorshift64* — deterministic, dependency-free, good enough for test data.
+pub(crate) struct Rng(u64);
+
+impl Rng {
+    pub(crate) fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub(crate) fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    pub(crate) fn next_u32(&mut self) -> u32 {
+        (self.next_u64() >> 32) as u32
+    }
+
+    /// Uniform in [0, 1).
+    pub(crate) fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Roughly standard normal (sum of four uniforms, rescaled).
+    pub(crate) fn normal(&mut self) -> f32 {
+        let s: f32 = (0..4).map(|_| self.uniform()).sum();
+        (s - 2.0) * 1.732
+    }
+}
+
+fn f16_le(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+/// A row of `n_elems` elements of `ty`: random bytes, with every f16 scale overwritten by a
+/// finite value of either sign in about ±0.05 (float types get random normal values).
+pub(crate) fn random_row(rng: &mut Rng, ty: GgmlType, n_elems: usize) -> Vec<u8> {
+    let mut row: Vec<u8> = (0..ty.row_bytes(n_elems).unwrap())
+        .map(|_| rng.next_u32() as u8)
+        .collect();
+    let scale = |rng: &mut Rng| f16_le((rng.uniform() - 0.5) * 0.1);
+    match ty {
+        GgmlType::F32 => {
+            for chunk in row.chunks_exact_mut(4) {
+                chunk.copy_from_slice(&rng.normal().to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for chunk in row.chunks_exact_mut(2) {
+                chunk.copy_from_slice(&f16_le(rng.normal()));
+            }
+        }
+        GgmlType::BF16 => {
+            for chunk in row.chunks_exact_mut(2) {
+                chunk.copy_from_slice(&half::bf16::from_f32(rng.normal()).to_bits().to_le_bytes());
+            }
+        }
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                block[..2].copy_from_slice(&scale(rng));
+            }
+        }
+        GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                block[..2].copy_from_slice(&scale(rng));
+                block[2..4].copy_from_slice(&scale(rng));
+            }
+        }
+        GgmlType::Q6_K => {
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                block[208..210].copy_from_slice(&scale(rng));
+            }
+        }
+    }
+    row
+}
+
+/// The activations a quantized [`PreparedInput`] stands for (quant times block scale).
+pub(crate) fn dequantized_activations(p: &PreparedInput) -> Vec<f32> {
+    if p.quants.is_empty() {
+        return p.values_f32.clone();
+    }
+    let block = p.len() / p.block_scales.len();
+    p.quants
+        .iter()
+        .enumerate()
+        .map(|(i, &q)| q as f32 * p.block_scales[i / block])
+        .collect()
+}

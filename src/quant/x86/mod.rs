@@ -1,0 +1,319 @@
+//! x86-64 SIMD dot products, in two families chosen at run time: AVX2 (`vpmaddubsw` +
+//! `vpmaddwd`) and AVX-512 VNNI (`vpdpbusd`/`vpdpwssd` on 256-bit vectors, which keeps one code
+//! path and avoids 512-bit frequency penalties while the loop is memory bound anyway).
+//!
+//! The kernels are written once, generic over [`ByteDot`] (the only place the families differ),
+//! as `#[inline(always)]` functions, and instantiated inside the two `#[target_feature]` entry
+//! points, so LLVM inlines the whole kernel, intrinsics included, into code compiled for that
+//! family's features.
+//!
+//! Safety contract shared by every `unsafe fn` in this module tree: (1) the CPU supports the
+//! features of the family being run (AVX2, FMA and F16C at least; VNNI kernels also AVX-512F/BW/
+//! VL/VNNI), which the entry points' callers establish with [`avx2_supported`] /
+//! [`vnni_supported`]; (2) a row pointer is valid for reading one row of `x.len()` elements of
+//! its type, and `x` is prepared in that type's activation format with the same length — which
+//! [`super::check_rows`] asserts before any kernel runs. Every load below is an unaligned load
+//! (`loadu`) inside those bounds, because rows come from mmapped files with no alignment.
+
+mod float;
+mod kquants;
+mod legacy;
+
+use std::arch::x86_64::*;
+
+use super::{GgmlType, PreparedInput};
+
+/// Whether the AVX2 family can run (AVX2 + FMA + F16C).
+pub(super) fn avx2_supported() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+}
+
+/// Whether the AVX-512 VNNI family can run (the AVX2 family's features plus AVX-512F/BW/VL/VNNI).
+pub(super) fn vnni_supported() -> bool {
+    avx2_supported()
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Unsigned-by-signed byte dot products, the instruction-level difference between families.
+pub(super) trait ByteDot {
+    /// `acc + [sum of a[4i..4i+4] * b[4i..4i+4] for each i32 lane i]`, `a` unsigned, `b` signed.
+    /// Exact as long as adjacent pairs `a[2k]*b[2k] + a[2k+1]*b[2k+1]` fit in i16 (the AVX2
+    /// implementation saturates there; every caller keeps within it, see the kernels).
+    unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+
+    /// Like [`ByteDot::dot`], with the pair sums of i16 lane `k` multiplied by `scales_i16[k]`.
+    unsafe fn dot_scaled(acc: __m256i, a: __m256i, b: __m256i, scales_i16: __m256i) -> __m256i;
+
+    /// Byte `e` is 0x10 if bit `e` of `bits` is set, else 0 (Q5_0's fifth bits in place).
+    unsafe fn bits_to_0x10(bits: u32) -> __m256i;
+}
+
+/// AVX2: `vpmaddubsw` to i16 pairs, then `vpmaddwd` to i32 quads.
+pub(super) struct Avx2Dot;
+
+impl ByteDot for Avx2Dot {
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(a, b);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    #[inline(always)]
+    unsafe fn dot_scaled(acc: __m256i, a: __m256i, b: __m256i, scales_i16: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(a, b);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scales_i16))
+    }
+
+    #[inline(always)]
+    unsafe fn bits_to_0x10(bits: u32) -> __m256i {
+        _mm256_and_si256(bits_to_byte_mask(bits), _mm256_set1_epi8(0x10))
+    }
+}
+
+/// AVX-512 VNNI on 256-bit vectors: `vpdpbusd` (no intermediate saturation) and `vpdpwssd`.
+pub(super) struct VnniDot;
+
+// The AVX-512 intrinsics and target features were stabilized in Rust 1.89; this family (and
+// `vec_dot_rows_vnni`) therefore needs the crate's `rust-version` to be at least 1.89.
+#[clippy::msrv = "1.89"]
+impl ByteDot for VnniDot {
+    #[inline(always)]
+    unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, a, b)
+    }
+
+    #[inline(always)]
+    unsafe fn dot_scaled(acc: __m256i, a: __m256i, b: __m256i, scales_i16: __m256i) -> __m256i {
+        _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(a, b), scales_i16)
+    }
+
+    #[inline(always)]
+    unsafe fn bits_to_0x10(bits: u32) -> __m256i {
+        // AVX-512BW byte masking: one `kmovd` and one masked move.
+        _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10))
+    }
+}
+
+/// Byte `e` is 0xFF if bit `e` of `bits` is set, else 0.
+#[inline(always)]
+unsafe fn bits_to_byte_mask(bits: u32) -> __m256i {
+    // Broadcast byte e/8 of `bits` to byte e, then test bit e%8 by OR-ing in all other bits.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0x0000_0000_0000_0000,
+        ),
+    );
+    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi64x(-1))
+}
+
+/// `out[i] = dot(row i, x)` with the AVX2 kernels.
+///
+/// # Safety
+/// The module's contract: AVX2/FMA/F16C present, `rows` holds `out.len()` rows of `row_bytes`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_rows_avx2(
+    ty: GgmlType,
+    rows: &[u8],
+    row_bytes: usize,
+    x: &PreparedInput,
+    out: &mut [f32],
+) {
+    vec_dot_rows_generic::<Avx2Dot>(ty, rows, row_bytes, x, out)
+}
+
+/// `out[i] = dot(row i, x)` with the AVX-512 VNNI kernels.
+///
+/// # Safety
+/// The module's contract: the VNNI family's features present, `rows` as for the AVX2 entry.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn vec_dot_rows_vnni(
+    ty: GgmlType,
+    rows: &[u8],
+    row_bytes: usize,
+    x: &PreparedInput,
+    out: &mut [f32],
+) {
+    vec_dot_rows_generic::<VnniDot>(ty, rows, row_bytes, x, out)
+}
+
+/// The per-row loop, one arm per type so the dispatch is outside it.
+#[inline(always)]
+unsafe fn vec_dot_rows_generic<D: ByteDot>(
+    ty: GgmlType,
+    rows: &[u8],
+    row_bytes: usize,
+    x: &PreparedInput,
+    out: &mut [f32],
+) {
+    debug_assert_eq!(rows.len(), row_bytes * out.len());
+    macro_rules! each_row {
+        ($kernel:expr) => {
+            for (i, dst) in out.iter_mut().enumerate() {
+                *dst = $kernel(rows.as_ptr().add(i * row_bytes), x);
+            }
+        };
+    }
+    match ty {
+        GgmlType::F32 => each_row!(float::dot_f32),
+        GgmlType::F16 => each_row!(float::dot_f16),
+        GgmlType::BF16 => each_row!(float::dot_bf16),
+        GgmlType::Q4_0 => each_row!(legacy::dot_q4_0::<D>),
+        GgmlType::Q4_1 => each_row!(legacy::dot_q4_1::<D>),
+        GgmlType::Q5_0 => each_row!(legacy::dot_q5_0::<D>),
+        GgmlType::Q8_0 => each_row!(legacy::dot_q8_0::<D>),
+        GgmlType::Q4_K => each_row!(kquants::dot_q4_k::<D>),
+        GgmlType::Q5_K => each_row!(kquants::dot_q5_k::<D>),
+        GgmlType::Q6_K => each_row!(kquants::dot_q6_k::<D>),
+    }
+}
+
+/// Sum of the eight lanes.
+#[inline(always)]
+unsafe fn hsum_ps(v: __m256) -> f32 {
+    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    let single = _mm_add_ss(pair, _mm_movehdup_ps(pair));
+    _mm_cvtss_f32(single)
+}
+
+/// The little-endian f16 at `p`, as `f32` (F16C).
+#[inline(always)]
+unsafe fn read_f16(p: *const u8) -> f32 {
+    let bits = std::ptr::read_unaligned(p as *const u16);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// Sums blocks `0..n_blocks` into two independent `f32x8` accumulators (even and odd blocks), so
+/// consecutive blocks' float adds do not wait on each other, then reduces them to one `f32`.
+/// `$body` computes the new accumulator from `$acc` for block `$b`.
+macro_rules! sum_blocks {
+    ($n_blocks:expr, |$b:ident, $acc:ident| $body:expr) => {{
+        let n_blocks: usize = $n_blocks;
+        let mut acc_even = _mm256_setzero_ps();
+        let mut acc_odd = _mm256_setzero_ps();
+        let mut block = 0;
+        while block + 2 <= n_blocks {
+            acc_even = {
+                let ($b, $acc) = (block, acc_even);
+                $body
+            };
+            acc_odd = {
+                let ($b, $acc) = (block + 1, acc_odd);
+                $body
+            };
+            block += 2;
+        }
+        if block < n_blocks {
+            acc_even = {
+                let ($b, $acc) = (block, acc_even);
+                $body
+            };
+        }
+        super::hsum_ps(_mm256_add_ps(acc_even, acc_odd))
+    }};
+}
+use sum_blocks;
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{dequantized_activations, random_row, Rng};
+    use super::super::{dequantize_row, vec_dot_scalar, KernelFamily};
+    use super::*;
+
+    /// Every SIMD family against the scalar reference, for every type, on one block, a few
+    /// blocks (odd counts exercise the loop tails), and the model sizes 1536 and 8960.
+    #[test]
+    fn every_family_matches_scalar_reference() {
+        let families = KernelFamily::available();
+        assert!(
+            families.len() > 1,
+            "no SIMD family on this CPU: the SIMD kernels were not tested"
+        );
+        let mut rng = Rng::new(42);
+        for ty in GgmlType::ALL {
+            let block = ty.block_elems().max(32);
+            let mut lengths = vec![block, 3 * block, 1536, 8960];
+            if ty.block_elems() == 1 {
+                lengths.extend([1, 7, 33, 100]);
+            }
+            for n_elems in lengths {
+                let x: Vec<f32> = (0..n_elems).map(|_| rng.normal()).collect();
+                let mut prepared = PreparedInput::new();
+                prepared.prepare(&x, ty);
+                let n_rows = 3;
+                let rows: Vec<u8> = (0..n_rows).flat_map(|_| random_row(&mut rng, ty, n_elems)).collect();
+                let row_bytes = ty.row_bytes(n_elems).unwrap();
+                let y = dequantized_activations(&prepared);
+                for family in &families {
+                    let mut out = vec![f32::NAN; n_rows];
+                    family.vec_dot_rows(ty, &rows, &prepared, &mut out);
+                    for (r, row) in rows.chunks_exact(row_bytes).enumerate() {
+                        let reference = vec_dot_scalar(ty, row, &prepared);
+                        let mut w = vec![0.0f32; n_elems];
+                        dequantize_row(ty, row, &mut w);
+                        let abs_sum: f32 = w.iter().zip(&y).map(|(a, b)| (a * b).abs()).sum();
+                        let tol = 1e-4 * (reference.abs() + abs_sum) + 1e-6;
+                        assert!(
+                            (out[r] - reference).abs() <= tol,
+                            "{family:?} {ty:?} n={n_elems} row {r}: {} vs scalar {reference}",
+                            out[r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Saturation edge: the largest weight quants against activations of ±127 everywhere.
+    #[test]
+    fn extreme_quants_do_not_saturate() {
+        for ty in [
+            GgmlType::Q8_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ] {
+            for fill in [0x00u8, 0x7f, 0x80, 0xff] {
+                let n_elems = 512;
+                let mut row = vec![fill; ty.row_bytes(n_elems).unwrap()];
+                for block in row.chunks_exact_mut(ty.block_bytes()) {
+                    let one = 0x3c00u16.to_le_bytes();
+                    match ty {
+                        GgmlType::Q6_K => block[208..210].copy_from_slice(&one),
+                        GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+                            block[..2].copy_from_slice(&one);
+                            block[2..4].copy_from_slice(&one);
+                        }
+                        _ => block[..2].copy_from_slice(&one),
+                    }
+                }
+                for sign in [1.0f32, -1.0] {
+                    let x: Vec<f32> = (0..n_elems).map(|i| if i % 3 == 0 { sign } else { -sign }).collect();
+                    let mut prepared = PreparedInput::new();
+                    prepared.prepare(&x, ty);
+                    let reference = vec_dot_scalar(ty, &row, &prepared);
+                    for family in KernelFamily::available() {
+                        let mut out = [0.0f32];
+                        family.vec_dot_rows(ty, &row, &prepared, &mut out);
+                        let tol = 1e-4 * reference.abs().max(1.0);
+                        assert!(
+                            (out[0] - reference).abs() <= tol,
+                            "{family:?} {ty:?} {fill:#x}: {} vs {reference}",
+                            out[0]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Bad input gets a clear error, never a panic: broken copies of a real model (stories260K
+//! written as GGUF), truncated at many lengths, and damaged safetensors folders.
+
+mod common;
+
+use common::*;
+use gatestream::model::{LoadOptions, Model};
+use gatestream::Error;
+
+fn load_bytes(bytes: &[u8]) -> Result<Model, Error> {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = write_temp(tmp.path(), "m.gguf", bytes);
+    Model::load(&p, &LoadOptions { threads: 1 })
+}
+
+fn message(e: &Error) -> String {
+    e.to_string()
+}
+
+#[test]
+fn truncated_gguf_is_an_error_at_every_length() {
+    let good = stories_gguf(Breakage::None);
+    assert!(load_bytes(&good).is_ok());
+    // Every cut inside the header and index, and a spread of cuts through the data.
+    let header_end = 40_000.min(good.len());
+    let mut cuts: Vec<usize> = (0..header_end).step_by(97).collect();
+    cuts.extend((header_end..good.len()).step_by(good.len() / 50));
+    cuts.push(good.len() - 1);
+    for cut in cuts {
+        let e = load_bytes(&good[..cut])
+            .err()
+            .unwrap_or_else(|| panic!("a file cut to {cut} bytes loaded"));
+        let m = message(&e);
+        assert!(m.contains("m.gguf"), "error does not name the file: {m}");
+    }
+    let e = load_bytes(&good[..good.len() - 100]).err().unwrap();
+    assert!(message(&e).contains("truncated"), "{}", message(&e));
+}
+
+#[test]
+fn bad_magic_and_unknown_version_are_named() {
+    let mut bytes = stories_gguf(Breakage::None);
+    bytes[0..4].copy_from_slice(b"GGML");
+    let m = message(&load_bytes(&bytes).err().unwrap());
+    assert!(m.contains("bad magic") && m.contains("offset 0"), "{m}");
+    let mut bytes = stories_gguf(Breakage::None);
+    bytes[4..8].copy_from_slice(&7u32.to_le_bytes());
+    let m = message(&load_bytes(&bytes).err().unwrap());
+    assert!(m.contains("version 7"), "{m}");
+}
+
+#[test]
+fn absurd_counts_are_rejected_before_allocating() {
+    let mut bytes = stories_gguf(Breakage::None);
+    bytes[8..16].copy_from_slice(&u64::MAX.to_le_bytes()); // tensor count
+    let m = message(&load_bytes(&bytes).err().unwrap());
+    assert!(m.contains("tensor count"), "{m}");
+    let mut bytes = stories_gguf(Breakage::None);
+    bytes[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes()); // metadata count
+    let m = message(&load_bytes(&bytes).err().unwrap());
+    assert!(m.contains("metadata count"), "{m}");
+}
+
+#[test]
+fn unsupported_tensor_type_names_the_tensor_and_type() {
+    let e = load_bytes(&stories_gguf(Breakage::UnsupportedType)).err().unwrap();
+    assert!(matches!(e, Error::UnsupportedTensorType { .. }), "{e:?}");
+    let m = message(&e);
+    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("Q2_K"), "{m}");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let e = load_bytes(&stories_gguf(Breakage::MissingTensor)).err().unwrap();
+    assert!(matches!(e, Error::MissingTensor { .. }), "{e:?}");
+    assert!(message(&e).contains("blk.1.ffn_down.weight"), "{}", message(&e));
+}
+
+#[test]
+fn wrong_shape_says_expected_and_found() {
+    let e = load_bytes(&stories_gguf(Breakage::WrongShape)).err().unwrap();
+    assert!(matches!(e, Error::WrongShape { .. }), "{e:?}");
+    let m = message(&e);
+    assert!(
+        m.contains("blk.0.ffn_gate.weight") && m.contains("[172, 64]") && m.contains("[86, 128]"),
+        "{m}"
+    );
+}
+
+#[test]
+fn unsupported_architecture_is_named() {
+    let e = load_bytes(&stories_gguf(Breakage::UnknownArch)).err().unwrap();
+    assert!(matches!(e, Error::UnsupportedArchitecture { .. }), "{e:?}");
+    assert!(message(&e).contains("gpt-neox"), "{}", message(&e));
+}
+
+#[test]
+fn missing_tokenizer_is_an_error() {
+    let e = load_bytes(&stories_gguf(Breakage::NoTokenizer)).err().unwrap();
+    assert!(matches!(e, Error::Tokenizer { .. }), "{e:?}");
+    // A safetensors folder without any tokenizer file.
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(stories_dir().join(f), tmp.path().join(f)).unwrap();
+    }
+    let e = Model::load(tmp.path(), &LoadOptions::default()).err().unwrap();
+    assert!(matches!(e, Error::Tokenizer { .. }), "{e:?}");
+    assert!(message(&e).contains("tokenizer.json"), "{}", message(&e));
+}
+
+#[test]
+fn damaged_safetensors_are_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tok512.bin"] {
+        std::fs::copy(stories_dir().join(f), tmp.path().join(f)).unwrap();
+    }
+    let good = std::fs::read(stories_dir().join("model.safetensors")).unwrap();
+    // Truncated data.
+    std::fs::write(tmp.path().join("model.safetensors"), &good[..good.len() / 2]).unwrap();
+    let m = message(&Model::load(tmp.path(), &LoadOptions::default()).err().unwrap());
+    assert!(m.contains("model.safetensors"), "{m}");
+    // Header length beyond the file.
+    let mut bad = good.clone();
+    bad[0..8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+    std::fs::write(tmp.path().join("model.safetensors"), &bad).unwrap();
+    let m = message(&Model::load(tmp.path(), &LoadOptions::default()).err().unwrap());
+    assert!(m.contains("header length"), "{m}");
+    // A config that names an unsupported architecture.
+    std::fs::write(tmp.path().join("model.safetensors"), &good).unwrap();
+    std::fs::write(
+        tmp.path().join("config.json"),
+        r#"{"model_type": "gpt2", "hidden_size": 64}"#,
+    )
+    .unwrap();
+    let e = Model::load(tmp.path(), &LoadOptions::default()).err().unwrap();
+    assert!(matches!(e, Error::UnsupportedArchitecture { .. }), "{e:?}");
+}

@@ -1,0 +1,195 @@
+//! Shared helpers for the integration tests: where the shared data and models are, and a
+//! converter that writes the real stories260K model as a GGUF file (with the Q/K row permutation
+//! and SentencePiece-style vocabulary llama.cpp's converter produces), so the GGUF path is tested
+//! on real weights and broken copies of a real file exercise the error paths.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use gatestream::gguf::write::{gguf_bytes, TensorOut};
+use gatestream::gguf::MetaValue;
+use gatestream::safetensors::SafetensorsModel;
+
+pub fn shared_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared")
+}
+
+pub fn stories_dir() -> PathBuf {
+    let d = shared_dir().join("data/stories260K");
+    assert!(
+        d.join("model.safetensors").exists(),
+        "missing {}: the tests need ../shared/data beside the checkout",
+        d.display()
+    );
+    d
+}
+
+/// A real model fetched by ../shared/models/fetch.sh; fails (never skips) when it is absent.
+pub fn model_file(name: &str, fetch_name: &str) -> PathBuf {
+    let dir = std::env::var_os("GATESTREAM_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").expect("HOME")).join(".cache/gatestream/models"));
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run ../shared/models/fetch.sh {fetch_name} first (CI does)",
+        p.display()
+    );
+    p
+}
+
+/// llama2.c's tok512.bin: (token bytes, score) per id.
+pub fn read_llama2c_vocab(path: &Path) -> Vec<(Vec<u8>, f32)> {
+    let b = std::fs::read(path).unwrap();
+    let mut pos = 4;
+    let mut out = Vec::new();
+    while pos < b.len() {
+        let score = f32::from_le_bytes(b[pos..pos + 4].try_into().unwrap());
+        let len = i32::from_le_bytes(b[pos + 4..pos + 8].try_into().unwrap()) as usize;
+        out.push((b[pos + 8..pos + 8 + len].to_vec(), score));
+        pos += 8 + len;
+    }
+    out
+}
+
+/// What to break in the converted file.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Breakage {
+    None,
+    /// Give `blk.0.ffn_up.weight` ggml type 10 (Q2_K), which gatestream does not compute on.
+    UnsupportedType,
+    /// Leave out `blk.1.ffn_down.weight`.
+    MissingTensor,
+    /// Swap the dimensions of `blk.0.attn_q.weight`'s neighbour: make ffn_gate [hidden, ffn+1].
+    WrongShape,
+    /// general.architecture = "gpt-neox".
+    UnknownArch,
+    /// No tokenizer.ggml.* keys.
+    NoTokenizer,
+}
+
+/// stories260K as GGUF bytes, as llama.cpp's converter would write it (F32, llama arch, Q/K rows
+/// permuted for adjacent-pair RoPE), optionally broken.
+pub fn stories_gguf(breakage: Breakage) -> Vec<u8> {
+    let dir = stories_dir();
+    let st = SafetensorsModel::open_dir(&dir).unwrap();
+    let (hidden, n_heads, n_kv, head_dim, layers, ffn) = (64u64, 8usize, 4usize, 8usize, 5, 172u64);
+    let vocab = read_llama2c_vocab(&dir.join("tok512.bin"));
+    let tokens: Vec<MetaValue> = vocab
+        .iter()
+        .map(|(b, _)| MetaValue::Str(String::from_utf8_lossy(b).replace(' ', "\u{2581}")))
+        .collect();
+    let scores: Vec<MetaValue> = vocab.iter().map(|(_, s)| MetaValue::F32(*s)).collect();
+    let types: Vec<MetaValue> = vocab
+        .iter()
+        .enumerate()
+        .map(|(i, (b, _))| {
+            let t = if i < 3 {
+                3
+            } else if b.starts_with(b"<0x") && b.len() == 6 {
+                6
+            } else {
+                1
+            };
+            MetaValue::I32(t)
+        })
+        .collect();
+    let arch = if breakage == Breakage::UnknownArch {
+        "gpt-neox"
+    } else {
+        "llama"
+    };
+    let mut meta: Vec<(&str, MetaValue)> = vec![
+        ("general.architecture", MetaValue::Str(arch.into())),
+        ("general.name", MetaValue::Str("stories260K".into())),
+        ("llama.context_length", MetaValue::U32(512)),
+        ("llama.embedding_length", MetaValue::U32(hidden as u32)),
+        ("llama.feed_forward_length", MetaValue::U32(ffn as u32)),
+        ("llama.block_count", MetaValue::U32(layers as u32)),
+        ("llama.attention.head_count", MetaValue::U32(n_heads as u32)),
+        ("llama.attention.head_count_kv", MetaValue::U32(n_kv as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
+        ("llama.rope.freq_base", MetaValue::F32(10000.0)),
+    ];
+    if breakage != Breakage::NoTokenizer {
+        meta.extend([
+            ("tokenizer.ggml.model", MetaValue::Str("llama".into())),
+            ("tokenizer.ggml.tokens", MetaValue::Array(tokens)),
+            ("tokenizer.ggml.scores", MetaValue::Array(scores)),
+            ("tokenizer.ggml.token_type", MetaValue::Array(types)),
+            ("tokenizer.ggml.bos_token_id", MetaValue::U32(1)),
+            ("tokenizer.ggml.eos_token_id", MetaValue::U32(2)),
+            ("tokenizer.ggml.unknown_token_id", MetaValue::U32(0)),
+            ("tokenizer.ggml.add_bos_token", MetaValue::Bool(true)),
+            ("tokenizer.ggml.add_space_prefix", MetaValue::Bool(true)),
+        ]);
+    }
+    // (gguf name, hf name, permute rows for n heads)
+    let mut names: Vec<(String, String, Option<usize>)> = vec![
+        ("token_embd.weight".into(), "model.embed_tokens.weight".into(), None),
+        ("output_norm.weight".into(), "model.norm.weight".into(), None),
+    ];
+    for l in 0..layers {
+        for (g, h, p) in [
+            ("attn_norm.weight", "input_layernorm.weight", None),
+            ("attn_q.weight", "self_attn.q_proj.weight", Some(n_heads)),
+            ("attn_k.weight", "self_attn.k_proj.weight", Some(n_kv)),
+            ("attn_v.weight", "self_attn.v_proj.weight", None),
+            ("attn_output.weight", "self_attn.o_proj.weight", None),
+            ("ffn_norm.weight", "post_attention_layernorm.weight", None),
+            ("ffn_gate.weight", "mlp.gate_proj.weight", None),
+            ("ffn_up.weight", "mlp.up_proj.weight", None),
+            ("ffn_down.weight", "mlp.down_proj.weight", None),
+        ] {
+            names.push((format!("blk.{l}.{g}"), format!("model.layers.{l}.{h}"), p));
+        }
+    }
+    let mut owned: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
+    for (g, h, permute) in names {
+        if breakage == Breakage::MissingTensor && g == "blk.1.ffn_down.weight" {
+            continue;
+        }
+        let t = st.tensors.get(&h).unwrap_or_else(|| panic!("stories260K lacks {h}"));
+        let mut bytes = st.bytes(t).to_vec();
+        let mut dims: Vec<u64> = t.shape.iter().rev().map(|&d| d as u64).collect();
+        if let Some(n) = permute {
+            // Rows of head h: [h*hd, (h+1)*hd); permuted row 2i+j = original row j*hd/2 + i.
+            let row = hidden as usize * 4;
+            let src = bytes.clone();
+            for head in 0..n {
+                for i in 0..head_dim / 2 {
+                    for j in 0..2 {
+                        let to = head * head_dim + 2 * i + j;
+                        let from = head * head_dim + j * head_dim / 2 + i;
+                        bytes[to * row..(to + 1) * row].copy_from_slice(&src[from * row..(from + 1) * row]);
+                    }
+                }
+            }
+        }
+        let mut type_id = 0;
+        if breakage == Breakage::UnsupportedType && g == "blk.0.ffn_up.weight" {
+            type_id = 10;
+        }
+        if breakage == Breakage::WrongShape && g == "blk.0.ffn_gate.weight" {
+            // Same bytes, claimed as [ffn/2, hidden*2]: the element count still matches the data.
+            dims = vec![hidden * 2, ffn / 2];
+        }
+        owned.push((g, dims, type_id, bytes));
+    }
+    let tensors: Vec<TensorOut> = owned
+        .iter()
+        .map(|(n, d, ty, b)| TensorOut {
+            name: n,
+            dims: d.clone(),
+            type_id: *ty,
+            bytes: b,
+        })
+        .collect();
+    gguf_bytes(&meta, &tensors)
+}
+
+pub fn write_temp(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}

@@ -1,0 +1,146 @@
+//! Golden tests on real weights: stories260K's greedy decode (safetensors and a GGUF written from
+//! it), and SmolLM2's "The capital of France is" → " Paris".
+
+mod common;
+
+use common::*;
+use gatestream::model::forward::{FfnNeurons, KvCache, Logits};
+use gatestream::model::generate::GenerateOptions;
+use gatestream::model::sampler::{argmax, SamplerConfig};
+use gatestream::model::{LoadOptions, Model};
+
+const STORIES_GOLDEN: &str =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. \
+One day, she saw a big, red ball. She wanted to play with it, but it was too high.\n\
+Lily's mom said, \"Lily, let's go to the park.\" Lily was sad and didn't know what to do. \
+She said, \"I want to play with your ball, but I can't find it.\"";
+
+fn greedy_from(model: &Model, prompt: &[u32], max: usize) -> Vec<u32> {
+    let mut cache = KvCache::new(&model.config, prompt.len() + max);
+    let mut logits = model.forward(prompt, &mut cache, Logits::Last).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..max {
+        let t = argmax(&logits);
+        out.push(t);
+        logits = model.forward(&[t], &mut cache, Logits::Last).unwrap();
+    }
+    out
+}
+
+fn greedy(max_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_tokens,
+        sampler: SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        chat: false,
+        ctx: 0,
+    }
+}
+
+#[test]
+fn stories260k_greedy_decode_from_bos_matches_llama2c() {
+    let model = Model::load(&stories_dir(), &LoadOptions::default()).unwrap();
+    let ids = greedy_from(&model, &[1], 160);
+    assert_eq!(
+        &ids[..12],
+        &[403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421]
+    );
+    let text = model.tokenizer.decode(&ids).unwrap();
+    assert!(
+        text.trim_start().starts_with(STORIES_GOLDEN),
+        "decoded text differs from llama2.c's:\n{text}\n--- expected prefix ---\n{STORIES_GOLDEN}"
+    );
+}
+
+#[test]
+fn stories260k_prompt_continues_the_golden_text() {
+    let model = Model::load(&stories_dir(), &LoadOptions::default()).unwrap();
+    assert_eq!(
+        model.tokenizer.encode("Once upon a time", true).unwrap(),
+        vec![1, 403, 407, 261, 378]
+    );
+    let g = model.generate("Once upon a time", &greedy(40), &mut |_| {}).unwrap();
+    let want = &STORIES_GOLDEN["Once upon a time".len()..];
+    let got = g.text.clone();
+    assert!(
+        want.starts_with(got.trim_end()) || got.starts_with(&want[..100]),
+        "got {got:?}"
+    );
+    assert!(got.starts_with(", there was a little girl named Lily."), "got {got:?}");
+}
+
+#[test]
+fn stories260k_gguf_with_permuted_qk_matches_safetensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write_temp(tmp.path(), "stories260K.gguf", &stories_gguf(Breakage::None));
+    let g = Model::load(&path, &LoadOptions::default()).unwrap();
+    let s = Model::load(&stories_dir(), &LoadOptions::default()).unwrap();
+    let prompt = s.tokenizer.encode("Once upon a time, a cat", true).unwrap();
+    assert_eq!(
+        g.tokenizer.encode("Once upon a time, a cat", true).unwrap(),
+        prompt,
+        "GGUF vocab encodes differently"
+    );
+    let mut cg = KvCache::new(&g.config, 64);
+    let mut cs = KvCache::new(&s.config, 64);
+    let lg = g.forward(&prompt, &mut cg, Logits::From(0)).unwrap();
+    let ls = s.forward(&prompt, &mut cs, Logits::From(0)).unwrap();
+    let max_diff = lg.iter().zip(&ls).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(max_diff < 1e-3, "logits differ by {max_diff}");
+    assert_eq!(greedy_from(&g, &prompt, 30), greedy_from(&s, &prompt, 30));
+}
+
+#[test]
+fn batched_prefill_equals_token_by_token_decode() {
+    let model = Model::load(&stories_dir(), &LoadOptions::default()).unwrap();
+    let prompt = model
+        .tokenizer
+        .encode("Once upon a time, there was a dog", true)
+        .unwrap();
+    let mut c1 = KvCache::new(&model.config, 64);
+    let batched = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
+    let mut c2 = KvCache::new(&model.config, 64);
+    let v = model.config.vocab;
+    for (i, &t) in prompt.iter().enumerate() {
+        let one = model.forward(&[t], &mut c2, Logits::Last).unwrap();
+        let d = one
+            .iter()
+            .zip(&batched[i * v..(i + 1) * v])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d < 1e-4, "position {i}: logits differ by {d}");
+    }
+}
+
+#[test]
+fn ffn_over_all_neurons_as_a_subset_equals_dense() {
+    let model = Model::load(&stories_dir(), &LoadOptions::default()).unwrap();
+    let prompt = model.tokenizer.encode("Once upon a time", true).unwrap();
+    let all: Vec<u32> = (0..model.config.ffn as u32).collect();
+    let mut c1 = KvCache::new(&model.config, 16);
+    let mut c2 = KvCache::new(&model.config, 16);
+    let dense = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
+    let subset = model
+        .forward_with(&prompt, &mut c2, Logits::From(0), &|_, _| FfnNeurons::Subset(&all))
+        .unwrap();
+    assert_eq!(dense, subset);
+    // And dropping half the neurons changes the output (the subset is really used).
+    let half: Vec<u32> = (0..model.config.ffn as u32 / 2).collect();
+    let mut c3 = KvCache::new(&model.config, 16);
+    let sparse = model
+        .forward_with(&prompt, &mut c3, Logits::From(0), &|_, _| FfnNeurons::Subset(&half))
+        .unwrap();
+    assert_ne!(dense, sparse);
+}
+
+#[test]
+fn smollm2_says_paris() {
+    let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let model = Model::load(&path, &LoadOptions::default()).unwrap();
+    let g = model
+        .generate("The capital of France is", &greedy(8), &mut |_| {})
+        .unwrap();
+    assert!(g.text.starts_with(" Paris"), "SmolLM2 continued with {:?}", g.text);
+}
