@@ -233,7 +233,7 @@ fn value_bytes_min(ty: u32) -> Option<u64> {
     Some(match ty {
         0 | 1 | 7 => 1,
         2 | 3 => 2,
-        4 | 5 | 6 => 4,
+        4..=6 => 4,
         10..=12 => 8,
         8 => 8,     // string: at least its u64 length
         9 => 4 + 8, // nested array: type + count

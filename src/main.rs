@@ -197,12 +197,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let model = load(&model)?;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
+            let started = std::time::Instant::now();
             let report = perplexity(
                 &model,
                 &body,
                 &PerplexityOptions { ctx, windows },
                 &mut |done, total, ppl| {
-                    eprint!("\rwindow {done}/{total}: perplexity {ppl:.4}   ");
+                    let per_window_s = started.elapsed().as_secs_f64() / done as f64;
+                    let eta_s = per_window_s * (total - done) as f64;
+                    let bar = "#".repeat(30 * done / total);
+                    eprint!("\r[{bar:<30}] window {done}/{total}  perplexity {ppl:.4}  {per_window_s:.1} s/window  eta {eta_s:.0} s ");
                 },
             )?;
             eprintln!();

@@ -144,3 +144,29 @@ fn smollm2_says_paris() {
         .unwrap();
     assert!(g.text.starts_with(" Paris"), "SmolLM2 continued with {:?}", g.text);
 }
+
+#[test]
+fn smollm2_perplexity_matches_llama_cpp() {
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let model = Model::load(&path, &LoadOptions::default()).unwrap();
+    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let r = perplexity(
+        &model,
+        &text,
+        &PerplexityOptions { ctx: 512, windows: 2 },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    // llama.cpp 0.3.36 (vendored by llama-cpp-python), `llama-perplexity -c 512 --chunks 20` on the
+    // same file, printed [2]21.3795 after two chunks.
+    let llama_cpp = 21.3795;
+    let rel = (r.perplexity - llama_cpp).abs() / llama_cpp;
+    assert!(
+        rel < 0.005,
+        "perplexity {} vs llama.cpp {llama_cpp} ({:.2}% apart)",
+        r.perplexity,
+        rel * 100.0
+    );
+    assert_eq!(r.scored_tokens, 2 * 255);
+}

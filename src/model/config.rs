@@ -97,7 +97,7 @@ impl ModelConfig {
         self.n_kv_heads * self.head_dim
     }
     pub fn layer_is_local(&self, layer: usize) -> bool {
-        self.sliding_window.is_some() && (layer + 1) % self.sliding_pattern != 0
+        self.sliding_window.is_some() && !(layer + 1).is_multiple_of(self.sliding_pattern)
     }
 
     fn validate(self, path: &Path) -> Result<Self> {
@@ -110,13 +110,13 @@ impl ModelConfig {
         if self.hidden == 0 || self.ffn == 0 || self.n_layers == 0 || self.vocab == 0 || self.head_dim == 0 {
             return bad(format!("zero-sized dimension in {self:?}"));
         }
-        if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_heads == 0 || self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!(
                 "{} attention heads cannot share {} KV heads",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
         }
         if self.sliding_pattern == 0 {
@@ -160,7 +160,7 @@ impl ModelConfig {
         let n_heads = int("attention.head_count")?;
         // head_count_kv may be an array (per-layer) in some files; we need a single value.
         let n_kv_heads = opt_int("attention.head_count_kv").unwrap_or(n_heads);
-        let head_dim = opt_int("attention.key_length").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let head_dim = opt_int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let gemma = arch == Arch::Gemma3;
         let rope_scale_global = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => opt_f("rope.scaling.factor").unwrap_or(1.0),
@@ -229,7 +229,7 @@ impl ModelConfig {
         let gemma = arch == Arch::Gemma3;
         let hidden = int("hidden_size")?;
         let n_heads = int("num_attention_heads")?;
-        let head_dim = opt_int("head_dim").unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 });
+        let head_dim = opt_int("head_dim").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let rope_theta = opt_f("rope_theta").unwrap_or(10000.0);
         let rope_scale_global = v
             .get("rope_scaling")

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::ops::{dot_f32, gelu_tanh, rms_norm, rope_apply, rope_table, silu, softmax};
+use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
 use crate::error::{Error, Result};
 use crate::model::config::{FfnActivation, ModelConfig};
 use crate::model::weights::{LayerWeights, ModelWeights, Weight};
@@ -207,23 +207,16 @@ impl Model {
         let (kc, vc) = (&cache.k[l], &cache.v[l]);
         let mut attn = vec![0f32; n * qd];
         let scale = cfg.attn_scale;
-        self.backend_cpu_install(|| {
-            attn.par_chunks_mut(hd).enumerate().for_each(|(i, out)| {
-                let (t, head) = (i / cfg.n_heads, i % cfg.n_heads);
-                let pos = start + t;
-                let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let kvh = head / group;
-                let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-                let mut scores: Vec<f32> = (first..=pos)
-                    .map(|j| dot_f32(qh, &kc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd]) * scale)
-                    .collect();
-                softmax(&mut scores);
-                out.fill(0.0);
-                for (j, &p) in (first..=pos).zip(&scores) {
-                    let vr = &vc[j * kvd + kvh * hd..j * kvd + (kvh + 1) * hd];
-                    out.iter_mut().zip(vr).for_each(|(o, v)| *o += p * v);
-                }
-            })
+        self.cpu.install(|| {
+            attn.par_chunks_mut(hd)
+                .enumerate()
+                .for_each_init(Vec::new, |scores, (i, out)| {
+                    let (t, head) = (i / cfg.n_heads, i % cfg.n_heads);
+                    let pos = start + t;
+                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                    attend(qh, kc, vc, kvd, (head / group) * hd, first..pos + 1, scale, scores, out);
+                })
         });
         prepare_all(&attn, qd, &w.wo, prep);
         let mut o = vec![0f32; n * h];
@@ -286,10 +279,6 @@ impl Model {
             }
         }
         x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
-    }
-
-    fn backend_cpu_install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.cpu.install(f)
     }
 }
 

@@ -119,7 +119,7 @@ impl GgmlType {
     /// Bytes of a row of `n_elems` elements; `None` if `n_elems` is not a whole number of blocks
     /// or the size overflows `usize`.
     pub fn row_bytes(self, n_elems: usize) -> Option<usize> {
-        if n_elems % self.block_elems() != 0 {
+        if !n_elems.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n_elems / self.block_elems()).checked_mul(self.block_bytes())

@@ -69,7 +69,7 @@ impl PreparedInput {
     /// whole number of `weight_type` blocks.
     pub fn prepare(&mut self, x: &[f32], weight_type: GgmlType) {
         assert!(
-            x.len() % weight_type.block_elems() == 0,
+            x.len().is_multiple_of(weight_type.block_elems()),
             "{} activations are not a whole number of {} blocks",
             x.len(),
             weight_type.name()
