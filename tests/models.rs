@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use gatestream::model::forward::{FfnNeurons, KvCache, Logits};
+use gatestream::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use gatestream::model::generate::GenerateOptions;
 use gatestream::model::sampler::{argmax, SamplerConfig};
 use gatestream::model::{LoadOptions, Model};
@@ -123,14 +123,30 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
     let mut c2 = KvCache::new(&model.config, 16);
     let dense = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
     let subset = model
-        .forward_with(&prompt, &mut c2, Logits::From(0), &|_, _| FfnNeurons::Subset(&all))
+        .forward_with(
+            &prompt,
+            &mut c2,
+            Logits::From(0),
+            &FfnHooks {
+                select: &|_, _| FfnNeurons::Subset(&all),
+                observe: None,
+            },
+        )
         .unwrap();
     assert_eq!(dense, subset);
     // And dropping half the neurons changes the output (the subset is really used).
     let half: Vec<u32> = (0..model.config.ffn as u32 / 2).collect();
     let mut c3 = KvCache::new(&model.config, 16);
     let sparse = model
-        .forward_with(&prompt, &mut c3, Logits::From(0), &|_, _| FfnNeurons::Subset(&half))
+        .forward_with(
+            &prompt,
+            &mut c3,
+            Logits::From(0),
+            &FfnHooks {
+                select: &|_, _| FfnNeurons::Subset(&half),
+                observe: None,
+            },
+        )
         .unwrap();
     assert_ne!(dense, sparse);
 }

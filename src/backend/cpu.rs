@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::ops::axpy;
 use super::Backend;
 use crate::model::weights::Weight;
 use crate::quant::{vec_dot, vec_dot_rows, PreparedInput};
@@ -57,6 +58,10 @@ impl Backend for CpuBackend {
     fn matmul(&self, w: &Weight, xs: &[PreparedInput], out: &mut [f32]) {
         let n_tok = xs.len();
         assert_eq!(out.len(), n_tok * w.rows, "matmul output size");
+        if !w.is_contiguous() {
+            let all: Vec<u32> = (0..w.rows as u32).collect();
+            return self.matmul_rows(w, &all, xs, out);
+        }
         if n_tok == 1 {
             let chunk = CHUNK_ROWS.max(w.rows / (self.threads * 8)).max(1);
             self.pool.install(|| {
@@ -104,6 +109,54 @@ impl Backend for CpuBackend {
                 }
             })
         });
+    }
+
+    fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &[f32], out: &mut [f32]) {
+        let n_tok = out.len() / w.cols;
+        assert_eq!(out.len(), n_tok * w.cols, "accumulate_rows output size");
+        assert_eq!(acts.len(), n_tok * w.rows, "accumulate_rows activations size");
+        let all: Vec<u32>;
+        let rows = match rows {
+            Some(r) => r,
+            None => {
+                all = (0..w.rows as u32).collect();
+                &all
+            }
+        };
+        // Each thread sums its share of the rows into a private buffer; the buffers are added at
+        // the end, so no two threads write the same output.
+        let per = rows.len().div_ceil(self.threads).max(1);
+        let partials: Vec<Vec<f32>> = self.pool.install(|| {
+            rows.par_chunks(per)
+                .map(|chunk| {
+                    let mut local = vec![0f32; out.len()];
+                    Self::accumulate_range(w, chunk, acts, n_tok, &mut local);
+                    local
+                })
+                .collect()
+        });
+        for p in partials {
+            out.iter_mut().zip(&p).for_each(|(o, v)| *o += v);
+        }
+    }
+}
+
+impl CpuBackend {
+    fn accumulate_range(w: &Weight, rows: &[u32], acts: &[f32], n_tok: usize, local: &mut [f32]) {
+        let mut col = vec![0f32; w.cols];
+        for &r in rows {
+            let r = r as usize;
+            if (0..n_tok).all(|t| acts[t * w.rows + r] == 0.0) {
+                continue;
+            }
+            w.dequantize_row(r, &mut col);
+            for t in 0..n_tok {
+                let a = acts[t * w.rows + r];
+                if a != 0.0 {
+                    axpy(a, &col, &mut local[t * w.cols..(t + 1) * w.cols]);
+                }
+            }
+        }
     }
 }
 

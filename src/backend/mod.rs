@@ -16,4 +16,8 @@ pub trait Backend: Send + Sync {
     /// Only the listed rows: `out[t * rows.len() + i] = dot(w.row(rows[i]), xs[t])`. The sparse
     /// FFN computes gate/up for a subset of neurons with it.
     fn matmul_rows(&self, w: &Weight, rows: &[u32], xs: &[PreparedInput], out: &mut [f32]);
+    /// The transposed product, for matrices stored neuron-major (`[n, cols]`, row r = neuron r's
+    /// down column): `out[t * w.cols + c] += sum_r acts[t * w.rows + r] * w[r][c]` over `rows`
+    /// (all rows when `None`). Rows whose activation is exactly zero for a token add nothing.
+    fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &[f32], out: &mut [f32]);
 }

@@ -7,7 +7,7 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::gguf::GgufFile;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Arch {
     Llama,
     Qwen2,
@@ -40,13 +40,13 @@ impl Arch {
 /// gemma3) rotate dimension i with i + head_dim/2. Both give the same attention scores when
 /// matched with their weights, so we rotate the way the weights were stored rather than copying
 /// the Q/K matrices to un-permute them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum RopeStyle {
     AdjacentPairs,
     HalfSplit,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FfnActivation {
     /// SwiGLU: silu(gate) * up.
     Silu,
@@ -54,7 +54,7 @@ pub enum FfnActivation {
     GeluTanh,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelConfig {
     pub arch: Arch,
     pub hidden: usize,
@@ -100,7 +100,8 @@ impl ModelConfig {
         self.sliding_window.is_some() && !(layer + 1).is_multiple_of(self.sliding_pattern)
     }
 
-    fn validate(self, path: &Path) -> Result<Self> {
+    /// Check sizes and relations; every constructor (and the .gst reader) calls this.
+    pub fn validate(self, path: &Path) -> Result<Self> {
         let bad = |what: String| {
             Err(Error::Config {
                 path: path.to_path_buf(),

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
 use crate::error::{Error, Result};
 use crate::model::config::{FfnActivation, ModelConfig};
-use crate::model::weights::{LayerWeights, ModelWeights, Weight};
+use crate::model::weights::{FfnDown, LayerWeights, ModelWeights, Weight};
 use crate::model::Model;
 use crate::quant::PreparedInput;
 
@@ -18,6 +18,16 @@ use crate::quant::PreparedInput;
 pub enum FfnNeurons<'a> {
     All,
     Subset(&'a [u32]),
+}
+
+/// Per-layer control over the FFN: which neurons to compute, and an observer that sees the
+/// activations (calibration collects statistics through it).
+pub struct FfnHooks<'a> {
+    /// `(layer, n_tokens)` → the neurons to compute for that layer.
+    pub select: &'a dyn Fn(usize, usize) -> FfnNeurons<'a>,
+    /// `(layer, act(gate), act(gate)·up)`, both `[n_tokens, ffn]`, after a layer's FFN hidden
+    /// activations are computed (neurons not computed are zero).
+    pub observe: Option<&'a dyn Fn(usize, &[f32], &[f32])>,
 }
 
 /// Which positions of a batch need logits.
@@ -81,16 +91,24 @@ impl Model {
     /// Run `tokens` at positions `cache.len..`, append their keys/values to the cache, and return
     /// logits `[n, vocab]` for the positions `which` selects.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Vec<f32>> {
-        self.forward_with(tokens, cache, which, &|_, _| FfnNeurons::All)
+        self.forward_with(
+            tokens,
+            cache,
+            which,
+            &FfnHooks {
+                select: &|_, _| FfnNeurons::All,
+                observe: None,
+            },
+        )
     }
 
-    /// As `forward`, with a per-layer choice of FFN neurons (`select(layer, n_tokens)`).
-    pub fn forward_with<'s>(
+    /// As `forward`, with per-layer FFN hooks.
+    pub fn forward_with(
         &self,
         tokens: &[u32],
         cache: &mut KvCache,
         which: Logits,
-        select: &dyn Fn(usize, usize) -> FfnNeurons<'s>,
+        hooks: &FfnHooks,
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         let n = tokens.len();
@@ -121,7 +139,7 @@ impl Model {
         let mut prep = Vec::new();
         for (l, layer) in self.weights.layers.iter().enumerate() {
             self.attention_block(l, layer, &mut x, cache, &mut prep);
-            self.ffn_block(layer, &mut x, &mut prep, select(l, n));
+            self.ffn_block(l, layer, &mut x, &mut prep, hooks);
         }
         cache.len += n;
         let first = match which {
@@ -229,10 +247,11 @@ impl Model {
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
     }
 
-    fn ffn_block(&self, w: &LayerWeights, x: &mut [f32], prep: &mut Vec<PreparedInput>, neurons: FfnNeurons) {
+    fn ffn_block(&self, l: usize, w: &LayerWeights, x: &mut [f32], prep: &mut Vec<PreparedInput>, hooks: &FfnHooks) {
         let cfg = &self.config;
         let (h, f) = (cfg.hidden, cfg.ffn);
         let n = x.len() / h;
+        let neurons = (hooks.select)(l, n);
         let mut xn = x.to_vec();
         for row in xn.chunks_mut(h) {
             rms_norm(row, &w.ffn_norm, cfg.rms_eps);
@@ -241,38 +260,56 @@ impl Model {
             FfnActivation::Silu => silu(g),
             FfnActivation::GeluTanh => gelu_tanh(g),
         };
-        // hidden activations [n, ffn]: act(gate·x) * (up·x), zero for neurons not computed.
-        let mut hact = vec![0f32; n * f];
+        // act(gate·x) and up·x, [n, ffn]; neurons not computed stay exactly zero.
+        let mut gate = vec![0f32; n * f];
+        let mut up = vec![0f32; n * f];
         prepare_all(&xn, h, &w.ffn_gate, prep);
         match neurons {
             FfnNeurons::All => {
-                let mut up = vec![0f32; n * f];
-                self.backend.matmul(&w.ffn_gate, prep, &mut hact);
+                self.backend.matmul(&w.ffn_gate, prep, &mut gate);
                 if w.ffn_up.ty != w.ffn_gate.ty {
                     prepare_all(&xn, h, &w.ffn_up, prep);
                 }
                 self.backend.matmul(&w.ffn_up, prep, &mut up);
-                hact.iter_mut().zip(&up).for_each(|(g, u)| *g = act(*g) * u);
+                gate.iter_mut().for_each(|g| *g = act(*g));
             }
             FfnNeurons::Subset(rows) => {
                 let m = rows.len();
                 let mut g = vec![0f32; n * m];
-                let mut up = vec![0f32; n * m];
+                let mut u = vec![0f32; n * m];
                 self.backend.matmul_rows(&w.ffn_gate, rows, prep, &mut g);
                 if w.ffn_up.ty != w.ffn_gate.ty {
                     prepare_all(&xn, h, &w.ffn_up, prep);
                 }
-                self.backend.matmul_rows(&w.ffn_up, rows, prep, &mut up);
+                self.backend.matmul_rows(&w.ffn_up, rows, prep, &mut u);
                 for t in 0..n {
                     for (i, &r) in rows.iter().enumerate() {
-                        hact[t * f + r as usize] = act(g[t * m + i]) * up[t * m + i];
+                        gate[t * f + r as usize] = act(g[t * m + i]);
+                        up[t * f + r as usize] = u[t * m + i];
                     }
                 }
             }
         }
-        prepare_all(&hact, f, &w.ffn_down, prep);
+        // Hidden activations act(gate)·up, in place of up.
+        up.iter_mut().zip(&gate).for_each(|(u, g)| *u *= g);
+        let hact = up;
+        if let Some(observe) = hooks.observe {
+            observe(l, &gate, &hact);
+        }
         let mut d = vec![0f32; n * h];
-        self.backend.matmul(&w.ffn_down, prep, &mut d);
+        match &w.ffn_down {
+            FfnDown::Rows(down) => {
+                prepare_all(&hact, f, down, prep);
+                self.backend.matmul(down, prep, &mut d);
+            }
+            FfnDown::Columns(down_t) => {
+                let rows = match neurons {
+                    FfnNeurons::All => None,
+                    FfnNeurons::Subset(rows) => Some(rows),
+                };
+                self.backend.accumulate_rows(down_t, rows, &hact, &mut d);
+            }
+        }
         if let Some(pn) = &w.post_ffn_norm {
             for row in d.chunks_mut(h) {
                 rms_norm(row, pn, cfg.rms_eps);
@@ -286,7 +323,7 @@ impl Model {
 pub fn weight_bytes(w: &ModelWeights) -> usize {
     let mut total = w.token_embd.len_bytes();
     for l in &w.layers {
-        for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_gate, &l.ffn_up, &l.ffn_down] {
+        for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_gate, &l.ffn_up, l.ffn_down.weight()] {
             total += m.len_bytes();
         }
     }

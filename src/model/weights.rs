@@ -18,7 +18,10 @@ enum Storage {
     Owned(Arc<Vec<u8>>),
 }
 
-/// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at `offset + r * row_bytes`.
+/// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at
+/// `offset_bytes + r * row_stride_bytes` of its storage. Rows are usually contiguous
+/// (`row_stride_bytes == row_bytes`); in a bundled `.gst` FFN section up rows and down columns
+/// interleave, so each is a strided view of the same bytes.
 #[derive(Clone)]
 pub struct Weight {
     pub name: String,
@@ -26,6 +29,7 @@ pub struct Weight {
     pub rows: usize,
     pub cols: usize,
     pub row_bytes: usize,
+    pub row_stride_bytes: usize,
     storage: Storage,
     offset_bytes: usize,
 }
@@ -48,32 +52,63 @@ impl Weight {
             rows,
             cols,
             row_bytes,
+            row_stride_bytes: row_bytes,
             storage: Storage::Owned(Arc::new(bytes)),
             offset_bytes: 0,
         })
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        let all: &[u8] = match &self.storage {
+    /// A view of mapped bytes; the caller has checked that every row lies inside the map.
+    pub(crate) fn mapped(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        map: Arc<memmap2::Mmap>,
+        offset_bytes: usize,
+        row_stride_bytes: usize,
+    ) -> Weight {
+        let row_bytes = ty.row_bytes(cols).expect("caller checked the row size");
+        debug_assert!(rows == 0 || offset_bytes + (rows - 1) * row_stride_bytes + row_bytes <= map.len());
+        Weight {
+            name: name.into(),
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            row_stride_bytes,
+            storage: Storage::Mapped(map),
+            offset_bytes,
+        }
+    }
+
+    fn storage(&self) -> &[u8] {
+        match &self.storage {
             Storage::Mapped(m) => m,
             Storage::Owned(v) => v,
-        };
-        &all[self.offset_bytes..self.offset_bytes + self.rows * self.row_bytes]
+        }
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.row_stride_bytes == self.row_bytes
     }
 
     pub fn row(&self, r: usize) -> &[u8] {
-        &self.bytes()[r * self.row_bytes..(r + 1) * self.row_bytes]
+        let start = self.offset_bytes + r * self.row_stride_bytes;
+        &self.storage()[start..start + self.row_bytes]
     }
 
-    /// Rows `[start, end)` as one contiguous byte slice.
+    /// Rows `[start, end)` as one contiguous byte slice; only for contiguous weights.
     pub fn rows_bytes(&self, start: usize, end: usize) -> &[u8] {
-        &self.bytes()[start * self.row_bytes..end * self.row_bytes]
+        assert!(self.is_contiguous(), "{}: strided rows are not one slice", self.name);
+        &self.storage()[self.offset_bytes + start * self.row_bytes..self.offset_bytes + end * self.row_bytes]
     }
 
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         dequantize_row(self.ty, self.row(r), out);
     }
 
+    /// Bytes of the rows themselves (not the gaps of a strided view).
     pub fn len_bytes(&self) -> usize {
         self.rows * self.row_bytes
     }
@@ -128,15 +163,15 @@ impl TensorSource {
                 }
                 let ty = t.ty.ok_or_else(|| gguf::unsupported_type_error(&g.path, t))?;
                 let row_bytes = ty.row_bytes(cols).ok_or_else(|| wrong(found.clone()))?;
-                Ok(Weight {
-                    name: name.into(),
+                Ok(Weight::mapped(
+                    name,
                     ty,
                     rows,
                     cols,
+                    g.map.clone(),
+                    t.offset_bytes as usize,
                     row_bytes,
-                    storage: Storage::Mapped(g.map.clone()),
-                    offset_bytes: t.offset_bytes as usize,
-                })
+                ))
             }
             TensorSource::Safetensors { model, .. } => {
                 let t = model.tensors.get(name).ok_or_else(|| self.missing(name, arch))?;
@@ -144,15 +179,15 @@ impl TensorSource {
                     return Err(wrong(t.shape.clone()));
                 }
                 let row_bytes = t.ty.row_bytes(cols).ok_or_else(|| wrong(t.shape.clone()))?;
-                Ok(Weight {
-                    name: name.into(),
-                    ty: t.ty,
+                Ok(Weight::mapped(
+                    name,
+                    t.ty,
                     rows,
                     cols,
+                    model.maps[t.file].clone(),
+                    t.offset_bytes,
                     row_bytes,
-                    storage: Storage::Mapped(model.maps[t.file].clone()),
-                    offset_bytes: t.offset_bytes,
-                })
+                ))
             }
         }
     }
@@ -183,33 +218,50 @@ impl TensorSource {
                 let row_bytes = ty
                     .row_bytes(cols)
                     .ok_or_else(|| Error::Invalid(format!("{name}: bad vector length")))?;
-                Ok(Weight {
-                    name: name.into(),
+                Ok(Weight::mapped(
+                    name,
                     ty,
                     rows,
                     cols,
+                    g.map.clone(),
+                    t.offset_bytes as usize,
                     row_bytes,
-                    storage: Storage::Mapped(g.map.clone()),
-                    offset_bytes: t.offset_bytes as usize,
-                })
+                ))
             }
             TensorSource::Safetensors { model, .. } => {
                 let t = model.tensors.get(name).ok_or_else(|| self.missing(name, arch))?;
-                Ok(Weight {
-                    name: name.into(),
-                    ty: t.ty,
+                Ok(Weight::mapped(
+                    name,
+                    t.ty,
                     rows,
                     cols,
-                    row_bytes: t.ty.block_bytes() * cols,
-                    storage: Storage::Mapped(model.maps[t.file].clone()),
-                    offset_bytes: t.offset_bytes,
-                })
+                    model.maps[t.file].clone(),
+                    t.offset_bytes,
+                    t.ty.block_bytes() * cols,
+                ))
             }
         }
     }
 
     pub fn has(&self, name: &str) -> bool {
         self.shape(name).is_some()
+    }
+}
+
+/// The FFN down projection in one of its two storage orders.
+pub enum FfnDown {
+    /// `[hidden, ffn]`: rows run along the neurons, as GGUF and safetensors store `down_proj`.
+    Rows(Weight),
+    /// `[ffn, hidden]`: row n is neuron n's down column, contiguous along hidden (the `.gst`
+    /// neuron-major layout, where one neuron is one read).
+    Columns(Weight),
+}
+
+impl FfnDown {
+    pub fn weight(&self) -> &Weight {
+        match self {
+            FfnDown::Rows(w) | FfnDown::Columns(w) => w,
+        }
     }
 }
 
@@ -229,7 +281,7 @@ pub struct LayerWeights {
     pub ffn_norm: Vec<f32>,               // [hidden]
     pub ffn_gate: Weight,                 // [ffn, hidden]
     pub ffn_up: Weight,                   // [ffn, hidden]
-    pub ffn_down: Weight,                 // [hidden, ffn]
+    pub ffn_down: FfnDown,                // [hidden, ffn] rows or [ffn, hidden] columns
     pub post_ffn_norm: Option<Vec<f32>>,  // [hidden] (gemma3)
 }
 
@@ -335,7 +387,7 @@ impl ModelWeights {
                 ffn_norm: norm(&n("ffn_norm.weight"), h)?,
                 ffn_gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
                 ffn_up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
-                ffn_down: src.matrix(&n("ffn_down.weight"), h, f, arch)?,
+                ffn_down: FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?),
                 post_ffn_norm: need_norm("post_ffw_norm.weight", h, cfg.post_norms)?,
             });
             if cfg.attn_bias && layers[l].bq.is_none() {

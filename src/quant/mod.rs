@@ -37,7 +37,7 @@ pub use scalar::vec_dot_scalar;
 /// A tensor element type this engine can compute with. The discriminant-free enum keeps GGUF's
 /// numeric ids in one place ([`GgmlType::from_ggml_id`] / [`GgmlType::ggml_id`]).
 #[allow(non_camel_case_types)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum GgmlType {
     F32,
     F16,

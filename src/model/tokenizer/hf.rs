@@ -12,15 +12,12 @@ use super::specials::Specials;
 use super::spm::parse_byte_token;
 use super::STOP_TOKEN_TEXTS;
 use super::{tok_err, Engine, TokenKind, Tokenizer};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
-fn read_json(path: &Path) -> Result<Option<Value>> {
-    match std::fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| tok_err(path, format!("not valid JSON: {e}"))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io(path, e)),
+fn parse_json(path: &Path, what: &str, text: Option<&str>) -> Result<Value> {
+    match text {
+        None => Ok(Value::Null),
+        Some(t) => serde_json::from_str(t).map_err(|e| tok_err(path, format!("{what} is not valid JSON: {e}"))),
     }
 }
 
@@ -64,15 +61,18 @@ fn chat_template(v: Option<&Value>) -> Option<String> {
     }
 }
 
-pub(super) fn load(dir: &Path) -> Result<Tokenizer> {
-    let json_path = dir.join("tokenizer.json");
-    if !json_path.is_file() {
-        return Err(tok_err(dir, "no tokenizer.json in this folder"));
-    }
-    let tok =
-        tokenizers::Tokenizer::from_file(&json_path).map_err(|e| tok_err(&json_path, format!("cannot load: {e}")))?;
-    let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Value::Null);
-    let model_config = read_json(&dir.join("config.json"))?.unwrap_or(Value::Null);
+/// Build from the texts of a Hugging Face folder's files; `path` names the source in errors.
+pub(super) fn load(
+    path: &Path,
+    tokenizer_json: &str,
+    tokenizer_config_json: Option<&str>,
+    config_json: Option<&str>,
+    chat_template_jinja: Option<String>,
+) -> Result<Tokenizer> {
+    let tok = <tokenizers::Tokenizer as std::str::FromStr>::from_str(tokenizer_json)
+        .map_err(|e| tok_err(path, format!("cannot load tokenizer.json: {e}")))?;
+    let config = parse_json(path, "tokenizer_config.json", tokenizer_config_json)?;
+    let model_config = parse_json(path, "config.json", config_json)?;
 
     let vocab_size = tok.get_vocab_size(true);
     let by_text = |v: Option<&Value>| token_text(v).and_then(|t| tok.token_to_id(&t));
@@ -126,12 +126,9 @@ pub(super) fn load(dir: &Path) -> Result<Tokenizer> {
         texts.push(text);
         kinds.push(kind);
     }
-    let template = match std::fs::read_to_string(dir.join("chat_template.jinja")) {
-        Ok(t) => Some(t),
-        Err(_) => chat_template(config.get("chat_template")),
-    };
+    let template = chat_template_jinja.or_else(|| chat_template(config.get("chat_template")));
     Ok(Tokenizer {
-        path: json_path,
+        path: path.to_path_buf(),
         pieces: gguf_pieces(&texts, &kinds, spelling),
         engine: Engine::Hf(Box::new(tok)),
         specials: Specials::default(),

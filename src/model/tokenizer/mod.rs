@@ -43,7 +43,7 @@ use specials::{Fragment, Specials};
 use spm::{parse_byte_token, parse_llama2c, SpaceMarker, Spm};
 
 /// What a GGUF file's `tokenizer.*` metadata holds (filled by the GGUF reader).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GgufVocab {
     /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) or "llama" (SentencePiece BPE with scores).
     pub model: String,
@@ -65,6 +65,55 @@ pub struct GgufVocab {
     pub add_eos: Option<bool>,
     pub add_space_prefix: Option<bool>,
     pub chat_template: Option<String>,
+}
+
+/// Everything needed to rebuild a tokenizer, in a form that serializes (a `.gst` file stores it):
+/// the GGUF metadata, the Hugging Face files' texts, or llama2.c's binary vocabulary.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TokenizerSpec {
+    Gguf {
+        vocab: GgufVocab,
+    },
+    HfFiles {
+        tokenizer_json: String,
+        tokenizer_config_json: Option<String>,
+        config_json: Option<String>,
+        chat_template_jinja: Option<String>,
+    },
+    Llama2c {
+        bin: Vec<u8>,
+        bos_id: u32,
+        eos_id: u32,
+    },
+}
+
+impl TokenizerSpec {
+    /// The texts of a Hugging Face folder's tokenizer files (`tokenizer.json` is required).
+    pub fn read_hf_dir(dir: &Path) -> Result<TokenizerSpec> {
+        let json_path = dir.join("tokenizer.json");
+        let tokenizer_json = match std::fs::read_to_string(&json_path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(tok_err(dir, "no tokenizer.json in this folder"));
+            }
+            Err(e) => return Err(Error::io(&json_path, e)),
+        };
+        let optional = |name: &str| -> Result<Option<String>> {
+            let p = dir.join(name);
+            match std::fs::read_to_string(&p) {
+                Ok(t) => Ok(Some(t)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(Error::io(&p, e)),
+            }
+        };
+        Ok(TokenizerSpec::HfFiles {
+            tokenizer_json,
+            tokenizer_config_json: optional("tokenizer_config.json")?,
+            config_json: optional("config.json")?,
+            chat_template_jinja: optional("chat_template.jinja")?,
+        })
+    }
 }
 
 /// A token's kind, as llama.cpp's token attributes classify it.
@@ -280,7 +329,12 @@ impl Tokenizer {
     /// one space and merges by score like SentencePiece, with `<0xNN>` byte fallback.
     pub fn from_llama2c(path: &Path, bos_id: u32, eos_id: u32) -> Result<Tokenizer> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let (tokens, scores) = parse_llama2c(path, &bytes)?;
+        Self::from_llama2c_bytes(path, &bytes, bos_id, eos_id)
+    }
+
+    /// As [`Tokenizer::from_llama2c`], from the file's bytes (`path` names them in errors).
+    pub fn from_llama2c_bytes(path: &Path, bytes: &[u8], bos_id: u32, eos_id: u32) -> Result<Tokenizer> {
+        let (tokens, scores) = parse_llama2c(path, bytes)?;
         let n = tokens.len();
         for (name, id) in [("BOS", bos_id), ("EOS", eos_id)] {
             if id as usize >= n {
@@ -319,7 +373,27 @@ impl Tokenizer {
     /// A Hugging Face model folder: `tokenizer.json`, plus special ids, `add_bos_token` and the
     /// chat template from `tokenizer_config.json` and `config.json` when present.
     pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
-        hf::load(dir)
+        Self::from_spec(dir, &TokenizerSpec::read_hf_dir(dir)?)
+    }
+
+    /// Build from a [`TokenizerSpec`] (what a `.gst` file stores); `path` names it in errors.
+    pub fn from_spec(path: &Path, spec: &TokenizerSpec) -> Result<Tokenizer> {
+        match spec {
+            TokenizerSpec::Gguf { vocab } => Self::from_gguf(path, vocab),
+            TokenizerSpec::Llama2c { bin, bos_id, eos_id } => Self::from_llama2c_bytes(path, bin, *bos_id, *eos_id),
+            TokenizerSpec::HfFiles {
+                tokenizer_json,
+                tokenizer_config_json,
+                config_json,
+                chat_template_jinja,
+            } => hf::load(
+                path,
+                tokenizer_json,
+                tokenizer_config_json.as_deref(),
+                config_json.as_deref(),
+                chat_template_jinja.clone(),
+            ),
+        }
     }
 
     /// Text to ids. BOS is prepended only when `add_bos` is asked for and the model uses BOS
