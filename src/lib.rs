@@ -4,10 +4,14 @@
 
 pub mod backend;
 pub mod error;
+pub mod format;
 pub mod gguf;
+pub mod gstfile;
+pub mod inspect;
 pub mod model;
 pub mod perplexity;
 pub mod quant;
+pub mod reformat;
 pub mod safetensors;
 
 pub use error::{Error, Result};

@@ -86,6 +86,123 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Convert a GGUF file or Hugging Face folder into a tile-grouped .gst file laid out for
+    /// sparse reads (neuron-major FFN sections, 4096-aligned, checksummed; see docs/FORMAT.md).
+    Reformat {
+        /// Source model: a .gguf file or a Hugging Face folder.
+        input: PathBuf,
+        /// The .gst file to write (written to a temporary file and renamed when complete).
+        output: PathBuf,
+        /// bundled: each neuron's up row and down column side by side (one read fetches both);
+        /// split: up rows and down columns in separate neuron-major sections.
+        #[arg(long, value_enum, default_value_t = LayoutArg::Split)]
+        ffn_layout: LayoutArg,
+        /// Element type of the transposed down columns (re-quantized along hidden); `same` keeps
+        /// the source's down type.
+        #[arg(long, value_enum, default_value_t = DownArg::Q8_0)]
+        down_type: DownArg,
+        /// Neuron order within each layer: original, or hot-first (needs --calibrate).
+        #[arg(long, value_enum, default_value_t = OrderArg::Original)]
+        order: OrderArg,
+        /// Calibration text run through the dense model (its LAST --calibrate-tokens tokens, so it
+        /// does not overlap perplexity windows taken from the start of the same file).
+        #[arg(long)]
+        calibrate: Option<PathBuf>,
+        /// Tokens of calibration text.
+        #[arg(long, default_value_t = 2048)]
+        calibrate_tokens: usize,
+        /// Convert every matrix of a safetensors source to this type (default: as stored).
+        #[arg(long = "type", value_enum)]
+        matrix_type: Option<TypeArg>,
+        /// Replace OUTPUT if it exists.
+        #[arg(long)]
+        force: bool,
+        /// Worker threads for calibration (0 = one per core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a .gst file: model config, layout, sections, neuron order and calibration summary.
+    Inspect {
+        file: PathBuf,
+        /// Print the whole index as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every checksum of a .gst file (header, index and all sections).
+    Verify { file: PathBuf },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LayoutArg {
+    Bundled,
+    Split,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DownArg {
+    #[value(name = "q8_0")]
+    Q8_0,
+    F16,
+    Same,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum OrderArg {
+    Original,
+    HotFirst,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum TypeArg {
+    F32,
+    F16,
+    Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+/// Progress on stderr: a bar redrawn in place (at most 10 times a second) on a terminal, a line
+/// every 10 seconds otherwise, and always the final state.
+struct Progress {
+    started: std::time::Instant,
+    last_draw: Option<std::time::Instant>,
+    tty: bool,
+}
+
+impl Progress {
+    fn new() -> Progress {
+        use std::io::IsTerminal;
+        Progress {
+            started: std::time::Instant::now(),
+            last_draw: None,
+            tty: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn update(&mut self, stage: &str, done: usize, total: usize) {
+        let total = total.max(1);
+        let finished = done >= total;
+        let every = if self.tty { 0.1 } else { 10.0 };
+        if !finished && self.last_draw.is_some_and(|t| t.elapsed().as_secs_f64() < every) {
+            return;
+        }
+        self.last_draw = Some(std::time::Instant::now());
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let eta = elapsed / done.max(1) as f64 * (total - done.min(total)) as f64;
+        let bar = "#".repeat(30 * done.min(total) / total);
+        let line = format!("{stage:>10} [{bar:<30}] {done}/{total}  {elapsed:.0} s elapsed, eta {eta:.0} s");
+        if self.tty {
+            eprint!("\r{line} ");
+            if finished {
+                eprintln!();
+            }
+        } else {
+            eprintln!("{line}");
+        }
+    }
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
@@ -197,19 +314,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let model = load(&model)?;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
-            let started = std::time::Instant::now();
+            let mut bar = Progress::new();
             let report = perplexity(
                 &model,
                 &body,
                 &PerplexityOptions { ctx, windows },
-                &mut |done, total, ppl| {
-                    let per_window_s = started.elapsed().as_secs_f64() / done as f64;
-                    let eta_s = per_window_s * (total - done) as f64;
-                    let bar = "#".repeat(30 * done / total);
-                    eprint!("\r[{bar:<30}] window {done}/{total}  perplexity {ppl:.4}  {per_window_s:.1} s/window  eta {eta_s:.0} s ");
-                },
+                &mut |done, total, ppl| bar.update(&format!("ppl {ppl:.3}"), done, total),
             )?;
-            eprintln!();
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -223,6 +334,89 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     report.tokens_per_s
                 );
             }
+        }
+        Command::Reformat {
+            input,
+            output,
+            ffn_layout,
+            down_type,
+            order,
+            calibrate,
+            calibrate_tokens,
+            matrix_type,
+            force,
+            threads,
+            json,
+        } => {
+            use gatestream::format::{FfnLayout, NeuronOrder};
+            use gatestream::quant::GgmlType;
+            use gatestream::reformat::{reformat, DownType, ReformatOptions};
+            let opts = ReformatOptions {
+                ffn_layout: match ffn_layout {
+                    LayoutArg::Bundled => FfnLayout::Bundled,
+                    LayoutArg::Split => FfnLayout::Split,
+                },
+                down_type: match down_type {
+                    DownArg::Q8_0 => DownType::Q8_0,
+                    DownArg::F16 => DownType::F16,
+                    DownArg::Same => DownType::Same,
+                },
+                order: match order {
+                    OrderArg::Original => NeuronOrder::Original,
+                    OrderArg::HotFirst => NeuronOrder::HotFirst,
+                },
+                calibrate_text: calibrate,
+                calibrate_tokens,
+                matrix_type: matrix_type.map(|t| match t {
+                    TypeArg::F32 => GgmlType::F32,
+                    TypeArg::F16 => GgmlType::F16,
+                    TypeArg::Bf16 => GgmlType::BF16,
+                    TypeArg::Q8_0 => GgmlType::Q8_0,
+                }),
+                force,
+                threads,
+            };
+            let mut bar = Progress::new();
+            let report = reformat(&input, &output, &opts, &mut |stage, done, total| {
+                bar.update(stage, done, total)
+            })?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                let errs = &report.down_requant_rel_rms;
+                let max = errs.iter().copied().fold(0f32, f32::max);
+                let mean = errs.iter().sum::<f32>() / errs.len().max(1) as f32;
+                println!(
+                    "wrote {} ({:.1} MB, {} sections) in {:.1} s (calibration {:.1} s); down re-quantization relative RMS error: mean {:.4}, max {:.4}",
+                    report.output.display(),
+                    report.file_len_bytes as f64 / 1e6,
+                    report.sections,
+                    report.seconds,
+                    report.calibration_seconds,
+                    mean,
+                    max
+                );
+            }
+        }
+        Command::Inspect { file, json } => {
+            let g = gatestream::gstfile::GstFile::open(&file)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&g.index)?);
+            } else {
+                print!("{}", gatestream::inspect::describe(&g));
+            }
+        }
+        Command::Verify { file } => {
+            let g = gatestream::gstfile::GstFile::open(&file)?;
+            let mut bar = Progress::new();
+            let mb = |b: u64| b.div_ceil(1 << 20) as usize;
+            g.verify(&mut |done, total| bar.update("verify MB", mb(done), mb(total)))?;
+            println!(
+                "{}: header, index and {} sections verified ({:.1} MB)",
+                file.display(),
+                g.index.sections.len(),
+                g.header.file_len_bytes as f64 / 1e6
+            );
         }
     }
     Ok(())

@@ -4,10 +4,9 @@
 
 use rayon::prelude::*;
 
-use super::ops::axpy;
 use super::Backend;
 use crate::model::weights::Weight;
-use crate::quant::{vec_dot, vec_dot_rows, PreparedInput};
+use crate::quant::{axpy_row_f64, vec_dot, vec_dot_rows, PreparedInput};
 
 /// Rows per work item: small enough to balance two threads, large enough that scheduling is
 /// noise next to the dot products (a Q4_K row of 1536 is 864 bytes; 64 rows stay in L2).
@@ -126,34 +125,32 @@ impl Backend for CpuBackend {
         // Each thread sums its share of the rows into a private buffer; the buffers are added at
         // the end, so no two threads write the same output.
         let per = rows.len().div_ceil(self.threads).max(1);
-        let partials: Vec<Vec<f32>> = self.pool.install(|| {
+        let partials: Vec<Vec<f64>> = self.pool.install(|| {
             rows.par_chunks(per)
                 .map(|chunk| {
-                    let mut local = vec![0f32; out.len()];
+                    let mut local = vec![0f64; out.len()];
                     Self::accumulate_range(w, chunk, acts, n_tok, &mut local);
                     local
                 })
                 .collect()
         });
-        for p in partials {
-            out.iter_mut().zip(&p).for_each(|(o, v)| *o += v);
+        for (i, o) in out.iter_mut().enumerate() {
+            *o += partials.iter().map(|p| p[i]).sum::<f64>() as f32;
         }
     }
 }
 
 impl CpuBackend {
-    fn accumulate_range(w: &Weight, rows: &[u32], acts: &[f32], n_tok: usize, local: &mut [f32]) {
-        let mut col = vec![0f32; w.cols];
+    /// Sums in f64: the result then does not depend on the order of the rows (neuron order in
+    /// the file) or on how they are split across threads. In f32 it would, and the models'
+    /// quantized activations amplify such last-bit differences into visible logit changes.
+    fn accumulate_range(w: &Weight, rows: &[u32], acts: &[f32], n_tok: usize, local: &mut [f64]) {
         for &r in rows {
             let r = r as usize;
-            if (0..n_tok).all(|t| acts[t * w.rows + r] == 0.0) {
-                continue;
-            }
-            w.dequantize_row(r, &mut col);
             for t in 0..n_tok {
                 let a = acts[t * w.rows + r];
                 if a != 0.0 {
-                    axpy(a, &col, &mut local[t * w.cols..(t + 1) * w.cols]);
+                    axpy_row_f64(w.ty, w.row(r), a, &mut local[t * w.cols..(t + 1) * w.cols]);
                 }
             }
         }

@@ -20,6 +20,9 @@ pub enum FfnNeurons<'a> {
     Subset(&'a [u32]),
 }
 
+/// `(layer, act(gate), act(gate)·up)` — see [`FfnHooks::observe`].
+pub type FfnObserver<'a> = &'a dyn Fn(usize, &[f32], &[f32]);
+
 /// Per-layer control over the FFN: which neurons to compute, and an observer that sees the
 /// activations (calibration collects statistics through it).
 pub struct FfnHooks<'a> {
@@ -27,7 +30,7 @@ pub struct FfnHooks<'a> {
     pub select: &'a dyn Fn(usize, usize) -> FfnNeurons<'a>,
     /// `(layer, act(gate), act(gate)·up)`, both `[n_tokens, ffn]`, after a layer's FFN hidden
     /// activations are computed (neurons not computed are zero).
-    pub observe: Option<&'a dyn Fn(usize, &[f32], &[f32])>,
+    pub observe: Option<FfnObserver<'a>>,
 }
 
 /// Which positions of a batch need logits.

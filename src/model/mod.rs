@@ -17,9 +17,10 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, MetaValue};
+use crate::gstfile::{is_gst, GstFile};
 use crate::safetensors::SafetensorsModel;
 use config::ModelConfig;
-use tokenizer::{GgufVocab, Tokenizer};
+use tokenizer::{GgufVocab, Tokenizer, TokenizerSpec};
 use weights::{ModelWeights, TensorSource};
 
 pub struct Model {
@@ -38,33 +39,59 @@ pub struct LoadOptions {
     pub threads: usize,
 }
 
+/// A model source opened but not yet turned into weights: what `reformat` reads.
+pub struct Source {
+    pub tensors: TensorSource,
+    pub config: ModelConfig,
+    pub tokenizer: TokenizerSpec,
+}
+
+/// Open a `.gguf` file, a `.gst` file (recognised by its magic) or a Hugging Face folder.
+pub fn open_source(path: &Path) -> Result<Source> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    if meta.is_dir() {
+        return open_hf_dir(path);
+    }
+    if is_gst(path) {
+        let g = GstFile::open(path)?;
+        let tokenizer = g.tokenizer_spec()?;
+        let config = g.index.config.clone().validate(path)?;
+        return Ok(Source {
+            tensors: TensorSource::Gst(Box::new(g)),
+            config,
+            tokenizer,
+        });
+    }
+    let g = GgufFile::open(path)?;
+    let tokenizer = TokenizerSpec::Gguf { vocab: gguf_vocab(&g)? };
+    let embd = g.tensor("token_embd.weight").ok_or_else(|| Error::MissingTensor {
+        path: path.to_path_buf(),
+        tensor: "token_embd.weight".into(),
+        arch: g
+            .get("general.architecture")
+            .and_then(|v| v.as_str())
+            .unwrap_or("?")
+            .into(),
+    })?;
+    let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+    let config = ModelConfig::from_gguf(&g, vocab)?;
+    Ok(Source {
+        tensors: TensorSource::Gguf(g),
+        config,
+        tokenizer,
+    })
+}
+
 impl Model {
-    /// Load a `.gguf` file or a Hugging Face safetensors folder.
+    /// Load a `.gguf` file, a `.gst` file or a Hugging Face safetensors folder.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model> {
-        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
-        let (src, config, tokenizer) = if meta.is_dir() {
-            load_hf_dir(path)?
-        } else {
-            let g = GgufFile::open(path)?;
-            let tokenizer = Tokenizer::from_gguf(path, &gguf_vocab(&g)?)?;
-            let embd = g.tensor("token_embd.weight").ok_or_else(|| Error::MissingTensor {
-                path: path.to_path_buf(),
-                tensor: "token_embd.weight".into(),
-                arch: g
-                    .get("general.architecture")
-                    .and_then(|v| v.as_str())
-                    .unwrap_or("?")
-                    .into(),
-            })?;
-            let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-            let config = ModelConfig::from_gguf(&g, vocab)?;
-            (TensorSource::Gguf(g), config, tokenizer)
-        };
-        let weights = ModelWeights::load(&src, &config)?;
+        let src = open_source(path)?;
+        let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
+        let weights = ModelWeights::load(&src.tensors, &src.config)?;
         let cpu = Arc::new(CpuBackend::new(opts.threads));
         Ok(Model {
             path: path.to_path_buf(),
-            config,
+            config: src.config,
             weights,
             tokenizer,
             backend: cpu.clone(),
@@ -73,7 +100,7 @@ impl Model {
     }
 }
 
-fn load_hf_dir(dir: &Path) -> Result<(TensorSource, ModelConfig, Tokenizer)> {
+fn open_hf_dir(dir: &Path) -> Result<Source> {
     let cfg_path = dir.join("config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::io(&cfg_path, e))?;
     let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
@@ -82,10 +109,15 @@ fn load_hf_dir(dir: &Path) -> Result<(TensorSource, ModelConfig, Tokenizer)> {
     })?;
     let config = ModelConfig::from_hf_config(&cfg_path, &json)?;
     let tokenizer = if dir.join("tokenizer.json").exists() {
-        Tokenizer::from_hf_dir(dir)?
+        TokenizerSpec::read_hf_dir(dir)?
     } else if let Some(bin) = find_llama2c_tokenizer(dir) {
         let id = |k: &str, d: u32| json.get(k).and_then(|v| v.as_u64()).map(|v| v as u32).unwrap_or(d);
-        Tokenizer::from_llama2c(&bin, id("bos_token_id", 1), id("eos_token_id", 2))?
+        let bytes = std::fs::read(&bin).map_err(|e| Error::io(&bin, e))?;
+        TokenizerSpec::Llama2c {
+            bin: bytes,
+            bos_id: id("bos_token_id", 1),
+            eos_id: id("eos_token_id", 2),
+        }
     } else {
         return Err(Error::Tokenizer {
             path: dir.to_path_buf(),
@@ -93,14 +125,14 @@ fn load_hf_dir(dir: &Path) -> Result<(TensorSource, ModelConfig, Tokenizer)> {
         });
     };
     let model = SafetensorsModel::open_dir(dir)?;
-    Ok((
-        TensorSource::Safetensors {
+    Ok(Source {
+        tensors: TensorSource::Safetensors {
             dir: dir.to_path_buf(),
             model,
         },
         config,
         tokenizer,
-    ))
+    })
 }
 
 fn find_llama2c_tokenizer(dir: &Path) -> Option<PathBuf> {

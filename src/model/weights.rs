@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::gguf::{self, GgufFile};
+use crate::gstfile::GstFile;
 use crate::model::config::{Arch, ModelConfig};
 use crate::quant::{dequantize_row, GgmlType};
 use crate::safetensors::SafetensorsModel;
@@ -117,7 +118,12 @@ impl Weight {
 /// Where tensors come from; names are the source's own.
 pub enum TensorSource {
     Gguf(GgufFile),
-    Safetensors { dir: PathBuf, model: SafetensorsModel },
+    Safetensors {
+        dir: PathBuf,
+        model: SafetensorsModel,
+    },
+    /// A `.gst` file: GGUF tensor names, FFN down stored as neuron-major columns.
+    Gst(Box<GstFile>),
 }
 
 impl TensorSource {
@@ -125,6 +131,7 @@ impl TensorSource {
         match self {
             TensorSource::Gguf(g) => &g.path,
             TensorSource::Safetensors { dir, .. } => dir,
+            TensorSource::Gst(g) => &g.path,
         }
     }
 
@@ -135,6 +142,7 @@ impl TensorSource {
                 .tensor(name)
                 .map(|t| t.dims.iter().rev().map(|&d| d as usize).collect()),
             TensorSource::Safetensors { model, .. } => model.tensors.get(name).map(|t| t.shape.clone()),
+            TensorSource::Gst(g) => g.shape(name).map(|(r, c)| if r == 1 { vec![c] } else { vec![r, c] }),
         }
     }
 
@@ -189,6 +197,7 @@ impl TensorSource {
                     row_bytes,
                 ))
             }
+            TensorSource::Gst(g) => g.weight(name, rows, cols)?.ok_or_else(|| self.missing(name, arch)),
         }
     }
 
@@ -240,6 +249,7 @@ impl TensorSource {
                     t.ty.block_bytes() * cols,
                 ))
             }
+            TensorSource::Gst(g) => g.weight(name, rows, cols)?.ok_or_else(|| self.missing(name, arch)),
         }
     }
 
@@ -342,8 +352,9 @@ impl Names {
 impl ModelWeights {
     pub fn load(src: &TensorSource, cfg: &ModelConfig) -> Result<ModelWeights> {
         let names = Names {
-            gguf: matches!(src, TensorSource::Gguf(_)),
+            gguf: !matches!(src, TensorSource::Safetensors { .. }),
         };
+        let neuron_major = matches!(src, TensorSource::Gst(_));
         let arch = cfg.arch;
         // Hugging Face Gemma checkpoints store norm weights as w with the model using (1 + w);
         // GGUF files already hold 1 + w.
@@ -387,7 +398,11 @@ impl ModelWeights {
                 ffn_norm: norm(&n("ffn_norm.weight"), h)?,
                 ffn_gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
                 ffn_up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
-                ffn_down: FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?),
+                ffn_down: if neuron_major {
+                    FfnDown::Columns(src.matrix(&n("ffn_down_t.weight"), f, h, arch)?)
+                } else {
+                    FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?)
+                },
                 post_ffn_norm: need_norm("post_ffw_norm.weight", h, cfg.post_norms)?,
             });
             if cfg.attn_bias && layers[l].bq.is_none() {

@@ -16,6 +16,7 @@
 //! Length mismatches (a row whose byte length does not fit the prepared input, an output slice of
 //! the wrong size) are programming errors here and panic; callers validate tensor shapes first.
 
+mod axpy;
 mod dequant;
 mod layout;
 mod prepare;
@@ -29,6 +30,7 @@ mod test_util;
 
 use std::sync::OnceLock;
 
+pub use axpy::{axpy_row_f64, axpy_row_f64_scalar};
 pub use dequant::dequantize_row;
 pub use prepare::PreparedInput;
 pub use quantize::quantize_row;

@@ -1,0 +1,129 @@
+//! Opening a `.gst` file for reading: memory-map it, check the header and index with `format`
+//! (which owns every rule), and hand out byte ranges and weight views. Section checksums are
+//! checked on demand (`verify`), since reading every byte defeats streaming.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::format::{self, Header, Index, Section};
+use crate::model::tokenizer::TokenizerSpec;
+use crate::model::weights::Weight;
+
+pub struct GstFile {
+    pub path: PathBuf,
+    pub header: Header,
+    pub index: Index,
+    pub map: Arc<memmap2::Mmap>,
+}
+
+/// Whether the file starts with the `.gst` magic (so `run` can take either format by content).
+pub fn is_gst(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 8];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && magic == format::MAGIC
+}
+
+impl GstFile {
+    pub fn open(path: &Path) -> Result<GstFile> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only private map of a file opened read-only. Every range handed out is
+        // checked against the validated index, whose sections were checked against the file
+        // length. Truncation by another process while mapped is the usual mmap hazard.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let (header, index) = format::parse_file_bytes(path, &map)?;
+        Ok(GstFile {
+            path: path.to_path_buf(),
+            header,
+            index,
+            map: Arc::new(map),
+        })
+    }
+
+    pub fn section_bytes(&self, s: &Section) -> &[u8] {
+        &self.map[s.offset_bytes as usize..(s.offset_bytes + s.len_bytes) as usize]
+    }
+
+    fn section_named(&self, name: &str) -> Result<&Section> {
+        self.index.section(name).ok_or_else(|| Error::Malformed {
+            path: self.path.clone(),
+            format: "gst",
+            offset_bytes: self.header.index_offset_bytes,
+            what: format!("the index names no section `{name}`"),
+        })
+    }
+
+    /// Check every section's checksum; `progress(done_bytes, total_bytes)` after each.
+    pub fn verify(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+        let total: u64 = self.index.sections.iter().map(|s| s.len_bytes).sum();
+        let mut done = 0;
+        for s in &self.index.sections {
+            format::verify_section(&self.path, s, self.section_bytes(s))?;
+            done += s.len_bytes;
+            progress(done, total);
+        }
+        Ok(())
+    }
+
+    pub fn tokenizer_spec(&self) -> Result<TokenizerSpec> {
+        let s = self.section_named(&self.index.tokenizer_section)?;
+        let bytes = self.section_bytes(s);
+        format::verify_section(&self.path, s, bytes)?;
+        serde_json::from_slice(bytes).map_err(|e| Error::Malformed {
+            path: self.path.clone(),
+            format: "gst",
+            offset_bytes: s.offset_bytes,
+            what: format!("tokenizer section is not a tokenizer description: {e}"),
+        })
+    }
+
+    /// The tensor `name` as a `[rows, cols]` weight view, checking its shape.
+    pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<Option<Weight>> {
+        let Some(t) = self.index.tensor(name) else {
+            return Ok(None);
+        };
+        if t.rows != rows as u64 || t.cols != cols as u64 {
+            return Err(Error::WrongShape {
+                path: self.path.clone(),
+                tensor: name.into(),
+                expected: vec![rows, cols],
+                found: vec![t.rows as usize, t.cols as usize],
+            });
+        }
+        let s = self.section_named(&t.section)?;
+        // The index validated that every row of the view lies inside its section.
+        let offset = s.offset_bytes + t.offset_in_section_bytes;
+        Ok(Some(Weight::mapped(
+            name,
+            t.dtype,
+            rows,
+            cols,
+            self.map.clone(),
+            offset as usize,
+            t.row_stride_bytes as usize,
+        )))
+    }
+
+    /// `(rows, cols)` of a tensor, if present.
+    pub fn shape(&self, name: &str) -> Option<(usize, usize)> {
+        self.index.tensor(name).map(|t| (t.rows as usize, t.cols as usize))
+    }
+
+    /// The calibration frequencies `[n_layers][ffn]`, when the file was calibrated.
+    pub fn frequencies(&self) -> Result<Option<Vec<f32>>> {
+        let Some(c) = &self.index.calibration else {
+            return Ok(None);
+        };
+        let s = self.section_named(&c.frequencies_section)?;
+        let bytes = self.section_bytes(s);
+        Ok(Some(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ))
+    }
+}

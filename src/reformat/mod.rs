@@ -1,0 +1,368 @@
+//! `gatestream reformat`: a GGUF file or Hugging Face folder → one `.gst` file laid out for
+//! sparse reads (see docs/FORMAT.md). Per layer, FFN neurons become the unit of storage: gate and
+//! up rows stay in their source quantization (their blocks run along hidden), down columns are
+//! transposed out of the `[hidden, ffn]` matrix and re-quantized along hidden, and all three are
+//! permuted together when neurons are ordered hot-first. Everything else is copied as stored.
+//! Reads the source through `model` (memory-mapped) one layer at a time, so memory stays at
+//! about one layer's down matrix in f32.
+
+pub mod calibrate;
+pub mod writer;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::format::{
+    self, Calibration, FfnLayout, Index, LayerCalibration, Layout, NeuronOrder, SourceInfo, UpSketch, FORMAT_VERSION,
+};
+use crate::model::weights::{FfnDown, ModelWeights, TensorSource, Weight};
+use crate::model::{open_source, LoadOptions, Model};
+use crate::quant::{dequantize_row, quantize_row, GgmlType};
+use calibrate::{calibrate, hot_first_order, prefix_coverage, CalibrationStats};
+use writer::GstWriter;
+
+/// How to store the transposed down columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownType {
+    Q8_0,
+    F16,
+    /// The source's own down type (needs hidden to be a whole number of its blocks).
+    Same,
+}
+
+#[derive(Clone, Debug)]
+pub struct ReformatOptions {
+    pub ffn_layout: FfnLayout,
+    pub down_type: DownType,
+    pub order: NeuronOrder,
+    /// Text for calibration (required for hot-first order; optional otherwise).
+    pub calibrate_text: Option<PathBuf>,
+    pub calibrate_tokens: usize,
+    /// Element type for every matrix of a safetensors source (None: as stored).
+    pub matrix_type: Option<GgmlType>,
+    pub force: bool,
+    pub threads: usize,
+}
+
+impl Default for ReformatOptions {
+    fn default() -> Self {
+        ReformatOptions {
+            ffn_layout: FfnLayout::Split,
+            down_type: DownType::Q8_0,
+            order: NeuronOrder::Original,
+            calibrate_text: None,
+            calibrate_tokens: 2048,
+            matrix_type: None,
+            force: false,
+            threads: 0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReformatReport {
+    pub output: PathBuf,
+    pub file_len_bytes: u64,
+    pub sections: usize,
+    pub seconds: f64,
+    pub calibration_seconds: f64,
+    /// Per layer: relative RMS error of the re-quantized down columns.
+    pub down_requant_rel_rms: Vec<f32>,
+}
+
+/// What the long steps report: (stage, done, total).
+pub type Progress<'a> = &'a mut dyn FnMut(&str, usize, usize);
+
+fn xxh3_of_file(path: &Path) -> Result<(u64, String)> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        len += n as u64;
+    }
+    Ok((len, format::checksum_to_hex(h.digest())))
+}
+
+fn source_info(input: &Path) -> Result<SourceInfo> {
+    let file = if input.is_dir() {
+        let single = input.join("model.safetensors");
+        if single.exists() {
+            single
+        } else {
+            input.join("model.safetensors.index.json")
+        }
+    } else {
+        input.to_path_buf()
+    };
+    let (len_bytes, xxh3) = xxh3_of_file(&file)?;
+    let file_name = input
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("model")
+        .to_string();
+    Ok(SourceInfo {
+        file_name,
+        len_bytes,
+        xxh3,
+    })
+}
+
+/// Rows of `w` in `order`, converted to `to` when given.
+fn rows_in_order(w: &Weight, order: &[u32], to: Option<GgmlType>) -> Result<(GgmlType, Vec<u8>)> {
+    let ty = to.unwrap_or(w.ty);
+    let row_bytes = ty.row_bytes(w.cols).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{}: {} columns are not a whole number of {} blocks",
+            w.name,
+            w.cols,
+            ty.name()
+        ))
+    })?;
+    let mut out = Vec::with_capacity(order.len() * row_bytes);
+    let mut f = vec![0f32; w.cols];
+    let mut q = vec![0u8; row_bytes];
+    for &r in order {
+        if ty == w.ty {
+            out.extend_from_slice(w.row(r as usize));
+        } else {
+            w.dequantize_row(r as usize, &mut f);
+            convert(&w.name, &f, ty, &mut q)?;
+            out.extend_from_slice(&q);
+        }
+    }
+    Ok((ty, out))
+}
+
+fn convert(name: &str, x: &[f32], ty: GgmlType, out: &mut [u8]) -> Result<()> {
+    if quantize_row(ty, x, out) {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!("{name}: cannot quantize to {}", ty.name())))
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Down columns `[ffn, hidden]` from a `[hidden, ffn]` down matrix, in `order`, quantized to `ty`.
+/// Returns the bytes and the relative RMS error of the quantization.
+fn down_columns(down: &Weight, order: &[u32], ty: GgmlType) -> Result<(Vec<u8>, f32)> {
+    let (hidden, ffn) = (down.rows, down.cols);
+    let row_bytes = ty.row_bytes(hidden).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{}: hidden size {hidden} is not a whole number of {} blocks; choose --down-type q8_0 or f16",
+            down.name,
+            ty.name()
+        ))
+    })?;
+    let mut full = vec![0f32; hidden * ffn]; // [hidden, ffn]
+    for (i, row) in full.chunks_mut(ffn).enumerate() {
+        down.dequantize_row(i, row);
+    }
+    let mut out = Vec::with_capacity(order.len() * row_bytes);
+    let (mut col, mut back) = (vec![0f32; hidden], vec![0f32; hidden]);
+    let mut q = vec![0u8; row_bytes];
+    let (mut err2, mut sum2) = (0f64, 0f64);
+    for &n in order {
+        for (i, c) in col.iter_mut().enumerate() {
+            *c = full[i * ffn + n as usize];
+        }
+        convert(&down.name, &col, ty, &mut q)?;
+        dequantize_row(ty, &q, &mut back);
+        for (a, b) in col.iter().zip(&back) {
+            err2 += ((a - b) as f64).powi(2);
+            sum2 += (*a as f64).powi(2);
+        }
+        out.extend_from_slice(&q);
+    }
+    let rel = if sum2 > 0.0 { (err2 / sum2).sqrt() as f32 } else { 0.0 };
+    Ok((out, rel))
+}
+
+pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: Progress) -> Result<ReformatReport> {
+    let t0 = Instant::now();
+    let src = open_source(input)?;
+    if let TensorSource::Gst(_) = src.tensors {
+        return Err(Error::Invalid(format!("{} is already a .gst file", input.display())));
+    }
+    let is_gguf = matches!(src.tensors, TensorSource::Gguf(_));
+    if is_gguf && opts.matrix_type.is_some() {
+        return Err(Error::Invalid(
+            "--type applies to safetensors inputs; GGUF tensors keep their quantization".into(),
+        ));
+    }
+    if opts.order == NeuronOrder::HotFirst && opts.calibrate_text.is_none() {
+        return Err(Error::Invalid(
+            "--order hot-first needs --calibrate TEXT to measure activation frequencies".into(),
+        ));
+    }
+    let cfg = src.config.clone();
+    let (n_layers, ffn, hidden) = (cfg.n_layers, cfg.ffn, cfg.hidden);
+
+    let mut calibration_seconds = 0.0;
+    let stats: Option<CalibrationStats> = match &opts.calibrate_text {
+        None => None,
+        Some(text_path) => {
+            let t = Instant::now();
+            let text = std::fs::read_to_string(text_path).map_err(|e| Error::io(text_path, e))?;
+            let model = Model::load(input, &LoadOptions { threads: opts.threads })?;
+            let name = text_path.file_name().and_then(|n| n.to_str()).unwrap_or("text");
+            let s = calibrate(&model, &text, name, opts.calibrate_tokens, &mut |d, n| {
+                progress("calibrate", d, n)
+            })?;
+            calibration_seconds = t.elapsed().as_secs_f64();
+            Some(s)
+        }
+    };
+    let orders: Vec<Vec<u32>> = (0..n_layers)
+        .map(|l| match (&stats, opts.order) {
+            (Some(s), NeuronOrder::HotFirst) => hot_first_order(&s.frequencies[l]),
+            _ => (0..ffn as u32).collect(),
+        })
+        .collect();
+
+    let weights = ModelWeights::load(&src.tensors, &cfg)?;
+    let mut w = GstWriter::create(output, opts.force)?;
+    let to = opts.matrix_type;
+    let identity = |rows: usize| -> Vec<u32> { (0..rows as u32).collect() };
+    let put_matrix = |w: &mut GstWriter, name: &str, m: &Weight| -> Result<()> {
+        let (ty, bytes) = rows_in_order(m, &identity(m.rows), to)?;
+        w.matrix(name, ty, m.rows, m.cols, &bytes)
+    };
+    let put_vector =
+        |w: &mut GstWriter, name: &str, v: &[f32]| w.matrix(name, GgmlType::F32, 1, v.len(), &f32_bytes(v));
+
+    w.section(
+        "tokenizer.json",
+        &serde_json::to_vec(&src.tokenizer).map_err(|e| Error::Invalid(e.to_string()))?,
+    )?;
+    put_matrix(&mut w, "token_embd.weight", &weights.token_embd)?;
+    if weights.output.name != weights.token_embd.name {
+        put_matrix(&mut w, "output.weight", &weights.output)?;
+    }
+    put_vector(&mut w, "output_norm.weight", &weights.output_norm)?;
+
+    let mut down_err = Vec::with_capacity(n_layers);
+    for (l, lw) in weights.layers.iter().enumerate() {
+        let n = |what: &str| format!("blk.{l}.{what}");
+        put_vector(&mut w, &n("attn_norm.weight"), &lw.attn_norm)?;
+        put_matrix(&mut w, &n("attn_q.weight"), &lw.wq)?;
+        put_matrix(&mut w, &n("attn_k.weight"), &lw.wk)?;
+        put_matrix(&mut w, &n("attn_v.weight"), &lw.wv)?;
+        put_matrix(&mut w, &n("attn_output.weight"), &lw.wo)?;
+        for (what, v) in [
+            ("attn_q.bias", &lw.bq),
+            ("attn_k.bias", &lw.bk),
+            ("attn_v.bias", &lw.bv),
+            ("attn_q_norm.weight", &lw.q_norm),
+            ("attn_k_norm.weight", &lw.k_norm),
+            ("post_attention_norm.weight", &lw.post_attn_norm),
+            ("post_ffw_norm.weight", &lw.post_ffn_norm),
+        ] {
+            if let Some(v) = v {
+                put_vector(&mut w, &n(what), v)?;
+            }
+        }
+        put_vector(&mut w, &n("ffn_norm.weight"), &lw.ffn_norm)?;
+
+        let order = &orders[l];
+        let (gate_ty, gate) = rows_in_order(&lw.ffn_gate, order, to)?;
+        w.matrix(&n("ffn_gate.weight"), gate_ty, ffn, hidden, &gate)?;
+        let (up_ty, up) = rows_in_order(&lw.ffn_up, order, to)?;
+        let FfnDown::Rows(down) = &lw.ffn_down else {
+            return Err(Error::Invalid(
+                "internal: a non-.gst source with neuron-major down".into(),
+            ));
+        };
+        let down_ty = match opts.down_type {
+            DownType::Q8_0 => GgmlType::Q8_0,
+            DownType::F16 => GgmlType::F16,
+            DownType::Same => to.unwrap_or(down.ty),
+        };
+        let (down_t, err) = down_columns(down, order, down_ty)?;
+        down_err.push(err);
+        let (up_row, down_row) = (up.len() / ffn, down_t.len() / ffn);
+        match opts.ffn_layout {
+            FfnLayout::Split => {
+                w.matrix(&n("ffn_up.weight"), up_ty, ffn, hidden, &up)?;
+                w.matrix(&n("ffn_down_t.weight"), down_ty, ffn, hidden, &down_t)?;
+            }
+            FfnLayout::Bundled => {
+                let mut bundle = Vec::with_capacity(up.len() + down_t.len());
+                for i in 0..ffn {
+                    bundle.extend_from_slice(&up[i * up_row..(i + 1) * up_row]);
+                    bundle.extend_from_slice(&down_t[i * down_row..(i + 1) * down_row]);
+                }
+                let section = n("ffn_updown");
+                w.section(&section, &bundle)?;
+                let stride = up_row + down_row;
+                w.view(&n("ffn_up.weight"), &section, 0, up_ty, ffn, hidden, stride);
+                w.view(&n("ffn_down_t.weight"), &section, up_row, down_ty, ffn, hidden, stride);
+            }
+        }
+        progress("layers", l + 1, n_layers);
+    }
+
+    let calibration = match &stats {
+        None => None,
+        Some(s) => {
+            let mut freq_bytes = Vec::with_capacity(n_layers * ffn * 4);
+            let mut layers = Vec::with_capacity(n_layers);
+            for ((order, freq), thresholds) in orders.iter().zip(&s.frequencies).zip(&s.thresholds) {
+                let in_order: Vec<f32> = order.iter().map(|&i| freq[i as usize]).collect();
+                freq_bytes.extend(f32_bytes(&in_order));
+                layers.push(LayerCalibration {
+                    thresholds: thresholds.clone(),
+                    hot_prefix_10: prefix_coverage(&in_order, 0.10),
+                    hot_prefix_25: prefix_coverage(&in_order, 0.25),
+                });
+            }
+            w.section("calibration.frequencies", &freq_bytes)?;
+            Some(Calibration {
+                tokens: s.tokens as u64,
+                text: s.text.clone(),
+                frequencies_section: "calibration.frequencies".into(),
+                layers,
+            })
+        }
+    };
+    let index = Index {
+        format_version: FORMAT_VERSION,
+        config: cfg,
+        layout: Layout {
+            ffn_layout: opts.ffn_layout,
+            neuron_order: opts.order,
+            down_type: match opts.down_type {
+                DownType::Q8_0 => GgmlType::Q8_0,
+                DownType::F16 => GgmlType::F16,
+                DownType::Same => weights.layers[0].ffn_down.weight().ty,
+            },
+            up_sketch: UpSketch::None,
+        },
+        source: source_info(input)?,
+        tokenizer_section: "tokenizer.json".into(),
+        calibration,
+        down_requant_rel_rms: down_err.clone(),
+        sections: Vec::new(),
+        tensors: Vec::new(),
+    };
+    let n_sections = w.sections.len();
+    let file_len_bytes = w.finish(index)?;
+    Ok(ReformatReport {
+        output: output.to_path_buf(),
+        file_len_bytes,
+        sections: n_sections,
+        seconds: t0.elapsed().as_secs_f64(),
+        calibration_seconds,
+        down_requant_rel_rms: down_err,
+    })
+}

@@ -1,0 +1,262 @@
+//! The `.gst` path end to end on real weights: reformat, verify, run densely and compare with the
+//! source model; neuron order and layout change no output; an interrupted reformat leaves no file
+//! that passes validation.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use gatestream::format::{FfnLayout, NeuronOrder};
+use gatestream::gstfile::GstFile;
+use gatestream::model::forward::{KvCache, Logits};
+use gatestream::model::{LoadOptions, Model};
+use gatestream::perplexity::{perplexity, PerplexityOptions};
+use gatestream::reformat::{reformat, DownType, ReformatOptions};
+
+fn convert(input: &Path, dir: &Path, name: &str, opts: &ReformatOptions) -> PathBuf {
+    let out = dir.join(name);
+    reformat(input, &out, opts, &mut |_, _, _| {}).unwrap();
+    GstFile::open(&out).unwrap().verify(&mut |_, _| {}).unwrap();
+    out
+}
+
+fn logits(model: &Model, text: &str) -> Vec<f32> {
+    let ids = model.tokenizer.encode(text, true).unwrap();
+    let mut cache = KvCache::new(&model.config, ids.len());
+    model.forward(&ids, &mut cache, Logits::From(0)).unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+fn load(p: &Path) -> Model {
+    Model::load(p, &LoadOptions::default()).unwrap()
+}
+
+fn wikitext() -> PathBuf {
+    shared_dir().join("data/wikitext-2/wiki.test.raw")
+}
+
+#[test]
+fn stories260k_gst_keeps_the_golden_decode_in_both_layouts_and_orders() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = load(&stories_dir());
+    let want = src.generate("Once upon a time", &greedy(60), &mut |_| {}).unwrap();
+    let reference = logits(&src, "Once upon a time, there was a cat");
+    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // Tolerances relative to the largest logit: f32 down columns (`same` for this f32 model)
+    // keep it exact up to summation order; f16 and q8_0 columns add their rounding.
+    let variants = [
+        (
+            "split-f16.gst",
+            FfnLayout::Split,
+            DownType::F16,
+            NeuronOrder::Original,
+            1e-3,
+        ),
+        (
+            "bundled-q8.gst",
+            FfnLayout::Bundled,
+            DownType::Q8_0,
+            NeuronOrder::Original,
+            2e-2,
+        ),
+        (
+            "hot-first.gst",
+            FfnLayout::Split,
+            DownType::Same,
+            NeuronOrder::HotFirst,
+            1e-5,
+        ),
+    ];
+    for (name, ffn_layout, down_type, order, tol) in variants {
+        let opts = ReformatOptions {
+            ffn_layout,
+            down_type,
+            order,
+            calibrate_text: (order == NeuronOrder::HotFirst).then(wikitext),
+            calibrate_tokens: 1024,
+            ..Default::default()
+        };
+        let gst = load(&convert(&stories_dir(), tmp.path(), name, &opts));
+        let got = gst.generate("Once upon a time", &greedy(60), &mut |_| {}).unwrap();
+        assert_eq!(got.tokens, want.tokens, "{name}: greedy tokens differ");
+        let d = max_abs_diff(&logits(&gst, "Once upon a time, there was a cat"), &reference) / scale;
+        assert!(
+            d < tol,
+            "{name}: logits differ from the source by {d} of the largest logit"
+        );
+    }
+}
+
+fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions {
+    gatestream::model::generate::GenerateOptions {
+        max_tokens,
+        sampler: gatestream::model::sampler::SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        chat: false,
+        ctx: 0,
+    }
+}
+
+#[test]
+fn smollm2_gst_matches_the_gguf_and_hot_first_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let src = load(&gguf);
+    let original = load(&convert(&gguf, tmp.path(), "original.gst", &ReformatOptions::default()));
+    let hot = load(&convert(
+        &gguf,
+        tmp.path(),
+        "hot.gst",
+        &ReformatOptions {
+            order: NeuronOrder::HotFirst,
+            calibrate_text: Some(wikitext()),
+            calibrate_tokens: 1024,
+            ..Default::default()
+        },
+    ));
+    // Same greedy continuation as the GGUF.
+    let want = src
+        .generate("The capital of France is", &greedy(12), &mut |_| {})
+        .unwrap();
+    for m in [&original, &hot] {
+        let got = m
+            .generate("The capital of France is", &greedy(12), &mut |_| {})
+            .unwrap();
+        assert_eq!(got.tokens, want.tokens, "{}", got.text);
+        assert!(got.text.starts_with(" Paris"));
+    }
+    // Permuting neurons changes no output: down columns are summed in f64, so the order of the
+    // neurons does not even change the rounding.
+    let text = "The history of the Roman Empire begins";
+    let d = max_abs_diff(&logits(&original, text), &logits(&hot, text));
+    assert!(d < 1e-5, "hot-first logits differ from original order by {d}");
+    // The hot prefix covers more than its share of activations.
+    let g = GstFile::open(&tmp.path().join("hot.gst")).unwrap();
+    let cal = g.index.calibration.as_ref().unwrap();
+    assert_eq!(cal.layers.len(), 30);
+    assert!(cal
+        .layers
+        .iter()
+        .all(|l| l.hot_prefix_10 > 0.10 && l.hot_prefix_25 > 0.25 && l.hot_prefix_25 < 1.0));
+    // Perplexity within 0.5% of the source (the only change is down re-quantized to Q8_0).
+    let text = std::fs::read_to_string(wikitext()).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 2 };
+    let p_src = perplexity(&src, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+    let p_gst = perplexity(&original, &text, &opts, &mut |_, _, _| {})
+        .unwrap()
+        .perplexity;
+    let rel = (p_gst - p_src).abs() / p_src;
+    assert!(
+        rel < 0.005,
+        "perplexity {p_gst} vs source {p_src} ({:.3}% apart)",
+        rel * 100.0
+    );
+}
+
+#[test]
+fn reformat_refuses_to_overwrite_and_cleans_up_after_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = convert(&stories_dir(), tmp.path(), "s.gst", &ReformatOptions::default());
+    let e = reformat(&stories_dir(), &out, &ReformatOptions::default(), &mut |_, _, _| {}).unwrap_err();
+    assert!(e.to_string().contains("--force"), "{e}");
+    reformat(
+        &stories_dir(),
+        &out,
+        &ReformatOptions {
+            force: true,
+            ..Default::default()
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    // Hot-first without calibration text is refused before anything is written.
+    let bad = tmp.path().join("bad.gst");
+    let e = reformat(
+        &stories_dir(),
+        &bad,
+        &ReformatOptions {
+            order: NeuronOrder::HotFirst,
+            ..Default::default()
+        },
+        &mut |_, _, _| {},
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("--calibrate"), "{e}");
+    // A failure midway (the progress callback panics after two layers) leaves no file behind.
+    let r = std::panic::catch_unwind(|| {
+        reformat(
+            &stories_dir(),
+            &bad,
+            &ReformatOptions::default(),
+            &mut |stage, done, _| {
+                if stage == "layers" && done == 2 {
+                    panic!("interrupted");
+                }
+            },
+        )
+    });
+    assert!(r.is_err());
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        left,
+        vec![std::ffi::OsString::from("s.gst")],
+        "files left behind: {left:?}"
+    );
+}
+
+#[test]
+fn a_reformat_killed_midway_leaves_no_valid_looking_file() {
+    // Kill the real binary while it writes the largest model here; whatever is on disk must not
+    // pass validation, and the target name must not exist.
+    let tmp = tempfile::tempdir().unwrap();
+    let qwen = model_file("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen1.5b");
+    let out = tmp.path().join("qwen.gst");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        .arg("reformat")
+        .arg(&qwen)
+        .arg(&out)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the partial file has some sections in it, then kill.
+    let started = std::time::Instant::now();
+    loop {
+        let partial: u64 = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.len())
+            .sum();
+        if partial > 100 << 20 || started.elapsed().as_secs() > 60 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.exists(), "the target exists after a kill");
+    let mut seen = 0;
+    for e in std::fs::read_dir(tmp.path()).unwrap() {
+        let p = e.unwrap().path();
+        seen += 1;
+        assert!(
+            GstFile::open(&p).is_err(),
+            "{} passes validation after a kill",
+            p.display()
+        );
+    }
+    assert!(
+        seen > 0,
+        "the kill came after the rename; the test did not interrupt anything"
+    );
+}
