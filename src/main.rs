@@ -114,6 +114,10 @@ enum Command {
         /// Convert every matrix of a safetensors source to this type (default: as stored).
         #[arg(long = "type", value_enum)]
         matrix_type: Option<TypeArg>,
+        /// Also store a compact 2-bit copy of every up row (12 bytes per 32 values) for cheap
+        /// estimates of up·x when choosing neurons.
+        #[arg(long, value_enum, default_value_t = SketchArg::None)]
+        up_sketch: SketchArg,
         /// Replace OUTPUT if it exists.
         #[arg(long)]
         force: bool,
@@ -153,6 +157,13 @@ enum DownArg {
 enum OrderArg {
     Original,
     HotFirst,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum SketchArg {
+    None,
+    #[value(name = "2bit")]
+    TwoBit,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -344,11 +355,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             calibrate,
             calibrate_tokens,
             matrix_type,
+            up_sketch,
             force,
             threads,
             json,
         } => {
-            use gatestream::format::{FfnLayout, NeuronOrder};
+            use gatestream::format::{FfnLayout, NeuronOrder, UpSketch};
             use gatestream::quant::GgmlType;
             use gatestream::reformat::{reformat, DownType, ReformatOptions};
             let opts = ReformatOptions {
@@ -373,6 +385,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     TypeArg::Bf16 => GgmlType::BF16,
                     TypeArg::Q8_0 => GgmlType::Q8_0,
                 }),
+                up_sketch: match up_sketch {
+                    SketchArg::None => UpSketch::None,
+                    SketchArg::TwoBit => UpSketch::TwoBit,
+                },
                 force,
                 threads,
             };

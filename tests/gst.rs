@@ -89,6 +89,13 @@ fn stories260k_gst_keeps_the_golden_decode_in_both_layouts_and_orders() {
             d < tol,
             "{name}: logits differ from the source by {d} of the largest logit"
         );
+        // Perplexity (wikitext-2 is far from TinyStories, but it exercises every position).
+        let text = std::fs::read_to_string(wikitext()).unwrap();
+        let opts = PerplexityOptions { ctx: 256, windows: 2 };
+        let p_src = perplexity(&src, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+        let p_gst = perplexity(&gst, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+        let rel = (p_gst - p_src).abs() / p_src;
+        assert!(rel < 0.005, "{name}: perplexity {p_gst} vs source {p_src}");
     }
 }
 
@@ -259,4 +266,41 @@ fn a_reformat_killed_midway_leaves_no_valid_looking_file() {
         seen > 0,
         "the kill came after the rename; the test did not interrupt anything"
     );
+}
+
+#[test]
+fn up_sketch_section_estimates_up_rows() {
+    use gatestream::format::UpSketch;
+    use gatestream::quant::sketch::{sketch_dot, sketch_row_bytes};
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let opts = ReformatOptions {
+        up_sketch: UpSketch::TwoBit,
+        ffn_layout: FfnLayout::Bundled,
+        ..Default::default()
+    };
+    let path = convert(&gguf, tmp.path(), "sketch.gst", &opts);
+    let g = GstFile::open(&path).unwrap();
+    assert_eq!(g.index.layout.up_sketch, UpSketch::TwoBit);
+    let (ffn, hidden) = (g.index.config.ffn, g.index.config.hidden);
+    let row_bytes = sketch_row_bytes(hidden).unwrap();
+    let s = g.index.section("blk.3.ffn_up_sketch").unwrap();
+    assert_eq!(s.len_bytes as usize, ffn * row_bytes);
+    let sketch = g.section_bytes(s);
+    let model = load(&path);
+    let up = &model.weights.layers[3].ffn_up;
+    let x: Vec<f32> = (0..hidden).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0)).collect();
+    let mut row = vec![0f32; hidden];
+    let (mut exact, mut est) = (Vec::new(), Vec::new());
+    for n in 0..ffn {
+        up.dequantize_row(n, &mut row);
+        exact.push(row.iter().zip(&x).map(|(a, b)| a * b).sum::<f32>());
+        est.push(sketch_dot(&sketch[n * row_bytes..(n + 1) * row_bytes], &x));
+    }
+    let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+    let (me, ms) = (mean(&exact), mean(&est));
+    let cov: f32 = exact.iter().zip(&est).map(|(a, b)| (a - me) * (b - ms)).sum();
+    let var = |v: &[f32], m: f32| v.iter().map(|a| (a - m).powi(2)).sum::<f32>();
+    let corr = cov / (var(&exact, me) * var(&est, ms)).sqrt();
+    assert!(corr > 0.8, "2-bit sketch estimates correlate with up·x only {corr}");
 }

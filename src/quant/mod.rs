@@ -22,6 +22,7 @@ mod layout;
 mod prepare;
 mod quantize;
 mod scalar;
+pub mod sketch;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

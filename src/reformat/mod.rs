@@ -18,6 +18,7 @@ use crate::format::{
 };
 use crate::model::weights::{FfnDown, ModelWeights, TensorSource, Weight};
 use crate::model::{open_source, LoadOptions, Model};
+use crate::quant::sketch::{sketch_row, sketch_row_bytes};
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
 use calibrate::{calibrate, hot_first_order, prefix_coverage, CalibrationStats};
 use writer::GstWriter;
@@ -41,6 +42,8 @@ pub struct ReformatOptions {
     pub calibrate_tokens: usize,
     /// Element type for every matrix of a safetensors source (None: as stored).
     pub matrix_type: Option<GgmlType>,
+    /// Also store a 2-bit sketch of every up row (its own section per layer).
+    pub up_sketch: UpSketch,
     pub force: bool,
     pub threads: usize,
 }
@@ -54,6 +57,7 @@ impl Default for ReformatOptions {
             calibrate_text: None,
             calibrate_tokens: 2048,
             matrix_type: None,
+            up_sketch: UpSketch::None,
             force: false,
             threads: 0,
         }
@@ -309,6 +313,20 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
                 w.view(&n("ffn_down_t.weight"), &section, up_row, down_ty, ffn, hidden, stride);
             }
         }
+        if opts.up_sketch == UpSketch::TwoBit {
+            let row_bytes = sketch_row_bytes(hidden).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "--up-sketch 2bit needs hidden ({hidden}) to be a multiple of 32"
+                ))
+            })?;
+            let mut sketch = vec![0u8; ffn * row_bytes];
+            let mut f = vec![0f32; hidden];
+            for (&r, out) in order.iter().zip(sketch.chunks_exact_mut(row_bytes)) {
+                lw.ffn_up.dequantize_row(r as usize, &mut f);
+                sketch_row(&f, out);
+            }
+            w.section(&n("ffn_up_sketch"), &sketch)?;
+        }
         progress("layers", l + 1, n_layers);
     }
 
@@ -346,7 +364,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
                 DownType::F16 => GgmlType::F16,
                 DownType::Same => weights.layers[0].ffn_down.weight().ty,
             },
-            up_sketch: UpSketch::None,
+            up_sketch: opts.up_sketch,
         },
         source: source_info(input)?,
         tokenizer_section: "tokenizer.json".into(),
