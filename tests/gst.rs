@@ -304,3 +304,33 @@ fn up_sketch_section_estimates_up_rows() {
     let corr = cov / (var(&exact, me) * var(&est, ms)).sqrt();
     assert!(corr > 0.8, "2-bit sketch estimates correlate with up·x only {corr}");
 }
+
+#[test]
+fn safetensors_matrices_convert_with_type_and_gguf_refuses_it() {
+    use gatestream::quant::GgmlType;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = load(&stories_dir());
+    let reference = logits(&src, "Once upon a time, there was a cat");
+    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (ty, tol) in [(GgmlType::F16, 2e-3), (GgmlType::BF16, 2e-2)] {
+        let opts = ReformatOptions {
+            matrix_type: Some(ty),
+            down_type: DownType::Same,
+            ..Default::default()
+        };
+        let path = convert(&stories_dir(), tmp.path(), &format!("{}.gst", ty.name()), &opts);
+        let g = GstFile::open(&path).unwrap();
+        let t = g.index.tensor("blk.0.ffn_down_t.weight").unwrap();
+        assert_eq!(t.dtype, ty);
+        assert_eq!(g.index.tensor("blk.2.attn_q.weight").unwrap().dtype, ty);
+        let d = max_abs_diff(&logits(&load(&path), "Once upon a time, there was a cat"), &reference) / scale;
+        assert!(d < tol, "{ty:?}: logits differ by {d} of the largest");
+    }
+    let gguf = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let opts = ReformatOptions {
+        matrix_type: Some(GgmlType::F16),
+        ..Default::default()
+    };
+    let e = reformat(&gguf, &tmp.path().join("x.gst"), &opts, &mut |_, _, _| {}).unwrap_err();
+    assert!(e.to_string().contains("--type applies to safetensors"), "{e}");
+}
