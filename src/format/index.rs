@@ -73,10 +73,10 @@ impl Index {
                 self.format_version
             )));
         }
-        let config = self.config.clone().validate(path)?;
         // JSON numbers beyond f32's range parse as infinity (serde casts from f64), and a file
-        // whose index cannot be written back as JSON is not one a writer produced.
-        let c = &config;
+        // whose index cannot be written back as JSON is not one a writer produced. Checked
+        // before the config's own validation so the message names the index.
+        let c = &self.config;
         let config_floats = [
             c.rms_eps,
             c.rope_theta,
@@ -89,6 +89,7 @@ impl Index {
         if !config_floats.iter().all(|v| v.is_finite()) {
             return Err(at_index(format!("config has a non-finite number: {config_floats:?}")));
         }
+        let config = self.config.clone().validate(path)?;
         if self.sections.len() > SECTIONS_MAX {
             return Err(at_index(format!(
                 "{} sections, more than the limit of {SECTIONS_MAX}",

@@ -130,6 +130,18 @@ impl ModelConfig {
         if !(self.rms_eps > 0.0 && self.rope_theta > 0.0) {
             return bad("rms epsilon and rope base must be positive".into());
         }
+        let floats = [
+            self.rms_eps,
+            self.rope_theta,
+            self.rope_theta_local,
+            self.rope_scale_global,
+            self.attn_scale,
+            self.embed_scale,
+            self.final_logit_softcap.unwrap_or(1.0),
+        ];
+        if floats.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+            return bad(format!("non-finite or non-positive value among {floats:?}"));
+        }
         Ok(self)
     }
 

@@ -21,13 +21,13 @@ pub enum FfnNeurons<'a> {
 }
 
 /// `(layer, act(gate), act(gate)·up)` — see [`FfnHooks::observe`].
-pub type FfnObserver<'a> = &'a dyn Fn(usize, &[f32], &[f32]);
+pub type FfnObserver<'a> = &'a (dyn Fn(usize, &[f32], &[f32]) + Sync);
 
 /// Per-layer control over the FFN: which neurons to compute, and an observer that sees the
 /// activations (calibration collects statistics through it).
 pub struct FfnHooks<'a> {
     /// `(layer, n_tokens)` → the neurons to compute for that layer.
-    pub select: &'a dyn Fn(usize, usize) -> FfnNeurons<'a>,
+    pub select: &'a (dyn Fn(usize, usize) -> FfnNeurons<'a> + Sync),
     /// `(layer, act(gate), act(gate)·up)`, both `[n_tokens, ffn]`, after a layer's FFN hidden
     /// activations are computed (neurons not computed are zero).
     pub observe: Option<FfnObserver<'a>>,
@@ -107,6 +107,19 @@ impl Model {
 
     /// As `forward`, with per-layer FFN hooks.
     pub fn forward_with(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        which: Logits,
+        hooks: &FfnHooks,
+    ) -> Result<Vec<f32>> {
+        // Run the whole pass on the backend's threads: the many parallel loops inside it then
+        // start from a pool thread, which joins the work directly, instead of parking the
+        // caller's thread on a lock for every matrix (that cost ~10% of decode time).
+        self.cpu.install(|| self.forward_in_pool(tokens, cache, which, hooks))
+    }
+
+    fn forward_in_pool(
         &self,
         tokens: &[u32],
         cache: &mut KvCache,

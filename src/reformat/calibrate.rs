@@ -8,7 +8,7 @@
 //! perplexity and evaluation use its beginning: the two never overlap for files longer than
 //! their sum, and the report says which tokens were used.
 
-use std::cell::RefCell;
+use std::sync::Mutex;
 
 use crate::error::{Error, Result};
 use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
@@ -55,7 +55,7 @@ pub fn calibrate(
     let start = all.len() - tokens;
     let ids = &all[start..];
     let (n_layers, ffn) = (model.config.n_layers, model.config.ffn);
-    let acc = RefCell::new(Accum {
+    let acc = Mutex::new(Accum {
         active_counts: vec![vec![0; ffn]; n_layers],
         pooled: vec![Vec::new(); n_layers],
         tokens_seen: 0,
@@ -75,7 +75,7 @@ pub fn calibrate(
         batch.extend_from_slice(chunk);
         let skip = batch.len() - chunk.len();
         let observe = |layer: usize, _gate: &[f32], hact: &[f32]| {
-            let mut a = acc.borrow_mut();
+            let mut a = acc.lock().expect("calibration statistics lock");
             let a = &mut *a;
             for (t, row) in hact.chunks(ffn).enumerate().skip(skip) {
                 a.scratch.clear();
@@ -99,10 +99,10 @@ pub fn calibrate(
         };
         cache.clear();
         model.forward_with(&batch, &mut cache, Logits::Last, &hooks)?;
-        acc.borrow_mut().tokens_seen += chunk.len();
+        acc.lock().expect("calibration statistics lock").tokens_seen += chunk.len();
         progress(w + 1, windows.len());
     }
-    let acc = acc.into_inner();
+    let acc = acc.into_inner().expect("calibration statistics lock");
     let frequencies = acc
         .active_counts
         .iter()
