@@ -46,6 +46,16 @@ pub enum Error {
     #[error("{path}: architecture `{arch}` is not supported; supported: llama, qwen2, gemma3")]
     UnsupportedArchitecture { path: PathBuf, arch: String },
 
+    /// A read of a byte range that failed (device error, or the file ends before the range does).
+    /// `offset_bytes`/`len_bytes` are the range the caller asked for, not the widened device read.
+    #[error("{path}: read of {len_bytes} bytes at offset {offset_bytes} failed: {source}")]
+    Read {
+        path: PathBuf,
+        offset_bytes: u64,
+        len_bytes: u64,
+        source: std::io::Error,
+    },
+
     /// Metadata or config that is present but unusable (missing key, inconsistent sizes).
     #[error("{path}: bad model config: {what}")]
     Config { path: PathBuf, what: String },

@@ -8,6 +8,7 @@ pub mod format;
 pub mod gguf;
 pub mod gstfile;
 pub mod inspect;
+pub mod io;
 pub mod model;
 pub mod perplexity;
 pub mod quant;

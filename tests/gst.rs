@@ -334,3 +334,26 @@ fn safetensors_matrices_convert_with_type_and_gguf_refuses_it() {
     let e = reformat(&gguf, &tmp.path().join("x.gst"), &opts, &mut |_, _, _| {}).unwrap_err();
     assert!(e.to_string().contains("--type applies to safetensors"), "{e}");
 }
+
+#[test]
+fn batched_prefill_equals_token_by_token_on_neuron_major_down() {
+    // The batched path sums down columns in (tokens x columns) tiles, the single-token path by
+    // rows split across threads; both accumulate in f64, so they agree to f32 rounding.
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let model = load(&convert(&gguf, tmp.path(), "s.gst", &ReformatOptions::default()));
+    let ids = model
+        .tokenizer
+        .encode("The history of the Roman Empire begins with the founding of", true)
+        .unwrap();
+    assert!(ids.len() > 9, "need more than one 8-token tile");
+    let mut c1 = KvCache::new(&model.config, ids.len());
+    let batched = model.forward(&ids, &mut c1, Logits::From(0)).unwrap();
+    let mut c2 = KvCache::new(&model.config, ids.len());
+    let v = model.config.vocab;
+    for (i, &t) in ids.iter().enumerate() {
+        let one = model.forward(&[t], &mut c2, Logits::Last).unwrap();
+        let d = max_abs_diff(&one, &batched[i * v..(i + 1) * v]);
+        assert!(d < 1e-3, "position {i}: logits differ by {d}");
+    }
+}

@@ -122,8 +122,11 @@ impl Backend for CpuBackend {
                 &all
             }
         };
-        // Each thread sums its share of the rows into a private buffer; the buffers are added at
-        // the end, so no two threads write the same output.
+        if n_tok > TOKENS_PER_TILE / 2 {
+            return self.accumulate_tiled(w, rows, acts, n_tok, out);
+        }
+        // Few tokens (decode): each thread sums its share of the rows into a private buffer; the
+        // buffers are added at the end, so no two threads write the same output.
         let per = rows.len().div_ceil(self.threads).max(1);
         let partials: Vec<Vec<f64>> = self.pool.install(|| {
             rows.par_chunks(per)
@@ -140,7 +143,60 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Tokens whose f64 accumulators are kept together while the rows stream past (batched path).
+const TOKENS_PER_TILE: usize = 16;
+/// Output columns per tile: 16 tokens x 256 columns x 8 bytes = 32 KiB of accumulators (L1).
+const COLS_PER_TILE: usize = 256;
+
 impl CpuBackend {
+    /// Many tokens (prefill): tiles of (tokens x columns) own their outputs, so threads split
+    /// the columns and no reduction is needed; every row's segment is dequantized into the
+    /// tile's f64 accumulators, which stay in L1 instead of streaming a whole `[tokens, cols]`
+    /// buffer through the cache for every row.
+    fn accumulate_tiled(&self, w: &Weight, rows: &[u32], acts: &[f32], n_tok: usize, out: &mut [f32]) {
+        let block = w.ty.block_elems();
+        // Column tiles must cut rows at block boundaries; fall back to whole rows otherwise.
+        let tile_cols = if COLS_PER_TILE.is_multiple_of(block) && w.cols.is_multiple_of(block) {
+            COLS_PER_TILE.min(w.cols)
+        } else {
+            w.cols
+        };
+        let n_col_tiles = w.cols.div_ceil(tile_cols);
+        let n_tok_tiles = n_tok.div_ceil(TOKENS_PER_TILE);
+        let ptr = OutPtr(out.as_mut_ptr());
+        self.pool.install(|| {
+            (0..n_col_tiles * n_tok_tiles).into_par_iter().for_each(|tile| {
+                let (ct, tt) = (tile % n_col_tiles, tile / n_col_tiles);
+                let (c0, c1) = (ct * tile_cols, ((ct + 1) * tile_cols).min(w.cols));
+                let (t0, t1) = (tt * TOKENS_PER_TILE, ((tt + 1) * TOKENS_PER_TILE).min(n_tok));
+                let width = c1 - c0;
+                // Byte range of columns [c0, c1) inside a row (whole blocks by construction).
+                let b0 = w.ty.row_bytes(c0).expect("block-aligned tile start");
+                let b1 = w.ty.row_bytes(c1).expect("block-aligned tile end");
+                let mut acc = vec![0f64; (t1 - t0) * width];
+                for &r in rows {
+                    let r = r as usize;
+                    let segment = &w.row(r)[b0..b1];
+                    for t in t0..t1 {
+                        let a = acts[t * w.rows + r];
+                        if a != 0.0 {
+                            let i = t - t0;
+                            axpy_row_f64(w.ty, segment, a, &mut acc[i * width..(i + 1) * width]);
+                        }
+                    }
+                }
+                let dst = ptr;
+                for t in t0..t1 {
+                    for (c, v) in (c0..c1).zip(&acc[(t - t0) * width..(t - t0 + 1) * width]) {
+                        // SAFETY: (t, c) lies inside `out` ([n_tok, cols], asserted by the
+                        // caller) and inside this tile, which no other task touches.
+                        unsafe { *dst.0.add(t * w.cols + c) += *v as f32 };
+                    }
+                }
+            })
+        });
+    }
+
     /// Sums in f64: the result then does not depend on the order of the rows (neuron order in
     /// the file) or on how they are split across threads. In f32 it would, and the models'
     /// quantized activations amplify such last-bit differences into visible logit changes.

@@ -1,0 +1,283 @@
+//! Readers: batched reads of byte ranges of one file, by io_uring, a pread thread pool, mmap, or a
+//! simulated device for tests.
+//!
+//! Owns file descriptors, O_DIRECT, alignment, queue depth, short-read resumption and read
+//! statistics. It knows files, offsets and bytes only: it must never name a neuron, layer, tensor or
+//! model, and it does not plan reads (merging, choosing what to read) — `stream` does that.
+//!
+//! ## The one operation
+//! [`Reader::read_each`] takes a batch of [`Range`]s and calls `on_done(index, bytes)` once per
+//! range, in completion order, as each range's bytes land. The bytes live in the reader's own
+//! buffers and are lent to the callback only for its duration: compute on them there (the sparse FFN
+//! accumulates a neuron as its bundle lands), or copy them out. While the callback runs, the rest of
+//! the batch stays in flight, so compute overlaps I/O without the caller owning any buffer that the
+//! kernel writes into. [`Reader::read_into`] is the convenience form that copies into caller slices.
+//!
+//! Every engine returns the same bytes. Alignment is the reader's job: callers give any offset and
+//! length; O_DIRECT engines widen each read to [`ALIGN_BYTES`] and hand back only the wanted bytes,
+//! counting the widening in [`ReadStats::bytes_device`]. Short reads are resumed; a range that
+//! runs past the end of the file, and any device error, is an [`Error::Read`] naming the file and the
+//! range — never a panic and never wrong bytes.
+//!
+//! ## Engines
+//! - [`UringReader`] (Linux): O_DIRECT, optional registered buffers, configurable queue depth.
+//! - [`PreadReader`]: a pool of threads doing `pread`; the portable reference.
+//! - [`MmapReader`]: page cache, zero-copy ([`MmapReader::slice`]), `MADV_RANDOM`. Serves ranges in
+//!   order on the caller's thread (a page fault blocks), so it overlaps nothing.
+//! - [`SimReader`]: a device with injected latency, short reads and EIO.
+//!
+//! [`open_reader`] picks an engine by policy and falls back (with warnings returned to the caller)
+//! when io_uring or O_DIRECT is unavailable.
+
+mod buf;
+mod file;
+mod mmap;
+mod pread;
+mod sim;
+mod stats;
+#[cfg(test)]
+mod tests;
+#[cfg(target_os = "linux")]
+mod uring;
+
+pub use buf::{AlignedBuf, BufferPool, ALIGN_BYTES};
+pub use file::DirectIo;
+pub use mmap::MmapReader;
+pub use pread::{PreadOptions, PreadReader};
+pub use sim::{ShortReads, SimFaults, SimReader};
+pub use stats::ReadStats;
+#[cfg(target_os = "linux")]
+pub use uring::{FixedBuffers, UringOptions, UringProbe, UringReader};
+
+use crate::error::{Error, Result};
+use std::path::{Path, PathBuf};
+
+/// A byte range of the reader's file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Range {
+    pub offset_bytes: u64,
+    pub len_bytes: usize,
+}
+
+impl Range {
+    pub fn new(offset_bytes: u64, len_bytes: usize) -> Self {
+        Range {
+            offset_bytes,
+            len_bytes,
+        }
+    }
+}
+
+/// A read into a caller-owned slice, for [`Reader::read_into`]: `buf.len()` bytes at `offset_bytes`.
+#[derive(Debug)]
+pub struct ReadReq<'a> {
+    pub offset_bytes: u64,
+    pub buf: &'a mut [u8],
+}
+
+/// Called once per completed range with the range's index in the batch and its bytes.
+/// Returning an error stops the batch (reads in flight are drained) and `read_each` returns it.
+pub type OnDone<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
+
+/// Batched reads of byte ranges of one file. See the module doc for the contract.
+pub trait Reader: Send + Sync {
+    /// Reads every range and calls `on_done(index, bytes)` once per range as it completes (in
+    /// completion order, not batch order; zero-length ranges complete first, with an empty slice).
+    /// On the first error, no new reads are started, reads in flight are waited for, and the error
+    /// is returned; ranges not yet reported then never are. Calls from several threads are allowed;
+    /// an engine may serialize them.
+    fn read_each(&self, ranges: &[Range], on_done: &mut OnDone<'_>) -> Result<()>;
+
+    /// The file this reader reads.
+    fn path(&self) -> &Path;
+
+    /// The file's length when the reader was opened; ranges must end at or before it.
+    fn len_bytes(&self) -> u64;
+
+    /// Counters since the reader was opened (or since `reset_stats`).
+    fn stats(&self) -> ReadStats;
+
+    fn reset_stats(&self);
+
+    /// Reads each request's `buf.len()` bytes at its offset into its buffer (one copy out of the
+    /// reader's buffers). Same error contract as `read_each`.
+    fn read_into(&self, reqs: &mut [ReadReq<'_>]) -> Result<()> {
+        let ranges: Vec<Range> = reqs.iter().map(|r| Range::new(r.offset_bytes, r.buf.len())).collect();
+        self.read_each(&ranges, &mut |i, bytes| {
+            reqs[i].buf.copy_from_slice(bytes);
+            Ok(())
+        })
+    }
+
+    /// Reads one range into a new `Vec`.
+    fn read_vec(&self, offset_bytes: u64, len_bytes: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; len_bytes];
+        self.read_into(&mut [ReadReq {
+            offset_bytes,
+            buf: &mut out,
+        }])?;
+        Ok(out)
+    }
+}
+
+/// Which engine to read with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadEngine {
+    /// io_uring on Linux; falls back to `Pread` (with a warning) where unavailable.
+    Uring,
+    Pread,
+    Mmap,
+}
+
+/// Options for [`open_reader`]; engine-specific fields are ignored by the other engines.
+#[derive(Clone, Debug)]
+pub struct ReaderOptions {
+    pub direct_io: DirectIo,
+    /// Reads in flight at once (uring ring size; pread jobs in flight).
+    pub queue_depth: usize,
+    /// Size of each reusable read buffer; larger ranges get a one-off buffer.
+    pub slot_bytes: usize,
+    pub pread_threads: usize,
+    #[cfg(target_os = "linux")]
+    pub fixed_buffers: FixedBuffers,
+    #[cfg(target_os = "linux")]
+    pub uring_probe: UringProbe,
+}
+
+impl Default for ReaderOptions {
+    fn default() -> Self {
+        ReaderOptions {
+            direct_io: DirectIo::Optional,
+            queue_depth: 64,
+            slot_bytes: 256 * 1024,
+            pread_threads: 8,
+            #[cfg(target_os = "linux")]
+            fixed_buffers: FixedBuffers::On,
+            #[cfg(target_os = "linux")]
+            uring_probe: UringProbe::Detect,
+        }
+    }
+}
+
+/// What [`open_reader`] opened, and why it differs from what was asked, if it does.
+pub struct OpenedReader {
+    pub reader: Box<dyn Reader>,
+    /// The engine actually in use (differs from the request after a fallback).
+    pub engine: ReadEngine,
+    /// Whether reads bypass the page cache (O_DIRECT).
+    pub direct_io_active: bool,
+    /// Fallbacks taken (io_uring unavailable, O_DIRECT refused, ...), for the caller to print.
+    pub warnings: Vec<String>,
+}
+
+/// Opens `path` with `engine`, falling back where the platform cannot do what was asked:
+/// io_uring unavailable → pread thread pool; O_DIRECT refused by the filesystem → buffered reads,
+/// unless `opts.direct_io` is `Required`, which makes it an error. Each fallback adds a warning.
+pub fn open_reader(path: impl AsRef<Path>, engine: ReadEngine, opts: &ReaderOptions) -> Result<OpenedReader> {
+    let path = path.as_ref();
+    let mut warnings = Vec::new();
+    if engine == ReadEngine::Uring {
+        #[cfg(target_os = "linux")]
+        {
+            match UringReader::probe_with(opts.uring_probe) {
+                Ok(()) => {
+                    let uopts = UringOptions {
+                        queue_depth: opts.queue_depth,
+                        fixed_buffers: opts.fixed_buffers,
+                        slot_bytes: opts.slot_bytes,
+                        direct_io: opts.direct_io,
+                        probe: opts.uring_probe,
+                    };
+                    let r = UringReader::open(path, &uopts)?;
+                    warnings.extend(r.warnings().iter().cloned());
+                    let direct_io_active = r.direct_io_active();
+                    return Ok(OpenedReader {
+                        reader: Box::new(r),
+                        engine: ReadEngine::Uring,
+                        direct_io_active,
+                        warnings,
+                    });
+                }
+                Err(why) => warnings.push(format!(
+                    "{}: io_uring unavailable ({why}); reading with the pread thread pool instead",
+                    path.display()
+                )),
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        warnings.push(format!(
+            "{}: io_uring exists only on Linux; reading with the pread thread pool instead",
+            path.display()
+        ));
+    }
+    if engine == ReadEngine::Mmap {
+        let r = MmapReader::open(path)?;
+        match opts.direct_io {
+            DirectIo::Required => {
+                return Err(Error::Invalid(format!(
+                    "{}: the mmap reader reads through the page cache and cannot honour \
+                     direct I/O `required`; use the uring or pread engine, or direct I/O `optional`",
+                    path.display()
+                )))
+            }
+            DirectIo::Optional => warnings.push(format!(
+                "{}: the mmap reader reads through the page cache; direct I/O not used",
+                path.display()
+            )),
+            DirectIo::Off => {}
+        }
+        return Ok(OpenedReader {
+            reader: Box::new(r),
+            engine: ReadEngine::Mmap,
+            direct_io_active: false,
+            warnings,
+        });
+    }
+    let popts = PreadOptions {
+        threads: opts.pread_threads,
+        queue_depth: opts.queue_depth,
+        direct_io: opts.direct_io,
+    };
+    let r = PreadReader::open(path, &popts)?;
+    warnings.extend(r.warnings().iter().cloned());
+    let direct_io_active = r.direct_io_active();
+    Ok(OpenedReader {
+        reader: Box::new(r),
+        engine: ReadEngine::Pread,
+        direct_io_active,
+        warnings,
+    })
+}
+
+/// The error for a range that ends past the end of the file (checked before any I/O).
+pub(crate) fn past_eof(path: &Path, range: Range, file_len_bytes: u64) -> Error {
+    Error::Read {
+        path: path.to_path_buf(),
+        offset_bytes: range.offset_bytes,
+        len_bytes: range.len_bytes as u64,
+        source: std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "the range ends past the end of the file ({file_len_bytes} bytes); \
+                 is the file truncated or the offset wrong?"
+            ),
+        ),
+    }
+}
+
+/// Checks that `range` lies inside a file of `file_len_bytes`.
+pub(crate) fn check_range(path: &Path, range: Range, file_len_bytes: u64) -> Result<()> {
+    match range.offset_bytes.checked_add(range.len_bytes as u64) {
+        Some(end) if end <= file_len_bytes => Ok(()),
+        _ => Err(past_eof(path, range, file_len_bytes)),
+    }
+}
+
+pub(crate) fn read_error(path: &Path, range: Range, source: std::io::Error) -> Error {
+    Error::Read {
+        path: PathBuf::from(path),
+        offset_bytes: range.offset_bytes,
+        len_bytes: range.len_bytes as u64,
+        source,
+    }
+}
