@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod error;
+pub mod eval;
 pub mod format;
 pub mod gguf;
 pub mod gstfile;
@@ -14,5 +15,6 @@ pub mod perplexity;
 pub mod quant;
 pub mod reformat;
 pub mod safetensors;
+pub mod sparsity;
 
 pub use error::{Error, Result};

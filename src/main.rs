@@ -128,6 +128,39 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The quality cost of FFN sparsity: perplexity, its increase over dense, top-1 agreement
+    /// and KL divergence from dense, achieved sparsity and implied FFN bytes per token, for every
+    /// strategy x criterion x level, on the same windows as `perplexity`.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Text file (e.g. ../shared/data/wikitext-2/wiki.test.raw); windows come from its start,
+        /// threshold calibration from its end.
+        #[arg(long)]
+        text: PathBuf,
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Number of windows (0 = all).
+        #[arg(long, default_value_t = 20)]
+        windows: usize,
+        /// Comma-separated sparsity levels (share of FFN neurons dropped); 0 is the dense row.
+        #[arg(long, default_value = "0,0.3,0.5,0.7", value_delimiter = ',')]
+        sparsity: Vec<f32>,
+        /// Comma-separated strategies: topk (per token), threshold (per-layer calibrated),
+        /// union (the context's choices reused).
+        #[arg(long, value_enum, default_value = "topk", value_delimiter = ',')]
+        strategy: Vec<StrategyArg>,
+        /// Comma-separated criteria: gate |act(g)|, exact |act(g)·up|, candidates (gate top
+        /// 1.4x, then exact), sketch |act(g)·û| with a 2-bit up sketch.
+        #[arg(long, value_enum, default_value = "gate,exact", value_delimiter = ',')]
+        criterion: Vec<CriterionArg>,
+        /// Tokens from the END of the text used to calibrate thresholds.
+        #[arg(long, default_value_t = 2048)]
+        calibrate_tokens: usize,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
     /// Show a .gst file: model config, layout, sections, neuron order and calibration summary.
     Inspect {
         file: PathBuf,
@@ -157,6 +190,21 @@ enum DownArg {
 enum OrderArg {
     Original,
     HotFirst,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum StrategyArg {
+    Topk,
+    Threshold,
+    Union,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum CriterionArg {
+    Gate,
+    Exact,
+    Candidates,
+    Sketch,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -412,6 +460,53 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     mean,
                     max
                 );
+            }
+        }
+        Command::Eval {
+            model,
+            text,
+            ctx,
+            windows,
+            sparsity,
+            strategy,
+            criterion,
+            calibrate_tokens,
+            json,
+        } => {
+            use gatestream::eval::{eval, table, EvalOptions};
+            use gatestream::sparsity::{Criterion, Strategy};
+            let model = load(&model)?;
+            let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
+            let opts = EvalOptions {
+                ctx,
+                windows,
+                sparsities: sparsity,
+                strategies: strategy
+                    .iter()
+                    .map(|s| match s {
+                        StrategyArg::Topk => Strategy::TopK,
+                        StrategyArg::Threshold => Strategy::Threshold,
+                        StrategyArg::Union => Strategy::Union,
+                    })
+                    .collect(),
+                criteria: criterion
+                    .iter()
+                    .map(|c| match c {
+                        CriterionArg::Gate => Criterion::Gate,
+                        CriterionArg::Exact => Criterion::Exact,
+                        CriterionArg::Candidates => Criterion::Candidates,
+                        CriterionArg::Sketch => Criterion::Sketch,
+                    })
+                    .collect(),
+                calibrate_tokens,
+            };
+            let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
+            let mut bar = Progress::new();
+            let report = eval(&model, &body, &name, &opts, &mut |d, n| bar.update("windows", d, n))?;
+            print!("{}", table(&report));
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
             }
         }
         Command::Inspect { file, json } => {

@@ -130,6 +130,7 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
             &FfnHooks {
                 select: &|_, _| FfnNeurons::Subset(&all),
                 observe: None,
+                mask: None,
             },
         )
         .unwrap();
@@ -145,6 +146,7 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
             &FfnHooks {
                 select: &|_, _| FfnNeurons::Subset(&half),
                 observe: None,
+                mask: None,
             },
         )
         .unwrap();

@@ -31,6 +31,27 @@ pub struct FfnHooks<'a> {
     /// `(layer, act(gate), act(gate)·up)`, both `[n_tokens, ffn]`, after a layer's FFN hidden
     /// activations are computed (neurons not computed are zero).
     pub observe: Option<FfnObserver<'a>>,
+    /// Chooses which of the computed neurons count, after gate and up are known.
+    pub mask: Option<&'a dyn FfnMask>,
+}
+
+impl FfnHooks<'_> {
+    /// The dense model: every neuron, no observer, no mask.
+    pub fn dense() -> FfnHooks<'static> {
+        FfnHooks {
+            select: &|_, _| FfnNeurons::All,
+            observe: None,
+            mask: None,
+        }
+    }
+}
+
+/// A neuron selection made after phase 1 (gate, and up where the criterion needs it): it zeroes
+/// the hidden activations of the neurons it drops, which then contribute nothing to down.
+pub trait FfnMask: Sync {
+    /// `xn`: the normalized FFN input `[n, hidden]`; `gate`: act(gate·x) `[n, ffn]`; `up`: up·x
+    /// `[n, ffn]`; `hact`: act(gate)·up `[n, ffn]`, to be edited in place.
+    fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], up: &[f32], hact: &mut [f32]);
 }
 
 /// Which positions of a batch need logits.
@@ -94,15 +115,7 @@ impl Model {
     /// Run `tokens` at positions `cache.len..`, append their keys/values to the cache, and return
     /// logits `[n, vocab]` for the positions `which` selects.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, which: Logits) -> Result<Vec<f32>> {
-        self.forward_with(
-            tokens,
-            cache,
-            which,
-            &FfnHooks {
-                select: &|_, _| FfnNeurons::All,
-                observe: None,
-            },
-        )
+        self.forward_with(tokens, cache, which, &FfnHooks::dense())
     }
 
     /// As `forward`, with per-layer FFN hooks.
@@ -306,9 +319,18 @@ impl Model {
                 }
             }
         }
-        // Hidden activations act(gate)·up, in place of up.
-        up.iter_mut().zip(&gate).for_each(|(u, g)| *u *= g);
-        let hact = up;
+        // Hidden activations act(gate)·up (in place of up unless a mask needs up itself).
+        let hact = match hooks.mask {
+            None => {
+                up.iter_mut().zip(&gate).for_each(|(u, g)| *u *= g);
+                up
+            }
+            Some(mask) => {
+                let mut hact: Vec<f32> = up.iter().zip(&gate).map(|(u, g)| u * g).collect();
+                mask.apply(l, &xn, &gate, &up, &mut hact);
+                hact
+            }
+        };
         if let Some(observe) = hooks.observe {
             observe(l, &gate, &hact);
         }

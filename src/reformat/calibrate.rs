@@ -96,6 +96,7 @@ pub fn calibrate(
         let hooks = FfnHooks {
             select: &|_, _| FfnNeurons::All,
             observe: Some(&observe),
+            mask: None,
         };
         cache.clear();
         model.forward_with(&batch, &mut cache, Logits::Last, &hooks)?;

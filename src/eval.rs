@@ -1,0 +1,325 @@
+//! `gatestream eval`: what each sparsity level costs in quality, on the same windows as
+//! `perplexity`. For every window the dense model runs once; then every (strategy, criterion,
+//! level) runs with its mask, and each scored position (the second half of the window, as in
+//! perplexity) is compared with dense: perplexity, top-1 agreement of the next-token argmax,
+//! and KL(dense ‖ sparse). Also reports the achieved sparsity per layer and the FFN bytes per
+//! token the mask implies with a neuron-major layout (see `FfnBytes`).
+
+use std::time::Instant;
+
+use crate::backend::ops::log_sum_exp;
+use crate::error::{Error, Result};
+use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
+use crate::model::sampler::argmax;
+use crate::model::Model;
+use crate::quant::GgmlType;
+use crate::sparsity::calibration::ScorePools;
+use crate::sparsity::{Criterion, Masker, Strategy, UpSketches};
+
+#[derive(Clone, Debug)]
+pub struct EvalOptions {
+    pub ctx: usize,
+    pub windows: usize,
+    pub sparsities: Vec<f32>,
+    pub strategies: Vec<Strategy>,
+    pub criteria: Vec<Criterion>,
+    /// Calibration tokens for thresholds, from the end of the text.
+    pub calibrate_tokens: usize,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct EvalRow {
+    pub strategy: Option<Strategy>,
+    pub criterion: Option<Criterion>,
+    pub sparsity: f32,
+    pub perplexity: f64,
+    pub ppl_increase_pct: f64,
+    pub top1_agreement: f64,
+    pub mean_kl: f64,
+    pub achieved_sparsity_mean: f32,
+    pub achieved_sparsity_per_layer: Vec<f32>,
+    pub ffn_bytes_per_token: f64,
+    pub ffn_bytes_rel_dense: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct EvalReport {
+    pub model: String,
+    pub windows: usize,
+    pub ctx: usize,
+    pub scored_positions: usize,
+    pub method: &'static str,
+    pub bytes_model: &'static str,
+    pub calibration: Option<String>,
+    pub dense_ffn_bytes_per_token: f64,
+    pub rows: Vec<EvalRow>,
+    pub seconds: f64,
+}
+
+pub const METHOD: &str = "windows as llama.cpp perplexity (ctx tokens, BOS first when the model adds it, second half scored); \
+agreement and KL over the scored positions against the dense model on the same window; union: the unscored first half runs dense and \
+votes, the scored half uses the winners";
+
+pub const BYTES_MODEL: &str = "per layer and token: the whole gate matrix, plus up rows (all for exact, the candidates for candidates, \
+the kept neurons otherwise; the sketch is resident and not counted) and down columns of the kept neurons, in a neuron-major layout \
+with down as Q8_0 columns (or the .gst file's own types); exact bytes, before read alignment and merging";
+
+/// Bytes per neuron row of each FFN part, for the bytes model.
+struct FfnBytes {
+    gate_layer: f64,
+    up_row: f64,
+    down_col: f64,
+    ffn: usize,
+    n_layers: usize,
+}
+
+impl FfnBytes {
+    fn of(model: &Model) -> FfnBytes {
+        let l0 = &model.weights.layers[0];
+        let down = l0.ffn_down.weight();
+        let down_col = match &l0.ffn_down {
+            crate::model::weights::FfnDown::Columns(w) => w.row_bytes,
+            crate::model::weights::FfnDown::Rows(_) => GgmlType::Q8_0.row_bytes(down.rows).unwrap_or(down.rows * 4),
+        };
+        FfnBytes {
+            gate_layer: l0.ffn_gate.len_bytes() as f64,
+            up_row: l0.ffn_up.row_bytes as f64,
+            down_col: down_col as f64,
+            ffn: model.config.ffn,
+            n_layers: model.config.n_layers,
+        }
+    }
+
+    fn dense(&self) -> f64 {
+        self.n_layers as f64 * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col))
+    }
+
+    fn sparse(&self, up_rows: &[f32], achieved: &[f32]) -> f64 {
+        up_rows
+            .iter()
+            .zip(achieved)
+            .map(|(&u, &s)| {
+                self.gate_layer + u as f64 * self.up_row + (1.0 - s as f64) * self.ffn as f64 * self.down_col
+            })
+            .sum()
+    }
+}
+
+struct Accum {
+    nll: f64,
+    agree: u64,
+    kl: f64,
+    count: u64,
+}
+
+/// Log-softmax of a logits row, in f64.
+fn log_probs(row: &[f32]) -> Vec<f64> {
+    let lse = log_sum_exp(row);
+    row.iter().map(|&v| v as f64 - lse).collect()
+}
+
+pub fn eval(
+    model: &Model,
+    text: &str,
+    text_name: &str,
+    opts: &EvalOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<EvalReport> {
+    let t0 = Instant::now();
+    if opts.ctx < 8 {
+        return Err(Error::Invalid(format!("--ctx {} is too small", opts.ctx)));
+    }
+    if let Some(s) = opts.sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
+        return Err(Error::Invalid(format!("sparsity {s} is outside [0, 1)")));
+    }
+    let tokens = model.tokenizer.encode(text, true)?;
+    let available = tokens.len() / opts.ctx;
+    let windows = if opts.windows == 0 {
+        available
+    } else {
+        opts.windows.min(available)
+    };
+    if windows == 0 {
+        return Err(Error::Invalid(format!(
+            "the text has {} tokens, fewer than one window of {}",
+            tokens.len(),
+            opts.ctx
+        )));
+    }
+    let needs_sketch = opts.criteria.contains(&Criterion::Sketch);
+    let sketches = if needs_sketch {
+        Some(
+            UpSketches::build(model)
+                .ok_or_else(|| Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into()))?,
+        )
+    } else {
+        None
+    };
+    let pools = if opts.strategies.contains(&Strategy::Threshold) {
+        if windows * opts.ctx + opts.calibrate_tokens > tokens.len() {
+            return Err(Error::Invalid(format!(
+                "evaluation windows ({} tokens) and calibration ({} tokens from the end) would overlap in a text of {} tokens",
+                windows * opts.ctx,
+                opts.calibrate_tokens,
+                tokens.len()
+            )));
+        }
+        Some(ScorePools::collect(
+            model,
+            text,
+            text_name,
+            opts.calibrate_tokens,
+            &opts.criteria,
+            sketches.as_ref(),
+        )?)
+    } else {
+        None
+    };
+    let mut maskers: Vec<Masker> = Vec::new();
+    for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
+        for &st in &opts.strategies {
+            for &c in &opts.criteria {
+                let th = (st == Strategy::Threshold).then(|| pools.as_ref().expect("pools").thresholds(c, s));
+                maskers.push(Masker::new(model, st, c, s, sketches.as_ref(), th));
+            }
+        }
+    }
+    let bytes = FfnBytes::of(model);
+    let bos = if model.tokenizer.adds_bos() {
+        model.tokenizer.bos_id()
+    } else {
+        None
+    };
+    let (half, vocab) = (opts.ctx / 2, model.config.vocab);
+    let mut dense_acc = Accum {
+        nll: 0.0,
+        agree: 0,
+        kl: 0.0,
+        count: 0,
+    };
+    let mut accs: Vec<Accum> = maskers
+        .iter()
+        .map(|_| Accum {
+            nll: 0.0,
+            agree: 0,
+            kl: 0.0,
+            count: 0,
+        })
+        .collect();
+    let mut cache = KvCache::new(&model.config, opts.ctx);
+    for w in 0..windows {
+        let mut batch = tokens[w * opts.ctx..(w + 1) * opts.ctx].to_vec();
+        if let Some(b) = bos {
+            batch[0] = b;
+        }
+        let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
+        cache.clear();
+        let dense = model.forward(&batch, &mut cache, Logits::From(half))?;
+        let dense_lp: Vec<Vec<f64>> = dense.chunks(vocab).map(log_probs).collect();
+        let dense_top: Vec<u32> = dense.chunks(vocab).map(argmax).collect();
+        for (i, lp) in dense_lp.iter().enumerate().take(opts.ctx - 1 - half) {
+            dense_acc.nll -= lp[target(half + i)];
+            dense_acc.count += 1;
+        }
+        for (m, acc) in maskers.iter().zip(accs.iter_mut()) {
+            m.set_union_context(half);
+            cache.clear();
+            let hooks = FfnHooks {
+                select: &|_, _| FfnNeurons::All,
+                observe: None,
+                mask: Some(m),
+            };
+            let sparse = model.forward_with(&batch, &mut cache, Logits::From(half), &hooks)?;
+            for (i, row) in sparse.chunks(vocab).enumerate().take(opts.ctx - 1 - half) {
+                let lp = log_probs(row);
+                acc.nll -= lp[target(half + i)];
+                acc.agree += (argmax(row) == dense_top[i]) as u64;
+                acc.kl += dense_lp[i].iter().zip(&lp).map(|(d, s)| d.exp() * (d - s)).sum::<f64>();
+                acc.count += 1;
+            }
+        }
+        progress(w + 1, windows);
+    }
+    let dense_ppl = (dense_acc.nll / dense_acc.count as f64).exp();
+    let dense_bytes = bytes.dense();
+    let mut rows = vec![EvalRow {
+        strategy: None,
+        criterion: None,
+        sparsity: 0.0,
+        perplexity: dense_ppl,
+        ppl_increase_pct: 0.0,
+        top1_agreement: 1.0,
+        mean_kl: 0.0,
+        achieved_sparsity_mean: 0.0,
+        achieved_sparsity_per_layer: vec![0.0; model.config.n_layers],
+        ffn_bytes_per_token: dense_bytes,
+        ffn_bytes_rel_dense: 1.0,
+    }];
+    for (m, acc) in maskers.iter().zip(&accs) {
+        let ppl = (acc.nll / acc.count as f64).exp();
+        let achieved = m.achieved_sparsity();
+        let b = bytes.sparse(&m.up_rows_per_token(), &achieved);
+        rows.push(EvalRow {
+            strategy: Some(m.strategy),
+            criterion: Some(m.criterion),
+            sparsity: m.sparsity,
+            perplexity: ppl,
+            ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
+            top1_agreement: acc.agree as f64 / acc.count as f64,
+            mean_kl: acc.kl / acc.count as f64,
+            achieved_sparsity_mean: achieved.iter().sum::<f32>() / achieved.len() as f32,
+            achieved_sparsity_per_layer: achieved,
+            ffn_bytes_per_token: b,
+            ffn_bytes_rel_dense: b / dense_bytes,
+        });
+    }
+    Ok(EvalReport {
+        model: model.path.display().to_string(),
+        windows,
+        ctx: opts.ctx,
+        scored_positions: dense_acc.count as usize,
+        method: METHOD,
+        bytes_model: BYTES_MODEL,
+        calibration: pools.map(|p| p.text),
+        dense_ffn_bytes_per_token: dense_bytes,
+        rows,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// The report as a table.
+pub fn table(r: &EvalReport) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{}: {} windows of {} tokens, {} scored positions, {:.0} s",
+        r.model, r.windows, r.ctx, r.scored_positions, r.seconds
+    );
+    if let Some(c) = &r.calibration {
+        let _ = writeln!(o, "thresholds calibrated on {c}");
+    }
+    let _ = writeln!(
+        o,
+        "{:<10} {:<11} {:>5} {:>10} {:>8} {:>7} {:>8} {:>9} {:>11} {:>8}",
+        "strategy", "criterion", "level", "ppl", "Δppl%", "top1", "KL", "achieved", "FFN MB/tok", "vs dense"
+    );
+    for row in &r.rows {
+        let name = |v: Option<String>| v.unwrap_or_else(|| "dense".into());
+        let _ = writeln!(
+            o,
+            "{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}",
+            name(row.strategy.map(|s| format!("{s:?}").to_lowercase())),
+            name(row.criterion.map(|c| format!("{c:?}").to_lowercase())),
+            row.sparsity,
+            row.perplexity,
+            row.ppl_increase_pct,
+            row.top1_agreement,
+            row.mean_kl,
+            row.achieved_sparsity_mean,
+            row.ffn_bytes_per_token / 1e6,
+            row.ffn_bytes_rel_dense
+        );
+    }
+    o
+}

@@ -1,0 +1,384 @@
+//! Masks: which FFN neurons a token uses. A mask is a strategy (per-token top-K, a per-layer
+//! calibrated threshold, or the sequence-level union of the context's choices) applied to a
+//! criterion (how a neuron is scored: |act(gate)| alone; the exact |act(gate)·up|; gate-chosen
+//! candidates then exact among them; or |act(gate)·û| with û from a 2-bit sketch of up). It
+//! runs as an [`FfnMask`] hook after phase 1 and zeroes the dropped neurons' activations, so the
+//! same code measures quality in RAM now and selects the neurons to read when streaming.
+//! Knows scores and neurons, never files or bytes on disk.
+
+pub mod calibration;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use crate::model::forward::FfnMask;
+use crate::model::Model;
+use crate::quant::sketch::{sketch_dot, sketch_row, sketch_row_bytes};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Each token keeps its own top (1 − s) share of neurons.
+    TopK,
+    /// Each token keeps the neurons whose score reaches the layer's calibrated threshold.
+    Threshold,
+    /// The context's tokens run dense; the neurons most often in their top-K are kept, for every
+    /// later token (CoreInfer-style sequence-level sparsity).
+    Union,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Criterion {
+    /// |act(gate·x)|: needs only the gate (the seed design).
+    Gate,
+    /// |act(gate·x) · up·x|: needs up for every neuron.
+    Exact,
+    /// The gate picks `CANDIDATE_FACTOR ×` as many neurons as will be kept, then exact among them:
+    /// up is needed for the candidates only.
+    Candidates,
+    /// |act(gate·x) · û·x| with û a resident 2-bit sketch of up.
+    Sketch,
+}
+
+/// Candidates per kept neuron for `Criterion::Candidates` (50% kept → gate's top 70%).
+pub const CANDIDATE_FACTOR: f32 = 1.4;
+
+impl Criterion {
+    /// The base score used by thresholds (candidates are chosen by gate, ranked by exact).
+    pub fn base(self) -> Criterion {
+        match self {
+            Criterion::Candidates => Criterion::Exact,
+            c => c,
+        }
+    }
+}
+
+/// 2-bit sketches of every layer's up rows, built from the model's weights.
+pub struct UpSketches {
+    row_bytes: usize,
+    layers: Vec<Vec<u8>>,
+}
+
+impl UpSketches {
+    pub fn build(model: &Model) -> Option<UpSketches> {
+        let (ffn, hidden) = (model.config.ffn, model.config.hidden);
+        let row_bytes = sketch_row_bytes(hidden)?;
+        let layers = model
+            .weights
+            .layers
+            .par_iter()
+            .map(|l| {
+                let mut out = vec![0u8; ffn * row_bytes];
+                let mut f = vec![0f32; hidden];
+                for (n, o) in out.chunks_exact_mut(row_bytes).enumerate() {
+                    l.ffn_up.dequantize_row(n, &mut f);
+                    sketch_row(&f, o);
+                }
+                out
+            })
+            .collect();
+        Some(UpSketches { row_bytes, layers })
+    }
+
+    /// û·x for every neuron of `layer`.
+    fn estimates(&self, layer: usize, x: &[f32], out: &mut [f32]) {
+        let s = &self.layers[layer];
+        for (n, o) in out.iter_mut().enumerate() {
+            *o = sketch_dot(&s[n * self.row_bytes..(n + 1) * self.row_bytes], x);
+        }
+    }
+}
+
+/// Scores of one token's neurons under a base criterion.
+pub fn scores(
+    criterion: Criterion,
+    sketches: Option<&UpSketches>,
+    layer: usize,
+    xn: &[f32],
+    gate: &[f32],
+    hact: &[f32],
+    out: &mut Vec<f32>,
+) {
+    out.clear();
+    match criterion.base() {
+        Criterion::Gate => out.extend(gate.iter().map(|g| g.abs())),
+        Criterion::Exact | Criterion::Candidates => out.extend(hact.iter().map(|h| h.abs())),
+        Criterion::Sketch => {
+            out.resize(gate.len(), 0.0);
+            sketches
+                .expect("sketch criterion without sketches")
+                .estimates(layer, xn, out);
+            out.iter_mut().zip(gate).for_each(|(u, g)| *u = (*u * g).abs());
+        }
+    }
+}
+
+/// Indices of the `k` largest values (ties broken by lower index), as a keep mask.
+fn top_k_mask(values: &[f32], k: usize, keep: &mut [bool]) {
+    keep.fill(false);
+    if k >= values.len() {
+        keep.fill(true);
+        return;
+    }
+    if k == 0 {
+        return;
+    }
+    let mut idx: Vec<u32> = (0..values.len() as u32).collect();
+    idx.select_nth_unstable_by(k - 1, |&a, &b| {
+        values[b as usize].total_cmp(&values[a as usize]).then(a.cmp(&b))
+    });
+    for &i in &idx[..k] {
+        keep[i as usize] = true;
+    }
+}
+
+/// A mask configuration with what it needs: per-layer thresholds, sketches, union state, and
+/// counters of what was kept.
+pub struct Masker<'a> {
+    pub strategy: Strategy,
+    pub criterion: Criterion,
+    pub sparsity: f32,
+    ffn: usize,
+    hidden: usize,
+    sketches: Option<&'a UpSketches>,
+    /// Per layer, for `Threshold`: minimum base score to keep.
+    thresholds: Option<Vec<f32>>,
+    /// Per layer, for `Candidates` with `Threshold`: minimum gate score to be a candidate.
+    gate_thresholds: Option<Vec<f32>>,
+    /// For `Union`: tokens of each batch that run dense and build the set.
+    union_context: Mutex<usize>,
+    kept: Vec<AtomicU64>,
+    total: Vec<AtomicU64>,
+    up_rows: Vec<AtomicU64>,
+}
+
+impl<'a> Masker<'a> {
+    pub fn new(
+        model: &Model,
+        strategy: Strategy,
+        criterion: Criterion,
+        sparsity: f32,
+        sketches: Option<&'a UpSketches>,
+        thresholds: Option<(Vec<f32>, Option<Vec<f32>>)>,
+    ) -> Masker<'a> {
+        let n = model.config.n_layers;
+        let (thresholds, gate_thresholds) = match thresholds {
+            Some((t, g)) => (Some(t), g),
+            None => (None, None),
+        };
+        Masker {
+            strategy,
+            criterion,
+            sparsity,
+            ffn: model.config.ffn,
+            hidden: model.config.hidden,
+            sketches,
+            thresholds,
+            gate_thresholds,
+            union_context: Mutex::new(0),
+            kept: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            total: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// For `Union`: the first `tokens` of each following batch are the context.
+    pub fn set_union_context(&self, tokens: usize) {
+        *self.union_context.lock().expect("union context lock") = tokens;
+    }
+
+    fn keep_count(&self) -> usize {
+        ((1.0 - self.sparsity) * self.ffn as f32).round() as usize
+    }
+
+    /// Per layer: share of masked neuron slots dropped.
+    pub fn achieved_sparsity(&self) -> Vec<f32> {
+        self.kept
+            .iter()
+            .zip(&self.total)
+            .map(|(k, t)| {
+                let t = t.load(Ordering::Relaxed);
+                if t == 0 {
+                    0.0
+                } else {
+                    1.0 - k.load(Ordering::Relaxed) as f32 / t as f32
+                }
+            })
+            .collect()
+    }
+
+    /// Per layer: mean up rows that must be read per masked token (all for `Exact`, the
+    /// candidates for `Candidates`, the kept ones otherwise).
+    pub fn up_rows_per_token(&self) -> Vec<f32> {
+        let per_token = self
+            .total
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed) as f32 / self.ffn as f32);
+        self.up_rows
+            .iter()
+            .zip(per_token)
+            .map(|(u, n)| {
+                if n == 0.0 {
+                    0.0
+                } else {
+                    u.load(Ordering::Relaxed) as f32 / n
+                }
+            })
+            .collect()
+    }
+
+    pub fn reset_counters(&self) {
+        for c in self.kept.iter().chain(&self.total).chain(&self.up_rows) {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Which neurons one token keeps (not `Union`).
+    fn token_mask(
+        &self,
+        layer: usize,
+        xn: &[f32],
+        gate: &[f32],
+        hact: &[f32],
+        scratch: &mut Vec<f32>,
+        keep: &mut [bool],
+    ) -> usize {
+        let k = self.keep_count();
+        scores(self.criterion, self.sketches, layer, xn, gate, hact, scratch);
+        let mut up_rows = self.ffn;
+        match (self.strategy, self.criterion) {
+            (Strategy::Threshold, Criterion::Candidates) => {
+                let (t, tg) = (
+                    self.thresholds.as_ref().expect("thresholds")[layer],
+                    self.gate_thresholds.as_ref().expect("gate thresholds")[layer],
+                );
+                up_rows = 0;
+                for (i, kp) in keep.iter_mut().enumerate() {
+                    let candidate = gate[i].abs() >= tg;
+                    up_rows += candidate as usize;
+                    *kp = candidate && scratch[i] >= t;
+                }
+            }
+            (Strategy::Threshold, _) => {
+                let t = self.thresholds.as_ref().expect("thresholds")[layer];
+                keep.iter_mut().zip(scratch.iter()).for_each(|(kp, s)| *kp = *s >= t);
+            }
+            (_, Criterion::Candidates) => {
+                let c = ((k as f32 * CANDIDATE_FACTOR).round() as usize).min(self.ffn);
+                let g: Vec<f32> = gate.iter().map(|g| g.abs()).collect();
+                let mut cand = vec![false; self.ffn];
+                top_k_mask(&g, c, &mut cand);
+                // Among candidates only: non-candidates score below everything.
+                scratch.iter_mut().zip(&cand).for_each(|(s, c)| {
+                    if !c {
+                        *s = f32::NEG_INFINITY
+                    }
+                });
+                top_k_mask(scratch, k, keep);
+                up_rows = c;
+            }
+            _ => top_k_mask(scratch, k, keep),
+        }
+        if matches!(self.criterion, Criterion::Gate | Criterion::Sketch) {
+            up_rows = keep.iter().filter(|&&k| k).count();
+        }
+        up_rows
+    }
+}
+
+impl FfnMask for Masker<'_> {
+    fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
+        let (f, h) = (self.ffn, self.hidden);
+        let n = hact.len() / f;
+        let first = match self.strategy {
+            Strategy::Union => (*self.union_context.lock().expect("union context lock")).min(n),
+            _ => 0,
+        };
+        if self.strategy == Strategy::Union {
+            // The context's tokens vote with their own top-K; the winners serve the rest.
+            let k = self.keep_count();
+            let mut votes = vec![0u32; f];
+            let mut scratch = Vec::new();
+            let mut keep = vec![false; f];
+            for t in 0..first {
+                let (g, a) = (&gate[t * f..(t + 1) * f], &hact[t * f..(t + 1) * f]);
+                scores(
+                    self.criterion,
+                    self.sketches,
+                    layer,
+                    &xn[t * h..(t + 1) * h],
+                    g,
+                    a,
+                    &mut scratch,
+                );
+                top_k_mask(&scratch, k, &mut keep);
+                votes.iter_mut().zip(&keep).for_each(|(v, &kp)| *v += kp as u32);
+            }
+            let votes_f: Vec<f32> = votes.iter().map(|&v| v as f32).collect();
+            top_k_mask(&votes_f, k, &mut keep);
+            let kept_per_token = keep.iter().filter(|&&k| k).count() as u64;
+            for row in hact[first * f..].chunks_mut(f) {
+                row.iter_mut().zip(&keep).for_each(|(a, &kp)| {
+                    if !kp {
+                        *a = 0.0
+                    }
+                });
+            }
+            let masked = (n - first) as u64;
+            self.kept[layer].fetch_add(kept_per_token * masked, Ordering::Relaxed);
+            self.total[layer].fetch_add(f as u64 * masked, Ordering::Relaxed);
+            self.up_rows[layer].fetch_add(kept_per_token * masked, Ordering::Relaxed);
+            return;
+        }
+        let counts: Vec<(u64, u64)> = hact
+            .par_chunks_mut(f)
+            .enumerate()
+            .map_init(
+                || (Vec::new(), vec![false; f]),
+                |(scratch, keep), (t, row)| {
+                    let up_rows = self.token_mask(
+                        layer,
+                        &xn[t * h..(t + 1) * h],
+                        &gate[t * f..(t + 1) * f],
+                        row,
+                        scratch,
+                        keep,
+                    );
+                    let mut kept = 0u64;
+                    for (a, &kp) in row.iter_mut().zip(keep.iter()) {
+                        if kp {
+                            kept += 1;
+                        } else {
+                            *a = 0.0;
+                        }
+                    }
+                    (kept, up_rows as u64)
+                },
+            )
+            .collect();
+        let kept: u64 = counts.iter().map(|c| c.0).sum();
+        let up: u64 = counts.iter().map(|c| c.1).sum();
+        self.kept[layer].fetch_add(kept, Ordering::Relaxed);
+        self.total[layer].fetch_add((f * n) as u64, Ordering::Relaxed);
+        self.up_rows[layer].fetch_add(up, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_keeps_the_largest_with_stable_ties() {
+        let mut keep = vec![false; 6];
+        top_k_mask(&[0.1, 0.9, 0.5, 0.9, 0.0, 0.3], 3, &mut keep);
+        assert_eq!(keep, vec![false, true, true, true, false, false]);
+        top_k_mask(&[1.0, 1.0, 1.0], 2, &mut keep[..3]);
+        assert_eq!(&keep[..3], &[true, true, false]);
+        top_k_mask(&[1.0, 2.0], 0, &mut keep[..2]);
+        assert_eq!(&keep[..2], &[false, false]);
+    }
+}

@@ -1,0 +1,165 @@
+//! Masks and `eval` on real weights (stories260K, fast): keeping every neuron is the dense
+//! model, dropping neurons changes the output by the amount the criterion predicts, thresholds
+//! calibrated on one part of a text give about the asked sparsity, union keeps the context dense.
+
+mod common;
+
+use common::*;
+use gatestream::eval::{eval, EvalOptions};
+use gatestream::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
+use gatestream::model::{LoadOptions, Model};
+use gatestream::sparsity::calibration::ScorePools;
+use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
+
+fn stories() -> Model {
+    Model::load(&stories_dir(), &LoadOptions::default()).unwrap()
+}
+
+fn text() -> String {
+    std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap()
+}
+
+fn run(model: &Model, ids: &[u32], mask: Option<&Masker>) -> Vec<f32> {
+    let mut cache = KvCache::new(&model.config, ids.len());
+    let hooks = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: None,
+        mask: mask.map(|m| m as _),
+    };
+    model.forward_with(ids, &mut cache, Logits::From(0), &hooks).unwrap()
+}
+
+#[test]
+fn keeping_every_neuron_is_the_dense_model_for_every_criterion() {
+    let model = stories();
+    let sketches = UpSketches::build(&model).unwrap();
+    let ids = model
+        .tokenizer
+        .encode("Once upon a time, there was a little dog", true)
+        .unwrap();
+    let dense = run(&model, &ids, None);
+    for c in [
+        Criterion::Gate,
+        Criterion::Exact,
+        Criterion::Candidates,
+        Criterion::Sketch,
+    ] {
+        let m = Masker::new(&model, Strategy::TopK, c, 0.0, Some(&sketches), None);
+        assert_eq!(run(&model, &ids, Some(&m)), dense, "{c:?}");
+        assert!(m.achieved_sparsity().iter().all(|&s| s == 0.0));
+    }
+}
+
+#[test]
+fn top_k_drops_exactly_the_asked_share_and_exact_beats_gate() {
+    let model = stories();
+    let ids = model
+        .tokenizer
+        .encode(
+            "Once upon a time, there was a little dog who liked to run in the park",
+            true,
+        )
+        .unwrap();
+    let dense = run(&model, &ids, None);
+    let err = |c: Criterion| {
+        let m = Masker::new(&model, Strategy::TopK, c, 0.5, None, None);
+        let out = run(&model, &ids, Some(&m));
+        let achieved = m.achieved_sparsity();
+        let want = 1.0 - (0.5f32 * model.config.ffn as f32).round() / model.config.ffn as f32;
+        assert!(achieved.iter().all(|&s| (s - want).abs() < 1e-6), "{c:?}: {achieved:?}");
+        out.iter()
+            .zip(&dense)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum::<f64>()
+    };
+    let (gate, exact) = (err(Criterion::Gate), err(Criterion::Exact));
+    assert!(gate > 0.0 && exact > 0.0);
+    assert!(
+        exact < gate,
+        "the exact criterion should lose less than the gate alone: {exact} vs {gate}"
+    );
+}
+
+#[test]
+fn thresholds_from_calibration_give_about_the_target_sparsity() {
+    let model = stories();
+    let pools = ScorePools::collect(
+        &model,
+        &text(),
+        "wiki.test.raw",
+        1024,
+        &[Criterion::Exact, Criterion::Gate],
+        None,
+    )
+    .unwrap();
+    let ids = model.tokenizer.encode(&text()[..3000], true).unwrap();
+    for s in [0.3, 0.5, 0.7] {
+        let m = Masker::new(
+            &model,
+            Strategy::Threshold,
+            Criterion::Exact,
+            s,
+            None,
+            Some(pools.thresholds(Criterion::Exact, s)),
+        );
+        run(&model, &ids[..256], Some(&m));
+        let a = m.achieved_sparsity();
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!((mean - s).abs() < 0.1, "target {s}, achieved {mean} ({a:?})");
+    }
+}
+
+#[test]
+fn union_keeps_the_context_dense_and_masks_the_rest() {
+    let model = stories();
+    let ids = model
+        .tokenizer
+        .encode(
+            "Once upon a time, there was a little dog who liked to run in the park",
+            true,
+        )
+        .unwrap();
+    let dense = run(&model, &ids, None);
+    let m = Masker::new(&model, Strategy::Union, Criterion::Exact, 0.5, None, None);
+    let half = ids.len() / 2;
+    m.set_union_context(half);
+    let out = run(&model, &ids, Some(&m));
+    let v = model.config.vocab;
+    assert_eq!(&out[..half * v], &dense[..half * v], "context positions must be dense");
+    assert_ne!(&out[half * v..], &dense[half * v..]);
+}
+
+#[test]
+fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
+    let model = stories();
+    let opts = EvalOptions {
+        ctx: 128,
+        windows: 2,
+        sparsities: vec![0.0, 0.5],
+        strategies: vec![Strategy::TopK, Strategy::Threshold],
+        criteria: vec![Criterion::Gate, Criterion::Exact],
+        calibrate_tokens: 512,
+    };
+    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
+    assert_eq!(r.rows.len(), 1 + 4);
+    assert_eq!(r.rows[0].ppl_increase_pct, 0.0);
+    assert_eq!(r.scored_positions, 2 * 63);
+    for row in &r.rows[1..] {
+        assert!(row.top1_agreement <= 1.0 && row.mean_kl > 0.0, "{row:?}");
+        assert!(
+            row.ffn_bytes_rel_dense < 1.0 && row.ffn_bytes_rel_dense > 0.3,
+            "{row:?}"
+        );
+    }
+    // Exact needs all of up, so it reads more than gate at the same level.
+    let bytes = |c: Criterion| {
+        r.rows
+            .iter()
+            .find(|x| x.criterion == Some(c) && x.strategy == Some(Strategy::TopK))
+            .unwrap()
+            .ffn_bytes_per_token
+    };
+    assert!(bytes(Criterion::Exact) > bytes(Criterion::Gate));
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(json.contains("\"top1_agreement\"") && json.contains("\"bytes_model\""));
+}
