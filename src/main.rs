@@ -161,6 +161,24 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// Measure per-layer activation statistics of a .gst file's model on the LAST --tokens tokens
+    /// of a text (evaluation uses the start of the same file, so they do not overlap) and store
+    /// them in the file: neuron activation frequencies, thresholds for 10%..90% sparsity on the
+    /// exact score |act(gate)·up|, hot-prefix coverage. The file is rewritten safely (temporary
+    /// file, fsync, rename).
+    Calibrate {
+        /// The .gst file to calibrate (rewritten in place).
+        #[arg(long, short)]
+        model: PathBuf,
+        /// Calibration text, e.g. ../shared/data/wikitext-2/wiki.test.raw.
+        #[arg(long)]
+        text: PathBuf,
+        /// Tokens of text, taken from its end.
+        #[arg(long, default_value_t = 2048)]
+        tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
     /// Show a .gst file: model config, layout, sections, neuron order and calibration summary.
     Inspect {
         file: PathBuf,
@@ -229,6 +247,8 @@ struct Progress {
     started: std::time::Instant,
     last_draw: Option<std::time::Instant>,
     tty: bool,
+    /// The stage whose final state was printed (it is printed once).
+    finished_stage: Option<String>,
 }
 
 impl Progress {
@@ -238,6 +258,7 @@ impl Progress {
             started: std::time::Instant::now(),
             last_draw: None,
             tty: std::io::stderr().is_terminal(),
+            finished_stage: None,
         }
     }
 
@@ -247,6 +268,12 @@ impl Progress {
         let every = if self.tty { 0.1 } else { 10.0 };
         if !finished && self.last_draw.is_some_and(|t| t.elapsed().as_secs_f64() < every) {
             return;
+        }
+        if finished {
+            if self.finished_stage.as_deref() == Some(stage) {
+                return;
+            }
+            self.finished_stage = Some(stage.to_string());
         }
         self.last_draw = Some(std::time::Instant::now());
         let elapsed = self.started.elapsed().as_secs_f64();
@@ -509,6 +536,25 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .with_context(|| format!("writing {}", path.display()))?;
             }
         }
+        Command::Calibrate {
+            model,
+            text,
+            tokens,
+            threads,
+        } => {
+            let mut bar = Progress::new();
+            let cal = gatestream::reformat::recalibrate(&model, &text, tokens, threads, &mut |stage, d, n| {
+                bar.update(stage, d, n)
+            })?;
+            let n = cal.layers.len().max(1) as f32;
+            println!(
+                "{}: calibrated on {}; first 10% / 25% of neurons cover {:.1}% / {:.1}% of activations on average",
+                model.display(),
+                cal.text,
+                cal.layers.iter().map(|l| l.hot_prefix_10).sum::<f32>() / n * 100.0,
+                cal.layers.iter().map(|l| l.hot_prefix_25).sum::<f32>() / n * 100.0
+            );
+        }
         Command::Inspect { file, json } => {
             let g = gatestream::gstfile::GstFile::open(&file)?;
             if json {
@@ -520,8 +566,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Verify { file } => {
             let g = gatestream::gstfile::GstFile::open(&file)?;
             let mut bar = Progress::new();
-            let mb = |b: u64| b.div_ceil(1 << 20) as usize;
-            g.verify(&mut |done, total| bar.update("verify MB", mb(done), mb(total)))?;
+            let mb = |done: u64, total: u64| if done == total { total.div_ceil(1 << 20) } else { done >> 20 } as usize;
+            g.verify(&mut |done, total| bar.update("verify MB", mb(done, total), mb(total, total)))?;
             println!(
                 "{}: header, index and {} sections verified ({:.1} MB)",
                 file.display(),

@@ -357,3 +357,44 @@ fn batched_prefill_equals_token_by_token_on_neuron_major_down() {
         assert!(d < 1e-3, "position {i}: logits differ by {d}");
     }
 }
+
+#[test]
+fn calibrate_rewrites_the_file_safely_and_changes_no_output() {
+    use gatestream::reformat::recalibrate;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = convert(&stories_dir(), tmp.path(), "s.gst", &ReformatOptions::default());
+    let before = logits(&load(&path), "Once upon a time, there was a cat");
+    assert!(GstFile::open(&path).unwrap().index.calibration.is_none());
+    let cal = recalibrate(&path, &wikitext(), 1024, 0, &mut |_, _, _| {}).unwrap();
+    assert!(cal.text.contains("last 1024 tokens"), "{}", cal.text);
+    let g = GstFile::open(&path).unwrap();
+    g.verify(&mut |_, _| {}).unwrap();
+    assert_eq!(g.index.calibration.as_ref().unwrap().layers.len(), 5);
+    assert_eq!(g.frequencies().unwrap().unwrap().len(), 5 * 172);
+    assert_eq!(logits(&load(&path), "Once upon a time, there was a cat"), before);
+    // Calibrating again replaces the calibration instead of adding a second one.
+    recalibrate(&path, &wikitext(), 512, 0, &mut |_, _, _| {}).unwrap();
+    let g = GstFile::open(&path).unwrap();
+    assert_eq!(
+        g.index
+            .sections
+            .iter()
+            .filter(|s| s.name == "calibration.frequencies")
+            .count(),
+        1
+    );
+    assert_eq!(g.index.calibration.as_ref().unwrap().tokens, 512);
+    // A damaged section is refused, and the file is left as it was.
+    let mut bytes = std::fs::read(&path).unwrap();
+    let s = g.index.section("blk.2.ffn_gate.weight").unwrap();
+    bytes[s.offset_bytes as usize + 10] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+    let e = recalibrate(&path, &wikitext(), 512, 0, &mut |_, _, _| {}).unwrap_err();
+    assert!(e.to_string().contains("blk.2.ffn_gate.weight"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap(), bytes);
+    let names: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+}

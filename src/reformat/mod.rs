@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::format::{
     self, Calibration, FfnLayout, Index, LayerCalibration, Layout, NeuronOrder, SourceInfo, UpSketch, FORMAT_VERSION,
 };
+use crate::gstfile::GstFile;
 use crate::model::weights::{FfnDown, ModelWeights, TensorSource, Weight};
 use crate::model::{open_source, LoadOptions, Model};
 use crate::quant::sketch::{sketch_row, sketch_row_bytes};
@@ -192,6 +193,71 @@ fn down_columns(down: &Weight, order: &[u32], ty: GgmlType) -> Result<(Vec<u8>, 
     Ok((out, rel))
 }
 
+/// Write the frequencies section (in the file's neuron order) and build the index's calibration.
+fn write_calibration(w: &mut GstWriter, s: &CalibrationStats, orders: &[Vec<u32>]) -> Result<Calibration> {
+    let ffn = orders.first().map_or(0, |o| o.len());
+    let mut freq_bytes = Vec::with_capacity(orders.len() * ffn * 4);
+    let mut layers = Vec::with_capacity(orders.len());
+    for ((order, freq), thresholds) in orders.iter().zip(&s.frequencies).zip(&s.thresholds) {
+        let in_order: Vec<f32> = order.iter().map(|&i| freq[i as usize]).collect();
+        freq_bytes.extend(f32_bytes(&in_order));
+        layers.push(LayerCalibration {
+            thresholds: thresholds.clone(),
+            hot_prefix_10: prefix_coverage(&in_order, 0.10),
+            hot_prefix_25: prefix_coverage(&in_order, 0.25),
+        });
+    }
+    w.section(FREQUENCIES_SECTION, &freq_bytes)?;
+    Ok(Calibration {
+        tokens: s.tokens as u64,
+        text: s.text.clone(),
+        frequencies_section: FREQUENCIES_SECTION.into(),
+        layers,
+    })
+}
+
+const FREQUENCIES_SECTION: &str = "calibration.frequencies";
+
+/// `gatestream calibrate`: measure activation statistics of a `.gst` file's model on the last
+/// `tokens` tokens of `text` and store them in the file (frequencies, thresholds, hot-prefix
+/// coverage), replacing any earlier calibration. Safe like reformat: the file is rewritten to a
+/// temporary name (sections copied as they are, checksums recomputed) and renamed over itself.
+pub fn recalibrate(
+    path: &Path,
+    text_path: &Path,
+    tokens: usize,
+    threads: usize,
+    progress: Progress,
+) -> Result<Calibration> {
+    let old = GstFile::open(path)?;
+    let text = std::fs::read_to_string(text_path).map_err(|e| Error::io(text_path, e))?;
+    let model = Model::load(path, &LoadOptions { threads })?;
+    let name = text_path.file_name().and_then(|n| n.to_str()).unwrap_or("text");
+    let stats = calibrate(&model, &text, name, tokens, &mut |d, n| progress("calibrate", d, n))?;
+    drop(model);
+    let ffn = old.index.config.ffn as u32;
+    let identity: Vec<Vec<u32>> = (0..old.index.config.n_layers).map(|_| (0..ffn).collect()).collect();
+    let mut w = GstWriter::create(path, true)?;
+    let kept: Vec<_> = old
+        .index
+        .sections
+        .iter()
+        .filter(|s| s.name != FREQUENCIES_SECTION)
+        .collect();
+    for (i, s) in kept.iter().enumerate() {
+        // Copying re-hashes the bytes; check them first so a damaged file is not re-blessed.
+        format::verify_section(path, s, old.section_bytes(s))?;
+        w.section(&s.name, old.section_bytes(s))?;
+        progress("copy", i + 1, kept.len());
+    }
+    w.tensors = old.index.tensors.clone();
+    let calibration = write_calibration(&mut w, &stats, &identity)?;
+    let mut index = old.index.clone();
+    index.calibration = Some(calibration.clone());
+    w.finish(index)?;
+    Ok(calibration)
+}
+
 pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: Progress) -> Result<ReformatReport> {
     let t0 = Instant::now();
     let src = open_source(input)?;
@@ -332,26 +398,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
 
     let calibration = match &stats {
         None => None,
-        Some(s) => {
-            let mut freq_bytes = Vec::with_capacity(n_layers * ffn * 4);
-            let mut layers = Vec::with_capacity(n_layers);
-            for ((order, freq), thresholds) in orders.iter().zip(&s.frequencies).zip(&s.thresholds) {
-                let in_order: Vec<f32> = order.iter().map(|&i| freq[i as usize]).collect();
-                freq_bytes.extend(f32_bytes(&in_order));
-                layers.push(LayerCalibration {
-                    thresholds: thresholds.clone(),
-                    hot_prefix_10: prefix_coverage(&in_order, 0.10),
-                    hot_prefix_25: prefix_coverage(&in_order, 0.25),
-                });
-            }
-            w.section("calibration.frequencies", &freq_bytes)?;
-            Some(Calibration {
-                tokens: s.tokens as u64,
-                text: s.text.clone(),
-                frequencies_section: "calibration.frequencies".into(),
-                layers,
-            })
-        }
+        Some(s) => Some(write_calibration(&mut w, s, &orders)?),
     };
     let index = Index {
         format_version: FORMAT_VERSION,
