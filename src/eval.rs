@@ -25,6 +25,8 @@ pub struct EvalOptions {
     pub criteria: Vec<Criterion>,
     /// Calibration tokens for thresholds, from the end of the text.
     pub calibrate_tokens: usize,
+    /// Quality budget for the frontier: the largest perplexity increase (percent) allowed.
+    pub max_ppl_increase_pct: f64,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -53,7 +55,20 @@ pub struct EvalReport {
     pub calibration: Option<String>,
     pub dense_ffn_bytes_per_token: f64,
     pub rows: Vec<EvalRow>,
+    pub max_ppl_increase_pct: f64,
+    /// Index into `rows` of the configuration with the fewest FFN bytes per token whose
+    /// perplexity increase is within `max_ppl_increase_pct` (the dense row if none is).
+    pub frontier: usize,
     pub seconds: f64,
+}
+
+/// The row with the fewest FFN bytes per token within the quality budget.
+pub fn frontier(rows: &[EvalRow], max_ppl_increase_pct: f64) -> usize {
+    rows.iter()
+        .enumerate()
+        .filter(|(_, r)| r.ppl_increase_pct <= max_ppl_increase_pct)
+        .min_by(|a, b| a.1.ffn_bytes_per_token.total_cmp(&b.1.ffn_bytes_per_token))
+        .map_or(0, |(i, _)| i)
 }
 
 pub const METHOD: &str = "windows as llama.cpp perplexity (ctx tokens, BOS first when the model adds it, second half scored); \
@@ -273,7 +288,10 @@ pub fn eval(
             ffn_bytes_rel_dense: b / dense_bytes,
         });
     }
+    let best = frontier(&rows, opts.max_ppl_increase_pct);
     Ok(EvalReport {
+        max_ppl_increase_pct: opts.max_ppl_increase_pct,
+        frontier: best,
         model: model.path.display().to_string(),
         windows,
         ctx: opts.ctx,
@@ -321,5 +339,17 @@ pub fn table(r: &EvalReport) -> String {
             row.ffn_bytes_rel_dense
         );
     }
+    let f = &r.rows[r.frontier];
+    let _ = writeln!(
+        o,
+        "frontier (≤ {:+.1}% perplexity): {} {} at {:.2} — {:.3} of dense FFN bytes per token ({:+.2}% perplexity, top-1 {:.4})",
+        r.max_ppl_increase_pct,
+        f.strategy.map_or("dense".into(), |s| format!("{s:?}").to_lowercase()),
+        f.criterion.map_or("".into(), |c| format!("{c:?}").to_lowercase()),
+        f.sparsity,
+        f.ffn_bytes_rel_dense,
+        f.ppl_increase_pct,
+        f.top1_agreement
+    );
     o
 }

@@ -157,6 +157,9 @@ enum Command {
         /// Tokens from the END of the text used to calibrate thresholds.
         #[arg(long, default_value_t = 2048)]
         calibrate_tokens: usize,
+        /// Quality budget for the frontier line: the largest perplexity increase, in percent.
+        #[arg(long, default_value_t = 2.0)]
+        max_ppl_increase: f64,
         /// Also write the report as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -498,6 +501,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             strategy,
             criterion,
             calibrate_tokens,
+            max_ppl_increase,
             json,
         } => {
             use gatestream::eval::{eval, table, EvalOptions};
@@ -526,6 +530,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     })
                     .collect(),
                 calibrate_tokens,
+                max_ppl_increase_pct: max_ppl_increase,
             };
             let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
             let mut bar = Progress::new();

@@ -139,6 +139,7 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
         strategies: vec![Strategy::TopK, Strategy::Threshold],
         criteria: vec![Criterion::Gate, Criterion::Exact],
         calibrate_tokens: 512,
+        max_ppl_increase_pct: 1e9,
     };
     let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
     assert_eq!(r.rows.len(), 1 + 4);
@@ -160,6 +161,12 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
             .ffn_bytes_per_token
     };
     assert!(bytes(Criterion::Exact) > bytes(Criterion::Gate));
+    // With an unlimited budget the frontier is the cheapest row; with none, dense.
+    let cheapest = (0..r.rows.len())
+        .min_by(|&a, &b| r.rows[a].ffn_bytes_per_token.total_cmp(&r.rows[b].ffn_bytes_per_token))
+        .unwrap();
+    assert_eq!(r.frontier, cheapest);
+    assert_eq!(gatestream::eval::frontier(&r.rows, -1.0), 0);
     let json = serde_json::to_string(&r).unwrap();
     assert!(json.contains("\"top1_agreement\"") && json.contains("\"bytes_model\""));
 }
