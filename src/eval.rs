@@ -13,6 +13,7 @@ use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use crate::model::sampler::argmax;
 use crate::model::Model;
 use crate::quant::GgmlType;
+use crate::sparsity::budget::Sensitivity;
 use crate::sparsity::calibration::ScorePools;
 use crate::sparsity::{Criterion, Masker, Strategy, UpSketches};
 
@@ -27,6 +28,10 @@ pub struct EvalOptions {
     pub calibrate_tokens: usize,
     /// Quality budget for the frontier: the largest perplexity increase (percent) allowed.
     pub max_ppl_increase_pct: f64,
+    /// Also evaluate top-K with per-layer budgets (sparsity allocated by measured sensitivity,
+    /// same mean as each level, so the same FFN bytes as uniform top-K at that level), measured
+    /// on this many tokens from the end of the text (0 = off).
+    pub per_layer_tokens: usize,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -34,6 +39,8 @@ pub struct EvalRow {
     pub strategy: Option<Strategy>,
     pub criterion: Option<Criterion>,
     pub sparsity: f32,
+    /// Per-layer budget (top-K levels allocated by sensitivity) rather than uniform.
+    pub per_layer: bool,
     pub perplexity: f64,
     pub ppl_increase_pct: f64,
     pub top1_agreement: f64,
@@ -199,6 +206,21 @@ pub fn eval(
             }
         }
     }
+    if opts.per_layer_tokens > 0 {
+        if windows * opts.ctx + opts.per_layer_tokens > tokens.len() {
+            return Err(Error::Invalid(
+                "evaluation windows and the per-layer sensitivity tokens would overlap".into(),
+            ));
+        }
+        for &c in &opts.criteria {
+            let sens = Sensitivity::measure(model, text, opts.per_layer_tokens, c, sketches.as_ref(), &mut |_, _| {})?;
+            for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
+                let m =
+                    Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(sens.allocate(s));
+                maskers.push(m);
+            }
+        }
+    }
     let bytes = FfnBytes::of(model);
     let bos = if model.tokenizer.adds_bos() {
         model.tokenizer.bos_id()
@@ -261,6 +283,7 @@ pub fn eval(
         strategy: None,
         criterion: None,
         sparsity: 0.0,
+        per_layer: false,
         perplexity: dense_ppl,
         ppl_increase_pct: 0.0,
         top1_agreement: 1.0,
@@ -278,6 +301,7 @@ pub fn eval(
             strategy: Some(m.strategy),
             criterion: Some(m.criterion),
             sparsity: m.sparsity,
+            per_layer: m.per_layer.is_some(),
             perplexity: ppl,
             ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
             top1_agreement: acc.agree as f64 / acc.count as f64,
@@ -327,7 +351,10 @@ pub fn table(r: &EvalReport) -> String {
         let _ = writeln!(
             o,
             "{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}",
-            name(row.strategy.map(|s| format!("{s:?}").to_lowercase())),
+            name(
+                row.strategy
+                    .map(|s| format!("{s:?}").to_lowercase() + if row.per_layer { "/layer" } else { "" })
+            ),
             name(row.criterion.map(|c| format!("{c:?}").to_lowercase())),
             row.sparsity,
             row.perplexity,

@@ -157,6 +157,11 @@ enum Command {
         /// Tokens from the END of the text used to calibrate thresholds.
         #[arg(long, default_value_t = 2048)]
         calibrate_tokens: usize,
+        /// Also evaluate top-K with per-layer budgets (levels allocated by each layer's measured
+        /// sensitivity on this many tokens from the end of the text, same mean and bytes as the
+        /// uniform level); 0 = off.
+        #[arg(long, default_value_t = 0)]
+        per_layer_tokens: usize,
         /// Quality budget for the frontier line: the largest perplexity increase, in percent.
         #[arg(long, default_value_t = 2.0)]
         max_ppl_increase: f64,
@@ -502,6 +507,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             criterion,
             calibrate_tokens,
             max_ppl_increase,
+            per_layer_tokens,
             json,
         } => {
             use gatestream::eval::{eval, table, EvalOptions};
@@ -531,6 +537,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     .collect(),
                 calibrate_tokens,
                 max_ppl_increase_pct: max_ppl_increase,
+                per_layer_tokens,
             };
             let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
             let mut bar = Progress::new();

@@ -140,6 +140,7 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
         criteria: vec![Criterion::Gate, Criterion::Exact],
         calibrate_tokens: 512,
         max_ppl_increase_pct: 1e9,
+        per_layer_tokens: 0,
     };
     let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
     assert_eq!(r.rows.len(), 1 + 4);
@@ -169,4 +170,34 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
     assert_eq!(gatestream::eval::frontier(&r.rows, -1.0), 0);
     let json = serde_json::to_string(&r).unwrap();
     assert!(json.contains("\"top1_agreement\"") && json.contains("\"bytes_model\""));
+}
+
+#[test]
+fn per_layer_budgets_keep_the_mean_and_do_not_lose_to_uniform_on_calibration_text() {
+    use gatestream::sparsity::budget::Sensitivity;
+    let model = stories();
+    let sens = Sensitivity::measure(&model, &text(), 256, Criterion::Exact, None, &mut |_, _| {}).unwrap();
+    assert_eq!(sens.kl.len(), 5);
+    assert!(
+        sens.kl.iter().all(|row| row.windows(2).all(|w| w[1] >= w[0] * 0.5)),
+        "{:?}",
+        sens.kl
+    );
+    let alloc = sens.allocate(0.5);
+    assert!((alloc.iter().sum::<f32>() / 5.0 - 0.5).abs() < 1e-5, "{alloc:?}");
+    let opts = EvalOptions {
+        ctx: 128,
+        windows: 2,
+        sparsities: vec![0.5],
+        strategies: vec![Strategy::TopK],
+        criteria: vec![Criterion::Exact],
+        calibrate_tokens: 512,
+        max_ppl_increase_pct: 2.0,
+        per_layer_tokens: 256,
+    };
+    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
+    assert_eq!(r.rows.len(), 3);
+    let (uniform, layered) = (&r.rows[1], &r.rows[2]);
+    assert!(!uniform.per_layer && layered.per_layer);
+    assert!((layered.ffn_bytes_per_token - uniform.ffn_bytes_per_token).abs() / uniform.ffn_bytes_per_token < 0.02);
 }

@@ -6,6 +6,7 @@
 //! same code measures quality in RAM now and selects the neurons to read when streaming.
 //! Knows scores and neurons, never files or bytes on disk.
 
+pub mod budget;
 pub mod calibration;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -141,6 +142,9 @@ pub struct Masker<'a> {
     pub strategy: Strategy,
     pub criterion: Criterion,
     pub sparsity: f32,
+    /// Per-layer sparsity for `TopK` (a budget allocated across layers); `sparsity` is then
+    /// their mean.
+    pub per_layer: Option<Vec<f32>>,
     ffn: usize,
     hidden: usize,
     sketches: Option<&'a UpSketches>,
@@ -173,6 +177,7 @@ impl<'a> Masker<'a> {
             strategy,
             criterion,
             sparsity,
+            per_layer: None,
             ffn: model.config.ffn,
             hidden: model.config.hidden,
             sketches,
@@ -190,8 +195,17 @@ impl<'a> Masker<'a> {
         *self.union_context.lock().expect("union context lock") = tokens;
     }
 
-    fn keep_count(&self) -> usize {
-        ((1.0 - self.sparsity) * self.ffn as f32).round() as usize
+    /// Top-K with a different sparsity per layer (mean = the first element of the returned
+    /// masker's `sparsity`).
+    pub fn with_per_layer(mut self, per_layer: Vec<f32>) -> Self {
+        self.sparsity = per_layer.iter().sum::<f32>() / per_layer.len().max(1) as f32;
+        self.per_layer = Some(per_layer);
+        self
+    }
+
+    fn keep_count(&self, layer: usize) -> usize {
+        let s = self.per_layer.as_ref().map_or(self.sparsity, |p| p[layer]);
+        ((1.0 - s) * self.ffn as f32).round() as usize
     }
 
     /// Per layer: share of masked neuron slots dropped.
@@ -246,7 +260,7 @@ impl<'a> Masker<'a> {
         scratch: &mut Vec<f32>,
         keep: &mut [bool],
     ) -> usize {
-        let k = self.keep_count();
+        let k = self.keep_count(layer);
         scores(self.criterion, self.sketches, layer, xn, gate, hact, scratch);
         let mut up_rows = self.ffn;
         match (self.strategy, self.criterion) {
@@ -299,7 +313,7 @@ impl FfnMask for Masker<'_> {
         };
         if self.strategy == Strategy::Union {
             // The context's tokens vote with their own top-K; the winners serve the rest.
-            let k = self.keep_count();
+            let k = self.keep_count(layer);
             let mut votes = vec![0u32; f];
             let mut scratch = Vec::new();
             let mut keep = vec![false; f];
