@@ -8,10 +8,11 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use gatestream::model::generate::GenerateOptions;
+use gatestream::model::generate::{GenerateOptions, PromptAwareMask};
 use gatestream::model::sampler::SamplerConfig;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::perplexity::{perplexity, PerplexityOptions};
+use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
 
 #[derive(Parser)]
 #[command(
@@ -62,6 +63,21 @@ enum Command {
         /// Wrap the prompt in the model's chat template (instruct models).
         #[arg(long)]
         chat: bool,
+        /// dense: every FFN neuron; sparse: only the neurons the mask keeps (computed in RAM —
+        /// streaming from disk is not built yet); compare: both, side by side, with agreement.
+        #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
+        mode: ModeArg,
+        /// Share of FFN neurons dropped per layer in sparse mode.
+        #[arg(long, default_value_t = 0.3)]
+        sparsity: f32,
+        /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
+        /// by calibration in a .gst file), union (the prompt's choices reused while decoding).
+        #[arg(long, value_enum, default_value_t = StrategyArg::Topk)]
+        strategy: StrategyArg,
+        /// How neurons are scored in sparse mode: gate |act(g)|, exact |act(g)·up|, candidates,
+        /// sketch (see `gatestream eval --help`).
+        #[arg(long, value_enum, default_value_t = CriterionArg::Exact)]
+        criterion: CriterionArg,
         /// Print one JSON object with the text, token ids and speeds at the end instead of stats.
         #[arg(long)]
         json: bool,
@@ -218,6 +234,13 @@ enum OrderArg {
     HotFirst,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ModeArg {
+    Dense,
+    Sparse,
+    Compare,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum StrategyArg {
     Topk,
@@ -247,6 +270,23 @@ enum TypeArg {
     Bf16,
     #[value(name = "q8_0")]
     Q8_0,
+}
+
+fn strategy_of(s: StrategyArg) -> Strategy {
+    match s {
+        StrategyArg::Topk => Strategy::TopK,
+        StrategyArg::Threshold => Strategy::Threshold,
+        StrategyArg::Union => Strategy::Union,
+    }
+}
+
+fn criterion_of(c: CriterionArg) -> Criterion {
+    match c {
+        CriterionArg::Gate => Criterion::Gate,
+        CriterionArg::Exact => Criterion::Exact,
+        CriterionArg::Candidates => Criterion::Candidates,
+        CriterionArg::Sketch => Criterion::Sketch,
+    }
 }
 
 /// Progress on stderr: a bar redrawn in place (at most 10 times a second) on a terminal, a line
@@ -358,6 +398,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             top_p,
             seed,
             chat,
+            mode,
+            sparsity,
+            strategy,
+            criterion,
             json,
         } => {
             if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
@@ -378,25 +422,90 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chat,
                 ctx: 0,
             };
+            let sketches;
+            let masker = if mode == ModeArg::Dense {
+                None
+            } else {
+                let criterion = criterion_of(criterion);
+                sketches = if criterion == Criterion::Sketch {
+                    UpSketches::build(&model)
+                } else {
+                    None
+                };
+                Some(Masker::for_model(
+                    &model,
+                    strategy_of(strategy),
+                    criterion,
+                    sparsity,
+                    sketches.as_ref(),
+                )?)
+            };
             let mut stdout = std::io::stdout();
-            let g = model.generate(&prompt, &opts, &mut |s| {
-                if !json {
+            let streaming = !json && mode != ModeArg::Compare;
+            let mut print = |s: &str| {
+                if streaming {
                     let _ = write!(stdout, "{s}");
                     let _ = stdout.flush();
                 }
-            })?;
-            if json {
-                println!("{}", serde_json::to_string(&g)?);
-            } else {
-                println!();
+            };
+            let stats = |label: &str, g: &gatestream::model::generate::Generation| {
                 eprintln!(
-                    "prompt {} tokens: {:.1} tok/s prefill; generated {} tokens: {:.1} tok/s decode ({})",
+                    "{label}prompt {} tokens: {:.1} tok/s prefill; generated {} tokens: {:.1} tok/s decode ({})",
                     g.prompt_tokens.len(),
                     g.prefill_tok_per_s,
                     g.tokens.len(),
                     g.decode_tok_per_s,
                     g.finish
-                );
+                )
+            };
+            match mode {
+                ModeArg::Dense | ModeArg::Sparse => {
+                    let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
+                    let g = model.generate_with(&prompt, &opts, mask, &mut print)?;
+                    if json {
+                        let mut v = serde_json::to_value(&g)?;
+                        if let Some(m) = &masker {
+                            v["sparsity"] = serde_json::json!({
+                                "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
+                                "achieved_per_layer": m.achieved_sparsity(), "computed_in": "ram"
+                            });
+                        }
+                        println!("{v}");
+                    } else {
+                        println!();
+                        stats("", &g);
+                    }
+                }
+                ModeArg::Compare => {
+                    let m = masker.as_ref().expect("compare has a mask");
+                    let dense = model.generate(&prompt, &opts, &mut |_| {})?;
+                    let sparse = model.generate_with(&prompt, &opts, Some(m), &mut |_| {})?;
+                    let n = dense.tokens.len().min(sparse.tokens.len());
+                    let same = dense.tokens.iter().zip(&sparse.tokens).filter(|(a, b)| a == b).count();
+                    let first_difference = dense.tokens.iter().zip(&sparse.tokens).position(|(a, b)| a != b);
+                    let agreement = if n == 0 { 1.0 } else { same as f64 / n as f64 };
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({
+                                "dense": dense, "sparse": sparse, "agreement": agreement,
+                                "first_difference": first_difference,
+                                "sparsity": { "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
+                                              "achieved_per_layer": m.achieved_sparsity(), "computed_in": "ram" }
+                            })
+                        );
+                    } else {
+                        println!("dense : {}", dense.text);
+                        println!("sparse: {}", sparse.text);
+                        println!(
+                            "agreement: {same}/{n} tokens ({:.1}%), first difference at {}",
+                            agreement * 100.0,
+                            first_difference.map_or("none".into(), |i| format!("token {i}"))
+                        );
+                        stats("dense  ", &dense);
+                        stats("sparse ", &sparse);
+                    }
+                }
             }
         }
         Command::Perplexity {
@@ -511,30 +620,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
         } => {
             use gatestream::eval::{eval, table, EvalOptions};
-            use gatestream::sparsity::{Criterion, Strategy};
             let model = load(&model)?;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let opts = EvalOptions {
                 ctx,
                 windows,
                 sparsities: sparsity,
-                strategies: strategy
-                    .iter()
-                    .map(|s| match s {
-                        StrategyArg::Topk => Strategy::TopK,
-                        StrategyArg::Threshold => Strategy::Threshold,
-                        StrategyArg::Union => Strategy::Union,
-                    })
-                    .collect(),
-                criteria: criterion
-                    .iter()
-                    .map(|c| match c {
-                        CriterionArg::Gate => Criterion::Gate,
-                        CriterionArg::Exact => Criterion::Exact,
-                        CriterionArg::Candidates => Criterion::Candidates,
-                        CriterionArg::Sketch => Criterion::Sketch,
-                    })
-                    .collect(),
+                strategies: strategy.iter().map(|&s| strategy_of(s)).collect(),
+                criteria: criterion.iter().map(|&c| criterion_of(c)).collect(),
                 calibrate_tokens,
                 max_ppl_increase_pct: max_ppl_increase,
                 per_layer_tokens,

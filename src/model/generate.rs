@@ -5,9 +5,15 @@
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::model::forward::{KvCache, Logits};
+use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, KvCache, Logits};
 use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::Model;
+
+/// A mask that generation tells how many of the next batch's tokens are the prompt.
+pub trait PromptAwareMask: Sync {
+    fn prompt_tokens(&self, n: usize);
+    fn as_mask(&self) -> &dyn FfnMask;
+}
 
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
@@ -35,6 +41,18 @@ pub struct Generation {
 
 impl Model {
     pub fn generate(&self, prompt: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
+        self.generate_with(prompt, opts, None, on_text)
+    }
+
+    /// As `generate`, with an FFN mask applied to every layer of every step (the prompt's
+    /// length is announced to it first, for masks that learn from the prompt).
+    pub fn generate_with(
+        &self,
+        prompt: &str,
+        opts: &GenerateOptions,
+        mask: Option<&dyn PromptAwareMask>,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation> {
         let text = if opts.chat {
             if !self.tokenizer.has_chat_template() {
                 return Err(Error::Invalid(format!(
@@ -72,7 +90,26 @@ impl Model {
         let mut tokens = Vec::new();
 
         let t0 = Instant::now();
-        let mut logits = self.forward(&prompt_tokens, &mut cache, Logits::Last)?;
+        let step = |tokens: &[u32], cache: &mut KvCache| -> Result<Vec<f32>> {
+            match mask {
+                None => self.forward(tokens, cache, Logits::Last),
+                Some(m) => {
+                    let hooks = FfnHooks {
+                        select: &|_, _| FfnNeurons::All,
+                        observe: None,
+                        mask: Some(m.as_mask()),
+                    };
+                    self.forward_with(tokens, cache, Logits::Last, &hooks)
+                }
+            }
+        };
+        if let Some(m) = mask {
+            m.prompt_tokens(prompt_tokens.len());
+        }
+        let mut logits = step(&prompt_tokens, &mut cache)?;
+        if let Some(m) = mask {
+            m.prompt_tokens(0);
+        }
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut finish = "max_tokens";
@@ -89,7 +126,7 @@ impl Model {
                 out_text.push_str(&s);
             }
             if i + 1 < opts.max_tokens {
-                logits = self.forward(&[next], &mut cache, Logits::Last)?;
+                logits = step(&[next], &mut cache)?;
                 n_decode_forward += 1;
             }
         }

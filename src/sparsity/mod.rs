@@ -154,6 +154,9 @@ pub struct Masker<'a> {
     gate_thresholds: Option<Vec<f32>>,
     /// For `Union`: tokens of each batch that run dense and build the set.
     union_context: Mutex<usize>,
+    /// For `Union`: each layer's kept set from the last context, reused by batches without one
+    /// (decode steps after the prompt).
+    union_sets: Mutex<Vec<Option<Vec<bool>>>>,
     kept: Vec<AtomicU64>,
     total: Vec<AtomicU64>,
     up_rows: Vec<AtomicU64>,
@@ -184,10 +187,62 @@ impl<'a> Masker<'a> {
             thresholds,
             gate_thresholds,
             union_context: Mutex::new(0),
+            union_sets: Mutex::new(vec![None; n]),
             kept: (0..n).map(|_| AtomicU64::new(0)).collect(),
             total: (0..n).map(|_| AtomicU64::new(0)).collect(),
             up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
         }
+    }
+
+    /// A masker for generation: `Threshold` takes its per-layer thresholds from the `.gst` file's
+    /// stored calibration (exact criterion, levels 0.1…0.9), the others need nothing stored.
+    pub fn for_model(
+        model: &Model,
+        strategy: Strategy,
+        criterion: Criterion,
+        sparsity: f32,
+        sketches: Option<&'a UpSketches>,
+    ) -> crate::error::Result<Masker<'a>> {
+        use crate::error::Error;
+        if !(0.0..1.0).contains(&sparsity) {
+            return Err(Error::Invalid(format!("--sparsity {sparsity} must be in [0, 1)")));
+        }
+        if criterion == Criterion::Sketch && sketches.is_none() {
+            return Err(Error::Invalid("the sketch criterion needs sketches of up".into()));
+        }
+        let thresholds = if strategy == Strategy::Threshold {
+            if criterion != Criterion::Exact {
+                return Err(Error::Invalid(
+                    "--strategy threshold uses the thresholds stored by `gatestream calibrate`, which are for --criterion exact"
+                        .into(),
+                ));
+            }
+            let not_calibrated = || {
+                Error::Invalid(format!(
+                    "{}: --strategy threshold needs a calibrated .gst file (gatestream reformat ... --calibrate TEXT, or gatestream calibrate)",
+                    model.path.display()
+                ))
+            };
+            if !crate::gstfile::is_gst(&model.path) {
+                return Err(not_calibrated());
+            }
+            let g = crate::gstfile::GstFile::open(&model.path)?;
+            let cal = g.index.calibration.as_ref().ok_or_else(not_calibrated)?;
+            let t: Vec<f32> = cal
+                .layers
+                .iter()
+                .map(|l| {
+                    l.thresholds
+                        .iter()
+                        .min_by(|a, b| (a.0 - sparsity).abs().total_cmp(&(b.0 - sparsity).abs()))
+                        .map_or(0.0, |t| t.1)
+                })
+                .collect();
+            Some((t, None))
+        } else {
+            None
+        };
+        Ok(Masker::new(model, strategy, criterion, sparsity, sketches, thresholds))
     }
 
     /// For `Union`: the first `tokens` of each following batch are the context.
@@ -303,6 +358,15 @@ impl<'a> Masker<'a> {
     }
 }
 
+impl crate::model::generate::PromptAwareMask for Masker<'_> {
+    fn prompt_tokens(&self, n: usize) {
+        self.set_union_context(n);
+    }
+    fn as_mask(&self) -> &dyn FfnMask {
+        self
+    }
+}
+
 impl FfnMask for Masker<'_> {
     fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
         let (f, h) = (self.ffn, self.hidden);
@@ -331,8 +395,17 @@ impl FfnMask for Masker<'_> {
                 top_k_mask(&scratch, k, &mut keep);
                 votes.iter_mut().zip(&keep).for_each(|(v, &kp)| *v += kp as u32);
             }
-            let votes_f: Vec<f32> = votes.iter().map(|&v| v as f32).collect();
-            top_k_mask(&votes_f, k, &mut keep);
+            if first > 0 {
+                let votes_f: Vec<f32> = votes.iter().map(|&v| v as f32).collect();
+                top_k_mask(&votes_f, k, &mut keep);
+                self.union_sets.lock().expect("union sets lock")[layer] = Some(keep.clone());
+            } else {
+                match &self.union_sets.lock().expect("union sets lock")[layer] {
+                    Some(set) => keep.copy_from_slice(set),
+                    // No context has been seen: nothing to learn from, so run dense.
+                    None => keep.fill(true),
+                }
+            }
             let kept_per_token = keep.iter().filter(|&&k| k).count() as u64;
             for row in hact[first * f..].chunks_mut(f) {
                 row.iter_mut().zip(&keep).for_each(|(a, &kp)| {
