@@ -67,17 +67,19 @@ enum Command {
         /// streaming from disk is not built yet); compare: both, side by side, with agreement.
         #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
-        /// Share of FFN neurons dropped per layer in sparse mode.
-        #[arg(long, default_value_t = 0.3)]
-        sparsity: f32,
+        /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
+        /// and --criterion, a .gst file's recommendation (stored by `eval --store`) is used, else
+        /// topk / exact / 0.3.
+        #[arg(long)]
+        sparsity: Option<f32>,
         /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
         /// by calibration in a .gst file), union (the prompt's choices reused while decoding).
-        #[arg(long, value_enum, default_value_t = StrategyArg::Topk)]
-        strategy: StrategyArg,
+        #[arg(long, value_enum)]
+        strategy: Option<StrategyArg>,
         /// How neurons are scored in sparse mode: gate |act(g)|, exact |act(g)·up|, candidates,
         /// sketch (see `gatestream eval --help`).
-        #[arg(long, value_enum, default_value_t = CriterionArg::Exact)]
-        criterion: CriterionArg,
+        #[arg(long, value_enum)]
+        criterion: Option<CriterionArg>,
         /// Print one JSON object with the text, token ids and speeds at the end instead of stats.
         #[arg(long)]
         json: bool,
@@ -181,6 +183,10 @@ enum Command {
         /// Quality budget for the frontier line: the largest perplexity increase, in percent.
         #[arg(long, default_value_t = 2.0)]
         max_ppl_increase: f64,
+        /// Store the frontier configuration in the model's .gst file as the default for
+        /// `run --mode sparse` (safe rewrite of the file).
+        #[arg(long)]
+        store: bool,
         /// Also write the report as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
@@ -270,6 +276,21 @@ enum TypeArg {
     Bf16,
     #[value(name = "q8_0")]
     Q8_0,
+}
+
+/// The sparse configuration stored in a .gst file by `eval --store`, if any.
+fn recommended(model: &Model) -> anyhow::Result<Option<(Strategy, Criterion, f32)>> {
+    if !gatestream::gstfile::is_gst(&model.path) {
+        return Ok(None);
+    }
+    let g = gatestream::gstfile::GstFile::open(&model.path)?;
+    Ok(g.index.recommended_sparse.as_ref().and_then(|r| {
+        Some((
+            Strategy::from_name(&r.strategy)?,
+            Criterion::from_name(&r.criterion)?,
+            r.sparsity,
+        ))
+    }))
 }
 
 fn strategy_of(s: StrategyArg) -> Strategy {
@@ -426,15 +447,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let masker = if mode == ModeArg::Dense {
                 None
             } else {
-                let criterion = criterion_of(criterion);
+                let stored = if strategy.is_none() && criterion.is_none() && sparsity.is_none() {
+                    recommended(&model)?
+                } else {
+                    None
+                };
+                let (strategy, criterion, sparsity) = match stored {
+                    Some(r) => r,
+                    None => (
+                        strategy.map_or(Strategy::TopK, strategy_of),
+                        criterion.map_or(Criterion::Exact, criterion_of),
+                        sparsity.unwrap_or(0.3),
+                    ),
+                };
                 sketches = if criterion == Criterion::Sketch {
                     UpSketches::build(&model)
                 } else {
                     None
                 };
+                eprintln!(
+                    "sparse FFN (in RAM): {} {} at {sparsity}",
+                    strategy.name(),
+                    criterion.name()
+                );
                 Some(Masker::for_model(
                     &model,
-                    strategy_of(strategy),
+                    strategy,
                     criterion,
                     sparsity,
                     sketches.as_ref(),
@@ -617,6 +655,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             calibrate_tokens,
             max_ppl_increase,
             per_layer_tokens,
+            store,
             json,
         } => {
             use gatestream::eval::{eval, table, EvalOptions};
@@ -639,6 +678,38 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&report)?)
                     .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if store {
+                let f = &report.rows[report.frontier];
+                let (Some(strategy), Some(criterion)) = (f.strategy, f.criterion) else {
+                    anyhow::bail!("no sparse configuration met the quality budget; nothing stored");
+                };
+                if f.per_layer {
+                    anyhow::bail!("the frontier is a per-layer budget, which a .gst file cannot store yet");
+                }
+                if !gatestream::gstfile::is_gst(&model.path) {
+                    anyhow::bail!("--store needs a .gst model (gatestream reformat) to store the recommendation in");
+                }
+                let r = gatestream::format::Recommendation {
+                    strategy: strategy.name().into(),
+                    criterion: criterion.name().into(),
+                    sparsity: f.sparsity,
+                    max_ppl_increase_pct: report.max_ppl_increase_pct as f32,
+                    measured_ppl_increase_pct: f.ppl_increase_pct as f32,
+                    top1_agreement: f.top1_agreement as f32,
+                    ffn_bytes_rel_dense: f.ffn_bytes_rel_dense as f32,
+                    measured_on: format!("{name}: {} windows of {} tokens", report.windows, report.ctx),
+                };
+                let path = model.path.clone();
+                drop(model);
+                gatestream::reformat::store_recommendation(&path, r, &mut |stage, d, n| bar.update(stage, d, n))?;
+                eprintln!(
+                    "stored in {}: {} {} at {}",
+                    path.display(),
+                    strategy.name(),
+                    criterion.name(),
+                    f.sparsity
+                );
             }
         }
         Command::Calibrate {

@@ -398,3 +398,55 @@ fn calibrate_rewrites_the_file_safely_and_changes_no_output() {
         .collect();
     assert_eq!(names.len(), 1, "{names:?}");
 }
+
+#[test]
+fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = convert(&stories_dir(), tmp.path(), "s.gst", &ReformatOptions::default());
+    let bin = env!("CARGO_BIN_EXE_gatestream");
+    let out = std::process::Command::new(bin)
+        .args(["eval", "--model"])
+        .arg(&path)
+        .arg("--text")
+        .arg(wikitext())
+        .args([
+            "--ctx",
+            "128",
+            "--windows",
+            "2",
+            "--sparsity",
+            "0,0.1,0.3",
+            "--criterion",
+            "exact",
+        ])
+        .args(["--max-ppl-increase", "1000", "--store"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let g = GstFile::open(&path).unwrap();
+    g.verify(&mut |_, _| {}).unwrap();
+    let r = g.index.recommended_sparse.clone().expect("a stored recommendation");
+    // With an unlimited budget the frontier is the sparsest (cheapest) configuration.
+    assert_eq!(
+        (r.strategy.as_str(), r.criterion.as_str(), r.sparsity),
+        ("topk", "exact", 0.3)
+    );
+    let out = std::process::Command::new(bin)
+        .args(["run", "--model"])
+        .arg(&path)
+        .args([
+            "--mode",
+            "sparse",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--prompt",
+            "Once upon a time",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["sparsity"]["level"].as_f64().unwrap() as f32, 0.3);
+    assert_eq!(v["sparsity"]["criterion"], "exact");
+}

@@ -164,6 +164,25 @@ impl Index {
                 "down_requant_rel_rms has a negative or non-finite entry".into(),
             ));
         }
+        if let Some(r) = &self.recommended_sparse {
+            let names_ok = ["topk", "threshold", "union"].contains(&r.strategy.as_str())
+                && ["gate", "exact", "candidates", "sketch"].contains(&r.criterion.as_str());
+            let numbers_ok = (0.0..1.0).contains(&r.sparsity)
+                && [
+                    r.max_ppl_increase_pct,
+                    r.measured_ppl_increase_pct,
+                    r.top1_agreement,
+                    r.ffn_bytes_rel_dense,
+                ]
+                .iter()
+                .all(|v| v.is_finite())
+                && r.measured_on.len() <= TEXT_LEN_MAX_BYTES;
+            if !(names_ok && numbers_ok) {
+                return Err(at_index(format!(
+                    "recommended_sparse is not a valid configuration: {r:?}"
+                )));
+            }
+        }
         Ok(())
     }
 

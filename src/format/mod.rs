@@ -96,6 +96,11 @@ pub struct Index {
     pub calibration: Option<Calibration>,
     /// Per layer: relative RMS error of the down re-quantization (empty when down was not re-quantized).
     pub down_requant_rel_rms: Vec<f32>,
+    /// The sparse configuration `gatestream eval --store` measured as best for a quality budget;
+    /// `run --mode sparse` uses it when no mask options are given. Absent in files that were
+    /// never evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recommended_sparse: Option<Recommendation>,
     pub sections: Vec<Section>,
     pub tensors: Vec<TensorView>,
 }
@@ -138,6 +143,26 @@ pub struct LayerCalibration {
     /// Share of all activations covered by the first 10% / 25% of neurons in file order.
     pub hot_prefix_10: f32,
     pub hot_prefix_25: f32,
+}
+
+/// A measured sparse configuration (names as `gatestream eval` prints them).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Recommendation {
+    /// "topk", "threshold" or "union".
+    pub strategy: String,
+    /// "gate", "exact", "candidates" or "sketch".
+    pub criterion: String,
+    /// Share of FFN neurons dropped, in [0, 1).
+    pub sparsity: f32,
+    /// The quality budget it was chosen under, and what it measured (percent).
+    pub max_ppl_increase_pct: f32,
+    pub measured_ppl_increase_pct: f32,
+    pub top1_agreement: f32,
+    /// FFN bytes per token relative to dense streaming, per `eval`'s bytes model.
+    pub ffn_bytes_rel_dense: f32,
+    /// What it was measured on (text, windows).
+    pub measured_on: String,
 }
 
 /// A byte range of the file with its checksum.

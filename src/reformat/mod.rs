@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::format::Recommendation;
 use crate::format::{
     self, Calibration, FfnLayout, Index, LayerCalibration, Layout, NeuronOrder, SourceInfo, UpSketch, FORMAT_VERSION,
 };
@@ -237,25 +238,59 @@ pub fn recalibrate(
     drop(model);
     let ffn = old.index.config.ffn as u32;
     let identity: Vec<Vec<u32>> = (0..old.index.config.n_layers).map(|_| (0..ffn).collect()).collect();
+    rewrite(
+        &old,
+        &[FREQUENCIES_SECTION],
+        |w| write_calibration(w, &stats, &identity),
+        |index, calibration| {
+            index.calibration = Some(calibration.clone());
+            calibration
+        },
+        progress,
+    )
+}
+
+/// Store the configuration `eval` chose in a `.gst` file (safe rewrite, like calibrate).
+pub fn store_recommendation(path: &Path, r: Recommendation, progress: Progress) -> Result<()> {
+    let old = GstFile::open(path)?;
+    rewrite(
+        &old,
+        &[],
+        |_| Ok(()),
+        |index, ()| index.recommended_sparse = Some(r),
+        progress,
+    )
+}
+
+/// Rewrite `old` under its own name: its sections are copied (each verified first, so damage is
+/// not re-blessed with fresh checksums) except `drop`, `add` writes new sections, `change` edits
+/// the index; the result replaces the file by rename, or nothing changes.
+fn rewrite<T, R>(
+    old: &GstFile,
+    drop: &[&str],
+    add: impl FnOnce(&mut GstWriter) -> Result<T>,
+    change: impl FnOnce(&mut Index, T) -> R,
+    progress: Progress,
+) -> Result<R> {
+    let path = &old.path;
     let mut w = GstWriter::create(path, true)?;
     let kept: Vec<_> = old
         .index
         .sections
         .iter()
-        .filter(|s| s.name != FREQUENCIES_SECTION)
+        .filter(|s| !drop.contains(&s.name.as_str()))
         .collect();
     for (i, s) in kept.iter().enumerate() {
-        // Copying re-hashes the bytes; check them first so a damaged file is not re-blessed.
         format::verify_section(path, s, old.section_bytes(s))?;
         w.section(&s.name, old.section_bytes(s))?;
         progress("copy", i + 1, kept.len());
     }
     w.tensors = old.index.tensors.clone();
-    let calibration = write_calibration(&mut w, &stats, &identity)?;
+    let added = add(&mut w)?;
     let mut index = old.index.clone();
-    index.calibration = Some(calibration.clone());
+    let result = change(&mut index, added);
     w.finish(index)?;
-    Ok(calibration)
+    Ok(result)
 }
 
 pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: Progress) -> Result<ReformatReport> {
@@ -417,6 +452,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         tokenizer_section: "tokenizer.json".into(),
         calibration,
         down_requant_rel_rms: down_err.clone(),
+        recommended_sparse: None,
         sections: Vec::new(),
         tensors: Vec::new(),
     };

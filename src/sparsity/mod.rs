@@ -44,6 +44,42 @@ pub enum Criterion {
     Sketch,
 }
 
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::TopK => "topk",
+            Strategy::Threshold => "threshold",
+            Strategy::Union => "union",
+        }
+    }
+    pub fn from_name(s: &str) -> Option<Strategy> {
+        [Strategy::TopK, Strategy::Threshold, Strategy::Union]
+            .into_iter()
+            .find(|x| x.name() == s)
+    }
+}
+
+impl Criterion {
+    pub fn name(self) -> &'static str {
+        match self {
+            Criterion::Gate => "gate",
+            Criterion::Exact => "exact",
+            Criterion::Candidates => "candidates",
+            Criterion::Sketch => "sketch",
+        }
+    }
+    pub fn from_name(s: &str) -> Option<Criterion> {
+        [
+            Criterion::Gate,
+            Criterion::Exact,
+            Criterion::Candidates,
+            Criterion::Sketch,
+        ]
+        .into_iter()
+        .find(|x| x.name() == s)
+    }
+}
+
 /// Candidates per kept neuron for `Criterion::Candidates` (50% kept → gate's top 70%).
 pub const CANDIDATE_FACTOR: f32 = 1.4;
 

@@ -336,3 +336,50 @@ fn rejects_requant_errors_of_wrong_length_or_value() {
     })
     .expect("optional parts may be absent");
 }
+
+#[test]
+fn recommended_sparse_round_trips_and_rejects_bad_values() {
+    let good = Recommendation {
+        strategy: "topk".into(),
+        criterion: "exact".into(),
+        sparsity: 0.3,
+        max_ppl_increase_pct: 2.0,
+        measured_ppl_increase_pct: 0.5,
+        top1_agreement: 0.94,
+        ffn_bytes_rel_dense: 0.86,
+        measured_on: "wiki.test.raw, 20 windows of 512".into(),
+    };
+    let g = good.clone();
+    let (_, ix) = parse_changed(move |ix| ix.recommended_sparse = Some(g)).unwrap();
+    assert_eq!(ix.recommended_sparse, Some(good.clone()));
+    for bad in [
+        Recommendation {
+            strategy: "random".into(),
+            ..good.clone()
+        },
+        Recommendation {
+            criterion: "".into(),
+            ..good.clone()
+        },
+        Recommendation {
+            sparsity: 1.0,
+            ..good.clone()
+        },
+        Recommendation {
+            top1_agreement: f32::NAN,
+            ..good.clone()
+        },
+    ] {
+        let r = parse_with_index_bytes_of(|ix| ix.recommended_sparse = Some(bad));
+        assert!(r.is_err());
+    }
+}
+
+/// Serialize the changed sample index by hand (a NaN cannot go through `Index::to_json_bytes`
+/// into a valid document, so this checks the parser rejects whatever reaches it).
+fn parse_with_index_bytes_of(change: impl FnOnce(&mut Index)) -> Result<(Header, Index)> {
+    let (mut index, planned, image) = sample();
+    change(&mut index);
+    let json = serde_json::to_vec(&index).unwrap_or_else(|_| b"{".to_vec());
+    parse_with_index_bytes(&image[..planned.header.index_offset_bytes as usize], &json)
+}

@@ -189,6 +189,7 @@ pub(super) fn sample_parts() -> (Index, Vec<Vec<u8>>) {
             layers: vec![layer; cfg.n_layers],
         }),
         down_requant_rel_rms: vec![0.004, 0.005],
+        recommended_sparse: None,
         sections: b.sections,
         tensors: b.tensors,
     };
