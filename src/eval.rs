@@ -380,3 +380,31 @@ pub fn table(r: &EvalReport) -> String {
     );
     o
 }
+
+/// Quality against bytes: one line per strategy × criterion (× budget), each starting at dense.
+pub fn chart(r: &EvalReport) -> crate::plot::Chart<'static> {
+    use crate::plot::{Chart, Series};
+    let mut series: Vec<Series> = Vec::new();
+    for row in &r.rows[1..] {
+        let name = format!(
+            "{}{} {}",
+            row.strategy.map_or("", |s| s.name()),
+            if row.per_layer { "/layer" } else { "" },
+            row.criterion.map_or("", |c| c.name())
+        );
+        let point = (row.ffn_bytes_rel_dense, row.ppl_increase_pct);
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push(point),
+            None => series.push(Series {
+                name,
+                points: vec![(1.0, 0.0), point],
+            }),
+        }
+    }
+    Chart {
+        title: "Perplexity increase vs FFN bytes per token",
+        x_label: "FFN bytes per token relative to dense",
+        y_label: "perplexity increase over dense (%)",
+        series,
+    }
+}

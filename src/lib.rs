@@ -12,6 +12,7 @@ pub mod inspect;
 pub mod io;
 pub mod model;
 pub mod perplexity;
+pub mod plot;
 pub mod quant;
 pub mod reformat;
 pub mod safetensors;

@@ -183,6 +183,10 @@ enum Command {
         /// Quality budget for the frontier line: the largest perplexity increase, in percent.
         #[arg(long, default_value_t = 2.0)]
         max_ppl_increase: f64,
+        /// Also draw perplexity increase against FFN bytes per token, one line per strategy and
+        /// criterion, as an SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
         /// Store the frontier configuration in the model's .gst file as the default for
         /// `run --mode sparse` (safe rewrite of the file).
         #[arg(long)]
@@ -655,6 +659,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             calibrate_tokens,
             max_ppl_increase,
             per_layer_tokens,
+            plot,
             store,
             json,
         } => {
@@ -677,6 +682,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", table(&report));
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(path) = plot {
+                std::fs::write(&path, gatestream::eval::chart(&report).svg())
                     .with_context(|| format!("writing {}", path.display()))?;
             }
             if store {

@@ -168,6 +168,9 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
         .unwrap();
     assert_eq!(r.frontier, cheapest);
     assert_eq!(gatestream::eval::frontier(&r.rows, -1.0), 0);
+    let chart = gatestream::eval::chart(&r);
+    assert_eq!(chart.series.len(), 4, "one line per strategy x criterion");
+    assert!(chart.svg().contains("topk exact"));
     let json = serde_json::to_string(&r).unwrap();
     assert!(json.contains("\"top1_agreement\"") && json.contains("\"bytes_model\""));
 }
