@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
 use crate::error::{Error, Result};
 use crate::model::config::{FfnActivation, ModelConfig};
-use crate::model::weights::{FfnDown, LayerWeights, ModelWeights, Weight};
+use crate::model::weights::{FfnDown, LayerWeights, Weight};
 use crate::model::Model;
 use crate::quant::PreparedInput;
 
@@ -355,18 +355,4 @@ impl Model {
         }
         x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
     }
-}
-
-/// Matrix shapes a model needs, for error messages and sizing.
-pub fn weight_bytes(w: &ModelWeights) -> usize {
-    let mut total = w.token_embd.len_bytes();
-    for l in &w.layers {
-        for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_gate, &l.ffn_up, l.ffn_down.weight()] {
-            total += m.len_bytes();
-        }
-    }
-    if w.output.name != w.token_embd.name {
-        total += w.output.len_bytes();
-    }
-    total
 }
