@@ -1,16 +1,20 @@
 //! The CPU backend: quantized dot products from `quant` (SIMD chosen at run time), split across
 //! threads by rows. Rows are processed in chunks that stay in cache while every token of a batch
-//! is multiplied with them, so batched prefill reads each weight once.
+//! is multiplied with them (`vec_dot_tile`, which unpacks each weight block once per few tokens),
+//! so batched prefill reads and decodes each weight once per tile of tokens, not once per token.
 
 use rayon::prelude::*;
 
 use super::Backend;
 use crate::model::weights::Weight;
-use crate::quant::{axpy_row_f64, vec_dot, vec_dot_rows, PreparedInput};
+use crate::quant::{axpy_row_f64, vec_dot, vec_dot_rows, vec_dot_tile, PreparedInput};
 
 /// Rows per work item: small enough to balance two threads, large enough that scheduling is
 /// noise next to the dot products (a Q4_K row of 1536 is 864 bytes; 64 rows stay in L2).
 const CHUNK_ROWS: usize = 64;
+/// Tokens per `vec_dot_tile` call in the batched matmul: the chunk's rows stream through the
+/// kernels once per this many tokens, whose outputs (16 x 64 floats) live on the stack.
+const CHUNK_TOKENS: usize = 16;
 
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
@@ -71,21 +75,30 @@ impl Backend for CpuBackend {
             });
             return;
         }
+        // Batched: each chunk of rows is multiplied with the tokens a tile at a time, so every
+        // weight block is unpacked once per few tokens rather than once per token.
+        let xs: Vec<&PreparedInput> = xs.iter().collect();
         let ptr = OutPtr(out.as_mut_ptr());
         let n_chunks = w.rows.div_ceil(CHUNK_ROWS);
         self.pool.install(|| {
             (0..n_chunks).into_par_iter().for_each(|c| {
                 let start = c * CHUNK_ROWS;
                 let end = (start + CHUNK_ROWS).min(w.rows);
+                let n = end - start;
                 let rows = w.rows_bytes(start, end);
-                let mut local = [0f32; CHUNK_ROWS];
-                for (t, x) in xs.iter().enumerate() {
-                    vec_dot_rows(w.ty, rows, x, &mut local[..end - start]);
+                let mut local = [0f32; CHUNK_TOKENS * CHUNK_ROWS];
+                for (g, group) in xs.chunks(CHUNK_TOKENS).enumerate() {
+                    let local = &mut local[..group.len() * n];
+                    vec_dot_tile(w.ty, rows, group, local);
                     let dst = ptr;
-                    for (i, &v) in local[..end - start].iter().enumerate() {
-                        // SAFETY: index t*rows + start + i is inside `out` (asserted length) and
-                        // belongs to this chunk's rows only.
-                        unsafe { *dst.0.add(t * w.rows + start + i) = v };
+                    for (i, out_t) in local.chunks_exact(n).enumerate() {
+                        let t = g * CHUNK_TOKENS + i;
+                        // SAFETY: rows start..end of token t lie inside `out` ([n_tok, rows],
+                        // asserted above) and belong to this chunk only; `out_t` is a local
+                        // buffer, so the ranges cannot overlap.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(out_t.as_ptr(), dst.0.add(t * w.rows + start), n);
+                        }
                     }
                 }
             })

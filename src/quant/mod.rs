@@ -11,7 +11,9 @@
 //! for the K-quants, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
 //! same integer per block and differs only in the order of the float summation, and the tests
-//! check each family against it.
+//! check each family against it. [`vec_dot_tile`] is the batched form (several prepared inputs
+//! against the same rows, each weight block unpacked once per few tokens); its results equal
+//! per-input [`vec_dot_rows`] bit for bit.
 //!
 //! Length mismatches (a row whose byte length does not fit the prepared input, an output slice of
 //! the wrong size) are programming errors here and panic; callers validate tensor shapes first.
@@ -23,6 +25,7 @@ mod prepare;
 mod quantize;
 mod scalar;
 pub mod sketch;
+mod tile;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -36,6 +39,7 @@ pub use dequant::dequantize_row;
 pub use prepare::PreparedInput;
 pub use quantize::quantize_row;
 pub use scalar::vec_dot_scalar;
+pub use tile::vec_dot_tile;
 
 /// A tensor element type this engine can compute with. The discriminant-free enum keeps GGUF's
 /// numeric ids in one place ([`GgmlType::from_ggml_id`] / [`GgmlType::ggml_id`]).

@@ -119,16 +119,18 @@ impl PreparedInput {
     }
 
     /// ggml's `quantize_row_q8_0`: scale = absmax / 127, quants rounded half away from zero.
+    /// Written as whole-block array passes (no per-element `push`) so the loops vectorize.
     fn push_q8_32_block(&mut self, block: &[f32]) {
+        let block: &[f32; QK_LEGACY] = block.try_into().expect("a whole block");
         let abs_max = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let scale = abs_max / 127.0;
         let inv_scale = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-        let mut sum = 0i32;
-        for &v in block {
-            let q = (v * inv_scale).round() as i8;
-            sum += i32::from(q);
-            self.quants.push(q);
+        let mut quants = [0i8; QK_LEGACY];
+        for (q, &v) in quants.iter_mut().zip(block) {
+            *q = round_half_away(v * inv_scale) as i8;
         }
+        let sum: i32 = quants.iter().map(|&q| i32::from(q)).sum();
+        self.quants.extend_from_slice(&quants);
         self.block_scales.push(scale);
         self.sums_32.push(sum);
         self.scale_and_scaled_sum.extend([scale, scale * sum as f32]);
@@ -138,24 +140,22 @@ impl PreparedInput {
     /// magnitude (iscale = -127 / max), quants rounded half to even and capped at 127, so every
     /// quant lies in -127..=127 (which keeps `vpmaddubsw` from saturating).
     fn push_q8_k_block(&mut self, block: &[f32]) {
-        let mut abs_max = 0.0f32;
-        let mut max = 0.0f32;
-        for &v in block {
-            if v.abs() > abs_max {
-                abs_max = v.abs();
-                max = v;
-            }
-        }
+        let block: &[f32; QK_K] = block.try_into().expect("a whole block");
+        // The first element of largest magnitude, found in two vectorizable passes (NaNs are
+        // skipped by both `max` and the comparison, as by ggml's strict `>` scan).
+        let abs_max = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let max = block.iter().copied().find(|v| v.abs() == abs_max).unwrap_or(0.0);
         let start = self.quants.len();
         if abs_max == 0.0 {
             self.quants.resize(start + QK_K, 0);
             self.block_scales.push(0.0);
         } else {
             let inv_scale = -127.0 / max;
-            for &v in block {
-                let q = ((inv_scale * v).round_ties_even() as i32).min(127);
-                self.quants.push(q as i8);
+            let mut quants = [0i8; QK_K];
+            for (q, &v) in quants.iter_mut().zip(block) {
+                *q = (round_ties_even(inv_scale * v) as i32).min(127) as i8;
             }
+            self.quants.extend_from_slice(&quants);
             self.block_scales.push(1.0 / inv_scale);
         }
         let quants = &self.quants[start..];
@@ -166,6 +166,32 @@ impl PreparedInput {
             self.sums_32.push(group.iter().map(|&q| i32::from(q)).sum());
         }
     }
+}
+
+/// `x.round_ties_even()` without the libm call it compiles to on baseline x86-64 (no SSE4.1
+/// `roundss`), which was a tenth of prefill time: below 2^22, adding and subtracting 1.5 * 2^23
+/// leaves `x` rounded to an integer by the FPU's round-to-nearest-even, exactly (up to the sign
+/// of a zero result, which the integer cast drops).
+#[inline(always)]
+fn round_ties_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    if x.abs() < 4_194_304.0 {
+        (x + MAGIC) - MAGIC
+    } else {
+        x.round_ties_even() // already an integer, or inf/NaN
+    }
+}
+
+/// `x.round()` (half away from zero) without the libm call: truncate with `cvttss2si`, then
+/// step away from zero if the (exactly computed) fraction is at least one half. For |x| >= 2^31
+/// and inf the truncation saturates to an integer-valued `t` whose cast to `i8` matches; NaN
+/// gives 0 either way.
+#[inline(always)]
+fn round_half_away(x: f32) -> f32 {
+    let t = x as i32 as f32;
+    let frac = x - t;
+    // Branch-free (adding or subtracting 0.0 leaves `t` as is) so the callers' loops vectorize.
+    t + f32::from(u8::from(frac >= 0.5)) - f32::from(u8::from(frac <= -0.5))
 }
 
 impl Default for PreparedInput {
@@ -195,6 +221,38 @@ mod tests {
         }
     }
 
+    /// The libm-free roundings equal the standard library's wherever the quantizers use them
+    /// (|x| up to a little over 127, ties included) and on the awkward values.
+    #[test]
+    fn fast_roundings_equal_std() {
+        let mut values: Vec<f32> = (-140_000..=140_000).map(|i| i as f32 * 0.001).collect();
+        values.extend((-300..=300).map(|i| i as f32 * 0.5));
+        values.extend([
+            0.49999997,
+            -0.49999997,
+            0.50000006,
+            8388607.5,
+            -8388607.5,
+            4194303.5,
+            4194304.5,
+            1e9,
+            -1e9,
+            3e38,
+            -3e38,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MIN_POSITIVE,
+            -0.0,
+        ]);
+        for v in values {
+            // The quantizer casts to an integer, so -0.0 and 0.0 (which the trick can swap) agree.
+            assert_eq!(round_ties_even(v) as i32, v.round_ties_even() as i32, "{v}");
+            assert_eq!(round_half_away(v) as i8, v.round() as i8, "{v}");
+        }
+        assert!(round_ties_even(f32::NAN).is_nan());
+        assert_eq!(round_half_away(f32::NAN) as i8, f32::NAN.round() as i8);
+    }
+
     #[test]
     fn q8_k_matches_ggml_sign_convention_and_sums() {
         let mut x: Vec<f32> = (0..256).map(|i| (i as f32 * 0.37).sin()).collect();
@@ -212,6 +270,11 @@ mod tests {
             let pair = i32::from(p.sums_16[2 * g]) + i32::from(p.sums_16[2 * g + 1]);
             assert_eq!(p.sums_32[g], pair);
         }
+        // Equal magnitudes: the first one fixes the sign of the scale, as in ggml's scan.
+        let mut tie = vec![0.25f32; 256];
+        (tie[9], tie[40]) = (-2.0, 2.0);
+        p.prepare(&tie, GgmlType::Q6_K);
+        assert!(p.block_scales[0] > 0.0 && p.quants[9] == -127 && p.quants[40] == 127);
         p.prepare(&[0.0; 256], GgmlType::Q4_K);
         assert_eq!((p.block_scales.as_slice(), p.sums_16.len()), ([0.0f32].as_slice(), 16));
         assert!(p.is_prepared_for(GgmlType::Q5_K) && !p.is_prepared_for(GgmlType::Q8_0));

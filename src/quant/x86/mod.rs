@@ -39,6 +39,11 @@ pub(super) fn vnni_supported() -> bool {
 
 /// Unsigned-by-signed byte dot products, the instruction-level difference between families.
 pub(super) trait ByteDot {
+    /// Tokens per micro-tile (4 or 8): one row's unpacked block is multiplied with this many
+    /// tokens' activations while it sits in registers. Each token holds an integer and two float
+    /// accumulators, so the widest tile that fits depends on the vector register count.
+    const TILE_TOKENS: usize;
+
     /// `acc + [sum of a[4i..4i+4] * b[4i..4i+4] for each i32 lane i]`, `a` unsigned, `b` signed.
     /// Exact as long as adjacent pairs `a[2k]*b[2k] + a[2k+1]*b[2k+1]` fit in i16 (the AVX2
     /// implementation saturates there; every caller keeps within it, see the kernels).
@@ -55,6 +60,9 @@ pub(super) trait ByteDot {
 pub(super) struct Avx2Dot;
 
 impl ByteDot for Avx2Dot {
+    /// Sixteen vector registers: eight tokens would spill accumulators (measured slower).
+    const TILE_TOKENS: usize = 4;
+
     #[inline(always)]
     unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         let pairs = _mm256_maddubs_epi16(a, b);
@@ -80,6 +88,10 @@ pub(super) struct VnniDot;
 // `vec_dot_rows_vnni`) therefore needs the crate's `rust-version` to be at least 1.89.
 #[clippy::msrv = "1.89"]
 impl ByteDot for VnniDot {
+    /// AVX-512VL gives 32 vector registers, room for eight tokens' accumulators (measured ~1.3x
+    /// faster than four on Q4_K/Q8_0 prefill).
+    const TILE_TOKENS: usize = 8;
+
     #[inline(always)]
     unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(acc, a, b)
@@ -144,7 +156,39 @@ pub(super) unsafe fn vec_dot_rows_vnni(
     vec_dot_rows_generic::<VnniDot>(ty, rows, row_bytes, x, out)
 }
 
-/// The per-row loop, one arm per type so the dispatch is outside it.
+/// `out[t * n_rows + r] = dot(row r, xs[t])` with the AVX2 kernels.
+///
+/// # Safety
+/// The module's contract: AVX2/FMA/F16C present, `rows` holds whole rows of `row_bytes`, every
+/// input in `xs` is prepared for them, and `out.len() == xs.len() * rows.len() / row_bytes`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn vec_dot_tile_avx2(
+    ty: GgmlType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: &[&PreparedInput],
+    out: &mut [f32],
+) {
+    vec_dot_tile_generic::<Avx2Dot>(ty, rows, row_bytes, xs, out)
+}
+
+/// `out[t * n_rows + r] = dot(row r, xs[t])` with the AVX-512 VNNI kernels.
+///
+/// # Safety
+/// The module's contract: the VNNI family's features present, arguments as for the AVX2 entry.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(super) unsafe fn vec_dot_tile_vnni(
+    ty: GgmlType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: &[&PreparedInput],
+    out: &mut [f32],
+) {
+    vec_dot_tile_generic::<VnniDot>(ty, rows, row_bytes, xs, out)
+}
+
+/// The per-row loop, one arm per type so the dispatch is outside it. The quantized kernels are
+/// the tile kernels with a tile of one token.
 #[inline(always)]
 unsafe fn vec_dot_rows_generic<D: ByteDot>(
     ty: GgmlType,
@@ -161,17 +205,95 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
             }
         };
     }
+    macro_rules! each_row_tile1 {
+        ($kernel:expr) => {
+            for (i, dst) in out.iter_mut().enumerate() {
+                *dst = $kernel(rows.as_ptr().add(i * row_bytes), &[x])[0];
+            }
+        };
+    }
     match ty {
         GgmlType::F32 => each_row!(float::dot_f32),
         GgmlType::F16 => each_row!(float::dot_f16),
         GgmlType::BF16 => each_row!(float::dot_bf16),
-        GgmlType::Q4_0 => each_row!(legacy::dot_q4_0::<D>),
-        GgmlType::Q4_1 => each_row!(legacy::dot_q4_1::<D>),
-        GgmlType::Q5_0 => each_row!(legacy::dot_q5_0::<D>),
-        GgmlType::Q8_0 => each_row!(legacy::dot_q8_0::<D>),
-        GgmlType::Q4_K => each_row!(kquants::dot_q4_k::<D>),
-        GgmlType::Q5_K => each_row!(kquants::dot_q5_k::<D>),
-        GgmlType::Q6_K => each_row!(kquants::dot_q6_k::<D>),
+        GgmlType::Q4_0 => each_row_tile1!(legacy::dot_q4_0::<D, 1>),
+        GgmlType::Q4_1 => each_row_tile1!(legacy::dot_q4_1::<D, 1>),
+        GgmlType::Q5_0 => each_row_tile1!(legacy::dot_q5_0::<D, 1>),
+        GgmlType::Q8_0 => each_row_tile1!(legacy::dot_q8_0::<D, 1>),
+        GgmlType::Q4_K => each_row_tile1!(kquants::dot_q4_k::<D, 1>),
+        GgmlType::Q5_K => each_row_tile1!(kquants::dot_q5_k::<D, 1>),
+        GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
+    }
+}
+
+/// The tile loop: tokens in groups of [`ByteDot::TILE_TOKENS`], then of four, then the remainder
+/// as one smaller group; within a group every row, so the group's activations stay in L1 while
+/// the rows stream past.
+#[inline(always)]
+unsafe fn vec_dot_tile_generic<D: ByteDot>(
+    ty: GgmlType,
+    rows: &[u8],
+    row_bytes: usize,
+    xs: &[&PreparedInput],
+    out: &mut [f32],
+) {
+    let n_rows = rows.len() / row_bytes;
+    debug_assert_eq!(rows.len(), row_bytes * n_rows);
+    debug_assert_eq!(out.len(), xs.len() * n_rows);
+    // One group of `$nt` tokens starting at token `$t0`, over every row.
+    macro_rules! group {
+        ($module:ident :: $kernel:ident, $nt:literal, $t0:expr) => {{
+            let t0: usize = $t0;
+            let group: &[&PreparedInput; $nt] = xs[t0..t0 + $nt].try_into().unwrap();
+            for r in 0..n_rows {
+                let dots = $module::$kernel::<D, $nt>(rows.as_ptr().add(r * row_bytes), group);
+                for (t, dot) in dots.into_iter().enumerate() {
+                    // In bounds: t0 + t < xs.len() and r < n_rows, and the caller guarantees
+                    // `out.len() == xs.len() * n_rows` (the entry points' safety contract).
+                    *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
+                }
+            }
+        }};
+    }
+    macro_rules! tiled {
+        ($module:ident :: $kernel:ident) => {{
+            let mut t0 = 0;
+            if D::TILE_TOKENS == 8 {
+                while t0 + 8 <= xs.len() {
+                    group!($module::$kernel, 8, t0);
+                    t0 += 8;
+                }
+            }
+            while t0 + 4 <= xs.len() {
+                group!($module::$kernel, 4, t0);
+                t0 += 4;
+            }
+            match xs.len() - t0 {
+                0 => {}
+                1 => group!($module::$kernel, 1, t0),
+                2 => group!($module::$kernel, 2, t0),
+                3 => group!($module::$kernel, 3, t0),
+                _ => unreachable!("fewer than four tokens remain"),
+            }
+        }};
+    }
+    // Float weights have no unpacking to share: one token at a time.
+    macro_rules! per_token {
+        () => {
+            for (t, x) in xs.iter().enumerate() {
+                vec_dot_rows_generic::<D>(ty, rows, row_bytes, x, &mut out[t * n_rows..(t + 1) * n_rows]);
+            }
+        };
+    }
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => per_token!(),
+        GgmlType::Q4_0 => tiled!(legacy::dot_q4_0),
+        GgmlType::Q4_1 => tiled!(legacy::dot_q4_1),
+        GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
+        GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
+        GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
+        GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
+        GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
     }
 }
 
@@ -190,34 +312,38 @@ unsafe fn read_f16(p: *const u8) -> f32 {
     let bits = std::ptr::read_unaligned(p as *const u16);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
-
-/// Sums blocks `0..n_blocks` into two independent `f32x8` accumulators (even and odd blocks), so
-/// consecutive blocks' float adds do not wait on each other, then reduces them to one `f32`.
-/// `$body` computes the new accumulator from `$acc` for block `$b`.
+/// Sums blocks `0..n_blocks` for a tile of `$nt` tokens into two independent `f32x8`
+/// accumulators per token (even and odd blocks), so consecutive blocks' float adds do not wait
+/// on each other, then reduces each token's pair to one `f32`; evaluates to `[f32; $nt]`.
+/// `$body` updates `$acc: &mut [__m256; $nt]` (token `t`'s accumulator is `$acc[t]`) for block
+/// `$b`. Each token's float operations do not depend on `$nt`, which is what makes a tile's
+/// results bit-identical to one token at a time.
 macro_rules! sum_blocks {
-    ($n_blocks:expr, |$b:ident, $acc:ident| $body:expr) => {{
+    ($nt:expr, $n_blocks:expr, |$b:ident, $acc:ident| $body:block) => {{
         let n_blocks: usize = $n_blocks;
-        let mut acc_even = _mm256_setzero_ps();
-        let mut acc_odd = _mm256_setzero_ps();
+        let mut acc_even = [_mm256_setzero_ps(); $nt];
+        let mut acc_odd = [_mm256_setzero_ps(); $nt];
         let mut block = 0;
         while block + 2 <= n_blocks {
-            acc_even = {
-                let ($b, $acc) = (block, acc_even);
+            {
+                let ($b, $acc) = (block, &mut acc_even);
                 $body
-            };
-            acc_odd = {
-                let ($b, $acc) = (block + 1, acc_odd);
+            }
+            {
+                let ($b, $acc) = (block + 1, &mut acc_odd);
                 $body
-            };
+            }
             block += 2;
         }
         if block < n_blocks {
-            acc_even = {
-                let ($b, $acc) = (block, acc_even);
-                $body
-            };
+            let ($b, $acc) = (block, &mut acc_even);
+            $body
         }
-        super::hsum_ps(_mm256_add_ps(acc_even, acc_odd))
+        let mut sums = [0.0f32; $nt];
+        for (sum, (even, odd)) in sums.iter_mut().zip(acc_even.into_iter().zip(acc_odd)) {
+            *sum = super::hsum_ps(_mm256_add_ps(even, odd));
+        }
+        sums
     }};
 }
 use sum_blocks;
