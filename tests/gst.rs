@@ -99,18 +99,6 @@ fn stories260k_gst_keeps_the_golden_decode_in_both_layouts_and_orders() {
     }
 }
 
-fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions {
-    gatestream::model::generate::GenerateOptions {
-        max_tokens,
-        sampler: gatestream::model::sampler::SamplerConfig {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        chat: false,
-        ctx: 0,
-    }
-}
-
 #[test]
 fn smollm2_gst_matches_the_gguf_and_hot_first_changes_nothing() {
     let tmp = tempfile::tempdir().unwrap();

@@ -5,8 +5,7 @@ mod common;
 
 use common::*;
 use gatestream::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
-use gatestream::model::generate::GenerateOptions;
-use gatestream::model::sampler::{argmax, SamplerConfig};
+use gatestream::model::sampler::argmax;
 use gatestream::model::{LoadOptions, Model};
 
 const STORIES_GOLDEN: &str =
@@ -25,18 +24,6 @@ fn greedy_from(model: &Model, prompt: &[u32], max: usize) -> Vec<u32> {
         logits = model.forward(&[t], &mut cache, Logits::Last).unwrap();
     }
     out
-}
-
-fn greedy(max_tokens: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_tokens,
-        sampler: SamplerConfig {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        chat: false,
-        ctx: 0,
-    }
 }
 
 #[test]

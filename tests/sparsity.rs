@@ -205,18 +205,6 @@ fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
     assert!((layered.ffn_bytes_per_token - uniform.ffn_bytes_per_token).abs() / uniform.ffn_bytes_per_token < 0.02);
 }
 
-fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions {
-    gatestream::model::generate::GenerateOptions {
-        max_tokens,
-        sampler: gatestream::model::sampler::SamplerConfig {
-            temperature: 0.0,
-            ..Default::default()
-        },
-        chat: false,
-        ctx: 0,
-    }
-}
-
 #[test]
 fn smollm2_still_says_paris_with_the_frontier_configuration() {
     // The frontier measured by `gatestream eval` on SmolLM2 (4 windows, ≤ 2% perplexity):

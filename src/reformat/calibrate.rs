@@ -10,9 +10,10 @@
 
 use std::sync::Mutex;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use crate::model::Model;
+use crate::sparsity::calibration::text_tail;
 
 /// Window length for calibration forward passes.
 const CALIBRATION_CTX: usize = 512;
@@ -45,15 +46,8 @@ pub fn calibrate(
     tokens: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CalibrationStats> {
-    let all = model.tokenizer.encode(text, false)?;
-    if all.len() < tokens.max(2) {
-        return Err(Error::Invalid(format!(
-            "calibration text {text_name} has {} tokens, fewer than --calibrate-tokens {tokens}",
-            all.len()
-        )));
-    }
-    let start = all.len() - tokens;
-    let ids = &all[start..];
+    let tail = text_tail(model, text, text_name, tokens)?;
+    let ids = &tail.ids;
     let (n_layers, ffn) = (model.config.n_layers, model.config.ffn);
     let acc = Mutex::new(Accum {
         active_counts: vec![vec![0; ffn]; n_layers],
@@ -125,11 +119,7 @@ pub fn calibrate(
         .collect();
     Ok(CalibrationStats {
         tokens,
-        text: format!(
-            "{text_name}: last {tokens} tokens (tokens {start}..{} of {})",
-            all.len(),
-            all.len()
-        ),
+        text: tail.description,
         frequencies,
         thresholds,
     })

@@ -7,7 +7,7 @@
 
 use super::{Criterion, Masker, Strategy, UpSketches};
 use crate::backend::ops::log_sum_exp;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use crate::model::Model;
 
@@ -49,20 +49,14 @@ impl Sensitivity {
         sketches: Option<&UpSketches>,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Sensitivity> {
-        let all = model.tokenizer.encode(text, false)?;
-        if all.len() < tokens.max(2) {
-            return Err(Error::Invalid(format!(
-                "the calibration text has {} tokens, fewer than {tokens}",
-                all.len()
-            )));
-        }
+        let tail = super::calibration::text_tail(model, text, "calibration text", tokens)?;
         let mut batch: Vec<u32> = model
             .tokenizer
             .bos_id()
             .filter(|_| model.tokenizer.adds_bos())
             .into_iter()
             .collect();
-        batch.extend_from_slice(&all[all.len() - tokens..]);
+        batch.extend_from_slice(&tail.ids);
         let vocab = model.config.vocab;
         let mut cache = KvCache::new(&model.config, batch.len());
         let dense = model.forward(&batch, &mut cache, Logits::From(0))?;

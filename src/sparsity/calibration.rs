@@ -15,6 +15,36 @@ use crate::model::Model;
 const POOLED_TOKENS_MAX: usize = 128;
 const WINDOW: usize = 512;
 
+/// The last `tokens` tokens of a text: calibration reads the end of a file because evaluation
+/// reads its start.
+pub struct TextTail {
+    pub ids: Vec<u32>,
+    /// Index of the first kept token in the whole text, and the text's length in tokens.
+    pub start: usize,
+    pub total: usize,
+    /// "NAME: last N tokens (tokens a..b of total)".
+    pub description: String,
+}
+
+pub fn text_tail(model: &Model, text: &str, text_name: &str, tokens: usize) -> Result<TextTail> {
+    let mut all = model.tokenizer.encode(text, false)?;
+    if tokens < 2 || all.len() < tokens {
+        return Err(Error::Invalid(format!(
+            "calibration text {text_name} has {} tokens; asked for the last {tokens} (at least 2)",
+            all.len()
+        )));
+    }
+    let (total, start) = (all.len(), all.len() - tokens);
+    let ids = all.split_off(start);
+    let description = format!("{text_name}: last {tokens} tokens (tokens {start}..{total} of {total})");
+    Ok(TextTail {
+        ids,
+        start,
+        total,
+        description,
+    })
+}
+
 /// Sorted pooled scores per criterion and layer.
 pub struct ScorePools {
     /// (criterion, per-layer sorted scores)
@@ -68,14 +98,7 @@ impl ScorePools {
         criteria: &[Criterion],
         sketches: Option<&UpSketches>,
     ) -> Result<ScorePools> {
-        let all = model.tokenizer.encode(text, false)?;
-        if all.len() < tokens.max(2) {
-            return Err(Error::Invalid(format!(
-                "{text_name} has {} tokens, fewer than the {tokens} calibration tokens asked for",
-                all.len()
-            )));
-        }
-        let start = all.len() - tokens;
+        let tail = text_tail(model, text, text_name, tokens)?;
         let mut bases: Vec<Criterion> = criteria.iter().map(|c| c.base()).collect();
         if criteria.contains(&Criterion::Candidates) {
             bases.push(Criterion::Gate);
@@ -97,7 +120,7 @@ impl ScorePools {
             None
         };
         let mut cache = KvCache::new(&model.config, WINDOW + 1);
-        for chunk in all[start..].chunks(WINDOW) {
+        for chunk in tail.ids.chunks(WINDOW) {
             let mut batch: Vec<u32> = bos.into_iter().collect();
             batch.extend_from_slice(chunk);
             cache.clear();
@@ -127,7 +150,7 @@ impl ScorePools {
         Ok(ScorePools {
             pools,
             tokens,
-            text: format!("{text_name}: last {tokens} tokens ({start}..{})", all.len()),
+            text: tail.description,
         })
     }
 

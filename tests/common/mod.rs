@@ -193,3 +193,16 @@ pub fn write_temp(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     std::fs::write(&p, bytes).unwrap();
     p
 }
+
+/// Greedy decoding of `max_tokens` tokens, no chat template.
+pub fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions {
+    gatestream::model::generate::GenerateOptions {
+        max_tokens,
+        sampler: gatestream::model::sampler::SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        chat: false,
+        ctx: 0,
+    }
+}
