@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use crate::model::sampler::argmax;
 use crate::model::Model;
+use crate::perplexity::window_tokens;
 use crate::quant::GgmlType;
 use crate::sparsity::budget::Sensitivity;
 use crate::sparsity::calibration::ScorePools;
@@ -127,6 +128,7 @@ impl FfnBytes {
     }
 }
 
+#[derive(Default)]
 struct Accum {
     nll: f64,
     agree: u64,
@@ -222,33 +224,12 @@ pub fn eval(
         }
     }
     let bytes = FfnBytes::of(model);
-    let bos = if model.tokenizer.adds_bos() {
-        model.tokenizer.bos_id()
-    } else {
-        None
-    };
     let (half, vocab) = (opts.ctx / 2, model.config.vocab);
-    let mut dense_acc = Accum {
-        nll: 0.0,
-        agree: 0,
-        kl: 0.0,
-        count: 0,
-    };
-    let mut accs: Vec<Accum> = maskers
-        .iter()
-        .map(|_| Accum {
-            nll: 0.0,
-            agree: 0,
-            kl: 0.0,
-            count: 0,
-        })
-        .collect();
+    let mut dense_acc = Accum::default();
+    let mut accs: Vec<Accum> = maskers.iter().map(|_| Accum::default()).collect();
     let mut cache = KvCache::new(&model.config, opts.ctx);
     for w in 0..windows {
-        let mut batch = tokens[w * opts.ctx..(w + 1) * opts.ctx].to_vec();
-        if let Some(b) = bos {
-            batch[0] = b;
-        }
+        let batch = window_tokens(model, &tokens, w, opts.ctx);
         let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
         cache.clear();
         let dense = model.forward(&batch, &mut cache, Logits::From(half))?;

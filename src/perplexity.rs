@@ -37,6 +37,16 @@ pub struct PerplexityReport {
     pub tokens_per_s: f64,
 }
 
+/// Window `w` of `ctx` tokens as llama-perplexity evaluates it: the first token replaced by BOS
+/// when the model adds one. `eval` uses the same windows.
+pub fn window_tokens(model: &Model, tokens: &[u32], w: usize, ctx: usize) -> Vec<u32> {
+    let mut batch = tokens[w * ctx..(w + 1) * ctx].to_vec();
+    if let Some(b) = model.tokenizer.bos_id().filter(|_| model.tokenizer.adds_bos()) {
+        batch[0] = b;
+    }
+    batch
+}
+
 /// Evaluate; `progress(done, total)` is called after each window.
 pub fn perplexity(
     model: &Model,
@@ -61,11 +71,6 @@ pub fn perplexity(
     } else {
         opts.windows.min(available)
     };
-    let bos = if model.tokenizer.adds_bos() {
-        model.tokenizer.bos_id()
-    } else {
-        None
-    };
     let first_scored = opts.ctx / 2;
     let mut cache = KvCache::new(&model.config, opts.ctx);
     let vocab = model.config.vocab;
@@ -73,10 +78,7 @@ pub fn perplexity(
     let mut running = Vec::with_capacity(windows);
     let t0 = Instant::now();
     for w in 0..windows {
-        let mut batch = tokens[w * opts.ctx..(w + 1) * opts.ctx].to_vec();
-        if let Some(b) = bos {
-            batch[0] = b;
-        }
+        let batch = window_tokens(model, &tokens, w, opts.ctx);
         cache.clear();
         let logits = model.forward(&batch, &mut cache, Logits::From(first_scored))?;
         for j in first_scored..opts.ctx - 1 {

@@ -11,6 +11,8 @@ use gatestream::model::{LoadOptions, Model};
 use gatestream::sparsity::calibration::ScorePools;
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
 
+const DOG_STORY: &str = "Once upon a time, there was a little dog who liked to run in the park";
+
 fn stories() -> Model {
     Model::load(&stories_dir(), &LoadOptions::default()).unwrap()
 }
@@ -53,13 +55,7 @@ fn keeping_every_neuron_is_the_dense_model_for_every_criterion() {
 #[test]
 fn top_k_drops_exactly_the_asked_share_and_exact_beats_gate() {
     let model = stories();
-    let ids = model
-        .tokenizer
-        .encode(
-            "Once upon a time, there was a little dog who liked to run in the park",
-            true,
-        )
-        .unwrap();
+    let ids = model.tokenizer.encode(DOG_STORY, true).unwrap();
     let dense = run(&model, &ids, None);
     let err = |c: Criterion| {
         let m = Masker::new(&model, Strategy::TopK, c, 0.5, None, None);
@@ -112,13 +108,7 @@ fn thresholds_from_calibration_give_about_the_target_sparsity() {
 #[test]
 fn union_keeps_the_context_dense_and_masks_the_rest() {
     let model = stories();
-    let ids = model
-        .tokenizer
-        .encode(
-            "Once upon a time, there was a little dog who liked to run in the park",
-            true,
-        )
-        .unwrap();
+    let ids = model.tokenizer.encode(DOG_STORY, true).unwrap();
     let dense = run(&model, &ids, None);
     let m = Masker::new(&model, Strategy::Union, Criterion::Exact, 0.5, None, None);
     let half = ids.len() / 2;

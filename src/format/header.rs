@@ -51,7 +51,7 @@ impl Header {
     /// page, within the index size limit, and ends exactly at `file_len_bytes`. The caller checks
     /// `file_len_bytes` against the real file length.
     pub fn parse(path: &Path, first_page: &[u8]) -> Result<Header> {
-        let magic = first_page.get(MAGIC_AT..MAGIC_AT + MAGIC.len()).ok_or_else(|| {
+        let truncated = || {
             malformed(
                 path,
                 first_page.len() as u64,
@@ -60,7 +60,10 @@ impl Header {
                     first_page.len()
                 ),
             )
-        })?;
+        };
+        // The magic is checked before the length of the used bytes so that a short file that is
+        // not a .gst at all is called that, not "truncated".
+        let magic = first_page.get(MAGIC_AT..MAGIC_AT + MAGIC.len()).ok_or_else(truncated)?;
         if magic != MAGIC {
             return Err(malformed(
                 path,
@@ -72,16 +75,7 @@ impl Header {
                 ),
             ));
         }
-        let used = first_page.get(..HEADER_USED_BYTES).ok_or_else(|| {
-            malformed(
-                path,
-                first_page.len() as u64,
-                format!(
-                    "truncated: the file is {} bytes, a .gst header needs {HEADER_BYTES}; {REBUILD}",
-                    first_page.len()
-                ),
-            )
-        })?;
+        let used = first_page.get(..HEADER_USED_BYTES).ok_or_else(truncated)?;
         // `used` is exactly HEADER_USED_BYTES long, so these fixed-offset reads are in bounds.
         let u32_at = |at: usize| u32::from_le_bytes(used[at..at + 4].try_into().expect("4 bytes"));
         let u64_at = |at: usize| u64::from_le_bytes(used[at..at + 8].try_into().expect("8 bytes"));
