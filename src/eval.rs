@@ -246,6 +246,7 @@ pub fn eval(
                 select: &|_, _| FfnNeurons::All,
                 observe: None,
                 mask: Some(m),
+                stream: None,
             };
             let sparse = model.forward_with(&batch, &mut cache, Logits::From(half), &hooks)?;
             for (i, row) in sparse.chunks(vocab).enumerate().take(opts.ctx - 1 - half) {

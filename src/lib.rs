@@ -17,5 +17,6 @@ pub mod quant;
 pub mod reformat;
 pub mod safetensors;
 pub mod sparsity;
+pub mod stream;
 
 pub use error::{Error, Result};

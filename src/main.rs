@@ -8,17 +8,22 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+use gatestream::io::{ReadEngine, ReaderOptions};
+use gatestream::model::forward::LayerStream;
 use gatestream::model::generate::{GenerateOptions, PromptAwareMask};
 use gatestream::model::sampler::SamplerConfig;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::perplexity::{perplexity, PerplexityOptions};
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
+use gatestream::stream::cache::CachePolicy;
+use gatestream::stream::residency::{parse_budget, Priority};
+use gatestream::stream::{StreamOptions, StreamReport, Streamer};
 
 #[derive(Parser)]
 #[command(
     name = "gatestream",
     version,
-    about = "Run language models from GGUF or safetensors on the CPU (streaming and sparsity are on the way)"
+    about = "Run language models larger than memory: stream a .gst model from disk under a RAM budget, reading only the FFN neurons each token uses"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -63,10 +68,36 @@ enum Command {
         /// Wrap the prompt in the model's chat template (instruct models).
         #[arg(long)]
         chat: bool,
-        /// dense: every FFN neuron; sparse: only the neurons the mask keeps (computed in RAM —
-        /// streaming from disk is not built yet); compare: both, side by side, with agreement.
+        /// dense: every FFN neuron; sparse: only the neurons the mask keeps (with --ram-budget,
+        /// only those are read from disk); compare: both, one after the other, side by side, with
+        /// agreement and (when streaming) the bytes each read.
         #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
+        /// Stream a .gst model from disk under this RAM budget: bytes (700M, 1.5G, 512MiB) or a
+        /// share of the file (40%). Resident, in this order while the budget lasts: the output
+        /// matrix and norms (required), attention, gate matrices, a neuron cache; everything else
+        /// is read per token. Refused, with the minimum, when too small. Without it the model is
+        /// memory-mapped and computed in RAM.
+        #[arg(long)]
+        ram_budget: Option<String>,
+        /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
+        /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
+        #[arg(long, value_enum, default_value_t = IoArg::Uring)]
+        io: IoArg,
+        /// Reads in flight at once when streaming.
+        #[arg(long, default_value_t = 64)]
+        queue_depth: usize,
+        /// Neuron cache when streaming: lru (recently used neurons, replaced as others are read;
+        /// default in sparse mode) or pinned (the file's first neurons — the hot prefix of a
+        /// hot-first file — never replaced; default in dense mode).
+        #[arg(long, value_enum)]
+        cache: Option<CacheArg>,
+        /// After attention, what the budget keeps first: gate-first (gate matrices, then the
+        /// neuron cache) or cache-first (the neuron cache, then gates). Dense streaming saves the
+        /// same bytes either way; sparse streaming usually gains from cache-first, since cached
+        /// neurons spare scattered reads and a streamed gate is one sequential read.
+        #[arg(long, value_enum, default_value_t = ResidencyArg::CacheFirst)]
+        residency: ResidencyArg,
         /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
         /// and --criterion, a .gst file's recommendation (stored by `eval --store`) is used, else
         /// topk / exact / 0.3.
@@ -251,6 +282,25 @@ enum ModeArg {
     Compare,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum IoArg {
+    Uring,
+    Pread,
+    Mmap,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ResidencyArg {
+    GateFirst,
+    CacheFirst,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CacheArg {
+    Lru,
+    Pinned,
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum StrategyArg {
     Topk,
@@ -364,6 +414,195 @@ impl Progress {
     }
 }
 
+/// How `run` streams (see its --help).
+struct StreamArgs {
+    ram_budget: Option<String>,
+    io: IoArg,
+    queue_depth: usize,
+    cache: Option<CacheArg>,
+    residency: ResidencyArg,
+}
+
+/// The sparse configuration asked for on the command line (unset parts come from the file's
+/// recommendation, else topk / exact / 0.3).
+struct SparseAsk {
+    strategy: Option<Strategy>,
+    criterion: Option<Criterion>,
+    sparsity: Option<f32>,
+}
+
+/// One generation and what it measured.
+struct Outcome {
+    generation: gatestream::model::generate::Generation,
+    sparsity: Option<serde_json::Value>,
+    stream: Option<StreamReport>,
+}
+
+impl Outcome {
+    fn json(&self) -> anyhow::Result<serde_json::Value> {
+        let mut v = serde_json::to_value(&self.generation)?;
+        v["sparsity"] = self.sparsity.clone().unwrap_or(serde_json::Value::Null);
+        v["stream"] = serde_json::to_value(&self.stream)?;
+        Ok(v)
+    }
+
+    fn print_stats(&self, label: &str) {
+        let g = &self.generation;
+        eprintln!(
+            "{label}prompt {} tokens: {:.1} tok/s prefill; generated {} tokens: {:.2} tok/s decode ({})",
+            g.prompt_tokens.len(),
+            g.prefill_tok_per_s,
+            g.tokens.len(),
+            g.decode_tok_per_s,
+            g.finish
+        );
+        if let Some(r) = &self.stream {
+            let mb = |b: f64| b / 1e6;
+            eprintln!(
+                "{label}streamed ({}{}): {:.1} MB/token from disk (dense streaming: {:.1} MB planned), read amplification {:.2}, \
+                 cache hits {:.1}%, waiting for reads {:.0}% of decode time, peak RSS {:.1} MB (budget {:.1} MB)",
+                r.engine,
+                if r.direct_io { ", O_DIRECT" } else { "" },
+                mb(r.disk_bytes_per_token),
+                mb(r.dense_disk_bytes_per_token),
+                r.read_amplification,
+                r.cache_hit_rate * 100.0,
+                r.io_wait_fraction * 100.0,
+                mb(r.peak_rss_bytes as f64),
+                mb(r.ram_budget_bytes as f64)
+            );
+        }
+    }
+}
+
+/// Loads the model, streams it when a budget is given, masks it when `sparse` is given, and
+/// generates.
+fn generate_one(
+    args: &ModelArgs,
+    sparse: Option<&SparseAsk>,
+    stream: &StreamArgs,
+    prompt: &str,
+    opts: &GenerateOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> anyhow::Result<Outcome> {
+    gatestream::stream::reset_peak_rss();
+    let mut model = load(args)?;
+    let streamer = match &stream.ram_budget {
+        None => None,
+        Some(b) => {
+            let file_bytes = std::fs::metadata(&model.path)?.len();
+            let budget_bytes = parse_budget(b, file_bytes)?;
+            let engine = match stream.io {
+                IoArg::Uring => ReadEngine::Uring,
+                IoArg::Pread => ReadEngine::Pread,
+                IoArg::Mmap => ReadEngine::Mmap,
+            };
+            let cache = match (stream.cache, sparse.is_some()) {
+                (Some(CacheArg::Lru), _) | (None, true) => CachePolicy::Lru,
+                (Some(CacheArg::Pinned), _) | (None, false) => CachePolicy::Pinned,
+            };
+            let reader = ReaderOptions {
+                queue_depth: stream.queue_depth,
+                ..ReaderOptions::default()
+            };
+            let t = std::time::Instant::now();
+            let s = Streamer::open(
+                &mut model,
+                &StreamOptions {
+                    budget_bytes,
+                    engine,
+                    reader,
+                    cache,
+                    priority: match stream.residency {
+                        ResidencyArg::GateFirst => Priority::GateFirst,
+                        ResidencyArg::CacheFirst => Priority::CacheFirst,
+                    },
+                    prefetch_ffn: sparse.is_none(),
+                    cost: None,
+                },
+            )?;
+            for w in &s.warnings {
+                eprintln!("warning: {w}");
+            }
+            let r = &s.residency;
+            let mb = |b: u64| b as f64 / 1e6;
+            eprintln!(
+                "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB, buffers {:.1} MB, \
+                 attention {}/{} layers ({:.1} MB), gate {}/{} layers ({:.1} MB), neuron cache {:.1} MB ({} policy, {} neurons/layer)",
+                mb(budget_bytes),
+                t.elapsed().as_secs_f64(),
+                mb(r.required_bytes),
+                mb(r.working_bytes),
+                r.attention_resident.iter().filter(|&&a| a).count(),
+                r.attention_resident.len(),
+                mb(r.attention_bytes),
+                r.gate_resident.iter().filter(|&&a| a).count(),
+                r.gate_resident.len(),
+                mb(r.gate_bytes),
+                mb(r.cache_bytes),
+                cache.name(),
+                r.cache_neurons.first().copied().unwrap_or(0)
+            );
+            Some(s)
+        }
+    };
+    let sketches;
+    let masker = match sparse {
+        None => None,
+        Some(ask) => {
+            let stored = if ask.strategy.is_none() && ask.criterion.is_none() && ask.sparsity.is_none() {
+                recommended(&model)?
+            } else {
+                None
+            };
+            let (strategy, criterion, sparsity) = stored.unwrap_or((
+                ask.strategy.unwrap_or(Strategy::TopK),
+                ask.criterion.unwrap_or(Criterion::Exact),
+                ask.sparsity.unwrap_or(0.3),
+            ));
+            sketches = if criterion == Criterion::Sketch {
+                if streamer.is_some() {
+                    eprintln!(
+                        "warning: the sketch criterion builds its sketches from every up row at start-up, which reads all of up once"
+                    );
+                }
+                UpSketches::build(&model)
+            } else {
+                None
+            };
+            eprintln!(
+                "sparse FFN ({}): {} {} at {sparsity}",
+                if streamer.is_some() { "streamed" } else { "in RAM" },
+                strategy.name(),
+                criterion.name()
+            );
+            Some(Masker::for_model(
+                &model,
+                strategy,
+                criterion,
+                sparsity,
+                sketches.as_ref(),
+            )?)
+        }
+    };
+    let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
+    let layer_stream = streamer.as_ref().map(|s| s as &dyn LayerStream);
+    let generation = model.generate_with(prompt, opts, mask, layer_stream, on_text)?;
+    let sparsity = masker.as_ref().map(|m| {
+        serde_json::json!({
+            "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
+            "achieved_per_layer": m.achieved_sparsity(),
+            "computed_in": if streamer.is_some() { "stream" } else { "ram" }
+        })
+    });
+    let stream = streamer.as_ref().map(|s| StreamReport::new(s, &generation));
+    Ok(Outcome {
+        generation,
+        sparsity,
+        stream,
+    })
+}
+
 fn default_model() -> anyhow::Result<PathBuf> {
     let dir = std::env::var_os("GATESTREAM_MODELS")
         .map(PathBuf::from)
@@ -427,6 +666,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             sparsity,
             strategy,
             criterion,
+            ram_budget,
+            io,
+            queue_depth,
+            cache,
+            residency,
             json,
         } => {
             if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
@@ -435,7 +679,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if temperature < 0.0 || !temperature.is_finite() {
                 anyhow::bail!("--temperature {temperature} must be 0 (greedy) or positive");
             }
-            let model = load(&model)?;
+            if queue_depth == 0 {
+                anyhow::bail!("--queue-depth must be at least 1");
+            }
             let opts = GenerateOptions {
                 max_tokens,
                 sampler: SamplerConfig {
@@ -447,105 +693,77 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chat,
                 ctx: 0,
             };
-            let sketches;
-            let masker = if mode == ModeArg::Dense {
-                None
-            } else {
-                let stored = if strategy.is_none() && criterion.is_none() && sparsity.is_none() {
-                    recommended(&model)?
-                } else {
-                    None
-                };
-                let (strategy, criterion, sparsity) = match stored {
-                    Some(r) => r,
-                    None => (
-                        strategy.map_or(Strategy::TopK, strategy_of),
-                        criterion.map_or(Criterion::Exact, criterion_of),
-                        sparsity.unwrap_or(0.3),
-                    ),
-                };
-                sketches = if criterion == Criterion::Sketch {
-                    UpSketches::build(&model)
-                } else {
-                    None
-                };
-                eprintln!(
-                    "sparse FFN (in RAM): {} {} at {sparsity}",
-                    strategy.name(),
-                    criterion.name()
-                );
-                Some(Masker::for_model(
-                    &model,
-                    strategy,
-                    criterion,
-                    sparsity,
-                    sketches.as_ref(),
-                )?)
+            let stream = StreamArgs {
+                ram_budget,
+                io,
+                queue_depth,
+                cache,
+                residency,
+            };
+            let asked = SparseAsk {
+                strategy: strategy.map(strategy_of),
+                criterion: criterion.map(criterion_of),
+                sparsity,
             };
             let mut stdout = std::io::stdout();
-            let streaming = !json && mode != ModeArg::Compare;
+            let live = !json && mode != ModeArg::Compare;
             let mut print = |s: &str| {
-                if streaming {
+                if live {
                     let _ = write!(stdout, "{s}");
                     let _ = stdout.flush();
                 }
             };
-            let stats = |label: &str, g: &gatestream::model::generate::Generation| {
-                eprintln!(
-                    "{label}prompt {} tokens: {:.1} tok/s prefill; generated {} tokens: {:.1} tok/s decode ({})",
-                    g.prompt_tokens.len(),
-                    g.prefill_tok_per_s,
-                    g.tokens.len(),
-                    g.decode_tok_per_s,
-                    g.finish
-                )
-            };
             match mode {
                 ModeArg::Dense | ModeArg::Sparse => {
-                    let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
-                    let g = model.generate_with(&prompt, &opts, mask, &mut print)?;
+                    let sparse = (mode == ModeArg::Sparse).then_some(&asked);
+                    let out = generate_one(&model, sparse, &stream, &prompt, &opts, &mut print)?;
                     if json {
-                        let mut v = serde_json::to_value(&g)?;
-                        if let Some(m) = &masker {
-                            v["sparsity"] = serde_json::json!({
-                                "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
-                                "achieved_per_layer": m.achieved_sparsity(), "computed_in": "ram"
-                            });
-                        }
-                        println!("{v}");
+                        println!("{}", out.json()?);
                     } else {
                         println!();
-                        stats("", &g);
+                        out.print_stats("");
                     }
                 }
                 ModeArg::Compare => {
-                    let m = masker.as_ref().expect("compare has a mask");
-                    let dense = model.generate(&prompt, &opts, &mut |_| {})?;
-                    let sparse = model.generate_with(&prompt, &opts, Some(m), &mut |_| {})?;
-                    let n = dense.tokens.len().min(sparse.tokens.len());
-                    let same = dense.tokens.iter().zip(&sparse.tokens).filter(|(a, b)| a == b).count();
-                    let first_difference = dense.tokens.iter().zip(&sparse.tokens).position(|(a, b)| a != b);
+                    let dense = generate_one(&model, None, &stream, &prompt, &opts, &mut |_| {})?;
+                    let sparse = generate_one(&model, Some(&asked), &stream, &prompt, &opts, &mut |_| {})?;
+                    let (d, s) = (&dense.generation, &sparse.generation);
+                    let n = d.tokens.len().min(s.tokens.len());
+                    let same = d.tokens.iter().zip(&s.tokens).filter(|(a, b)| a == b).count();
+                    let first_difference = d.tokens.iter().zip(&s.tokens).position(|(a, b)| a != b);
                     let agreement = if n == 0 { 1.0 } else { same as f64 / n as f64 };
+                    let ratios = match (&dense.stream, &sparse.stream) {
+                        (Some(ds), Some(ss)) => Some(serde_json::json!({
+                            "disk_bytes_per_token": ss.disk_bytes_per_token / ds.disk_bytes_per_token.max(1.0),
+                            "time_per_token": ds.decode_tok_per_s / ss.decode_tok_per_s.max(1e-9),
+                        })),
+                        _ => None,
+                    };
                     if json {
                         println!(
                             "{}",
                             serde_json::json!({
-                                "dense": dense, "sparse": sparse, "agreement": agreement,
-                                "first_difference": first_difference,
-                                "sparsity": { "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
-                                              "achieved_per_layer": m.achieved_sparsity(), "computed_in": "ram" }
+                                "dense": dense.json()?, "sparse": sparse.json()?, "agreement": agreement,
+                                "first_difference": first_difference, "sparse_vs_dense": ratios,
                             })
                         );
                     } else {
-                        println!("dense : {}", dense.text);
-                        println!("sparse: {}", sparse.text);
+                        println!("dense : {}", d.text);
+                        println!("sparse: {}", s.text);
                         println!(
                             "agreement: {same}/{n} tokens ({:.1}%), first difference at {}",
                             agreement * 100.0,
                             first_difference.map_or("none".into(), |i| format!("token {i}"))
                         );
-                        stats("dense  ", &dense);
-                        stats("sparse ", &sparse);
+                        dense.print_stats("dense  ");
+                        sparse.print_stats("sparse ");
+                        if let Some(r) = ratios {
+                            eprintln!(
+                                "sparse / dense: {:.3}x disk bytes per token, {:.3}x time per token",
+                                r["disk_bytes_per_token"].as_f64().unwrap_or(0.0),
+                                r["time_per_token"].as_f64().unwrap_or(0.0)
+                            );
+                        }
                     }
                 }
             }

@@ -118,6 +118,7 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
                 select: &|_, _| FfnNeurons::Subset(&all),
                 observe: None,
                 mask: None,
+                stream: None,
             },
         )
         .unwrap();
@@ -134,6 +135,7 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
                 select: &|_, _| FfnNeurons::Subset(&half),
                 observe: None,
                 mask: None,
+                stream: None,
             },
         )
         .unwrap();

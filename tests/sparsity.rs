@@ -27,6 +27,7 @@ fn run(model: &Model, ids: &[u32], mask: Option<&Masker>) -> Vec<f32> {
         select: &|_, _| FfnNeurons::All,
         observe: None,
         mask: mask.map(|m| m as _),
+        stream: None,
     };
     model.forward_with(ids, &mut cache, Logits::From(0), &hooks).unwrap()
 }
@@ -203,7 +204,7 @@ fn smollm2_still_says_paris_with_the_frontier_configuration() {
     let model = Model::load(&path, &LoadOptions::default()).unwrap();
     let m = Masker::for_model(&model, Strategy::TopK, Criterion::Exact, 0.3, None).unwrap();
     let g = model
-        .generate_with("The capital of France is", &greedy(4), Some(&m), &mut |_| {})
+        .generate_with("The capital of France is", &greedy(4), Some(&m), None, &mut |_| {})
         .unwrap();
     assert!(g.text.starts_with(" Paris"), "{:?}", g.text);
     let a = m.achieved_sparsity();
@@ -219,6 +220,7 @@ fn union_learns_from_the_prompt_and_reuses_the_set_while_decoding() {
             "Once upon a time, there was a little dog",
             &greedy(8),
             Some(&m),
+            None,
             &mut |_| {},
         )
         .unwrap();

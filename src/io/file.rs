@@ -27,6 +27,9 @@ pub(crate) struct OpenedFile {
     pub file: File,
     pub len_bytes: u64,
     pub direct_io_active: bool,
+    /// Reads are widened to multiples of this (the filesystem's direct-I/O offset alignment;
+    /// 1 for buffered reads).
+    pub align_bytes: usize,
     pub warnings: Vec<String>,
 }
 
@@ -39,6 +42,7 @@ pub(crate) fn open_file(path: &Path, policy: DirectIo) -> Result<OpenedFile> {
             Ok(file) => {
                 let len_bytes = file_len(path, &file)?;
                 return Ok(OpenedFile {
+                    align_bytes: dio_align_bytes(&file),
                     file,
                     len_bytes,
                     direct_io_active: true,
@@ -64,6 +68,7 @@ pub(crate) fn open_file(path: &Path, policy: DirectIo) -> Result<OpenedFile> {
         file,
         len_bytes,
         direct_io_active: false,
+        align_bytes: 1,
         warnings,
     })
 }
@@ -94,6 +99,39 @@ fn open_direct(path: &Path) -> std::result::Result<File, String> {
 #[cfg(not(target_os = "linux"))]
 fn open_direct(_path: &Path) -> std::result::Result<File, String> {
     Err("this build implements O_DIRECT only on Linux".into())
+}
+
+/// The offset and length alignment direct reads of `file` need: what `statx(STATX_DIOALIGN)`
+/// reports (often the device's 512-byte logical block), else [`ALIGN_BYTES`]. Only values that
+/// divide `ALIGN_BYTES` are used, since buffers are aligned to it.
+#[cfg(target_os = "linux")]
+fn dio_align_bytes(file: &File) -> usize {
+    use std::os::fd::AsRawFd;
+    const STATX_DIOALIGN: u32 = 0x2000;
+    // SAFETY: statx writes at most one `struct statx` into `st`, which lives for the call; the
+    // empty path with AT_EMPTY_PATH names the descriptor `file` keeps open.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    let rc = unsafe {
+        libc::statx(
+            file.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            STATX_DIOALIGN,
+            &mut st,
+        )
+    };
+    let a = st.stx_dio_offset_align as usize;
+    let m = st.stx_dio_mem_align as usize;
+    if rc == 0 && st.stx_mask & STATX_DIOALIGN != 0 && a.is_power_of_two() && ALIGN_BYTES % a == 0 && m <= ALIGN_BYTES {
+        a
+    } else {
+        ALIGN_BYTES
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn dio_align_bytes(_file: &File) -> usize {
+    ALIGN_BYTES
 }
 
 /// Whether the open file description has O_DIRECT set (asks the kernel, `fcntl(F_GETFL)`).

@@ -99,6 +99,11 @@ pub trait Reader: Send + Sync {
 
     fn reset_stats(&self);
 
+    /// Every device read is widened to multiples of this many bytes (1: no widening).
+    fn align_bytes(&self) -> usize {
+        1
+    }
+
     /// Reads each request's `buf.len()` bytes at its offset into its buffer (one copy out of the
     /// reader's buffers). Same error contract as `read_each`.
     fn read_into(&self, reqs: &mut [ReadReq<'_>]) -> Result<()> {

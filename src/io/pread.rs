@@ -5,7 +5,7 @@
 //! read while others could proceed: ranges are handed out `queue_depth` at a time and reported in
 //! completion order.
 
-use super::buf::{AlignedBuf, BufferPool, ALIGN_BYTES};
+use super::buf::{AlignedBuf, BufferPool};
 use super::file::{has_o_direct, open_file, read_span, DirectIo, Span};
 use super::stats::{ReadStats, StatsCell};
 use super::{check_range, OnDone, Range, Reader};
@@ -79,7 +79,7 @@ impl PreadReader {
         let shared = Arc::new(Shared {
             file: opened.file,
             path: path.to_path_buf(),
-            align: if opened.direct_io_active { ALIGN_BYTES } else { 1 },
+            align: opened.align_bytes,
             pool: BufferPool::new(opts.queue_depth),
             stats: StatsCell::default(),
         });
@@ -176,6 +176,10 @@ impl Reader for PreadReader {
 
     fn stats(&self) -> ReadStats {
         self.shared.stats.snapshot()
+    }
+
+    fn align_bytes(&self) -> usize {
+        self.shared.align
     }
 
     fn reset_stats(&self) {

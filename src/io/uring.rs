@@ -10,7 +10,7 @@
 //! ranges to the callback straight from the slot (zero copy), resubmits short reads, and refills.
 //! Calls from several threads serialize on the ring's mutex.
 
-use super::buf::{AlignedBuf, ALIGN_BYTES};
+use super::buf::AlignedBuf;
 use super::file::{eof_at, has_o_direct, open_file, resume_at, DirectIo, Span};
 use super::stats::{ReadStats, StatsCell};
 use super::{check_range, read_error, OnDone, Range, Reader};
@@ -181,7 +181,7 @@ impl UringReader {
                 pending: 0,
                 cqes: Vec::with_capacity(queue_depth),
             }),
-            align: if opened.direct_io_active { ALIGN_BYTES } else { 1 },
+            align: opened.align_bytes,
             sqe_bytes_max: SQE_BYTES_MAX,
             direct_io_active: opened.direct_io_active,
             file: opened.file,
@@ -211,7 +211,7 @@ impl UringReader {
     /// exercise the resumption path that real devices take only on short reads.
     #[cfg(test)]
     pub(crate) fn with_sqe_bytes_max(mut self, bytes: usize) -> Self {
-        assert!(bytes > 0 && bytes.is_multiple_of(ALIGN_BYTES));
+        assert!(bytes > 0 && bytes.is_multiple_of(self.align));
         self.sqe_bytes_max = bytes;
         self
     }
@@ -326,6 +326,10 @@ impl Reader for UringReader {
 
     fn stats(&self) -> ReadStats {
         self.stats.snapshot()
+    }
+
+    fn align_bytes(&self) -> usize {
+        self.align
     }
 
     fn reset_stats(&self) {

@@ -33,6 +33,33 @@ pub struct FfnHooks<'a> {
     pub observe: Option<FfnObserver<'a>>,
     /// Chooses which of the computed neurons count, after gate and up are known.
     pub mask: Option<&'a dyn FfnMask>,
+    /// Weights read from disk while the pass runs (the streaming path); `None` is the in-RAM model.
+    pub stream: Option<&'a dyn LayerStream>,
+}
+
+/// The attention matrices of one layer.
+pub struct AttnWeights {
+    pub wq: Weight,
+    pub wk: Weight,
+    pub wv: Weight,
+    pub wo: Weight,
+}
+
+/// The seam of the streaming path: what the forward pass asks for instead of reading resident
+/// weights. Implemented by `stream::Streamer`; each method may block on reads.
+pub trait LayerStream: Sync {
+    /// Writes token `tok`'s embedding row (dequantized, unscaled) into `out`, or returns
+    /// `Ok(false)` to use the resident embedding matrix.
+    fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool>;
+    /// Layer `l`'s attention matrices when they are streamed, or `None` when resident. Called in
+    /// layer order; an implementation may start reading later layers' weights meanwhile.
+    fn attention(&self, l: usize) -> Result<Option<AttnWeights>>;
+    /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: returns `down · (act(gate·x) ·
+    /// up·x)` `[n, hidden]` (before any post-FFN norm), honouring `hooks.mask` and `hooks.observe`.
+    fn ffn(&self, model: &Model, l: usize, xn: &[f32], hooks: &FfnHooks) -> Result<Vec<f32>>;
+    /// Generation calls this after the prompt's pass, before the first decode step (so
+    /// per-token figures can leave the prompt out).
+    fn prefill_done(&self) {}
 }
 
 impl FfnHooks<'_> {
@@ -42,6 +69,7 @@ impl FfnHooks<'_> {
             select: &|_, _| FfnNeurons::All,
             observe: None,
             mask: None,
+            stream: None,
         }
     }
 }
@@ -52,6 +80,18 @@ pub trait FfnMask: Sync {
     /// `xn`: the normalized FFN input `[n, hidden]`; `gate`: act(gate·x) `[n, ffn]`; `up`: up·x
     /// `[n, ffn]`; `hact`: act(gate)·up `[n, ffn]`, to be edited in place.
     fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], up: &[f32], hact: &mut [f32]);
+
+    /// Which neurons need up·x before `apply` can decide, for a whole batch (the streaming path
+    /// reads up only for these; the others' up is taken as zero). Default: every neuron.
+    fn up_needed(&self, _layer: usize, _xn: &[f32], _gate: &[f32], need: &mut [bool]) {
+        need.fill(true);
+    }
+
+    /// True when `apply` keeps exactly the neurons `up_needed` named (minus those whose
+    /// activation is zero), so their down columns can be read in the same batch as up.
+    fn decides_before_up(&self) -> bool {
+        false
+    }
 }
 
 /// Which positions of a batch need logits.
@@ -95,7 +135,7 @@ impl KvCache {
 }
 
 /// Prepare one activation vector per token for dot products with `w`.
-fn prepare_all(xs: &[f32], width: usize, w: &Weight, out: &mut Vec<PreparedInput>) {
+pub(crate) fn prepare_all(xs: &[f32], width: usize, w: &Weight, out: &mut Vec<PreparedInput>) {
     let n = xs.len() / width;
     out.resize_with(n, PreparedInput::new);
     for (t, p) in out.iter_mut().enumerate() {
@@ -160,15 +200,26 @@ impl Model {
                 )));
             }
             let row = &mut x[t * h..(t + 1) * h];
-            self.weights.token_embd.dequantize_row(tok as usize, row);
+            let streamed = match hooks.stream {
+                Some(s) => s.embedding(tok, row)?,
+                None => false,
+            };
+            if !streamed {
+                self.weights.token_embd.dequantize_row(tok as usize, row);
+            }
             if cfg.embed_scale != 1.0 {
                 row.iter_mut().for_each(|v| *v *= cfg.embed_scale);
             }
         }
         let mut prep = Vec::new();
         for (l, layer) in self.weights.layers.iter().enumerate() {
-            self.attention_block(l, layer, &mut x, cache, &mut prep);
-            self.ffn_block(l, layer, &mut x, &mut prep, hooks);
+            let streamed = match hooks.stream {
+                Some(s) => s.attention(l)?,
+                None => None,
+            };
+            let attn = streamed.as_ref().unwrap_or(&layer.attn);
+            self.attention_block(l, layer, attn, &mut x, cache, &mut prep);
+            self.ffn_block(l, layer, &mut x, &mut prep, hooks)?;
         }
         cache.len += n;
         let first = match which {
@@ -193,6 +244,7 @@ impl Model {
         &self,
         l: usize,
         w: &LayerWeights,
+        a: &AttnWeights,
         x: &mut [f32],
         cache: &mut KvCache,
         prep: &mut Vec<PreparedInput>,
@@ -208,16 +260,16 @@ impl Model {
         let mut k = vec![0f32; n * kvd];
         let mut v = vec![0f32; n * kvd];
         // Q, K and V usually share a type; prepare once per distinct type.
-        prepare_all(&xn, h, &w.wq, prep);
-        self.backend.matmul(&w.wq, prep, &mut q);
-        if w.wk.ty != w.wq.ty {
-            prepare_all(&xn, h, &w.wk, prep);
+        prepare_all(&xn, h, &a.wq, prep);
+        self.backend.matmul(&a.wq, prep, &mut q);
+        if a.wk.ty != a.wq.ty {
+            prepare_all(&xn, h, &a.wk, prep);
         }
-        self.backend.matmul(&w.wk, prep, &mut k);
-        if w.wv.ty != w.wk.ty {
-            prepare_all(&xn, h, &w.wv, prep);
+        self.backend.matmul(&a.wk, prep, &mut k);
+        if a.wv.ty != a.wk.ty {
+            prepare_all(&xn, h, &a.wv, prep);
         }
-        self.backend.matmul(&w.wv, prep, &mut v);
+        self.backend.matmul(&a.wv, prep, &mut v);
         add_bias(&mut q, &w.bq);
         add_bias(&mut k, &w.bk);
         add_bias(&mut v, &w.bv);
@@ -265,9 +317,9 @@ impl Model {
                     attend(qh, kc, vc, kvd, (head / group) * hd, first..pos + 1, scale, scores, out);
                 })
         });
-        prepare_all(&attn, qd, &w.wo, prep);
+        prepare_all(&attn, qd, &a.wo, prep);
         let mut o = vec![0f32; n * h];
-        self.backend.matmul(&w.wo, prep, &mut o);
+        self.backend.matmul(&a.wo, prep, &mut o);
         if let Some(pn) = &w.post_attn_norm {
             for row in o.chunks_mut(h) {
                 rms_norm(row, pn, cfg.rms_eps);
@@ -276,28 +328,63 @@ impl Model {
         x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
     }
 
-    fn ffn_block(&self, l: usize, w: &LayerWeights, x: &mut [f32], prep: &mut Vec<PreparedInput>, hooks: &FfnHooks) {
+    fn ffn_block(
+        &self,
+        l: usize,
+        w: &LayerWeights,
+        x: &mut [f32],
+        prep: &mut Vec<PreparedInput>,
+        hooks: &FfnHooks,
+    ) -> Result<()> {
         let cfg = &self.config;
-        let (h, f) = (cfg.hidden, cfg.ffn);
-        let n = x.len() / h;
-        let neurons = (hooks.select)(l, n);
+        let h = cfg.hidden;
         let mut xn = x.to_vec();
         for row in xn.chunks_mut(h) {
             rms_norm(row, &w.ffn_norm, cfg.rms_eps);
         }
-        let act = |g: f32| match cfg.activation {
+        let mut d = match hooks.stream {
+            Some(s) => s.ffn(self, l, &xn, hooks)?,
+            None => self.ffn_in_ram(l, w, &xn, prep, hooks),
+        };
+        if let Some(pn) = &w.post_ffn_norm {
+            for row in d.chunks_mut(h) {
+                rms_norm(row, pn, cfg.rms_eps);
+            }
+        }
+        x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        Ok(())
+    }
+
+    /// The FFN's activation function.
+    pub fn ffn_act(&self, g: f32) -> f32 {
+        match self.config.activation {
             FfnActivation::Silu => silu(g),
             FfnActivation::GeluTanh => gelu_tanh(g),
-        };
+        }
+    }
+
+    fn ffn_in_ram(
+        &self,
+        l: usize,
+        w: &LayerWeights,
+        xn: &[f32],
+        prep: &mut Vec<PreparedInput>,
+        hooks: &FfnHooks,
+    ) -> Vec<f32> {
+        let cfg = &self.config;
+        let (h, f) = (cfg.hidden, cfg.ffn);
+        let n = xn.len() / h;
+        let neurons = (hooks.select)(l, n);
+        let act = |g: f32| self.ffn_act(g);
         // act(gate·x) and up·x, [n, ffn]; neurons not computed stay exactly zero.
         let mut gate = vec![0f32; n * f];
         let mut up = vec![0f32; n * f];
-        prepare_all(&xn, h, &w.ffn_gate, prep);
+        prepare_all(xn, h, &w.ffn_gate, prep);
         match neurons {
             FfnNeurons::All => {
                 self.backend.matmul(&w.ffn_gate, prep, &mut gate);
                 if w.ffn_up.ty != w.ffn_gate.ty {
-                    prepare_all(&xn, h, &w.ffn_up, prep);
+                    prepare_all(xn, h, &w.ffn_up, prep);
                 }
                 self.backend.matmul(&w.ffn_up, prep, &mut up);
                 gate.iter_mut().for_each(|g| *g = act(*g));
@@ -308,7 +395,7 @@ impl Model {
                 let mut u = vec![0f32; n * m];
                 self.backend.matmul_rows(&w.ffn_gate, rows, prep, &mut g);
                 if w.ffn_up.ty != w.ffn_gate.ty {
-                    prepare_all(&xn, h, &w.ffn_up, prep);
+                    prepare_all(xn, h, &w.ffn_up, prep);
                 }
                 self.backend.matmul_rows(&w.ffn_up, rows, prep, &mut u);
                 for t in 0..n {
@@ -327,7 +414,7 @@ impl Model {
             }
             Some(mask) => {
                 let mut hact: Vec<f32> = up.iter().zip(&gate).map(|(u, g)| u * g).collect();
-                mask.apply(l, &xn, &gate, &up, &mut hact);
+                mask.apply(l, xn, &gate, &up, &mut hact);
                 hact
             }
         };
@@ -348,11 +435,6 @@ impl Model {
                 self.backend.accumulate_rows(down_t, rows, &hact, &mut d);
             }
         }
-        if let Some(pn) = &w.post_ffn_norm {
-            for row in d.chunks_mut(h) {
-                rms_norm(row, pn, cfg.rms_eps);
-            }
-        }
-        x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        d
     }
 }

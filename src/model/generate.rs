@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, KvCache, Logits};
+use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, KvCache, LayerStream, Logits};
 use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::Model;
 
@@ -41,7 +41,7 @@ pub struct Generation {
 
 impl Model {
     pub fn generate(&self, prompt: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
-        self.generate_with(prompt, opts, None, on_text)
+        self.generate_with(prompt, opts, None, None, on_text)
     }
 
     /// As `generate`, with an FFN mask applied to every layer of every step (the prompt's
@@ -51,6 +51,7 @@ impl Model {
         prompt: &str,
         opts: &GenerateOptions,
         mask: Option<&dyn PromptAwareMask>,
+        stream: Option<&dyn LayerStream>,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Generation> {
         let text = if opts.chat {
@@ -91,17 +92,13 @@ impl Model {
 
         let t0 = Instant::now();
         let step = |tokens: &[u32], cache: &mut KvCache| -> Result<Vec<f32>> {
-            match mask {
-                None => self.forward(tokens, cache, Logits::Last),
-                Some(m) => {
-                    let hooks = FfnHooks {
-                        select: &|_, _| FfnNeurons::All,
-                        observe: None,
-                        mask: Some(m.as_mask()),
-                    };
-                    self.forward_with(tokens, cache, Logits::Last, &hooks)
-                }
-            }
+            let hooks = FfnHooks {
+                select: &|_, _| FfnNeurons::All,
+                observe: None,
+                mask: mask.map(|m| m.as_mask()),
+                stream,
+            };
+            self.forward_with(tokens, cache, Logits::Last, &hooks)
         };
         if let Some(m) = mask {
             m.prompt_tokens(prompt_tokens.len());
@@ -109,6 +106,9 @@ impl Model {
         let mut logits = step(&prompt_tokens, &mut cache)?;
         if let Some(m) = mask {
             m.prompt_tokens(0);
+        }
+        if let Some(s) = stream {
+            s.prefill_done();
         }
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();

@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::gguf::{self, GgufFile};
 use crate::gstfile::GstFile;
 use crate::model::config::{Arch, ModelConfig};
+use crate::model::forward::AttnWeights;
 use crate::quant::{dequantize_row, GgmlType};
 use crate::safetensors::SafetensorsModel;
 
@@ -57,6 +58,49 @@ impl Weight {
             storage: Storage::Owned(Arc::new(bytes)),
             offset_bytes: 0,
         })
+    }
+
+    /// The first `rows` rows of a shared buffer (the streaming path's staging and prefetch
+    /// buffers, reused across tokens); `offset_bytes` is where row 0 starts in it.
+    pub fn shared(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Arc<Vec<u8>>,
+        offset_bytes: usize,
+    ) -> Result<Weight> {
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
+        match rows.checked_mul(row_bytes).and_then(|b| b.checked_add(offset_bytes)) {
+            Some(end) if end <= bytes.len() => {}
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "{name}: {rows}x{cols} {ty:?} at byte {offset_bytes} does not fit a {}-byte buffer",
+                    bytes.len()
+                )))
+            }
+        }
+        Ok(Weight {
+            name: name.into(),
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            row_stride_bytes: row_bytes,
+            storage: Storage::Owned(bytes),
+            offset_bytes,
+        })
+    }
+
+    /// Where row 0 starts in the mapped file, for weights that view a memory map (`None` for
+    /// weights held in memory).
+    pub fn mapped_offset(&self) -> Option<u64> {
+        match self.storage {
+            Storage::Mapped(_) => Some(self.offset_bytes as u64),
+            Storage::Owned(_) => None,
+        }
     }
 
     /// A view of mapped bytes; the caller has checked that every row lies inside the map.
@@ -277,11 +321,10 @@ impl FfnDown {
 
 /// One transformer block's weights. Shapes are `[rows, cols]` = `[out, in]`.
 pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,              // [hidden]
-    pub wq: Weight,                       // [n_heads*head_dim, hidden]
-    pub wk: Weight,                       // [n_kv_heads*head_dim, hidden]
-    pub wv: Weight,                       // [n_kv_heads*head_dim, hidden]
-    pub wo: Weight,                       // [hidden, n_heads*head_dim]
+    pub attn_norm: Vec<f32>, // [hidden]
+    /// wq `[n_heads*head_dim, hidden]`, wk and wv `[n_kv_heads*head_dim, hidden]`,
+    /// wo `[hidden, n_heads*head_dim]`.
+    pub attn: AttnWeights,
     pub bq: Option<Vec<f32>>,             // [n_heads*head_dim] (qwen2)
     pub bk: Option<Vec<f32>>,             // [n_kv_heads*head_dim]
     pub bv: Option<Vec<f32>>,             // [n_kv_heads*head_dim]
@@ -385,10 +428,12 @@ impl ModelWeights {
             };
             layers.push(LayerWeights {
                 attn_norm: norm(&n("attn_norm.weight"), h)?,
-                wq: src.matrix(&n("attn_q.weight"), q, h, arch)?,
-                wk: src.matrix(&n("attn_k.weight"), kv, h, arch)?,
-                wv: src.matrix(&n("attn_v.weight"), kv, h, arch)?,
-                wo: src.matrix(&n("attn_output.weight"), h, q, arch)?,
+                attn: AttnWeights {
+                    wq: src.matrix(&n("attn_q.weight"), q, h, arch)?,
+                    wk: src.matrix(&n("attn_k.weight"), kv, h, arch)?,
+                    wv: src.matrix(&n("attn_v.weight"), kv, h, arch)?,
+                    wo: src.matrix(&n("attn_output.weight"), h, q, arch)?,
+                },
                 bq: opt_vec("attn_q.bias", q)?,
                 bk: opt_vec("attn_k.bias", kv)?,
                 bv: opt_vec("attn_v.bias", kv)?,

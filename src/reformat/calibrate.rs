@@ -91,6 +91,7 @@ pub fn calibrate(
             select: &|_, _| FfnNeurons::All,
             observe: Some(&observe),
             mask: None,
+            stream: None,
         };
         cache.clear();
         model.forward_with(&batch, &mut cache, Logits::Last, &hooks)?;

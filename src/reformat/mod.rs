@@ -360,10 +360,10 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
     for (l, lw) in weights.layers.iter().enumerate() {
         let n = |what: &str| format!("blk.{l}.{what}");
         put_vector(&mut w, &n("attn_norm.weight"), &lw.attn_norm)?;
-        put_matrix(&mut w, &n("attn_q.weight"), &lw.wq)?;
-        put_matrix(&mut w, &n("attn_k.weight"), &lw.wk)?;
-        put_matrix(&mut w, &n("attn_v.weight"), &lw.wv)?;
-        put_matrix(&mut w, &n("attn_output.weight"), &lw.wo)?;
+        put_matrix(&mut w, &n("attn_q.weight"), &lw.attn.wq)?;
+        put_matrix(&mut w, &n("attn_k.weight"), &lw.attn.wk)?;
+        put_matrix(&mut w, &n("attn_v.weight"), &lw.attn.wv)?;
+        put_matrix(&mut w, &n("attn_output.weight"), &lw.attn.wo)?;
         for (what, v) in [
             ("attn_q.bias", &lw.bq),
             ("attn_k.bias", &lw.bk),

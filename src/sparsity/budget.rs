@@ -72,6 +72,7 @@ impl Sensitivity {
                     select: &|_, _| FfnNeurons::All,
                     observe: None,
                     mask: Some(&m),
+                    stream: None,
                 };
                 let sparse = model.forward_with(&batch, &mut cache, Logits::From(0), &hooks)?;
                 row[i] = kl_rows(&dense, &sparse, vocab);

@@ -128,6 +128,7 @@ impl ScorePools {
                 select: &|_, _| FfnNeurons::All,
                 observe: None,
                 mask: Some(&rec),
+                stream: None,
             };
             model.forward_with(&batch, &mut cache, Logits::Last, &hooks)?;
             rec.state.lock().expect("recorder lock").0 += batch.len();

@@ -404,6 +404,52 @@ impl crate::model::generate::PromptAwareMask for Masker<'_> {
 }
 
 impl FfnMask for Masker<'_> {
+    fn up_needed(&self, layer: usize, xn: &[f32], gate: &[f32], need: &mut [bool]) {
+        let (f, h) = (self.ffn, self.hidden);
+        let n = gate.len() / f;
+        if self.strategy == Strategy::Union {
+            let context = *self.union_context.lock().expect("union context lock");
+            match &self.union_sets.lock().expect("union sets lock")[layer] {
+                Some(set) if context == 0 => need.copy_from_slice(set),
+                // The context's tokens run dense, and without a context the mask runs dense.
+                _ => need.fill(true),
+            }
+            return;
+        }
+        if self.criterion == Criterion::Exact {
+            need.fill(true);
+            return;
+        }
+        need.fill(false);
+        let (mut scratch, mut keep) = (Vec::new(), vec![false; f]);
+        for t in 0..n {
+            let g = &gate[t * f..(t + 1) * f];
+            match (self.strategy, self.criterion) {
+                (Strategy::Threshold, Criterion::Candidates) => {
+                    let tg = self.gate_thresholds.as_ref().expect("gate thresholds")[layer];
+                    keep.iter_mut().zip(g).for_each(|(k, g)| *k = g.abs() >= tg);
+                }
+                (_, Criterion::Candidates) => {
+                    let c = ((self.keep_count(layer) as f32 * CANDIDATE_FACTOR).round() as usize).min(f);
+                    let a: Vec<f32> = g.iter().map(|g| g.abs()).collect();
+                    top_k_mask(&a, c, &mut keep);
+                }
+                // Gate and sketch scores do not read up: the kept set is decided here.
+                _ => {
+                    self.token_mask(layer, &xn[t * h..(t + 1) * h], g, g, &mut scratch, &mut keep);
+                }
+            }
+            need.iter_mut().zip(&keep).for_each(|(n, k)| *n |= k);
+        }
+    }
+
+    fn decides_before_up(&self) -> bool {
+        match self.strategy {
+            Strategy::Union => *self.union_context.lock().expect("union context lock") == 0,
+            _ => matches!(self.criterion, Criterion::Gate | Criterion::Sketch),
+        }
+    }
+
     fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
         let (f, h) = (self.ffn, self.hidden);
         let n = hact.len() / f;

@@ -1,0 +1,161 @@
+//! The neuron cache of one layer: a fixed number of slots, each holding one neuron's up row and
+//! down column. It starts with the file's first neurons (the hot prefix when the file was
+//! reformatted hot-first). `Pinned` never replaces them (the right choice for dense streaming,
+//! which scans every neuron and would evict everything an LRU kept); `Lru` replaces the least
+//! recently used slot with each neuron read from disk (windowing across tokens).
+//!
+//! Knows neurons and bytes; never files or reads.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CachePolicy {
+    Pinned,
+    Lru,
+}
+
+impl CachePolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            CachePolicy::Pinned => "pinned",
+            CachePolicy::Lru => "lru",
+        }
+    }
+}
+
+const NONE: u32 = u32::MAX;
+
+pub struct LayerCache {
+    policy: CachePolicy,
+    up_row: usize,
+    down_row: usize,
+    /// Per neuron: its slot, or `NONE`.
+    slot_of: Vec<u32>,
+    /// Per slot: its neuron, or `NONE`.
+    owner: Vec<u32>,
+    /// Per slot: the step it was last used in.
+    last_used: Vec<u64>,
+    up: Vec<u8>,
+    down: Vec<u8>,
+    /// Slots ordered for eviction in the current step (oldest first), built lazily.
+    victims: Vec<u32>,
+    victims_step: Option<u64>,
+}
+
+impl LayerCache {
+    pub fn new(policy: CachePolicy, ffn: usize, slots: usize, up_row: usize, down_row: usize) -> LayerCache {
+        let slots = slots.min(ffn);
+        LayerCache {
+            policy,
+            up_row,
+            down_row,
+            slot_of: vec![NONE; ffn],
+            owner: vec![NONE; slots],
+            last_used: vec![0; slots],
+            up: vec![0; slots * up_row],
+            down: vec![0; slots * down_row],
+            victims: Vec::new(),
+            victims_step: None,
+        }
+    }
+
+    pub fn slots(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// Puts neuron `neuron` into slot `slot` (setup: the first neurons fill the slots in order).
+    pub fn fill(&mut self, slot: usize, neuron: u32, up: &[u8], down: &[u8]) {
+        let old = self.owner[slot];
+        if old != NONE {
+            self.slot_of[old as usize] = NONE;
+        }
+        self.owner[slot] = neuron;
+        self.slot_of[neuron as usize] = slot as u32;
+        self.up[slot * self.up_row..(slot + 1) * self.up_row].copy_from_slice(up);
+        self.down[slot * self.down_row..(slot + 1) * self.down_row].copy_from_slice(down);
+    }
+
+    /// The neuron's cached (up row, down column), marking it used in `step`.
+    pub fn get(&mut self, neuron: u32, step: u64) -> Option<(&[u8], &[u8])> {
+        let slot = self.slot_of[neuron as usize];
+        if slot == NONE {
+            return None;
+        }
+        let s = slot as usize;
+        self.last_used[s] = step;
+        Some((
+            &self.up[s * self.up_row..(s + 1) * self.up_row],
+            &self.down[s * self.down_row..(s + 1) * self.down_row],
+        ))
+    }
+
+    pub fn contains(&self, neuron: u32) -> bool {
+        self.slot_of[neuron as usize] != NONE
+    }
+
+    /// Offers a neuron just read from disk. `Lru` stores it in the least recently used slot not
+    /// used in this step (if any); `Pinned` ignores it.
+    pub fn offer(&mut self, neuron: u32, up: &[u8], down: &[u8], step: u64) {
+        if self.policy == CachePolicy::Pinned || self.slots() == 0 || self.contains(neuron) {
+            return;
+        }
+        if self.victims_step != Some(step) {
+            self.victims.clear();
+            self.victims
+                .extend((0..self.slots() as u32).filter(|&s| self.last_used[s as usize] < step));
+            let last = &self.last_used;
+            // Oldest last: victims are popped from the end.
+            self.victims
+                .sort_unstable_by(|&a, &b| last[b as usize].cmp(&last[a as usize]));
+            self.victims_step = Some(step);
+        }
+        let Some(slot) = self.victims.pop() else {
+            return;
+        };
+        self.fill(slot as usize, neuron, up, down);
+        self.last_used[slot as usize] = step;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes(n: u32) -> (Vec<u8>, Vec<u8>) {
+        (vec![n as u8; 3], vec![n as u8 + 100; 5])
+    }
+
+    #[test]
+    fn lru_keeps_what_was_used_lately_and_never_evicts_within_a_step() {
+        let mut c = LayerCache::new(CachePolicy::Lru, 10, 3, 3, 5);
+        for n in 0..3u32 {
+            let (u, d) = bytes(n);
+            c.fill(n as usize, n, &u, &d);
+        }
+        // Step 1 uses neurons 0 and 1; neuron 7 arrives and replaces the unused 2.
+        assert!(c.get(0, 1).is_some() && c.get(1, 1).is_some());
+        let (u, d) = bytes(7);
+        c.offer(7, &u, &d, 1);
+        assert!(c.contains(7) && !c.contains(2));
+        // Nothing else is free in step 1: neuron 8 is not stored.
+        let (u, d) = bytes(8);
+        c.offer(8, &u, &d, 1);
+        assert!(!c.contains(8));
+        let (up, down) = c.get(7, 2).unwrap();
+        assert_eq!((up, down), (&[7u8; 3][..], &[107u8; 5][..]));
+        // Step 2 used 7; the oldest of 0 and 1 (both step 1) goes first.
+        c.offer(8, &u, &d, 2);
+        assert!(c.contains(8) && c.contains(7));
+    }
+
+    #[test]
+    fn pinned_never_changes() {
+        let mut c = LayerCache::new(CachePolicy::Pinned, 10, 2, 3, 5);
+        for n in 0..2u32 {
+            let (u, d) = bytes(n);
+            c.fill(n as usize, n, &u, &d);
+        }
+        let (u, d) = bytes(5);
+        c.offer(5, &u, &d, 9);
+        assert!(!c.contains(5) && c.contains(0) && c.contains(1));
+    }
+}

@@ -1,0 +1,847 @@
+//! Streaming from disk: runs a `.gst` model under a RAM budget, reading per token only what is
+//! not resident, and for the FFN only the neurons the mask keeps.
+//!
+//! Per layer (see DESIGN.md, "The pipeline"): the layer's streamed dense parts (attention and
+//! gate matrices that did not fit the budget) were requested from the prefetch thread while the
+//! layer before computed; the gate runs; the mask (or dense: every neuron) names the neurons
+//! that need up; their up rows and down columns not in the neuron cache are planned into
+//! merged, aligned reads ([`plan`]) and read in one batch; up·x, the mask's final choice and the
+//! down accumulation follow. The exact criterion needs up before it can choose, so it reads up
+//! for every needed neuron first and down for the kept ones second.
+//!
+//! Exactness: staged rows are laid out in neuron order and go through the same backend calls as
+//! the in-RAM path, so with every neuron active the logits are bit-identical to it.
+//!
+//! Owns: the residency plan, the readers, the neuron caches, staging buffers and counters. Does
+//! not own the arithmetic (the backend) or the choice of neurons (the mask).
+
+pub mod cache;
+pub mod plan;
+pub mod prefetch;
+pub mod residency;
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::io::{open_reader, Range, ReadEngine, ReadStats, Reader, ReaderOptions};
+use crate::model::forward::{prepare_all, AttnWeights, FfnHooks, LayerStream};
+use crate::model::weights::{FfnDown, Weight};
+use crate::model::Model;
+use crate::quant::GgmlType;
+use cache::{CachePolicy, LayerCache};
+use plan::{plan, CostModel, PlannedRead};
+use prefetch::Prefetcher;
+use residency::{ModelSizes, Priority, Residency};
+
+/// How to stream.
+#[derive(Clone, Debug)]
+pub struct StreamOptions {
+    pub budget_bytes: u64,
+    pub engine: ReadEngine,
+    pub reader: ReaderOptions,
+    pub cache: CachePolicy,
+    /// Whether gates or the neuron cache come first in the budget after attention.
+    pub priority: Priority,
+    /// Dense streaming: every layer's FFN rows (those the cache lacks) are prefetched with its
+    /// dense parts while the layer before computes, since all of them will be needed.
+    pub prefetch_ffn: bool,
+    /// The planner's cost model; `None` = this machine's defaults at the reader's alignment.
+    pub cost: Option<CostModel>,
+}
+
+/// A matrix's place in the file.
+#[derive(Clone, Debug)]
+struct Part {
+    name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    offset_bytes: u64,
+    row_bytes: usize,
+    stride_bytes: usize,
+}
+
+impl Part {
+    fn of(w: &Weight) -> Result<Part> {
+        let offset_bytes = w
+            .mapped_offset()
+            .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+        Ok(Part {
+            name: w.name.clone(),
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            offset_bytes,
+            row_bytes: w.row_bytes,
+            stride_bytes: w.row_stride_bytes,
+        })
+    }
+
+    fn extent(&self, row: u32) -> (u64, usize) {
+        (
+            self.offset_bytes + row as u64 * self.stride_bytes as u64,
+            self.row_bytes,
+        )
+    }
+
+    /// The whole matrix as one range (contiguous parts only).
+    fn range(&self) -> Range {
+        Range::new(self.offset_bytes, self.rows * self.row_bytes)
+    }
+}
+
+struct LayerParts {
+    /// wq, wk, wv, wo when streamed.
+    attn: Option<[Part; 4]>,
+    gate: Option<Part>,
+    up: Part,
+    down: Part,
+    /// FFN rows prefetched with the dense parts (dense streaming), as merged file ranges.
+    ffn_ranges: Vec<Range>,
+}
+
+impl LayerParts {
+    /// Streamed attention and gate matrices.
+    fn matrix_ranges(&self) -> Vec<Range> {
+        self.attn
+            .iter()
+            .flatten()
+            .chain(self.gate.iter())
+            .map(Part::range)
+            .collect()
+    }
+    /// Everything the prefetch thread reads for this layer.
+    fn dense_ranges(&self) -> Vec<Range> {
+        let mut r = self.matrix_ranges();
+        r.extend(self.ffn_ranges.iter().copied());
+        r
+    }
+    fn streams_dense(&self) -> bool {
+        self.attn.is_some() || self.gate.is_some() || !self.ffn_ranges.is_empty()
+    }
+    /// Where the prefetched FFN rows start in the layer's dense buffer.
+    fn ffn_ranges_at(&self) -> usize {
+        self.attn
+            .iter()
+            .flatten()
+            .chain(self.gate.iter())
+            .map(|p| p.rows * p.row_bytes)
+            .sum()
+    }
+    /// The bytes of file extent `(o, len)` in the layer's dense buffer, if it was prefetched.
+    fn prefetched<'b>(&self, buf: &'b [u8], o: u64, len: usize) -> Option<&'b [u8]> {
+        let mut at = self.ffn_ranges_at();
+        for r in &self.ffn_ranges {
+            if o >= r.offset_bytes && o + len as u64 <= r.offset_bytes + r.len_bytes as u64 {
+                let start = at + (o - r.offset_bytes) as usize;
+                return buf.get(start..start + len);
+            }
+            at += r.len_bytes;
+        }
+        None
+    }
+}
+
+/// Counters since the streamer was opened (see [`Streamer::counters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Counters {
+    /// Forward passes (prefill batches and decode steps).
+    pub passes: u64,
+    /// FFN neurons the passes needed (up or down part), and how many the cache served.
+    pub cache_lookups: u64,
+    pub cache_hits: u64,
+    /// Bytes of FFN rows read from disk, and what the plan transferred (merged gaps and
+    /// alignment included), in how many reads.
+    pub ffn_needed_bytes: u64,
+    pub ffn_device_bytes: u64,
+    pub ffn_reads: u64,
+    /// Bytes of streamed dense parts (attention, gate, embedding rows) asked for.
+    pub dense_needed_bytes: u64,
+    /// Time the compute thread waited for reads, nanoseconds.
+    pub io_wait_ns: u64,
+}
+
+impl Counters {
+    pub fn minus(&self, o: &Counters) -> Counters {
+        Counters {
+            passes: self.passes - o.passes,
+            cache_lookups: self.cache_lookups - o.cache_lookups,
+            cache_hits: self.cache_hits - o.cache_hits,
+            ffn_needed_bytes: self.ffn_needed_bytes - o.ffn_needed_bytes,
+            ffn_device_bytes: self.ffn_device_bytes - o.ffn_device_bytes,
+            ffn_reads: self.ffn_reads - o.ffn_reads,
+            dense_needed_bytes: self.dense_needed_bytes - o.dense_needed_bytes,
+            io_wait_ns: self.io_wait_ns - o.io_wait_ns,
+        }
+    }
+}
+
+struct State {
+    caches: Vec<LayerCache>,
+    staging_up: Arc<Vec<u8>>,
+    staging_down: Arc<Vec<u8>>,
+    /// Layers whose dense parts were submitted to the prefetcher, oldest first.
+    pending: VecDeque<usize>,
+    /// The layer whose dense parts are in use, and their bytes.
+    current: Option<(usize, Arc<Vec<u8>>)>,
+    spare: Vec<Vec<u8>>,
+    plan: Vec<PlannedRead>,
+    counters: Counters,
+}
+
+/// A `.gst` model's streaming state. Create with [`Streamer::open`], pass as `FfnHooks::stream`.
+pub struct Streamer {
+    pub residency: Residency,
+    pub cost: CostModel,
+    pub engine: ReadEngine,
+    pub direct_io: bool,
+    /// Fallbacks the readers took, for the caller to print.
+    pub warnings: Vec<String>,
+    /// What dense streaming reads per token under this residency (planned, not measured).
+    pub dense_bytes_per_token: u64,
+    fg: Arc<dyn Reader>,
+    bg: Arc<dyn Reader>,
+    prefetcher: Prefetcher,
+    layers: Vec<LayerParts>,
+    embedding: Option<Part>,
+    hidden: usize,
+    state: Mutex<State>,
+    /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]).
+    decode_start: Mutex<Option<(Counters, ReadStats)>>,
+}
+
+/// Writes each page once, so first-touch faults happen at setup, not while timing tokens.
+fn prefault(buf: &mut [u8]) {
+    for i in (0..buf.len()).step_by(4096) {
+        buf[i] = 0;
+    }
+}
+
+impl Streamer {
+    /// Plans residency for `model` (loaded from a `.gst` file) under the budget, loads what is
+    /// resident into memory (reading it past the page cache where the engine allows), and makes
+    /// the model's remaining weights streamed.
+    pub fn open(model: &mut Model, opts: &StreamOptions) -> Result<Streamer> {
+        let open = |what: &str| -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
+            let o = open_reader(&model.path, opts.engine, &opts.reader)?;
+            let _ = what;
+            Ok((Arc::from(o.reader), o.direct_io_active, o.warnings))
+        };
+        let (fg, direct_io, mut warnings) = open("compute")?;
+        let (bg, _, w2) = open("prefetch")?;
+        warnings.extend(w2.into_iter().filter(|w| !warnings.contains(w)).collect::<Vec<_>>());
+        Streamer::with_readers(model, opts, fg, bg, direct_io, warnings)
+    }
+
+    /// As `open`, with readers supplied (tests use simulated devices): `fg` serves the FFN
+    /// reads and setup, `bg` the prefetch thread.
+    pub fn with_readers(
+        model: &mut Model,
+        opts: &StreamOptions,
+        fg: Arc<dyn Reader>,
+        bg: Arc<dyn Reader>,
+        direct_io: bool,
+        warnings: Vec<String>,
+    ) -> Result<Streamer> {
+        let cfg = model.config.clone();
+        let not_gst = || {
+            Error::Invalid(format!(
+                "{}: streaming reads a .gst file (neuron-major FFN); convert with `gatestream reformat`",
+                model.path.display()
+            ))
+        };
+        if !crate::gstfile::is_gst(&model.path) {
+            return Err(not_gst());
+        }
+        let w = &model.weights;
+        let tied = w.output.mapped_offset() == w.token_embd.mapped_offset();
+        let norm_bytes = |l: &crate::model::weights::LayerWeights| {
+            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
+            (l.attn_norm.len()
+                + l.ffn_norm.len()
+                + opt(&l.bq)
+                + opt(&l.bk)
+                + opt(&l.bv)
+                + opt(&l.q_norm)
+                + opt(&l.k_norm)
+                + opt(&l.post_attn_norm)
+                + opt(&l.post_ffn_norm)) as u64
+                * 4
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let mut sizes = ModelSizes {
+            n_layers: cfg.n_layers,
+            ffn: cfg.ffn,
+            required_bytes: w.output.len_bytes() as u64
+                + w.output_norm.len() as u64 * 4
+                + w.layers.iter().map(norm_bytes).sum::<u64>(),
+            attention_bytes: Vec::new(),
+            gate_bytes: Vec::new(),
+            neuron_bytes: Vec::new(),
+            prefetch_ffn: opts.prefetch_ffn,
+        };
+        for l in &w.layers {
+            let FfnDown::Columns(down) = &l.ffn_down else {
+                return Err(not_gst());
+            };
+            let a = &l.attn;
+            sizes
+                .attention_bytes
+                .push([&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|w| w.len_bytes() as u64).sum());
+            sizes.gate_bytes.push(l.ffn_gate.len_bytes() as u64);
+            sizes.neuron_bytes.push((l.ffn_up.row_bytes + down.row_bytes) as u64);
+            layers.push(LayerParts {
+                attn: None,
+                gate: None,
+                up: Part::of(&l.ffn_up)?,
+                down: Part::of(down)?,
+                ffn_ranges: Vec::new(),
+            });
+        }
+        let residency = sizes.plan(opts.budget_bytes, opts.priority)?;
+        let cost = opts
+            .cost
+            .unwrap_or_else(|| CostModel::default_for(fg.align_bytes() as u64));
+        // Page-cache engines keep resident weights as views of the map (the walk path); the
+        // others copy them into memory once, bypassing the page cache where O_DIRECT is on.
+        let copy = opts.engine != ReadEngine::Mmap;
+        let load = |w: &mut Weight| -> Result<()> {
+            if copy {
+                let bytes = fg.read_vec(w.mapped_offset().expect("mapped"), w.len_bytes())?;
+                *w = Weight::owned(&w.name, w.ty, w.rows, w.cols, bytes)?;
+            }
+            Ok(())
+        };
+        let w = &mut model.weights;
+        load(&mut w.output)?;
+        let embedding = if tied {
+            w.token_embd = w.output.clone();
+            None
+        } else {
+            Some(Part::of(&w.token_embd)?)
+        };
+        for (l, lw) in w.layers.iter_mut().enumerate() {
+            if residency.attention_resident[l] {
+                for m in [&mut lw.attn.wq, &mut lw.attn.wk, &mut lw.attn.wv, &mut lw.attn.wo] {
+                    load(m)?;
+                }
+            } else {
+                let a = &lw.attn;
+                layers[l].attn = Some([Part::of(&a.wq)?, Part::of(&a.wk)?, Part::of(&a.wv)?, Part::of(&a.wo)?]);
+            }
+            if residency.gate_resident[l] {
+                load(&mut lw.ffn_gate)?;
+            } else {
+                layers[l].gate = Some(Part::of(&lw.ffn_gate)?);
+            }
+        }
+        // Neuron caches start with each layer's first neurons (the hot prefix of a hot-first file).
+        let mut caches = Vec::with_capacity(cfg.n_layers);
+        for (l, parts) in layers.iter().enumerate() {
+            let slots = residency.cache_neurons[l];
+            let mut c = LayerCache::new(opts.cache, cfg.ffn, slots, parts.up.row_bytes, parts.down.row_bytes);
+            if slots > 0 {
+                let read_rows = |p: &Part| -> Result<Vec<u8>> {
+                    let span = (slots - 1) * p.stride_bytes + p.row_bytes;
+                    fg.read_vec(p.offset_bytes, span)
+                };
+                let (up, down) = (read_rows(&parts.up)?, read_rows(&parts.down)?);
+                for n in 0..slots {
+                    let (u, d) = (n * parts.up.stride_bytes, n * parts.down.stride_bytes);
+                    c.fill(
+                        n,
+                        n as u32,
+                        &up[u..u + parts.up.row_bytes],
+                        &down[d..d + parts.down.row_bytes],
+                    );
+                }
+            }
+            caches.push(c);
+        }
+        if opts.prefetch_ffn {
+            for (l, p) in layers.iter_mut().enumerate() {
+                let mut spans = Vec::new();
+                for n in residency.cache_neurons[l] as u32..cfg.ffn as u32 {
+                    spans.push(p.up.extent(n));
+                    spans.push(p.down.extent(n));
+                }
+                spans.sort_unstable_by_key(|s| s.0);
+                // Only touching rows merge: the ranges hold exactly the rows.
+                let exact = CostModel {
+                    request_us: 0.0,
+                    bytes_per_us: 1.0,
+                    align_bytes: 1,
+                    max_read_bytes: u64::MAX,
+                };
+                let mut reads = Vec::new();
+                plan(&spans, &exact, &mut reads);
+                p.ffn_ranges = reads.iter().map(|r| r.range).collect();
+            }
+        }
+        let max_row = |f: fn(&LayerParts) -> usize| layers.iter().map(f).max().unwrap_or(0);
+        let mut staging_up = vec![0u8; cfg.ffn * max_row(|p| p.up.row_bytes)];
+        let mut staging_down = vec![0u8; cfg.ffn * max_row(|p| p.down.row_bytes)];
+        prefault(&mut staging_up);
+        prefault(&mut staging_down);
+        let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
+        fg.reset_stats();
+        let prefetcher = Prefetcher::start(bg.clone())?;
+        Ok(Streamer {
+            residency,
+            cost,
+            engine: opts.engine,
+            direct_io,
+            warnings,
+            dense_bytes_per_token,
+            fg,
+            bg,
+            prefetcher,
+            layers,
+            embedding,
+            hidden: cfg.hidden,
+            state: Mutex::new(State {
+                caches,
+                staging_up: Arc::new(staging_up),
+                staging_down: Arc::new(staging_down),
+                pending: VecDeque::new(),
+                current: None,
+                spare: Vec::new(),
+                plan: Vec::new(),
+                counters: Counters::default(),
+            }),
+            decode_start: Mutex::new(None),
+        })
+    }
+
+    /// Counters and device reads since the prompt's pass (decode steps only), or since opening
+    /// when no prompt was marked.
+    pub fn decode_counters(&self) -> (Counters, ReadStats) {
+        let (c, r) = (self.counters(), self.read_stats());
+        match *self.decode_start.lock().expect("decode start") {
+            Some((c0, r0)) => (
+                c.minus(&c0),
+                ReadStats {
+                    requests: r.requests - r0.requests,
+                    bytes_requested: r.bytes_requested - r0.bytes_requested,
+                    device_reads: r.device_reads - r0.device_reads,
+                    bytes_device: r.bytes_device - r0.bytes_device,
+                    wall_ns: r.wall_ns - r0.wall_ns,
+                },
+            ),
+            None => (c, r),
+        }
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.state.lock().expect("stream state").counters
+    }
+
+    /// Both readers' counters added together (what the device actually did).
+    pub fn read_stats(&self) -> ReadStats {
+        let (a, b) = (self.fg.stats(), self.bg.stats());
+        ReadStats {
+            requests: a.requests + b.requests,
+            bytes_requested: a.bytes_requested + b.bytes_requested,
+            device_reads: a.device_reads + b.device_reads,
+            bytes_device: a.bytes_device + b.bytes_device,
+            wall_ns: a.wall_ns + b.wall_ns,
+        }
+    }
+
+    /// The next layer after `l` (cyclically: the next pass's first) whose dense parts stream.
+    fn next_streamed(&self, l: usize) -> Option<usize> {
+        let n = self.layers.len();
+        (1..=n).map(|d| (l + d) % n).find(|&m| self.layers[m].streams_dense())
+    }
+
+    /// Makes layer `l`'s dense parts current (waiting for the prefetch if needed) and requests
+    /// the next streamed layer's.
+    fn advance(&self, st: &mut State, l: usize) -> Result<()> {
+        if let Some((_, buf)) = st.current.take() {
+            if let Ok(v) = Arc::try_unwrap(buf) {
+                st.spare.push(v);
+            }
+        }
+        if self.layers[l].streams_dense() {
+            if st.pending.front() != Some(&l) {
+                // Out of step (first pass, or a pass that ended in an error): start over.
+                while st.pending.pop_front().is_some() {
+                    let d = self.prefetcher.next()?;
+                    st.spare.push(d.buf);
+                }
+                let buf = st.spare.pop().unwrap_or_default();
+                self.prefetcher.submit(l, self.layers[l].dense_ranges(), buf)?;
+                st.pending.push_back(l);
+            }
+            let t0 = Instant::now();
+            let done = self.prefetcher.next()?;
+            st.pending.pop_front();
+            st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+            debug_assert_eq!(done.key, l);
+            st.counters.dense_needed_bytes += done.buf.len() as u64;
+            done.result?;
+            st.current = Some((l, Arc::new(done.buf)));
+        }
+        if st.pending.is_empty() {
+            if let Some(m) = self.next_streamed(l) {
+                let buf = st.spare.pop().unwrap_or_default();
+                self.prefetcher.submit(m, self.layers[m].dense_ranges(), buf)?;
+                st.pending.push_back(m);
+            }
+        }
+        Ok(())
+    }
+
+    /// A view of part `p` of the current layer's dense buffer; `at` is its byte offset there.
+    fn view(st: &State, p: &Part, at: usize) -> Result<Weight> {
+        let (_, buf) = st.current.as_ref().expect("current layer");
+        Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at)
+    }
+
+    /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
+    /// staging buffers, row i of each holding the set's i-th neuron; the cache serves what it
+    /// holds. `staged_up` names the neurons whose up rows the staging buffer holds after this
+    /// call (for filing newly read neurons in the cache).
+    fn fetch(&self, st: &mut State, l: usize, up_set: &[u32], down_set: &[u32], staged_up: &[u32]) -> Result<()> {
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let step = st.counters.passes;
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            plan: planned,
+            counters,
+            current,
+            ..
+        } = st;
+        let prefetched: &[u8] = match current {
+            Some((cl, buf)) if *cl == l => buf,
+            _ => &[],
+        };
+        let cache = &mut caches[l];
+        if Arc::get_mut(staging_up).is_none() {
+            *staging_up = Arc::new(vec![0u8; staging_up.len()]);
+        }
+        if Arc::get_mut(staging_down).is_none() {
+            *staging_down = Arc::new(vec![0u8; staging_down.len()]);
+        }
+        let su = Arc::get_mut(staging_up).expect("unique");
+        let sd = Arc::get_mut(staging_down).expect("unique");
+        // (offset, len, is_down, staging row)
+        let mut extents: Vec<(u64, usize, bool, u32)> = Vec::new();
+        let mut misses_down = Vec::new();
+        for (i, &n) in up_set.iter().enumerate() {
+            counters.cache_lookups += 1;
+            match cache.get(n, step) {
+                Some((u, _)) => {
+                    su[i * ur..(i + 1) * ur].copy_from_slice(u);
+                    counters.cache_hits += 1;
+                }
+                None => {
+                    let (o, len) = parts.up.extent(n);
+                    match parts.prefetched(prefetched, o, len) {
+                        Some(b) => su[i * ur..(i + 1) * ur].copy_from_slice(b),
+                        None => extents.push((o, len, false, i as u32)),
+                    }
+                }
+            }
+        }
+        for (i, &n) in down_set.iter().enumerate() {
+            // A neuron counted with its up row is one lookup, not two.
+            let counted = up_set.binary_search(&n).is_ok();
+            match cache.get(n, step) {
+                Some((_, d)) => {
+                    sd[i * dr..(i + 1) * dr].copy_from_slice(d);
+                    if !counted {
+                        counters.cache_lookups += 1;
+                        counters.cache_hits += 1;
+                    }
+                }
+                None => {
+                    if !counted {
+                        counters.cache_lookups += 1;
+                    }
+                    let (o, len) = parts.down.extent(n);
+                    match parts.prefetched(prefetched, o, len) {
+                        Some(b) => sd[i * dr..(i + 1) * dr].copy_from_slice(b),
+                        None => extents.push((o, len, true, i as u32)),
+                    }
+                    misses_down.push(i);
+                }
+            }
+        }
+        if !extents.is_empty() {
+            extents.sort_unstable_by_key(|e| e.0);
+            let spans: Vec<(u64, usize)> = extents.iter().map(|e| (e.0, e.1)).collect();
+            let totals = plan(&spans, &self.cost, planned);
+            let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+            let t0 = Instant::now();
+            let planned = &*planned;
+            self.fg.read_each(&ranges, &mut |ri, bytes| {
+                let p = planned[ri];
+                for &(o, len, is_down, row) in &extents[p.first..p.first + p.count] {
+                    let at = (o - p.range.offset_bytes) as usize;
+                    let src = &bytes[at..at + len];
+                    let row = row as usize;
+                    if is_down {
+                        sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                    } else {
+                        su[row * ur..(row + 1) * ur].copy_from_slice(src);
+                    }
+                }
+                Ok(())
+            })?;
+            counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+        }
+        // File the neurons just read whole (up and down) in the cache.
+        for i in misses_down {
+            let n = down_set[i];
+            if let Ok(j) = staged_up.binary_search(&n) {
+                cache.offer(n, &su[j * ur..(j + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What dense streaming reads per token under `residency`: streamed attention and gate, every
+/// neuron the pinned cache does not hold, and one embedding row — planned like the real reads.
+fn dense_plan_bytes(layers: &[LayerParts], residency: &Residency, cost: &CostModel, embd: Option<&Part>) -> u64 {
+    let mut total = 0;
+    let mut out = Vec::new();
+    for (l, p) in layers.iter().enumerate() {
+        let mut spans: Vec<(u64, usize)> = p
+            .matrix_ranges()
+            .iter()
+            .map(|r| (r.offset_bytes, r.len_bytes))
+            .collect();
+        for n in residency.cache_neurons[l] as u32..p.up.rows as u32 {
+            spans.push(p.up.extent(n));
+            spans.push(p.down.extent(n));
+        }
+        spans.sort_unstable_by_key(|s| s.0);
+        total += plan(&spans, cost, &mut out).device_bytes;
+    }
+    if let Some(e) = embd {
+        total += plan(&[(e.offset_bytes, e.row_bytes)], cost, &mut out).device_bytes;
+    }
+    total
+}
+
+impl LayerStream for Streamer {
+    fn prefill_done(&self) {
+        *self.decode_start.lock().expect("decode start") = Some((self.counters(), self.read_stats()));
+    }
+
+    fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool> {
+        let Some(e) = &self.embedding else {
+            return Ok(false);
+        };
+        let (o, len) = e.extent(tok);
+        let t0 = Instant::now();
+        let bytes = self.fg.read_vec(o, len)?;
+        let mut st = self.state.lock().expect("stream state");
+        st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+        st.counters.dense_needed_bytes += len as u64;
+        crate::quant::dequantize_row(e.ty, &bytes, out);
+        Ok(true)
+    }
+
+    fn attention(&self, l: usize) -> Result<Option<AttnWeights>> {
+        let mut st = self.state.lock().expect("stream state");
+        if l == 0 {
+            st.counters.passes += 1;
+        }
+        self.advance(&mut st, l)?;
+        match &self.layers[l].attn {
+            None => Ok(None),
+            Some([q, k, v, o]) => {
+                let mut at = 0;
+                let mut next = |p: &Part| {
+                    let w = Streamer::view(&st, p, at);
+                    at += p.rows * p.row_bytes;
+                    w
+                };
+                Ok(Some(AttnWeights {
+                    wq: next(q)?,
+                    wk: next(k)?,
+                    wv: next(v)?,
+                    wo: next(o)?,
+                }))
+            }
+        }
+    }
+
+    fn ffn(&self, model: &Model, l: usize, xn: &[f32], hooks: &FfnHooks) -> Result<Vec<f32>> {
+        let cfg = &model.config;
+        let (h, f) = (cfg.hidden, cfg.ffn);
+        debug_assert_eq!(h, self.hidden);
+        let n = xn.len() / h;
+        let lw = &model.weights.layers[l];
+        let parts = &self.layers[l];
+        let mut st = self.state.lock().expect("stream state");
+        let st = &mut *st;
+        let mut prep = Vec::new();
+
+        // Phase 1: the gate (resident, or prefetched with the layer's attention).
+        let streamed_gate = match &parts.gate {
+            Some(g) => {
+                let at = parts.attn.iter().flatten().map(|p| p.rows * p.row_bytes).sum();
+                Some(Streamer::view(st, g, at)?)
+            }
+            None => None,
+        };
+        let gate_w = streamed_gate.as_ref().unwrap_or(&lw.ffn_gate);
+        let gate_ty = gate_w.ty;
+        prepare_all(xn, h, gate_w, &mut prep);
+        let mut gate = vec![0f32; n * f];
+        model.backend.matmul(gate_w, &prep, &mut gate);
+        gate.iter_mut().for_each(|g| *g = model.ffn_act(*g));
+        drop(streamed_gate);
+
+        // Phase 2: which neurons need up (all when dense), and whether down can come along.
+        let mut need = vec![true; f];
+        if let Some(m) = hooks.mask {
+            m.up_needed(l, xn, &gate, &mut need);
+        }
+        let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
+        let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
+        self.fetch(st, l, &up_set, if one_pass { &up_set } else { &[] }, &up_set)?;
+        let m = up_set.len();
+        let up_w = Weight::shared(&parts.up.name, parts.up.ty, m, h, st.staging_up.clone(), 0)?;
+        if up_w.ty != gate_ty {
+            prepare_all(xn, h, &up_w, &mut prep);
+        }
+        let mut u = vec![0f32; n * m];
+        if m > 0 {
+            model.backend.matmul(&up_w, &prep, &mut u);
+        }
+        drop(up_w);
+        let mut up = vec![0f32; n * f];
+        for t in 0..n {
+            for (i, &r) in up_set.iter().enumerate() {
+                up[t * f + r as usize] = u[t * m + i];
+            }
+        }
+        let mut hact: Vec<f32> = up.iter().zip(&gate).map(|(u, g)| u * g).collect();
+        if let Some(mask) = hooks.mask {
+            mask.apply(l, xn, &gate, &up, &mut hact);
+        }
+        if let Some(observe) = hooks.observe {
+            observe(l, &gate, &hact);
+        }
+
+        // Phase 3: down for the kept neurons (already staged when one pass sufficed).
+        let down_set: Vec<u32> = if one_pass {
+            up_set
+        } else {
+            let keep: Vec<u32> = (0..f as u32)
+                .filter(|&i| (0..n).any(|t| hact[t * f + i as usize] != 0.0))
+                .collect();
+            self.fetch(st, l, &[], &keep, &up_set)?;
+            keep
+        };
+        let k = down_set.len();
+        let mut acts = vec![0f32; n * k];
+        for t in 0..n {
+            for (i, &r) in down_set.iter().enumerate() {
+                acts[t * k + i] = hact[t * f + r as usize];
+            }
+        }
+        let mut d = vec![0f32; n * h];
+        if k > 0 {
+            let down_w = Weight::shared(&parts.down.name, parts.down.ty, k, h, st.staging_down.clone(), 0)?;
+            model.backend.accumulate_rows(&down_w, None, &acts, &mut d);
+        }
+        Ok(d)
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), bytes; 0 where /proc is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Restarts the peak RSS count from the current RSS (Linux: `/proc/self/clear_refs` = 5);
+/// returns false where that is not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// End-of-run figures of a streamed generation, per decoded token (the prompt's pass left out).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StreamReport {
+    pub engine: &'static str,
+    pub direct_io: bool,
+    pub ram_budget_bytes: u64,
+    pub residency: Residency,
+    pub cost_model: CostModel,
+    /// Decode steps measured (generated tokens after the first, which the prompt's pass yields).
+    pub decode_tokens: u64,
+    pub decode_tok_per_s: f64,
+    /// Bytes the device transferred per decode step (both readers, alignment included).
+    pub disk_bytes_per_token: f64,
+    /// What dense streaming reads per token under the same budget (planned by the same read
+    /// planner; `run --mode compare` also measures it).
+    pub dense_disk_bytes_per_token: f64,
+    /// Device bytes per byte needed (FFN rows, streamed matrices, embedding rows).
+    pub read_amplification: f64,
+    /// Share of needed FFN neurons the neuron cache served.
+    pub cache_hit_rate: f64,
+    /// Share of decode time the compute thread waited for reads.
+    pub io_wait_fraction: f64,
+    pub peak_rss_bytes: u64,
+    pub counters: Counters,
+}
+
+impl StreamReport {
+    pub fn new(s: &Streamer, g: &crate::model::generate::Generation) -> StreamReport {
+        let (c, r) = s.decode_counters();
+        let steps = c.passes.max(1) as f64;
+        let needed = (c.ffn_needed_bytes + c.dense_needed_bytes) as f64;
+        StreamReport {
+            engine: match s.engine {
+                ReadEngine::Uring => "uring",
+                ReadEngine::Pread => "pread",
+                ReadEngine::Mmap => "mmap",
+            },
+            direct_io: s.direct_io,
+            ram_budget_bytes: s.residency.budget_bytes,
+            residency: s.residency.clone(),
+            cost_model: s.cost,
+            decode_tokens: c.passes,
+            decode_tok_per_s: g.decode_tok_per_s,
+            disk_bytes_per_token: r.bytes_device as f64 / steps,
+            dense_disk_bytes_per_token: s.dense_bytes_per_token as f64,
+            read_amplification: if needed > 0.0 {
+                r.bytes_device as f64 / needed
+            } else {
+                1.0
+            },
+            cache_hit_rate: if c.cache_lookups > 0 {
+                c.cache_hits as f64 / c.cache_lookups as f64
+            } else {
+                0.0
+            },
+            io_wait_fraction: if g.decode_s > 0.0 {
+                (c.io_wait_ns as f64 / 1e9 / g.decode_s).min(1.0)
+            } else {
+                0.0
+            },
+            peak_rss_bytes: peak_rss_bytes(),
+            counters: c,
+        }
+    }
+}

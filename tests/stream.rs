@@ -1,0 +1,286 @@
+//! Streaming from disk on real weights: with every neuron active the streamed model's logits are
+//! bit-identical to the in-RAM model's, for every reader and every budget; device faults are
+//! resumed (short reads) or surface as errors naming file, offset and length (EIO); sparse
+//! streaming reads fewer bytes than dense and keeps the in-RAM sparse model's tokens.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use gatestream::format::FfnLayout;
+use gatestream::gstfile::GstFile;
+use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads, SimFaults, SimReader};
+use gatestream::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
+use gatestream::model::{LoadOptions, Model};
+use gatestream::reformat::{reformat, ReformatOptions};
+use gatestream::sparsity::{Criterion, Masker, Strategy};
+use gatestream::stream::cache::CachePolicy;
+use gatestream::stream::residency::Priority;
+use gatestream::stream::{StreamOptions, Streamer};
+
+fn convert(input: &Path, dir: &Path, name: &str, layout: FfnLayout) -> PathBuf {
+    let out = dir.join(name);
+    let opts = ReformatOptions {
+        ffn_layout: layout,
+        ..ReformatOptions::default()
+    };
+    reformat(input, &out, &opts, &mut |_, _, _| {}).unwrap();
+    out
+}
+
+fn load(p: &Path) -> Model {
+    Model::load(p, &LoadOptions::default()).unwrap()
+}
+
+fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamOptions {
+    StreamOptions {
+        budget_bytes,
+        engine,
+        reader: ReaderOptions::default(),
+        cache,
+        priority: Priority::GateFirst,
+        prefetch_ffn: false,
+        cost: None,
+    }
+}
+
+/// Dense streaming's options: FFN rows prefetched with each layer, the cache before gates.
+fn dense_options(budget_bytes: u64, engine: ReadEngine) -> StreamOptions {
+    StreamOptions {
+        priority: Priority::CacheFirst,
+        prefetch_ffn: true,
+        ..options(budget_bytes, engine, CachePolicy::Pinned)
+    }
+}
+
+/// Logits of a prompt pass (every position) followed by `steps` single-token passes, each fed
+/// the previous greedy token: the prefill and decode paths both.
+fn run(model: &Model, stream: Option<&Streamer>, mask: Option<&Masker>, text: &str, steps: usize) -> Vec<f32> {
+    let ids = model.tokenizer.encode(text, true).unwrap();
+    let mut cache = KvCache::new(&model.config, ids.len() + steps);
+    let hooks = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: None,
+        mask: mask.map(|m| m as _),
+        stream: stream.map(|s| s as _),
+    };
+    let mut all = model.forward_with(&ids, &mut cache, Logits::From(0), &hooks).unwrap();
+    let vocab = model.config.vocab;
+    for _ in 0..steps {
+        let last = &all[all.len() - vocab..];
+        let next = (0..vocab).max_by(|&a, &b| last[a].total_cmp(&last[b])).unwrap() as u32;
+        all.extend(model.forward_with(&[next], &mut cache, Logits::Last, &hooks).unwrap());
+    }
+    all
+}
+
+fn min_budget(path: &Path) -> u64 {
+    min_budget_with(path, options(0, ReadEngine::Pread, CachePolicy::Pinned))
+}
+
+fn min_budget_with(path: &Path, opts: StreamOptions) -> u64 {
+    let mut m = load(path);
+    let e = Streamer::open(&mut m, &opts)
+        .err()
+        .expect("a zero budget is refused")
+        .to_string();
+    // "... at least N (x MB) is needed ..."
+    let n: String = e
+        .split("at least ")
+        .nth(1)
+        .unwrap()
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    n.parse().unwrap()
+}
+
+fn assert_bit_identical(path: &Path, text: &str) {
+    let reference = run(&load(path), None, None, text, 4);
+    let file_bytes = std::fs::metadata(path).unwrap().len();
+    let min = min_budget(path);
+    let min_dense = min_budget_with(path, dense_options(0, ReadEngine::Pread));
+    for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+        // Everything streamed; some resident; everything resident with a full neuron cache.
+        let mid = (min + file_bytes) / 2;
+        for (budget, opts) in [
+            (min, options(min, engine, CachePolicy::Pinned)),
+            (mid, options(mid, engine, CachePolicy::Lru)),
+            (2 * file_bytes, options(2 * file_bytes, engine, CachePolicy::Pinned)),
+            (min_dense, dense_options(min_dense, engine)),
+            (mid.max(min_dense), dense_options(mid.max(min_dense), engine)),
+        ] {
+            let policy = (opts.cache, opts.priority, opts.prefetch_ffn);
+            let mut m = load(path);
+            let s = Streamer::open(&mut m, &opts).unwrap();
+            let got = run(&m, Some(&s), None, text, 4);
+            let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same && got.len() == reference.len(),
+                "{}: {engine:?} at budget {budget} ({policy:?}) differs from the in-RAM model",
+                path.display()
+            );
+            let c = s.counters();
+            if budget == min && !opts.prefetch_ffn {
+                assert!(c.ffn_needed_bytes > 0 && c.cache_hits == 0, "{c:?}");
+            }
+            if opts.prefetch_ffn {
+                // Every FFN row came with the prefetch: nothing read on the compute thread.
+                assert_eq!(c.ffn_needed_bytes, 0, "{c:?}");
+            }
+            if budget == 2 * file_bytes {
+                assert_eq!((c.ffn_needed_bytes, c.cache_hits), (0, c.cache_lookups), "{c:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn dense_streaming_is_bit_identical_to_in_ram_for_every_reader_stories260k() {
+    let tmp = tempfile::tempdir().unwrap();
+    for layout in [FfnLayout::Split, FfnLayout::Bundled] {
+        let p = convert(&stories_dir(), tmp.path(), &format!("{layout:?}.gst"), layout);
+        assert_bit_identical(&p, "Once upon a time, there was a cat");
+    }
+}
+
+#[test]
+fn dense_streaming_is_bit_identical_to_in_ram_for_every_reader_smollm2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    assert_bit_identical(&p, "The capital of France is");
+}
+
+/// The first byte of layer 1's up section.
+fn up_offset(path: &Path) -> u64 {
+    let g = GstFile::open(path).unwrap();
+    let t = g.index.tensor("blk.1.ffn_up.weight").unwrap();
+    g.index.row_range(t, 0).unwrap().0
+}
+
+fn sim(path: &Path, faults: SimFaults) -> Arc<dyn Reader> {
+    let inner = open_reader(path, ReadEngine::Pread, &ReaderOptions::default())
+        .unwrap()
+        .reader;
+    Arc::new(SimReader::wrap(inner, faults))
+}
+
+#[test]
+fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
+    let reference = run(&load(&p), None, None, "Once upon a time", 3);
+    let min = min_budget(&p);
+    let short = SimFaults {
+        latency_per_read: Duration::from_micros(50),
+        short_reads: ShortReads::AtMost(700),
+        eio_at_bytes: Vec::new(),
+    };
+    let mut m = load(&p);
+    let opts = options(min, ReadEngine::Pread, CachePolicy::Pinned);
+    let s = Streamer::with_readers(&mut m, &opts, sim(&p, short.clone()), sim(&p, short), false, Vec::new()).unwrap();
+    let got = run(&m, Some(&s), None, "Once upon a time", 3);
+    assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()));
+    assert!(
+        s.read_stats().device_reads > s.read_stats().requests,
+        "short reads were resumed"
+    );
+
+    // EIO inside layer 1's up rows: the pass fails with an error naming the file and the range.
+    let bad = up_offset(&p) + 100;
+    let eio = SimFaults {
+        eio_at_bytes: vec![bad],
+        ..SimFaults::default()
+    };
+    let mut m = load(&p);
+    let s = Streamer::with_readers(&mut m, &opts, sim(&p, eio.clone()), sim(&p, eio), false, Vec::new()).unwrap();
+    let ids = m.tokenizer.encode("Once upon a time", true).unwrap();
+    let mut cache = KvCache::new(&m.config, ids.len());
+    let hooks = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: None,
+        mask: None,
+        stream: Some(&s),
+    };
+    let e = m
+        .forward_with(&ids, &mut cache, Logits::Last, &hooks)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&p.display().to_string()), "{e}");
+    assert!(e.contains("at offset") && e.contains("bytes"), "{e}");
+    let offset: u64 = e
+        .split("at offset ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let len: u64 = e
+        .split("read of ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(offset <= bad && bad < offset + len, "{e}");
+}
+
+#[test]
+fn a_budget_too_small_is_refused_with_the_minimum() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
+    let min = min_budget(&p);
+    let mut m = load(&p);
+    let e = Streamer::open(&mut m, &options(min - 1, ReadEngine::Pread, CachePolicy::Pinned))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("too small") && e.contains(&min.to_string()), "{e}");
+    // A GGUF cannot stream.
+    let gguf = write_temp(tmp.path(), "m.gguf", &stories_gguf(Breakage::None));
+    let mut m = load(&gguf);
+    let e = Streamer::open(&mut m, &options(1 << 30, ReadEngine::Pread, CachePolicy::Pinned))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("reformat"), "{e}");
+}
+
+#[test]
+fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let min = min_budget(&p);
+    let text = "The capital of France is";
+    let ram = load(&p);
+    for criterion in [Criterion::Gate, Criterion::Exact] {
+        let mask = Masker::for_model(&ram, Strategy::TopK, criterion, 0.5, None).unwrap();
+        let want = run(&ram, None, Some(&mask), text, 6);
+        let mut m = load(&p);
+        let s = Streamer::open(&mut m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
+        let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
+        let got = run(&m, Some(&s), Some(&mask), text, 6);
+        // Same kept neurons; only the order of the f64 down sums can differ.
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff <= 1e-4 * scale, "{criterion:?}: {diff} (scale {scale})");
+        let sparse = s.counters();
+        let mut m = load(&p);
+        let d = Streamer::open(&mut m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
+        run(&m, Some(&d), None, text, 6);
+        let dense = d.counters();
+        assert!(
+            sparse.ffn_needed_bytes < dense.ffn_needed_bytes * 3 / 4,
+            "{criterion:?}: sparse {sparse:?} vs dense {dense:?}"
+        );
+    }
+}
