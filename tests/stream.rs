@@ -43,7 +43,7 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         cache,
         priority: Priority::GateFirst,
         prefetch_ffn: false,
-        cost: None,
+        merge_gap_bytes: None,
     }
 }
 
@@ -105,13 +105,18 @@ fn assert_bit_identical(path: &Path, text: &str) {
     let min_dense = min_budget_with(path, dense_options(0, ReadEngine::Pread));
     for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
         // Everything streamed; some resident; everything resident with a full neuron cache.
-        let mid = (min + file_bytes) / 2;
+        // The minimum (everything streamed), half the file more, and everything resident.
+        let (mid, mid_dense, all) = (
+            min + file_bytes / 2,
+            min_dense + file_bytes / 2,
+            min_dense + 2 * file_bytes,
+        );
         for (budget, opts) in [
             (min, options(min, engine, CachePolicy::Pinned)),
             (mid, options(mid, engine, CachePolicy::Lru)),
-            (2 * file_bytes, options(2 * file_bytes, engine, CachePolicy::Pinned)),
+            (all, options(all, engine, CachePolicy::Pinned)),
             (min_dense, dense_options(min_dense, engine)),
-            (mid.max(min_dense), dense_options(mid.max(min_dense), engine)),
+            (mid_dense, dense_options(mid_dense, engine)),
         ] {
             let policy = (opts.cache, opts.priority, opts.prefetch_ffn);
             let mut m = load(path);
@@ -131,7 +136,7 @@ fn assert_bit_identical(path: &Path, text: &str) {
                 // Every FFN row came with the prefetch: nothing read on the compute thread.
                 assert_eq!(c.ffn_needed_bytes, 0, "{c:?}");
             }
-            if budget == 2 * file_bytes {
+            if budget == all {
                 assert_eq!((c.ffn_needed_bytes, c.cache_hits), (0, c.cache_lookups), "{c:?}");
             }
         }

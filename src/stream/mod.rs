@@ -47,8 +47,8 @@ pub struct StreamOptions {
     /// Dense streaming: every layer's FFN rows (those the cache lacks) are prefetched with its
     /// dense parts while the layer before computes, since all of them will be needed.
     pub prefetch_ffn: bool,
-    /// The planner's cost model; `None` = this machine's defaults at the reader's alignment.
-    pub cost: Option<CostModel>,
+    /// Overrides the cost model's merge gap (reads through shorter gaps); `None` = the model's.
+    pub merge_gap_bytes: Option<u64>,
 }
 
 /// A matrix's place in the file.
@@ -281,6 +281,8 @@ impl Streamer {
             gate_bytes: Vec::new(),
             neuron_bytes: Vec::new(),
             prefetch_ffn: opts.prefetch_ffn,
+            // Both readers' reusable buffers.
+            reader_bytes: 2 * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64,
         };
         for l in &w.layers {
             let FfnDown::Columns(down) = &l.ffn_down else {
@@ -301,9 +303,14 @@ impl Streamer {
             });
         }
         let residency = sizes.plan(opts.budget_bytes, opts.priority)?;
-        let cost = opts
-            .cost
-            .unwrap_or_else(|| CostModel::default_for(fg.align_bytes() as u64));
+        let mut cost = CostModel {
+            // Reads stay within the reader's reusable buffers.
+            max_read_bytes: opts.reader.slot_bytes as u64,
+            ..CostModel::default_for(fg.align_bytes() as u64)
+        };
+        if let Some(gap) = opts.merge_gap_bytes {
+            cost.request_us = gap as f64 / cost.bytes_per_us;
+        }
         // Page-cache engines keep resident weights as views of the map (the walk path); the
         // others copy them into memory once, bypassing the page cache where O_DIRECT is on.
         let copy = opts.engine != ReadEngine::Mmap;
@@ -387,7 +394,7 @@ impl Streamer {
         prefault(&mut staging_down);
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
-        let prefetcher = Prefetcher::start(bg.clone())?;
+        let prefetcher = Prefetcher::start(bg.clone(), opts.reader.slot_bytes)?;
         Ok(Streamer {
             residency,
             cost,
@@ -772,6 +779,16 @@ pub fn peak_rss_bytes() -> u64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Returns freed heap memory to the system (glibc keeps freed blocks for reuse otherwise), so a
+/// second run in the same process measures its own peak.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory held by the allocator.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Restarts the peak RSS count from the current RSS (Linux: `/proc/self/clear_refs` = 5);

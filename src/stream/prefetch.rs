@@ -32,7 +32,10 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    pub fn start(reader: Arc<dyn Reader>) -> Result<Prefetcher> {
+    /// `chunk_bytes`: reads are cut to at most this size (the reader's reusable buffer size),
+    /// so no read needs a one-off buffer.
+    pub fn start(reader: Arc<dyn Reader>, chunk_bytes: usize) -> Result<Prefetcher> {
+        let chunk_bytes = chunk_bytes.max(1);
         let (job_tx, job_rx) = channel::<Job>();
         let (done_tx, done_rx) = channel::<Done>();
         let thread = std::thread::Builder::new()
@@ -42,14 +45,21 @@ impl Prefetcher {
                     let t0 = Instant::now();
                     let total: usize = job.ranges.iter().map(|r| r.len_bytes).sum();
                     job.buf.resize(total, 0);
-                    let mut starts = Vec::with_capacity(job.ranges.len());
+                    // Each range cut into chunks, each chunk's place in the buffer.
+                    let (mut chunks, mut starts) = (Vec::new(), Vec::new());
                     let mut at = 0;
                     for r in &job.ranges {
-                        starts.push(at);
+                        let mut done = 0;
+                        while done < r.len_bytes {
+                            let len = chunk_bytes.min(r.len_bytes - done);
+                            chunks.push(Range::new(r.offset_bytes + done as u64, len));
+                            starts.push(at + done);
+                            done += len;
+                        }
                         at += r.len_bytes;
                     }
                     let buf = &mut job.buf;
-                    let result = reader.read_each(&job.ranges, &mut |i, bytes| {
+                    let result = reader.read_each(&chunks, &mut |i, bytes| {
                         buf[starts[i]..starts[i] + bytes.len()].copy_from_slice(bytes);
                         Ok(())
                     });

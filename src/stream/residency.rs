@@ -31,6 +31,8 @@ pub struct ModelSizes {
     pub neuron_bytes: Vec<u64>,
     /// Prefetch every layer's FFN rows with its dense parts (dense streaming: all are needed).
     pub prefetch_ffn: bool,
+    /// The readers' own buffers.
+    pub reader_bytes: u64,
 }
 
 /// What the budget goes to after attention.
@@ -65,11 +67,13 @@ impl Residency {
 
 impl ModelSizes {
     /// Staging for one layer's whole FFN (dense streaming reads every neuron of a layer at once).
+    /// (With the readers' buffers, which are always there.)
     fn staging_bytes(&self) -> u64 {
-        (0..self.n_layers)
-            .map(|l| self.ffn as u64 * self.neuron_bytes[l])
-            .max()
-            .unwrap_or(0)
+        self.reader_bytes
+            + (0..self.n_layers)
+                .map(|l| self.ffn as u64 * self.neuron_bytes[l])
+                .max()
+                .unwrap_or(0)
     }
 
     /// Two layers' streamed attention + gate (+ FFN rows when prefetched): the one in use and
@@ -218,6 +222,7 @@ mod tests {
             gate_bytes: vec![500; 4],
             neuron_bytes: vec![10; 4],
             prefetch_ffn: false,
+            reader_bytes: 0,
         }
     }
 
