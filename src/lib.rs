@@ -3,6 +3,7 @@
 //! prints. See README.md for the code map and the invariants between modules.
 
 pub mod backend;
+pub mod bench;
 pub mod error;
 pub mod eval;
 pub mod format;

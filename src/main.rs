@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+use gatestream::bench::trace::{Trace, TraceRecorder};
 use gatestream::io::{ReadEngine, ReaderOptions};
 use gatestream::model::forward::LayerStream;
 use gatestream::model::generate::{GenerateOptions, PromptAwareMask};
@@ -103,6 +104,15 @@ enum Command {
         /// 1.5 GB/s ≈ 19.5 KB, this machine's virtio disk); 0 reads only needed rows.
         #[arg(long)]
         merge_gap_bytes: Option<u64>,
+        /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
+        /// model file at start-up: 1024 random 4 KiB reads and 32 MiB sequential, ~0.1 s) or
+        /// default (this machine's virtio disk as DESIGN.md measured it).
+        #[arg(long, value_enum, default_value_t = CostArg::Probe)]
+        cost_model: CostArg,
+        /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
+        /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
+        #[arg(long)]
+        record_trace: Option<PathBuf>,
         /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
         /// and --criterion, a .gst file's recommendation (stored by `eval --store`) is used, else
         /// topk / exact / 0.3.
@@ -231,6 +241,65 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
+    /// The I/O benchmark: replays traces of which neurons each token used against a .gst file,
+    /// without computing — dense transfer (whole FFN sections in 1 MiB reads) against sparse
+    /// transfer (the read planner's reads) — per reader engine and queue depth, beside the
+    /// device's own sequential and random-read rates measured on the same file in the same run.
+    /// O_DIRECT for uring and pread; the page cache is dropped for the file before mmap passes.
+    Bench {
+        /// The .gst model file.
+        #[arg(long)]
+        model: PathBuf,
+        /// Traces to replay (from `run --record-trace`). Without any, one trace per --sparsity is
+        /// made by running the model over the start of --text.
+        #[arg(long)]
+        trace: Vec<PathBuf>,
+        /// Text for the built-in traces (default: ../shared/data/wikitext-2/wiki.test.raw).
+        #[arg(long)]
+        text: Option<PathBuf>,
+        /// Tokens of --text each built-in trace covers.
+        #[arg(long, default_value_t = 64)]
+        trace_tokens: usize,
+        /// Comma-separated sparsity levels for built-in traces.
+        #[arg(long, default_value = "0.3,0.5,0.7", value_delimiter = ',')]
+        sparsity: Vec<f32>,
+        /// Mask strategy for built-in traces.
+        #[arg(long, value_enum, default_value_t = StrategyArg::Topk)]
+        strategy: StrategyArg,
+        /// Mask criterion for built-in traces (exact reads up for every neuron).
+        #[arg(long, value_enum, default_value_t = CriterionArg::Gate)]
+        criterion: CriterionArg,
+        /// Tokens of each trace replayed per pass.
+        #[arg(long, default_value_t = 16)]
+        tokens: usize,
+        /// Comma-separated engines: uring, pread, mmap.
+        #[arg(long, default_value = "uring,pread,mmap", value_delimiter = ',')]
+        engines: Vec<String>,
+        /// io_uring queue depths to sweep (pread and mmap run at the deepest; io_uring also runs
+        /// once there without registered buffers).
+        #[arg(long, default_value = "1,8,32,64", value_delimiter = ',')]
+        queue_depths: Vec<usize>,
+        /// Leave the gate matrix out of both transfers (as when it is resident); by default it
+        /// is read in full every token in both.
+        #[arg(long)]
+        gate_resident: bool,
+        /// Neurons per layer held by a simulated LRU neuron cache in sparse replay (0 = none).
+        #[arg(long, default_value_t = 0)]
+        cache_neurons: usize,
+        /// Override the probed planner's merge gap (see `run --help`).
+        #[arg(long)]
+        merge_gap_bytes: Option<u64>,
+        /// Small and fast (a CI smoke test): 2 tokens, queue depths 8 and 64, a 16-token trace at
+        /// 0.5, a short baseline.
+        #[arg(long)]
+        quick: bool,
+        /// Write every figure and the setup as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Draw per-layer time (dense vs sparse) and throughput vs queue depth as an SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
     /// Measure per-layer activation statistics of a .gst file's model on the LAST --tokens tokens
     /// of a text (evaluation uses the start of the same file, so they do not overlap) and store
     /// them in the file: neuron activation frequencies, thresholds for 10%..90% sparsity on the
@@ -292,6 +361,12 @@ enum IoArg {
     Uring,
     Pread,
     Mmap,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CostArg {
+    Probe,
+    Default,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -427,6 +502,8 @@ struct StreamArgs {
     cache: Option<CacheArg>,
     residency: ResidencyArg,
     merge_gap_bytes: Option<u64>,
+    cost_model: CostArg,
+    record_trace: Option<PathBuf>,
 }
 
 /// The sparse configuration asked for on the command line (unset parts come from the file's
@@ -487,6 +564,7 @@ fn generate_one(
     args: &ModelArgs,
     sparse: Option<&SparseAsk>,
     stream: &StreamArgs,
+    record_trace: Option<&std::path::Path>,
     prompt: &str,
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
@@ -525,6 +603,7 @@ fn generate_one(
                     },
                     prefetch_ffn: sparse.is_none(),
                     merge_gap_bytes: stream.merge_gap_bytes,
+                    probe_cost: stream.cost_model == CostArg::Probe,
                 },
             )?;
             for w in &s.warnings {
@@ -548,6 +627,13 @@ fn generate_one(
                 mb(r.cache_bytes),
                 cache.name(),
                 r.cache_neurons.first().copied().unwrap_or(0)
+            );
+            eprintln!(
+                "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
+                s.cost.request_us,
+                s.cost.bytes_per_us,
+                s.cost.align_bytes,
+                s.cost.merge_gap_bytes() as f64 / 1e3
             );
             Some(s)
         }
@@ -592,8 +678,32 @@ fn generate_one(
         }
     };
     let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
+    let c = &model.config;
+    let recorder = record_trace.map(|_| TraceRecorder::new(mask, c.n_layers, c.hidden, c.ffn));
+    let mask = match &recorder {
+        Some(r) => Some(r as &dyn PromptAwareMask),
+        None => mask,
+    };
     let layer_stream = streamer.as_ref().map(|s| s as &dyn LayerStream);
     let generation = model.generate_with(prompt, opts, mask, layer_stream, on_text)?;
+    if let (Some(r), Some(path)) = (&recorder, record_trace) {
+        let name = model
+            .path
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        let what = masker.as_ref().map_or("dense".into(), |m| {
+            format!("{} {} {}", m.strategy.name(), m.criterion.name(), m.sparsity)
+        });
+        let t = r.trace(&name, &what);
+        t.write(path)?;
+        eprintln!(
+            "trace: {} tokens x {} layers ({:.1}% of neurons kept) written to {}",
+            t.header.tokens,
+            t.header.n_layers,
+            t.header.kept_fraction * 100.0,
+            path.display()
+        );
+    }
     let sparsity = masker.as_ref().map(|m| {
         serde_json::json!({
             "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
@@ -678,6 +788,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cache,
             residency,
             merge_gap_bytes,
+            cost_model,
+            record_trace,
             json,
         } => {
             if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
@@ -707,6 +819,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 cache,
                 residency,
                 merge_gap_bytes,
+                cost_model,
+                record_trace,
             };
             let asked = SparseAsk {
                 strategy: strategy.map(strategy_of),
@@ -724,7 +838,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             match mode {
                 ModeArg::Dense | ModeArg::Sparse => {
                     let sparse = (mode == ModeArg::Sparse).then_some(&asked);
-                    let out = generate_one(&model, sparse, &stream, &prompt, &opts, &mut print)?;
+                    let out = generate_one(
+                        &model,
+                        sparse,
+                        &stream,
+                        stream.record_trace.as_deref(),
+                        &prompt,
+                        &opts,
+                        &mut print,
+                    )?;
                     if json {
                         println!("{}", out.json()?);
                     } else {
@@ -733,10 +855,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     }
                 }
                 ModeArg::Compare => {
-                    let dense = generate_one(&model, None, &stream, &prompt, &opts, &mut |_| {})?;
+                    let dense = generate_one(&model, None, &stream, None, &prompt, &opts, &mut |_| {})?;
                     // Give the first run's memory back before the second measures its peak.
                     gatestream::stream::release_free_memory();
-                    let sparse = generate_one(&model, Some(&asked), &stream, &prompt, &opts, &mut |_| {})?;
+                    let sparse = generate_one(
+                        &model,
+                        Some(&asked),
+                        &stream,
+                        stream.record_trace.as_deref(),
+                        &prompt,
+                        &opts,
+                        &mut |_| {},
+                    )?;
                     let (d, s) = (&dense.generation, &sparse.generation);
                     let n = d.tokens.len().min(s.tokens.len());
                     let same = d.tokens.iter().zip(&s.tokens).filter(|(a, b)| a == b).count();
@@ -874,6 +1004,115 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     mean,
                     max
                 );
+            }
+        }
+        Command::Bench {
+            model,
+            trace,
+            text,
+            trace_tokens,
+            sparsity,
+            strategy,
+            criterion,
+            tokens,
+            engines,
+            queue_depths,
+            gate_resident,
+            cache_neurons,
+            merge_gap_bytes,
+            quick,
+            json,
+            plot,
+        } => {
+            use gatestream::bench::{bench, plot as bench_plot, table, BenchOptions, EngineConfig};
+            let (tokens, trace_tokens, sparsity, queue_depths) = if quick {
+                (2, 16, vec![0.5], vec![8, 64])
+            } else {
+                (tokens, trace_tokens, sparsity, queue_depths)
+            };
+            let mut traces = Vec::new();
+            for p in &trace {
+                traces.push(Trace::read(p)?);
+            }
+            if traces.is_empty() {
+                let text = match text {
+                    Some(t) => t,
+                    None => PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"),
+                };
+                let body = std::fs::read_to_string(&text)
+                    .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
+                let m = Model::load(&model, &LoadOptions::default())?;
+                let mut ids = m.tokenizer.encode(&body, true)?;
+                ids.truncate(trace_tokens.max(1));
+                for &s in &sparsity {
+                    let masker = Masker::for_model(&m, strategy_of(strategy), criterion_of(criterion), s, None)?;
+                    let c = &m.config;
+                    let rec = TraceRecorder::new(Some(&masker), c.n_layers, c.hidden, c.ffn);
+                    let hooks = gatestream::model::forward::FfnHooks {
+                        select: &|_, _| gatestream::model::forward::FfnNeurons::All,
+                        observe: None,
+                        mask: Some(&rec),
+                        stream: None,
+                    };
+                    let mut cache = gatestream::model::forward::KvCache::new(c, ids.len());
+                    m.forward_with(&ids, &mut cache, gatestream::model::forward::Logits::Last, &hooks)?;
+                    let what = format!("{} {} {s}", masker.strategy.name(), masker.criterion.name());
+                    let name = text
+                        .file_name()
+                        .map_or("text".into(), |n| n.to_string_lossy().into_owned());
+                    traces.push(rec.trace(&name, &what));
+                }
+            }
+            let mut configs = Vec::new();
+            let deepest = queue_depths.iter().copied().max().unwrap_or(64);
+            for e in &engines {
+                match e.as_str() {
+                    "uring" => {
+                        for &qd in &queue_depths {
+                            configs.push(EngineConfig {
+                                engine: "uring",
+                                queue_depth: qd,
+                                fixed_buffers: true,
+                            });
+                        }
+                        configs.push(EngineConfig {
+                            engine: "uring",
+                            queue_depth: deepest,
+                            fixed_buffers: false,
+                        });
+                    }
+                    "pread" => configs.push(EngineConfig {
+                        engine: "pread",
+                        queue_depth: deepest,
+                        fixed_buffers: false,
+                    }),
+                    "mmap" => configs.push(EngineConfig {
+                        engine: "mmap",
+                        queue_depth: 1,
+                        fixed_buffers: false,
+                    }),
+                    other => anyhow::bail!("--engines: unknown engine {other:?} (uring, pread, mmap)"),
+                }
+            }
+            let opts = BenchOptions {
+                engines: configs,
+                tokens,
+                gate_streamed: !gate_resident,
+                cache_neurons,
+                baseline_sizes: vec![4096, 16384, 65536, 262144],
+                baseline_random_reads: if quick { 256 } else { 4096 },
+                baseline_seq_bytes: if quick { 16 << 20 } else { 256 << 20 },
+                merge_gap_bytes,
+            };
+            let mut bar = Progress::new();
+            let report = bench(&model, &traces, &opts, &mut |stage, d, n| bar.update(stage, d, n))?;
+            print!("{}", table(&report));
+            if let Some(path) = json {
+                std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            if let Some(path) = plot {
+                std::fs::write(&path, bench_plot(&report)).with_context(|| format!("writing {}", path.display()))?;
             }
         }
         Command::Eval {

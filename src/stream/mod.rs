@@ -49,6 +49,9 @@ pub struct StreamOptions {
     pub prefetch_ffn: bool,
     /// Overrides the cost model's merge gap (reads through shorter gaps); `None` = the model's.
     pub merge_gap_bytes: Option<u64>,
+    /// Measure the cost model on the file at start-up ([`plan::probe`]) instead of using this
+    /// machine's defaults.
+    pub probe_cost: bool,
 }
 
 /// A matrix's place in the file.
@@ -303,10 +306,15 @@ impl Streamer {
             });
         }
         let residency = sizes.plan(opts.budget_bytes, opts.priority)?;
-        let mut cost = CostModel {
-            // Reads stay within the reader's reusable buffers.
-            max_read_bytes: opts.reader.slot_bytes as u64,
-            ..CostModel::default_for(fg.align_bytes() as u64)
+        // Reads stay within the reader's reusable buffers.
+        let max_read_bytes = opts.reader.slot_bytes as u64;
+        let mut cost = if opts.probe_cost {
+            plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?
+        } else {
+            CostModel {
+                max_read_bytes,
+                ..CostModel::default_for(fg.align_bytes() as u64)
+            }
         };
         if let Some(gap) = opts.merge_gap_bytes {
             cost.request_us = gap as f64 / cost.bytes_per_us;

@@ -44,6 +44,54 @@ impl CostModel {
     }
 }
 
+/// Measures a cost model on `reader`'s own file: `random_reads` reads of one 4 KiB block at
+/// spread-out offsets in one batch, twice, the faster counting (the per-request cost at the reader's queue depth), then
+/// `seq_bytes` in `chunk_bytes` reads from one place (the bandwidth). With O_DIRECT the page
+/// cache does not answer; through the page cache the figures describe it, not the device.
+pub fn probe(
+    reader: &dyn crate::io::Reader,
+    random_reads: usize,
+    seq_bytes: u64,
+    chunk_bytes: usize,
+    max_read_bytes: u64,
+) -> crate::error::Result<CostModel> {
+    let len = reader.len_bytes();
+    let block = 4096u64;
+    let blocks = (len / block).max(1);
+    // Offsets spread over the file by a fixed odd stride (no two alike, nothing cached nearby).
+    let stride = (blocks / random_reads.max(1) as u64).max(1) | 1;
+    let random: Vec<Range> = (0..random_reads as u64)
+        .map(|i| Range::new(((i * stride * 7919) % blocks) * block, block.min(len) as usize))
+        .collect();
+    // Twice, keeping the faster: the first pass also pays for waking the device up.
+    let mut random_us = f64::INFINITY;
+    for _ in 0..2 {
+        let t0 = std::time::Instant::now();
+        reader.read_each(&random, &mut |_, _| Ok(()))?;
+        random_us = random_us.min(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    let seq_bytes = seq_bytes.min(len);
+    let chunk = chunk_bytes.max(4096) as u64;
+    let start = (len - seq_bytes) / 2 / block * block;
+    let seq: Vec<Range> = (0..seq_bytes.div_ceil(chunk))
+        .map(|i| {
+            let o = start + i * chunk;
+            Range::new(o, chunk.min(start + seq_bytes - o) as usize)
+        })
+        .collect();
+    let t1 = std::time::Instant::now();
+    reader.read_each(&seq, &mut |_, _| Ok(()))?;
+    let seq_us = t1.elapsed().as_secs_f64() * 1e6;
+    let bytes_per_us = (seq_bytes as f64 / seq_us.max(1.0)).max(1.0);
+    let per_read_us = random_us / random_reads.max(1) as f64;
+    Ok(CostModel {
+        request_us: (per_read_us - block as f64 / bytes_per_us).max(0.1),
+        bytes_per_us,
+        align_bytes: reader.align_bytes().max(1) as u64,
+        max_read_bytes,
+    })
+}
+
 /// One planned read: `range` covers extents `first..first + count` of the input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PlannedRead {

@@ -1,0 +1,667 @@
+//! `gatestream bench`: the I/O of streaming measured alone. Replays traces of which neurons each
+//! token used against a `.gst` file — dense transfer (whole FFN sections, large sequential reads)
+//! and sparse transfer (the read planner's reads for the trace) — with each reader engine and
+//! queue depth, and measures the device's own limits on the same file in the same run (sequential
+//! 1 MiB reads; random reads of several sizes), so every figure has a reference.
+//!
+//! Owns: replay, timing, the device baseline, the report (table, JSON, SVG). Reads through `io`,
+//! plans with `stream::plan`, never computes a model.
+
+pub mod trace;
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::gstfile::GstFile;
+#[cfg(target_os = "linux")]
+use crate::io::FixedBuffers;
+use crate::io::{open_reader, ReadEngine, Reader, ReaderOptions};
+use crate::io::{DirectIo, Range};
+use crate::stream::cache::{CachePolicy, LayerCache};
+use crate::stream::plan::{plan, CostModel};
+use trace::Trace;
+
+/// One reader configuration to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct EngineConfig {
+    pub engine: &'static str,
+    pub queue_depth: usize,
+    pub fixed_buffers: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub engines: Vec<EngineConfig>,
+    /// Tokens of each trace replayed (the first ones).
+    pub tokens: usize,
+    /// Read the gate matrix in full every token in both transfers (as streaming does when the
+    /// gate is not resident); false leaves the gate out of both.
+    pub gate_streamed: bool,
+    /// Neurons per layer an LRU neuron cache holds in sparse replay (0: no cache).
+    pub cache_neurons: usize,
+    /// Random-read baseline sizes, bytes.
+    pub baseline_sizes: Vec<usize>,
+    pub baseline_random_reads: usize,
+    pub baseline_seq_bytes: u64,
+    /// The planner's merge gap override (None: the probed cost model's).
+    pub merge_gap_bytes: Option<u64>,
+}
+
+/// One pass: an engine configuration replaying one transfer over the trace's tokens.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Pass {
+    pub engine: EngineConfig,
+    /// "dense", or the sparse trace's mask.
+    pub transfer: String,
+    pub tokens: usize,
+    pub needed_bytes_per_token: f64,
+    pub device_bytes_per_token: f64,
+    pub reads_per_token: f64,
+    pub seconds_per_token: f64,
+    pub device_gb_per_s: f64,
+    pub iops: f64,
+    /// Per read: time from its layer's batch submission to its completion (queueing included).
+    pub completion_p50_us: f64,
+    pub completion_p99_us: f64,
+    pub read_amplification: f64,
+    /// Share of needed neurons the simulated cache served.
+    pub cache_hit_rate: f64,
+    /// The device baseline's time for this pass's mix of reads (sequential bandwidth for reads
+    /// of 1 MiB and more, random-read rate of the nearest measured size below that), divided by
+    /// the measured time: 1.0 = as fast as the device itself.
+    pub fraction_of_baseline: f64,
+    /// Per layer, per token: device bytes and milliseconds.
+    pub layer_bytes: Vec<f64>,
+    pub layer_ms: Vec<f64>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RandomBaseline {
+    pub read_bytes: usize,
+    pub queue_depth: usize,
+    pub iops: f64,
+    pub gb_per_s: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Baseline {
+    pub engine: &'static str,
+    pub sequential_1mib_gb_per_s: f64,
+    pub sequential_queue_depth: usize,
+    pub random: Vec<RandomBaseline>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Setup {
+    pub kernel: String,
+    pub file: PathBuf,
+    pub file_bytes: u64,
+    pub model: String,
+    pub direct_io_align_bytes: usize,
+    pub cost_model: CostModel,
+    pub gate_streamed: bool,
+    pub cache_neurons_per_layer: usize,
+    pub traces: Vec<trace::TraceHeader>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct BenchReport {
+    pub setup: Setup,
+    pub baseline: Baseline,
+    pub passes: Vec<Pass>,
+}
+
+/// A layer's FFN in the file: the gate as one range, up rows and down columns by stride.
+struct LayerGeometry {
+    gate: Range,
+    up: (u64, usize, usize),
+    down: (u64, usize, usize),
+}
+
+fn geometry(g: &GstFile) -> Result<Vec<LayerGeometry>> {
+    let c = &g.index.config;
+    let get = |name: String| -> Result<(u64, usize, usize)> {
+        let w = g
+            .weight(&name, c.ffn, c.hidden)?
+            .ok_or_else(|| Error::Invalid(format!("{}: no tensor {name}", g.path.display())))?;
+        Ok((w.mapped_offset().expect("mapped"), w.row_bytes, w.row_stride_bytes))
+    };
+    (0..c.n_layers)
+        .map(|l| {
+            let gate = get(format!("blk.{l}.ffn_gate.weight"))?;
+            Ok(LayerGeometry {
+                gate: Range::new(gate.0, gate.1 * c.ffn),
+                up: get(format!("blk.{l}.ffn_up.weight"))?,
+                down: get(format!("blk.{l}.ffn_down_t.weight"))?,
+            })
+        })
+        .collect()
+}
+
+fn kernel() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map_or_else(|_| std::env::consts::OS.into(), |s| s.trim().into())
+}
+
+/// Cuts `r` into reads of at most `chunk` bytes.
+fn chunks(r: Range, chunk: usize, out: &mut Vec<Range>) {
+    let mut done = 0;
+    while done < r.len_bytes {
+        let len = chunk.min(r.len_bytes - done);
+        out.push(Range::new(r.offset_bytes + done as u64, len));
+        done += len;
+    }
+}
+
+fn open(path: &Path, e: EngineConfig) -> Result<Box<dyn Reader>> {
+    let engine = match e.engine {
+        "uring" => ReadEngine::Uring,
+        "pread" => ReadEngine::Pread,
+        _ => ReadEngine::Mmap,
+    };
+    let opts = ReaderOptions {
+        queue_depth: e.queue_depth,
+        direct_io: if engine == ReadEngine::Mmap {
+            DirectIo::Off
+        } else {
+            DirectIo::Optional
+        },
+        #[cfg(target_os = "linux")]
+        fixed_buffers: if e.fixed_buffers {
+            FixedBuffers::On
+        } else {
+            FixedBuffers::Off
+        },
+        ..ReaderOptions::default()
+    };
+    Ok(open_reader(path, engine, &opts)?.reader)
+}
+
+/// Evicts the file's pages from the page cache (so mmap passes start cold); false if refused.
+fn drop_file_cache(path: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        if let Ok(f) = std::fs::File::open(path) {
+            // SAFETY: advice on a descriptor `f` keeps open; no memory is touched.
+            return unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) } == 0;
+        }
+        false
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = path;
+        false
+    }
+}
+
+/// Reads `ranges` as one batch, recording each read's completion time (µs since submission).
+/// Every page of the bytes is touched, so a zero-copy engine (mmap) really reads them.
+fn timed_batch(reader: &dyn Reader, ranges: &[Range], completions: &mut Vec<f64>) -> Result<f64> {
+    let t0 = Instant::now();
+    reader.read_each(ranges, &mut |_, bytes| {
+        let mut x = 0u8;
+        for i in (0..bytes.len()).step_by(4096) {
+            x ^= bytes[i];
+        }
+        std::hint::black_box(x);
+        completions.push(t0.elapsed().as_secs_f64() * 1e6);
+        Ok(())
+    })?;
+    Ok(t0.elapsed().as_secs_f64())
+}
+
+fn measure_baseline(path: &Path, file_bytes: u64, opts: &BenchOptions) -> Result<Baseline> {
+    let qd = 64;
+    let r = open(
+        path,
+        EngineConfig {
+            engine: "uring",
+            queue_depth: qd,
+            fixed_buffers: true,
+        },
+    )?;
+    let mib = 1 << 20;
+    let seq_bytes = opts.baseline_seq_bytes.min(file_bytes / mib * mib).max(mib);
+    let mut seq = Vec::new();
+    chunks(Range::new(0, seq_bytes as usize), mib as usize, &mut seq);
+    let mut sink = Vec::new();
+    let t = timed_batch(r.as_ref(), &seq, &mut sink)?;
+    let sequential = seq_bytes as f64 / t / 1e9;
+    let mut random = Vec::new();
+    for &size in &opts.baseline_sizes {
+        let slots = (file_bytes / size as u64).max(1);
+        let n = opts.baseline_random_reads;
+        let stride = (slots / n.max(1) as u64).max(1) | 1;
+        let ranges: Vec<Range> = (0..n as u64)
+            .map(|i| Range::new(((i * stride * 7919 + 13) % slots) * size as u64, size))
+            .collect();
+        let t = timed_batch(r.as_ref(), &ranges, &mut sink)?;
+        random.push(RandomBaseline {
+            read_bytes: size,
+            queue_depth: qd,
+            iops: n as f64 / t,
+            gb_per_s: (n * size) as f64 / t / 1e9,
+        });
+    }
+    Ok(Baseline {
+        engine: "uring",
+        sequential_1mib_gb_per_s: sequential,
+        sequential_queue_depth: qd,
+        random,
+    })
+}
+
+/// The baseline's time for reads of these sizes, seconds.
+fn baseline_time(b: &Baseline, sizes: &[usize]) -> f64 {
+    sizes
+        .iter()
+        .map(|&s| {
+            if s >= 1 << 20 || b.random.is_empty() {
+                s as f64 / (b.sequential_1mib_gb_per_s * 1e9)
+            } else {
+                // The measured size at or below this read (the smallest if none is below).
+                let r = b
+                    .random
+                    .iter()
+                    .filter(|r| r.read_bytes <= s)
+                    .max_by_key(|r| r.read_bytes)
+                    .unwrap_or(&b.random[0]);
+                // Per-request cost plus the extra bytes at that size's bandwidth.
+                1.0 / r.iops + (s.saturating_sub(r.read_bytes)) as f64 / (r.gb_per_s * 1e9)
+            }
+        })
+        .sum()
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Replays one transfer (`trace` None = dense) with one engine.
+#[allow(clippy::too_many_arguments)]
+fn replay(
+    path: &Path,
+    layers: &[LayerGeometry],
+    ffn: usize,
+    e: EngineConfig,
+    trace: Option<&Trace>,
+    tokens: usize,
+    opts: &BenchOptions,
+    cost: &CostModel,
+    baseline: &Baseline,
+) -> Result<Pass> {
+    if e.engine == "mmap" {
+        drop_file_cache(path);
+    }
+    let reader = open(path, e)?;
+    let n_layers = layers.len();
+    let mut caches: Vec<LayerCache> = (0..n_layers)
+        .map(|_| LayerCache::new(CachePolicy::Lru, ffn, opts.cache_neurons, 0, 0))
+        .collect();
+    let chunk = 1 << 20;
+    let (mut needed, mut device, mut reads, mut lookups, mut hits) = (0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut layer_bytes = vec![0f64; n_layers];
+    let mut layer_s = vec![0f64; n_layers];
+    let mut completions = Vec::new();
+    let mut sizes = Vec::new();
+    let mut total_s = 0.0;
+    let all: Vec<u32> = (0..ffn as u32).collect();
+    let mut planned = Vec::new();
+    for t in 0..tokens {
+        for (l, g) in layers.iter().enumerate() {
+            let mut ranges = Vec::new();
+            let mut dev = 0u64;
+            if opts.gate_streamed {
+                chunks(g.gate, chunk, &mut ranges);
+                needed += g.gate.len_bytes as u64;
+                dev += g.gate.len_bytes as u64;
+            }
+            let (up_set, down_set) = match trace {
+                None => (&all, &all),
+                Some(tr) => (&tr.records[t][l].up, &tr.records[t][l].down),
+            };
+            match trace {
+                None => {
+                    // Whole sections: up and down rows are contiguous runs of the file.
+                    let mut spans = vec![
+                        (g.up.0, (ffn - 1) * g.up.2 + g.up.1),
+                        (g.down.0, (ffn - 1) * g.down.2 + g.down.1),
+                    ];
+                    spans.sort_unstable();
+                    spans.dedup();
+                    for (o, len) in spans {
+                        chunks(Range::new(o, len), chunk, &mut ranges);
+                        dev += len as u64;
+                    }
+                    needed += (ffn * (g.up.1 + g.down.1)) as u64;
+                }
+                Some(_) => {
+                    let step = t as u64 + 1;
+                    let mut spans = Vec::new();
+                    let mut misses = Vec::new();
+                    let mut union: Vec<u32> = up_set.iter().chain(down_set.iter()).copied().collect();
+                    union.sort_unstable();
+                    union.dedup();
+                    for &n in &union {
+                        lookups += 1;
+                        if caches[l].get(n, step).is_some() {
+                            hits += 1;
+                            continue;
+                        }
+                        misses.push(n);
+                        if up_set.binary_search(&n).is_ok() {
+                            spans.push((g.up.0 + n as u64 * g.up.2 as u64, g.up.1));
+                        }
+                        if down_set.binary_search(&n).is_ok() {
+                            spans.push((g.down.0 + n as u64 * g.down.2 as u64, g.down.1));
+                        }
+                    }
+                    spans.sort_unstable();
+                    let totals = plan(&spans, cost, &mut planned);
+                    needed += totals.needed_bytes;
+                    dev += totals.device_bytes;
+                    ranges.extend(planned.iter().map(|p| p.range));
+                    for n in misses {
+                        if down_set.binary_search(&n).is_ok() {
+                            caches[l].offer(n, &[], &[], step);
+                        }
+                    }
+                }
+            }
+            sizes.extend(ranges.iter().map(|r| r.len_bytes));
+            reads += ranges.len() as u64;
+            let s = timed_batch(reader.as_ref(), &ranges, &mut completions)?;
+            total_s += s;
+            layer_s[l] += s;
+            layer_bytes[l] += dev as f64;
+            device += dev;
+        }
+    }
+    let tok = tokens.max(1) as f64;
+    let stats = reader.stats();
+    // The reader's own count includes alignment widening; the plan's is what was asked.
+    let device_measured = stats.bytes_device.max(device);
+    Ok(Pass {
+        engine: e,
+        transfer: trace.map_or("dense".into(), |t| t.header.mask.clone()),
+        tokens,
+        needed_bytes_per_token: needed as f64 / tok,
+        device_bytes_per_token: device_measured as f64 / tok,
+        reads_per_token: reads as f64 / tok,
+        seconds_per_token: total_s / tok,
+        device_gb_per_s: device_measured as f64 / total_s.max(1e-9) / 1e9,
+        iops: reads as f64 / total_s.max(1e-9),
+        completion_p50_us: percentile(&mut completions, 0.5),
+        completion_p99_us: percentile(&mut completions, 0.99),
+        read_amplification: device_measured as f64 / needed.max(1) as f64,
+        cache_hit_rate: if lookups > 0 { hits as f64 / lookups as f64 } else { 0.0 },
+        fraction_of_baseline: baseline_time(baseline, &sizes) / total_s.max(1e-9),
+        layer_bytes: layer_bytes.iter().map(|b| b / tok).collect(),
+        layer_ms: layer_s.iter().map(|s| s * 1e3 / tok).collect(),
+    })
+}
+
+/// Runs the benchmark: the device baseline, then every engine × (dense + each trace).
+pub fn bench(
+    path: &Path,
+    traces: &[Trace],
+    opts: &BenchOptions,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<BenchReport> {
+    let g = GstFile::open(path)?;
+    let c = g.index.config.clone();
+    for t in traces {
+        if t.header.ffn != c.ffn || t.header.n_layers != c.n_layers {
+            return Err(Error::Invalid(format!(
+                "trace of {} ({} layers x {} neurons) does not fit {} ({} x {})",
+                t.header.model,
+                t.header.n_layers,
+                t.header.ffn,
+                path.display(),
+                c.n_layers,
+                c.ffn
+            )));
+        }
+        if t.header.tokens == 0 {
+            return Err(Error::Invalid(format!("trace of {} holds no tokens", t.header.model)));
+        }
+    }
+    let layers = geometry(&g)?;
+    let file_bytes = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    let probe_reader = open(
+        path,
+        EngineConfig {
+            engine: "uring",
+            queue_depth: 64,
+            fixed_buffers: true,
+        },
+    )?;
+    let align = probe_reader.align_bytes();
+    let mut cost = crate::stream::plan::probe(probe_reader.as_ref(), 1024, 32 << 20, 256 << 10, 256 << 10)?;
+    if let Some(gap) = opts.merge_gap_bytes {
+        cost.request_us = gap as f64 / cost.bytes_per_us;
+    }
+    drop(probe_reader);
+    let total = 1 + opts.engines.len() * (1 + traces.len());
+    progress("baseline", 0, total);
+    let baseline = measure_baseline(path, file_bytes, opts)?;
+    let mut passes = Vec::new();
+    let mut done = 1;
+    for &e in &opts.engines {
+        for t in std::iter::once(None).chain(traces.iter().map(Some)) {
+            progress(e.engine, done, total);
+            let tokens = opts.tokens.min(t.map_or(usize::MAX, |t| t.header.tokens)).max(1);
+            passes.push(replay(path, &layers, c.ffn, e, t, tokens, opts, &cost, &baseline)?);
+            done += 1;
+        }
+    }
+    progress("done", total, total);
+    Ok(BenchReport {
+        setup: Setup {
+            kernel: kernel(),
+            file: path.to_path_buf(),
+            file_bytes,
+            model: g.index.source.file_name.clone(),
+            direct_io_align_bytes: align,
+            cost_model: cost,
+            gate_streamed: opts.gate_streamed,
+            cache_neurons_per_layer: opts.cache_neurons,
+            traces: traces.iter().map(|t| t.header.clone()).collect(),
+        },
+        baseline,
+        passes,
+    })
+}
+
+/// The readable table.
+pub fn table(r: &BenchReport) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let b = &r.baseline;
+    let _ = writeln!(
+        s,
+        "{} ({:.1} MB), kernel {}, direct-I/O alignment {} B; gate {} in both transfers",
+        r.setup.file.display(),
+        r.setup.file_bytes as f64 / 1e6,
+        r.setup.kernel,
+        r.setup.direct_io_align_bytes,
+        if r.setup.gate_streamed {
+            "read in full"
+        } else {
+            "left out"
+        }
+    );
+    let _ = write!(
+        s,
+        "device baseline (uring, QD {}): sequential 1 MiB {:.2} GB/s;",
+        b.sequential_queue_depth, b.sequential_1mib_gb_per_s
+    );
+    for x in &b.random {
+        let _ = write!(
+            s,
+            " random {} KiB {:.0} IOPS ({:.2} GB/s);",
+            x.read_bytes / 1024,
+            x.iops,
+            x.gb_per_s
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nplanner: {:.1} µs per request, {:.0} MB/s → gaps under {:.1} KB read through",
+        r.setup.cost_model.request_us,
+        r.setup.cost_model.bytes_per_us,
+        r.setup.cost_model.merge_gap_bytes() as f64 / 1e3
+    );
+    let _ = writeln!(
+        s,
+        "{:<6} {:>3} {:>5} {:<24} {:>9} {:>9} {:>8} {:>8} {:>6} {:>7} {:>8} {:>8} {:>5} {:>6}",
+        "engine",
+        "QD",
+        "fixed",
+        "transfer",
+        "need MB",
+        "disk MB",
+        "reads",
+        "ms/tok",
+        "GB/s",
+        "IOPS",
+        "p50 µs",
+        "p99 µs",
+        "amp",
+        "vs dev"
+    );
+    for p in &r.passes {
+        let _ = writeln!(
+            s,
+            "{:<6} {:>3} {:>5} {:<24} {:>9.1} {:>9.1} {:>8.0} {:>8.1} {:>6.2} {:>7.0} {:>8.0} {:>8.0} {:>5.2} {:>6.2}",
+            p.engine.engine,
+            p.engine.queue_depth,
+            if p.engine.fixed_buffers { "on" } else { "off" },
+            p.transfer,
+            p.needed_bytes_per_token / 1e6,
+            p.device_bytes_per_token / 1e6,
+            p.reads_per_token,
+            p.seconds_per_token * 1e3,
+            p.device_gb_per_s,
+            p.iops,
+            p.completion_p50_us,
+            p.completion_p99_us,
+            p.read_amplification,
+            p.fraction_of_baseline
+        );
+    }
+    // Sparse vs dense per engine.
+    for e in r.passes.iter().filter(|p| p.transfer == "dense") {
+        for p in r
+            .passes
+            .iter()
+            .filter(|p| p.engine == e.engine && p.transfer != "dense")
+        {
+            let _ = writeln!(
+                s,
+                "{} QD{}: {} / dense = {:.3}x disk bytes, {:.3}x time per token",
+                p.engine.engine,
+                p.engine.queue_depth,
+                p.transfer,
+                p.device_bytes_per_token / e.device_bytes_per_token.max(1.0),
+                p.seconds_per_token / e.seconds_per_token.max(1e-12)
+            );
+        }
+    }
+    s
+}
+
+/// Two charts in one SVG: per-layer time per token, dense vs each sparse trace (the deepest-queue
+/// uring pass); and device throughput against queue depth, per engine and transfer.
+pub fn plot(r: &BenchReport) -> String {
+    use crate::plot::{Chart, Series};
+    let uring: Vec<&Pass> = r.passes.iter().filter(|p| p.engine.engine == "uring").collect();
+    let best_qd = uring.iter().map(|p| p.engine.queue_depth).max().unwrap_or(0);
+    let per_layer = Chart {
+        title: "time per token by layer (io_uring, deepest queue)",
+        x_label: "layer",
+        y_label: "ms per token",
+        series: uring
+            .iter()
+            .filter(|p| p.engine.queue_depth == best_qd && p.engine.fixed_buffers)
+            .map(|p| Series {
+                name: p.transfer.clone(),
+                points: p.layer_ms.iter().enumerate().map(|(l, &ms)| (l as f64, ms)).collect(),
+            })
+            .collect(),
+    };
+    let mut series: Vec<Series> = Vec::new();
+    for p in &r.passes {
+        let name = format!(
+            "{}{} {}",
+            p.engine.engine,
+            if p.engine.fixed_buffers { "" } else { " (no fixed)" },
+            p.transfer
+        );
+        match series.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push((p.engine.queue_depth as f64, p.device_gb_per_s)),
+            None => series.push(Series {
+                name,
+                points: vec![(p.engine.queue_depth as f64, p.device_gb_per_s)],
+            }),
+        }
+    }
+    let qd = Chart {
+        title: "device throughput vs queue depth",
+        x_label: "queue depth",
+        y_label: "GB/s",
+        series,
+    };
+    let (a, b) = (per_layer.svg(), qd.svg());
+    let h = 560;
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"900\" height=\"{}\">\n<svg y=\"0\">{}</svg>\n<svg y=\"{h}\">{}</svg>\n</svg>\n",
+        2 * h,
+        strip_xml_decl(&a),
+        strip_xml_decl(&b)
+    )
+}
+
+fn strip_xml_decl(s: &str) -> &str {
+    s.strip_prefix("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n")
+        .unwrap_or(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn baseline_time_uses_the_nearest_size_below() {
+        let b = Baseline {
+            engine: "uring",
+            sequential_1mib_gb_per_s: 2.0,
+            sequential_queue_depth: 64,
+            random: vec![
+                RandomBaseline {
+                    read_bytes: 4096,
+                    queue_depth: 64,
+                    iops: 1000.0,
+                    gb_per_s: 0.004,
+                },
+                RandomBaseline {
+                    read_bytes: 65536,
+                    queue_depth: 64,
+                    iops: 100.0,
+                    gb_per_s: 0.0065,
+                },
+            ],
+        };
+        assert!((baseline_time(&b, &[4096]) - 1e-3).abs() < 1e-12);
+        assert!((baseline_time(&b, &[65536, 65536]) - 2e-2).abs() < 1e-12);
+        assert!((baseline_time(&b, &[2 << 20]) - (2 << 20) as f64 / 2e9).abs() < 1e-12);
+        // Smaller than every measured size: the smallest one's rate.
+        assert!((baseline_time(&b, &[512]) - 1e-3).abs() < 1e-12);
+    }
+}
