@@ -48,12 +48,14 @@ pub enum Error {
 
     /// A read of a byte range that failed (device error, or the file ends before the range does).
     /// `offset_bytes`/`len_bytes` are the range the caller asked for, not the widened device read.
-    #[error("{path}: read of {len_bytes} bytes at offset {offset_bytes} failed: {source}")]
+    /// (`cause` is shown in the message and deliberately not an error source, so chained
+    /// displays do not print it twice.)
+    #[error("{path}: read of {len_bytes} bytes at offset {offset_bytes} failed: {cause}")]
     Read {
         path: PathBuf,
         offset_bytes: u64,
         len_bytes: u64,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     /// Metadata or config that is present but unusable (missing key, inconsistent sizes).

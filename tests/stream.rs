@@ -44,6 +44,7 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         priority: Priority::GateFirst,
         prefetch_ffn: false,
         merge_gap_bytes: None,
+        probe_cost: false,
     }
 }
 
@@ -287,5 +288,81 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
             sparse.ffn_needed_bytes < dense.ffn_needed_bytes * 3 / 4,
             "{criterion:?}: sparse {sparse:?} vs dense {dense:?}"
         );
+    }
+}
+
+#[test]
+fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
+    let bin = env!("CARGO_BIN_EXE_gatestream");
+    let trace = tmp.path().join("t.trace");
+    let out = std::process::Command::new(bin)
+        .args(["run", "--model"])
+        .arg(&p)
+        .args([
+            "--max-tokens",
+            "8",
+            "--mode",
+            "sparse",
+            "--sparsity",
+            "0.7",
+            "--criterion",
+            "gate",
+        ])
+        .args(["--ram-budget", "100M", "--record-trace"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t = gatestream::bench::trace::Trace::read(&trace).unwrap();
+    assert_eq!(t.header.n_layers, 5);
+    assert!(t.header.tokens >= 8, "{:?}", t.header);
+    assert!((t.header.kept_fraction - 0.3).abs() < 0.02, "{:?}", t.header);
+
+    // Replay with and without read-through merging; --quick must stay quick.
+    for gap in ["0", "100000"] {
+        let json = tmp.path().join(format!("b{gap}.json"));
+        let t0 = std::time::Instant::now();
+        let out = std::process::Command::new(bin)
+            .args(["bench", "--quick", "--model"])
+            .arg(&p)
+            .arg("--trace")
+            .arg(&trace)
+            .args(["--merge-gap-bytes", gap, "--json"])
+            .arg(&json)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(t0.elapsed().as_secs() < 60, "bench --quick took {:?}", t0.elapsed());
+        let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert!(r["baseline"]["sequential_1mib_gb_per_s"].as_f64().unwrap() > 0.0);
+        let passes = r["passes"].as_array().unwrap();
+        let engines: std::collections::BTreeSet<&str> =
+            passes.iter().map(|p| p["engine"]["engine"].as_str().unwrap()).collect();
+        assert_eq!(engines.into_iter().collect::<Vec<_>>(), ["mmap", "pread", "uring"]);
+        for dense in passes.iter().filter(|p| p["transfer"] == "dense") {
+            let sparse = passes
+                .iter()
+                .find(|s| s["engine"] == dense["engine"] && s["transfer"] != "dense")
+                .unwrap();
+            let f = |p: &serde_json::Value, k: &str| p[k].as_f64().unwrap();
+            assert!(f(sparse, "needed_bytes_per_token") < 0.8 * f(dense, "needed_bytes_per_token"));
+            // Reading through every gap costs at most the blocks' widening beyond dense.
+            assert!(
+                f(sparse, "device_bytes_per_token") <= f(dense, "device_bytes_per_token") * 1.05,
+                "{sparse} vs {dense}"
+            );
+            // Reading only needed rows: fewer bytes with direct I/O's 512-byte blocks (mmap reads
+            // whole 4 KiB pages, and stories260K's rows are so small that every page holds a
+            // kept one).
+            if gap == "0" && dense["engine"]["engine"] != "mmap" {
+                assert!(
+                    f(sparse, "device_bytes_per_token") < f(dense, "device_bytes_per_token"),
+                    "{sparse} vs {dense}"
+                );
+            }
+            assert_eq!(dense["layer_ms"].as_array().unwrap().len(), 5);
+        }
     }
 }

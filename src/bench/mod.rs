@@ -222,15 +222,15 @@ fn measure_baseline(path: &Path, file_bytes: u64, opts: &BenchOptions) -> Result
             fixed_buffers: true,
         },
     )?;
-    let mib = 1 << 20;
-    let seq_bytes = opts.baseline_seq_bytes.min(file_bytes / mib * mib).max(mib);
+    let seq_bytes = opts.baseline_seq_bytes.min(file_bytes);
     let mut seq = Vec::new();
-    chunks(Range::new(0, seq_bytes as usize), mib as usize, &mut seq);
+    chunks(Range::new(0, seq_bytes as usize), 1 << 20, &mut seq);
     let mut sink = Vec::new();
     let t = timed_batch(r.as_ref(), &seq, &mut sink)?;
     let sequential = seq_bytes as f64 / t / 1e9;
     let mut random = Vec::new();
     for &size in &opts.baseline_sizes {
+        let size = size.min(file_bytes as usize);
         let slots = (file_bytes / size as u64).max(1);
         let n = opts.baseline_random_reads;
         let stride = (slots / n.max(1) as u64).max(1) | 1;
@@ -300,6 +300,11 @@ fn replay(
         drop_file_cache(path);
     }
     let reader = open(path, e)?;
+    // Plan at this engine's own granularity (whole pages for mmap, the direct-I/O block otherwise).
+    let cost = &CostModel {
+        align_bytes: reader.align_bytes().max(1) as u64,
+        ..*cost
+    };
     let n_layers = layers.len();
     let mut caches: Vec<LayerCache> = (0..n_layers)
         .map(|_| LayerCache::new(CachePolicy::Lru, ffn, opts.cache_neurons, 0, 0))

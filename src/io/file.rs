@@ -122,7 +122,12 @@ fn dio_align_bytes(file: &File) -> usize {
     };
     let a = st.stx_dio_offset_align as usize;
     let m = st.stx_dio_mem_align as usize;
-    if rc == 0 && st.stx_mask & STATX_DIOALIGN != 0 && a.is_power_of_two() && ALIGN_BYTES % a == 0 && m <= ALIGN_BYTES {
+    if rc == 0
+        && st.stx_mask & STATX_DIOALIGN != 0
+        && a.is_power_of_two()
+        && ALIGN_BYTES.is_multiple_of(a)
+        && m <= ALIGN_BYTES
+    {
         a
     } else {
         ALIGN_BYTES

@@ -114,4 +114,9 @@ impl Reader for MmapReader {
     fn reset_stats(&self) {
         self.stats.reset()
     }
+
+    /// The device reads whole pages for a map (its read-ahead aside).
+    fn align_bytes(&self) -> usize {
+        super::ALIGN_BYTES
+    }
 }

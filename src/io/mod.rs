@@ -260,7 +260,7 @@ pub(crate) fn past_eof(path: &Path, range: Range, file_len_bytes: u64) -> Error 
         path: path.to_path_buf(),
         offset_bytes: range.offset_bytes,
         len_bytes: range.len_bytes as u64,
-        source: std::io::Error::new(
+        cause: std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
             format!(
                 "the range ends past the end of the file ({file_len_bytes} bytes); \
@@ -283,6 +283,6 @@ pub(crate) fn read_error(path: &Path, range: Range, source: std::io::Error) -> E
         path: PathBuf::from(path),
         offset_bytes: range.offset_bytes,
         len_bytes: range.len_bytes as u64,
-        source,
+        cause: source,
     }
 }

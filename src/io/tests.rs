@@ -342,7 +342,7 @@ fn sim_eio_is_a_read_error_naming_the_range_and_spares_other_ranges() {
         let err = r.read_vec(29_000, 2_000).unwrap_err();
         assert_read_error(&err, &path, 29_000, 2_000, "Input/output error");
         match &err {
-            Error::Read { source, .. } => assert_eq!(source.raw_os_error(), Some(EIO_ERRNO)),
+            Error::Read { cause, .. } => assert_eq!(cause.raw_os_error(), Some(EIO_ERRNO)),
             _ => unreachable!(),
         }
         // The batch stops at the failing range and returns its error.
