@@ -97,7 +97,7 @@ impl Chart<'_> {
             let t = label(&xt, t);
             let _ = writeln!(
                 o,
-                r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom}" stroke="#eee"/><text x="{x:.1}" y="{}" text-anchor="middle">{t:.3}</text>"##,
+                r##"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom}" stroke="#eee"/><text x="{x:.1}" y="{}" text-anchor="middle">{t}</text>"##,
                 bottom + 16.0
             );
         }
@@ -107,7 +107,7 @@ impl Chart<'_> {
             let t = label(&yt, t);
             let _ = writeln!(
                 o,
-                r##"<line x1="{left}" y1="{y:.1}" x2="{right}" y2="{y:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end">{t:.3}</text>"##,
+                r##"<line x1="{left}" y1="{y:.1}" x2="{right}" y2="{y:.1}" stroke="#eee"/><text x="{}" y="{:.1}" text-anchor="end">{t}</text>"##,
                 left - 6.0,
                 y + 4.0
             );

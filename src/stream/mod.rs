@@ -306,8 +306,13 @@ impl Streamer {
             });
         }
         let residency = sizes.plan(opts.budget_bytes, opts.priority)?;
-        // Reads stay within the reader's reusable buffers.
-        let max_read_bytes = opts.reader.slot_bytes as u64;
+        // Reads stay within the reader's reusable buffers, even widened by a block at each end
+        // (a larger read would get a one-off buffer and pay first-touch page faults).
+        let max_read_bytes = opts
+            .reader
+            .slot_bytes
+            .saturating_sub(2 * crate::io::ALIGN_BYTES)
+            .max(crate::io::ALIGN_BYTES) as u64;
         let mut cost = if opts.probe_cost {
             plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?
         } else {
@@ -402,7 +407,7 @@ impl Streamer {
         prefault(&mut staging_down);
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
-        let prefetcher = Prefetcher::start(bg.clone(), opts.reader.slot_bytes)?;
+        let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
         Ok(Streamer {
             residency,
             cost,
