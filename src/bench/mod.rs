@@ -87,8 +87,12 @@ pub struct RandomBaseline {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Baseline {
     pub engine: &'static str,
+    /// Sequential 1 MiB reads at the deepest queue swept.
     pub sequential_1mib_gb_per_s: f64,
     pub sequential_queue_depth: usize,
+    /// Sequential 1 MiB reads at every io_uring queue depth swept (`[queue_depth, GB/s]`), each
+    /// over its own region of the file: on some devices deep queues of large reads are slower.
+    pub sequential_by_queue_depth: Vec<(usize, f64)>,
     pub random: Vec<RandomBaseline>,
 }
 
@@ -217,6 +221,34 @@ fn timed_batch(reader: &dyn Reader, ranges: &[Range], completions: &mut Vec<f64>
 
 fn measure_baseline(path: &Path, file_bytes: u64, opts: &BenchOptions) -> Result<Baseline> {
     let qd = 64;
+    let mut depths: Vec<usize> = opts
+        .engines
+        .iter()
+        .filter(|e| e.engine == "uring")
+        .map(|e| e.queue_depth)
+        .collect();
+    depths.push(qd);
+    depths.sort_unstable();
+    depths.dedup();
+    let seq_bytes = opts.baseline_seq_bytes.min(file_bytes);
+    let mut sink = Vec::new();
+    let mut by_depth = Vec::new();
+    for (i, &d) in depths.iter().enumerate() {
+        let r = open(
+            path,
+            EngineConfig {
+                engine: "uring",
+                queue_depth: d,
+                fixed_buffers: true,
+            },
+        )?;
+        let start = (i as u64 * seq_bytes) % (file_bytes - seq_bytes + 1) / 4096 * 4096;
+        let mut seq = Vec::new();
+        chunks(Range::new(start, seq_bytes as usize), 1 << 20, &mut seq);
+        let t = timed_batch(r.as_ref(), &seq, &mut sink)?;
+        by_depth.push((d, seq_bytes as f64 / t / 1e9));
+    }
+    let sequential = by_depth.iter().find(|x| x.0 == qd).map_or(0.0, |x| x.1);
     let r = open(
         path,
         EngineConfig {
@@ -225,12 +257,6 @@ fn measure_baseline(path: &Path, file_bytes: u64, opts: &BenchOptions) -> Result
             fixed_buffers: true,
         },
     )?;
-    let seq_bytes = opts.baseline_seq_bytes.min(file_bytes);
-    let mut seq = Vec::new();
-    chunks(Range::new(0, seq_bytes as usize), 1 << 20, &mut seq);
-    let mut sink = Vec::new();
-    let t = timed_batch(r.as_ref(), &seq, &mut sink)?;
-    let sequential = seq_bytes as f64 / t / 1e9;
     let mut random = Vec::new();
     for &size in &opts.baseline_sizes {
         let size = size.min(file_bytes as usize);
@@ -252,17 +278,24 @@ fn measure_baseline(path: &Path, file_bytes: u64, opts: &BenchOptions) -> Result
         engine: "uring",
         sequential_1mib_gb_per_s: sequential,
         sequential_queue_depth: qd,
+        sequential_by_queue_depth: by_depth,
         random,
     })
 }
 
-/// The baseline's time for reads of these sizes, seconds.
-fn baseline_time(b: &Baseline, sizes: &[usize]) -> f64 {
+/// The baseline's time for reads of these sizes at queue depth `qd`, seconds (sequential at the
+/// nearest measured depth; random reads at the depth they were measured at).
+fn baseline_time(b: &Baseline, sizes: &[usize], qd: usize) -> f64 {
+    let seq = b
+        .sequential_by_queue_depth
+        .iter()
+        .min_by_key(|x| x.0.abs_diff(qd))
+        .map_or(b.sequential_1mib_gb_per_s, |x| x.1);
     sizes
         .iter()
         .map(|&s| {
             if s >= 1 << 20 || b.random.is_empty() {
-                s as f64 / (b.sequential_1mib_gb_per_s * 1e9)
+                s as f64 / (seq * 1e9)
             } else {
                 // The measured size at or below this read (the smallest if none is below).
                 let r = b
@@ -409,7 +442,7 @@ fn replay(
         completion_p99_us: percentile(&mut completions, 0.99),
         read_amplification: device_measured as f64 / needed.max(1) as f64,
         cache_hit_rate: if lookups > 0 { hits as f64 / lookups as f64 } else { 0.0 },
-        fraction_of_baseline: baseline_time(baseline, &sizes) / total_s.max(1e-9),
+        fraction_of_baseline: baseline_time(baseline, &sizes, e.queue_depth) / total_s.max(1e-9),
         layer_bytes: layer_bytes.iter().map(|b| b / tok).collect(),
         layer_ms: layer_s.iter().map(|s| s * 1e3 / tok).collect(),
     })
@@ -505,11 +538,11 @@ pub fn table(r: &BenchReport) -> String {
             "left out"
         }
     );
-    let _ = write!(
-        s,
-        "device baseline (uring, QD {}): sequential 1 MiB {:.2} GB/s;",
-        b.sequential_queue_depth, b.sequential_1mib_gb_per_s
-    );
+    let _ = write!(s, "device baseline (uring): sequential 1 MiB");
+    for (qd, g) in &b.sequential_by_queue_depth {
+        let _ = write!(s, " {g:.2} GB/s at QD {qd},");
+    }
+    let _ = write!(s, " random at QD {}:", b.random.first().map_or(0, |r| r.queue_depth));
     for x in &b.random {
         let _ = write!(
             s,
@@ -665,6 +698,7 @@ mod tests {
             engine: "uring",
             sequential_1mib_gb_per_s: 2.0,
             sequential_queue_depth: 64,
+            sequential_by_queue_depth: vec![(1, 4.0), (64, 2.0)],
             random: vec![
                 RandomBaseline {
                     read_bytes: 4096,
@@ -680,10 +714,12 @@ mod tests {
                 },
             ],
         };
-        assert!((baseline_time(&b, &[4096]) - 1e-3).abs() < 1e-12);
-        assert!((baseline_time(&b, &[65536, 65536]) - 2e-2).abs() < 1e-12);
-        assert!((baseline_time(&b, &[2 << 20]) - (2 << 20) as f64 / 2e9).abs() < 1e-12);
+        assert!((baseline_time(&b, &[4096], 64) - 1e-3).abs() < 1e-12);
+        assert!((baseline_time(&b, &[65536, 65536], 64) - 2e-2).abs() < 1e-12);
+        assert!((baseline_time(&b, &[2 << 20], 64) - (2 << 20) as f64 / 2e9).abs() < 1e-12);
+        // Sequential reads at the nearest measured queue depth.
+        assert!((baseline_time(&b, &[2 << 20], 2) - (2 << 20) as f64 / 4e9).abs() < 1e-12);
         // Smaller than every measured size: the smallest one's rate.
-        assert!((baseline_time(&b, &[512]) - 1e-3).abs() < 1e-12);
+        assert!((baseline_time(&b, &[512], 64) - 1e-3).abs() < 1e-12);
     }
 }
