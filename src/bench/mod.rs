@@ -546,7 +546,7 @@ pub fn table(r: &BenchReport) -> String {
     for x in &b.random {
         let _ = write!(
             s,
-            " random {} KiB {:.0} IOPS ({:.2} GB/s);",
+            " {} KiB {:.0} IOPS ({:.2} GB/s);",
             x.read_bytes / 1024,
             x.iops,
             x.gb_per_s
