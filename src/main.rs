@@ -289,6 +289,10 @@ enum Command {
         /// Override the probed planner's merge gap (see `run --help`).
         #[arg(long)]
         merge_gap_bytes: Option<u64>,
+        /// Submit each token's reads as one batch instead of one per layer (streaming cannot; this
+        /// shows what the per-layer round trips cost). Per-layer times are then not measured.
+        #[arg(long)]
+        token_batches: bool,
         /// Small and fast (a CI smoke test): 2 tokens, queue depths 8 and 64, a 16-token trace at
         /// 0.5, a short baseline.
         #[arg(long)]
@@ -1020,6 +1024,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             gate_resident,
             cache_neurons,
             merge_gap_bytes,
+            token_batches,
             quick,
             json,
             plot,
@@ -1103,6 +1108,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 baseline_random_reads: if quick { 256 } else { 4096 },
                 baseline_seq_bytes: if quick { 16 << 20 } else { 256 << 20 },
                 merge_gap_bytes,
+                token_batches,
             };
             let mut bar = Progress::new();
             let report = bench(&model, &traces, &opts, &mut |stage, d, n| bar.update(stage, d, n))?;

@@ -46,6 +46,10 @@ pub struct BenchOptions {
     pub baseline_seq_bytes: u64,
     /// The planner's merge gap override (None: the probed cost model's).
     pub merge_gap_bytes: Option<u64>,
+    /// Submit a whole token's reads as one batch instead of one batch per layer (streaming
+    /// cannot: a layer's neurons are known only after the layer before; this shows what the
+    /// per-layer round trips cost). Per-layer times are not measured then.
+    pub token_batches: bool,
 }
 
 /// One pass: an engine configuration replaying one transfer over the trace's tokens.
@@ -354,6 +358,7 @@ fn replay(
     let mut total_s = 0.0;
     let all: Vec<u32> = (0..ffn as u32).collect();
     let mut planned = Vec::new();
+    let mut token_ranges = Vec::new();
     for t in 0..tokens {
         for (l, g) in layers.iter().enumerate() {
             let mut ranges = Vec::new();
@@ -417,11 +422,19 @@ fn replay(
             }
             sizes.extend(ranges.iter().map(|r| r.len_bytes));
             reads += ranges.len() as u64;
-            let s = timed_batch(reader.as_ref(), &ranges, &mut completions)?;
-            total_s += s;
-            layer_s[l] += s;
+            if opts.token_batches {
+                token_ranges.extend(ranges);
+            } else {
+                let s = timed_batch(reader.as_ref(), &ranges, &mut completions)?;
+                total_s += s;
+                layer_s[l] += s;
+            }
             layer_bytes[l] += dev as f64;
             device += dev;
+        }
+        if opts.token_batches {
+            total_s += timed_batch(reader.as_ref(), &token_ranges, &mut completions)?;
+            token_ranges.clear();
         }
     }
     let tok = tokens.max(1) as f64;

@@ -227,13 +227,13 @@ impl Streamer {
     /// resident into memory (reading it past the page cache where the engine allows), and makes
     /// the model's remaining weights streamed.
     pub fn open(model: &mut Model, opts: &StreamOptions) -> Result<Streamer> {
-        let open = |what: &str| -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
+        // Two readers: one for the compute thread's FFN reads, one for the prefetch thread.
+        let open = || -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
             let o = open_reader(&model.path, opts.engine, &opts.reader)?;
-            let _ = what;
             Ok((Arc::from(o.reader), o.direct_io_active, o.warnings))
         };
-        let (fg, direct_io, mut warnings) = open("compute")?;
-        let (bg, _, w2) = open("prefetch")?;
+        let (fg, direct_io, mut warnings) = open()?;
+        let (bg, _, w2) = open()?;
         warnings.extend(w2.into_iter().filter(|w| !warnings.contains(w)).collect::<Vec<_>>());
         Streamer::with_readers(model, opts, fg, bg, direct_io, warnings)
     }
