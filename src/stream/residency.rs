@@ -60,6 +60,14 @@ pub struct Residency {
 }
 
 impl Residency {
+    /// Whether any attention or gate matrix (or, when FFN rows are prefetched, any neuron the
+    /// cache lacks) is read per token by the prefetch thread.
+    fn streams_dense(&self, prefetch_ffn: bool, ffn: usize) -> bool {
+        self.attention_resident.iter().any(|&a| !a)
+            || self.gate_resident.iter().any(|&g| !g)
+            || (prefetch_ffn && self.cache_neurons.iter().any(|&c| c < ffn))
+    }
+
     pub fn resident_bytes(&self) -> u64 {
         self.required_bytes + self.working_bytes + self.attention_bytes + self.gate_bytes + self.cache_bytes
     }
@@ -109,18 +117,19 @@ impl ModelSizes {
                 min as f64 / 1e6
             )));
         }
-        let n = self.n_layers;
-        let mut everything: u64 = self.attention_bytes.iter().sum::<u64>() + self.gate_bytes.iter().sum::<u64>();
-        if self.prefetch_ffn {
-            everything += (0..n).map(|l| self.ffn as u64 * self.neuron_bytes[l]).sum::<u64>();
-        }
         let staging = self.staging_bytes();
-        // With everything resident nothing streams: no prefetch buffers.
-        let working = if self.required_bytes + staging + everything <= budget_bytes {
-            staging
+        // Prefetch buffers only when something dense streams: plan without them first, and
+        // again with them if the plan streams anything.
+        let plan = self.plan_with(budget_bytes, priority, staging);
+        if plan.streams_dense(self.prefetch_ffn, self.ffn) {
+            Ok(self.plan_with(budget_bytes, priority, staging + self.prefetch_bytes()))
         } else {
-            staging + self.prefetch_bytes()
-        };
+            Ok(plan)
+        }
+    }
+
+    fn plan_with(&self, budget_bytes: u64, priority: Priority, working: u64) -> Residency {
+        let n = self.n_layers;
         let mut left = budget_bytes - self.required_bytes - working;
         let take = |bytes: &[u64], left: &mut u64| -> (Vec<bool>, u64) {
             let mut taken = 0;
@@ -157,7 +166,7 @@ impl ModelSizes {
                 (take(&self.gate_bytes, &mut left), c)
             }
         };
-        Ok(Residency {
+        Residency {
             budget_bytes,
             attention_resident,
             gate_resident,
@@ -167,7 +176,7 @@ impl ModelSizes {
             attention_bytes,
             gate_bytes,
             cache_bytes,
-        })
+        }
     }
 }
 
@@ -242,6 +251,11 @@ mod tests {
         for budget in [3600u64, 4000, 5000, 6000, 7000, 8000, 20_000] {
             let c = s.plan(budget, Priority::CacheFirst).unwrap();
             assert!(c.resident_bytes() <= budget, "{budget}: {c:?}");
+            // Whatever streams has its prefetch buffers in the budget (staging 1000 + 2 x 800).
+            for r in [&c, &s.plan(budget, Priority::GateFirst).unwrap()] {
+                let streams = r.gate_resident.iter().chain(&r.attention_resident).any(|&x| !x);
+                assert_eq!(r.working_bytes, if streams { 2600 } else { 1000 }, "{budget}: {r:?}");
+            }
             if c.gate_resident.iter().any(|&g| g) {
                 assert_eq!(c.cache_neurons, vec![100; 4], "{budget}: gates only after a full cache");
             }
