@@ -268,17 +268,30 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
     let min = min_budget(&p);
     let text = "The capital of France is";
     let ram = load(&p);
+    let file_bytes = std::fs::metadata(&p).unwrap().len();
     for criterion in [Criterion::Gate, Criterion::Exact] {
         let mask = Masker::for_model(&ram, Strategy::TopK, criterion, 0.5, None).unwrap();
         let want = run(&ram, None, Some(&mask), text, 6);
+        // Decode steps compute from cache slots and read buffers directly: check them with no
+        // cache (all misses) and with an LRU cache holding part of the model (hits and misses).
+        for (budget, policy) in [(min, CachePolicy::Pinned), (min + file_bytes / 2, CachePolicy::Lru)] {
+            let mut m = load(&p);
+            let s = Streamer::open(&mut m, &options(budget, ReadEngine::Pread, policy)).unwrap();
+            let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
+            let got = run(&m, Some(&s), Some(&mask), text, 6);
+            // Same kept neurons; only the order of the f64 down sums can differ.
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-4 * scale, "{criterion:?} {policy:?}: {diff} (scale {scale})");
+            let c = s.counters();
+            if policy == CachePolicy::Lru {
+                assert!(c.cache_hits > 0 && c.cache_hits < c.cache_lookups, "{c:?}");
+            }
+        }
         let mut m = load(&p);
         let s = Streamer::open(&mut m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
         let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
-        let got = run(&m, Some(&s), Some(&mask), text, 6);
-        // Same kept neurons; only the order of the f64 down sums can differ.
-        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(diff <= 1e-4 * scale, "{criterion:?}: {diff} (scale {scale})");
+        run(&m, Some(&s), Some(&mask), text, 6);
         let sparse = s.counters();
         let mut m = load(&p);
         let d = Streamer::open(&mut m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();

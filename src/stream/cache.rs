@@ -88,6 +88,25 @@ impl LayerCache {
         ))
     }
 
+    /// The slot holding `neuron`, if any (no use is recorded: see [`LayerCache::touch`]).
+    pub fn slot(&self, neuron: u32) -> Option<usize> {
+        let s = self.slot_of[neuron as usize];
+        (s != NONE).then_some(s as usize)
+    }
+
+    /// Records a use of `slot` in `step` (for LRU order).
+    pub fn touch(&mut self, slot: usize, step: u64) {
+        self.last_used[slot] = step;
+    }
+
+    /// The (up row, down column) in `slot`.
+    pub fn rows(&self, slot: usize) -> (&[u8], &[u8]) {
+        (
+            &self.up[slot * self.up_row..(slot + 1) * self.up_row],
+            &self.down[slot * self.down_row..(slot + 1) * self.down_row],
+        )
+    }
+
     pub fn contains(&self, neuron: u32) -> bool {
         self.slot_of[neuron as usize] != NONE
     }

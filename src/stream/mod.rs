@@ -520,6 +520,238 @@ impl Streamer {
         Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at)
     }
 
+    /// One token's masked FFN, computed where the bytes are: cache hits straight from their
+    /// slots, missed rows from the reader's buffers as they land. The two pool threads split the
+    /// work: one submits the misses' reads and computes each as it completes, the other computes
+    /// the hits meanwhile. Only missed rows are copied (into staging, for the cache). Sums over
+    /// down are f64 like everywhere else; their order differs from the staged path, so results
+    /// agree with it to rounding, not bit for bit (the dense path keeps the staged, exact one).
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_decode_masked(
+        &self,
+        model: &Model,
+        l: usize,
+        xn: &[f32],
+        gate: &[f32],
+        mask: &dyn crate::model::forward::FfnMask,
+        hooks: &FfnHooks,
+        st: &mut State,
+    ) -> Result<Vec<f32>> {
+        use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
+        use rayon::prelude::*;
+        let (h, f) = (model.config.hidden, model.config.ffn);
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let (up_ty, down_ty) = (parts.up.ty, parts.down.ty);
+        let step = st.counters.passes;
+        let mut need = vec![false; f];
+        mask.up_needed(l, xn, gate, &mut need);
+        let one_pass = mask.decides_before_up();
+        let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
+        let mut px = PreparedInput::new();
+        px.prepare(xn, up_ty);
+
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            plan: planned,
+            counters,
+            ..
+        } = st;
+        let cache = &mut caches[l];
+        if Arc::get_mut(staging_up).is_none() {
+            *staging_up = Arc::new(vec![0u8; staging_up.len()]);
+        }
+        if Arc::get_mut(staging_down).is_none() {
+            *staging_down = Arc::new(vec![0u8; staging_down.len()]);
+        }
+        let su = Arc::get_mut(staging_up).expect("unique");
+        let sd = Arc::get_mut(staging_down).expect("unique");
+
+        // Up: hits from their slots, misses read (with their down columns too in one pass).
+        let (mut hits, mut misses) = (Vec::new(), Vec::new());
+        for &n in &up_set {
+            match cache.slot(n) {
+                Some(slot) => {
+                    cache.touch(slot, step);
+                    hits.push((n, slot));
+                }
+                None => misses.push(n),
+            }
+        }
+        counters.cache_lookups += up_set.len() as u64;
+        counters.cache_hits += hits.len() as u64;
+        // (offset, len, is_down, row in `misses`)
+        let mut extents: Vec<(u64, usize, bool, u32)> = Vec::with_capacity(2 * misses.len());
+        for (i, &n) in misses.iter().enumerate() {
+            let (o, len) = parts.up.extent(n);
+            extents.push((o, len, false, i as u32));
+            if one_pass {
+                let (o, len) = parts.down.extent(n);
+                extents.push((o, len, true, i as u32));
+            }
+        }
+        extents.sort_unstable_by_key(|e| e.0);
+        let spans: Vec<(u64, usize)> = extents.iter().map(|e| (e.0, e.1)).collect();
+        let totals = plan(&spans, &self.cost, planned);
+        let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+        let mut miss_u = vec![0f32; misses.len()];
+        let cache_ro: &LayerCache = cache;
+        let planned_ro: &[PlannedRead] = planned;
+        let t0 = Instant::now();
+        let (read, (hit_u, hits_s)) = rayon::join(
+            || -> Result<()> {
+                if ranges.is_empty() {
+                    return Ok(());
+                }
+                self.fg.read_each(&ranges, &mut |ri, bytes| {
+                    let p = planned_ro[ri];
+                    for &(o, len, is_down, row) in &extents[p.first..p.first + p.count] {
+                        let at = (o - p.range.offset_bytes) as usize;
+                        let src = &bytes[at..at + len];
+                        let row = row as usize;
+                        if is_down {
+                            sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                        } else {
+                            miss_u[row] = vec_dot(up_ty, src, &px);
+                            su[row * ur..(row + 1) * ur].copy_from_slice(src);
+                        }
+                    }
+                    Ok(())
+                })
+            },
+            || {
+                let t = Instant::now();
+                let u: Vec<f32> = hits
+                    .iter()
+                    .map(|&(_, s)| vec_dot(up_ty, cache_ro.rows(s).0, &px))
+                    .collect();
+                (u, t.elapsed())
+            },
+        );
+        counters.io_wait_ns += t0.elapsed().saturating_sub(hits_s).as_nanos() as u64;
+        read?;
+        if !ranges.is_empty() {
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+        }
+        let mut up = vec![0f32; f];
+        for (&(n, _), &u) in hits.iter().zip(&hit_u) {
+            up[n as usize] = u;
+        }
+        for (&n, &u) in misses.iter().zip(&miss_u) {
+            up[n as usize] = u;
+        }
+        let mut hact: Vec<f32> = up.iter().zip(gate).map(|(u, g)| u * g).collect();
+        mask.apply(l, xn, gate, &up, &mut hact);
+        if let Some(observe) = hooks.observe {
+            observe(l, gate, &hact);
+        }
+
+        // Down for the kept neurons: hits from slots; misses staged (one pass) or read now.
+        let mut rows: Vec<(&[u8], f32)> = Vec::new();
+        let mut down_misses: Vec<u32> = Vec::new();
+        for &(n, slot) in &hits {
+            let a = hact[n as usize];
+            if a != 0.0 {
+                rows.push((cache_ro.rows(slot).1, a));
+            }
+        }
+        if one_pass {
+            for (i, &n) in misses.iter().enumerate() {
+                let a = hact[n as usize];
+                if a != 0.0 {
+                    rows.push((&sd[i * dr..(i + 1) * dr], a));
+                }
+            }
+        } else {
+            down_misses = misses.iter().copied().filter(|&n| hact[n as usize] != 0.0).collect();
+        }
+        let sum = |rows: &[(&[u8], f32)], acc: &mut [f64]| {
+            for &(row, a) in rows {
+                axpy_row_f64(down_ty, row, a, acc);
+            }
+        };
+        let mut acc = vec![0f64; h];
+        // The second pass's down columns, kept for the cache.
+        let mut dcopy: Vec<u8> = Vec::new();
+        if down_misses.is_empty() {
+            let per = rows.len().div_ceil(2).max(1);
+            let partials: Vec<Vec<f64>> = rows
+                .par_chunks(per)
+                .map(|c| {
+                    let mut a = vec![0f64; h];
+                    sum(c, &mut a);
+                    a
+                })
+                .collect();
+            for p in partials {
+                acc.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+            }
+        } else {
+            // Second pass (the exact criterion): read the kept misses' down columns and add each
+            // as it lands, while the other thread adds the hits.
+            let mut dext: Vec<(u64, usize, u32)> = down_misses
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let (o, len) = parts.down.extent(n);
+                    (o, len, i as u32)
+                })
+                .collect();
+            dext.sort_unstable_by_key(|e| e.0);
+            let spans: Vec<(u64, usize)> = dext.iter().map(|e| (e.0, e.1)).collect();
+            let mut dplan = Vec::new();
+            let totals = plan(&spans, &self.cost, &mut dplan);
+            let ranges: Vec<Range> = dplan.iter().map(|p| p.range).collect();
+            let mut acc_read = vec![0f64; h];
+            dcopy.resize(down_misses.len() * dr, 0);
+            let t0 = Instant::now();
+            let (read, hits_s) = rayon::join(
+                || -> Result<()> {
+                    self.fg.read_each(&ranges, &mut |ri, bytes| {
+                        let p = dplan[ri];
+                        for &(o, len, i) in &dext[p.first..p.first + p.count] {
+                            let at = (o - p.range.offset_bytes) as usize;
+                            let src = &bytes[at..at + len];
+                            let i = i as usize;
+                            axpy_row_f64(down_ty, src, hact[down_misses[i] as usize], &mut acc_read);
+                            dcopy[i * dr..(i + 1) * dr].copy_from_slice(src);
+                        }
+                        Ok(())
+                    })
+                },
+                || {
+                    let t = Instant::now();
+                    sum(&rows, &mut acc);
+                    t.elapsed()
+                },
+            );
+            counters.io_wait_ns += t0.elapsed().saturating_sub(hits_s).as_nanos() as u64;
+            read?;
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+            acc.iter_mut().zip(&acc_read).for_each(|(a, b)| *a += b);
+        }
+        drop(rows);
+
+        // File the neurons read whole in the cache (their up row and down column are staged).
+        if one_pass {
+            for (i, &n) in misses.iter().enumerate() {
+                cache.offer(n, &su[i * ur..(i + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
+            }
+        } else {
+            for (i, &n) in down_misses.iter().enumerate() {
+                let j = misses.binary_search(&n).expect("a kept miss had its up row read");
+                cache.offer(n, &su[j * ur..(j + 1) * ur], &dcopy[i * dr..(i + 1) * dr], step);
+            }
+        }
+        Ok(acc.iter().map(|&v| v as f32).collect())
+    }
+
     /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
     /// staging buffers, row i of each holding the set's i-th neuron; the cache serves what it
     /// holds. `staged_up` names the neurons whose up rows the staging buffer holds after this
@@ -724,6 +956,10 @@ impl LayerStream for Streamer {
         model.backend.matmul(gate_w, &prep, &mut gate);
         gate.iter_mut().for_each(|g| *g = model.ffn_act(*g));
         drop(streamed_gate);
+
+        if let (Some(mask), 1) = (hooks.mask, n) {
+            return self.ffn_decode_masked(model, l, xn, &gate, mask, hooks, st);
+        }
 
         // Phase 2: which neurons need up (all when dense), and whether down can come along.
         let mut need = vec![true; f];
