@@ -74,45 +74,6 @@ enum Command {
         /// agreement and (when streaming) the bytes each read.
         #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
-        /// Stream a .gst model from disk under this RAM budget: bytes (700M, 1.5G, 512MiB) or a
-        /// share of the file (40%). Resident, in this order while the budget lasts: the output
-        /// matrix and norms (required), attention, gate matrices, a neuron cache; everything else
-        /// is read per token. Refused, with the minimum, when too small. Without it the model is
-        /// memory-mapped and computed in RAM.
-        #[arg(long)]
-        ram_budget: Option<String>,
-        /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
-        /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
-        #[arg(long, value_enum, default_value_t = IoArg::Uring)]
-        io: IoArg,
-        /// Reads in flight at once when streaming.
-        #[arg(long, default_value_t = 64)]
-        queue_depth: usize,
-        /// Neuron cache when streaming: lru (recently used neurons, replaced as others are read;
-        /// default in sparse mode) or pinned (the file's first neurons — the hot prefix of a
-        /// hot-first file — never replaced; default in dense mode).
-        #[arg(long, value_enum)]
-        cache: Option<CacheArg>,
-        /// After attention, what the budget keeps first: gate-first (gate matrices, then the
-        /// neuron cache) or cache-first (the neuron cache, then gates). Dense streaming saves the
-        /// same bytes either way; sparse streaming usually gains from cache-first, since cached
-        /// neurons spare scattered reads and a streamed gate is one sequential read.
-        #[arg(long, value_enum, default_value_t = ResidencyArg::CacheFirst)]
-        residency: ResidencyArg,
-        /// The read planner reads through gaps between needed rows shorter than this, rather
-        /// than issuing another request. Default: from the cost model (13 µs per request at
-        /// 1.5 GB/s ≈ 19.5 KB, this machine's virtio disk); 0 reads only needed rows.
-        #[arg(long)]
-        merge_gap_bytes: Option<u64>,
-        /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
-        /// model file at start-up: 1024 random 4 KiB reads and 32 MiB sequential, ~0.1 s) or
-        /// default (this machine's virtio disk as DESIGN.md measured it).
-        #[arg(long, value_enum, default_value_t = CostArg::Probe)]
-        cost_model: CostArg,
-        /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
-        /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
-        #[arg(long)]
-        record_trace: Option<PathBuf>,
         /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
         /// and --criterion, a .gst file's recommendation (stored by `eval --store`) is used, else
         /// topk / exact / 0.3.
@@ -126,6 +87,8 @@ enum Command {
         /// sketch (see `gatestream eval --help`).
         #[arg(long, value_enum)]
         criterion: Option<CriterionArg>,
+        #[command(flatten)]
+        stream: StreamArgs,
         /// Print one JSON object with the text, token ids and speeds at the end instead of stats.
         #[arg(long)]
         json: bool,
@@ -498,15 +461,48 @@ impl Progress {
     }
 }
 
-/// How `run` streams (see its --help).
+/// How `run` streams.
+#[derive(clap::Args)]
 struct StreamArgs {
+    /// Stream a .gst model from disk under this RAM budget: bytes (700M, 1.5G, 512MiB) or a
+    /// share of the file (40%). Resident, in this order while the budget lasts: the output
+    /// matrix and norms (required), attention, gate matrices, a neuron cache; everything else
+    /// is read per token. Refused, with the minimum, when too small. Without it the model is
+    /// memory-mapped and computed in RAM.
+    #[arg(long)]
     ram_budget: Option<String>,
+    /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
+    /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
+    #[arg(long, value_enum, default_value_t = IoArg::Uring)]
     io: IoArg,
+    /// Reads in flight at once when streaming.
+    #[arg(long, default_value_t = 64)]
     queue_depth: usize,
+    /// Neuron cache when streaming: lru (recently used neurons, replaced as others are read;
+    /// default in sparse mode) or pinned (the file's first neurons — the hot prefix of a
+    /// hot-first file — never replaced; default in dense mode).
+    #[arg(long, value_enum)]
     cache: Option<CacheArg>,
+    /// After attention, what the budget keeps first: gate-first (gate matrices, then the
+    /// neuron cache) or cache-first (the neuron cache, then gates). Dense streaming saves the
+    /// same bytes either way; sparse streaming usually gains from cache-first, since cached
+    /// neurons spare scattered reads and a streamed gate is one sequential read.
+    #[arg(long, value_enum, default_value_t = ResidencyArg::CacheFirst)]
     residency: ResidencyArg,
+    /// The read planner reads through gaps between needed rows shorter than this, rather
+    /// than issuing another request. Default: the cost model's per-request time x bandwidth
+    /// (printed at start-up; ~10–55 KB on this machine's virtio disk); 0 reads only needed rows.
+    #[arg(long)]
     merge_gap_bytes: Option<u64>,
+    /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
+    /// model file at start-up: 1024 random 4 KiB reads in batches of 256, twice, and 32 MiB
+    /// sequential; ~0.1 s) or default (13 µs per request at 1.5 GB/s: this machine's virtio
+    /// disk as DESIGN.md measured it).
+    #[arg(long, value_enum, default_value_t = CostArg::Probe)]
     cost_model: CostArg,
+    /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
+    /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
+    #[arg(long)]
     record_trace: Option<PathBuf>,
 }
 
@@ -786,14 +782,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             sparsity,
             strategy,
             criterion,
-            ram_budget,
-            io,
-            queue_depth,
-            cache,
-            residency,
-            merge_gap_bytes,
-            cost_model,
-            record_trace,
+            stream,
             json,
         } => {
             if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
@@ -802,7 +791,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if temperature < 0.0 || !temperature.is_finite() {
                 anyhow::bail!("--temperature {temperature} must be 0 (greedy) or positive");
             }
-            if queue_depth == 0 {
+            if stream.queue_depth == 0 {
                 anyhow::bail!("--queue-depth must be at least 1");
             }
             let opts = GenerateOptions {
@@ -815,16 +804,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 chat,
                 ctx: 0,
-            };
-            let stream = StreamArgs {
-                ram_budget,
-                io,
-                queue_depth,
-                cache,
-                residency,
-                merge_gap_bytes,
-                cost_model,
-                record_trace,
             };
             let asked = SparseAsk {
                 strategy: strategy.map(strategy_of),

@@ -218,24 +218,17 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
         .to_string();
     assert!(e.contains(&p.display().to_string()), "{e}");
     assert!(e.contains("at offset") && e.contains("bytes"), "{e}");
-    let offset: u64 = e
-        .split("at offset ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let len: u64 = e
-        .split("read of ")
-        .nth(1)
-        .unwrap()
-        .split(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let number_after = |what: &str| -> u64 {
+        e.split(what)
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (offset, len) = (number_after("at offset "), number_after("read of "));
     assert!(offset <= bad && bad < offset + len, "{e}");
 }
 

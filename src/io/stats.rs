@@ -23,6 +23,19 @@ pub struct ReadStats {
 }
 
 impl ReadStats {
+    /// Field by field: `self + o` (two readers' counters together) or `self - o` (since a
+    /// snapshot `o`).
+    pub fn combine(&self, o: &ReadStats, sign: i8) -> ReadStats {
+        let f = |a: u64, b: u64| if sign < 0 { a - b } else { a + b };
+        ReadStats {
+            requests: f(self.requests, o.requests),
+            bytes_requested: f(self.bytes_requested, o.bytes_requested),
+            device_reads: f(self.device_reads, o.device_reads),
+            bytes_device: f(self.bytes_device, o.bytes_device),
+            wall_ns: f(self.wall_ns, o.wall_ns),
+        }
+    }
+
     /// Device bytes per requested byte (1.0 when nothing was requested).
     pub fn read_amplification(&self) -> f64 {
         if self.bytes_requested == 0 {

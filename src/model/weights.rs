@@ -39,25 +39,13 @@ pub struct Weight {
 impl Weight {
     /// A weight held in memory (tests, converted tensors).
     pub fn owned(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Weight> {
-        let row_bytes = ty
-            .row_bytes(cols)
-            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
-        if rows.checked_mul(row_bytes) != Some(bytes.len()) {
+        if ty.row_bytes(cols).and_then(|r| r.checked_mul(rows)) != Some(bytes.len()) {
             return Err(Error::Invalid(format!(
                 "{name}: {} bytes for {rows}x{cols} {ty:?}",
                 bytes.len()
             )));
         }
-        Ok(Weight {
-            name: name.into(),
-            ty,
-            rows,
-            cols,
-            row_bytes,
-            row_stride_bytes: row_bytes,
-            storage: Storage::Owned(Arc::new(bytes)),
-            offset_bytes: 0,
-        })
+        Weight::shared(name, ty, rows, cols, Arc::new(bytes), 0)
     }
 
     /// The first `rows` rows of a shared buffer (the streaming path's staging and prefetch

@@ -31,7 +31,7 @@ use crate::model::weights::{FfnDown, Weight};
 use crate::model::Model;
 use crate::quant::GgmlType;
 use cache::{CachePolicy, LayerCache};
-use plan::{plan, CostModel, PlannedRead};
+use plan::{plan, CostModel, PlanTotals, PlannedRead};
 use prefetch::Prefetcher;
 use residency::{ModelSizes, Priority, Residency};
 
@@ -440,16 +440,7 @@ impl Streamer {
     pub fn decode_counters(&self) -> (Counters, ReadStats) {
         let (c, r) = (self.counters(), self.read_stats());
         match *self.decode_start.lock().expect("decode start") {
-            Some((c0, r0)) => (
-                c.minus(&c0),
-                ReadStats {
-                    requests: r.requests - r0.requests,
-                    bytes_requested: r.bytes_requested - r0.bytes_requested,
-                    device_reads: r.device_reads - r0.device_reads,
-                    bytes_device: r.bytes_device - r0.bytes_device,
-                    wall_ns: r.wall_ns - r0.wall_ns,
-                },
-            ),
+            Some((c0, r0)) => (c.minus(&c0), r.combine(&r0, -1)),
             None => (c, r),
         }
     }
@@ -460,14 +451,7 @@ impl Streamer {
 
     /// Both readers' counters added together (what the device actually did).
     pub fn read_stats(&self) -> ReadStats {
-        let (a, b) = (self.fg.stats(), self.bg.stats());
-        ReadStats {
-            requests: a.requests + b.requests,
-            bytes_requested: a.bytes_requested + b.bytes_requested,
-            device_reads: a.device_reads + b.device_reads,
-            bytes_device: a.bytes_device + b.bytes_device,
-            wall_ns: a.wall_ns + b.wall_ns,
-        }
+        self.fg.stats().combine(&self.bg.stats(), 1)
     }
 
     /// The next layer after `l` (cyclically: the next pass's first) whose dense parts stream.
@@ -512,6 +496,35 @@ impl Streamer {
             }
         }
         Ok(())
+    }
+
+    /// Sorts `extents` (`(offset, len, tag)`) by offset and plans their reads into `planned`.
+    fn plan_extents<T: Copy>(&self, extents: &mut [(u64, usize, T)], planned: &mut Vec<PlannedRead>) -> PlanTotals {
+        extents.sort_unstable_by_key(|e| e.0);
+        let spans: Vec<(u64, usize)> = extents.iter().map(|e| (e.0, e.1)).collect();
+        plan(&spans, &self.cost, planned)
+    }
+
+    /// Reads `planned` (planned from `extents`) on the compute thread's reader, calling
+    /// `on_extent(tag, bytes)` for every extent as its read lands.
+    fn read_extents<T: Copy>(
+        &self,
+        extents: &[(u64, usize, T)],
+        planned: &[PlannedRead],
+        on_extent: &mut dyn FnMut(T, &[u8]),
+    ) -> Result<()> {
+        if planned.is_empty() {
+            return Ok(());
+        }
+        let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+        self.fg.read_each(&ranges, &mut |ri, bytes| {
+            let p = planned[ri];
+            for &(o, len, tag) in &extents[p.first..p.first + p.count] {
+                let at = (o - p.range.offset_bytes) as usize;
+                on_extent(tag, &bytes[at..at + len]);
+            }
+            Ok(())
+        })
     }
 
     /// A view of part `p` of the current layer's dense buffer; `at` is its byte offset there.
@@ -582,43 +595,31 @@ impl Streamer {
         }
         counters.cache_lookups += up_set.len() as u64;
         counters.cache_hits += hits.len() as u64;
-        // (offset, len, is_down, row in `misses`)
-        let mut extents: Vec<(u64, usize, bool, u32)> = Vec::with_capacity(2 * misses.len());
+        // (offset, len, (is_down, row in `misses`))
+        let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::with_capacity(2 * misses.len());
         for (i, &n) in misses.iter().enumerate() {
             let (o, len) = parts.up.extent(n);
-            extents.push((o, len, false, i as u32));
+            extents.push((o, len, (false, i as u32)));
             if one_pass {
                 let (o, len) = parts.down.extent(n);
-                extents.push((o, len, true, i as u32));
+                extents.push((o, len, (true, i as u32)));
             }
         }
-        extents.sort_unstable_by_key(|e| e.0);
-        let spans: Vec<(u64, usize)> = extents.iter().map(|e| (e.0, e.1)).collect();
-        let totals = plan(&spans, &self.cost, planned);
-        let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+        let totals = self.plan_extents(&mut extents, planned);
         let mut miss_u = vec![0f32; misses.len()];
         let cache_ro: &LayerCache = cache;
         let planned_ro: &[PlannedRead] = planned;
         let t0 = Instant::now();
         let (read, (hit_u, hits_s)) = rayon::join(
-            || -> Result<()> {
-                if ranges.is_empty() {
-                    return Ok(());
-                }
-                self.fg.read_each(&ranges, &mut |ri, bytes| {
-                    let p = planned_ro[ri];
-                    for &(o, len, is_down, row) in &extents[p.first..p.first + p.count] {
-                        let at = (o - p.range.offset_bytes) as usize;
-                        let src = &bytes[at..at + len];
-                        let row = row as usize;
-                        if is_down {
-                            sd[row * dr..(row + 1) * dr].copy_from_slice(src);
-                        } else {
-                            miss_u[row] = vec_dot(up_ty, src, &px);
-                            su[row * ur..(row + 1) * ur].copy_from_slice(src);
-                        }
+            || {
+                self.read_extents(&extents, planned_ro, &mut |(is_down, row), src| {
+                    let row = row as usize;
+                    if is_down {
+                        sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                    } else {
+                        miss_u[row] = vec_dot(up_ty, src, &px);
+                        su[row * ur..(row + 1) * ur].copy_from_slice(src);
                     }
-                    Ok(())
                 })
             },
             || {
@@ -632,7 +633,7 @@ impl Streamer {
         );
         counters.io_wait_ns += t0.elapsed().saturating_sub(hits_s).as_nanos() as u64;
         read?;
-        if !ranges.is_empty() {
+        if !extents.is_empty() {
             counters.ffn_needed_bytes += totals.needed_bytes;
             counters.ffn_device_bytes += totals.device_bytes;
             counters.ffn_reads += totals.reads;
@@ -701,26 +702,17 @@ impl Streamer {
                     (o, len, i as u32)
                 })
                 .collect();
-            dext.sort_unstable_by_key(|e| e.0);
-            let spans: Vec<(u64, usize)> = dext.iter().map(|e| (e.0, e.1)).collect();
             let mut dplan = Vec::new();
-            let totals = plan(&spans, &self.cost, &mut dplan);
-            let ranges: Vec<Range> = dplan.iter().map(|p| p.range).collect();
+            let totals = self.plan_extents(&mut dext, &mut dplan);
             let mut acc_read = vec![0f64; h];
             dcopy.resize(down_misses.len() * dr, 0);
             let t0 = Instant::now();
             let (read, hits_s) = rayon::join(
-                || -> Result<()> {
-                    self.fg.read_each(&ranges, &mut |ri, bytes| {
-                        let p = dplan[ri];
-                        for &(o, len, i) in &dext[p.first..p.first + p.count] {
-                            let at = (o - p.range.offset_bytes) as usize;
-                            let src = &bytes[at..at + len];
-                            let i = i as usize;
-                            axpy_row_f64(down_ty, src, hact[down_misses[i] as usize], &mut acc_read);
-                            dcopy[i * dr..(i + 1) * dr].copy_from_slice(src);
-                        }
-                        Ok(())
+                || {
+                    self.read_extents(&dext, &dplan, &mut |i, src| {
+                        let i = i as usize;
+                        axpy_row_f64(down_ty, src, hact[down_misses[i] as usize], &mut acc_read);
+                        dcopy[i * dr..(i + 1) * dr].copy_from_slice(src);
                     })
                 },
                 || {
@@ -782,8 +774,8 @@ impl Streamer {
         }
         let su = Arc::get_mut(staging_up).expect("unique");
         let sd = Arc::get_mut(staging_down).expect("unique");
-        // (offset, len, is_down, staging row)
-        let mut extents: Vec<(u64, usize, bool, u32)> = Vec::new();
+        // (offset, len, (is_down, staging row))
+        let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::new();
         let mut misses_down = Vec::new();
         for (i, &n) in up_set.iter().enumerate() {
             counters.cache_lookups += 1;
@@ -796,7 +788,7 @@ impl Streamer {
                     let (o, len) = parts.up.extent(n);
                     match parts.prefetched(prefetched, o, len) {
                         Some(b) => su[i * ur..(i + 1) * ur].copy_from_slice(b),
-                        None => extents.push((o, len, false, i as u32)),
+                        None => extents.push((o, len, (false, i as u32))),
                     }
                 }
             }
@@ -819,32 +811,22 @@ impl Streamer {
                     let (o, len) = parts.down.extent(n);
                     match parts.prefetched(prefetched, o, len) {
                         Some(b) => sd[i * dr..(i + 1) * dr].copy_from_slice(b),
-                        None => extents.push((o, len, true, i as u32)),
+                        None => extents.push((o, len, (true, i as u32))),
                     }
                     misses_down.push(i);
                 }
             }
         }
         if !extents.is_empty() {
-            extents.sort_unstable_by_key(|e| e.0);
-            let spans: Vec<(u64, usize)> = extents.iter().map(|e| (e.0, e.1)).collect();
-            let totals = plan(&spans, &self.cost, planned);
-            let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+            let totals = self.plan_extents(&mut extents, planned);
             let t0 = Instant::now();
-            let planned = &*planned;
-            self.fg.read_each(&ranges, &mut |ri, bytes| {
-                let p = planned[ri];
-                for &(o, len, is_down, row) in &extents[p.first..p.first + p.count] {
-                    let at = (o - p.range.offset_bytes) as usize;
-                    let src = &bytes[at..at + len];
-                    let row = row as usize;
-                    if is_down {
-                        sd[row * dr..(row + 1) * dr].copy_from_slice(src);
-                    } else {
-                        su[row * ur..(row + 1) * ur].copy_from_slice(src);
-                    }
+            self.read_extents(&extents, planned, &mut |(is_down, row), src| {
+                let row = row as usize;
+                if is_down {
+                    sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                } else {
+                    su[row * ur..(row + 1) * ur].copy_from_slice(src);
                 }
-                Ok(())
             })?;
             counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
             counters.ffn_needed_bytes += totals.needed_bytes;
