@@ -20,6 +20,7 @@ use crate::io::{open_reader, ReadEngine, Reader, ReaderOptions};
 use crate::io::{DirectIo, Range};
 use crate::stream::cache::{CachePolicy, LayerCache};
 use crate::stream::plan::{plan, CostModel};
+use crate::stream::Part;
 use trace::Trace;
 
 /// One reader configuration to measure.
@@ -120,26 +121,25 @@ pub struct BenchReport {
     pub passes: Vec<Pass>,
 }
 
-/// A layer's FFN in the file: the gate as one range, up rows and down columns by stride.
+/// A layer's FFN in the file.
 struct LayerGeometry {
-    gate: Range,
-    up: (u64, usize, usize),
-    down: (u64, usize, usize),
+    gate: Part,
+    up: Part,
+    down: Part,
 }
 
 fn geometry(g: &GstFile) -> Result<Vec<LayerGeometry>> {
     let c = &g.index.config;
-    let get = |name: String| -> Result<(u64, usize, usize)> {
+    let get = |name: String| -> Result<Part> {
         let w = g
             .weight(&name, c.ffn, c.hidden)?
             .ok_or_else(|| Error::Invalid(format!("{}: no tensor {name}", g.path.display())))?;
-        Ok((w.mapped_offset().expect("mapped"), w.row_bytes, w.row_stride_bytes))
+        Part::of(&w)
     };
     (0..c.n_layers)
         .map(|l| {
-            let gate = get(format!("blk.{l}.ffn_gate.weight"))?;
             Ok(LayerGeometry {
-                gate: Range::new(gate.0, gate.1 * c.ffn),
+                gate: get(format!("blk.{l}.ffn_gate.weight"))?,
                 up: get(format!("blk.{l}.ffn_up.weight"))?,
                 down: get(format!("blk.{l}.ffn_down_t.weight"))?,
             })
@@ -364,9 +364,10 @@ fn replay(
             let mut ranges = Vec::new();
             let mut dev = 0u64;
             if opts.gate_streamed {
-                chunks(g.gate, chunk, &mut ranges);
-                needed += g.gate.len_bytes as u64;
-                dev += g.gate.len_bytes as u64;
+                let gate = g.gate.range_of(ffn);
+                chunks(gate, chunk, &mut ranges);
+                needed += gate.len_bytes as u64;
+                dev += gate.len_bytes as u64;
             }
             let (up_set, down_set) = match trace {
                 None => (&all, &all),
@@ -375,17 +376,14 @@ fn replay(
             match trace {
                 None => {
                     // Whole sections: up and down rows are contiguous runs of the file.
-                    let mut spans = vec![
-                        (g.up.0, (ffn - 1) * g.up.2 + g.up.1),
-                        (g.down.0, (ffn - 1) * g.down.2 + g.down.1),
-                    ];
-                    spans.sort_unstable();
+                    let mut spans = vec![g.up.range_of(ffn), g.down.range_of(ffn)];
+                    spans.sort_unstable_by_key(|r| (r.offset_bytes, r.len_bytes));
                     spans.dedup();
-                    for (o, len) in spans {
-                        chunks(Range::new(o, len), chunk, &mut ranges);
-                        dev += len as u64;
+                    for r in spans {
+                        chunks(r, chunk, &mut ranges);
+                        dev += r.len_bytes as u64;
                     }
-                    needed += (ffn * (g.up.1 + g.down.1)) as u64;
+                    needed += (ffn * (g.up.row_bytes() + g.down.row_bytes())) as u64;
                 }
                 Some(_) => {
                     let step = t as u64 + 1;
@@ -402,10 +400,10 @@ fn replay(
                         }
                         misses.push(n);
                         if up_set.binary_search(&n).is_ok() {
-                            spans.push((g.up.0 + n as u64 * g.up.2 as u64, g.up.1));
+                            spans.push(g.up.extent(n));
                         }
                         if down_set.binary_search(&n).is_ok() {
-                            spans.push((g.down.0 + n as u64 * g.down.2 as u64, g.down.1));
+                            spans.push(g.down.extent(n));
                         }
                     }
                     spans.sort_unstable();

@@ -341,6 +341,15 @@ impl<'a> Masker<'a> {
         }
     }
 
+    /// For top-K `Candidates`: marks the `CANDIDATE_FACTOR ×` keep-count neurons with the largest
+    /// |gate| in `cand`; returns how many.
+    fn gate_candidates(&self, layer: usize, gate: &[f32], cand: &mut [bool]) -> usize {
+        let c = ((self.keep_count(layer) as f32 * CANDIDATE_FACTOR).round() as usize).min(self.ffn);
+        let g: Vec<f32> = gate.iter().map(|g| g.abs()).collect();
+        top_k_mask(&g, c, cand);
+        c
+    }
+
     /// Which neurons one token keeps (not `Union`).
     fn token_mask(
         &self,
@@ -372,10 +381,8 @@ impl<'a> Masker<'a> {
                 keep.iter_mut().zip(scratch.iter()).for_each(|(kp, s)| *kp = *s >= t);
             }
             (_, Criterion::Candidates) => {
-                let c = ((k as f32 * CANDIDATE_FACTOR).round() as usize).min(self.ffn);
-                let g: Vec<f32> = gate.iter().map(|g| g.abs()).collect();
                 let mut cand = vec![false; self.ffn];
-                top_k_mask(&g, c, &mut cand);
+                let c = self.gate_candidates(layer, gate, &mut cand);
                 // Among candidates only: non-candidates score below everything.
                 scratch.iter_mut().zip(&cand).for_each(|(s, c)| {
                     if !c {
@@ -430,9 +437,7 @@ impl FfnMask for Masker<'_> {
                     keep.iter_mut().zip(g).for_each(|(k, g)| *k = g.abs() >= tg);
                 }
                 (_, Criterion::Candidates) => {
-                    let c = ((self.keep_count(layer) as f32 * CANDIDATE_FACTOR).round() as usize).min(f);
-                    let a: Vec<f32> = g.iter().map(|g| g.abs()).collect();
-                    top_k_mask(&a, c, &mut keep);
+                    self.gate_candidates(layer, g, &mut keep);
                 }
                 // Gate and sketch scores do not read up: the kept set is decided here.
                 _ => {

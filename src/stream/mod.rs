@@ -54,9 +54,9 @@ pub struct StreamOptions {
     pub probe_cost: bool,
 }
 
-/// A matrix's place in the file.
+/// A matrix's place in the file (`bench` replays reads with it too).
 #[derive(Clone, Debug)]
-struct Part {
+pub(crate) struct Part {
     name: String,
     ty: GgmlType,
     rows: usize,
@@ -67,7 +67,7 @@ struct Part {
 }
 
 impl Part {
-    fn of(w: &Weight) -> Result<Part> {
+    pub(crate) fn of(w: &Weight) -> Result<Part> {
         let offset_bytes = w
             .mapped_offset()
             .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
@@ -82,16 +82,33 @@ impl Part {
         })
     }
 
-    fn extent(&self, row: u32) -> (u64, usize) {
+    /// Row `row`'s `(offset, len)` in the file.
+    pub(crate) fn extent(&self, row: u32) -> (u64, usize) {
         (
             self.offset_bytes + row as u64 * self.stride_bytes as u64,
             self.row_bytes,
         )
     }
 
+    /// Rows `0..rows` as one range: the whole matrix when contiguous, the span from its first
+    /// to its last row's end when strided (bundled).
+    pub(crate) fn range_of(&self, rows: usize) -> Range {
+        let len = if rows == 0 {
+            0
+        } else {
+            (rows - 1) * self.stride_bytes + self.row_bytes
+        };
+        Range::new(self.offset_bytes, len)
+    }
+
     /// The whole matrix as one range (contiguous parts only).
     fn range(&self) -> Range {
-        Range::new(self.offset_bytes, self.rows * self.row_bytes)
+        self.range_of(self.rows)
+    }
+
+    /// Bytes of the rows themselves.
+    pub(crate) fn row_bytes(&self) -> usize {
+        self.row_bytes
     }
 }
 
@@ -124,6 +141,18 @@ impl LayerParts {
     fn streams_dense(&self) -> bool {
         self.attn.is_some() || self.gate.is_some() || !self.ffn_ranges.is_empty()
     }
+    /// The up rows and down columns of neurons `first..` (those a pinned cache of `first`
+    /// neurons lacks), sorted by offset.
+    fn ffn_extents_from(&self, first: usize) -> Vec<(u64, usize)> {
+        let mut spans = Vec::with_capacity(2 * self.up.rows.saturating_sub(first));
+        for n in first as u32..self.up.rows as u32 {
+            spans.push(self.up.extent(n));
+            spans.push(self.down.extent(n));
+        }
+        spans.sort_unstable_by_key(|s| s.0);
+        spans
+    }
+
     /// Where the prefetched FFN rows start in the layer's dense buffer.
     fn ffn_ranges_at(&self) -> usize {
         self.attn
@@ -213,6 +242,15 @@ pub struct Streamer {
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]).
     decode_start: Mutex<Option<(Counters, ReadStats)>>,
+}
+
+/// The buffer for writing; a new one if a view of the old one is still alive (the weights built
+/// on it are dropped after each layer, so this does not happen in steady state).
+fn unique(buf: &mut Arc<Vec<u8>>) -> &mut Vec<u8> {
+    if Arc::get_mut(buf).is_none() {
+        *buf = Arc::new(vec![0u8; buf.len()]);
+    }
+    Arc::get_mut(buf).expect("just made unique")
 }
 
 /// Writes each page once, so first-touch faults happen at setup, not while timing tokens.
@@ -364,8 +402,8 @@ impl Streamer {
             let mut c = LayerCache::new(opts.cache, cfg.ffn, slots, parts.up.row_bytes, parts.down.row_bytes);
             if slots > 0 {
                 let read_rows = |p: &Part| -> Result<Vec<u8>> {
-                    let span = (slots - 1) * p.stride_bytes + p.row_bytes;
-                    fg.read_vec(p.offset_bytes, span)
+                    let r = p.range_of(slots);
+                    fg.read_vec(r.offset_bytes, r.len_bytes)
                 };
                 let (up, down) = (read_rows(&parts.up)?, read_rows(&parts.down)?);
                 for n in 0..slots {
@@ -382,12 +420,7 @@ impl Streamer {
         }
         if opts.prefetch_ffn {
             for (l, p) in layers.iter_mut().enumerate() {
-                let mut spans = Vec::new();
-                for n in residency.cache_neurons[l] as u32..cfg.ffn as u32 {
-                    spans.push(p.up.extent(n));
-                    spans.push(p.down.extent(n));
-                }
-                spans.sort_unstable_by_key(|s| s.0);
+                let spans = p.ffn_extents_from(residency.cache_neurons[l]);
                 // Only touching rows merge: the ranges hold exactly the rows.
                 let exact = CostModel {
                     request_us: 0.0,
@@ -573,14 +606,7 @@ impl Streamer {
             ..
         } = st;
         let cache = &mut caches[l];
-        if Arc::get_mut(staging_up).is_none() {
-            *staging_up = Arc::new(vec![0u8; staging_up.len()]);
-        }
-        if Arc::get_mut(staging_down).is_none() {
-            *staging_down = Arc::new(vec![0u8; staging_down.len()]);
-        }
-        let su = Arc::get_mut(staging_up).expect("unique");
-        let sd = Arc::get_mut(staging_down).expect("unique");
+        let (su, sd) = (unique(staging_up), unique(staging_down));
 
         // Up: hits from their slots, misses read (with their down columns too in one pass).
         let (mut hits, mut misses) = (Vec::new(), Vec::new());
@@ -766,14 +792,7 @@ impl Streamer {
             _ => &[],
         };
         let cache = &mut caches[l];
-        if Arc::get_mut(staging_up).is_none() {
-            *staging_up = Arc::new(vec![0u8; staging_up.len()]);
-        }
-        if Arc::get_mut(staging_down).is_none() {
-            *staging_down = Arc::new(vec![0u8; staging_down.len()]);
-        }
-        let su = Arc::get_mut(staging_up).expect("unique");
-        let sd = Arc::get_mut(staging_down).expect("unique");
+        let (su, sd) = (unique(staging_up), unique(staging_down));
         // (offset, len, (is_down, staging row))
         let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::new();
         let mut misses_down = Vec::new();
@@ -855,10 +874,7 @@ fn dense_plan_bytes(layers: &[LayerParts], residency: &Residency, cost: &CostMod
             .iter()
             .map(|r| (r.offset_bytes, r.len_bytes))
             .collect();
-        for n in residency.cache_neurons[l] as u32..p.up.rows as u32 {
-            spans.push(p.up.extent(n));
-            spans.push(p.down.extent(n));
-        }
+        spans.extend(p.ffn_extents_from(residency.cache_neurons[l]));
         spans.sort_unstable_by_key(|s| s.0);
         total += plan(&spans, cost, &mut out).device_bytes;
     }
