@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crate::backend::ops::log_sum_exp;
 use crate::error::{Error, Result};
-use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
+use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, KvCache, Logits};
 use crate::model::sampler::argmax;
 use crate::model::Model;
 use crate::perplexity::window_tokens;
@@ -17,6 +17,7 @@ use crate::quant::GgmlType;
 use crate::sparsity::budget::Sensitivity;
 use crate::sparsity::calibration::ScorePools;
 use crate::sparsity::{Criterion, Masker, Strategy, UpSketches};
+use rayon::prelude::*;
 
 #[derive(Clone, Debug)]
 pub struct EvalOptions {
@@ -40,8 +41,9 @@ pub struct EvalRow {
     pub strategy: Option<Strategy>,
     pub criterion: Option<Criterion>,
     pub sparsity: f32,
-    /// Per-layer budget (top-K levels allocated by sensitivity) rather than uniform.
-    pub per_layer: bool,
+    /// A per-layer budget (top-K levels allocated by sensitivity, one per layer) rather than
+    /// the uniform `sparsity`.
+    pub per_layer: Option<Vec<f32>>,
     pub perplexity: f64,
     pub ppl_increase_pct: f64,
     pub top1_agreement: f64,
@@ -136,6 +138,18 @@ struct Accum {
     count: u64,
 }
 
+/// Lets every union mask vote on a dense batch (its context) without changing it.
+struct Voters<'a>(Vec<&'a Masker<'a>>);
+
+impl FfnMask for Voters<'_> {
+    fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
+        let hact: &[f32] = hact;
+        self.0.par_iter().for_each(|m| {
+            m.union_vote(layer, xn, gate, hact);
+        });
+    }
+}
+
 /// Log-softmax of a logits row, in f64.
 fn log_probs(row: &[f32]) -> Vec<f64> {
     let lse = log_sum_exp(row);
@@ -228,27 +242,48 @@ pub fn eval(
     let mut dense_acc = Accum::default();
     let mut accs: Vec<Accum> = maskers.iter().map(|_| Accum::default()).collect();
     let mut cache = KvCache::new(&model.config, opts.ctx);
+    // Union masks run the window's first half dense and vote on it: that half is the dense pass's
+    // own first half, so it runs once, with every union mask voting, and each union mask then
+    // runs only the second half from the dense keys and values.
+    let voters = Voters(maskers.iter().filter(|m| m.strategy == Strategy::Union).collect());
+    let voting = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: None,
+        mask: Some(&voters),
+        stream: None,
+    };
     for w in 0..windows {
         let batch = window_tokens(model, &tokens, w, opts.ctx);
         let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
         cache.clear();
-        let dense = model.forward(&batch, &mut cache, Logits::From(half))?;
+        model.forward_with(&batch[..half], &mut cache, Logits::Last, &voting)?;
+        let dense = model.forward(&batch[half..], &mut cache, Logits::From(0))?;
         let dense_lp: Vec<Vec<f64>> = dense.chunks(vocab).map(log_probs).collect();
         let dense_top: Vec<u32> = dense.chunks(vocab).map(argmax).collect();
         for (i, lp) in dense_lp.iter().enumerate().take(opts.ctx - 1 - half) {
             dense_acc.nll -= lp[target(half + i)];
             dense_acc.count += 1;
         }
-        for (m, acc) in maskers.iter().zip(accs.iter_mut()) {
-            m.set_union_context(half);
-            cache.clear();
+        // Union masks first: they start from the dense first half still in the cache.
+        let mut order: Vec<usize> = (0..maskers.len()).collect();
+        order.sort_by_key(|&i| maskers[i].strategy != Strategy::Union);
+        for i in order {
+            let (m, acc) = (&maskers[i], &mut accs[i]);
             let hooks = FfnHooks {
                 select: &|_, _| FfnNeurons::All,
                 observe: None,
                 mask: Some(m),
                 stream: None,
             };
-            let sparse = model.forward_with(&batch, &mut cache, Logits::From(half), &hooks)?;
+            let sparse = if m.strategy == Strategy::Union {
+                // The context (first half) has voted in the dense pass; its keys stay.
+                m.set_union_context(0);
+                cache.truncate(half);
+                model.forward_with(&batch[half..], &mut cache, Logits::From(0), &hooks)?
+            } else {
+                cache.clear();
+                model.forward_with(&batch, &mut cache, Logits::From(half), &hooks)?
+            };
             for (i, row) in sparse.chunks(vocab).enumerate().take(opts.ctx - 1 - half) {
                 let lp = log_probs(row);
                 acc.nll -= lp[target(half + i)];
@@ -265,7 +300,7 @@ pub fn eval(
         strategy: None,
         criterion: None,
         sparsity: 0.0,
-        per_layer: false,
+        per_layer: None,
         perplexity: dense_ppl,
         ppl_increase_pct: 0.0,
         top1_agreement: 1.0,
@@ -283,7 +318,7 @@ pub fn eval(
             strategy: Some(m.strategy),
             criterion: Some(m.criterion),
             sparsity: m.sparsity,
-            per_layer: m.per_layer.is_some(),
+            per_layer: m.per_layer.clone(),
             perplexity: ppl,
             ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
             top1_agreement: acc.agree as f64 / acc.count as f64,
@@ -335,7 +370,7 @@ pub fn table(r: &EvalReport) -> String {
             "{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}",
             name(
                 row.strategy
-                    .map(|s| format!("{s:?}").to_lowercase() + if row.per_layer { "/layer" } else { "" })
+                    .map(|s| format!("{s:?}").to_lowercase() + if row.per_layer.is_some() { "/layer" } else { "" })
             ),
             name(row.criterion.map(|c| format!("{c:?}").to_lowercase())),
             row.sparsity,
@@ -371,7 +406,7 @@ pub fn chart(r: &EvalReport) -> crate::plot::Chart<'static> {
         let name = format!(
             "{}{} {}",
             row.strategy.map_or("", |s| s.name()),
-            if row.per_layer { "/layer" } else { "" },
+            if row.per_layer.is_some() { "/layer" } else { "" },
             row.criterion.map_or("", |c| c.name())
         );
         let point = (row.ffn_bytes_rel_dense, row.ppl_increase_pct);

@@ -380,7 +380,10 @@ enum TypeArg {
 }
 
 /// The sparse configuration stored in a .gst file by `eval --store`, if any.
-fn recommended(model: &Model) -> anyhow::Result<Option<(Strategy, Criterion, f32)>> {
+/// (strategy, criterion, mean sparsity, per-layer levels if the recommendation has them).
+type StoredMask = (Strategy, Criterion, f32, Option<Vec<f32>>);
+
+fn recommended(model: &Model) -> anyhow::Result<Option<StoredMask>> {
     if !gatestream::gstfile::is_gst(&model.path) {
         return Ok(None);
     }
@@ -390,6 +393,7 @@ fn recommended(model: &Model) -> anyhow::Result<Option<(Strategy, Criterion, f32
             Strategy::from_name(&r.strategy)?,
             Criterion::from_name(&r.criterion)?,
             r.sparsity,
+            r.per_layer_sparsity.clone(),
         ))
     }))
 }
@@ -647,10 +651,11 @@ fn generate_one(
             } else {
                 None
             };
-            let (strategy, criterion, sparsity) = stored.unwrap_or((
+            let (strategy, criterion, sparsity, per_layer) = stored.unwrap_or((
                 ask.strategy.unwrap_or(Strategy::TopK),
                 ask.criterion.unwrap_or(Criterion::Exact),
                 ask.sparsity.unwrap_or(0.3),
+                None,
             ));
             sketches = if criterion == Criterion::Sketch {
                 if streamer.is_some() {
@@ -663,18 +668,23 @@ fn generate_one(
                 None
             };
             eprintln!(
-                "sparse FFN ({}): {} {} at {sparsity}",
+                "sparse FFN ({}): {} {} at {sparsity}{}",
                 if streamer.is_some() { "streamed" } else { "in RAM" },
                 strategy.name(),
-                criterion.name()
+                criterion.name(),
+                match &per_layer {
+                    Some(p) => format!(
+                        " (per-layer levels {}, stored by eval --store)",
+                        p.iter().map(|s| format!("{s:.1}")).collect::<Vec<_>>().join(",")
+                    ),
+                    None => String::new(),
+                }
             );
-            Some(Masker::for_model(
-                &model,
-                strategy,
-                criterion,
-                sparsity,
-                sketches.as_ref(),
-            )?)
+            let m = Masker::for_model(&model, strategy, criterion, sparsity, sketches.as_ref())?;
+            Some(match per_layer {
+                Some(p) => m.with_per_layer(p),
+                None => m,
+            })
         }
     };
     let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
@@ -707,6 +717,7 @@ fn generate_one(
     let sparsity = masker.as_ref().map(|m| {
         serde_json::json!({
             "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
+            "level_per_layer": m.per_layer,
             "achieved_per_layer": m.achieved_sparsity(),
             "computed_in": if streamer.is_some() { "stream" } else { "ram" }
         })
@@ -1145,9 +1156,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let (Some(strategy), Some(criterion)) = (f.strategy, f.criterion) else {
                     anyhow::bail!("no sparse configuration met the quality budget; nothing stored");
                 };
-                if f.per_layer {
-                    anyhow::bail!("the frontier is a per-layer budget, which a .gst file cannot store yet");
-                }
                 if !gatestream::gstfile::is_gst(&model.path) {
                     anyhow::bail!("--store needs a .gst model (gatestream reformat) to store the recommendation in");
                 }
@@ -1160,16 +1168,22 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     top1_agreement: f.top1_agreement as f32,
                     ffn_bytes_rel_dense: f.ffn_bytes_rel_dense as f32,
                     measured_on: format!("{name}: {} windows of {} tokens", report.windows, report.ctx),
+                    per_layer_sparsity: f.per_layer.clone(),
                 };
                 let path = model.path.clone();
                 drop(model);
                 gatestream::reformat::store_recommendation(&path, r, &mut |stage, d, n| bar.update(stage, d, n))?;
                 eprintln!(
-                    "stored in {}: {} {} at {}",
+                    "stored in {}: {} {} at {}{}",
                     path.display(),
                     strategy.name(),
                     criterion.name(),
-                    f.sparsity
+                    f.sparsity,
+                    if f.per_layer.is_some() {
+                        " (per-layer levels)"
+                    } else {
+                        ""
+                    }
                 );
             }
         }

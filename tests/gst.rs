@@ -438,3 +438,49 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
     assert_eq!(v["sparsity"]["level"].as_f64().unwrap() as f32, 0.3);
     assert_eq!(v["sparsity"]["criterion"], "exact");
 }
+
+#[test]
+fn a_stored_per_layer_budget_is_what_run_sparse_applies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = convert(&stories_dir(), tmp.path(), "s.gst", &ReformatOptions::default());
+    let levels = vec![0.1f32, 0.2, 0.3, 0.5, 0.4];
+    let r = gatestream::format::Recommendation {
+        strategy: "topk".into(),
+        criterion: "exact".into(),
+        sparsity: 0.3,
+        max_ppl_increase_pct: 2.0,
+        measured_ppl_increase_pct: 1.0,
+        top1_agreement: 0.9,
+        ffn_bytes_rel_dense: 0.8,
+        measured_on: "test".into(),
+        per_layer_sparsity: Some(levels.clone()),
+    };
+    gatestream::reformat::store_recommendation(&path, r.clone(), &mut |_, _, _| {}).unwrap();
+    let g = GstFile::open(&path).unwrap();
+    g.verify(&mut |_, _| {}).unwrap();
+    assert_eq!(g.index.recommended_sparse, Some(r));
+    assert_eq!(g.index.format_version, gatestream::format::FORMAT_VERSION);
+    drop(g);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        .args(["run", "--model"])
+        .arg(&path)
+        .args([
+            "--mode",
+            "sparse",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--prompt",
+            "Once upon a time",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got: Vec<f32> = serde_json::from_value(v["sparsity"]["level_per_layer"].clone()).unwrap();
+    assert_eq!(got, levels);
+    let achieved: Vec<f32> = serde_json::from_value(v["sparsity"]["achieved_per_layer"].clone()).unwrap();
+    for (a, s) in achieved.iter().zip(&levels) {
+        assert!((a - s).abs() < 0.01, "achieved {achieved:?} for levels {levels:?}");
+    }
+}

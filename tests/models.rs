@@ -177,3 +177,25 @@ fn smollm2_perplexity_matches_llama_cpp() {
     );
     assert_eq!(r.scored_tokens, 2 * 255);
 }
+
+/// `eval` runs a window's first half once and its second half from the cached keys and values;
+/// that must give exactly the logits of one pass over the whole window.
+#[test]
+fn a_window_split_in_halves_equals_one_pass() {
+    let smollm2 = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let model = Model::load(&smollm2, &LoadOptions::default()).unwrap();
+    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let ids = model.tokenizer.encode(&text[..20_000], true).unwrap();
+    let window = &ids[..256];
+    let mut c1 = KvCache::new(&model.config, 256);
+    let whole = model.forward(window, &mut c1, Logits::From(128)).unwrap();
+    let mut c2 = KvCache::new(&model.config, 256);
+    model.forward(&window[..128], &mut c2, Logits::Last).unwrap();
+    let second = model.forward(&window[128..], &mut c2, Logits::From(0)).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&whole) == bits(&second), "split pass differs from the whole pass");
+    // And again after forgetting the second half (what each union mask does).
+    c2.truncate(128);
+    let again = model.forward(&window[128..], &mut c2, Logits::From(0)).unwrap();
+    assert!(bits(&whole) == bits(&again), "a pass after truncate differs");
+}

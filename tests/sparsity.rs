@@ -192,7 +192,7 @@ fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
     let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
     assert_eq!(r.rows.len(), 3);
     let (uniform, layered) = (&r.rows[1], &r.rows[2]);
-    assert!(!uniform.per_layer && layered.per_layer);
+    assert!(uniform.per_layer.is_none() && layered.per_layer.is_some());
     assert!((layered.ffn_bytes_per_token - uniform.ffn_bytes_per_token).abs() / uniform.ffn_bytes_per_token < 0.02);
 }
 
@@ -233,4 +233,53 @@ fn union_learns_from_the_prompt_and_reuses_the_set_while_decoding() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("calibrate"), "{e}");
+}
+
+/// `eval` runs a union mask's context once (in the dense pass) and only its second half per
+/// mask; that must score exactly what a union mask running the whole window by itself scores,
+/// also beside top-K rows that use the same cache.
+#[test]
+fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
+    use gatestream::backend::ops::log_sum_exp;
+    let model = stories();
+    let (ctx, windows) = (128, 2);
+    let opts = EvalOptions {
+        ctx,
+        windows,
+        sparsities: vec![0.0, 0.5],
+        strategies: vec![Strategy::TopK, Strategy::Union],
+        criteria: vec![Criterion::Gate, Criterion::Exact],
+        calibrate_tokens: 512,
+        max_ppl_increase_pct: 2.0,
+        per_layer_tokens: 0,
+    };
+    let text = text();
+    let r = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
+    let ids = model.tokenizer.encode(&text, true).unwrap();
+    for c in [Criterion::Gate, Criterion::Exact] {
+        let (mut nll, mut n) = (0.0f64, 0usize);
+        for w in 0..windows {
+            let batch = gatestream::perplexity::window_tokens(&model, &ids, w, ctx);
+            let m = Masker::new(&model, Strategy::Union, c, 0.5, None, None);
+            m.set_union_context(ctx / 2);
+            let out = run(&model, &batch, Some(&m));
+            let v = model.config.vocab;
+            for j in ctx / 2..ctx - 1 {
+                let row = &out[j * v..(j + 1) * v];
+                nll -= row[ids[w * ctx + j + 1] as usize] as f64 - log_sum_exp(row);
+                n += 1;
+            }
+        }
+        let want = (nll / n as f64).exp();
+        let row = r
+            .rows
+            .iter()
+            .find(|x| x.strategy == Some(Strategy::Union) && x.criterion == Some(c))
+            .unwrap();
+        assert!(
+            (row.perplexity - want).abs() < 1e-9 * want,
+            "{c:?}: eval {} vs whole windows {want}",
+            row.perplexity
+        );
+    }
 }

@@ -50,6 +50,16 @@ pub fn parse_file_bytes(path: &Path, bytes: &[u8]) -> Result<(Header, Index)> {
         ));
     }
     let index = Index::parse(path, index_bytes, header.index_offset_bytes)?;
+    if index.format_version != header.format_version {
+        return Err(malformed(
+            path,
+            header.index_offset_bytes,
+            format!(
+                "index says gst format version {}, the header says {}; {REBUILD}",
+                index.format_version, header.format_version
+            ),
+        ));
+    }
     Ok((header, index))
 }
 
@@ -117,6 +127,9 @@ pub fn plan_layout(index: &mut Index, section_lens: &[u64], section_checksums: &
         section_offsets.push(offset);
         cursor = offset.checked_add(len).ok_or_else(overflow)?;
     }
+    // Whatever version the index came from (a rewrite copies an older one), it is written as this
+    // build's.
+    index.format_version = FORMAT_VERSION;
     let index_bytes = index.to_json_bytes();
     let index_len = index_bytes.len() as u64;
     let header = Header {

@@ -83,12 +83,13 @@ impl Header {
         // Version before checksum: a future version may lay the header out differently, and
         // "re-run reformat" is the useful message then, not "checksum mismatch".
         let format_version = u32_at(VERSION_AT);
-        if format_version != super::FORMAT_VERSION {
+        if !(super::FORMAT_VERSION_MIN..=super::FORMAT_VERSION).contains(&format_version) {
             return Err(malformed(
                 path,
                 VERSION_AT as u64,
                 format!(
-                    "gst format version {format_version}, this build reads {}; re-run gatestream reformat",
+                    "gst format version {format_version}, this build reads {} to {}; re-run gatestream reformat",
+                    super::FORMAT_VERSION_MIN,
                     super::FORMAT_VERSION
                 ),
             ));

@@ -6,8 +6,8 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::{
-    malformed, Index, Section, TensorView, ALIGN_BYTES, DIM_MAX, FORMAT_VERSION, HEADER_BYTES, INDEX_LEN_MAX_BYTES,
-    NAME_LEN_MAX_BYTES, REBUILD, SECTIONS_MAX, TENSORS_MAX, TEXT_LEN_MAX_BYTES,
+    malformed, Index, Section, TensorView, ALIGN_BYTES, DIM_MAX, FORMAT_VERSION, FORMAT_VERSION_MIN, HEADER_BYTES,
+    INDEX_LEN_MAX_BYTES, NAME_LEN_MAX_BYTES, REBUILD, SECTIONS_MAX, TENSORS_MAX, TEXT_LEN_MAX_BYTES,
 };
 use crate::error::Result;
 
@@ -67,9 +67,9 @@ impl Index {
     /// offending section when there is one, else at the index.
     pub(super) fn validate(&self, path: &Path, index_offset_bytes: u64) -> Result<()> {
         let at_index = |what: String| malformed(path, index_offset_bytes, format!("{what}; {REBUILD}"));
-        if self.format_version != FORMAT_VERSION {
+        if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&self.format_version) {
             return Err(at_index(format!(
-                "index says gst format version {}, this build reads {FORMAT_VERSION}",
+                "index says gst format version {}, this build reads {FORMAT_VERSION_MIN} to {FORMAT_VERSION}",
                 self.format_version
             )));
         }
@@ -177,7 +177,16 @@ impl Index {
                 .iter()
                 .all(|v| v.is_finite())
                 && r.measured_on.len() <= TEXT_LEN_MAX_BYTES;
-            if !(names_ok && numbers_ok) {
+            // Per-layer levels: one per layer, each a sparsity, averaging to `sparsity`, and
+            // only for top-K (the only strategy that takes a level per layer), from version 2.
+            let per_layer_ok = r.per_layer_sparsity.as_ref().is_none_or(|p| {
+                self.format_version >= 2
+                    && r.strategy == "topk"
+                    && p.len() == self.config.n_layers
+                    && p.iter().all(|s| (0.0..1.0).contains(s))
+                    && (p.iter().map(|&s| s as f64).sum::<f64>() / p.len() as f64 - r.sparsity as f64).abs() < 1e-3
+            });
+            if !(names_ok && numbers_ok && per_layer_ok) {
                 return Err(at_index(format!(
                     "recommended_sparse is not a valid configuration: {r:?}"
                 )));

@@ -36,7 +36,11 @@ pub use file::{parse_file_bytes, plan_layout, reseal_checksums_for_testing, veri
 pub use header::Header;
 
 pub const MAGIC: [u8; 8] = *b"GSTREAM\0";
-pub const FORMAT_VERSION: u32 = 1;
+/// The version this build writes. Version 2 added `recommended_sparse.per_layer_sparsity`.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest version this build reads (version 1 files are version 2 files without per-layer
+/// recommendations).
+pub const FORMAT_VERSION_MIN: u32 = 1;
 /// Every section starts at a multiple of this (O_DIRECT reads need block-aligned offsets).
 pub const ALIGN_BYTES: u64 = 4096;
 /// The header occupies the whole first page so the first section can start at `ALIGN_BYTES`.
@@ -163,6 +167,10 @@ pub struct Recommendation {
     pub ffn_bytes_rel_dense: f32,
     /// What it was measured on (text, windows).
     pub measured_on: String,
+    /// Top-K with a level per layer (allocated by measured sensitivity; their mean is
+    /// `sparsity`). Version 2 and later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_layer_sparsity: Option<Vec<f32>>,
 }
 
 /// A byte range of the file with its checksum.

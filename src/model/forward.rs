@@ -129,6 +129,11 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Forget every position from `len` on (the next batch is written there).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     pub fn bytes(&self) -> usize {
         2 * self.k.len() * self.capacity * self.kv_dim * 4
     }

@@ -350,6 +350,35 @@ impl<'a> Masker<'a> {
         c
     }
 
+    /// For `Union`: the context's tokens (`xn`, `gate`, `hact` of those tokens only) vote with
+    /// their own top-K; the most voted neurons become the layer's set, kept for later batches
+    /// and returned.
+    pub fn union_vote(&self, layer: usize, xn: &[f32], gate: &[f32], hact: &[f32]) -> Vec<bool> {
+        let (f, h) = (self.ffn, self.hidden);
+        let k = self.keep_count(layer);
+        let mut votes = vec![0u32; f];
+        let mut scratch = Vec::new();
+        let mut keep = vec![false; f];
+        for t in 0..hact.len() / f {
+            let (g, a) = (&gate[t * f..(t + 1) * f], &hact[t * f..(t + 1) * f]);
+            scores(
+                self.criterion,
+                self.sketches,
+                layer,
+                &xn[t * h..(t + 1) * h],
+                g,
+                a,
+                &mut scratch,
+            );
+            top_k_mask(&scratch, k, &mut keep);
+            votes.iter_mut().zip(&keep).for_each(|(v, &kp)| *v += kp as u32);
+        }
+        let votes_f: Vec<f32> = votes.iter().map(|&v| v as f32).collect();
+        top_k_mask(&votes_f, k, &mut keep);
+        self.union_sets.lock().expect("union sets lock")[layer] = Some(keep.clone());
+        keep
+    }
+
     /// Which neurons one token keeps (not `Union`).
     fn token_mask(
         &self,
@@ -463,36 +492,15 @@ impl FfnMask for Masker<'_> {
             _ => 0,
         };
         if self.strategy == Strategy::Union {
-            // The context's tokens vote with their own top-K; the winners serve the rest.
-            let k = self.keep_count(layer);
-            let mut votes = vec![0u32; f];
-            let mut scratch = Vec::new();
-            let mut keep = vec![false; f];
-            for t in 0..first {
-                let (g, a) = (&gate[t * f..(t + 1) * f], &hact[t * f..(t + 1) * f]);
-                scores(
-                    self.criterion,
-                    self.sketches,
-                    layer,
-                    &xn[t * h..(t + 1) * h],
-                    g,
-                    a,
-                    &mut scratch,
-                );
-                top_k_mask(&scratch, k, &mut keep);
-                votes.iter_mut().zip(&keep).for_each(|(v, &kp)| *v += kp as u32);
-            }
-            if first > 0 {
-                let votes_f: Vec<f32> = votes.iter().map(|&v| v as f32).collect();
-                top_k_mask(&votes_f, k, &mut keep);
-                self.union_sets.lock().expect("union sets lock")[layer] = Some(keep.clone());
+            let keep = if first > 0 {
+                self.union_vote(layer, &xn[..first * h], &gate[..first * f], &hact[..first * f])
             } else {
                 match &self.union_sets.lock().expect("union sets lock")[layer] {
-                    Some(set) => keep.copy_from_slice(set),
+                    Some(set) => set.clone(),
                     // No context has been seen: nothing to learn from, so run dense.
-                    None => keep.fill(true),
+                    None => vec![true; f],
                 }
-            }
+            };
             let kept_per_token = keep.iter().filter(|&&k| k).count() as u64;
             for row in hact[first * f..].chunks_mut(f) {
                 row.iter_mut().zip(&keep).for_each(|(a, &kp)| {

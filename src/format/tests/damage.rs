@@ -94,8 +94,9 @@ fn random_damage_never_panics() {
             Err(other) => panic!("iteration {iteration}: unexpected error kind {other:?}"),
         }
     }
-    // Some damage is harmless (a digit in a float), most is caught; both paths ran.
-    assert!(rejected > 3000, "rejected {rejected} of 4000");
+    // Some damage is harmless (a digit in a float, a header byte set to the value it had), at
+    // least three in four are caught; both paths ran.
+    assert!(rejected >= 3000, "rejected {rejected} of 4000");
     assert!(
         accepted > 0,
         "no damaged image was accepted: the resealing paths are not reaching the index"

@@ -70,8 +70,21 @@ fn rejects_unknown_index_field() {
 
 #[test]
 fn rejects_index_version_mismatch() {
-    let r = parse_changed(|ix| ix.format_version = 2);
-    assert_malformed(r, Some(index_offset()), &["index says gst format version 2"]);
+    let r = parse_changed(|ix| ix.format_version = 3);
+    assert_malformed(
+        r,
+        Some(index_offset()),
+        &["index says gst format version 3, this build reads 1 to 2"],
+    );
+    let r = parse_changed(|ix| ix.format_version = 0);
+    assert_malformed(r, Some(index_offset()), &["index says gst format version 0"]);
+    // Index and header must agree (the sample's header says 2).
+    let r = parse_changed(|ix| ix.format_version = 1);
+    assert_malformed(
+        r,
+        Some(index_offset()),
+        &["index says gst format version 1, the header says 2"],
+    );
 }
 
 #[test]
@@ -348,10 +361,58 @@ fn recommended_sparse_round_trips_and_rejects_bad_values() {
         top1_agreement: 0.94,
         ffn_bytes_rel_dense: 0.86,
         measured_on: "wiki.test.raw, 20 windows of 512".into(),
+        per_layer_sparsity: None,
     };
     let g = good.clone();
     let (_, ix) = parse_changed(move |ix| ix.recommended_sparse = Some(g)).unwrap();
     assert_eq!(ix.recommended_sparse, Some(good.clone()));
+    // Per-layer levels: one per layer, averaging to `sparsity`.
+    let (sample_ix, _, _) = sample();
+    let n = sample_ix.config.n_layers;
+    let mut levels = vec![0.3f32; n];
+    levels[0] = 0.1;
+    levels[n - 1] = 0.5;
+    let layered = Recommendation {
+        per_layer_sparsity: Some(levels.clone()),
+        ..good.clone()
+    };
+    let g = layered.clone();
+    let (_, ix) = parse_changed(move |ix| ix.recommended_sparse = Some(g)).unwrap();
+    assert_eq!(ix.recommended_sparse, Some(layered.clone()));
+    // A version 1 file reads, but cannot hold per-layer levels.
+    let as_version_1 = |r: Option<Recommendation>| {
+        let (mut index, planned, image) = sample();
+        index.format_version = 1;
+        index.recommended_sparse = r;
+        let data_end = planned.header.index_offset_bytes as usize;
+        parse_with_header_version(&image[..data_end], &index.to_json_bytes(), 1)
+    };
+    let (header, _) = as_version_1(Some(good.clone())).expect("a version 1 file reads");
+    assert_eq!(header.format_version, 1);
+    let r = as_version_1(Some(layered.clone()));
+    assert_malformed(
+        r,
+        Some(index_offset()),
+        &["recommended_sparse is not a valid configuration"],
+    );
+    // One level short; a mean (0.5) other than `sparsity` (0.3); a level of 1.
+    let mut level_one = levels.clone();
+    level_one[1] = 1.0;
+    for p in [levels[..n - 1].to_vec(), vec![0.5; n], level_one] {
+        let bad = Recommendation {
+            per_layer_sparsity: Some(p),
+            ..good.clone()
+        };
+        let r = parse_with_index_bytes_of(|ix| ix.recommended_sparse = Some(bad));
+        assert!(r.is_err());
+    }
+    let r = parse_with_index_bytes_of(|ix| {
+        ix.recommended_sparse = Some(Recommendation {
+            strategy: "threshold".into(),
+            ..layered
+        })
+    });
+    assert!(r.is_err(), "per-layer levels are for top-K only");
     for bad in [
         Recommendation {
             strategy: "random".into(),

@@ -228,8 +228,17 @@ pub(super) fn parse_with_index(index: &Index) -> Result<(Header, Index)> {
 }
 
 pub(super) fn parse_with_index_bytes(data: &[u8], index_bytes: &[u8]) -> Result<(Header, Index)> {
+    parse_with_header_version(data, index_bytes, FORMAT_VERSION)
+}
+
+/// As `parse_with_index_bytes`, with the header saying `format_version`.
+pub(super) fn parse_with_header_version(
+    data: &[u8],
+    index_bytes: &[u8],
+    format_version: u32,
+) -> Result<(Header, Index)> {
     let header = Header {
-        format_version: FORMAT_VERSION,
+        format_version,
         index_offset_bytes: data.len() as u64,
         index_len_bytes: index_bytes.len() as u64,
         index_xxh3: xxhash_rust::xxh3::xxh3_64(index_bytes),
