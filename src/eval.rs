@@ -14,7 +14,7 @@ use crate::model::sampler::argmax;
 use crate::model::Model;
 use crate::perplexity::window_tokens;
 use crate::quant::GgmlType;
-use crate::sparsity::budget::Sensitivity;
+use crate::sparsity::budget::{Allocation, Sensitivity};
 use crate::sparsity::calibration::ScorePools;
 use crate::sparsity::{Criterion, Masker, Strategy, UpSketches};
 use rayon::prelude::*;
@@ -44,6 +44,8 @@ pub struct EvalRow {
     /// A per-layer budget (top-K levels allocated by sensitivity, one per layer) rather than
     /// the uniform `sparsity`.
     pub per_layer: Option<Vec<f32>>,
+    /// How the per-layer levels were chosen (blend of greedy into uniform, calibration KL).
+    pub allocation: Option<Allocation>,
     pub perplexity: f64,
     pub ppl_increase_pct: f64,
     pub top1_agreement: f64,
@@ -222,6 +224,7 @@ pub fn eval(
             }
         }
     }
+    let mut allocations: Vec<Option<Allocation>> = maskers.iter().map(|_| None).collect();
     if opts.per_layer_tokens > 0 {
         if windows * opts.ctx + opts.per_layer_tokens > tokens.len() {
             return Err(Error::Invalid(
@@ -231,9 +234,11 @@ pub fn eval(
         for &c in &opts.criteria {
             let sens = Sensitivity::measure(model, text, opts.per_layer_tokens, c, sketches.as_ref(), &mut |_, _| {})?;
             for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
+                let a = sens.allocate_checked(model, s, sketches.as_ref())?;
                 let m =
-                    Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(sens.allocate(s));
+                    Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(a.levels.clone());
                 maskers.push(m);
+                allocations.push(Some(a));
             }
         }
     }
@@ -301,6 +306,7 @@ pub fn eval(
         criterion: None,
         sparsity: 0.0,
         per_layer: None,
+        allocation: None,
         perplexity: dense_ppl,
         ppl_increase_pct: 0.0,
         top1_agreement: 1.0,
@@ -310,7 +316,7 @@ pub fn eval(
         ffn_bytes_per_token: dense_bytes,
         ffn_bytes_rel_dense: 1.0,
     }];
-    for (m, acc) in maskers.iter().zip(&accs) {
+    for ((m, acc), allocation) in maskers.iter().zip(&accs).zip(allocations) {
         let ppl = (acc.nll / acc.count as f64).exp();
         let achieved = m.achieved_sparsity();
         let b = bytes.sparse(&m.up_rows_per_token(), &achieved);
@@ -319,6 +325,7 @@ pub fn eval(
             criterion: Some(m.criterion),
             sparsity: m.sparsity,
             per_layer: m.per_layer.clone(),
+            allocation,
             perplexity: ppl,
             ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
             top1_agreement: acc.agree as f64 / acc.count as f64,

@@ -193,6 +193,13 @@ fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
     assert_eq!(r.rows.len(), 3);
     let (uniform, layered) = (&r.rows[1], &r.rows[2]);
     assert!(uniform.per_layer.is_none() && layered.per_layer.is_some());
+    // The kept blend is never worse than uniform on the calibration tokens.
+    let a = layered
+        .allocation
+        .as_ref()
+        .expect("a per-layer row says how it was chosen");
+    assert!(a.calibration_kl <= a.calibration_kl_uniform, "{a:?}");
+    assert_eq!(layered.per_layer.as_ref(), Some(&a.levels));
     assert!((layered.ffn_bytes_per_token - uniform.ffn_bytes_per_token).abs() / uniform.ffn_bytes_per_token < 0.02);
 }
 

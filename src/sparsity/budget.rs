@@ -4,6 +4,12 @@
 //! when only layer l is top-K sparse at s; a greedy allocation then raises, step by step, the
 //! layer whose next step costs the least KL per neuron saved, until the mean reaches the target.
 //! Every layer has the same FFN size, so equal mean sparsity means equal FFN bytes.
+//!
+//! Single-layer KL does not add up across layers (a layer's loss changes what the layers after
+//! it see), so the greedy allocation can lose to uniform. [`Sensitivity::allocate_checked`]
+//! therefore blends uniform and greedy levels (uniform + α·(greedy − uniform), α in
+//! [`BLENDS`]) and keeps the blend with the least KL with *all* layers sparse on the same
+//! calibration tokens: never worse than uniform there, and never measured on evaluation text.
 
 use super::{Criterion, Masker, Strategy, UpSketches};
 use crate::backend::ops::log_sum_exp;
@@ -18,11 +24,28 @@ pub const STEP: f32 = 0.1;
 /// No layer goes beyond this.
 pub const LEVEL_MAX: f32 = 0.9;
 
+/// Blends of greedy into uniform tried by [`Sensitivity::allocate_checked`] (0 = uniform).
+pub const BLENDS: [f32; 5] = [0.0, 0.25, 0.5, 0.75, 1.0];
+
 /// `[layer][MEASURED_LEVELS]` mean KL when only that layer is sparse.
 pub struct Sensitivity {
     pub kl: Vec<Vec<f64>>,
     pub tokens: usize,
     pub criterion: Criterion,
+    /// The calibration batch and the dense model's logits on it, for checking allocations.
+    batch: Vec<u32>,
+    dense: Vec<f32>,
+}
+
+/// A per-layer allocation and how it was chosen.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Allocation {
+    pub levels: Vec<f32>,
+    /// The blend of greedy into uniform that was kept.
+    pub blend: f32,
+    /// Mean KL on the calibration tokens with every layer sparse: uniform, and the kept blend.
+    pub calibration_kl_uniform: f64,
+    pub calibration_kl: f64,
 }
 
 fn kl_rows(dense: &[f32], sparse: &[f32], vocab: usize) -> f64 {
@@ -79,7 +102,58 @@ impl Sensitivity {
             }
             progress(l + 1, n_layers);
         }
-        Ok(Sensitivity { kl, tokens, criterion })
+        Ok(Sensitivity {
+            kl,
+            tokens,
+            criterion,
+            batch,
+            dense,
+        })
+    }
+
+    /// Mean KL from dense on the calibration tokens with every layer top-K sparse at `levels`.
+    fn kl_with(&self, model: &Model, levels: &[f32], sketches: Option<&UpSketches>) -> Result<f64> {
+        let mean = levels.iter().sum::<f32>() / levels.len().max(1) as f32;
+        let m =
+            Masker::new(model, Strategy::TopK, self.criterion, mean, sketches, None).with_per_layer(levels.to_vec());
+        let mut cache = KvCache::new(&model.config, self.batch.len());
+        let hooks = FfnHooks {
+            select: &|_, _| FfnNeurons::All,
+            observe: None,
+            mask: Some(&m),
+            stream: None,
+        };
+        let sparse = model.forward_with(&self.batch, &mut cache, Logits::From(0), &hooks)?;
+        Ok(kl_rows(&self.dense, &sparse, model.config.vocab))
+    }
+
+    /// The greedy allocation at mean `target`, blended into uniform by whichever of [`BLENDS`]
+    /// loses least on the calibration tokens with all layers sparse (see the module doc).
+    pub fn allocate_checked(&self, model: &Model, target: f32, sketches: Option<&UpSketches>) -> Result<Allocation> {
+        let greedy = self.allocate(target);
+        let n = greedy.len() as f32;
+        let mean = greedy.iter().sum::<f32>() / n;
+        let mut best: Option<Allocation> = None;
+        let mut kl_uniform = 0.0;
+        for &a in &BLENDS {
+            // Blend around the greedy mean so every blend has the same mean (the same bytes).
+            let levels: Vec<f32> = greedy.iter().map(|&g| mean + a * (g - mean)).collect();
+            let kl = self.kl_with(model, &levels, sketches)?;
+            if a == 0.0 {
+                kl_uniform = kl;
+            }
+            if best.as_ref().is_none_or(|b| kl < b.calibration_kl) {
+                best = Some(Allocation {
+                    levels,
+                    blend: a,
+                    calibration_kl_uniform: 0.0,
+                    calibration_kl: kl,
+                });
+            }
+        }
+        let mut best = best.expect("BLENDS is not empty");
+        best.calibration_kl_uniform = kl_uniform;
+        Ok(best)
     }
 
     /// KL of layer `l` at level `s`, linear between measured levels and from 0 at s = 0.
@@ -128,6 +202,8 @@ mod tests {
             kl: vec![vec![1.0, 2.0, 4.0, 8.0], vec![0.1, 0.2, 0.4, 0.8]],
             tokens: 0,
             criterion: Criterion::Exact,
+            batch: Vec::new(),
+            dense: Vec::new(),
         };
         let a = s.allocate(0.5);
         assert!((a.iter().sum::<f32>() / 2.0 - 0.5).abs() < 1e-5, "{a:?}");
