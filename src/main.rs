@@ -508,6 +508,13 @@ struct StreamArgs {
     /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
     #[arg(long)]
     record_trace: Option<PathBuf>,
+    /// Sparse streaming: while a layer computes, predict the next layer's neurons (its
+    /// resident gate applied to this layer's FFN input) and read them on a third reader, so
+    /// the next layer reads only what the prediction missed. Costs two more layers of FFN
+    /// rows in the budget and one more gate product per layer; reports hit rate and bytes
+    /// read in vain. Exact-criterion masks are predicted perfectly (they read every up row).
+    #[arg(long)]
+    lookahead: bool,
 }
 
 /// The sparse configuration asked for on the command line (unset parts come from the file's
@@ -558,6 +565,15 @@ impl Outcome {
                 mb(r.peak_rss_bytes as f64),
                 mb(r.ram_budget_bytes as f64)
             );
+            if let Some(a) = &r.lookahead {
+                eprintln!(
+                    "{label}lookahead: {:.1}% of the neurons read ahead were used; it read {:.1}% of the FFN bytes \
+                     the layers needed; {:.1} MB/token read in vain",
+                    a.hit_rate * 100.0,
+                    a.coverage * 100.0,
+                    mb(a.wasted_bytes_per_token)
+                );
+            }
         }
     }
 }
@@ -608,6 +624,7 @@ fn generate_one(
                     prefetch_ffn: sparse.is_none(),
                     merge_gap_bytes: stream.merge_gap_bytes,
                     probe_cost: stream.cost_model == CostArg::Probe,
+                    lookahead: stream.lookahead && sparse.is_some(),
                 },
             )?;
             for w in &s.warnings {

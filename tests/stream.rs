@@ -19,7 +19,7 @@ use gatestream::reformat::{reformat, ReformatOptions};
 use gatestream::sparsity::{Criterion, Masker, Strategy};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::residency::Priority;
-use gatestream::stream::{StreamOptions, Streamer};
+use gatestream::stream::{Readers, StreamOptions, Streamer};
 
 fn convert(input: &Path, dir: &Path, name: &str, layout: FfnLayout) -> PathBuf {
     let out = dir.join(name);
@@ -45,6 +45,7 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         prefetch_ffn: false,
         merge_gap_bytes: None,
         probe_cost: false,
+        lookahead: false,
     }
 }
 
@@ -175,6 +176,14 @@ fn sim(path: &Path, faults: SimFaults) -> Arc<dyn Reader> {
     Arc::new(SimReader::wrap(inner, faults))
 }
 
+fn readers(path: &Path, faults: SimFaults) -> Readers {
+    Readers {
+        fg: sim(path, faults.clone()),
+        bg: sim(path, faults),
+        ahead: None,
+    }
+}
+
 #[test]
 fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
     let tmp = tempfile::tempdir().unwrap();
@@ -188,7 +197,7 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
     };
     let mut m = load(&p);
     let opts = options(min, ReadEngine::Pread, CachePolicy::Pinned);
-    let s = Streamer::with_readers(&mut m, &opts, sim(&p, short.clone()), sim(&p, short), false, Vec::new()).unwrap();
+    let s = Streamer::with_readers(&mut m, &opts, readers(&p, short), false, Vec::new()).unwrap();
     let got = run(&m, Some(&s), None, "Once upon a time", 3);
     assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()));
     assert!(
@@ -203,7 +212,7 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
         ..SimFaults::default()
     };
     let mut m = load(&p);
-    let s = Streamer::with_readers(&mut m, &opts, sim(&p, eio.clone()), sim(&p, eio), false, Vec::new()).unwrap();
+    let s = Streamer::with_readers(&mut m, &opts, readers(&p, eio), false, Vec::new()).unwrap();
     let ids = m.tokenizer.encode("Once upon a time", true).unwrap();
     let mut cache = KvCache::new(&m.config, ids.len());
     let hooks = FfnHooks {
@@ -294,6 +303,36 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
             sparse.ffn_needed_bytes < dense.ffn_needed_bytes * 3 / 4,
             "{criterion:?}: sparse {sparse:?} vs dense {dense:?}"
         );
+
+        // Lookahead: the same results; the next layer's rows come from the lookahead's reads.
+        // The exact criterion reads every up row, so its prediction is perfect (only the read
+        // for the token after the last is never used); the gate's is a prediction.
+        let opts = StreamOptions {
+            lookahead: true,
+            ..options(min + file_bytes / 2, ReadEngine::Pread, CachePolicy::Pinned)
+        };
+        let mut m = load(&p);
+        let s = Streamer::open(&mut m, &opts).unwrap();
+        let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
+        let got = run(&m, Some(&s), Some(&mask), text, 6);
+        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff <= 1e-4 * scale, "lookahead {criterion:?}: {diff} (scale {scale})");
+        let c = s.counters();
+        let hit_rate = c.ahead_used_neurons as f64 / c.ahead_neurons as f64;
+        eprintln!(
+            "lookahead {criterion:?}: {hit_rate:.3} of {} neurons used; {c:?}",
+            c.ahead_neurons
+        );
+        assert!(
+            c.ahead_used_bytes > 0 && c.ahead_used_bytes <= c.ahead_served_bytes,
+            "{c:?}"
+        );
+        assert!(c.ahead_served_bytes <= c.ffn_needed_bytes, "{c:?}");
+        match criterion {
+            Criterion::Exact => assert!(hit_rate > 0.95, "{c:?}"),
+            _ => assert!(hit_rate > 0.5, "{c:?}"),
+        }
     }
 }
 

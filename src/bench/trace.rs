@@ -236,6 +236,10 @@ impl FfnMask for TraceRecorder<'_> {
         }
     }
 
+    fn up_needed_reads_input(&self) -> bool {
+        self.inner.is_some_and(|m| m.as_mask().up_needed_reads_input())
+    }
+
     fn decides_before_up(&self) -> bool {
         self.inner.is_none_or(|m| m.as_mask().decides_before_up())
     }

@@ -87,6 +87,12 @@ pub trait FfnMask: Sync {
         need.fill(true);
     }
 
+    /// Whether `up_needed` looks at `xn` and `gate` (false: it names the same neurons whatever
+    /// the input, so a prediction of them is exact).
+    fn up_needed_reads_input(&self) -> bool {
+        false
+    }
+
     /// True when `apply` keeps exactly the neurons `up_needed` named (minus those whose
     /// activation is zero), so their down columns can be read in the same batch as up.
     fn decides_before_up(&self) -> bool {

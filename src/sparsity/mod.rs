@@ -477,6 +477,11 @@ impl FfnMask for Masker<'_> {
         }
     }
 
+    fn up_needed_reads_input(&self) -> bool {
+        // Exact reads up for every neuron; a union set is fixed once the context has voted.
+        self.strategy != Strategy::Union && self.criterion != Criterion::Exact
+    }
+
     fn decides_before_up(&self) -> bool {
         match self.strategy {
             Strategy::Union => *self.union_context.lock().expect("union context lock") == 0,

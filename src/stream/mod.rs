@@ -52,6 +52,9 @@ pub struct StreamOptions {
     /// Measure the cost model on the file at start-up ([`plan::probe`]) instead of using this
     /// machine's defaults.
     pub probe_cost: bool,
+    /// Sparse decoding: while layer l computes, predict layer l+1's neurons and read them on a
+    /// third reader ([`Streamer`] docs, "Lookahead").
+    pub lookahead: bool,
 }
 
 /// A matrix's place in the file (`bench` replays reads with it too).
@@ -193,6 +196,15 @@ pub struct Counters {
     pub dense_needed_bytes: u64,
     /// Time the compute thread waited for reads, nanoseconds.
     pub io_wait_ns: u64,
+    /// Lookahead: neurons predicted and read ahead, and how many of them the layer then used
+    /// (their rows' bytes too). The rest were read in vain.
+    pub ahead_neurons: u64,
+    pub ahead_used_neurons: u64,
+    pub ahead_bytes: u64,
+    pub ahead_used_bytes: u64,
+    /// FFN bytes the layers took from lookahead reads: predicted rows and rows the reads
+    /// covered by reading through gaps (part of `ffn_needed_bytes`).
+    pub ahead_served_bytes: u64,
 }
 
 impl Counters {
@@ -206,7 +218,39 @@ impl Counters {
             ffn_reads: self.ffn_reads - o.ffn_reads,
             dense_needed_bytes: self.dense_needed_bytes - o.dense_needed_bytes,
             io_wait_ns: self.io_wait_ns - o.io_wait_ns,
+            ahead_neurons: self.ahead_neurons - o.ahead_neurons,
+            ahead_used_neurons: self.ahead_used_neurons - o.ahead_used_neurons,
+            ahead_bytes: self.ahead_bytes - o.ahead_bytes,
+            ahead_used_bytes: self.ahead_used_bytes - o.ahead_used_bytes,
+            ahead_served_bytes: self.ahead_served_bytes - o.ahead_served_bytes,
         }
+    }
+}
+
+/// A lookahead read: the rows predicted for `layer`, planned into `ranges` (sorted by offset),
+/// which the lookahead thread reads back to back into `buf`.
+struct Ahead {
+    layer: usize,
+    ranges: Vec<Range>,
+    /// Where each range starts in `buf`.
+    starts: Vec<usize>,
+    buf: Vec<u8>,
+    /// The neurons predicted (sorted), and the bytes read for each (up row, and down column
+    /// when the mask decides before up).
+    predicted: Vec<u32>,
+    neuron_bytes: u64,
+}
+
+impl Ahead {
+    /// The bytes of file extent `(o, len)`, if a read of this lookahead covers it.
+    fn get(&self, o: u64, len: usize) -> Option<&[u8]> {
+        let i = self.ranges.partition_point(|r| r.offset_bytes <= o).checked_sub(1)?;
+        let r = self.ranges[i];
+        if o + len as u64 > r.offset_bytes + r.len_bytes as u64 {
+            return None;
+        }
+        let at = self.starts[i] + (o - r.offset_bytes) as usize;
+        self.buf.get(at..at + len)
     }
 }
 
@@ -221,9 +265,22 @@ struct State {
     spare: Vec<Vec<u8>>,
     plan: Vec<PlannedRead>,
     counters: Counters,
+    /// Lookahead reads submitted and not yet taken, oldest first (`buf` empty until done).
+    ahead: VecDeque<Ahead>,
+    ahead_spare: Vec<Vec<u8>>,
 }
 
 /// A `.gst` model's streaming state. Create with [`Streamer::open`], pass as `FfnHooks::stream`.
+///
+/// Lookahead ([`StreamOptions::lookahead`], sparse decoding only): at the start of layer l's
+/// FFN, the mask is asked which neurons layer l+1 will need, from layer l's FFN input carried
+/// over to l+1's norm (`xn ÷ norm_l × norm_{l+1}`: the residual stream changes little from one
+/// layer to the next) and l+1's resident gate. The rows of those the cache lacks are planned
+/// and read on a third reader while layer l reads and computes; layer l+1 takes what it needs
+/// from them and reads only what the prediction missed. Masks whose `up_needed` does not look
+/// at the input (the exact criterion reads up for every neuron; a union set is fixed) are
+/// predicted perfectly, also across the last layer into the next token's first. Layers whose
+/// gate streams get no lookahead.
 pub struct Streamer {
     pub residency: Residency,
     pub cost: CostModel,
@@ -236,12 +293,22 @@ pub struct Streamer {
     fg: Arc<dyn Reader>,
     bg: Arc<dyn Reader>,
     prefetcher: Prefetcher,
+    /// The lookahead thread and its reader.
+    lookahead: Option<(Prefetcher, Arc<dyn Reader>)>,
     layers: Vec<LayerParts>,
     embedding: Option<Part>,
     hidden: usize,
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]).
     decode_start: Mutex<Option<(Counters, ReadStats)>>,
+}
+
+/// The readers a streamer reads with: `fg` serves the FFN reads and setup, `bg` the prefetch
+/// thread, `ahead` the lookahead thread (when lookahead is on; `None` shares `bg`).
+pub struct Readers {
+    pub fg: Arc<dyn Reader>,
+    pub bg: Arc<dyn Reader>,
+    pub ahead: Option<Arc<dyn Reader>>,
 }
 
 /// The buffer for writing; a new one if a view of the old one is still alive (the weights built
@@ -273,19 +340,19 @@ impl Streamer {
         let (fg, direct_io, mut warnings) = open()?;
         let (bg, _, w2) = open()?;
         warnings.extend(w2.into_iter().filter(|w| !warnings.contains(w)).collect::<Vec<_>>());
-        Streamer::with_readers(model, opts, fg, bg, direct_io, warnings)
+        let ahead = if opts.lookahead { Some(open()?.0) } else { None };
+        Streamer::with_readers(model, opts, Readers { fg, bg, ahead }, direct_io, warnings)
     }
 
-    /// As `open`, with readers supplied (tests use simulated devices): `fg` serves the FFN
-    /// reads and setup, `bg` the prefetch thread.
+    /// As `open`, with readers supplied (tests use simulated devices).
     pub fn with_readers(
         model: &mut Model,
         opts: &StreamOptions,
-        fg: Arc<dyn Reader>,
-        bg: Arc<dyn Reader>,
+        readers: Readers,
         direct_io: bool,
         warnings: Vec<String>,
     ) -> Result<Streamer> {
+        let Readers { fg, bg, ahead } = readers;
         let cfg = model.config.clone();
         let not_gst = || {
             Error::Invalid(format!(
@@ -322,8 +389,10 @@ impl Streamer {
             gate_bytes: Vec::new(),
             neuron_bytes: Vec::new(),
             prefetch_ffn: opts.prefetch_ffn,
-            // Both readers' reusable buffers.
-            reader_bytes: 2 * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64,
+            // Every reader's reusable buffers.
+            reader_bytes: if opts.lookahead { 3 } else { 2 }
+                * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64,
+            lookahead: opts.lookahead,
         };
         for l in &w.layers {
             let FfnDown::Columns(down) = &l.ffn_down else {
@@ -344,6 +413,16 @@ impl Streamer {
             });
         }
         let residency = sizes.plan(opts.budget_bytes, opts.priority)?;
+        let mut warnings = warnings;
+        let streamed_gates = residency.gate_resident.iter().filter(|&&g| !g).count();
+        if opts.lookahead && streamed_gates > 0 {
+            warnings.push(format!(
+                "lookahead predicts from resident gates, and {streamed_gates} of {} layers' gates stream under this \
+                 budget: masks that look at the gate get no lookahead there (exact-criterion masks do not need it); \
+                 --residency gate-first or a larger --ram-budget keeps them",
+                cfg.n_layers
+            ));
+        }
         // Reads stay within the reader's reusable buffers, even widened by a block at each end
         // (a larger read would get a one-off buffer and pay first-touch page faults).
         let max_read_bytes = opts
@@ -441,6 +520,15 @@ impl Streamer {
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
+        let lookahead = match (opts.lookahead, ahead) {
+            (false, _) => None,
+            (true, r) => {
+                // Without a reader of its own it shares the prefetch thread's (tests).
+                let r = r.unwrap_or_else(|| bg.clone());
+                r.reset_stats();
+                Some((Prefetcher::start(r.clone(), max_read_bytes as usize)?, r))
+            }
+        };
         Ok(Streamer {
             residency,
             cost,
@@ -451,6 +539,7 @@ impl Streamer {
             fg,
             bg,
             prefetcher,
+            lookahead,
             layers,
             embedding,
             hidden: cfg.hidden,
@@ -463,6 +552,8 @@ impl Streamer {
                 spare: Vec::new(),
                 plan: Vec::new(),
                 counters: Counters::default(),
+                ahead: VecDeque::new(),
+                ahead_spare: Vec::new(),
             }),
             decode_start: Mutex::new(None),
         })
@@ -482,9 +573,14 @@ impl Streamer {
         self.state.lock().expect("stream state").counters
     }
 
-    /// Both readers' counters added together (what the device actually did).
+    /// Every reader's counters added together (what the device actually did).
     pub fn read_stats(&self) -> ReadStats {
-        self.fg.stats().combine(&self.bg.stats(), 1)
+        let s = self.fg.stats().combine(&self.bg.stats(), 1);
+        match &self.lookahead {
+            // A shared reader is counted once.
+            Some((_, r)) if !Arc::ptr_eq(r, &self.bg) => s.combine(&r.stats(), 1),
+            _ => s,
+        }
     }
 
     /// The next layer after `l` (cyclically: the next pass's first) whose dense parts stream.
@@ -560,6 +656,110 @@ impl Streamer {
         })
     }
 
+    /// Layer `l`'s lookahead read, waited for, if one was submitted; stale ones (for other
+    /// layers, left by a pass that ended early or a prompt's pass) are waited for and dropped.
+    fn take_ahead(&self, st: &mut State, l: usize) -> Result<Option<Ahead>> {
+        let Some((pf, _)) = &self.lookahead else {
+            return Ok(None);
+        };
+        while let Some(mut a) = st.ahead.pop_front() {
+            let t0 = Instant::now();
+            let done = pf.next()?;
+            st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+            done.result?;
+            if a.layer == l {
+                a.buf = done.buf;
+                return Ok(Some(a));
+            }
+            st.ahead_spare.push(done.buf);
+        }
+        Ok(None)
+    }
+
+    /// Predicts which neurons layer `l`'s successor needs (see the type's docs) and submits the
+    /// read of those the cache lacks to the lookahead thread.
+    fn submit_ahead(
+        &self,
+        model: &Model,
+        st: &mut State,
+        l: usize,
+        xn: &[f32],
+        mask: &dyn crate::model::forward::FfnMask,
+    ) -> Result<()> {
+        let Some((pf, _)) = &self.lookahead else {
+            return Ok(());
+        };
+        let (h, f, n_layers) = (model.config.hidden, model.config.ffn, model.config.n_layers);
+        let reads_input = mask.up_needed_reads_input();
+        let next = l + 1;
+        let next = match (next < n_layers, reads_input) {
+            (true, _) => next,
+            // Into the next token's first layer only when the input does not matter.
+            (false, false) => 0,
+            (false, true) => return Ok(()),
+        };
+        let mut need = vec![false; f];
+        if reads_input {
+            if self.layers[next].gate.is_some() {
+                return Ok(());
+            }
+            let (w_now, w_next) = (&model.weights.layers[l].ffn_norm, &model.weights.layers[next].ffn_norm);
+            let x: Vec<f32> = xn
+                .iter()
+                .zip(w_now.iter().zip(w_next))
+                .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
+                .collect();
+            let gate_w = &model.weights.layers[next].ffn_gate;
+            let mut prep = Vec::new();
+            prepare_all(&x, h, gate_w, &mut prep);
+            let mut gate = vec![0f32; f];
+            model.backend.matmul(gate_w, &prep, &mut gate);
+            gate.iter_mut().for_each(|g| *g = model.ffn_act(*g));
+            mask.up_needed(next, &x, &gate, &mut need);
+        } else {
+            mask.up_needed(next, &[], &[], &mut need);
+        }
+        let with_down = mask.decides_before_up();
+        let parts = &self.layers[next];
+        let cache = &st.caches[next];
+        let mut spans = Vec::new();
+        let predicted: Vec<u32> = (0..f as u32)
+            .filter(|&n| need[n as usize] && cache.slot(n).is_none())
+            .collect();
+        for &n in &predicted {
+            spans.push(parts.up.extent(n));
+            if with_down {
+                spans.push(parts.down.extent(n));
+            }
+        }
+        if spans.is_empty() {
+            return Ok(());
+        }
+        spans.sort_unstable_by_key(|s| s.0);
+        let mut planned = Vec::new();
+        let totals = plan(&spans, &self.cost, &mut planned);
+        let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+        let mut starts = Vec::with_capacity(ranges.len());
+        let mut at = 0;
+        for r in &ranges {
+            starts.push(at);
+            at += r.len_bytes;
+        }
+        let buf = st.ahead_spare.pop().unwrap_or_default();
+        pf.submit(next, ranges.clone(), buf)?;
+        st.counters.ahead_neurons += predicted.len() as u64;
+        st.counters.ahead_bytes += totals.needed_bytes;
+        st.ahead.push_back(Ahead {
+            layer: next,
+            ranges,
+            starts,
+            buf: Vec::new(),
+            neuron_bytes: totals.needed_bytes / predicted.len() as u64,
+            predicted,
+        });
+        Ok(())
+    }
+
     /// A view of part `p` of the current layer's dense buffer; `at` is its byte offset there.
     fn view(st: &State, p: &Part, at: usize) -> Result<Weight> {
         let (_, buf) = st.current.as_ref().expect("current layer");
@@ -590,6 +790,8 @@ impl Streamer {
         let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
         let (up_ty, down_ty) = (parts.up.ty, parts.down.ty);
         let step = st.counters.passes;
+        let ahead = self.take_ahead(st, l)?;
+        self.submit_ahead(model, st, l, xn, mask)?;
         let mut need = vec![false; f];
         mask.up_needed(l, xn, gate, &mut need);
         let one_pass = mask.decides_before_up();
@@ -603,12 +805,14 @@ impl Streamer {
             staging_down,
             plan: planned,
             counters,
+            ahead_spare,
             ..
         } = st;
         let cache = &mut caches[l];
         let (su, sd) = (unique(staging_up), unique(staging_down));
 
-        // Up: hits from their slots, misses read (with their down columns too in one pass).
+        // Up: hits from their slots, misses read (with their down columns too in one pass);
+        // misses the lookahead read are taken from its buffer as if their reads had landed.
         let (mut hits, mut misses) = (Vec::new(), Vec::new());
         for &n in &up_set {
             match cache.slot(n) {
@@ -623,13 +827,24 @@ impl Streamer {
         counters.cache_hits += hits.len() as u64;
         // (offset, len, (is_down, row in `misses`))
         let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::with_capacity(2 * misses.len());
+        let mut landed: Vec<(&[u8], (bool, u32))> = Vec::new();
         for (i, &n) in misses.iter().enumerate() {
-            let (o, len) = parts.up.extent(n);
-            extents.push((o, len, (false, i as u32)));
+            let mut want = |(o, len): (u64, usize), tag: (bool, u32)| match ahead.as_ref().and_then(|a| a.get(o, len)) {
+                Some(b) => landed.push((b, tag)),
+                None => extents.push((o, len, tag)),
+            };
+            want(parts.up.extent(n), (false, i as u32));
             if one_pass {
-                let (o, len) = parts.down.extent(n);
-                extents.push((o, len, (true, i as u32)));
+                want(parts.down.extent(n), (true, i as u32));
             }
+        }
+        if let Some(a) = &ahead {
+            let used = misses.iter().filter(|n| a.predicted.binary_search(n).is_ok()).count() as u64;
+            counters.ahead_used_neurons += used;
+            counters.ahead_used_bytes += used * a.neuron_bytes;
+            let served: u64 = landed.iter().map(|(b, _)| b.len() as u64).sum();
+            counters.ahead_served_bytes += served;
+            counters.ffn_needed_bytes += served;
         }
         let totals = self.plan_extents(&mut extents, planned);
         let mut miss_u = vec![0f32; misses.len()];
@@ -638,7 +853,7 @@ impl Streamer {
         let t0 = Instant::now();
         let (read, (hit_u, hits_s)) = rayon::join(
             || {
-                self.read_extents(&extents, planned_ro, &mut |(is_down, row), src| {
+                let mut land = |(is_down, row): (bool, u32), src: &[u8]| {
                     let row = row as usize;
                     if is_down {
                         sd[row * dr..(row + 1) * dr].copy_from_slice(src);
@@ -646,7 +861,11 @@ impl Streamer {
                         miss_u[row] = vec_dot(up_ty, src, &px);
                         su[row * ur..(row + 1) * ur].copy_from_slice(src);
                     }
-                })
+                };
+                for &(src, tag) in &landed {
+                    land(tag, src);
+                }
+                self.read_extents(&extents, planned_ro, &mut land)
             },
             || {
                 let t = Instant::now();
@@ -766,6 +985,10 @@ impl Streamer {
                 let j = misses.binary_search(&n).expect("a kept miss had its up row read");
                 cache.offer(n, &su[j * ur..(j + 1) * ur], &dcopy[i * dr..(i + 1) * dr], step);
             }
+        }
+        drop(landed);
+        if let Some(a) = ahead {
+            ahead_spare.push(a.buf);
         }
         Ok(acc.iter().map(|&v| v as f32).collect())
     }
@@ -1067,7 +1290,20 @@ pub struct StreamReport {
     /// Share of decode time the compute thread waited for reads.
     pub io_wait_fraction: f64,
     pub peak_rss_bytes: u64,
+    /// With lookahead: how well it predicted.
+    pub lookahead: Option<LookaheadReport>,
     pub counters: Counters,
+}
+
+/// Lookahead figures per decoded token (see [`Streamer`]).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct LookaheadReport {
+    /// Share of the neurons read ahead that the layer then used.
+    pub hit_rate: f64,
+    /// Share of the FFN bytes the layers needed from disk that lookahead had read.
+    pub coverage: f64,
+    /// Rows read ahead and not used (bytes of the rows; device bytes include merged gaps).
+    pub wasted_bytes_per_token: f64,
 }
 
 impl StreamReport {
@@ -1105,6 +1341,11 @@ impl StreamReport {
                 0.0
             },
             peak_rss_bytes: peak_rss_bytes(),
+            lookahead: s.lookahead.as_ref().map(|_| LookaheadReport {
+                hit_rate: c.ahead_used_neurons as f64 / c.ahead_neurons.max(1) as f64,
+                coverage: c.ahead_served_bytes as f64 / c.ffn_needed_bytes.max(1) as f64,
+                wasted_bytes_per_token: c.ahead_bytes.saturating_sub(c.ahead_used_bytes) as f64 / steps,
+            }),
             counters: c,
         }
     }

@@ -4,7 +4,8 @@
 //! Order of preference (each item is read in full every token when it is not resident, so
 //! keeping it saves exactly its size; a cached neuron saves its size only when it is used):
 //! 1. required: norms, the output matrix (every token multiplies all of it), the staging
-//!    buffers one layer's FFN needs, and the prefetch buffers when anything dense streams;
+//!    buffers one layer's FFN needs (and two more with lookahead), and the prefetch buffers
+//!    when anything dense streams;
 //! 2. attention matrices, layer by layer;
 //! 3. gate matrices, layer by layer, then a neuron cache (up row + down column per neuron) with
 //!    the rest, split evenly over layers — or, with [`Priority::CacheFirst`], the cache first
@@ -33,6 +34,9 @@ pub struct ModelSizes {
     pub prefetch_ffn: bool,
     /// The readers' own buffers.
     pub reader_bytes: u64,
+    /// Lookahead: two more buffers of one layer's FFN rows (the next layer's predicted rows in
+    /// flight, this layer's in use).
+    pub lookahead: bool,
 }
 
 /// What the budget goes to after attention.
@@ -74,14 +78,14 @@ impl Residency {
 }
 
 impl ModelSizes {
-    /// Staging for one layer's whole FFN (dense streaming reads every neuron of a layer at once).
-    /// (With the readers' buffers, which are always there.)
+    /// Staging for one layer's whole FFN (dense streaming reads every neuron of a layer at once),
+    /// twice more with lookahead. (With the readers' buffers, which are always there.)
     fn staging_bytes(&self) -> u64 {
-        self.reader_bytes
-            + (0..self.n_layers)
-                .map(|l| self.ffn as u64 * self.neuron_bytes[l])
-                .max()
-                .unwrap_or(0)
+        let layer = (0..self.n_layers)
+            .map(|l| self.ffn as u64 * self.neuron_bytes[l])
+            .max()
+            .unwrap_or(0);
+        self.reader_bytes + if self.lookahead { 3 * layer } else { layer }
     }
 
     /// Two layers' streamed attention + gate (+ FFN rows when prefetched): the one in use and
@@ -232,6 +236,7 @@ mod tests {
             neuron_bytes: vec![10; 4],
             prefetch_ffn: false,
             reader_bytes: 0,
+            lookahead: false,
         }
     }
 
@@ -243,6 +248,12 @@ mod tests {
         let e = s.plan(3599, Priority::GateFirst).unwrap_err().to_string();
         assert!(e.contains("3600"), "{e}");
         assert!(s.plan(3600, Priority::GateFirst).is_ok());
+        // Lookahead holds two more layers of FFN rows (in flight and in use).
+        let l = ModelSizes {
+            lookahead: true,
+            ..sizes()
+        };
+        assert_eq!(l.minimum_bytes(), 3600 + 2 * 1000);
     }
 
     #[test]
