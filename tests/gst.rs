@@ -419,9 +419,16 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
         (r.strategy.as_str(), r.criterion.as_str(), r.sparsity),
         ("topk", "exact", 0.3)
     );
-    let out = std::process::Command::new(bin)
+    let v = run_sparse_json(&path);
+    assert_eq!(v["sparsity"]["level"].as_f64().unwrap() as f32, 0.3);
+    assert_eq!(v["sparsity"]["criterion"], "exact");
+}
+
+/// `gatestream run --model PATH --mode sparse --json` (the file's recommendation) on a short prompt.
+fn run_sparse_json(path: &Path) -> serde_json::Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
         .args(["run", "--model"])
-        .arg(&path)
+        .arg(path)
         .args([
             "--mode",
             "sparse",
@@ -434,9 +441,7 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["sparsity"]["level"].as_f64().unwrap() as f32, 0.3);
-    assert_eq!(v["sparsity"]["criterion"], "exact");
+    serde_json::from_slice(&out.stdout).unwrap()
 }
 
 #[test]
@@ -461,22 +466,7 @@ fn a_stored_per_layer_budget_is_what_run_sparse_applies() {
     assert_eq!(g.index.recommended_sparse, Some(r));
     assert_eq!(g.index.format_version, gatestream::format::FORMAT_VERSION);
     drop(g);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
-        .args(["run", "--model"])
-        .arg(&path)
-        .args([
-            "--mode",
-            "sparse",
-            "--max-tokens",
-            "4",
-            "--json",
-            "--prompt",
-            "Once upon a time",
-        ])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = run_sparse_json(&path);
     let got: Vec<f32> = serde_json::from_value(v["sparsity"]["level_per_layer"].clone()).unwrap();
     assert_eq!(got, levels);
     let achieved: Vec<f32> = serde_json::from_value(v["sparsity"]["achieved_per_layer"].clone()).unwrap();

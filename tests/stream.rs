@@ -276,16 +276,19 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
         let want = run(&ram, None, Some(&mask), text, 6);
         // Decode steps compute from cache slots and read buffers directly: check them with no
         // cache (all misses) and with an LRU cache holding part of the model (hits and misses).
-        for (budget, policy) in [(min, CachePolicy::Pinned), (min + file_bytes / 2, CachePolicy::Lru)] {
+        // Same kept neurons; only the order of the f64 down sums can differ.
+        let streamed = |opts: &StreamOptions, what: &str| {
             let mut m = load(&p);
-            let s = Streamer::open(&mut m, &options(budget, ReadEngine::Pread, policy)).unwrap();
+            let s = Streamer::open(&mut m, opts).unwrap();
             let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
             let got = run(&m, Some(&s), Some(&mask), text, 6);
-            // Same kept neurons; only the order of the f64 down sums can differ.
             let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
             let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(diff <= 1e-4 * scale, "{criterion:?} {policy:?}: {diff} (scale {scale})");
-            let c = s.counters();
+            assert!(diff <= 1e-4 * scale, "{criterion:?} {what}: {diff} (scale {scale})");
+            s.counters()
+        };
+        for (budget, policy) in [(min, CachePolicy::Pinned), (min + file_bytes / 2, CachePolicy::Lru)] {
+            let c = streamed(&options(budget, ReadEngine::Pread, policy), &format!("{policy:?}"));
             if policy == CachePolicy::Lru {
                 assert!(c.cache_hits > 0 && c.cache_hits < c.cache_lookups, "{c:?}");
             }
@@ -311,14 +314,7 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
             lookahead: true,
             ..options(min + file_bytes / 2, ReadEngine::Pread, CachePolicy::Pinned)
         };
-        let mut m = load(&p);
-        let s = Streamer::open(&mut m, &opts).unwrap();
-        let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
-        let got = run(&m, Some(&s), Some(&mask), text, 6);
-        let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(diff <= 1e-4 * scale, "lookahead {criterion:?}: {diff} (scale {scale})");
-        let c = s.counters();
+        let c = streamed(&opts, "lookahead");
         let hit_rate = c.ahead_used_neurons as f64 / c.ahead_neurons as f64;
         eprintln!(
             "lookahead {criterion:?}: {hit_rate:.3} of {} neurons used; {c:?}",
