@@ -18,7 +18,7 @@ use gatestream::perplexity::{perplexity, PerplexityOptions};
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::residency::{parse_budget, Priority};
-use gatestream::stream::{StreamOptions, StreamReport, Streamer};
+use gatestream::stream::{CostSource, StreamOptions, StreamReport, Streamer};
 
 #[derive(Parser)]
 #[command(
@@ -330,10 +330,24 @@ enum IoArg {
     Mmap,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum CostArg {
-    Probe,
-    Default,
+/// `--cost-model`: probe, default, or a bench report's baseline.
+fn cost_source(arg: &str) -> anyhow::Result<CostSource> {
+    Ok(match arg {
+        "probe" => CostSource::Probe,
+        "default" => CostSource::Default,
+        file => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("--cost-model {file}: not probe, default or a readable bench report"))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("--cost-model {file}: not JSON"))?;
+            let c = gatestream::stream::plan::CostModel::from_bench_json(&v, 1, u64::MAX)
+                .with_context(|| format!("--cost-model {file} (write one with gatestream bench --json FILE)"))?;
+            CostSource::Given {
+                request_us: c.request_us,
+                bytes_per_us: c.bytes_per_us,
+            }
+        }
+    })
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -500,10 +514,11 @@ struct StreamArgs {
     merge_gap_bytes: Option<u64>,
     /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
     /// model file at start-up: 1024 random 4 KiB reads in batches of 256, twice, and 32 MiB
-    /// sequential; ~0.1 s) or default (13 µs per request at 1.5 GB/s: this machine's virtio
-    /// disk as DESIGN.md measured it).
-    #[arg(long, value_enum, default_value_t = CostArg::Probe)]
-    cost_model: CostArg,
+    /// sequential; ~0.1 s), default (13 µs per request at 1.5 GB/s: this machine's virtio
+    /// disk as DESIGN.md measured it), or a `gatestream bench --json` report (its device
+    /// baseline: sequential 1 MiB bandwidth and the time per 4 KiB random read at QD 64).
+    #[arg(long, default_value = "probe", value_name = "probe|default|BENCH.json")]
+    cost_model: String,
     /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
     /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
     #[arg(long)]
@@ -623,7 +638,7 @@ fn generate_one(
                     },
                     prefetch_ffn: sparse.is_none(),
                     merge_gap_bytes: stream.merge_gap_bytes,
-                    probe_cost: stream.cost_model == CostArg::Probe,
+                    cost: cost_source(&stream.cost_model)?,
                     lookahead: stream.lookahead && sparse.is_some(),
                 },
             )?;

@@ -19,7 +19,7 @@ use gatestream::reformat::{reformat, ReformatOptions};
 use gatestream::sparsity::{Criterion, Masker, Strategy};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::residency::Priority;
-use gatestream::stream::{Readers, StreamOptions, Streamer};
+use gatestream::stream::{CostSource, Readers, StreamOptions, Streamer};
 
 fn convert(input: &Path, dir: &Path, name: &str, layout: FfnLayout) -> PathBuf {
     let out = dir.join(name);
@@ -44,7 +44,7 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         priority: Priority::GateFirst,
         prefetch_ffn: false,
         merge_gap_bytes: None,
-        probe_cost: false,
+        cost: CostSource::Default,
         lookahead: false,
     }
 }
@@ -406,4 +406,38 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
             assert_eq!(dense["layer_ms"].as_array().unwrap().len(), 5);
         }
     }
+
+    // The bench report's device baseline as the read planner's cost model.
+    let out = std::process::Command::new(bin)
+        .args(["run", "--model"])
+        .arg(&p)
+        .args([
+            "--max-tokens",
+            "2",
+            "--mode",
+            "sparse",
+            "--ram-budget",
+            "100M",
+            "--cost-model",
+        ])
+        .arg(tmp.path().join("b0.json"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(tmp.path().join("b0.json")).unwrap()).unwrap();
+    let seq_mb_per_s = r["baseline"]["sequential_1mib_gb_per_s"].as_f64().unwrap() * 1e3;
+    assert!(err.contains(&format!("{seq_mb_per_s:.0} MB/s")), "{err}");
+    let out = std::process::Command::new(bin)
+        .args(["run", "--model"])
+        .arg(&p)
+        .args(["--ram-budget", "100M", "--cost-model"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--cost-model") && err.contains("bench"),
+        "{err}"
+    );
 }

@@ -49,12 +49,23 @@ pub struct StreamOptions {
     pub prefetch_ffn: bool,
     /// Overrides the cost model's merge gap (reads through shorter gaps); `None` = the model's.
     pub merge_gap_bytes: Option<u64>,
-    /// Measure the cost model on the file at start-up ([`plan::probe`]) instead of using this
-    /// machine's defaults.
-    pub probe_cost: bool,
+    /// Where the read planner's cost model comes from.
+    pub cost: CostSource,
     /// Sparse decoding: while layer l computes, predict layer l+1's neurons and read them on a
     /// third reader ([`Streamer`] docs, "Lookahead").
     pub lookahead: bool,
+}
+
+/// Where the read planner's cost model comes from.
+#[derive(Clone, Debug)]
+pub enum CostSource {
+    /// Measured on the file at start-up ([`plan::probe`]).
+    Probe,
+    /// This machine's defaults ([`CostModel::default_for`]).
+    Default,
+    /// Measured earlier: per-request time (µs) and bandwidth (bytes/µs), e.g. from a `bench`
+    /// report ([`CostModel::from_bench_json`]).
+    Given { request_us: f64, bytes_per_us: f64 },
 }
 
 /// A matrix's place in the file (`bench` replays reads with it too).
@@ -430,13 +441,21 @@ impl Streamer {
             .slot_bytes
             .saturating_sub(2 * crate::io::ALIGN_BYTES)
             .max(crate::io::ALIGN_BYTES) as u64;
-        let mut cost = if opts.probe_cost {
-            plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?
-        } else {
-            CostModel {
+        let mut cost = match opts.cost {
+            CostSource::Probe => plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?,
+            CostSource::Default => CostModel {
                 max_read_bytes,
                 ..CostModel::default_for(fg.align_bytes() as u64)
-            }
+            },
+            CostSource::Given {
+                request_us,
+                bytes_per_us,
+            } => CostModel {
+                request_us,
+                bytes_per_us,
+                align_bytes: fg.align_bytes().max(1) as u64,
+                max_read_bytes,
+            },
         };
         if let Some(gap) = opts.merge_gap_bytes {
             cost.request_us = gap as f64 / cost.bytes_per_us;

@@ -5,6 +5,7 @@
 //!
 //! Pure: knows offsets, lengths and costs only; never files, neurons' meaning or the reader.
 
+use crate::error::{Error, Result};
 use crate::io::Range;
 
 /// What a read costs on this device: a fixed time per request plus its bytes at the device's
@@ -57,7 +58,7 @@ pub fn probe(
     seq_bytes: u64,
     chunk_bytes: usize,
     max_read_bytes: u64,
-) -> crate::error::Result<CostModel> {
+) -> Result<CostModel> {
     let len = reader.len_bytes();
     let block = 4096u64;
     let blocks = (len / block).max(1);
@@ -91,12 +92,59 @@ pub fn probe(
     let seq_us = t1.elapsed().as_secs_f64() * 1e6;
     let bytes_per_us = (seq_bytes as f64 / seq_us.max(1.0)).max(1.0);
     let per_read_us = random_us / random_reads.max(1) as f64;
-    Ok(CostModel {
-        request_us: (per_read_us - block as f64 / bytes_per_us).max(0.1),
+    Ok(CostModel::from_rates(
         bytes_per_us,
-        align_bytes: reader.align_bytes().max(1) as u64,
+        per_read_us,
+        block,
+        reader.align_bytes() as u64,
         max_read_bytes,
-    })
+    ))
+}
+
+impl CostModel {
+    /// From a sequential bandwidth (bytes/µs) and the time per random read of `read_bytes`
+    /// (µs, at the queue depth it ran at): a request costs that time less its bytes' transfer.
+    pub fn from_rates(
+        bytes_per_us: f64,
+        per_read_us: f64,
+        read_bytes: u64,
+        align_bytes: u64,
+        max_read_bytes: u64,
+    ) -> CostModel {
+        let bytes_per_us = bytes_per_us.max(1.0);
+        CostModel {
+            request_us: (per_read_us - read_bytes as f64 / bytes_per_us).max(0.1),
+            bytes_per_us,
+            align_bytes: align_bytes.max(1),
+            max_read_bytes,
+        }
+    }
+
+    /// From a `gatestream bench --json` report's device baseline: its sequential 1 MiB
+    /// bandwidth and its smallest random reads (4 KiB at queue depth 64 as bench runs them).
+    pub fn from_bench_json(v: &serde_json::Value, align_bytes: u64, max_read_bytes: u64) -> Result<CostModel> {
+        let bad = |what: &str| Error::Invalid(format!("not a gatestream bench report: {what}"));
+        let b = v.get("baseline").ok_or_else(|| bad("no \"baseline\""))?;
+        let seq = b["sequential_1mib_gb_per_s"]
+            .as_f64()
+            .filter(|g| g.is_finite() && *g > 0.0)
+            .ok_or_else(|| bad("no baseline.sequential_1mib_gb_per_s"))?;
+        let (read_bytes, iops) = b["random"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| Some((r["read_bytes"].as_u64()?, r["iops"].as_f64()?)))
+            .filter(|&(n, iops)| n > 0 && iops.is_finite() && iops > 0.0)
+            .min_by_key(|&(n, _)| n)
+            .ok_or_else(|| bad("no baseline.random reads"))?;
+        Ok(CostModel::from_rates(
+            seq * 1e3,
+            1e6 / iops,
+            read_bytes,
+            align_bytes,
+            max_read_bytes,
+        ))
+    }
 }
 
 /// One planned read: `range` covers extents `first..first + count` of the input.
@@ -170,6 +218,23 @@ mod tests {
             bytes_per_us: 1.0,
             align_bytes: align,
             max_read_bytes: 1 << 20,
+        }
+    }
+
+    #[test]
+    fn a_bench_report_gives_the_cost_model_of_its_device_baseline() {
+        // 1.5 GB/s sequential; 4 KiB at 50k IOPS = 20 µs per read, of which 4096 B / 1500 B/µs
+        // is transfer.
+        let v = serde_json::json!({"baseline": {"sequential_1mib_gb_per_s": 1.5, "random": [
+            {"read_bytes": 65536, "queue_depth": 64, "iops": 10000.0, "gb_per_s": 0.65},
+            {"read_bytes": 4096, "queue_depth": 64, "iops": 50000.0, "gb_per_s": 0.2}]}});
+        let c = CostModel::from_bench_json(&v, 512, 1 << 20).unwrap();
+        assert!((c.bytes_per_us - 1500.0).abs() < 1e-9);
+        assert!((c.request_us - (20.0 - 4096.0 / 1500.0)).abs() < 1e-9, "{c:?}");
+        assert_eq!((c.align_bytes, c.max_read_bytes), (512, 1 << 20));
+        for bad in [serde_json::json!({}), serde_json::json!({"baseline": {"random": []}})] {
+            let e = CostModel::from_bench_json(&bad, 512, 1 << 20).unwrap_err().to_string();
+            assert!(e.contains("bench report"), "{e}");
         }
     }
 
