@@ -18,7 +18,7 @@ use gatestream::perplexity::{perplexity, PerplexityOptions};
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::residency::{parse_budget, Priority};
-use gatestream::stream::{CostSource, StreamOptions, StreamReport, Streamer};
+use gatestream::stream::{CostSource, Lookahead, StreamOptions, StreamReport, Streamer};
 
 #[derive(Parser)]
 #[command(
@@ -606,6 +606,23 @@ fn generate_one(
 ) -> anyhow::Result<Outcome> {
     gatestream::stream::reset_peak_rss();
     let mut model = load(args)?;
+    // The mask asked for, or the file's recommendation when nothing is asked.
+    let config = match sparse {
+        None => None,
+        Some(ask) => {
+            let stored = if ask.strategy.is_none() && ask.criterion.is_none() && ask.sparsity.is_none() {
+                recommended(&model)?
+            } else {
+                None
+            };
+            Some(stored.unwrap_or((
+                ask.strategy.unwrap_or(Strategy::TopK),
+                ask.criterion.unwrap_or(Criterion::Exact),
+                ask.sparsity.unwrap_or(0.3),
+                None,
+            )))
+        }
+    };
     let streamer = match &stream.ram_budget {
         None => None,
         Some(b) => {
@@ -639,7 +656,12 @@ fn generate_one(
                     prefetch_ffn: sparse.is_none(),
                     merge_gap_bytes: stream.merge_gap_bytes,
                     cost: cost_source(&stream.cost_model)?,
-                    lookahead: stream.lookahead && sparse.is_some(),
+                    lookahead: match &config {
+                        Some((strategy, criterion, ..)) if stream.lookahead => {
+                            Lookahead::for_mask(gatestream::sparsity::up_set_reads_input(*strategy, *criterion))
+                        }
+                        _ => Lookahead::Off,
+                    },
                 },
             )?;
             for w in &s.warnings {
@@ -675,20 +697,9 @@ fn generate_one(
         }
     };
     let sketches;
-    let masker = match sparse {
+    let masker = match config {
         None => None,
-        Some(ask) => {
-            let stored = if ask.strategy.is_none() && ask.criterion.is_none() && ask.sparsity.is_none() {
-                recommended(&model)?
-            } else {
-                None
-            };
-            let (strategy, criterion, sparsity, per_layer) = stored.unwrap_or((
-                ask.strategy.unwrap_or(Strategy::TopK),
-                ask.criterion.unwrap_or(Criterion::Exact),
-                ask.sparsity.unwrap_or(0.3),
-                None,
-            ));
+        Some((strategy, criterion, sparsity, per_layer)) => {
             sketches = if criterion == Criterion::Sketch {
                 if streamer.is_some() {
                     eprintln!(

@@ -16,10 +16,10 @@ use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads,
 use gatestream::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use gatestream::model::{LoadOptions, Model};
 use gatestream::reformat::{reformat, ReformatOptions};
-use gatestream::sparsity::{Criterion, Masker, Strategy};
+use gatestream::sparsity::{up_set_reads_input, Criterion, Masker, Strategy};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::residency::Priority;
-use gatestream::stream::{CostSource, Readers, StreamOptions, Streamer};
+use gatestream::stream::{CostSource, Lookahead, Readers, StreamOptions, Streamer};
 
 fn convert(input: &Path, dir: &Path, name: &str, layout: FfnLayout) -> PathBuf {
     let out = dir.join(name);
@@ -45,7 +45,7 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         prefetch_ffn: false,
         merge_gap_bytes: None,
         cost: CostSource::Default,
-        lookahead: false,
+        lookahead: Lookahead::Off,
     }
 }
 
@@ -311,7 +311,7 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
         // The exact criterion reads every up row, so its prediction is perfect (only the read
         // for the token after the last is never used); the gate's is a prediction.
         let opts = StreamOptions {
-            lookahead: true,
+            lookahead: Lookahead::for_mask(up_set_reads_input(Strategy::TopK, criterion)),
             ..options(min + file_bytes / 2, ReadEngine::Pread, CachePolicy::Pinned)
         };
         let c = streamed(&opts, "lookahead");
@@ -329,6 +329,35 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
             Criterion::Exact => assert!(hit_rate > 0.95, "{c:?}"),
             _ => assert!(hit_rate > 0.5, "{c:?}"),
         }
+
+        // With the cache first and no gate resident, a gate-predicted lookahead has nothing to
+        // predict with: it is turned off and its buffers go to the cache (the plan equals the
+        // one without lookahead); the exact criterion's keeps its buffers and works.
+        let cache_first = |lookahead| StreamOptions {
+            priority: Priority::CacheFirst,
+            lookahead,
+            ..options(min + file_bytes / 4, ReadEngine::Pread, CachePolicy::Lru)
+        };
+        let mut m = load(&p);
+        let off = Streamer::open(&mut m, &cache_first(Lookahead::Off)).unwrap();
+        assert!(off.residency.gate_resident.iter().all(|&g| !g), "{:?}", off.residency);
+        let asked = Lookahead::for_mask(up_set_reads_input(Strategy::TopK, criterion));
+        let mut m = load(&p);
+        let s = Streamer::open(&mut m, &cache_first(asked)).unwrap();
+        let turned_off = s.warnings.iter().any(|w| w.contains("lookahead is off"));
+        match criterion {
+            Criterion::Exact => {
+                assert!(!turned_off, "{:?}", s.warnings);
+                assert!(s.residency.cache_neurons[0] < off.residency.cache_neurons[0]);
+            }
+            _ => {
+                assert!(turned_off, "{:?}", s.warnings);
+                assert_eq!(s.residency.cache_neurons, off.residency.cache_neurons);
+            }
+        }
+        let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
+        run(&m, Some(&s), Some(&mask), text, 6);
+        assert_eq!(s.counters().ahead_neurons > 0, criterion == Criterion::Exact);
     }
 }
 

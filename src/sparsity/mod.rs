@@ -174,6 +174,13 @@ fn top_k_mask(values: &[f32], k: usize, keep: &mut [bool]) {
 
 /// A mask configuration with what it needs: per-layer thresholds, sketches, union state, and
 /// counters of what was kept.
+/// Whether the neurons whose up rows a mask needs depend on the layer's input: not for the
+/// exact criterion (up is read for every neuron) nor for a union set (fixed once the context has
+/// voted).
+pub fn up_set_reads_input(strategy: Strategy, criterion: Criterion) -> bool {
+    strategy != Strategy::Union && criterion != Criterion::Exact
+}
+
 pub struct Masker<'a> {
     pub strategy: Strategy,
     pub criterion: Criterion,
@@ -478,8 +485,7 @@ impl FfnMask for Masker<'_> {
     }
 
     fn up_needed_reads_input(&self) -> bool {
-        // Exact reads up for every neuron; a union set is fixed once the context has voted.
-        self.strategy != Strategy::Union && self.criterion != Criterion::Exact
+        up_set_reads_input(self.strategy, self.criterion)
     }
 
     fn decides_before_up(&self) -> bool {

@@ -53,7 +53,30 @@ pub struct StreamOptions {
     pub cost: CostSource,
     /// Sparse decoding: while layer l computes, predict layer l+1's neurons and read them on a
     /// third reader ([`Streamer`] docs, "Lookahead").
-    pub lookahead: bool,
+    pub lookahead: Lookahead,
+}
+
+/// Whether and how the next layer's neurons are predicted and read ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lookahead {
+    Off,
+    /// The mask's up set does not depend on the input (the exact criterion, a union set):
+    /// predicted exactly, whatever stays resident.
+    Exact,
+    /// Predicted through the next layer's resident gate; where no gate is resident under the
+    /// budget it is turned off (with a warning), so its buffers go to the cache instead.
+    FromGates,
+}
+
+impl Lookahead {
+    /// For a mask whose up set does (`true`) or does not depend on the layer's input.
+    pub fn for_mask(reads_input: bool) -> Lookahead {
+        if reads_input {
+            Lookahead::FromGates
+        } else {
+            Lookahead::Exact
+        }
+    }
 }
 
 /// Where the read planner's cost model comes from.
@@ -351,7 +374,11 @@ impl Streamer {
         let (fg, direct_io, mut warnings) = open()?;
         let (bg, _, w2) = open()?;
         warnings.extend(w2.into_iter().filter(|w| !warnings.contains(w)).collect::<Vec<_>>());
-        let ahead = if opts.lookahead { Some(open()?.0) } else { None };
+        let ahead = if opts.lookahead != Lookahead::Off {
+            Some(open()?.0)
+        } else {
+            None
+        };
         Streamer::with_readers(model, opts, Readers { fg, bg, ahead }, direct_io, warnings)
     }
 
@@ -400,10 +427,9 @@ impl Streamer {
             gate_bytes: Vec::new(),
             neuron_bytes: Vec::new(),
             prefetch_ffn: opts.prefetch_ffn,
-            // Every reader's reusable buffers.
-            reader_bytes: if opts.lookahead { 3 } else { 2 }
-                * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64,
-            lookahead: opts.lookahead,
+            // Every reader's reusable buffers (set with the plan below).
+            reader_bytes: 0,
+            lookahead: false,
         };
         for l in &w.layers {
             let FfnDown::Columns(down) = &l.ffn_down else {
@@ -423,14 +449,31 @@ impl Streamer {
                 ffn_ranges: Vec::new(),
             });
         }
-        let residency = sizes.plan(opts.budget_bytes, opts.priority)?;
+        let plan_with = |sizes: &mut ModelSizes, lookahead: bool| {
+            let readers = if lookahead { 3 } else { 2 };
+            sizes.reader_bytes = readers * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64;
+            sizes.lookahead = lookahead;
+            sizes.plan(opts.budget_bytes, opts.priority)
+        };
+        let mut residency = plan_with(&mut sizes, opts.lookahead != Lookahead::Off)?;
         let mut warnings = warnings;
+        let mut lookahead_on = opts.lookahead != Lookahead::Off;
         let streamed_gates = residency.gate_resident.iter().filter(|&&g| !g).count();
-        if opts.lookahead && streamed_gates > 0 {
+        if opts.lookahead == Lookahead::FromGates && streamed_gates == cfg.n_layers {
+            // Nothing to predict with: the lookahead's buffers are worth more as cache.
+            residency = plan_with(&mut sizes, false)?;
+            lookahead_on = false;
+            warnings.push(
+                "lookahead is off: this mask's lookahead predicts from resident gates, and no layer's gate is resident \
+                 under this budget (--residency gate-first or a larger --ram-budget keeps them; the exact criterion \
+                 needs none)"
+                    .into(),
+            );
+        } else if opts.lookahead == Lookahead::FromGates && streamed_gates > 0 {
             warnings.push(format!(
                 "lookahead predicts from resident gates, and {streamed_gates} of {} layers' gates stream under this \
-                 budget: masks that look at the gate get no lookahead there (exact-criterion masks do not need it); \
-                 --residency gate-first or a larger --ram-budget keeps them",
+                 budget: those layers get no lookahead (--residency gate-first or a larger --ram-budget keeps them; \
+                 the exact criterion needs none)",
                 cfg.n_layers
             ));
         }
@@ -539,7 +582,7 @@ impl Streamer {
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
-        let lookahead = match (opts.lookahead, ahead) {
+        let lookahead = match (lookahead_on, ahead) {
             (false, _) => None,
             (true, r) => {
                 // Without a reader of its own it shares the prefetch thread's (tests).
