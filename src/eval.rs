@@ -5,6 +5,7 @@
 //! and KL(dense ‖ sparse). Also reports the achieved sparsity per layer and the FFN bytes per
 //! token the mask implies with a neuron-major layout (see `FfnBytes`).
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::backend::ops::log_sum_exp;
@@ -16,7 +17,7 @@ use crate::perplexity::window_tokens;
 use crate::quant::GgmlType;
 use crate::sparsity::budget::{Allocation, Sensitivity};
 use crate::sparsity::calibration::ScorePools;
-use crate::sparsity::{Criterion, Masker, Strategy, UpSketches};
+use crate::sparsity::{Criterion, MaskCounters, Masker, Strategy, UpSketches};
 use rayon::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -34,6 +35,13 @@ pub struct EvalOptions {
     /// same mean as each level, so the same FFN bytes as uniform top-K at that level), measured
     /// on this many tokens from the end of the text (0 = off).
     pub per_layer_tokens: usize,
+    /// Progress is saved here after every window (written to a temporary file and renamed);
+    /// if the file exists and belongs to the same evaluation (model, text, options), the run
+    /// continues from it. The caller removes it once the report is written.
+    pub checkpoint: Option<PathBuf>,
+    /// Evaluate at most this many windows in this run, then stop with the checkpoint saved
+    /// (`eval` returns `None`): a long evaluation split across runs.
+    pub windows_this_run: Option<usize>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -140,6 +148,124 @@ struct Accum {
     count: u64,
 }
 
+impl Accum {
+    /// Exact (bit patterns for the sums), so a resumed run adds up to the same result.
+    fn save(&self) -> [u64; 4] {
+        [self.nll.to_bits(), self.agree, self.kl.to_bits(), self.count]
+    }
+
+    fn load(v: [u64; 4]) -> Accum {
+        Accum {
+            nll: f64::from_bits(v[0]),
+            agree: v[1],
+            kl: f64::from_bits(v[2]),
+            count: v[3],
+        }
+    }
+}
+
+const CHECKPOINT_FORMAT: &str = "gatestream eval checkpoint 1";
+
+/// An evaluation's progress after some windows ([`EvalOptions::checkpoint`]).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Checkpoint {
+    format: String,
+    /// What the evaluation is (model, text, options): a checkpoint only continues its own.
+    key: serde_json::Value,
+    windows_done: usize,
+    seconds: f64,
+    dense: [u64; 4],
+    configs: Vec<ConfigState>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ConfigState {
+    accum: [u64; 4],
+    counters: MaskCounters,
+    /// Per-layer rows: the allocation and its levels' bit patterns (not measured again).
+    allocation: Option<Allocation>,
+    level_bits: Option<Vec<u32>>,
+}
+
+/// The identity of an evaluation, for its checkpoint.
+fn checkpoint_key(model: &Model, text: &str, text_name: &str, opts: &EvalOptions) -> Result<serde_json::Value> {
+    let model_bytes = std::fs::metadata(&model.path)
+        .map_err(|e| Error::io(&model.path, e))?
+        .len();
+    Ok(serde_json::json!({
+        "model": model.path.display().to_string(),
+        "model_bytes": model_bytes,
+        "text": text_name,
+        "text_bytes": text.len(),
+        "text_xxh3": format!("{:016x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes())),
+        "ctx": opts.ctx,
+        "windows": opts.windows,
+        "sparsities": opts.sparsities,
+        "strategies": opts.strategies.iter().map(|s| s.name()).collect::<Vec<_>>(),
+        "criteria": opts.criteria.iter().map(|c| c.name()).collect::<Vec<_>>(),
+        "calibrate_tokens": opts.calibrate_tokens,
+        "per_layer_tokens": opts.per_layer_tokens,
+    }))
+}
+
+/// The checkpoint at `path` if there is one, checked to belong to this evaluation.
+fn read_checkpoint(path: &Path, key: &serde_json::Value) -> Result<Option<Checkpoint>> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io(path, e)),
+    };
+    let c: Checkpoint = serde_json::from_slice(&bytes).map_err(|e| {
+        Error::Invalid(format!(
+            "{}: not a readable eval checkpoint ({e}); remove it to start over",
+            path.display()
+        ))
+    })?;
+    if c.format != CHECKPOINT_FORMAT {
+        return Err(Error::Invalid(format!(
+            "{}: checkpoint format `{}`, this build writes `{CHECKPOINT_FORMAT}`; remove it to start over",
+            path.display(),
+            c.format
+        )));
+    }
+    if &c.key != key {
+        let differs: Vec<String> = match (key, &c.key) {
+            (serde_json::Value::Object(want), serde_json::Value::Object(have)) => want
+                .iter()
+                .filter(|(k, v)| have.get(*k) != Some(*v))
+                .map(|(k, v)| {
+                    format!(
+                        "{k}: {} here, {} in the checkpoint",
+                        v,
+                        have.get(k).unwrap_or(&serde_json::Value::Null)
+                    )
+                })
+                .collect(),
+            _ => vec!["its key".into()],
+        };
+        return Err(Error::Invalid(format!(
+            "{}: a checkpoint of a different evaluation ({}); remove it, or pass another checkpoint file",
+            path.display(),
+            differs.join("; ")
+        )));
+    }
+    Ok(Some(c))
+}
+
+/// Writes the checkpoint to a temporary file beside `path`, then renames it over `path`.
+fn write_checkpoint(path: &Path, c: &Checkpoint) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let bytes = serde_json::to_vec(c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| Error::io(path, e))
+}
+
 /// Lets every union mask vote on a dense batch (its context) without changing it.
 struct Voters<'a>(Vec<&'a Masker<'a>>);
 
@@ -163,8 +289,8 @@ pub fn eval(
     text: &str,
     text_name: &str,
     opts: &EvalOptions,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<EvalReport> {
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<Option<EvalReport>> {
     let t0 = Instant::now();
     if opts.ctx < 8 {
         return Err(Error::Invalid(format!("--ctx {} is too small", opts.ctx)));
@@ -224,6 +350,11 @@ pub fn eval(
             }
         }
     }
+    let key = checkpoint_key(model, text, text_name, opts)?;
+    let resumed = match &opts.checkpoint {
+        Some(path) => read_checkpoint(path, &key)?,
+        None => None,
+    };
     let mut allocations: Vec<Option<Allocation>> = maskers.iter().map(|_| None).collect();
     if opts.per_layer_tokens > 0 {
         if windows * opts.ctx + opts.per_layer_tokens > tokens.len() {
@@ -231,13 +362,42 @@ pub fn eval(
                 "evaluation windows and the per-layer sensitivity tokens would overlap".into(),
             ));
         }
+        let levels = opts.sparsities.iter().filter(|&&s| s > 0.0);
+        // A resumed run takes the allocations it measured before, bit for bit.
+        let uniform = maskers.len();
+        let mut saved = resumed.iter().flat_map(|c| c.configs.iter().skip(uniform));
         for &c in &opts.criteria {
-            let sens = Sensitivity::measure(model, text, opts.per_layer_tokens, c, sketches.as_ref(), &mut |_, _| {})?;
-            for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
-                let a = sens.allocate_checked(model, s, sketches.as_ref())?;
-                let m =
-                    Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(a.levels.clone());
-                maskers.push(m);
+            let mut sens = None;
+            for &s in levels.clone() {
+                let (a, bits) = match saved.next() {
+                    Some(ConfigState {
+                        allocation: Some(a),
+                        level_bits: Some(bits),
+                        ..
+                    }) => (a.clone(), bits.clone()),
+                    _ => {
+                        if sens.is_none() {
+                            let stage = format!("per-layer sensitivity ({})", c.name());
+                            let m = Sensitivity::measure(
+                                model,
+                                text,
+                                opts.per_layer_tokens,
+                                c,
+                                sketches.as_ref(),
+                                &mut |d, n| progress(&stage, d, n),
+                            )?;
+                            sens = Some(m);
+                        }
+                        let a = sens
+                            .as_ref()
+                            .expect("measured")
+                            .allocate_checked(model, s, sketches.as_ref())?;
+                        let bits = a.levels.iter().map(|v| v.to_bits()).collect();
+                        (a, bits)
+                    }
+                };
+                let levels = bits.iter().map(|&b| f32::from_bits(b)).collect();
+                maskers.push(Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(levels));
                 allocations.push(Some(a));
             }
         }
@@ -246,6 +406,26 @@ pub fn eval(
     let (half, vocab) = (opts.ctx / 2, model.config.vocab);
     let mut dense_acc = Accum::default();
     let mut accs: Vec<Accum> = maskers.iter().map(|_| Accum::default()).collect();
+    let (mut start, mut seconds_before) = (0, 0.0);
+    if let Some(c) = &resumed {
+        if c.configs.len() != maskers.len() || c.windows_done > windows {
+            return Err(Error::Invalid(format!(
+                "{}: the checkpoint holds {} configurations after {} windows; this evaluation has {} and {} windows; remove it to start over",
+                opts.checkpoint.as_ref().expect("resumed from a file").display(),
+                c.configs.len(),
+                c.windows_done,
+                maskers.len(),
+                windows
+            )));
+        }
+        dense_acc = Accum::load(c.dense);
+        for ((acc, m), state) in accs.iter_mut().zip(&maskers).zip(&c.configs) {
+            *acc = Accum::load(state.accum);
+            m.restore_counters(&state.counters)?;
+        }
+        (start, seconds_before) = (c.windows_done, c.seconds);
+    }
+    let stop = opts.windows_this_run.map_or(windows, |n| (start + n).min(windows));
     let mut cache = KvCache::new(&model.config, opts.ctx);
     // Union masks run the window's first half dense and vote on it: that half is the dense pass's
     // own first half, so it runs once, with every union mask voting, and each union mask then
@@ -257,7 +437,8 @@ pub fn eval(
         mask: Some(&voters),
         stream: None,
     };
-    for w in 0..windows {
+    progress("windows", start, windows);
+    for w in start..stop {
         let batch = window_tokens(model, &tokens, w, opts.ctx);
         let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
         cache.clear();
@@ -297,7 +478,32 @@ pub fn eval(
                 acc.count += 1;
             }
         }
-        progress(w + 1, windows);
+        if let Some(path) = &opts.checkpoint {
+            let configs = maskers
+                .iter()
+                .zip(&accs)
+                .zip(&allocations)
+                .map(|((m, acc), a)| ConfigState {
+                    accum: acc.save(),
+                    counters: m.counters(),
+                    allocation: a.clone(),
+                    level_bits: m.per_layer.as_ref().map(|p| p.iter().map(|v| v.to_bits()).collect()),
+                })
+                .collect();
+            let c = Checkpoint {
+                format: CHECKPOINT_FORMAT.into(),
+                key: key.clone(),
+                windows_done: w + 1,
+                seconds: seconds_before + t0.elapsed().as_secs_f64(),
+                dense: dense_acc.save(),
+                configs,
+            };
+            write_checkpoint(path, &c)?;
+        }
+        progress("windows", w + 1, windows);
+    }
+    if stop < windows {
+        return Ok(None);
     }
     let dense_ppl = (dense_acc.nll / dense_acc.count as f64).exp();
     let dense_bytes = bytes.dense();
@@ -337,7 +543,7 @@ pub fn eval(
         });
     }
     let best = frontier(&rows, opts.max_ppl_increase_pct);
-    Ok(EvalReport {
+    Ok(Some(EvalReport {
         max_ppl_increase_pct: opts.max_ppl_increase_pct,
         frontier: best,
         model: model.path.display().to_string(),
@@ -349,8 +555,8 @@ pub fn eval(
         calibration: pools.map(|p| p.text),
         dense_ffn_bytes_per_token: dense_bytes,
         rows,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+        seconds: seconds_before + t0.elapsed().as_secs_f64(),
+    }))
 }
 
 /// The report as a table.

@@ -200,9 +200,23 @@ enum Command {
         /// `run --mode sparse` (safe rewrite of the file).
         #[arg(long)]
         store: bool,
+        /// Store the frontier configuration in this .gst file instead: the evaluated model must
+        /// be the file it was converted from (checked by length and xxh3), e.g. evaluate the
+        /// GGUF (its batched kernels are faster) and store in the .gst made from it.
+        #[arg(long, value_name = "FILE.gst", conflicts_with = "store")]
+        store_in: Option<PathBuf>,
         /// Also write the report as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Save progress here after every window; if the file exists and belongs to the same
+        /// evaluation (model, text, levels, strategies, criteria, windows), continue from it.
+        /// Removed once the report is written. Default with --json: FILE.checkpoint beside it.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// Evaluate at most N windows in this run, then stop with progress saved in the
+        /// checkpoint (run the same command again to continue): a long evaluation in parts.
+        #[arg(long, value_name = "N")]
+        windows_this_run: Option<usize>,
     },
     /// The I/O benchmark: replays traces of which neurons each token used against a .gst file,
     /// without computing — dense transfer (whole FFN sections in 1 MiB reads) against sparse
@@ -1167,9 +1181,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             per_layer_tokens,
             plot,
             store,
+            store_in,
             json,
+            checkpoint,
+            windows_this_run,
         } => {
             use gatestream::eval::{eval, table, EvalOptions};
+            let checkpoint = checkpoint.or_else(|| {
+                json.as_ref().map(|j| {
+                    let mut name = j.as_os_str().to_owned();
+                    name.push(".checkpoint");
+                    PathBuf::from(name)
+                })
+            });
+            if windows_this_run.is_some() && checkpoint.is_none() {
+                anyhow::bail!(
+                    "--windows-this-run needs a checkpoint to continue from: pass --checkpoint FILE or --json FILE"
+                );
+            }
             let model = load(&model)?;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let opts = EvalOptions {
@@ -1181,10 +1210,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 calibrate_tokens,
                 max_ppl_increase_pct: max_ppl_increase,
                 per_layer_tokens,
+                checkpoint: checkpoint.clone(),
+                windows_this_run,
             };
             let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
             let mut bar = Progress::new();
-            let report = eval(&model, &body, &name, &opts, &mut |d, n| bar.update("windows", d, n))?;
+            let Some(report) = eval(&model, &body, &name, &opts, &mut |stage, d, n| bar.update(stage, d, n))? else {
+                eprintln!(
+                    "stopped after --windows-this-run {} windows; progress is saved in {}: run the same command again to continue",
+                    windows_this_run.unwrap_or(0),
+                    checkpoint.as_ref().expect("checked above").display()
+                );
+                return Ok(());
+            };
             print!("{}", table(&report));
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&report)?)
@@ -1194,13 +1232,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 std::fs::write(&path, gatestream::eval::chart(&report).svg())
                     .with_context(|| format!("writing {}", path.display()))?;
             }
-            if store {
+            if let Some(path) = &checkpoint {
+                // The report is written: the progress it was made from is no longer needed.
+                if path.exists() {
+                    std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+                }
+            }
+            if store || store_in.is_some() {
                 let f = &report.rows[report.frontier];
                 let (Some(strategy), Some(criterion)) = (f.strategy, f.criterion) else {
                     anyhow::bail!("no sparse configuration met the quality budget; nothing stored");
                 };
-                if !gatestream::gstfile::is_gst(&model.path) {
-                    anyhow::bail!("--store needs a .gst model (gatestream reformat) to store the recommendation in");
+                let target = store_in.clone().unwrap_or_else(|| model.path.clone());
+                if !gatestream::gstfile::is_gst(&target) {
+                    anyhow::bail!(
+                        "{}: not a .gst file; the recommendation is stored in a .gst (gatestream reformat), \
+                         given by --store-in or evaluated directly with --store",
+                        target.display()
+                    );
                 }
                 let r = gatestream::format::Recommendation {
                     strategy: strategy.name().into(),
@@ -1213,9 +1262,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     measured_on: format!("{name}: {} windows of {} tokens", report.windows, report.ctx),
                     per_layer_sparsity: f.per_layer.clone(),
                 };
-                let path = model.path.clone();
+                let (path, evaluated) = (target, model.path.clone());
                 drop(model);
-                gatestream::reformat::store_recommendation(&path, r, &mut |stage, d, n| bar.update(stage, d, n))?;
+                gatestream::reformat::store_recommendation_from(&path, &evaluated, r, &mut |stage, d, n| {
+                    bar.update(stage, d, n)
+                })?;
                 eprintln!(
                     "stored in {}: {} {} at {}{}",
                     path.display(),

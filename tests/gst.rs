@@ -407,10 +407,15 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
             "--criterion",
             "exact",
         ])
-        .args(["--max-ppl-increase", "1000", "--store"])
+        .args(["--max-ppl-increase", "1000", "--store", "--json"])
+        .arg(tmp.path().join("e.json"))
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        !tmp.path().join("e.json.checkpoint").exists(),
+        "the checkpoint goes once the report is written"
+    );
     let g = GstFile::open(&path).unwrap();
     g.verify(&mut |_, _| {}).unwrap();
     let r = g.index.recommended_sparse.clone().expect("a stored recommendation");
@@ -422,6 +427,44 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
     let v = run_sparse_json(&path);
     assert_eq!(v["sparsity"]["level"].as_f64().unwrap() as f32, 0.3);
     assert_eq!(v["sparsity"]["criterion"], "exact");
+
+    // Measured on the source model, stored in the .gst made from it; refused for a .gst made
+    // from another model, which keeps its bytes.
+    let eval_source_into = |target: &Path| {
+        std::process::Command::new(bin)
+            .args(["eval", "--model"])
+            .arg(stories_dir())
+            .arg("--text")
+            .arg(wikitext())
+            .args([
+                "--ctx",
+                "128",
+                "--windows",
+                "1",
+                "--sparsity",
+                "0,0.1",
+                "--criterion",
+                "exact",
+            ])
+            .args(["--max-ppl-increase", "1000", "--store-in"])
+            .arg(target)
+            .output()
+            .unwrap()
+    };
+    let out = eval_source_into(&path);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = GstFile::open(&path).unwrap().index.recommended_sparse.clone().unwrap();
+    assert_eq!(r.sparsity, 0.1);
+    let gguf = write_temp(tmp.path(), "other.gguf", &stories_gguf(Breakage::None));
+    let other = convert(&gguf, tmp.path(), "other.gst", &ReformatOptions::default());
+    let before = std::fs::read(&other).unwrap();
+    let out = eval_source_into(&other);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("other.gst") && err.contains("converted from"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&other).unwrap(), before);
 }
 
 /// `gatestream run --model PATH --mode sparse --json` (the file's recommendation) on a short prompt.

@@ -132,8 +132,12 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
         calibrate_tokens: 512,
         max_ppl_increase_pct: 1e9,
         per_layer_tokens: 0,
+        checkpoint: None,
+        windows_this_run: None,
     };
-    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
+    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
     assert_eq!(r.rows.len(), 1 + 4);
     assert_eq!(r.rows[0].ppl_increase_pct, 0.0);
     assert_eq!(r.scored_positions, 2 * 63);
@@ -188,8 +192,12 @@ fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
         calibrate_tokens: 512,
         max_ppl_increase_pct: 2.0,
         per_layer_tokens: 256,
+        checkpoint: None,
+        windows_this_run: None,
     };
-    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
+    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
     assert_eq!(r.rows.len(), 3);
     let (uniform, layered) = (&r.rows[1], &r.rows[2]);
     assert!(uniform.per_layer.is_none() && layered.per_layer.is_some());
@@ -259,9 +267,13 @@ fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
         calibrate_tokens: 512,
         max_ppl_increase_pct: 2.0,
         per_layer_tokens: 0,
+        checkpoint: None,
+        windows_this_run: None,
     };
     let text = text();
-    let r = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _| {}).unwrap();
+    let r = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
     let ids = model.tokenizer.encode(&text, true).unwrap();
     for c in [Criterion::Gate, Criterion::Exact] {
         let (mut nll, mut n) = (0.0f64, 0usize);
@@ -289,4 +301,77 @@ fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
             row.perplexity
         );
     }
+}
+
+#[test]
+fn an_eval_stopped_and_resumed_from_its_checkpoint_reports_what_one_run_reports() {
+    let model = stories();
+    let text = text();
+    let tmp = tempfile::tempdir().unwrap();
+    let checkpoint = tmp.path().join("eval.checkpoint");
+    let opts = EvalOptions {
+        ctx: 128,
+        windows: 4,
+        sparsities: vec![0.0, 0.5],
+        strategies: vec![Strategy::TopK, Strategy::Threshold, Strategy::Union],
+        criteria: vec![Criterion::Gate, Criterion::Exact],
+        calibrate_tokens: 512,
+        max_ppl_increase_pct: 2.0,
+        per_layer_tokens: 256,
+        checkpoint: None,
+        windows_this_run: None,
+    };
+    let whole = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
+    // In three parts: 1 window, 2 more, the rest; every part saves its progress.
+    let parts = EvalOptions {
+        checkpoint: Some(checkpoint.clone()),
+        ..opts.clone()
+    };
+    let mut windows_seen = Vec::new();
+    for n in [Some(1), Some(2)] {
+        let part = EvalOptions {
+            windows_this_run: n,
+            ..parts.clone()
+        };
+        let r = eval(&model, &text, "wiki.test.raw", &part, &mut |stage, d, _| {
+            if stage == "windows" {
+                windows_seen.push(d)
+            }
+        })
+        .unwrap();
+        assert!(r.is_none(), "a part stops before the last window");
+        assert!(checkpoint.exists());
+    }
+    assert_eq!(windows_seen, [0, 1, 1, 2, 3], "each part starts where the last stopped");
+    let resumed = eval(&model, &text, "wiki.test.raw", &parts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
+    let json = |r: &gatestream::eval::EvalReport| serde_json::to_value(&r.rows).unwrap();
+    assert_eq!(json(&resumed), json(&whole), "bit for bit the same rows");
+    assert_eq!(resumed.scored_positions, whole.scored_positions);
+
+    // A checkpoint of another evaluation, or a damaged one, is refused with the file named.
+    let other = EvalOptions {
+        sparsities: vec![0.0, 0.3],
+        ..parts.clone()
+    };
+    let e = eval(&model, &text, "wiki.test.raw", &other, &mut |_, _, _| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("eval.checkpoint") && e.contains("different evaluation") && e.contains("sparsities"),
+        "{e}"
+    );
+    std::fs::write(&checkpoint, b"{\"format\": 1").unwrap();
+    let e = eval(&model, &text, "wiki.test.raw", &parts, &mut |_, _, _| {})
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("eval.checkpoint") && e.contains("not a readable eval checkpoint"),
+        "{e}"
+    );
 }

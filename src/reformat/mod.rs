@@ -262,6 +262,41 @@ pub fn store_recommendation(path: &Path, r: Recommendation, progress: Progress) 
     )
 }
 
+/// As [`store_recommendation`], for a recommendation measured on `evaluated`: the .gst file
+/// itself, or the model file it was converted from (checked by length and xxh3 against the
+/// source the file records).
+pub fn store_recommendation_from(path: &Path, evaluated: &Path, r: Recommendation, progress: Progress) -> Result<()> {
+    if !same_file(path, evaluated)? {
+        if crate::gstfile::is_gst(evaluated) {
+            return Err(Error::Invalid(format!(
+                "{}: the recommendation was measured on another .gst file ({}); evaluate this file, or the model it was converted from",
+                path.display(),
+                evaluated.display()
+            )));
+        }
+        let recorded = GstFile::open(path)?.index.source.clone();
+        let src = source_info(evaluated)?;
+        if (src.len_bytes, &src.xxh3) != (recorded.len_bytes, &recorded.xxh3) {
+            return Err(Error::Invalid(format!(
+                "{}: converted from {} ({} bytes, xxh3 {}), not from the evaluated {} ({} bytes, xxh3 {}); evaluate the file it was converted from, or the .gst itself",
+                path.display(),
+                recorded.file_name,
+                recorded.len_bytes,
+                recorded.xxh3,
+                evaluated.display(),
+                src.len_bytes,
+                src.xxh3
+            )));
+        }
+    }
+    store_recommendation(path, r, progress)
+}
+
+fn same_file(a: &Path, b: &Path) -> Result<bool> {
+    let canon = |p: &Path| std::fs::canonicalize(p).map_err(|e| Error::io(p, e));
+    Ok(canon(a)? == canon(b)?)
+}
+
 /// Rewrite `old` under its own name: its sections are copied (each verified first, so damage is
 /// not re-blessed with fresh checksums) except `drop`, `add` writes new sections, `change` edits
 /// the index; the result replaces the file by rename, or nothing changes.

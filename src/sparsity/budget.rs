@@ -38,7 +38,7 @@ pub struct Sensitivity {
 }
 
 /// A per-layer allocation and how it was chosen.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Allocation {
     pub levels: Vec<f32>,
     /// The blend of greedy into uniform that was kept.

@@ -181,6 +181,14 @@ pub fn up_set_reads_input(strategy: Strategy, criterion: Criterion) -> bool {
     strategy != Strategy::Union && criterion != Criterion::Exact
 }
 
+/// A mask's per-layer counters: kept and total neuron slots, up rows needed.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MaskCounters {
+    pub kept: Vec<u64>,
+    pub total: Vec<u64>,
+    pub up_rows: Vec<u64>,
+}
+
 pub struct Masker<'a> {
     pub strategy: Strategy,
     pub criterion: Criterion,
@@ -340,6 +348,35 @@ impl<'a> Masker<'a> {
                 }
             })
             .collect()
+    }
+
+    /// The counters behind `achieved_sparsity` and `up_rows_per_token`, to save.
+    pub fn counters(&self) -> MaskCounters {
+        let load = |v: &[AtomicU64]| v.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        MaskCounters {
+            kept: load(&self.kept),
+            total: load(&self.total),
+            up_rows: load(&self.up_rows),
+        }
+    }
+
+    /// Sets the counters to saved values (one entry per layer each).
+    pub fn restore_counters(&self, c: &MaskCounters) -> crate::error::Result<()> {
+        let n = self.kept.len();
+        if c.kept.len() != n || c.total.len() != n || c.up_rows.len() != n {
+            return Err(crate::error::Error::Invalid(format!(
+                "saved mask counters are for {} layers, the model has {n}",
+                c.kept.len()
+            )));
+        }
+        for (dst, src) in [
+            (&self.kept, &c.kept),
+            (&self.total, &c.total),
+            (&self.up_rows, &c.up_rows),
+        ] {
+            dst.iter().zip(src).for_each(|(d, &v)| d.store(v, Ordering::Relaxed));
+        }
+        Ok(())
     }
 
     pub fn reset_counters(&self) {
