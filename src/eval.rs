@@ -44,7 +44,7 @@ pub struct EvalOptions {
     pub windows_this_run: Option<usize>,
 }
 
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct EvalRow {
     pub strategy: Option<Strategy>,
     pub criterion: Option<Criterion>,
@@ -67,6 +67,8 @@ pub struct EvalRow {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct EvalReport {
     pub model: String,
+    /// The text's name (its file name).
+    pub text: String,
     pub windows: usize,
     pub ctx: usize,
     pub scored_positions: usize,
@@ -89,6 +91,43 @@ pub fn frontier(rows: &[EvalRow], max_ppl_increase_pct: f64) -> usize {
         .filter(|(_, r)| r.ppl_increase_pct <= max_ppl_increase_pct)
         .min_by(|a, b| a.1.ffn_bytes_per_token.total_cmp(&b.1.ffn_bytes_per_token))
         .map_or(0, |(i, _)| i)
+}
+
+/// What `gatestream recommend` reads back from an eval report's JSON.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct SavedReport {
+    pub model: String,
+    /// Absent in reports written before it was recorded.
+    #[serde(default)]
+    pub text: String,
+    pub windows: usize,
+    pub ctx: usize,
+    pub rows: Vec<EvalRow>,
+}
+
+/// The frontier configuration at a quality budget, as stored in a .gst file; `None` when no
+/// sparse row is within the budget.
+pub fn recommendation(
+    rows: &[EvalRow],
+    max_ppl_increase_pct: f64,
+    text: &str,
+    windows: usize,
+    ctx: usize,
+) -> Option<crate::format::Recommendation> {
+    let f = &rows[frontier(rows, max_ppl_increase_pct)];
+    let (strategy, criterion) = (f.strategy?, f.criterion?);
+    let text = if text.is_empty() { "(text not recorded)" } else { text };
+    Some(crate::format::Recommendation {
+        strategy: strategy.name().into(),
+        criterion: criterion.name().into(),
+        sparsity: f.sparsity,
+        max_ppl_increase_pct: max_ppl_increase_pct as f32,
+        measured_ppl_increase_pct: f.ppl_increase_pct as f32,
+        top1_agreement: f.top1_agreement as f32,
+        ffn_bytes_rel_dense: f.ffn_bytes_rel_dense as f32,
+        measured_on: format!("{text}: {windows} windows of {ctx} tokens"),
+        per_layer_sparsity: f.per_layer.clone(),
+    })
 }
 
 pub const METHOD: &str = "windows as llama.cpp perplexity (ctx tokens, BOS first when the model adds it, second half scored); \
@@ -547,6 +586,7 @@ pub fn eval(
         max_ppl_increase_pct: opts.max_ppl_increase_pct,
         frontier: best,
         model: model.path.display().to_string(),
+        text: text_name.to_string(),
         windows,
         ctx: opts.ctx,
         scored_positions: dense_acc.count as usize,

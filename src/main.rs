@@ -218,6 +218,20 @@ enum Command {
         #[arg(long, value_name = "N")]
         windows_this_run: Option<usize>,
     },
+    /// Stores the frontier of an earlier `eval --json` report in a .gst file as the default for
+    /// `run --mode sparse`, at a quality budget chosen now (no re-evaluation). The .gst must be
+    /// the evaluated model or made from it (checked by the source length and xxh3 it records).
+    Recommend {
+        /// The report written by `gatestream eval --json`.
+        #[arg(long)]
+        report: PathBuf,
+        /// The .gst file to store the recommendation in (safe rewrite).
+        #[arg(long)]
+        model: PathBuf,
+        /// Quality budget: the largest perplexity increase over dense, in percent.
+        #[arg(long, default_value_t = 2.0)]
+        max_ppl_increase: f64,
+    },
     /// The I/O benchmark: replays traces of which neurons each token used against a .gst file,
     /// without computing — dense transfer (whole FFN sections in 1 MiB reads) against sparse
     /// transfer (the read planner's reads) — per reader engine and queue depth, beside the
@@ -424,6 +438,45 @@ fn recommended(model: &Model) -> anyhow::Result<Option<StoredMask>> {
             r.per_layer_sparsity.clone(),
         ))
     }))
+}
+
+/// Stores the frontier of eval `rows` at the quality budget in the .gst `target` (which must
+/// be the evaluated model, or made from it).
+fn store_frontier(
+    rows: &[gatestream::eval::EvalRow],
+    max_ppl_increase: f64,
+    text: &str,
+    windows: usize,
+    ctx: usize,
+    evaluated: &std::path::Path,
+    target: &std::path::Path,
+) -> anyhow::Result<()> {
+    if !gatestream::gstfile::is_gst(target) {
+        anyhow::bail!(
+            "{}: not a .gst file; the recommendation is stored in a .gst (gatestream reformat)",
+            target.display()
+        );
+    }
+    let Some(r) = gatestream::eval::recommendation(rows, max_ppl_increase, text, windows, ctx) else {
+        anyhow::bail!("no sparse configuration is within +{max_ppl_increase}% perplexity; nothing stored");
+    };
+    let what = format!(
+        "{} {} at {}{} ({:+.2}% perplexity, {:.3} of dense FFN bytes)",
+        r.strategy,
+        r.criterion,
+        r.sparsity,
+        if r.per_layer_sparsity.is_some() {
+            " with per-layer levels"
+        } else {
+            ""
+        },
+        r.measured_ppl_increase_pct,
+        r.ffn_bytes_rel_dense
+    );
+    let mut bar = Progress::new();
+    gatestream::reformat::store_recommendation_from(target, evaluated, r, &mut |stage, d, n| bar.update(stage, d, n))?;
+    eprintln!("stored in {}: {what}", target.display());
+    Ok(())
 }
 
 fn strategy_of(s: StrategyArg) -> Strategy {
@@ -1239,47 +1292,38 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
             }
             if store || store_in.is_some() {
-                let f = &report.rows[report.frontier];
-                let (Some(strategy), Some(criterion)) = (f.strategy, f.criterion) else {
-                    anyhow::bail!("no sparse configuration met the quality budget; nothing stored");
-                };
                 let target = store_in.clone().unwrap_or_else(|| model.path.clone());
-                if !gatestream::gstfile::is_gst(&target) {
-                    anyhow::bail!(
-                        "{}: not a .gst file; the recommendation is stored in a .gst (gatestream reformat), \
-                         given by --store-in or evaluated directly with --store",
-                        target.display()
-                    );
-                }
-                let r = gatestream::format::Recommendation {
-                    strategy: strategy.name().into(),
-                    criterion: criterion.name().into(),
-                    sparsity: f.sparsity,
-                    max_ppl_increase_pct: report.max_ppl_increase_pct as f32,
-                    measured_ppl_increase_pct: f.ppl_increase_pct as f32,
-                    top1_agreement: f.top1_agreement as f32,
-                    ffn_bytes_rel_dense: f.ffn_bytes_rel_dense as f32,
-                    measured_on: format!("{name}: {} windows of {} tokens", report.windows, report.ctx),
-                    per_layer_sparsity: f.per_layer.clone(),
-                };
-                let (path, evaluated) = (target, model.path.clone());
+                let evaluated = model.path.clone();
                 drop(model);
-                gatestream::reformat::store_recommendation_from(&path, &evaluated, r, &mut |stage, d, n| {
-                    bar.update(stage, d, n)
-                })?;
-                eprintln!(
-                    "stored in {}: {} {} at {}{}",
-                    path.display(),
-                    strategy.name(),
-                    criterion.name(),
-                    f.sparsity,
-                    if f.per_layer.is_some() {
-                        " (per-layer levels)"
-                    } else {
-                        ""
-                    }
-                );
+                let r = &report;
+                store_frontier(
+                    &r.rows,
+                    r.max_ppl_increase_pct,
+                    &r.text,
+                    r.windows,
+                    r.ctx,
+                    &evaluated,
+                    &target,
+                )?;
             }
+        }
+        Command::Recommend {
+            report,
+            model,
+            max_ppl_increase,
+        } => {
+            let bytes = std::fs::read(&report).with_context(|| format!("reading {}", report.display()))?;
+            let r: gatestream::eval::SavedReport = serde_json::from_slice(&bytes)
+                .with_context(|| format!("{}: not an eval report (gatestream eval --json)", report.display()))?;
+            store_frontier(
+                &r.rows,
+                max_ppl_increase,
+                &r.text,
+                r.windows,
+                r.ctx,
+                std::path::Path::new(&r.model),
+                &model,
+            )?;
         }
         Command::Calibrate {
             model,

@@ -455,6 +455,27 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let r = GstFile::open(&path).unwrap().index.recommended_sparse.clone().unwrap();
     assert_eq!(r.sparsity, 0.1);
+    // The first run's report, stored again later at a budget chosen then (no re-evaluation).
+    let recommend = |budget: &str| {
+        std::process::Command::new(bin)
+            .args(["recommend", "--report"])
+            .arg(tmp.path().join("e.json"))
+            .arg("--model")
+            .arg(&path)
+            .arg(format!("--max-ppl-increase={budget}"))
+            .output()
+            .unwrap()
+    };
+    let out = recommend("1000");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r = GstFile::open(&path).unwrap().index.recommended_sparse.clone().unwrap();
+    assert_eq!(
+        (r.sparsity, r.measured_on.as_str()),
+        (0.3, "wiki.test.raw: 2 windows of 128 tokens")
+    );
+    let out = recommend("-100");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("nothing stored"), "{err}");
     let gguf = write_temp(tmp.path(), "other.gguf", &stories_gguf(Breakage::None));
     let other = convert(&gguf, tmp.path(), "other.gst", &ReformatOptions::default());
     let before = std::fs::read(&other).unwrap();

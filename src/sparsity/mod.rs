@@ -18,7 +18,7 @@ use crate::model::forward::FfnMask;
 use crate::model::Model;
 use crate::quant::sketch::{sketch_dot, sketch_row, sketch_row_bytes};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Strategy {
     /// Each token keeps its own top (1 − s) share of neurons.
@@ -30,7 +30,7 @@ pub enum Strategy {
     Union,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Criterion {
     /// |act(gate·x)|: needs only the gate (the seed design).
