@@ -392,22 +392,16 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
     let tmp = tempfile::tempdir().unwrap();
     let path = convert(&stories_dir(), tmp.path(), "s.gst", &ReformatOptions::default());
     let bin = env!("CARGO_BIN_EXE_gatestream");
-    let out = std::process::Command::new(bin)
-        .args(["eval", "--model"])
-        .arg(&path)
-        .arg("--text")
-        .arg(wikitext())
-        .args([
-            "--ctx",
-            "128",
-            "--windows",
-            "2",
-            "--sparsity",
-            "0,0.1,0.3",
-            "--criterion",
-            "exact",
-        ])
-        .args(["--max-ppl-increase", "1000", "--store", "--json"])
+    // `eval` of the exact criterion on short windows with an unlimited quality budget.
+    let eval_cmd = |model: &Path, windows: &str, sparsity: &str| {
+        let mut c = std::process::Command::new(bin);
+        c.args(["eval", "--model"]).arg(model).arg("--text").arg(wikitext());
+        c.args(["--ctx", "128", "--windows", windows, "--sparsity", sparsity]);
+        c.args(["--criterion", "exact", "--max-ppl-increase", "1000"]);
+        c
+    };
+    let out = eval_cmd(&path, "2", "0,0.1,0.3")
+        .args(["--store", "--json"])
         .arg(tmp.path().join("e.json"))
         .output()
         .unwrap();
@@ -431,22 +425,8 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
     // Measured on the source model, stored in the .gst made from it; refused for a .gst made
     // from another model, which keeps its bytes.
     let eval_source_into = |target: &Path| {
-        std::process::Command::new(bin)
-            .args(["eval", "--model"])
-            .arg(stories_dir())
-            .arg("--text")
-            .arg(wikitext())
-            .args([
-                "--ctx",
-                "128",
-                "--windows",
-                "1",
-                "--sparsity",
-                "0,0.1",
-                "--criterion",
-                "exact",
-            ])
-            .args(["--max-ppl-increase", "1000", "--store-in"])
+        eval_cmd(&stories_dir(), "1", "0,0.1")
+            .arg("--store-in")
             .arg(target)
             .output()
             .unwrap()
