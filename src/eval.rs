@@ -293,7 +293,9 @@ fn read_checkpoint(path: &Path, key: &serde_json::Value) -> Result<Option<Checkp
 
 /// Writes the checkpoint to a temporary file beside `path`, then renames it over `path`.
 fn write_checkpoint(path: &Path, c: &Checkpoint) -> Result<()> {
-    let tmp = path.with_extension("tmp");
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
     let bytes = serde_json::to_vec(c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
     let write = || -> std::io::Result<()> {
         use std::io::Write;
