@@ -97,18 +97,22 @@ fn rejects_invalid_model_config() {
 }
 
 #[test]
-fn rejects_non_finite_config_numbers() {
-    // 1e39 is a valid JSON number that becomes f32 infinity.
+fn rejects_config_numbers_out_of_f32_range() {
+    // 1e39 is a valid JSON number beyond f32: refused where it stands (it must never become
+    // infinity; the config check for non-finite numbers is the second line of defence).
     let (index, planned, image) = sample();
     let data = &image[..planned.header.index_offset_bytes as usize];
     let json = String::from_utf8(index.to_json_bytes()).unwrap();
     let bad = json.replacen("\"rope_theta\":10000.0", "\"rope_theta\":1e39", 1);
     assert_ne!(bad, json);
-    assert_malformed(
-        parse_with_index_bytes(data, bad.as_bytes()),
-        Some(index_offset()),
-        &["non-finite"],
-    );
+    let at =
+        (index_offset() + bad.find("1e39").unwrap() as u64)..=(index_offset() + bad.find("1e39").unwrap() as u64 + 4);
+    let r = parse_with_index_bytes(data, bad.as_bytes());
+    match &r {
+        Err(Error::Malformed { offset_bytes, .. }) => assert!(at.contains(offset_bytes), "{r:?} not in {at:?}"),
+        other => panic!("expected Error::Malformed, got {other:?}"),
+    }
+    assert_malformed(r, None, &["out of range"]);
 }
 
 #[test]
