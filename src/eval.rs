@@ -84,12 +84,24 @@ pub struct EvalReport {
     pub seconds: f64,
 }
 
-/// The row with the fewest FFN bytes per token within the quality budget.
+/// Rows whose FFN bytes are within this share of the fewest count as equally cheap.
+pub const FRONTIER_BYTES_TIE: f64 = 0.001;
+
+/// The row with the fewest FFN bytes per token within the quality budget; among rows equally
+/// cheap (within [`FRONTIER_BYTES_TIE`], e.g. a per-layer budget beside the uniform level it
+/// matches, a few bytes apart from rounding), the one with the least perplexity increase.
 pub fn frontier(rows: &[EvalRow], max_ppl_increase_pct: f64) -> usize {
-    rows.iter()
-        .enumerate()
-        .filter(|(_, r)| r.ppl_increase_pct <= max_ppl_increase_pct)
-        .min_by(|a, b| a.1.ffn_bytes_per_token.total_cmp(&b.1.ffn_bytes_per_token))
+    let within = || {
+        rows.iter()
+            .enumerate()
+            .filter(|(_, r)| r.ppl_increase_pct <= max_ppl_increase_pct)
+    };
+    let Some(fewest) = within().map(|(_, r)| r.ffn_bytes_per_token).min_by(f64::total_cmp) else {
+        return 0;
+    };
+    within()
+        .filter(|(_, r)| r.ffn_bytes_per_token <= fewest * (1.0 + FRONTIER_BYTES_TIE))
+        .min_by(|a, b| a.1.ppl_increase_pct.total_cmp(&b.1.ppl_increase_pct))
         .map_or(0, |(i, _)| i)
 }
 
@@ -643,7 +655,9 @@ pub fn table(r: &EvalReport) -> String {
         o,
         "frontier (≤ {:+.1}% perplexity): {} {} at {:.2} — {:.3} of dense FFN bytes per token ({:+.2}% perplexity, top-1 {:.4})",
         r.max_ppl_increase_pct,
-        f.strategy.map_or("dense".into(), |s| format!("{s:?}").to_lowercase()),
+        f.strategy.map_or("dense".into(), |s| {
+            format!("{s:?}").to_lowercase() + if f.per_layer.is_some() { "/layer" } else { "" }
+        }),
         f.criterion.map_or("".into(), |c| format!("{c:?}").to_lowercase()),
         f.sparsity,
         f.ffn_bytes_rel_dense,

@@ -157,12 +157,24 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
             .ffn_bytes_per_token
     };
     assert!(bytes(Criterion::Exact) > bytes(Criterion::Gate));
-    // With an unlimited budget the frontier is the cheapest row; with none, dense.
-    let cheapest = (0..r.rows.len())
-        .min_by(|&a, &b| r.rows[a].ffn_bytes_per_token.total_cmp(&r.rows[b].ffn_bytes_per_token))
-        .unwrap();
-    assert_eq!(r.frontier, cheapest);
+    // With an unlimited budget the frontier is the cheapest row (the least perplexity among
+    // rows as cheap within the tie share); with none, dense.
+    let fewest = r.rows.iter().map(|x| x.ffn_bytes_per_token).fold(f64::MAX, f64::min);
+    let f = &r.rows[r.frontier];
+    assert!(f.ffn_bytes_per_token <= fewest * (1.0 + gatestream::eval::FRONTIER_BYTES_TIE));
+    assert!(r
+        .rows
+        .iter()
+        .filter(|x| x.ffn_bytes_per_token <= fewest * (1.0 + gatestream::eval::FRONTIER_BYTES_TIE))
+        .all(|x| x.ppl_increase_pct >= f.ppl_increase_pct));
     assert_eq!(gatestream::eval::frontier(&r.rows, -1.0), 0);
+    // A per-layer row a few bytes dearer than the uniform one but better wins.
+    let mut rows = vec![r.rows[0].clone(), r.rows[1].clone(), r.rows[1].clone()];
+    rows[2].ffn_bytes_per_token += 12.0;
+    rows[2].ppl_increase_pct -= 0.2;
+    assert_eq!(gatestream::eval::frontier(&rows, 1e9), 2);
+    rows[2].ffn_bytes_per_token *= 1.01;
+    assert_eq!(gatestream::eval::frontier(&rows, 1e9), 1, "1% dearer is not a tie");
     let chart = gatestream::eval::chart(&r);
     assert_eq!(chart.series.len(), 4, "one line per strategy x criterion");
     assert!(chart.svg().contains("topk exact"));
