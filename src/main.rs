@@ -464,7 +464,7 @@ fn store_frontier(
         "{} {} at {}{} ({:+.2}% perplexity, {:.3} of dense FFN bytes)",
         r.strategy,
         r.criterion,
-        r.sparsity,
+        level(r.sparsity),
         if r.per_layer_sparsity.is_some() {
             " with per-layer levels"
         } else {
@@ -477,6 +477,12 @@ fn store_frontier(
     gatestream::reformat::store_recommendation_from(target, evaluated, r, &mut |stage, d, n| bar.update(stage, d, n))?;
     eprintln!("stored in {}: {what}", target.display());
     Ok(())
+}
+
+/// A sparsity level as a user reads it: up to three decimals, no float noise (0.575, 0.6).
+fn level(s: f32) -> String {
+    let t = format!("{s:.3}");
+    t.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
 fn strategy_of(s: StrategyArg) -> Strategy {
@@ -778,14 +784,15 @@ fn generate_one(
                 None
             };
             eprintln!(
-                "sparse FFN ({}): {} {} at {sparsity}{}",
+                "sparse FFN ({}): {} {} at {}{}",
                 if streamer.is_some() { "streamed" } else { "in RAM" },
                 strategy.name(),
                 criterion.name(),
+                level(sparsity),
                 match &per_layer {
                     Some(p) => format!(
-                        " (per-layer levels {}, stored by eval --store)",
-                        p.iter().map(|s| format!("{s:.1}")).collect::<Vec<_>>().join(",")
+                        " (per-layer levels {}, stored in the file)",
+                        p.iter().map(|&s| level(s)).collect::<Vec<_>>().join(",")
                     ),
                     None => String::new(),
                 }
