@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::model::forward::FfnMask;
 use crate::model::Model;
-use crate::quant::sketch::{sketch_dot, sketch_row, sketch_row_bytes};
+use crate::quant::sketch::{sketch_dots, sketch_row, sketch_row_bytes};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -122,10 +122,7 @@ impl UpSketches {
 
     /// û·x for every neuron of `layer`.
     fn estimates(&self, layer: usize, x: &[f32], out: &mut [f32]) {
-        let s = &self.layers[layer];
-        for (n, o) in out.iter_mut().enumerate() {
-            *o = sketch_dot(&s[n * self.row_bytes..(n + 1) * self.row_bytes], x);
-        }
+        sketch_dots(&self.layers[layer][..out.len() * self.row_bytes], x, out);
     }
 }
 
