@@ -42,6 +42,10 @@ pub struct EvalOptions {
     /// Evaluate at most this many windows in this run, then stop with the checkpoint saved
     /// (`eval` returns `None`): a long evaluation split across runs.
     pub windows_this_run: Option<usize>,
+    /// Also run every configuration this many more times with its scores jittered at rounding
+    /// level (seeds 1..=N, [`Masker::jittered`]), and report the spread: how much of a
+    /// difference between rows is noise.
+    pub jitter_seeds: usize,
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -54,6 +58,9 @@ pub struct EvalRow {
     pub per_layer: Option<Vec<f32>>,
     /// How the per-layer levels were chosen (blend of greedy into uniform, calibration KL).
     pub allocation: Option<Allocation>,
+    /// With jitter seeds: the same configuration with its scores changed at rounding level.
+    #[serde(default)]
+    pub jitter: Option<Jitter>,
     pub perplexity: f64,
     pub ppl_increase_pct: f64,
     pub top1_agreement: f64,
@@ -62,6 +69,15 @@ pub struct EvalRow {
     pub achieved_sparsity_per_layer: Vec<f32>,
     pub ffn_bytes_per_token: f64,
     pub ffn_bytes_rel_dense: f64,
+}
+
+/// A row's configuration re-run with jittered scores, one entry per seed.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Jitter {
+    pub ppl_increase_pct: Vec<f64>,
+    pub top1_agreement: Vec<f64>,
+    /// Largest minus smallest perplexity increase over the row itself and every seed.
+    pub ppl_increase_spread: f64,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -256,6 +272,7 @@ fn checkpoint_key(model: &Model, text: &str, text_name: &str, opts: &EvalOptions
         "criteria": opts.criteria.iter().map(|c| c.name()).collect::<Vec<_>>(),
         "calibrate_tokens": opts.calibrate_tokens,
         "per_layer_tokens": opts.per_layer_tokens,
+        "jitter_seeds": opts.jitter_seeds,
     }))
 }
 
@@ -455,6 +472,15 @@ pub fn eval(
             }
         }
     }
+    // Jittered copies follow the configurations they copy, seed by seed.
+    let base = maskers.len();
+    for seed in 1..=opts.jitter_seeds as u64 {
+        for i in 0..base {
+            let m = maskers[i].jittered(seed);
+            maskers.push(m);
+            allocations.push(allocations[i].clone());
+        }
+    }
     let bytes = FfnBytes::of(model);
     let (half, vocab) = (opts.ctx / 2, model.config.vocab);
     let mut dense_acc = Accum::default();
@@ -566,6 +592,7 @@ pub fn eval(
         sparsity: 0.0,
         per_layer: None,
         allocation: None,
+        jitter: None,
         perplexity: dense_ppl,
         ppl_increase_pct: 0.0,
         top1_agreement: 1.0,
@@ -575,8 +602,22 @@ pub fn eval(
         ffn_bytes_per_token: dense_bytes,
         ffn_bytes_rel_dense: 1.0,
     }];
-    for ((m, acc), allocation) in maskers.iter().zip(&accs).zip(allocations) {
-        let ppl = (acc.nll / acc.count as f64).exp();
+    let ppl_of = |acc: &Accum| (acc.nll / acc.count as f64).exp();
+    for (i, ((m, acc), allocation)) in maskers.iter().zip(&accs).zip(allocations).take(base).enumerate() {
+        let ppl = ppl_of(acc);
+        let jitter = (opts.jitter_seeds > 0).then(|| {
+            let runs: Vec<&Accum> = (1..=opts.jitter_seeds).map(|s| &accs[s * base + i]).collect();
+            let ppl_increase_pct: Vec<f64> = runs.iter().map(|a| (ppl_of(a) / dense_ppl - 1.0) * 100.0).collect();
+            let own = (ppl / dense_ppl - 1.0) * 100.0;
+            let (lo, hi) = ppl_increase_pct
+                .iter()
+                .fold((own, own), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+            Jitter {
+                top1_agreement: runs.iter().map(|a| a.agree as f64 / a.count as f64).collect(),
+                ppl_increase_pct,
+                ppl_increase_spread: hi - lo,
+            }
+        });
         let achieved = m.achieved_sparsity();
         let b = bytes.sparse(&m.up_rows_per_token(), &achieved);
         rows.push(EvalRow {
@@ -585,6 +626,7 @@ pub fn eval(
             sparsity: m.sparsity,
             per_layer: m.per_layer.clone(),
             allocation,
+            jitter,
             perplexity: ppl,
             ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
             top1_agreement: acc.agree as f64 / acc.count as f64,
@@ -625,16 +667,27 @@ pub fn table(r: &EvalReport) -> String {
     if let Some(c) = &r.calibration {
         let _ = writeln!(o, "thresholds calibrated on {c}");
     }
+    let jitter = r.rows.iter().any(|row| row.jitter.is_some());
     let _ = writeln!(
         o,
-        "{:<10} {:<11} {:>5} {:>10} {:>8} {:>7} {:>8} {:>9} {:>11} {:>8}",
-        "strategy", "criterion", "level", "ppl", "Δppl%", "top1", "KL", "achieved", "FFN MB/tok", "vs dense"
+        "{:<10} {:<11} {:>5} {:>10} {:>8} {:>7} {:>8} {:>9} {:>11} {:>8}{}",
+        "strategy",
+        "criterion",
+        "level",
+        "ppl",
+        "Δppl%",
+        "top1",
+        "KL",
+        "achieved",
+        "FFN MB/tok",
+        "vs dense",
+        if jitter { "  jitter Δppl% spread" } else { "" }
     );
     for row in &r.rows {
         let name = |v: Option<String>| v.unwrap_or_else(|| "dense".into());
         let _ = writeln!(
             o,
-            "{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}",
+            "{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}{}",
             name(
                 row.strategy
                     .map(|s| format!("{s:?}").to_lowercase() + if row.per_layer.is_some() { "/layer" } else { "" })
@@ -647,7 +700,19 @@ pub fn table(r: &EvalReport) -> String {
             row.mean_kl,
             row.achieved_sparsity_mean,
             row.ffn_bytes_per_token / 1e6,
-            row.ffn_bytes_rel_dense
+            row.ffn_bytes_rel_dense,
+            match &row.jitter {
+                Some(j) => format!(
+                    "  {:.2} ({})",
+                    j.ppl_increase_spread,
+                    j.ppl_increase_pct
+                        .iter()
+                        .map(|v| format!("{v:+.2}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                ),
+                None => String::new(),
+            }
         );
     }
     let f = &r.rows[r.frontier];

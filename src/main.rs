@@ -217,6 +217,12 @@ enum Command {
         /// checkpoint (run the same command again to continue): a long evaluation in parts.
         #[arg(long, value_name = "N")]
         windows_this_run: Option<usize>,
+        /// Also run every configuration N more times with its neuron scores changed at rounding
+        /// level (a relative 1e-6, fixed per seed, layer and neuron) and print the spread of the
+        /// perplexity increase: differences between rows smaller than it are noise. Costs N
+        /// times the sparse passes.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        jitter_seeds: usize,
     },
     /// Stores the frontier of an earlier `eval --json` report in a .gst file as the default for
     /// `run --mode sparse`, at a quality budget chosen now (no re-evaluation). The .gst must be
@@ -1245,6 +1251,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             json,
             checkpoint,
             windows_this_run,
+            jitter_seeds,
         } => {
             use gatestream::eval::{eval, table, EvalOptions};
             let checkpoint = checkpoint.or_else(|| {
@@ -1272,6 +1279,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 per_layer_tokens,
                 checkpoint: checkpoint.clone(),
                 windows_this_run,
+                jitter_seeds,
             };
             let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
             let mut bar = Progress::new();

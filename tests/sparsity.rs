@@ -134,6 +134,7 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
         per_layer_tokens: 0,
         checkpoint: None,
         windows_this_run: None,
+        jitter_seeds: 0,
     };
     let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _, _| {})
         .unwrap()
@@ -206,6 +207,7 @@ fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
         per_layer_tokens: 256,
         checkpoint: None,
         windows_this_run: None,
+        jitter_seeds: 0,
     };
     let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _, _| {})
         .unwrap()
@@ -299,6 +301,7 @@ fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
         per_layer_tokens: 0,
         checkpoint: None,
         windows_this_run: None,
+        jitter_seeds: 0,
     };
     let text = text();
     let r = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _, _| {})
@@ -350,10 +353,23 @@ fn an_eval_stopped_and_resumed_from_its_checkpoint_reports_what_one_run_reports(
         per_layer_tokens: 256,
         checkpoint: None,
         windows_this_run: None,
+        jitter_seeds: 1,
     };
     let whole = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _, _| {})
         .unwrap()
         .unwrap();
+    // Every sparse row carries its jittered re-run; the spread covers it and the row.
+    for row in &whole.rows[1..] {
+        let j = row.jitter.as_ref().expect("a jittered re-run");
+        assert_eq!(j.ppl_increase_pct.len(), 1);
+        let want = (j.ppl_increase_pct[0] - row.ppl_increase_pct).abs();
+        assert!(
+            (j.ppl_increase_spread - want).abs() < 1e-9,
+            "{j:?} vs {}",
+            row.ppl_increase_pct
+        );
+    }
+    assert!(whole.rows[0].jitter.is_none());
     // In three parts: 1 window, 2 more, the rest; every part saves its progress.
     let parts = EvalOptions {
         checkpoint: Some(checkpoint.clone()),

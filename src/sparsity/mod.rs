@@ -208,9 +208,57 @@ pub struct Masker<'a> {
     kept: Vec<AtomicU64>,
     total: Vec<AtomicU64>,
     up_rows: Vec<AtomicU64>,
+    /// A seed for tiny per-neuron changes of every score ([`Masker::jittered`]).
+    pub jitter: Option<u64>,
 }
 
+/// Relative size of a jittered score's change: about float rounding, far below any real
+/// difference between neurons.
+pub const JITTER_REL: f32 = 1e-6;
+
 impl<'a> Masker<'a> {
+    /// The same mask with every score multiplied by `1 + JITTER_REL·u`, `u` in [-1, 1) fixed
+    /// per (seed, layer, neuron): what a rounding-level change of the scores (another kernel,
+    /// another summation order) does to the results. Evaluating a few seeds shows how much of
+    /// a difference between configurations is noise.
+    pub fn jittered(&self, seed: u64) -> Masker<'a> {
+        let n = self.kept.len();
+        Masker {
+            strategy: self.strategy,
+            criterion: self.criterion,
+            sparsity: self.sparsity,
+            per_layer: self.per_layer.clone(),
+            ffn: self.ffn,
+            hidden: self.hidden,
+            sketches: self.sketches,
+            thresholds: self.thresholds.clone(),
+            gate_thresholds: self.gate_thresholds.clone(),
+            union_context: Mutex::new(0),
+            union_sets: Mutex::new(vec![None; n]),
+            kept: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            total: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            jitter: Some(seed),
+        }
+    }
+
+    fn jitter_scores(&self, layer: usize, scores: &mut [f32]) {
+        let Some(seed) = self.jitter else {
+            return;
+        };
+        for (i, s) in scores.iter_mut().enumerate() {
+            // splitmix64 of (seed, layer, neuron): a fixed pseudo-random u in [-1, 1).
+            let mut z = seed
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .wrapping_add(((layer as u64) << 32) | i as u64);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let u = (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+            *s *= 1.0 + JITTER_REL * u;
+        }
+    }
+
     pub fn new(
         model: &Model,
         strategy: Strategy,
@@ -239,6 +287,7 @@ impl<'a> Masker<'a> {
             kept: (0..n).map(|_| AtomicU64::new(0)).collect(),
             total: (0..n).map(|_| AtomicU64::new(0)).collect(),
             up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            jitter: None,
         }
     }
 
@@ -411,6 +460,7 @@ impl<'a> Masker<'a> {
                 a,
                 &mut scratch,
             );
+            self.jitter_scores(layer, &mut scratch);
             top_k_mask(&scratch, k, &mut keep);
             votes.iter_mut().zip(&keep).for_each(|(v, &kp)| *v += kp as u32);
         }
@@ -432,6 +482,7 @@ impl<'a> Masker<'a> {
     ) -> usize {
         let k = self.keep_count(layer);
         scores(self.criterion, self.sketches, layer, xn, gate, hact, scratch);
+        self.jitter_scores(layer, scratch);
         let mut up_rows = self.ffn;
         match (self.strategy, self.criterion) {
             (Strategy::Threshold, Criterion::Candidates) => {
