@@ -21,6 +21,30 @@ fn text() -> String {
     std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap()
 }
 
+/// `eval` options for stories260K: 2 windows of 128 tokens, the given grid, nothing else.
+fn eval_opts(sparsities: &[f32], strategies: &[Strategy], criteria: &[Criterion]) -> EvalOptions {
+    EvalOptions {
+        ctx: 128,
+        windows: 2,
+        sparsities: sparsities.to_vec(),
+        strategies: strategies.to_vec(),
+        criteria: criteria.to_vec(),
+        calibrate_tokens: 512,
+        max_ppl_increase_pct: 2.0,
+        per_layer_tokens: 0,
+        checkpoint: None,
+        windows_this_run: None,
+        jitter_seeds: 0,
+    }
+}
+
+/// A whole evaluation (no checkpoint stop) on wiki.test.raw.
+fn evaluate(model: &Model, text: &str, opts: &EvalOptions) -> gatestream::eval::EvalReport {
+    eval(model, text, "wiki.test.raw", opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap()
+}
+
 fn run(model: &Model, ids: &[u32], mask: Option<&Masker>) -> Vec<f32> {
     let mut cache = KvCache::new(&model.config, ids.len());
     let hooks = FfnHooks {
@@ -124,21 +148,14 @@ fn union_keeps_the_context_dense_and_masks_the_rest() {
 fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
     let model = stories();
     let opts = EvalOptions {
-        ctx: 128,
-        windows: 2,
-        sparsities: vec![0.0, 0.5],
-        strategies: vec![Strategy::TopK, Strategy::Threshold],
-        criteria: vec![Criterion::Gate, Criterion::Exact],
-        calibrate_tokens: 512,
         max_ppl_increase_pct: 1e9,
-        per_layer_tokens: 0,
-        checkpoint: None,
-        windows_this_run: None,
-        jitter_seeds: 0,
+        ..eval_opts(
+            &[0.0, 0.5],
+            &[Strategy::TopK, Strategy::Threshold],
+            &[Criterion::Gate, Criterion::Exact],
+        )
     };
-    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _, _| {})
-        .unwrap()
-        .unwrap();
+    let r = evaluate(&model, &text(), &opts);
     assert_eq!(r.rows.len(), 1 + 4);
     assert_eq!(r.rows[0].ppl_increase_pct, 0.0);
     assert_eq!(r.scored_positions, 2 * 63);
@@ -197,21 +214,10 @@ fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
     let alloc = sens.allocate(0.5);
     assert!((alloc.iter().sum::<f32>() / 5.0 - 0.5).abs() < 1e-5, "{alloc:?}");
     let opts = EvalOptions {
-        ctx: 128,
-        windows: 2,
-        sparsities: vec![0.5],
-        strategies: vec![Strategy::TopK],
-        criteria: vec![Criterion::Exact],
-        calibrate_tokens: 512,
-        max_ppl_increase_pct: 2.0,
         per_layer_tokens: 256,
-        checkpoint: None,
-        windows_this_run: None,
-        jitter_seeds: 0,
+        ..eval_opts(&[0.5], &[Strategy::TopK], &[Criterion::Exact])
     };
-    let r = eval(&model, &text(), "wiki.test.raw", &opts, &mut |_, _, _| {})
-        .unwrap()
-        .unwrap();
+    let r = evaluate(&model, &text(), &opts);
     assert_eq!(r.rows.len(), 3);
     let (uniform, layered) = (&r.rows[1], &r.rows[2]);
     assert!(uniform.per_layer.is_none() && layered.per_layer.is_some());
@@ -293,20 +299,14 @@ fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
     let opts = EvalOptions {
         ctx,
         windows,
-        sparsities: vec![0.0, 0.5],
-        strategies: vec![Strategy::TopK, Strategy::Union],
-        criteria: vec![Criterion::Gate, Criterion::Exact],
-        calibrate_tokens: 512,
-        max_ppl_increase_pct: 2.0,
-        per_layer_tokens: 0,
-        checkpoint: None,
-        windows_this_run: None,
-        jitter_seeds: 0,
+        ..eval_opts(
+            &[0.0, 0.5],
+            &[Strategy::TopK, Strategy::Union],
+            &[Criterion::Gate, Criterion::Exact],
+        )
     };
     let text = text();
-    let r = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _, _| {})
-        .unwrap()
-        .unwrap();
+    let r = evaluate(&model, &text, &opts);
     let ids = model.tokenizer.encode(&text, true).unwrap();
     for c in [Criterion::Gate, Criterion::Exact] {
         let (mut nll, mut n) = (0.0f64, 0usize);
@@ -343,21 +343,16 @@ fn an_eval_stopped_and_resumed_from_its_checkpoint_reports_what_one_run_reports(
     let tmp = tempfile::tempdir().unwrap();
     let checkpoint = tmp.path().join("eval.checkpoint");
     let opts = EvalOptions {
-        ctx: 128,
         windows: 4,
-        sparsities: vec![0.0, 0.5],
-        strategies: vec![Strategy::TopK, Strategy::Threshold, Strategy::Union],
-        criteria: vec![Criterion::Gate, Criterion::Exact],
-        calibrate_tokens: 512,
-        max_ppl_increase_pct: 2.0,
         per_layer_tokens: 256,
-        checkpoint: None,
-        windows_this_run: None,
         jitter_seeds: 1,
+        ..eval_opts(
+            &[0.0, 0.5],
+            &[Strategy::TopK, Strategy::Threshold, Strategy::Union],
+            &[Criterion::Gate, Criterion::Exact],
+        )
     };
-    let whole = eval(&model, &text, "wiki.test.raw", &opts, &mut |_, _, _| {})
-        .unwrap()
-        .unwrap();
+    let whole = evaluate(&model, &text, &opts);
     // Every sparse row carries its jittered re-run; the spread covers it and the row.
     for row in &whole.rows[1..] {
         let j = row.jitter.as_ref().expect("a jittered re-run");
@@ -391,9 +386,7 @@ fn an_eval_stopped_and_resumed_from_its_checkpoint_reports_what_one_run_reports(
         assert!(checkpoint.exists());
     }
     assert_eq!(windows_seen, [0, 1, 1, 2, 3], "each part starts where the last stopped");
-    let resumed = eval(&model, &text, "wiki.test.raw", &parts, &mut |_, _, _| {})
-        .unwrap()
-        .unwrap();
+    let resumed = evaluate(&model, &text, &parts);
     let json = |r: &gatestream::eval::EvalReport| serde_json::to_value(&r.rows).unwrap();
     assert_eq!(json(&resumed), json(&whole), "bit for bit the same rows");
     assert_eq!(resumed.scored_positions, whole.scored_positions);
