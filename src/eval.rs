@@ -216,7 +216,8 @@ struct Accum {
 }
 
 impl Accum {
-    /// Exact (bit patterns for the sums), so a resumed run adds up to the same result.
+    /// As bit patterns: exact and valid for any value (JSON has no infinity), so a resumed run
+    /// adds up to the same result.
     fn save(&self) -> [u64; 4] {
         [self.nll.to_bits(), self.agree, self.kl.to_bits(), self.count]
     }
@@ -249,9 +250,8 @@ struct Checkpoint {
 struct ConfigState {
     accum: [u64; 4],
     counters: MaskCounters,
-    /// Per-layer rows: the allocation and its levels' bit patterns (not measured again).
+    /// Per-layer rows: the allocation (not measured again; its levels parse back exactly).
     allocation: Option<Allocation>,
-    level_bits: Option<Vec<u32>>,
 }
 
 /// The identity of an evaluation, for its checkpoint.
@@ -318,22 +318,6 @@ fn read_checkpoint(path: &Path, key: &serde_json::Value) -> Result<Option<Checkp
         )));
     }
     Ok(Some(c))
-}
-
-/// Writes the checkpoint to a temporary file beside `path`, then renames it over `path`.
-fn write_checkpoint(path: &Path, c: &Checkpoint) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let bytes = serde_json::to_vec(c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
-    let write = || -> std::io::Result<()> {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    };
-    write().map_err(|e| Error::io(path, e))
 }
 
 /// Lets every union mask vote on a dense batch (its context) without changing it.
@@ -420,7 +404,10 @@ pub fn eval(
             }
         }
     }
-    let key = checkpoint_key(model, text, text_name, opts)?;
+    let key = match &opts.checkpoint {
+        Some(_) => checkpoint_key(model, text, text_name, opts)?,
+        None => serde_json::Value::Null,
+    };
     let resumed = match &opts.checkpoint {
         Some(path) => read_checkpoint(path, &key)?,
         None => None,
@@ -439,12 +426,10 @@ pub fn eval(
         for &c in &opts.criteria {
             let mut sens = None;
             for &s in levels.clone() {
-                let (a, bits) = match saved.next() {
+                let a = match saved.next() {
                     Some(ConfigState {
-                        allocation: Some(a),
-                        level_bits: Some(bits),
-                        ..
-                    }) => (a.clone(), bits.clone()),
+                        allocation: Some(a), ..
+                    }) => a.clone(),
                     _ => {
                         if sens.is_none() {
                             let stage = format!("per-layer sensitivity ({})", c.name());
@@ -458,16 +443,14 @@ pub fn eval(
                             )?;
                             sens = Some(m);
                         }
-                        let a = sens
-                            .as_ref()
+                        sens.as_ref()
                             .expect("measured")
-                            .allocate_checked(model, s, sketches.as_ref())?;
-                        let bits = a.levels.iter().map(|v| v.to_bits()).collect();
-                        (a, bits)
+                            .allocate_checked(model, s, sketches.as_ref())?
                     }
                 };
-                let levels = bits.iter().map(|&b| f32::from_bits(b)).collect();
-                maskers.push(Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(levels));
+                maskers.push(
+                    Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(a.levels.clone()),
+                );
                 allocations.push(Some(a));
             }
         }
@@ -566,7 +549,6 @@ pub fn eval(
                     accum: acc.save(),
                     counters: m.counters(),
                     allocation: a.clone(),
-                    level_bits: m.per_layer.as_ref().map(|p| p.iter().map(|v| v.to_bits()).collect()),
                 })
                 .collect();
             let c = Checkpoint {
@@ -577,7 +559,8 @@ pub fn eval(
                 dense: dense_acc.save(),
                 configs,
             };
-            write_checkpoint(path, &c)?;
+            let bytes = serde_json::to_vec(&c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
+            crate::io::write_replacing(path, &bytes)?;
         }
         progress("windows", w + 1, windows);
     }

@@ -75,10 +75,8 @@ impl Trace {
                 out.extend_from_slice(&bits_of(&u.down, h.ffn));
             }
         }
-        // Written beside the target and renamed: a trace exists only when complete.
-        let tmp = path.with_extension("partial");
-        std::fs::write(&tmp, &out).map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+        // A trace exists only when complete.
+        crate::io::write_replacing(path, &out)
     }
 
     pub fn read(path: &Path) -> Result<Trace> {

@@ -178,6 +178,22 @@ pub struct OpenedReader {
 /// Opens `path` with `engine`, falling back where the platform cannot do what was asked:
 /// io_uring unavailable → pread thread pool; O_DIRECT refused by the filesystem → buffered reads,
 /// unless `opts.direct_io` is `Required`, which makes it an error. Each fallback adds a warning.
+/// Writes `bytes` to `path` whole or not at all: into `path` + ".tmp" beside it, fsynced, then
+/// renamed over `path` (a reader sees the old file or the complete new one).
+pub fn write_replacing(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    write().map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
 pub fn open_reader(path: impl AsRef<Path>, engine: ReadEngine, opts: &ReaderOptions) -> Result<OpenedReader> {
     let path = path.as_ref();
     let mut warnings = Vec::new();
