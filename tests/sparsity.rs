@@ -290,7 +290,8 @@ fn union_learns_from_the_prompt_and_reuses_the_set_while_decoding() {
 
 /// `eval` runs a union mask's context once (in the dense pass) and only its second half per
 /// mask; that must score exactly what a union mask running the whole window by itself scores,
-/// also beside top-K rows that use the same cache.
+/// also beside top-K rows that use the same cache, and for union candidates, which eval does not
+/// run (it is union exact by construction).
 #[test]
 fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
     use gatestream::backend::ops::log_sum_exp;
@@ -302,13 +303,17 @@ fn eval_union_rows_equal_a_union_mask_running_each_whole_window() {
         ..eval_opts(
             &[0.0, 0.5],
             &[Strategy::TopK, Strategy::Union],
-            &[Criterion::Gate, Criterion::Exact],
+            &[Criterion::Gate, Criterion::Exact, Criterion::Candidates],
         )
     };
     let text = text();
     let r = evaluate(&model, &text, &opts);
+    let t = gatestream::eval::table(&r);
+    assert!(t.contains("union candidates = union exact"), "{t}");
     let ids = model.tokenizer.encode(&text, true).unwrap();
-    for c in [Criterion::Gate, Criterion::Exact] {
+    // eval takes union candidates from union exact; a union candidates mask run by itself
+    // must score the same.
+    for c in [Criterion::Gate, Criterion::Exact, Criterion::Candidates] {
         let (mut nll, mut n) = (0.0f64, 0usize);
         for w in 0..windows {
             let batch = gatestream::perplexity::window_tokens(&model, &ids, w, ctx);

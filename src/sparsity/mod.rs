@@ -355,6 +355,19 @@ impl<'a> Masker<'a> {
         self
     }
 
+    /// Whether this mask keeps, by construction, exactly the neurons `other` keeps on every
+    /// input, so that evaluating one gives the other's results. Under `Union` the candidates
+    /// criterion votes with the exact score (its gate step is per token, and a union mask has
+    /// no per-token step), so union candidates is union exact at the same level and seed.
+    pub fn same_mask_as(&self, other: &Masker) -> bool {
+        self.strategy == Strategy::Union
+            && other.strategy == Strategy::Union
+            && self.criterion.base() == other.criterion.base()
+            && self.sparsity == other.sparsity
+            && self.per_layer == other.per_layer
+            && self.jitter == other.jitter
+    }
+
     fn keep_count(&self, layer: usize) -> usize {
         let s = self.per_layer.as_ref().map_or(self.sparsity, |p| p[layer]);
         ((1.0 - s) * self.ffn as f32).round() as usize
