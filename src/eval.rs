@@ -133,6 +133,57 @@ pub struct SavedReport {
     pub rows: Vec<EvalRow>,
 }
 
+/// Dense perplexities of two reports closer than this (relative) count as the same
+/// measurement: the same windows through another build of the same kernels.
+const SAME_DENSE_REL: f64 = 1e-6;
+
+/// Several reports of one evaluation (the same model, text, windows and context — a grid run
+/// in parts, e.g. one strategy per run) as one: the dense row once, then every report's sparse
+/// rows, so that the frontier is taken over all of them. Refused, naming the reports and what
+/// differs, when they did not measure the same thing. `reports` are (name, report) pairs.
+pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport> {
+    let mut reports = reports.into_iter();
+    let Some((first, mut merged)) = reports.next() else {
+        return Err(Error::Invalid("no report to merge".into()));
+    };
+    let same_file = |a: &str, b: &str| {
+        a == b
+            || match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+                (Ok(a), Ok(b)) => a == b,
+                _ => false,
+            }
+    };
+    let dense = |r: &SavedReport| r.rows.iter().find(|x| x.strategy.is_none()).map(|x| x.perplexity);
+    let first_dense = dense(&merged);
+    for (name, r) in reports {
+        let mut differs = Vec::new();
+        if !same_file(&merged.model, &r.model) {
+            differs.push(format!("model {} vs {}", merged.model, r.model));
+        }
+        if merged.text != r.text {
+            differs.push(format!("text {} vs {}", merged.text, r.text));
+        }
+        if (merged.windows, merged.ctx) != (r.windows, r.ctx) {
+            differs.push(format!(
+                "{} vs {} windows of {} vs {} tokens",
+                merged.windows, r.windows, merged.ctx, r.ctx
+            ));
+        }
+        match (first_dense, dense(&r)) {
+            (Some(a), Some(b)) if (a - b).abs() <= SAME_DENSE_REL * a => {}
+            (a, b) => differs.push(format!("dense perplexity {a:?} vs {b:?}")),
+        }
+        if !differs.is_empty() {
+            return Err(Error::Invalid(format!(
+                "{first} and {name} are reports of different evaluations ({}); only reports of the same model, text, windows and context can be merged",
+                differs.join("; ")
+            )));
+        }
+        merged.rows.extend(r.rows.into_iter().filter(|x| x.strategy.is_some()));
+    }
+    Ok(merged)
+}
+
 /// The frontier configuration at a quality budget, as stored in a .gst file; `None` when no
 /// sparse row is within the budget.
 pub fn recommendation(
@@ -497,7 +548,14 @@ pub fn eval(
     // Union masks run the window's first half dense and vote on it: that half is the dense pass's
     // own first half, so it runs once, with every union mask voting, and each union mask then
     // runs only the second half from the dense keys and values.
-    let voters = Voters(maskers.iter().filter(|m| m.strategy == Strategy::Union).collect());
+    let voters = Voters(
+        maskers
+            .iter()
+            .zip(&copy_of)
+            .filter(|(m, copy)| m.strategy == Strategy::Union && copy.is_none())
+            .map(|(m, _)| m)
+            .collect(),
+    );
     let voting = FfnHooks {
         select: &|_, _| FfnNeurons::All,
         observe: None,
@@ -760,5 +818,81 @@ pub fn chart(r: &EvalReport) -> crate::plot::Chart<'static> {
         x_label: "FFN bytes per token relative to dense",
         y_label: "perplexity increase over dense (%)",
         series,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(
+        strategy: Option<Strategy>,
+        sparsity: f32,
+        perplexity: f64,
+        ppl_increase_pct: f64,
+        bytes_rel: f64,
+    ) -> EvalRow {
+        EvalRow {
+            strategy,
+            criterion: strategy.map(|_| Criterion::Exact),
+            sparsity,
+            per_layer: None,
+            allocation: None,
+            jitter: None,
+            perplexity,
+            ppl_increase_pct,
+            top1_agreement: 0.9,
+            mean_kl: 0.01,
+            achieved_sparsity_mean: sparsity,
+            achieved_sparsity_per_layer: vec![sparsity],
+            ffn_bytes_per_token: bytes_rel * 1e6,
+            ffn_bytes_rel_dense: bytes_rel,
+        }
+    }
+
+    fn report(windows: usize, dense_ppl: f64, sparse: Vec<EvalRow>) -> SavedReport {
+        let mut rows = vec![row(None, 0.0, dense_ppl, 0.0, 1.0)];
+        rows.extend(sparse);
+        SavedReport {
+            model: "m.gguf".into(),
+            text: "wiki.test.raw".into(),
+            windows,
+            ctx: 512,
+            rows,
+        }
+    }
+
+    #[test]
+    fn merged_reports_keep_one_dense_row_and_take_the_frontier_over_all_rows() {
+        let topk = report(20, 10.0, vec![row(Some(Strategy::TopK), 0.5, 10.1, 1.0, 0.75)]);
+        let threshold = report(20, 10.0, vec![row(Some(Strategy::Threshold), 0.5, 10.15, 1.5, 0.72)]);
+        let m = merge_reports(vec![("a.json".into(), topk), ("b.json".into(), threshold)]).unwrap();
+        assert_eq!(m.rows.len(), 3);
+        assert_eq!(m.rows.iter().filter(|r| r.strategy.is_none()).count(), 1);
+        assert_eq!(m.rows[frontier(&m.rows, 2.0)].strategy, Some(Strategy::Threshold));
+        assert_eq!(m.rows[frontier(&m.rows, 1.2)].strategy, Some(Strategy::TopK));
+    }
+
+    #[test]
+    fn reports_of_different_evaluations_are_not_merged() {
+        let a = || report(20, 10.0, vec![]);
+        let e = merge_reports(vec![("a.json".into(), a()), ("b.json".into(), report(4, 10.0, vec![]))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a.json and b.json") && e.contains("20 vs 4 windows"), "{e}");
+        let e = merge_reports(vec![
+            ("a.json".into(), a()),
+            ("c.json".into(), report(20, 10.5, vec![])),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("dense perplexity"), "{e}");
+        let mut other = a();
+        other.text = "wiki.train.raw".into();
+        let e = merge_reports(vec![("a.json".into(), a()), ("d.json".into(), other)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("text wiki.test.raw vs wiki.train.raw"), "{e}");
+        assert!(merge_reports(vec![]).is_err());
     }
 }

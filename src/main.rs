@@ -224,13 +224,15 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 0)]
         jitter_seeds: usize,
     },
-    /// Stores the frontier of an earlier `eval --json` report in a .gst file as the default for
+    /// Stores the frontier of earlier `eval --json` reports in a .gst file as the default for
     /// `run --mode sparse`, at a quality budget chosen now (no re-evaluation). The .gst must be
     /// the evaluated model or made from it (checked by the source length and xxh3 it records).
     Recommend {
-        /// The report written by `gatestream eval --json`.
-        #[arg(long)]
-        report: PathBuf,
+        /// The report written by `gatestream eval --json`. Repeat it for an evaluation run in
+        /// parts (same model, text, windows and context; e.g. one strategy per run): the
+        /// frontier is taken over all of their rows.
+        #[arg(long, required = true)]
+        report: Vec<PathBuf>,
         /// The .gst file to store the recommendation in (safe rewrite).
         #[arg(long)]
         model: PathBuf,
@@ -1327,9 +1329,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             model,
             max_ppl_increase,
         } => {
-            let bytes = std::fs::read(&report).with_context(|| format!("reading {}", report.display()))?;
-            let r: gatestream::eval::SavedReport = serde_json::from_slice(&bytes)
-                .with_context(|| format!("{}: not an eval report (gatestream eval --json)", report.display()))?;
+            let mut reports = Vec::with_capacity(report.len());
+            for path in &report {
+                let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+                let r: gatestream::eval::SavedReport = serde_json::from_slice(&bytes)
+                    .with_context(|| format!("{}: not an eval report (gatestream eval --json)", path.display()))?;
+                reports.push((path.display().to_string(), r));
+            }
+            let r = gatestream::eval::merge_reports(reports)?;
             store_frontier(
                 &r.rows,
                 max_ppl_increase,

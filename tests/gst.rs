@@ -453,6 +453,21 @@ fn eval_store_puts_the_frontier_in_the_file_and_run_sparse_uses_it() {
         (r.sparsity, r.measured_on.as_str()),
         (0.3, "wiki.test.raw: 2 windows of 128 tokens")
     );
+    // Reports of one evaluation run in parts count as one (here the same report twice).
+    let out = std::process::Command::new(bin)
+        .args(["recommend", "--max-ppl-increase=1000", "--model"])
+        .arg(&path)
+        .arg("--report")
+        .arg(tmp.path().join("e.json"))
+        .arg("--report")
+        .arg(tmp.path().join("e.json"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        GstFile::open(&path).unwrap().index.recommended_sparse.clone().unwrap(),
+        r
+    );
     let out = recommend("-100");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("nothing stored"), "{err}");
