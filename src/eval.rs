@@ -160,7 +160,10 @@ pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport>
         if !same_file(&merged.model, &r.model) {
             differs.push(format!("model {} vs {}", merged.model, r.model));
         }
-        if merged.text != r.text {
+        // Reports written before the text was recorded say nothing about it.
+        if merged.text.is_empty() {
+            merged.text = r.text.clone();
+        } else if !r.text.is_empty() && merged.text != r.text {
             differs.push(format!("text {} vs {}", merged.text, r.text));
         }
         if (merged.windows, merged.ctx) != (r.windows, r.ctx) {
@@ -171,7 +174,10 @@ pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport>
         }
         match (first_dense, dense(&r)) {
             (Some(a), Some(b)) if (a - b).abs() <= SAME_DENSE_REL * a => {}
-            (a, b) => differs.push(format!("dense perplexity {a:?} vs {b:?}")),
+            (a, b) => {
+                let show = |p: Option<f64>| p.map_or("none".into(), |p| format!("{p:.4}"));
+                differs.push(format!("dense perplexity {} vs {}", show(a), show(b)))
+            }
         }
         if !differs.is_empty() {
             return Err(Error::Invalid(format!(
@@ -886,13 +892,18 @@ mod tests {
         ])
         .unwrap_err()
         .to_string();
-        assert!(e.contains("dense perplexity"), "{e}");
+        assert!(e.contains("dense perplexity 10.0000 vs 10.5000"), "{e}");
         let mut other = a();
         other.text = "wiki.train.raw".into();
         let e = merge_reports(vec![("a.json".into(), a()), ("d.json".into(), other)])
             .unwrap_err()
             .to_string();
         assert!(e.contains("text wiki.test.raw vs wiki.train.raw"), "{e}");
+        // A report written before the text was recorded merges with one that records it.
+        let mut unrecorded = a();
+        unrecorded.text = String::new();
+        let m = merge_reports(vec![("old.json".into(), unrecorded), ("a.json".into(), a())]).unwrap();
+        assert_eq!(m.text, "wiki.test.raw");
         assert!(merge_reports(vec![]).is_err());
     }
 }
