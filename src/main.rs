@@ -487,6 +487,25 @@ fn store_frontier(
     Ok(())
 }
 
+/// Why sparse streaming can take longer than dense, in this run's own figures: on a device
+/// where a request costs as much as reading many KB, scattered neuron reads save bytes but not
+/// time; what saves time there is the neuron cache.
+fn slower_sparse_hint(s: &gatestream::stream::StreamReport) -> String {
+    let c = &s.cost_model;
+    format!(
+        "note: sparse streaming took longer than dense here. The read planner read through gaps under {:.1} KB \
+         between needed neurons (its cost model: {:.1} µs per request at {:.0} MB/s; read amplification {:.2}) and \
+         paid one request per remaining run: where a request costs as long as reading several KB, the bytes saved \
+         do not save time. What does: neurons served from RAM (cache hits {:.0}% here) — a larger --ram-budget — \
+         or dense streaming.",
+        c.merge_gap_bytes() as f64 / 1e3,
+        c.request_us,
+        c.bytes_per_us,
+        s.read_amplification,
+        s.cache_hit_rate * 100.0
+    )
+}
+
 /// A sparsity level as a user reads it: up to three decimals, no float noise (0.575, 0.6).
 fn level(s: f32) -> String {
     let t = format!("{s:.3}");
@@ -1017,11 +1036,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         dense.print_stats("dense  ");
                         sparse.print_stats("sparse ");
                         if let Some(r) = ratios {
+                            let time = r["time_per_token"].as_f64().unwrap_or(0.0);
                             eprintln!(
-                                "sparse / dense: {:.3}x disk bytes per token, {:.3}x time per token",
+                                "sparse / dense: {:.3}x disk bytes per token, {time:.3}x time per token",
                                 r["disk_bytes_per_token"].as_f64().unwrap_or(0.0),
-                                r["time_per_token"].as_f64().unwrap_or(0.0)
                             );
+                            if let (true, Some(ss)) = (time > 1.0, &sparse.stream) {
+                                eprintln!("{}", slower_sparse_hint(ss));
+                            }
                         }
                     }
                 }

@@ -436,6 +436,37 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
         }
     }
 
+    // `--mode compare` under a budget prints both runs' ratio and, when sparse took longer, why.
+    let out = std::process::Command::new(bin)
+        .args(["run", "--model"])
+        .arg(&p)
+        .args([
+            "--max-tokens",
+            "8",
+            "--mode",
+            "compare",
+            "--sparsity",
+            "0.5",
+            "--criterion",
+            "gate",
+        ])
+        .args(["--ram-budget", "100M"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let time: f64 = err
+        .split("x disk bytes per token, ")
+        .nth(1)
+        .and_then(|t| t.split('x').next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no sparse / dense time ratio in: {err}"));
+    assert_eq!(
+        err.contains("note: sparse streaming took longer than dense"),
+        time > 1.0,
+        "{err}"
+    );
+
     // The bench report's device baseline as the read planner's cost model.
     let out = std::process::Command::new(bin)
         .args(["run", "--model"])
