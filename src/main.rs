@@ -1041,8 +1041,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                                 "sparse / dense: {:.3}x disk bytes per token, {time:.3}x time per token",
                                 r["disk_bytes_per_token"].as_f64().unwrap_or(0.0),
                             );
-                            if let (true, Some(ss)) = (time > 1.0, &sparse.stream) {
-                                eprintln!("{}", slower_sparse_hint(ss));
+                            match &sparse.stream {
+                                Some(ss) if time > 1.0 => eprintln!("{}", slower_sparse_hint(ss)),
+                                _ => {}
                             }
                         }
                     }

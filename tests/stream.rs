@@ -367,23 +367,30 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
     let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
     let bin = env!("CARGO_BIN_EXE_gatestream");
     let trace = tmp.path().join("t.trace");
-    let out = std::process::Command::new(bin)
-        .args(["run", "--model"])
-        .arg(&p)
-        .args([
-            "--max-tokens",
-            "8",
-            "--mode",
-            "sparse",
-            "--sparsity",
-            "0.7",
-            "--criterion",
-            "gate",
-        ])
-        .args(["--ram-budget", "100M", "--record-trace"])
-        .arg(&trace)
-        .output()
-        .unwrap();
+    // `gatestream run --model s.gst ARGS…`
+    let run_cli = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new(bin)
+            .args(["run", "--model"])
+            .arg(&p)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let os = |a: &'static str| std::ffi::OsStr::new(a);
+    let out = run_cli(&[
+        os("--max-tokens"),
+        os("8"),
+        os("--mode"),
+        os("sparse"),
+        os("--sparsity"),
+        os("0.7"),
+        os("--criterion"),
+        os("gate"),
+        os("--ram-budget"),
+        os("100M"),
+        os("--record-trace"),
+        trace.as_os_str(),
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let t = gatestream::bench::trace::Trace::read(&trace).unwrap();
     assert_eq!(t.header.n_layers, 5);
@@ -437,10 +444,8 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
     }
 
     // `--mode compare` under a budget prints both runs' ratio and, when sparse took longer, why.
-    let out = std::process::Command::new(bin)
-        .args(["run", "--model"])
-        .arg(&p)
-        .args([
+    let out = run_cli(
+        &[
             "--max-tokens",
             "8",
             "--mode",
@@ -449,10 +454,11 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
             "0.5",
             "--criterion",
             "gate",
-        ])
-        .args(["--ram-budget", "100M"])
-        .output()
-        .unwrap();
+            "--ram-budget",
+            "100M",
+        ]
+        .map(os),
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let time: f64 = err
@@ -468,33 +474,23 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
     );
 
     // The bench report's device baseline as the read planner's cost model.
-    let out = std::process::Command::new(bin)
-        .args(["run", "--model"])
-        .arg(&p)
-        .args([
-            "--max-tokens",
-            "2",
-            "--mode",
-            "sparse",
-            "--ram-budget",
-            "100M",
-            "--cost-model",
-        ])
-        .arg(tmp.path().join("b0.json"))
-        .output()
-        .unwrap();
+    let bench_json = tmp.path().join("b0.json");
+    let out = run_cli(&[
+        os("--max-tokens"),
+        os("2"),
+        os("--mode"),
+        os("sparse"),
+        os("--ram-budget"),
+        os("100M"),
+        os("--cost-model"),
+        bench_json.as_os_str(),
+    ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(tmp.path().join("b0.json")).unwrap()).unwrap();
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&bench_json).unwrap()).unwrap();
     let seq_mb_per_s = r["baseline"]["sequential_1mib_gb_per_s"].as_f64().unwrap() * 1e3;
     assert!(err.contains(&format!("{seq_mb_per_s:.0} MB/s")), "{err}");
-    let out = std::process::Command::new(bin)
-        .args(["run", "--model"])
-        .arg(&p)
-        .args(["--ram-budget", "100M", "--cost-model"])
-        .arg(&trace)
-        .output()
-        .unwrap();
+    let out = run_cli(&[os("--ram-budget"), os("100M"), os("--cost-model"), trace.as_os_str()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("--cost-model") && err.contains("bench"),
