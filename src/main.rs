@@ -75,8 +75,8 @@ enum Command {
         #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
         /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
-        /// and --criterion, a .gst file's recommendation (stored by `eval --store`) is used, else
-        /// topk / exact / 0.3.
+        /// and --criterion, a .gst file's recommendation (stored by `eval --store` or
+        /// `recommend`) is used, else topk / exact / 0.3.
         #[arg(long)]
         sparsity: Option<f32>,
         /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
@@ -429,7 +429,7 @@ enum TypeArg {
     Q8_0,
 }
 
-/// The sparse configuration stored in a .gst file by `eval --store`, if any.
+/// The sparse configuration stored in a .gst file by `eval --store` or `recommend`, if any.
 /// (strategy, criterion, mean sparsity, per-layer levels if the recommendation has them).
 type StoredMask = (Strategy, Criterion, f32, Option<Vec<f32>>);
 
