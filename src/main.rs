@@ -305,7 +305,7 @@ enum Command {
     },
     /// Measure per-layer activation statistics of a .gst file's model on the LAST --tokens tokens
     /// of a text (evaluation uses the start of the same file, so they do not overlap) and store
-    /// them in the file: neuron activation frequencies, thresholds for 10%..90% sparsity on the
+    /// them in the file: neuron activation frequencies, thresholds for 1%..99% sparsity on the
     /// exact score |act(gate)·up|, hot-prefix coverage. The file is rewritten safely (temporary
     /// file, fsync, rename).
     Calibrate {

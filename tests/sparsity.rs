@@ -262,6 +262,30 @@ fn smollm2_still_says_paris_with_the_frontier_configuration() {
         .generate_with("The capital of France is", &greedy(4), Some(&m), None, &mut |_| {})
         .unwrap();
     assert!(g.text.starts_with(" Paris"), "{:?}", g.text);
+
+    // A level between the old 0.1 grid's (eval reports two decimals, e.g. Qwen's frontier at
+    // 0.67) runs with its own thresholds, as eval evaluated it, not the nearest tenth's.
+    let pools = ScorePools::collect(&model, &text(), "wiki.test.raw", 2048, &[Criterion::Exact], None).unwrap();
+    let ids = model.tokenizer.encode(&text()[..3000], true).unwrap();
+    let achieved = |m: &Masker| {
+        run(&model, &ids[..256], Some(m));
+        let a = m.achieved_sparsity();
+        a.iter().sum::<f32>() / a.len() as f32
+    };
+    let stored = achieved(&Masker::for_model(&model, Strategy::Threshold, Criterion::Exact, 0.67, None).unwrap());
+    let evaluated = achieved(&Masker::new(
+        &model,
+        Strategy::Threshold,
+        Criterion::Exact,
+        0.67,
+        None,
+        Some(pools.thresholds(Criterion::Exact, 0.67)),
+    ));
+    let tenth = achieved(&Masker::for_model(&model, Strategy::Threshold, Criterion::Exact, 0.7, None).unwrap());
+    assert!(
+        (stored - evaluated).abs() < 0.003 && (stored - tenth).abs() > 0.01,
+        "0.67 from the file: {stored}, from eval's calibration: {evaluated}, 0.7 from the file: {tenth}"
+    );
 }
 
 #[test]

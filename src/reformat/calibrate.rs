@@ -26,7 +26,8 @@ pub struct CalibrationStats {
     pub text: String,
     /// `[layer][neuron]`: share of tokens for which the neuron was active, in the model's order.
     pub frequencies: Vec<Vec<f32>>,
-    /// `[layer]`: (target sparsity, score threshold) for 0.1 ... 0.9.
+    /// `[layer]`: (target sparsity, score threshold) for 0.01 ... 0.99, so any level `eval` reports
+    /// (two decimals) runs with the thresholds it was evaluated with.
     pub thresholds: Vec<Vec<(f32, f32)>>,
 }
 
@@ -109,9 +110,9 @@ pub fn calibrate(
         .into_iter()
         .map(|mut pool| {
             pool.sort_unstable_by(|a, b| a.total_cmp(b));
-            (1..=9)
+            (1..=99)
                 .map(|i| {
-                    let s = i as f32 / 10.0;
+                    let s = i as f32 / 100.0;
                     let at = ((pool.len() as f32 * s) as usize).min(pool.len().saturating_sub(1));
                     (s, pool.get(at).copied().unwrap_or(0.0))
                 })

@@ -292,7 +292,7 @@ impl<'a> Masker<'a> {
     }
 
     /// A masker for generation: `Threshold` takes its per-layer thresholds from the `.gst` file's
-    /// stored calibration (exact criterion, levels 0.1…0.9), the others need nothing stored.
+    /// stored calibration (exact criterion, levels 0.01…0.99), the others need nothing stored.
     pub fn for_model(
         model: &Model,
         strategy: Strategy,
@@ -325,16 +325,26 @@ impl<'a> Masker<'a> {
             }
             let g = crate::gstfile::GstFile::open(&model.path)?;
             let cal = g.index.calibration.as_ref().ok_or_else(not_calibrated)?;
-            let t: Vec<f32> = cal
-                .layers
-                .iter()
-                .map(|l| {
-                    l.thresholds
-                        .iter()
-                        .min_by(|a, b| (a.0 - sparsity).abs().total_cmp(&(b.0 - sparsity).abs()))
-                        .map_or(0.0, |t| t.1)
-                })
-                .collect();
+            // Each layer's threshold at the stored level nearest to `sparsity`; a level more than
+            // half a point away would run a different configuration than asked, so it is refused.
+            let mut t = Vec::with_capacity(cal.layers.len());
+            for (l, layer) in cal.layers.iter().enumerate() {
+                let nearest = layer
+                    .thresholds
+                    .iter()
+                    .min_by(|a, b| (a.0 - sparsity).abs().total_cmp(&(b.0 - sparsity).abs()))
+                    .ok_or_else(not_calibrated)?;
+                if (nearest.0 - sparsity).abs() > 0.005 {
+                    return Err(Error::Invalid(format!(
+                        "{}: layer {l} has calibrated thresholds for levels {}, none within 0.005 of --sparsity {sparsity}; \
+                         recalibrate (`gatestream calibrate --model FILE --text TEXT` stores 0.01 … 0.99) or pass --sparsity {}",
+                        model.path.display(),
+                        layer.thresholds.iter().map(|x| format!("{}", x.0)).collect::<Vec<_>>().join(", "),
+                        nearest.0
+                    )));
+                }
+                t.push(nearest.1);
+            }
             Some((t, None))
         } else {
             None
