@@ -121,6 +121,13 @@ pub fn frontier(rows: &[EvalRow], max_ppl_increase_pct: f64) -> usize {
         .map_or(0, |(i, _)| i)
 }
 
+/// Whether `run` can use a row's configuration: threshold masks only on the exact score (the
+/// thresholds `calibrate` stores); eval also measures threshold on the other criteria, with
+/// thresholds it calibrates for itself, but such a row is never stored as a recommendation.
+pub fn runnable(r: &EvalRow) -> bool {
+    r.strategy != Some(Strategy::Threshold) || r.criterion == Some(Criterion::Exact)
+}
+
 /// What `gatestream recommend` reads back from an eval report's JSON.
 #[derive(Clone, Debug, serde::Deserialize)]
 pub struct SavedReport {
@@ -199,7 +206,8 @@ pub fn recommendation(
     windows: usize,
     ctx: usize,
 ) -> Option<crate::format::Recommendation> {
-    let f = &rows[frontier(rows, max_ppl_increase_pct)];
+    let runnable: Vec<EvalRow> = rows.iter().filter(|r| runnable(r)).cloned().collect();
+    let f = &runnable[frontier(&runnable, max_ppl_increase_pct)];
     let (strategy, criterion) = (f.strategy?, f.criterion?);
     let text = if text.is_empty() { "(text not recorded)" } else { text };
     Some(crate::format::Recommendation {
@@ -888,6 +896,19 @@ mod tests {
         assert_eq!(m.rows.iter().filter(|r| r.strategy.is_none()).count(), 1);
         assert_eq!(m.rows[frontier(&m.rows, 2.0)].strategy, Some(Strategy::Threshold));
         assert_eq!(m.rows[frontier(&m.rows, 1.2)].strategy, Some(Strategy::TopK));
+    }
+
+    #[test]
+    fn the_recommendation_is_the_cheapest_row_run_can_use() {
+        let mut sketch = row(Some(Strategy::Threshold), 0.5, 10.1, 1.0, 0.64);
+        sketch.criterion = Some(Criterion::Sketch);
+        let exact = row(Some(Strategy::Threshold), 0.5, 10.15, 1.5, 0.76);
+        let topk = row(Some(Strategy::TopK), 0.3, 10.12, 1.2, 0.78);
+        let r = report(20, 10.0, vec![sketch, exact, topk]);
+        assert_eq!(frontier(&r.rows, 2.0), 1, "eval reports the threshold sketch row");
+        let rec = recommendation(&r.rows, 2.0, &r.text, r.windows, r.ctx).unwrap();
+        assert_eq!((rec.strategy.as_str(), rec.criterion.as_str()), ("threshold", "exact"));
+        assert_eq!(rec.ffn_bytes_rel_dense, 0.76);
     }
 
     #[test]

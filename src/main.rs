@@ -468,6 +468,16 @@ fn store_frontier(
     let Some(r) = gatestream::eval::recommendation(rows, max_ppl_increase, text, windows, ctx) else {
         anyhow::bail!("no sparse configuration is within +{max_ppl_increase}% perplexity; nothing stored");
     };
+    let best = &rows[gatestream::eval::frontier(rows, max_ppl_increase)];
+    if !gatestream::eval::runnable(best) {
+        eprintln!(
+            "note: the frontier, {} {} at {} ({:.3} of dense FFN bytes), is not stored: `run --strategy threshold` uses the exact-score thresholds `calibrate` stores",
+            best.strategy.map_or("dense", |s| s.name()),
+            best.criterion.map_or("dense", |c| c.name()),
+            level(best.sparsity),
+            best.ffn_bytes_rel_dense
+        );
+    }
     let what = format!(
         "{} {} at {}{} ({:+.2}% perplexity, {:.3} of dense FFN bytes)",
         r.strategy,
