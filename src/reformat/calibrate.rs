@@ -1,6 +1,6 @@
 //! Activation statistics from running calibration text through the dense model: per layer, how
 //! often each FFN neuron is among the active half of a token's neurons, and the thresholds on
-//! the neuron score that give 10%…90% sparsity. The score is |act(gate)·up| (the exact
+//! the neuron score that give 1%…99% sparsity. The score is |act(gate)·up| (the exact
 //! contribution weight of the neuron); a neuron is "active" for a token when its score is at or
 //! above that token's median score in the layer.
 //!
@@ -13,12 +13,10 @@ use std::sync::Mutex;
 use crate::error::Result;
 use crate::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
 use crate::model::Model;
-use crate::sparsity::calibration::text_tail;
+use crate::sparsity::calibration::{quantile, text_tail, POOLED_TOKENS_MAX};
 
 /// Window length for calibration forward passes.
 const CALIBRATION_CTX: usize = 512;
-/// Tokens per layer whose scores are pooled for the sparsity thresholds.
-const POOLED_TOKENS_MAX: usize = 128;
 
 pub struct CalibrationStats {
     pub tokens: usize,
@@ -113,8 +111,7 @@ pub fn calibrate(
             (1..=99)
                 .map(|i| {
                     let s = i as f32 / 100.0;
-                    let at = ((pool.len() as f32 * s) as usize).min(pool.len().saturating_sub(1));
-                    (s, pool.get(at).copied().unwrap_or(0.0))
+                    (s, quantile(&pool, s))
                 })
                 .collect()
         })

@@ -11,8 +11,16 @@ use crate::error::{Error, Result};
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, KvCache, Logits};
 use crate::model::Model;
 
-/// Tokens per layer whose scores are pooled.
-const POOLED_TOKENS_MAX: usize = 128;
+/// Tokens per layer whose scores are pooled (here and by `calibrate`, which stores thresholds
+/// for `run`: both must pool and take quantiles alike for `run` to use what `eval` evaluated).
+pub const POOLED_TOKENS_MAX: usize = 128;
+
+/// The `share`-quantile of ascending `sorted` scores: keeping scores at or above it drops about
+/// `share` of them (0 for an empty pool).
+pub fn quantile(sorted: &[f32], share: f32) -> f32 {
+    let at = ((sorted.len() as f32 * share) as usize).min(sorted.len().saturating_sub(1));
+    sorted.get(at).copied().unwrap_or(0.0)
+}
 const WINDOW: usize = 512;
 
 /// The last `tokens` tokens of a text: calibration reads the end of a file because evaluation
@@ -161,13 +169,7 @@ impl ScorePools {
             .iter()
             .find(|(c, _)| *c == criterion)
             .expect("criterion was pooled");
-        layers
-            .iter()
-            .map(|p| {
-                let at = ((p.len() as f32 * share) as usize).min(p.len().saturating_sub(1));
-                p.get(at).copied().unwrap_or(0.0)
-            })
-            .collect()
+        layers.iter().map(|p| quantile(p, share)).collect()
     }
 
     /// Per-layer thresholds for `criterion` at `sparsity` (and, for candidates, the gate
