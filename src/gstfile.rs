@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::format::{self, Header, Index, Section};
-use crate::model::tokenizer::TokenizerSpec;
-use crate::model::weights::Weight;
+use crate::tensor::Weight;
 
 pub struct GstFile {
     pub path: PathBuf,
@@ -68,16 +67,13 @@ impl GstFile {
         Ok(())
     }
 
-    pub fn tokenizer_spec(&self) -> Result<TokenizerSpec> {
+    /// The tokenizer section's bytes, checksum-verified, and where the section starts (the
+    /// model layer parses them: `gstfile` knows sections, not tokenizers).
+    pub fn tokenizer_bytes(&self) -> Result<(&[u8], u64)> {
         let s = self.section_named(&self.index.tokenizer_section)?;
         let bytes = self.section_bytes(s);
         format::verify_section(&self.path, s, bytes)?;
-        serde_json::from_slice(bytes).map_err(|e| Error::Malformed {
-            path: self.path.clone(),
-            format: "gst",
-            offset_bytes: s.offset_bytes,
-            what: format!("tokenizer section is not a tokenizer description: {e}"),
-        })
+        Ok((bytes, s.offset_bytes))
     }
 
     /// The tensor `name` as a `[rows, cols]` weight view, checking its shape.

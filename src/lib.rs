@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod config;
 pub mod error;
 pub mod eval;
 pub mod format;
@@ -19,5 +20,6 @@ pub mod reformat;
 pub mod safetensors;
 pub mod sparsity;
 pub mod stream;
+pub mod tensor;
 
 pub use error::{Error, Result};

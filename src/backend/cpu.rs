@@ -6,8 +6,8 @@
 use rayon::prelude::*;
 
 use super::Backend;
-use crate::model::weights::Weight;
 use crate::quant::{axpy_row_f64, vec_dot, vec_dot_rows, vec_dot_tile, PreparedInput};
+use crate::tensor::Weight;
 
 /// Rows per work item: small enough to balance two threads, large enough that scheduling is
 /// noise next to the dot products (a Q4_K row of 1536 is 864 bytes; 64 rows stay in L2).

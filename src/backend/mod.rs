@@ -5,8 +5,8 @@
 pub mod cpu;
 pub mod ops;
 
-use crate::model::weights::Weight;
 use crate::quant::PreparedInput;
+use crate::tensor::Weight;
 
 /// Matrix products over quantized weights, the bulk of the work.
 pub trait Backend: Send + Sync {

@@ -1,7 +1,7 @@
 //! The small per-element operations of a transformer on the CPU, in plain Rust written so the
 //! compiler vectorizes it: RMSNorm, rotary embeddings, softmax, activations, f32 dot products.
 
-use crate::model::config::RopeStyle;
+use crate::config::RopeStyle;
 
 /// Sum of products with 8 independent accumulators, so the loop vectorizes.
 #[inline(always)]

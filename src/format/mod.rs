@@ -28,8 +28,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::ModelConfig;
 use crate::error::Error;
-use crate::model::config::ModelConfig;
 use crate::quant::GgmlType;
 
 pub use file::{parse_file_bytes, plan_layout, reseal_checksums_for_testing, verify_section, Planned};

@@ -6,11 +6,12 @@
 use rayon::prelude::*;
 
 use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
+use crate::config::{FfnActivation, ModelConfig};
 use crate::error::{Error, Result};
-use crate::model::config::{FfnActivation, ModelConfig};
-use crate::model::weights::{FfnDown, LayerWeights, Weight};
+use crate::model::weights::{FfnDown, LayerWeights};
 use crate::model::Model;
 use crate::quant::PreparedInput;
+use crate::tensor::Weight;
 
 /// Which FFN neurons to compute. `All` is the dense model; `Subset` computes gate and up only
 /// for the listed neurons and treats the others as exactly zero.

@@ -3,7 +3,6 @@
 //! read engine: weights are byte slices it is handed.
 
 pub mod chat;
-pub mod config;
 pub mod forward;
 pub mod generate;
 pub mod sampler;
@@ -15,11 +14,11 @@ use std::sync::Arc;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, MetaValue};
 use crate::gstfile::{is_gst, GstFile};
 use crate::safetensors::SafetensorsModel;
-use config::ModelConfig;
 use tokenizer::{GgufVocab, Tokenizer, TokenizerSpec};
 use weights::{ModelWeights, TensorSource};
 
@@ -54,7 +53,13 @@ pub fn open_source(path: &Path) -> Result<Source> {
     }
     if is_gst(path) {
         let g = GstFile::open(path)?;
-        let tokenizer = g.tokenizer_spec()?;
+        let (bytes, offset_bytes) = g.tokenizer_bytes()?;
+        let tokenizer: TokenizerSpec = serde_json::from_slice(bytes).map_err(|e| Error::Malformed {
+            path: g.path.clone(),
+            format: "gst",
+            offset_bytes,
+            what: format!("tokenizer section is not a tokenizer description: {e}"),
+        })?;
         let config = g.index.config.clone().validate(path)?;
         return Ok(Source {
             tensors: TensorSource::Gst(Box::new(g)),

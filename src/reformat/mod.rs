@@ -18,10 +18,11 @@ use crate::format::{
     self, Calibration, FfnLayout, Index, LayerCalibration, Layout, NeuronOrder, SourceInfo, UpSketch, FORMAT_VERSION,
 };
 use crate::gstfile::GstFile;
-use crate::model::weights::{FfnDown, ModelWeights, TensorSource, Weight};
+use crate::model::weights::{FfnDown, ModelWeights, TensorSource};
 use crate::model::{open_source, LoadOptions, Model};
 use crate::quant::sketch::{sketch_row, sketch_row_bytes};
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
+use crate::tensor::Weight;
 use calibrate::{calibrate, hot_first_order, prefix_coverage, CalibrationStats};
 use writer::GstWriter;
 

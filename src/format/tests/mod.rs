@@ -9,8 +9,8 @@ mod index;
 use std::path::Path;
 
 use super::*;
+use crate::config::{Arch, FfnActivation, RopeStyle};
 use crate::error::{Error, Result};
-use crate::model::config::{Arch, FfnActivation, RopeStyle};
 
 pub(super) const PATH: &str = "test.gst";
 

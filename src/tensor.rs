@@ -1,0 +1,145 @@
+//! Tensors and their storage: a `Weight` is a 2-D matrix `[rows, cols]` whose rows run along
+//! the input dimension (so quantization blocks stay whole) and whose bytes live wherever the
+//! source put them: a memory map of the model file by default, so nothing assumes the whole model
+//! is in RAM. This module is a leaf: it knows element types and bytes, never files, architectures
+//! or arithmetic (the dequantization of one row is the only decoding it does, for embeddings and
+//! tests). Every other layer — readers of model files, the forward pass, the backends, the
+//! streamer — names weights through it, which is what keeps the module graph free of circles.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::quant::{dequantize_row, GgmlType};
+
+#[derive(Clone)]
+enum Storage {
+    Mapped(Arc<memmap2::Mmap>),
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at
+/// `offset_bytes + r * row_stride_bytes` of its storage. Rows are usually contiguous
+/// (`row_stride_bytes == row_bytes`); in a bundled `.gst` FFN section up rows and down columns
+/// interleave, so each is a strided view of the same bytes.
+#[derive(Clone)]
+pub struct Weight {
+    pub name: String,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub row_stride_bytes: usize,
+    storage: Storage,
+    offset_bytes: usize,
+}
+
+impl Weight {
+    /// A weight held in memory (tests, converted tensors).
+    pub fn owned(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Weight> {
+        if ty.row_bytes(cols).and_then(|r| r.checked_mul(rows)) != Some(bytes.len()) {
+            return Err(Error::Invalid(format!(
+                "{name}: {} bytes for {rows}x{cols} {ty:?}",
+                bytes.len()
+            )));
+        }
+        Weight::shared(name, ty, rows, cols, Arc::new(bytes), 0)
+    }
+
+    /// The first `rows` rows of a shared buffer (the streaming path's staging and prefetch
+    /// buffers, reused across tokens); `offset_bytes` is where row 0 starts in it.
+    pub fn shared(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Arc<Vec<u8>>,
+        offset_bytes: usize,
+    ) -> Result<Weight> {
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
+        match rows.checked_mul(row_bytes).and_then(|b| b.checked_add(offset_bytes)) {
+            Some(end) if end <= bytes.len() => {}
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "{name}: {rows}x{cols} {ty:?} at byte {offset_bytes} does not fit a {}-byte buffer",
+                    bytes.len()
+                )))
+            }
+        }
+        Ok(Weight {
+            name: name.into(),
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            row_stride_bytes: row_bytes,
+            storage: Storage::Owned(bytes),
+            offset_bytes,
+        })
+    }
+
+    /// Where row 0 starts in the mapped file, for weights that view a memory map (`None` for
+    /// weights held in memory).
+    pub fn mapped_offset(&self) -> Option<u64> {
+        match self.storage {
+            Storage::Mapped(_) => Some(self.offset_bytes as u64),
+            Storage::Owned(_) => None,
+        }
+    }
+
+    /// A view of mapped bytes; the caller has checked that every row lies inside the map.
+    pub fn mapped(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        map: Arc<memmap2::Mmap>,
+        offset_bytes: usize,
+        row_stride_bytes: usize,
+    ) -> Weight {
+        let row_bytes = ty.row_bytes(cols).expect("caller checked the row size");
+        debug_assert!(rows == 0 || offset_bytes + (rows - 1) * row_stride_bytes + row_bytes <= map.len());
+        Weight {
+            name: name.into(),
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            row_stride_bytes,
+            storage: Storage::Mapped(map),
+            offset_bytes,
+        }
+    }
+
+    fn storage(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Mapped(m) => m,
+            Storage::Owned(v) => v,
+        }
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.row_stride_bytes == self.row_bytes
+    }
+
+    pub fn row(&self, r: usize) -> &[u8] {
+        let start = self.offset_bytes + r * self.row_stride_bytes;
+        &self.storage()[start..start + self.row_bytes]
+    }
+
+    /// Rows `[start, end)` as one contiguous byte slice; only for contiguous weights.
+    pub fn rows_bytes(&self, start: usize, end: usize) -> &[u8] {
+        assert!(self.is_contiguous(), "{}: strided rows are not one slice", self.name);
+        &self.storage()[self.offset_bytes + start * self.row_bytes..self.offset_bytes + end * self.row_bytes]
+    }
+
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        dequantize_row(self.ty, self.row(r), out);
+    }
+
+    /// Bytes of the rows themselves (not the gaps of a strided view).
+    pub fn len_bytes(&self) -> usize {
+        self.rows * self.row_bytes
+    }
+}
