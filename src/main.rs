@@ -1207,8 +1207,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         mask: Some(&rec),
                         stream: None,
                     };
-                    let mut cache = gatestream::model::forward::KvCache::new(c, ids.len());
-                    m.forward_with(&ids, &mut cache, gatestream::model::forward::Logits::Last, &hooks)?;
+                    let mut cache = gatestream::model::kv::KvCache::new(c, ids.len());
+                    m.forward_with(&ids, &mut cache, gatestream::model::batch::Logits::Last, &hooks)?;
                     let what = format!("{} {} {s}", masker.strategy.name(), masker.criterion.name());
                     let name = text
                         .file_name()

@@ -4,7 +4,9 @@
 mod common;
 
 use common::*;
-use gatestream::model::forward::{FfnHooks, FfnNeurons, KvCache, Logits};
+use gatestream::model::batch::Logits;
+use gatestream::model::forward::{FfnHooks, FfnNeurons};
+use gatestream::model::kv::KvCache;
 use gatestream::model::sampler::argmax;
 use gatestream::model::{LoadOptions, Model};
 
@@ -198,4 +200,67 @@ fn a_window_split_in_halves_equals_one_pass() {
     c2.truncate(128);
     let again = model.forward(&window[128..], &mut c2, Logits::From(0)).unwrap();
     assert!(bits(&whole) == bits(&again), "a pass after truncate differs");
+}
+
+/// Two sequences decoded in one batch (prompts of different lengths prefilled together, then
+/// one token of each per pass) give exactly the tokens each gives alone, and logits within
+/// rounding of the single-sequence passes (products over more rows may sum in another order).
+#[test]
+fn two_sequences_in_one_batch_decode_as_each_alone() {
+    use gatestream::model::batch::Batch;
+    use gatestream::model::forward::FfnHooks;
+    let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let model = Model::load(&path, &LoadOptions::default()).unwrap();
+    let prompts = [
+        model.tokenizer.encode("The capital of France is", true).unwrap(),
+        model
+            .tokenizer
+            .encode("Once upon a time, in a small village by the sea,", true)
+            .unwrap(),
+    ];
+    assert_ne!(prompts[0].len(), prompts[1].len());
+    let steps = 12;
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| greedy_from(&model, p, steps)).collect();
+
+    let mut c0 = KvCache::new(&model.config, 64);
+    let mut c1 = KvCache::new(&model.config, 64);
+    let mut batch = Batch::default();
+    for (s, p) in prompts.iter().enumerate() {
+        for (i, &id) in p.iter().enumerate() {
+            batch.push(s, id, i, i + 1 == p.len());
+        }
+    }
+    let mut together: Vec<Vec<u32>> = vec![Vec::new(), Vec::new()];
+    let vocab = model.config.vocab;
+    for _ in 0..steps {
+        let logits = model
+            .forward_batch(&batch, &mut [&mut c0, &mut c1], &FfnHooks::dense())
+            .unwrap();
+        assert_eq!(logits.len(), 2 * vocab);
+        let mut next = Batch::default();
+        for s in 0..2 {
+            let t = argmax(&logits[s * vocab..(s + 1) * vocab]);
+            together[s].push(t);
+            let pos = [&c0, &c1][s].len;
+            next.push(s, t, pos, true);
+        }
+        batch = next;
+    }
+    assert_eq!(
+        together, alone,
+        "batched decoding differs from decoding each sequence alone"
+    );
+    // The prompt pass and steps - 1 decode passes (the last tokens are not fed back).
+    assert_eq!(
+        (c0.len, c1.len),
+        (prompts[0].len() + steps - 1, prompts[1].len() + steps - 1)
+    );
+
+    // A batch whose positions skip ahead of a sequence's cache is refused before any work.
+    let mut bad = Batch::default();
+    bad.push(0, 1, c0.len + 1, true);
+    let e = model
+        .forward_batch(&bad, &mut [&mut c0], &FfnHooks::dense())
+        .unwrap_err();
+    assert!(e.to_string().contains("next position"), "{e}");
 }

@@ -6,8 +6,10 @@
 use rayon::prelude::*;
 
 use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
-use crate::config::{FfnActivation, ModelConfig};
-use crate::error::{Error, Result};
+use crate::config::FfnActivation;
+use crate::error::Result;
+use crate::model::batch::{Batch, Logits};
+use crate::model::kv::KvCache;
 use crate::model::weights::{FfnDown, LayerWeights};
 use crate::model::Model;
 use crate::quant::PreparedInput;
@@ -101,51 +103,6 @@ pub trait FfnMask: Sync {
     }
 }
 
-/// Which positions of a batch need logits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Logits {
-    /// Only the last token's (generation).
-    Last,
-    /// Every position from this index of the batch on (perplexity scores half a window).
-    From(usize),
-}
-
-/// Keys and values of every layer for positions `0..len`, f32, `[pos][kv_dim]` per layer.
-pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    kv_dim: usize,
-    pub capacity: usize,
-    pub len: usize,
-}
-
-impl KvCache {
-    pub fn new(cfg: &ModelConfig, capacity: usize) -> KvCache {
-        let kv_dim = cfg.kv_dim();
-        let per_layer = capacity * kv_dim;
-        KvCache {
-            k: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
-            kv_dim,
-            capacity,
-            len: 0,
-        }
-    }
-
-    pub fn clear(&mut self) {
-        self.len = 0;
-    }
-
-    /// Forget every position from `len` on (the next batch is written there).
-    pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-
-    pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.capacity * self.kv_dim * 4
-    }
-}
-
 /// Prepare one activation vector per token for dot products with `w`.
 pub(crate) fn prepare_all(xs: &[f32], width: usize, w: &Weight, out: &mut Vec<PreparedInput>) {
     let n = xs.len() / width;
@@ -178,39 +135,38 @@ impl Model {
         which: Logits,
         hooks: &FfnHooks,
     ) -> Result<Vec<f32>> {
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        let batch = Batch::one(tokens, cache.len, which)?;
+        self.forward_batch(&batch, &mut [cache], hooks)
+    }
+
+    /// Runs a batch of tokens of one or more sequences (`caches[s]` is sequence `s`'s), writes
+    /// their keys and values at their positions, and returns logits `[batch.logit_rows.len(),
+    /// vocab]`. Each token attends only to its own sequence.
+    pub fn forward_batch(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
+        let lens: Vec<(usize, usize)> = caches.iter().map(|c| (c.len, c.capacity)).collect();
+        let next = batch.check(self.config.vocab, &lens)?;
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
         // Run the whole pass on the backend's threads: the many parallel loops inside it then
         // start from a pool thread, which joins the work directly, instead of parking the
         // caller's thread on a lock for every matrix (that cost ~10% of decode time).
-        self.cpu.install(|| self.forward_in_pool(tokens, cache, which, hooks))
+        let logits = self.cpu.install(|| self.forward_in_pool(batch, caches, hooks))?;
+        for (c, len) in caches.iter_mut().zip(next) {
+            c.len = len;
+        }
+        Ok(logits)
     }
 
-    fn forward_in_pool(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        which: Logits,
-        hooks: &FfnHooks,
-    ) -> Result<Vec<f32>> {
+    fn forward_in_pool(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
         let cfg = &self.config;
-        let n = tokens.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        if cache.len + n > cache.capacity {
-            return Err(Error::Invalid(format!(
-                "context full: {} cached + {n} new tokens exceed the {} positions allocated (raise --ctx)",
-                cache.len, cache.capacity
-            )));
-        }
+        let n = batch.len();
         let h = cfg.hidden;
         let mut x = vec![0f32; n * h];
-        for (t, &tok) in tokens.iter().enumerate() {
-            if tok as usize >= cfg.vocab {
-                return Err(Error::Invalid(format!(
-                    "token id {tok} is outside the vocabulary of {}",
-                    cfg.vocab
-                )));
-            }
+        for (t, &tok) in batch.ids.iter().enumerate() {
             let row = &mut x[t * h..(t + 1) * h];
             let streamed = match hooks.stream {
                 Some(s) => s.embedding(tok, row)?,
@@ -230,22 +186,21 @@ impl Model {
                 None => None,
             };
             let attn = streamed.as_ref().unwrap_or(&layer.attn);
-            self.attention_block(l, layer, attn, &mut x, cache, &mut prep);
+            self.attention_block(l, layer, attn, &mut x, batch, caches, &mut prep);
             self.ffn_block(l, layer, &mut x, &mut prep, hooks)?;
         }
-        cache.len += n;
-        let first = match which {
-            Logits::Last => n - 1,
-            Logits::From(i) => i.min(n - 1),
-        };
-        let mut xo = x[first * h..].to_vec();
-        for row in xo.chunks_mut(h) {
-            rms_norm(row, &self.weights.output_norm, cfg.rms_eps);
+        let rows = &batch.logit_rows;
+        let mut xo = vec![0f32; rows.len() * h];
+        for (o, &r) in xo.chunks_mut(h).zip(rows) {
+            o.copy_from_slice(&x[r * h..(r + 1) * h]);
+            rms_norm(o, &self.weights.output_norm, cfg.rms_eps);
         }
         let out_w = &self.weights.output;
         prepare_all(&xo, h, out_w, &mut prep);
-        let mut logits = vec![0f32; (n - first) * cfg.vocab];
-        self.backend.matmul(out_w, &prep, &mut logits);
+        let mut logits = vec![0f32; rows.len() * cfg.vocab];
+        if !rows.is_empty() {
+            self.backend.matmul(out_w, &prep, &mut logits);
+        }
         if let Some(cap) = cfg.final_logit_softcap {
             logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
         }
@@ -258,7 +213,8 @@ impl Model {
         w: &LayerWeights,
         a: &AttnWeights,
         x: &mut [f32],
-        cache: &mut KvCache,
+        batch: &Batch,
+        caches: &mut [&mut KvCache],
         prep: &mut Vec<PreparedInput>,
     ) {
         let cfg = &self.config;
@@ -294,7 +250,7 @@ impl Model {
         };
         let mut table = Vec::with_capacity(hd / 2);
         for t in 0..n {
-            rope_table(cache.len + t, hd, base, pos_scale, &mut table);
+            rope_table(batch.positions[t], hd, base, pos_scale, &mut table);
             for head in q[t * qd..(t + 1) * qd].chunks_mut(hd) {
                 if let Some(qn) = &w.q_norm {
                     rms_norm(head, qn, cfg.rms_eps);
@@ -308,14 +264,17 @@ impl Model {
                 rope_apply(head, &table, cfg.rope_style);
             }
         }
-        let start = cache.len;
-        cache.k[l][start * kvd..(start + n) * kvd].copy_from_slice(&k);
-        cache.v[l][start * kvd..(start + n) * kvd].copy_from_slice(&v);
+        for t in 0..n {
+            let (pos, c) = (batch.positions[t], &mut caches[batch.seq_of_token[t]]);
+            c.k[l][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
+            c.v[l][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+        }
 
-        // Attention per (token, head), causal, optionally within a sliding window.
+        // Attention per (token, head) over the token's own sequence, causal, optionally within
+        // a sliding window.
         let window = if local { cfg.sliding_window } else { None };
         let group = cfg.n_heads / cfg.n_kv_heads;
-        let (kc, vc) = (&cache.k[l], &cache.v[l]);
+        let caches: &[&mut KvCache] = caches;
         let mut attn = vec![0f32; n * qd];
         let scale = cfg.attn_scale;
         self.cpu.install(|| {
@@ -323,10 +282,21 @@ impl Model {
                 .enumerate()
                 .for_each_init(Vec::new, |scores, (i, out)| {
                     let (t, head) = (i / cfg.n_heads, i % cfg.n_heads);
-                    let pos = start + t;
+                    let pos = batch.positions[t];
+                    let c = &caches[batch.seq_of_token[t]];
                     let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
                     let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-                    attend(qh, kc, vc, kvd, (head / group) * hd, first..pos + 1, scale, scores, out);
+                    attend(
+                        qh,
+                        &c.k[l],
+                        &c.v[l],
+                        kvd,
+                        (head / group) * hd,
+                        first..pos + 1,
+                        scale,
+                        scores,
+                        out,
+                    );
                 })
         });
         prepare_all(&attn, qd, &a.wo, prep);

@@ -5,7 +5,9 @@
 use std::time::Instant;
 
 use crate::error::{Error, Result};
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, KvCache, LayerStream, Logits};
+use crate::model::batch::Logits;
+use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
+use crate::model::kv::KvCache;
 use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::Model;
 

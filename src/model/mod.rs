@@ -2,9 +2,11 @@
 //! `model` never opens a file except through `gguf`/`safetensors` at load time and never names a
 //! read engine: weights are byte slices it is handed.
 
+pub mod batch;
 pub mod chat;
 pub mod forward;
 pub mod generate;
+pub mod kv;
 pub mod sampler;
 pub mod tokenizer;
 pub mod weights;

@@ -1,0 +1,158 @@
+//! The tokens of one forward pass. A [`Batch`] holds tokens of one or more sequences, each with
+//! its id, its position in its sequence and its sequence (an index into the KV caches passed
+//! with the batch), and names the tokens whose logits the pass returns. Products run over all
+//! of a batch's tokens at once; only the K/V writes and attention look at sequences. A batch
+//! is checked before any work: ids inside the vocabulary, sequences that exist, each
+//! sequence's positions continuing its cache without a gap, logit rows inside the batch.
+
+use crate::error::{Error, Result};
+
+/// Which positions of a one-sequence batch need logits ([`Batch::one`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token's (generation).
+    Last,
+    /// Every position from this index of the batch on (perplexity scores half a window); an
+    /// index past the batch's last token is an error.
+    From(usize),
+}
+
+/// Tokens of a forward pass (see the module docs).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    pub ids: Vec<u32>,
+    /// Each token's position in its sequence.
+    pub positions: Vec<usize>,
+    /// Each token's sequence: an index into the caches the pass is given.
+    pub seq_of_token: Vec<usize>,
+    /// The tokens (indices into `ids`) whose logits the pass returns, one row each, in this order.
+    pub logit_rows: Vec<usize>,
+}
+
+impl Batch {
+    /// `ids` of sequence 0 at positions `start..`, logits as `which` says.
+    pub fn one(ids: &[u32], start: usize, which: Logits) -> Result<Batch> {
+        let n = ids.len();
+        let first = match which {
+            Logits::Last => n.saturating_sub(1),
+            Logits::From(i) if i < n => i,
+            Logits::From(i) => {
+                return Err(Error::Invalid(format!(
+                    "logits asked from position {i} of a batch of {n} tokens (the last is {})",
+                    n.saturating_sub(1)
+                )))
+            }
+        };
+        Ok(Batch {
+            ids: ids.to_vec(),
+            positions: (start..start + n).collect(),
+            seq_of_token: vec![0; n],
+            logit_rows: if n == 0 { Vec::new() } else { (first..n).collect() },
+        })
+    }
+
+    /// Appends token `id` of sequence `seq` at `position`; `logits`: return its logits.
+    pub fn push(&mut self, seq: usize, id: u32, position: usize, logits: bool) {
+        if logits {
+            self.logit_rows.push(self.ids.len());
+        }
+        self.ids.push(id);
+        self.positions.push(position);
+        self.seq_of_token.push(seq);
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// Checks the batch against the model's vocabulary and the caches' lengths and
+    /// capacities; returns each cache's length after the pass.
+    pub(crate) fn check(&self, vocab: usize, cache_lens: &[(usize, usize)]) -> Result<Vec<usize>> {
+        let n = self.ids.len();
+        if self.positions.len() != n || self.seq_of_token.len() != n {
+            return Err(Error::Invalid(format!(
+                "a batch of {n} ids has {} positions and {} sequence indices",
+                self.positions.len(),
+                self.seq_of_token.len()
+            )));
+        }
+        let mut next: Vec<usize> = cache_lens.iter().map(|&(len, _)| len).collect();
+        for t in 0..n {
+            let (id, pos, s) = (self.ids[t], self.positions[t], self.seq_of_token[t]);
+            if id as usize >= vocab {
+                return Err(Error::Invalid(format!(
+                    "token id {id} is outside the vocabulary of {vocab}"
+                )));
+            }
+            let Some(&(_, capacity)) = cache_lens.get(s) else {
+                return Err(Error::Invalid(format!(
+                    "token {t} of the batch belongs to sequence {s}, but the pass was given {} caches",
+                    cache_lens.len()
+                )));
+            };
+            if pos != next[s] {
+                return Err(Error::Invalid(format!(
+                    "token {t} of the batch is at position {pos} of sequence {s}, whose next position is {}",
+                    next[s]
+                )));
+            }
+            if pos >= capacity {
+                return Err(Error::Invalid(format!(
+                    "context full: sequence {s} needs position {pos} but its cache holds {capacity} positions (raise --ctx)"
+                )));
+            }
+            next[s] = pos + 1;
+        }
+        if let Some(&r) = self.logit_rows.iter().find(|&&r| r >= n) {
+            return Err(Error::Invalid(format!(
+                "logits asked for token {r} of a batch of {n} tokens"
+            )));
+        }
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_from_past_the_batch_is_an_error() {
+        assert_eq!(Batch::one(&[1, 2, 3], 0, Logits::From(2)).unwrap().logit_rows, [2]);
+        let e = Batch::one(&[1, 2, 3], 0, Logits::From(3)).unwrap_err().to_string();
+        assert!(e.contains("position 3 of a batch of 3"), "{e}");
+    }
+
+    #[test]
+    fn positions_must_continue_each_cache() {
+        let mut b = Batch::default();
+        b.push(0, 5, 4, false);
+        b.push(1, 6, 0, true);
+        b.push(0, 7, 5, true);
+        assert_eq!(b.check(10, &[(4, 8), (0, 8)]).unwrap(), [6, 1]);
+        assert!(b
+            .check(10, &[(3, 8), (0, 8)])
+            .unwrap_err()
+            .to_string()
+            .contains("next position is 3"));
+        assert!(b
+            .check(10, &[(4, 8)])
+            .unwrap_err()
+            .to_string()
+            .contains("given 1 caches"));
+        assert!(b
+            .check(10, &[(4, 5), (0, 8)])
+            .unwrap_err()
+            .to_string()
+            .contains("context full"));
+        assert!(b
+            .check(6, &[(4, 8), (0, 8)])
+            .unwrap_err()
+            .to_string()
+            .contains("vocabulary"));
+    }
+}

@@ -1,0 +1,49 @@
+//! Keys and values of one sequence: what attention reads back for every earlier position. A
+//! forward pass gets one [`KvCache`] per sequence of its batch; positions are explicit (a
+//! token's K/V go to its own position's slot), so sequences of different lengths decode in one
+//! batch, and `truncate` rolls a sequence back (speculation, a retried request).
+//! The bytes are allocated up front for `capacity` positions; [`KvCache::bytes_for`] is what a
+//! budget must count for them.
+
+use crate::config::ModelConfig;
+
+/// Keys and values of every layer for positions `0..len`, f32, `[pos][kv_dim]` per layer.
+pub struct KvCache {
+    pub(crate) k: Vec<Vec<f32>>,
+    pub(crate) v: Vec<Vec<f32>>,
+    pub(crate) kv_dim: usize,
+    pub capacity: usize,
+    pub len: usize,
+}
+
+impl KvCache {
+    pub fn new(cfg: &ModelConfig, capacity: usize) -> KvCache {
+        let kv_dim = cfg.kv_dim();
+        let per_layer = capacity * kv_dim;
+        KvCache {
+            k: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            kv_dim,
+            capacity,
+            len: 0,
+        }
+    }
+
+    /// Bytes a cache of `capacity` positions holds for this model.
+    pub fn bytes_for(cfg: &ModelConfig, capacity: usize) -> u64 {
+        2 * cfg.n_layers as u64 * capacity as u64 * cfg.kv_dim() as u64 * 4
+    }
+
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Forget every position from `len` on (the next batch is written there).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.capacity * self.kv_dim * 4
+    }
+}
