@@ -905,7 +905,7 @@ fn load(args: &ModelArgs) -> anyhow::Result<Model> {
         None => default_model()?,
     };
     let t = std::time::Instant::now();
-    let model = Model::load(&path, &LoadOptions { threads: args.threads })?;
+    let model = Model::load(&path, &LoadOptions { threads: args.threads, ..Default::default() })?;
     let c = &model.config;
     eprintln!(
         "loaded {} ({}, {} layers, hidden {}, ffn {}, vocab {}) in {:.2} s on {}",

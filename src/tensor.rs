@@ -15,6 +15,9 @@ use crate::quant::{dequantize_row, GgmlType};
 enum Storage {
     Mapped(Arc<memmap2::Mmap>),
     Owned(Arc<Vec<u8>>),
+    /// Only the place in the file is known: the bytes are read through a stream (a model opened
+    /// for streaming keeps no view of its matrices, so nothing can read them past the budget).
+    OnDisk,
 }
 
 /// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at
@@ -79,12 +82,30 @@ impl Weight {
         })
     }
 
-    /// Where row 0 starts in the mapped file, for weights that view a memory map (`None` for
-    /// weights held in memory).
-    pub fn mapped_offset(&self) -> Option<u64> {
+    /// Where row 0 starts in the model file, for weights that view a memory map of it or stay
+    /// on disk (`None` for weights held in memory).
+    pub fn file_offset(&self) -> Option<u64> {
         match self.storage {
-            Storage::Mapped(_) => Some(self.offset_bytes as u64),
+            Storage::Mapped(_) | Storage::OnDisk => Some(self.offset_bytes as u64),
             Storage::Owned(_) => None,
+        }
+    }
+
+    /// Whether the bytes can be read (held in memory or mapped); `false` for [`Weight::on_disk`].
+    pub fn in_memory(&self) -> bool {
+        !matches!(self.storage, Storage::OnDisk)
+    }
+
+    /// The same matrix with its bytes left on disk: only its place in the file is kept. The
+    /// streaming path reads such weights through its readers; reading their rows directly is a
+    /// bug, caught before a pass by [`Weight::in_memory`] checks.
+    pub fn on_disk(&self) -> Weight {
+        match self.storage {
+            Storage::Mapped(_) | Storage::OnDisk => Weight {
+                storage: Storage::OnDisk,
+                ..self.clone()
+            },
+            Storage::Owned(_) => self.clone(),
         }
     }
 
@@ -116,6 +137,9 @@ impl Weight {
         match &self.storage {
             Storage::Mapped(m) => m,
             Storage::Owned(v) => v,
+            // Every entry point that computes checks `in_memory` first (the forward pass refuses
+            // a model whose matrices are on disk unless a stream serves them), so this is a bug.
+            Storage::OnDisk => panic!("{}: its bytes are on disk and only a stream can read them", self.name),
         }
     }
 

@@ -16,7 +16,7 @@ use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads,
 use gatestream::model::batch::Logits;
 use gatestream::model::forward::{FfnHooks, FfnNeurons};
 use gatestream::model::kv::KvCache;
-use gatestream::model::{LoadOptions, Model};
+use gatestream::model::{LoadOptions, Model, Placement};
 use gatestream::reformat::{reformat, ReformatOptions};
 use gatestream::sparsity::{up_set_reads_input, Criterion, Masker, Strategy};
 use gatestream::stream::cache::CachePolicy;
@@ -35,6 +35,15 @@ fn convert(input: &Path, dir: &Path, name: &str, layout: FfnLayout) -> PathBuf {
 
 fn load(p: &Path) -> Model {
     Model::load(p, &LoadOptions::default()).unwrap()
+}
+
+/// A model as streaming opens it: its matrices stay on disk.
+fn load_on_disk(p: &Path) -> Model {
+    let opts = LoadOptions {
+        placement: Placement::OnDisk,
+        ..LoadOptions::default()
+    };
+    Model::load(p, &opts).unwrap()
 }
 
 fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamOptions {
@@ -86,8 +95,8 @@ fn min_budget(path: &Path) -> u64 {
 }
 
 fn min_budget_with(path: &Path, opts: StreamOptions) -> u64 {
-    let mut m = load(path);
-    let e = Streamer::open(&mut m, &opts)
+    let m = load(path);
+    let e = Streamer::open(&m, &opts)
         .err()
         .expect("a zero budget is refused")
         .to_string();
@@ -107,6 +116,9 @@ fn assert_bit_identical(path: &Path, text: &str) {
     let file_bytes = std::fs::metadata(path).unwrap().len();
     let min = min_budget(path);
     let min_dense = min_budget_with(path, dense_options(0, ReadEngine::Pread));
+    // One model, its matrices on disk, serves every streamer below: opening one changes nothing
+    // in it, and no pass can read a matrix except through the stream.
+    let m = load_on_disk(path);
     for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
         // Everything streamed; some resident; everything resident with a full neuron cache.
         // The minimum (everything streamed), half the file more, and everything resident.
@@ -123,8 +135,7 @@ fn assert_bit_identical(path: &Path, text: &str) {
             (mid_dense, dense_options(mid_dense, engine)),
         ] {
             let policy = (opts.cache, opts.priority, opts.prefetch_ffn);
-            let mut m = load(path);
-            let s = Streamer::open(&mut m, &opts).unwrap();
+            let s = Streamer::open(&m, &opts).unwrap();
             let got = run(&m, Some(&s), None, text, 4);
             let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(
@@ -153,6 +164,60 @@ fn dense_streaming_is_bit_identical_to_in_ram_for_every_reader_stories260k() {
     for layout in [FfnLayout::Split, FfnLayout::Bundled] {
         let p = convert(&stories_dir(), tmp.path(), &format!("{layout:?}.gst"), layout);
         assert_bit_identical(&p, "Once upon a time, there was a cat");
+    }
+}
+
+/// A model opened for streaming keeps no view of its matrices: a pass without the stream is an
+/// error (it used to read them through the model's memory map, past the budget), and one model
+/// serves two streamers (opening the second used to panic on `expect("mapped")`).
+#[test]
+fn a_streamed_model_is_read_only_through_a_stream_and_serves_several() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "split.gst", FfnLayout::Split);
+    let m = load_on_disk(&p);
+    let ids = m.tokenizer.encode("Once upon a time", true).unwrap();
+    let mut cache = KvCache::new(&m.config, ids.len());
+    let e = m.forward(&ids, &mut cache, Logits::Last).unwrap_err().to_string();
+    assert!(e.contains("opened for streaming") && e.contains("no stream"), "{e}");
+    let budget = min_budget(&p) + 4096;
+    let a = Streamer::open(&m, &options(budget, ReadEngine::Pread, CachePolicy::Lru)).unwrap();
+    let b = Streamer::open(&m, &options(budget, ReadEngine::Mmap, CachePolicy::Pinned)).unwrap();
+    let reference = run(&load(&p), None, None, "Once upon a time", 2);
+    assert_eq!(run(&m, Some(&a), None, "Once upon a time", 2), reference);
+    assert_eq!(run(&m, Some(&b), None, "Once upon a time", 2), reference);
+}
+
+/// Passes over one stream from several threads at once finish with the in-RAM logits (they run
+/// one at a time). The stream's state lock used to be taken per layer inside the thread pool and
+/// held across the pool's work: passes interleaved layer by layer (each disturbing the other's
+/// prefetch order; measured: wrong logits), and a pool thread waiting for its share of a
+/// product could pick up another pass and block on the lock its own stack held (a deadlock).
+#[test]
+fn concurrent_passes_over_one_stream_finish() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let opts = LoadOptions {
+        threads: 4,
+        placement: Placement::OnDisk,
+    };
+    let m = Arc::new(Model::load(&p, &opts).unwrap());
+    let s = Arc::new(Streamer::open(&m, &options(min_budget(&p), ReadEngine::Pread, CachePolicy::Lru)).unwrap());
+    let reference = run(&load(&p), None, None, "The capital of France is", 1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    for _ in 0..4 {
+        let (m, s, tx) = (m.clone(), s.clone(), tx.clone());
+        std::thread::spawn(move || {
+            for _ in 0..3 {
+                tx.send(run(&m, Some(&s), None, "The capital of France is", 1)).unwrap();
+            }
+        });
+    }
+    for i in 0..12 {
+        match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(got) => assert!(got == reference, "pass {i} of the concurrent passes gave other logits than in RAM"),
+            Err(e) => panic!("{i} of 12 concurrent passes finished in 120 s ({e}): the passes deadlocked"),
+        }
     }
 }
 
@@ -197,9 +262,9 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
         short_reads: ShortReads::AtMost(700),
         eio_at_bytes: Vec::new(),
     };
-    let mut m = load(&p);
+    let m = load(&p);
     let opts = options(min, ReadEngine::Pread, CachePolicy::Pinned);
-    let s = Streamer::with_readers(&mut m, &opts, readers(&p, short), false, Vec::new()).unwrap();
+    let s = Streamer::with_readers(&m, &opts, readers(&p, short), false, Vec::new()).unwrap();
     let got = run(&m, Some(&s), None, "Once upon a time", 3);
     assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()));
     assert!(
@@ -213,8 +278,8 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
         eio_at_bytes: vec![bad],
         ..SimFaults::default()
     };
-    let mut m = load(&p);
-    let s = Streamer::with_readers(&mut m, &opts, readers(&p, eio), false, Vec::new()).unwrap();
+    let m = load(&p);
+    let s = Streamer::with_readers(&m, &opts, readers(&p, eio), false, Vec::new()).unwrap();
     let ids = m.tokenizer.encode("Once upon a time", true).unwrap();
     let mut cache = KvCache::new(&m.config, ids.len());
     let hooks = FfnHooks {
@@ -248,16 +313,16 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
     let tmp = tempfile::tempdir().unwrap();
     let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
     let min = min_budget(&p);
-    let mut m = load(&p);
-    let e = Streamer::open(&mut m, &options(min - 1, ReadEngine::Pread, CachePolicy::Pinned))
+    let m = load(&p);
+    let e = Streamer::open(&m, &options(min - 1, ReadEngine::Pread, CachePolicy::Pinned))
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("too small") && e.contains(&min.to_string()), "{e}");
     // A GGUF cannot stream.
     let gguf = write_temp(tmp.path(), "m.gguf", &stories_gguf(Breakage::None));
-    let mut m = load(&gguf);
-    let e = Streamer::open(&mut m, &options(1 << 30, ReadEngine::Pread, CachePolicy::Pinned))
+    let m = load(&gguf);
+    let e = Streamer::open(&m, &options(1 << 30, ReadEngine::Pread, CachePolicy::Pinned))
         .err()
         .unwrap()
         .to_string();
@@ -280,8 +345,8 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
         // cache (all misses) and with an LRU cache holding part of the model (hits and misses).
         // Same kept neurons; only the order of the f64 down sums can differ.
         let streamed = |opts: &StreamOptions, what: &str| {
-            let mut m = load(&p);
-            let s = Streamer::open(&mut m, opts).unwrap();
+            let m = load(&p);
+            let s = Streamer::open(&m, opts).unwrap();
             let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
             let got = run(&m, Some(&s), Some(&mask), text, 6);
             let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -295,13 +360,13 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
                 assert!(c.cache_hits > 0 && c.cache_hits < c.cache_lookups, "{c:?}");
             }
         }
-        let mut m = load(&p);
-        let s = Streamer::open(&mut m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
+        let m = load(&p);
+        let s = Streamer::open(&m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
         let mask = Masker::for_model(&m, Strategy::TopK, criterion, 0.5, None).unwrap();
         run(&m, Some(&s), Some(&mask), text, 6);
         let sparse = s.counters();
-        let mut m = load(&p);
-        let d = Streamer::open(&mut m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
+        let m = load(&p);
+        let d = Streamer::open(&m, &options(min, ReadEngine::Pread, CachePolicy::Pinned)).unwrap();
         run(&m, Some(&d), None, text, 6);
         let dense = d.counters();
         assert!(
@@ -340,12 +405,12 @@ fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
             lookahead,
             ..options(min + file_bytes / 4, ReadEngine::Pread, CachePolicy::Lru)
         };
-        let mut m = load(&p);
-        let off = Streamer::open(&mut m, &cache_first(Lookahead::Off)).unwrap();
+        let m = load(&p);
+        let off = Streamer::open(&m, &cache_first(Lookahead::Off)).unwrap();
         assert!(off.residency.gate_resident.iter().all(|&g| !g), "{:?}", off.residency);
         let asked = Lookahead::for_mask(up_set_reads_input(Strategy::TopK, criterion));
-        let mut m = load(&p);
-        let s = Streamer::open(&mut m, &cache_first(asked)).unwrap();
+        let m = load(&p);
+        let s = Streamer::open(&m, &cache_first(asked)).unwrap();
         let turned_off = s.warnings.iter().any(|w| w.contains("lookahead is off"));
         match criterion {
             Criterion::Exact => {

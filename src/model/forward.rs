@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
 use crate::config::FfnActivation;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::batch::{Batch, Logits};
 use crate::model::kv::KvCache;
 use crate::model::weights::{FfnDown, LayerWeights};
@@ -41,6 +41,7 @@ pub struct FfnHooks<'a> {
 }
 
 /// The attention matrices of one layer.
+#[derive(Clone)]
 pub struct AttnWeights {
     pub wq: Weight,
     pub wk: Weight,
@@ -60,6 +61,16 @@ pub trait LayerStream: Sync {
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: returns `down · (act(gate·x) ·
     /// up·x)` `[n, hidden]` (before any post-FFN norm), honouring `hooks.mask` and `hooks.observe`.
     fn ffn(&self, model: &Model, l: usize, xn: &[f32], hooks: &FfnHooks) -> Result<Vec<f32>>;
+    /// The output matrix when the stream holds it (a model opened for streaming keeps none).
+    fn output(&self) -> Option<Weight> {
+        None
+    }
+    /// Taken by the forward pass before it enters the thread pool and held until it ends, for
+    /// streams whose state allows one pass at a time (blocking there, outside the pool, cannot
+    /// deadlock the pool).
+    fn pass_lock(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        None
+    }
     /// Generation calls this after the prompt's pass, before the first decode step (so
     /// per-token figures can leave the prompt out).
     fn prefill_done(&self) {}
@@ -148,12 +159,20 @@ impl Model {
     pub fn forward_batch(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
         let lens: Vec<(usize, usize)> = caches.iter().map(|c| (c.len, c.capacity)).collect();
         let next = batch.check(self.config.vocab, &lens)?;
+        if hooks.stream.is_none() && !self.weights.in_memory() {
+            return Err(Error::Invalid(format!(
+                "{}: this model was opened for streaming (its matrices stay on disk), and the pass was given no \
+                 stream to read them; pass the model's stream (a pass without it would read past the RAM budget)",
+                self.path.display()
+            )));
+        }
         if batch.is_empty() {
             return Ok(Vec::new());
         }
         // Run the whole pass on the backend's threads: the many parallel loops inside it then
         // start from a pool thread, which joins the work directly, instead of parking the
         // caller's thread on a lock for every matrix (that cost ~10% of decode time).
+        let _pass = hooks.stream.and_then(|s| s.pass_lock());
         let logits = self.cpu.install(|| self.forward_in_pool(batch, caches, hooks))?;
         for (c, len) in caches.iter_mut().zip(next) {
             c.len = len;
@@ -195,7 +214,8 @@ impl Model {
             o.copy_from_slice(&x[r * h..(r + 1) * h]);
             rms_norm(o, &self.weights.output_norm, cfg.rms_eps);
         }
-        let out_w = &self.weights.output;
+        let streamed_out = hooks.stream.and_then(|s| s.output());
+        let out_w = streamed_out.as_ref().unwrap_or(&self.weights.output);
         prepare_all(&xo, h, out_w, &mut prep);
         let mut logits = vec![0f32; rows.len() * cfg.vocab];
         if !rows.is_empty() {

@@ -38,6 +38,20 @@ pub struct Model {
 pub struct LoadOptions {
     /// Worker threads; 0 = one per core.
     pub threads: usize,
+    /// Where the matrices' bytes are.
+    pub placement: Placement,
+}
+
+/// Where a loaded model's matrices live.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Placement {
+    /// Memory-mapped from the model file: every pass can read every weight.
+    #[default]
+    Mapped,
+    /// Left on disk (the streaming path): the model knows only where each matrix is, and a pass
+    /// must be given the stream that reads them (`stream::Streamer`). Norms and biases are still
+    /// decoded into memory. Nothing can page the file in behind the budget's back.
+    OnDisk,
 }
 
 /// A model source opened but not yet turned into weights: what `reformat` reads.
@@ -94,7 +108,10 @@ impl Model {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model> {
         let src = open_source(path)?;
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
-        let weights = ModelWeights::load(&src.tensors, &src.config)?;
+        let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
+        if opts.placement == Placement::OnDisk {
+            weights.leave_on_disk();
+        }
         let cpu = Arc::new(CpuBackend::new(opts.threads));
         Ok(Model {
             path: path.to_path_buf(),

@@ -246,6 +246,42 @@ impl Names {
 }
 
 impl ModelWeights {
+    /// Every matrix of the model, resident or not.
+    fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
+        let layers = self.layers.iter_mut().flat_map(|l| {
+            let down = match &mut l.ffn_down {
+                FfnDown::Rows(w) | FfnDown::Columns(w) => w,
+            };
+            [
+                &mut l.attn.wq,
+                &mut l.attn.wk,
+                &mut l.attn.wv,
+                &mut l.attn.wo,
+                &mut l.ffn_gate,
+                &mut l.ffn_up,
+                down,
+            ]
+        });
+        [&mut self.token_embd, &mut self.output].into_iter().chain(layers)
+    }
+
+    /// Drops every matrix's view of the file, keeping only where it is ([`Weight::on_disk`]).
+    pub fn leave_on_disk(&mut self) {
+        for w in self.matrices_mut() {
+            *w = w.on_disk();
+        }
+    }
+
+    /// Whether every matrix's bytes can be read without a stream.
+    pub fn in_memory(&self) -> bool {
+        let l = |l: &LayerWeights| {
+            [&l.attn.wq, &l.attn.wk, &l.attn.wv, &l.attn.wo, &l.ffn_gate, &l.ffn_up, l.ffn_down.weight()]
+                .iter()
+                .all(|w| w.in_memory())
+        };
+        self.token_embd.in_memory() && self.output.in_memory() && self.layers.iter().all(l)
+    }
+
     pub fn load(src: &TensorSource, cfg: &ModelConfig) -> Result<ModelWeights> {
         let names = Names {
             gguf: !matches!(src, TensorSource::Safetensors { .. }),

@@ -107,7 +107,7 @@ pub(crate) struct Part {
 impl Part {
     pub(crate) fn of(w: &Weight) -> Result<Part> {
         let offset_bytes = w
-            .mapped_offset()
+            .file_offset()
             .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
         Ok(Part {
             name: w.name.clone(),
@@ -331,8 +331,18 @@ pub struct Streamer {
     /// The lookahead thread and its reader.
     lookahead: Option<(Prefetcher, Arc<dyn Reader>)>,
     layers: Vec<LayerParts>,
+    /// The embedding matrix when it streams (one row per token); `None` when tied to `output`.
     embedding: Option<Part>,
+    /// The output matrix (always resident), and the layers' resident attention and gates.
+    output: Weight,
+    resident_attn: Vec<Option<AttnWeights>>,
+    resident_gate: Vec<Option<Weight>>,
     hidden: usize,
+    /// Held for a whole forward pass, taken before the pass enters the thread pool
+    /// ([`LayerStream::pass_lock`]): passes over one stream run one at a time, and `state` is
+    /// only ever locked by the one pass running, so no pool thread waits on it while its
+    /// holder waits for pool work (which could deadlock).
+    pass: Mutex<()>,
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]).
     decode_start: Mutex<Option<(Counters, ReadStats)>>,
@@ -366,7 +376,12 @@ impl Streamer {
     /// Plans residency for `model` (loaded from a `.gst` file) under the budget, loads what is
     /// resident into memory (reading it past the page cache where the engine allows), and makes
     /// the model's remaining weights streamed.
-    pub fn open(model: &mut Model, opts: &StreamOptions) -> Result<Streamer> {
+    ///
+    /// The model is only read: a streamer keeps its own resident copies (or, for the mmap
+    /// engine, views of its own map), so one model can back several streamers and is best
+    /// loaded with `Placement::OnDisk`, which keeps no view of the file a pass without the
+    /// stream could read.
+    pub fn open(model: &Model, opts: &StreamOptions) -> Result<Streamer> {
         // Two readers: one for the compute thread's FFN reads, one for the prefetch thread.
         let open = || -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
             let o = open_reader(&model.path, opts.engine, &opts.reader)?;
@@ -385,7 +400,7 @@ impl Streamer {
 
     /// As `open`, with readers supplied (tests use simulated devices).
     pub fn with_readers(
-        model: &mut Model,
+        model: &Model,
         opts: &StreamOptions,
         readers: Readers,
         direct_io: bool,
@@ -403,7 +418,7 @@ impl Streamer {
             return Err(not_gst());
         }
         let w = &model.weights;
-        let tied = w.output.mapped_offset() == w.token_embd.mapped_offset();
+        let tied = w.output.file_offset() == w.token_embd.file_offset();
         let norm_bytes = |l: &crate::model::weights::LayerWeights| {
             let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
             (l.attn_norm.len()
@@ -504,36 +519,61 @@ impl Streamer {
         if let Some(gap) = opts.merge_gap_bytes {
             cost.request_us = gap as f64 / cost.bytes_per_us;
         }
-        // Page-cache engines keep resident weights as views of the map (the walk path); the
-        // others copy them into memory once, bypassing the page cache where O_DIRECT is on.
-        let copy = opts.engine != ReadEngine::Mmap;
-        let load = |w: &mut Weight| -> Result<()> {
-            if copy {
-                let bytes = fg.read_vec(w.mapped_offset().expect("mapped"), w.len_bytes())?;
-                *w = Weight::owned(&w.name, w.ty, w.rows, w.cols, bytes)?;
+        // Page-cache engines keep resident weights as views of a map of the file (the walk
+        // path); the others copy them into memory once, bypassing the page cache where O_DIRECT
+        // is on. Either way the streamer owns them: the model is not changed.
+        let map = match opts.engine {
+            ReadEngine::Mmap => {
+                let f = std::fs::File::open(&model.path).map_err(|e| Error::io(&model.path, e))?;
+                // SAFETY: the file is opened read-only and the map is only read; like every map of
+                // a model file here, it assumes the file is not truncated while the process runs
+                // (the same assumption `gguf`, `safetensors` and `gstfile` make for theirs).
+                Some(Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&model.path, e))?))
             }
-            Ok(())
+            _ => None,
         };
-        let w = &mut model.weights;
-        load(&mut w.output)?;
-        let embedding = if tied {
-            w.token_embd = w.output.clone();
-            None
-        } else {
-            Some(Part::of(&w.token_embd)?)
-        };
-        for (l, lw) in w.layers.iter_mut().enumerate() {
-            if residency.attention_resident[l] {
-                for m in [&mut lw.attn.wq, &mut lw.attn.wk, &mut lw.attn.wv, &mut lw.attn.wo] {
-                    load(m)?;
+        let load = |w: &Weight| -> Result<Weight> {
+            let offset = w
+                .file_offset()
+                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+            match &map {
+                Some(m) => {
+                    let end = offset as usize + w.len_bytes();
+                    if end > m.len() {
+                        return Err(Error::Invalid(format!(
+                            "{}: {} ends at byte {end}, past the end of the file ({} bytes)",
+                            model.path.display(),
+                            w.name,
+                            m.len()
+                        )));
+                    }
+                    Ok(Weight::mapped(&w.name, w.ty, w.rows, w.cols, m.clone(), offset as usize, w.row_stride_bytes))
                 }
+                None => Weight::owned(&w.name, w.ty, w.rows, w.cols, fg.read_vec(offset, w.len_bytes())?),
+            }
+        };
+        let w = &model.weights;
+        let output = load(&w.output)?;
+        let embedding = if tied { None } else { Some(Part::of(&w.token_embd)?) };
+        let mut resident_attn = Vec::with_capacity(cfg.n_layers);
+        let mut resident_gate = Vec::with_capacity(cfg.n_layers);
+        for (l, lw) in w.layers.iter().enumerate() {
+            let a = &lw.attn;
+            if residency.attention_resident[l] {
+                resident_attn.push(Some(AttnWeights {
+                    wq: load(&a.wq)?,
+                    wk: load(&a.wk)?,
+                    wv: load(&a.wv)?,
+                    wo: load(&a.wo)?,
+                }));
             } else {
-                let a = &lw.attn;
+                resident_attn.push(None);
                 layers[l].attn = Some([Part::of(&a.wq)?, Part::of(&a.wk)?, Part::of(&a.wv)?, Part::of(&a.wo)?]);
             }
             if residency.gate_resident[l] {
-                load(&mut lw.ffn_gate)?;
+                resident_gate.push(Some(load(&lw.ffn_gate)?));
             } else {
+                resident_gate.push(None);
                 layers[l].gate = Some(Part::of(&lw.ffn_gate)?);
             }
         }
@@ -605,7 +645,11 @@ impl Streamer {
             lookahead,
             layers,
             embedding,
+            output,
+            resident_attn,
+            resident_gate,
             hidden: cfg.hidden,
+            pass: Mutex::new(()),
             state: Mutex::new(State {
                 caches,
                 staging_up: Arc::new(staging_up),
@@ -772,7 +816,9 @@ impl Streamer {
                 .zip(w_now.iter().zip(w_next))
                 .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
                 .collect();
-            let gate_w = &model.weights.layers[next].ffn_gate;
+            let Some(gate_w) = &self.resident_gate[next] else {
+                return Ok(());
+            };
             let mut prep = Vec::new();
             prepare_all(&x, h, gate_w, &mut prep);
             let mut gate = vec![0f32; f];
@@ -1175,9 +1221,21 @@ impl LayerStream for Streamer {
         *self.decode_start.lock().expect("decode start") = Some((self.counters(), self.read_stats()));
     }
 
+    fn pass_lock(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        // A pass that panicked leaves nothing half-done that a lock could protect (the state
+        // recovers from an out-of-step prefetch), so a poisoned lock is taken as it is.
+        Some(self.pass.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn output(&self) -> Option<Weight> {
+        Some(self.output.clone())
+    }
+
     fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool> {
         let Some(e) = &self.embedding else {
-            return Ok(false);
+            // Tied: the output matrix is the embedding, and it is resident.
+            self.output.dequantize_row(tok as usize, out);
+            return Ok(true);
         };
         let (o, len) = e.extent(tok);
         let t0 = Instant::now();
@@ -1196,7 +1254,7 @@ impl LayerStream for Streamer {
         }
         self.advance(&mut st, l)?;
         match &self.layers[l].attn {
-            None => Ok(None),
+            None => Ok(self.resident_attn[l].clone()),
             Some([q, k, v, o]) => {
                 let mut at = 0;
                 let mut next = |p: &Part| {
@@ -1219,7 +1277,6 @@ impl LayerStream for Streamer {
         let (h, f) = (cfg.hidden, cfg.ffn);
         debug_assert_eq!(h, self.hidden);
         let n = xn.len() / h;
-        let lw = &model.weights.layers[l];
         let parts = &self.layers[l];
         let mut st = self.state.lock().expect("stream state");
         let st = &mut *st;
@@ -1233,7 +1290,10 @@ impl LayerStream for Streamer {
             }
             None => None,
         };
-        let gate_w = streamed_gate.as_ref().unwrap_or(&lw.ffn_gate);
+        let gate_w = match (&streamed_gate, &self.resident_gate[l]) {
+            (Some(g), _) | (None, Some(g)) => g,
+            (None, None) => unreachable!("layer {l}'s gate is either resident or streamed"),
+        };
         let gate_ty = gate_w.ty;
         prepare_all(xn, h, gate_w, &mut prep);
         let mut gate = vec![0f32; n * f];
