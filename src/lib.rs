@@ -17,6 +17,7 @@ pub mod perplexity;
 pub mod plot;
 pub mod quant;
 pub mod reformat;
+pub mod runtime;
 pub mod safetensors;
 pub mod sparsity;
 pub mod stream;

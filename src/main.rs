@@ -10,15 +10,15 @@ use clap::{Parser, Subcommand};
 
 use gatestream::bench::trace::{Trace, TraceRecorder};
 use gatestream::io::{ReadEngine, ReaderOptions};
-use gatestream::model::forward::LayerStream;
-use gatestream::model::generate::{GenerateOptions, PromptAwareMask};
+use gatestream::model::generate::GenerateOptions;
 use gatestream::model::sampler::SamplerConfig;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::perplexity::{perplexity, PerplexityOptions};
-use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
+use gatestream::runtime::{KvPositions, OpenOptions, Outcome, SparseAsk, StreamAsk};
+use gatestream::sparsity::{Criterion, Masker, Strategy};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::residency::{parse_budget, Priority};
-use gatestream::stream::{CostSource, Lookahead, StreamOptions, StreamReport, Streamer};
+use gatestream::stream::CostSource;
 
 #[derive(Parser)]
 #[command(
@@ -429,25 +429,6 @@ enum TypeArg {
     Q8_0,
 }
 
-/// The sparse configuration stored in a .gst file by `eval --store` or `recommend`, if any.
-/// (strategy, criterion, mean sparsity, per-layer levels if the recommendation has them).
-type StoredMask = (Strategy, Criterion, f32, Option<Vec<f32>>);
-
-fn recommended(model: &Model) -> anyhow::Result<Option<StoredMask>> {
-    if !gatestream::gstfile::is_gst(&model.path) {
-        return Ok(None);
-    }
-    let g = gatestream::gstfile::GstFile::open(&model.path)?;
-    Ok(g.index.recommended_sparse.as_ref().and_then(|r| {
-        Some((
-            Strategy::from_name(&r.strategy)?,
-            Criterion::from_name(&r.criterion)?,
-            r.sparsity,
-            r.per_layer_sparsity.clone(),
-        ))
-    }))
-}
-
 /// Stores the frontier of eval `rows` at the quality budget in the .gst `target` (which must
 /// be the evaluated model, or made from it).
 fn store_frontier(
@@ -642,22 +623,13 @@ struct StreamArgs {
     lookahead: bool,
 }
 
-/// The sparse configuration asked for on the command line (unset parts come from the file's
-/// recommendation, else topk / exact / 0.3).
-struct SparseAsk {
-    strategy: Option<Strategy>,
-    criterion: Option<Criterion>,
-    sparsity: Option<f32>,
+/// One generation and what it measured, as `run` prints it.
+trait Report {
+    fn json(&self) -> anyhow::Result<serde_json::Value>;
+    fn print_stats(&self, label: &str);
 }
 
-/// One generation and what it measured.
-struct Outcome {
-    generation: gatestream::model::generate::Generation,
-    sparsity: Option<serde_json::Value>,
-    stream: Option<StreamReport>,
-}
-
-impl Outcome {
+impl Report for Outcome {
     fn json(&self) -> anyhow::Result<serde_json::Value> {
         let mut v = serde_json::to_value(&self.generation)?;
         v["sparsity"] = self.sparsity.clone().unwrap_or(serde_json::Value::Null);
@@ -673,7 +645,7 @@ impl Outcome {
             g.prefill_tok_per_s,
             g.tokens.len(),
             g.decode_tok_per_s,
-            g.finish
+            g.finish.name()
         );
         if let Some(r) = &self.stream {
             let mb = |b: f64| b / 1e6;
@@ -703,8 +675,8 @@ impl Outcome {
     }
 }
 
-/// Loads the model, streams it when a budget is given, masks it when `sparse` is given, and
-/// generates.
+/// Opens the model through the runtime (streamed when a budget is given, masked when `sparse`
+/// is given), says what was assembled, and generates.
 fn generate_one(
     args: &ModelArgs,
     sparse: Option<&SparseAsk>,
@@ -715,150 +687,104 @@ fn generate_one(
     on_text: &mut dyn FnMut(&str),
 ) -> anyhow::Result<Outcome> {
     gatestream::stream::reset_peak_rss();
-    let mut model = load(args)?;
-    // The mask asked for, or the file's recommendation when nothing is asked.
-    let config = match sparse {
+    let path = model_path(args)?;
+    let stream_ask = match &stream.ram_budget {
         None => None,
-        Some(ask) => {
-            let stored = if ask.strategy.is_none() && ask.criterion.is_none() && ask.sparsity.is_none() {
-                recommended(&model)?
-            } else {
-                None
-            };
-            Some(stored.unwrap_or((
-                ask.strategy.unwrap_or(Strategy::TopK),
-                ask.criterion.unwrap_or(Criterion::Exact),
-                ask.sparsity.unwrap_or(0.3),
-                None,
-            )))
-        }
-    };
-    let streamer = match &stream.ram_budget {
-        None => None,
-        Some(b) => {
-            let file_bytes = std::fs::metadata(&model.path)?.len();
-            let budget_bytes = parse_budget(b, file_bytes)?;
-            let engine = match stream.io {
+        Some(b) => Some(StreamAsk {
+            budget_bytes: parse_budget(b, std::fs::metadata(&path)?.len())?,
+            engine: match stream.io {
                 IoArg::Uring => ReadEngine::Uring,
                 IoArg::Pread => ReadEngine::Pread,
                 IoArg::Mmap => ReadEngine::Mmap,
-            };
-            let cache = match (stream.cache, sparse.is_some()) {
-                (Some(CacheArg::Lru), _) | (None, true) => CachePolicy::Lru,
-                (Some(CacheArg::Pinned), _) | (None, false) => CachePolicy::Pinned,
-            };
-            let reader = ReaderOptions {
+            },
+            reader: ReaderOptions {
                 queue_depth: stream.queue_depth,
                 ..ReaderOptions::default()
-            };
-            let t = std::time::Instant::now();
-            let s = Streamer::open(
-                &mut model,
-                &StreamOptions {
-                    budget_bytes,
-                    engine,
-                    reader,
-                    cache,
-                    priority: match stream.residency {
-                        ResidencyArg::GateFirst => Priority::GateFirst,
-                        ResidencyArg::CacheFirst => Priority::CacheFirst,
-                    },
-                    prefetch_ffn: sparse.is_none(),
-                    merge_gap_bytes: stream.merge_gap_bytes,
-                    cost: cost_source(&stream.cost_model)?,
-                    lookahead: match &config {
-                        Some((strategy, criterion, ..)) if stream.lookahead => {
-                            Lookahead::for_mask(gatestream::sparsity::up_set_reads_input(*strategy, *criterion))
-                        }
-                        _ => Lookahead::Off,
-                    },
-                },
-            )?;
-            for w in &s.warnings {
-                eprintln!("warning: {w}");
+            },
+            cache: stream.cache.map(|c| match c {
+                CacheArg::Lru => CachePolicy::Lru,
+                CacheArg::Pinned => CachePolicy::Pinned,
+            }),
+            priority: match stream.residency {
+                ResidencyArg::GateFirst => Priority::GateFirst,
+                ResidencyArg::CacheFirst => Priority::CacheFirst,
+            },
+            merge_gap_bytes: stream.merge_gap_bytes,
+            cost: cost_source(&stream.cost_model)?,
+            lookahead: stream.lookahead,
+            batch_tokens_max: 0,
+        }),
+    };
+    let t = std::time::Instant::now();
+    let rt = gatestream::runtime::open(
+        &path,
+        &OpenOptions {
+            threads: args.threads,
+            stream: stream_ask,
+            sparse: sparse.cloned(),
+            kv_positions: KvPositions::Prompt {
+                prompt: prompt.to_string(),
+                chat: opts.chat,
+                extra: opts.max_tokens,
+            },
+        },
+    )?;
+    print_loaded(&rt.model, t.elapsed().as_secs_f64() - rt.stream_open_s);
+    for w in &rt.warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(s) = &rt.stream {
+        let r = &s.residency;
+        let mb = |b: u64| b as f64 / 1e6;
+        eprintln!(
+            "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB, buffers {:.1} MB, \
+             KV cache + batch {:.1} MB, attention {}/{} layers ({:.1} MB), gate {}/{} layers ({:.1} MB), \
+             neuron cache {:.1} MB ({} neurons/layer)",
+            mb(r.budget_bytes),
+            rt.stream_open_s,
+            mb(r.required_bytes),
+            mb(r.working_bytes),
+            mb(r.context_bytes),
+            r.attention_resident.iter().filter(|&&a| a).count(),
+            r.attention_resident.len(),
+            mb(r.attention_bytes),
+            r.gate_resident.iter().filter(|&&a| a).count(),
+            r.gate_resident.len(),
+            mb(r.gate_bytes),
+            mb(r.cache_bytes),
+            r.cache_neurons.first().copied().unwrap_or(0)
+        );
+        eprintln!(
+            "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
+            s.cost.request_us,
+            s.cost.bytes_per_us,
+            s.cost.align_bytes,
+            s.cost.merge_gap_bytes() as f64 / 1e3
+        );
+    }
+    if let Some(m) = &rt.mask {
+        eprintln!(
+            "sparse FFN ({}): {} {} at {}{}",
+            if rt.stream.is_some() { "streamed" } else { "in RAM" },
+            m.strategy.name(),
+            m.criterion.name(),
+            level(m.sparsity),
+            match &m.per_layer {
+                Some(p) => format!(
+                    " (per-layer levels {}, stored in the file)",
+                    p.iter().map(|&s| level(s)).collect::<Vec<_>>().join(",")
+                ),
+                None => String::new(),
             }
-            let r = &s.residency;
-            let mb = |b: u64| b as f64 / 1e6;
-            eprintln!(
-                "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB, buffers {:.1} MB, \
-                 attention {}/{} layers ({:.1} MB), gate {}/{} layers ({:.1} MB), neuron cache {:.1} MB ({} policy, {} neurons/layer)",
-                mb(budget_bytes),
-                t.elapsed().as_secs_f64(),
-                mb(r.required_bytes),
-                mb(r.working_bytes),
-                r.attention_resident.iter().filter(|&&a| a).count(),
-                r.attention_resident.len(),
-                mb(r.attention_bytes),
-                r.gate_resident.iter().filter(|&&a| a).count(),
-                r.gate_resident.len(),
-                mb(r.gate_bytes),
-                mb(r.cache_bytes),
-                cache.name(),
-                r.cache_neurons.first().copied().unwrap_or(0)
-            );
-            eprintln!(
-                "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
-                s.cost.request_us,
-                s.cost.bytes_per_us,
-                s.cost.align_bytes,
-                s.cost.merge_gap_bytes() as f64 / 1e3
-            );
-            Some(s)
+        );
+    }
+    let ids = rt.model.prompt_ids(prompt, opts.chat)?;
+    let outcome = rt.generate(&ids, opts, record_trace.is_some(), None, &mut |e| {
+        if !e.text.is_empty() {
+            on_text(e.text)
         }
-    };
-    let sketches;
-    let masker = match config {
-        None => None,
-        Some((strategy, criterion, sparsity, per_layer)) => {
-            sketches = if criterion == Criterion::Sketch {
-                if streamer.is_some() {
-                    eprintln!(
-                        "warning: the sketch criterion builds its sketches from every up row at start-up, which reads all of up once"
-                    );
-                }
-                UpSketches::build(&model)
-            } else {
-                None
-            };
-            eprintln!(
-                "sparse FFN ({}): {} {} at {}{}",
-                if streamer.is_some() { "streamed" } else { "in RAM" },
-                strategy.name(),
-                criterion.name(),
-                level(sparsity),
-                match &per_layer {
-                    Some(p) => format!(
-                        " (per-layer levels {}, stored in the file)",
-                        p.iter().map(|&s| level(s)).collect::<Vec<_>>().join(",")
-                    ),
-                    None => String::new(),
-                }
-            );
-            let m = Masker::for_model(&model, strategy, criterion, sparsity, sketches.as_ref())?;
-            Some(match per_layer {
-                Some(p) => m.with_per_layer(p),
-                None => m,
-            })
-        }
-    };
-    let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
-    let c = &model.config;
-    let recorder = record_trace.map(|_| TraceRecorder::new(mask, c.n_layers, c.hidden, c.ffn));
-    let mask = match &recorder {
-        Some(r) => Some(r as &dyn PromptAwareMask),
-        None => mask,
-    };
-    let layer_stream = streamer.as_ref().map(|s| s as &dyn LayerStream);
-    let generation = model.generate_with(prompt, opts, mask, layer_stream, on_text)?;
-    if let (Some(r), Some(path)) = (&recorder, record_trace) {
-        let name = model
-            .path
-            .file_name()
-            .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-        let what = masker.as_ref().map_or("dense".into(), |m| {
-            format!("{} {} {}", m.strategy.name(), m.criterion.name(), m.sparsity)
-        });
-        let t = r.trace(&name, &what);
+    })?;
+    if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
         t.write(path)?;
         eprintln!(
             "trace: {} tokens x {} layers ({:.1}% of neurons kept) written to {}",
@@ -868,20 +794,7 @@ fn generate_one(
             path.display()
         );
     }
-    let sparsity = masker.as_ref().map(|m| {
-        serde_json::json!({
-            "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
-            "level_per_layer": m.per_layer,
-            "achieved_per_layer": m.achieved_sparsity(),
-            "computed_in": if streamer.is_some() { "stream" } else { "ram" }
-        })
-    });
-    let stream = streamer.as_ref().map(|s| StreamReport::new(s, &generation));
-    Ok(Outcome {
-        generation,
-        sparsity,
-        stream,
-    })
+    Ok(outcome)
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
@@ -899,25 +812,38 @@ fn default_model() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-fn load(args: &ModelArgs) -> anyhow::Result<Model> {
-    let path = match &args.model {
-        Some(p) => p.clone(),
-        None => default_model()?,
-    };
-    let t = std::time::Instant::now();
-    let model = Model::load(&path, &LoadOptions { threads: args.threads, ..Default::default() })?;
+fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
+    match &args.model {
+        Some(p) => Ok(p.clone()),
+        None => default_model(),
+    }
+}
+
+fn print_loaded(model: &Model, seconds: f64) {
     let c = &model.config;
     eprintln!(
-        "loaded {} ({}, {} layers, hidden {}, ffn {}, vocab {}) in {:.2} s on {}",
-        path.display(),
+        "loaded {} ({}, {} layers, hidden {}, ffn {}, vocab {}) in {seconds:.2} s on {}",
+        model.path.display(),
         c.arch.name(),
         c.n_layers,
         c.hidden,
         c.ffn,
         c.vocab,
-        t.elapsed().as_secs_f64(),
         model.backend.name()
     );
+}
+
+fn load(args: &ModelArgs) -> anyhow::Result<Model> {
+    let path = model_path(args)?;
+    let t = std::time::Instant::now();
+    let model = Model::load(
+        &path,
+        &LoadOptions {
+            threads: args.threads,
+            ..Default::default()
+        },
+    )?;
+    print_loaded(&model, t.elapsed().as_secs_f64());
     Ok(model)
 }
 
@@ -969,6 +895,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 chat,
                 ctx: 0,
+                batch_tokens_max: 0,
             };
             let asked = SparseAsk {
                 strategy: strategy.map(strategy_of),

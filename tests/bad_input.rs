@@ -10,7 +10,13 @@ use gatestream::Error;
 fn load_bytes(bytes: &[u8]) -> Result<Model, Error> {
     let tmp = tempfile::tempdir().unwrap();
     let p = write_temp(tmp.path(), "m.gguf", bytes);
-    Model::load(&p, &LoadOptions { threads: 1, ..Default::default() })
+    Model::load(
+        &p,
+        &LoadOptions {
+            threads: 1,
+            ..Default::default()
+        },
+    )
 }
 
 fn message(e: &Error) -> String {

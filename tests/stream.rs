@@ -57,6 +57,8 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         merge_gap_bytes: None,
         cost: CostSource::Default,
         lookahead: Lookahead::Off,
+        kv_positions: 64,
+        batch_tokens_max: 64,
     }
 }
 
@@ -215,7 +217,10 @@ fn concurrent_passes_over_one_stream_finish() {
     }
     for i in 0..12 {
         match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(got) => assert!(got == reference, "pass {i} of the concurrent passes gave other logits than in RAM"),
+            Ok(got) => assert!(
+                got == reference,
+                "pass {i} of the concurrent passes gave other logits than in RAM"
+            ),
             Err(e) => panic!("{i} of 12 concurrent passes finished in 120 s ({e}): the passes deadlocked"),
         }
     }

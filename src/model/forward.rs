@@ -61,6 +61,10 @@ pub trait LayerStream: Sync {
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: returns `down · (act(gate·x) ·
     /// up·x)` `[n, hidden]` (before any post-FFN norm), honouring `hooks.mask` and `hooks.observe`.
     fn ffn(&self, model: &Model, l: usize, xn: &[f32], hooks: &FfnHooks) -> Result<Vec<f32>>;
+    /// The most tokens one pass may take (the budget holds that many tokens' activations).
+    fn batch_tokens_max(&self) -> Option<usize> {
+        None
+    }
     /// The output matrix when the stream holds it (a model opened for streaming keeps none).
     fn output(&self) -> Option<Weight> {
         None
@@ -172,6 +176,15 @@ impl Model {
         // Run the whole pass on the backend's threads: the many parallel loops inside it then
         // start from a pool thread, which joins the work directly, instead of parking the
         // caller's thread on a lock for every matrix (that cost ~10% of decode time).
+        if let Some(max) = hooks.stream.and_then(|s| s.batch_tokens_max()) {
+            if batch.len() > max {
+                return Err(Error::Invalid(format!(
+                    "a pass of {} tokens exceeds the {max} whose activations the RAM budget holds; \
+                     feed the prompt in batches of at most {max} tokens (generation does)",
+                    batch.len()
+                )));
+            }
+        }
         let _pass = hooks.stream.and_then(|s| s.pass_lock());
         let logits = self.cpu.install(|| self.forward_in_pool(batch, caches, hooks))?;
         for (c, len) in caches.iter_mut().zip(next) {

@@ -1,14 +1,17 @@
 //! Text generation: encode the prompt (optionally through the chat template), prefill it in
-//! one batch, then decode one token at a time, handing text to a callback as soon as it is
-//! complete UTF-8. Timing is measured here so every caller reports the same numbers.
+//! batches of at most `batch_tokens_max` tokens, then decode one token at a time, handing each
+//! token (id, the text it completes, its log-probability) to a callback as soon as it is
+//! sampled. Generation can be cancelled between passes; a trailing incomplete UTF-8 sequence
+//! is flushed at the end. Timing is measured here so every caller reports the same numbers.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::model::batch::Logits;
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
 use crate::model::kv::KvCache;
-use crate::model::sampler::{Sampler, SamplerConfig};
+use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
 use crate::model::Model;
 
 /// A mask that generation tells how many of the next batch's tokens are the prompt.
@@ -16,6 +19,10 @@ pub trait PromptAwareMask: Sync {
     fn prompt_tokens(&self, n: usize);
     fn as_mask(&self) -> &dyn FfnMask;
 }
+
+/// Prompt batches when neither the caller nor a stream sets a smaller size (llama.cpp's
+/// default micro-batch).
+pub const PREFILL_BATCH_TOKENS: usize = 512;
 
 #[derive(Clone, Debug)]
 pub struct GenerateOptions {
@@ -25,6 +32,55 @@ pub struct GenerateOptions {
     pub chat: bool,
     /// KV cache positions to allocate (prompt + generated); 0 = prompt + max_tokens.
     pub ctx: usize,
+    /// The most prompt tokens per pass; 0 = [`PREFILL_BATCH_TOKENS`] (a stream may lower it).
+    pub batch_tokens_max: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: 64,
+            sampler: SamplerConfig::default(),
+            chat: false,
+            ctx: 0,
+            batch_tokens_max: 0,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    /// The model produced a stop token.
+    StopToken,
+    /// `max_tokens` were generated.
+    MaxTokens,
+    /// The caller cancelled (the tokens so far are kept).
+    Cancelled,
+}
+
+impl Finish {
+    /// The name `--json` and the stderr summary use ("stop_token", "max_tokens", "cancelled").
+    pub fn name(self) -> &'static str {
+        match self {
+            Finish::StopToken => "stop_token",
+            Finish::MaxTokens => "max_tokens",
+            Finish::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// One generated token, handed over as soon as it is sampled.
+#[derive(Clone, Debug)]
+pub struct TokenEvent<'a> {
+    /// The token; `None` for the last event of a generation that ended inside a UTF-8
+    /// sequence, which carries the flushed bytes (as U+FFFD) and no token.
+    pub id: Option<u32>,
+    /// The text this token completes (empty while a UTF-8 sequence is unfinished).
+    pub text: &'a str,
+    /// ln p(token) under the model's distribution (softmax of the logits, before temperature).
+    pub logprob: f32,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -32,31 +88,33 @@ pub struct Generation {
     pub text: String,
     /// Generated token ids (not the prompt).
     pub tokens: Vec<u32>,
+    /// ln p of each generated token under the model (see [`TokenEvent::logprob`]).
+    pub logprobs: Vec<f32>,
     pub prompt_tokens: Vec<u32>,
-    /// Why generation ended: "stop_token" or "max_tokens".
-    pub finish: &'static str,
+    pub finish: Finish,
     pub prefill_s: f64,
     pub decode_s: f64,
     pub prefill_tok_per_s: f64,
     pub decode_tok_per_s: f64,
 }
 
-impl Model {
-    pub fn generate(&self, prompt: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
-        self.generate_with(prompt, opts, None, None, on_text)
-    }
+/// Tells the mask the prompt is over when dropped, also when a pass fails midway (a mask left
+/// in prompt mode would treat the next request's tokens as context).
+struct PromptMode<'a>(Option<&'a dyn PromptAwareMask>);
 
-    /// As `generate`, with an FFN mask applied to every layer of every step (the prompt's
-    /// length is announced to it first, for masks that learn from the prompt).
-    pub fn generate_with(
-        &self,
-        prompt: &str,
-        opts: &GenerateOptions,
-        mask: Option<&dyn PromptAwareMask>,
-        stream: Option<&dyn LayerStream>,
-        on_text: &mut dyn FnMut(&str),
-    ) -> Result<Generation> {
-        let text = if opts.chat {
+impl Drop for PromptMode<'_> {
+    fn drop(&mut self) {
+        if let Some(m) = self.0 {
+            m.prompt_tokens(0);
+        }
+    }
+}
+
+impl Model {
+    /// The prompt's token ids as generation feeds them: through the chat template when `chat`
+    /// (which writes its own BOS), else with BOS where the model adds one.
+    pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
+        let text = if chat {
             if !self.tokenizer.has_chat_template() {
                 return Err(Error::Invalid(format!(
                     "{}: --chat given but the model has no chat template",
@@ -67,12 +125,51 @@ impl Model {
         } else {
             prompt.to_string()
         };
-        // A chat template writes its own BOS where the model wants one.
-        let prompt_tokens = self.tokenizer.encode(&text, !opts.chat)?;
-        if prompt_tokens.is_empty() {
+        let ids = self.tokenizer.encode(&text, !chat)?;
+        if ids.is_empty() {
             return Err(Error::Invalid(
                 "the prompt encodes to no tokens and the model has no BOS to start from".into(),
             ));
+        }
+        Ok(ids)
+    }
+
+    pub fn generate(&self, prompt: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
+        self.generate_with(prompt, opts, None, None, on_text)
+    }
+
+    /// As `generate`, with an FFN mask applied to every layer of every step (the prompt's
+    /// length is announced to it first, for masks that learn from the prompt) and a stream.
+    pub fn generate_with(
+        &self,
+        prompt: &str,
+        opts: &GenerateOptions,
+        mask: Option<&dyn PromptAwareMask>,
+        stream: Option<&dyn LayerStream>,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation> {
+        let ids = self.prompt_ids(prompt, opts.chat)?;
+        self.generate_ids(&ids, opts, mask, stream, None, &mut |e| {
+            if !e.text.is_empty() {
+                on_text(e.text)
+            }
+        })
+    }
+
+    /// Generation from prompt ids, handing every token to `on_token` as it is sampled and
+    /// stopping early (finish `Cancelled`, tokens so far kept) once `cancel` is set.
+    pub fn generate_ids(
+        &self,
+        prompt_ids: &[u32],
+        opts: &GenerateOptions,
+        mask: Option<&dyn PromptAwareMask>,
+        stream: Option<&dyn LayerStream>,
+        cancel: Option<&AtomicBool>,
+        on_token: &mut dyn FnMut(&TokenEvent),
+    ) -> Result<Generation> {
+        let prompt_tokens = prompt_ids.to_vec();
+        if prompt_tokens.is_empty() {
+            return Err(Error::Invalid("generation needs at least one prompt token".into()));
         }
         let ctx = if opts.ctx == 0 {
             prompt_tokens.len() + opts.max_tokens
@@ -86,51 +183,85 @@ impl Model {
                 opts.max_tokens
             )));
         }
+        let mut batch_max = if opts.batch_tokens_max == 0 {
+            PREFILL_BATCH_TOKENS
+        } else {
+            opts.batch_tokens_max
+        };
+        if let Some(m) = stream.and_then(|s| s.batch_tokens_max()) {
+            batch_max = batch_max.min(m);
+        }
+        let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
         let mut cache = KvCache::new(&self.config, ctx);
         let mut sampler = Sampler::new(opts.sampler.clone());
         let mut decoder = self.tokenizer.stream_decoder();
         let mut out_text = String::new();
-        let mut tokens = Vec::new();
+        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
 
         let t0 = Instant::now();
-        let step = |tokens: &[u32], cache: &mut KvCache| -> Result<Vec<f32>> {
-            let hooks = FfnHooks {
-                select: &|_, _| FfnNeurons::All,
-                observe: None,
-                mask: mask.map(|m| m.as_mask()),
-                stream,
-            };
-            self.forward_with(tokens, cache, Logits::Last, &hooks)
+        let hooks = FfnHooks {
+            select: &|_, _| FfnNeurons::All,
+            observe: None,
+            mask: mask.map(|m| m.as_mask()),
+            stream,
         };
-        if let Some(m) = mask {
-            m.prompt_tokens(prompt_tokens.len());
-        }
-        let mut logits = step(&prompt_tokens, &mut cache)?;
-        if let Some(m) = mask {
-            m.prompt_tokens(0);
+        let mut logits = Vec::new();
+        {
+            let _prompt_mode = PromptMode(mask);
+            for chunk in prompt_tokens.chunks(batch_max.max(1)) {
+                if cancelled() {
+                    break;
+                }
+                if let Some(m) = mask {
+                    m.prompt_tokens(chunk.len());
+                }
+                logits = self.forward_with(chunk, &mut cache, Logits::Last, &hooks)?;
+            }
         }
         if let Some(s) = stream {
             s.prefill_done();
         }
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut finish = "max_tokens";
+        let mut finish = Finish::MaxTokens;
         let mut n_decode_forward = 0usize;
         for i in 0..opts.max_tokens {
-            let next = sampler.sample(&logits);
-            if self.tokenizer.is_stop(next) {
-                finish = "stop_token";
+            if cancelled() || logits.is_empty() {
+                finish = Finish::Cancelled;
                 break;
             }
-            tokens.push(next);
-            if let Some(s) = decoder.push(next) {
-                on_text(&s);
-                out_text.push_str(&s);
+            let next = sampler.sample(&logits);
+            if self.tokenizer.is_stop(next) {
+                finish = Finish::StopToken;
+                break;
             }
+            let logprob = log_softmax_at(&logits, next);
+            tokens.push(next);
+            logprobs.push(logprob);
+            let text = decoder.push(next).unwrap_or_default();
+            on_token(&TokenEvent {
+                id: Some(next),
+                text: &text,
+                logprob,
+            });
+            out_text.push_str(&text);
             if i + 1 < opts.max_tokens {
-                logits = step(&[next], &mut cache)?;
+                if cancelled() {
+                    finish = Finish::Cancelled;
+                    break;
+                }
+                logits = self.forward_with(&[next], &mut cache, Logits::Last, &hooks)?;
                 n_decode_forward += 1;
             }
+        }
+        // An unfinished UTF-8 sequence at the end is not lost: it is written as U+FFFD.
+        if let Some(rest) = decoder.flush() {
+            on_token(&TokenEvent {
+                id: None,
+                text: &rest,
+                logprob: 0.0,
+            });
+            out_text.push_str(&rest);
         }
         // Decode speed: single-token forward passes (sampling included) per second; the first
         // generated token comes from the prefill.
@@ -144,6 +275,7 @@ impl Model {
                 0.0
             },
             tokens,
+            logprobs,
             prompt_tokens,
             finish,
             prefill_s,

@@ -1,5 +1,6 @@
 //! Choosing the next token from logits: greedy, or temperature with top-k and top-p, from a
-//! seeded generator so a run can be repeated exactly.
+//! seeded generator so a run can be repeated exactly. The distribution a draw is made from is
+//! exposed ([`Sampler::distribution`]), as speculative acceptance and logprobs need.
 
 #[derive(Clone, Debug)]
 pub struct SamplerConfig {
@@ -60,9 +61,11 @@ impl Sampler {
         (r >> 40) as f32 / (1u64 << 24) as f32
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.cfg.temperature <= 0.0 {
-            return argmax(logits);
+    /// The tokens a draw can pick and their unnormalized weights (most likely first), and the
+    /// weights' sum; `None` for greedy.
+    fn candidates(&self, logits: &[f32]) -> Option<(Vec<(u32, f32)>, f32)> {
+        if self.cfg.temperature <= 0.0 || logits.is_empty() {
+            return None;
         }
         let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         let k = if self.cfg.top_k == 0 {
@@ -92,6 +95,22 @@ impl Sampler {
         }
         cand.truncate(kept.max(1));
         let total: f32 = cand.iter().map(|c| c.1).sum();
+        Some((cand, total))
+    }
+
+    /// The distribution `sample` draws from: `(token, probability)`, most likely first,
+    /// probabilities summing to 1 (greedy: the argmax with probability 1).
+    pub fn distribution(&self, logits: &[f32]) -> Vec<(u32, f32)> {
+        match self.candidates(logits) {
+            None => vec![(argmax(logits), 1.0)],
+            Some((cand, total)) => cand.into_iter().map(|(t, w)| (t, w / total)).collect(),
+        }
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let Some((cand, total)) = self.candidates(logits) else {
+            return argmax(logits);
+        };
         let mut r = self.uniform() * total;
         for c in &cand {
             r -= c.1;
@@ -101,6 +120,13 @@ impl Sampler {
         }
         cand[cand.len() - 1].0
     }
+}
+
+/// ln softmax(logits)[id], in f64 (the model's own log-probability of a token).
+pub fn log_softmax_at(logits: &[f32], id: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    (logits[id as usize] as f64 - max - sum.ln()) as f32
 }
 
 #[cfg(test)]
@@ -140,6 +166,32 @@ mod tests {
         assert_eq!(a, draw(cfg.clone()), "same seed, same draws");
         assert!(a.iter().all(|&t| t < 3), "{a:?}");
         assert!((0..3).all(|t| a.contains(&t)), "all three nucleus tokens appear");
-        assert_ne!(a, draw(SamplerConfig { seed: 43, ..cfg }), "another seed, other draws");
+        assert_ne!(
+            a,
+            draw(SamplerConfig {
+                seed: 43,
+                ..cfg.clone()
+            }),
+            "another seed, other draws"
+        );
+        // The exposed distribution is the nucleus, normalized, and the draws follow it.
+        let d = Sampler::new(cfg).distribution(&logits);
+        assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), [0, 1, 2]);
+        assert!((d.iter().map(|x| x.1).sum::<f32>() - 1.0).abs() < 1e-6);
+        let share0 = a.iter().filter(|&&t| t == 0).count() as f32 / a.len() as f32;
+        assert!(
+            (share0 - d[0].1).abs() < 0.1,
+            "token 0 drawn {share0}, probability {}",
+            d[0].1
+        );
+    }
+
+    #[test]
+    fn log_softmax_matches_the_definition() {
+        let logits = [1.0f32, 2.0, 3.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((log_softmax_at(&logits, 2) as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        let greedy = Sampler::new(SamplerConfig::default());
+        assert_eq!(greedy.distribution(&logits), [(2, 1.0)]);
     }
 }

@@ -233,7 +233,13 @@ pub fn recalibrate(
 ) -> Result<Calibration> {
     let old = GstFile::open(path)?;
     let text = std::fs::read_to_string(text_path).map_err(|e| Error::io(text_path, e))?;
-    let model = Model::load(path, &LoadOptions { threads, ..Default::default() })?;
+    let model = Model::load(
+        path,
+        &LoadOptions {
+            threads,
+            ..Default::default()
+        },
+    )?;
     let name = text_path.file_name().and_then(|n| n.to_str()).unwrap_or("text");
     let stats = calibrate(&model, &text, name, tokens, &mut |d, n| progress("calibrate", d, n))?;
     drop(model);
@@ -355,7 +361,13 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         Some(text_path) => {
             let t = Instant::now();
             let text = std::fs::read_to_string(text_path).map_err(|e| Error::io(text_path, e))?;
-            let model = Model::load(input, &LoadOptions { threads: opts.threads, ..Default::default() })?;
+            let model = Model::load(
+                input,
+                &LoadOptions {
+                    threads: opts.threads,
+                    ..Default::default()
+                },
+            )?;
             let name = text_path.file_name().and_then(|n| n.to_str()).unwrap_or("text");
             let s = calibrate(&model, &text, name, opts.calibrate_tokens, &mut |d, n| {
                 progress("calibrate", d, n)

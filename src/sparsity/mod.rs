@@ -17,6 +17,7 @@ use rayon::prelude::*;
 use crate::model::forward::FfnMask;
 use crate::model::Model;
 use crate::quant::sketch::{sketch_dots, sketch_row, sketch_row_bytes};
+use crate::tensor::Weight;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -100,24 +101,38 @@ pub struct UpSketches {
 }
 
 impl UpSketches {
+    /// From the model's own up matrices (a model whose matrices are in memory or mapped).
     pub fn build(model: &Model) -> Option<UpSketches> {
+        UpSketches::build_with(model, &|w| Ok(w.clone())).ok().flatten()
+    }
+
+    /// From up matrices handed over by `read` (a stream reads them from disk for a model
+    /// opened with its matrices there), one layer at a time per thread; `None` when the
+    /// hidden size has no sketch layout.
+    pub fn build_with(
+        model: &Model,
+        read: &(dyn Fn(&Weight) -> crate::error::Result<Weight> + Sync),
+    ) -> crate::error::Result<Option<UpSketches>> {
         let (ffn, hidden) = (model.config.ffn, model.config.hidden);
-        let row_bytes = sketch_row_bytes(hidden)?;
+        let Some(row_bytes) = sketch_row_bytes(hidden) else {
+            return Ok(None);
+        };
         let layers = model
             .weights
             .layers
             .par_iter()
             .map(|l| {
+                let up = read(&l.ffn_up)?;
                 let mut out = vec![0u8; ffn * row_bytes];
                 let mut f = vec![0f32; hidden];
                 for (n, o) in out.chunks_exact_mut(row_bytes).enumerate() {
-                    l.ffn_up.dequantize_row(n, &mut f);
+                    up.dequantize_row(n, &mut f);
                     sketch_row(&f, o);
                 }
-                out
+                Ok(out)
             })
-            .collect();
-        Some(UpSketches { row_bytes, layers })
+            .collect::<crate::error::Result<Vec<_>>>()?;
+        Ok(Some(UpSketches { row_bytes, layers }))
     }
 
     /// û·x for every neuron of `layer`.
@@ -205,6 +220,9 @@ pub struct Masker<'a> {
     /// For `Union`: each layer's kept set from the last context, reused by batches without one
     /// (decode steps after the prompt).
     union_sets: Mutex<Vec<Option<Vec<bool>>>>,
+    /// For `Union` in generation: each layer's votes over the context so far, so a prompt
+    /// prefilled in several batches votes as one (cleared when a new context starts).
+    union_votes: Mutex<Vec<Vec<u32>>>,
     kept: Vec<AtomicU64>,
     total: Vec<AtomicU64>,
     up_rows: Vec<AtomicU64>,
@@ -235,6 +253,7 @@ impl<'a> Masker<'a> {
             gate_thresholds: self.gate_thresholds.clone(),
             union_context: Mutex::new(0),
             union_sets: Mutex::new(vec![None; n]),
+            union_votes: Mutex::new(vec![Vec::new(); n]),
             kept: (0..n).map(|_| AtomicU64::new(0)).collect(),
             total: (0..n).map(|_| AtomicU64::new(0)).collect(),
             up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -284,6 +303,7 @@ impl<'a> Masker<'a> {
             gate_thresholds,
             union_context: Mutex::new(0),
             union_sets: Mutex::new(vec![None; n]),
+            union_votes: Mutex::new(vec![Vec::new(); n]),
             kept: (0..n).map(|_| AtomicU64::new(0)).collect(),
             total: (0..n).map(|_| AtomicU64::new(0)).collect(),
             up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
@@ -354,7 +374,22 @@ impl<'a> Masker<'a> {
 
     /// For `Union`: the first `tokens` of each following batch are the context.
     pub fn set_union_context(&self, tokens: usize) {
-        *self.union_context.lock().expect("union context lock") = tokens;
+        let mut context = self.union_context.lock().expect("union context lock");
+        if *context == 0 && tokens > 0 {
+            // A new context: its votes start from nothing.
+            self.union_votes
+                .lock()
+                .expect("union votes lock")
+                .iter_mut()
+                .for_each(Vec::clear);
+        }
+        *context = tokens;
+    }
+
+    /// For `Union`: how many of each following batch's first tokens are the context (0 after
+    /// a prompt, so decode steps use the learned set).
+    pub fn union_context(&self) -> usize {
+        *self.union_context.lock().expect("union context lock")
     }
 
     /// Top-K with a different sparsity per layer (mean = the first element of the returned
@@ -467,9 +502,14 @@ impl<'a> Masker<'a> {
     /// their own top-K; the most voted neurons become the layer's set, kept for later batches
     /// and returned.
     pub fn union_vote(&self, layer: usize, xn: &[f32], gate: &[f32], hact: &[f32]) -> Vec<bool> {
+        let mut votes = vec![0u32; self.ffn];
+        self.union_vote_into(layer, xn, gate, hact, &mut votes)
+    }
+
+    /// As `union_vote`, adding to `votes` (the context's earlier batches' votes).
+    fn union_vote_into(&self, layer: usize, xn: &[f32], gate: &[f32], hact: &[f32], votes: &mut [u32]) -> Vec<bool> {
         let (f, h) = (self.ffn, self.hidden);
         let k = self.keep_count(layer);
-        let mut votes = vec![0u32; f];
         let mut scratch = Vec::new();
         let mut keep = vec![false; f];
         for t in 0..hact.len() / f {
@@ -612,7 +652,10 @@ impl FfnMask for Masker<'_> {
         };
         if self.strategy == Strategy::Union {
             let keep = if first > 0 {
-                self.union_vote(layer, &xn[..first * h], &gate[..first * f], &hact[..first * f])
+                let mut all = self.union_votes.lock().expect("union votes lock");
+                let votes = &mut all[layer];
+                votes.resize(f, 0);
+                self.union_vote_into(layer, &xn[..first * h], &gate[..first * f], &hact[..first * f], votes)
             } else {
                 match &self.union_sets.lock().expect("union sets lock")[layer] {
                     Some(set) => set.clone(),

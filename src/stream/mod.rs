@@ -55,6 +55,22 @@ pub struct StreamOptions {
     /// Sparse decoding: while layer l computes, predict layer l+1's neurons and read them on a
     /// third reader ([`Streamer`] docs, "Lookahead").
     pub lookahead: Lookahead,
+    /// KV cache positions the budget holds (prompt and generated tokens of every sequence).
+    pub kv_positions: usize,
+    /// The most tokens one pass takes (a longer prompt is prefilled in batches of this many);
+    /// their activations are counted in the budget.
+    pub batch_tokens_max: usize,
+}
+
+/// The default [`StreamOptions::batch_tokens_max`]: prefill batches of 32 tokens keep a long
+/// prompt's activations at ~7 MB on Qwen2.5-1.5B (218 KB per token) while each streamed weight
+/// still serves 32 tokens per read.
+pub const STREAM_BATCH_TOKENS: usize = 32;
+
+/// Bytes of one token's activations in a pass: the hidden state and its norm, q/k/v, the
+/// attention output, and the FFN's gate, up, hidden and staged activations (f32).
+pub fn activation_bytes_per_token(cfg: &crate::config::ModelConfig) -> u64 {
+    4 * (4 * cfg.hidden + 2 * cfg.q_dim() + 2 * cfg.kv_dim() + 5 * cfg.ffn) as u64
 }
 
 /// Whether and how the next layer's neurons are predicted and read ahead.
@@ -325,6 +341,10 @@ pub struct Streamer {
     pub warnings: Vec<String>,
     /// What dense streaming reads per token under this residency (planned, not measured).
     pub dense_bytes_per_token: u64,
+    /// The most tokens a pass may take (their activations are in the budget).
+    pub batch_tokens_max: usize,
+    /// KV positions the budget holds.
+    pub kv_positions: usize,
     fg: Arc<dyn Reader>,
     bg: Arc<dyn Reader>,
     prefetcher: Prefetcher,
@@ -446,6 +466,8 @@ impl Streamer {
             // Every reader's reusable buffers (set with the plan below).
             reader_bytes: 0,
             lookahead: false,
+            context_bytes: crate::model::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
+                + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(&cfg),
         };
         for l in &w.layers {
             let FfnDown::Columns(down) = &l.ffn_down else {
@@ -528,7 +550,9 @@ impl Streamer {
                 // SAFETY: the file is opened read-only and the map is only read; like every map of
                 // a model file here, it assumes the file is not truncated while the process runs
                 // (the same assumption `gguf`, `safetensors` and `gstfile` make for theirs).
-                Some(Arc::new(unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&model.path, e))?))
+                Some(Arc::new(
+                    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&model.path, e))?,
+                ))
             }
             _ => None,
         };
@@ -547,7 +571,15 @@ impl Streamer {
                             m.len()
                         )));
                     }
-                    Ok(Weight::mapped(&w.name, w.ty, w.rows, w.cols, m.clone(), offset as usize, w.row_stride_bytes))
+                    Ok(Weight::mapped(
+                        &w.name,
+                        w.ty,
+                        w.rows,
+                        w.cols,
+                        m.clone(),
+                        offset as usize,
+                        w.row_stride_bytes,
+                    ))
                 }
                 None => Weight::owned(&w.name, w.ty, w.rows, w.cols, fg.read_vec(offset, w.len_bytes())?),
             }
@@ -633,6 +665,8 @@ impl Streamer {
             }
         };
         Ok(Streamer {
+            batch_tokens_max: opts.batch_tokens_max.max(1),
+            kv_positions: opts.kv_positions,
             residency,
             cost,
             engine: opts.engine,
@@ -664,6 +698,21 @@ impl Streamer {
             }),
             decode_start: Mutex::new(None),
         })
+    }
+
+    /// Reads a whole matrix of the model (e.g. every up row, to build sketches) through the
+    /// compute thread's reader into memory; strided rows (a bundled layout) come out contiguous.
+    /// The read is counted like any other (`read_stats`).
+    pub fn read_matrix(&self, w: &Weight) -> Result<Weight> {
+        let p = Part::of(w)?;
+        let span = p.range_of(p.rows);
+        let bytes = self.fg.read_vec(span.offset_bytes, span.len_bytes)?;
+        let mut rows = Vec::with_capacity(p.rows * p.row_bytes);
+        for r in 0..p.rows {
+            let at = r * p.stride_bytes;
+            rows.extend_from_slice(&bytes[at..at + p.row_bytes]);
+        }
+        Weight::owned(&w.name, w.ty, w.rows, w.cols, rows)
     }
 
     /// Counters and device reads since the prompt's pass (decode steps only), or since opening
@@ -1229,6 +1278,10 @@ impl LayerStream for Streamer {
 
     fn output(&self) -> Option<Weight> {
         Some(self.output.clone())
+    }
+
+    fn batch_tokens_max(&self) -> Option<usize> {
+        Some(self.batch_tokens_max)
     }
 
     fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool> {

@@ -37,6 +37,9 @@ pub struct ModelSizes {
     /// Lookahead: two more buffers of one layer's FFN rows (the next layer's predicted rows in
     /// flight, this layer's in use).
     pub lookahead: bool,
+    /// The pass's own memory: the KV cache of every position allocated and one batch's
+    /// activations (a prompt is prefilled in batches of at most that many tokens).
+    pub context_bytes: u64,
 }
 
 /// What the budget goes to after attention.
@@ -58,6 +61,8 @@ pub struct Residency {
     /// Bytes of each kind, as planned (they sum to at most the budget).
     pub required_bytes: u64,
     pub working_bytes: u64,
+    /// The KV cache and one batch's activations.
+    pub context_bytes: u64,
     pub attention_bytes: u64,
     pub gate_bytes: u64,
     pub cache_bytes: u64,
@@ -73,7 +78,12 @@ impl Residency {
     }
 
     pub fn resident_bytes(&self) -> u64 {
-        self.required_bytes + self.working_bytes + self.attention_bytes + self.gate_bytes + self.cache_bytes
+        self.required_bytes
+            + self.working_bytes
+            + self.context_bytes
+            + self.attention_bytes
+            + self.gate_bytes
+            + self.cache_bytes
     }
 }
 
@@ -106,7 +116,7 @@ impl ModelSizes {
 
     /// The smallest budget that runs: required + staging + prefetch buffers.
     pub fn minimum_bytes(&self) -> u64 {
-        self.required_bytes + self.staging_bytes() + self.prefetch_bytes()
+        self.required_bytes + self.context_bytes + self.staging_bytes() + self.prefetch_bytes()
     }
 
     /// Plans residency under `budget_bytes`; refuses a budget below the minimum, naming it.
@@ -115,7 +125,7 @@ impl ModelSizes {
         if budget_bytes < min {
             return Err(Error::Invalid(format!(
                 "--ram-budget {} is too small for this model: at least {} ({:.1} MB) is needed for the output \
-                 matrix, norms and the buffers one layer streams through",
+                 matrix, norms, the buffers one layer streams through, the KV cache and one batch's activations",
                 budget_bytes,
                 min,
                 min as f64 / 1e6
@@ -134,7 +144,7 @@ impl ModelSizes {
 
     fn plan_with(&self, budget_bytes: u64, priority: Priority, working: u64) -> Residency {
         let n = self.n_layers;
-        let mut left = budget_bytes - self.required_bytes - working;
+        let mut left = budget_bytes - self.required_bytes - self.context_bytes - working;
         let take = |bytes: &[u64], left: &mut u64| -> (Vec<bool>, u64) {
             let mut taken = 0;
             let keep = bytes
@@ -177,6 +187,7 @@ impl ModelSizes {
             cache_neurons,
             required_bytes: self.required_bytes,
             working_bytes: working,
+            context_bytes: self.context_bytes,
             attention_bytes,
             gate_bytes,
             cache_bytes,
@@ -236,6 +247,7 @@ mod tests {
             neuron_bytes: vec![10; 4],
             prefetch_ffn: false,
             reader_bytes: 0,
+            context_bytes: 0,
             lookahead: false,
         }
     }

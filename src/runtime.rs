@@ -1,0 +1,304 @@
+//! The one assembly point: `runtime::open` loads a model, opens its stream when a RAM budget
+//! is given (the model then keeps its matrices on disk, so nothing reads past the budget),
+//! settles the sparse mask (asked for, or the `.gst` file's stored recommendation) and builds
+//! what the mask needs (sketches of up, read through the stream when streaming). `run` goes
+//! through it; `Runtime::generate` runs one request and gathers what it measured.
+//!
+//! Owns: the order of assembly and the choices that depend on more than one part (dense
+//! streaming prefetches FFN rows, a sparse one caches by LRU by default; lookahead follows the
+//! mask; the KV cache and one batch's activations are counted in the budget). Does not own
+//! arithmetic (`model`), reading (`stream`, `io`) or masks (`sparsity`).
+
+use std::path::Path;
+use std::sync::atomic::AtomicBool;
+use std::time::Instant;
+
+use crate::bench::trace::{Trace, TraceRecorder};
+use crate::error::{Error, Result};
+use crate::gstfile::{is_gst, GstFile};
+use crate::io::{ReadEngine, ReaderOptions};
+use crate::model::forward::LayerStream;
+use crate::model::generate::{GenerateOptions, Generation, PromptAwareMask, TokenEvent};
+use crate::model::{LoadOptions, Model, Placement};
+use crate::sparsity::{up_set_reads_input, Criterion, Masker, Strategy, UpSketches};
+use crate::stream::cache::CachePolicy;
+use crate::stream::residency::Priority;
+use crate::stream::{CostSource, Lookahead, StreamOptions, StreamReport, Streamer};
+
+/// The sparse configuration asked for; unset parts come from the file's stored recommendation
+/// when nothing is set, else top-K, exact, 0.3.
+#[derive(Clone, Debug, Default)]
+pub struct SparseAsk {
+    pub strategy: Option<Strategy>,
+    pub criterion: Option<Criterion>,
+    pub sparsity: Option<f32>,
+}
+
+/// The mask a runtime runs with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MaskConfig {
+    pub strategy: Strategy,
+    pub criterion: Criterion,
+    pub sparsity: f32,
+    /// Per-layer levels (a budget stored in the file).
+    pub per_layer: Option<Vec<f32>>,
+    /// Taken from the file's stored recommendation.
+    pub stored: bool,
+}
+
+/// How to stream (what the caller chooses; the runtime fills in what follows from the mask).
+#[derive(Clone, Debug)]
+pub struct StreamAsk {
+    pub budget_bytes: u64,
+    pub engine: ReadEngine,
+    pub reader: ReaderOptions,
+    /// `None`: LRU when sparse, pinned (the file's hot prefix) when dense.
+    pub cache: Option<CachePolicy>,
+    pub priority: Priority,
+    pub merge_gap_bytes: Option<u64>,
+    pub cost: CostSource,
+    /// Read the next layer's predicted neurons ahead (sparse only).
+    pub lookahead: bool,
+    /// The most tokens per pass (prefill batches); 0 = [`crate::stream::STREAM_BATCH_TOKENS`].
+    pub batch_tokens_max: usize,
+}
+
+/// How many KV positions the budget holds.
+#[derive(Clone, Debug)]
+pub enum KvPositions {
+    Exactly(usize),
+    /// The prompt's tokens (as generation encodes it) plus `extra`.
+    Prompt {
+        prompt: String,
+        chat: bool,
+        extra: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct OpenOptions {
+    /// Worker threads; 0 = one per core.
+    pub threads: usize,
+    pub stream: Option<StreamAsk>,
+    pub sparse: Option<SparseAsk>,
+    /// Only used when streaming (in RAM the KV cache is allocated per request).
+    pub kv_positions: KvPositions,
+}
+
+/// A model ready to run: the model, its stream, its mask.
+pub struct Runtime {
+    pub model: Model,
+    pub stream: Option<Streamer>,
+    pub mask: Option<MaskConfig>,
+    sketches: Option<UpSketches>,
+    /// Seconds spent opening the stream (planning, loading what is resident).
+    pub stream_open_s: f64,
+    /// Things the caller should tell the user (the stream's fallbacks, costly choices).
+    pub warnings: Vec<String>,
+}
+
+/// What one request produced and measured.
+pub struct Outcome {
+    pub generation: Generation,
+    /// Mask, levels and achieved sparsity per layer (sparse runs).
+    pub sparsity: Option<serde_json::Value>,
+    pub stream: Option<StreamReport>,
+    /// The neurons every token used (when asked to record).
+    pub trace: Option<Trace>,
+}
+
+/// The sparse configuration a `.gst` file recommends, if it stores one.
+pub fn stored_mask(path: &Path) -> Result<Option<MaskConfig>> {
+    if !is_gst(path) {
+        return Ok(None);
+    }
+    let g = GstFile::open(path)?;
+    Ok(g.index.recommended_sparse.as_ref().and_then(|r| {
+        Some(MaskConfig {
+            strategy: Strategy::from_name(&r.strategy)?,
+            criterion: Criterion::from_name(&r.criterion)?,
+            sparsity: r.sparsity,
+            per_layer: r.per_layer_sparsity.clone(),
+            stored: true,
+        })
+    }))
+}
+
+/// Loads `path` and assembles what `opts` asks for (see the module docs).
+pub fn open(path: &Path, opts: &OpenOptions) -> Result<Runtime> {
+    let placement = if opts.stream.is_some() {
+        Placement::OnDisk
+    } else {
+        Placement::Mapped
+    };
+    let model = Model::load(
+        path,
+        &LoadOptions {
+            threads: opts.threads,
+            placement,
+        },
+    )?;
+    let mask = match &opts.sparse {
+        None => None,
+        Some(ask) => {
+            let stored = if ask.strategy.is_none() && ask.criterion.is_none() && ask.sparsity.is_none() {
+                stored_mask(path)?
+            } else {
+                None
+            };
+            Some(stored.unwrap_or(MaskConfig {
+                strategy: ask.strategy.unwrap_or(Strategy::TopK),
+                criterion: ask.criterion.unwrap_or(Criterion::Exact),
+                sparsity: ask.sparsity.unwrap_or(0.3),
+                per_layer: None,
+                stored: false,
+            }))
+        }
+    };
+    let mut warnings = Vec::new();
+    let t = Instant::now();
+    let stream = match &opts.stream {
+        None => None,
+        Some(ask) => {
+            let kv_positions = match &opts.kv_positions {
+                KvPositions::Exactly(n) => *n,
+                KvPositions::Prompt { prompt, chat, extra } => model.prompt_ids(prompt, *chat)?.len() + extra,
+            };
+            let sparse = mask.is_some();
+            let s = Streamer::open(
+                &model,
+                &StreamOptions {
+                    budget_bytes: ask.budget_bytes,
+                    engine: ask.engine,
+                    reader: ask.reader.clone(),
+                    cache: ask
+                        .cache
+                        .unwrap_or(if sparse { CachePolicy::Lru } else { CachePolicy::Pinned }),
+                    priority: ask.priority,
+                    prefetch_ffn: !sparse,
+                    merge_gap_bytes: ask.merge_gap_bytes,
+                    cost: ask.cost.clone(),
+                    lookahead: match &mask {
+                        Some(m) if ask.lookahead => Lookahead::for_mask(up_set_reads_input(m.strategy, m.criterion)),
+                        _ => Lookahead::Off,
+                    },
+                    kv_positions,
+                    batch_tokens_max: if ask.batch_tokens_max == 0 {
+                        crate::stream::STREAM_BATCH_TOKENS
+                    } else {
+                        ask.batch_tokens_max
+                    },
+                },
+            )?;
+            warnings.extend(s.warnings.iter().cloned());
+            Some(s)
+        }
+    };
+    let stream_open_s = t.elapsed().as_secs_f64();
+    let sketches = match (&mask, &stream) {
+        (Some(m), _) if m.criterion != Criterion::Sketch => None,
+        (None, _) => None,
+        (Some(_), None) => UpSketches::build(&model),
+        (Some(_), Some(s)) => {
+            warnings.push(
+                "the sketch criterion builds its sketches from every up row at start-up, which reads all of up once \
+                 (through the stream, counted in its reads)"
+                    .into(),
+            );
+            UpSketches::build_with(&model, &|w| s.read_matrix(w))?
+        }
+    };
+    Ok(Runtime {
+        model,
+        stream,
+        mask,
+        sketches,
+        stream_open_s,
+        warnings,
+    })
+}
+
+impl Runtime {
+    /// The mask to run with, built fresh (its counters start at zero).
+    pub fn masker(&self) -> Result<Option<Masker<'_>>> {
+        let Some(m) = &self.mask else {
+            return Ok(None);
+        };
+        let masker = Masker::for_model(&self.model, m.strategy, m.criterion, m.sparsity, self.sketches.as_ref())?;
+        Ok(Some(match &m.per_layer {
+            Some(p) => masker.with_per_layer(p.clone()),
+            None => masker,
+        }))
+    }
+
+    /// Refuses a request needing more KV positions than the stream's budget holds.
+    pub fn check_positions(&self, needed: usize) -> Result<()> {
+        match &self.stream {
+            Some(s) if needed > s.kv_positions => Err(Error::Invalid(format!(
+                "the request needs {needed} KV positions but the RAM budget was planned for {} \
+                 (the KV cache is counted in --ram-budget)",
+                s.kv_positions
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    pub fn layer_stream(&self) -> Option<&dyn LayerStream> {
+        self.stream.as_ref().map(|s| s as &dyn LayerStream)
+    }
+
+    /// Runs one request: `prompt_ids` continued as `opts` says, every token handed to
+    /// `on_token`; `record_trace` keeps the neurons every token used.
+    pub fn generate(
+        &self,
+        prompt_ids: &[u32],
+        opts: &GenerateOptions,
+        record_trace: bool,
+        cancel: Option<&AtomicBool>,
+        on_token: &mut dyn FnMut(&TokenEvent),
+    ) -> Result<Outcome> {
+        let positions = if opts.ctx == 0 {
+            prompt_ids.len() + opts.max_tokens
+        } else {
+            opts.ctx
+        };
+        self.check_positions(positions)?;
+        let masker = self.masker()?;
+        let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
+        let c = &self.model.config;
+        let recorder = record_trace.then(|| TraceRecorder::new(mask, c.n_layers, c.hidden, c.ffn));
+        let mask = match &recorder {
+            Some(r) => Some(r as &dyn PromptAwareMask),
+            None => mask,
+        };
+        let generation = self
+            .model
+            .generate_ids(prompt_ids, opts, mask, self.layer_stream(), cancel, on_token)?;
+        let trace = recorder.map(|r| {
+            let name = self
+                .model
+                .path
+                .file_name()
+                .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+            let what = masker.as_ref().map_or("dense".into(), |m| {
+                format!("{} {} {}", m.strategy.name(), m.criterion.name(), m.sparsity)
+            });
+            r.trace(&name, &what)
+        });
+        let sparsity = masker.as_ref().map(|m| {
+            serde_json::json!({
+                "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,
+                "level_per_layer": m.per_layer,
+                "achieved_per_layer": m.achieved_sparsity(),
+                "computed_in": if self.stream.is_some() { "stream" } else { "ram" }
+            })
+        });
+        let stream = self.stream.as_ref().map(|s| StreamReport::new(s, &generation));
+        Ok(Outcome {
+            generation,
+            sparsity,
+            stream,
+            trace,
+        })
+    }
+}

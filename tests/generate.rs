@@ -1,0 +1,182 @@
+//! Generation as a request: chunked prefill (also under a stream, whose budget holds one
+//! batch's activations), cancellation, tokens with log-probabilities, the mask's prompt mode
+//! reset after a failed pass, and the runtime that assembles a streamed, masked model.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use common::*;
+use gatestream::error::{Error, Result};
+use gatestream::format::FfnLayout;
+use gatestream::model::forward::{AttnWeights, FfnHooks, LayerStream};
+use gatestream::model::generate::{Finish, GenerateOptions, PromptAwareMask};
+use gatestream::model::{LoadOptions, Model};
+use gatestream::reformat::{reformat, ReformatOptions};
+use gatestream::runtime::{KvPositions, OpenOptions, SparseAsk, StreamAsk};
+use gatestream::sparsity::{Criterion, Masker, Strategy};
+
+fn smollm2() -> Model {
+    Model::load(&model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"), &LoadOptions::default()).unwrap()
+}
+
+const LONG_PROMPT: &str = "The history of the city begins with a small settlement on the river. Over the centuries \
+     merchants, farmers and craftsmen arrived, built bridges and markets, and the town grew into a centre of trade \
+     for the whole region. Today it is known for";
+
+/// A prompt fed in batches of 7 tokens continues exactly as one fed whole (greedy tokens).
+#[test]
+fn prefill_in_batches_gives_the_same_tokens() {
+    let m = smollm2();
+    let ids = m.prompt_ids(LONG_PROMPT, false).unwrap();
+    assert!(ids.len() > 30, "{} tokens", ids.len());
+    let whole = m.generate_ids(&ids, &greedy(10), None, None, None, &mut |_| {}).unwrap();
+    let opts = GenerateOptions {
+        batch_tokens_max: 7,
+        ..greedy(10)
+    };
+    let batched = m.generate_ids(&ids, &opts, None, None, None, &mut |_| {}).unwrap();
+    assert_eq!(batched.tokens, whole.tokens);
+}
+
+/// Every token comes with its log-probability; cancelling stops between passes, keeping what
+/// was generated.
+#[test]
+fn tokens_carry_logprobs_and_generation_can_be_cancelled() {
+    let m = smollm2();
+    let ids = m.prompt_ids("The capital of France is", false).unwrap();
+    let cancel = AtomicBool::new(false);
+    let mut seen = Vec::new();
+    let g = m
+        .generate_ids(&ids, &greedy(20), None, None, Some(&cancel), &mut |e| {
+            if let Some(id) = e.id {
+                seen.push((id, e.logprob));
+            }
+            if seen.len() == 3 {
+                cancel.store(true, Ordering::Relaxed);
+            }
+        })
+        .unwrap();
+    assert_eq!(g.finish, Finish::Cancelled);
+    assert_eq!(g.tokens.len(), 3);
+    assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), g.tokens);
+    assert!(g.logprobs.iter().all(|&l| l <= 0.0 && l > -20.0), "{:?}", g.logprobs);
+    // Greedy " Paris" after this prompt is likely: its log-probability is well above chance.
+    assert!(g.logprobs[0] > -2.0, "{:?}", g.logprobs);
+}
+
+/// A stream whose every pass fails.
+struct Broken;
+
+impl LayerStream for Broken {
+    fn embedding(&self, _tok: u32, _out: &mut [f32]) -> Result<bool> {
+        Ok(false)
+    }
+    fn attention(&self, l: usize) -> Result<Option<AttnWeights>> {
+        Err(Error::Invalid(format!("layer {l}: simulated read failure")))
+    }
+    fn ffn(&self, _m: &Model, _l: usize, _xn: &[f32], _h: &FfnHooks) -> Result<Vec<f32>> {
+        unreachable!("attention fails first")
+    }
+}
+
+/// A pass that fails during the prompt leaves the union mask out of prompt mode (it used to
+/// stay there, so the next request's tokens would all have been taken as context).
+#[test]
+fn a_failed_prefill_leaves_the_mask_out_of_prompt_mode() {
+    let m = smollm2();
+    let masker = Masker::for_model(&m, Strategy::Union, Criterion::Exact, 0.5, None).unwrap();
+    let ids = m.prompt_ids("The capital of France is", false).unwrap();
+    let e = m
+        .generate_ids(&ids, &greedy(4), Some(&masker as &dyn PromptAwareMask), Some(&Broken), None, &mut |_| {})
+        .unwrap_err();
+    assert!(e.to_string().contains("simulated read failure"), "{e}");
+    assert_eq!(masker.union_context(), 0, "the mask is still in prompt mode");
+}
+
+/// The runtime streams a .gst model under a budget: a prompt longer than one batch is prefilled
+/// in batches (the budget holds one batch's activations and the KV cache) and gives the in-RAM
+/// model's tokens; a pass larger than a batch is refused; a request needing more KV positions
+/// than the budget was planned for is refused.
+#[test]
+fn the_runtime_streams_a_long_prompt_in_batches() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gst = tmp.path().join("smollm2.gst");
+    let opts = ReformatOptions {
+        ffn_layout: FfnLayout::Split,
+        ..ReformatOptions::default()
+    };
+    reformat(&model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"), &gst, &opts, &mut |_, _, _| {}).unwrap();
+    let in_ram = Model::load(&gst, &LoadOptions::default()).unwrap();
+    let ids = in_ram.prompt_ids(LONG_PROMPT, false).unwrap();
+    let want = in_ram
+        .generate_ids(
+            &ids,
+            &GenerateOptions {
+                batch_tokens_max: 8,
+                ..greedy(6)
+            },
+            None,
+            None,
+            None,
+            &mut |_| {},
+        )
+        .unwrap();
+    let file_bytes = std::fs::metadata(&gst).unwrap().len();
+    let open = |sparse: Option<SparseAsk>| {
+        gatestream::runtime::open(
+            &gst,
+            &OpenOptions {
+                threads: 0,
+                stream: Some(StreamAsk {
+                    budget_bytes: file_bytes / 2,
+                    engine: gatestream::io::ReadEngine::Pread,
+                    reader: gatestream::io::ReaderOptions::default(),
+                    cache: None,
+                    priority: gatestream::stream::residency::Priority::CacheFirst,
+                    merge_gap_bytes: None,
+                    cost: gatestream::stream::CostSource::Default,
+                    lookahead: false,
+                    batch_tokens_max: 8,
+                }),
+                sparse,
+                kv_positions: KvPositions::Exactly(ids.len() + 6),
+            },
+        )
+        .unwrap()
+    };
+    let rt = open(None);
+    assert!(rt.stream.as_ref().unwrap().residency.context_bytes > 0);
+    let got = rt.generate(&ids, &greedy(6), false, None, &mut |_| {}).unwrap();
+    assert_eq!(got.generation.tokens, want.tokens);
+    let report = got.stream.expect("a stream report");
+    assert!(report.counters.passes > 0);
+
+    // One pass over more tokens than a batch is refused, naming the limit.
+    let mut cache = gatestream::model::kv::KvCache::new(&rt.model.config, ids.len());
+    let hooks = FfnHooks {
+        stream: rt.layer_stream(),
+        ..FfnHooks::dense()
+    };
+    let e = rt
+        .model
+        .forward_with(&ids, &mut cache, gatestream::model::batch::Logits::Last, &hooks)
+        .unwrap_err();
+    assert!(e.to_string().contains("exceeds the 8"), "{e}");
+
+    // More positions than planned: refused before any work.
+    let e = rt.generate(&ids, &greedy(7), false, None, &mut |_| {}).err().expect("refused");
+    assert!(e.to_string().contains("KV positions"), "{e}");
+
+    // A sparse runtime: the mask asked for is what runs.
+    let sparse = open(Some(SparseAsk {
+        strategy: Some(Strategy::TopK),
+        criterion: Some(Criterion::Gate),
+        sparsity: Some(0.5),
+    }));
+    let m = sparse.mask.clone().unwrap();
+    assert_eq!((m.strategy, m.criterion, m.sparsity, m.stored), (Strategy::TopK, Criterion::Gate, 0.5, false));
+    let out = sparse.generate(&ids, &greedy(3), false, None, &mut |_| {}).unwrap();
+    assert_eq!(out.generation.tokens.len(), 3);
+    assert!(out.sparsity.is_some());
+}
