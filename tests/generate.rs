@@ -17,7 +17,11 @@ use gatestream::runtime::{KvPositions, OpenOptions, SparseAsk, StreamAsk};
 use gatestream::sparsity::{Criterion, Masker, Strategy};
 
 fn smollm2() -> Model {
-    Model::load(&model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"), &LoadOptions::default()).unwrap()
+    Model::load(
+        &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+        &LoadOptions::default(),
+    )
+    .unwrap()
 }
 
 const LONG_PROMPT: &str = "The history of the city begins with a small settlement on the river. Over the centuries \
@@ -30,7 +34,9 @@ fn prefill_in_batches_gives_the_same_tokens() {
     let m = smollm2();
     let ids = m.prompt_ids(LONG_PROMPT, false).unwrap();
     assert!(ids.len() > 30, "{} tokens", ids.len());
-    let whole = m.generate_ids(&ids, &greedy(10), None, None, None, &mut |_| {}).unwrap();
+    let whole = m
+        .generate_ids(&ids, &greedy(10), None, None, None, &mut |_| {})
+        .unwrap();
     let opts = GenerateOptions {
         batch_tokens_max: 7,
         ..greedy(10)
@@ -88,7 +94,14 @@ fn a_failed_prefill_leaves_the_mask_out_of_prompt_mode() {
     let masker = Masker::for_model(&m, Strategy::Union, Criterion::Exact, 0.5, None).unwrap();
     let ids = m.prompt_ids("The capital of France is", false).unwrap();
     let e = m
-        .generate_ids(&ids, &greedy(4), Some(&masker as &dyn PromptAwareMask), Some(&Broken), None, &mut |_| {})
+        .generate_ids(
+            &ids,
+            &greedy(4),
+            Some(&masker as &dyn PromptAwareMask),
+            Some(&Broken),
+            None,
+            &mut |_| {},
+        )
         .unwrap_err();
     assert!(e.to_string().contains("simulated read failure"), "{e}");
     assert_eq!(masker.union_context(), 0, "the mask is still in prompt mode");
@@ -106,7 +119,13 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
         ffn_layout: FfnLayout::Split,
         ..ReformatOptions::default()
     };
-    reformat(&model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"), &gst, &opts, &mut |_, _, _| {}).unwrap();
+    reformat(
+        &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+        &gst,
+        &opts,
+        &mut |_, _, _| {},
+    )
+    .unwrap();
     let in_ram = Model::load(&gst, &LoadOptions::default()).unwrap();
     let ids = in_ram.prompt_ids(LONG_PROMPT, false).unwrap();
     let want = in_ram
@@ -129,7 +148,7 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
             &OpenOptions {
                 threads: 0,
                 stream: Some(StreamAsk {
-                    budget_bytes: file_bytes / 2,
+                    budget_bytes: file_bytes,
                     engine: gatestream::io::ReadEngine::Pread,
                     reader: gatestream::io::ReaderOptions::default(),
                     cache: None,
@@ -155,8 +174,10 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     // One pass over more tokens than a batch is refused, naming the limit.
     let mut cache = gatestream::model::kv::KvCache::new(&rt.model.config, ids.len());
     let hooks = FfnHooks {
+        select: &|_, _| gatestream::model::forward::FfnNeurons::All,
+        observe: None,
+        mask: None,
         stream: rt.layer_stream(),
-        ..FfnHooks::dense()
     };
     let e = rt
         .model
@@ -165,7 +186,10 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     assert!(e.to_string().contains("exceeds the 8"), "{e}");
 
     // More positions than planned: refused before any work.
-    let e = rt.generate(&ids, &greedy(7), false, None, &mut |_| {}).err().expect("refused");
+    let e = rt
+        .generate(&ids, &greedy(7), false, None, &mut |_| {})
+        .err()
+        .expect("refused");
     assert!(e.to_string().contains("KV positions"), "{e}");
 
     // A sparse runtime: the mask asked for is what runs.
@@ -175,7 +199,10 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
         sparsity: Some(0.5),
     }));
     let m = sparse.mask.clone().unwrap();
-    assert_eq!((m.strategy, m.criterion, m.sparsity, m.stored), (Strategy::TopK, Criterion::Gate, 0.5, false));
+    assert_eq!(
+        (m.strategy, m.criterion, m.sparsity, m.stored),
+        (Strategy::TopK, Criterion::Gate, 0.5, false)
+    );
     let out = sparse.generate(&ids, &greedy(3), false, None, &mut |_| {}).unwrap();
     assert_eq!(out.generation.tokens.len(), 3);
     assert!(out.sparsity.is_some());
