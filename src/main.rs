@@ -69,6 +69,10 @@ enum Command {
         /// Wrap the prompt in the model's chat template (instruct models).
         #[arg(long)]
         chat: bool,
+        /// With --json: each generated token's log-probability under the model (`logprobs`; a
+        /// softmax over the vocabulary per token, so off by default).
+        #[arg(long)]
+        logprobs: bool,
         /// dense: every FFN neuron; sparse: only the neurons the mask keeps (with --ram-budget,
         /// only those are read from disk); compare: both, one after the other, side by side, with
         /// agreement and (when streaming) the bytes each read.
@@ -869,6 +873,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             top_p,
             seed,
             chat,
+            logprobs,
             mode,
             sparsity,
             strategy,
@@ -896,6 +901,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chat,
                 ctx: 0,
                 batch_tokens_max: 0,
+                logprobs,
             };
             let asked = SparseAsk {
                 strategy: strategy.map(strategy_of),

@@ -53,10 +53,14 @@ fn tokens_carry_logprobs_and_generation_can_be_cancelled() {
     let ids = m.prompt_ids("The capital of France is", false).unwrap();
     let cancel = AtomicBool::new(false);
     let mut seen = Vec::new();
+    let opts = GenerateOptions {
+        logprobs: true,
+        ..greedy(20)
+    };
     let g = m
-        .generate_ids(&ids, &greedy(20), None, None, Some(&cancel), &mut |e| {
+        .generate_ids(&ids, &opts, None, None, Some(&cancel), &mut |e| {
             if let Some(id) = e.id {
-                seen.push((id, e.logprob));
+                seen.push((id, e.logprob.expect("asked for")));
             }
             if seen.len() == 3 {
                 cancel.store(true, Ordering::Relaxed);

@@ -34,6 +34,9 @@ pub struct GenerateOptions {
     pub ctx: usize,
     /// The most prompt tokens per pass; 0 = [`PREFILL_BATCH_TOKENS`] (a stream may lower it).
     pub batch_tokens_max: usize,
+    /// Compute each token's log-probability (a softmax over the vocabulary per token: ~5% of
+    /// SmolLM2's decode time, more with Gemma's 262k vocabulary, so only when asked).
+    pub logprobs: bool,
 }
 
 impl Default for GenerateOptions {
@@ -44,6 +47,7 @@ impl Default for GenerateOptions {
             chat: false,
             ctx: 0,
             batch_tokens_max: 0,
+            logprobs: false,
         }
     }
 }
@@ -79,8 +83,9 @@ pub struct TokenEvent<'a> {
     pub id: Option<u32>,
     /// The text this token completes (empty while a UTF-8 sequence is unfinished).
     pub text: &'a str,
-    /// ln p(token) under the model's distribution (softmax of the logits, before temperature).
-    pub logprob: f32,
+    /// ln p(token) under the model's distribution (softmax of the logits, before temperature),
+    /// when [`GenerateOptions::logprobs`] asks for it.
+    pub logprob: Option<f32>,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -88,7 +93,9 @@ pub struct Generation {
     pub text: String,
     /// Generated token ids (not the prompt).
     pub tokens: Vec<u32>,
-    /// ln p of each generated token under the model (see [`TokenEvent::logprob`]).
+    /// ln p of each generated token under the model (see [`TokenEvent::logprob`]); empty
+    /// unless asked for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub logprobs: Vec<f32>,
     pub prompt_tokens: Vec<u32>,
     pub finish: Finish,
@@ -235,9 +242,9 @@ impl Model {
                 finish = Finish::StopToken;
                 break;
             }
-            let logprob = log_softmax_at(&logits, next);
+            let logprob = opts.logprobs.then(|| log_softmax_at(&logits, next));
             tokens.push(next);
-            logprobs.push(logprob);
+            logprobs.extend(logprob);
             let text = decoder.push(next).unwrap_or_default();
             on_token(&TokenEvent {
                 id: Some(next),
@@ -259,7 +266,7 @@ impl Model {
             on_token(&TokenEvent {
                 id: None,
                 text: &rest,
-                logprob: 0.0,
+                logprob: None,
             });
             out_text.push_str(&rest);
         }

@@ -205,5 +205,6 @@ pub fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions
         chat: false,
         ctx: 0,
         batch_tokens_max: 0,
+        logprobs: false,
     }
 }
