@@ -85,9 +85,6 @@ impl LayerStream for Broken {
     fn attention(&self, l: usize) -> Result<Option<AttnWeights>> {
         Err(Error::Invalid(format!("layer {l}: simulated read failure")))
     }
-    fn ffn(&self, _m: &Model, _l: usize, _xn: &[f32], _h: &FfnHooks) -> Result<Vec<f32>> {
-        unreachable!("attention fails first")
-    }
 }
 
 /// A pass that fails during the prompt leaves the union mask out of prompt mode (it used to

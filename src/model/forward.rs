@@ -5,12 +5,11 @@
 
 use rayon::prelude::*;
 
-use crate::backend::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
-use crate::config::FfnActivation;
+use crate::backend::ops::{attend, rms_norm, rope_apply, rope_table};
 use crate::error::{Error, Result};
 use crate::model::batch::{Batch, Logits};
 use crate::model::kv::KvCache;
-use crate::model::weights::{FfnDown, LayerWeights};
+use crate::model::weights::LayerWeights;
 use crate::model::Model;
 use crate::quant::PreparedInput;
 use crate::tensor::Weight;
@@ -49,8 +48,10 @@ pub struct AttnWeights {
     pub wo: Weight,
 }
 
-/// The seam of the streaming path: what the forward pass asks for instead of reading resident
-/// weights. Implemented by `stream::Streamer`; each method may block on reads.
+/// The weight provider of the streaming path: what the forward pass asks for instead of reading
+/// resident weights. It hands bytes over (views, staged rows, rows as their reads land) and
+/// never computes: the arithmetic is `model::ffn`'s. Implemented by `stream::Streamer`; each
+/// method may block on reads.
 pub trait LayerStream: Sync {
     /// Writes token `tok`'s embedding row (dequantized, unscaled) into `out`, or returns
     /// `Ok(false)` to use the resident embedding matrix.
@@ -58,9 +59,68 @@ pub trait LayerStream: Sync {
     /// Layer `l`'s attention matrices when they are streamed, or `None` when resident. Called in
     /// layer order; an implementation may start reading later layers' weights meanwhile.
     fn attention(&self, l: usize) -> Result<Option<AttnWeights>>;
-    /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: returns `down · (act(gate·x) ·
-    /// up·x)` `[n, hidden]` (before any post-FFN norm), honouring `hooks.mask` and `hooks.observe`.
-    fn ffn(&self, model: &Model, l: usize, xn: &[f32], hooks: &FfnHooks) -> Result<Vec<f32>>;
+    /// Whether the FFN's rows come from this stream (its `gate`, `stage*`, `decode_*`); `false`:
+    /// from the model's own matrices.
+    fn streams_ffn(&self) -> bool {
+        false
+    }
+    /// Layer `l`'s gate matrix when the stream holds it (a resident copy, or the view of the
+    /// bytes prefetched with the layer); `None`: the model's own.
+    fn gate(&self, _l: usize) -> Result<Option<Weight>> {
+        Ok(None)
+    }
+    /// Stages the up rows of `up_set` (sorted) and, when `with_down`, their down columns: row
+    /// i of each returned matrix is the set's i-th neuron. The cache serves what it holds.
+    fn stage(&self, l: usize, _up_set: &[u32], _with_down: bool) -> Result<(Weight, Option<Weight>)> {
+        Err(no_rows(l))
+    }
+    /// Stages the down columns of `down_set` (sorted); `staged_up`: the up set the last `stage`
+    /// staged (neurons now read whole go to the cache).
+    fn stage_down(&self, l: usize, _down_set: &[u32], _staged_up: &[u32]) -> Result<Weight> {
+        Err(no_rows(l))
+    }
+    /// A decode step (one token) starts layer `l`'s FFN: the lookahead read for it, if any, is
+    /// waited for.
+    fn begin_decode(&self, _l: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Where a lookahead prediction made at layer `l` goes: the next layer (the next token's
+    /// first after the last, when the mask's up set does not read the input) and, when
+    /// `reads_input`, its resident gate to predict with; `None`: no lookahead there.
+    fn lookahead_target(&self, _l: usize, _reads_input: bool) -> Option<(usize, Option<Weight>)> {
+        None
+    }
+    /// Reads the rows of the neurons `need` predicts for `layer` (with their down columns when
+    /// `with_down`) ahead, on the lookahead reader.
+    fn read_ahead(&self, _layer: usize, _need: &[bool], _with_down: bool) -> Result<()> {
+        Ok(())
+    }
+    /// A decode step's up rows where they are: `available` gets every row the cache holds
+    /// (on one pool thread) while `landed` gets each missed row as its read completes (on the
+    /// other), so reading overlaps computing; `with_down` reads the misses' down columns in
+    /// the same batch (kept for `decode_down`).
+    fn decode_up(
+        &self,
+        l: usize,
+        _up_set: &[u32],
+        _with_down: bool,
+        _available: &mut (dyn FnMut(&[(u32, &[u8])]) + Send),
+        _landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        Err(no_rows(l))
+    }
+    /// The decode step's down columns of the neurons `kept` keeps: `available` gets those in
+    /// memory (cache hits first, then misses staged by `decode_up`) with `true` when reads are in
+    /// flight meanwhile on the other pool thread, `landed` each one read now.
+    fn decode_down(
+        &self,
+        l: usize,
+        _kept: &dyn Fn(u32) -> bool,
+        _available: &mut (dyn FnMut(&[(u32, &[u8])], bool) + Send),
+        _landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        Err(no_rows(l))
+    }
     /// The most tokens one pass may take (the budget holds that many tokens' activations).
     fn batch_tokens_max(&self) -> Option<usize> {
         None
@@ -78,6 +138,10 @@ pub trait LayerStream: Sync {
     /// Generation calls this after the prompt's pass, before the first decode step (so
     /// per-token figures can leave the prompt out).
     fn prefill_done(&self) {}
+}
+
+fn no_rows(l: usize) -> Error {
+    Error::Invalid(format!("layer {l}: this stream serves no FFN rows"))
 }
 
 impl FfnHooks<'_> {
@@ -357,10 +421,7 @@ impl Model {
         for row in xn.chunks_mut(h) {
             rms_norm(row, &w.ffn_norm, cfg.rms_eps);
         }
-        let mut d = match hooks.stream {
-            Some(s) => s.ffn(self, l, &xn, hooks)?,
-            None => self.ffn_in_ram(l, w, &xn, prep, hooks),
-        };
+        let mut d = self.ffn(l, w, &xn, prep, hooks)?;
         if let Some(pn) = &w.post_ffn_norm {
             for row in d.chunks_mut(h) {
                 rms_norm(row, pn, cfg.rms_eps);
@@ -368,88 +429,5 @@ impl Model {
         }
         x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         Ok(())
-    }
-
-    /// The FFN's activation function.
-    pub fn ffn_act(&self, g: f32) -> f32 {
-        match self.config.activation {
-            FfnActivation::Silu => silu(g),
-            FfnActivation::GeluTanh => gelu_tanh(g),
-        }
-    }
-
-    fn ffn_in_ram(
-        &self,
-        l: usize,
-        w: &LayerWeights,
-        xn: &[f32],
-        prep: &mut Vec<PreparedInput>,
-        hooks: &FfnHooks,
-    ) -> Vec<f32> {
-        let cfg = &self.config;
-        let (h, f) = (cfg.hidden, cfg.ffn);
-        let n = xn.len() / h;
-        let neurons = (hooks.select)(l, n);
-        let act = |g: f32| self.ffn_act(g);
-        // act(gate·x) and up·x, [n, ffn]; neurons not computed stay exactly zero.
-        let mut gate = vec![0f32; n * f];
-        let mut up = vec![0f32; n * f];
-        prepare_all(xn, h, &w.ffn_gate, prep);
-        match neurons {
-            FfnNeurons::All => {
-                self.backend.matmul(&w.ffn_gate, prep, &mut gate);
-                if w.ffn_up.ty != w.ffn_gate.ty {
-                    prepare_all(xn, h, &w.ffn_up, prep);
-                }
-                self.backend.matmul(&w.ffn_up, prep, &mut up);
-                gate.iter_mut().for_each(|g| *g = act(*g));
-            }
-            FfnNeurons::Subset(rows) => {
-                let m = rows.len();
-                let mut g = vec![0f32; n * m];
-                let mut u = vec![0f32; n * m];
-                self.backend.matmul_rows(&w.ffn_gate, rows, prep, &mut g);
-                if w.ffn_up.ty != w.ffn_gate.ty {
-                    prepare_all(xn, h, &w.ffn_up, prep);
-                }
-                self.backend.matmul_rows(&w.ffn_up, rows, prep, &mut u);
-                for t in 0..n {
-                    for (i, &r) in rows.iter().enumerate() {
-                        gate[t * f + r as usize] = act(g[t * m + i]);
-                        up[t * f + r as usize] = u[t * m + i];
-                    }
-                }
-            }
-        }
-        // Hidden activations act(gate)·up (in place of up unless a mask needs up itself).
-        let hact = match hooks.mask {
-            None => {
-                up.iter_mut().zip(&gate).for_each(|(u, g)| *u *= g);
-                up
-            }
-            Some(mask) => {
-                let mut hact: Vec<f32> = up.iter().zip(&gate).map(|(u, g)| u * g).collect();
-                mask.apply(l, xn, &gate, &up, &mut hact);
-                hact
-            }
-        };
-        if let Some(observe) = hooks.observe {
-            observe(l, &gate, &hact);
-        }
-        let mut d = vec![0f32; n * h];
-        match &w.ffn_down {
-            FfnDown::Rows(down) => {
-                prepare_all(&hact, f, down, prep);
-                self.backend.matmul(down, prep, &mut d);
-            }
-            FfnDown::Columns(down_t) => {
-                let rows = match neurons {
-                    FfnNeurons::All => None,
-                    FfnNeurons::Subset(rows) => Some(rows),
-                };
-                self.backend.accumulate_rows(down_t, rows, &hact, &mut d);
-            }
-        }
-        d
     }
 }

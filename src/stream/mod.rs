@@ -26,7 +26,7 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::io::{open_reader, Range, ReadEngine, ReadStats, Reader, ReaderOptions};
-use crate::model::forward::{prepare_all, AttnWeights, FfnHooks, LayerStream};
+use crate::model::forward::{AttnWeights, LayerStream};
 use crate::model::weights::FfnDown;
 use crate::model::Model;
 use crate::quant::GgmlType;
@@ -319,6 +319,19 @@ struct State {
     /// Lookahead reads submitted and not yet taken, oldest first (`buf` empty until done).
     ahead: VecDeque<Ahead>,
     ahead_spare: Vec<Vec<u8>>,
+    /// The decode step between its up and down phases.
+    decode: Option<DecodeStep>,
+}
+
+/// One decode step's FFN rows between `decode_up` and `decode_down`: which of the up set the
+/// cache held (neuron, slot) and which were read (their rows staged in that order), and the
+/// lookahead read taken for this layer (until the up phase uses it).
+struct DecodeStep {
+    layer: usize,
+    hits: Vec<(u32, usize)>,
+    misses: Vec<u32>,
+    with_down: bool,
+    ahead: Option<Ahead>,
 }
 
 /// A `.gst` model's streaming state. Create with [`Streamer::open`], pass as `FfnHooks::stream`.
@@ -695,6 +708,7 @@ impl Streamer {
                 counters: Counters::default(),
                 ahead: VecDeque::new(),
                 ahead_spare: Vec::new(),
+                decode: None,
             }),
             decode_start: Mutex::new(None),
         })
@@ -832,56 +846,35 @@ impl Streamer {
         Ok(None)
     }
 
-    /// Predicts which neurons layer `l`'s successor needs (see the type's docs) and submits the
-    /// read of those the cache lacks to the lookahead thread.
-    fn submit_ahead(
-        &self,
-        model: &Model,
-        st: &mut State,
-        l: usize,
-        xn: &[f32],
-        mask: &dyn crate::model::forward::FfnMask,
-    ) -> Result<()> {
+    /// The layer whose lookahead prediction layer `l`'s FFN should make, and that layer's
+    /// resident gate when the prediction needs one (see [`LayerStream::lookahead_target`]).
+    fn lookahead_target_of(&self, l: usize, reads_input: bool) -> Option<(usize, Option<Weight>)> {
+        self.lookahead.as_ref()?;
+        let n_layers = self.layers.len();
+        let next = match (l + 1 < n_layers, reads_input) {
+            (true, _) => l + 1,
+            // Into the next token's first layer only when the input does not matter.
+            (false, false) => 0,
+            (false, true) => return None,
+        };
+        if !reads_input {
+            return Some((next, None));
+        }
+        // A layer whose gate streams gets no lookahead.
+        let gate = self.resident_gate[next].clone()?;
+        Some((next, Some(gate)))
+    }
+
+    /// Submits the read of the predicted neurons of layer `next` (`need`) that the cache lacks to
+    /// the lookahead thread.
+    fn submit_ahead(&self, st: &mut State, next: usize, need: &[bool], with_down: bool) -> Result<()> {
         let Some((pf, _)) = &self.lookahead else {
             return Ok(());
         };
-        let (h, f, n_layers) = (model.config.hidden, model.config.ffn, model.config.n_layers);
-        let reads_input = mask.up_needed_reads_input();
-        let next = l + 1;
-        let next = match (next < n_layers, reads_input) {
-            (true, _) => next,
-            // Into the next token's first layer only when the input does not matter.
-            (false, false) => 0,
-            (false, true) => return Ok(()),
-        };
-        let mut need = vec![false; f];
-        if reads_input {
-            if self.layers[next].gate.is_some() {
-                return Ok(());
-            }
-            let (w_now, w_next) = (&model.weights.layers[l].ffn_norm, &model.weights.layers[next].ffn_norm);
-            let x: Vec<f32> = xn
-                .iter()
-                .zip(w_now.iter().zip(w_next))
-                .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
-                .collect();
-            let Some(gate_w) = &self.resident_gate[next] else {
-                return Ok(());
-            };
-            let mut prep = Vec::new();
-            prepare_all(&x, h, gate_w, &mut prep);
-            let mut gate = vec![0f32; f];
-            model.backend.matmul(gate_w, &prep, &mut gate);
-            gate.iter_mut().for_each(|g| *g = model.ffn_act(*g));
-            mask.up_needed(next, &x, &gate, &mut need);
-        } else {
-            mask.up_needed(next, &[], &[], &mut need);
-        }
-        let with_down = mask.decides_before_up();
         let parts = &self.layers[next];
         let cache = &st.caches[next];
         let mut spans = Vec::new();
-        let predicted: Vec<u32> = (0..f as u32)
+        let predicted: Vec<u32> = (0..need.len() as u32)
             .filter(|&n| need[n as usize] && cache.slot(n).is_none())
             .collect();
         for &n in &predicted {
@@ -924,55 +917,38 @@ impl Streamer {
         Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at)
     }
 
-    /// One token's masked FFN, computed where the bytes are: cache hits straight from their
-    /// slots, missed rows from the reader's buffers as they land. The two pool threads split the
-    /// work: one submits the misses' reads and computes each as it completes, the other computes
-    /// the hits meanwhile. Only missed rows are copied (into staging, for the cache). Sums over
-    /// down are f64 like everywhere else; their order differs from the staged path, so results
-    /// agree with it to rounding, not bit for bit (the dense path keeps the staged, exact one).
-    #[allow(clippy::too_many_arguments)]
-    fn ffn_decode_masked(
+    /// The decode step's up phase (see [`LayerStream::decode_up`]): hits from their slots,
+    /// misses read (with their down columns too when `with_down`), misses the lookahead read
+    /// taken from its buffer as if their reads had landed. The two pool threads split the
+    /// work: one submits the misses' reads and hands each up row over as it completes, the
+    /// other hands over the hits meanwhile. Only missed rows are copied (into staging, for the
+    /// cache and the down phase).
+    fn decode_up_rows(
         &self,
-        model: &Model,
         l: usize,
-        xn: &[f32],
-        gate: &[f32],
-        mask: &dyn crate::model::forward::FfnMask,
-        hooks: &FfnHooks,
-        st: &mut State,
-    ) -> Result<Vec<f32>> {
-        use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
-        use rayon::prelude::*;
-        let (h, f) = (model.config.hidden, model.config.ffn);
+        up_set: &[u32],
+        with_down: bool,
+        available: &mut (dyn FnMut(&[(u32, &[u8])]) + Send),
+        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        let mut guard = self.state.lock().expect("stream state");
+        let st = &mut *guard;
         let parts = &self.layers[l];
         let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
-        let (up_ty, down_ty) = (parts.up.ty, parts.down.ty);
         let step = st.counters.passes;
-        let ahead = self.take_ahead(st, l)?;
-        self.submit_ahead(model, st, l, xn, mask)?;
-        let mut need = vec![false; f];
-        mask.up_needed(l, xn, gate, &mut need);
-        let one_pass = mask.decides_before_up();
-        let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
-        let mut px = PreparedInput::new();
-        px.prepare(xn, up_ty);
-
+        let ahead = st.decode.take().and_then(|d| d.ahead.filter(|a| a.layer == l));
         let State {
             caches,
             staging_up,
             staging_down,
             plan: planned,
             counters,
-            ahead_spare,
             ..
         } = st;
         let cache = &mut caches[l];
         let (su, sd) = (unique(staging_up), unique(staging_down));
-
-        // Up: hits from their slots, misses read (with their down columns too in one pass);
-        // misses the lookahead read are taken from its buffer as if their reads had landed.
         let (mut hits, mut misses) = (Vec::new(), Vec::new());
-        for &n in &up_set {
+        for &n in up_set {
             match cache.slot(n) {
                 Some(slot) => {
                     cache.touch(slot, step);
@@ -985,14 +961,14 @@ impl Streamer {
         counters.cache_hits += hits.len() as u64;
         // (offset, len, (is_down, row in `misses`))
         let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::with_capacity(2 * misses.len());
-        let mut landed: Vec<(&[u8], (bool, u32))> = Vec::new();
+        let mut from_ahead: Vec<(&[u8], (bool, u32))> = Vec::new();
         for (i, &n) in misses.iter().enumerate() {
             let mut want = |(o, len): (u64, usize), tag: (bool, u32)| match ahead.as_ref().and_then(|a| a.get(o, len)) {
-                Some(b) => landed.push((b, tag)),
+                Some(b) => from_ahead.push((b, tag)),
                 None => extents.push((o, len, tag)),
             };
             want(parts.up.extent(n), (false, i as u32));
-            if one_pass {
+            if with_down {
                 want(parts.down.extent(n), (true, i as u32));
             }
         }
@@ -1000,38 +976,36 @@ impl Streamer {
             let used = misses.iter().filter(|n| a.predicted.binary_search(n).is_ok()).count() as u64;
             counters.ahead_used_neurons += used;
             counters.ahead_used_bytes += used * a.neuron_bytes;
-            let served: u64 = landed.iter().map(|(b, _)| b.len() as u64).sum();
+            let served: u64 = from_ahead.iter().map(|(b, _)| b.len() as u64).sum();
             counters.ahead_served_bytes += served;
             counters.ffn_needed_bytes += served;
         }
         let totals = self.plan_extents(&mut extents, planned);
-        let mut miss_u = vec![0f32; misses.len()];
         let cache_ro: &LayerCache = cache;
         let planned_ro: &[PlannedRead] = planned;
+        let hit_rows: Vec<(u32, &[u8])> = hits.iter().map(|&(n, s)| (n, cache_ro.rows(s).0)).collect();
+        let misses_ro = &misses;
         let t0 = Instant::now();
-        let (read, (hit_u, hits_s)) = rayon::join(
+        let (read, hits_s) = rayon::join(
             || {
                 let mut land = |(is_down, row): (bool, u32), src: &[u8]| {
                     let row = row as usize;
                     if is_down {
                         sd[row * dr..(row + 1) * dr].copy_from_slice(src);
                     } else {
-                        miss_u[row] = vec_dot(up_ty, src, &px);
+                        landed(misses_ro[row], src);
                         su[row * ur..(row + 1) * ur].copy_from_slice(src);
                     }
                 };
-                for &(src, tag) in &landed {
+                for &(src, tag) in &from_ahead {
                     land(tag, src);
                 }
                 self.read_extents(&extents, planned_ro, &mut land)
             },
             || {
                 let t = Instant::now();
-                let u: Vec<f32> = hits
-                    .iter()
-                    .map(|&(_, s)| vec_dot(up_ty, cache_ro.rows(s).0, &px))
-                    .collect();
-                (u, t.elapsed())
+                available(&hit_rows);
+                t.elapsed()
             },
         );
         counters.io_wait_ns += t0.elapsed().saturating_sub(hits_s).as_nanos() as u64;
@@ -1041,62 +1015,71 @@ impl Streamer {
             counters.ffn_device_bytes += totals.device_bytes;
             counters.ffn_reads += totals.reads;
         }
-        let mut up = vec![0f32; f];
-        for (&(n, _), &u) in hits.iter().zip(&hit_u) {
-            up[n as usize] = u;
+        if let Some(a) = ahead {
+            st.ahead_spare.push(a.buf);
         }
-        for (&n, &u) in misses.iter().zip(&miss_u) {
-            up[n as usize] = u;
-        }
-        let mut hact: Vec<f32> = up.iter().zip(gate).map(|(u, g)| u * g).collect();
-        mask.apply(l, xn, gate, &up, &mut hact);
-        if let Some(observe) = hooks.observe {
-            observe(l, gate, &hact);
-        }
+        st.decode = Some(DecodeStep {
+            layer: l,
+            hits,
+            misses,
+            with_down,
+            ahead: None,
+        });
+        Ok(())
+    }
 
-        // Down for the kept neurons: hits from slots; misses staged (one pass) or read now.
-        let mut rows: Vec<(&[u8], f32)> = Vec::new();
-        let mut down_misses: Vec<u32> = Vec::new();
-        for &(n, slot) in &hits {
-            let a = hact[n as usize];
-            if a != 0.0 {
-                rows.push((cache_ro.rows(slot).1, a));
+    /// The decode step's down phase (see [`LayerStream::decode_down`]).
+    fn decode_down_rows(
+        &self,
+        l: usize,
+        kept: &dyn Fn(u32) -> bool,
+        available: &mut (dyn FnMut(&[(u32, &[u8])], bool) + Send),
+        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        let mut guard = self.state.lock().expect("stream state");
+        let st = &mut *guard;
+        let Some(d) = st.decode.take().filter(|d| d.layer == l) else {
+            return Err(Error::Invalid(format!(
+                "layer {l}: the decode step's down phase came without its up phase"
+            )));
+        };
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let step = st.counters.passes;
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            counters,
+            ..
+        } = st;
+        let cache = &mut caches[l];
+        let (su, sd) = (unique(staging_up), unique(staging_down));
+        // Rows in memory: the kept hits' down columns, then (one pass) the kept misses' staged ones.
+        let mut rows: Vec<(u32, &[u8])> = Vec::new();
+        let cache_ro: &LayerCache = cache;
+        for &(n, slot) in &d.hits {
+            if kept(n) {
+                rows.push((n, cache_ro.rows(slot).1));
             }
         }
-        if one_pass {
-            for (i, &n) in misses.iter().enumerate() {
-                let a = hact[n as usize];
-                if a != 0.0 {
-                    rows.push((&sd[i * dr..(i + 1) * dr], a));
+        let mut down_misses: Vec<u32> = Vec::new();
+        if d.with_down {
+            for (i, &n) in d.misses.iter().enumerate() {
+                if kept(n) {
+                    rows.push((n, &sd[i * dr..(i + 1) * dr]));
                 }
             }
         } else {
-            down_misses = misses.iter().copied().filter(|&n| hact[n as usize] != 0.0).collect();
+            down_misses = d.misses.iter().copied().filter(|&n| kept(n)).collect();
         }
-        let sum = |rows: &[(&[u8], f32)], acc: &mut [f64]| {
-            for &(row, a) in rows {
-                axpy_row_f64(down_ty, row, a, acc);
-            }
-        };
-        let mut acc = vec![0f64; h];
         // The second pass's down columns, kept for the cache.
         let mut dcopy: Vec<u8> = Vec::new();
         if down_misses.is_empty() {
-            let per = rows.len().div_ceil(2).max(1);
-            let partials: Vec<Vec<f64>> = rows
-                .par_chunks(per)
-                .map(|c| {
-                    let mut a = vec![0f64; h];
-                    sum(c, &mut a);
-                    a
-                })
-                .collect();
-            for p in partials {
-                acc.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
-            }
+            available(&rows, false);
         } else {
-            // Second pass (the exact criterion): read the kept misses' down columns and add each
-            // as it lands, while the other thread adds the hits.
+            // Second pass (the exact criterion): read the kept misses' down columns and hand each
+            // over as it lands, while the other thread takes the hits.
             let mut dext: Vec<(u64, usize, u32)> = down_misses
                 .iter()
                 .enumerate()
@@ -1107,20 +1090,19 @@ impl Streamer {
                 .collect();
             let mut dplan = Vec::new();
             let totals = self.plan_extents(&mut dext, &mut dplan);
-            let mut acc_read = vec![0f64; h];
             dcopy.resize(down_misses.len() * dr, 0);
             let t0 = Instant::now();
             let (read, hits_s) = rayon::join(
                 || {
                     self.read_extents(&dext, &dplan, &mut |i, src| {
                         let i = i as usize;
-                        axpy_row_f64(down_ty, src, hact[down_misses[i] as usize], &mut acc_read);
+                        landed(down_misses[i], src);
                         dcopy[i * dr..(i + 1) * dr].copy_from_slice(src);
                     })
                 },
                 || {
                     let t = Instant::now();
-                    sum(&rows, &mut acc);
+                    available(&rows, true);
                     t.elapsed()
                 },
             );
@@ -1129,26 +1111,20 @@ impl Streamer {
             counters.ffn_needed_bytes += totals.needed_bytes;
             counters.ffn_device_bytes += totals.device_bytes;
             counters.ffn_reads += totals.reads;
-            acc.iter_mut().zip(&acc_read).for_each(|(a, b)| *a += b);
         }
         drop(rows);
-
         // File the neurons read whole in the cache (their up row and down column are staged).
-        if one_pass {
-            for (i, &n) in misses.iter().enumerate() {
+        if d.with_down {
+            for (i, &n) in d.misses.iter().enumerate() {
                 cache.offer(n, &su[i * ur..(i + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
             }
         } else {
             for (i, &n) in down_misses.iter().enumerate() {
-                let j = misses.binary_search(&n).expect("a kept miss had its up row read");
+                let j = d.misses.binary_search(&n).expect("a kept miss had its up row read");
                 cache.offer(n, &su[j * ur..(j + 1) * ur], &dcopy[i * dr..(i + 1) * dr], step);
             }
         }
-        drop(landed);
-        if let Some(a) = ahead {
-            ahead_spare.push(a.buf);
-        }
-        Ok(acc.iter().map(|&v| v as f32).collect())
+        Ok(())
     }
 
     /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
@@ -1325,94 +1301,96 @@ impl LayerStream for Streamer {
         }
     }
 
-    fn ffn(&self, model: &Model, l: usize, xn: &[f32], hooks: &FfnHooks) -> Result<Vec<f32>> {
-        let cfg = &model.config;
-        let (h, f) = (cfg.hidden, cfg.ffn);
-        debug_assert_eq!(h, self.hidden);
-        let n = xn.len() / h;
+    fn streams_ffn(&self) -> bool {
+        true
+    }
+
+    fn gate(&self, l: usize) -> Result<Option<Weight>> {
         let parts = &self.layers[l];
-        let mut st = self.state.lock().expect("stream state");
-        let st = &mut *st;
-        let mut prep = Vec::new();
-
-        // Phase 1: the gate (resident, or prefetched with the layer's attention).
-        let streamed_gate = match &parts.gate {
+        match &parts.gate {
             Some(g) => {
+                let st = self.state.lock().expect("stream state");
                 let at = parts.attn.iter().flatten().map(|p| p.rows * p.row_bytes).sum();
-                Some(Streamer::view(st, g, at)?)
+                Streamer::view(&st, g, at).map(Some)
             }
-            None => None,
-        };
-        let gate_w = match (&streamed_gate, &self.resident_gate[l]) {
-            (Some(g), _) | (None, Some(g)) => g,
-            (None, None) => unreachable!("layer {l}'s gate is either resident or streamed"),
-        };
-        let gate_ty = gate_w.ty;
-        prepare_all(xn, h, gate_w, &mut prep);
-        let mut gate = vec![0f32; n * f];
-        model.backend.matmul(gate_w, &prep, &mut gate);
-        gate.iter_mut().for_each(|g| *g = model.ffn_act(*g));
-        drop(streamed_gate);
+            None => Ok(self.resident_gate[l].clone()),
+        }
+    }
 
-        if let (Some(mask), 1) = (hooks.mask, n) {
-            return self.ffn_decode_masked(model, l, xn, &gate, mask, hooks, st);
-        }
-
-        // Phase 2: which neurons need up (all when dense), and whether down can come along.
-        let mut need = vec![true; f];
-        if let Some(m) = hooks.mask {
-            m.up_needed(l, xn, &gate, &mut need);
-        }
-        let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
-        let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
-        self.fetch(st, l, &up_set, if one_pass { &up_set } else { &[] }, &up_set)?;
-        let m = up_set.len();
-        let up_w = Weight::shared(&parts.up.name, parts.up.ty, m, h, st.staging_up.clone(), 0)?;
-        if up_w.ty != gate_ty {
-            prepare_all(xn, h, &up_w, &mut prep);
-        }
-        let mut u = vec![0f32; n * m];
-        if m > 0 {
-            model.backend.matmul(&up_w, &prep, &mut u);
-        }
-        drop(up_w);
-        let mut up = vec![0f32; n * f];
-        for t in 0..n {
-            for (i, &r) in up_set.iter().enumerate() {
-                up[t * f + r as usize] = u[t * m + i];
-            }
-        }
-        let mut hact: Vec<f32> = up.iter().zip(&gate).map(|(u, g)| u * g).collect();
-        if let Some(mask) = hooks.mask {
-            mask.apply(l, xn, &gate, &up, &mut hact);
-        }
-        if let Some(observe) = hooks.observe {
-            observe(l, &gate, &hact);
-        }
-
-        // Phase 3: down for the kept neurons (already staged when one pass sufficed).
-        let down_set: Vec<u32> = if one_pass {
-            up_set
-        } else {
-            let keep: Vec<u32> = (0..f as u32)
-                .filter(|&i| (0..n).any(|t| hact[t * f + i as usize] != 0.0))
-                .collect();
-            self.fetch(st, l, &[], &keep, &up_set)?;
-            keep
+    fn stage(&self, l: usize, up_set: &[u32], with_down: bool) -> Result<(Weight, Option<Weight>)> {
+        let mut st = self.state.lock().expect("stream state");
+        self.fetch(&mut st, l, up_set, if with_down { up_set } else { &[] }, up_set)?;
+        let (parts, m) = (&self.layers[l], up_set.len());
+        let up = Weight::shared(&parts.up.name, parts.up.ty, m, self.hidden, st.staging_up.clone(), 0)?;
+        let down = match with_down {
+            true => Some(Weight::shared(
+                &parts.down.name,
+                parts.down.ty,
+                m,
+                self.hidden,
+                st.staging_down.clone(),
+                0,
+            )?),
+            false => None,
         };
-        let k = down_set.len();
-        let mut acts = vec![0f32; n * k];
-        for t in 0..n {
-            for (i, &r) in down_set.iter().enumerate() {
-                acts[t * k + i] = hact[t * f + r as usize];
-            }
-        }
-        let mut d = vec![0f32; n * h];
-        if k > 0 {
-            let down_w = Weight::shared(&parts.down.name, parts.down.ty, k, h, st.staging_down.clone(), 0)?;
-            model.backend.accumulate_rows(&down_w, None, &acts, &mut d);
-        }
-        Ok(d)
+        Ok((up, down))
+    }
+
+    fn stage_down(&self, l: usize, down_set: &[u32], staged_up: &[u32]) -> Result<Weight> {
+        let mut st = self.state.lock().expect("stream state");
+        self.fetch(&mut st, l, &[], down_set, staged_up)?;
+        let parts = &self.layers[l];
+        Weight::shared(
+            &parts.down.name,
+            parts.down.ty,
+            down_set.len(),
+            self.hidden,
+            st.staging_down.clone(),
+            0,
+        )
+    }
+
+    fn begin_decode(&self, l: usize) -> Result<()> {
+        let mut st = self.state.lock().expect("stream state");
+        let ahead = self.take_ahead(&mut st, l)?;
+        st.decode = Some(DecodeStep {
+            layer: l,
+            hits: Vec::new(),
+            misses: Vec::new(),
+            with_down: false,
+            ahead,
+        });
+        Ok(())
+    }
+
+    fn lookahead_target(&self, l: usize, reads_input: bool) -> Option<(usize, Option<Weight>)> {
+        self.lookahead_target_of(l, reads_input)
+    }
+
+    fn read_ahead(&self, layer: usize, need: &[bool], with_down: bool) -> Result<()> {
+        let mut st = self.state.lock().expect("stream state");
+        self.submit_ahead(&mut st, layer, need, with_down)
+    }
+
+    fn decode_up(
+        &self,
+        l: usize,
+        up_set: &[u32],
+        with_down: bool,
+        available: &mut (dyn FnMut(&[(u32, &[u8])]) + Send),
+        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        self.decode_up_rows(l, up_set, with_down, available, landed)
+    }
+
+    fn decode_down(
+        &self,
+        l: usize,
+        kept: &dyn Fn(u32) -> bool,
+        available: &mut (dyn FnMut(&[(u32, &[u8])], bool) + Send),
+        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        self.decode_down_rows(l, kept, available, landed)
     }
 }
 
