@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use crate::backend::ops::log_sum_exp;
 use crate::error::{Error, Result};
+use crate::kv::KvCache;
 use crate::model::batch::Logits;
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons};
-use crate::model::kv::KvCache;
 use crate::model::sampler::argmax;
 use crate::model::Model;
 use crate::perplexity::window_tokens;

@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod gstfile;
 pub mod inspect;
 pub mod io;
+pub mod kv;
 pub mod model;
 pub mod perplexity;
 pub mod plot;

@@ -833,7 +833,7 @@ fn print_loaded(model: &Model, seconds: f64) {
         c.hidden,
         c.ffn,
         c.vocab,
-        model.backend.name()
+        model.device.name()
     );
 }
 
@@ -1140,7 +1140,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         mask: Some(&rec),
                         stream: None,
                     };
-                    let mut cache = gatestream::model::kv::KvCache::new(c, ids.len());
+                    let mut cache = gatestream::kv::KvCache::new(c, ids.len());
                     m.forward_with(&ids, &mut cache, gatestream::model::batch::Logits::Last, &hooks)?;
                     let what = format!("{} {} {s}", masker.strategy.name(), masker.criterion.name());
                     let name = text

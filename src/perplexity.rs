@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use crate::backend::ops::log_sum_exp;
 use crate::error::{Error, Result};
+use crate::kv::KvCache;
 use crate::model::batch::Logits;
-use crate::model::kv::KvCache;
 use crate::model::Model;
 
 pub const METHOD: &str =

@@ -173,7 +173,7 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     assert!(report.counters.passes > 0);
 
     // One pass over more tokens than a batch is refused, naming the limit.
-    let mut cache = gatestream::model::kv::KvCache::new(&rt.model.config, ids.len());
+    let mut cache = gatestream::kv::KvCache::new(&rt.model.config, ids.len());
     let hooks = FfnHooks {
         select: &|_, _| gatestream::model::forward::FfnNeurons::All,
         observe: None,

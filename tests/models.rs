@@ -4,9 +4,9 @@
 mod common;
 
 use common::*;
+use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
 use gatestream::model::forward::{FfnHooks, FfnNeurons};
-use gatestream::model::kv::KvCache;
 use gatestream::model::sampler::argmax;
 use gatestream::model::{LoadOptions, Model};
 

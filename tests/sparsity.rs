@@ -6,9 +6,9 @@ mod common;
 
 use common::*;
 use gatestream::eval::{eval, EvalOptions};
+use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
 use gatestream::model::forward::{FfnHooks, FfnNeurons};
-use gatestream::model::kv::KvCache;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::sparsity::calibration::ScorePools;
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};

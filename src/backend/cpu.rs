@@ -5,8 +5,14 @@
 
 use rayon::prelude::*;
 
-use super::Backend;
-use crate::quant::{axpy_row_f64, vec_dot, vec_dot_rows, vec_dot_tile, PreparedInput};
+use std::borrow::Cow;
+use std::sync::Mutex;
+
+use super::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
+use super::{Act, AttnShape, Backend, Device, RopeShape};
+use crate::config::FfnActivation;
+use crate::kv::KvCache;
+use crate::quant::{axpy_row_f64, dequantize_row, vec_dot, vec_dot_rows, vec_dot_tile, PreparedInput};
 use crate::tensor::Weight;
 
 /// Rows per work item: small enough to balance two threads, large enough that scheduling is
@@ -19,6 +25,9 @@ const CHUNK_TOKENS: usize = 16;
 pub struct CpuBackend {
     pool: rayon::ThreadPool,
     threads: usize,
+    /// Prepared-input buffers reused across products (taken and put back, so concurrent
+    /// passes each get their own).
+    scratch: Mutex<Vec<Vec<PreparedInput>>>,
 }
 
 impl CpuBackend {
@@ -33,7 +42,11 @@ impl CpuBackend {
             .num_threads(threads)
             .build()
             .expect("thread pool");
-        CpuBackend { pool, threads }
+        CpuBackend {
+            pool,
+            threads,
+            scratch: Mutex::new(Vec::new()),
+        }
     }
 
     pub fn threads(&self) -> usize {
@@ -63,7 +76,7 @@ impl Backend for CpuBackend {
         assert_eq!(out.len(), n_tok * w.rows, "matmul output size");
         if !w.is_contiguous() {
             let all: Vec<u32> = (0..w.rows as u32).collect();
-            return self.matmul_rows(w, &all, xs, out);
+            return Backend::matmul_rows(self, w, &all, xs, out);
         }
         if n_tok == 1 {
             let chunk = CHUNK_ROWS.max(w.rows / (self.threads * 8)).max(1);
@@ -230,5 +243,263 @@ impl CpuBackend {
     /// Run `f` on this backend's threads (attention and other per-head work).
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+
+    fn with_prep<R>(&self, f: impl FnOnce(&mut Vec<PreparedInput>) -> R) -> R {
+        let mut prep = self.scratch.lock().expect("scratch").pop().unwrap_or_default();
+        let r = f(&mut prep);
+        self.scratch.lock().expect("scratch").push(prep);
+        r
+    }
+}
+
+/// Prepare one activation vector per token for dot products with weights of type `ty`.
+fn prepare_rows(xs: &[f32], width: usize, ty: crate::quant::GgmlType, out: &mut Vec<PreparedInput>) {
+    let n = xs.len() / width;
+    out.resize_with(n, PreparedInput::new);
+    for (t, p) in out.iter_mut().enumerate() {
+        p.prepare(&xs[t * width..(t + 1) * width], ty);
+    }
+}
+
+fn host(a: &Act) -> &[f32] {
+    a.as_host()
+        .expect("the CPU device holds its activations in host memory")
+}
+
+fn host_mut(a: &mut Act) -> &mut [f32] {
+    a.as_host_mut()
+        .expect("the CPU device holds its activations in host memory")
+}
+
+/// The CPU device: activations are host vectors, products run on this backend's threads.
+impl Device for CpuBackend {
+    fn name(&self) -> String {
+        Backend::name(self)
+    }
+
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
+        // Run the whole pass on the pool's threads: the many parallel loops inside it then
+        // start from a pool thread, which joins the work directly, instead of parking the
+        // caller's thread on a lock for every matrix (that cost ~10% of decode time).
+        self.pool.install(f)
+    }
+
+    fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
+        Act::host(rows, width, values)
+    }
+
+    fn zeros(&self, rows: usize, width: usize) -> Act {
+        Act::zeros(rows, width)
+    }
+
+    fn copy(&self, x: &Act) -> Act {
+        Act::host(x.rows, x.width, host(x).to_vec())
+    }
+
+    fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]> {
+        Cow::Borrowed(host(a))
+    }
+
+    fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
+        let h = w.cols;
+        let mut x = vec![0f32; ids.len() * h];
+        for (row, &id) in x.chunks_mut(h).zip(ids) {
+            dequantize_row(w.ty, w.row(id as usize), row);
+            if scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+        Act::host(ids.len(), h, x)
+    }
+
+    fn rms_norm(&self, x: &Act, w: &[f32], eps: f32) -> Act {
+        let mut y = Act::host(x.rows, x.width, host(x).to_vec());
+        self.rms_norm_in_place(&mut y, w, eps);
+        y
+    }
+
+    fn rms_norm_in_place(&self, x: &mut Act, w: &[f32], eps: f32) {
+        let width = x.width;
+        for row in host_mut(x).chunks_mut(width) {
+            rms_norm(row, w, eps);
+        }
+    }
+
+    fn add(&self, x: &mut Act, y: &Act) {
+        host_mut(x).iter_mut().zip(host(y)).for_each(|(a, b)| *a += b);
+    }
+
+    fn add_bias(&self, x: &mut Act, b: &[f32]) {
+        for row in host_mut(x).chunks_mut(b.len()) {
+            row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        }
+    }
+
+    fn mul(&self, x: &mut Act, y: &Act) {
+        host_mut(x).iter_mut().zip(host(y)).for_each(|(a, b)| *a *= b);
+    }
+
+    fn activate(&self, x: &mut Act, f: FfnActivation) {
+        // One loop per function, so each is inlined (a function pointer per element costs ~5% of
+        // prefill).
+        let v = host_mut(x);
+        match f {
+            FfnActivation::Silu => v.iter_mut().for_each(|v| *v = silu(*v)),
+            FfnActivation::GeluTanh => v.iter_mut().for_each(|v| *v = gelu_tanh(*v)),
+        }
+    }
+
+    fn softcap(&self, x: &mut Act, cap: f32) {
+        host_mut(x).iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+    }
+
+    fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {
+        let (w, src) = (x.width, host(x));
+        let mut out = Vec::with_capacity(rows.len() * w);
+        for &r in rows {
+            out.extend_from_slice(&src[r * w..(r + 1) * w]);
+        }
+        Act::host(rows.len(), w, out)
+    }
+
+    fn scatter_cols(&self, x: &Act, cols: &[u32], width: usize) -> Act {
+        let (n, m, src) = (x.rows, cols.len(), host(x));
+        let mut out = vec![0f32; n * width];
+        for t in 0..n {
+            for (i, &c) in cols.iter().enumerate() {
+                out[t * width + c as usize] = src[t * m + i];
+            }
+        }
+        Act::host(n, width, out)
+    }
+
+    fn gather_cols(&self, x: &Act, cols: &[u32]) -> Act {
+        let (n, w, m, src) = (x.rows, x.width, cols.len(), host(x));
+        let mut out = vec![0f32; n * m];
+        for t in 0..n {
+            for (i, &c) in cols.iter().enumerate() {
+                out[t * m + i] = src[t * w + c as usize];
+            }
+        }
+        Act::host(n, m, out)
+    }
+
+    fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
+        self.with_prep(|prep| {
+            let mut prepared = None;
+            ws.iter()
+                .map(|w| {
+                    // Weights of one type share one preparation of the input.
+                    if prepared != Some(w.ty) {
+                        prepare_rows(host(x), x.width, w.ty, prep);
+                        prepared = Some(w.ty);
+                    }
+                    let mut out = vec![0f32; x.rows * w.rows];
+                    if w.rows > 0 && x.rows > 0 {
+                        Backend::matmul(self, w, prep, &mut out);
+                    }
+                    Act::host(x.rows, w.rows, out)
+                })
+                .collect()
+        })
+    }
+
+    fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
+        self.with_prep(|prep| {
+            prepare_rows(host(x), x.width, w.ty, prep);
+            let mut out = vec![0f32; x.rows * rows.len()];
+            Backend::matmul_rows(self, w, rows, prep, &mut out);
+            Act::host(x.rows, rows.len(), out)
+        })
+    }
+
+    fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        Backend::accumulate_rows(self, w, rows, host(acts), host_mut(out));
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut Act,
+        k: &mut Act,
+        positions: &[usize],
+        shape: RopeShape,
+        q_norm: Option<&[f32]>,
+        k_norm: Option<&[f32]>,
+        eps: f32,
+    ) {
+        let (qd, kd, hd) = (q.width, k.width, shape.head_dim);
+        let (qv, kv) = (host_mut(q), host_mut(k));
+        let mut table = Vec::with_capacity(hd / 2);
+        for (t, &pos) in positions.iter().enumerate() {
+            rope_table(pos, hd, shape.base, shape.pos_scale, &mut table);
+            for (row, norm) in [
+                (&mut qv[t * qd..(t + 1) * qd], q_norm),
+                (&mut kv[t * kd..(t + 1) * kd], k_norm),
+            ] {
+                for head in row.chunks_mut(hd) {
+                    if let Some(n) = norm {
+                        rms_norm(head, n, eps);
+                    }
+                    rope_apply(head, &table, shape.style);
+                }
+            }
+        }
+    }
+
+    fn kv_write(
+        &self,
+        layer: usize,
+        k: &Act,
+        v: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &mut [&mut KvCache],
+    ) {
+        let kvd = k.width;
+        let (k, v) = (host(k), host(v));
+        for (t, (&pos, &s)) in positions.iter().zip(seq_of_token).enumerate() {
+            let c = &mut caches[s];
+            c.k[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
+            c.v[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &[&mut KvCache],
+        shape: AttnShape,
+    ) -> Act {
+        let (qd, hd, l) = (q.width, shape.head_dim, shape.layer);
+        let kvd = shape.n_kv_heads * hd;
+        let group = shape.n_heads / shape.n_kv_heads;
+        let qv = host(q);
+        let mut attn = vec![0f32; q.rows * qd];
+        self.pool.install(|| {
+            attn.par_chunks_mut(hd)
+                .enumerate()
+                .for_each_init(Vec::new, |scores, (i, out)| {
+                    let (t, head) = (i / shape.n_heads, i % shape.n_heads);
+                    let pos = positions[t];
+                    let c = &caches[seq_of_token[t]];
+                    let first = shape.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let qh = &qv[t * qd + head * hd..t * qd + (head + 1) * hd];
+                    attend(
+                        qh,
+                        &c.k[l],
+                        &c.v[l],
+                        kvd,
+                        (head / group) * hd,
+                        first..pos + 1,
+                        shape.scale,
+                        scores,
+                        out,
+                    );
+                })
+        });
+        Act::host(q.rows, qd, attn)
     }
 }

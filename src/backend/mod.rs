@@ -1,14 +1,32 @@
-//! Compute backends. The CPU backend is the reference for every other path and the fast path on
-//! this hardware. A backend computes on weights it is handed; it never opens files or decides
-//! what to read (that is `model`'s and, later, `stream`'s job).
+//! Compute devices. A [`Device`] runs the layer program's operations on activations that live
+//! on it ([`Act`]); the forward pass (`model::forward`, `model::ffn`) is written once against
+//! this trait. The CPU device (`cpu`) is the reference for every other path and the fast path
+//! on this hardware. A device computes on weights it is handed; it never opens files or
+//! decides what to read (that is `model`'s and `stream`'s job).
+//!
+//! Why operations, and why these: a layer-level device ("run layer l") would re-implement
+//! attention, the sparse FFN, streaming and experts once per device; a ggml-style graph fights
+//! the data-dependent shapes this engine lives on (the neurons a mask keeps, the tokens routed
+//! to an expert are known only mid-layer). About twenty coarse operations per layer — a product
+//! of a weight with every token of a batch, a norm over all rows, RoPE over all heads,
+//! attention over a batch's sequences — are cheap to launch, keep the hidden state on the
+//! device between them, and leave the only per-layer host syncs where the host must decide:
+//! the mask's scores (`to_host`) and, for experts, the router's choices. Small vectors (norms,
+//! biases) are passed as host slices; a device that keeps them resident caches them by address.
+//! Products take `Weight`s, which say where their bytes are (`tensor`); a device copies what it
+//! needs to its memory (the CPU device reads them in place).
 
 pub mod cpu;
 pub mod ops;
 
+use std::borrow::Cow;
+
+use crate::config::{FfnActivation, RopeStyle};
+use crate::kv::KvCache;
 use crate::quant::PreparedInput;
 use crate::tensor::Weight;
 
-/// Matrix products over quantized weights, the bulk of the work.
+/// Matrix products over quantized host weights: the CPU device's inner interface.
 pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     /// `out[t * w.rows + r] = dot(w.row(r), xs[t])` for every token `t` and row `r`.
@@ -20,4 +38,148 @@ pub trait Backend: Send + Sync {
     /// down column): `out[t * w.cols + c] += sum_r acts[t * w.rows + r] * w[r][c]` over `rows`
     /// (all rows when `None`). Rows whose activation is exactly zero for a token add nothing.
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &[f32], out: &mut [f32]);
+}
+
+/// Activations on a device: `rows` vectors of `width` f32 values (tokens × features).
+pub struct Act {
+    pub rows: usize,
+    pub width: usize,
+    data: ActData,
+}
+
+/// Where an activation's values are. A device with memory of its own adds its variant here.
+enum ActData {
+    Host(Vec<f32>),
+}
+
+impl Act {
+    /// Host values `[rows, width]`.
+    pub fn host(rows: usize, width: usize, values: Vec<f32>) -> Act {
+        assert_eq!(values.len(), rows * width, "activation shape");
+        Act {
+            rows,
+            width,
+            data: ActData::Host(values),
+        }
+    }
+
+    pub fn zeros(rows: usize, width: usize) -> Act {
+        Act::host(rows, width, vec![0.0; rows * width])
+    }
+
+    /// The values, when they are in host memory (always, on the CPU device).
+    pub fn as_host(&self) -> Option<&[f32]> {
+        match &self.data {
+            ActData::Host(v) => Some(v),
+        }
+    }
+
+    pub fn as_host_mut(&mut self) -> Option<&mut [f32]> {
+        match &mut self.data {
+            ActData::Host(v) => Some(v),
+        }
+    }
+
+    pub fn into_host(self) -> Option<Vec<f32>> {
+        match self.data {
+            ActData::Host(v) => Some(v),
+        }
+    }
+}
+
+/// How a layer's attention reads its cache.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub layer: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    /// Sliding window (local layers): positions before `pos + 1 - window` are not attended.
+    pub window: Option<usize>,
+}
+
+/// RoPE's parameters for one layer.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeShape {
+    pub head_dim: usize,
+    pub base: f32,
+    pub pos_scale: f32,
+    pub style: RopeStyle,
+}
+
+/// The layer program's operations (see the module docs). Shapes are `[rows, width]`; a batch's
+/// tokens are the rows.
+pub trait Device: Send + Sync {
+    fn name(&self) -> String;
+    /// Runs `f` where the device's work starts cheapest (the CPU device: on its own threads).
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>);
+    /// Host values to the device.
+    fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act;
+    fn zeros(&self, rows: usize, width: usize) -> Act;
+    fn copy(&self, x: &Act) -> Act;
+    /// The values on the host: a sync point (the CPU device lends its own memory).
+    fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]>;
+    /// Row `ids[t]` of `w` (dequantized) times `scale`, for every token.
+    fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act;
+    /// Every row normalized by RMS and scaled by `w`, into a new activation.
+    fn rms_norm(&self, x: &Act, w: &[f32], eps: f32) -> Act;
+    /// As `rms_norm`, in place.
+    fn rms_norm_in_place(&self, x: &mut Act, w: &[f32], eps: f32);
+    /// `x += y`.
+    fn add(&self, x: &mut Act, y: &Act);
+    /// `x[t] += b` for every row.
+    fn add_bias(&self, x: &mut Act, b: &[f32]);
+    /// `x = x * y` elementwise.
+    fn mul(&self, x: &mut Act, y: &Act);
+    /// `x = f(x)` elementwise.
+    fn activate(&self, x: &mut Act, f: FfnActivation);
+    /// `x = cap * tanh(x / cap)`.
+    fn softcap(&self, x: &mut Act, cap: f32);
+    /// The listed rows, in order.
+    fn select_rows(&self, x: &Act, rows: &[usize]) -> Act;
+    /// `[n, m]` values into columns `cols` of a zero `[n, width]`.
+    fn scatter_cols(&self, x: &Act, cols: &[u32], width: usize) -> Act;
+    /// Columns `cols` of `x`, `[n, cols.len()]`.
+    fn gather_cols(&self, x: &Act, cols: &[u32]) -> Act;
+    /// `x · w_i` for each weight (`[n, w_i.rows]` each); one input serves several products.
+    fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act>;
+    /// `x · w[rows]`: only the listed rows, `[n, rows.len()]`.
+    fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act;
+    /// `out[t] += Σ_r acts[t][r] · w[r]` over `rows` (all when `None`), neuron-major `w`,
+    /// summed in f64 so neither order nor thread count changes a result.
+    fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act);
+    /// Queries and keys, per head of width `shape.head_dim`: the optional per-head RMS norm
+    /// (`q_norm`, `k_norm`), then RoPE at each row's position (one table per position serves
+    /// both).
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk(
+        &self,
+        q: &mut Act,
+        k: &mut Act,
+        positions: &[usize],
+        shape: RopeShape,
+        q_norm: Option<&[f32]>,
+        k_norm: Option<&[f32]>,
+        eps: f32,
+    );
+    /// Row t's keys and values into `caches[seq_of_token[t]]` at `positions[t]`.
+    fn kv_write(
+        &self,
+        layer: usize,
+        k: &Act,
+        v: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &mut [&mut KvCache],
+    );
+    /// Row t's query heads over its own sequence's cached positions `..=positions[t]`.
+    fn attention(
+        &self,
+        q: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &[&mut KvCache],
+        shape: AttnShape,
+    ) -> Act;
 }

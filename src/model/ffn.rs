@@ -18,12 +18,25 @@
 use rayon::prelude::*;
 
 use crate::backend::ops::{gelu_tanh, silu};
+use crate::backend::{Act, Device};
 use crate::config::FfnActivation;
 use crate::error::Result;
-use crate::model::forward::{prepare_all, FfnHooks, FfnMask, FfnNeurons, LayerStream};
+use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
 use crate::model::weights::{FfnDown, LayerWeights};
 use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
+use crate::tensor::Weight;
+
+/// Runs `f` on the activation's values in host memory: in place where they live there (the
+/// CPU device), else through a download and an upload (a sync point a mask needs anyway).
+fn edit_on_host(dev: &dyn Device, a: &mut Act, f: impl FnOnce(&mut [f32])) {
+    if let Some(v) = a.as_host_mut() {
+        return f(v);
+    }
+    let mut v = dev.to_host(a).into_owned();
+    f(&mut v);
+    *a = dev.upload(a.rows, a.width, v);
+}
 
 impl Model {
     /// The FFN's activation function.
@@ -36,82 +49,54 @@ impl Model {
 
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
     /// `[n, hidden]`, before any post-FFN norm.
-    pub(crate) fn ffn(
-        &self,
-        l: usize,
-        w: &LayerWeights,
-        xn: &[f32],
-        prep: &mut Vec<PreparedInput>,
-        hooks: &FfnHooks,
-    ) -> Result<Vec<f32>> {
+    pub(crate) fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         let cfg = &self.config;
+        let dev = &*self.device;
         let (h, f) = (cfg.hidden, cfg.ffn);
-        let n = xn.len() / h;
+        let n = xn.rows;
         let stream = hooks.stream.filter(|s| s.streams_ffn());
         let neurons = (hooks.select)(l, n);
-        let act = |g: f32| self.ffn_act(g);
 
-        // Phase 1: act(gate·x) `[n, ffn]`; neurons not selected stay exactly zero.
+        // Phase 1: act(gate·x) `[n, ffn]` (neurons not selected stay exactly zero); in RAM with
+        // every neuron selected, up·x too, from the same prepared input.
         let streamed_gate = match stream {
             Some(s) => s.gate(l)?,
             None => None,
         };
         let gate_w = streamed_gate.as_ref().unwrap_or(&w.ffn_gate);
-        let gate_ty = gate_w.ty;
-        let mut gate = vec![0f32; n * f];
-        prepare_all(xn, h, gate_w, prep);
-        match neurons {
-            FfnNeurons::All => {
-                self.backend.matmul(gate_w, prep, &mut gate);
-                gate.iter_mut().for_each(|g| *g = act(*g));
+        let (mut gate, mut up) = match (neurons, stream) {
+            (FfnNeurons::All, None) => {
+                let mut gu = dev.matmul(&[gate_w, &w.ffn_up], xn);
+                let up = gu.pop().expect("up");
+                (gu.pop().expect("gate"), Some(up))
             }
-            FfnNeurons::Subset(rows) => {
-                let m = rows.len();
-                let mut g = vec![0f32; n * m];
-                self.backend.matmul_rows(gate_w, rows, prep, &mut g);
-                for t in 0..n {
-                    for (i, &r) in rows.iter().enumerate() {
-                        gate[t * f + r as usize] = act(g[t * m + i]);
-                    }
-                }
+            (FfnNeurons::All, Some(_)) => (dev.matmul(&[gate_w], xn).remove(0), None),
+            (FfnNeurons::Subset(rows), _) => {
+                let mut g = dev.matmul_rows(gate_w, rows, xn);
+                dev.activate(&mut g, cfg.activation);
+                (dev.scatter_cols(&g, rows, f), None)
             }
+        };
+        if let FfnNeurons::All = neurons {
+            dev.activate(&mut gate, cfg.activation);
         }
         drop(streamed_gate);
         if let (Some(s), Some(mask), 1, FfnNeurons::All) = (stream, hooks.mask, n, neurons) {
-            return self.ffn_decode_streamed(l, w, xn, &gate, mask, hooks, s);
+            let d = self.ffn_decode_streamed(l, w, &dev.to_host(xn), &dev.to_host(&gate), mask, hooks, s)?;
+            return Ok(dev.upload(1, h, d));
         }
 
-        // Phase 2: up·x `[n, ffn]` for the neurons that need it.
-        let mut up = vec![0f32; n * f];
-        let scatter = |up: &mut [f32], set: &[u32], u: &[f32]| {
-            let m = set.len();
-            for t in 0..n {
-                for (i, &r) in set.iter().enumerate() {
-                    up[t * f + r as usize] = u[t * m + i];
-                }
-            }
-        };
-        // Streamed: the up set, and the down columns staged with it when the mask decides
-        // before up (one read batch instead of two).
-        let mut staged: Option<(Vec<u32>, bool, Option<crate::tensor::Weight>)> = None;
-        match stream {
-            None => {
-                if w.ffn_up.ty != gate_ty {
-                    prepare_all(xn, h, &w.ffn_up, prep);
-                }
-                match neurons {
-                    FfnNeurons::All => self.backend.matmul(&w.ffn_up, prep, &mut up),
-                    FfnNeurons::Subset(rows) => {
-                        let mut u = vec![0f32; n * rows.len()];
-                        self.backend.matmul_rows(&w.ffn_up, rows, prep, &mut u);
-                        scatter(&mut up, rows, &u);
-                    }
-                }
-            }
-            Some(s) => {
+        // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
+        // down columns staged with it when the mask decides before up (one read batch).
+        let mut staged: Option<(Vec<u32>, bool, Option<Weight>)> = None;
+        let mut up = match (up.take(), stream, neurons) {
+            (Some(up), _, _) => up,
+            (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.ffn_up, rows, xn), rows, f),
+            (None, None, FfnNeurons::All) => unreachable!("computed with the gate"),
+            (None, Some(s), _) => {
                 let mut need = vec![true; f];
                 if let Some(m) = hooks.mask {
-                    m.up_needed(l, xn, &gate, &mut need);
+                    m.up_needed(l, &dev.to_host(xn), &dev.to_host(&gate), &mut need);
                 }
                 if let FfnNeurons::Subset(rows) = neurons {
                     let mut selected = vec![false; f];
@@ -121,37 +106,34 @@ impl Model {
                 let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
                 let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
                 let (up_w, down_w) = s.stage(l, &up_set, one_pass)?;
-                if up_w.ty != gate_ty {
-                    prepare_all(xn, h, &up_w, prep);
-                }
-                let mut u = vec![0f32; n * up_set.len()];
-                if !up_set.is_empty() {
-                    self.backend.matmul(&up_w, prep, &mut u);
-                }
+                let u = dev.matmul(&[&up_w], xn).remove(0);
                 drop(up_w);
-                scatter(&mut up, &up_set, &u);
+                let up = dev.scatter_cols(&u, &up_set, f);
                 staged = Some((up_set, one_pass, down_w));
+                up
             }
-        }
+        };
 
         // Phase 3: hidden activations act(gate)·up (in place of up unless a mask needs up).
         let hact = match hooks.mask {
             None => {
-                up.iter_mut().zip(&gate).for_each(|(u, g)| *u *= g);
+                dev.mul(&mut up, &gate);
                 up
             }
             Some(mask) => {
-                let mut hact: Vec<f32> = up.iter().zip(&gate).map(|(u, g)| u * g).collect();
-                mask.apply(l, xn, &gate, &up, &mut hact);
+                let mut hact = dev.copy(&up);
+                dev.mul(&mut hact, &gate);
+                let (xh, gh, uh) = (dev.to_host(xn), dev.to_host(&gate), dev.to_host(&up));
+                edit_on_host(dev, &mut hact, |ha| mask.apply(l, &xh, &gh, &uh, ha));
                 hact
             }
         };
         if let Some(observe) = hooks.observe {
-            observe(l, &gate, &hact);
+            observe(l, &dev.to_host(&gate), &dev.to_host(&hact));
         }
 
         // Phase 4: down over the kept neurons.
-        let mut d = vec![0f32; n * h];
+        let mut d = dev.zeros(n, h);
         match (staged, stream) {
             (Some((up_set, one_pass, down_w)), Some(s)) => {
                 // Staged columns, row i = the down set's i-th neuron (already staged when one
@@ -159,35 +141,27 @@ impl Model {
                 let (down_set, down_w) = match (one_pass, down_w) {
                     (true, Some(dw)) => (up_set, dw),
                     _ => {
+                        let ha = dev.to_host(&hact);
                         let keep: Vec<u32> = (0..f as u32)
-                            .filter(|&i| (0..n).any(|t| hact[t * f + i as usize] != 0.0))
+                            .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
                             .collect();
                         let dw = s.stage_down(l, &keep, &up_set)?;
                         (keep, dw)
                     }
                 };
-                let k = down_set.len();
-                let mut acts = vec![0f32; n * k];
-                for t in 0..n {
-                    for (i, &r) in down_set.iter().enumerate() {
-                        acts[t * k + i] = hact[t * f + r as usize];
-                    }
-                }
-                if k > 0 {
-                    self.backend.accumulate_rows(&down_w, None, &acts, &mut d);
+                if !down_set.is_empty() {
+                    let acts = dev.gather_cols(&hact, &down_set);
+                    dev.accumulate_rows(&down_w, None, &acts, &mut d);
                 }
             }
             _ => match &w.ffn_down {
-                FfnDown::Rows(down) => {
-                    prepare_all(&hact, f, down, prep);
-                    self.backend.matmul(down, prep, &mut d);
-                }
+                FfnDown::Rows(down) => d = dev.matmul(&[down], &hact).remove(0),
                 FfnDown::Columns(down_t) => {
                     let rows = match neurons {
                         FfnNeurons::All => None,
                         FfnNeurons::Subset(rows) => Some(rows),
                     };
-                    self.backend.accumulate_rows(down_t, rows, &hact, &mut d);
+                    dev.accumulate_rows(down_t, rows, &hact, &mut d);
                 }
             },
         }
@@ -301,12 +275,10 @@ impl Model {
                     .zip(w_now.iter().zip(w_next))
                     .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
                     .collect();
-                let mut prep = Vec::new();
-                prepare_all(&x, h, &gate_w, &mut prep);
-                let mut g = vec![0f32; f];
-                self.backend.matmul(&gate_w, &prep, &mut g);
-                g.iter_mut().for_each(|v| *v = self.ffn_act(*v));
-                mask.up_needed(next, &x, &g, &mut need);
+                let dev = &*self.device;
+                let mut g = dev.matmul(&[&gate_w], &dev.upload(1, h, x.clone())).remove(0);
+                dev.activate(&mut g, self.config.activation);
+                mask.up_needed(next, &x, &dev.to_host(&g), &mut need);
             }
             None => mask.up_needed(next, &[], &[], &mut need),
         }

@@ -3,15 +3,12 @@
 //! once per batch) and decode (one token). The FFN can be computed over a subset of neurons
 //! (`FfnNeurons`), the seam the sparse streaming path builds on.
 
-use rayon::prelude::*;
-
-use crate::backend::ops::{attend, rms_norm, rope_apply, rope_table};
+use crate::backend::{Act, AttnShape, RopeShape};
 use crate::error::{Error, Result};
+use crate::kv::KvCache;
 use crate::model::batch::{Batch, Logits};
-use crate::model::kv::KvCache;
 use crate::model::weights::LayerWeights;
 use crate::model::Model;
-use crate::quant::PreparedInput;
 use crate::tensor::Weight;
 
 /// Which FFN neurons to compute. `All` is the dense model; `Subset` computes gate and up only
@@ -182,23 +179,6 @@ pub trait FfnMask: Sync {
     }
 }
 
-/// Prepare one activation vector per token for dot products with `w`.
-pub(crate) fn prepare_all(xs: &[f32], width: usize, w: &Weight, out: &mut Vec<PreparedInput>) {
-    let n = xs.len() / width;
-    out.resize_with(n, PreparedInput::new);
-    for (t, p) in out.iter_mut().enumerate() {
-        p.prepare(&xs[t * width..(t + 1) * width], w.ty);
-    }
-}
-
-fn add_bias(out: &mut [f32], bias: &Option<Vec<f32>>) {
-    if let Some(b) = bias {
-        for row in out.chunks_mut(b.len()) {
-            row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
-        }
-    }
-}
-
 impl Model {
     /// Run `tokens` at positions `cache.len..`, append their keys/values to the cache, and return
     /// logits `[n, vocab]` for the positions `which` selects.
@@ -250,58 +230,61 @@ impl Model {
             }
         }
         let _pass = hooks.stream.and_then(|s| s.pass_lock());
-        let logits = self.cpu.install(|| self.forward_in_pool(batch, caches, hooks))?;
+        let mut result = None;
+        self.device
+            .run(Box::new(|| result = Some(self.forward_on_device(batch, caches, hooks))));
+        let logits = result.expect("the device ran the pass")?;
         for (c, len) in caches.iter_mut().zip(next) {
             c.len = len;
         }
         Ok(logits)
     }
 
-    fn forward_in_pool(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
+    /// The layer program, on `self.device`.
+    fn forward_on_device(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
         let cfg = &self.config;
-        let n = batch.len();
-        let h = cfg.hidden;
-        let mut x = vec![0f32; n * h];
-        for (t, &tok) in batch.ids.iter().enumerate() {
-            let row = &mut x[t * h..(t + 1) * h];
-            let streamed = match hooks.stream {
-                Some(s) => s.embedding(tok, row)?,
-                None => false,
-            };
-            if !streamed {
-                self.weights.token_embd.dequantize_row(tok as usize, row);
+        let dev = &*self.device;
+        let (n, h) = (batch.len(), cfg.hidden);
+        // Embeddings: rows the stream reads, or the resident matrix's.
+        let mut x = match hooks.stream {
+            Some(s) => {
+                let mut host = vec![0f32; n * h];
+                let mut all_streamed = true;
+                for (row, &tok) in host.chunks_mut(h).zip(&batch.ids) {
+                    all_streamed &= s.embedding(tok, row)?;
+                }
+                if all_streamed {
+                    if cfg.embed_scale != 1.0 {
+                        host.iter_mut().for_each(|v| *v *= cfg.embed_scale);
+                    }
+                    dev.upload(n, h, host)
+                } else {
+                    dev.embed(&self.weights.token_embd, &batch.ids, cfg.embed_scale)
+                }
             }
-            if cfg.embed_scale != 1.0 {
-                row.iter_mut().for_each(|v| *v *= cfg.embed_scale);
-            }
-        }
-        let mut prep = Vec::new();
+            None => dev.embed(&self.weights.token_embd, &batch.ids, cfg.embed_scale),
+        };
         for (l, layer) in self.weights.layers.iter().enumerate() {
             let streamed = match hooks.stream {
                 Some(s) => s.attention(l)?,
                 None => None,
             };
             let attn = streamed.as_ref().unwrap_or(&layer.attn);
-            self.attention_block(l, layer, attn, &mut x, batch, caches, &mut prep);
-            self.ffn_block(l, layer, &mut x, &mut prep, hooks)?;
+            self.attention_block(l, layer, attn, &mut x, batch, caches);
+            self.ffn_block(l, layer, &mut x, hooks)?;
         }
-        let rows = &batch.logit_rows;
-        let mut xo = vec![0f32; rows.len() * h];
-        for (o, &r) in xo.chunks_mut(h).zip(rows) {
-            o.copy_from_slice(&x[r * h..(r + 1) * h]);
-            rms_norm(o, &self.weights.output_norm, cfg.rms_eps);
+        let mut xo = dev.select_rows(&x, &batch.logit_rows);
+        if batch.logit_rows.is_empty() {
+            return Ok(Vec::new());
         }
+        dev.rms_norm_in_place(&mut xo, &self.weights.output_norm, cfg.rms_eps);
         let streamed_out = hooks.stream.and_then(|s| s.output());
         let out_w = streamed_out.as_ref().unwrap_or(&self.weights.output);
-        prepare_all(&xo, h, out_w, &mut prep);
-        let mut logits = vec![0f32; rows.len() * cfg.vocab];
-        if !rows.is_empty() {
-            self.backend.matmul(out_w, &prep, &mut logits);
-        }
+        let mut logits = dev.matmul(&[out_w], &xo).remove(0);
         if let Some(cap) = cfg.final_logit_softcap {
-            logits.iter_mut().for_each(|v| *v = cap * (*v / cap).tanh());
+            dev.softcap(&mut logits, cap);
         }
-        Ok(logits)
+        Ok(dev.to_host(&logits).into_owned())
     }
 
     fn attention_block(
@@ -309,125 +292,68 @@ impl Model {
         l: usize,
         w: &LayerWeights,
         a: &AttnWeights,
-        x: &mut [f32],
+        x: &mut Act,
         batch: &Batch,
         caches: &mut [&mut KvCache],
-        prep: &mut Vec<PreparedInput>,
     ) {
         let cfg = &self.config;
-        let (h, qd, kvd, hd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-        let n = x.len() / h;
-        let mut xn = x.to_vec();
-        for row in xn.chunks_mut(h) {
-            rms_norm(row, &w.attn_norm, cfg.rms_eps);
+        let dev = &*self.device;
+        let xn = dev.rms_norm(x, &w.attn_norm, cfg.rms_eps);
+        // Q, K and V usually share a type: the input is prepared once for them.
+        let mut qkv = dev.matmul(&[&a.wq, &a.wk, &a.wv], &xn);
+        let (mut v, mut k, mut q) = (qkv.pop().expect("v"), qkv.pop().expect("k"), qkv.pop().expect("q"));
+        for (t, b) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
+            if let Some(b) = b {
+                dev.add_bias(t, b);
+            }
         }
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        // Q, K and V usually share a type; prepare once per distinct type.
-        prepare_all(&xn, h, &a.wq, prep);
-        self.backend.matmul(&a.wq, prep, &mut q);
-        if a.wk.ty != a.wq.ty {
-            prepare_all(&xn, h, &a.wk, prep);
-        }
-        self.backend.matmul(&a.wk, prep, &mut k);
-        if a.wv.ty != a.wk.ty {
-            prepare_all(&xn, h, &a.wv, prep);
-        }
-        self.backend.matmul(&a.wv, prep, &mut v);
-        add_bias(&mut q, &w.bq);
-        add_bias(&mut k, &w.bk);
-        add_bias(&mut v, &w.bv);
-
         let local = cfg.layer_is_local(l);
         let (base, pos_scale) = if local {
             (cfg.rope_theta_local, 1.0)
         } else {
             (cfg.rope_theta, cfg.rope_scale_global)
         };
-        let mut table = Vec::with_capacity(hd / 2);
-        for t in 0..n {
-            rope_table(batch.positions[t], hd, base, pos_scale, &mut table);
-            for head in q[t * qd..(t + 1) * qd].chunks_mut(hd) {
-                if let Some(qn) = &w.q_norm {
-                    rms_norm(head, qn, cfg.rms_eps);
-                }
-                rope_apply(head, &table, cfg.rope_style);
-            }
-            for head in k[t * kvd..(t + 1) * kvd].chunks_mut(hd) {
-                if let Some(kn) = &w.k_norm {
-                    rms_norm(head, kn, cfg.rms_eps);
-                }
-                rope_apply(head, &table, cfg.rope_style);
-            }
-        }
-        for t in 0..n {
-            let (pos, c) = (batch.positions[t], &mut caches[batch.seq_of_token[t]]);
-            c.k[l][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
-            c.v[l][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
-        }
-
-        // Attention per (token, head) over the token's own sequence, causal, optionally within
-        // a sliding window.
-        let window = if local { cfg.sliding_window } else { None };
-        let group = cfg.n_heads / cfg.n_kv_heads;
-        let caches: &[&mut KvCache] = caches;
-        let mut attn = vec![0f32; n * qd];
-        let scale = cfg.attn_scale;
-        self.cpu.install(|| {
-            attn.par_chunks_mut(hd)
-                .enumerate()
-                .for_each_init(Vec::new, |scores, (i, out)| {
-                    let (t, head) = (i / cfg.n_heads, i % cfg.n_heads);
-                    let pos = batch.positions[t];
-                    let c = &caches[batch.seq_of_token[t]];
-                    let first = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let qh = &q[t * qd + head * hd..t * qd + (head + 1) * hd];
-                    attend(
-                        qh,
-                        &c.k[l],
-                        &c.v[l],
-                        kvd,
-                        (head / group) * hd,
-                        first..pos + 1,
-                        scale,
-                        scores,
-                        out,
-                    );
-                })
-        });
-        prepare_all(&attn, qd, &a.wo, prep);
-        let mut o = vec![0f32; n * h];
-        self.backend.matmul(&a.wo, prep, &mut o);
+        let rope = RopeShape {
+            head_dim: cfg.head_dim,
+            base,
+            pos_scale,
+            style: cfg.rope_style,
+        };
+        dev.rope_qk(
+            &mut q,
+            &mut k,
+            &batch.positions,
+            rope,
+            w.q_norm.as_deref(),
+            w.k_norm.as_deref(),
+            cfg.rms_eps,
+        );
+        dev.kv_write(l, &k, &v, &batch.positions, &batch.seq_of_token, caches);
+        let shape = AttnShape {
+            layer: l,
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            scale: cfg.attn_scale,
+            window: if local { cfg.sliding_window } else { None },
+        };
+        let attn = dev.attention(&q, &batch.positions, &batch.seq_of_token, caches, shape);
+        let mut o = dev.matmul(&[&a.wo], &attn).remove(0);
         if let Some(pn) = &w.post_attn_norm {
-            for row in o.chunks_mut(h) {
-                rms_norm(row, pn, cfg.rms_eps);
-            }
+            dev.rms_norm_in_place(&mut o, pn, cfg.rms_eps);
         }
-        x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        dev.add(x, &o);
     }
 
-    fn ffn_block(
-        &self,
-        l: usize,
-        w: &LayerWeights,
-        x: &mut [f32],
-        prep: &mut Vec<PreparedInput>,
-        hooks: &FfnHooks,
-    ) -> Result<()> {
+    fn ffn_block(&self, l: usize, w: &LayerWeights, x: &mut Act, hooks: &FfnHooks) -> Result<()> {
         let cfg = &self.config;
-        let h = cfg.hidden;
-        let mut xn = x.to_vec();
-        for row in xn.chunks_mut(h) {
-            rms_norm(row, &w.ffn_norm, cfg.rms_eps);
-        }
-        let mut d = self.ffn(l, w, &xn, prep, hooks)?;
+        let dev = &*self.device;
+        let xn = dev.rms_norm(x, &w.ffn_norm, cfg.rms_eps);
+        let mut d = self.ffn(l, w, &xn, hooks)?;
         if let Some(pn) = &w.post_ffn_norm {
-            for row in d.chunks_mut(h) {
-                rms_norm(row, pn, cfg.rms_eps);
-            }
+            dev.rms_norm_in_place(&mut d, pn, cfg.rms_eps);
         }
-        x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        dev.add(x, &d);
         Ok(())
     }
 }

@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::kv::KvCache;
 use crate::model::batch::Logits;
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
-use crate::model::kv::KvCache;
 use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
 use crate::model::Model;
 

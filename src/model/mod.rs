@@ -7,7 +7,6 @@ pub mod chat;
 pub mod ffn;
 pub mod forward;
 pub mod generate;
-pub mod kv;
 pub mod sampler;
 pub mod tokenizer;
 pub mod weights;
@@ -16,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::Backend;
+use crate::backend::Device;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, MetaValue};
@@ -30,8 +29,8 @@ pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
     pub tokenizer: Tokenizer,
-    pub backend: Arc<dyn Backend>,
-    cpu: Arc<CpuBackend>,
+    /// Where the forward pass computes (the CPU today; one device, one thread pool, per model).
+    pub device: Arc<dyn Device>,
 }
 
 /// Options for loading.
@@ -113,14 +112,13 @@ impl Model {
         if opts.placement == Placement::OnDisk {
             weights.leave_on_disk();
         }
-        let cpu = Arc::new(CpuBackend::new(opts.threads));
+        let device: Arc<dyn Device> = Arc::new(CpuBackend::new(opts.threads));
         Ok(Model {
             path: path.to_path_buf(),
             config: src.config,
             weights,
             tokenizer,
-            backend: cpu.clone(),
-            cpu,
+            device,
         })
     }
 }

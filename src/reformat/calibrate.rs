@@ -11,9 +11,9 @@
 use std::sync::Mutex;
 
 use crate::error::Result;
+use crate::kv::KvCache;
 use crate::model::batch::Logits;
 use crate::model::forward::{FfnHooks, FfnNeurons};
-use crate::model::kv::KvCache;
 use crate::model::Model;
 use crate::sparsity::calibration::{quantile, text_tail, POOLED_TOKENS_MAX};
 

@@ -14,9 +14,9 @@
 use super::{Criterion, Masker, Strategy, UpSketches};
 use crate::backend::ops::log_sum_exp;
 use crate::error::Result;
+use crate::kv::KvCache;
 use crate::model::batch::Logits;
 use crate::model::forward::{FfnHooks, FfnNeurons};
-use crate::model::kv::KvCache;
 use crate::model::Model;
 
 /// Levels at which sensitivity is measured; allocation interpolates between them.

@@ -8,9 +8,9 @@ use std::sync::Mutex;
 
 use super::{scores, Criterion, UpSketches, CANDIDATE_FACTOR};
 use crate::error::{Error, Result};
+use crate::kv::KvCache;
 use crate::model::batch::Logits;
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons};
-use crate::model::kv::KvCache;
 use crate::model::Model;
 
 /// Tokens per layer whose scores are pooled (here and by `calibrate`, which stores thresholds

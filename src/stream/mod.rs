@@ -479,7 +479,7 @@ impl Streamer {
             // Every reader's reusable buffers (set with the plan below).
             reader_bytes: 0,
             lookahead: false,
-            context_bytes: crate::model::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
+            context_bytes: crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
                 + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(&cfg),
         };
         for l in &w.layers {
