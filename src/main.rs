@@ -13,7 +13,7 @@ use gatestream::io::{ReadEngine, ReaderOptions};
 use gatestream::model::generate::GenerateOptions;
 use gatestream::model::sampler::SamplerConfig;
 use gatestream::model::{LoadOptions, Model};
-use gatestream::perplexity::{perplexity, PerplexityOptions};
+use gatestream::perplexity::{perplexity_with, PerplexityOptions};
 use gatestream::runtime::{KvPositions, OpenOptions, Outcome, SparseAsk, StreamAsk};
 use gatestream::sparsity::{Criterion, Masker, Strategy};
 use gatestream::stream::cache::CachePolicy;
@@ -116,6 +116,14 @@ enum Command {
         /// Print the report as JSON on stdout.
         #[arg(long)]
         json: bool,
+        /// Stream a .gst model from disk under this RAM budget (as `run --ram-budget`; the KV
+        /// cache of one window and one batch's activations are counted in it; windows are fed in
+        /// batches of 32 tokens, so the result differs from the in-RAM one by rounding).
+        #[arg(long)]
+        ram_budget: Option<String>,
+        /// Reader when streaming: uring, pread or mmap (as `run --io`).
+        #[arg(long, value_enum, default_value_t = IoArg::Uring)]
+        io: IoArg,
     },
     /// Convert a GGUF file or Hugging Face folder into a tile-grouped .gst file laid out for
     /// sparse reads (neuron-major FFN sections, 4096-aligned, checksummed; see docs/FORMAT.md).
@@ -696,11 +704,7 @@ fn generate_one(
         None => None,
         Some(b) => Some(StreamAsk {
             budget_bytes: parse_budget(b, std::fs::metadata(&path)?.len())?,
-            engine: match stream.io {
-                IoArg::Uring => ReadEngine::Uring,
-                IoArg::Pread => ReadEngine::Pread,
-                IoArg::Mmap => ReadEngine::Mmap,
-            },
+            engine: engine_of(stream.io),
             reader: ReaderOptions {
                 queue_depth: stream.queue_depth,
                 ..ReaderOptions::default()
@@ -814,6 +818,14 @@ fn default_model() -> anyhow::Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+fn engine_of(io: IoArg) -> ReadEngine {
+    match io {
+        IoArg::Uring => ReadEngine::Uring,
+        IoArg::Pread => ReadEngine::Pread,
+        IoArg::Mmap => ReadEngine::Mmap,
+    }
 }
 
 fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
@@ -999,14 +1011,55 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             ctx,
             windows,
             json,
+            ram_budget,
+            io,
         } => {
-            let model = load(&model)?;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
+            let path = model_path(&model)?;
+            let stream = match &ram_budget {
+                None => None,
+                Some(b) => Some(StreamAsk {
+                    budget_bytes: parse_budget(b, std::fs::metadata(&path)?.len())?,
+                    engine: engine_of(io),
+                    reader: ReaderOptions::default(),
+                    cache: None,
+                    priority: Priority::CacheFirst,
+                    merge_gap_bytes: None,
+                    cost: CostSource::Probe,
+                    lookahead: false,
+                    batch_tokens_max: 0,
+                }),
+            };
+            let t = std::time::Instant::now();
+            let rt = gatestream::runtime::open(
+                &path,
+                &OpenOptions {
+                    threads: model.threads,
+                    stream,
+                    sparse: None,
+                    kv_positions: KvPositions::Exactly(ctx),
+                },
+            )?;
+            print_loaded(&rt.model, t.elapsed().as_secs_f64());
+            for w in &rt.warnings {
+                eprintln!("warning: {w}");
+            }
+            let hooks = gatestream::model::forward::FfnHooks {
+                select: &|_, _| gatestream::model::forward::FfnNeurons::All,
+                observe: None,
+                mask: None,
+                stream: rt.layer_stream(),
+            };
             let mut bar = Progress::new();
-            let report = perplexity(
-                &model,
+            let report = perplexity_with(
+                &rt.model,
                 &body,
-                &PerplexityOptions { ctx, windows },
+                &PerplexityOptions {
+                    ctx,
+                    windows,
+                    batch_tokens_max: 0,
+                },
+                &hooks,
                 &mut |done, total, ppl| bar.update(&format!("ppl {ppl:.3}"), done, total),
             )?;
             if json {

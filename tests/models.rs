@@ -163,7 +163,11 @@ fn smollm2_perplexity_matches_llama_cpp() {
     let r = perplexity(
         &model,
         &text,
-        &PerplexityOptions { ctx: 512, windows: 2 },
+        &PerplexityOptions {
+            ctx: 512,
+            windows: 2,
+            batch_tokens_max: 0,
+        },
         &mut |_, _, _| {},
     )
     .unwrap();

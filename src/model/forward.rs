@@ -201,6 +201,33 @@ impl Model {
         self.forward_batch(&batch, &mut [cache], hooks)
     }
 
+    /// As `forward_with`, feeding `tokens` in passes of at most `batch_max` tokens (a stream's
+    /// limit, or a prefill batch size): logits `[n - from, vocab]` for positions `from..` of
+    /// `tokens`. With `batch_max >= tokens.len()` this is one `forward_with` pass.
+    pub fn forward_in_batches(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        from: usize,
+        hooks: &FfnHooks,
+        batch_max: usize,
+    ) -> Result<Vec<f32>> {
+        if from >= tokens.len() {
+            return Err(Error::Invalid(format!(
+                "logits asked from position {from} of {} tokens",
+                tokens.len()
+            )));
+        }
+        let mut logits = Vec::new();
+        for (c, chunk) in tokens.chunks(batch_max.max(1)).enumerate() {
+            let start = c * batch_max.max(1);
+            let mut batch = Batch::one(chunk, cache.len, Logits::Last)?;
+            batch.logit_rows = (from.saturating_sub(start)..chunk.len()).collect();
+            logits.extend(self.forward_batch(&batch, &mut [cache], hooks)?);
+        }
+        Ok(logits)
+    }
+
     /// Runs a batch of tokens of one or more sequences (`caches[s]` is sequence `s`'s), writes
     /// their keys and values at their positions, and returns logits `[batch.logit_rows.len(),
     /// vocab]`. Each token attends only to its own sequence.
