@@ -5,6 +5,7 @@
 pub mod backend;
 pub mod bench;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod eval;
 pub mod format;

@@ -172,6 +172,28 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     let report = got.stream.expect("a stream report");
     assert!(report.counters.passes > 0);
 
+    // The engine over the same stream: the same tokens; a second request past the KV positions
+    // the budget holds is refused.
+    let mut engine = gatestream::engine::Engine::new(&rt.model, rt.layer_stream(), 0);
+    let req = gatestream::engine::Request {
+        prompt_ids: ids.clone(),
+        max_tokens: 6,
+        sampler: greedy(0).sampler,
+        logprobs: false,
+    };
+    engine.submit(req.clone()).unwrap();
+    let e = engine.submit(req).unwrap_err().to_string();
+    assert!(e.contains("KV positions"), "{e}");
+    let mut tokens = Vec::new();
+    while engine.active() > 0 {
+        for ev in engine.step().unwrap() {
+            if let gatestream::engine::Event::Token { token, .. } = ev {
+                tokens.push(token);
+            }
+        }
+    }
+    assert_eq!(tokens, want.tokens);
+
     // One pass over more tokens than a batch is refused, naming the limit.
     let mut cache = gatestream::kv::KvCache::new(&rt.model.config, ids.len());
     let hooks = FfnHooks {
@@ -207,4 +229,83 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     let out = sparse.generate(&ids, &greedy(3), false, None, &mut |_| {}).unwrap();
     assert_eq!(out.generation.tokens.len(), 3);
     assert!(out.sparsity.is_some());
+}
+
+/// The engine runs several requests in one pass per step (decode tokens and prompt pieces
+/// together, prompts longer than a step fed in pieces, a request joining mid-way) and each gets
+/// exactly the tokens it gets alone; a cancelled request ends at the next step with what it had.
+#[test]
+fn the_engine_batches_requests_and_each_gets_its_own_tokens() {
+    use gatestream::engine::{Engine, Event, Request};
+    let m = smollm2();
+    let prompts = [
+        m.prompt_ids("The capital of France is", false).unwrap(),
+        m.prompt_ids(LONG_PROMPT, false).unwrap(),
+        m.prompt_ids("Once upon a time", false).unwrap(),
+    ];
+    let max = [8, 5, 10];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(max)
+        .map(|(p, n)| {
+            m.generate_ids(p, &greedy(n), None, None, None, &mut |_| {})
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    let req = |i: usize| Request {
+        prompt_ids: prompts[i].clone(),
+        max_tokens: max[i],
+        sampler: greedy(0).sampler,
+        logprobs: true,
+    };
+    let mut engine = Engine::new(&m, None, 16);
+    let mut ids = vec![engine.submit(req(0)).unwrap(), engine.submit(req(1)).unwrap()];
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+    let mut finished = 0;
+    let mut steps = 0;
+    while engine.active() > 0 || ids.len() < 3 {
+        if steps == 2 {
+            ids.push(engine.submit(req(2)).unwrap());
+        }
+        for e in engine.step().unwrap() {
+            match e {
+                Event::Token {
+                    request,
+                    token,
+                    logprob,
+                    ..
+                } => {
+                    assert!(logprob.is_some_and(|l| l <= 0.0));
+                    got[ids.iter().position(|&r| r == request).unwrap()].push(token);
+                }
+                Event::Finished { .. } => finished += 1,
+            }
+        }
+        steps += 1;
+        assert!(steps < 100, "the engine does not finish");
+    }
+    assert_eq!(finished, 3);
+    assert_eq!(got, alone, "batched requests differ from each run alone");
+
+    // Cancelling: the request ends at the next step with the tokens it had.
+    let mut engine = Engine::new(&m, None, 0);
+    let id = engine.submit(req(0)).unwrap();
+    let mut tokens = 0;
+    let mut ended = None;
+    for _ in 0..10 {
+        for e in engine.step().unwrap() {
+            match e {
+                Event::Token { .. } => tokens += 1,
+                Event::Finished { finish, .. } => ended = Some(finish),
+            }
+        }
+        if tokens == 2 {
+            engine.cancel(id);
+        }
+        if ended.is_some() {
+            break;
+        }
+    }
+    assert_eq!((tokens, ended), (2, Some(Finish::Cancelled)));
 }

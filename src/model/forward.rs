@@ -118,6 +118,10 @@ pub trait LayerStream: Sync {
     ) -> Result<()> {
         Err(no_rows(l))
     }
+    /// KV positions the stream's budget holds for all sequences together.
+    fn kv_positions(&self) -> Option<usize> {
+        None
+    }
     /// The most tokens one pass may take (the budget holds that many tokens' activations).
     fn batch_tokens_max(&self) -> Option<usize> {
         None

@@ -1260,6 +1260,10 @@ impl LayerStream for Streamer {
         Some(self.batch_tokens_max)
     }
 
+    fn kv_positions(&self) -> Option<usize> {
+        Some(self.kv_positions)
+    }
+
     fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool> {
         let Some(e) = &self.embedding else {
             // Tied: the output matrix is the embedding, and it is resident.

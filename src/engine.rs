@@ -1,0 +1,256 @@
+//! Requests over one model: an [`Engine`] takes requests ([`Engine::submit`]) and advances all
+//! of them together ([`Engine::step`]): each step is one forward pass over a [`Batch`] holding
+//! the next token of every decoding sequence and, in what is left of the step's token budget,
+//! the next piece of prompts still being prefilled (chunked prefill), so a long prompt never
+//! stalls the others and a new request joins at the next step (continuous batching). Every
+//! generated token comes out as an [`Event`] with its id, text and (when asked) log-probability;
+//! a request ends with its finish reason (stop token, max tokens, cancelled). `run` is one
+//! request; a server is HTTP over this loop.
+//!
+//! Owns: the sequences (KV cache, sampler, text decoder, position) and the step's scheduling.
+//! Does not own arithmetic (`model`), reading (`stream`) or sampling rules (`sampler`). Masks
+//! are not taken yet: the union mask keeps per-prompt state that is not per sequence.
+
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::model::batch::Batch;
+use crate::model::forward::{FfnHooks, FfnNeurons, LayerStream};
+use crate::model::generate::Finish;
+use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
+use crate::model::tokenizer::StreamDecoder;
+use crate::model::Model;
+
+pub type RequestId = u64;
+
+/// One request: a prompt's token ids and how to continue it.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt_ids: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Report each token's log-probability (a softmax over the vocabulary per token).
+    pub logprobs: bool,
+}
+
+/// What a step produced for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Token {
+        request: RequestId,
+        token: u32,
+        /// The text this token completes (empty inside a UTF-8 sequence).
+        text: String,
+        logprob: Option<f32>,
+    },
+    /// The request ended; `text` holds a flushed incomplete UTF-8 sequence, if any.
+    Finished {
+        request: RequestId,
+        finish: Finish,
+        text: String,
+    },
+}
+
+struct Sequence<'m> {
+    id: RequestId,
+    cache: KvCache,
+    sampler: Sampler,
+    decoder: StreamDecoder<'m>,
+    /// Prompt tokens not yet fed.
+    prompt: Vec<u32>,
+    fed: usize,
+    /// The sampled token to feed next (decoding).
+    next: Option<u32>,
+    generated: usize,
+    max_tokens: usize,
+    logprobs: bool,
+    cancelled: bool,
+}
+
+/// Requests over one model and, optionally, its stream (see the module docs).
+pub struct Engine<'m> {
+    model: &'m Model,
+    stream: Option<&'m dyn LayerStream>,
+    /// The most tokens one step's pass takes (decode tokens first, then prompt pieces).
+    step_tokens_max: usize,
+    seqs: Vec<Sequence<'m>>,
+    next_id: RequestId,
+}
+
+impl<'m> Engine<'m> {
+    /// `step_tokens_max`: tokens per pass (0 = 512; a stream's own limit caps it).
+    pub fn new(model: &'m Model, stream: Option<&'m dyn LayerStream>, step_tokens_max: usize) -> Engine<'m> {
+        let mut max = if step_tokens_max == 0 { 512 } else { step_tokens_max };
+        if let Some(m) = stream.and_then(|s| s.batch_tokens_max()) {
+            max = max.min(m);
+        }
+        Engine {
+            model,
+            stream,
+            step_tokens_max: max,
+            seqs: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    /// Queues a request; it starts at the next step.
+    pub fn submit(&mut self, req: Request) -> Result<RequestId> {
+        if req.prompt_ids.is_empty() {
+            return Err(Error::Invalid("a request needs at least one prompt token".into()));
+        }
+        if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= self.model.config.vocab) {
+            return Err(Error::Invalid(format!(
+                "prompt token {t} is outside the vocabulary of {}",
+                self.model.config.vocab
+            )));
+        }
+        let positions = req.prompt_ids.len() + req.max_tokens;
+        if let Some(limit) = self.stream.and_then(|s| s.kv_positions()) {
+            let in_use: usize = self.seqs.iter().map(|s| s.cache.capacity).sum();
+            if in_use + positions > limit {
+                return Err(Error::Invalid(format!(
+                    "the request needs {positions} KV positions and {in_use} are in use, but the RAM budget holds \
+                     {limit} (the KV cache is counted in --ram-budget)"
+                )));
+            }
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.seqs.push(Sequence {
+            id,
+            cache: KvCache::new(&self.model.config, positions),
+            sampler: Sampler::new(req.sampler),
+            decoder: self.model.tokenizer.stream_decoder(),
+            prompt: req.prompt_ids,
+            fed: 0,
+            next: None,
+            generated: 0,
+            max_tokens: req.max_tokens,
+            logprobs: req.logprobs,
+            cancelled: false,
+        });
+        Ok(id)
+    }
+
+    /// Ends a request at the next step (its tokens so far were already handed over).
+    pub fn cancel(&mut self, id: RequestId) {
+        if let Some(s) = self.seqs.iter_mut().find(|s| s.id == id) {
+            s.cancelled = true;
+        }
+    }
+
+    /// Requests not yet finished.
+    pub fn active(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// One pass over every active request (see the module docs); returns its events.
+    pub fn step(&mut self) -> Result<Vec<Event>> {
+        let mut events = Vec::new();
+        // Cancelled requests, and those that may generate nothing, end before any work.
+        self.seqs.retain_mut(|s| {
+            let done = s.cancelled || s.max_tokens == 0;
+            if done {
+                let finish = if s.cancelled {
+                    Finish::Cancelled
+                } else {
+                    Finish::MaxTokens
+                };
+                events.push(finished(s, finish));
+            }
+            !done
+        });
+        // The batch: decode tokens first, then prompt pieces while the budget lasts.
+        let mut batch = Batch::default();
+        let mut budget = self.step_tokens_max;
+        let mut rows: Vec<usize> = Vec::new(); // sequences whose logits the pass returns, in row order
+        let mut members: Vec<usize> = Vec::new(); // sequence index in `seqs` of each cache slot
+        for (i, s) in self.seqs.iter().enumerate() {
+            if let (Some(t), true) = (s.next, budget > 0) {
+                let slot = members.len();
+                members.push(i);
+                batch.push(slot, t, s.cache.len, true);
+                rows.push(i);
+                budget -= 1;
+            }
+        }
+        for (i, s) in self.seqs.iter().enumerate() {
+            if s.next.is_some() || budget == 0 {
+                continue;
+            }
+            let take = (s.prompt.len() - s.fed).min(budget);
+            let slot = members.len();
+            members.push(i);
+            for j in 0..take {
+                let last = s.fed + j + 1 == s.prompt.len();
+                batch.push(slot, s.prompt[s.fed + j], s.cache.len + j, last);
+                if last {
+                    rows.push(i);
+                }
+            }
+            budget -= take;
+        }
+        if batch.is_empty() {
+            return Ok(events);
+        }
+        let hooks = FfnHooks {
+            select: &|_, _| FfnNeurons::All,
+            observe: None,
+            mask: None,
+            stream: self.stream,
+        };
+        let logits = {
+            let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
+            let mut by_index: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
+            for &i in &members {
+                caches.push(&mut by_index[i].take().expect("one slot per sequence").cache);
+            }
+            self.model.forward_batch(&batch, &mut caches, &hooks)?
+        };
+        // Prompt tokens fed.
+        for (slot, &i) in members.iter().enumerate() {
+            let s = &mut self.seqs[i];
+            if s.next.is_none() {
+                s.fed += batch.seq_of_token.iter().filter(|&&x| x == slot).count();
+            }
+        }
+        // Sample every sequence that got logits.
+        let vocab = self.model.config.vocab;
+        let tokenizer = &self.model.tokenizer;
+        let mut ended = Vec::new();
+        for (r, &i) in rows.iter().enumerate() {
+            let s = &mut self.seqs[i];
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let t = s.sampler.sample(row);
+            if tokenizer.is_stop(t) {
+                ended.push((i, Finish::StopToken));
+                continue;
+            }
+            s.generated += 1;
+            events.push(Event::Token {
+                request: s.id,
+                token: t,
+                text: s.decoder.push(t).unwrap_or_default(),
+                logprob: s.logprobs.then(|| log_softmax_at(row, t)),
+            });
+            if s.generated >= s.max_tokens {
+                ended.push((i, Finish::MaxTokens));
+            } else {
+                s.next = Some(t);
+            }
+        }
+        ended.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, finish) in ended {
+            let mut s = self.seqs.remove(i);
+            events.push(finished(&mut s, finish));
+        }
+        Ok(events)
+    }
+}
+
+fn finished(s: &mut Sequence, finish: Finish) -> Event {
+    Event::Finished {
+        request: s.id,
+        finish,
+        text: s.decoder.flush().unwrap_or_default(),
+    }
+}
