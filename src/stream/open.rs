@@ -1,0 +1,360 @@
+//! Opening a streamer: the residency plan under the budget (the KV cache and one batch's
+//! activations counted), the readers and the planner's cost model, the resident copies (or
+//! views of a map of the file for the mmap engine), the neuron caches' first fill, the dense
+//! prefetch ranges and the staging buffers. The model is only read.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use super::cache::LayerCache;
+use super::plan::{self, plan, CostModel};
+use super::prefetch::Prefetcher;
+use super::residency::{ModelSizes, Residency};
+use super::{
+    activation_bytes_per_token, CostSource, Counters, LayerParts, Lookahead, Part, Readers, State, StreamOptions,
+    Streamer,
+};
+use crate::error::{Error, Result};
+use crate::io::{open_reader, ReadEngine, Reader};
+use crate::model::forward::AttnWeights;
+use crate::model::weights::FfnDown;
+use crate::model::Model;
+use crate::tensor::Weight;
+
+impl Streamer {
+    /// Plans residency for `model` (loaded from a `.gst` file) under the budget, loads what is
+    /// resident into memory (reading it past the page cache where the engine allows), and makes
+    /// the model's remaining weights streamed.
+    ///
+    /// The model is only read: a streamer keeps its own resident copies (or, for the mmap
+    /// engine, views of its own map), so one model can back several streamers and is best
+    /// loaded with `Placement::OnDisk`, which keeps no view of the file a pass without the
+    /// stream could read.
+    pub fn open(model: &Model, opts: &StreamOptions) -> Result<Streamer> {
+        // Two readers: one for the compute thread's FFN reads, one for the prefetch thread.
+        let open = || -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
+            let o = open_reader(&model.path, opts.engine, &opts.reader)?;
+            Ok((Arc::from(o.reader), o.direct_io_active, o.warnings))
+        };
+        let (fg, direct_io, mut warnings) = open()?;
+        let (bg, _, w2) = open()?;
+        warnings.extend(w2.into_iter().filter(|w| !warnings.contains(w)).collect::<Vec<_>>());
+        let ahead = if opts.lookahead != Lookahead::Off {
+            Some(open()?.0)
+        } else {
+            None
+        };
+        Streamer::with_readers(model, opts, Readers { fg, bg, ahead }, direct_io, warnings)
+    }
+
+    /// As `open`, with readers supplied (tests use simulated devices).
+    pub fn with_readers(
+        model: &Model,
+        opts: &StreamOptions,
+        readers: Readers,
+        direct_io: bool,
+        warnings: Vec<String>,
+    ) -> Result<Streamer> {
+        let Readers { fg, bg, ahead } = readers;
+        let cfg = model.config.clone();
+        let not_gst = || {
+            Error::Invalid(format!(
+                "{}: streaming reads a .gst file (neuron-major FFN); convert with `gatestream reformat`",
+                model.path.display()
+            ))
+        };
+        if !crate::gstfile::is_gst(&model.path) {
+            return Err(not_gst());
+        }
+        let w = &model.weights;
+        let tied = w.output.file_offset() == w.token_embd.file_offset();
+        let norm_bytes = |l: &crate::model::weights::LayerWeights| {
+            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
+            (l.attn_norm.len()
+                + l.ffn_norm.len()
+                + opt(&l.bq)
+                + opt(&l.bk)
+                + opt(&l.bv)
+                + opt(&l.q_norm)
+                + opt(&l.k_norm)
+                + opt(&l.post_attn_norm)
+                + opt(&l.post_ffn_norm)) as u64
+                * 4
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let mut sizes = ModelSizes {
+            n_layers: cfg.n_layers,
+            ffn: cfg.ffn,
+            required_bytes: w.output.len_bytes() as u64
+                + w.output_norm.len() as u64 * 4
+                + w.layers.iter().map(norm_bytes).sum::<u64>(),
+            attention_bytes: Vec::new(),
+            gate_bytes: Vec::new(),
+            neuron_bytes: Vec::new(),
+            prefetch_ffn: opts.prefetch_ffn,
+            // Every reader's reusable buffers (set with the plan below).
+            reader_bytes: 0,
+            lookahead: false,
+            context_bytes: crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
+                + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(&cfg),
+        };
+        for l in &w.layers {
+            let FfnDown::Columns(down) = &l.ffn_down else {
+                return Err(not_gst());
+            };
+            let a = &l.attn;
+            sizes
+                .attention_bytes
+                .push([&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|w| w.len_bytes() as u64).sum());
+            sizes.gate_bytes.push(l.ffn_gate.len_bytes() as u64);
+            sizes.neuron_bytes.push((l.ffn_up.row_bytes + down.row_bytes) as u64);
+            layers.push(LayerParts {
+                attn: None,
+                gate: None,
+                up: Part::of(&l.ffn_up)?,
+                down: Part::of(down)?,
+                ffn_ranges: Vec::new(),
+            });
+        }
+        let plan_with = |sizes: &mut ModelSizes, lookahead: bool| {
+            let readers = if lookahead { 3 } else { 2 };
+            sizes.reader_bytes = readers * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64;
+            sizes.lookahead = lookahead;
+            sizes.plan(opts.budget_bytes, opts.priority)
+        };
+        let mut residency = plan_with(&mut sizes, opts.lookahead != Lookahead::Off)?;
+        let mut warnings = warnings;
+        let mut lookahead_on = opts.lookahead != Lookahead::Off;
+        let streamed_gates = residency.gate_resident.iter().filter(|&&g| !g).count();
+        if opts.lookahead == Lookahead::FromGates && streamed_gates == cfg.n_layers {
+            // Nothing to predict with: the lookahead's buffers are worth more as cache.
+            residency = plan_with(&mut sizes, false)?;
+            lookahead_on = false;
+            warnings.push(
+                "lookahead is off: this mask's lookahead predicts from resident gates, and no layer's gate is resident \
+                 under this budget (--residency gate-first or a larger --ram-budget keeps them; the exact criterion \
+                 needs none)"
+                    .into(),
+            );
+        } else if opts.lookahead == Lookahead::FromGates && streamed_gates > 0 {
+            warnings.push(format!(
+                "lookahead predicts from resident gates, and {streamed_gates} of {} layers' gates stream under this \
+                 budget: those layers get no lookahead (--residency gate-first or a larger --ram-budget keeps them; \
+                 the exact criterion needs none)",
+                cfg.n_layers
+            ));
+        }
+        // Reads stay within the reader's reusable buffers, even widened by a block at each end
+        // (a larger read would get a one-off buffer and pay first-touch page faults).
+        let max_read_bytes = opts
+            .reader
+            .slot_bytes
+            .saturating_sub(2 * crate::io::ALIGN_BYTES)
+            .max(crate::io::ALIGN_BYTES) as u64;
+        let mut cost = match opts.cost {
+            CostSource::Probe => plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?,
+            CostSource::Default => CostModel {
+                max_read_bytes,
+                ..CostModel::default_for(fg.align_bytes() as u64)
+            },
+            CostSource::Given {
+                request_us,
+                bytes_per_us,
+            } => CostModel {
+                request_us,
+                bytes_per_us,
+                align_bytes: fg.align_bytes().max(1) as u64,
+                max_read_bytes,
+            },
+        };
+        if let Some(gap) = opts.merge_gap_bytes {
+            cost.request_us = gap as f64 / cost.bytes_per_us;
+        }
+        // Page-cache engines keep resident weights as views of a map of the file (the walk
+        // path); the others copy them into memory once, bypassing the page cache where O_DIRECT
+        // is on. Either way the streamer owns them: the model is not changed.
+        let map = match opts.engine {
+            ReadEngine::Mmap => {
+                let f = std::fs::File::open(&model.path).map_err(|e| Error::io(&model.path, e))?;
+                // SAFETY: the file is opened read-only and the map is only read; like every map of
+                // a model file here, it assumes the file is not truncated while the process runs
+                // (the same assumption `gguf`, `safetensors` and `gstfile` make for theirs).
+                Some(Arc::new(
+                    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&model.path, e))?,
+                ))
+            }
+            _ => None,
+        };
+        let load = |w: &Weight| -> Result<Weight> {
+            let offset = w
+                .file_offset()
+                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+            match &map {
+                Some(m) => {
+                    let end = offset as usize + w.len_bytes();
+                    if end > m.len() {
+                        return Err(Error::Invalid(format!(
+                            "{}: {} ends at byte {end}, past the end of the file ({} bytes)",
+                            model.path.display(),
+                            w.name,
+                            m.len()
+                        )));
+                    }
+                    Ok(Weight::mapped(
+                        &w.name,
+                        w.ty,
+                        w.rows,
+                        w.cols,
+                        m.clone(),
+                        offset as usize,
+                        w.row_stride_bytes,
+                    ))
+                }
+                None => Weight::owned(&w.name, w.ty, w.rows, w.cols, fg.read_vec(offset, w.len_bytes())?),
+            }
+        };
+        let w = &model.weights;
+        let output = load(&w.output)?;
+        let embedding = if tied { None } else { Some(Part::of(&w.token_embd)?) };
+        let mut resident_attn = Vec::with_capacity(cfg.n_layers);
+        let mut resident_gate = Vec::with_capacity(cfg.n_layers);
+        for (l, lw) in w.layers.iter().enumerate() {
+            let a = &lw.attn;
+            if residency.attention_resident[l] {
+                resident_attn.push(Some(AttnWeights {
+                    wq: load(&a.wq)?,
+                    wk: load(&a.wk)?,
+                    wv: load(&a.wv)?,
+                    wo: load(&a.wo)?,
+                }));
+            } else {
+                resident_attn.push(None);
+                layers[l].attn = Some([Part::of(&a.wq)?, Part::of(&a.wk)?, Part::of(&a.wv)?, Part::of(&a.wo)?]);
+            }
+            if residency.gate_resident[l] {
+                resident_gate.push(Some(load(&lw.ffn_gate)?));
+            } else {
+                resident_gate.push(None);
+                layers[l].gate = Some(Part::of(&lw.ffn_gate)?);
+            }
+        }
+        // Neuron caches start with each layer's first neurons (the hot prefix of a hot-first file).
+        let mut caches = Vec::with_capacity(cfg.n_layers);
+        for (l, parts) in layers.iter().enumerate() {
+            let slots = residency.cache_neurons[l];
+            let mut c = LayerCache::new(opts.cache, cfg.ffn, slots, parts.up.row_bytes, parts.down.row_bytes);
+            if slots > 0 {
+                let read_rows = |p: &Part| -> Result<Vec<u8>> {
+                    let r = p.range_of(slots);
+                    fg.read_vec(r.offset_bytes, r.len_bytes)
+                };
+                let (up, down) = (read_rows(&parts.up)?, read_rows(&parts.down)?);
+                for n in 0..slots {
+                    let (u, d) = (n * parts.up.stride_bytes, n * parts.down.stride_bytes);
+                    c.fill(
+                        n,
+                        n as u32,
+                        &up[u..u + parts.up.row_bytes],
+                        &down[d..d + parts.down.row_bytes],
+                    );
+                }
+            }
+            caches.push(c);
+        }
+        if opts.prefetch_ffn {
+            for (l, p) in layers.iter_mut().enumerate() {
+                let spans = p.ffn_extents_from(residency.cache_neurons[l]);
+                // Only touching rows merge: the ranges hold exactly the rows.
+                let exact = CostModel {
+                    request_us: 0.0,
+                    bytes_per_us: 1.0,
+                    align_bytes: 1,
+                    max_read_bytes: u64::MAX,
+                };
+                let mut reads = Vec::new();
+                plan(&spans, &exact, &mut reads);
+                p.ffn_ranges = reads.iter().map(|r| r.range).collect();
+            }
+        }
+        let max_row = |f: fn(&LayerParts) -> usize| layers.iter().map(f).max().unwrap_or(0);
+        let mut staging_up = vec![0u8; cfg.ffn * max_row(|p| p.up.row_bytes)];
+        let mut staging_down = vec![0u8; cfg.ffn * max_row(|p| p.down.row_bytes)];
+        prefault(&mut staging_up);
+        prefault(&mut staging_down);
+        let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
+        fg.reset_stats();
+        let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
+        let lookahead = match (lookahead_on, ahead) {
+            (false, _) => None,
+            (true, r) => {
+                // Without a reader of its own it shares the prefetch thread's (tests).
+                let r = r.unwrap_or_else(|| bg.clone());
+                r.reset_stats();
+                Some((Prefetcher::start(r.clone(), max_read_bytes as usize)?, r))
+            }
+        };
+        Ok(Streamer {
+            batch_tokens_max: opts.batch_tokens_max.max(1),
+            kv_positions: opts.kv_positions,
+            residency,
+            cost,
+            engine: opts.engine,
+            direct_io,
+            warnings,
+            dense_bytes_per_token,
+            fg,
+            bg,
+            prefetcher,
+            lookahead,
+            layers,
+            embedding,
+            output,
+            resident_attn,
+            resident_gate,
+            hidden: cfg.hidden,
+            pass: Mutex::new(()),
+            state: Mutex::new(State {
+                caches,
+                staging_up: Arc::new(staging_up),
+                staging_down: Arc::new(staging_down),
+                pending: VecDeque::new(),
+                current: None,
+                spare: Vec::new(),
+                plan: Vec::new(),
+                counters: Counters::default(),
+                ahead: VecDeque::new(),
+                ahead_spare: Vec::new(),
+                decode: None,
+            }),
+            decode_start: Mutex::new(None),
+        })
+    }
+}
+
+/// Writes each page once, so first-touch faults happen at setup, not while timing tokens.
+fn prefault(buf: &mut [u8]) {
+    for i in (0..buf.len()).step_by(4096) {
+        buf[i] = 0;
+    }
+}
+
+/// What dense streaming reads per token under `residency`: streamed attention and gate, every
+/// neuron the pinned cache does not hold, and one embedding row — planned like the real reads.
+fn dense_plan_bytes(layers: &[LayerParts], residency: &Residency, cost: &CostModel, embd: Option<&Part>) -> u64 {
+    let mut total = 0;
+    let mut out = Vec::new();
+    for (l, p) in layers.iter().enumerate() {
+        let mut spans: Vec<(u64, usize)> = p
+            .matrix_ranges()
+            .iter()
+            .map(|r| (r.offset_bytes, r.len_bytes))
+            .collect();
+        spans.extend(p.ffn_extents_from(residency.cache_neurons[l]));
+        spans.sort_unstable_by_key(|s| s.0);
+        total += plan(&spans, cost, &mut out).device_bytes;
+    }
+    if let Some(e) = embd {
+        total += plan(&[(e.offset_bytes, e.row_bytes)], cost, &mut out).device_bytes;
+    }
+    total
+}

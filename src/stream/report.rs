@@ -1,0 +1,165 @@
+//! What a streamer counted, and the end-of-run figures of a streamed generation.
+
+use super::plan::CostModel;
+use super::residency::Residency;
+use super::Streamer;
+use crate::io::ReadEngine;
+
+/// Counters since the streamer was opened (see [`Streamer::counters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Counters {
+    /// Forward passes (prefill batches and decode steps).
+    pub passes: u64,
+    /// FFN neurons the passes needed (up or down part), and how many the cache served.
+    pub cache_lookups: u64,
+    pub cache_hits: u64,
+    /// Bytes of FFN rows read from disk, and what the plan transferred (merged gaps and
+    /// alignment included), in how many reads.
+    pub ffn_needed_bytes: u64,
+    pub ffn_device_bytes: u64,
+    pub ffn_reads: u64,
+    /// Bytes of streamed dense parts (attention, gate, embedding rows) asked for.
+    pub dense_needed_bytes: u64,
+    /// Time the compute thread waited for reads, nanoseconds.
+    pub io_wait_ns: u64,
+    /// Lookahead: neurons predicted and read ahead, and how many of them the layer then used
+    /// (their rows' bytes too). The rest were read in vain.
+    pub ahead_neurons: u64,
+    pub ahead_used_neurons: u64,
+    pub ahead_bytes: u64,
+    pub ahead_used_bytes: u64,
+    /// FFN bytes the layers took from lookahead reads: predicted rows and rows the reads
+    /// covered by reading through gaps (part of `ffn_needed_bytes`).
+    pub ahead_served_bytes: u64,
+}
+
+impl Counters {
+    pub fn minus(&self, o: &Counters) -> Counters {
+        Counters {
+            passes: self.passes - o.passes,
+            cache_lookups: self.cache_lookups - o.cache_lookups,
+            cache_hits: self.cache_hits - o.cache_hits,
+            ffn_needed_bytes: self.ffn_needed_bytes - o.ffn_needed_bytes,
+            ffn_device_bytes: self.ffn_device_bytes - o.ffn_device_bytes,
+            ffn_reads: self.ffn_reads - o.ffn_reads,
+            dense_needed_bytes: self.dense_needed_bytes - o.dense_needed_bytes,
+            io_wait_ns: self.io_wait_ns - o.io_wait_ns,
+            ahead_neurons: self.ahead_neurons - o.ahead_neurons,
+            ahead_used_neurons: self.ahead_used_neurons - o.ahead_used_neurons,
+            ahead_bytes: self.ahead_bytes - o.ahead_bytes,
+            ahead_used_bytes: self.ahead_used_bytes - o.ahead_used_bytes,
+            ahead_served_bytes: self.ahead_served_bytes - o.ahead_served_bytes,
+        }
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), bytes; 0 where /proc is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Returns freed heap memory to the system (glibc keeps freed blocks for reuse otherwise), so a
+/// second run in the same process measures its own peak.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory held by the allocator.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// Restarts the peak RSS count from the current RSS (Linux: `/proc/self/clear_refs` = 5);
+/// returns false where that is not possible.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// End-of-run figures of a streamed generation, per decoded token (the prompt's pass left out).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StreamReport {
+    pub engine: &'static str,
+    pub direct_io: bool,
+    pub ram_budget_bytes: u64,
+    pub residency: Residency,
+    pub cost_model: CostModel,
+    /// Decode steps measured (generated tokens after the first, which the prompt's pass yields).
+    pub decode_tokens: u64,
+    pub decode_tok_per_s: f64,
+    /// Bytes the device transferred per decode step (both readers, alignment included).
+    pub disk_bytes_per_token: f64,
+    /// What dense streaming reads per token under the same budget (planned by the same read
+    /// planner; `run --mode compare` also measures it).
+    pub dense_disk_bytes_per_token: f64,
+    /// Device bytes per byte needed (FFN rows, streamed matrices, embedding rows).
+    pub read_amplification: f64,
+    /// Share of needed FFN neurons the neuron cache served.
+    pub cache_hit_rate: f64,
+    /// Share of decode time the compute thread waited for reads.
+    pub io_wait_fraction: f64,
+    pub peak_rss_bytes: u64,
+    /// With lookahead: how well it predicted.
+    pub lookahead: Option<LookaheadReport>,
+    pub counters: Counters,
+}
+
+/// Lookahead figures per decoded token (see [`Streamer`]).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct LookaheadReport {
+    /// Share of the neurons read ahead that the layer then used.
+    pub hit_rate: f64,
+    /// Share of the FFN bytes the layers needed from disk that lookahead had read.
+    pub coverage: f64,
+    /// Rows read ahead and not used (bytes of the rows; device bytes include merged gaps).
+    pub wasted_bytes_per_token: f64,
+}
+
+impl StreamReport {
+    pub fn new(s: &Streamer, g: &crate::model::generate::Generation) -> StreamReport {
+        let (c, r) = s.decode_counters();
+        let steps = c.passes.max(1) as f64;
+        let needed = (c.ffn_needed_bytes + c.dense_needed_bytes) as f64;
+        StreamReport {
+            engine: match s.engine {
+                ReadEngine::Uring => "uring",
+                ReadEngine::Pread => "pread",
+                ReadEngine::Mmap => "mmap",
+            },
+            direct_io: s.direct_io,
+            ram_budget_bytes: s.residency.budget_bytes,
+            residency: s.residency.clone(),
+            cost_model: s.cost,
+            decode_tokens: c.passes,
+            decode_tok_per_s: g.decode_tok_per_s,
+            disk_bytes_per_token: r.bytes_device as f64 / steps,
+            dense_disk_bytes_per_token: s.dense_bytes_per_token as f64,
+            read_amplification: if needed > 0.0 {
+                r.bytes_device as f64 / needed
+            } else {
+                1.0
+            },
+            cache_hit_rate: if c.cache_lookups > 0 {
+                c.cache_hits as f64 / c.cache_lookups as f64
+            } else {
+                0.0
+            },
+            io_wait_fraction: if g.decode_s > 0.0 {
+                (c.io_wait_ns as f64 / 1e9 / g.decode_s).min(1.0)
+            } else {
+                0.0
+            },
+            peak_rss_bytes: peak_rss_bytes(),
+            lookahead: s.lookahead.as_ref().map(|_| LookaheadReport {
+                hit_rate: c.ahead_used_neurons as f64 / c.ahead_neurons.max(1) as f64,
+                coverage: c.ahead_served_bytes as f64 / c.ffn_needed_bytes.max(1) as f64,
+                wasted_bytes_per_token: c.ahead_bytes.saturating_sub(c.ahead_used_bytes) as f64 / steps,
+            }),
+            counters: c,
+        }
+    }
+}

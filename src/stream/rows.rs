@@ -1,0 +1,487 @@
+//! The FFN rows a layer needs, handed over as bytes: staged in neuron order for a pass over
+//! many tokens (`fetch`), or, for a decode step, where they are — cache slots, and reads as
+//! they land (`decode_up_rows`, `decode_down_rows`) — and the lookahead's reads of a
+//! predicted set. Plans reads with [`super::plan`], counts everything in [`super::Counters`],
+//! files neurons read whole in the cache. No arithmetic: the callers' callbacks compute.
+
+use std::time::Instant;
+
+use super::cache::LayerCache;
+use super::plan::{plan, PlanTotals, PlannedRead};
+use super::{unique, Part, State, Streamer};
+use crate::error::{Error, Result};
+use crate::io::Range;
+use crate::tensor::Weight;
+
+/// A lookahead read: the rows predicted for `layer`, planned into `ranges` (sorted by offset),
+/// which the lookahead thread reads back to back into `buf`.
+pub(super) struct Ahead {
+    pub(super) layer: usize,
+    pub(super) ranges: Vec<Range>,
+    /// Where each range starts in `buf`.
+    pub(super) starts: Vec<usize>,
+    pub(super) buf: Vec<u8>,
+    /// The neurons predicted (sorted), and the bytes read for each (up row, and down column
+    /// when the mask decides before up).
+    pub(super) predicted: Vec<u32>,
+    pub(super) neuron_bytes: u64,
+}
+
+impl Ahead {
+    /// The bytes of file extent `(o, len)`, if a read of this lookahead covers it.
+    pub(super) fn get(&self, o: u64, len: usize) -> Option<&[u8]> {
+        let i = self.ranges.partition_point(|r| r.offset_bytes <= o).checked_sub(1)?;
+        let r = self.ranges[i];
+        if o + len as u64 > r.offset_bytes + r.len_bytes as u64 {
+            return None;
+        }
+        let at = self.starts[i] + (o - r.offset_bytes) as usize;
+        self.buf.get(at..at + len)
+    }
+}
+
+/// One decode step's FFN rows between `decode_up` and `decode_down`: which of the up set the
+/// cache held (neuron, slot) and which were read (their rows staged in that order), and the
+/// lookahead read taken for this layer (until the up phase uses it).
+pub(super) struct DecodeStep {
+    pub(super) layer: usize,
+    pub(super) hits: Vec<(u32, usize)>,
+    pub(super) misses: Vec<u32>,
+    pub(super) with_down: bool,
+    pub(super) ahead: Option<Ahead>,
+}
+
+impl Streamer {
+    /// Sorts `extents` (`(offset, len, tag)`) by offset and plans their reads into `planned`.
+    pub(super) fn plan_extents<T: Copy>(
+        &self,
+        extents: &mut [(u64, usize, T)],
+        planned: &mut Vec<PlannedRead>,
+    ) -> PlanTotals {
+        extents.sort_unstable_by_key(|e| e.0);
+        let spans: Vec<(u64, usize)> = extents.iter().map(|e| (e.0, e.1)).collect();
+        plan(&spans, &self.cost, planned)
+    }
+
+    /// Reads `planned` (planned from `extents`) on the compute thread's reader, calling
+    /// `on_extent(tag, bytes)` for every extent as its read lands.
+    pub(super) fn read_extents<T: Copy>(
+        &self,
+        extents: &[(u64, usize, T)],
+        planned: &[PlannedRead],
+        on_extent: &mut dyn FnMut(T, &[u8]),
+    ) -> Result<()> {
+        if planned.is_empty() {
+            return Ok(());
+        }
+        let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+        self.fg.read_each(&ranges, &mut |ri, bytes| {
+            let p = planned[ri];
+            for &(o, len, tag) in &extents[p.first..p.first + p.count] {
+                let at = (o - p.range.offset_bytes) as usize;
+                on_extent(tag, &bytes[at..at + len]);
+            }
+            Ok(())
+        })
+    }
+
+    /// Layer `l`'s lookahead read, waited for, if one was submitted; stale ones (for other
+    /// layers, left by a pass that ended early or a prompt's pass) are waited for and dropped.
+    pub(super) fn take_ahead(&self, st: &mut State, l: usize) -> Result<Option<Ahead>> {
+        let Some((pf, _)) = &self.lookahead else {
+            return Ok(None);
+        };
+        while let Some(mut a) = st.ahead.pop_front() {
+            let t0 = Instant::now();
+            let done = pf.next()?;
+            st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+            done.result?;
+            if a.layer == l {
+                a.buf = done.buf;
+                return Ok(Some(a));
+            }
+            st.ahead_spare.push(done.buf);
+        }
+        Ok(None)
+    }
+
+    /// The layer whose lookahead prediction layer `l`'s FFN should make, and that layer's
+    /// resident gate when the prediction needs one (see [`LayerStream::lookahead_target`]).
+    pub(super) fn lookahead_target_of(&self, l: usize, reads_input: bool) -> Option<(usize, Option<Weight>)> {
+        self.lookahead.as_ref()?;
+        let n_layers = self.layers.len();
+        let next = match (l + 1 < n_layers, reads_input) {
+            (true, _) => l + 1,
+            // Into the next token's first layer only when the input does not matter.
+            (false, false) => 0,
+            (false, true) => return None,
+        };
+        if !reads_input {
+            return Some((next, None));
+        }
+        // A layer whose gate streams gets no lookahead.
+        let gate = self.resident_gate[next].clone()?;
+        Some((next, Some(gate)))
+    }
+
+    /// Submits the read of the predicted neurons of layer `next` (`need`) that the cache lacks to
+    /// the lookahead thread.
+    pub(super) fn submit_ahead(&self, st: &mut State, next: usize, need: &[bool], with_down: bool) -> Result<()> {
+        let Some((pf, _)) = &self.lookahead else {
+            return Ok(());
+        };
+        let parts = &self.layers[next];
+        let cache = &st.caches[next];
+        let mut spans = Vec::new();
+        let predicted: Vec<u32> = (0..need.len() as u32)
+            .filter(|&n| need[n as usize] && cache.slot(n).is_none())
+            .collect();
+        for &n in &predicted {
+            spans.push(parts.up.extent(n));
+            if with_down {
+                spans.push(parts.down.extent(n));
+            }
+        }
+        if spans.is_empty() {
+            return Ok(());
+        }
+        spans.sort_unstable_by_key(|s| s.0);
+        let mut planned = Vec::new();
+        let totals = plan(&spans, &self.cost, &mut planned);
+        let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
+        let mut starts = Vec::with_capacity(ranges.len());
+        let mut at = 0;
+        for r in &ranges {
+            starts.push(at);
+            at += r.len_bytes;
+        }
+        let buf = st.ahead_spare.pop().unwrap_or_default();
+        pf.submit(next, ranges.clone(), buf)?;
+        st.counters.ahead_neurons += predicted.len() as u64;
+        st.counters.ahead_bytes += totals.needed_bytes;
+        st.ahead.push_back(Ahead {
+            layer: next,
+            ranges,
+            starts,
+            buf: Vec::new(),
+            neuron_bytes: totals.needed_bytes / predicted.len() as u64,
+            predicted,
+        });
+        Ok(())
+    }
+
+    /// A view of part `p` of the current layer's dense buffer; `at` is its byte offset there.
+    pub(super) fn view(st: &State, p: &Part, at: usize) -> Result<Weight> {
+        let (_, buf) = st.current.as_ref().expect("current layer");
+        Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at)
+    }
+
+    /// The decode step's up phase (see [`LayerStream::decode_up`]): hits from their slots,
+    /// misses read (with their down columns too when `with_down`), misses the lookahead read
+    /// taken from its buffer as if their reads had landed. The two pool threads split the
+    /// work: one submits the misses' reads and hands each up row over as it completes, the
+    /// other hands over the hits meanwhile. Only missed rows are copied (into staging, for the
+    /// cache and the down phase).
+    pub(super) fn decode_up_rows(
+        &self,
+        l: usize,
+        up_set: &[u32],
+        with_down: bool,
+        available: &mut (dyn FnMut(&[(u32, &[u8])]) + Send),
+        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        let mut guard = self.state.lock().expect("stream state");
+        let st = &mut *guard;
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let step = st.counters.passes;
+        let ahead = st.decode.take().and_then(|d| d.ahead.filter(|a| a.layer == l));
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            plan: planned,
+            counters,
+            ..
+        } = st;
+        let cache = &mut caches[l];
+        let (su, sd) = (unique(staging_up), unique(staging_down));
+        let (mut hits, mut misses) = (Vec::new(), Vec::new());
+        for &n in up_set {
+            match cache.slot(n) {
+                Some(slot) => {
+                    cache.touch(slot, step);
+                    hits.push((n, slot));
+                }
+                None => misses.push(n),
+            }
+        }
+        counters.cache_lookups += up_set.len() as u64;
+        counters.cache_hits += hits.len() as u64;
+        // (offset, len, (is_down, row in `misses`))
+        let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::with_capacity(2 * misses.len());
+        let mut from_ahead: Vec<(&[u8], (bool, u32))> = Vec::new();
+        for (i, &n) in misses.iter().enumerate() {
+            let mut want = |(o, len): (u64, usize), tag: (bool, u32)| match ahead.as_ref().and_then(|a| a.get(o, len)) {
+                Some(b) => from_ahead.push((b, tag)),
+                None => extents.push((o, len, tag)),
+            };
+            want(parts.up.extent(n), (false, i as u32));
+            if with_down {
+                want(parts.down.extent(n), (true, i as u32));
+            }
+        }
+        if let Some(a) = &ahead {
+            let used = misses.iter().filter(|n| a.predicted.binary_search(n).is_ok()).count() as u64;
+            counters.ahead_used_neurons += used;
+            counters.ahead_used_bytes += used * a.neuron_bytes;
+            let served: u64 = from_ahead.iter().map(|(b, _)| b.len() as u64).sum();
+            counters.ahead_served_bytes += served;
+            counters.ffn_needed_bytes += served;
+        }
+        let totals = self.plan_extents(&mut extents, planned);
+        let cache_ro: &LayerCache = cache;
+        let planned_ro: &[PlannedRead] = planned;
+        let hit_rows: Vec<(u32, &[u8])> = hits.iter().map(|&(n, s)| (n, cache_ro.rows(s).0)).collect();
+        let misses_ro = &misses;
+        let t0 = Instant::now();
+        let (read, hits_s) = rayon::join(
+            || {
+                let mut land = |(is_down, row): (bool, u32), src: &[u8]| {
+                    let row = row as usize;
+                    if is_down {
+                        sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                    } else {
+                        landed(misses_ro[row], src);
+                        su[row * ur..(row + 1) * ur].copy_from_slice(src);
+                    }
+                };
+                for &(src, tag) in &from_ahead {
+                    land(tag, src);
+                }
+                self.read_extents(&extents, planned_ro, &mut land)
+            },
+            || {
+                let t = Instant::now();
+                available(&hit_rows);
+                t.elapsed()
+            },
+        );
+        counters.io_wait_ns += t0.elapsed().saturating_sub(hits_s).as_nanos() as u64;
+        read?;
+        if !extents.is_empty() {
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+        }
+        if let Some(a) = ahead {
+            st.ahead_spare.push(a.buf);
+        }
+        st.decode = Some(DecodeStep {
+            layer: l,
+            hits,
+            misses,
+            with_down,
+            ahead: None,
+        });
+        Ok(())
+    }
+
+    /// The decode step's down phase (see [`LayerStream::decode_down`]).
+    pub(super) fn decode_down_rows(
+        &self,
+        l: usize,
+        kept: &dyn Fn(u32) -> bool,
+        available: &mut (dyn FnMut(&[(u32, &[u8])], bool) + Send),
+        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+    ) -> Result<()> {
+        let mut guard = self.state.lock().expect("stream state");
+        let st = &mut *guard;
+        let Some(d) = st.decode.take().filter(|d| d.layer == l) else {
+            return Err(Error::Invalid(format!(
+                "layer {l}: the decode step's down phase came without its up phase"
+            )));
+        };
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let step = st.counters.passes;
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            counters,
+            ..
+        } = st;
+        let cache = &mut caches[l];
+        let (su, sd) = (unique(staging_up), unique(staging_down));
+        // Rows in memory: the kept hits' down columns, then (one pass) the kept misses' staged ones.
+        let mut rows: Vec<(u32, &[u8])> = Vec::new();
+        let cache_ro: &LayerCache = cache;
+        for &(n, slot) in &d.hits {
+            if kept(n) {
+                rows.push((n, cache_ro.rows(slot).1));
+            }
+        }
+        let mut down_misses: Vec<u32> = Vec::new();
+        if d.with_down {
+            for (i, &n) in d.misses.iter().enumerate() {
+                if kept(n) {
+                    rows.push((n, &sd[i * dr..(i + 1) * dr]));
+                }
+            }
+        } else {
+            down_misses = d.misses.iter().copied().filter(|&n| kept(n)).collect();
+        }
+        // The second pass's down columns, kept for the cache.
+        let mut dcopy: Vec<u8> = Vec::new();
+        if down_misses.is_empty() {
+            available(&rows, false);
+        } else {
+            // Second pass (the exact criterion): read the kept misses' down columns and hand each
+            // over as it lands, while the other thread takes the hits.
+            let mut dext: Vec<(u64, usize, u32)> = down_misses
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let (o, len) = parts.down.extent(n);
+                    (o, len, i as u32)
+                })
+                .collect();
+            let mut dplan = Vec::new();
+            let totals = self.plan_extents(&mut dext, &mut dplan);
+            dcopy.resize(down_misses.len() * dr, 0);
+            let t0 = Instant::now();
+            let (read, hits_s) = rayon::join(
+                || {
+                    self.read_extents(&dext, &dplan, &mut |i, src| {
+                        let i = i as usize;
+                        landed(down_misses[i], src);
+                        dcopy[i * dr..(i + 1) * dr].copy_from_slice(src);
+                    })
+                },
+                || {
+                    let t = Instant::now();
+                    available(&rows, true);
+                    t.elapsed()
+                },
+            );
+            counters.io_wait_ns += t0.elapsed().saturating_sub(hits_s).as_nanos() as u64;
+            read?;
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+        }
+        drop(rows);
+        // File the neurons read whole in the cache (their up row and down column are staged).
+        if d.with_down {
+            for (i, &n) in d.misses.iter().enumerate() {
+                cache.offer(n, &su[i * ur..(i + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
+            }
+        } else {
+            for (i, &n) in down_misses.iter().enumerate() {
+                let j = d.misses.binary_search(&n).expect("a kept miss had its up row read");
+                cache.offer(n, &su[j * ur..(j + 1) * ur], &dcopy[i * dr..(i + 1) * dr], step);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
+    /// staging buffers, row i of each holding the set's i-th neuron; the cache serves what it
+    /// holds. `staged_up` names the neurons whose up rows the staging buffer holds after this
+    /// call (for filing newly read neurons in the cache).
+    pub(super) fn fetch(
+        &self,
+        st: &mut State,
+        l: usize,
+        up_set: &[u32],
+        down_set: &[u32],
+        staged_up: &[u32],
+    ) -> Result<()> {
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let step = st.counters.passes;
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            plan: planned,
+            counters,
+            current,
+            ..
+        } = st;
+        let prefetched: &[u8] = match current {
+            Some((cl, buf)) if *cl == l => buf,
+            _ => &[],
+        };
+        let cache = &mut caches[l];
+        let (su, sd) = (unique(staging_up), unique(staging_down));
+        // (offset, len, (is_down, staging row))
+        let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::new();
+        let mut misses_down = Vec::new();
+        for (i, &n) in up_set.iter().enumerate() {
+            counters.cache_lookups += 1;
+            match cache.get(n, step) {
+                Some((u, _)) => {
+                    su[i * ur..(i + 1) * ur].copy_from_slice(u);
+                    counters.cache_hits += 1;
+                }
+                None => {
+                    let (o, len) = parts.up.extent(n);
+                    match parts.prefetched(prefetched, o, len) {
+                        Some(b) => su[i * ur..(i + 1) * ur].copy_from_slice(b),
+                        None => extents.push((o, len, (false, i as u32))),
+                    }
+                }
+            }
+        }
+        for (i, &n) in down_set.iter().enumerate() {
+            // A neuron counted with its up row is one lookup, not two.
+            let counted = up_set.binary_search(&n).is_ok();
+            match cache.get(n, step) {
+                Some((_, d)) => {
+                    sd[i * dr..(i + 1) * dr].copy_from_slice(d);
+                    if !counted {
+                        counters.cache_lookups += 1;
+                        counters.cache_hits += 1;
+                    }
+                }
+                None => {
+                    if !counted {
+                        counters.cache_lookups += 1;
+                    }
+                    let (o, len) = parts.down.extent(n);
+                    match parts.prefetched(prefetched, o, len) {
+                        Some(b) => sd[i * dr..(i + 1) * dr].copy_from_slice(b),
+                        None => extents.push((o, len, (true, i as u32))),
+                    }
+                    misses_down.push(i);
+                }
+            }
+        }
+        if !extents.is_empty() {
+            let totals = self.plan_extents(&mut extents, planned);
+            let t0 = Instant::now();
+            self.read_extents(&extents, planned, &mut |(is_down, row), src| {
+                let row = row as usize;
+                if is_down {
+                    sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                } else {
+                    su[row * ur..(row + 1) * ur].copy_from_slice(src);
+                }
+            })?;
+            counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+        }
+        // File the neurons just read whole (up and down) in the cache.
+        for i in misses_down {
+            let n = down_set[i];
+            if let Ok(j) = staged_up.binary_search(&n) {
+                cache.offer(n, &su[j * ur..(j + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
+            }
+        }
+        Ok(())
+    }
+}
