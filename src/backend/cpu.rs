@@ -297,6 +297,11 @@ impl Device for CpuBackend {
         Act::host(x.rows, x.width, host(x).to_vec())
     }
 
+    fn into_host(&self, a: Act) -> Vec<f32> {
+        a.into_host()
+            .expect("the CPU device holds its activations in host memory")
+    }
+
     fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]> {
         Cow::Borrowed(host(a))
     }

@@ -133,8 +133,7 @@ impl Model {
         }
 
         // Phase 4: down over the kept neurons.
-        let mut d = dev.zeros(n, h);
-        match (staged, stream) {
+        let d = match (staged, stream) {
             (Some((up_set, one_pass, down_w)), Some(s)) => {
                 // Staged columns, row i = the down set's i-th neuron (already staged when one
                 // read batch sufficed).
@@ -149,22 +148,26 @@ impl Model {
                         (keep, dw)
                     }
                 };
+                let mut d = dev.zeros(n, h);
                 if !down_set.is_empty() {
                     let acts = dev.gather_cols(&hact, &down_set);
                     dev.accumulate_rows(&down_w, None, &acts, &mut d);
                 }
+                d
             }
             _ => match &w.ffn_down {
-                FfnDown::Rows(down) => d = dev.matmul(&[down], &hact).remove(0),
+                FfnDown::Rows(down) => dev.matmul(&[down], &hact).remove(0),
                 FfnDown::Columns(down_t) => {
                     let rows = match neurons {
                         FfnNeurons::All => None,
                         FfnNeurons::Subset(rows) => Some(rows),
                     };
+                    let mut d = dev.zeros(n, h);
                     dev.accumulate_rows(down_t, rows, &hact, &mut d);
+                    d
                 }
             },
-        }
+        };
         Ok(d)
     }
 

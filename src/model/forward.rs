@@ -315,7 +315,7 @@ impl Model {
         if let Some(cap) = cfg.final_logit_softcap {
             dev.softcap(&mut logits, cap);
         }
-        Ok(dev.to_host(&logits).into_owned())
+        Ok(dev.into_host(logits))
     }
 
     fn attention_block(
