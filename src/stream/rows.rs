@@ -1,8 +1,9 @@
-//! The FFN rows a layer needs, handed over as bytes: staged in neuron order for a pass over
-//! many tokens (`fetch`), or, for a decode step, where they are — cache slots, and reads as
-//! they land (`decode_up_rows`, `decode_down_rows`) — and the lookahead's reads of a
-//! predicted set. Plans reads with [`super::plan`], counts everything in [`super::Counters`],
-//! files neurons read whole in the cache. No arithmetic: the callers' callbacks compute.
+//! The weight provider (`impl LayerStream for Streamer`) and the FFN rows a layer needs,
+//! handed over as bytes: staged in neuron order for a pass over many tokens (`fetch`), or, for
+//! a decode step, where they are — cache slots, and reads as they land (`decode_up`,
+//! `decode_down`) — and the lookahead's reads of a predicted set. Plans reads with
+//! [`super::plan`], counts everything in [`super::Counters`], files neurons read whole in the
+//! cache. No arithmetic: the callers' callbacks compute.
 
 use std::time::Instant;
 
@@ -11,6 +12,7 @@ use super::plan::{plan, PlanTotals, PlannedRead};
 use super::{unique, Part, State, Streamer};
 use crate::error::{Error, Result};
 use crate::io::Range;
+use crate::model::forward::{AttnWeights, LayerStream};
 use crate::tensor::Weight;
 
 /// A lookahead read: the rows predicted for `layer`, planned into `ranges` (sorted by offset),
@@ -176,13 +178,248 @@ impl Streamer {
         Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at)
     }
 
+    /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
+    /// staging buffers, row i of each holding the set's i-th neuron; the cache serves what it
+    /// holds. `staged_up` names the neurons whose up rows the staging buffer holds after this
+    /// call (for filing newly read neurons in the cache).
+    pub(super) fn fetch(
+        &self,
+        st: &mut State,
+        l: usize,
+        up_set: &[u32],
+        down_set: &[u32],
+        staged_up: &[u32],
+    ) -> Result<()> {
+        let parts = &self.layers[l];
+        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
+        let step = st.counters.passes;
+        let State {
+            caches,
+            staging_up,
+            staging_down,
+            plan: planned,
+            counters,
+            current,
+            ..
+        } = st;
+        let prefetched: &[u8] = match current {
+            Some((cl, buf)) if *cl == l => buf,
+            _ => &[],
+        };
+        let cache = &mut caches[l];
+        let (su, sd) = (unique(staging_up), unique(staging_down));
+        // (offset, len, (is_down, staging row))
+        let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::new();
+        let mut misses_down = Vec::new();
+        for (i, &n) in up_set.iter().enumerate() {
+            counters.cache_lookups += 1;
+            match cache.get(n, step) {
+                Some((u, _)) => {
+                    su[i * ur..(i + 1) * ur].copy_from_slice(u);
+                    counters.cache_hits += 1;
+                }
+                None => {
+                    let (o, len) = parts.up.extent(n);
+                    match parts.prefetched(prefetched, o, len) {
+                        Some(b) => su[i * ur..(i + 1) * ur].copy_from_slice(b),
+                        None => extents.push((o, len, (false, i as u32))),
+                    }
+                }
+            }
+        }
+        for (i, &n) in down_set.iter().enumerate() {
+            // A neuron counted with its up row is one lookup, not two.
+            let counted = up_set.binary_search(&n).is_ok();
+            match cache.get(n, step) {
+                Some((_, d)) => {
+                    sd[i * dr..(i + 1) * dr].copy_from_slice(d);
+                    if !counted {
+                        counters.cache_lookups += 1;
+                        counters.cache_hits += 1;
+                    }
+                }
+                None => {
+                    if !counted {
+                        counters.cache_lookups += 1;
+                    }
+                    let (o, len) = parts.down.extent(n);
+                    match parts.prefetched(prefetched, o, len) {
+                        Some(b) => sd[i * dr..(i + 1) * dr].copy_from_slice(b),
+                        None => extents.push((o, len, (true, i as u32))),
+                    }
+                    misses_down.push(i);
+                }
+            }
+        }
+        if !extents.is_empty() {
+            let totals = self.plan_extents(&mut extents, planned);
+            let t0 = Instant::now();
+            self.read_extents(&extents, planned, &mut |(is_down, row), src| {
+                let row = row as usize;
+                if is_down {
+                    sd[row * dr..(row + 1) * dr].copy_from_slice(src);
+                } else {
+                    su[row * ur..(row + 1) * ur].copy_from_slice(src);
+                }
+            })?;
+            counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+            counters.ffn_needed_bytes += totals.needed_bytes;
+            counters.ffn_device_bytes += totals.device_bytes;
+            counters.ffn_reads += totals.reads;
+        }
+        // File the neurons just read whole (up and down) in the cache.
+        for i in misses_down {
+            let n = down_set[i];
+            if let Ok(j) = staged_up.binary_search(&n) {
+                cache.offer(n, &su[j * ur..(j + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LayerStream for Streamer {
+    fn prefill_done(&self) {
+        *self.decode_start.lock().expect("decode start") = Some((self.counters(), self.read_stats()));
+    }
+
+    fn pass_lock(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        // A pass that panicked leaves nothing half-done that a lock could protect (the state
+        // recovers from an out-of-step prefetch), so a poisoned lock is taken as it is.
+        Some(self.pass.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn output(&self) -> Option<Weight> {
+        Some(self.output.clone())
+    }
+
+    fn batch_tokens_max(&self) -> Option<usize> {
+        Some(self.batch_tokens_max)
+    }
+
+    fn kv_positions(&self) -> Option<usize> {
+        Some(self.kv_positions)
+    }
+
+    fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool> {
+        let Some(e) = &self.embedding else {
+            // Tied: the output matrix is the embedding, and it is resident.
+            self.output.dequantize_row(tok as usize, out);
+            return Ok(true);
+        };
+        let (o, len) = e.extent(tok);
+        let t0 = Instant::now();
+        let bytes = self.fg.read_vec(o, len)?;
+        let mut st = self.state.lock().expect("stream state");
+        st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
+        st.counters.dense_needed_bytes += len as u64;
+        crate::quant::dequantize_row(e.ty, &bytes, out);
+        Ok(true)
+    }
+
+    fn attention(&self, l: usize) -> Result<Option<AttnWeights>> {
+        let mut st = self.state.lock().expect("stream state");
+        if l == 0 {
+            st.counters.passes += 1;
+        }
+        self.advance(&mut st, l)?;
+        match &self.layers[l].attn {
+            None => Ok(self.resident_attn[l].clone()),
+            Some([q, k, v, o]) => {
+                let mut at = 0;
+                let mut next = |p: &Part| {
+                    let w = Streamer::view(&st, p, at);
+                    at += p.rows * p.row_bytes;
+                    w
+                };
+                Ok(Some(AttnWeights {
+                    wq: next(q)?,
+                    wk: next(k)?,
+                    wv: next(v)?,
+                    wo: next(o)?,
+                }))
+            }
+        }
+    }
+
+    fn streams_ffn(&self) -> bool {
+        true
+    }
+
+    fn gate(&self, l: usize) -> Result<Option<Weight>> {
+        let parts = &self.layers[l];
+        match &parts.gate {
+            Some(g) => {
+                let st = self.state.lock().expect("stream state");
+                let at = parts.attn.iter().flatten().map(|p| p.rows * p.row_bytes).sum();
+                Streamer::view(&st, g, at).map(Some)
+            }
+            None => Ok(self.resident_gate[l].clone()),
+        }
+    }
+
+    fn stage(&self, l: usize, up_set: &[u32], with_down: bool) -> Result<(Weight, Option<Weight>)> {
+        let mut st = self.state.lock().expect("stream state");
+        self.fetch(&mut st, l, up_set, if with_down { up_set } else { &[] }, up_set)?;
+        let (parts, m) = (&self.layers[l], up_set.len());
+        let up = Weight::shared(&parts.up.name, parts.up.ty, m, self.hidden, st.staging_up.clone(), 0)?;
+        let down = match with_down {
+            true => Some(Weight::shared(
+                &parts.down.name,
+                parts.down.ty,
+                m,
+                self.hidden,
+                st.staging_down.clone(),
+                0,
+            )?),
+            false => None,
+        };
+        Ok((up, down))
+    }
+
+    fn stage_down(&self, l: usize, down_set: &[u32], staged_up: &[u32]) -> Result<Weight> {
+        let mut st = self.state.lock().expect("stream state");
+        self.fetch(&mut st, l, &[], down_set, staged_up)?;
+        let parts = &self.layers[l];
+        Weight::shared(
+            &parts.down.name,
+            parts.down.ty,
+            down_set.len(),
+            self.hidden,
+            st.staging_down.clone(),
+            0,
+        )
+    }
+
+    fn begin_decode(&self, l: usize) -> Result<()> {
+        let mut st = self.state.lock().expect("stream state");
+        let ahead = self.take_ahead(&mut st, l)?;
+        st.decode = Some(DecodeStep {
+            layer: l,
+            hits: Vec::new(),
+            misses: Vec::new(),
+            with_down: false,
+            ahead,
+        });
+        Ok(())
+    }
+
+    fn lookahead_target(&self, l: usize, reads_input: bool) -> Option<(usize, Option<Weight>)> {
+        self.lookahead_target_of(l, reads_input)
+    }
+
+    fn read_ahead(&self, layer: usize, need: &[bool], with_down: bool) -> Result<()> {
+        let mut st = self.state.lock().expect("stream state");
+        self.submit_ahead(&mut st, layer, need, with_down)
+    }
+
     /// The decode step's up phase (see [`LayerStream::decode_up`]): hits from their slots,
     /// misses read (with their down columns too when `with_down`), misses the lookahead read
     /// taken from its buffer as if their reads had landed. The two pool threads split the
     /// work: one submits the misses' reads and hands each up row over as it completes, the
     /// other hands over the hits meanwhile. Only missed rows are copied (into staging, for the
     /// cache and the down phase).
-    pub(super) fn decode_up_rows(
+    fn decode_up(
         &self,
         l: usize,
         up_set: &[u32],
@@ -288,7 +525,7 @@ impl Streamer {
     }
 
     /// The decode step's down phase (see [`LayerStream::decode_down`]).
-    pub(super) fn decode_down_rows(
+    fn decode_down(
         &self,
         l: usize,
         kept: &dyn Fn(u32) -> bool,
@@ -381,105 +618,6 @@ impl Streamer {
             for (i, &n) in down_misses.iter().enumerate() {
                 let j = d.misses.binary_search(&n).expect("a kept miss had its up row read");
                 cache.offer(n, &su[j * ur..(j + 1) * ur], &dcopy[i * dr..(i + 1) * dr], step);
-            }
-        }
-        Ok(())
-    }
-
-    /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
-    /// staging buffers, row i of each holding the set's i-th neuron; the cache serves what it
-    /// holds. `staged_up` names the neurons whose up rows the staging buffer holds after this
-    /// call (for filing newly read neurons in the cache).
-    pub(super) fn fetch(
-        &self,
-        st: &mut State,
-        l: usize,
-        up_set: &[u32],
-        down_set: &[u32],
-        staged_up: &[u32],
-    ) -> Result<()> {
-        let parts = &self.layers[l];
-        let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
-        let step = st.counters.passes;
-        let State {
-            caches,
-            staging_up,
-            staging_down,
-            plan: planned,
-            counters,
-            current,
-            ..
-        } = st;
-        let prefetched: &[u8] = match current {
-            Some((cl, buf)) if *cl == l => buf,
-            _ => &[],
-        };
-        let cache = &mut caches[l];
-        let (su, sd) = (unique(staging_up), unique(staging_down));
-        // (offset, len, (is_down, staging row))
-        let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::new();
-        let mut misses_down = Vec::new();
-        for (i, &n) in up_set.iter().enumerate() {
-            counters.cache_lookups += 1;
-            match cache.get(n, step) {
-                Some((u, _)) => {
-                    su[i * ur..(i + 1) * ur].copy_from_slice(u);
-                    counters.cache_hits += 1;
-                }
-                None => {
-                    let (o, len) = parts.up.extent(n);
-                    match parts.prefetched(prefetched, o, len) {
-                        Some(b) => su[i * ur..(i + 1) * ur].copy_from_slice(b),
-                        None => extents.push((o, len, (false, i as u32))),
-                    }
-                }
-            }
-        }
-        for (i, &n) in down_set.iter().enumerate() {
-            // A neuron counted with its up row is one lookup, not two.
-            let counted = up_set.binary_search(&n).is_ok();
-            match cache.get(n, step) {
-                Some((_, d)) => {
-                    sd[i * dr..(i + 1) * dr].copy_from_slice(d);
-                    if !counted {
-                        counters.cache_lookups += 1;
-                        counters.cache_hits += 1;
-                    }
-                }
-                None => {
-                    if !counted {
-                        counters.cache_lookups += 1;
-                    }
-                    let (o, len) = parts.down.extent(n);
-                    match parts.prefetched(prefetched, o, len) {
-                        Some(b) => sd[i * dr..(i + 1) * dr].copy_from_slice(b),
-                        None => extents.push((o, len, (true, i as u32))),
-                    }
-                    misses_down.push(i);
-                }
-            }
-        }
-        if !extents.is_empty() {
-            let totals = self.plan_extents(&mut extents, planned);
-            let t0 = Instant::now();
-            self.read_extents(&extents, planned, &mut |(is_down, row), src| {
-                let row = row as usize;
-                if is_down {
-                    sd[row * dr..(row + 1) * dr].copy_from_slice(src);
-                } else {
-                    su[row * ur..(row + 1) * ur].copy_from_slice(src);
-                }
-            })?;
-            counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
-            counters.ffn_needed_bytes += totals.needed_bytes;
-            counters.ffn_device_bytes += totals.device_bytes;
-            counters.ffn_reads += totals.reads;
-        }
-        // File the neurons just read whole (up and down) in the cache.
-        for i in misses_down {
-            let n = down_set[i];
-            if let Ok(j) = staged_up.binary_search(&n) {
-                cache.offer(n, &su[j * ur..(j + 1) * ur], &sd[i * dr..(i + 1) * dr], step);
             }
         }
         Ok(())
