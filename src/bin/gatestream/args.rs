@@ -1,0 +1,510 @@
+//! The command line's arguments: what each flag means (`--help` prints these docs) and how
+//! the raw values map to the library's typed options.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use gatestream::io::ReadEngine;
+use gatestream::sparsity::{Criterion, Strategy};
+use gatestream::stream::CostSource;
+
+#[derive(Parser)]
+#[command(
+    name = "gatestream",
+    version,
+    about = "Run language models larger than memory: stream a .gst model from disk under a RAM budget, reading only the FFN neurons each token uses"
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(clap::Args)]
+pub(crate) struct ModelArgs {
+    /// Model: a .gguf file, or a Hugging Face folder (config.json, model.safetensors, tokenizer.json).
+    /// Default: SmolLM2-135M-Instruct as fetched by ../shared/models/fetch.sh smollm2.
+    #[arg(long, short)]
+    pub(crate) model: Option<PathBuf>,
+    /// Worker threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) threads: usize,
+}
+
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Generate text: streams the continuation to stdout, stats to stderr.
+    Run {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// The prompt text.
+        #[arg(long, short, default_value = "The capital of France is")]
+        prompt: String,
+        /// Most tokens to generate (stops earlier at the model's end-of-sequence token).
+        #[arg(long, default_value_t = 32)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 = greedy (deterministic).
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        /// Sample among the k most likely tokens only (0 = no limit). Ignored when greedy.
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        /// Sample from the smallest set of tokens whose probability reaches p. Ignored when greedy.
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        /// Random seed for sampling.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Wrap the prompt in the model's chat template (instruct models).
+        #[arg(long)]
+        chat: bool,
+        /// With --json: each generated token's log-probability under the model (`logprobs`; a
+        /// softmax over the vocabulary per token, so off by default).
+        #[arg(long)]
+        logprobs: bool,
+        /// dense: every FFN neuron; sparse: only the neurons the mask keeps (with --ram-budget,
+        /// only those are read from disk); compare: both, one after the other, side by side, with
+        /// agreement and (when streaming) the bytes each read.
+        #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
+        mode: ModeArg,
+        /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
+        /// and --criterion, a .gst file's recommendation (stored by `eval --store` or
+        /// `recommend`) is used, else topk / exact / 0.3.
+        #[arg(long)]
+        sparsity: Option<f32>,
+        /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
+        /// by calibration in a .gst file), union (the prompt's choices reused while decoding).
+        #[arg(long, value_enum)]
+        strategy: Option<StrategyArg>,
+        /// How neurons are scored in sparse mode: gate |act(g)|, exact |act(g)·up|, candidates,
+        /// sketch (see `gatestream eval --help`).
+        #[arg(long, value_enum)]
+        criterion: Option<CriterionArg>,
+        #[command(flatten)]
+        stream: StreamArgs,
+        /// Print one JSON object with the text, token ids and speeds at the end instead of stats.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Perplexity of a text file, computed the way llama.cpp's llama-perplexity does: the file is
+    /// tokenized once, cut into consecutive windows of --ctx tokens, each window starts with BOS
+    /// (when the model adds BOS) in place of its first token, and only the second half of each
+    /// window is scored.
+    Perplexity {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Text file to score (e.g. ../shared/data/wikitext-2/wiki.test.raw).
+        #[arg(long)]
+        text: PathBuf,
+        /// Window length in tokens.
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Number of windows from the start of the text (0 = all).
+        #[arg(long, default_value_t = 0)]
+        windows: usize,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Stream a .gst model from disk under this RAM budget (as `run --ram-budget`; the KV
+        /// cache of one window and one batch's activations are counted in it; windows are fed in
+        /// batches of 32 tokens, so the result differs from the in-RAM one by rounding).
+        #[arg(long)]
+        ram_budget: Option<String>,
+        /// Reader when streaming: uring, pread or mmap (as `run --io`).
+        #[arg(long, value_enum, default_value_t = IoArg::Uring)]
+        io: IoArg,
+    },
+    /// Convert a GGUF file or Hugging Face folder into a tile-grouped .gst file laid out for
+    /// sparse reads (neuron-major FFN sections, 4096-aligned, checksummed; see docs/FORMAT.md).
+    Reformat {
+        /// Source model: a .gguf file or a Hugging Face folder.
+        input: PathBuf,
+        /// The .gst file to write (written to a temporary file and renamed when complete).
+        output: PathBuf,
+        /// bundled: each neuron's up row and down column side by side (one read fetches both);
+        /// split: up rows and down columns in separate neuron-major sections.
+        #[arg(long, value_enum, default_value_t = LayoutArg::Split)]
+        ffn_layout: LayoutArg,
+        /// Element type of the transposed down columns (re-quantized along hidden); `same` keeps
+        /// the source's down type.
+        #[arg(long, value_enum, default_value_t = DownArg::Q8_0)]
+        down_type: DownArg,
+        /// Neuron order within each layer: original, or hot-first (needs --calibrate).
+        #[arg(long, value_enum, default_value_t = OrderArg::Original)]
+        order: OrderArg,
+        /// Calibration text run through the dense model (its LAST --calibrate-tokens tokens, so it
+        /// does not overlap perplexity windows taken from the start of the same file).
+        #[arg(long)]
+        calibrate: Option<PathBuf>,
+        /// Tokens of calibration text.
+        #[arg(long, default_value_t = 2048)]
+        calibrate_tokens: usize,
+        /// Convert every matrix of a safetensors source to this type (default: as stored).
+        #[arg(long = "type", value_enum)]
+        matrix_type: Option<TypeArg>,
+        /// Also store a compact 2-bit copy of every up row (12 bytes per 32 values) for cheap
+        /// estimates of up·x when choosing neurons.
+        #[arg(long, value_enum, default_value_t = SketchArg::None)]
+        up_sketch: SketchArg,
+        /// Replace OUTPUT if it exists.
+        #[arg(long)]
+        force: bool,
+        /// Worker threads for calibration (0 = one per core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The quality cost of FFN sparsity: perplexity, its increase over dense, top-1 agreement
+    /// and KL divergence from dense, achieved sparsity and implied FFN bytes per token, for every
+    /// strategy x criterion x level, on the same windows as `perplexity`.
+    Eval {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Text file (e.g. ../shared/data/wikitext-2/wiki.test.raw); windows come from its start,
+        /// threshold calibration from its end.
+        #[arg(long)]
+        text: PathBuf,
+        #[arg(long, default_value_t = 512)]
+        ctx: usize,
+        /// Number of windows (0 = all).
+        #[arg(long, default_value_t = 20)]
+        windows: usize,
+        /// Comma-separated sparsity levels (share of FFN neurons dropped); 0 is the dense row.
+        #[arg(long, default_value = "0,0.3,0.5,0.7", value_delimiter = ',')]
+        sparsity: Vec<f32>,
+        /// Comma-separated strategies: topk (per token), threshold (per-layer calibrated),
+        /// union (the context's choices reused).
+        #[arg(long, value_enum, default_value = "topk", value_delimiter = ',')]
+        strategy: Vec<StrategyArg>,
+        /// Comma-separated criteria: gate |act(g)|, exact |act(g)·up|, candidates (gate top
+        /// 1.4x, then exact), sketch |act(g)·û| with a 2-bit up sketch.
+        #[arg(long, value_enum, default_value = "gate,exact", value_delimiter = ',')]
+        criterion: Vec<CriterionArg>,
+        /// Tokens from the END of the text used to calibrate thresholds.
+        #[arg(long, default_value_t = 2048)]
+        calibrate_tokens: usize,
+        /// Also evaluate top-K with per-layer budgets (levels allocated by each layer's measured
+        /// sensitivity on this many tokens from the end of the text, same mean and bytes as the
+        /// uniform level); 0 = off.
+        #[arg(long, default_value_t = 0)]
+        per_layer_tokens: usize,
+        /// Quality budget for the frontier line: the largest perplexity increase, in percent.
+        #[arg(long, default_value_t = 2.0)]
+        max_ppl_increase: f64,
+        /// Also draw perplexity increase against FFN bytes per token, one line per strategy and
+        /// criterion, as an SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+        /// Store the frontier configuration in the model's .gst file as the default for
+        /// `run --mode sparse` (safe rewrite of the file).
+        #[arg(long)]
+        store: bool,
+        /// Store the frontier configuration in this .gst file instead: the evaluated model must
+        /// be the file it was converted from (checked by length and xxh3), e.g. evaluate the
+        /// GGUF (its batched kernels are faster) and store in the .gst made from it.
+        #[arg(long, value_name = "FILE.gst", conflicts_with = "store")]
+        store_in: Option<PathBuf>,
+        /// Also write the report as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Save progress here after every window; if the file exists and belongs to the same
+        /// evaluation (model, text, levels, strategies, criteria, windows), continue from it.
+        /// Removed once the report is written. Default with --json: FILE.checkpoint beside it.
+        #[arg(long)]
+        checkpoint: Option<PathBuf>,
+        /// Evaluate at most N windows in this run, then stop with progress saved in the
+        /// checkpoint (run the same command again to continue): a long evaluation in parts.
+        #[arg(long, value_name = "N")]
+        windows_this_run: Option<usize>,
+        /// Also run every configuration N more times with its neuron scores changed at rounding
+        /// level (a relative 1e-6, fixed per seed, layer and neuron) and print the spread of the
+        /// perplexity increase: differences between rows smaller than it are noise. Costs N
+        /// times the sparse passes.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        jitter_seeds: usize,
+    },
+    /// Stores the frontier of earlier `eval --json` reports in a .gst file as the default for
+    /// `run --mode sparse`, at a quality budget chosen now (no re-evaluation). The .gst must be
+    /// the evaluated model or made from it (checked by the source length and xxh3 it records).
+    Recommend {
+        /// The report written by `gatestream eval --json`. Repeat it for an evaluation run in
+        /// parts (same model, text, windows and context; e.g. one strategy per run): the
+        /// frontier is taken over all of their rows.
+        #[arg(long, required = true)]
+        report: Vec<PathBuf>,
+        /// The .gst file to store the recommendation in (safe rewrite).
+        #[arg(long)]
+        model: PathBuf,
+        /// Quality budget: the largest perplexity increase over dense, in percent.
+        #[arg(long, default_value_t = 2.0)]
+        max_ppl_increase: f64,
+    },
+    /// The I/O benchmark: replays traces of which neurons each token used against a .gst file,
+    /// without computing — dense transfer (whole FFN sections in 1 MiB reads) against sparse
+    /// transfer (the read planner's reads) — per reader engine and queue depth, beside the
+    /// device's own sequential and random-read rates measured on the same file in the same run.
+    /// O_DIRECT for uring and pread; the page cache is dropped for the file before mmap passes.
+    Bench {
+        /// The .gst model file.
+        #[arg(long)]
+        model: PathBuf,
+        /// Traces to replay (from `run --record-trace`). Without any, one trace per --sparsity is
+        /// made by running the model over the start of --text.
+        #[arg(long)]
+        trace: Vec<PathBuf>,
+        /// Text for the built-in traces (default: ../shared/data/wikitext-2/wiki.test.raw).
+        #[arg(long)]
+        text: Option<PathBuf>,
+        /// Tokens of --text each built-in trace covers.
+        #[arg(long, default_value_t = 64)]
+        trace_tokens: usize,
+        /// Comma-separated sparsity levels for built-in traces.
+        #[arg(long, default_value = "0.3,0.5,0.7", value_delimiter = ',')]
+        sparsity: Vec<f32>,
+        /// Mask strategy for built-in traces.
+        #[arg(long, value_enum, default_value_t = StrategyArg::Topk)]
+        strategy: StrategyArg,
+        /// Mask criterion for built-in traces (exact reads up for every neuron).
+        #[arg(long, value_enum, default_value_t = CriterionArg::Gate)]
+        criterion: CriterionArg,
+        /// Tokens of each trace replayed per pass.
+        #[arg(long, default_value_t = 16)]
+        tokens: usize,
+        /// Comma-separated engines: uring, pread, mmap.
+        #[arg(long, default_value = "uring,pread,mmap", value_delimiter = ',')]
+        engines: Vec<String>,
+        /// io_uring queue depths to sweep (pread and mmap run at the deepest; io_uring also runs
+        /// once there without registered buffers).
+        #[arg(long, default_value = "1,8,32,64", value_delimiter = ',')]
+        queue_depths: Vec<usize>,
+        /// Leave the gate matrix out of both transfers (as when it is resident); by default it
+        /// is read in full every token in both.
+        #[arg(long)]
+        gate_resident: bool,
+        /// Neurons per layer held by a simulated LRU neuron cache in sparse replay (0 = none).
+        #[arg(long, default_value_t = 0)]
+        cache_neurons: usize,
+        /// Override the probed planner's merge gap (see `run --help`).
+        #[arg(long)]
+        merge_gap_bytes: Option<u64>,
+        /// Submit each token's reads as one batch instead of one per layer (streaming cannot; this
+        /// shows what the per-layer round trips cost). Per-layer times are then not measured.
+        #[arg(long)]
+        token_batches: bool,
+        /// Small and fast (a CI smoke test): 2 tokens, queue depths 8 and 64, a 16-token trace at
+        /// 0.5, a short baseline.
+        #[arg(long)]
+        quick: bool,
+        /// Write every figure and the setup as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Draw per-layer time (dense vs sparse) and throughput vs queue depth as an SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+    /// Measure per-layer activation statistics of a .gst file's model on the LAST --tokens tokens
+    /// of a text (evaluation uses the start of the same file, so they do not overlap) and store
+    /// them in the file: neuron activation frequencies, thresholds for 1%..99% sparsity on the
+    /// exact score |act(gate)·up|, hot-prefix coverage. The file is rewritten safely (temporary
+    /// file, fsync, rename).
+    Calibrate {
+        /// The .gst file to calibrate (rewritten in place).
+        #[arg(long, short)]
+        model: PathBuf,
+        /// Calibration text, e.g. ../shared/data/wikitext-2/wiki.test.raw.
+        #[arg(long)]
+        text: PathBuf,
+        /// Tokens of text, taken from its end.
+        #[arg(long, default_value_t = 2048)]
+        tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+    },
+    /// Show a .gst file: model config, layout, sections, neuron order and calibration summary.
+    Inspect {
+        file: PathBuf,
+        /// Print the whole index as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Check every checksum of a .gst file (header, index and all sections).
+    Verify { file: PathBuf },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum LayoutArg {
+    Bundled,
+    Split,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum DownArg {
+    #[value(name = "q8_0")]
+    Q8_0,
+    F16,
+    Same,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum OrderArg {
+    Original,
+    HotFirst,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ModeArg {
+    Dense,
+    Sparse,
+    Compare,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum IoArg {
+    Uring,
+    Pread,
+    Mmap,
+}
+
+/// `--cost-model`: probe, default, or a bench report's baseline.
+pub(crate) fn cost_source(arg: &str) -> anyhow::Result<CostSource> {
+    Ok(match arg {
+        "probe" => CostSource::Probe,
+        "default" => CostSource::Default,
+        file => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("--cost-model {file}: not probe, default or a readable bench report"))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("--cost-model {file}: not JSON"))?;
+            let c = gatestream::stream::plan::CostModel::from_bench_json(&v, 1, u64::MAX)
+                .with_context(|| format!("--cost-model {file} (write one with gatestream bench --json FILE)"))?;
+            CostSource::Given {
+                request_us: c.request_us,
+                bytes_per_us: c.bytes_per_us,
+            }
+        }
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ResidencyArg {
+    GateFirst,
+    CacheFirst,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum CacheArg {
+    Lru,
+    Pinned,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum StrategyArg {
+    Topk,
+    Threshold,
+    Union,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum CriterionArg {
+    Gate,
+    Exact,
+    Candidates,
+    Sketch,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum SketchArg {
+    None,
+    #[value(name = "2bit")]
+    TwoBit,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum TypeArg {
+    F32,
+    F16,
+    Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+pub(crate) fn strategy_of(s: StrategyArg) -> Strategy {
+    match s {
+        StrategyArg::Topk => Strategy::TopK,
+        StrategyArg::Threshold => Strategy::Threshold,
+        StrategyArg::Union => Strategy::Union,
+    }
+}
+
+pub(crate) fn criterion_of(c: CriterionArg) -> Criterion {
+    match c {
+        CriterionArg::Gate => Criterion::Gate,
+        CriterionArg::Exact => Criterion::Exact,
+        CriterionArg::Candidates => Criterion::Candidates,
+        CriterionArg::Sketch => Criterion::Sketch,
+    }
+}
+
+/// How `run` streams.
+#[derive(clap::Args)]
+pub(crate) struct StreamArgs {
+    /// Stream a .gst model from disk under this RAM budget: bytes (700M, 1.5G, 512MiB) or a
+    /// share of the file (40%). Resident, in this order while the budget lasts: the output
+    /// matrix and norms (required), attention, gate matrices, a neuron cache; everything else
+    /// is read per token. Refused, with the minimum, when too small. Without it the model is
+    /// memory-mapped and computed in RAM.
+    #[arg(long)]
+    pub(crate) ram_budget: Option<String>,
+    /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
+    /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
+    #[arg(long, value_enum, default_value_t = IoArg::Uring)]
+    pub(crate) io: IoArg,
+    /// Reads in flight at once when streaming.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) queue_depth: usize,
+    /// Neuron cache when streaming: lru (recently used neurons, replaced as others are read;
+    /// default in sparse mode) or pinned (the file's first neurons — the hot prefix of a
+    /// hot-first file — never replaced; default in dense mode).
+    #[arg(long, value_enum)]
+    pub(crate) cache: Option<CacheArg>,
+    /// After attention, what the budget keeps first: gate-first (gate matrices, then the
+    /// neuron cache) or cache-first (the neuron cache, then gates). Dense streaming saves the
+    /// same bytes either way; sparse streaming usually gains from cache-first, since cached
+    /// neurons spare scattered reads and a streamed gate is one sequential read.
+    #[arg(long, value_enum, default_value_t = ResidencyArg::CacheFirst)]
+    pub(crate) residency: ResidencyArg,
+    /// The read planner reads through gaps between needed rows shorter than this, rather
+    /// than issuing another request. Default: the cost model's per-request time x bandwidth
+    /// (printed at start-up; ~10–55 KB on this machine's virtio disk); 0 reads only needed rows.
+    #[arg(long)]
+    pub(crate) merge_gap_bytes: Option<u64>,
+    /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
+    /// model file at start-up: 1024 random 4 KiB reads in batches of 256, twice, and 32 MiB
+    /// sequential; ~0.1 s), default (13 µs per request at 1.5 GB/s: this machine's virtio
+    /// disk as DESIGN.md measured it), or a `gatestream bench --json` report (its device
+    /// baseline: sequential 1 MiB bandwidth and the time per 4 KiB random read at QD 64).
+    #[arg(long, default_value = "probe", value_name = "probe|default|BENCH.json")]
+    pub(crate) cost_model: String,
+    /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
+    /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
+    #[arg(long)]
+    pub(crate) record_trace: Option<PathBuf>,
+    /// Sparse streaming: while a layer computes, predict the next layer's neurons (its
+    /// resident gate applied to this layer's FFN input) and read them on a third reader, so
+    /// the next layer reads only what the prediction missed. Costs two more layers of FFN
+    /// rows in the budget and one more gate product per layer; reports hit rate and bytes
+    /// read in vain. Exact-criterion masks are predicted perfectly (they read every up row).
+    #[arg(long)]
+    pub(crate) lookahead: bool,
+}
+
+pub(crate) fn engine_of(io: IoArg) -> ReadEngine {
+    match io {
+        IoArg::Uring => ReadEngine::Uring,
+        IoArg::Pread => ReadEngine::Pread,
+        IoArg::Mmap => ReadEngine::Mmap,
+    }
+}
