@@ -11,8 +11,11 @@
 
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Instant;
 
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Device;
 use crate::bench::trace::{Trace, TraceRecorder};
 use crate::error::{Error, Result};
 use crate::gstfile::{is_gst, GstFile};
@@ -124,19 +127,26 @@ pub fn stored_mask(path: &Path) -> Result<Option<MaskConfig>> {
     }))
 }
 
-/// Loads `path` and assembles what `opts` asks for (see the module docs).
+/// Loads `path` and assembles what `opts` asks for (see the module docs), on a CPU device of
+/// its own.
 pub fn open(path: &Path, opts: &OpenOptions) -> Result<Runtime> {
+    open_on(path, opts, Arc::new(CpuBackend::new(opts.threads)))
+}
+
+/// As `open`, computing on `device` (shared with other runtimes: one device, one thread pool).
+pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Result<Runtime> {
     let placement = if opts.stream.is_some() {
         Placement::OnDisk
     } else {
         Placement::Mapped
     };
-    let model = Model::load(
+    let model = Model::load_on(
         path,
         &LoadOptions {
             threads: opts.threads,
             placement,
         },
+        device,
     )?;
     let mask = match &opts.sparse {
         None => None,

@@ -268,3 +268,26 @@ fn two_sequences_in_one_batch_decode_as_each_alone() {
         .unwrap_err();
     assert!(e.to_string().contains("next position"), "{e}");
 }
+
+/// Two models on one device share its thread pool (one device per engine, not one per load),
+/// and both compute correctly, also at the same time.
+#[test]
+fn two_models_share_one_device() {
+    use std::sync::Arc;
+    let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let device: Arc<dyn gatestream::backend::Device> = Arc::new(gatestream::backend::cpu::CpuBackend::new(2));
+    let a = Model::load_on(&path, &LoadOptions::default(), device.clone()).unwrap();
+    let b = Model::load_on(&stories_dir(), &LoadOptions::default(), device.clone()).unwrap();
+    assert!(Arc::ptr_eq(&a.device, &b.device));
+    let (pa, pb) = std::thread::scope(|s| {
+        let ta = s.spawn(|| {
+            a.generate("The capital of France is", &greedy(4), &mut |_| {})
+                .unwrap()
+                .text
+        });
+        let tb = s.spawn(|| b.generate("Once upon a time", &greedy(12), &mut |_| {}).unwrap().text);
+        (ta.join().unwrap(), tb.join().unwrap())
+    });
+    assert!(pa.starts_with(" Paris"), "{pa:?}");
+    assert!(pb.starts_with(", there was a little girl"), "{pb:?}");
+}

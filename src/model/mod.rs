@@ -104,15 +104,22 @@ pub fn open_source(path: &Path) -> Result<Source> {
 }
 
 impl Model {
-    /// Load a `.gguf` file, a `.gst` file or a Hugging Face safetensors folder.
+    /// Load a `.gguf` file, a `.gst` file or a Hugging Face safetensors folder, on a CPU device
+    /// of its own (`opts.threads` threads).
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model> {
+        Model::load_on(path, opts, Arc::new(CpuBackend::new(opts.threads)))
+    }
+
+    /// As `load`, computing on `device`: several models (the two runs of `run --mode compare`,
+    /// later a draft model beside its target) share one device and its thread pool instead of
+    /// each starting its own (`opts.threads` is then the device's business).
+    pub fn load_on(path: &Path, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
         let src = open_source(path)?;
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if opts.placement == Placement::OnDisk {
             weights.leave_on_disk();
         }
-        let device: Arc<dyn Device> = Arc::new(CpuBackend::new(opts.threads));
         Ok(Model {
             path: path.to_path_buf(),
             config: src.config,

@@ -4,10 +4,13 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Parser;
 
+use gatestream::backend::cpu::CpuBackend;
+use gatestream::backend::Device;
 use gatestream::bench::trace::{Trace, TraceRecorder};
 use gatestream::io::ReaderOptions;
 use gatestream::model::generate::GenerateOptions;
@@ -78,6 +81,7 @@ fn store_frontier(
 /// Opens the model through the runtime (streamed when a budget is given, masked when `sparse`
 /// is given), says what was assembled, and generates.
 fn generate_one(
+    device: &Arc<dyn Device>,
     args: &ModelArgs,
     sparse: Option<&SparseAsk>,
     stream: &StreamArgs,
@@ -112,7 +116,7 @@ fn generate_one(
         }),
     };
     let t = std::time::Instant::now();
-    let rt = gatestream::runtime::open(
+    let rt = gatestream::runtime::open_on(
         &path,
         &OpenOptions {
             threads: args.threads,
@@ -124,6 +128,7 @@ fn generate_one(
                 extra: opts.max_tokens,
             },
         },
+        device.clone(),
     )?;
     print_loaded(&rt.model, t.elapsed().as_secs_f64() - rt.stream_open_s);
     for w in &rt.warnings {
@@ -294,10 +299,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let _ = stdout.flush();
                 }
             };
+            let device: Arc<dyn Device> = Arc::new(CpuBackend::new(model.threads));
             match mode {
                 ModeArg::Dense | ModeArg::Sparse => {
                     let sparse = (mode == ModeArg::Sparse).then_some(&asked);
                     let out = generate_one(
+                        &device,
                         &model,
                         sparse,
                         &stream,
@@ -314,10 +321,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     }
                 }
                 ModeArg::Compare => {
-                    let dense = generate_one(&model, None, &stream, None, &prompt, &opts, &mut |_| {})?;
+                    // One device (one thread pool) serves both runs.
+                    let dense = generate_one(&device, &model, None, &stream, None, &prompt, &opts, &mut |_| {})?;
                     // Give the first run's memory back before the second measures its peak.
                     gatestream::stream::release_free_memory();
                     let sparse = generate_one(
+                        &device,
                         &model,
                         Some(&asked),
                         &stream,
