@@ -309,3 +309,25 @@ fn the_engine_batches_requests_and_each_gets_its_own_tokens() {
     }
     assert_eq!((tokens, ended), (2, Some(Finish::Cancelled)));
 }
+
+/// A generation that ends inside a UTF-8 sequence keeps those bytes (as U+FFFD), in the text and
+/// as a last event with no token; they used to be dropped. SmolLM2 continues this prompt with a
+/// character split over two tokens, so one token ends mid-character.
+#[test]
+fn a_generation_ending_mid_character_flushes_it() {
+    let m = smollm2();
+    let ids = m.prompt_ids("中文：你好，世界。我们", false).unwrap();
+    let mut events = Vec::new();
+    let g = m
+        .generate_ids(&ids, &greedy(1), None, None, None, &mut |e| {
+            events.push((e.id, e.text.to_string()))
+        })
+        .unwrap();
+    assert_eq!(g.tokens.len(), 1);
+    assert_eq!(g.text, "\u{FFFD}", "the partial character was dropped");
+    assert_eq!(events.last(), Some(&(None, "\u{FFFD}".to_string())));
+    // Two tokens on, the character is complete and nothing is flushed.
+    let two = m.generate_ids(&ids, &greedy(3), None, None, None, &mut |_| {}).unwrap();
+    assert!(!two.text.contains('\u{FFFD}'), "{:?}", two.text);
+    assert_eq!(two.text, m.tokenizer.decode(&two.tokens).unwrap());
+}
