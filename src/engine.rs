@@ -8,17 +8,20 @@
 //! request; a server is HTTP over this loop.
 //!
 //! Owns: the sequences (KV cache, sampler, text decoder, position) and the step's scheduling.
-//! Does not own arithmetic (`model`), reading (`stream`) or sampling rules (`sampler`). Masks
-//! are not taken yet: the union mask keeps per-prompt state that is not per sequence.
+//! Does not own arithmetic (`model`), reading (`stream`) or sampling rules (`sampler`). A mask
+//! applies to every token of every request ([`Engine::with_mask`]); per-token masks (top-K,
+//! threshold) decide each token alone, so batching does not change them; the union mask keeps
+//! per-prompt state, not per-sequence state, and is refused.
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Batch;
-use crate::model::forward::{FfnHooks, FfnNeurons, LayerStream};
+use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
 use crate::model::generate::Finish;
 use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::Model;
+use crate::sparsity::{Masker, Strategy};
 
 pub type RequestId = u64;
 
@@ -74,6 +77,7 @@ pub struct Engine<'m> {
     step_tokens_max: usize,
     seqs: Vec<Sequence<'m>>,
     next_id: RequestId,
+    mask: Option<&'m dyn FfnMask>,
 }
 
 impl<'m> Engine<'m> {
@@ -89,7 +93,21 @@ impl<'m> Engine<'m> {
             step_tokens_max: max,
             seqs: Vec::new(),
             next_id: 0,
+            mask: None,
         }
+    }
+
+    /// Every token of every request through `mask` (see the module docs; union is refused).
+    pub fn with_mask(mut self, mask: &'m Masker<'m>) -> Result<Engine<'m>> {
+        if mask.strategy == Strategy::Union {
+            return Err(Error::Invalid(
+                "the union mask learns one set from one prompt; the engine runs several requests at once, so it \
+                 takes per-token masks (topk, threshold) only"
+                    .into(),
+            ));
+        }
+        self.mask = Some(mask);
+        Ok(self)
     }
 
     /// Queues a request; it starts at the next step.
@@ -195,7 +213,7 @@ impl<'m> Engine<'m> {
         let hooks = FfnHooks {
             select: &|_, _| FfnNeurons::All,
             observe: None,
-            mask: None,
+            mask: self.mask,
             stream: self.stream,
         };
         let logits = {

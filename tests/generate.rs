@@ -308,6 +308,37 @@ fn the_engine_batches_requests_and_each_gets_its_own_tokens() {
         }
     }
     assert_eq!((tokens, ended), (2, Some(Finish::Cancelled)));
+
+    // With a per-token mask (top-K on the gate, 50%): each request's tokens as alone with it.
+    let masker = Masker::for_model(&m, Strategy::TopK, Criterion::Gate, 0.5, None).unwrap();
+    let masked_alone: Vec<Vec<u32>> = (0..2)
+        .map(|i| {
+            m.generate_ids(
+                &prompts[i],
+                &greedy(max[i]),
+                Some(&masker as &dyn PromptAwareMask),
+                None,
+                None,
+                &mut |_| {},
+            )
+            .unwrap()
+            .tokens
+        })
+        .collect();
+    assert_ne!(masked_alone[0], alone[0], "the mask changes the continuation");
+    let mut engine = Engine::new(&m, None, 16).with_mask(&masker).unwrap();
+    let ids = [engine.submit(req(0)).unwrap(), engine.submit(req(1)).unwrap()];
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 2];
+    while engine.active() > 0 {
+        for e in engine.step().unwrap() {
+            if let Event::Token { request, token, .. } = e {
+                got[ids.iter().position(|&r| r == request).unwrap()].push(token);
+            }
+        }
+    }
+    assert_eq!(got, masked_alone);
+    let union = Masker::for_model(&m, Strategy::Union, Criterion::Exact, 0.5, None).unwrap();
+    assert!(Engine::new(&m, None, 0).with_mask(&union).is_err());
 }
 
 /// A generation that ends inside a UTF-8 sequence keeps those bytes (as U+FFFD), in the text and
