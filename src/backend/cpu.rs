@@ -297,7 +297,7 @@ impl Device for CpuBackend {
         Act::host(x.rows, x.width, host(x).to_vec())
     }
 
-    fn into_host(&self, a: Act) -> Vec<f32> {
+    fn download(&self, a: Act) -> Vec<f32> {
         a.into_host()
             .expect("the CPU device holds its activations in host memory")
     }

@@ -120,8 +120,8 @@ pub trait Device: Send + Sync {
     fn copy(&self, x: &Act) -> Act;
     /// The values on the host: a sync point (the CPU device lends its own memory).
     fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]>;
-    /// As `to_host`, giving the activation up (the CPU device hands its vector over).
-    fn into_host(&self, a: Act) -> Vec<f32>;
+    /// The values on the host, giving the activation up (the CPU device hands its vector over).
+    fn download(&self, a: Act) -> Vec<f32>;
     /// Row `ids[t]` of `w` (dequantized) times `scale`, for every token.
     fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act;
     /// Every row normalized by RMS and scaled by `w`, into a new activation.

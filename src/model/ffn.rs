@@ -198,7 +198,8 @@ impl Model {
         px.prepare(xn, up_ty);
 
         // Up: hits and misses on two threads, each writing its own list.
-        let (mut hit_u, mut miss_u): (Vec<(u32, f32)>, Vec<(u32, f32)>) = (Vec::new(), Vec::new());
+        let mut hit_u: Vec<(u32, f32)> = Vec::new();
+        let mut miss_u: Vec<(u32, f32)> = Vec::new();
         s.decode_up(
             l,
             &up_set,

@@ -45,6 +45,13 @@ pub struct AttnWeights {
     pub wo: Weight,
 }
 
+/// Rows handed over where they are in memory: `(neuron, bytes)` each.
+pub type RowsInMemory<'a> = dyn FnMut(&[(u32, &[u8])]) + Send + 'a;
+/// As [`RowsInMemory`], with `true` when reads are in flight meanwhile on another pool thread.
+pub type DownRowsInMemory<'a> = dyn FnMut(&[(u32, &[u8])], bool) + Send + 'a;
+/// One row as its read lands: `(neuron, bytes)`.
+pub type RowLanded<'a> = dyn FnMut(u32, &[u8]) + Send + 'a;
+
 /// The weight provider of the streaming path: what the forward pass asks for instead of reading
 /// resident weights. It hands bytes over (views, staged rows, rows as their reads land) and
 /// never computes: the arithmetic is `model::ffn`'s. Implemented by `stream::Streamer`; each
@@ -101,8 +108,8 @@ pub trait LayerStream: Sync {
         l: usize,
         _up_set: &[u32],
         _with_down: bool,
-        _available: &mut (dyn FnMut(&[(u32, &[u8])]) + Send),
-        _landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+        _available: &mut RowsInMemory<'_>,
+        _landed: &mut RowLanded<'_>,
     ) -> Result<()> {
         Err(no_rows(l))
     }
@@ -113,8 +120,8 @@ pub trait LayerStream: Sync {
         &self,
         l: usize,
         _kept: &dyn Fn(u32) -> bool,
-        _available: &mut (dyn FnMut(&[(u32, &[u8])], bool) + Send),
-        _landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+        _available: &mut DownRowsInMemory<'_>,
+        _landed: &mut RowLanded<'_>,
     ) -> Result<()> {
         Err(no_rows(l))
     }
@@ -315,7 +322,7 @@ impl Model {
         if let Some(cap) = cfg.final_logit_softcap {
             dev.softcap(&mut logits, cap);
         }
-        Ok(dev.into_host(logits))
+        Ok(dev.download(logits))
     }
 
     fn attention_block(

@@ -12,7 +12,7 @@ use super::plan::{plan, PlanTotals, PlannedRead};
 use super::{unique, Part, State, Streamer};
 use crate::error::{Error, Result};
 use crate::io::Range;
-use crate::model::forward::{AttnWeights, LayerStream};
+use crate::model::forward::{AttnWeights, DownRowsInMemory, LayerStream, RowLanded, RowsInMemory};
 use crate::tensor::Weight;
 
 /// A lookahead read: the rows predicted for `layer`, planned into `ranges` (sorted by offset),
@@ -424,8 +424,8 @@ impl LayerStream for Streamer {
         l: usize,
         up_set: &[u32],
         with_down: bool,
-        available: &mut (dyn FnMut(&[(u32, &[u8])]) + Send),
-        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+        available: &mut RowsInMemory<'_>,
+        landed: &mut RowLanded<'_>,
     ) -> Result<()> {
         let mut guard = self.state.lock().expect("stream state");
         let st = &mut *guard;
@@ -529,8 +529,8 @@ impl LayerStream for Streamer {
         &self,
         l: usize,
         kept: &dyn Fn(u32) -> bool,
-        available: &mut (dyn FnMut(&[(u32, &[u8])], bool) + Send),
-        landed: &mut (dyn FnMut(u32, &[u8]) + Send),
+        available: &mut DownRowsInMemory<'_>,
+        landed: &mut RowLanded<'_>,
     ) -> Result<()> {
         let mut guard = self.state.lock().expect("stream state");
         let st = &mut *guard;
