@@ -9,11 +9,15 @@
 //! down accumulation follow. The exact criterion needs up before it can choose, so it reads up
 //! for every needed neuron first and down for the kept ones second.
 //!
-//! Exactness: staged rows are laid out in neuron order and go through the same backend calls as
-//! the in-RAM path, so with every neuron active the logits are bit-identical to it.
+//! The streamer is the forward pass's weight provider (`LayerStream`, implemented in [`rows`]):
+//! it hands bytes over — views of prefetched matrices, rows staged in neuron order, or rows
+//! where they are as their reads land — and `model::ffn` computes on them.
+//!
+//! Exactness: staged rows are laid out in neuron order and go through the same device
+//! operations as the in-RAM path, so with every neuron active the logits are bit-identical to it.
 //!
 //! Owns: the residency plan, the readers, the neuron caches, staging buffers and counters. Does
-//! not own the arithmetic (the backend) or the choice of neurons (the mask).
+//! not own the arithmetic (`model::ffn` on a `backend::Device`) or the choice of neurons (the mask).
 
 pub mod cache;
 mod open;
