@@ -122,7 +122,7 @@ impl Sampler {
     }
 }
 
-/// ln softmax(logits)[id], in f64 (the model's own log-probability of a token).
+/// `ln softmax(logits)[id]`, in f64 (the model's own log-probability of a token).
 pub fn log_softmax_at(logits: &[f32], id: u32) -> f32 {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
