@@ -11,8 +11,7 @@ use std::time::Instant;
 use crate::backend::ops::log_sum_exp;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::Logits;
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons};
+use crate::model::forward::{FfnMask, Passes};
 use crate::model::sampler::argmax;
 use crate::model::Model;
 use crate::perplexity::window_tokens;
@@ -394,7 +393,7 @@ impl FfnMask for Voters<'_> {
     fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
         let hact: &[f32] = hact;
         self.0.par_iter().for_each(|m| {
-            m.union_vote(layer, xn, gate, hact);
+            m.union_vote_accumulating(layer, xn, gate, hact);
         });
     }
 }
@@ -407,6 +406,21 @@ fn log_probs(row: &[f32]) -> Vec<f64> {
 
 pub fn eval(
     model: &Model,
+    text: &str,
+    text_name: &str,
+    opts: &EvalOptions,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<Option<EvalReport>> {
+    eval_with(model, Passes::default(), text, text_name, opts, progress)
+}
+
+/// As `eval`, with every pass (windows, threshold calibration, per-layer sensitivity) run as
+/// `passes` says: through a stream under a RAM budget, in batches it holds. A window's union
+/// context votes over all its batches, so results equal the in-RAM model's fed in the same
+/// batches.
+pub fn eval_with(
+    model: &Model,
+    passes: Passes,
     text: &str,
     text_name: &str,
     opts: &EvalOptions,
@@ -435,10 +449,12 @@ pub fn eval(
     }
     let needs_sketch = opts.criteria.contains(&Criterion::Sketch);
     let sketches = if needs_sketch {
-        Some(
-            UpSketches::build(model)
-                .ok_or_else(|| Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into()))?,
-        )
+        let built = match passes.stream {
+            // A streamed model's up rows are read through its stream (counted in its reads).
+            Some(s) if !model.weights.in_memory() => UpSketches::build_with(model, &|w| s.read_matrix(w))?,
+            _ => UpSketches::build(model),
+        };
+        Some(built.ok_or_else(|| Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into()))?)
     } else {
         None
     };
@@ -453,6 +469,7 @@ pub fn eval(
         }
         Some(ScorePools::collect(
             model,
+            passes,
             text,
             text_name,
             opts.calibrate_tokens,
@@ -502,6 +519,7 @@ pub fn eval(
                             let stage = format!("per-layer sensitivity ({})", c.name());
                             let m = Sensitivity::measure(
                                 model,
+                                passes,
                                 text,
                                 opts.per_layer_tokens,
                                 c,
@@ -512,7 +530,7 @@ pub fn eval(
                         }
                         sens.as_ref()
                             .expect("measured")
-                            .allocate_checked(model, s, sketches.as_ref())?
+                            .allocate_checked(model, passes, s, sketches.as_ref())?
                     }
                 };
                 maskers.push(
@@ -572,19 +590,20 @@ pub fn eval(
             .map(|(m, _)| m)
             .collect(),
     );
-    let voting = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
-        observe: None,
-        mask: Some(&voters),
-        stream: None,
-    };
+    let voting = passes.hooks(Some(&voters), None);
+    let batch_max = passes.batch_max();
     progress("windows", start, windows);
     for w in start..stop {
         let batch = window_tokens(model, &tokens, w, opts.ctx);
         let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
         cache.clear();
-        model.forward_with(&batch[..half], &mut cache, Logits::Last, &voting)?;
-        let dense = model.forward(&batch[half..], &mut cache, Logits::From(0))?;
+        // A new context for every union mask: its votes start from nothing.
+        for m in &voters.0 {
+            m.set_union_context(0);
+            m.set_union_context(half);
+        }
+        model.forward_in_batches(&batch[..half], &mut cache, half - 1, &voting, batch_max)?;
+        let dense = model.forward_in_batches(&batch[half..], &mut cache, 0, &passes.hooks(None, None), batch_max)?;
         let dense_lp: Vec<Vec<f64>> = dense.par_chunks(vocab).map(log_probs).collect();
         let dense_top: Vec<u32> = dense.par_chunks(vocab).map(argmax).collect();
         for (i, lp) in dense_lp.iter().enumerate().take(opts.ctx - 1 - half) {
@@ -596,20 +615,15 @@ pub fn eval(
         order.sort_by_key(|&i| maskers[i].strategy != Strategy::Union);
         for i in order {
             let (m, acc) = (&maskers[i], &mut accs[i]);
-            let hooks = FfnHooks {
-                select: &|_, _| FfnNeurons::All,
-                observe: None,
-                mask: Some(m),
-                stream: None,
-            };
+            let hooks = passes.hooks(Some(m), None);
             let sparse = if m.strategy == Strategy::Union {
                 // The context (first half) has voted in the dense pass; its keys stay.
                 m.set_union_context(0);
                 cache.truncate(half);
-                model.forward_with(&batch[half..], &mut cache, Logits::From(0), &hooks)?
+                model.forward_in_batches(&batch[half..], &mut cache, 0, &hooks, batch_max)?
             } else {
                 cache.clear();
-                model.forward_with(&batch, &mut cache, Logits::From(half), &hooks)?
+                model.forward_in_batches(&batch, &mut cache, half, &hooks, batch_max)?
             };
             // Each position is scored on its own (in parallel: with a large vocabulary this is a
             // good share of the work) and the scores are summed in position order, as before.

@@ -8,7 +8,7 @@ use common::*;
 use gatestream::eval::{eval, EvalOptions};
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
-use gatestream::model::forward::{FfnHooks, FfnNeurons};
+use gatestream::model::forward::{FfnHooks, FfnNeurons, Passes};
 use gatestream::model::{LoadOptions, Model};
 use gatestream::sparsity::calibration::ScorePools;
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
@@ -108,6 +108,7 @@ fn thresholds_from_calibration_give_about_the_target_sparsity() {
     let model = stories();
     let pools = ScorePools::collect(
         &model,
+        Passes::default(),
         &text(),
         "wiki.test.raw",
         1024,
@@ -206,7 +207,16 @@ fn eval_reports_dense_first_and_sparse_rows_with_bytes() {
 fn per_layer_budgets_keep_the_mean_and_the_bytes_of_uniform() {
     use gatestream::sparsity::budget::Sensitivity;
     let model = stories();
-    let sens = Sensitivity::measure(&model, &text(), 256, Criterion::Exact, None, &mut |_, _| {}).unwrap();
+    let sens = Sensitivity::measure(
+        &model,
+        Passes::default(),
+        &text(),
+        256,
+        Criterion::Exact,
+        None,
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert_eq!(sens.kl.len(), 5);
     assert!(
         sens.kl.iter().all(|row| row.windows(2).all(|w| w[1] >= w[0] * 0.5)),
@@ -267,7 +277,16 @@ fn smollm2_still_says_paris_with_the_frontier_configuration() {
 
     // A level between the old 0.1 grid's (eval reports two decimals, e.g. Qwen's frontier at
     // 0.67) runs with its own thresholds, as eval evaluated it, not the nearest tenth's.
-    let pools = ScorePools::collect(&model, &text(), "wiki.test.raw", 2048, &[Criterion::Exact], None).unwrap();
+    let pools = ScorePools::collect(
+        &model,
+        Passes::default(),
+        &text(),
+        "wiki.test.raw",
+        2048,
+        &[Criterion::Exact],
+        None,
+    )
+    .unwrap();
     let ids = model.tokenizer.encode(&text()[..3000], true).unwrap();
     let achieved = |m: &Masker| {
         run(&model, &ids[..256], Some(m));

@@ -605,3 +605,66 @@ fn perplexity_streams_and_equals_the_in_ram_model_in_the_same_batches() {
     let whole = perplexity_with(&in_ram, text, &opts(0), &FfnHooks::dense(), &mut |_, _, _| {}).unwrap();
     assert!((whole.perplexity - streamed.perplexity).abs() / whole.perplexity < 1e-4);
 }
+
+/// `eval` streams too: every pass (windows, threshold calibration, per-layer sensitivity, the
+/// union context's votes over its batches, sketches read through the stream) in the batches
+/// the budget holds, with exactly the rows of the in-RAM model fed in batches of the same size.
+#[test]
+fn eval_streams_and_equals_the_in_ram_model_in_the_same_batches() {
+    use gatestream::eval::{eval_with, EvalOptions};
+    use gatestream::model::forward::Passes;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "split.gst", FfnLayout::Split);
+    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let text = &text[..60_000];
+    let opts = EvalOptions {
+        ctx: 64,
+        windows: 2,
+        sparsities: vec![0.0, 0.5],
+        strategies: vec![Strategy::TopK, Strategy::Threshold, Strategy::Union],
+        criteria: vec![Criterion::Gate, Criterion::Exact, Criterion::Sketch],
+        calibrate_tokens: 256,
+        max_ppl_increase_pct: 2.0,
+        per_layer_tokens: 64,
+        checkpoint: None,
+        windows_this_run: None,
+        jitter_seeds: 0,
+    };
+    let m = load_on_disk(&p);
+    let stream_opts = StreamOptions {
+        kv_positions: 513,
+        batch_tokens_max: 16,
+        ..options(min_budget(&p) + 600_000, ReadEngine::Pread, CachePolicy::Lru)
+    };
+    let s = Streamer::open(&m, &stream_opts).unwrap();
+    let streamed = Passes {
+        stream: Some(&s),
+        batch_tokens_max: 0,
+    };
+    let got = eval_with(&m, streamed, text, "wiki", &opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
+    let in_ram = load(&p);
+    let batched = Passes {
+        stream: None,
+        batch_tokens_max: 16,
+    };
+    let want = eval_with(&in_ram, batched, text, "wiki", &opts, &mut |_, _, _| {})
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.rows.len(), want.rows.len());
+    assert!(got.rows.len() >= 10, "{} rows", got.rows.len());
+    for (g, w) in got.rows.iter().zip(&want.rows) {
+        assert_eq!(
+            (g.perplexity.to_bits(), g.strategy, g.criterion),
+            (w.perplexity.to_bits(), w.strategy, w.criterion),
+            "{:?} {:?} {}: streamed {} vs in RAM {}",
+            g.strategy,
+            g.criterion,
+            g.sparsity,
+            g.perplexity,
+            w.perplexity
+        );
+    }
+    assert!(s.counters().passes > 0 && s.read_stats().bytes_device > 0);
+}

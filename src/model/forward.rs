@@ -125,6 +125,13 @@ pub trait LayerStream: Sync {
     ) -> Result<()> {
         Err(no_rows(l))
     }
+    /// A whole matrix of the model read into memory (to build sketches of a streamed model).
+    fn read_matrix(&self, w: &Weight) -> Result<Weight> {
+        Err(Error::Invalid(format!(
+            "{}: this stream reads no whole matrices",
+            w.name
+        )))
+    }
     /// KV positions the stream's budget holds for all sequences together.
     fn kv_positions(&self) -> Option<usize> {
         None
@@ -160,6 +167,40 @@ impl FfnHooks<'_> {
             observe: None,
             mask: None,
             stream: None,
+        }
+    }
+}
+
+/// How a caller's passes run: through `stream` (if any), at most `batch_tokens_max` tokens each
+/// (0: no limit of the caller's own; a stream's limit always applies). Evaluation, calibration
+/// and perplexity take one, so they run the same way in RAM and streamed.
+#[derive(Clone, Copy, Default)]
+pub struct Passes<'a> {
+    pub stream: Option<&'a dyn LayerStream>,
+    pub batch_tokens_max: usize,
+}
+
+impl<'a> Passes<'a> {
+    /// The most tokens per pass.
+    pub fn batch_max(&self) -> usize {
+        let own = if self.batch_tokens_max == 0 {
+            usize::MAX
+        } else {
+            self.batch_tokens_max
+        };
+        own.min(self.stream.and_then(|s| s.batch_tokens_max()).unwrap_or(usize::MAX))
+    }
+
+    /// Hooks for these passes: every neuron selected, `mask` and `observe` as given.
+    pub fn hooks<'h>(&self, mask: Option<&'h dyn FfnMask>, observe: Option<FfnObserver<'h>>) -> FfnHooks<'h>
+    where
+        'a: 'h,
+    {
+        FfnHooks {
+            select: &|_, _| FfnNeurons::All,
+            observe,
+            mask,
+            stream: self.stream,
         }
     }
 }

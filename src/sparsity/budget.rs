@@ -15,8 +15,7 @@ use super::{Criterion, Masker, Strategy, UpSketches};
 use crate::backend::ops::log_sum_exp;
 use crate::error::Result;
 use crate::kv::KvCache;
-use crate::model::batch::Logits;
-use crate::model::forward::{FfnHooks, FfnNeurons};
+use crate::model::forward::Passes;
 use crate::model::Model;
 
 /// Levels at which sensitivity is measured; allocation interpolates between them.
@@ -68,6 +67,7 @@ impl Sensitivity {
     /// Measure on the last `tokens` tokens of `text` (one window; at most the model's context).
     pub fn measure(
         model: &Model,
+        passes: Passes,
         text: &str,
         tokens: usize,
         criterion: Criterion,
@@ -84,7 +84,7 @@ impl Sensitivity {
         batch.extend_from_slice(&tail.ids);
         let vocab = model.config.vocab;
         let mut cache = KvCache::new(&model.config, batch.len());
-        let dense = model.forward(&batch, &mut cache, Logits::From(0))?;
+        let dense = model.forward_in_batches(&batch, &mut cache, 0, &passes.hooks(None, None), passes.batch_max())?;
         let n_layers = model.config.n_layers;
         let mut kl = vec![vec![0.0; MEASURED_LEVELS.len()]; n_layers];
         for (l, row) in kl.iter_mut().enumerate() {
@@ -93,13 +93,8 @@ impl Sensitivity {
                 per_layer[l] = s;
                 let m = Masker::new(model, Strategy::TopK, criterion, s, sketches, None).with_per_layer(per_layer);
                 cache.clear();
-                let hooks = FfnHooks {
-                    select: &|_, _| FfnNeurons::All,
-                    observe: None,
-                    mask: Some(&m),
-                    stream: None,
-                };
-                let sparse = model.forward_with(&batch, &mut cache, Logits::From(0), &hooks)?;
+                let hooks = passes.hooks(Some(&m), None);
+                let sparse = model.forward_in_batches(&batch, &mut cache, 0, &hooks, passes.batch_max())?;
                 row[i] = kl_rows(&dense, &sparse, vocab);
             }
             progress(l + 1, n_layers);
@@ -114,24 +109,25 @@ impl Sensitivity {
     }
 
     /// Mean KL from dense on the calibration tokens with every layer top-K sparse at `levels`.
-    fn kl_with(&self, model: &Model, levels: &[f32], sketches: Option<&UpSketches>) -> Result<f64> {
+    fn kl_with(&self, model: &Model, passes: Passes, levels: &[f32], sketches: Option<&UpSketches>) -> Result<f64> {
         let mean = levels.iter().sum::<f32>() / levels.len().max(1) as f32;
         let m =
             Masker::new(model, Strategy::TopK, self.criterion, mean, sketches, None).with_per_layer(levels.to_vec());
         let mut cache = KvCache::new(&model.config, self.batch.len());
-        let hooks = FfnHooks {
-            select: &|_, _| FfnNeurons::All,
-            observe: None,
-            mask: Some(&m),
-            stream: None,
-        };
-        let sparse = model.forward_with(&self.batch, &mut cache, Logits::From(0), &hooks)?;
+        let hooks = passes.hooks(Some(&m), None);
+        let sparse = model.forward_in_batches(&self.batch, &mut cache, 0, &hooks, passes.batch_max())?;
         Ok(kl_rows(&self.dense, &sparse, model.config.vocab))
     }
 
     /// The greedy allocation at mean `target`, blended into uniform by whichever of [`BLENDS`]
     /// loses least on the calibration tokens with all layers sparse (see the module doc).
-    pub fn allocate_checked(&self, model: &Model, target: f32, sketches: Option<&UpSketches>) -> Result<Allocation> {
+    pub fn allocate_checked(
+        &self,
+        model: &Model,
+        passes: Passes,
+        target: f32,
+        sketches: Option<&UpSketches>,
+    ) -> Result<Allocation> {
         let greedy = self.allocate(target);
         let n = greedy.len() as f32;
         let mean = greedy.iter().sum::<f32>() / n;
@@ -140,7 +136,7 @@ impl Sensitivity {
         for &a in &BLENDS {
             // Blend around the greedy mean so every blend has the same mean (the same bytes).
             let levels: Vec<f32> = greedy.iter().map(|&g| mean + a * (g - mean)).collect();
-            let kl = self.kl_with(model, &levels, sketches)?;
+            let kl = self.kl_with(model, passes, &levels, sketches)?;
             if a == 0.0 {
                 kl_uniform = kl;
             }

@@ -9,8 +9,7 @@ use std::sync::Mutex;
 use super::{scores, Criterion, UpSketches, CANDIDATE_FACTOR};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::Logits;
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons};
+use crate::model::forward::{FfnMask, Passes};
 use crate::model::Model;
 
 /// Tokens per layer whose scores are pooled (here and by `calibrate`, which stores thresholds
@@ -102,6 +101,7 @@ impl ScorePools {
     /// Run the last `tokens` tokens of `text` and pool scores for `criteria` (base criteria).
     pub fn collect(
         model: &Model,
+        passes: Passes,
         text: &str,
         text_name: &str,
         tokens: usize,
@@ -134,13 +134,8 @@ impl ScorePools {
             let mut batch: Vec<u32> = bos.into_iter().collect();
             batch.extend_from_slice(chunk);
             cache.clear();
-            let hooks = FfnHooks {
-                select: &|_, _| FfnNeurons::All,
-                observe: None,
-                mask: Some(&rec),
-                stream: None,
-            };
-            model.forward_with(&batch, &mut cache, Logits::Last, &hooks)?;
+            let hooks = passes.hooks(Some(&rec), None);
+            model.forward_in_batches(&batch, &mut cache, batch.len() - 1, &hooks, passes.batch_max())?;
             rec.state.lock().expect("recorder lock").0 += batch.len();
         }
         let (_, pools) = rec.state.into_inner().expect("recorder lock");

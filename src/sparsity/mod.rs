@@ -506,6 +506,15 @@ impl<'a> Masker<'a> {
         self.union_vote_into(layer, xn, gate, hact, &mut votes)
     }
 
+    /// As `union_vote`, adding to the votes of the current context's earlier batches (a new
+    /// context starts when `set_union_context` goes from 0 to a token count).
+    pub fn union_vote_accumulating(&self, layer: usize, xn: &[f32], gate: &[f32], hact: &[f32]) -> Vec<bool> {
+        let mut all = self.union_votes.lock().expect("union votes lock");
+        let votes = &mut all[layer];
+        votes.resize(self.ffn, 0);
+        self.union_vote_into(layer, xn, gate, hact, votes)
+    }
+
     /// As `union_vote`, adding to `votes` (the context's earlier batches' votes).
     fn union_vote_into(&self, layer: usize, xn: &[f32], gate: &[f32], hact: &[f32], votes: &mut [u32]) -> Vec<bool> {
         let (f, h) = (self.ffn, self.hidden);
@@ -652,10 +661,7 @@ impl FfnMask for Masker<'_> {
         };
         if self.strategy == Strategy::Union {
             let keep = if first > 0 {
-                let mut all = self.union_votes.lock().expect("union votes lock");
-                let votes = &mut all[layer];
-                votes.resize(f, 0);
-                self.union_vote_into(layer, &xn[..first * h], &gate[..first * f], &hact[..first * f], votes)
+                self.union_vote_accumulating(layer, &xn[..first * h], &gate[..first * f], &hact[..first * f])
             } else {
                 match &self.union_sets.lock().expect("union sets lock")[layer] {
                     Some(set) => set.clone(),

@@ -346,6 +346,10 @@ impl LayerStream for Streamer {
         true
     }
 
+    fn read_matrix(&self, w: &Weight) -> Result<Weight> {
+        Streamer::read_matrix(self, w)
+    }
+
     fn gate(&self, l: usize) -> Result<Option<Weight>> {
         let parts = &self.layers[l];
         match &parts.gate {

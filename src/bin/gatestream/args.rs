@@ -225,6 +225,14 @@ pub(crate) enum Command {
         /// times the sparse passes.
         #[arg(long, value_name = "N", default_value_t = 0)]
         jitter_seeds: usize,
+        /// Stream a .gst model from disk under this RAM budget (as `run --ram-budget`): every
+        /// pass — windows, threshold calibration, per-layer sensitivity — reads what is not
+        /// resident, in batches of 32 tokens (results differ from in RAM by rounding).
+        #[arg(long)]
+        ram_budget: Option<String>,
+        /// Reader when streaming: uring, pread or mmap (as `run --io`).
+        #[arg(long, value_enum, default_value_t = IoArg::Uring)]
+        io: IoArg,
     },
     /// Stores the frontier of earlier `eval --json` reports in a .gst file as the default for
     /// `run --mode sparse`, at a quality budget chosen now (no re-evaluation). The .gst must be

@@ -216,25 +216,52 @@ fn default_model() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// Opens a model for a command that runs whole passes (perplexity, eval): in RAM, or streamed
+/// under `ram_budget` with the KV cache of `kv_positions` positions counted in it; says what
+/// was loaded and any warning.
+fn open_plain(
+    path: &std::path::Path,
+    threads: usize,
+    ram_budget: Option<&str>,
+    io: IoArg,
+    kv_positions: usize,
+) -> anyhow::Result<gatestream::runtime::Runtime> {
+    let stream = match ram_budget {
+        None => None,
+        Some(b) => Some(StreamAsk {
+            budget_bytes: parse_budget(b, std::fs::metadata(path)?.len())?,
+            engine: engine_of(io),
+            reader: ReaderOptions::default(),
+            cache: None,
+            priority: Priority::CacheFirst,
+            merge_gap_bytes: None,
+            cost: CostSource::Probe,
+            lookahead: false,
+            batch_tokens_max: 0,
+        }),
+    };
+    let t = std::time::Instant::now();
+    let rt = gatestream::runtime::open(
+        path,
+        &OpenOptions {
+            threads,
+            stream,
+            sparse: None,
+            kv_positions: KvPositions::Exactly(kv_positions),
+        },
+    )?;
+    print_loaded(&rt.model, t.elapsed().as_secs_f64());
+    for w in &rt.warnings {
+        eprintln!("warning: {w}");
+    }
+    Ok(rt)
+}
+
 fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
     match &args.model {
         Some(p) => Ok(p.clone()),
         None => default_model(),
     }
-}
-
-fn load(args: &ModelArgs) -> anyhow::Result<Model> {
-    let path = model_path(args)?;
-    let t = std::time::Instant::now();
-    let model = Model::load(
-        &path,
-        &LoadOptions {
-            threads: args.threads,
-            ..Default::default()
-        },
-    )?;
-    print_loaded(&model, t.elapsed().as_secs_f64());
-    Ok(model)
 }
 
 fn main() -> ExitCode {
@@ -394,34 +421,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let path = model_path(&model)?;
-            let stream = match &ram_budget {
-                None => None,
-                Some(b) => Some(StreamAsk {
-                    budget_bytes: parse_budget(b, std::fs::metadata(&path)?.len())?,
-                    engine: engine_of(io),
-                    reader: ReaderOptions::default(),
-                    cache: None,
-                    priority: Priority::CacheFirst,
-                    merge_gap_bytes: None,
-                    cost: CostSource::Probe,
-                    lookahead: false,
-                    batch_tokens_max: 0,
-                }),
-            };
-            let t = std::time::Instant::now();
-            let rt = gatestream::runtime::open(
-                &path,
-                &OpenOptions {
-                    threads: model.threads,
-                    stream,
-                    sparse: None,
-                    kv_positions: KvPositions::Exactly(ctx),
-                },
-            )?;
-            print_loaded(&rt.model, t.elapsed().as_secs_f64());
-            for w in &rt.warnings {
-                eprintln!("warning: {w}");
-            }
+            let rt = open_plain(&path, model.threads, ram_budget.as_deref(), io, ctx)?;
             let hooks = gatestream::model::forward::FfnHooks {
                 select: &|_, _| gatestream::model::forward::FfnNeurons::All,
                 observe: None,
@@ -651,8 +651,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             checkpoint,
             windows_this_run,
             jitter_seeds,
+            ram_budget,
+            io,
         } => {
-            use gatestream::eval::{eval, table, EvalOptions};
+            use gatestream::eval::{eval_with, table, EvalOptions};
             let checkpoint = checkpoint.or_else(|| {
                 json.as_ref().map(|j| {
                     let mut name = j.as_os_str().to_owned();
@@ -665,7 +667,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     "--windows-this-run needs a checkpoint to continue from: pass --checkpoint FILE or --json FILE"
                 );
             }
-            let model = load(&model)?;
+            let path = model_path(&model)?;
+            // KV positions: a window, a calibration window (512 + BOS), the sensitivity tokens.
+            let kv = ctx.max(513).max(per_layer_tokens + 1);
+            let rt = open_plain(&path, model.threads, ram_budget.as_deref(), io, kv)?;
+            let passes = gatestream::model::forward::Passes {
+                stream: rt.layer_stream(),
+                batch_tokens_max: 0,
+            };
+            let model = &rt.model;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let opts = EvalOptions {
                 ctx,
@@ -682,7 +692,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
             let mut bar = Progress::new();
-            let Some(report) = eval(&model, &body, &name, &opts, &mut |stage, d, n| bar.update(stage, d, n))? else {
+            let Some(report) = eval_with(model, passes, &body, &name, &opts, &mut |stage, d, n| {
+                bar.update(stage, d, n)
+            })?
+            else {
                 eprintln!(
                     "stopped after --windows-this-run {} windows; progress is saved in {}: run the same command again to continue",
                     windows_this_run.unwrap_or(0),
@@ -708,7 +721,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if store || store_in.is_some() {
                 let target = store_in.clone().unwrap_or_else(|| model.path.clone());
                 let evaluated = model.path.clone();
-                drop(model);
+                drop(rt);
                 let r = &report;
                 store_frontier(
                     &r.rows,
