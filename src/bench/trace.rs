@@ -152,6 +152,33 @@ pub struct TraceRecorder<'a> {
     uses: Mutex<BTreeMap<(usize, usize), LayerUse>>,
 }
 
+/// The trace of `ids` (one pass per batch `passes` allows, from an empty cache) under `mask`:
+/// which neurons each token's FFN needed, per layer. `text_name` and the mask's description go
+/// into the trace's header.
+pub fn record(
+    model: &crate::model::Model,
+    passes: crate::model::forward::Passes,
+    ids: &[u32],
+    mask: &crate::sparsity::Masker,
+    text_name: &str,
+) -> Result<Trace> {
+    if ids.is_empty() {
+        return Err(Error::Invalid("a trace needs at least one token".into()));
+    }
+    let c = &model.config;
+    let rec = TraceRecorder::new(Some(mask), c.n_layers, c.hidden, c.ffn);
+    let mut cache = crate::kv::KvCache::new(c, ids.len());
+    model.forward_in_batches(
+        ids,
+        &mut cache,
+        ids.len() - 1,
+        &passes.hooks(Some(&rec), None),
+        passes.batch_max(),
+    )?;
+    let what = format!("{} {} {}", mask.strategy.name(), mask.criterion.name(), mask.sparsity);
+    Ok(rec.trace(text_name, &what))
+}
+
 impl<'a> TraceRecorder<'a> {
     pub fn new(inner: Option<&'a dyn PromptAwareMask>, n_layers: usize, hidden: usize, ffn: usize) -> Self {
         TraceRecorder {

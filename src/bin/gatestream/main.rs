@@ -11,11 +11,10 @@ use clap::Parser;
 
 use gatestream::backend::cpu::CpuBackend;
 use gatestream::backend::Device;
-use gatestream::bench::trace::{Trace, TraceRecorder};
+use gatestream::bench::trace::Trace;
 use gatestream::io::ReaderOptions;
 use gatestream::model::generate::GenerateOptions;
 use gatestream::model::sampler::SamplerConfig;
-use gatestream::model::{LoadOptions, Model};
 use gatestream::perplexity::{perplexity_with, PerplexityOptions};
 use gatestream::runtime::{KvPositions, OpenOptions, Outcome, SparseAsk, StreamAsk};
 use gatestream::sparsity::Masker;
@@ -558,26 +557,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 };
                 let body = std::fs::read_to_string(&text)
                     .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
-                let m = Model::load(&model, &LoadOptions::default())?;
+                let rt = open_plain(&model, 0, None, IoArg::Pread, 0)?;
+                let m = &rt.model;
                 let mut ids = m.tokenizer.encode(&body, true)?;
                 ids.truncate(trace_tokens.max(1));
+                let name = text
+                    .file_name()
+                    .map_or("text".into(), |n| n.to_string_lossy().into_owned());
                 for &s in &sparsity {
-                    let masker = Masker::for_model(&m, strategy_of(strategy), criterion_of(criterion), s, None)?;
-                    let c = &m.config;
-                    let rec = TraceRecorder::new(Some(&masker), c.n_layers, c.hidden, c.ffn);
-                    let hooks = gatestream::model::forward::FfnHooks {
-                        select: &|_, _| gatestream::model::forward::FfnNeurons::All,
-                        observe: None,
-                        mask: Some(&rec),
-                        stream: None,
-                    };
-                    let mut cache = gatestream::kv::KvCache::new(c, ids.len());
-                    m.forward_with(&ids, &mut cache, gatestream::model::batch::Logits::Last, &hooks)?;
-                    let what = format!("{} {} {s}", masker.strategy.name(), masker.criterion.name());
-                    let name = text
-                        .file_name()
-                        .map_or("text".into(), |n| n.to_string_lossy().into_owned());
-                    traces.push(rec.trace(&name, &what));
+                    let masker = Masker::for_model(m, strategy_of(strategy), criterion_of(criterion), s, None)?;
+                    let passes = gatestream::model::forward::Passes::default();
+                    traces.push(gatestream::bench::trace::record(m, passes, &ids, &masker, &name)?);
                 }
             }
             let mut configs = Vec::new();
