@@ -16,9 +16,9 @@
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Batch;
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
-use crate::model::generate::Finish;
-use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
+use crate::model::forward::{FfnMask, LayerStream, Passes};
+use crate::model::generate::{next_token, Finish, PREFILL_BATCH_TOKENS};
+use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::Model;
 use crate::sparsity::{Masker, Strategy};
@@ -83,14 +83,18 @@ pub struct Engine<'m> {
 impl<'m> Engine<'m> {
     /// `step_tokens_max`: tokens per pass (0 = 512; a stream's own limit caps it).
     pub fn new(model: &'m Model, stream: Option<&'m dyn LayerStream>, step_tokens_max: usize) -> Engine<'m> {
-        let mut max = if step_tokens_max == 0 { 512 } else { step_tokens_max };
-        if let Some(m) = stream.and_then(|s| s.batch_tokens_max()) {
-            max = max.min(m);
-        }
+        let passes = Passes {
+            stream,
+            batch_tokens_max: if step_tokens_max == 0 {
+                PREFILL_BATCH_TOKENS
+            } else {
+                step_tokens_max
+            },
+        };
         Engine {
             model,
             stream,
-            step_tokens_max: max,
+            step_tokens_max: passes.batch_max(),
             seqs: Vec::new(),
             next_id: 0,
             mask: None,
@@ -210,12 +214,11 @@ impl<'m> Engine<'m> {
         if batch.is_empty() {
             return Ok(events);
         }
-        let hooks = FfnHooks {
-            select: &|_, _| FfnNeurons::All,
-            observe: None,
-            mask: self.mask,
+        let hooks = Passes {
             stream: self.stream,
-        };
+            batch_tokens_max: self.step_tokens_max,
+        }
+        .hooks(self.mask, None);
         let logits = {
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
             let mut by_index: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
@@ -238,17 +241,17 @@ impl<'m> Engine<'m> {
         for (r, &i) in rows.iter().enumerate() {
             let s = &mut self.seqs[i];
             let row = &logits[r * vocab..(r + 1) * vocab];
-            let t = s.sampler.sample(row);
-            if tokenizer.is_stop(t) {
+            let Some((t, text, logprob)) = next_token(tokenizer, &mut s.sampler, &mut s.decoder, row, s.logprobs)
+            else {
                 ended.push((i, Finish::StopToken));
                 continue;
-            }
+            };
             s.generated += 1;
             events.push(Event::Token {
                 request: s.id,
                 token: t,
-                text: s.decoder.push(t).unwrap_or_default(),
-                logprob: s.logprobs.then(|| log_softmax_at(row, t)),
+                text,
+                logprob,
             });
             if s.generated >= s.max_tokens {
                 ended.push((i, Finish::MaxTokens));

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::forward::{FfnMask, Passes};
 use crate::model::sampler::argmax;
-use crate::model::Model;
+use crate::model::{Model, Placement};
 use crate::perplexity::window_tokens;
 use crate::quant::GgmlType;
 use crate::sparsity::budget::{Allocation, Sensitivity};
@@ -451,7 +451,7 @@ pub fn eval_with(
     let sketches = if needs_sketch {
         let built = match passes.stream {
             // A streamed model's up rows are read through its stream (counted in its reads).
-            Some(s) if !model.weights.in_memory() => UpSketches::build_with(model, &|w| s.read_matrix(w))?,
+            Some(s) if model.placement == Placement::OnDisk => UpSketches::build_with(model, &|w| s.read_matrix(w))?,
             _ => UpSketches::build(model),
         };
         Some(built.ok_or_else(|| Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into()))?)
@@ -597,10 +597,8 @@ pub fn eval_with(
         let batch = window_tokens(model, &tokens, w, opts.ctx);
         let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
         cache.clear();
-        // A new context for every union mask: its votes start from nothing.
         for m in &voters.0 {
-            m.set_union_context(0);
-            m.set_union_context(half);
+            m.start_union_context(half);
         }
         model.forward_in_batches(&batch[..half], &mut cache, half - 1, &voting, batch_max)?;
         let dense = model.forward_in_batches(&batch[half..], &mut cache, 0, &passes.hooks(None, None), batch_max)?;

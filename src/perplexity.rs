@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::backend::ops::log_sum_exp;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::forward::FfnHooks;
+use crate::model::forward::Passes;
 use crate::model::Model;
 
 pub const METHOD: &str =
@@ -22,8 +22,6 @@ pub struct PerplexityOptions {
     pub ctx: usize,
     /// Windows to evaluate (0 = all that fit).
     pub windows: usize,
-    /// The most tokens per pass (0: a window in one pass, or the stream's limit when streaming).
-    pub batch_tokens_max: usize,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -57,15 +55,16 @@ pub fn perplexity(
     opts: &PerplexityOptions,
     progress: &mut dyn FnMut(usize, usize, f64),
 ) -> Result<PerplexityReport> {
-    perplexity_with(model, text, opts, &FfnHooks::dense(), progress)
+    perplexity_with(model, Passes::default(), text, opts, progress)
 }
 
-/// As `perplexity`, with FFN hooks (a stream: the model read from disk under a RAM budget).
+/// As `perplexity`, with every window's passes run as `passes` says (through a stream under a
+/// RAM budget, in batches it holds).
 pub fn perplexity_with(
     model: &Model,
+    passes: Passes,
     text: &str,
     opts: &PerplexityOptions,
-    hooks: &FfnHooks,
     progress: &mut dyn FnMut(usize, usize, f64),
 ) -> Result<PerplexityReport> {
     if opts.ctx < 4 {
@@ -86,11 +85,7 @@ pub fn perplexity_with(
         opts.windows.min(available)
     };
     let first_scored = opts.ctx / 2;
-    let stream_max = hooks.stream.and_then(|s| s.batch_tokens_max()).unwrap_or(usize::MAX);
-    let batch_max = match opts.batch_tokens_max {
-        0 => stream_max,
-        b => b.min(stream_max),
-    };
+    let (hooks, batch_max) = (passes.hooks(None, None), passes.batch_max());
     let mut cache = KvCache::new(&model.config, opts.ctx);
     let vocab = model.config.vocab;
     let (mut nll, mut count) = (0f64, 0usize);
@@ -99,7 +94,7 @@ pub fn perplexity_with(
     for w in 0..windows {
         let batch = window_tokens(model, &tokens, w, opts.ctx);
         cache.clear();
-        let logits = model.forward_in_batches(&batch, &mut cache, first_scored, hooks, batch_max)?;
+        let logits = model.forward_in_batches(&batch, &mut cache, first_scored, &hooks, batch_max)?;
         for j in first_scored..opts.ctx - 1 {
             let row = &logits[(j - first_scored) * vocab..(j - first_scored + 1) * vocab];
             let target = tokens[w * opts.ctx + j + 1] as usize;

@@ -82,7 +82,7 @@ impl LayerStream for Broken {
     fn embedding(&self, _tok: u32, _out: &mut [f32]) -> Result<bool> {
         Ok(false)
     }
-    fn attention(&self, l: usize) -> Result<Option<AttnWeights>> {
+    fn attention(&self, l: usize) -> Result<Option<std::borrow::Cow<'_, AttnWeights>>> {
         Err(Error::Invalid(format!("layer {l}: simulated read failure")))
     }
 }

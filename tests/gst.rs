@@ -92,11 +92,7 @@ fn stories260k_gst_keeps_the_golden_decode_in_both_layouts_and_orders() {
         );
         // Perplexity (wikitext-2 is far from TinyStories, but it exercises every position).
         let text = std::fs::read_to_string(wikitext()).unwrap();
-        let opts = PerplexityOptions {
-            ctx: 256,
-            windows: 2,
-            batch_tokens_max: 0,
-        };
+        let opts = PerplexityOptions { ctx: 256, windows: 2 };
         let p_src = perplexity(&src, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
         let p_gst = perplexity(&gst, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
         let rel = (p_gst - p_src).abs() / p_src;
@@ -147,11 +143,7 @@ fn smollm2_gst_matches_the_gguf_and_hot_first_changes_nothing() {
         .all(|l| l.hot_prefix_10 > 0.10 && l.hot_prefix_25 > 0.25 && l.hot_prefix_25 < 1.0));
     // Perplexity within 0.5% of the source (the only change is down re-quantized to Q8_0).
     let text = std::fs::read_to_string(wikitext()).unwrap();
-    let opts = PerplexityOptions {
-        ctx: 512,
-        windows: 2,
-        batch_tokens_max: 0,
-    };
+    let opts = PerplexityOptions { ctx: 512, windows: 2 };
     let p_src = perplexity(&src, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
     let p_gst = perplexity(&original, &text, &opts, &mut |_, _, _| {})
         .unwrap()

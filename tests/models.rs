@@ -163,11 +163,7 @@ fn smollm2_perplexity_matches_llama_cpp() {
     let r = perplexity(
         &model,
         &text,
-        &PerplexityOptions {
-            ctx: 512,
-            windows: 2,
-            batch_tokens_max: 0,
-        },
+        &PerplexityOptions { ctx: 512, windows: 2 },
         &mut |_, _, _| {},
     )
     .unwrap();

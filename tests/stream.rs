@@ -574,16 +574,19 @@ fn run_records_a_trace_and_bench_quick_replays_it_with_sparse_reading_less() {
 /// holds, and the result is exactly the in-RAM model's fed in batches of the same size.
 #[test]
 fn perplexity_streams_and_equals_the_in_ram_model_in_the_same_batches() {
+    use gatestream::model::forward::Passes;
     use gatestream::perplexity::{perplexity_with, PerplexityOptions};
     let tmp = tempfile::tempdir().unwrap();
     let p = convert(&stories_dir(), tmp.path(), "split.gst", FfnLayout::Split);
     let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
     let text = &text[..20_000];
-    let opts = |batch_tokens_max| PerplexityOptions {
-        ctx: 64,
-        windows: 2,
-        batch_tokens_max,
-    };
+    let opts = PerplexityOptions { ctx: 64, windows: 2 };
+    fn batches(stream: Option<&Streamer>, batch_tokens_max: usize) -> Passes<'_> {
+        Passes {
+            stream: stream.map(|s| s as _),
+            batch_tokens_max,
+        }
+    }
     let m = load_on_disk(&p);
     let stream_opts = StreamOptions {
         kv_positions: 64,
@@ -591,18 +594,12 @@ fn perplexity_streams_and_equals_the_in_ram_model_in_the_same_batches() {
         ..options(min_budget(&p), ReadEngine::Pread, CachePolicy::Pinned)
     };
     let s = Streamer::open(&m, &stream_opts).unwrap();
-    let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
-        observe: None,
-        mask: None,
-        stream: Some(&s),
-    };
-    let streamed = perplexity_with(&m, text, &opts(0), &hooks, &mut |_, _, _| {}).unwrap();
+    let streamed = perplexity_with(&m, batches(Some(&s), 0), text, &opts, &mut |_, _, _| {}).unwrap();
     let in_ram = load(&p);
-    let batched = perplexity_with(&in_ram, text, &opts(16), &FfnHooks::dense(), &mut |_, _, _| {}).unwrap();
+    let batched = perplexity_with(&in_ram, batches(None, 16), text, &opts, &mut |_, _, _| {}).unwrap();
     assert_eq!(streamed.perplexity.to_bits(), batched.perplexity.to_bits());
     assert!(s.counters().passes >= 2 * 4, "{:?}", s.counters());
-    let whole = perplexity_with(&in_ram, text, &opts(0), &FfnHooks::dense(), &mut |_, _, _| {}).unwrap();
+    let whole = perplexity_with(&in_ram, batches(None, 0), text, &opts, &mut |_, _, _| {}).unwrap();
     assert!((whole.perplexity - streamed.perplexity).abs() / whole.perplexity < 1e-4);
 }
 

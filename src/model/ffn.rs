@@ -17,9 +17,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::ops::{gelu_tanh, silu};
 use crate::backend::{Act, Device};
-use crate::config::FfnActivation;
 use crate::error::Result;
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
 use crate::model::weights::{FfnDown, LayerWeights};
@@ -39,14 +37,6 @@ fn edit_on_host(dev: &dyn Device, a: &mut Act, f: impl FnOnce(&mut [f32])) {
 }
 
 impl Model {
-    /// The FFN's activation function.
-    pub fn ffn_act(&self, g: f32) -> f32 {
-        match self.config.activation {
-            FfnActivation::Silu => silu(g),
-            FfnActivation::GeluTanh => gelu_tanh(g),
-        }
-    }
-
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
     /// `[n, hidden]`, before any post-FFN norm.
     pub(crate) fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
@@ -63,8 +53,8 @@ impl Model {
             Some(s) => s.gate(l)?,
             None => None,
         };
-        let gate_w = streamed_gate.as_ref().unwrap_or(&w.ffn_gate);
-        let (mut gate, mut up) = match (neurons, stream) {
+        let gate_w = streamed_gate.as_deref().unwrap_or(&w.ffn_gate);
+        let (mut gate, up_with_gate) = match (neurons, stream) {
             (FfnNeurons::All, None) => {
                 let mut gu = dev.matmul(&[gate_w, &w.ffn_up], xn);
                 let up = gu.pop().expect("up");
@@ -89,7 +79,7 @@ impl Model {
         // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
         // down columns staged with it when the mask decides before up (one read batch).
         let mut staged: Option<(Vec<u32>, bool, Option<Weight>)> = None;
-        let mut up = match (up.take(), stream, neurons) {
+        let mut up = match (up_with_gate, stream, neurons) {
             (Some(up), _, _) => up,
             (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.ffn_up, rows, xn), rows, f),
             (None, None, FfnNeurons::All) => unreachable!("computed with the gate"),
@@ -280,9 +270,10 @@ impl Model {
                     .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
                     .collect();
                 let dev = &*self.device;
-                let mut g = dev.matmul(&[&gate_w], &dev.upload(1, h, x.clone())).remove(0);
+                let x = dev.upload(1, h, x);
+                let mut g = dev.matmul(&[gate_w], &x).remove(0);
                 dev.activate(&mut g, self.config.activation);
-                mask.up_needed(next, &x, &dev.to_host(&g), &mut need);
+                mask.up_needed(next, &dev.to_host(&x), &dev.to_host(&g), &mut need);
             }
             None => mask.up_needed(next, &[], &[], &mut need),
         }

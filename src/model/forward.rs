@@ -3,12 +3,14 @@
 //! once per batch) and decode (one token). The FFN can be computed over a subset of neurons
 //! (`FfnNeurons`), the seam the sparse streaming path builds on.
 
+use std::borrow::Cow;
+
 use crate::backend::{Act, AttnShape, RopeShape};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::{Batch, Logits};
 use crate::model::weights::LayerWeights;
-use crate::model::Model;
+use crate::model::{Model, Placement};
 use crate::tensor::Weight;
 
 /// Which FFN neurons to compute. `All` is the dense model; `Subset` computes gate and up only
@@ -62,7 +64,7 @@ pub trait LayerStream: Sync {
     fn embedding(&self, tok: u32, out: &mut [f32]) -> Result<bool>;
     /// Layer `l`'s attention matrices when they are streamed, or `None` when resident. Called in
     /// layer order; an implementation may start reading later layers' weights meanwhile.
-    fn attention(&self, l: usize) -> Result<Option<AttnWeights>>;
+    fn attention(&self, l: usize) -> Result<Option<Cow<'_, AttnWeights>>>;
     /// Whether the FFN's rows come from this stream (its `gate`, `stage*`, `decode_*`); `false`:
     /// from the model's own matrices.
     fn streams_ffn(&self) -> bool {
@@ -70,7 +72,7 @@ pub trait LayerStream: Sync {
     }
     /// Layer `l`'s gate matrix when the stream holds it (a resident copy, or the view of the
     /// bytes prefetched with the layer); `None`: the model's own.
-    fn gate(&self, _l: usize) -> Result<Option<Weight>> {
+    fn gate(&self, _l: usize) -> Result<Option<Cow<'_, Weight>>> {
         Ok(None)
     }
     /// Stages the up rows of `up_set` (sorted) and, when `with_down`, their down columns: row
@@ -91,7 +93,7 @@ pub trait LayerStream: Sync {
     /// Where a lookahead prediction made at layer `l` goes: the next layer (the next token's
     /// first after the last, when the mask's up set does not read the input) and, when
     /// `reads_input`, its resident gate to predict with; `None`: no lookahead there.
-    fn lookahead_target(&self, _l: usize, _reads_input: bool) -> Option<(usize, Option<Weight>)> {
+    fn lookahead_target(&self, _l: usize, _reads_input: bool) -> Option<(usize, Option<&Weight>)> {
         None
     }
     /// Reads the rows of the neurons `need` predicts for `layer` (with their down columns when
@@ -141,7 +143,7 @@ pub trait LayerStream: Sync {
         None
     }
     /// The output matrix when the stream holds it (a model opened for streaming keeps none).
-    fn output(&self) -> Option<Weight> {
+    fn output(&self) -> Option<&Weight> {
         None
     }
     /// Taken by the forward pass before it enters the thread pool and held until it ends, for
@@ -286,7 +288,7 @@ impl Model {
     pub fn forward_batch(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
         let lens: Vec<(usize, usize)> = caches.iter().map(|c| (c.len, c.capacity)).collect();
         let next = batch.check(self.config.vocab, &lens)?;
-        if hooks.stream.is_none() && !self.weights.in_memory() {
+        if hooks.stream.is_none() && self.placement == Placement::OnDisk {
             return Err(Error::Invalid(format!(
                 "{}: this model was opened for streaming (its matrices stay on disk), and the pass was given no \
                  stream to read them; pass the model's stream (a pass without it would read past the RAM budget)",
@@ -348,7 +350,7 @@ impl Model {
                 Some(s) => s.attention(l)?,
                 None => None,
             };
-            let attn = streamed.as_ref().unwrap_or(&layer.attn);
+            let attn = streamed.as_deref().unwrap_or(&layer.attn);
             self.attention_block(l, layer, attn, &mut x, batch, caches);
             self.ffn_block(l, layer, &mut x, hooks)?;
         }
@@ -357,8 +359,7 @@ impl Model {
             return Ok(Vec::new());
         }
         dev.rms_norm_in_place(&mut xo, &self.weights.output_norm, cfg.rms_eps);
-        let streamed_out = hooks.stream.and_then(|s| s.output());
-        let out_w = streamed_out.as_ref().unwrap_or(&self.weights.output);
+        let out_w = hooks.stream.and_then(|s| s.output()).unwrap_or(&self.weights.output);
         let mut logits = dev.matmul(&[out_w], &xo).remove(0);
         if let Some(cap) = cfg.final_logit_softcap {
             dev.softcap(&mut logits, cap);

@@ -10,7 +10,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Logits;
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
+use crate::model::forward::{FfnMask, LayerStream, Passes};
 use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
 use crate::model::Model;
 
@@ -105,6 +105,24 @@ pub struct Generation {
     pub decode_tok_per_s: f64,
 }
 
+/// The next token from `logits`: sampled, `None` when it is a stop token, else with the text
+/// it completes and (when asked) its log-probability. Generation and the engine both emit
+/// tokens through it.
+pub(crate) fn next_token(
+    tokenizer: &crate::model::tokenizer::Tokenizer,
+    sampler: &mut Sampler,
+    decoder: &mut crate::model::tokenizer::StreamDecoder,
+    logits: &[f32],
+    logprobs: bool,
+) -> Option<(u32, String, Option<f32>)> {
+    let t = sampler.sample(logits);
+    if tokenizer.is_stop(t) {
+        return None;
+    }
+    let logprob = logprobs.then(|| log_softmax_at(logits, t));
+    Some((t, decoder.push(t).unwrap_or_default(), logprob))
+}
+
 /// Tells the mask the prompt is over when dropped, also when a pass fails midway (a mask left
 /// in prompt mode would treat the next request's tokens as context).
 struct PromptMode<'a>(Option<&'a dyn PromptAwareMask>);
@@ -190,14 +208,15 @@ impl Model {
                 opts.max_tokens
             )));
         }
-        let mut batch_max = if opts.batch_tokens_max == 0 {
-            PREFILL_BATCH_TOKENS
-        } else {
-            opts.batch_tokens_max
+        let passes = Passes {
+            stream,
+            batch_tokens_max: if opts.batch_tokens_max == 0 {
+                PREFILL_BATCH_TOKENS
+            } else {
+                opts.batch_tokens_max
+            },
         };
-        if let Some(m) = stream.and_then(|s| s.batch_tokens_max()) {
-            batch_max = batch_max.min(m);
-        }
+        let batch_max = passes.batch_max();
         let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
         let mut cache = KvCache::new(&self.config, ctx);
         let mut sampler = Sampler::new(opts.sampler.clone());
@@ -206,12 +225,7 @@ impl Model {
         let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
 
         let t0 = Instant::now();
-        let hooks = FfnHooks {
-            select: &|_, _| FfnNeurons::All,
-            observe: None,
-            mask: mask.map(|m| m.as_mask()),
-            stream,
-        };
+        let hooks = passes.hooks(mask.map(|m| m.as_mask()), None);
         let mut logits = Vec::new();
         {
             let _prompt_mode = PromptMode(mask);
@@ -237,15 +251,14 @@ impl Model {
                 finish = Finish::Cancelled;
                 break;
             }
-            let next = sampler.sample(&logits);
-            if self.tokenizer.is_stop(next) {
+            let Some((next, text, logprob)) =
+                next_token(&self.tokenizer, &mut sampler, &mut decoder, &logits, opts.logprobs)
+            else {
                 finish = Finish::StopToken;
                 break;
-            }
-            let logprob = opts.logprobs.then(|| log_softmax_at(&logits, next));
+            };
             tokens.push(next);
             logprobs.extend(logprob);
-            let text = decoder.push(next).unwrap_or_default();
             on_token(&TokenEvent {
                 id: Some(next),
                 text: &text,

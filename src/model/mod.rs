@@ -29,6 +29,8 @@ pub struct Model {
     pub config: ModelConfig,
     pub weights: ModelWeights,
     pub tokenizer: Tokenizer,
+    /// Where the matrices' bytes are (`OnDisk`: only a stream can read them).
+    pub placement: Placement,
     /// Where the forward pass computes (the CPU today; one device, one thread pool, per model).
     pub device: Arc<dyn Device>,
 }
@@ -121,6 +123,7 @@ impl Model {
             weights.leave_on_disk();
         }
         Ok(Model {
+            placement: opts.placement,
             path: path.to_path_buf(),
             config: src.config,
             weights,

@@ -272,24 +272,6 @@ impl ModelWeights {
         }
     }
 
-    /// Whether every matrix's bytes can be read without a stream.
-    pub fn in_memory(&self) -> bool {
-        let l = |l: &LayerWeights| {
-            [
-                &l.attn.wq,
-                &l.attn.wk,
-                &l.attn.wv,
-                &l.attn.wo,
-                &l.ffn_gate,
-                &l.ffn_up,
-                l.ffn_down.weight(),
-            ]
-            .iter()
-            .all(|w| w.in_memory())
-        };
-        self.token_embd.in_memory() && self.output.in_memory() && self.layers.iter().all(l)
-    }
-
     pub fn load(src: &TensorSource, cfg: &ModelConfig) -> Result<ModelWeights> {
         let names = Names {
             gguf: !matches!(src, TensorSource::Safetensors { .. }),

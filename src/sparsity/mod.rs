@@ -372,18 +372,29 @@ impl<'a> Masker<'a> {
         Ok(Masker::new(model, strategy, criterion, sparsity, sketches, thresholds))
     }
 
-    /// For `Union`: the first `tokens` of each following batch are the context.
+    /// For `Union`: the first `tokens` of each following batch are the context. A context that
+    /// follows decode steps (the context was 0) is a new one, as with
+    /// [`Masker::start_union_context`]; otherwise later batches of the same context vote on.
     pub fn set_union_context(&self, tokens: usize) {
-        let mut context = self.union_context.lock().expect("union context lock");
-        if *context == 0 && tokens > 0 {
-            // A new context: its votes start from nothing.
-            self.union_votes
-                .lock()
-                .expect("union votes lock")
-                .iter_mut()
-                .for_each(Vec::clear);
+        let was = std::mem::replace(&mut *self.union_context.lock().expect("union context lock"), tokens);
+        if was == 0 && tokens > 0 {
+            self.clear_union_votes();
         }
-        *context = tokens;
+    }
+
+    /// For `Union`: a new context of `tokens` tokens per batch, voting from nothing (a context
+    /// fed in several batches votes as one across them).
+    pub fn start_union_context(&self, tokens: usize) {
+        *self.union_context.lock().expect("union context lock") = tokens;
+        self.clear_union_votes();
+    }
+
+    fn clear_union_votes(&self) {
+        self.union_votes
+            .lock()
+            .expect("union votes lock")
+            .iter_mut()
+            .for_each(Vec::clear);
     }
 
     /// For `Union`: how many of each following batch's first tokens are the context (0 after

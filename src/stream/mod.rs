@@ -252,6 +252,8 @@ struct State {
     /// Lookahead reads submitted and not yet taken, oldest first (`buf` empty until done).
     ahead: VecDeque<Ahead>,
     ahead_spare: Vec<Vec<u8>>,
+    /// The lookahead read taken for the decode step's layer, until its up phase uses it.
+    ahead_taken: Option<Ahead>,
     /// The decode step between its up and down phases.
     decode: Option<DecodeStep>,
 }
@@ -321,21 +323,6 @@ fn unique(buf: &mut Arc<Vec<u8>>) -> &mut Vec<u8> {
 }
 
 impl Streamer {
-    /// Reads a whole matrix of the model (e.g. every up row, to build sketches) through the
-    /// compute thread's reader into memory; strided rows (a bundled layout) come out contiguous.
-    /// The read is counted like any other (`read_stats`).
-    pub fn read_matrix(&self, w: &Weight) -> Result<Weight> {
-        let p = Part::of(w)?;
-        let span = p.range_of(p.rows);
-        let bytes = self.fg.read_vec(span.offset_bytes, span.len_bytes)?;
-        let mut rows = Vec::with_capacity(p.rows * p.row_bytes);
-        for r in 0..p.rows {
-            let at = r * p.stride_bytes;
-            rows.extend_from_slice(&bytes[at..at + p.row_bytes]);
-        }
-        Weight::owned(&w.name, w.ty, w.rows, w.cols, rows)
-    }
-
     /// Counters and device reads since the prompt's pass (decode steps only), or since opening
     /// when no prompt was marked.
     pub fn decode_counters(&self) -> (Counters, ReadStats) {

@@ -324,6 +324,7 @@ impl Streamer {
                 counters: Counters::default(),
                 ahead: VecDeque::new(),
                 ahead_spare: Vec::new(),
+                ahead_taken: None,
                 decode: None,
             }),
             decode_start: Mutex::new(None),

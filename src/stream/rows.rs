@@ -5,6 +5,7 @@
 //! [`super::plan`], counts everything in [`super::Counters`], files neurons read whole in the
 //! cache. No arithmetic: the callers' callbacks compute.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use super::cache::LayerCache;
@@ -43,14 +44,12 @@ impl Ahead {
 }
 
 /// One decode step's FFN rows between `decode_up` and `decode_down`: which of the up set the
-/// cache held (neuron, slot) and which were read (their rows staged in that order), and the
-/// lookahead read taken for this layer (until the up phase uses it).
+/// cache held (neuron, slot) and which were read (their rows staged in that order).
 pub(super) struct DecodeStep {
     pub(super) layer: usize,
     pub(super) hits: Vec<(u32, usize)>,
     pub(super) misses: Vec<u32>,
     pub(super) with_down: bool,
-    pub(super) ahead: Option<Ahead>,
 }
 
 impl Streamer {
@@ -105,25 +104,6 @@ impl Streamer {
             st.ahead_spare.push(done.buf);
         }
         Ok(None)
-    }
-
-    /// The layer whose lookahead prediction layer `l`'s FFN should make, and that layer's
-    /// resident gate when the prediction needs one (see [`LayerStream::lookahead_target`]).
-    pub(super) fn lookahead_target_of(&self, l: usize, reads_input: bool) -> Option<(usize, Option<Weight>)> {
-        self.lookahead.as_ref()?;
-        let n_layers = self.layers.len();
-        let next = match (l + 1 < n_layers, reads_input) {
-            (true, _) => l + 1,
-            // Into the next token's first layer only when the input does not matter.
-            (false, false) => 0,
-            (false, true) => return None,
-        };
-        if !reads_input {
-            return Some((next, None));
-        }
-        // A layer whose gate streams gets no lookahead.
-        let gate = self.resident_gate[next].clone()?;
-        Some((next, Some(gate)))
     }
 
     /// Submits the read of the predicted neurons of layer `next` (`need`) that the cache lacks to
@@ -289,8 +269,8 @@ impl LayerStream for Streamer {
         Some(self.pass.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    fn output(&self) -> Option<Weight> {
-        Some(self.output.clone())
+    fn output(&self) -> Option<&Weight> {
+        Some(&self.output)
     }
 
     fn batch_tokens_max(&self) -> Option<usize> {
@@ -317,14 +297,14 @@ impl LayerStream for Streamer {
         Ok(true)
     }
 
-    fn attention(&self, l: usize) -> Result<Option<AttnWeights>> {
+    fn attention(&self, l: usize) -> Result<Option<Cow<'_, AttnWeights>>> {
         let mut st = self.state.lock().expect("stream state");
         if l == 0 {
             st.counters.passes += 1;
         }
         self.advance(&mut st, l)?;
         match &self.layers[l].attn {
-            None => Ok(self.resident_attn[l].clone()),
+            None => Ok(self.resident_attn[l].as_ref().map(Cow::Borrowed)),
             Some([q, k, v, o]) => {
                 let mut at = 0;
                 let mut next = |p: &Part| {
@@ -332,12 +312,12 @@ impl LayerStream for Streamer {
                     at += p.rows * p.row_bytes;
                     w
                 };
-                Ok(Some(AttnWeights {
+                Ok(Some(Cow::Owned(AttnWeights {
                     wq: next(q)?,
                     wk: next(k)?,
                     wv: next(v)?,
                     wo: next(o)?,
-                }))
+                })))
             }
         }
     }
@@ -346,19 +326,30 @@ impl LayerStream for Streamer {
         true
     }
 
+    /// Reads a whole matrix of the model (e.g. every up row, to build sketches) through the
+    /// compute thread's reader into memory; strided rows (a bundled layout) come out contiguous.
+    /// The read is counted like any other (`read_stats`).
     fn read_matrix(&self, w: &Weight) -> Result<Weight> {
-        Streamer::read_matrix(self, w)
+        let p = Part::of(w)?;
+        let span = p.range_of(p.rows);
+        let bytes = self.fg.read_vec(span.offset_bytes, span.len_bytes)?;
+        let mut rows = Vec::with_capacity(p.rows * p.row_bytes);
+        for r in 0..p.rows {
+            let at = r * p.stride_bytes;
+            rows.extend_from_slice(&bytes[at..at + p.row_bytes]);
+        }
+        Weight::owned(&w.name, w.ty, w.rows, w.cols, rows)
     }
 
-    fn gate(&self, l: usize) -> Result<Option<Weight>> {
+    fn gate(&self, l: usize) -> Result<Option<Cow<'_, Weight>>> {
         let parts = &self.layers[l];
         match &parts.gate {
             Some(g) => {
                 let st = self.state.lock().expect("stream state");
                 let at = parts.attn.iter().flatten().map(|p| p.rows * p.row_bytes).sum();
-                Streamer::view(&st, g, at).map(Some)
+                Streamer::view(&st, g, at).map(|w| Some(Cow::Owned(w)))
             }
-            None => Ok(self.resident_gate[l].clone()),
+            None => Ok(self.resident_gate[l].as_ref().map(Cow::Borrowed)),
         }
     }
 
@@ -397,19 +388,25 @@ impl LayerStream for Streamer {
 
     fn begin_decode(&self, l: usize) -> Result<()> {
         let mut st = self.state.lock().expect("stream state");
-        let ahead = self.take_ahead(&mut st, l)?;
-        st.decode = Some(DecodeStep {
-            layer: l,
-            hits: Vec::new(),
-            misses: Vec::new(),
-            with_down: false,
-            ahead,
-        });
+        st.ahead_taken = self.take_ahead(&mut st, l)?;
         Ok(())
     }
 
-    fn lookahead_target(&self, l: usize, reads_input: bool) -> Option<(usize, Option<Weight>)> {
-        self.lookahead_target_of(l, reads_input)
+    fn lookahead_target(&self, l: usize, reads_input: bool) -> Option<(usize, Option<&Weight>)> {
+        self.lookahead.as_ref()?;
+        let n_layers = self.layers.len();
+        let next = match (l + 1 < n_layers, reads_input) {
+            (true, _) => l + 1,
+            // Into the next token's first layer only when the input does not matter.
+            (false, false) => 0,
+            (false, true) => return None,
+        };
+        if !reads_input {
+            return Some((next, None));
+        }
+        // A layer whose gate streams gets no lookahead.
+        let gate = self.resident_gate[next].as_ref()?;
+        Some((next, Some(gate)))
     }
 
     fn read_ahead(&self, layer: usize, need: &[bool], with_down: bool) -> Result<()> {
@@ -436,7 +433,7 @@ impl LayerStream for Streamer {
         let parts = &self.layers[l];
         let (ur, dr) = (parts.up.row_bytes, parts.down.row_bytes);
         let step = st.counters.passes;
-        let ahead = st.decode.take().and_then(|d| d.ahead.filter(|a| a.layer == l));
+        let ahead = st.ahead_taken.take().filter(|a| a.layer == l);
         let State {
             caches,
             staging_up,
@@ -523,7 +520,6 @@ impl LayerStream for Streamer {
             hits,
             misses,
             with_down,
-            ahead: None,
         });
         Ok(())
     }

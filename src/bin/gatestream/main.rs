@@ -421,22 +421,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let path = model_path(&model)?;
             let rt = open_plain(&path, model.threads, ram_budget.as_deref(), io, ctx)?;
-            let hooks = gatestream::model::forward::FfnHooks {
-                select: &|_, _| gatestream::model::forward::FfnNeurons::All,
-                observe: None,
-                mask: None,
+            let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
+                batch_tokens_max: 0,
             };
             let mut bar = Progress::new();
             let report = perplexity_with(
                 &rt.model,
+                passes,
                 &body,
-                &PerplexityOptions {
-                    ctx,
-                    windows,
-                    batch_tokens_max: 0,
-                },
-                &hooks,
+                &PerplexityOptions { ctx, windows },
                 &mut |done, total, ppl| bar.update(&format!("ppl {ppl:.3}"), done, total),
             )?;
             if json {
