@@ -65,6 +65,9 @@ struct Sequence<'m> {
     next: Option<u32>,
     generated: usize,
     max_tokens: usize,
+    /// How a sequence that reaches `max_tokens` ends: `MaxTokens`, or `ContextFull` when the
+    /// context cut `max_tokens` down.
+    at_max: Finish,
     logprobs: bool,
     cancelled: bool,
 }
@@ -90,6 +93,7 @@ impl<'m> Engine<'m> {
             } else {
                 step_tokens_max
             },
+            cancel: None,
         };
         Engine {
             model,
@@ -125,7 +129,10 @@ impl<'m> Engine<'m> {
                 self.model.config.vocab
             )));
         }
-        let positions = req.prompt_ids.len() + req.max_tokens;
+        // Refused before any work when the prompt does not fit the model's context; generation
+        // stops where the context is full.
+        let plan = self.model.context_plan(req.prompt_ids.len(), req.max_tokens, 0)?;
+        let positions = plan.kv_positions;
         if let Some(limit) = self.stream.and_then(|s| s.kv_positions()) {
             let in_use: usize = self.seqs.iter().map(|s| s.cache.capacity).sum();
             if in_use + positions > limit {
@@ -146,7 +153,12 @@ impl<'m> Engine<'m> {
             fed: 0,
             next: None,
             generated: 0,
-            max_tokens: req.max_tokens,
+            max_tokens: plan.max_new,
+            at_max: if plan.max_new < req.max_tokens {
+                Finish::ContextFull
+            } else {
+                Finish::MaxTokens
+            },
             logprobs: req.logprobs,
             cancelled: false,
         });
@@ -172,11 +184,7 @@ impl<'m> Engine<'m> {
         self.seqs.retain_mut(|s| {
             let done = s.cancelled || s.max_tokens == 0;
             if done {
-                let finish = if s.cancelled {
-                    Finish::Cancelled
-                } else {
-                    Finish::MaxTokens
-                };
+                let finish = if s.cancelled { Finish::Cancelled } else { s.at_max };
                 events.push(finished(s, finish));
             }
             !done
@@ -217,6 +225,7 @@ impl<'m> Engine<'m> {
         let hooks = Passes {
             stream: self.stream,
             batch_tokens_max: self.step_tokens_max,
+            cancel: None,
         }
         .hooks(self.mask, None);
         let logits = {
@@ -254,7 +263,7 @@ impl<'m> Engine<'m> {
                 logprob,
             });
             if s.generated >= s.max_tokens {
-                ended.push((i, Finish::MaxTokens));
+                ended.push((i, s.at_max));
             } else {
                 s.next = Some(t);
             }

@@ -7,8 +7,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    /// (`cause` is shown in the message and deliberately not an error source, so chained
+    /// displays do not print it twice.)
+    #[error("{path}: {cause}")]
+    Io { path: PathBuf, cause: std::io::Error },
 
     /// A model file whose bytes do not parse: truncated, wrong magic, absurd counts, bad offsets.
     #[error("{path}: malformed {format} file at byte offset {offset_bytes}: {what}")]
@@ -65,6 +67,10 @@ pub enum Error {
     #[error("{path}: no usable tokenizer: {what}")]
     Tokenizer { path: PathBuf, what: String },
 
+    /// The caller cancelled the work (Ctrl-C, a client that went away) before it finished.
+    #[error("cancelled")]
+    Cancelled,
+
     /// A request the caller made that cannot be honoured (prompt too long, bad option value).
     #[error("{0}")]
     Invalid(String),
@@ -74,7 +80,7 @@ impl Error {
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            cause: source,
         }
     }
 }

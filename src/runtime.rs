@@ -70,11 +70,14 @@ pub struct StreamAsk {
 #[derive(Clone, Debug)]
 pub enum KvPositions {
     Exactly(usize),
-    /// The prompt's tokens (as generation encodes it) plus `extra`.
+    /// What the prompt (as generation encodes it) needs to generate `extra` tokens in a context
+    /// of `ctx` positions (0 = the model's): a prompt that does not fit is refused here, before
+    /// anything is read.
     Prompt {
         prompt: String,
         chat: bool,
         extra: usize,
+        ctx: usize,
     },
 }
 
@@ -172,7 +175,16 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
         Some(ask) => {
             let kv_positions = match &opts.kv_positions {
                 KvPositions::Exactly(n) => *n,
-                KvPositions::Prompt { prompt, chat, extra } => model.prompt_ids(prompt, *chat)?.len() + extra,
+                KvPositions::Prompt {
+                    prompt,
+                    chat,
+                    extra,
+                    ctx,
+                } => {
+                    model
+                        .context_plan(model.prompt_ids(prompt, *chat)?.len(), *extra, *ctx)?
+                        .kv_positions
+                }
             };
             let sparse = mask.is_some();
             let s = Streamer::open(
@@ -267,12 +279,8 @@ impl Runtime {
         cancel: Option<&AtomicBool>,
         on_token: &mut dyn FnMut(&TokenEvent),
     ) -> Result<Outcome> {
-        let positions = if opts.ctx == 0 {
-            prompt_ids.len() + opts.max_tokens
-        } else {
-            opts.ctx
-        };
-        self.check_positions(positions)?;
+        let plan = self.model.context_plan(prompt_ids.len(), opts.max_tokens, opts.ctx)?;
+        self.check_positions(plan.kv_positions)?;
         let masker = self.masker()?;
         let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
         let c = &self.model.config;

@@ -1,7 +1,8 @@
 //! Hugging Face safetensors reader: one `model.safetensors` or shards listed in
-//! `model.safetensors.index.json`, memory-mapped. Parses the untrusted JSON header with a size
-//! limit and checks every tensor's byte range, dtype and element count before use. Knows bytes
-//! and dtypes, not architectures.
+//! `model.safetensors.index.json`, memory-mapped. The untrusted header is parsed and validated by
+//! the `safetensors` crate (size limit, JSON, byte ranges, element counts); this module maps its
+//! errors to ours (file and byte offset), keeps the dtypes gatestream computes on, and joins
+//! shards. Knows bytes and dtypes, not architectures.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,8 +11,8 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::quant::GgmlType;
 
-/// The header of a real model is a few hundred KiB at most.
-const HEADER_BYTES_MAX: u64 = 100 << 20;
+/// The `safetensors` crate's header limit (a real model's header is a few hundred KiB at most).
+const HEADER_BYTES_MAX: u64 = 100_000_000;
 
 #[derive(Clone, Debug)]
 pub struct StTensor {
@@ -100,84 +101,81 @@ impl SafetensorsModel {
     }
 }
 
-/// Parse one file's header: u64 little-endian header length, a JSON object of
-/// `name -> {dtype, shape, data_offsets: [begin, end]}` (offsets relative to the data after the header).
+/// Parse one file's header with the `safetensors` crate (u64 little-endian header length, a JSON
+/// object of `name -> {dtype, shape, data_offsets}`, tensors covering the data exactly, shapes
+/// matching byte counts), mapping its errors to ours with the file and the byte offset where the
+/// problem lies, then keeping the dtypes gatestream computes on.
 pub fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<StTensor>> {
-    let len_field: [u8; 8] = bytes.get(..8).and_then(|b| b.try_into().ok()).ok_or_else(|| {
-        malformed(
+    use safetensors::tensor::{Dtype, SafeTensorError as E};
+    let header_len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .unwrap_or(0);
+    let data_start = 8u64.saturating_add(header_len);
+    let (n, metadata) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| match e {
+        E::HeaderTooSmall => malformed(
             path,
             0,
             format!("file is {} bytes, too short for a header", bytes.len()),
-        )
-    })?;
-    let header_len = u64::from_le_bytes(len_field);
-    if header_len > HEADER_BYTES_MAX || header_len > bytes.len() as u64 - 8 {
-        return Err(malformed(
+        ),
+        E::HeaderTooLarge | E::InvalidHeaderLength => malformed(
             path,
             0,
-            format!("header length {header_len} exceeds the file or the {HEADER_BYTES_MAX}-byte limit"),
-        ));
-    }
-    let data_start = 8 + header_len as usize;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..data_start])
-        .map_err(|e| malformed(path, 8, format!("header is not a JSON object: {e}")))?;
-    let data_len = bytes.len() - data_start;
-    let mut out = Vec::new();
-    for (name, info) in header {
-        if name == "__metadata__" {
-            continue;
+            format!(
+                "header length {header_len} exceeds the file ({} bytes) or the {HEADER_BYTES_MAX}-byte limit",
+                bytes.len()
+            ),
+        ),
+        E::InvalidHeader(e) => malformed(path, 8, format!("header is not UTF-8: {e}")),
+        E::InvalidHeaderDeserialization(e) | E::JsonError(e) => {
+            malformed(path, 8, format!("header is not a JSON object of tensors: {e}"))
         }
-        let bad = |what: String| malformed(path, 8, format!("tensor `{name}`: {what}"));
-        let dtype = info
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .ok_or_else(|| bad("no dtype".into()))?;
-        let ty = match dtype {
-            "F32" => GgmlType::F32,
-            "F16" => GgmlType::F16,
-            "BF16" => GgmlType::BF16,
-            other => return Err(bad(format!("dtype {other} is not supported (F32, F16, BF16 are)"))),
-        };
-        let shape: Vec<usize> = info
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .ok_or_else(|| bad("no shape".into()))?
-            .iter()
-            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad("shape has a non-integer dimension".into()))?;
-        let offsets = info
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .ok_or_else(|| bad("no data_offsets".into()))?;
-        let (begin, end) = match offsets.as_slice() {
-            [b, e] => (b.as_u64(), e.as_u64()),
-            _ => (None, None),
-        };
-        let (begin, end) = match (begin, end) {
-            (Some(b), Some(e)) if b <= e && e <= data_len as u64 => (b as usize, e as usize),
-            _ => {
-                return Err(bad(format!(
-                    "data_offsets {offsets:?} fall outside the {data_len} data bytes (truncated file?)"
-                )))
+        E::InvalidOffset(name) => malformed(
+            path,
+            8,
+            format!("tensor `{name}`: data_offsets do not start where the previous tensor ends"),
+        ),
+        E::MetadataIncompleteBuffer => malformed(
+            path,
+            data_start,
+            format!(
+                "the tensors' data does not end where the file does ({} data bytes; truncated or padded file?)",
+                (bytes.len() as u64).saturating_sub(data_start)
+            ),
+        ),
+        E::TensorInvalidInfo | E::ValidationOverflow => malformed(
+            path,
+            8,
+            "a tensor's byte count does not match its shape and dtype (or overflows)".into(),
+        ),
+        other => malformed(path, 8, other.to_string()),
+    })?;
+    let data_start = 8 + n;
+    let mut out = Vec::new();
+    for (name, info) in metadata.tensors() {
+        let ty = match info.dtype {
+            Dtype::F32 => GgmlType::F32,
+            Dtype::F16 => GgmlType::F16,
+            Dtype::BF16 => GgmlType::BF16,
+            other => {
+                return Err(malformed(
+                    path,
+                    8,
+                    format!("tensor `{name}`: dtype {other} is not supported (F32, F16, BF16 are)"),
+                ))
             }
         };
-        let n_elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let want = n_elems.and_then(|n| n.checked_mul(ty.block_bytes()));
-        if want != Some(end - begin) {
-            return Err(bad(format!(
-                "{} bytes stored, but shape {shape:?} of {dtype} needs {want:?}",
-                end - begin
-            )));
-        }
+        let (begin, end) = info.data_offsets;
         out.push(StTensor {
             name,
-            shape,
+            shape: info.shape.clone(),
             ty,
             file,
             offset_bytes: data_start + begin,
             len_bytes: end - begin,
         });
     }
+    // The crate's map has no order; tensors in offset order keep error messages repeatable.
+    out.sort_by_key(|t| t.offset_bytes);
     Ok(out)
 }

@@ -141,3 +141,64 @@ fn damaged_safetensors_are_errors() {
     let e = Model::load(tmp.path(), &LoadOptions::default()).err().unwrap();
     assert!(matches!(e, Error::UnsupportedArchitecture { .. }), "{e:?}");
 }
+
+/// A model path that is no model says what a model path can be: a folder without config.json,
+/// a path that does not exist, a file that is neither GGUF nor .gst.
+#[test]
+fn a_path_that_is_no_model_says_what_a_model_path_is() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("notes.txt"), "hello").unwrap();
+    for path in [
+        tmp.path().to_path_buf(),
+        tmp.path().join("missing.gguf"),
+        tmp.path().join("notes.txt"),
+    ] {
+        let m = message(&Model::load(&path, &LoadOptions::default()).err().unwrap());
+        assert!(m.contains(&path.display().to_string()), "{m}");
+        assert!(
+            m.contains("a model path is a .gguf file, a .gst file") && m.contains("config.json"),
+            "{m}"
+        );
+        assert!(!m.contains("os error 2): No such file"), "{m}");
+    }
+}
+
+/// The safetensors crate's rejections reach the user as the project's errors, with the file
+/// and where in it: bad JSON, a tensor whose offsets leave a gap, an unsupported dtype.
+#[test]
+fn safetensors_header_rejections_name_file_and_offset() {
+    use gatestream::safetensors::parse_header;
+    let file = |header: &str, data: usize| {
+        let mut b = (header.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(header.as_bytes());
+        b.resize(b.len() + data, 0);
+        b
+    };
+    let p = std::path::Path::new("m.safetensors");
+    let ok = file(r#"{"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#, 16);
+    let t = parse_header(p, &ok, 0).unwrap();
+    assert_eq!((t.len(), t[0].shape.clone(), t[0].len_bytes), (1, vec![2, 2], 16));
+    for (bytes, want) in [
+        (file("{not json", 0), "offset 8: header is not a JSON object"),
+        (
+            file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#, 12),
+            "offset 8: tensor `a`: data_offsets",
+        ),
+        (
+            file(r#"{"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}}"#, 12),
+            "does not match its shape",
+        ),
+        (
+            file(r#"{"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]}}"#, 8),
+            "dtype I32 is not supported",
+        ),
+        (
+            file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 4),
+            "truncated",
+        ),
+        (ok[..5].to_vec(), "too short for a header"),
+    ] {
+        let m = message(&parse_header(p, &bytes, 0).err().unwrap());
+        assert!(m.contains("m.safetensors") && m.contains(want), "want {want:?} in: {m}");
+    }
+}

@@ -201,6 +201,7 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
         observe: None,
         mask: None,
         stream: rt.layer_stream(),
+        cancel: None,
     };
     let e = rt
         .model
@@ -361,4 +362,120 @@ fn a_generation_ending_mid_character_flushes_it() {
     let two = m.generate_ids(&ids, &greedy(3), None, None, None, &mut |_| {}).unwrap();
     assert!(!two.text.contains('\u{FFFD}'), "{:?}", two.text);
     assert_eq!(two.text, m.tokenizer.decode(&two.tokens).unwrap());
+}
+
+/// A prompt that does not fit the context is refused before any work, naming both counts; a
+/// smaller context asked for is honoured and generation ends `ContextFull` where it fills,
+/// with the tokens an unlimited run starts with.
+#[test]
+fn the_context_bounds_prompt_and_generation() {
+    let m = smollm2();
+    let limit = m.config.context_len;
+    let too_long = vec![1u32; limit];
+    let t = std::time::Instant::now();
+    let e = m
+        .generate_ids(&too_long, &greedy(4), None, None, None, &mut |_| {})
+        .err()
+        .unwrap();
+    assert!(t.elapsed().as_secs_f64() < 1.0, "refused after {:?}", t.elapsed());
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!("{limit} tokens")) && msg.contains("context of"),
+        "{msg}"
+    );
+
+    let ids = m.prompt_ids("The capital of France is", false).unwrap();
+    let free = m.generate_ids(&ids, &greedy(8), None, None, None, &mut |_| {}).unwrap();
+    let opts = GenerateOptions {
+        ctx: ids.len() + 3,
+        ..greedy(8)
+    };
+    let capped = m.generate_ids(&ids, &opts, None, None, None, &mut |_| {}).unwrap();
+    assert_eq!(capped.finish, Finish::ContextFull);
+    assert_eq!(capped.tokens, free.tokens[..3]);
+    assert_eq!((capped.prompt_tokens, capped.completion_tokens), (ids.len(), 3));
+    let opts = GenerateOptions {
+        ctx: ids.len(),
+        ..greedy(8)
+    };
+    let e = m
+        .generate_ids(&ids, &opts, None, None, None, &mut |_| {})
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("--ctx-size"), "{e}");
+}
+
+/// Cancelling stops a pass before its next layer, not at its end: an observer that sets the
+/// flag after layer 1's FFN sees no later layer, and the pass ends `Cancelled` without
+/// advancing the KV cache.
+#[test]
+fn cancel_stops_a_pass_between_layers() {
+    use gatestream::kv::KvCache;
+    use gatestream::model::batch::Logits;
+    use gatestream::model::forward::FfnNeurons;
+    let m = smollm2();
+    let ids = m.prompt_ids(LONG_PROMPT, false).unwrap();
+    let cancel = AtomicBool::new(false);
+    let seen = std::sync::Mutex::new(Vec::new());
+    let observe = |l: usize, _: &[f32], _: &[f32]| {
+        seen.lock().unwrap().push(l);
+        if l == 1 {
+            cancel.store(true, Ordering::Relaxed);
+        }
+    };
+    let hooks = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: Some(&observe),
+        mask: None,
+        stream: None,
+        cancel: Some(&cancel),
+    };
+    let mut cache = KvCache::new(&m.config, ids.len());
+    let e = m.forward_with(&ids, &mut cache, Logits::Last, &hooks).err().unwrap();
+    assert!(matches!(e, Error::Cancelled), "{e:?}");
+    assert_eq!(*seen.lock().unwrap(), vec![0, 1]);
+    assert_eq!(cache.len, 0);
+}
+
+/// `gatestream run` stopped by Ctrl-C (SIGINT) in the middle of a long prompt's prefill exits
+/// within a second, with status 130, saying it was cancelled; stopped while generating, it
+/// has printed what it generated.
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_run_within_a_second() {
+    use std::time::{Duration, Instant};
+    let model = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(700);
+    for (prompt, max_tokens) in [(prompt.as_str(), "4"), ("Once upon a time", "8000")] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--threads", "1", "--max-tokens", max_tokens, "--prompt", prompt])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        let t = Instant::now();
+        let status = std::process::Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let out = child.wait_with_output().unwrap();
+        let waited = t.elapsed();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(
+            waited < Duration::from_secs(1),
+            "exited {waited:?} after SIGINT: {stderr}"
+        );
+        assert_eq!(out.status.code(), Some(130), "{stderr}");
+        assert!(stderr.contains("(cancelled)"), "{stderr}");
+        if max_tokens == "8000" {
+            assert!(stdout.trim().len() > 10, "nothing printed: {stdout:?}");
+        }
+    }
 }

@@ -501,7 +501,16 @@ fn run_sparse_json(path: &Path) -> serde_json::Value {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).unwrap()
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Counts under the names every completion API uses; the ids under their own name.
+    let ids = v["prompt_token_ids"].as_array().expect("prompt_token_ids").len();
+    assert!(ids > 1 && v["prompt_tokens"].as_u64() == Some(ids as u64), "{v}");
+    assert_eq!(
+        v["completion_tokens"].as_u64(),
+        Some(v["tokens"].as_array().unwrap().len() as u64),
+        "{v}"
+    );
+    v
 }
 
 #[test]

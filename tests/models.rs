@@ -121,6 +121,7 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
                 observe: None,
                 mask: None,
                 stream: None,
+                cancel: None,
             },
         )
         .unwrap();
@@ -138,6 +139,7 @@ fn ffn_over_all_neurons_as_a_subset_equals_dense() {
                 observe: None,
                 mask: None,
                 stream: None,
+                cancel: None,
             },
         )
         .unwrap();

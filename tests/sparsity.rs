@@ -54,6 +54,7 @@ fn run(model: &Model, ids: &[u32], mask: Option<&Masker>) -> Vec<f32> {
         observe: None,
         mask: mask.map(|m| m as _),
         stream: None,
+        cancel: None,
     };
     model.forward_with(ids, &mut cache, Logits::From(0), &hooks).unwrap()
 }

@@ -81,6 +81,7 @@ fn run(model: &Model, stream: Option<&Streamer>, mask: Option<&Masker>, text: &s
         observe: None,
         mask: mask.map(|m| m as _),
         stream: stream.map(|s| s as _),
+        cancel: None,
     };
     let mut all = model.forward_with(&ids, &mut cache, Logits::From(0), &hooks).unwrap();
     let vocab = model.config.vocab;
@@ -292,6 +293,7 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
         observe: None,
         mask: None,
         stream: Some(&s),
+        cancel: None,
     };
     let e = m
         .forward_with(&ids, &mut cache, Logits::Last, &hooks)
@@ -585,6 +587,7 @@ fn perplexity_streams_and_equals_the_in_ram_model_in_the_same_batches() {
         Passes {
             stream: stream.map(|s| s as _),
             batch_tokens_max,
+            cancel: None,
         }
     }
     let m = load_on_disk(&p);
@@ -637,6 +640,7 @@ fn eval_streams_and_equals_the_in_ram_model_in_the_same_batches() {
     let streamed = Passes {
         stream: Some(&s),
         batch_tokens_max: 0,
+        cancel: None,
     };
     let got = eval_with(&m, streamed, text, "wiki", &opts, &mut |_, _, _| {})
         .unwrap()
@@ -645,6 +649,7 @@ fn eval_streams_and_equals_the_in_ram_model_in_the_same_batches() {
     let batched = Passes {
         stream: None,
         batch_tokens_max: 16,
+        cancel: None,
     };
     let want = eval_with(&in_ram, batched, text, "wiki", &opts, &mut |_, _, _| {})
         .unwrap()

@@ -10,9 +10,10 @@ use super::file::{has_o_direct, open_file, read_span, DirectIo, Span};
 use super::stats::{ReadStats, StatsCell};
 use super::{check_range, OnDone, Range, Reader};
 use crate::error::{Error, Result};
+use crossbeam_channel::{unbounded, Receiver, Sender};
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -48,7 +49,7 @@ struct Shared {
 struct Job {
     index: usize,
     range: Range,
-    reply: mpsc::Sender<Done>,
+    reply: Sender<Done>,
 }
 
 struct Done {
@@ -58,7 +59,7 @@ struct Done {
 
 pub struct PreadReader {
     shared: Arc<Shared>,
-    jobs: Option<mpsc::Sender<Job>>,
+    jobs: Option<Sender<Job>>,
     workers: Vec<JoinHandle<()>>,
     len_bytes: u64,
     queue_depth: usize,
@@ -83,11 +84,11 @@ impl PreadReader {
             pool: BufferPool::new(opts.queue_depth),
             stats: StatsCell::default(),
         });
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        // One queue, every worker taking from it (crossbeam's channels are multi-consumer).
+        let (tx, rx) = unbounded::<Job>();
         let mut workers = Vec::with_capacity(opts.threads);
         for n in 0..opts.threads {
-            let (shared, rx) = (Arc::clone(&shared), Arc::clone(&rx));
+            let (shared, rx) = (Arc::clone(&shared), rx.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("gatestream-pread-{n}"))
                 .spawn(move || worker(&shared, &rx))
@@ -115,14 +116,10 @@ impl PreadReader {
     }
 }
 
-fn worker(shared: &Shared, jobs: &Mutex<mpsc::Receiver<Job>>) {
+fn worker(shared: &Shared, jobs: &Receiver<Job>) {
     use std::os::unix::fs::FileExt;
-    loop {
-        // The lock is held only while waiting for the next job, never during a read.
-        let job = match jobs.lock().unwrap_or_else(|e| e.into_inner()).recv() {
-            Ok(job) => job,
-            Err(_) => return, // the reader was dropped
-        };
+    // Ends when the reader is dropped (the channel closes).
+    for job in jobs {
         let span = Span::widen(job.range, shared.align);
         let mut buf = shared.pool.get(span.dev_len_bytes);
         // A panic here would leave the batch waiting forever for this reply; report it instead.
@@ -202,7 +199,7 @@ impl PreadReader {
             }
         }
         let jobs = self.jobs.as_ref().expect("present until drop");
-        let (reply, done) = mpsc::channel::<Done>();
+        let (reply, done) = unbounded::<Done>();
         let (mut next, mut in_flight) = (0usize, 0usize);
         let mut first_err: Option<Error> = None;
         loop {

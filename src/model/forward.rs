@@ -36,6 +36,10 @@ pub struct FfnHooks<'a> {
     pub mask: Option<&'a dyn FfnMask>,
     /// Weights read from disk while the pass runs (the streaming path); `None` is the in-RAM model.
     pub stream: Option<&'a dyn LayerStream>,
+    /// Checked before every layer: once set, the pass stops with [`Error::Cancelled`] (a long
+    /// prompt batch ends within a layer's time, not a whole pass's). The KV cache keeps the
+    /// positions of earlier passes only.
+    pub cancel: Option<&'a std::sync::atomic::AtomicBool>,
 }
 
 /// The attention matrices of one layer.
@@ -169,6 +173,7 @@ impl FfnHooks<'_> {
             observe: None,
             mask: None,
             stream: None,
+            cancel: None,
         }
     }
 }
@@ -180,6 +185,8 @@ impl FfnHooks<'_> {
 pub struct Passes<'a> {
     pub stream: Option<&'a dyn LayerStream>,
     pub batch_tokens_max: usize,
+    /// Stops a pass between layers once set (see [`FfnHooks::cancel`]).
+    pub cancel: Option<&'a std::sync::atomic::AtomicBool>,
 }
 
 impl<'a> Passes<'a> {
@@ -203,6 +210,7 @@ impl<'a> Passes<'a> {
             observe,
             mask,
             stream: self.stream,
+            cancel: self.cancel,
         }
     }
 }
@@ -346,6 +354,12 @@ impl Model {
             None => dev.embed(&self.weights.token_embd, &batch.ids, cfg.embed_scale),
         };
         for (l, layer) in self.weights.layers.iter().enumerate() {
+            if hooks
+                .cancel
+                .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+            {
+                return Err(Error::Cancelled);
+            }
             let streamed = match hooks.stream {
                 Some(s) => s.attention(l)?,
                 None => None,

@@ -30,7 +30,9 @@ pub struct GenerateOptions {
     pub sampler: SamplerConfig,
     /// Render the prompt with the model's chat template.
     pub chat: bool,
-    /// KV cache positions to allocate (prompt + generated); 0 = prompt + max_tokens.
+    /// The context in positions (prompt + generated): a longer prompt is refused before any work,
+    /// generation stops when it is full (finish `ContextFull`); 0 = the model's trained context.
+    /// The KV cache holds only what the request can use (prompt + `max_tokens`, at most this).
     pub ctx: usize,
     /// The most prompt tokens per pass; 0 = [`PREFILL_BATCH_TOKENS`] (a stream may lower it).
     pub batch_tokens_max: usize,
@@ -60,6 +62,8 @@ pub enum Finish {
     StopToken,
     /// `max_tokens` were generated.
     MaxTokens,
+    /// The context (the model's, or the one asked for) is full.
+    ContextFull,
     /// The caller cancelled (the tokens so far are kept).
     Cancelled,
 }
@@ -70,6 +74,7 @@ impl Finish {
         match self {
             Finish::StopToken => "stop_token",
             Finish::MaxTokens => "max_tokens",
+            Finish::ContextFull => "context_full",
             Finish::Cancelled => "cancelled",
         }
     }
@@ -97,7 +102,12 @@ pub struct Generation {
     /// unless asked for.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub logprobs: Vec<f32>,
-    pub prompt_tokens: Vec<u32>,
+    /// How many tokens the prompt encoded to (a count, as every completion API names it).
+    pub prompt_tokens: usize,
+    /// How many tokens were generated.
+    pub completion_tokens: usize,
+    /// The prompt's token ids.
+    pub prompt_token_ids: Vec<u32>,
     pub finish: Finish,
     pub prefill_s: f64,
     pub decode_s: f64,
@@ -121,6 +131,17 @@ pub(crate) fn next_token(
     }
     let logprob = logprobs.then(|| log_softmax_at(logits, t));
     Some((t, decoder.push(t).unwrap_or_default(), logprob))
+}
+
+/// What a request may use of the context: KV positions to allocate and tokens to generate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextPlan {
+    /// The context in positions: the model's trained context, or the one asked for.
+    pub limit: usize,
+    /// KV positions the request can fill (prompt + generated, at most `limit`).
+    pub kv_positions: usize,
+    /// Tokens it may generate: `max_tokens`, or fewer when the context fills first.
+    pub max_new: usize,
 }
 
 /// Tells the mask the prompt is over when dropped, also when a pass fails midway (a mask left
@@ -157,6 +178,37 @@ impl Model {
             ));
         }
         Ok(ids)
+    }
+
+    /// What a prompt of `prompt_len` tokens may use of a context of `ctx` positions (0 = the
+    /// model's trained context): refused, naming both counts and the way out, when the prompt
+    /// leaves no room to generate.
+    pub fn context_plan(&self, prompt_len: usize, max_tokens: usize, ctx: usize) -> Result<ContextPlan> {
+        let limit = if ctx == 0 { self.config.context_len } else { ctx };
+        if prompt_len >= limit {
+            let whose = if ctx == 0 {
+                format!("the model's context of {limit} tokens")
+            } else {
+                format!(
+                    "the context of {limit} tokens asked for (the model's is {})",
+                    self.config.context_len
+                )
+            };
+            return Err(Error::Invalid(format!(
+                "the prompt is {prompt_len} tokens, which leaves no room to generate in {whose}; shorten the prompt{}",
+                if ctx != 0 && ctx < self.config.context_len {
+                    " or give a longer --ctx-size"
+                } else {
+                    ""
+                }
+            )));
+        }
+        let max_new = max_tokens.min(limit - prompt_len);
+        Ok(ContextPlan {
+            limit,
+            kv_positions: prompt_len + max_new,
+            max_new,
+        })
     }
 
     pub fn generate(&self, prompt: &str, opts: &GenerateOptions, on_text: &mut dyn FnMut(&str)) -> Result<Generation> {
@@ -196,18 +248,7 @@ impl Model {
         if prompt_tokens.is_empty() {
             return Err(Error::Invalid("generation needs at least one prompt token".into()));
         }
-        let ctx = if opts.ctx == 0 {
-            prompt_tokens.len() + opts.max_tokens
-        } else {
-            opts.ctx
-        };
-        if prompt_tokens.len() + opts.max_tokens > ctx {
-            return Err(Error::Invalid(format!(
-                "prompt ({} tokens) + --max-tokens {} exceed --ctx {ctx}",
-                prompt_tokens.len(),
-                opts.max_tokens
-            )));
-        }
+        let plan = self.context_plan(prompt_tokens.len(), opts.max_tokens, opts.ctx)?;
         let passes = Passes {
             stream,
             batch_tokens_max: if opts.batch_tokens_max == 0 {
@@ -215,10 +256,11 @@ impl Model {
             } else {
                 opts.batch_tokens_max
             },
+            cancel,
         };
         let batch_max = passes.batch_max();
         let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
-        let mut cache = KvCache::new(&self.config, ctx);
+        let mut cache = KvCache::new(&self.config, plan.kv_positions);
         let mut sampler = Sampler::new(opts.sampler.clone());
         let mut decoder = self.tokenizer.stream_decoder();
         let mut out_text = String::new();
@@ -227,6 +269,8 @@ impl Model {
         let t0 = Instant::now();
         let hooks = passes.hooks(mask.map(|m| m.as_mask()), None);
         let mut logits = Vec::new();
+        // Prompt tokens whose pass completed (all of them unless cancelled).
+        let mut prefilled = 0usize;
         {
             let _prompt_mode = PromptMode(mask);
             for chunk in prompt_tokens.chunks(batch_max.max(1)) {
@@ -236,7 +280,18 @@ impl Model {
                 if let Some(m) = mask {
                     m.prompt_tokens(chunk.len());
                 }
-                logits = self.forward_with(chunk, &mut cache, Logits::Last, &hooks)?;
+                match self.forward_with(chunk, &mut cache, Logits::Last, &hooks) {
+                    Ok(l) => {
+                        logits = l;
+                        prefilled += chunk.len();
+                    }
+                    // Cancelled inside a pass: nothing is sampled from a partial prompt.
+                    Err(Error::Cancelled) => {
+                        logits.clear();
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
         if let Some(s) = stream {
@@ -244,9 +299,13 @@ impl Model {
         }
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut finish = Finish::MaxTokens;
+        let mut finish = if plan.max_new < opts.max_tokens {
+            Finish::ContextFull
+        } else {
+            Finish::MaxTokens
+        };
         let mut n_decode_forward = 0usize;
-        for i in 0..opts.max_tokens {
+        for i in 0..plan.max_new {
             if cancelled() || logits.is_empty() {
                 finish = Finish::Cancelled;
                 break;
@@ -265,12 +324,19 @@ impl Model {
                 logprob,
             });
             out_text.push_str(&text);
-            if i + 1 < opts.max_tokens {
+            if i + 1 < plan.max_new {
                 if cancelled() {
                     finish = Finish::Cancelled;
                     break;
                 }
-                logits = self.forward_with(&[next], &mut cache, Logits::Last, &hooks)?;
+                match self.forward_with(&[next], &mut cache, Logits::Last, &hooks) {
+                    Ok(l) => logits = l,
+                    Err(Error::Cancelled) => {
+                        finish = Finish::Cancelled;
+                        break;
+                    }
+                    Err(e) => return Err(e),
+                }
                 n_decode_forward += 1;
             }
         }
@@ -288,15 +354,17 @@ impl Model {
         let decode_s = t1.elapsed().as_secs_f64();
         Ok(Generation {
             text: out_text,
-            prefill_tok_per_s: prompt_tokens.len() as f64 / prefill_s.max(1e-9),
+            prefill_tok_per_s: prefilled as f64 / prefill_s.max(1e-9),
             decode_tok_per_s: if n_decode_forward > 0 {
                 n_decode_forward as f64 / decode_s.max(1e-9)
             } else {
                 0.0
             },
+            prompt_tokens: prompt_tokens.len(),
+            completion_tokens: tokens.len(),
             tokens,
             logprobs,
-            prompt_tokens,
+            prompt_token_ids: prompt_tokens,
             finish,
             prefill_s,
             decode_s,

@@ -64,9 +64,26 @@ pub struct Source {
 }
 
 /// Open a `.gguf` file, a `.gst` file (recognised by its magic) or a Hugging Face folder.
+/// What `--model` (and every model path) can name, for messages about paths that are none of these.
+pub const MODEL_PATH_KINDS: &str = "a model path is a .gguf file, a .gst file (written by `gatestream reformat`), \
+     or a Hugging Face folder holding config.json, model.safetensors (or model.safetensors.index.json and its \
+     shards) and tokenizer.json";
+
 pub fn open_source(path: &Path) -> Result<Source> {
-    let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::Invalid(format!(
+            "{}: no such file or folder; {MODEL_PATH_KINDS}",
+            path.display()
+        )),
+        _ => Error::io(path, e),
+    })?;
     if meta.is_dir() {
+        if !path.join("config.json").exists() {
+            return Err(Error::Invalid(format!(
+                "{}: this folder has no config.json, so it is not a model; {MODEL_PATH_KINDS}",
+                path.display()
+            )));
+        }
         return open_hf_dir(path);
     }
     if is_gst(path) {
@@ -84,6 +101,17 @@ pub fn open_source(path: &Path) -> Result<Source> {
             config,
             tokenizer,
         });
+    }
+    let mut magic = [0u8; 4];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut magic))
+        .map_err(|e| Error::io(path, e))?;
+    if &magic[..n] != b"GGUF" {
+        return Err(Error::Invalid(format!(
+            "{}: not a model file: bad magic {:?} at offset 0 (neither GGUF's nor a .gst file's); {MODEL_PATH_KINDS}",
+            path.display(),
+            String::from_utf8_lossy(&magic[..n])
+        )));
     }
     let g = GgufFile::open(path)?;
     let tokenizer = TokenizerSpec::Gguf { vocab: gguf_vocab(&g)? };

@@ -93,6 +93,7 @@ pub fn calibrate(
             observe: Some(&observe),
             mask: None,
             stream: None,
+            cancel: None,
         };
         cache.clear();
         model.forward_with(&batch, &mut cache, Logits::Last, &hooks)?;

@@ -3,8 +3,9 @@
 //! they were asked for. Buffers come back to it for reuse, so steady-state decoding allocates
 //! nothing and first-touch page faults stay out of the timings.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,7 @@ pub struct Done {
 
 pub struct Prefetcher {
     jobs: Option<Sender<Job>>,
-    done: Mutex<Receiver<Done>>,
+    done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -36,8 +37,8 @@ impl Prefetcher {
     /// so no read needs a one-off buffer.
     pub fn start(reader: Arc<dyn Reader>, chunk_bytes: usize) -> Result<Prefetcher> {
         let chunk_bytes = chunk_bytes.max(1);
-        let (job_tx, job_rx) = channel::<Job>();
-        let (done_tx, done_rx) = channel::<Done>();
+        let (job_tx, job_rx) = unbounded::<Job>();
+        let (done_tx, done_rx) = unbounded::<Done>();
         let thread = std::thread::Builder::new()
             .name("gatestream-prefetch".into())
             .spawn(move || {
@@ -77,7 +78,7 @@ impl Prefetcher {
             .map_err(|e| Error::Invalid(format!("cannot start the prefetch thread: {e}")))?;
         Ok(Prefetcher {
             jobs: Some(job_tx),
-            done: Mutex::new(done_rx),
+            done: done_rx,
             thread: Some(thread),
         })
     }
@@ -94,8 +95,6 @@ impl Prefetcher {
     /// The next finished job, in submission order (blocks until it is done).
     pub fn next(&self) -> Result<Done> {
         self.done
-            .lock()
-            .expect("prefetch lock")
             .recv()
             .map_err(|_| Error::Invalid("the prefetch thread has stopped".into()))
     }

@@ -44,6 +44,13 @@ pub(crate) enum Command {
         /// Most tokens to generate (stops earlier at the model's end-of-sequence token).
         #[arg(long, default_value_t = 32)]
         max_tokens: usize,
+        /// The context in tokens (prompt + generated), as llama.cpp's -c; 0 = the model's trained
+        /// context. A prompt that does not fit is refused before any work, naming both counts;
+        /// generation stops when the context is full (finish `context_full`). The KV cache (and,
+        /// with --ram-budget, its share of the budget) holds only what the run can use: prompt +
+        /// --max-tokens, at most this.
+        #[arg(long, short = 'c', default_value_t = 0)]
+        ctx_size: usize,
         /// Sampling temperature; 0 = greedy (deterministic).
         #[arg(long, default_value_t = 0.0)]
         temperature: f32,

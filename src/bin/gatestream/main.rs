@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -27,6 +28,25 @@ mod output;
 
 use args::*;
 use output::*;
+
+/// Set by the first Ctrl-C during `run`: generation stops before the next layer (well within a
+/// second) and the run prints what it generated and its figures; a second Ctrl-C quits at once.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Exit status of a run stopped by Ctrl-C (128 + SIGINT, as shells report it).
+const EXIT_INTERRUPTED: u8 = 130;
+
+fn stop_on_ctrl_c() {
+    let installed = ctrlc::set_handler(|| {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            std::process::exit(EXIT_INTERRUPTED.into());
+        }
+        eprintln!("\ninterrupted: stopping after the current layer (Ctrl-C again to quit at once)");
+    });
+    if let Err(e) = installed {
+        eprintln!("warning: Ctrl-C will end the process without printing what was generated ({e})");
+    }
+}
 
 /// Stores the frontier of eval `rows` at the quality budget in the .gst `target` (which must
 /// be the evaluated model, or made from it).
@@ -128,6 +148,7 @@ fn generate_one(
                 prompt: prompt.to_string(),
                 chat: opts.chat,
                 extra: opts.max_tokens,
+                ctx: opts.ctx,
             },
         },
         device.clone(),
@@ -182,7 +203,7 @@ fn generate_one(
         );
     }
     let ids = rt.model.prompt_ids(prompt, opts.chat)?;
-    let outcome = rt.generate(&ids, opts, record_trace.is_some(), None, &mut |e| {
+    let outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
         if !e.text.is_empty() {
             on_text(e.text)
         }
@@ -266,7 +287,12 @@ fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
+        Ok(()) if INTERRUPTED.load(Ordering::SeqCst) => ExitCode::from(EXIT_INTERRUPTED),
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if INTERRUPTED.load(Ordering::SeqCst) => {
+            eprintln!("error (after Ctrl-C): {e:#}");
+            ExitCode::from(EXIT_INTERRUPTED)
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
@@ -280,6 +306,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             model,
             prompt,
             max_tokens,
+            ctx_size,
             temperature,
             top_k,
             top_p,
@@ -311,10 +338,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     seed,
                 },
                 chat,
-                ctx: 0,
+                ctx: ctx_size,
                 batch_tokens_max: 0,
                 logprobs,
             };
+            stop_on_ctrl_c();
             let asked = SparseAsk {
                 strategy: strategy.map(strategy_of),
                 criterion: criterion.map(criterion_of),
@@ -424,6 +452,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
+                cancel: None,
             };
             let mut bar = Progress::new();
             let report = perplexity_with(
@@ -658,6 +687,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
+                cancel: None,
             };
             let model = &rt.model;
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;

@@ -29,53 +29,74 @@ pub(crate) fn level(s: f32) -> String {
     t.trim_end_matches('0').trim_end_matches('.').to_string()
 }
 
-/// Progress on stderr: a bar redrawn in place (at most 10 times a second) on a terminal, a line
-/// every 10 seconds otherwise, and always the final state.
+/// Progress on stderr through `indicatif`: one bar per stage (reformat, calibrate, eval, bench)
+/// with elapsed time and ETA, drawn only when stderr is a terminal; when it is not (a log, CI),
+/// one line per finished stage instead, so logs keep what was done and how long it took.
 pub(crate) struct Progress {
-    started: std::time::Instant,
-    last_draw: Option<std::time::Instant>,
+    bar: Option<(String, indicatif::ProgressBar)>,
     tty: bool,
-    /// The stage whose final state was printed (it is printed once).
-    finished_stage: Option<String>,
+    /// The last stage finished (its final state is shown once, however often it is reported).
+    finished: Option<String>,
 }
 
 impl Progress {
     pub(crate) fn new() -> Progress {
         use std::io::IsTerminal;
         Progress {
-            started: std::time::Instant::now(),
-            last_draw: None,
+            bar: None,
             tty: std::io::stderr().is_terminal(),
-            finished_stage: None,
+            finished: None,
         }
     }
 
     pub(crate) fn update(&mut self, stage: &str, done: usize, total: usize) {
-        let total = total.max(1);
-        let finished = done >= total;
-        let every = if self.tty { 0.1 } else { 10.0 };
-        if !finished && self.last_draw.is_some_and(|t| t.elapsed().as_secs_f64() < every) {
+        if done >= total && self.bar.is_none() && self.finished.as_deref() == Some(stage) {
             return;
         }
-        if finished {
-            if self.finished_stage.as_deref() == Some(stage) {
-                return;
-            }
-            self.finished_stage = Some(stage.to_string());
+        if self.bar.as_ref().is_none_or(|(s, _)| s != stage) {
+            self.finish();
+            let bar = if self.tty {
+                indicatif::ProgressBar::new(total as u64)
+            } else {
+                indicatif::ProgressBar::hidden()
+            };
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{prefix:>10} [{bar:30}] {pos}/{len}  {elapsed} elapsed, eta {eta}",
+                )
+                .expect("a valid template")
+                .progress_chars("#>-"),
+            );
+            bar.set_prefix(stage.to_string());
+            self.bar = Some((stage.to_string(), bar));
         }
-        self.last_draw = Some(std::time::Instant::now());
-        let elapsed = self.started.elapsed().as_secs_f64();
-        let eta = elapsed / done.max(1) as f64 * (total - done.min(total)) as f64;
-        let bar = "#".repeat(30 * done.min(total) / total);
-        let line = format!("{stage:>10} [{bar:<30}] {done}/{total}  {elapsed:.0} s elapsed, eta {eta:.0} s");
-        if self.tty {
-            eprint!("\r{line} ");
-            if finished {
-                eprintln!();
-            }
-        } else {
-            eprintln!("{line}");
+        let (_, bar) = self.bar.as_ref().expect("set above");
+        bar.set_length(total as u64);
+        bar.set_position(done.min(total) as u64);
+        if done >= total {
+            self.finish();
         }
+    }
+
+    fn finish(&mut self) {
+        if let Some((stage, bar)) = self.bar.take() {
+            bar.finish();
+            self.finished = Some(stage.clone());
+            if !self.tty {
+                eprintln!(
+                    "{stage:>10}: {}/{} in {:.1} s",
+                    bar.position(),
+                    bar.length().unwrap_or(0),
+                    bar.elapsed().as_secs_f64()
+                );
+            }
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
@@ -97,7 +118,7 @@ impl Report for Outcome {
         let g = &self.generation;
         eprintln!(
             "{label}prompt {} tokens: {:.1} tok/s prefill; generated {} tokens: {:.2} tok/s decode ({})",
-            g.prompt_tokens.len(),
+            g.prompt_tokens,
             g.prefill_tok_per_s,
             g.tokens.len(),
             g.decode_tok_per_s,
