@@ -122,7 +122,7 @@ impl GgufFile {
         Self::parse(path, Arc::new(map))
     }
 
-    /// Parse from bytes already in memory (tests, fuzzing).
+    /// Parse a mapped file (also an anonymous map holding bytes in memory: tests, fuzzing).
     pub fn parse(path: &Path, map: Arc<memmap2::Mmap>) -> Result<GgufFile> {
         let (version, metadata, tensors) = parse_bytes(path, &map)?;
         let mut tensor_index = HashMap::with_capacity(tensors.len());

@@ -202,3 +202,123 @@ fn safetensors_header_rejections_name_file_and_offset() {
         assert!(m.contains("m.safetensors") && m.contains(want), "want {want:?} in: {m}");
     }
 }
+
+/// Writes the fuzz targets' seed corpora (`fuzz/corpus/`, git-ignored): a tiny llama model as
+/// GGUF (F32 and Q8_0 matrices) and as a safetensors folder input (config.json length, config,
+/// model.safetensors), each loadable, so mutations start from files that reach every check.
+/// Run by `tools/fuzz.sh`.
+#[test]
+#[ignore]
+fn write_fuzz_seeds() {
+    use gatestream::gguf::write::{gguf_bytes, TensorOut};
+    use gatestream::gguf::MetaValue;
+    let (hidden, heads, kv, hd, ffn, vocab) = (32u64, 4u64, 2u64, 8u64, 64u64, 32u64);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    let shapes: Vec<(&str, &str, Vec<u64>)> = vec![
+        ("token_embd.weight", "model.embed_tokens.weight", vec![hidden, vocab]),
+        ("output_norm.weight", "model.norm.weight", vec![hidden]),
+        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", vec![hidden]),
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", vec![hidden, heads * hd]),
+        ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", vec![hidden, kv * hd]),
+        ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight", vec![hidden, kv * hd]),
+        ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight", vec![heads * hd, hidden]),
+        ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", vec![hidden]),
+        ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", vec![hidden, ffn]),
+        ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", vec![hidden, ffn]),
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", vec![ffn, hidden]),
+    ];
+    let value = |i: usize| ((i * 7919 % 200) as f32 - 100.0) / 400.0;
+    let f32_bytes = |n: u64| (0..n as usize).flat_map(|i| value(i).to_le_bytes()).collect::<Vec<u8>>();
+    // Q8_0: per 32 values an f16 scale and 32 signed bytes.
+    let q8_bytes = |n: u64| {
+        let mut b = Vec::new();
+        for blk in 0..(n / 32) as usize {
+            b.extend_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+            b.extend((0..32).map(|i| ((blk * 32 + i) * 37 % 255) as u8));
+        }
+        b
+    };
+    let meta = || -> Vec<(&'static str, MetaValue)> {
+        vec![
+            ("general.architecture", MetaValue::Str("llama".into())),
+            ("llama.context_length", MetaValue::U32(64)),
+            ("llama.embedding_length", MetaValue::U32(hidden as u32)),
+            ("llama.feed_forward_length", MetaValue::U32(ffn as u32)),
+            ("llama.block_count", MetaValue::U32(1)),
+            ("llama.attention.head_count", MetaValue::U32(heads as u32)),
+            ("llama.attention.head_count_kv", MetaValue::U32(kv as u32)),
+            ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
+            ("llama.rope.freq_base", MetaValue::F32(10000.0)),
+            ("tokenizer.ggml.model", MetaValue::Str("llama".into())),
+            (
+                "tokenizer.ggml.tokens",
+                MetaValue::Array((0..vocab).map(|i| MetaValue::Str(format!("t{i}"))).collect()),
+            ),
+            (
+                "tokenizer.ggml.scores",
+                MetaValue::Array((0..vocab).map(|i| MetaValue::F32(-(i as f32))).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type",
+                MetaValue::Array((0..vocab).map(|i| MetaValue::I32(if i < 3 { 3 } else { 1 })).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id", MetaValue::U32(1)),
+            ("tokenizer.ggml.eos_token_id", MetaValue::U32(2)),
+        ]
+    };
+    std::fs::create_dir_all(root.join("gguf")).unwrap();
+    for (name, quantized) in [("tiny-f32.gguf", false), ("tiny-q8_0.gguf", true)] {
+        let owned: Vec<(String, Vec<u64>, u32, Vec<u8>)> = shapes
+            .iter()
+            .map(|(g, _, d)| {
+                let n: u64 = d.iter().product();
+                if quantized && d.len() == 2 {
+                    (g.to_string(), d.clone(), 8, q8_bytes(n))
+                } else {
+                    (g.to_string(), d.clone(), 0, f32_bytes(n))
+                }
+            })
+            .collect();
+        let tensors: Vec<TensorOut> = owned
+            .iter()
+            .map(|(n, d, t, b)| TensorOut {
+                name: n,
+                dims: d.clone(),
+                type_id: *t,
+                bytes: b,
+            })
+            .collect();
+        let bytes = gguf_bytes(&meta(), &tensors);
+        if let Err(e) = load_bytes(&bytes) {
+            panic!("the {name} seed does not load: {e}");
+        }
+        std::fs::write(root.join("gguf").join(name), bytes).unwrap();
+    }
+    // The safetensors folder input: u16 config length, config.json, model.safetensors.
+    let config = serde_json::json!({
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": 1,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": false, "hidden_act": "silu",
+    })
+    .to_string();
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (_, hf, d) in &shapes {
+        let shape: Vec<u64> = d.iter().rev().copied().collect();
+        let b = f32_bytes(d.iter().product());
+        header.insert(
+            hf.to_string(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [data.len(), data.len() + b.len()]}),
+        );
+        data.extend(b);
+    }
+    let header = serde_json::Value::Object(header).to_string();
+    let mut input = (config.len() as u16).to_le_bytes().to_vec();
+    input.extend_from_slice(config.as_bytes());
+    input.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    input.extend_from_slice(header.as_bytes());
+    input.extend(data);
+    std::fs::create_dir_all(root.join("safetensors_dir")).unwrap();
+    std::fs::write(root.join("safetensors_dir/tiny-f32"), input).unwrap();
+}

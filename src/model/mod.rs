@@ -63,12 +63,12 @@ pub struct Source {
     pub tokenizer: TokenizerSpec,
 }
 
-/// Open a `.gguf` file, a `.gst` file (recognised by its magic) or a Hugging Face folder.
 /// What `--model` (and every model path) can name, for messages about paths that are none of these.
 pub const MODEL_PATH_KINDS: &str = "a model path is a .gguf file, a .gst file (written by `gatestream reformat`), \
      or a Hugging Face folder holding config.json, model.safetensors (or model.safetensors.index.json and its \
      shards) and tokenizer.json";
 
+/// Open a `.gguf` file, a `.gst` file (recognised by its magic) or a Hugging Face folder.
 pub fn open_source(path: &Path) -> Result<Source> {
     let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::Invalid(format!(
@@ -113,10 +113,15 @@ pub fn open_source(path: &Path) -> Result<Source> {
             String::from_utf8_lossy(&magic[..n])
         )));
     }
-    let g = GgufFile::open(path)?;
+    gguf_source(GgufFile::open(path)?)
+}
+
+/// What a parsed GGUF file describes: config and tokenizer from its metadata, its tensors. (The
+/// GGUF fuzz target starts here with bytes parsed in memory.)
+pub fn gguf_source(g: GgufFile) -> Result<Source> {
     let tokenizer = TokenizerSpec::Gguf { vocab: gguf_vocab(&g)? };
     let embd = g.tensor("token_embd.weight").ok_or_else(|| Error::MissingTensor {
-        path: path.to_path_buf(),
+        path: g.path.clone(),
         tensor: "token_embd.weight".into(),
         arch: g
             .get("general.architecture")
@@ -144,7 +149,11 @@ impl Model {
     /// later a draft model beside its target) share one device and its thread pool instead of
     /// each starting its own (`opts.threads` is then the device's business).
     pub fn load_on(path: &Path, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
-        let src = open_source(path)?;
+        Model::from_source(path, open_source(path)?, opts, device)
+    }
+
+    /// The model `src` describes (its tensors checked against its config, its tokenizer built).
+    pub fn from_source(path: &Path, src: Source, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if opts.placement == Placement::OnDisk {
