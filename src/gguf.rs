@@ -3,6 +3,11 @@
 //! count is checked against what remains of the file before anything is allocated, arithmetic is
 //! checked, and every failure names the file and byte offset. This module knows bytes and
 //! metadata, not architectures: `model::load` turns what it finds into a `ModelConfig`.
+//!
+//! Why our own parser: the GGUF crates on crates.io each pull in a tensor library or read
+//! through `std::io` into owned buffers, while gatestream needs tensor infos as offsets into its
+//! own map (zero-copy, and the `.gst` writer reads them) and errors with file and offset. The
+//! format is small (a header and three tables); this parser is fuzzed (`tools/fuzz.sh gguf`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

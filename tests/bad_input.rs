@@ -214,21 +214,34 @@ fn write_fuzz_seeds() {
     use gatestream::gguf::MetaValue;
     let (hidden, heads, kv, hd, ffn, vocab) = (32u64, 4u64, 2u64, 8u64, 64u64, 32u64);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
-    let shapes: Vec<(&str, &str, Vec<u64>)> = vec![
-        ("token_embd.weight", "model.embed_tokens.weight", vec![hidden, vocab]),
-        ("output_norm.weight", "model.norm.weight", vec![hidden]),
-        ("blk.0.attn_norm.weight", "model.layers.0.input_layernorm.weight", vec![hidden]),
-        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", vec![hidden, heads * hd]),
-        ("blk.0.attn_k.weight", "model.layers.0.self_attn.k_proj.weight", vec![hidden, kv * hd]),
-        ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight", vec![hidden, kv * hd]),
-        ("blk.0.attn_output.weight", "model.layers.0.self_attn.o_proj.weight", vec![heads * hd, hidden]),
-        ("blk.0.ffn_norm.weight", "model.layers.0.post_attention_layernorm.weight", vec![hidden]),
-        ("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight", vec![hidden, ffn]),
-        ("blk.0.ffn_up.weight", "model.layers.0.mlp.up_proj.weight", vec![hidden, ffn]),
-        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight", vec![ffn, hidden]),
+    // (GGUF name, Hugging Face name, GGUF dims); layer tensors get their "blk.0." / "model.layers.0." prefixes.
+    let mut shapes: Vec<(String, String, Vec<u64>)> = vec![
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+            vec![hidden, vocab],
+        ),
+        ("output_norm.weight".into(), "model.norm.weight".into(), vec![hidden]),
     ];
+    for (g, h, d) in [
+        ("attn_norm", "input_layernorm", vec![hidden]),
+        ("attn_q", "self_attn.q_proj", vec![hidden, heads * hd]),
+        ("attn_k", "self_attn.k_proj", vec![hidden, kv * hd]),
+        ("attn_v", "self_attn.v_proj", vec![hidden, kv * hd]),
+        ("attn_output", "self_attn.o_proj", vec![heads * hd, hidden]),
+        ("ffn_norm", "post_attention_layernorm", vec![hidden]),
+        ("ffn_gate", "mlp.gate_proj", vec![hidden, ffn]),
+        ("ffn_up", "mlp.up_proj", vec![hidden, ffn]),
+        ("ffn_down", "mlp.down_proj", vec![ffn, hidden]),
+    ] {
+        shapes.push((format!("blk.0.{g}.weight"), format!("model.layers.0.{h}.weight"), d));
+    }
     let value = |i: usize| ((i * 7919 % 200) as f32 - 100.0) / 400.0;
-    let f32_bytes = |n: u64| (0..n as usize).flat_map(|i| value(i).to_le_bytes()).collect::<Vec<u8>>();
+    let f32_bytes = |n: u64| {
+        (0..n as usize)
+            .flat_map(|i| value(i).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
     // Q8_0: per 32 values an f16 scale and 32 signed bytes.
     let q8_bytes = |n: u64| {
         let mut b = Vec::new();

@@ -1,6 +1,10 @@
 //! Choosing the next token from logits: greedy, or temperature with top-k and top-p, from a
 //! seeded generator so a run can be repeated exactly. The distribution a draw is made from is
 //! exposed ([`Sampler::distribution`]), as speculative acceptance and logprobs need.
+//!
+//! Why its own generator (xorshift64* seeded by splitmix64) rather than `rand`: a draw must be
+//! the same on every platform and version for a seed (tests and users compare runs), which
+//! `rand` does not promise across releases; the generator is six lines.
 
 #[derive(Clone, Debug)]
 pub struct SamplerConfig {

@@ -5,6 +5,10 @@
 //! recently used slot with each neuron read from disk (windowing across tokens).
 //!
 //! Knows neurons and bytes; never files or reads.
+//!
+//! Why not the `lru` crate: slots are fixed rows in one contiguous buffer the compute reads in
+//! place, a pinned policy shares them, and replacement must return the slot index; a generic
+//! key-value LRU would add a map and a copy per hit.
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
