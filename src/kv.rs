@@ -31,7 +31,9 @@ impl KvCache {
 
     /// Bytes a cache of `capacity` positions holds for this model.
     pub fn bytes_for(cfg: &ModelConfig, capacity: usize) -> u64 {
-        2 * cfg.n_layers as u64 * capacity as u64 * cfg.kv_dim() as u64 * 4
+        (2 * cfg.n_layers as u64)
+            .saturating_mul(capacity as u64)
+            .saturating_mul(cfg.kv_dim() as u64 * 4)
     }
 
     pub fn clear(&mut self) {
@@ -46,4 +48,18 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         2 * self.k.len() * self.capacity * self.kv_dim * 4
     }
+}
+
+/// The machine's physical memory in bytes, where the platform says (a KV cache larger than this
+/// cannot be allocated, and asking aborts the process instead of returning an error).
+pub fn physical_memory_bytes() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: sysconf has no preconditions; it returns -1 for an unknown name.
+        let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+        if pages > 0 && page > 0 {
+            return Some(pages as u64 * page as u64);
+        }
+    }
+    None
 }

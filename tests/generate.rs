@@ -403,6 +403,19 @@ fn the_context_bounds_prompt_and_generation() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("--ctx-size"), "{e}");
+    // A KV cache larger than the machine is refused, not an allocation abort.
+    #[cfg(target_os = "linux")]
+    {
+        let opts = GenerateOptions {
+            ctx: usize::MAX / 2,
+            ..greedy(usize::MAX / 2)
+        };
+        let e = m
+            .generate_ids(&ids, &opts, None, None, None, &mut |_| {})
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("more than this machine's"), "{e}");
+    }
 }
 
 /// Cancelling stops a pass before its next layer, not at its end: an observer that sets the

@@ -204,6 +204,16 @@ impl Model {
             )));
         }
         let max_new = max_tokens.min(limit - prompt_len);
+        let kv_bytes = crate::kv::KvCache::bytes_for(&self.config, prompt_len + max_new);
+        if let Some(ram) = crate::kv::physical_memory_bytes().filter(|&ram| kv_bytes > ram) {
+            return Err(Error::Invalid(format!(
+                "the KV cache for {} positions (prompt {prompt_len} + up to {max_new} generated) needs {:.1} GB, more than \
+                 this machine's {:.1} GB of memory; give a smaller --max-tokens or --ctx-size",
+                prompt_len + max_new,
+                kv_bytes as f64 / 1e9,
+                ram as f64 / 1e9
+            )));
+        }
         Ok(ContextPlan {
             limit,
             kv_positions: prompt_len + max_new,
