@@ -335,3 +335,28 @@ fn write_fuzz_seeds() {
     std::fs::create_dir_all(root.join("safetensors_dir")).unwrap();
     std::fs::write(root.join("safetensors_dir/tiny-f32"), input).unwrap();
 }
+
+/// Command-line mistakes get a message, never an abort: a thread count no pool can start, a
+/// reformat into a folder that does not exist.
+#[test]
+fn command_line_mistakes_are_messages() {
+    let bin = env!("CARGO_BIN_EXE_gatestream");
+    let out = std::process::Command::new(bin)
+        .args(["run", "--threads", "100000"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("more than the 1024"), "{err}");
+    let out = std::process::Command::new(bin)
+        .arg("reformat")
+        .arg(stories_dir())
+        .arg("/nonexistent-gatestream-dir/m.gst")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("is the folder there and writable"),
+        "{err}"
+    );
+}

@@ -40,7 +40,13 @@ impl GstWriter {
         };
         let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("model.gst");
         let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
-        let mut file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let mut file = File::create(&tmp).map_err(|e| {
+            Error::Invalid(format!(
+                "cannot write {}: creating its temporary file in {} failed ({e}); is the folder there and writable?",
+                target.display(),
+                dir.display()
+            ))
+        })?;
         // The header page stays zero (no magic) until everything else is on disk.
         file.write_all(&vec![0u8; HEADER_BYTES as usize])
             .map_err(|e| Error::io(&tmp, e))?;

@@ -27,8 +27,8 @@ pub(crate) struct ModelArgs {
     /// Default: SmolLM2-135M-Instruct as fetched by ../shared/models/fetch.sh smollm2.
     #[arg(long, short)]
     pub(crate) model: Option<PathBuf>,
-    /// Worker threads (0 = one per core).
-    #[arg(long, default_value_t = 0)]
+    /// Worker threads (0 = one per core; at most 1024).
+    #[arg(long, default_value_t = 0, value_parser = threads_arg)]
     pub(crate) threads: usize,
 }
 
@@ -157,8 +157,8 @@ pub(crate) enum Command {
         /// Replace OUTPUT if it exists.
         #[arg(long)]
         force: bool,
-        /// Worker threads for calibration (0 = one per core).
-        #[arg(long, default_value_t = 0)]
+        /// Worker threads for calibration (0 = one per core; at most 1024).
+        #[arg(long, default_value_t = 0, value_parser = threads_arg)]
         threads: usize,
         /// Print the report as JSON on stdout.
         #[arg(long)]
@@ -335,7 +335,8 @@ pub(crate) enum Command {
         /// Tokens of text, taken from its end.
         #[arg(long, default_value_t = 2048)]
         tokens: usize,
-        #[arg(long, default_value_t = 0)]
+        /// Worker threads (0 = one per core; at most 1024).
+        #[arg(long, default_value_t = 0, value_parser = threads_arg)]
         threads: usize,
     },
     /// Show a .gst file: model config, layout, sections, neuron order and calibration summary.
@@ -522,4 +523,18 @@ pub(crate) fn engine_of(io: IoArg) -> ReadEngine {
         IoArg::Pread => ReadEngine::Pread,
         IoArg::Mmap => ReadEngine::Mmap,
     }
+}
+
+/// The most worker threads a pool is asked for: beyond this, starting them fails (or thrashes).
+const THREADS_MAX: usize = 1024;
+
+/// `--threads`: 0 (one per core) to [`THREADS_MAX`].
+fn threads_arg(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|_| format!("`{s}` is not a thread count"))?;
+    if n > THREADS_MAX {
+        return Err(format!(
+            "{n} threads is more than the {THREADS_MAX} a pool may start (0 = one per core)"
+        ));
+    }
+    Ok(n)
 }
