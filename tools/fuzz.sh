@@ -20,7 +20,7 @@ cargo test -q --release --test bad_input write_fuzz_seeds -- --ignored >/dev/nul
 cargo test -q --release --lib format::tests::write_fuzz_seed -- --ignored >/dev/null
 mkdir -p fuzz/logs
 failed=0
-printf '%-16s %8s %12s %10s %8s %s\n' target seconds executions exec/s crashes corpus
+printf '%-16s %8s %12s %10s %8s %6s %s\n' target seconds executions exec/s crashes slow corpus
 for t in "${targets[@]}"; do
   dict=(); [[ -f fuzz/$t.dict ]] && dict=(-dict="fuzz/$t.dict")
   mkdir -p "fuzz/corpus/$t" "fuzz/artifacts/$t"
@@ -31,8 +31,11 @@ for t in "${targets[@]}"; do
   execs=$(awk '/stat::number_of_executed_units/{print $NF}' "$log" | tail -1)
   rate=$(awk '/stat::average_exec_per_sec/{print $NF}' "$log" | tail -1)
   crashes=$(find "fuzz/artifacts/$t" -type f \( -name 'crash-*' -o -name 'oom-*' -o -name 'timeout-*' \) | wc -l)
+  # Inputs over 10 s (libFuzzer's slow-unit report): not failures, but replay them
+  # (`cargo fuzz run T FILE` prints the time) — a starved low-priority fuzzer also makes them.
+  slow=$(find "fuzz/artifacts/$t" -type f -name 'slow-unit-*' | wc -l)
   corpus=$(find "fuzz/corpus/$t" -type f | wc -l)
-  printf '%-16s %8s %12s %10s %8s %s\n' "$t" "$secs" "${execs:-?}" "${rate:-?}" "$crashes" "$corpus"
+  printf '%-16s %8s %12s %10s %8s %6s %s\n' "$t" "$secs" "${execs:-?}" "${rate:-?}" "$crashes" "$slow" "$corpus"
   if [[ $rc -ne 0 || $crashes -gt 0 ]]; then
     failed=1
     echo "  $t: exit $rc; see $log and fuzz/artifacts/$t/ (replay: RUSTC_BOOTSTRAP=1 cargo fuzz run $t FILE)" >&2
