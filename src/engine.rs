@@ -154,11 +154,7 @@ impl<'m> Engine<'m> {
             next: None,
             generated: 0,
             max_tokens: plan.max_new,
-            at_max: if plan.max_new < req.max_tokens {
-                Finish::ContextFull
-            } else {
-                Finish::MaxTokens
-            },
+            at_max: plan.at_max_new,
             logprobs: req.logprobs,
             cancelled: false,
         });

@@ -208,9 +208,8 @@ fn safetensors_header_rejections_name_file_and_offset() {
 /// model.safetensors), each loadable, so mutations start from files that reach every check.
 /// Run by `tools/fuzz.sh`.
 #[test]
-#[ignore]
+#[ignore = "writes fuzz/corpus/{gguf,safetensors_dir}; run by tools/fuzz.sh, not a check"]
 fn write_fuzz_seeds() {
-    use gatestream::gguf::write::{gguf_bytes, TensorOut};
     use gatestream::gguf::MetaValue;
     let (hidden, heads, kv, hd, ffn, vocab) = (32u64, 4u64, 2u64, 8u64, 64u64, 32u64);
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
@@ -292,16 +291,7 @@ fn write_fuzz_seeds() {
                 }
             })
             .collect();
-        let tensors: Vec<TensorOut> = owned
-            .iter()
-            .map(|(n, d, t, b)| TensorOut {
-                name: n,
-                dims: d.clone(),
-                type_id: *t,
-                bytes: b,
-            })
-            .collect();
-        let bytes = gguf_bytes(&meta(), &tensors);
+        let bytes = gguf_of(&meta(), &owned);
         if let Err(e) = load_bytes(&bytes) {
             panic!("the {name} seed does not load: {e}");
         }

@@ -136,12 +136,13 @@ pub(crate) fn next_token(
 /// What a request may use of the context: KV positions to allocate and tokens to generate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ContextPlan {
-    /// The context in positions: the model's trained context, or the one asked for.
-    pub limit: usize,
     /// KV positions the request can fill (prompt + generated, at most `limit`).
     pub kv_positions: usize,
     /// Tokens it may generate: `max_tokens`, or fewer when the context fills first.
     pub max_new: usize,
+    /// How the request ends once it has generated `max_new` tokens: `MaxTokens`, or
+    /// `ContextFull` when the context cut `max_tokens` down.
+    pub at_max_new: Finish,
 }
 
 /// Tells the mask the prompt is over when dropped, also when a pass fails midway (a mask left
@@ -215,9 +216,13 @@ impl Model {
             )));
         }
         Ok(ContextPlan {
-            limit,
             kv_positions: prompt_len + max_new,
             max_new,
+            at_max_new: if max_new < max_tokens {
+                Finish::ContextFull
+            } else {
+                Finish::MaxTokens
+            },
         })
     }
 
@@ -309,11 +314,7 @@ impl Model {
         }
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mut finish = if plan.max_new < opts.max_tokens {
-            Finish::ContextFull
-        } else {
-            Finish::MaxTokens
-        };
+        let mut finish = plan.at_max_new;
         let mut n_decode_forward = 0usize;
         for i in 0..plan.max_new {
             if cancelled() || logits.is_empty() {

@@ -19,7 +19,7 @@ use crate::backend::Device;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, MetaValue};
-use crate::gstfile::{is_gst, GstFile};
+use crate::gstfile::GstFile;
 use crate::safetensors::SafetensorsModel;
 use tokenizer::{GgufVocab, Tokenizer, TokenizerSpec};
 use weights::{ModelWeights, TensorSource};
@@ -86,7 +86,12 @@ pub fn open_source(path: &Path) -> Result<Source> {
         }
         return open_hf_dir(path);
     }
-    if is_gst(path) {
+    // The first bytes say which format the file is (read once; the parsers check them again).
+    let mut head = Vec::with_capacity(8);
+    std::fs::File::open(path)
+        .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 8), &mut head))
+        .map_err(|e| Error::io(path, e))?;
+    if head == crate::format::MAGIC {
         let g = GstFile::open(path)?;
         let (bytes, offset_bytes) = g.tokenizer_bytes()?;
         let tokenizer: TokenizerSpec = serde_json::from_slice(bytes).map_err(|e| Error::Malformed {
@@ -102,15 +107,11 @@ pub fn open_source(path: &Path) -> Result<Source> {
             tokenizer,
         });
     }
-    let mut magic = [0u8; 4];
-    let n = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read(&mut f, &mut magic))
-        .map_err(|e| Error::io(path, e))?;
-    if &magic[..n] != b"GGUF" {
+    if !head.starts_with(b"GGUF") {
         return Err(Error::Invalid(format!(
             "{}: not a model file: bad magic {:?} at offset 0 (neither GGUF's nor a .gst file's); {MODEL_PATH_KINDS}",
             path.display(),
-            String::from_utf8_lossy(&magic[..n])
+            String::from_utf8_lossy(&head[..head.len().min(4)])
         )));
     }
     gguf_source(GgufFile::open(path)?)

@@ -176,7 +176,12 @@ pub fn stories_gguf(breakage: Breakage) -> Vec<u8> {
         }
         owned.push((g, dims, type_id, bytes));
     }
-    let tensors: Vec<TensorOut> = owned
+    gguf_of(&meta, &owned)
+}
+
+/// GGUF bytes of `meta` and tensors given as (name, GGUF dims, ggml type id, bytes).
+pub fn gguf_of(meta: &[(&str, MetaValue)], tensors: &[(String, Vec<u64>, u32, Vec<u8>)]) -> Vec<u8> {
+    let tensors: Vec<TensorOut> = tensors
         .iter()
         .map(|(n, d, ty, b)| TensorOut {
             name: n,
@@ -185,7 +190,7 @@ pub fn stories_gguf(breakage: Breakage) -> Vec<u8> {
             bytes: b,
         })
         .collect();
-    gguf_bytes(&meta, &tensors)
+    gguf_bytes(meta, &tensors)
 }
 
 pub fn write_temp(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
