@@ -14,6 +14,9 @@ pub struct KvCache {
     pub(crate) kv_dim: usize,
     pub capacity: usize,
     pub len: usize,
+    /// The keys and values on a device with memory of its own (the CUDA device puts its buffers
+    /// here on first use; the host vectors above then stay untouched, and the OS never backs them).
+    pub(crate) device: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl KvCache {
@@ -26,6 +29,7 @@ impl KvCache {
             kv_dim,
             capacity,
             len: 0,
+            device: None,
         }
     }
 

@@ -143,6 +143,23 @@ impl Weight {
         }
     }
 
+    /// The bytes from row 0 to the end of the last row (a strided view's gaps included) and a
+    /// handle on their storage: what a device with memory of its own copies once and keeps,
+    /// keyed by the address, which the handle keeps from being freed and reused. `None` for a
+    /// weight on disk.
+    pub fn span(&self) -> Option<(&[u8], Arc<dyn std::any::Any + Send + Sync>)> {
+        let keep: Arc<dyn std::any::Any + Send + Sync> = match &self.storage {
+            Storage::Mapped(m) => m.clone(),
+            Storage::Owned(v) => v.clone(),
+            Storage::OnDisk => return None,
+        };
+        let len = match self.rows {
+            0 => 0,
+            r => (r - 1) * self.row_stride_bytes + self.row_bytes,
+        };
+        Some((&self.storage()[self.offset_bytes..self.offset_bytes + len], keep))
+    }
+
     pub fn is_contiguous(&self) -> bool {
         self.row_stride_bytes == self.row_bytes
     }

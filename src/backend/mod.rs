@@ -17,6 +17,8 @@
 //! needs to its memory (the CPU device reads them in place).
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod ops;
 
 use std::borrow::Cow;
@@ -25,6 +27,47 @@ use crate::config::{FfnActivation, RopeStyle};
 use crate::kv::KvCache;
 use crate::quant::PreparedInput;
 use crate::tensor::Weight;
+
+/// Which device a command computes on (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+    /// CUDA when a driver and a GPU are found (and this build has CUDA), else the CPU.
+    Auto,
+}
+
+/// Opens the device `kind` names (`threads`: the CPU device's pool, 0 = one per core). With
+/// `Auto`, the reason CUDA was not used comes back as a one-line notice for the caller to print.
+pub fn open_device(
+    kind: DeviceKind,
+    threads: usize,
+) -> crate::error::Result<(std::sync::Arc<dyn Device>, Option<String>)> {
+    use std::sync::Arc;
+    let cpu = || -> Arc<dyn Device> { Arc::new(cpu::CpuBackend::new(threads)) };
+    match kind {
+        DeviceKind::Cpu => Ok((cpu(), None)),
+        DeviceKind::Cuda => open_cuda().map(|d| (d, None)),
+        DeviceKind::Auto => match open_cuda() {
+            Ok(d) => Ok((d, None)),
+            Err(e) => Ok((cpu(), Some(format!("--device auto: running on the CPU ({e})")))),
+        },
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda() -> crate::error::Result<std::sync::Arc<dyn Device>> {
+    Ok(std::sync::Arc::new(cuda::CudaDevice::open(0)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda() -> crate::error::Result<std::sync::Arc<dyn Device>> {
+    Err(crate::error::Error::Invalid(
+        "CUDA: this gatestream was built without CUDA; rebuild with `cargo build --release --features cuda` \
+         (use --device cpu to run on the CPU)"
+            .into(),
+    ))
+}
 
 /// Matrix products over quantized host weights: the CPU device's inner interface.
 pub trait Backend: Send + Sync {
@@ -50,6 +93,8 @@ pub struct Act {
 /// Where an activation's values are. A device with memory of its own adds its variant here.
 enum ActData {
     Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Cuda(cuda::DevBuf),
 }
 
 impl Act {
@@ -71,18 +116,24 @@ impl Act {
     pub fn as_host(&self) -> Option<&[f32]> {
         match &self.data {
             ActData::Host(v) => Some(v),
+            #[cfg(feature = "cuda")]
+            ActData::Cuda(_) => None,
         }
     }
 
     pub fn as_host_mut(&mut self) -> Option<&mut [f32]> {
         match &mut self.data {
             ActData::Host(v) => Some(v),
+            #[cfg(feature = "cuda")]
+            ActData::Cuda(_) => None,
         }
     }
 
     pub fn into_host(self) -> Option<Vec<f32>> {
         match self.data {
             ActData::Host(v) => Some(v),
+            #[cfg(feature = "cuda")]
+            ActData::Cuda(_) => None,
         }
     }
 }
@@ -114,6 +165,17 @@ pub trait Device: Send + Sync {
     fn name(&self) -> String;
     /// Runs `f` where the device's work starts cheapest (the CPU device: on its own threads).
     fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>);
+    /// The first error an operation met since the last call (a device whose operations can
+    /// fail — out of memory, a failed launch — records it and skips later work; the pass then
+    /// returns it). The CPU device's operations cannot fail.
+    fn take_error(&self) -> Option<crate::error::Error> {
+        None
+    }
+    /// Whether activations live in host memory (the CPU device); a device with memory of its
+    /// own cannot yet be fed by the streaming path.
+    fn host_memory(&self) -> bool {
+        true
+    }
     /// Host values to the device.
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act;
     fn zeros(&self, rows: usize, width: usize) -> Act;

@@ -322,7 +322,11 @@ impl Model {
         let mut result = None;
         self.device
             .run(Box::new(|| result = Some(self.forward_on_device(batch, caches, hooks))));
-        let logits = result.expect("the device ran the pass")?;
+        let logits = result.expect("the device ran the pass");
+        if let Some(e) = self.device.take_error() {
+            return Err(e);
+        }
+        let logits = logits?;
         for (c, len) in caches.iter_mut().zip(next) {
             c.len = len;
         }

@@ -30,6 +30,19 @@ pub(crate) struct ModelArgs {
     /// Worker threads (0 = one per core; at most 1024).
     #[arg(long, default_value_t = 0, value_parser = threads_arg)]
     pub(crate) threads: usize,
+    /// Where to compute: cpu; cuda (an NVIDIA GPU, the whole model in its memory; needs a build
+    /// with `--features cuda`, the NVIDIA driver, and NVRTC, found on the library path or through
+    /// GATESTREAM_NVRTC=/path/to/libnvrtc.so); auto (cuda when a GPU is found, else the CPU with a
+    /// one-line notice).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub(crate) device: DeviceArg,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum DeviceArg {
+    Cpu,
+    Cuda,
+    Auto,
 }
 
 #[derive(Subcommand)]

@@ -239,8 +239,23 @@ fn default_model() -> anyhow::Result<PathBuf> {
 /// Opens a model for a command that runs whole passes (perplexity, eval): in RAM, or streamed
 /// under `ram_budget` with the KV cache of `kv_positions` positions counted in it; says what
 /// was loaded and any warning.
+/// The device `--device` names (a notice on stderr when `auto` falls back to the CPU).
+fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
+    let kind = match args.device {
+        DeviceArg::Cpu => gatestream::backend::DeviceKind::Cpu,
+        DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
+        DeviceArg::Auto => gatestream::backend::DeviceKind::Auto,
+    };
+    let (device, notice) = gatestream::backend::open_device(kind, args.threads)?;
+    if let Some(n) = notice {
+        eprintln!("{n}");
+    }
+    Ok(device)
+}
+
 fn open_plain(
     path: &std::path::Path,
+    device: Arc<dyn Device>,
     threads: usize,
     ram_budget: Option<&str>,
     io: IoArg,
@@ -261,7 +276,7 @@ fn open_plain(
         }),
     };
     let t = std::time::Instant::now();
-    let rt = gatestream::runtime::open(
+    let rt = gatestream::runtime::open_on(
         path,
         &OpenOptions {
             threads,
@@ -269,6 +284,7 @@ fn open_plain(
             sparse: None,
             kv_positions: KvPositions::Exactly(kv_positions),
         },
+        device,
     )?;
     print_loaded(&rt.model, t.elapsed().as_secs_f64());
     for w in &rt.warnings {
@@ -356,7 +372,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     let _ = stdout.flush();
                 }
             };
-            let device: Arc<dyn Device> = Arc::new(CpuBackend::new(model.threads));
+            let device = device_of(&model)?;
             match mode {
                 ModeArg::Dense | ModeArg::Sparse => {
                     let sparse = (mode == ModeArg::Sparse).then_some(&asked);
@@ -448,7 +464,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let path = model_path(&model)?;
-            let rt = open_plain(&path, model.threads, ram_budget.as_deref(), io, ctx)?;
+            let rt = open_plain(&path, device_of(&model)?, model.threads, ram_budget.as_deref(), io, ctx)?;
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
@@ -580,7 +596,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 };
                 let body = std::fs::read_to_string(&text)
                     .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
-                let rt = open_plain(&model, 0, None, IoArg::Pread, 0)?;
+                let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0)?;
                 let m = &rt.model;
                 let mut ids = m.tokenizer.encode(&body, true)?;
                 ids.truncate(trace_tokens.max(1));
@@ -683,7 +699,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let path = model_path(&model)?;
             // KV positions: a window, a calibration window (512 + BOS), the sensitivity tokens.
             let kv = ctx.max(513).max(per_layer_tokens + 1);
-            let rt = open_plain(&path, model.threads, ram_budget.as_deref(), io, kv)?;
+            let rt = open_plain(&path, device_of(&model)?, model.threads, ram_budget.as_deref(), io, kv)?;
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,

@@ -1,0 +1,128 @@
+// Per-element and per-row operations of the layer program: RMSNorm, residual adds, biases, gated
+// activations, softcap, row selection and column scatter/gather, and RoPE with the optional
+// per-head QK-norm. Each mirrors the CPU device's loop in src/backend/cpu.rs and ops.rs.
+
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+
+// Sum over a block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    v = warp_sum(v);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    float s = 0.f;
+    for (int i = 0; i < warps; i++) s += part[i];
+    return s;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float part[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x >> 5;
+    float m = part[0];
+    for (int i = 1; i < warps; i++) m = fmaxf(m, part[i]);
+    return m;
+}
+
+// y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
+    const float* xr = x + (u64)blockIdx.x * width;
+    float* yr = y + (u64)blockIdx.x * width;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float scale = rsqrtf(ss / (float)width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+}
+
+extern "C" __global__ void add(float* x, const float* y, u64 len) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] += y[i];
+}
+
+extern "C" __global__ void mul(float* x, const float* y, u64 len) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] *= y[i];
+}
+
+extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] += b[i % width];
+}
+
+extern "C" __global__ void activate(float* x, int f, u64 len) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float v = x[i];
+    if (f == ACT_SILU) {
+        x[i] = v / (1.f + expf(-v));
+    } else {
+        const float k = 0.7978846f;
+        x[i] = 0.5f * v * (1.f + tanhf(k * v * (1.f + 0.044715f * v * v)));
+    }
+}
+
+extern "C" __global__ void softcap(float* x, float cap, u64 len) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] = cap * tanhf(x[i] / cap);
+}
+
+// out[i] = x[rows[i]] (rows of `width`). grid.y = output row.
+extern "C" __global__ void select_rows(const float* x, const u32* rows, int width, float* out) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= width) return;
+    out[(u64)blockIdx.y * width + c] = x[(u64)rows[blockIdx.y] * width + c];
+}
+
+// out [n, width] is zero; out[t][cols[i]] = x[t][i]. grid.y = token.
+extern "C" __global__ void scatter_cols(const float* x, const u32* cols, int m, int width, float* out) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m) return;
+    u64 t = blockIdx.y;
+    out[t * width + cols[i]] = x[t * m + i];
+}
+
+// out[t][i] = x[t][cols[i]]. grid.y = token.
+extern "C" __global__ void gather_cols(const float* x, const u32* cols, int m, int width, float* out) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= m) return;
+    u64 t = blockIdx.y;
+    out[t * m + i] = x[t * width + cols[i]];
+}
+
+// Per-head RMSNorm (when `norm` is given), then RoPE at positions[t], of `heads` heads of width
+// hd in rows of `row_width`. One block of hd/2 threads (rounded up to a warp) per (head, token).
+// Angles in f64 as on the CPU (ops::rope_table). style 0: adjacent pairs, 1: halves.
+extern "C" __global__ void rope_norm(float* x, int row_width, int hd, const u32* positions, float base,
+                                     float pos_scale, int style, const float* norm, float eps) {
+    int head = blockIdx.x, t = blockIdx.y;
+    float* v = x + (u64)t * row_width + (u64)head * hd;
+    int half = hd / 2;
+    int i = threadIdx.x;
+    if (norm) {
+        float ss = 0.f;
+        for (int k = i; k < hd; k += blockDim.x) ss += v[k] * v[k];
+        ss = block_sum(ss);
+        float scale = rsqrtf(ss / (float)hd + eps);
+        for (int k = i; k < hd; k += blockDim.x) v[k] = v[k] * scale * norm[k];
+        __syncthreads();
+    }
+    if (i >= half) return;
+    double p = (double)positions[t] / (double)pos_scale;
+    double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
+    float c = (float)cos(theta), s = (float)sin(theta);
+    int a = style == 0 ? 2 * i : i;
+    int b = style == 0 ? 2 * i + 1 : i + half;
+    float x0 = v[a], x1 = v[b];
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+}

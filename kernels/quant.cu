@@ -1,0 +1,357 @@
+// Quantized products on the GPU: every GGML block type the CPU path reads, decoded 32 values at a
+// time ("a unit": one legacy block, or one sub-block of a K-quant super-block) into registers and
+// multiplied with f32 activations (dequantize-and-FMA). Compiled at run time by NVRTC with no
+// headers, so types and f16 conversion are spelled out here. The three files of kernels/ are one
+// translation unit in the order quant.cu, ops.cu, attention.cu.
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define TY_F32 0
+#define TY_F16 1
+#define TY_BF16 2
+#define TY_Q4_0 3
+#define TY_Q4_1 4
+#define TY_Q5_0 5
+#define TY_Q8_0 6
+#define TY_Q4_K 7
+#define TY_Q5_K 8
+#define TY_Q6_K 9
+
+// Tokens one matmul block multiplies with each decoded unit (grid.y tiles the batch).
+#define MM_TOKENS 8
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
+__device__ __forceinline__ float ldf16(const u8* p) { return f16_to_f32(ld16(p)); }
+__device__ __forceinline__ u32 ld32(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+
+// Six-bit scale and min of sub-block j of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4).
+__device__ __forceinline__ void k_scale_min(int j, const u8* q, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *m = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4));
+        *m = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+// Elements per unit is 32 for every type; bytes per block and elements per block:
+template <int TY> struct Layout;
+template <> struct Layout<TY_F32> { enum { BLOCK = 1, BYTES = 4 }; };
+template <> struct Layout<TY_F16> { enum { BLOCK = 1, BYTES = 2 }; };
+template <> struct Layout<TY_BF16> { enum { BLOCK = 1, BYTES = 2 }; };
+template <> struct Layout<TY_Q4_0> { enum { BLOCK = 32, BYTES = 18 }; };
+template <> struct Layout<TY_Q4_1> { enum { BLOCK = 32, BYTES = 20 }; };
+template <> struct Layout<TY_Q5_0> { enum { BLOCK = 32, BYTES = 22 }; };
+template <> struct Layout<TY_Q8_0> { enum { BLOCK = 32, BYTES = 34 }; };
+template <> struct Layout<TY_Q4_K> { enum { BLOCK = 256, BYTES = 144 }; };
+template <> struct Layout<TY_Q5_K> { enum { BLOCK = 256, BYTES = 176 }; };
+template <> struct Layout<TY_Q6_K> { enum { BLOCK = 256, BYTES = 210 }; };
+
+// Values 32u..32u+31 of a row into w[].
+template <int TY> __device__ __forceinline__ void decode_unit(const u8* row, int u, float* w);
+
+template <> __device__ __forceinline__ void decode_unit<TY_F32>(const u8* row, int u, float* w) {
+    const float* p = (const float*)(row) + 32 * u;
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = p[i];
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_F16>(const u8* row, int u, float* w) {
+    const u8* p = row + 64 * u;
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = ldf16(p + 2 * i);
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_BF16>(const u8* row, int u, float* w) {
+    const u8* p = row + 64 * u;
+#pragma unroll
+    for (int i = 0; i < 32; i++) w[i] = __int_as_float((int)((u32)ld16(p + 2 * i) << 16));
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q4_0>(const u8* row, int u, float* w) {
+    const u8* b = row + 18 * u;
+    float d = ldf16(b);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[2 + j];
+        w[j] = (float)((int)(q & 0x0f) - 8) * d;
+        w[j + 16] = (float)((int)(q >> 4) - 8) * d;
+    }
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q4_1>(const u8* row, int u, float* w) {
+    const u8* b = row + 20 * u;
+    float d = ldf16(b), m = ldf16(b + 2);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[4 + j];
+        w[j] = (float)(q & 0x0f) * d + m;
+        w[j + 16] = (float)(q >> 4) * d + m;
+    }
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q5_0>(const u8* row, int u, float* w) {
+    const u8* b = row + 22 * u;
+    float d = ldf16(b);
+    u32 qh = ld32(b + 2);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[6 + j];
+        int lo = (int)((q & 0x0f) | (((qh >> j) & 1) << 4));
+        int hi = (int)((q >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        w[j] = (float)(lo - 16) * d;
+        w[j + 16] = (float)(hi - 16) * d;
+    }
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q8_0>(const u8* row, int u, float* w) {
+    const u8* b = row + 34 * u;
+    float d = ldf16(b);
+#pragma unroll
+    for (int j = 0; j < 32; j++) w[j] = (float)((i8)b[2 + j]) * d;
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q4_K>(const u8* row, int u, float* w) {
+    const u8* b = row + 144 * (u >> 3);
+    int j = u & 7;
+    int shift = (j & 1) * 4;
+    const u8* qs = b + 16 + 32 * (j >> 1);
+    if ((((u64)b) & 15) == 0) {
+        // Aligned super-block (every row of a contiguous matrix): whole-word loads.
+        u32 dd = *(const u32*)b;
+        u32 sw[3] = {*(const u32*)(b + 4), *(const u32*)(b + 8), *(const u32*)(b + 12)};
+        u8 sc8[12];
+#pragma unroll
+        for (int i = 0; i < 12; i++) sc8[i] = (u8)(sw[i >> 2] >> (8 * (i & 3)));
+        float sc, m;
+        k_scale_min(j, sc8, &sc, &m);
+        float d = f16_to_f32((u16)(dd & 0xffff)) * sc, dm = f16_to_f32((u16)(dd >> 16)) * m;
+        uint4 a = ((const uint4*)qs)[0], c = ((const uint4*)qs)[1];
+        u32 words[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) w[4 * i + k] = d * (float)((words[i] >> (8 * k + shift)) & 0x0f) - dm;
+        return;
+    }
+    float sc, m;
+    k_scale_min(j, b + 4, &sc, &m);
+    float d = ldf16(b) * sc, dm = ldf16(b + 2) * m;
+#pragma unroll
+    for (int l = 0; l < 32; l++) w[l] = d * (float)((qs[l] >> shift) & 0x0f) - dm;
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q5_K>(const u8* row, int u, float* w) {
+    const u8* b = row + 176 * (u >> 3);
+    int j = u & 7;
+    float sc, m;
+    k_scale_min(j, b + 4, &sc, &m);
+    float d = ldf16(b) * sc, dm = ldf16(b + 2) * m;
+    const u8* qh = b + 16;
+    const u8* qs = b + 48 + 32 * (j >> 1);
+    int shift = (j & 1) * 4;
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        int q = ((qs[l] >> shift) & 0x0f) | (((qh[l] >> j) & 1) << 4);
+        w[l] = d * (float)q - dm;
+    }
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q6_K>(const u8* row, int u, float* w) {
+    const u8* b = row + 210 * (u >> 3);
+    int j = u & 7;
+    int half = j >> 2, quarter = j & 3;
+    float d = ldf16(b + 208);
+    const u8* ql = b + 64 * half + 32 * (quarter & 1);
+    const u8* qh = b + 128 + 32 * half;
+    const i8* scales = (const i8*)(b + 192) + 8 * half + 2 * quarter;
+    int lshift = (quarter >> 1) * 4, hshift = 2 * quarter;
+    float d0 = d * (float)scales[0], d1 = d * (float)scales[1];
+    if ((((u64)b) & 1) == 0) {
+        // Even address (a block is 210 bytes): 16-bit loads, half the instructions.
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            u32 lo = ((const u16*)ql)[i], hi = ((const u16*)qh)[i];
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                int l = 2 * i + k;
+                int q = (int)(((lo >> (8 * k + lshift)) & 0x0f) | (((hi >> (8 * k + hshift)) & 3) << 4)) - 32;
+                w[l] = (l < 16 ? d0 : d1) * (float)q;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int l = 0; l < 32; l++) {
+        int q = (int)(((ql[l] >> lshift) & 0x0f) | (((qh[l] >> hshift) & 3) << 4)) - 32;
+        w[l] = (l < 16 ? d0 : d1) * (float)q;
+    }
+}
+
+// One value of a float row (the tail of a row whose length is not a multiple of 32).
+template <int TY> __device__ __forceinline__ float decode_one(const u8* row, int i) {
+    if (TY == TY_F32) return ((const float*)row)[i];
+    if (TY == TY_F16) return ldf16(row + 2 * i);
+    return __int_as_float((int)((u32)ld16(row + 2 * i) << 16));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Y[t][i] = dot(W[row_ids ? row_ids[i] : i], X[t]) for i < rows_out, t < n. One warp per output
+// row (blockDim = 32 x warps); grid.y tiles the tokens NT at a time, so each decoded unit serves
+// that many tokens (NT = MM_TOKENS for batches; 1 for decode, which then needs fewer registers
+// and keeps more warps in flight). Lanes take units round-robin, then one warp reduction per token.
+template <int TY, int NT>
+__device__ void matmul_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                            const float* X, int n, float* Y) {
+    int r = blockIdx.x * blockDim.y + threadIdx.y;
+    if (r >= rows_out) return;
+    int lane = threadIdx.x;
+    const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
+    int t0 = blockIdx.y * NT;
+    int nt = min(NT, n - t0);
+    const float* x0 = X + (u64)t0 * cols;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    int units = cols / 32;
+    bool vec4 = (cols & 3) == 0;
+    for (int u = lane; u < units; u += 32) {
+        float w[32];
+        decode_unit<TY>(row, u, w);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nt) {
+                const float* x = x0 + (u64)t * cols + 32 * u;
+                float s = 0.f;
+                if (vec4) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        float4 v = ((const float4*)x)[i];
+                        s += w[4 * i] * v.x + w[4 * i + 1] * v.y + w[4 * i + 2] * v.z + w[4 * i + 3] * v.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 32; i++) s += w[i] * x[i];
+                }
+                acc[t] += s;
+            }
+        }
+    }
+    if (Layout<TY>::BLOCK == 1) {
+        for (int i = units * 32 + lane; i < cols; i += 32) {
+            float wi = decode_one<TY>(row, i);
+            for (int t = 0; t < nt; t++) acc[t] += wi * x0[(u64)t * cols + i];
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) Y[(u64)(t0 + t) * rows_out + r] = s;
+    }
+}
+
+// Row ids[t] of W, dequantized, times scale: out [n, cols]. One block per token.
+template <int TY>
+__device__ void embed_body(const u8* W, u64 row_stride, const u32* ids, int cols, float scale, float* out) {
+    int t = blockIdx.x;
+    const u8* row = W + (u64)ids[t] * row_stride;
+    float* o = out + (u64)t * cols;
+    int units = cols / 32;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+        float w[32];
+        decode_unit<TY>(row, u, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++) o[32 * u + i] = w[i] * scale;
+    }
+    if (Layout<TY>::BLOCK == 1)
+        for (int i = units * 32 + threadIdx.x; i < cols; i += blockDim.x) o[i] = decode_one<TY>(row, i) * scale;
+}
+
+// The transposed product of a neuron-major matrix (row r = neuron r's down column), in
+// partitions: partial[p][t][c] = sum over the p-th slice of the rows r (all, or rows[]) of
+// acts[t][r] * W[r][c], each slice summed in row order. `accumulate_reduce` then adds the
+// partitions in order, so the result never depends on scheduling (no float atomics).
+// grid = (ceil(units / blockDim.x), partitions, n); each thread owns one unit of 32 columns.
+template <int TY>
+__device__ void accumulate_body(const u8* W, u64 row_stride, int w_rows, const u32* rows, int n_rows, int cols,
+                                const float* acts, int n, float* partial) {
+    int u = blockIdx.x * blockDim.x + threadIdx.x;
+    int units = cols / 32;
+    int p = blockIdx.y, parts = gridDim.y, t = blockIdx.z;
+    if (u >= units) return;
+    int per = (n_rows + parts - 1) / parts;
+    int r0 = p * per, r1 = min(n_rows, r0 + per);
+    float acc[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) acc[i] = 0.f;
+    const float* a = acts + (u64)t * w_rows;
+    for (int k = r0; k < r1; k++) {
+        u32 r = rows ? rows[k] : (u32)k;
+        float ar = a[r];
+        if (ar == 0.f) continue;
+        float w[32];
+        decode_unit<TY>(W + (u64)r * row_stride, u, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++) acc[i] += ar * w[i];
+    }
+    float* o = partial + ((u64)p * n + t) * cols + 32 * u;
+#pragma unroll
+    for (int i = 0; i < 32; i++) o[i] = acc[i];
+}
+
+#define QUANT_KERNELS(NAME, TY)                                                                              \
+    extern "C" __global__ void matmul_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
+                                             int cols, const float* X, int n, float* Y) {                   \
+        matmul_body<TY, MM_TOKENS>(W, row_stride, rows_out, row_ids, cols, X, n, Y);                         \
+    }                                                                                                        \
+    extern "C" __global__ void matvec_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
+                                             int cols, const float* X, int n, float* Y) {                   \
+        matmul_body<TY, 1>(W, row_stride, rows_out, row_ids, cols, X, n, Y);                                 \
+    }                                                                                                        \
+    extern "C" __global__ void embed_##NAME(const u8* W, u64 row_stride, const u32* ids, int cols,          \
+                                            float scale, float* out) {                                       \
+        embed_body<TY>(W, row_stride, ids, cols, scale, out);                                                \
+    }                                                                                                        \
+    extern "C" __global__ void accumulate_##NAME(const u8* W, u64 row_stride, int w_rows, const u32* rows,  \
+                                                 int n_rows, int cols, const float* acts, int n,             \
+                                                 float* partial) {                                           \
+        accumulate_body<TY>(W, row_stride, w_rows, rows, n_rows, cols, acts, n, partial);                    \
+    }
+
+QUANT_KERNELS(f32, TY_F32)
+QUANT_KERNELS(f16, TY_F16)
+QUANT_KERNELS(bf16, TY_BF16)
+QUANT_KERNELS(q4_0, TY_Q4_0)
+QUANT_KERNELS(q4_1, TY_Q4_1)
+QUANT_KERNELS(q5_0, TY_Q5_0)
+QUANT_KERNELS(q8_0, TY_Q8_0)
+QUANT_KERNELS(q4_k, TY_Q4_K)
+QUANT_KERNELS(q5_k, TY_Q5_K)
+QUANT_KERNELS(q6_k, TY_Q6_K)
+
+// out[t][c] += sum_p partial[p][t][c], p in order. One thread per (t, c).
+extern "C" __global__ void accumulate_reduce(const float* partial, int parts, u64 len, float* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float s = 0.f;
+    for (int p = 0; p < parts; p++) s += partial[(u64)p * len + i];
+    out[i] += s;
+}

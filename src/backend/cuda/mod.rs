@@ -1,0 +1,1039 @@
+//! The CUDA device (feature `cuda`): the layer program's operations as kernels (`kernels/*.cu`,
+//! compiled by NVRTC when the device opens), activations and the KV cache in device memory.
+//! Weights are copied to the GPU the first time a product uses them and kept there, keyed by the
+//! address of their bytes (the cache holds a handle on those bytes, so the address cannot be
+//! reused while cached); norms and biases likewise, checked against a host copy on every use.
+//! The driver is loaded at run time: on a machine without one, `open` returns an error naming
+//! what is missing — cudarc would panic, so everything it needs is checked first.
+//!
+//! Errors inside an operation (the `Device` methods return no `Result`) are recorded; every
+//! later launch is skipped, and the pass returns the first one through [`Device::take_error`].
+
+pub mod nvrtc;
+
+use std::any::Any;
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::{Act, ActData, AttnShape, Device, RopeShape};
+use crate::config::{FfnActivation, RopeStyle};
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::quant::GgmlType;
+use crate::tensor::Weight;
+
+/// Environment variable naming the driver library (`libcuda.so.1`) when it is not on the
+/// loader's path.
+pub const LIBCUDA_ENV: &str = "GATESTREAM_LIBCUDA";
+
+/// Threads per block of the elementwise kernels.
+const ELEMENTWISE_THREADS: u32 = 256;
+/// Warps per block of the matmul kernels (one output row each).
+const MATMUL_WARPS: u32 = 8;
+/// Tokens per matmul block (`MM_TOKENS` in kernels/quant.cu).
+const MATMUL_TOKENS: usize = 8;
+/// Threads per block of attention and of the partial sums of `accumulate_rows`.
+const ATTENTION_THREADS: u32 = 128;
+const ACCUMULATE_THREADS: u32 = 64;
+/// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
+const ATTN_MAX_HEAD_DIM: usize = 512;
+/// Bytes of freed activation buffers kept for reuse.
+const POOL_BYTES_MAX: usize = 1 << 30;
+
+/// The kernel name suffix of a weight type.
+pub fn type_suffix(ty: GgmlType) -> &'static str {
+    match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+    }
+}
+
+/// Every kernel the device launches.
+pub fn kernel_names() -> Vec<String> {
+    let mut names: Vec<String> = GgmlType::ALL
+        .iter()
+        .flat_map(|&ty| ["matmul", "matvec", "embed", "accumulate"].map(|k| format!("{k}_{}", type_suffix(ty))))
+        .collect();
+    for k in [
+        "accumulate_reduce",
+        "rms_norm",
+        "add",
+        "mul",
+        "add_bias",
+        "activate",
+        "softcap",
+        "select_rows",
+        "scatter_cols",
+        "gather_cols",
+        "rope_norm",
+        "kv_write",
+        "attention",
+    ] {
+        names.push(k.to_string());
+    }
+    names
+}
+
+/// One thread per element.
+pub fn elementwise_cfg(len: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((len as u32).div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per output row, `MATMUL_TOKENS` tokens per block row.
+pub fn matmul_cfg(rows_out: usize, n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (rows_out as u32).div_ceil(MATMUL_WARPS).max(1),
+            n.div_ceil(MATMUL_TOKENS).max(1) as u32,
+            1,
+        ),
+        block_dim: (32, MATMUL_WARPS, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Partitions of the rows in `accumulate_rows` (each summed in order by one thread per column
+/// unit, then the partitions added in order): enough to fill the GPU, at least 64 rows each.
+pub fn accumulate_parts(n_rows: usize) -> usize {
+    n_rows.div_ceil(64).clamp(1, 64)
+}
+
+/// Threads of a RoPE block: one per rotated pair, whole warps (the optional norm reduces over
+/// the block).
+pub fn rope_threads(head_dim: usize) -> u32 {
+    ((head_dim / 2).div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
+/// Freed activation buffers by length, reused by the next allocation of that length (a decode
+/// step allocates the same few dozen shapes every layer).
+#[derive(Default)]
+struct Pool {
+    free: Mutex<(HashMap<usize, Vec<CudaSlice<f32>>>, usize)>,
+}
+
+/// An activation's device buffer; dropping it returns the memory to the pool. Work already
+/// queued on the device's one stream that reads it runs before any later reuse.
+pub(crate) struct DevBuf {
+    slice: Option<CudaSlice<f32>>,
+    ptr: u64,
+    pool: Arc<Pool>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        if let Some(s) = self.slice.take() {
+            let mut free = self.pool.free.lock().expect("pool");
+            let bytes = s.len() * 4;
+            if free.1 + bytes <= POOL_BYTES_MAX {
+                free.1 += bytes;
+                free.0.entry(s.len()).or_default().push(s);
+            }
+        }
+    }
+}
+
+/// A weight's bytes on the device; `_keep` holds the host bytes so their address (the key)
+/// stays theirs while cached.
+struct DevWeight {
+    _buf: CudaSlice<u8>,
+    ptr: u64,
+    _keep: Arc<dyn Any + Send + Sync>,
+}
+
+/// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each.
+struct DevKv {
+    _k: CudaSlice<f32>,
+    _v: CudaSlice<f32>,
+    k: u64,
+    v: u64,
+    shape: (usize, usize, usize),
+    device: usize,
+}
+
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: HashMap<String, CudaFunction>,
+    label: String,
+    weights: Mutex<HashMap<(usize, usize, usize), DevWeight>>,
+    vectors: Mutex<HashMap<(usize, usize), (Vec<f32>, CudaSlice<f32>, u64)>>,
+    indices: Mutex<HashMap<Vec<u32>, (CudaSlice<u32>, u64)>>,
+    pool: Arc<Pool>,
+    error: Mutex<Option<String>>,
+    /// Which KV buffers are this device's (several devices may live in one process).
+    id: usize,
+}
+
+fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Invalid(format!("CUDA: {what}: {e}"))
+}
+
+/// Makes the driver library loadable by its standard name: `GATESTREAM_LIBCUDA` is loaded first
+/// (the loader then finds it by its soname), and its absence is reported before cudarc could
+/// panic on it.
+fn ensure_driver() -> Result<()> {
+    use std::sync::OnceLock;
+    static PRELOADED: OnceLock<std::result::Result<Option<libloading::Library>, String>> = OnceLock::new();
+    let pre = PRELOADED.get_or_init(|| match std::env::var(LIBCUDA_ENV) {
+        Ok(p) if !p.is_empty() => {
+            // SAFETY: loading the driver runs its initializers, which have no preconditions.
+            unsafe { libloading::Library::new(&p) }
+                .map(Some)
+                .map_err(|e| format!("CUDA: {LIBCUDA_ENV}={p} could not be loaded: {e}"))
+        }
+        _ => Ok(None),
+    });
+    if let Err(e) = pre {
+        return Err(Error::Invalid(e.clone()));
+    }
+    // SAFETY: only tries to load the library by its standard names.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::Invalid(format!(
+            "CUDA: the NVIDIA driver library (libcuda.so.1) was not found on the library path; this machine has \
+             no NVIDIA driver. Install one, or set {LIBCUDA_ENV}=/path/to/libcuda.so.1 (use --device cpu to run on the CPU)"
+        )));
+    }
+    Ok(())
+}
+
+/// The driver's CUDA version, `(major, minor)`.
+fn driver_version() -> Result<(i32, i32)> {
+    let mut v = 0;
+    // SAFETY: the driver library is present (checked by `ensure_driver`); the call writes one int.
+    let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Invalid(format!("CUDA: cuDriverGetVersion failed: {r:?}")));
+    }
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+impl CudaDevice {
+    /// GPU `ordinal`: the driver, a device, NVRTC no newer than the driver, the kernels compiled
+    /// for the device (or read from the cache) and loaded.
+    pub fn open(ordinal: usize) -> Result<CudaDevice> {
+        ensure_driver()?;
+        let count = CudaContext::device_count().map_err(|e| {
+            Error::Invalid(format!(
+                "CUDA: the driver did not start ({e}); is the NVIDIA kernel module loaded (nvidia-smi)?"
+            ))
+        })?;
+        if count <= 0 {
+            return Err(Error::Invalid(
+                "CUDA: the driver found no GPU (use --device cpu to run on the CPU)".into(),
+            ));
+        }
+        if ordinal >= count as usize {
+            return Err(Error::Invalid(format!(
+                "CUDA: GPU {ordinal} asked for, the driver found {count}"
+            )));
+        }
+        let driver = driver_version()?;
+        let nvrtc = nvrtc::Nvrtc::load()?;
+        if nvrtc.version > driver {
+            return Err(Error::Invalid(format!(
+                "CUDA: NVRTC {}.{} ({}) is newer than the driver, which supports CUDA {}.{}; its code would not load. \
+                 Point {} at an NVRTC no newer than {}.{}, or update the driver",
+                nvrtc.version.0,
+                nvrtc.version.1,
+                nvrtc.path,
+                driver.0,
+                driver.1,
+                nvrtc::NVRTC_ENV,
+                driver.0,
+                driver.1
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("creating a context"))?;
+        let (major, minor) = ctx.compute_capability().map_err(driver_err("compute capability"))?;
+        let arch = (major * 10 + minor) as u32;
+        let (cubin, cached) = nvrtc::compiled_module(&nvrtc, arch)?;
+        let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
+            Ok(m) => m,
+            Err(e) if cached => {
+                // A damaged cache entry: compile again (the new module replaces it).
+                let _ = e;
+                if let Some(d) = nvrtc::cache_dir() {
+                    let _ = std::fs::remove_file(d.join(nvrtc::cache_file_name(&nvrtc::source(), arch, nvrtc.version)));
+                }
+                let (cubin, _) = nvrtc::compiled_module(&nvrtc, arch)?;
+                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                    .map_err(driver_err("loading the kernels"))?
+            }
+            Err(e) => return Err(driver_err("loading the kernels")(e)),
+        };
+        let mut kernels = HashMap::new();
+        for name in kernel_names() {
+            let f = module
+                .load_function(&name)
+                .map_err(driver_err(&format!("kernel {name}")))?;
+            kernels.insert(name, f);
+        }
+        let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
+        // SAFETY: every operation of this device runs on its one stream, which orders them; the
+        // per-buffer events cudarc would record for several streams are not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let name = ctx.name().unwrap_or_else(|_| "GPU".into());
+        let mem = ctx.total_mem().unwrap_or(0) as f64 / (1u64 << 30) as f64;
+        static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+        Ok(CudaDevice {
+            label: format!(
+                "cuda {ordinal}: {name} (sm_{arch}, {mem:.0} GiB, driver CUDA {}.{}, NVRTC {}.{}{})",
+                driver.0,
+                driver.1,
+                nvrtc.version.0,
+                nvrtc.version.1,
+                if cached { ", cached kernels" } else { "" }
+            ),
+            ctx,
+            stream,
+            kernels,
+            weights: Mutex::new(HashMap::new()),
+            vectors: Mutex::new(HashMap::new()),
+            indices: Mutex::new(HashMap::new()),
+            pool: Arc::new(Pool::default()),
+            error: Mutex::new(None),
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    fn failed(&self) -> bool {
+        self.error.lock().expect("error").is_some()
+    }
+
+    fn fail(&self, msg: String) {
+        let mut e = self.error.lock().expect("error");
+        if e.is_none() {
+            *e = Some(msg);
+        }
+    }
+
+    fn check<T>(&self, what: &str, r: std::result::Result<T, cudarc::driver::DriverError>) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.fail(format!("CUDA: {what}: {e}"));
+                None
+            }
+        }
+    }
+
+    fn raw<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// A buffer of `len` floats (contents undefined), from the pool when one of that length is
+    /// free. Never zero-sized (the driver refuses that).
+    fn alloc(&self, len: usize) -> DevBuf {
+        let len = len.max(1);
+        let reused = {
+            let mut free = self.pool.free.lock().expect("pool");
+            let s = free.0.get_mut(&len).and_then(|v| v.pop());
+            if s.is_some() {
+                free.1 -= len * 4;
+            }
+            s
+        };
+        let slice = match reused {
+            Some(s) => Some(s),
+            // SAFETY: every caller writes the buffer before reading it, or zeroes it.
+            None => self.check("allocating device memory", unsafe { self.stream.alloc::<f32>(len) }),
+        };
+        let ptr = slice.as_ref().map_or(0, |s| self.raw(s));
+        DevBuf {
+            slice,
+            ptr,
+            pool: self.pool.clone(),
+        }
+    }
+
+    fn act(&self, rows: usize, width: usize) -> Act {
+        Act {
+            rows,
+            width,
+            data: ActData::Cuda(self.alloc(rows * width)),
+        }
+    }
+
+    fn zeroed(&self, rows: usize, width: usize) -> Act {
+        let mut a = self.act(rows, width);
+        if let ActData::Cuda(b) = &mut a.data {
+            if let Some(s) = b.slice.as_mut() {
+                let r = self.stream.memset_zeros(s);
+                self.check("zeroing device memory", r);
+            }
+        }
+        a
+    }
+
+    fn launch(&self, kernel: &str, cfg: LaunchConfig, args: &[Arg]) {
+        if self.failed() {
+            return;
+        }
+        let Some(f) = self.kernels.get(kernel) else {
+            self.fail(format!("CUDA: no kernel {kernel}"));
+            return;
+        };
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::U64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: each kernel's parameters are the (u64 pointer / i32 / f32) values its callers
+        // below pass, in order, and every pointer is a live device buffer of the size it reads.
+        let r = unsafe { b.launch(cfg) };
+        self.check(kernel, r);
+    }
+
+    /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
+    fn weight(&self, w: &Weight) -> Option<u64> {
+        let Some((bytes, keep)) = w.span() else {
+            self.fail(format!(
+                "{}: its bytes are on disk; streaming weights to a GPU is not built yet (run without --ram-budget)",
+                w.name
+            ));
+            return None;
+        };
+        let key = (bytes.as_ptr() as usize, bytes.len(), w.row_stride_bytes);
+        let mut cache = self.weights.lock().expect("weights");
+        if let Some(d) = cache.get(&key) {
+            return Some(d.ptr);
+        }
+        let buf = self.check(
+            &format!("copying {} ({} bytes) to the GPU", w.name, bytes.len()),
+            self.stream
+                .clone_htod(if bytes.is_empty() { &[0u8][..] } else { bytes }),
+        )?;
+        let ptr = self.raw(&buf);
+        cache.insert(
+            key,
+            DevWeight {
+                _buf: buf,
+                ptr,
+                _keep: keep,
+            },
+        );
+        Some(ptr)
+    }
+
+    /// A host vector (norm, bias) on the device, copied again if its contents changed.
+    fn vector(&self, v: &[f32]) -> u64 {
+        let key = (v.as_ptr() as usize, v.len());
+        let mut cache = self.vectors.lock().expect("vectors");
+        if let Some((host, _, ptr)) = cache.get(&key) {
+            if host.iter().map(|x| x.to_bits()).eq(v.iter().map(|x| x.to_bits())) {
+                return *ptr;
+            }
+        }
+        let data = if v.is_empty() { &[0f32][..] } else { v };
+        match self.check("copying a vector to the GPU", self.stream.clone_htod(data)) {
+            Some(s) => {
+                let ptr = self.raw(&s);
+                cache.insert(key, (v.to_vec(), s, ptr));
+                ptr
+            }
+            None => 0,
+        }
+    }
+
+    /// An index list on the device; the last few hundred distinct lists stay (a pass's
+    /// positions and row lists repeat every layer).
+    fn indices(&self, v: &[u32]) -> u64 {
+        let mut cache = self.indices.lock().expect("indices");
+        if let Some((_, ptr)) = cache.get(v) {
+            return *ptr;
+        }
+        if cache.len() >= 256 {
+            // Freed in stream order: launches already queued that read them run first.
+            cache.clear();
+        }
+        let data = if v.is_empty() { &[0u32][..] } else { v };
+        match self.check("copying indices to the GPU", self.stream.clone_htod(data)) {
+            Some(s) => {
+                let ptr = self.raw(&s);
+                cache.insert(v.to_vec(), (s, ptr));
+                ptr
+            }
+            None => 0,
+        }
+    }
+
+    /// Each token's `TokenKv` (key base, value base, position, capacity) as u32 words.
+    fn token_kv(&self, positions: &[usize], seq_of_token: &[usize], caches: &[&mut KvCache]) -> u64 {
+        let mut words = Vec::with_capacity(positions.len() * 8);
+        for (&pos, &s) in positions.iter().zip(seq_of_token) {
+            let (k, v, cap) = match caches[s].device.as_ref().and_then(|d| d.downcast_ref::<DevKv>()) {
+                Some(d) => (d.k, d.v, d.shape.1 as u64),
+                None => (0, 0, 0),
+            };
+            for x in [k, v, pos as u64, cap] {
+                words.push(x as u32);
+                words.push((x >> 32) as u32);
+            }
+        }
+        self.indices(&words)
+    }
+
+    /// Gives `cache` device buffers for its shape if it has none of this device's.
+    fn ensure_kv(&self, cache: &mut KvCache) {
+        let shape = (cache.k.len(), cache.capacity, cache.kv_dim);
+        let ok = cache
+            .device
+            .as_ref()
+            .and_then(|d| d.downcast_ref::<DevKv>())
+            .is_some_and(|d| d.shape == shape && d.device == self.id);
+        if ok {
+            return;
+        }
+        let len = (shape.0 * shape.1 * shape.2).max(1);
+        let k = self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len));
+        let v = self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len));
+        if let (Some(k), Some(v)) = (k, v) {
+            let (kp, vp) = (self.raw(&k), self.raw(&v));
+            cache.device = Some(Box::new(DevKv {
+                _k: k,
+                _v: v,
+                k: kp,
+                v: vp,
+                shape,
+                device: self.id,
+            }));
+        }
+    }
+}
+
+/// A kernel parameter.
+enum Arg {
+    U64(u64),
+    I32(i32),
+    F32(f32),
+}
+
+fn buf(a: &Act) -> u64 {
+    match &a.data {
+        ActData::Cuda(b) => b.ptr,
+        ActData::Host(_) => 0,
+    }
+}
+
+fn int(v: usize) -> Arg {
+    Arg::I32(v as i32)
+}
+
+fn ptr(v: u64) -> Arg {
+    Arg::U64(v)
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.label.clone()
+    }
+
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("CUDA: binding the context: {e}"));
+        }
+        f()
+    }
+
+    fn host_memory(&self) -> bool {
+        false
+    }
+
+    fn take_error(&self) -> Option<Error> {
+        self.error.lock().expect("error").take().map(Error::Invalid)
+    }
+
+    fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
+        assert_eq!(values.len(), rows * width, "activation shape");
+        let mut a = self.act(rows, width);
+        if let (ActData::Cuda(b), false) = (&mut a.data, values.is_empty()) {
+            if let Some(s) = b.slice.as_mut() {
+                let r = self.stream.memcpy_htod(&values[..], &mut s.slice_mut(..values.len()));
+                self.check("copying activations to the GPU", r);
+            }
+        }
+        a
+    }
+
+    fn zeros(&self, rows: usize, width: usize) -> Act {
+        self.zeroed(rows, width)
+    }
+
+    fn copy(&self, x: &Act) -> Act {
+        let mut y = self.act(x.rows, x.width);
+        if let (ActData::Cuda(src), ActData::Cuda(dst)) = (&x.data, &mut y.data) {
+            if let (Some(s), Some(d)) = (src.slice.as_ref(), dst.slice.as_mut()) {
+                let r = self.stream.memcpy_dtod(s, d);
+                self.check("copying on the GPU", r);
+            }
+        }
+        y
+    }
+
+    fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]> {
+        let len = a.rows * a.width;
+        let mut out = vec![0f32; len];
+        if let ActData::Cuda(b) = &a.data {
+            if let (Some(s), false, true) = (b.slice.as_ref(), self.failed(), len > 0) {
+                let r = self.stream.memcpy_dtoh(&s.slice(..len), &mut out[..]);
+                self.check("copying activations to the host", r);
+            }
+        }
+        Cow::Owned(out)
+    }
+
+    fn download(&self, a: Act) -> Vec<f32> {
+        self.to_host(&a).into_owned()
+    }
+
+    fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
+        let out = self.act(ids.len(), w.cols);
+        if ids.is_empty() {
+            return out;
+        }
+        if let Some(wp) = self.weight(w) {
+            let idx = self.indices(ids);
+            let cfg = LaunchConfig {
+                grid_dim: (ids.len() as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch(
+                &format!("embed_{}", type_suffix(w.ty)),
+                cfg,
+                &[
+                    ptr(wp),
+                    ptr(w.row_stride_bytes as u64),
+                    ptr(idx),
+                    int(w.cols),
+                    Arg::F32(scale),
+                    ptr(buf(&out)),
+                ],
+            );
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &Act, w: &[f32], eps: f32) -> Act {
+        let y = self.act(x.rows, x.width);
+        self.rms_norm_into(x, w, eps, &y);
+        y
+    }
+
+    fn rms_norm_in_place(&self, x: &mut Act, w: &[f32], eps: f32) {
+        self.rms_norm_into(&*x, w, eps, &*x);
+    }
+
+    fn add(&self, x: &mut Act, y: &Act) {
+        let len = x.rows * x.width;
+        self.launch(
+            "add",
+            elementwise_cfg(len),
+            &[ptr(buf(x)), ptr(buf(y)), ptr(len as u64)],
+        );
+    }
+
+    fn add_bias(&self, x: &mut Act, b: &[f32]) {
+        let len = x.rows * x.width;
+        let bp = self.vector(b);
+        self.launch(
+            "add_bias",
+            elementwise_cfg(len),
+            &[ptr(buf(x)), ptr(bp), int(b.len()), ptr(len as u64)],
+        );
+    }
+
+    fn mul(&self, x: &mut Act, y: &Act) {
+        let len = x.rows * x.width;
+        self.launch(
+            "mul",
+            elementwise_cfg(len),
+            &[ptr(buf(x)), ptr(buf(y)), ptr(len as u64)],
+        );
+    }
+
+    fn activate(&self, x: &mut Act, f: FfnActivation) {
+        let len = x.rows * x.width;
+        let code = match f {
+            FfnActivation::Silu => 0,
+            FfnActivation::GeluTanh => 1,
+        };
+        self.launch(
+            "activate",
+            elementwise_cfg(len),
+            &[ptr(buf(x)), int(code), ptr(len as u64)],
+        );
+    }
+
+    fn softcap(&self, x: &mut Act, cap: f32) {
+        let len = x.rows * x.width;
+        self.launch(
+            "softcap",
+            elementwise_cfg(len),
+            &[ptr(buf(x)), Arg::F32(cap), ptr(len as u64)],
+        );
+    }
+
+    fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {
+        let out = self.act(rows.len(), x.width);
+        if rows.is_empty() || x.width == 0 {
+            return out;
+        }
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.indices(&ids);
+        let cfg = LaunchConfig {
+            grid_dim: ((x.width as u32).div_ceil(ELEMENTWISE_THREADS), rows.len() as u32, 1),
+            block_dim: (ELEMENTWISE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "select_rows",
+            cfg,
+            &[ptr(buf(x)), ptr(idx), int(x.width), ptr(buf(&out))],
+        );
+        out
+    }
+
+    fn scatter_cols(&self, x: &Act, cols: &[u32], width: usize) -> Act {
+        let out = self.zeroed(x.rows, width);
+        if cols.is_empty() || x.rows == 0 {
+            return out;
+        }
+        let idx = self.indices(cols);
+        let cfg = LaunchConfig {
+            grid_dim: ((cols.len() as u32).div_ceil(ELEMENTWISE_THREADS), x.rows as u32, 1),
+            block_dim: (ELEMENTWISE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "scatter_cols",
+            cfg,
+            &[ptr(buf(x)), ptr(idx), int(cols.len()), int(width), ptr(buf(&out))],
+        );
+        out
+    }
+
+    fn gather_cols(&self, x: &Act, cols: &[u32]) -> Act {
+        let out = self.act(x.rows, cols.len());
+        if cols.is_empty() || x.rows == 0 {
+            return out;
+        }
+        let idx = self.indices(cols);
+        let cfg = LaunchConfig {
+            grid_dim: ((cols.len() as u32).div_ceil(ELEMENTWISE_THREADS), x.rows as u32, 1),
+            block_dim: (ELEMENTWISE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "gather_cols",
+            cfg,
+            &[ptr(buf(x)), ptr(idx), int(cols.len()), int(x.width), ptr(buf(&out))],
+        );
+        out
+    }
+
+    fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
+        ws.iter().map(|w| self.product(w, None, x)).collect()
+    }
+
+    fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
+        self.product(w, Some(rows), x)
+    }
+
+    fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        let n = out.rows;
+        let n_rows = rows.map_or(w.rows, |r| r.len());
+        if n == 0 || n_rows == 0 {
+            return;
+        }
+        if !w.cols.is_multiple_of(32) {
+            self.fail(format!(
+                "{}: the GPU's neuron-major product needs a multiple of 32 columns, not {}",
+                w.name, w.cols
+            ));
+            return;
+        }
+        let Some(wp) = self.weight(w) else { return };
+        let idx = rows.map_or(0, |r| self.indices(r));
+        let parts = accumulate_parts(n_rows);
+        let partial = self.act(parts * n, w.cols);
+        let units = (w.cols / 32) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (units.div_ceil(ACCUMULATE_THREADS), parts as u32, n as u32),
+            block_dim: (ACCUMULATE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            &format!("accumulate_{}", type_suffix(w.ty)),
+            cfg,
+            &[
+                ptr(wp),
+                ptr(w.row_stride_bytes as u64),
+                int(w.rows),
+                ptr(idx),
+                int(n_rows),
+                int(w.cols),
+                ptr(buf(acts)),
+                int(n),
+                ptr(buf(&partial)),
+            ],
+        );
+        let len = n * w.cols;
+        self.launch(
+            "accumulate_reduce",
+            elementwise_cfg(len),
+            &[ptr(buf(&partial)), int(parts), ptr(len as u64), ptr(buf(out))],
+        );
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut Act,
+        k: &mut Act,
+        positions: &[usize],
+        shape: RopeShape,
+        q_norm: Option<&[f32]>,
+        k_norm: Option<&[f32]>,
+        eps: f32,
+    ) {
+        let hd = shape.head_dim;
+        if positions.is_empty() || hd == 0 {
+            return;
+        }
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let pp = self.indices(&pos);
+        let style = match shape.style {
+            RopeStyle::AdjacentPairs => 0,
+            RopeStyle::HalfSplit => 1,
+        };
+        for (x, norm) in [(&*q, q_norm), (&*k, k_norm)] {
+            let np = norm.map_or(0, |n| self.vector(n));
+            let cfg = LaunchConfig {
+                grid_dim: ((x.width / hd) as u32, positions.len() as u32, 1),
+                block_dim: (rope_threads(hd), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch(
+                "rope_norm",
+                cfg,
+                &[
+                    ptr(buf(x)),
+                    int(x.width),
+                    int(hd),
+                    ptr(pp),
+                    Arg::F32(shape.base),
+                    Arg::F32(shape.pos_scale),
+                    int(style),
+                    ptr(np),
+                    Arg::F32(eps),
+                ],
+            );
+        }
+    }
+
+    fn kv_write(
+        &self,
+        layer: usize,
+        k: &Act,
+        v: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &mut [&mut KvCache],
+    ) {
+        if positions.is_empty() {
+            return;
+        }
+        for c in caches.iter_mut() {
+            self.ensure_kv(c);
+        }
+        let info = self.token_kv(positions, seq_of_token, caches);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (k.width as u32).div_ceil(ELEMENTWISE_THREADS),
+                positions.len() as u32,
+                1,
+            ),
+            block_dim: (ELEMENTWISE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "kv_write",
+            cfg,
+            &[ptr(buf(k)), ptr(buf(v)), ptr(info), int(layer), int(k.width)],
+        );
+    }
+
+    fn attention(
+        &self,
+        q: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &[&mut KvCache],
+        shape: AttnShape,
+    ) -> Act {
+        let out = self.act(q.rows, q.width);
+        if positions.is_empty() {
+            return out;
+        }
+        if shape.head_dim > ATTN_MAX_HEAD_DIM {
+            self.fail(format!(
+                "CUDA: attention supports heads of at most {ATTN_MAX_HEAD_DIM}, not {}",
+                shape.head_dim
+            ));
+            return out;
+        }
+        let info = self.token_kv(positions, seq_of_token, caches);
+        let max_len = positions
+            .iter()
+            .map(|&p| shape.window.map_or(p + 1, |w| (p + 1).min(w)))
+            .max()
+            .unwrap_or(1);
+        let scores = self.act(q.rows * shape.n_heads, max_len);
+        let cfg = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, q.rows as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "attention",
+            cfg,
+            &[
+                ptr(buf(q)),
+                ptr(info),
+                int(shape.layer),
+                int(shape.n_heads),
+                int(shape.n_kv_heads),
+                int(shape.head_dim),
+                Arg::F32(shape.scale),
+                int(shape.window.unwrap_or(0)),
+                ptr(buf(&scores)),
+                int(max_len),
+                ptr(buf(&out)),
+            ],
+        );
+        out
+    }
+}
+
+impl CudaDevice {
+    /// Device-to-device copy bandwidth over `bytes`-sized buffers, counting bytes read and
+    /// written (the ceiling a memory-bound kernel reaches), in bytes per second.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        let n = bytes / 4;
+        let a = self.stream.alloc_zeros::<f32>(n).map_err(driver_err("allocating"))?;
+        let mut b = self.stream.alloc_zeros::<f32>(n).map_err(driver_err("allocating"))?;
+        self.stream.memcpy_dtod(&a, &mut b).map_err(driver_err("copying"))?;
+        self.stream.synchronize().map_err(driver_err("synchronizing"))?;
+        let reps = 20;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            self.stream.memcpy_dtod(&a, &mut b).map_err(driver_err("copying"))?;
+        }
+        self.stream.synchronize().map_err(driver_err("synchronizing"))?;
+        Ok((2 * n * 4 * reps) as f64 / t.elapsed().as_secs_f64())
+    }
+
+    fn rms_norm_into(&self, x: &Act, w: &[f32], eps: f32, y: &Act) {
+        if x.rows == 0 {
+            return;
+        }
+        let wp = self.vector(w);
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "rms_norm",
+            cfg,
+            &[ptr(buf(x)), ptr(wp), ptr(buf(y)), int(x.width), Arg::F32(eps)],
+        );
+    }
+
+    /// `x · w[rows]` (all rows when `None`).
+    fn product(&self, w: &Weight, rows: Option<&[u32]>, x: &Act) -> Act {
+        let rows_out = rows.map_or(w.rows, |r| r.len());
+        let out = self.act(x.rows, rows_out);
+        if x.rows == 0 || rows_out == 0 {
+            return out;
+        }
+        if x.width != w.cols {
+            self.fail(format!("{}: {} columns times an input of {}", w.name, w.cols, x.width));
+            return out;
+        }
+        let Some(wp) = self.weight(w) else { return out };
+        let idx = rows.map_or(0, |r| self.indices(r));
+        // One token (decode): the single-token kernel, with fewer registers.
+        let kernel = if x.rows == 1 { "matvec" } else { "matmul" };
+        self.launch(
+            &format!("{kernel}_{}", type_suffix(w.ty)),
+            matmul_cfg(rows_out, x.rows),
+            &[
+                ptr(wp),
+                ptr(w.row_stride_bytes as u64),
+                int(rows_out),
+                ptr(idx),
+                int(w.cols),
+                ptr(buf(x)),
+                int(x.rows),
+                ptr(buf(&out)),
+            ],
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_name_is_defined_in_the_source() {
+        let src = nvrtc::source();
+        for name in kernel_names() {
+            let (kind, suffix) = name.split_once('_').unwrap_or((&name, ""));
+            let direct = src.contains(&format!("void {name}("));
+            // The quantized kernels come from the QUANT_KERNELS macro.
+            let by_macro = ["matmul", "matvec", "embed", "accumulate"].contains(&kind)
+                && src.contains(&format!("QUANT_KERNELS({suffix},"));
+            assert!(direct || by_macro, "{name} is not in kernels/");
+        }
+    }
+
+    #[test]
+    fn launch_geometry_covers_every_element() {
+        for len in [1usize, 255, 256, 257, 1 << 20] {
+            let c = elementwise_cfg(len);
+            assert!((c.grid_dim.0 * c.block_dim.0) as usize >= len);
+            assert!((((c.grid_dim.0 - 1) * c.block_dim.0) as usize) < len);
+        }
+        let c = matmul_cfg(1536, 1);
+        assert_eq!((c.grid_dim, c.block_dim), ((192, 1, 1), (32, 8, 1)));
+        let c = matmul_cfg(151_936, 17);
+        assert_eq!(c.grid_dim, (18_992, 3, 1));
+        assert_eq!(accumulate_parts(1), 1);
+        assert_eq!(accumulate_parts(8960), 64);
+        assert_eq!(accumulate_parts(640), 10);
+        assert_eq!(rope_threads(8), 32);
+        assert_eq!(rope_threads(128), 64);
+        assert_eq!(rope_threads(256), 128);
+    }
+}
