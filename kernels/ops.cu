@@ -5,33 +5,26 @@
 #define ACT_SILU 0
 #define ACT_GELU_TANH 1
 
-// Sum over a block (blockDim.x a multiple of 32, at most 1024); every thread gets the total.
-__device__ float block_sum(float v) {
-    __shared__ float part[32];
-    v = warp_sum(v);
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __syncthreads();
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    int warps = blockDim.x >> 5;
-    float s = 0.f;
-    for (int i = 0; i < warps; i++) s += part[i];
-    return s;
-}
+// A reduction over a block (blockDim.x a multiple of 32, at most 1024): the sum, or with MAX the
+// maximum; every thread gets the result.
+template <bool MAX> __device__ __forceinline__ float combine(float a, float b) { return MAX ? fmaxf(a, b) : a + b; }
 
-__device__ float block_max(float v) {
+template <bool MAX> __device__ float block_reduce(float v) {
     __shared__ float part[32];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = combine<MAX>(v, __shfl_xor_sync(0xffffffffu, v, o));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
     int warps = blockDim.x >> 5;
-    float m = part[0];
-    for (int i = 1; i < warps; i++) m = fmaxf(m, part[i]);
-    return m;
+    float r = part[0];
+    for (int i = 1; i < warps; i++) r = combine<MAX>(r, part[i]);
+    return r;
 }
+
+__device__ float block_sum(float v) { return block_reduce<false>(v); }
+__device__ float block_max(float v) { return block_reduce<true>(v); }
 
 // y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {

@@ -18,10 +18,12 @@ use std::time::Instant;
 
 use gatestream::backend::cpu::CpuBackend;
 use gatestream::backend::cuda::CudaDevice;
+use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::Device;
 use gatestream::gguf::MetaValue;
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
+use gatestream::model::sampler::argmax;
 use gatestream::model::weights::FfnDown;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::quant::{quantize_row, GgmlType};
@@ -221,21 +223,25 @@ fn compare_greedy(cpu: &Model, gpu: &Model, prompt: &[u32], steps: usize) -> Res
         let (min, max) = lc.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
         let d = lc.iter().zip(&lg).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         worst = worst.max((d / (max - min)) as f64);
-        let argmax = |v: &[f32]| {
-            v.iter()
-                .enumerate()
-                .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
-                .0
-        };
         let (tc, tg) = (argmax(&lc), argmax(&lg));
         if tc != tg {
             mismatches += 1;
         }
-        let t = [tc as u32];
+        let t = [tc];
         lc = cpu.forward(&t, &mut cc, Logits::Last).map_err(|e| e.to_string())?;
         lg = gpu.forward(&t, &mut cg, Logits::Last).map_err(|e| e.to_string())?;
     }
     Ok((mismatches, worst))
+}
+
+/// The bar a model comparison must clear: the same greedy tokens, max |Δlogit| at most 1% of the
+/// logits' range, perplexity within 0.1%.
+fn judged(mismatches: usize, worst: f64, rel: f64, msg: String) -> Result<String, String> {
+    if mismatches > 0 || worst > 0.01 || rel > 0.001 {
+        Err(msg)
+    } else {
+        Ok(msg)
+    }
 }
 
 /// Mean negative log-likelihood of the second half of `tokens` (one pass).
@@ -248,9 +254,7 @@ fn nll(m: &Model, tokens: &[u32]) -> Result<f64, String> {
     let v = m.config.vocab;
     let mut sum = 0f64;
     for (i, row) in logits.chunks(v).enumerate().take(tokens.len() - half) {
-        let max = row.iter().cloned().fold(f32::MIN, f32::max) as f64;
-        let lse = max + row.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln();
-        sum += lse - row[tokens[half + i] as usize] as f64;
+        sum += log_sum_exp(row) - row[tokens[half + i] as usize] as f64;
     }
     Ok(sum / (tokens.len() - half) as f64)
 }
@@ -294,10 +298,7 @@ fn stories260k(
         "stories260k".into(),
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc.perplexity, "ppl_cuda": pg.perplexity}),
     );
-    if mismatches > 0 || worst > 0.01 || rel > 0.001 {
-        return Err(msg);
-    }
-    Ok(msg)
+    judged(mismatches, worst, rel, msg)
 }
 
 /// Qwen2.5-1.5B's shape: hidden 1536, FFN 8960, 28 layers, 12 heads of 128 over 2 KV heads,
@@ -346,117 +347,58 @@ fn qwen_shaped_gguf(dir: &std::path::Path, layers: usize, residual_gain: f32, as
             .collect()
     };
     let more_bits = |l: usize| l < layers / 8 || l >= 7 * layers / 8 || (l - layers / 8) % 3 == 2;
-    let mut t: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
     const Q4K: u32 = 12;
     const Q6K: u32 = 14;
-    t.push((
+    /// What a tensor holds: a norm (around 1), a bias (around 0), a matrix of a type at a gain.
+    enum Kind {
+        Norm,
+        Bias,
+        Matrix(u32, f32),
+    }
+    let mut t: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
+    // (name, GGUF dims: columns first, kind), in the order the weights are drawn.
+    let mut push = |name: String, dims: Vec<usize>, kind: Kind, rng: &mut Rng| {
+        let (ty, bytes) = match kind {
+            Kind::Norm => (0, f32s(dims[0], 1.0, 0.05, rng)),
+            Kind::Bias => (0, f32s(dims[0], 0.0, 0.1, rng)),
+            Kind::Matrix(Q6K, gain) => (Q6K, q6k(dims[1], dims[0], gain, rng)),
+            Kind::Matrix(ty, gain) => (ty, q4k(dims[1], dims[0], gain, rng)),
+        };
+        t.push((name, dims.iter().map(|&d| d as u64).collect(), ty, bytes));
+    };
+    push(
         "token_embd.weight".into(),
-        vec![hidden as u64, vocab as u64],
-        Q6K,
-        q6k(vocab, hidden, 1.0, &mut rng),
-    ));
-    t.push((
+        vec![hidden, vocab],
+        Kind::Matrix(Q6K, 1.0),
+        &mut rng,
+    );
+    push(
         "output.weight".into(),
-        vec![hidden as u64, vocab as u64],
-        Q6K,
-        q6k(vocab, hidden, 1.0, &mut rng),
-    ));
-    t.push((
-        "output_norm.weight".into(),
-        vec![hidden as u64],
-        0,
-        f32s(hidden, 1.0, 0.05, &mut rng),
-    ));
+        vec![hidden, vocab],
+        Kind::Matrix(Q6K, 1.0),
+        &mut rng,
+    );
+    push("output_norm.weight".into(), vec![hidden], Kind::Norm, &mut rng);
+    let (q, kv) = (heads * hd, kv_heads * hd);
     for l in 0..layers {
-        let p = |s: &str| format!("blk.{l}.{s}");
         let vty = if more_bits(l) { Q6K } else { Q4K };
-        let mat = |rows: usize, cols: usize, ty: u32, rng: &mut Rng| {
-            if ty == Q6K {
-                q6k(rows, cols, 1.0, rng)
-            } else {
-                q4k(rows, cols, 1.0, rng)
-            }
-        };
-        // The residual branches' last products at a tenth of the scale (see the doc above).
-        let branch = |rows: usize, cols: usize, ty: u32, rng: &mut Rng| {
-            if ty == Q6K {
-                q6k(rows, cols, residual_gain, rng)
-            } else {
-                q4k(rows, cols, residual_gain, rng)
-            }
-        };
-        t.push((
-            p("attn_norm.weight"),
-            vec![hidden as u64],
-            0,
-            f32s(hidden, 1.0, 0.05, &mut rng),
-        ));
-        t.push((
-            p("attn_q.weight"),
-            vec![hidden as u64, (heads * hd) as u64],
-            Q4K,
-            mat(heads * hd, hidden, Q4K, &mut rng),
-        ));
-        t.push((
-            p("attn_q.bias"),
-            vec![(heads * hd) as u64],
-            0,
-            f32s(heads * hd, 0.0, 0.1, &mut rng),
-        ));
-        t.push((
-            p("attn_k.weight"),
-            vec![hidden as u64, (kv_heads * hd) as u64],
-            Q4K,
-            mat(kv_heads * hd, hidden, Q4K, &mut rng),
-        ));
-        t.push((
-            p("attn_k.bias"),
-            vec![(kv_heads * hd) as u64],
-            0,
-            f32s(kv_heads * hd, 0.0, 0.1, &mut rng),
-        ));
-        t.push((
-            p("attn_v.weight"),
-            vec![hidden as u64, (kv_heads * hd) as u64],
-            vty,
-            mat(kv_heads * hd, hidden, vty, &mut rng),
-        ));
-        t.push((
-            p("attn_v.bias"),
-            vec![(kv_heads * hd) as u64],
-            0,
-            f32s(kv_heads * hd, 0.0, 0.1, &mut rng),
-        ));
-        t.push((
-            p("attn_output.weight"),
-            vec![(heads * hd) as u64, hidden as u64],
-            Q4K,
-            branch(hidden, heads * hd, Q4K, &mut rng),
-        ));
-        t.push((
-            p("ffn_norm.weight"),
-            vec![hidden as u64],
-            0,
-            f32s(hidden, 1.0, 0.05, &mut rng),
-        ));
-        t.push((
-            p("ffn_gate.weight"),
-            vec![hidden as u64, ffn as u64],
-            Q4K,
-            mat(ffn, hidden, Q4K, &mut rng),
-        ));
-        t.push((
-            p("ffn_up.weight"),
-            vec![hidden as u64, ffn as u64],
-            Q4K,
-            mat(ffn, hidden, Q4K, &mut rng),
-        ));
-        t.push((
-            p("ffn_down.weight"),
-            vec![ffn as u64, hidden as u64],
-            vty,
-            branch(hidden, ffn, vty, &mut rng),
-        ));
+        // The residual branches' last products (attn_output, ffn_down) at `residual_gain`.
+        for (name, dims, kind) in [
+            ("attn_norm.weight", vec![hidden], Kind::Norm),
+            ("attn_q.weight", vec![hidden, q], Kind::Matrix(Q4K, 1.0)),
+            ("attn_q.bias", vec![q], Kind::Bias),
+            ("attn_k.weight", vec![hidden, kv], Kind::Matrix(Q4K, 1.0)),
+            ("attn_k.bias", vec![kv], Kind::Bias),
+            ("attn_v.weight", vec![hidden, kv], Kind::Matrix(vty, 1.0)),
+            ("attn_v.bias", vec![kv], Kind::Bias),
+            ("attn_output.weight", vec![q, hidden], Kind::Matrix(Q4K, residual_gain)),
+            ("ffn_norm.weight", vec![hidden], Kind::Norm),
+            ("ffn_gate.weight", vec![hidden, ffn], Kind::Matrix(Q4K, 1.0)),
+            ("ffn_up.weight", vec![hidden, ffn], Kind::Matrix(Q4K, 1.0)),
+            ("ffn_down.weight", vec![ffn, hidden], Kind::Matrix(vty, residual_gain)),
+        ] {
+            push(format!("blk.{l}.{name}"), dims, kind, &mut rng);
+        }
     }
     // A SentencePiece-style vocabulary of the right size (ids are fed directly; no text is
     // tokenized): control tokens, the 256 byte tokens, then plain pieces.
@@ -537,20 +479,18 @@ fn qwen_model_path() -> std::path::PathBuf {
 }
 
 fn write_qwen(as_f32: bool) -> std::path::PathBuf {
-    {
-        let dir = std::env::var_os("GATESTREAM_GPU_TMP")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        let t = Instant::now();
-        let p = qwen_shaped_gguf(&dir, 28, 0.1, as_f32);
-        println!(
-            "  wrote {} ({:.0} MB) in {:.1} s",
-            p.display(),
-            std::fs::metadata(&p).unwrap().len() as f64 / 1e6,
-            t.elapsed().as_secs_f64()
-        );
-        p
-    }
+    let dir = std::env::var_os("GATESTREAM_GPU_TMP")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let t = Instant::now();
+    let p = qwen_shaped_gguf(&dir, 28, 0.1, as_f32);
+    println!(
+        "  wrote {} ({:.0} MB) in {:.1} s",
+        p.display(),
+        std::fs::metadata(&p).unwrap().len() as f64 / 1e6,
+        t.elapsed().as_secs_f64()
+    );
+    p
 }
 
 fn qwen_shaped(
@@ -607,10 +547,7 @@ fn qwen_compare(
         key.into(),
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_windows": ppl, "worst_ppl_rel_diff": rel}),
     );
-    if mismatches > 0 || worst > 0.01 || rel > 0.001 {
-        return Err(msg);
-    }
-    Ok(msg)
+    judged(mismatches, worst, rel, msg)
 }
 
 /// Bytes one decode step reads: every layer's matrices and the output matrix.

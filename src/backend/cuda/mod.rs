@@ -59,30 +59,49 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
     }
 }
 
-/// Every kernel the device launches.
-pub fn kernel_names() -> Vec<String> {
-    let mut names: Vec<String> = GgmlType::ALL
+/// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
+const TYPED: [&str; 4] = ["matmul", "matvec", "embed", "accumulate"];
+/// The kernels that are not per type.
+const OPS: [&str; 13] = [
+    "accumulate_reduce",
+    "rms_norm",
+    "add",
+    "mul",
+    "add_bias",
+    "activate",
+    "softcap",
+    "select_rows",
+    "scatter_cols",
+    "gather_cols",
+    "rope_norm",
+    "kv_write",
+    "attention",
+];
+
+/// A kernel: a name, and the weight type for the per-type families (looked up per launch
+/// without building its name).
+type KernelKey = (&'static str, Option<GgmlType>);
+
+/// Every kernel the device launches, with its name in the module.
+fn kernel_keys() -> Vec<(KernelKey, String)> {
+    let typed = GgmlType::ALL
         .iter()
-        .flat_map(|&ty| ["matmul", "matvec", "embed", "accumulate"].map(|k| format!("{k}_{}", type_suffix(ty))))
-        .collect();
-    for k in [
-        "accumulate_reduce",
-        "rms_norm",
-        "add",
-        "mul",
-        "add_bias",
-        "activate",
-        "softcap",
-        "select_rows",
-        "scatter_cols",
-        "gather_cols",
-        "rope_norm",
-        "kv_write",
-        "attention",
-    ] {
-        names.push(k.to_string());
+        .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
+    typed.chain(OPS.iter().map(|&k| ((k, None), k.to_string()))).collect()
+}
+
+/// Every kernel's name in the module.
+pub fn kernel_names() -> Vec<String> {
+    kernel_keys().into_iter().map(|(_, n)| n).collect()
+}
+
+/// One thread per element of a row of `width`, one row of blocks per row.
+fn rows_cfg(width: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((width as u32).div_ceil(ELEMENTWISE_THREADS).max(1), rows as u32, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
     }
-    names
 }
 
 /// One thread per element.
@@ -168,7 +187,7 @@ struct DevKv {
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    kernels: HashMap<String, CudaFunction>,
+    kernels: HashMap<KernelKey, CudaFunction>,
     label: String,
     weights: Mutex<HashMap<(usize, usize, usize), DevWeight>>,
     vectors: Mutex<HashMap<(usize, usize), (Vec<f32>, CudaSlice<f32>, u64)>>,
@@ -261,27 +280,23 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(driver_err("creating a context"))?;
         let (major, minor) = ctx.compute_capability().map_err(driver_err("compute capability"))?;
         let arch = (major * 10 + minor) as u32;
-        let (cubin, cached) = nvrtc::compiled_module(&nvrtc, arch)?;
+        let (cubin, cached) = nvrtc::compiled_module(&nvrtc, arch, true)?;
         let module = match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)) {
             Ok(m) => m,
-            Err(e) if cached => {
-                // A damaged cache entry: compile again (the new module replaces it).
-                let _ = e;
-                if let Some(d) = nvrtc::cache_dir() {
-                    let _ = std::fs::remove_file(d.join(nvrtc::cache_file_name(&nvrtc::source(), arch, nvrtc.version)));
-                }
-                let (cubin, _) = nvrtc::compiled_module(&nvrtc, arch)?;
+            // A damaged cache entry: compile again (the new module replaces it).
+            Err(_) if cached => {
+                let (cubin, _) = nvrtc::compiled_module(&nvrtc, arch, false)?;
                 ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
                     .map_err(driver_err("loading the kernels"))?
             }
             Err(e) => return Err(driver_err("loading the kernels")(e)),
         };
         let mut kernels = HashMap::new();
-        for name in kernel_names() {
+        for (key, name) in kernel_keys() {
             let f = module
                 .load_function(&name)
                 .map_err(driver_err(&format!("kernel {name}")))?;
-            kernels.insert(name, f);
+            kernels.insert(key, f);
         }
         let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
         // SAFETY: every operation of this device runs on its one stream, which orders them; the
@@ -309,6 +324,18 @@ impl CudaDevice {
             error: Mutex::new(None),
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// The device address of an activation; a host one (a caller's bug) is recorded as an
+    /// error, so no kernel runs on it.
+    fn buf(&self, a: &Act) -> u64 {
+        match &a.data {
+            ActData::Cuda(b) => b.ptr,
+            ActData::Host(_) => {
+                self.fail("CUDA: an activation in host memory was handed to the GPU device".into());
+                0
+            }
+        }
     }
 
     fn failed(&self) -> bool {
@@ -380,12 +407,14 @@ impl CudaDevice {
         a
     }
 
-    fn launch(&self, kernel: &str, cfg: LaunchConfig, args: &[Arg]) {
+    /// Launches kernel `name` (of weight type `ty` for the per-type families) on the stream,
+    /// unless an earlier error stopped the device's work.
+    fn launch(&self, name: &'static str, ty: Option<GgmlType>, cfg: LaunchConfig, args: &[Arg]) {
         if self.failed() {
             return;
         }
-        let Some(f) = self.kernels.get(kernel) else {
-            self.fail(format!("CUDA: no kernel {kernel}"));
+        let Some(f) = self.kernels.get(&(name, ty)) else {
+            self.fail(format!("CUDA: no kernel {name} for {ty:?}"));
             return;
         };
         let mut b = self.stream.launch_builder(f);
@@ -399,7 +428,7 @@ impl CudaDevice {
         // SAFETY: each kernel's parameters are the (u64 pointer / i32 / f32) values its callers
         // below pass, in order, and every pointer is a live device buffer of the size it reads.
         let r = unsafe { b.launch(cfg) };
-        self.check(kernel, r);
+        self.check(name, r);
     }
 
     /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
@@ -526,13 +555,6 @@ enum Arg {
     F32(f32),
 }
 
-fn buf(a: &Act) -> u64 {
-    match &a.data {
-        ActData::Cuda(b) => b.ptr,
-        ActData::Host(_) => 0,
-    }
-}
-
 fn int(v: usize) -> Arg {
     Arg::I32(v as i32)
 }
@@ -617,7 +639,8 @@ impl Device for CudaDevice {
                 shared_mem_bytes: 0,
             };
             self.launch(
-                &format!("embed_{}", type_suffix(w.ty)),
+                "embed",
+                Some(w.ty),
                 cfg,
                 &[
                     ptr(wp),
@@ -625,7 +648,7 @@ impl Device for CudaDevice {
                     ptr(idx),
                     int(w.cols),
                     Arg::F32(scale),
-                    ptr(buf(&out)),
+                    ptr(self.buf(&out)),
                 ],
             );
         }
@@ -646,8 +669,9 @@ impl Device for CudaDevice {
         let len = x.rows * x.width;
         self.launch(
             "add",
+            None,
             elementwise_cfg(len),
-            &[ptr(buf(x)), ptr(buf(y)), ptr(len as u64)],
+            &[ptr(self.buf(x)), ptr(self.buf(y)), ptr(len as u64)],
         );
     }
 
@@ -656,8 +680,9 @@ impl Device for CudaDevice {
         let bp = self.vector(b);
         self.launch(
             "add_bias",
+            None,
             elementwise_cfg(len),
-            &[ptr(buf(x)), ptr(bp), int(b.len()), ptr(len as u64)],
+            &[ptr(self.buf(x)), ptr(bp), int(b.len()), ptr(len as u64)],
         );
     }
 
@@ -665,8 +690,9 @@ impl Device for CudaDevice {
         let len = x.rows * x.width;
         self.launch(
             "mul",
+            None,
             elementwise_cfg(len),
-            &[ptr(buf(x)), ptr(buf(y)), ptr(len as u64)],
+            &[ptr(self.buf(x)), ptr(self.buf(y)), ptr(len as u64)],
         );
     }
 
@@ -678,8 +704,9 @@ impl Device for CudaDevice {
         };
         self.launch(
             "activate",
+            None,
             elementwise_cfg(len),
-            &[ptr(buf(x)), int(code), ptr(len as u64)],
+            &[ptr(self.buf(x)), int(code), ptr(len as u64)],
         );
     }
 
@@ -687,8 +714,9 @@ impl Device for CudaDevice {
         let len = x.rows * x.width;
         self.launch(
             "softcap",
+            None,
             elementwise_cfg(len),
-            &[ptr(buf(x)), Arg::F32(cap), ptr(len as u64)],
+            &[ptr(self.buf(x)), Arg::F32(cap), ptr(len as u64)],
         );
     }
 
@@ -699,15 +727,12 @@ impl Device for CudaDevice {
         }
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.indices(&ids);
-        let cfg = LaunchConfig {
-            grid_dim: ((x.width as u32).div_ceil(ELEMENTWISE_THREADS), rows.len() as u32, 1),
-            block_dim: (ELEMENTWISE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_cfg(x.width, rows.len());
         self.launch(
             "select_rows",
+            None,
             cfg,
-            &[ptr(buf(x)), ptr(idx), int(x.width), ptr(buf(&out))],
+            &[ptr(self.buf(x)), ptr(idx), int(x.width), ptr(self.buf(&out))],
         );
         out
     }
@@ -718,15 +743,18 @@ impl Device for CudaDevice {
             return out;
         }
         let idx = self.indices(cols);
-        let cfg = LaunchConfig {
-            grid_dim: ((cols.len() as u32).div_ceil(ELEMENTWISE_THREADS), x.rows as u32, 1),
-            block_dim: (ELEMENTWISE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_cfg(cols.len(), x.rows);
         self.launch(
             "scatter_cols",
+            None,
             cfg,
-            &[ptr(buf(x)), ptr(idx), int(cols.len()), int(width), ptr(buf(&out))],
+            &[
+                ptr(self.buf(x)),
+                ptr(idx),
+                int(cols.len()),
+                int(width),
+                ptr(self.buf(&out)),
+            ],
         );
         out
     }
@@ -737,15 +765,18 @@ impl Device for CudaDevice {
             return out;
         }
         let idx = self.indices(cols);
-        let cfg = LaunchConfig {
-            grid_dim: ((cols.len() as u32).div_ceil(ELEMENTWISE_THREADS), x.rows as u32, 1),
-            block_dim: (ELEMENTWISE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_cfg(cols.len(), x.rows);
         self.launch(
             "gather_cols",
+            None,
             cfg,
-            &[ptr(buf(x)), ptr(idx), int(cols.len()), int(x.width), ptr(buf(&out))],
+            &[
+                ptr(self.buf(x)),
+                ptr(idx),
+                int(cols.len()),
+                int(x.width),
+                ptr(self.buf(&out)),
+            ],
         );
         out
     }
@@ -782,7 +813,8 @@ impl Device for CudaDevice {
             shared_mem_bytes: 0,
         };
         self.launch(
-            &format!("accumulate_{}", type_suffix(w.ty)),
+            "accumulate",
+            Some(w.ty),
             cfg,
             &[
                 ptr(wp),
@@ -791,16 +823,17 @@ impl Device for CudaDevice {
                 ptr(idx),
                 int(n_rows),
                 int(w.cols),
-                ptr(buf(acts)),
+                ptr(self.buf(acts)),
                 int(n),
-                ptr(buf(&partial)),
+                ptr(self.buf(&partial)),
             ],
         );
         let len = n * w.cols;
         self.launch(
             "accumulate_reduce",
+            None,
             elementwise_cfg(len),
-            &[ptr(buf(&partial)), int(parts), ptr(len as u64), ptr(buf(out))],
+            &[ptr(self.buf(&partial)), int(parts), ptr(len as u64), ptr(self.buf(out))],
         );
     }
 
@@ -833,9 +866,10 @@ impl Device for CudaDevice {
             };
             self.launch(
                 "rope_norm",
+                None,
                 cfg,
                 &[
-                    ptr(buf(x)),
+                    ptr(self.buf(x)),
                     int(x.width),
                     int(hd),
                     ptr(pp),
@@ -865,19 +899,12 @@ impl Device for CudaDevice {
             self.ensure_kv(c);
         }
         let info = self.token_kv(positions, seq_of_token, caches);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                (k.width as u32).div_ceil(ELEMENTWISE_THREADS),
-                positions.len() as u32,
-                1,
-            ),
-            block_dim: (ELEMENTWISE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = rows_cfg(k.width, positions.len());
         self.launch(
             "kv_write",
+            None,
             cfg,
-            &[ptr(buf(k)), ptr(buf(v)), ptr(info), int(layer), int(k.width)],
+            &[ptr(self.buf(k)), ptr(self.buf(v)), ptr(info), int(layer), int(k.width)],
         );
     }
 
@@ -914,9 +941,10 @@ impl Device for CudaDevice {
         };
         self.launch(
             "attention",
+            None,
             cfg,
             &[
-                ptr(buf(q)),
+                ptr(self.buf(q)),
                 ptr(info),
                 int(shape.layer),
                 int(shape.n_heads),
@@ -924,9 +952,9 @@ impl Device for CudaDevice {
                 int(shape.head_dim),
                 Arg::F32(shape.scale),
                 int(shape.window.unwrap_or(0)),
-                ptr(buf(&scores)),
+                ptr(self.buf(&scores)),
                 int(max_len),
-                ptr(buf(&out)),
+                ptr(self.buf(&out)),
             ],
         );
         out
@@ -963,8 +991,9 @@ impl CudaDevice {
         };
         self.launch(
             "rms_norm",
+            None,
             cfg,
-            &[ptr(buf(x)), ptr(wp), ptr(buf(y)), int(x.width), Arg::F32(eps)],
+            &[ptr(self.buf(x)), ptr(wp), ptr(self.buf(y)), int(x.width), Arg::F32(eps)],
         );
     }
 
@@ -984,7 +1013,8 @@ impl CudaDevice {
         // One token (decode): the single-token kernel, with fewer registers.
         let kernel = if x.rows == 1 { "matvec" } else { "matmul" };
         self.launch(
-            &format!("{kernel}_{}", type_suffix(w.ty)),
+            kernel,
+            Some(w.ty),
             matmul_cfg(rows_out, x.rows),
             &[
                 ptr(wp),
@@ -992,9 +1022,9 @@ impl CudaDevice {
                 int(rows_out),
                 ptr(idx),
                 int(w.cols),
-                ptr(buf(x)),
+                ptr(self.buf(x)),
                 int(x.rows),
-                ptr(buf(&out)),
+                ptr(self.buf(&out)),
             ],
         );
         out

@@ -273,13 +273,14 @@ pub fn cache_file_name(src: &str, arch: u32, nvrtc: (i32, i32)) -> String {
     format!("kernels-{hash:016x}-sm{arch}-nvrtc{}.{}.cubin", nvrtc.0, nvrtc.1)
 }
 
-/// The compiled kernels for `sm_{arch}`: from the cache when there, else compiled and stored
-/// (written to a temporary name and renamed, so a reader never sees half a file). A cache that
-/// cannot be written is not an error: the module is then compiled again next time.
-pub fn compiled_module(nvrtc: &Nvrtc, arch: u32) -> Result<(Vec<u8>, bool)> {
+/// The compiled kernels for `sm_{arch}` and whether they came from the cache: from the cache
+/// when `use_cache` and there, else compiled and stored (written to a temporary name and renamed,
+/// so a reader never sees half a file). A cache that cannot be written is not an error: the
+/// module is then compiled again next time.
+pub fn compiled_module(nvrtc: &Nvrtc, arch: u32, use_cache: bool) -> Result<(Vec<u8>, bool)> {
     let src = source();
     let file = cache_dir().map(|d| d.join(cache_file_name(&src, arch, nvrtc.version)));
-    if let Some(f) = &file {
+    if let Some(f) = file.as_ref().filter(|_| use_cache) {
         if let Ok(bytes) = std::fs::read(f) {
             if !bytes.is_empty() {
                 return Ok((bytes, true));
