@@ -4,8 +4,8 @@
 //! the next piece of prompts still being prefilled (chunked prefill), so a long prompt never
 //! stalls the others and a new request joins at the next step (continuous batching). Every
 //! generated token comes out as an [`Event`] with its id, text and (when asked) log-probability;
-//! a request ends with its finish reason (stop token, max tokens, cancelled). `run` is one
-//! request; a server is HTTP over this loop.
+//! a request ends with its finish reason (stop token, stop string, max tokens, context full,
+//! cancelled). `run` is one request; `serve` is HTTP over this loop.
 //!
 //! Owns: the sequences (KV cache, sampler, text decoder, position) and the step's scheduling.
 //! Does not own arithmetic (`model`), reading (`stream`) or sampling rules (`sampler`). A mask
@@ -26,13 +26,19 @@ use crate::sparsity::{Masker, Strategy};
 pub type RequestId = u64;
 
 /// One request: a prompt's token ids and how to continue it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Request {
     pub prompt_ids: Vec<u32>,
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
     /// Report each token's log-probability (a softmax over the vocabulary per token).
     pub logprobs: bool,
+    /// Also report the this many most likely tokens at each step, with their log-probabilities.
+    pub top_logprobs: usize,
+    /// Generation ends as soon as the text contains one of these; the text is kept up to it,
+    /// without it (finish `StopString`). Text that could be the start of a stop string is held
+    /// back until the next tokens show it is not.
+    pub stop: Vec<String>,
 }
 
 /// What a step produced for one request.
@@ -41,11 +47,15 @@ pub enum Event {
     Token {
         request: RequestId,
         token: u32,
-        /// The text this token completes (empty inside a UTF-8 sequence).
+        /// The text this token releases: what it completes (empty inside a UTF-8 sequence),
+        /// after text held back because it could begin a stop string.
         text: String,
         logprob: Option<f32>,
+        /// The `top_logprobs` most likely tokens with their log-probabilities, most likely first.
+        top: Vec<(u32, f32)>,
     },
-    /// The request ended; `text` holds a flushed incomplete UTF-8 sequence, if any.
+    /// The request ended; `text` holds what was still held back (an incomplete UTF-8 sequence,
+    /// the start of a stop string that never completed), if anything.
     Finished {
         request: RequestId,
         finish: Finish,
@@ -69,6 +79,10 @@ struct Sequence<'m> {
     /// context cut `max_tokens` down.
     at_max: Finish,
     logprobs: bool,
+    top_logprobs: usize,
+    stop: Vec<String>,
+    /// Generated text not yet released: it could be the start of a stop string.
+    held: String,
     cancelled: bool,
 }
 
@@ -81,6 +95,8 @@ pub struct Engine<'m> {
     seqs: Vec<Sequence<'m>>,
     next_id: RequestId,
     mask: Option<&'m dyn FfnMask>,
+    /// Each request's context (prompt + generated); 0 = the model's.
+    ctx: usize,
 }
 
 impl<'m> Engine<'m> {
@@ -102,7 +118,21 @@ impl<'m> Engine<'m> {
             seqs: Vec::new(),
             next_id: 0,
             mask: None,
+            ctx: 0,
         }
+    }
+
+    /// Every request's context, prompt and generated tokens together (0 = the model's): a longer
+    /// prompt is refused, and generation stops when it is full (finish `ContextFull`).
+    pub fn with_context(mut self, ctx: usize) -> Engine<'m> {
+        self.ctx = ctx;
+        self
+    }
+
+    /// How many KV positions a request with this prompt and `max_tokens` holds (what
+    /// [`Engine::submit`] allocates), or why it is refused.
+    pub fn positions_for(&self, prompt_len: usize, max_tokens: usize) -> Result<usize> {
+        Ok(self.model.context_plan(prompt_len, max_tokens, self.ctx)?.kv_positions)
     }
 
     /// Every token of every request through `mask` (see the module docs; union is refused).
@@ -131,7 +161,12 @@ impl<'m> Engine<'m> {
         }
         // Refused before any work when the prompt does not fit the model's context; generation
         // stops where the context is full.
-        let plan = self.model.context_plan(req.prompt_ids.len(), req.max_tokens, 0)?;
+        if req.stop.iter().any(|s| s.is_empty()) {
+            return Err(Error::Invalid("a stop string may not be empty".into()));
+        }
+        let plan = self
+            .model
+            .context_plan(req.prompt_ids.len(), req.max_tokens, self.ctx)?;
         let positions = plan.kv_positions;
         if let Some(limit) = self.stream.and_then(|s| s.kv_positions()) {
             let in_use: usize = self.seqs.iter().map(|s| s.cache.capacity).sum();
@@ -156,6 +191,9 @@ impl<'m> Engine<'m> {
             max_tokens: plan.max_new,
             at_max: plan.at_max_new,
             logprobs: req.logprobs,
+            top_logprobs: req.top_logprobs,
+            stop: req.stop,
+            held: String::new(),
             cancelled: false,
         });
         Ok(id)
@@ -252,13 +290,18 @@ impl<'m> Engine<'m> {
                 continue;
             };
             s.generated += 1;
+            let top = crate::model::sampler::top_log_softmax(row, s.top_logprobs);
+            let (text, stopped) = release(s, text);
             events.push(Event::Token {
                 request: s.id,
                 token: t,
                 text,
                 logprob,
+                top,
             });
-            if s.generated >= s.max_tokens {
+            if stopped {
+                ended.push((i, Finish::StopString));
+            } else if s.generated >= s.max_tokens {
                 ended.push((i, s.at_max));
             } else {
                 s.next = Some(t);
@@ -274,9 +317,64 @@ impl<'m> Engine<'m> {
 }
 
 fn finished(s: &mut Sequence, finish: Finish) -> Event {
+    let mut text = std::mem::take(&mut s.held);
+    if finish != Finish::StopString {
+        text.push_str(&s.decoder.flush().unwrap_or_default());
+    }
     Event::Finished {
         request: s.id,
         finish,
-        text: s.decoder.flush().unwrap_or_default(),
+        text,
+    }
+}
+
+/// Adds a token's text to what `s` holds back and returns what can be released, and whether a
+/// stop string was reached (then the text before it is released and the rest dropped).
+fn release(s: &mut Sequence, text: String) -> (String, bool) {
+    if s.stop.is_empty() {
+        return (text, false);
+    }
+    s.held.push_str(&text);
+    let (out, stopped) = split_at_stop(&s.held, &s.stop);
+    let out = out.to_owned();
+    s.held.drain(..out.len());
+    if stopped {
+        s.held.clear();
+    }
+    (out, stopped)
+}
+
+/// What of `held` can be released given `stops`: everything before the first stop string (and
+/// `true`), or everything before the earliest suffix that could still grow into one.
+fn split_at_stop<'a>(held: &'a str, stops: &[String]) -> (&'a str, bool) {
+    if let Some(at) = stops.iter().filter_map(|s| held.find(s.as_str())).min() {
+        return (&held[..at], true);
+    }
+    let keep_from = held
+        .char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| stops.iter().any(|s| s.starts_with(&held[i..])))
+        .unwrap_or(held.len());
+    (&held[..keep_from], false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_at_stop;
+
+    #[test]
+    fn stop_strings_hold_back_only_what_could_begin_one() {
+        let stops = vec!["\n\nUser:".to_string(), "END".to_string()];
+        assert_eq!(split_at_stop("Hello", &stops), ("Hello", false));
+        assert_eq!(split_at_stop("Hello\n", &stops), ("Hello", false));
+        assert_eq!(split_at_stop("Hello\n\nUs", &stops), ("Hello", false));
+        assert_eq!(split_at_stop("Hello\n\nUser: hi", &stops), ("Hello", true));
+        assert_eq!(split_at_stop("a ENDb END", &stops), ("a ", true));
+        assert_eq!(split_at_stop("xEN", &stops), ("x", false));
+        assert_eq!(split_at_stop("xENx", &stops), ("xENx", false));
+        // The earliest stop wins, whichever string it is.
+        assert_eq!(split_at_stop("aEND\n\nUser:", &stops), ("a", true));
+        // Multi-byte characters: only whole characters are released or held.
+        assert_eq!(split_at_stop("é€", &["€x".to_string()]), ("é", false));
     }
 }

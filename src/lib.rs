@@ -21,6 +21,7 @@ pub mod quant;
 pub mod reformat;
 pub mod runtime;
 pub mod safetensors;
+pub mod serve;
 pub mod sparsity;
 pub mod stream;
 pub mod tensor;

@@ -79,6 +79,11 @@ pub enum KvPositions {
         extra: usize,
         ctx: usize,
     },
+    /// `sequences` contexts of `ctx` positions each (0 = the model's): a server's slots.
+    Sequences {
+        ctx: usize,
+        sequences: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -182,6 +187,10 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
         Some(ask) => {
             let kv_positions = match &opts.kv_positions {
                 KvPositions::Exactly(n) => *n,
+                KvPositions::Sequences { ctx, sequences } => {
+                    let ctx = if *ctx == 0 { model.config.context_len } else { *ctx };
+                    ctx.saturating_mul(*sequences)
+                }
                 KvPositions::Prompt {
                     prompt,
                     chat,

@@ -179,7 +179,7 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
         prompt_ids: ids.clone(),
         max_tokens: 6,
         sampler: greedy(0).sampler,
-        logprobs: false,
+        ..Default::default()
     };
     engine.submit(req.clone()).unwrap();
     let e = engine.submit(req).unwrap_err().to_string();
@@ -259,6 +259,7 @@ fn the_engine_batches_requests_and_each_gets_its_own_tokens() {
         max_tokens: max[i],
         sampler: greedy(0).sampler,
         logprobs: true,
+        ..Default::default()
     };
     let mut engine = Engine::new(&m, None, 16);
     let mut ids = vec![engine.submit(req(0)).unwrap(), engine.submit(req(1)).unwrap()];
@@ -340,6 +341,111 @@ fn the_engine_batches_requests_and_each_gets_its_own_tokens() {
     assert_eq!(got, masked_alone);
     let union = Masker::for_model(&m, Strategy::Union, Criterion::Exact, 0.5, None).unwrap();
     assert!(Engine::new(&m, None, 0).with_mask(&union).is_err());
+}
+
+/// Eight requests decoded together (as `serve --parallel 8` runs them) each get exactly the
+/// tokens they get alone; a stop string ends a request with the text up to it, released only
+/// once it cannot be the start of the stop string; the top log-probabilities are the model's.
+#[test]
+fn eight_requests_in_one_batch_stop_strings_and_top_logprobs() {
+    use gatestream::engine::{Engine, Event, Request};
+    let m = smollm2();
+    let texts = [
+        "The capital of France is",
+        LONG_PROMPT,
+        "Once upon a time",
+        "def fibonacci(n):",
+        "The three primary colours are",
+        "In 1969, the first",
+        "Water boils at",
+        "My favourite food is",
+    ];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| m.prompt_ids(t, false).unwrap()).collect();
+    let max: Vec<usize> = (0..8).map(|i| 6 + 3 * i).collect();
+    let alone: Vec<_> = prompts
+        .iter()
+        .zip(&max)
+        .map(|(p, &n)| m.generate_ids(p, &greedy(n), None, None, None, &mut |_| {}).unwrap())
+        .collect();
+    let mut engine = Engine::new(&m, None, 64);
+    let mut ids = Vec::new();
+    for (p, &n) in prompts.iter().zip(&max) {
+        ids.push(
+            engine
+                .submit(Request {
+                    prompt_ids: p.clone(),
+                    max_tokens: n,
+                    sampler: greedy(0).sampler,
+                    top_logprobs: 3,
+                    ..Default::default()
+                })
+                .unwrap(),
+        );
+    }
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 8];
+    let mut widest = 0;
+    while engine.active() > 0 {
+        widest = widest.max(engine.active());
+        for e in engine.step().unwrap() {
+            if let Event::Token {
+                request, token, top, ..
+            } = e
+            {
+                assert_eq!(top.len(), 3);
+                assert_eq!(top[0].0, token, "greedy takes the most likely token");
+                assert!(top[0].1 >= top[1].1 && top[1].1 >= top[2].1);
+                got[ids.iter().position(|&r| r == request).unwrap()].push(token);
+            }
+        }
+    }
+    assert_eq!(widest, 8);
+    let want: Vec<Vec<u32>> = alone.iter().map(|g| g.tokens.clone()).collect();
+    assert_eq!(got, want, "batched requests differ from each run alone");
+
+    // A stop string: the text up to it, without it; nothing after it is released.
+    let full = &alone[2].text;
+    let cut = full.char_indices().nth(10).map(|(i, _)| i).unwrap();
+    let stop = full[cut..].chars().take(4).collect::<String>();
+    let expect = &full[..full.find(&stop).unwrap()];
+    let mut engine = Engine::new(&m, None, 0);
+    let id = engine
+        .submit(Request {
+            prompt_ids: prompts[2].clone(),
+            max_tokens: max[2],
+            sampler: greedy(0).sampler,
+            stop: vec!["no such text anywhere".into(), stop.clone()],
+            ..Default::default()
+        })
+        .unwrap();
+    let (mut text, mut finish) = (String::new(), None);
+    while engine.active() > 0 {
+        for e in engine.step().unwrap() {
+            match e {
+                Event::Token { request, text: t, .. } => {
+                    assert_eq!(request, id);
+                    text.push_str(&t);
+                    assert!(expect.starts_with(&text), "released {text:?}, beyond {expect:?}");
+                }
+                Event::Finished { finish: f, text: t, .. } => {
+                    text.push_str(&t);
+                    finish = Some(f);
+                }
+            }
+        }
+    }
+    assert_eq!(
+        (text.as_str(), finish),
+        (expect, Some(Finish::StopString)),
+        "stop {stop:?} in {full:?}"
+    );
+    assert!(engine
+        .submit(Request {
+            prompt_ids: prompts[2].clone(),
+            max_tokens: 4,
+            stop: vec![String::new()],
+            ..Default::default()
+        })
+        .is_err());
 }
 
 /// A generation that ends inside a UTF-8 sequence keeps those bytes (as U+FFFD), in the text and
@@ -460,7 +566,7 @@ fn ctrl_c_stops_run_within_a_second() {
     let model = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
     let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(700);
     for (prompt, max_tokens) in [(prompt.as_str(), "4"), ("Once upon a time", "8000")] {
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
             .args(["run", "--model"])
             .arg(&model)
             .args(["--threads", "1", "--max-tokens", max_tokens, "--prompt", prompt])

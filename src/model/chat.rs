@@ -47,55 +47,130 @@ impl ChatFamily {
 
     /// One user message, then the assistant turn opened (`add_generation_prompt`).
     pub fn render_user_turn(&self, user: &str) -> String {
+        self.render(&[(Role::User, user)])
+    }
+
+    /// A conversation (an optional system message first, then user and assistant turns), then
+    /// the assistant turn opened, as the family's template writes it. A system message after
+    /// the first is written as its family writes a turn of that role where it has one (ChatML,
+    /// Llama-3), else joined to the next user turn.
+    pub fn render(&self, messages: &[(Role, &str)]) -> String {
+        let (system, turns) = match messages.split_first() {
+            Some(((Role::System, sys), rest)) => (Some(*sys), rest),
+            _ => (None, messages),
+        };
+        let mut s = String::new();
         match self {
             ChatFamily::ChatMl { default_system } => {
-                let mut s = String::new();
-                if let Some(system) = default_system {
+                if let Some(system) = system.or(default_system.as_deref()) {
                     s.push_str(&format!("<|im_start|>system\n{system}<|im_end|>\n"));
                 }
-                s.push_str(&format!("<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"));
-                s
+                for (role, content) in turns {
+                    s.push_str(&format!("<|im_start|>{}\n{content}<|im_end|>\n", role.name()));
+                }
+                s.push_str("<|im_start|>assistant\n");
             }
-            ChatFamily::Gemma => format!(
-                "<start_of_turn>user\n{}<end_of_turn>\n<start_of_turn>model\n",
-                user.trim()
-            ),
+            ChatFamily::Gemma => {
+                // The system message opens the first user turn (Gemma has no system role).
+                let mut prefix = system.map(|sys| format!("{sys}\n\n"));
+                for (role, content) in turns {
+                    let role = match role {
+                        Role::Assistant => "model",
+                        Role::User | Role::System => "user",
+                    };
+                    let prefix = if role == "user" { prefix.take() } else { None };
+                    s.push_str(&format!(
+                        "<start_of_turn>{role}\n{}{}<end_of_turn>\n",
+                        prefix.unwrap_or_default(),
+                        content.trim()
+                    ));
+                }
+                s.push_str("<start_of_turn>model\n");
+            }
             ChatFamily::Llama3 { default_system } => {
-                let mut s = String::new();
-                if let Some(system) = default_system {
+                let system = match (default_system, system) {
+                    (Some(d), sys) => Some(format!("{d}{}", sys.unwrap_or("").trim())),
+                    (None, sys) => sys.map(|x| x.trim().to_owned()),
+                };
+                if let Some(system) = system {
                     s.push_str(&format!(
                         "<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>"
                     ));
                 }
-                s.push_str(&format!(
-                    "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>\
-                     <|start_header_id|>assistant<|end_header_id|>\n\n",
-                    user.trim()
-                ));
-                s
+                for (role, content) in turns {
+                    s.push_str(&format!(
+                        "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>",
+                        role.name(),
+                        content.trim()
+                    ));
+                }
+                s.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
             }
             ChatFamily::Inst { spaced, trim } => {
-                let user = if *trim { user.trim() } else { user };
-                if *spaced {
-                    format!("[INST] {user} [/INST]")
-                } else {
-                    format!("[INST]{user}[/INST]")
+                // The system message opens the first user turn; an assistant turn is closed by
+                // EOS (`</s>`, as Llama-2 and Mistral spell it).
+                let mut prefix = system.map(|sys| format!("{sys}\n\n"));
+                for (role, content) in turns {
+                    let content = if *trim { content.trim() } else { content };
+                    match role {
+                        Role::Assistant => s.push_str(&format!("{content}</s>")),
+                        Role::User | Role::System => {
+                            let user = format!("{}{content}", prefix.take().unwrap_or_default());
+                            if *spaced {
+                                s.push_str(&format!("[INST] {user} [/INST]"));
+                            } else {
+                                s.push_str(&format!("[INST]{user}[/INST]"));
+                            }
+                        }
+                    }
                 }
             }
+        }
+        s
+    }
+}
+
+/// Who wrote a chat message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    System,
+    User,
+    Assistant,
+}
+
+impl Role {
+    /// The role's name in chat APIs and in ChatML / Llama-3 headers.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Role> {
+        match name {
+            "system" | "developer" => Some(Role::System),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            _ => None,
         }
     }
 }
 
 /// Renders `user` with `template`, or says why it cannot.
 pub fn render_user_turn(template: &str, user: &str) -> Result<String, String> {
-    ChatFamily::detect(template)
-        .map(|f| f.render_user_turn(user))
-        .ok_or_else(|| {
-            "chat template not recognised: supported families are ChatML (<|im_start|>), Gemma \
+    render(template, &[(Role::User, user)])
+}
+
+/// Renders a conversation with `template` (see [`ChatFamily::render`]), or says why it cannot.
+pub fn render(template: &str, messages: &[(Role, &str)]) -> Result<String, String> {
+    ChatFamily::detect(template).map(|f| f.render(messages)).ok_or_else(|| {
+        "chat template not recognised: supported families are ChatML (<|im_start|>), Gemma \
          (<start_of_turn>), Llama-3 (<|start_header_id|>) and Llama-2/Mistral ([INST]); pass the \
          prompt as plain text instead"
-                .to_owned()
-        })
+            .to_owned()
+    })
 }
 
 /// The system message a ChatML template writes when the conversation has none: the first Jinja
@@ -188,6 +263,45 @@ mod tests {
             render_user_turn(t, "Hi").unwrap(),
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn conversations_with_system_and_assistant_turns() {
+        let conv = [
+            (Role::System, "Be brief."),
+            (Role::User, "Hi"),
+            (Role::Assistant, "Hello."),
+            (Role::User, "Bye"),
+        ];
+        assert_eq!(
+            render(GEMMA3, &conv).unwrap(),
+            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n\
+             <start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+        );
+        assert_eq!(
+            render(LLAMA3, &conv).unwrap(),
+            "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>\
+             <|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>\
+             <|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>\
+             <|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        assert_eq!(
+            render(MISTRAL, &conv).unwrap(),
+            "[INST] Be brief.\n\nHi [/INST]Hello.</s>[INST] Bye [/INST]"
+        );
+        let chatml = ChatFamily::ChatMl {
+            default_system: Some("You are helpful.".into()),
+        };
+        assert_eq!(
+            chatml.render(&conv),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Without a system message, the template's default one.
+        assert!(chatml
+            .render(&conv[1..])
+            .starts_with("<|im_start|>system\nYou are helpful.<|im_end|>"));
     }
 
     #[test]

@@ -66,6 +66,8 @@ pub enum Finish {
     ContextFull,
     /// The caller cancelled (the tokens so far are kept).
     Cancelled,
+    /// The text reached one of the request's stop strings (kept up to it, without it).
+    StopString,
 }
 
 impl Finish {
@@ -76,6 +78,7 @@ impl Finish {
             Finish::MaxTokens => "max_tokens",
             Finish::ContextFull => "context_full",
             Finish::Cancelled => "cancelled",
+            Finish::StopString => "stop_string",
         }
     }
 }
@@ -161,18 +164,28 @@ impl Model {
     /// The prompt's token ids as generation feeds them: through the chat template when `chat`
     /// (which writes its own BOS), else with BOS where the model adds one.
     pub fn prompt_ids(&self, prompt: &str, chat: bool) -> Result<Vec<u32>> {
-        let text = if chat {
-            if !self.tokenizer.has_chat_template() {
-                return Err(Error::Invalid(format!(
-                    "{}: --chat given but the model has no chat template",
-                    self.path.display()
-                )));
-            }
-            self.tokenizer.apply_chat_template(prompt)?
-        } else {
-            prompt.to_string()
-        };
-        let ids = self.tokenizer.encode(&text, !chat)?;
+        if !chat {
+            return self.encode_prompt(prompt, false);
+        }
+        if !self.tokenizer.has_chat_template() {
+            return Err(Error::Invalid(format!(
+                "{}: --chat given but the model has no chat template",
+                self.path.display()
+            )));
+        }
+        self.encode_prompt(&self.tokenizer.apply_chat_template(prompt)?, true)
+    }
+
+    /// A conversation's token ids, rendered with the model's chat template (the assistant turn
+    /// opened), encoded as [`Model::prompt_ids`] encodes a chat prompt.
+    pub fn chat_ids(&self, messages: &[(crate::model::chat::Role, &str)]) -> Result<Vec<u32>> {
+        self.encode_prompt(&self.tokenizer.apply_chat_template_to(messages)?, true)
+    }
+
+    /// `text` encoded for generation: BOS first when the model adds one, unless `chat` (a
+    /// rendered chat template, whose text carries its own start).
+    fn encode_prompt(&self, text: &str, chat: bool) -> Result<Vec<u32>> {
+        let ids = self.tokenizer.encode(text, !chat)?;
         if ids.is_empty() {
             return Err(Error::Invalid(
                 "the prompt encodes to no tokens and the model has no BOS to start from".into(),

@@ -128,14 +128,40 @@ impl Sampler {
 
 /// `ln softmax(logits)[id]`, in f64 (the model's own log-probability of a token).
 pub fn log_softmax_at(logits: &[f32], id: u32) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
-    (logits[id as usize] as f64 - max - sum.ln()) as f32
+    (logits[id as usize] as f64 - crate::backend::ops::log_sum_exp(logits)) as f32
+}
+
+/// The `n` most likely tokens under `softmax(logits)` with their ln p, most likely first (ties:
+/// lower id first).
+pub fn top_log_softmax(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let n = n.min(logits.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    all.select_nth_unstable_by(n - 1, by_logit);
+    all.truncate(n);
+    all.sort_unstable_by(by_logit);
+    let z = crate::backend::ops::log_sum_exp(logits);
+    all.into_iter().map(|(t, l)| (t, (l as f64 - z) as f32)).collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_log_softmax_is_the_most_likely_tokens_in_order() {
+        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.0];
+        let top = top_log_softmax(&logits, 3);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 4]);
+        for &(t, lp) in &top {
+            assert!((lp - log_softmax_at(&logits, t)).abs() < 1e-6);
+        }
+        assert_eq!(top_log_softmax(&logits, 9).len(), 5);
+        assert!(top_log_softmax(&logits, 0).is_empty());
+    }
 
     #[test]
     fn greedy_takes_first_maximum() {

@@ -107,6 +107,69 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// An OpenAI-compatible HTTP server with continuous batching: up to --parallel requests
+    /// decode together, one forward pass per step, so a streamed layer's bytes serve every
+    /// sequence in the step. Endpoints: GET /v1/models, POST /v1/completions and
+    /// /v1/chat/completions (JSON, or server-sent events with "stream": true), POST /v1/infer
+    /// (next-token predictions and a greedy continuation: dense, sparse or compare), POST
+    /// /tokenize and /detokenize, GET /health (503 while loading), GET /metrics (Prometheus).
+    /// SIGINT / SIGTERM stop accepting connections and let requests in flight finish.
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Address to listen on (0.0.0.0 for every interface).
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port to listen on (0 = any free port; the chosen one is printed).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Requests decoding at once (the batch width). Each holds a KV cache of --ctx-size
+        /// positions; with --ram-budget all of them are counted in the budget.
+        #[arg(long, default_value_t = 4)]
+        parallel: usize,
+        /// Requests that may wait for a slot beyond --parallel; more are answered 503 with
+        /// Retry-After.
+        #[arg(long, default_value_t = 64)]
+        queue: usize,
+        /// Each request's context in tokens (prompt + generated); 0 = the model's trained
+        /// context. A longer prompt is answered 400 before any work.
+        #[arg(long, short = 'c', default_value_t = 4096)]
+        ctx_size: usize,
+        /// Tokens per engine step: every decoding request's next token, then pieces of new
+        /// prompts (chunked prefill, so a long prompt does not stall the others). Streaming
+        /// caps it at 32.
+        #[arg(long, default_value_t = 128)]
+        step_tokens: usize,
+        /// Request bodies larger than this many bytes are answered 413.
+        #[arg(long, default_value_t = 1 << 20)]
+        max_body_bytes: usize,
+        /// The name /v1/models lists and responses carry (default: the model file's name).
+        #[arg(long)]
+        alias: Option<String>,
+        /// Requests without a "mode" run dense (every FFN neuron) or sparse (the mask below;
+        /// streamed, only its neurons are read). A request may ask for the other mode when the
+        /// server has a mask: in RAM it always has one; streaming, only with --mode sparse.
+        #[arg(long, value_enum, default_value_t = ServeModeArg::Dense)]
+        mode: ServeModeArg,
+        /// Share of FFN neurons dropped per layer for sparse requests (as `run --sparsity`;
+        /// without --sparsity, --strategy, --criterion: a .gst file's stored recommendation, else
+        /// topk / exact / 0.3).
+        #[arg(long)]
+        sparsity: Option<f32>,
+        /// Mask strategy for sparse requests: topk or threshold (union learns from one prompt
+        /// and cannot serve several requests at once).
+        #[arg(long, value_enum)]
+        strategy: Option<StrategyArg>,
+        /// How neurons are scored for sparse requests (as `run --criterion`).
+        #[arg(long, value_enum)]
+        criterion: Option<CriterionArg>,
+        /// Seconds requests in flight may go on after SIGINT / SIGTERM before they are
+        /// cancelled (they end with what they generated).
+        #[arg(long, default_value_t = 10.0)]
+        shutdown_grace: f64,
+        #[command(flatten)]
+        stream: StreamArgs,
+    },
     /// Perplexity of a text file, computed the way llama.cpp's llama-perplexity does: the file is
     /// tokenized once, cut into consecutive windows of --ctx tokens, each window starts with BOS
     /// (when the model adds BOS) in place of its first token, and only the second half of each
@@ -391,6 +454,12 @@ pub(crate) enum ModeArg {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ServeModeArg {
+    Dense,
+    Sparse,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum IoArg {
     Uring,
     Pread,
@@ -429,7 +498,7 @@ pub(crate) enum CacheArg {
     Pinned,
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum StrategyArg {
     Topk,
     Threshold,

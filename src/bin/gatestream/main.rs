@@ -114,29 +114,7 @@ fn generate_one(
 ) -> anyhow::Result<Outcome> {
     gatestream::stream::reset_peak_rss();
     let path = model_path(args)?;
-    let stream_ask = match &stream.ram_budget {
-        None => None,
-        Some(b) => Some(StreamAsk {
-            budget_bytes: parse_budget(b, std::fs::metadata(&path)?.len())?,
-            engine: engine_of(stream.io),
-            reader: ReaderOptions {
-                queue_depth: stream.queue_depth,
-                ..ReaderOptions::default()
-            },
-            cache: stream.cache.map(|c| match c {
-                CacheArg::Lru => CachePolicy::Lru,
-                CacheArg::Pinned => CachePolicy::Pinned,
-            }),
-            priority: match stream.residency {
-                ResidencyArg::GateFirst => Priority::GateFirst,
-                ResidencyArg::CacheFirst => Priority::CacheFirst,
-            },
-            merge_gap_bytes: stream.merge_gap_bytes,
-            cost: cost_source(&stream.cost_model)?,
-            lookahead: stream.lookahead,
-            batch_tokens_max: 0,
-        }),
-    };
+    let stream_ask = stream_ask(stream, &path)?;
     let t = std::time::Instant::now();
     let rt = gatestream::runtime::open_on(
         &path,
@@ -153,7 +131,57 @@ fn generate_one(
         },
         device.clone(),
     )?;
-    print_loaded(&rt.model, t.elapsed().as_secs_f64() - rt.stream_open_s);
+    describe(&rt, t.elapsed().as_secs_f64());
+    let ids = rt.model.prompt_ids(prompt, opts.chat)?;
+    let outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
+        if !e.text.is_empty() {
+            on_text(e.text)
+        }
+    })?;
+    if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
+        t.write(path)?;
+        eprintln!(
+            "trace: {} tokens x {} layers ({:.1}% of neurons kept) written to {}",
+            t.header.tokens,
+            t.header.n_layers,
+            t.header.kept_fraction * 100.0,
+            path.display()
+        );
+    }
+    Ok(outcome)
+}
+
+/// What `--ram-budget` and the other streaming flags ask for (None: in RAM).
+fn stream_ask(stream: &StreamArgs, path: &std::path::Path) -> anyhow::Result<Option<StreamAsk>> {
+    let Some(b) = &stream.ram_budget else {
+        return Ok(None);
+    };
+    Ok(Some(StreamAsk {
+        budget_bytes: parse_budget(b, std::fs::metadata(path)?.len())?,
+        engine: engine_of(stream.io),
+        reader: ReaderOptions {
+            queue_depth: stream.queue_depth,
+            ..ReaderOptions::default()
+        },
+        cache: stream.cache.map(|c| match c {
+            CacheArg::Lru => CachePolicy::Lru,
+            CacheArg::Pinned => CachePolicy::Pinned,
+        }),
+        priority: match stream.residency {
+            ResidencyArg::GateFirst => Priority::GateFirst,
+            ResidencyArg::CacheFirst => Priority::CacheFirst,
+        },
+        merge_gap_bytes: stream.merge_gap_bytes,
+        cost: cost_source(&stream.cost_model)?,
+        lookahead: stream.lookahead,
+        batch_tokens_max: 0,
+    }))
+}
+
+/// Says what was loaded (`load_s`: seconds since opening began), what the stream keeps and
+/// reads, and the mask.
+fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
+    print_loaded(&rt.model, load_s - rt.stream_open_s);
     for w in &rt.warnings {
         eprintln!("warning: {w}");
     }
@@ -202,23 +230,6 @@ fn generate_one(
             }
         );
     }
-    let ids = rt.model.prompt_ids(prompt, opts.chat)?;
-    let outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
-        if !e.text.is_empty() {
-            on_text(e.text)
-        }
-    })?;
-    if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
-        t.write(path)?;
-        eprintln!(
-            "trace: {} tokens x {} layers ({:.1}% of neurons kept) written to {}",
-            t.header.tokens,
-            t.header.n_layers,
-            t.header.kept_fraction * 100.0,
-            path.display()
-        );
-    }
-    Ok(outcome)
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
@@ -452,6 +463,96 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     }
                 }
             }
+        }
+        Command::Serve {
+            model,
+            host,
+            port,
+            parallel,
+            queue,
+            ctx_size,
+            step_tokens,
+            max_body_bytes,
+            alias,
+            mode,
+            sparsity,
+            strategy,
+            criterion,
+            shutdown_grace,
+            stream,
+        } => {
+            if stream.record_trace.is_some() {
+                anyhow::bail!("--record-trace records one run's neurons; it is not for serve (use `run`)");
+            }
+            if strategy == Some(StrategyArg::Union) {
+                anyhow::bail!(
+                    "--strategy union learns one set of neurons from one prompt; a server decodes several requests \
+                     at once: use topk or threshold"
+                );
+            }
+            if !(shutdown_grace.is_finite() && shutdown_grace >= 0.0) {
+                anyhow::bail!("--shutdown-grace {shutdown_grace} must be a number of seconds, 0 or more");
+            }
+            let path = model_path(&model)?;
+            let device = device_of(&model)?;
+            let streaming = stream.ram_budget.is_some();
+            let sparse = (mode == ServeModeArg::Sparse || !streaming).then(|| SparseAsk {
+                strategy: strategy.map(strategy_of),
+                criterion: criterion.map(criterion_of),
+                sparsity,
+            });
+            let opts = OpenOptions {
+                threads: model.threads,
+                stream: stream_ask(&stream, &path)?,
+                sparse,
+                // Streaming, the budget counts every slot's KV cache.
+                kv_positions: KvPositions::Sequences {
+                    ctx: ctx_size,
+                    sequences: parallel,
+                },
+            };
+            let model_id = alias.unwrap_or_else(|| {
+                path.file_name()
+                    .map_or("model".into(), |n| n.to_string_lossy().into_owned())
+            });
+            let serve_opts = gatestream::serve::ServeOptions {
+                host,
+                port,
+                parallel,
+                queue,
+                ctx: ctx_size,
+                step_tokens,
+                max_body_bytes,
+                default_mode: match mode {
+                    ServeModeArg::Dense => gatestream::serve::Mode::Dense,
+                    ServeModeArg::Sparse => gatestream::serve::Mode::Sparse,
+                },
+                model_id,
+                shutdown_grace: std::time::Duration::from_secs_f64(shutdown_grace),
+            };
+            let load = Box::new(move || {
+                gatestream::stream::reset_peak_rss();
+                let t = std::time::Instant::now();
+                let rt = gatestream::runtime::open_on(&path, &opts, device)?;
+                describe(&rt, t.elapsed().as_secs_f64());
+                let ctx = if ctx_size == 0 {
+                    rt.model.config.context_len
+                } else {
+                    ctx_size
+                };
+                eprintln!(
+                    "ready: {parallel} sequences at once, {ctx} tokens of context each, {}",
+                    if rt.mask.is_some() {
+                        "dense and sparse requests"
+                    } else {
+                        "dense requests"
+                    }
+                );
+                Ok(rt)
+            });
+            gatestream::serve::serve(serve_opts, load, &mut |addr| {
+                eprintln!("listening on http://{addr} (the model loads meanwhile: /health answers 503 until ready)");
+            })?;
         }
         Command::Perplexity {
             model,

@@ -506,13 +506,19 @@ impl Tokenizer {
     /// A single-turn user prompt rendered with the model's chat template, the assistant turn
     /// opened, ready for `encode(.., true)` (BOS is not written into the text).
     pub fn apply_chat_template(&self, user_prompt: &str) -> Result<String> {
+        self.apply_chat_template_to(&[(super::chat::Role::User, user_prompt)])
+    }
+
+    /// A conversation rendered with the model's chat template, the assistant turn opened (see
+    /// [`super::chat::ChatFamily::render`]).
+    pub fn apply_chat_template_to(&self, messages: &[(super::chat::Role, &str)]) -> Result<String> {
         let template = self.chat_template.as_deref().ok_or_else(|| {
             tok_err(
                 &self.path,
                 "the model has no chat template; pass the prompt as plain text",
             )
         })?;
-        super::chat::render_user_turn(template, user_prompt).map_err(|what| tok_err(&self.path, what))
+        super::chat::render(template, messages).map_err(|what| tok_err(&self.path, what))
     }
 }
 

@@ -1,0 +1,729 @@
+//! The routes: OpenAI's `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE),
+//! the seeds' `/v1/infer`, llama-server's `/tokenize`, `/detokenize`, `/health`, and `/metrics`.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::api::{self, ApiError, Mode};
+use super::worker::{Command, Out, Submission};
+use super::{AppState, Loaded, Ticket};
+use crate::engine::Request;
+use crate::model::generate::Finish;
+
+pub(crate) async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> crate::Result<()> {
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/infer", post(infer))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            error(
+                ApiError {
+                    status: 404,
+                    ..ApiError::invalid("no such endpoint")
+                }
+                .with_code("not_found"),
+            )
+        })
+        .layer(DefaultBodyLimit::max(state.opts.max_body_bytes))
+        .with_state(state.clone());
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown(state))
+        .await
+        .map_err(|e| crate::Error::Invalid(format!("the HTTP server stopped: {e}")))
+}
+
+/// Resolves at SIGINT or SIGTERM: the listener closes and requests in flight may finish; after
+/// the grace period they are cancelled (they end with what they generated).
+async fn shutdown(state: Arc<AppState>) {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    let term = async {
+        match term.as_mut() {
+            Some(t) => {
+                t.recv().await;
+            }
+            None => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!(
+        "shutting down: no new connections; requests in flight get {:.0} s to finish",
+        state.opts.shutdown_grace.as_secs_f64()
+    );
+    let grace = state.opts.shutdown_grace;
+    tokio::spawn(async move {
+        tokio::time::sleep(grace).await;
+        let _ = state.to_worker.send(Command::CancelAll);
+    });
+}
+
+fn error(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = (status, Json(e.body())).into_response();
+    if e.status == 503 {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+    }
+    r
+}
+
+fn respond(r: Result<Response, ApiError>) -> Response {
+    r.unwrap_or_else(error)
+}
+
+/// The body's bytes, or 413 when over the limit.
+fn body_bytes(body: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, ApiError> {
+    body.map_err(|rej| {
+        if rej.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError {
+                status: 413,
+                ..ApiError::invalid(format!(
+                    "the request body is larger than the server's limit of {limit} bytes (--max-body-bytes)"
+                ))
+            }
+            .with_code("request_too_large")
+        } else {
+            ApiError::invalid(format!("cannot read the request body: {rej}"))
+        }
+    })
+}
+
+fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    respond(st.loaded().map(|_| Json(json!({"status": "ok"})).into_response()))
+}
+
+async fn models(State(st): State<Arc<AppState>>) -> Response {
+    let meta = match st.loaded() {
+        Ok(l) => {
+            let c = &l.rt.model.config;
+            json!({"n_vocab": c.vocab, "n_ctx": if st.opts.ctx == 0 { c.context_len } else { st.opts.ctx }, "n_layers": c.n_layers, "n_embd": c.hidden,
+                   "parallel": st.opts.parallel, "streaming": l.rt.stream.is_some(), "sparse": l.sparse,
+                   "default_mode": st.opts.default_mode.name()})
+        }
+        Err(_) => Value::Null,
+    };
+    Json(json!({"object": "list", "data": [{
+        "id": st.opts.model_id, "object": "model", "created": now_s(), "owned_by": "gatestream", "meta": meta
+    }]}))
+    .into_response()
+}
+
+/// Checks a request against the context and the queue, then hands it to the engine thread.
+fn submit(
+    st: &Arc<AppState>,
+    l: &Loaded,
+    mode: Mode,
+    req: Request,
+) -> Result<(UnboundedReceiver<Out>, Ticket), ApiError> {
+    if mode == Mode::Sparse && !l.sparse {
+        return Err(ApiError::invalid(
+            "this server has no sparse mask: start it with --mode sparse (or give --sparsity) to run sparse requests",
+        ));
+    }
+    if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= l.rt.model.config.vocab) {
+        return Err(ApiError::invalid(format!(
+            "prompt token {t} is outside the vocabulary of {}",
+            l.rt.model.config.vocab
+        )));
+    }
+    l.rt.model
+        .context_plan(req.prompt_ids.len(), req.max_tokens, st.opts.ctx)
+        .map_err(|e| ApiError::invalid(e.to_string()).with_code("context_length_exceeded"))?;
+    let Some(ticket) = Ticket::take(st) else {
+        st.metrics.rejected.fetch_add(1, Ordering::Relaxed);
+        return Err(ApiError::unavailable(format!(
+            "the server is busy: {} requests running and {} waiting (--parallel, --queue); retry later",
+            st.opts.parallel, st.opts.queue
+        ))
+        .with_code("queue_full"));
+    };
+    let (tx, rx) = unbounded_channel();
+    st.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    st.to_worker
+        .send(Command::Submit(Submission {
+            mode,
+            request: req,
+            out: tx,
+        }))
+        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    Ok((rx, ticket))
+}
+
+/// Which response shape a generation is written in.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+/// One generation's response being written: ids, token texts for log-probabilities, usage.
+struct Reply {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    loaded: Arc<Loaded>,
+    prompt_tokens: usize,
+    /// Completions' legacy log-probabilities, chat's, or none.
+    logprobs: bool,
+    include_usage: bool,
+}
+
+/// One token's ln p and its most likely alternatives.
+type TokenLogprobs = (Option<f32>, Vec<(u32, f32)>);
+
+/// What a finished generation gathered.
+#[derive(Default)]
+struct Gathered {
+    text: String,
+    tokens: Vec<u32>,
+    /// Per token: ln p and the top alternatives.
+    logprobs: Vec<TokenLogprobs>,
+    finish: Option<Finish>,
+    completion_tokens: usize,
+    disk_bytes: f64,
+}
+
+impl Reply {
+    fn new(
+        st: &AppState,
+        kind: Kind,
+        loaded: Arc<Loaded>,
+        prompt_tokens: usize,
+        logprobs: bool,
+        include_usage: bool,
+    ) -> Reply {
+        let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+        let prefix = match kind {
+            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl",
+        };
+        Reply {
+            kind,
+            id: format!(
+                "{prefix}-{n}-{:x}",
+                SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64)
+            ),
+            created: now_s(),
+            model: st.opts.model_id.clone(),
+            loaded,
+            prompt_tokens,
+            logprobs,
+            include_usage,
+        }
+    }
+
+    fn piece(&self, t: u32) -> String {
+        self.loaded.rt.model.tokenizer.decode(&[t]).unwrap_or_default()
+    }
+
+    fn usage(&self, completion_tokens: usize) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+               "total_tokens": self.prompt_tokens + completion_tokens})
+    }
+
+    /// Log-probabilities of `tokens` in this reply's shape.
+    fn logprobs_json(&self, tokens: &[u32], lps: &[TokenLogprobs], text_offset0: usize) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = tokens
+                    .iter()
+                    .zip(lps)
+                    .map(|(&t, (lp, top))| {
+                        let s = self.piece(t);
+                        json!({"token": s, "logprob": lp, "bytes": s.as_bytes(),
+                               "top_logprobs": top.iter().map(|&(u, l)| {
+                                   let p = self.piece(u);
+                                   json!({"token": p, "logprob": l, "bytes": p.as_bytes()})
+                               }).collect::<Vec<_>>()})
+                    })
+                    .collect();
+                json!({"content": content})
+            }
+            Kind::Completion => {
+                let mut offset = text_offset0;
+                let mut out = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
+                for (&t, (lp, top)) in tokens.iter().zip(lps) {
+                    let s = self.piece(t);
+                    out["tokens"].as_array_mut().expect("array").push(json!(s));
+                    out["token_logprobs"].as_array_mut().expect("array").push(json!(lp));
+                    let alts: serde_json::Map<String, Value> =
+                        top.iter().map(|&(u, l)| (self.piece(u), json!(l))).collect();
+                    out["top_logprobs"]
+                        .as_array_mut()
+                        .expect("array")
+                        .push(Value::Object(alts));
+                    out["text_offset"].as_array_mut().expect("array").push(json!(offset));
+                    offset += s.len();
+                }
+                out
+            }
+        }
+    }
+
+    /// One streamed chunk: `text` (None: the role-opening chunk of a chat), `finish` on the last.
+    fn chunk(&self, text: Option<&str>, logprobs: Value, finish: Option<Finish>) -> Value {
+        let finish = finish.map(api::finish_reason);
+        match self.kind {
+            Kind::Completion => {
+                json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]})
+            }
+            Kind::Chat => {
+                let delta = match (text, finish) {
+                    (None, _) => json!({"role": "assistant", "content": ""}),
+                    (Some(_), Some(_)) => json!({}),
+                    (Some(t), None) => json!({"content": t}),
+                };
+                json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+            }
+        }
+    }
+
+    /// The whole (non-streamed) response.
+    fn whole(&self, g: &Gathered) -> Value {
+        let finish = g.finish.map(api::finish_reason);
+        let logprobs = self.logprobs_json(&g.tokens, &g.logprobs, 0);
+        let choice = match self.kind {
+            Kind::Completion => json!({"index": 0, "text": g.text, "logprobs": logprobs, "finish_reason": finish}),
+            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": g.text},
+                                 "logprobs": logprobs, "finish_reason": finish}),
+        };
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": [choice], "usage": self.usage(g.completion_tokens)})
+    }
+}
+
+/// Waits for a generation's end, gathering it.
+async fn gather(rx: &mut UnboundedReceiver<Out>) -> Result<Gathered, ApiError> {
+    let mut g = Gathered::default();
+    loop {
+        match rx.recv().await {
+            Some(Out::Token {
+                token,
+                text,
+                logprob,
+                top,
+            }) => {
+                g.text.push_str(&text);
+                g.tokens.push(token);
+                g.logprobs.push((logprob, top));
+            }
+            Some(Out::Done {
+                finish,
+                text,
+                completion_tokens,
+                disk_bytes,
+            }) => {
+                g.text.push_str(&text);
+                g.finish = Some(finish);
+                g.completion_tokens = completion_tokens;
+                g.disk_bytes = disk_bytes;
+                return Ok(g);
+            }
+            Some(Out::Failed(msg)) => return Err(ApiError::server(format!("generation failed: {msg}"))),
+            None => return Err(ApiError::unavailable("the server is shutting down")),
+        }
+    }
+}
+
+/// The response: gathered whole, or streamed as server-sent events ending with `[DONE]`.
+async fn answer(
+    reply: Reply,
+    mut rx: UnboundedReceiver<Out>,
+    ticket: Ticket,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    if !stream {
+        let g = gather(&mut rx).await?;
+        drop(ticket);
+        return Ok(Json(reply.whole(&g)).into_response());
+    }
+    // The stream owns the receiver and the ticket: a client that goes away drops both, which
+    // the engine thread sees as a closed channel and cancels the request.
+    enum At {
+        Opening,
+        Tokens,
+        Usage(usize),
+        Done,
+        End,
+    }
+    let state = (reply, rx, ticket, At::Opening, 0usize);
+    let events = futures_util::stream::unfold(state, |(reply, mut rx, ticket, at, offset)| async move {
+        let data = |v: Value| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()));
+        match at {
+            At::Opening if reply.kind == Kind::Chat => {
+                let ev = data(reply.chunk(None, Value::Null, None));
+                Some((ev, (reply, rx, ticket, At::Tokens, offset)))
+            }
+            At::Opening | At::Tokens => match rx.recv().await {
+                Some(Out::Token {
+                    token,
+                    text,
+                    logprob,
+                    top,
+                }) => {
+                    let lp = reply.logprobs_json(&[token], &[(logprob, top)], offset);
+                    let ev = data(reply.chunk(Some(&text), lp, None));
+                    let offset = offset + text.len();
+                    Some((ev, (reply, rx, ticket, At::Tokens, offset)))
+                }
+                Some(Out::Done {
+                    finish,
+                    text,
+                    completion_tokens,
+                    ..
+                }) => {
+                    let mut last = reply.chunk(Some(&text), Value::Null, Some(finish));
+                    if reply.kind == Kind::Completion || text.is_empty() {
+                        // The finish chunk carries the held-back text (completions) or nothing.
+                    } else {
+                        last["choices"][0]["delta"] = json!({"content": text});
+                    }
+                    let next = if reply.include_usage {
+                        At::Usage(completion_tokens)
+                    } else {
+                        At::Done
+                    };
+                    Some((data(last), (reply, rx, ticket, next, offset)))
+                }
+                Some(Out::Failed(msg)) => {
+                    let ev = data(ApiError::server(format!("generation failed: {msg}")).body());
+                    Some((ev, (reply, rx, ticket, At::Done, offset)))
+                }
+                None => {
+                    let ev = data(ApiError::unavailable("the server is shutting down").body());
+                    Some((ev, (reply, rx, ticket, At::Done, offset)))
+                }
+            },
+            At::Usage(n) => {
+                let object = match reply.kind {
+                    Kind::Completion => "text_completion",
+                    Kind::Chat => "chat.completion.chunk",
+                };
+                let v = json!({"id": reply.id, "object": object, "created": reply.created, "model": reply.model,
+                               "choices": [], "usage": reply.usage(n)});
+                Some((data(v), (reply, rx, ticket, At::Done, offset)))
+            }
+            At::Done => {
+                let ev = Ok(SseEvent::default().data("[DONE]"));
+                Some((ev, (reply, rx, ticket, At::End, offset)))
+            }
+            At::End => None,
+        }
+    });
+    Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(completions_inner(&st, body).await)
+}
+
+async fn completions_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let l = st.loaded()?;
+    let b: api::CompletionBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+    if b.echo {
+        return Err(ApiError::invalid("echo is not supported"));
+    }
+    let model = &l.rt.model;
+    let ids = match &b.prompt {
+        api::Prompt::Text(t) => model.prompt_ids(t, false),
+        api::Prompt::Texts(v) if v.len() == 1 => model.prompt_ids(&v[0], false),
+        api::Prompt::Texts(v) => {
+            return Err(ApiError::invalid(format!(
+                "{} prompts given; one prompt per request is supported",
+                v.len()
+            )))
+        }
+        api::Prompt::Ids(v) if v.is_empty() => return Err(ApiError::invalid("the prompt is empty")),
+        api::Prompt::Ids(v) => Ok(v.clone()),
+    }
+    .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let mode = api::mode_of(b.sampling.mode.as_deref(), st.opts.default_mode)?;
+    let top = b.logprobs.unwrap_or(0);
+    // OpenAI's default for completions: 16 tokens.
+    let req = api::request(&b.sampling, ids, 16, b.logprobs.is_some(), top)?;
+    let prompt_tokens = req.prompt_ids.len();
+    let (rx, ticket) = submit(st, &l, mode, req)?;
+    let include_usage = b.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let reply = Reply::new(
+        st,
+        Kind::Completion,
+        l,
+        prompt_tokens,
+        b.logprobs.is_some(),
+        include_usage,
+    );
+    answer(reply, rx, ticket, b.sampling.stream).await
+}
+
+async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(chat_inner(&st, body).await)
+}
+
+async fn chat_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let l = st.loaded()?;
+    let b: api::ChatBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+    let messages = api::messages(&b)?;
+    let borrowed: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
+    let ids =
+        l.rt.model
+            .chat_ids(&borrowed)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let mode = api::mode_of(b.sampling.mode.as_deref(), st.opts.default_mode)?;
+    // No limit given: until the context is full (the engine stops there).
+    let req = api::request(&b.sampling, ids, usize::MAX, b.logprobs, b.top_logprobs.unwrap_or(0))?;
+    let prompt_tokens = req.prompt_ids.len();
+    let (rx, ticket) = submit(st, &l, mode, req)?;
+    let include_usage = b.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let reply = Reply::new(
+        st,
+        Kind::Chat,
+        l,
+        prompt_tokens,
+        b.logprobs || b.top_logprobs.is_some(),
+        include_usage,
+    );
+    answer(reply, rx, ticket, b.sampling.stream).await
+}
+
+async fn infer(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond(infer_inner(&st, body).await)
+}
+
+/// `/v1/infer`: the next-token predictions and a greedy continuation, dense, sparse or both
+/// side by side (agreement, and disk bytes per token when streaming).
+async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let l = st.loaded()?;
+    let b: api::InferBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+    let modes = match b.mode.as_deref() {
+        Some("compare") => vec![Mode::Dense, Mode::Sparse],
+        other => vec![api::mode_of(other, st.opts.default_mode)?],
+    };
+    if b.top > api::TOP_LOGPROBS_MAX {
+        return Err(ApiError::invalid(format!(
+            "top {} is more than {}",
+            b.top,
+            api::TOP_LOGPROBS_MAX
+        )));
+    }
+    let ids =
+        l.rt.model
+            .prompt_ids(&b.prompt, b.chat)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let sampling = api::Sampling {
+        max_tokens: Some(b.max_tokens),
+        temperature: Some(0.0),
+        ..Default::default()
+    };
+    // Both continuations are submitted before either is awaited, so they decode side by side.
+    let mut pending = Vec::new();
+    for &m in &modes {
+        let req = api::request(&sampling, ids.clone(), 0, false, b.top)?;
+        pending.push((m, submit(st, &l, m, req)?));
+    }
+    let tokenizer = &l.rt.model.tokenizer;
+    let piece = |t: u32| tokenizer.decode(&[t]).unwrap_or_default();
+    let streaming = l.rt.stream.is_some();
+    let mut results = serde_json::Map::new();
+    let mut tokens_of = Vec::new();
+    for (m, (mut rx, ticket)) in pending {
+        let g = gather(&mut rx).await?;
+        drop(ticket);
+        let predictions: Vec<Value> = g.logprobs.first().map_or(Vec::new(), |(_, top)| {
+            top.iter()
+                .map(|&(t, lp)| json!({"token": t, "text": piece(t), "prob": (lp as f64).exp()}))
+                .collect()
+        });
+        let per_token = g.disk_bytes / g.completion_tokens.max(1) as f64;
+        results.insert(
+            m.name().into(),
+            json!({"text": g.text, "tokens": g.tokens, "predictions": predictions,
+                   "finish": g.finish.map(|f| f.name()),
+                   "disk_bytes_per_token": if streaming { json!(per_token) } else { Value::Null }}),
+        );
+        tokens_of.push(g.tokens);
+    }
+    let mut out = json!({"prompt": b.prompt, "prompt_tokens": ids.len(), "model": st.opts.model_id});
+    if let [d, s] = &tokens_of[..] {
+        let n = d.len().min(s.len());
+        let same = d.iter().zip(s).filter(|(a, b)| a == b).count();
+        out["agreement"] = json!(if n == 0 { 1.0 } else { same as f64 / n as f64 });
+        out["first_difference"] = json!(d.iter().zip(s).position(|(a, b)| a != b));
+        if streaming {
+            let (dd, sd) = (
+                &results["dense"]["disk_bytes_per_token"],
+                &results["sparse"]["disk_bytes_per_token"],
+            );
+            if let (Some(dd), Some(sd)) = (dd.as_f64(), sd.as_f64()) {
+                out["sparse_vs_dense_disk_bytes"] = json!(sd / dd.max(1.0));
+            }
+        }
+    }
+    for (k, v) in results {
+        out[k] = v;
+    }
+    Ok(Json(out).into_response())
+}
+
+async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond((|| {
+        let l = st.loaded()?;
+        let b: api::TokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+        let ids =
+            l.rt.model
+                .tokenizer
+                .encode(&b.content, b.add_special)
+                .map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(Json(json!({"tokens": ids})).into_response())
+    })())
+}
+
+async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    respond((|| {
+        let l = st.loaded()?;
+        let b: api::DetokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+        let text =
+            l.rt.model
+                .tokenizer
+                .decode(&b.tokens)
+                .map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(Json(json!({"content": text})).into_response())
+    })())
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let m = &st.metrics;
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let generated = get(&m.generated_tokens);
+    let disk = get(&m.disk_bytes);
+    let steps = get(&m.steps);
+    let mut s = String::new();
+    let mut put = |name: &str, kind: &str, help: &str, v: f64| {
+        s.push_str(&format!(
+            "# HELP gatestream_{name} {help}\n# TYPE gatestream_{name} {kind}\ngatestream_{name} {v}\n"
+        ));
+    };
+    put(
+        "requests_total",
+        "counter",
+        "Requests accepted.",
+        get(&m.requests) as f64,
+    );
+    put(
+        "requests_rejected_total",
+        "counter",
+        "Requests answered 503 because the queue was full.",
+        get(&m.rejected) as f64,
+    );
+    put(
+        "requests_finished_total",
+        "counter",
+        "Requests that ran to their end.",
+        get(&m.finished) as f64,
+    );
+    put(
+        "requests_cancelled_total",
+        "counter",
+        "Requests whose client went away.",
+        get(&m.cancelled) as f64,
+    );
+    put(
+        "steps_failed_total",
+        "counter",
+        "Engine steps that failed (their requests got the error).",
+        get(&m.failed) as f64,
+    );
+    put(
+        "prompt_tokens_total",
+        "counter",
+        "Prompt tokens admitted.",
+        get(&m.prompt_tokens) as f64,
+    );
+    put(
+        "generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        generated as f64,
+    );
+    put(
+        "queue_depth",
+        "gauge",
+        "Requests waiting for a slot.",
+        get(&m.queued) as f64,
+    );
+    put("running", "gauge", "Requests decoding.", get(&m.running) as f64);
+    put("steps_total", "counter", "Engine steps (forward passes).", steps as f64);
+    put(
+        "batch_width",
+        "gauge",
+        "Sequences in the last step.",
+        get(&m.batch_width) as f64,
+    );
+    put(
+        "batch_width_mean",
+        "gauge",
+        "Sequences per step, averaged over all steps.",
+        get(&m.step_sequences) as f64 / steps.max(1) as f64,
+    );
+    put(
+        "step_seconds_total",
+        "counter",
+        "Time spent in steps.",
+        get(&m.step_ns) as f64 / 1e9,
+    );
+    put(
+        "disk_bytes_total",
+        "counter",
+        "Bytes read from disk by the stream (0 in RAM).",
+        disk as f64,
+    );
+    put(
+        "disk_bytes_per_generated_token",
+        "gauge",
+        "Disk bytes over generated tokens since start (prefill reads included).",
+        disk as f64 / generated.max(1) as f64,
+    );
+    put(
+        "admitted",
+        "gauge",
+        "Requests queued or running.",
+        st.admitted.load(Ordering::Relaxed) as f64,
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s).into_response()
+}

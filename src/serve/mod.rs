@@ -1,0 +1,208 @@
+//! `gatestream serve`: an OpenAI-compatible HTTP server over the [`crate::engine`] — continuous
+//! batching, so every sequence decoding in a step shares each byte the step streams from disk.
+//!
+//! Owns: the HTTP surface (`http`: routes, SSE, errors in OpenAI's shape, limits, metrics), the
+//! request bodies and their checks (`api`), and the engine thread (`worker`) that admits
+//! requests, steps the engines and hands tokens to each request's channel. Does not own the
+//! model's assembly (the caller opens the [`Runtime`]: the binary, as for `run`), generation
+//! (`engine`) or sampling rules (`sampler`).
+//!
+//! Threads: the HTTP side runs on a small tokio runtime; the engine runs on one thread of its own
+//! (its passes use the model's thread pool). They meet through a channel of commands and one
+//! channel per request. The model loads on the engine thread while HTTP already answers
+//! (`/health` is 503 until it is ready).
+
+pub mod api;
+mod http;
+mod worker;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::runtime::Runtime;
+
+pub use api::Mode;
+
+/// How the server listens and schedules.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    pub host: String,
+    pub port: u16,
+    /// Sequences decoding at once (the batch width); more requests wait in the queue.
+    pub parallel: usize,
+    /// Requests that may wait beyond `parallel`; one more is answered 503 with `Retry-After`.
+    pub queue: usize,
+    /// Each sequence's context (prompt + generated); 0 = the model's.
+    pub ctx: usize,
+    /// Tokens per engine step (decode tokens first, then pieces of prompts being prefilled).
+    pub step_tokens: usize,
+    /// Request bodies larger than this are answered 413.
+    pub max_body_bytes: usize,
+    /// The mode requests run in when they do not name one.
+    pub default_mode: Mode,
+    /// The name `/v1/models` lists and responses carry.
+    pub model_id: String,
+    /// After SIGINT / SIGTERM: how long requests in flight may go on before they are cancelled.
+    pub shutdown_grace: Duration,
+}
+
+/// What `/metrics` reports (Prometheus text format).
+#[derive(Default)]
+pub struct Metrics {
+    pub requests: AtomicU64,
+    /// Requests answered 503 because the queue was full.
+    pub rejected: AtomicU64,
+    pub finished: AtomicU64,
+    pub cancelled: AtomicU64,
+    pub failed: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generated_tokens: AtomicU64,
+    pub queued: AtomicU64,
+    pub running: AtomicU64,
+    pub steps: AtomicU64,
+    /// Sequences summed over steps (÷ steps = mean batch width).
+    pub step_sequences: AtomicU64,
+    /// Sequences in the last step.
+    pub batch_width: AtomicU64,
+    pub step_ns: AtomicU64,
+    /// Bytes the stream's readers got from the device (0 in RAM).
+    pub disk_bytes: AtomicU64,
+}
+
+/// The model, once loaded.
+pub(crate) struct Loaded {
+    pub rt: Arc<Runtime>,
+    /// Whether sparse requests can run (the server has a mask).
+    pub sparse: bool,
+}
+
+pub(crate) enum Phase {
+    Loading,
+    Ready(Arc<Loaded>),
+    Failed(String),
+}
+
+/// What every handler shares.
+pub(crate) struct AppState {
+    pub opts: ServeOptions,
+    pub phase: RwLock<Phase>,
+    pub metrics: Metrics,
+    pub to_worker: crossbeam_channel::Sender<worker::Command>,
+    /// Requests admitted (queued or running): at most `parallel + queue`.
+    pub admitted: AtomicUsize,
+    pub next_id: AtomicU64,
+}
+
+/// Serves until SIGINT or SIGTERM. `load` opens the model (on the engine thread, while
+/// `/health` answers 503); `on_listening` is told the bound address (the port, when 0 was asked).
+pub fn serve(
+    opts: ServeOptions,
+    load: Box<dyn FnOnce() -> Result<Runtime> + Send>,
+    on_listening: &mut dyn FnMut(SocketAddr),
+) -> Result<()> {
+    if opts.parallel == 0 {
+        return Err(Error::Invalid("--parallel must be at least 1".into()));
+    }
+    let tokio_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Invalid(format!("cannot start the HTTP runtime: {e}")))?;
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let state = Arc::new(AppState {
+        opts: opts.clone(),
+        phase: RwLock::new(Phase::Loading),
+        metrics: Metrics::default(),
+        to_worker: tx,
+        admitted: AtomicUsize::new(0),
+        next_id: AtomicU64::new(1),
+    });
+    let addr = format!("{}:{}", opts.host, opts.port);
+    let listener = tokio_rt.block_on(tokio::net::TcpListener::bind(&addr)).map_err(|e| {
+        Error::Invalid(format!(
+            "cannot listen on {addr}: {e} (is another server on that port?)"
+        ))
+    })?;
+    let local = listener
+        .local_addr()
+        .map_err(|e| Error::Invalid(format!("cannot read the bound address: {e}")))?;
+    on_listening(local);
+
+    let engine_state = state.clone();
+    let limits = worker::Limits {
+        parallel: opts.parallel,
+        ctx: opts.ctx,
+        step_tokens: opts.step_tokens,
+    };
+    let engine_thread = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || {
+            let st = engine_state;
+            let rt = match load() {
+                Ok(rt) => Arc::new(rt),
+                Err(e) => {
+                    *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
+                    return Err(e);
+                }
+            };
+            let masker = match rt.masker() {
+                Ok(m) => m,
+                Err(e) => {
+                    *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
+                    return Err(e);
+                }
+            };
+            *st.phase.write().expect("phase") = Phase::Ready(Arc::new(Loaded {
+                rt: rt.clone(),
+                sparse: masker.is_some(),
+            }));
+            let r = worker::run(&rt, masker.as_ref(), limits, rx, &st.metrics);
+            if let Err(e) = &r {
+                *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
+            }
+            r
+        })
+        .map_err(|e| Error::Invalid(format!("cannot start the engine thread: {e}")))?;
+
+    let served = tokio_rt.block_on(http::serve(listener, state.clone()));
+    let _ = state.to_worker.send(worker::Command::Quit);
+    let engine = engine_thread
+        .join()
+        .unwrap_or_else(|_| Err(Error::Invalid("the engine thread panicked".into())));
+    served?;
+    engine
+}
+
+impl AppState {
+    pub(crate) fn loaded(&self) -> std::result::Result<Arc<Loaded>, api::ApiError> {
+        match &*self.phase.read().expect("phase") {
+            Phase::Ready(l) => Ok(l.clone()),
+            Phase::Loading => Err(api::ApiError::unavailable("Loading model").with_code("loading")),
+            Phase::Failed(e) => Err(api::ApiError::unavailable(format!("the model failed to load: {e}"))),
+        }
+    }
+}
+
+/// A request counted against `parallel + queue`; uncounted when dropped.
+pub(crate) struct Ticket(Arc<AppState>);
+
+impl Ticket {
+    /// Counts a request in, or `None` when `parallel + queue` are taken.
+    pub(crate) fn take(state: &Arc<AppState>) -> Option<Ticket> {
+        let cap = state.opts.parallel + state.opts.queue;
+        state
+            .admitted
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < cap).then_some(n + 1))
+            .ok()
+            .map(|_| Ticket(state.clone()))
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.0.admitted.fetch_sub(1, Ordering::SeqCst);
+    }
+}

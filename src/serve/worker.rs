@@ -1,0 +1,258 @@
+//! The engine thread: owns the engines (dense, and sparse when the server has a mask), admits
+//! queued requests while fewer than `parallel` run, steps every engine with work, and hands
+//! each request its tokens over its channel. A request whose channel is closed (its client went
+//! away) is cancelled at the next step.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::Mode;
+use super::Metrics;
+use crate::engine::{Engine, Event, Request, RequestId};
+use crate::error::Result;
+use crate::model::generate::Finish;
+use crate::runtime::Runtime;
+use crate::sparsity::Masker;
+
+/// What the HTTP side asks of the engine thread.
+pub(crate) enum Command {
+    Submit(Submission),
+    /// Shutting down: end every request now (they finish as cancelled, with what they have).
+    CancelAll,
+    Quit,
+}
+
+pub(crate) struct Submission {
+    pub mode: Mode,
+    pub request: Request,
+    pub out: UnboundedSender<Out>,
+}
+
+/// What a request's channel carries.
+#[derive(Debug)]
+pub(crate) enum Out {
+    Token {
+        token: u32,
+        text: String,
+        logprob: Option<f32>,
+        top: Vec<(u32, f32)>,
+    },
+    Done {
+        finish: Finish,
+        /// Text held back until the end (see `engine::Event::Finished`).
+        text: String,
+        completion_tokens: usize,
+        /// Disk bytes read by the passes this request was in, each pass's bytes shared equally
+        /// among the requests in it.
+        disk_bytes: f64,
+    },
+    /// The pass failed (the message says why); the request is over.
+    Failed(String),
+}
+
+struct Client {
+    out: UnboundedSender<Out>,
+    completion_tokens: usize,
+    disk_bytes: f64,
+    cancelled: bool,
+}
+
+/// Engine settings from the command line.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub parallel: usize,
+    pub ctx: usize,
+    pub step_tokens: usize,
+}
+
+fn disk_bytes(rt: &Runtime) -> u64 {
+    rt.stream.as_ref().map_or(0, |s| s.read_stats().bytes_device)
+}
+
+/// Runs until `Quit` or until every sender is gone.
+pub(crate) fn run(
+    rt: &Runtime,
+    mask: Option<&Masker>,
+    limits: Limits,
+    rx: Receiver<Command>,
+    metrics: &Metrics,
+) -> Result<()> {
+    // engines[0] runs dense requests, engines[1] (when there is a mask) sparse ones.
+    let make = |e: usize| -> Result<Engine> {
+        let engine = Engine::new(&rt.model, rt.layer_stream(), limits.step_tokens).with_context(limits.ctx);
+        match mask {
+            Some(m) if e == 1 => engine.with_mask(m),
+            _ => Ok(engine),
+        }
+    };
+    let mut engines = [Some(make(0)?), None];
+    if mask.is_some() {
+        engines[1] = Some(make(1)?);
+    }
+    let slot = |m: Mode| match m {
+        Mode::Dense => 0,
+        Mode::Sparse => 1,
+    };
+    let mut waiting: VecDeque<Submission> = VecDeque::new();
+    let mut clients: HashMap<(usize, RequestId), Client> = HashMap::new();
+    loop {
+        let idle = clients.is_empty() && waiting.is_empty();
+        let first = if idle {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return Ok(()),
+            }
+        } else {
+            None
+        };
+        for c in first.into_iter().chain(rx.try_iter()) {
+            match c {
+                Command::Submit(s) => waiting.push_back(s),
+                Command::CancelAll => {
+                    for s in waiting.drain(..) {
+                        let _ = s.out.send(Out::Done {
+                            finish: Finish::Cancelled,
+                            text: String::new(),
+                            completion_tokens: 0,
+                            disk_bytes: 0.0,
+                        });
+                    }
+                    for (&(e, id), c) in clients.iter_mut() {
+                        if let Some(engine) = engines[e].as_mut() {
+                            engine.cancel(id);
+                        }
+                        c.cancelled = true;
+                    }
+                }
+                Command::Quit => return Ok(()),
+            }
+        }
+        // Clients that went away: their requests end at this step.
+        for (&(e, id), c) in clients.iter_mut() {
+            if c.out.is_closed() && !c.cancelled {
+                c.cancelled = true;
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                if let Some(engine) = engines[e].as_mut() {
+                    engine.cancel(id);
+                }
+            }
+        }
+        waiting.retain(|s| {
+            let gone = s.out.is_closed();
+            if gone {
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+            }
+            !gone
+        });
+        // Admission: new requests join between steps while fewer than `parallel` run.
+        while clients.len() < limits.parallel {
+            let Some(s) = waiting.pop_front() else { break };
+            let e = slot(s.mode);
+            let Some(engine) = engines[e].as_mut() else {
+                let _ = s.out.send(Out::Failed("the server has no sparse mask".into()));
+                continue;
+            };
+            let prompt_tokens = s.request.prompt_ids.len();
+            match engine.submit(s.request) {
+                Ok(id) => {
+                    metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+                    clients.insert(
+                        (e, id),
+                        Client {
+                            out: s.out,
+                            completion_tokens: 0,
+                            disk_bytes: 0.0,
+                            cancelled: false,
+                        },
+                    );
+                }
+                Err(err) => {
+                    let _ = s.out.send(Out::Failed(err.to_string()));
+                }
+            }
+        }
+        metrics.queued.store(waiting.len() as u64, Ordering::Relaxed);
+        metrics.running.store(clients.len() as u64, Ordering::Relaxed);
+        for (e, slot_engine) in engines.iter_mut().enumerate() {
+            let Some(engine) = slot_engine.as_mut() else { continue };
+            let members = engine.active();
+            if members == 0 {
+                continue;
+            }
+            let bytes0 = disk_bytes(rt);
+            let t = Instant::now();
+            let stepped = engine.step();
+            metrics.steps.fetch_add(1, Ordering::Relaxed);
+            metrics.step_sequences.fetch_add(members as u64, Ordering::Relaxed);
+            metrics.batch_width.store(members as u64, Ordering::Relaxed);
+            metrics
+                .step_ns
+                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let read = disk_bytes(rt) - bytes0;
+            metrics.disk_bytes.fetch_add(read, Ordering::Relaxed);
+            let share = read as f64 / members as f64;
+            for (_, c) in clients.iter_mut().filter(|((ce, _), _)| *ce == e) {
+                c.disk_bytes += share;
+            }
+            match stepped {
+                Ok(events) => {
+                    for ev in events {
+                        route(ev, e, &mut clients, metrics);
+                    }
+                }
+                Err(err) => {
+                    // The pass failed: every request in this engine ends with the error and
+                    // the engine starts afresh (its sequences' caches are in an unknown state).
+                    let msg = err.to_string();
+                    metrics.failed.fetch_add(1, Ordering::Relaxed);
+                    clients.retain(|&(ce, _), c| {
+                        if ce == e {
+                            let _ = c.out.send(Out::Failed(msg.clone()));
+                        }
+                        ce != e
+                    });
+                    *slot_engine = Some(make(e)?);
+                }
+            }
+        }
+        metrics.running.store(clients.len() as u64, Ordering::Relaxed);
+    }
+}
+
+fn route(ev: Event, e: usize, clients: &mut HashMap<(usize, RequestId), Client>, metrics: &Metrics) {
+    match ev {
+        Event::Token {
+            request,
+            token,
+            text,
+            logprob,
+            top,
+        } => {
+            metrics.generated_tokens.fetch_add(1, Ordering::Relaxed);
+            if let Some(c) = clients.get_mut(&(e, request)) {
+                c.completion_tokens += 1;
+                let _ = c.out.send(Out::Token {
+                    token,
+                    text,
+                    logprob,
+                    top,
+                });
+            }
+        }
+        Event::Finished { request, finish, text } => {
+            if let Some(c) = clients.remove(&(e, request)) {
+                metrics.finished.fetch_add(1, Ordering::Relaxed);
+                let _ = c.out.send(Out::Done {
+                    finish,
+                    text,
+                    completion_tokens: c.completion_tokens,
+                    disk_bytes: c.disk_bytes,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,422 @@
+//! `gatestream serve` run as a user runs it (the binary, on a free port of 127.0.0.1), spoken to
+//! over plain HTTP/1.1: OpenAI's endpoints, server-sent events, stop strings, errors, a full
+//! queue, a client that goes away, SIGTERM; and eight concurrent greedy requests, each of which
+//! must give exactly the text it gives when run alone in this process. The official `openai`
+//! Python client is tested against the same server by `tests/openai_client.py` (`.ci/run`).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use gatestream::model::{LoadOptions, Model};
+use serde_json::{json, Value};
+
+fn smollm2_path() -> std::path::PathBuf {
+    model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `gatestream serve` with `args` on a free port and waits until /health is 200.
+    fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gatestream"))
+            .args(["serve", "--port", "0", "--threads", "2", "--model"])
+            .arg(smollm2_path())
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let mut seen = String::new();
+        let addr = loop {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| panic!("serve ended before listening: {seen}"))
+                .unwrap();
+            seen.push_str(&line);
+            seen.push('\n');
+            if let Some(rest) = line.strip_prefix("listening on http://") {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep reading stderr (so the server never blocks on a full pipe), for failure messages.
+        let log = std::sync::Arc::new(std::sync::Mutex::new(seen));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(|l| l.ok()) {
+                sink.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let s = Server { child, addr, log };
+        let t = Instant::now();
+        while s.get("/health").0 != 200 {
+            assert!(t.elapsed() < Duration::from_secs(60), "not ready: {}", s.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn get(&self, path: &str) -> (u16, String, String) {
+        http(&self.addr, "GET", path, None)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, _, text) = http(&self.addr, "POST", path, Some(body.to_string().as_bytes()));
+        let v = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
+        (status, v)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, _, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("gatestream_{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One HTTP/1.1 exchange (connection closed after it): status, headers, body (de-chunked).
+fn http(addr: &str, method: &str, path: &str, body: Option<&[u8]>) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let body = body.unwrap_or(b"");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    // A body over the server's limit may be refused before it is all sent.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = raw
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP response: {raw:?}"));
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(rest)
+    } else {
+        rest.to_string()
+    };
+    (status, head.to_string(), body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(str::to_string)
+        .collect()
+}
+
+const PROMPTS: [&str; 8] = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "In 1969, the first",
+    "Water boils at",
+    "My favourite food is",
+    "The history of the city begins with a small settlement on the river. Over the centuries merchants arrived and",
+];
+
+#[test]
+fn serve_speaks_openai_and_batched_requests_equal_each_alone() {
+    let m = Model::load(&smollm2_path(), &LoadOptions::default()).unwrap();
+    let alone: Vec<String> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let ids = m.prompt_ids(p, false).unwrap();
+            m.generate_ids(&ids, &greedy(12 + 4 * i), None, None, None, &mut |_| {})
+                .unwrap()
+                .text
+        })
+        .collect();
+    let s = Server::start(&["--parallel", "8", "--ctx-size", "512"]);
+
+    let (status, _, models) = s.get("/v1/models");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1.gguf");
+
+    // Eight concurrent greedy completions: each exactly as alone, and they did share steps.
+    let handles: Vec<_> = PROMPTS
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let addr = s.addr.clone();
+            let body = json!({"prompt": p, "max_tokens": 12 + 4 * i, "temperature": 0});
+            std::thread::spawn(move || {
+                let (status, _, text) = http(&addr, "POST", "/v1/completions", Some(body.to_string().as_bytes()));
+                assert_eq!(status, 200, "{text}");
+                serde_json::from_str::<Value>(&text).unwrap()
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let r = h.join().unwrap();
+        assert_eq!(
+            r["choices"][0]["text"], alone[i],
+            "request {i} differs from its run alone"
+        );
+        assert_eq!(r["object"], "text_completion");
+        assert_eq!(r["usage"]["completion_tokens"], 12 + 4 * i as u64);
+        assert_eq!(r["choices"][0]["finish_reason"], "length");
+    }
+    assert!(s.metric("batch_width_mean") > 1.5, "the requests were not batched");
+    assert_eq!(
+        s.metric("generated_tokens_total"),
+        (0..8).map(|i| 12.0 + 4.0 * i as f64).sum::<f64>()
+    );
+
+    // Chat, whole and streamed: the same text; the stream opens with the role, ends with the
+    // finish reason, the usage chunk and [DONE].
+    let chat = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                      "max_tokens": 24, "temperature": 0});
+    let (status, whole) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    let text = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    assert!(text.contains("Paris"), "{text}");
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let (status, head, body) = http(
+        &s.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(streamed.to_string().as_bytes()),
+    );
+    assert_eq!(status, 200);
+    assert!(head.contains("text/event-stream"), "{head}");
+    let data = sse_data(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let joined: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(joined, text);
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(usage, &whole["usage"]);
+    assert_eq!(
+        chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
+        whole["choices"][0]["finish_reason"]
+    );
+
+    // A conversation with a system message and an earlier assistant turn: the chat template's
+    // text, as `run --chat` would encode it for the same turns.
+    let conv = [
+        ("system", "You answer briefly."),
+        ("user", "Hi"),
+        ("assistant", "Hello."),
+        ("user", "What is the capital of France?"),
+    ];
+    let turns: Vec<_> = conv
+        .iter()
+        .map(|(r, t)| (gatestream::model::chat::Role::from_name(r).unwrap(), *t))
+        .collect();
+    let ids = m.chat_ids(&turns).unwrap();
+    let want = m
+        .generate_ids(&ids, &greedy(10), None, None, None, &mut |_| {})
+        .unwrap();
+    let messages: Vec<Value> = conv.iter().map(|(r, t)| json!({"role": r, "content": t})).collect();
+    let (_, r) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 10, "temperature": 0}),
+    );
+    assert_eq!(r["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(r["choices"][0]["message"]["content"], want.text);
+
+    // A stop string: the text up to it, finish "stop".
+    let full = &alone[1];
+    let stop: String = full.chars().skip(12).take(5).collect();
+    let (status, r) = s.post(
+        "/v1/completions",
+        &json!({"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "stop": [stop]}),
+    );
+    assert_eq!(status, 200);
+    assert_eq!(r["choices"][0]["text"], full[..full.find(&stop).unwrap()]);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+
+    // Log-probabilities: the chosen token's, and the top alternatives, most likely first.
+    let (_, r) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0,
+                "logprobs": true, "top_logprobs": 2}),
+    );
+    let lp = &r["choices"][0]["logprobs"]["content"];
+    assert_eq!(lp.as_array().unwrap().len(), 3);
+    assert_eq!(lp[0]["top_logprobs"][0]["token"], lp[0]["token"]);
+    assert!(lp[0]["logprob"].as_f64().unwrap() <= 0.0);
+
+    // /v1/infer: the next-token predictions and both continuations side by side.
+    let (status, r) = s.post(
+        "/v1/infer",
+        &json!({"prompt": "The capital of France is", "top": 3, "mode": "compare", "max_tokens": 6}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["dense"]["predictions"].as_array().unwrap().len(), 3);
+    assert_eq!(r["dense"]["predictions"][0]["text"], " Paris");
+    assert_eq!(
+        r["dense"]["text"],
+        alone[0][..r["dense"]["text"].as_str().unwrap().len()]
+    );
+    assert!(r["agreement"].as_f64().unwrap() >= 0.0 && r["sparse"]["tokens"].as_array().unwrap().len() == 6);
+
+    // Tokenize and back.
+    let (_, t) = s.post("/tokenize", &json!({"content": "Hello world", "add_special": false}));
+    let (_, d) = s.post("/detokenize", &json!({"tokens": t["tokens"]}));
+    assert_eq!(d["content"], "Hello world");
+
+    // Errors, in OpenAI's shape.
+    let long = "word ".repeat(600);
+    for (path, body, status, what) in [
+        ("/v1/completions", json!({"prompt": long}), 400, "context"),
+        ("/v1/completions", json!({"prompt": "x", "n": 3}), 400, "n = 1"),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "temperature": "hot"}),
+            400,
+            "invalid type",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            400,
+            "wizard",
+        ),
+        ("/v1/completions", json!({"prompt": [1, 2, 999999]}), 400, "vocabulary"),
+        ("/v1/infer", json!({"prompt": "x", "mode": "fast"}), 400, "fast"),
+    ] {
+        let (got, r) = s.post(path, &body);
+        assert_eq!(got, status, "{body}: {r}");
+        assert_eq!(r["error"]["type"], "invalid_request_error");
+        assert!(r["error"]["message"].as_str().unwrap().contains(what), "{r}");
+    }
+    let (status, _, r) = http(&s.addr, "POST", "/v1/completions", Some(b"{not json"));
+    assert_eq!(status, 400, "{r}");
+    let huge = vec![b'a'; 2 << 20];
+    let (status, _, r) = http(&s.addr, "POST", "/v1/completions", Some(&huge));
+    assert_eq!(status, 413, "{r}");
+    assert!(r.contains("request_too_large"), "{r}");
+    assert_eq!(s.get("/v1/nothing").0, 404);
+
+    // A client that goes away mid-stream: its request is cancelled.
+    let before = s.metric("requests_cancelled_total");
+    {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        let body =
+            json!({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": true}).to_string();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut first = [0u8; 64];
+        c.read_exact(&mut first).unwrap();
+    }
+    let t = Instant::now();
+    while s.metric("requests_cancelled_total") == before {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the request went on after its client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(s.metric("generated_tokens_total") < 1000.0 + 400.0);
+}
+
+#[test]
+fn a_full_queue_is_503_and_sigterm_lets_requests_finish() {
+    let mut s = Server::start(&["--parallel", "1", "--queue", "0", "--shutdown-grace", "30"]);
+    // One long request holds the only slot.
+    let addr = s.addr.clone();
+    let running = std::thread::spawn(move || {
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0});
+        http(&addr, "POST", "/v1/completions", Some(body.to_string().as_bytes()))
+    });
+    let t = Instant::now();
+    while s.metric("running") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (status, head, body) = http(
+        &s.addr,
+        "POST",
+        "/v1/completions",
+        Some(json!({"prompt": "x", "max_tokens": 2}).to_string().as_bytes()),
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(head.to_ascii_lowercase().contains("retry-after: 1"), "{head}");
+    assert!(body.contains("queue_full"), "{body}");
+    assert_eq!(s.metric("requests_rejected_total"), 1.0);
+
+    // SIGTERM: no new connections, the running request still completes, the process exits 0.
+    let status = Command::new("kill")
+        .args(["-TERM", &s.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (status, _, body) = running.join().unwrap();
+    assert_eq!(status, 200, "{body}");
+    let r: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(r["usage"]["completion_tokens"], 300, "{r}");
+    let t = Instant::now();
+    let code = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "still running after SIGTERM: {}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(code, Some(0), "{}", s.log());
+    assert!(s.log().contains("shutting down"), "{}", s.log());
+    assert!(TcpStream::connect(&s.addr).is_err(), "still accepting after SIGTERM");
+}
