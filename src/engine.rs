@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Batch;
 use crate::model::forward::{FfnMask, LayerStream, Passes};
-use crate::model::generate::{next_token, Finish, PREFILL_BATCH_TOKENS};
+use crate::model::generate::{next_token, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
 use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::Model;
@@ -129,12 +129,6 @@ impl<'m> Engine<'m> {
         self
     }
 
-    /// How many KV positions a request with this prompt and `max_tokens` holds (what
-    /// [`Engine::submit`] allocates), or why it is refused.
-    pub fn positions_for(&self, prompt_len: usize, max_tokens: usize) -> Result<usize> {
-        Ok(self.model.context_plan(prompt_len, max_tokens, self.ctx)?.kv_positions)
-    }
-
     /// Every token of every request through `mask` (see the module docs; union is refused).
     pub fn with_mask(mut self, mask: &'m Masker<'m>) -> Result<Engine<'m>> {
         if mask.strategy == Strategy::Union {
@@ -150,23 +144,7 @@ impl<'m> Engine<'m> {
 
     /// Queues a request; it starts at the next step.
     pub fn submit(&mut self, req: Request) -> Result<RequestId> {
-        if req.prompt_ids.is_empty() {
-            return Err(Error::Invalid("a request needs at least one prompt token".into()));
-        }
-        if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= self.model.config.vocab) {
-            return Err(Error::Invalid(format!(
-                "prompt token {t} is outside the vocabulary of {}",
-                self.model.config.vocab
-            )));
-        }
-        // Refused before any work when the prompt does not fit the model's context; generation
-        // stops where the context is full.
-        if req.stop.iter().any(|s| s.is_empty()) {
-            return Err(Error::Invalid("a stop string may not be empty".into()));
-        }
-        let plan = self
-            .model
-            .context_plan(req.prompt_ids.len(), req.max_tokens, self.ctx)?;
+        let plan = check(self.model, &req, self.ctx)?;
         let positions = plan.kv_positions;
         if let Some(limit) = self.stream.and_then(|s| s.kv_positions()) {
             let in_use: usize = self.seqs.iter().map(|s| s.cache.capacity).sum();
@@ -314,6 +292,26 @@ impl<'m> Engine<'m> {
         }
         Ok(events)
     }
+}
+
+/// Why `req` cannot run on `model` in a context of `ctx` positions (0 = the model's), or what
+/// of the context it may use: what [`Engine::submit`] checks, for callers that refuse a request
+/// before queueing it. A prompt that does not fit is refused before any work; generation stops
+/// where the context is full.
+pub fn check(model: &Model, req: &Request, ctx: usize) -> Result<ContextPlan> {
+    if req.prompt_ids.is_empty() {
+        return Err(Error::Invalid("a request needs at least one prompt token".into()));
+    }
+    if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= model.config.vocab) {
+        return Err(Error::Invalid(format!(
+            "prompt token {t} is outside the vocabulary of {}",
+            model.config.vocab
+        )));
+    }
+    if req.stop.iter().any(|s| s.is_empty()) {
+        return Err(Error::Invalid("a stop string may not be empty".into()));
+    }
+    model.context_plan(req.prompt_ids.len(), req.max_tokens, ctx)
 }
 
 fn finished(s: &mut Sequence, finish: Finish) -> Event {

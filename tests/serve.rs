@@ -420,3 +420,21 @@ fn a_full_queue_is_503_and_sigterm_lets_requests_finish() {
     assert!(s.log().contains("shutting down"), "{}", s.log());
     assert!(TcpStream::connect(&s.addr).is_err(), "still accepting after SIGTERM");
 }
+
+/// A model that cannot be opened ends the server with the reason, not a server that answers 503
+/// forever.
+#[test]
+fn a_model_that_fails_to_load_ends_the_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write_temp(dir.path(), "broken.gguf", b"GGUF but not really");
+    let t = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        .args(["serve", "--port", "0", "--model"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("broken.gguf"), "{stderr}");
+    assert!(t.elapsed() < Duration::from_secs(10), "{stderr}");
+}

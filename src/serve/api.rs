@@ -273,9 +273,6 @@ pub fn request(
             stop.len()
         )));
     }
-    if stop.iter().any(|x| x.is_empty()) {
-        return Err(ApiError::invalid("a stop string may not be empty"));
-    }
     let max_tokens = match s.max_completion_tokens.or(s.max_tokens) {
         Some(0) => return Err(ApiError::invalid("max_tokens must be at least 1")),
         Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
@@ -376,7 +373,6 @@ mod tests {
             r#"{"top_p": 0}"#,
             r#"{"max_tokens": 0}"#,
             r#"{"stop": ["a","b","c","d","e"]}"#,
-            r#"{"stop": [""]}"#,
             r#"{"presence_penalty": 0.5}"#,
         ] {
             assert_eq!(

@@ -51,7 +51,8 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState
 }
 
 /// Resolves at SIGINT or SIGTERM: the listener closes and requests in flight may finish; after
-/// the grace period they are cancelled (they end with what they generated).
+/// the grace period they are cancelled (they end with what they generated). Also resolves when
+/// the engine thread ends.
 async fn shutdown(state: Arc<AppState>) {
     let ctrl_c = tokio::signal::ctrl_c();
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
@@ -66,6 +67,8 @@ async fn shutdown(state: Arc<AppState>) {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+        // The engine is gone (the model failed to load): nothing left to serve.
+        _ = state.engine_ended.notified() => return,
     }
     eprintln!(
         "shutting down: no new connections; requests in flight get {:.0} s to finish",
@@ -145,15 +148,7 @@ fn submit(
             "this server has no sparse mask: start it with --mode sparse (or give --sparsity) to run sparse requests",
         ));
     }
-    if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= l.rt.model.config.vocab) {
-        return Err(ApiError::invalid(format!(
-            "prompt token {t} is outside the vocabulary of {}",
-            l.rt.model.config.vocab
-        )));
-    }
-    l.rt.model
-        .context_plan(req.prompt_ids.len(), req.max_tokens, st.opts.ctx)
-        .map_err(|e| ApiError::invalid(e.to_string()).with_code("context_length_exceeded"))?;
+    crate::engine::check(&l.rt.model, &req, st.opts.ctx).map_err(|e| ApiError::invalid(e.to_string()))?;
     let Some(ticket) = Ticket::take(st) else {
         st.metrics.rejected.fetch_add(1, Ordering::Relaxed);
         return Err(ApiError::unavailable(format!(
@@ -302,8 +297,8 @@ impl Reply {
             Kind::Chat => {
                 let delta = match (text, finish) {
                     (None, _) => json!({"role": "assistant", "content": ""}),
-                    (Some(_), Some(_)) => json!({}),
-                    (Some(t), None) => json!({"content": t}),
+                    (Some(""), Some(_)) => json!({}),
+                    (Some(t), _) => json!({"content": t}),
                 };
                 json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
@@ -409,12 +404,8 @@ async fn answer(
                     completion_tokens,
                     ..
                 }) => {
-                    let mut last = reply.chunk(Some(&text), Value::Null, Some(finish));
-                    if reply.kind == Kind::Completion || text.is_empty() {
-                        // The finish chunk carries the held-back text (completions) or nothing.
-                    } else {
-                        last["choices"][0]["delta"] = json!({"content": text});
-                    }
+                    // The finish chunk carries the text held back to the end, if any.
+                    let last = reply.chunk(Some(&text), Value::Null, Some(finish));
                     let next = if reply.include_usage {
                         At::Usage(completion_tokens)
                     } else {
@@ -654,7 +645,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     put(
         "requests_finished_total",
         "counter",
-        "Requests that ran to their end.",
+        "Requests that ended (at a stop, a limit, or cancelled).",
         get(&m.finished) as f64,
     );
     put(

@@ -94,6 +94,9 @@ pub(crate) struct AppState {
     /// Requests admitted (queued or running): at most `parallel + queue`.
     pub admitted: AtomicUsize,
     pub next_id: AtomicU64,
+    /// Notified when the engine thread ends (the model failed to load, or it stopped): the
+    /// server then shuts down and `serve` returns the engine's error.
+    pub engine_ended: tokio::sync::Notify,
 }
 
 /// Serves until SIGINT or SIGTERM. `load` opens the model (on the engine thread, while
@@ -119,6 +122,7 @@ pub fn serve(
         to_worker: tx,
         admitted: AtomicUsize::new(0),
         next_id: AtomicU64::new(1),
+        engine_ended: tokio::sync::Notify::new(),
     });
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = tokio_rt.block_on(tokio::net::TcpListener::bind(&addr)).map_err(|e| {
@@ -141,28 +145,11 @@ pub fn serve(
         .name("engine".into())
         .spawn(move || {
             let st = engine_state;
-            let rt = match load() {
-                Ok(rt) => Arc::new(rt),
-                Err(e) => {
-                    *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
-                    return Err(e);
-                }
-            };
-            let masker = match rt.masker() {
-                Ok(m) => m,
-                Err(e) => {
-                    *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
-                    return Err(e);
-                }
-            };
-            *st.phase.write().expect("phase") = Phase::Ready(Arc::new(Loaded {
-                rt: rt.clone(),
-                sparse: masker.is_some(),
-            }));
-            let r = worker::run(&rt, masker.as_ref(), limits, rx, &st.metrics);
+            let r = load_and_run(&st, load, limits, rx);
             if let Err(e) = &r {
                 *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
             }
+            st.engine_ended.notify_one();
             r
         })
         .map_err(|e| Error::Invalid(format!("cannot start the engine thread: {e}")))?;
@@ -174,6 +161,22 @@ pub fn serve(
         .unwrap_or_else(|_| Err(Error::Invalid("the engine thread panicked".into())));
     served?;
     engine
+}
+
+/// The engine thread's work: load the model, then serve requests until told to quit.
+fn load_and_run(
+    st: &AppState,
+    load: Box<dyn FnOnce() -> Result<Runtime> + Send>,
+    limits: worker::Limits,
+    rx: crossbeam_channel::Receiver<worker::Command>,
+) -> Result<()> {
+    let rt = Arc::new(load()?);
+    let masker = rt.masker()?;
+    *st.phase.write().expect("phase") = Phase::Ready(Arc::new(Loaded {
+        rt: rt.clone(),
+        sparse: masker.is_some(),
+    }));
+    worker::run(&rt, masker.as_ref(), limits, rx, &st.metrics)
 }
 
 impl AppState {
