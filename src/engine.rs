@@ -129,6 +129,11 @@ impl<'m> Engine<'m> {
         self
     }
 
+    /// The most tokens one step takes: at most this many requests decode in a step.
+    pub fn step_tokens(&self) -> usize {
+        self.step_tokens_max
+    }
+
     /// Every token of every request through `mask` (see the module docs; union is refused).
     pub fn with_mask(mut self, mask: &'m Masker<'m>) -> Result<Engine<'m>> {
         if mask.strategy == Strategy::Union {

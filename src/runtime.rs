@@ -79,7 +79,7 @@ pub enum KvPositions {
         extra: usize,
         ctx: usize,
     },
-    /// `sequences` contexts of `ctx` positions each (0 = the model's): a server's slots.
+    /// `sequences` contexts of `ctx` positions each (see [`slot_context`]): a server's slots.
     Sequences {
         ctx: usize,
         sequences: usize,
@@ -117,6 +117,19 @@ pub struct Outcome {
     /// The neurons every token used (when asked to record).
     pub trace: Option<Trace>,
 }
+
+/// A server slot's context: `ctx`, or when 0 the model's trained context capped at
+/// [`SLOT_CONTEXT_DEFAULT`] (each slot's KV cache holds this many positions).
+pub fn slot_context(model: &Model, ctx: usize) -> usize {
+    if ctx == 0 {
+        model.config.context_len.min(SLOT_CONTEXT_DEFAULT)
+    } else {
+        ctx
+    }
+}
+
+/// A server slot's context when none is asked for (or the model's, when shorter).
+pub const SLOT_CONTEXT_DEFAULT: usize = 4096;
 
 /// The sparse configuration a `.gst` file recommends, if it stores one.
 pub fn stored_mask(path: &Path) -> Result<Option<MaskConfig>> {
@@ -187,10 +200,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
         Some(ask) => {
             let kv_positions = match &opts.kv_positions {
                 KvPositions::Exactly(n) => *n,
-                KvPositions::Sequences { ctx, sequences } => {
-                    let ctx = if *ctx == 0 { model.config.context_len } else { *ctx };
-                    ctx.saturating_mul(*sequences)
-                }
+                KvPositions::Sequences { ctx, sequences } => slot_context(&model, *ctx).saturating_mul(*sequences),
                 KvPositions::Prompt {
                     prompt,
                     chat,

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -43,6 +44,8 @@ def main():
                 base = m.group(1)
                 break
         check(base is not None, "the server printed its address")
+        # Keep reading its stderr so the server never blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in srv.stderr], daemon=True).start()
         deadline = time.time() + 60
         while True:
             try:
@@ -115,6 +118,9 @@ def run_checks(base):
     sampled = [client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=0.9,
                                          top_p=0.9, seed=7).choices[0].text for _ in range(2)]
     check(sampled[0] == sampled[1], "the same seed samples the same text")
+    unseeded = {client.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.0)
+                .choices[0].text for _ in range(4)}
+    check(len(unseeded) > 1, f"without a seed, requests sample differently: {len(unseeded)} distinct of 4")
 
     try:
         client.completions.create(model=model, prompt="word " * 600, max_tokens=4)
@@ -125,7 +131,7 @@ def run_checks(base):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2)
         check(False, "n=2 is refused")
     except openai.BadRequestError as e:
-        check(e.body["type"] == "invalid_request_error" if isinstance(e.body, dict) else True,
+        check(e.status_code == 400 and isinstance(e.body, dict) and e.body.get("type") == "invalid_request_error",
               f"n=2: 400 {e.body}")
 
     body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "stream": True})

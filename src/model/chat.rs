@@ -1,7 +1,7 @@
 //! Chat templates, recognised by family instead of run by a Jinja engine.
 //!
-//! A model's `chat_template` is Jinja; gatestream only ever needs one thing from it: a single user
-//! message followed by the opened assistant turn. This module identifies the template's family from
+//! A model's `chat_template` is Jinja; gatestream needs one thing from it: a conversation (system,
+//! user and assistant turns) followed by the opened assistant turn. This module identifies the template's family from
 //! its text (ChatML, Gemma, Llama-3, Llama-2/Mistral), reads the few literals that vary inside a
 //! family (a default system message, spacing, whether content is trimmed), and writes exactly what
 //! the Jinja would for that one case. BOS is never written here: `Tokenizer::encode` adds it. An
@@ -52,8 +52,8 @@ impl ChatFamily {
 
     /// A conversation (an optional system message first, then user and assistant turns), then
     /// the assistant turn opened, as the family's template writes it. A system message after
-    /// the first is written as its family writes a turn of that role where it has one (ChatML,
-    /// Llama-3), else joined to the next user turn.
+    /// the first is written as a system turn where the family has that role (ChatML, Llama-3),
+    /// else as a user turn.
     pub fn render(&self, messages: &[(Role, &str)]) -> String {
         let (system, turns) = match messages.split_first() {
             Some(((Role::System, sys), rest)) => (Some(*sys), rest),

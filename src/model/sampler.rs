@@ -71,17 +71,12 @@ impl Sampler {
         if self.cfg.temperature <= 0.0 || logits.is_empty() {
             return None;
         }
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
         let k = if self.cfg.top_k == 0 {
-            cand.len()
+            logits.len()
         } else {
-            self.cfg.top_k.min(cand.len())
+            self.cfg.top_k
         };
-        if k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
-            cand.truncate(k);
-        }
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut cand = most_likely(logits, k);
         let max = cand[0].1;
         let mut sum = 0f32;
         for c in cand.iter_mut() {
@@ -134,17 +129,30 @@ pub fn log_softmax_at(logits: &[f32], id: u32) -> f32 {
 /// The `n` most likely tokens under `softmax(logits)` with their ln p, most likely first (ties:
 /// lower id first).
 pub fn top_log_softmax(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
-    let n = n.min(logits.len());
     if n == 0 {
+        return Vec::new();
+    }
+    let z = crate::backend::ops::log_sum_exp(logits);
+    most_likely(logits, n)
+        .into_iter()
+        .map(|(t, l)| (t, (l as f64 - z) as f32))
+        .collect()
+}
+
+/// The `k` largest logits with their ids, largest first (ties: lower id first).
+fn most_likely(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let k = k.min(logits.len());
+    if k == 0 {
         return Vec::new();
     }
     let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-    all.select_nth_unstable_by(n - 1, by_logit);
-    all.truncate(n);
+    if k < all.len() {
+        all.select_nth_unstable_by(k - 1, by_logit);
+        all.truncate(k);
+    }
     all.sort_unstable_by(by_logit);
-    let z = crate::backend::ops::log_sum_exp(logits);
-    all.into_iter().map(|(t, l)| (t, (l as f64 - z) as f32)).collect()
+    all
 }
 
 #[cfg(test)]

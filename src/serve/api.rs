@@ -87,10 +87,13 @@ pub struct Sampling {
     pub seed: Option<i64>,
     pub stop: Option<OneOrMany>,
     pub n: Option<u32>,
-    pub stream: bool,
+    pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Refused when given (not silently ignored).
+    pub logit_bias: Option<serde_json::Value>,
+    pub tools: Option<serde_json::Value>,
     /// The server runs dense or sparse; `mode` picks one per request (not OpenAI's).
     pub mode: Option<String>,
 }
@@ -98,7 +101,21 @@ pub struct Sampling {
 #[derive(Deserialize, Debug, Clone, Default)]
 #[serde(default)]
 pub struct StreamOptions {
-    pub include_usage: bool,
+    pub include_usage: Option<bool>,
+}
+
+impl Sampling {
+    pub fn stream(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    /// A final chunk with the usage, before `[DONE]` (streaming only).
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
 }
 
 #[derive(Deserialize, Debug, Clone)]
@@ -119,7 +136,7 @@ pub struct ChatBody {
     pub model: Option<String>,
     pub messages: Vec<Message>,
     #[serde(default)]
-    pub logprobs: bool,
+    pub logprobs: Option<bool>,
     #[serde(default)]
     pub top_logprobs: Option<u32>,
     #[serde(flatten)]
@@ -129,7 +146,9 @@ pub struct ChatBody {
 #[derive(Deserialize, Debug, Clone)]
 pub struct Message {
     pub role: String,
-    pub content: Content,
+    /// `null` (an assistant turn that only called tools) counts as empty.
+    #[serde(default)]
+    pub content: Option<Content>,
 }
 
 /// A message's content: text, or parts of which only text is understood.
@@ -228,16 +247,28 @@ pub fn mode_of(name: Option<&str>, default: Mode) -> Result<Mode, ApiError> {
 
 /// The engine request for `sampling` over `prompt_ids` (the prompt's checks against the context
 /// are the engine's; the caller makes them before queueing). `default_max`: tokens to generate
-/// when the body names no limit.
+/// when the body names no limit; `any_seed`: the seed when the body gives none.
 pub fn request(
     s: &Sampling,
     prompt_ids: Vec<u32>,
     default_max: usize,
     logprobs: bool,
     top_logprobs: u32,
+    any_seed: u64,
 ) -> Result<Request, ApiError> {
     if s.n.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid("only n = 1 is supported (one choice per request)"));
+    }
+    for (name, v) in [("logit_bias", &s.logit_bias), ("tools", &s.tools)] {
+        let given = match v {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Object(o)) => !o.is_empty(),
+            Some(serde_json::Value::Array(a)) => !a.is_empty(),
+            Some(_) => true,
+        };
+        if given {
+            return Err(ApiError::invalid(format!("{name} is not supported")));
+        }
     }
     for (name, v) in [
         ("presence_penalty", s.presence_penalty),
@@ -285,8 +316,11 @@ pub fn request(
             temperature,
             top_k: s.top_k.unwrap_or(0),
             top_p,
-            // A negative seed (some clients send -1 for "any") is as good as any other.
-            seed: s.seed.map_or(0, |x| x as u64),
+            // No seed, or -1 (llama-server's "any"): a fresh one, so two such requests differ.
+            seed: match s.seed {
+                None | Some(-1) => any_seed,
+                Some(x) => x as u64,
+            },
         },
         logprobs: logprobs || top_logprobs > 0,
         top_logprobs: top_logprobs as usize,
@@ -310,8 +344,9 @@ pub fn messages(body: &ChatBody) -> Result<Vec<(Role, String)>, ApiError> {
                 ))
             })?;
             let text = match &m.content {
-                Content::Text(t) => t.clone(),
-                Content::Parts(parts) => {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
                     let mut t = String::new();
                     for p in parts {
                         match (p.kind.as_str(), &p.text) {
@@ -349,7 +384,7 @@ mod tests {
 
     #[test]
     fn requests_take_openai_defaults_and_refuse_what_is_not_supported() {
-        let r = request(&sampling("{}"), vec![1], 7, false, 0).unwrap();
+        let r = request(&sampling("{}"), vec![1], 7, false, 0, 9).unwrap();
         assert_eq!(
             (r.max_tokens, r.sampler.temperature, r.sampler.top_p, r.sampler.top_k),
             (7, 1.0, 1.0, 0)
@@ -360,6 +395,7 @@ mod tests {
             7,
             false,
             2,
+            9,
         )
         .unwrap();
         assert_eq!(
@@ -376,12 +412,12 @@ mod tests {
             r#"{"presence_penalty": 0.5}"#,
         ] {
             assert_eq!(
-                request(&sampling(bad), vec![1], 7, false, 0).unwrap_err().status,
+                request(&sampling(bad), vec![1], 7, false, 0, 9).unwrap_err().status,
                 400,
                 "{bad}"
             );
         }
-        assert!(request(&sampling("{}"), vec![1], 7, false, 21).is_err());
+        assert!(request(&sampling("{}"), vec![1], 7, false, 21, 9).is_err());
         assert!(parse::<Sampling>(br#"{"temperature": "hot"}"#)
             .unwrap_err()
             .message
@@ -402,6 +438,8 @@ mod tests {
                 (Role::User, "Hi there".to_string())
             ]
         );
+        let body: ChatBody = parse(br#"{"messages": [{"role": "assistant", "content": null}]}"#).unwrap();
+        assert_eq!(messages(&body).unwrap(), vec![(Role::Assistant, String::new())]);
         let body: ChatBody = parse(br#"{"messages": [{"role": "tool", "content": "x"}]}"#).unwrap();
         assert!(messages(&body).unwrap_err().message.contains("role `tool`"));
         let body: ChatBody =

@@ -124,7 +124,7 @@ async fn models(State(st): State<Arc<AppState>>) -> Response {
     let meta = match st.loaded() {
         Ok(l) => {
             let c = &l.rt.model.config;
-            json!({"n_vocab": c.vocab, "n_ctx": if st.opts.ctx == 0 { c.context_len } else { st.opts.ctx }, "n_layers": c.n_layers, "n_embd": c.hidden,
+            json!({"n_vocab": c.vocab, "n_ctx": l.ctx, "n_layers": c.n_layers, "n_embd": c.hidden,
                    "parallel": st.opts.parallel, "streaming": l.rt.stream.is_some(), "sparse": l.sparse,
                    "default_mode": st.opts.default_mode.name()})
         }
@@ -148,7 +148,7 @@ fn submit(
             "this server has no sparse mask: start it with --mode sparse (or give --sparsity) to run sparse requests",
         ));
     }
-    crate::engine::check(&l.rt.model, &req, st.opts.ctx).map_err(|e| ApiError::invalid(e.to_string()))?;
+    crate::engine::check(&l.rt.model, &req, l.ctx).map_err(|e| ApiError::invalid(e.to_string()))?;
     let Some(ticket) = Ticket::take(st) else {
         st.metrics.rejected.fetch_add(1, Ordering::Relaxed);
         return Err(ApiError::unavailable(format!(
@@ -220,12 +220,7 @@ impl Reply {
         };
         Reply {
             kind,
-            id: format!(
-                "{prefix}-{n}-{:x}",
-                SystemTime::now()
-                    .duration_since(UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64)
-            ),
+            id: format!("{prefix}-{n}-{:x}", any_seed(st)),
             created: now_s(),
             model: st.opts.model_id.clone(),
             loaded,
@@ -235,8 +230,19 @@ impl Reply {
         }
     }
 
-    fn piece(&self, t: u32) -> String {
-        self.loaded.rt.model.tokenizer.decode(&[t]).unwrap_or_default()
+    /// A token's bytes (SentencePiece word starts keep their space) and their text.
+    fn piece(&self, t: u32) -> (&[u8], String) {
+        let bytes = self.loaded.rt.model.tokenizer.piece(t).unwrap_or_default();
+        (bytes, String::from_utf8_lossy(bytes).into_owned())
+    }
+
+    /// The `object` a response of this kind names (`chunk`: a streamed one).
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
     }
 
     fn usage(&self, completion_tokens: usize) -> Value {
@@ -244,23 +250,25 @@ impl Reply {
                "total_tokens": self.prompt_tokens + completion_tokens})
     }
 
-    /// Log-probabilities of `tokens` in this reply's shape.
+    /// Log-probabilities of `tokens` in this reply's shape; completions' `text_offset` counts
+    /// token bytes from `text_offset0`.
     fn logprobs_json(&self, tokens: &[u32], lps: &[TokenLogprobs], text_offset0: usize) -> Value {
         if !self.logprobs {
             return Value::Null;
         }
         match self.kind {
             Kind::Chat => {
+                let entry = |t: u32, lp: Option<f32>| {
+                    let (bytes, text) = self.piece(t);
+                    json!({"token": text, "logprob": lp, "bytes": bytes})
+                };
                 let content: Vec<Value> = tokens
                     .iter()
                     .zip(lps)
                     .map(|(&t, (lp, top))| {
-                        let s = self.piece(t);
-                        json!({"token": s, "logprob": lp, "bytes": s.as_bytes(),
-                               "top_logprobs": top.iter().map(|&(u, l)| {
-                                   let p = self.piece(u);
-                                   json!({"token": p, "logprob": l, "bytes": p.as_bytes()})
-                               }).collect::<Vec<_>>()})
+                        let mut e = entry(t, *lp);
+                        e["top_logprobs"] = top.iter().map(|&(u, l)| entry(u, Some(l))).collect();
+                        e
                     })
                     .collect();
                 json!({"content": content})
@@ -269,17 +277,17 @@ impl Reply {
                 let mut offset = text_offset0;
                 let mut out = json!({"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []});
                 for (&t, (lp, top)) in tokens.iter().zip(lps) {
-                    let s = self.piece(t);
+                    let (bytes, s) = self.piece(t);
                     out["tokens"].as_array_mut().expect("array").push(json!(s));
                     out["token_logprobs"].as_array_mut().expect("array").push(json!(lp));
                     let alts: serde_json::Map<String, Value> =
-                        top.iter().map(|&(u, l)| (self.piece(u), json!(l))).collect();
+                        top.iter().map(|&(u, l)| (self.piece(u).1, json!(l))).collect();
                     out["top_logprobs"]
                         .as_array_mut()
                         .expect("array")
                         .push(Value::Object(alts));
                     out["text_offset"].as_array_mut().expect("array").push(json!(offset));
-                    offset += s.len();
+                    offset += bytes.len();
                 }
                 out
             }
@@ -291,7 +299,7 @@ impl Reply {
         let finish = finish.map(api::finish_reason);
         match self.kind {
             Kind::Completion => {
-                json!({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish}]})
             }
             Kind::Chat => {
@@ -300,7 +308,7 @@ impl Reply {
                     (Some(""), Some(_)) => json!({}),
                     (Some(t), _) => json!({"content": t}),
                 };
-                json!({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
                     "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
             }
         }
@@ -315,11 +323,7 @@ impl Reply {
             Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": g.text},
                                  "logprobs": logprobs, "finish_reason": finish}),
         };
-        let object = match self.kind {
-            Kind::Completion => "text_completion",
-            Kind::Chat => "chat.completion",
-        };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+        json!({"id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
                "choices": [choice], "usage": self.usage(g.completion_tokens)})
     }
 }
@@ -395,7 +399,7 @@ async fn answer(
                 }) => {
                     let lp = reply.logprobs_json(&[token], &[(logprob, top)], offset);
                     let ev = data(reply.chunk(Some(&text), lp, None));
-                    let offset = offset + text.len();
+                    let offset = offset + reply.piece(token).0.len();
                     Some((ev, (reply, rx, ticket, At::Tokens, offset)))
                 }
                 Some(Out::Done {
@@ -423,11 +427,7 @@ async fn answer(
                 }
             },
             At::Usage(n) => {
-                let object = match reply.kind {
-                    Kind::Completion => "text_completion",
-                    Kind::Chat => "chat.completion.chunk",
-                };
-                let v = json!({"id": reply.id, "object": object, "created": reply.created, "model": reply.model,
+                let v = json!({"id": reply.id, "object": reply.object(true), "created": reply.created, "model": reply.model,
                                "choices": [], "usage": reply.usage(n)});
                 Some((data(v), (reply, rx, ticket, At::Done, offset)))
             }
@@ -441,6 +441,43 @@ async fn answer(
     Ok(Sse::new(events).keep_alive(KeepAlive::default()).into_response())
 }
 
+/// Runs `f` (tokenizing: up to a whole request body's worth) off the HTTP threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| Err(ApiError::server(format!("a worker task failed: {e}"))))
+}
+
+/// A seed for a request that names none: distinct per request.
+fn any_seed(st: &AppState) -> u64 {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    nanos
+        ^ st.next_id
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// What both completion endpoints do once the prompt is encoded: check and queue the request,
+/// then answer whole or as a stream.
+async fn generate(
+    st: &Arc<AppState>,
+    l: Arc<Loaded>,
+    kind: Kind,
+    sampling: &api::Sampling,
+    ids: Vec<u32>,
+    default_max: usize,
+    (logprobs, top_logprobs): (bool, u32),
+) -> Result<Response, ApiError> {
+    let mode = api::mode_of(sampling.mode.as_deref(), st.opts.default_mode)?;
+    let req = api::request(sampling, ids, default_max, logprobs, top_logprobs, any_seed(st))?;
+    let prompt_tokens = req.prompt_ids.len();
+    let (rx, ticket) = submit(st, &l, mode, req)?;
+    let reply = Reply::new(st, kind, l, prompt_tokens, logprobs, sampling.include_usage());
+    answer(reply, rx, ticket, sampling.stream()).await
+}
+
 async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     respond(completions_inner(&st, body).await)
 }
@@ -451,36 +488,42 @@ async fn completions_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejectio
     if b.echo {
         return Err(ApiError::invalid("echo is not supported"));
     }
-    let model = &l.rt.model;
-    let ids = match &b.prompt {
-        api::Prompt::Text(t) => model.prompt_ids(t, false),
-        api::Prompt::Texts(v) if v.len() == 1 => model.prompt_ids(&v[0], false),
+    let text = match &b.prompt {
+        api::Prompt::Text(t) => Some(t.clone()),
+        api::Prompt::Texts(v) if v.len() == 1 => Some(v[0].clone()),
         api::Prompt::Texts(v) => {
             return Err(ApiError::invalid(format!(
                 "{} prompts given; one prompt per request is supported",
                 v.len()
             )))
         }
-        api::Prompt::Ids(v) if v.is_empty() => return Err(ApiError::invalid("the prompt is empty")),
-        api::Prompt::Ids(v) => Ok(v.clone()),
-    }
-    .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let mode = api::mode_of(b.sampling.mode.as_deref(), st.opts.default_mode)?;
-    let top = b.logprobs.unwrap_or(0);
+        api::Prompt::Ids(_) => None,
+    };
+    let ids = match (text, &b.prompt) {
+        (Some(t), _) => {
+            let l = l.clone();
+            blocking(move || {
+                l.rt.model
+                    .prompt_ids(&t, false)
+                    .map_err(|e| ApiError::invalid(e.to_string()))
+            })
+            .await?
+        }
+        (None, api::Prompt::Ids(v)) => v.clone(),
+        (None, _) => unreachable!("only token ids have no text"),
+    };
     // OpenAI's default for completions: 16 tokens.
-    let req = api::request(&b.sampling, ids, 16, b.logprobs.is_some(), top)?;
-    let prompt_tokens = req.prompt_ids.len();
-    let (rx, ticket) = submit(st, &l, mode, req)?;
-    let include_usage = b.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let reply = Reply::new(
+    let top = b.logprobs.unwrap_or(0);
+    generate(
         st,
-        Kind::Completion,
         l,
-        prompt_tokens,
-        b.logprobs.is_some(),
-        include_usage,
-    );
-    answer(reply, rx, ticket, b.sampling.stream).await
+        Kind::Completion,
+        &b.sampling,
+        ids,
+        16,
+        (b.logprobs.is_some(), top),
+    )
+    .await
 }
 
 async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -491,26 +534,20 @@ async fn chat_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
     let l = st.loaded()?;
     let b: api::ChatBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
     let messages = api::messages(&b)?;
-    let borrowed: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
-    let ids =
-        l.rt.model
-            .chat_ids(&borrowed)
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
-    let mode = api::mode_of(b.sampling.mode.as_deref(), st.opts.default_mode)?;
+    let ids = {
+        let l = l.clone();
+        blocking(move || {
+            let borrowed: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
+            l.rt.model
+                .chat_ids(&borrowed)
+                .map_err(|e| ApiError::invalid(e.to_string()))
+        })
+        .await?
+    };
+    let top = b.top_logprobs.unwrap_or(0);
+    let logprobs = b.logprobs.unwrap_or(false) || top > 0;
     // No limit given: until the context is full (the engine stops there).
-    let req = api::request(&b.sampling, ids, usize::MAX, b.logprobs, b.top_logprobs.unwrap_or(0))?;
-    let prompt_tokens = req.prompt_ids.len();
-    let (rx, ticket) = submit(st, &l, mode, req)?;
-    let include_usage = b.sampling.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let reply = Reply::new(
-        st,
-        Kind::Chat,
-        l,
-        prompt_tokens,
-        b.logprobs || b.top_logprobs.is_some(),
-        include_usage,
-    );
-    answer(reply, rx, ticket, b.sampling.stream).await
+    generate(st, l, Kind::Chat, &b.sampling, ids, usize::MAX, (logprobs, top)).await
 }
 
 async fn infer(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -526,17 +563,15 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
         Some("compare") => vec![Mode::Dense, Mode::Sparse],
         other => vec![api::mode_of(other, st.opts.default_mode)?],
     };
-    if b.top > api::TOP_LOGPROBS_MAX {
-        return Err(ApiError::invalid(format!(
-            "top {} is more than {}",
-            b.top,
-            api::TOP_LOGPROBS_MAX
-        )));
-    }
-    let ids =
-        l.rt.model
-            .prompt_ids(&b.prompt, b.chat)
-            .map_err(|e| ApiError::invalid(e.to_string()))?;
+    let ids = {
+        let (l, prompt, chat) = (l.clone(), b.prompt.clone(), b.chat);
+        blocking(move || {
+            l.rt.model
+                .prompt_ids(&prompt, chat)
+                .map_err(|e| ApiError::invalid(e.to_string()))
+        })
+        .await?
+    };
     let sampling = api::Sampling {
         max_tokens: Some(b.max_tokens),
         temperature: Some(0.0),
@@ -545,11 +580,11 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
     // Both continuations are submitted before either is awaited, so they decode side by side.
     let mut pending = Vec::new();
     for &m in &modes {
-        let req = api::request(&sampling, ids.clone(), 0, false, b.top)?;
+        let req = api::request(&sampling, ids.clone(), 0, false, b.top, 0)?;
         pending.push((m, submit(st, &l, m, req)?));
     }
     let tokenizer = &l.rt.model.tokenizer;
-    let piece = |t: u32| tokenizer.decode(&[t]).unwrap_or_default();
+    let piece = |t: u32| String::from_utf8_lossy(tokenizer.piece(t).unwrap_or_default()).into_owned();
     let streaming = l.rt.stream.is_some();
     let mut results = serde_json::Map::new();
     let mut tokens_of = Vec::new();
@@ -593,29 +628,39 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
 }
 
 async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    respond((|| {
-        let l = st.loaded()?;
-        let b: api::TokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
-        let ids =
-            l.rt.model
-                .tokenizer
-                .encode(&b.content, b.add_special)
-                .map_err(|e| ApiError::invalid(e.to_string()))?;
-        Ok(Json(json!({"tokens": ids})).into_response())
-    })())
+    respond(
+        async {
+            let l = st.loaded()?;
+            let b: api::TokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+            let ids = blocking(move || {
+                l.rt.model
+                    .tokenizer
+                    .encode(&b.content, b.add_special)
+                    .map_err(|e| ApiError::invalid(e.to_string()))
+            })
+            .await?;
+            Ok(Json(json!({"tokens": ids})).into_response())
+        }
+        .await,
+    )
 }
 
 async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    respond((|| {
-        let l = st.loaded()?;
-        let b: api::DetokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
-        let text =
-            l.rt.model
-                .tokenizer
-                .decode(&b.tokens)
-                .map_err(|e| ApiError::invalid(e.to_string()))?;
-        Ok(Json(json!({"content": text})).into_response())
-    })())
+    respond(
+        async {
+            let l = st.loaded()?;
+            let b: api::DetokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+            let text = blocking(move || {
+                l.rt.model
+                    .tokenizer
+                    .decode(&b.tokens)
+                    .map_err(|e| ApiError::invalid(e.to_string()))
+            })
+            .await?;
+            Ok(Json(json!({"content": text})).into_response())
+        }
+        .await,
+    )
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {

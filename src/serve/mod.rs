@@ -35,7 +35,8 @@ pub struct ServeOptions {
     pub parallel: usize,
     /// Requests that may wait beyond `parallel`; one more is answered 503 with `Retry-After`.
     pub queue: usize,
-    /// Each sequence's context (prompt + generated); 0 = the model's.
+    /// Each sequence's context (prompt + generated); 0 = the model's, at most
+    /// [`crate::runtime::SLOT_CONTEXT_DEFAULT`].
     pub ctx: usize,
     /// Tokens per engine step (decode tokens first, then pieces of prompts being prefilled).
     pub step_tokens: usize,
@@ -77,6 +78,8 @@ pub(crate) struct Loaded {
     pub rt: Arc<Runtime>,
     /// Whether sparse requests can run (the server has a mask).
     pub sparse: bool,
+    /// Each request's context ([`crate::runtime::slot_context`] of `--ctx-size`).
+    pub ctx: usize,
 }
 
 pub(crate) enum Phase {
@@ -136,16 +139,19 @@ pub fn serve(
     on_listening(local);
 
     let engine_state = state.clone();
-    let limits = worker::Limits {
-        parallel: opts.parallel,
-        ctx: opts.ctx,
-        step_tokens: opts.step_tokens,
-    };
     let engine_thread = std::thread::Builder::new()
         .name("engine".into())
         .spawn(move || {
             let st = engine_state;
-            let r = load_and_run(&st, load, limits, rx);
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load_and_run(&st, load, rx)))
+                .unwrap_or_else(|p| {
+                    let what = p
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| p.downcast_ref::<&str>().copied())
+                        .unwrap_or("no message");
+                    Err(Error::Invalid(format!("the engine thread panicked: {what}")))
+                });
             if let Err(e) = &r {
                 *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
             }
@@ -163,20 +169,28 @@ pub fn serve(
     engine
 }
 
-/// The engine thread's work: load the model, then serve requests until told to quit.
+/// The engine thread's work: load the model, build the engines (the server is ready then),
+/// serve requests until told to quit.
 fn load_and_run(
     st: &AppState,
     load: Box<dyn FnOnce() -> Result<Runtime> + Send>,
-    limits: worker::Limits,
     rx: crossbeam_channel::Receiver<worker::Command>,
 ) -> Result<()> {
     let rt = Arc::new(load()?);
     let masker = rt.masker()?;
-    *st.phase.write().expect("phase") = Phase::Ready(Arc::new(Loaded {
+    let limits = worker::Limits {
+        parallel: st.opts.parallel,
+        ctx: crate::runtime::slot_context(&rt.model, st.opts.ctx),
+        step_tokens: st.opts.step_tokens,
+    };
+    let loaded = Arc::new(Loaded {
         rt: rt.clone(),
         sparse: masker.is_some(),
-    }));
-    worker::run(&rt, masker.as_ref(), limits, rx, &st.metrics)
+        ctx: limits.ctx,
+    });
+    worker::run(&rt, masker.as_ref(), limits, rx, &st.metrics, &mut || {
+        *st.phase.write().expect("phase") = Phase::Ready(loaded.clone());
+    })
 }
 
 impl AppState {

@@ -13,7 +13,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::Mode;
 use super::Metrics;
 use crate::engine::{Engine, Event, Request, RequestId};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::generate::Finish;
 use crate::runtime::Runtime;
 use crate::sparsity::Masker;
@@ -73,13 +73,14 @@ fn disk_bytes(rt: &Runtime) -> u64 {
     rt.stream.as_ref().map_or(0, |s| s.read_stats().bytes_device)
 }
 
-/// Runs until `Quit` or until every sender is gone.
+/// Builds the engines, calls `ready`, then runs until `Quit` or until every sender is gone.
 pub(crate) fn run(
     rt: &Runtime,
     mask: Option<&Masker>,
     limits: Limits,
     rx: Receiver<Command>,
     metrics: &Metrics,
+    ready: &mut dyn FnMut(),
 ) -> Result<()> {
     // engines[0] runs dense requests, engines[1] (when there is a mask) sparse ones.
     let make = |e: usize| -> Result<Engine> {
@@ -93,6 +94,17 @@ pub(crate) fn run(
     if mask.is_some() {
         engines[1] = Some(make(1)?);
     }
+    let step = engines[0].as_ref().map_or(0, |e| e.step_tokens());
+    if limits.parallel > step {
+        return Err(Error::Invalid(format!(
+            "--parallel {} is more than the {step} tokens a step takes (--step-tokens; 32 at most when streaming): \
+             the requests beyond it would wait for steps that never have room; give --parallel {step} or less",
+            limits.parallel
+        )));
+    }
+    ready();
+    // After `CancelAll` (shutdown): requests still arriving are ended at once.
+    let mut draining = false;
     let slot = |m: Mode| match m {
         Mode::Dense => 0,
         Mode::Sparse => 1,
@@ -111,15 +123,14 @@ pub(crate) fn run(
         };
         for c in first.into_iter().chain(rx.try_iter()) {
             match c {
+                Command::Submit(s) if draining => {
+                    let _ = s.out.send(cancelled());
+                }
                 Command::Submit(s) => waiting.push_back(s),
                 Command::CancelAll => {
+                    draining = true;
                     for s in waiting.drain(..) {
-                        let _ = s.out.send(Out::Done {
-                            finish: Finish::Cancelled,
-                            text: String::new(),
-                            completion_tokens: 0,
-                            disk_bytes: 0.0,
-                        });
+                        let _ = s.out.send(cancelled());
                     }
                     for (&(e, id), c) in clients.iter_mut() {
                         if let Some(engine) = engines[e].as_mut() {
@@ -220,6 +231,16 @@ pub(crate) fn run(
             }
         }
         metrics.running.store(clients.len() as u64, Ordering::Relaxed);
+    }
+}
+
+/// The end of a request that never ran.
+fn cancelled() -> Out {
+    Out::Done {
+        finish: Finish::Cancelled,
+        text: String::new(),
+        completion_tokens: 0,
+        disk_bytes: 0.0,
     }
 }
 

@@ -132,8 +132,9 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 64)]
         queue: usize,
         /// Each request's context in tokens (prompt + generated); 0 = the model's trained
-        /// context. A longer prompt is answered 400 before any work.
-        #[arg(long, short = 'c', default_value_t = 4096)]
+        /// context, at most 4096 (give a number to go beyond). A longer prompt is answered 400
+        /// before any work; generation stops when the context is full.
+        #[arg(long, short = 'c', default_value_t = 0)]
         ctx_size: usize,
         /// Tokens per engine step: every decoding request's next token, then pieces of new
         /// prompts (chunked prefill, so a long prompt does not stall the others). Streaming
@@ -149,8 +150,9 @@ pub(crate) enum Command {
         /// Requests without a "mode" run dense (every FFN neuron) or sparse (the mask below;
         /// streamed, only its neurons are read). A request may ask for the other mode when the
         /// server has a mask: in RAM it always has one; streaming, only with --mode sparse.
-        #[arg(long, value_enum, default_value_t = ServeModeArg::Dense)]
-        mode: ServeModeArg,
+        /// (compare is per request: POST /v1/infer with "mode": "compare".)
+        #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
+        mode: ModeArg,
         /// Share of FFN neurons dropped per layer for sparse requests (as `run --sparsity`;
         /// without --sparsity, --strategy, --criterion: a .gst file's stored recommendation, else
         /// topk / exact / 0.3).
@@ -451,12 +453,6 @@ pub(crate) enum ModeArg {
     Dense,
     Sparse,
     Compare,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum ServeModeArg {
-    Dense,
-    Sparse,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

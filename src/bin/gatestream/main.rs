@@ -490,13 +490,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                      at once: use topk or threshold"
                 );
             }
+            if mode == ModeArg::Compare {
+                anyhow::bail!(
+                    "--mode compare runs two generations side by side; a server compares per request: start it \
+                     with --mode dense or sparse and POST /v1/infer with \"mode\": \"compare\""
+                );
+            }
             if !(shutdown_grace.is_finite() && shutdown_grace >= 0.0) {
                 anyhow::bail!("--shutdown-grace {shutdown_grace} must be a number of seconds, 0 or more");
             }
             let path = model_path(&model)?;
             let device = device_of(&model)?;
             let streaming = stream.ram_budget.is_some();
-            let sparse = (mode == ServeModeArg::Sparse || !streaming).then(|| SparseAsk {
+            let sparse = (mode == ModeArg::Sparse || !streaming).then(|| SparseAsk {
                 strategy: strategy.map(strategy_of),
                 criterion: criterion.map(criterion_of),
                 sparsity,
@@ -523,9 +529,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ctx: ctx_size,
                 step_tokens,
                 max_body_bytes,
-                default_mode: match mode {
-                    ServeModeArg::Dense => gatestream::serve::Mode::Dense,
-                    ServeModeArg::Sparse => gatestream::serve::Mode::Sparse,
+                default_mode: if mode == ModeArg::Sparse {
+                    gatestream::serve::Mode::Sparse
+                } else {
+                    gatestream::serve::Mode::Dense
                 },
                 model_id,
                 shutdown_grace: std::time::Duration::from_secs_f64(shutdown_grace),
@@ -535,11 +542,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let t = std::time::Instant::now();
                 let rt = gatestream::runtime::open_on(&path, &opts, device)?;
                 describe(&rt, t.elapsed().as_secs_f64());
-                let ctx = if ctx_size == 0 {
-                    rt.model.config.context_len
-                } else {
-                    ctx_size
-                };
+                let ctx = gatestream::runtime::slot_context(&rt.model, ctx_size);
                 eprintln!(
                     "ready: {parallel} sequences at once, {ctx} tokens of context each, {}",
                     if rt.mask.is_some() {

@@ -463,7 +463,8 @@ impl Tokenizer {
         Ok(text)
     }
 
-    fn piece(&self, id: u32) -> Result<&[u8]> {
+    /// The bytes token `id` stands for (a SentencePiece word start keeps its leading space).
+    pub fn piece(&self, id: u32) -> Result<&[u8]> {
         self.pieces.get(id as usize).map(|p| &p[..]).ok_or_else(|| {
             Error::Invalid(format!(
                 "token id {id} is outside the vocabulary of {} tokens",
