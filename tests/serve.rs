@@ -373,6 +373,29 @@ fn serve_speaks_openai_and_batched_requests_equal_each_alone() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // A client that leaves while waiting for a whole (non-streamed) answer: cancelled too.
+    let submitted = s.metric("requests_total");
+    {
+        let mut c = TcpStream::connect(&s.addr).unwrap();
+        let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}).to_string();
+        write!(
+            c,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        while s.metric("requests_total") == submitted {
+            assert!(t.elapsed() < Duration::from_secs(30), "the request never came");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    while s.metric("requests_cancelled_total") < before + 2.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "a whole-answer request went on after its client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Ended: nothing runs and no more tokens come.
     while s.metric("running") > 0.0 {
         assert!(
