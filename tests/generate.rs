@@ -350,16 +350,7 @@ fn the_engine_batches_requests_and_each_gets_its_own_tokens() {
 fn eight_requests_in_one_batch_stop_strings_and_top_logprobs() {
     use gatestream::engine::{Engine, Event, Request};
     let m = smollm2();
-    let texts = [
-        "The capital of France is",
-        LONG_PROMPT,
-        "Once upon a time",
-        "def fibonacci(n):",
-        "The three primary colours are",
-        "In 1969, the first",
-        "Water boils at",
-        "My favourite food is",
-    ];
+    let texts = EIGHT_PROMPTS;
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| m.prompt_ids(t, false).unwrap()).collect();
     let max: Vec<usize> = (0..8).map(|i| 6 + 3 * i).collect();
     let alone: Vec<_> = prompts

@@ -146,16 +146,7 @@ fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
-const PROMPTS: [&str; 8] = [
-    "The capital of France is",
-    "Once upon a time",
-    "def fibonacci(n):",
-    "The three primary colours are",
-    "In 1969, the first",
-    "Water boils at",
-    "My favourite food is",
-    "The history of the city begins with a small settlement on the river. Over the centuries merchants arrived and",
-];
+const PROMPTS: [&str; 8] = EIGHT_PROMPTS;
 
 #[test]
 fn serve_speaks_openai_and_batched_requests_equal_each_alone() {

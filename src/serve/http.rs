@@ -629,38 +629,32 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
 
 async fn tokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     respond(
-        async {
-            let l = st.loaded()?;
-            let b: api::TokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
-            let ids = blocking(move || {
-                l.rt.model
-                    .tokenizer
-                    .encode(&b.content, b.add_special)
-                    .map_err(|e| ApiError::invalid(e.to_string()))
-            })
-            .await?;
-            Ok(Json(json!({"tokens": ids})).into_response())
-        }
+        with_tokenizer(&st, body, |t, b: api::TokenizeBody| {
+            Ok(json!({"tokens": t.encode(&b.content, b.add_special)?}))
+        })
         .await,
     )
 }
 
 async fn detokenize(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     respond(
-        async {
-            let l = st.loaded()?;
-            let b: api::DetokenizeBody = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
-            let text = blocking(move || {
-                l.rt.model
-                    .tokenizer
-                    .decode(&b.tokens)
-                    .map_err(|e| ApiError::invalid(e.to_string()))
-            })
-            .await?;
-            Ok(Json(json!({"content": text})).into_response())
-        }
+        with_tokenizer(&st, body, |t, b: api::DetokenizeBody| {
+            Ok(json!({"content": t.decode(&b.tokens)?}))
+        })
         .await,
     )
+}
+
+/// A tokenizer endpoint: the body read as `B`, `f` run on it off the HTTP threads, its JSON answered.
+async fn with_tokenizer<B: serde::de::DeserializeOwned + Send + 'static>(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    f: impl FnOnce(&crate::model::tokenizer::Tokenizer, B) -> crate::Result<Value> + Send + 'static,
+) -> Result<Response, ApiError> {
+    let l = st.loaded()?;
+    let b: B = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
+    let v = blocking(move || f(&l.rt.model.tokenizer, b).map_err(|e| ApiError::invalid(e.to_string()))).await?;
+    Ok(Json(v).into_response())
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {
@@ -669,97 +663,34 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let generated = get(&m.generated_tokens);
     let disk = get(&m.disk_bytes);
     let steps = get(&m.steps);
-    let mut s = String::new();
-    let mut put = |name: &str, kind: &str, help: &str, v: f64| {
-        s.push_str(&format!(
-            "# HELP gatestream_{name} {help}\n# TYPE gatestream_{name} {kind}\ngatestream_{name} {v}\n"
-        ));
-    };
-    put(
-        "requests_total",
-        "counter",
-        "Requests accepted.",
-        get(&m.requests) as f64,
-    );
-    put(
-        "requests_rejected_total",
-        "counter",
-        "Requests answered 503 because the queue was full.",
-        get(&m.rejected) as f64,
-    );
-    put(
-        "requests_finished_total",
-        "counter",
-        "Requests that ended (at a stop, a limit, or cancelled).",
-        get(&m.finished) as f64,
-    );
-    put(
-        "requests_cancelled_total",
-        "counter",
-        "Requests whose client went away.",
-        get(&m.cancelled) as f64,
-    );
-    put(
-        "steps_failed_total",
-        "counter",
-        "Engine steps that failed (their requests got the error).",
-        get(&m.failed) as f64,
-    );
-    put(
-        "prompt_tokens_total",
-        "counter",
-        "Prompt tokens admitted.",
-        get(&m.prompt_tokens) as f64,
-    );
-    put(
-        "generated_tokens_total",
-        "counter",
-        "Tokens generated.",
-        generated as f64,
-    );
-    put(
-        "queue_depth",
-        "gauge",
-        "Requests waiting for a slot.",
-        get(&m.queued) as f64,
-    );
-    put("running", "gauge", "Requests decoding.", get(&m.running) as f64);
-    put("steps_total", "counter", "Engine steps (forward passes).", steps as f64);
-    put(
-        "batch_width",
-        "gauge",
-        "Sequences in the last step.",
-        get(&m.batch_width) as f64,
-    );
-    put(
-        "batch_width_mean",
-        "gauge",
-        "Sequences per step, averaged over all steps.",
-        get(&m.step_sequences) as f64 / steps.max(1) as f64,
-    );
-    put(
-        "step_seconds_total",
-        "counter",
-        "Time spent in steps.",
-        get(&m.step_ns) as f64 / 1e9,
-    );
-    put(
-        "disk_bytes_total",
-        "counter",
-        "Bytes read from disk by the stream (0 in RAM).",
-        disk as f64,
-    );
-    put(
-        "disk_bytes_per_generated_token",
-        "gauge",
-        "Disk bytes over generated tokens since start (prefill reads included).",
-        disk as f64 / generated.max(1) as f64,
-    );
-    put(
-        "admitted",
-        "gauge",
-        "Requests queued or running.",
-        st.admitted.load(Ordering::Relaxed) as f64,
-    );
+    let per_step = get(&m.step_sequences) as f64 / steps.max(1) as f64;
+    let per_token = disk as f64 / generated.max(1) as f64;
+    let admitted = st.admitted.load(Ordering::Relaxed) as f64;
+    // One row per metric: name, type, help, value.
+    #[rustfmt::skip]
+    let rows: [(&str, &str, &str, f64); 16] = [
+        ("requests_total", "counter", "Requests accepted.", get(&m.requests) as f64),
+        ("requests_rejected_total", "counter", "Requests answered 503 because the queue was full.", get(&m.rejected) as f64),
+        ("requests_finished_total", "counter", "Requests that ended (at a stop, a limit, or cancelled).", get(&m.finished) as f64),
+        ("requests_cancelled_total", "counter", "Requests whose client went away.", get(&m.cancelled) as f64),
+        ("steps_failed_total", "counter", "Engine steps that failed (their requests got the error).", get(&m.failed) as f64),
+        ("prompt_tokens_total", "counter", "Prompt tokens admitted.", get(&m.prompt_tokens) as f64),
+        ("generated_tokens_total", "counter", "Tokens generated.", generated as f64),
+        ("queue_depth", "gauge", "Requests waiting for a slot.", get(&m.queued) as f64),
+        ("running", "gauge", "Requests decoding.", get(&m.running) as f64),
+        ("steps_total", "counter", "Engine steps (forward passes).", steps as f64),
+        ("batch_width", "gauge", "Sequences in the last step.", get(&m.batch_width) as f64),
+        ("batch_width_mean", "gauge", "Sequences per step, averaged over all steps.", per_step),
+        ("step_seconds_total", "counter", "Time spent in steps.", get(&m.step_ns) as f64 / 1e9),
+        ("disk_bytes_total", "counter", "Bytes read from disk by the stream (0 in RAM).", disk as f64),
+        ("disk_bytes_per_generated_token", "gauge", "Disk bytes over generated tokens since start (prefill reads included).", per_token),
+        ("admitted", "gauge", "Requests queued or running.", admitted),
+    ];
+    let s: String = rows
+        .iter()
+        .map(|(name, kind, help, v)| {
+            format!("# HELP gatestream_{name} {help}\n# TYPE gatestream_{name} {kind}\ngatestream_{name} {v}\n")
+        })
+        .collect();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s).into_response()
 }

@@ -213,3 +213,15 @@ pub fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions
         logprobs: false,
     }
 }
+
+/// Eight short prompts (one longer than a step of 16 tokens) for batching tests.
+pub const EIGHT_PROMPTS: [&str; 8] = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "In 1969, the first",
+    "Water boils at",
+    "My favourite food is",
+    "The history of the city begins with a small settlement on the river. Over the centuries merchants arrived and",
+];

@@ -88,19 +88,8 @@ pub(crate) enum Command {
         /// agreement and (when streaming) the bytes each read.
         #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
-        /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
-        /// and --criterion, a .gst file's recommendation (stored by `eval --store` or
-        /// `recommend`) is used, else topk / exact / 0.3.
-        #[arg(long)]
-        sparsity: Option<f32>,
-        /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
-        /// by calibration in a .gst file), union (the prompt's choices reused while decoding).
-        #[arg(long, value_enum)]
-        strategy: Option<StrategyArg>,
-        /// How neurons are scored in sparse mode: gate |act(g)|, exact |act(g)·up|, candidates,
-        /// sketch (see `gatestream eval --help`).
-        #[arg(long, value_enum)]
-        criterion: Option<CriterionArg>,
+        #[command(flatten)]
+        sparse: SparseArgs,
         #[command(flatten)]
         stream: StreamArgs,
         /// Print one JSON object with the text, token ids and speeds at the end instead of stats.
@@ -153,18 +142,8 @@ pub(crate) enum Command {
         /// (compare is per request: POST /v1/infer with "mode": "compare".)
         #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
-        /// Share of FFN neurons dropped per layer for sparse requests (as `run --sparsity`;
-        /// without --sparsity, --strategy, --criterion: a .gst file's stored recommendation, else
-        /// topk / exact / 0.3).
-        #[arg(long)]
-        sparsity: Option<f32>,
-        /// Mask strategy for sparse requests: topk or threshold (union learns from one prompt
-        /// and cannot serve several requests at once).
-        #[arg(long, value_enum)]
-        strategy: Option<StrategyArg>,
-        /// How neurons are scored for sparse requests (as `run --criterion`).
-        #[arg(long, value_enum)]
-        criterion: Option<CriterionArg>,
+        #[command(flatten)]
+        sparse: SparseArgs,
         /// Seconds requests in flight may go on after SIGINT / SIGTERM before they are
         /// cancelled (they end with what they generated).
         #[arg(long, default_value_t = 10.0)]
@@ -539,6 +518,35 @@ pub(crate) fn criterion_of(c: CriterionArg) -> Criterion {
         CriterionArg::Exact => Criterion::Exact,
         CriterionArg::Candidates => Criterion::Candidates,
         CriterionArg::Sketch => Criterion::Sketch,
+    }
+}
+
+/// The mask of sparse mode (`run`, `serve`).
+#[derive(clap::Args)]
+pub(crate) struct SparseArgs {
+    /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
+    /// and --criterion, a .gst file's recommendation (stored by `eval --store` or
+    /// `recommend`) is used, else topk / exact / 0.3.
+    #[arg(long)]
+    pub(crate) sparsity: Option<f32>,
+    /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
+    /// by calibration in a .gst file), union (the prompt's choices reused while decoding; `run`
+    /// only: a server decodes several requests at once).
+    #[arg(long, value_enum)]
+    pub(crate) strategy: Option<StrategyArg>,
+    /// How neurons are scored in sparse mode: gate |act(g)|, exact |act(g)·up|, candidates,
+    /// sketch (see `gatestream eval --help`).
+    #[arg(long, value_enum)]
+    pub(crate) criterion: Option<CriterionArg>,
+}
+
+impl SparseArgs {
+    pub(crate) fn ask(&self) -> gatestream::runtime::SparseAsk {
+        gatestream::runtime::SparseAsk {
+            strategy: self.strategy.map(strategy_of),
+            criterion: self.criterion.map(criterion_of),
+            sparsity: self.sparsity,
+        }
     }
 }
 

@@ -341,9 +341,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             chat,
             logprobs,
             mode,
-            sparsity,
-            strategy,
-            criterion,
+            sparse,
             stream,
             json,
         } => {
@@ -370,11 +368,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 logprobs,
             };
             stop_on_ctrl_c();
-            let asked = SparseAsk {
-                strategy: strategy.map(strategy_of),
-                criterion: criterion.map(criterion_of),
-                sparsity,
-            };
+            let asked = sparse.ask();
             let mut stdout = std::io::stdout();
             let live = !json && mode != ModeArg::Compare;
             let mut print = |s: &str| {
@@ -475,16 +469,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             max_body_bytes,
             alias,
             mode,
-            sparsity,
-            strategy,
-            criterion,
+            sparse,
             shutdown_grace,
             stream,
         } => {
             if stream.record_trace.is_some() {
                 anyhow::bail!("--record-trace records one run's neurons; it is not for serve (use `run`)");
             }
-            if strategy == Some(StrategyArg::Union) {
+            if sparse.strategy == Some(StrategyArg::Union) {
                 anyhow::bail!(
                     "--strategy union learns one set of neurons from one prompt; a server decodes several requests \
                      at once: use topk or threshold"
@@ -502,11 +494,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let path = model_path(&model)?;
             let device = device_of(&model)?;
             let streaming = stream.ram_budget.is_some();
-            let sparse = (mode == ModeArg::Sparse || !streaming).then(|| SparseAsk {
-                strategy: strategy.map(strategy_of),
-                criterion: criterion.map(criterion_of),
-                sparsity,
-            });
+            let sparse = (mode == ModeArg::Sparse || !streaming).then(|| sparse.ask());
             let opts = OpenOptions {
                 threads: model.threads,
                 stream: stream_ask(&stream, &path)?,
