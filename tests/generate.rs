@@ -589,3 +589,89 @@ fn ctrl_c_stops_run_within_a_second() {
         }
     }
 }
+
+/// Speculative decoding by prompt lookup keeps greedy decoding's tokens exactly, in RAM and
+/// streamed from a .gst under a budget (drafts verified in one pass, rejected ones rolled back
+/// out of the KV cache), with several tokens per pass on text that repeats; streamed, the disk
+/// bytes per generated token fall with the tokens per pass.
+#[test]
+fn prompt_lookup_keeps_greedy_tokens_in_ram_and_streamed() {
+    let prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n\
+                  # The same two functions again:\ndef add(a, b):\n";
+    let m = smollm2();
+    let ids = m.prompt_ids(prompt, false).unwrap();
+    let n = 24;
+    let plain = m.generate_ids(&ids, &greedy(n), None, None, None, &mut |_| {}).unwrap();
+    assert!(plain.speculative.is_none());
+    for k in [1, 3, 6] {
+        let spec = m
+            .generate_ids(
+                &ids,
+                &GenerateOptions { lookup: k, ..greedy(n) },
+                None,
+                None,
+                None,
+                &mut |_| {},
+            )
+            .unwrap();
+        assert_eq!(spec.tokens, plain.tokens, "lookup {k}");
+        assert_eq!(spec.text, plain.text);
+        let sp = spec.speculative.unwrap();
+        assert!(sp.accepted > 0 && sp.drafted > sp.accepted, "lookup {k}: {sp:?}");
+        assert!(sp.passes < n - 1, "lookup {k}: {sp:?}");
+        assert_eq!(spec.decode_tokens, n - 1);
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let gst = tmp.path().join("smollm2.gst");
+    reformat(
+        &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+        &gst,
+        &ReformatOptions::default(),
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let rt = gatestream::runtime::open(
+        &gst,
+        &OpenOptions {
+            threads: 0,
+            stream: Some(StreamAsk {
+                // Above the 73.6 MB minimum, below the 110 MB file: FFN rows stream.
+                budget_bytes: 80_000_000,
+                engine: gatestream::io::ReadEngine::Pread,
+                reader: gatestream::io::ReaderOptions::default(),
+                cache: None,
+                priority: gatestream::stream::residency::Priority::CacheFirst,
+                merge_gap_bytes: None,
+                cost: gatestream::stream::CostSource::Default,
+                lookahead: false,
+                batch_tokens_max: 0,
+            }),
+            sparse: None,
+            kv_positions: KvPositions::Exactly(ids.len() + n),
+        },
+    )
+    .unwrap();
+    let streamed = rt.generate(&ids, &greedy(n), false, None, &mut |_| {}).unwrap();
+    let spec = rt
+        .generate(
+            &ids,
+            &GenerateOptions { lookup: 6, ..greedy(n) },
+            false,
+            None,
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(streamed.generation.tokens, plain.tokens);
+    assert_eq!(spec.generation.tokens, plain.tokens);
+    let sp = spec.generation.speculative.unwrap();
+    let (a, b) = (streamed.stream.unwrap(), spec.stream.unwrap());
+    assert!(a.disk_bytes_per_token > 0.0);
+    assert!(
+        b.disk_bytes_per_token < a.disk_bytes_per_token / 2.0,
+        "{} vs {} bytes per token at {:.2} tokens per pass",
+        b.disk_bytes_per_token,
+        a.disk_bytes_per_token,
+        sp.tokens_per_pass
+    );
+}

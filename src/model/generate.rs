@@ -39,6 +39,9 @@ pub struct GenerateOptions {
     /// Compute each token's log-probability (a softmax over the vocabulary per token: ~5% of
     /// SmolLM2's decode time, more with Gemma's 262k vocabulary, so only when asked).
     pub logprobs: bool,
+    /// Speculative decoding by prompt lookup: up to this many draft tokens per pass (0 = off),
+    /// see [`lookup_draft`]; each pass verifies them all at once.
+    pub lookup: usize,
 }
 
 impl Default for GenerateOptions {
@@ -50,8 +53,48 @@ impl Default for GenerateOptions {
             ctx: 0,
             batch_tokens_max: 0,
             logprobs: false,
+            lookup: 0,
         }
     }
+}
+
+/// The shortest and longest context tails [`lookup_draft`] matches.
+pub const LOOKUP_NGRAM_MIN: usize = 2;
+pub const LOOKUP_NGRAM_MAX: usize = 4;
+
+/// Prompt lookup: the (at most `k`) tokens that followed the latest earlier occurrence of the
+/// context's last n tokens, trying n from [`LOOKUP_NGRAM_MAX`] down to [`LOOKUP_NGRAM_MIN`];
+/// empty when the tail occurs nowhere before. No model: text that repeats (code being edited,
+/// quoted passages) drafts itself.
+pub fn lookup_draft(context: &[u32], k: usize) -> Vec<u32> {
+    if k == 0 {
+        return Vec::new();
+    }
+    for n in (LOOKUP_NGRAM_MIN..=LOOKUP_NGRAM_MAX).rev() {
+        if context.len() <= n {
+            continue;
+        }
+        let tail = &context[context.len() - n..];
+        if let Some(i) = (0..context.len() - n).rev().find(|&i| &context[i..i + n] == tail) {
+            let from = i + n;
+            return context[from..(from + k).min(context.len())].to_vec();
+        }
+    }
+    Vec::new()
+}
+
+/// What speculative decoding did in one generation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Speculation {
+    /// The most draft tokens per pass (`GenerateOptions::lookup`).
+    pub lookup_max: usize,
+    /// Draft tokens verified, and how many of them were kept.
+    pub drafted: usize,
+    pub accepted: usize,
+    pub acceptance_rate: f64,
+    /// Decode passes, and tokens generated per decode pass.
+    pub passes: usize,
+    pub tokens_per_pass: f64,
 }
 
 /// Why generation ended.
@@ -115,7 +158,13 @@ pub struct Generation {
     pub prefill_s: f64,
     pub decode_s: f64,
     pub prefill_tok_per_s: f64,
+    /// Tokens sampled from decode passes per second (with speculation, several per pass).
     pub decode_tok_per_s: f64,
+    /// Tokens sampled from decode passes' logits (a final stop token included).
+    pub decode_tokens: usize,
+    /// With `GenerateOptions::lookup`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<Speculation>,
 }
 
 /// The next token from `logits`: sampled, `None` when it is a stop token, else with the text
@@ -329,40 +378,95 @@ impl Model {
         let t1 = Instant::now();
         let mut finish = plan.at_max_new;
         let mut n_decode_forward = 0usize;
-        for i in 0..plan.max_new {
-            if cancelled() || logits.is_empty() {
+        let vocab = self.config.vocab;
+        // `logits` holds one row per token of the last pass from the pending token on: row j
+        // follows `drafts[..j]`. A draft is kept when the token sampled from its row is the
+        // draft; the first one that is not ends the pass, and the KV cache is rolled back to
+        // the tokens kept.
+        let mut drafts: Vec<u32> = Vec::new();
+        let mut context: Vec<u32> = if opts.lookup > 0 {
+            prompt_tokens.clone()
+        } else {
+            Vec::new()
+        };
+        let (mut drafted, mut accepted, mut samples) = (0usize, 0usize, 0usize);
+        let mut pass_start = cache.len;
+        'generation: while tokens.len() < plan.max_new {
+            let mut pending = None;
+            for j in 0..=drafts.len() {
+                if tokens.len() == plan.max_new {
+                    break 'generation;
+                }
+                if cancelled() || logits.len() < (j + 1) * vocab {
+                    finish = Finish::Cancelled;
+                    break 'generation;
+                }
+                let row = &logits[j * vocab..(j + 1) * vocab];
+                let draft = drafts.get(j).copied();
+                let t = match draft {
+                    Some(d) => sampler.verify(row, d),
+                    None => sampler.sample(row),
+                };
+                samples += 1;
+                if self.tokenizer.is_stop(t) {
+                    finish = Finish::StopToken;
+                    break 'generation;
+                }
+                let logprob = opts.logprobs.then(|| log_softmax_at(row, t));
+                let text = decoder.push(t).unwrap_or_default();
+                tokens.push(t);
+                logprobs.extend(logprob);
+                on_token(&TokenEvent {
+                    id: Some(t),
+                    text: &text,
+                    logprob,
+                });
+                out_text.push_str(&text);
+                if opts.lookup > 0 {
+                    context.push(t);
+                }
+                if draft == Some(t) {
+                    accepted += 1;
+                    continue;
+                }
+                if draft.is_some() {
+                    // Rejected: the pending token and the drafts before this one stay.
+                    cache.truncate(pass_start + 1 + j);
+                }
+                pending = Some(t);
+                break;
+            }
+            let Some(next) = pending else {
+                break;
+            };
+            if tokens.len() == plan.max_new {
+                break;
+            }
+            if cancelled() {
                 finish = Finish::Cancelled;
                 break;
             }
-            let Some((next, text, logprob)) =
-                next_token(&self.tokenizer, &mut sampler, &mut decoder, &logits, opts.logprobs)
-            else {
-                finish = Finish::StopToken;
-                break;
+            // Drafts for this pass: never past the last token the request may generate.
+            drafts = lookup_draft(&context, opts.lookup.min(plan.max_new - tokens.len() - 1));
+            drafted += drafts.len();
+            pass_start = cache.len;
+            let mut fed = Vec::with_capacity(1 + drafts.len());
+            fed.push(next);
+            fed.extend_from_slice(&drafts);
+            let which = if drafts.is_empty() {
+                Logits::Last
+            } else {
+                Logits::From(0)
             };
-            tokens.push(next);
-            logprobs.extend(logprob);
-            on_token(&TokenEvent {
-                id: Some(next),
-                text: &text,
-                logprob,
-            });
-            out_text.push_str(&text);
-            if i + 1 < plan.max_new {
-                if cancelled() {
+            match self.forward_with(&fed, &mut cache, which, &hooks) {
+                Ok(l) => logits = l,
+                Err(Error::Cancelled) => {
                     finish = Finish::Cancelled;
                     break;
                 }
-                match self.forward_with(&[next], &mut cache, Logits::Last, &hooks) {
-                    Ok(l) => logits = l,
-                    Err(Error::Cancelled) => {
-                        finish = Finish::Cancelled;
-                        break;
-                    }
-                    Err(e) => return Err(e),
-                }
-                n_decode_forward += 1;
+                Err(e) => return Err(e),
             }
+            n_decode_forward += 1;
         }
         // An unfinished UTF-8 sequence at the end is not lost: it is written as U+FFFD.
         if let Some(rest) = decoder.flush() {
@@ -373,17 +477,27 @@ impl Model {
             });
             out_text.push_str(&rest);
         }
-        // Decode speed: single-token forward passes (sampling included) per second; the first
-        // generated token comes from the prefill.
+        // Decode speed: tokens sampled from decode passes (sampling included) per second; the
+        // first generated token comes from the prefill.
         let decode_s = t1.elapsed().as_secs_f64();
+        let decode_tokens = samples.saturating_sub(1);
         Ok(Generation {
             text: out_text,
             prefill_tok_per_s: prefilled as f64 / prefill_s.max(1e-9),
             decode_tok_per_s: if n_decode_forward > 0 {
-                n_decode_forward as f64 / decode_s.max(1e-9)
+                decode_tokens as f64 / decode_s.max(1e-9)
             } else {
                 0.0
             },
+            decode_tokens,
+            speculative: (opts.lookup > 0).then(|| Speculation {
+                lookup_max: opts.lookup,
+                drafted,
+                accepted,
+                acceptance_rate: accepted as f64 / drafted.max(1) as f64,
+                passes: n_decode_forward,
+                tokens_per_pass: decode_tokens as f64 / n_decode_forward.max(1) as f64,
+            }),
             prompt_tokens: prompt_tokens.len(),
             completion_tokens: tokens.len(),
             tokens,

@@ -106,6 +106,33 @@ impl Sampler {
         }
     }
 
+    /// A token for `logits` when `draft` was proposed for this position (speculative decoding
+    /// with a draft that has no distribution of its own): greedy, the argmax (the draft is kept
+    /// exactly when it is the argmax); sampling, the draft with its probability under
+    /// [`Sampler::distribution`], else a token drawn from that distribution without the draft.
+    /// Either way the token is distributed exactly as [`Sampler::sample`]'s.
+    pub fn verify(&mut self, logits: &[f32], draft: u32) -> u32 {
+        let Some((cand, total)) = self.candidates(logits) else {
+            return argmax(logits);
+        };
+        let w = cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1);
+        if self.uniform() * total < w {
+            return draft;
+        }
+        let rest = total - w;
+        let mut r = self.uniform() * rest;
+        let mut last = None;
+        for c in cand.iter().filter(|c| c.0 != draft) {
+            r -= c.1;
+            last = Some(c.0);
+            if r <= 0.0 {
+                return c.0;
+            }
+        }
+        // Rounding left a sliver: the last other candidate (or the draft, if it is the only one).
+        last.unwrap_or(draft)
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let Some((cand, total)) = self.candidates(logits) else {
             return argmax(logits);
@@ -158,6 +185,45 @@ fn most_likely(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A draft kept with its probability, else a draw without it, is distributed as a plain
+    /// draw: frequencies over 200,000 draws agree within 0.005 for every token and draft.
+    #[test]
+    fn verifying_a_draft_samples_the_same_distribution() {
+        let logits = [1.0f32, 0.5, 0.0, -1.0, 2.0];
+        let cfg = SamplerConfig {
+            temperature: 0.8,
+            top_k: 4,
+            top_p: 0.97,
+            seed: 3,
+        };
+        let n = 200_000;
+        let mut plain = Sampler::new(cfg.clone());
+        let mut want = [0f64; 5];
+        for _ in 0..n {
+            want[plain.sample(&logits) as usize] += 1.0 / n as f64;
+        }
+        for draft in [0u32, 3, 4] {
+            let mut s = Sampler::new(SamplerConfig {
+                seed: 11 + draft as u64,
+                ..cfg.clone()
+            });
+            let mut got = [0f64; 5];
+            for _ in 0..n {
+                got[s.verify(&logits, draft) as usize] += 1.0 / n as f64;
+            }
+            for t in 0..5 {
+                assert!((got[t] - want[t]).abs() < 0.005, "draft {draft}: {got:?} vs {want:?}");
+            }
+        }
+        // Greedy keeps the draft exactly when it is the argmax.
+        let mut g = Sampler::new(SamplerConfig {
+            temperature: 0.0,
+            ..cfg
+        });
+        assert_eq!(g.verify(&logits, 4), 4);
+        assert_eq!(g.verify(&logits, 1), 4);
+    }
 
     #[test]
     fn top_log_softmax_is_the_most_likely_tokens_in_order() {

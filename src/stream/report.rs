@@ -122,7 +122,11 @@ pub struct LookaheadReport {
 impl StreamReport {
     pub fn new(s: &Streamer, g: &crate::model::generate::Generation) -> StreamReport {
         let (c, r) = s.decode_counters();
-        let steps = c.passes.max(1) as f64;
+        // Per generated token: one per pass, or several when speculation verified drafts.
+        let steps = match g.speculative {
+            Some(_) => g.decode_tokens.max(1) as f64,
+            None => c.passes.max(1) as f64,
+        };
         let needed = (c.ffn_needed_bytes + c.dense_needed_bytes) as f64;
         StreamReport {
             engine: match s.engine {

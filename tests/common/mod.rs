@@ -211,6 +211,7 @@ pub fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions
         ctx: 0,
         batch_tokens_max: 0,
         logprobs: false,
+        lookup: 0,
     }
 }
 

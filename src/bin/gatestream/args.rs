@@ -83,6 +83,14 @@ pub(crate) enum Command {
         /// softmax over the vocabulary per token, so off by default).
         #[arg(long)]
         logprobs: bool,
+        /// Speculative decoding by prompt lookup: draft up to this many tokens per pass from the
+        /// context itself (what followed the latest earlier occurrence of its last 4, 3 or 2
+        /// tokens) and verify them all in one pass; rejected drafts are rolled back. Greedy output
+        /// is the same as without it, sampling draws from the same distribution. Pays where
+        /// passes are expensive and text repeats (editing code under --ram-budget: every byte
+        /// read serves the whole draft). 0 = off. Figures in `speculative` with --json.
+        #[arg(long, default_value_t = 0)]
+        lookup: usize,
         /// dense: every FFN neuron; sparse: only the neurons the mask keeps (with --ram-budget,
         /// only those are read from disk); compare: both, one after the other, side by side, with
         /// agreement and (when streaming) the bytes each read.

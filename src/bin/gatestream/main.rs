@@ -340,6 +340,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
             chat,
             logprobs,
+            lookup,
             mode,
             sparse,
             stream,
@@ -366,6 +367,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ctx: ctx_size,
                 batch_tokens_max: 0,
                 logprobs,
+                lookup,
             };
             stop_on_ctrl_c();
             let asked = sparse.ask();

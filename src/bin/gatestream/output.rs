@@ -124,6 +124,18 @@ impl Report for Outcome {
             g.decode_tok_per_s,
             g.finish.name()
         );
+        if let Some(sp) = &g.speculative {
+            eprintln!(
+                "{label}prompt lookup (up to {} drafts per pass): {} of {} drafts kept ({:.1}%), {:.2} tokens per pass \
+                 over {} passes",
+                sp.lookup_max,
+                sp.accepted,
+                sp.drafted,
+                sp.acceptance_rate * 100.0,
+                sp.tokens_per_pass,
+                sp.passes
+            );
+        }
         if let Some(r) = &self.stream {
             let mb = |b: f64| b / 1e6;
             eprintln!(
