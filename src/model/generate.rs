@@ -1,5 +1,6 @@
 //! Text generation: encode the prompt (optionally through the chat template), prefill it in
-//! batches of at most `batch_tokens_max` tokens, then decode one token at a time, handing each
+//! batches of at most `batch_tokens_max` tokens, then decode one token per pass (or, with prompt
+//! lookup, the pending token and its drafts, verified in one pass), handing each
 //! token (id, the text it completes, its log-probability) to a callback as soon as it is
 //! sampled. Generation can be cancelled between passes; a trailing incomplete UTF-8 sequence
 //! is flushed at the end. Timing is measured here so every caller reports the same numbers.
@@ -446,8 +447,10 @@ impl Model {
                 finish = Finish::Cancelled;
                 break;
             }
-            // Drafts for this pass: never past the last token the request may generate.
-            drafts = lookup_draft(&context, opts.lookup.min(plan.max_new - tokens.len() - 1));
+            // Drafts for this pass: never past the last token the request may generate, nor
+            // more than a pass takes (a stream's batch limit).
+            let room = (plan.max_new - tokens.len() - 1).min(batch_max.saturating_sub(1));
+            drafts = lookup_draft(&context, opts.lookup.min(room));
             drafted += drafts.len();
             pass_start = cache.len;
             let mut fed = Vec::with_capacity(1 + drafts.len());

@@ -138,7 +138,11 @@ impl StreamReport {
             ram_budget_bytes: s.residency.budget_bytes,
             residency: s.residency.clone(),
             cost_model: s.cost,
-            decode_tokens: c.passes,
+            decode_tokens: if g.speculative.is_some() {
+                g.decode_tokens as u64
+            } else {
+                c.passes
+            },
             decode_tok_per_s: g.decode_tok_per_s,
             disk_bytes_per_token: r.bytes_device as f64 / steps,
             dense_disk_bytes_per_token: s.dense_bytes_per_token as f64,

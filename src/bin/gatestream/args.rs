@@ -85,8 +85,10 @@ pub(crate) enum Command {
         logprobs: bool,
         /// Speculative decoding by prompt lookup: draft up to this many tokens per pass from the
         /// context itself (what followed the latest earlier occurrence of its last 4, 3 or 2
-        /// tokens) and verify them all in one pass; rejected drafts are rolled back. Greedy output
-        /// is the same as without it, sampling draws from the same distribution. Pays where
+        /// tokens) and verify them all in one pass (at most a pass's tokens: 32 when streaming);
+        /// rejected drafts are rolled back. Greedy output is the same as without it (a streamed
+        /// sparse mask: to rounding, as one-token passes read rows another way); sampling draws
+        /// from the same distribution, though not the same tokens for a seed. Pays where
         /// passes are expensive and text repeats (editing code under --ram-budget: every byte
         /// read serves the whole draft). 0 = off. Figures in `speculative` with --json.
         #[arg(long, default_value_t = 0)]

@@ -355,6 +355,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if stream.queue_depth == 0 {
                 anyhow::bail!("--queue-depth must be at least 1");
             }
+            if lookup > 0 && stream.record_trace.is_some() {
+                anyhow::bail!(
+                    "--record-trace records one token per position; with --lookup a pass also runs drafts that are \
+                     then rejected: record traces without --lookup"
+                );
+            }
             let opts = GenerateOptions {
                 max_tokens,
                 sampler: SamplerConfig {
