@@ -108,6 +108,21 @@ fn a_failed_prefill_leaves_the_mask_out_of_prompt_mode() {
     assert_eq!(masker.union_context(), 0, "the mask is still in prompt mode");
 }
 
+/// Streaming through the pread reader under `budget_bytes`, passes of at most `batch` tokens.
+fn pread_stream(budget_bytes: u64, batch: usize) -> StreamAsk {
+    StreamAsk {
+        budget_bytes,
+        engine: gatestream::io::ReadEngine::Pread,
+        reader: gatestream::io::ReaderOptions::default(),
+        cache: None,
+        priority: gatestream::stream::residency::Priority::CacheFirst,
+        merge_gap_bytes: None,
+        cost: gatestream::stream::CostSource::Default,
+        lookahead: false,
+        batch_tokens_max: batch,
+    }
+}
+
 /// The runtime streams a .gst model under a budget: a prompt longer than one batch is prefilled
 /// in batches (the budget holds one batch's activations and the KV cache) and gives the in-RAM
 /// model's tokens; a pass larger than a batch is refused; a request needing more KV positions
@@ -148,17 +163,7 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
             &gst,
             &OpenOptions {
                 threads: 0,
-                stream: Some(StreamAsk {
-                    budget_bytes: file_bytes,
-                    engine: gatestream::io::ReadEngine::Pread,
-                    reader: gatestream::io::ReaderOptions::default(),
-                    cache: None,
-                    priority: gatestream::stream::residency::Priority::CacheFirst,
-                    merge_gap_bytes: None,
-                    cost: gatestream::stream::CostSource::Default,
-                    lookahead: false,
-                    batch_tokens_max: 8,
-                }),
+                stream: Some(pread_stream(file_bytes, 8)),
                 sparse,
                 kv_positions: KvPositions::Exactly(ids.len() + 6),
             },
@@ -634,19 +639,9 @@ fn prompt_lookup_keeps_greedy_tokens_in_ram_and_streamed() {
         &gst,
         &OpenOptions {
             threads: 0,
-            stream: Some(StreamAsk {
-                // Above the 73.6 MB minimum, below the 110 MB file: FFN rows stream.
-                budget_bytes: 80_000_000,
-                engine: gatestream::io::ReadEngine::Pread,
-                reader: gatestream::io::ReaderOptions::default(),
-                cache: None,
-                priority: gatestream::stream::residency::Priority::CacheFirst,
-                merge_gap_bytes: None,
-                cost: gatestream::stream::CostSource::Default,
-                lookahead: false,
-                // Passes of at most 4 tokens: 6 drafts asked, 3 taken per pass.
-                batch_tokens_max: 4,
-            }),
+            // Above the 73.6 MB minimum, below the 110 MB file: FFN rows stream. Passes of at
+            // most 4 tokens: 6 drafts asked, 3 taken per pass.
+            stream: Some(pread_stream(80_000_000, 4)),
             sparse: None,
             kv_positions: KvPositions::Exactly(ids.len() + n),
         },
