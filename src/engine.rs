@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Batch;
 use crate::model::forward::{FfnMask, LayerStream, Passes};
-use crate::model::generate::{next_token, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
+use crate::model::generate::{choose, lookup_draft, take_token, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
 use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::Model;
@@ -39,6 +39,9 @@ pub struct Request {
     /// without it (finish `StopString`). Text that could be the start of a stop string is held
     /// back until the next tokens show it is not.
     pub stop: Vec<String>,
+    /// Speculative decoding by prompt lookup: up to this many draft tokens verified per step
+    /// (see [`crate::model::generate::lookup_draft`]; 0 = off). Greedy tokens are unchanged.
+    pub lookup: usize,
 }
 
 /// What a step produced for one request.
@@ -84,6 +87,12 @@ struct Sequence<'m> {
     /// Generated text not yet released: it could be the start of a stop string.
     held: String,
     cancelled: bool,
+    lookup: usize,
+    /// Prompt and generated tokens (kept only with `lookup`), where drafts are looked up.
+    context: Vec<u32>,
+    /// The drafts fed after `next` in this step, and where the step's tokens start in the cache.
+    drafts: Vec<u32>,
+    pass_start: usize,
 }
 
 /// Requests over one model and, optionally, its stream (see the module docs).
@@ -97,6 +106,9 @@ pub struct Engine<'m> {
     mask: Option<&'m dyn FfnMask>,
     /// Each request's context (prompt + generated); 0 = the model's.
     ctx: usize,
+    /// Draft tokens verified and kept, over every request so far.
+    drafted: u64,
+    accepted: u64,
 }
 
 impl<'m> Engine<'m> {
@@ -119,7 +131,14 @@ impl<'m> Engine<'m> {
             next_id: 0,
             mask: None,
             ctx: 0,
+            drafted: 0,
+            accepted: 0,
         }
+    }
+
+    /// Draft tokens verified and kept so far (requests with `lookup`).
+    pub fn drafts(&self) -> (u64, u64) {
+        (self.drafted, self.accepted)
     }
 
     /// Every request's context, prompt and generated tokens together (0 = the model's): a longer
@@ -162,6 +181,11 @@ impl<'m> Engine<'m> {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let context = if req.lookup > 0 {
+            req.prompt_ids.clone()
+        } else {
+            Vec::new()
+        };
         self.seqs.push(Sequence {
             id,
             cache: KvCache::new(&self.model.config, positions),
@@ -178,6 +202,10 @@ impl<'m> Engine<'m> {
             stop: req.stop,
             held: String::new(),
             cancelled: false,
+            lookup: req.lookup,
+            context,
+            drafts: Vec::new(),
+            pass_start: 0,
         });
         Ok(id)
     }
@@ -209,15 +237,27 @@ impl<'m> Engine<'m> {
         // The batch: decode tokens first, then prompt pieces while the budget lasts.
         let mut batch = Batch::default();
         let mut budget = self.step_tokens_max;
-        let mut rows: Vec<usize> = Vec::new(); // sequences whose logits the pass returns, in row order
+        // The sequences whose logits the pass returns, in row order, with the row's place among
+        // the sequence's rows (0: the token fed, j: after its draft j).
+        let mut rows: Vec<(usize, usize)> = Vec::new();
         let mut members: Vec<usize> = Vec::new(); // sequence index in `seqs` of each cache slot
-        for (i, s) in self.seqs.iter().enumerate() {
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            s.drafts.clear();
             if let (Some(t), true) = (s.next, budget > 0) {
                 let slot = members.len();
                 members.push(i);
+                s.pass_start = s.cache.len;
+                // Drafts: within the step's budget and the tokens the request may still generate.
+                let room = (budget - 1).min(s.max_tokens - s.generated - 1);
+                s.drafts = lookup_draft(&s.context, s.lookup.min(room));
                 batch.push(slot, t, s.cache.len, true);
-                rows.push(i);
-                budget -= 1;
+                rows.push((i, 0));
+                for (j, &d) in s.drafts.iter().enumerate() {
+                    batch.push(slot, d, s.cache.len + 1 + j, true);
+                    rows.push((i, j + 1));
+                }
+                budget -= 1 + s.drafts.len();
+                self.drafted += s.drafts.len() as u64;
             }
         }
         for (i, s) in self.seqs.iter().enumerate() {
@@ -231,7 +271,7 @@ impl<'m> Engine<'m> {
                 let last = s.fed + j + 1 == s.prompt.len();
                 batch.push(slot, s.prompt[s.fed + j], s.cache.len + j, last);
                 if last {
-                    rows.push(i);
+                    rows.push((i, 0));
                 }
             }
             budget -= take;
@@ -260,19 +300,30 @@ impl<'m> Engine<'m> {
                 s.fed += batch.seq_of_token.iter().filter(|&&x| x == slot).count();
             }
         }
-        // Sample every sequence that got logits.
+        // Sample every sequence that got logits: row by row, a draft kept while the token chosen
+        // from the row before it is the draft; the first that is not ends the sequence's step and
+        // the cache is rolled back to the tokens kept.
         let vocab = self.model.config.vocab;
         let tokenizer = &self.model.tokenizer;
         let mut ended = Vec::new();
-        for (r, &i) in rows.iter().enumerate() {
+        let mut settled: Option<usize> = None; // the sequence whose remaining rows are skipped
+        for (r, &(i, j)) in rows.iter().enumerate() {
+            if settled == Some(i) {
+                continue;
+            }
             let s = &mut self.seqs[i];
             let row = &logits[r * vocab..(r + 1) * vocab];
-            let Some((t, text, logprob)) = next_token(tokenizer, &mut s.sampler, &mut s.decoder, row, s.logprobs)
-            else {
+            let draft = s.drafts.get(j).copied();
+            let t = choose(&mut s.sampler, row, draft);
+            let Some((text, logprob)) = take_token(tokenizer, &mut s.decoder, row, t, s.logprobs) else {
                 ended.push((i, Finish::StopToken));
+                settled = Some(i);
                 continue;
             };
             s.generated += 1;
+            if s.lookup > 0 {
+                s.context.push(t);
+            }
             let top = crate::model::sampler::top_log_softmax(row, s.top_logprobs);
             let (text, stopped) = release(s, text);
             events.push(Event::Token {
@@ -286,9 +337,16 @@ impl<'m> Engine<'m> {
                 ended.push((i, Finish::StopString));
             } else if s.generated >= s.max_tokens {
                 ended.push((i, s.at_max));
+            } else if draft == Some(t) {
+                self.accepted += 1;
+                continue;
             } else {
+                if draft.is_some() {
+                    s.cache.truncate(s.pass_start + 1 + j);
+                }
                 s.next = Some(t);
             }
+            settled = Some(i);
         }
         ended.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
         for (i, finish) in ended {

@@ -398,6 +398,44 @@ fn eight_requests_in_one_batch_stop_strings_and_top_logprobs() {
     let want: Vec<Vec<u32>> = alone.iter().map(|g| g.tokens.clone()).collect();
     assert_eq!(got, want, "batched requests differ from each run alone");
 
+    // The same eight and a prompt that repeats itself, with prompt lookup (4 drafts per request
+    // and step, inside a 64-token step): the same greedy tokens, drafts kept and rolled back.
+    let code = m.prompt_ids(CODE_PROMPT, false).unwrap();
+    let code_alone = m
+        .generate_ids(&code, &greedy(30), None, None, None, &mut |_| {})
+        .unwrap();
+    let mut engine = Engine::new(&m, None, 64);
+    let mut ids = Vec::new();
+    for (p, &n) in prompts.iter().chain([&code]).zip(max.iter().chain([&30])) {
+        ids.push(
+            engine
+                .submit(Request {
+                    prompt_ids: p.clone(),
+                    max_tokens: n,
+                    sampler: greedy(0).sampler,
+                    lookup: 4,
+                    ..Default::default()
+                })
+                .unwrap(),
+        );
+    }
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 9];
+    let mut steps = 0;
+    while engine.active() > 0 {
+        steps += 1;
+        for e in engine.step().unwrap() {
+            if let Event::Token { request, token, .. } = e {
+                got[ids.iter().position(|&r| r == request).unwrap()].push(token);
+            }
+        }
+    }
+    let mut want = want;
+    want.push(code_alone.tokens);
+    assert_eq!(got, want, "lookup in the engine changed greedy tokens");
+    let (drafted, accepted) = engine.drafts();
+    assert!(accepted > 0 && drafted > accepted, "{drafted} drafted, {accepted} kept");
+    assert!(steps < 30, "{steps} steps for 30 tokens: no step kept a draft");
+
     // A stop string: the text up to it, without it; nothing after it is released.
     let full = &alone[2].text;
     let cut = full.char_indices().nth(10).map(|(i, _)| i).unwrap();
@@ -595,16 +633,18 @@ fn ctrl_c_stops_run_within_a_second() {
     }
 }
 
+/// A prompt whose continuation repeats it (prompt lookup drafts well from it).
+const CODE_PROMPT: &str = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n\
+                           # The same two functions again:\ndef add(a, b):\n";
+
 /// Speculative decoding by prompt lookup keeps greedy decoding's tokens exactly, in RAM and
 /// streamed from a .gst under a budget (drafts verified in one pass, rejected ones rolled back
 /// out of the KV cache), with several tokens per pass on text that repeats; streamed, the disk
 /// bytes per generated token fall with the tokens per pass.
 #[test]
 fn prompt_lookup_keeps_greedy_tokens_in_ram_and_streamed() {
-    let prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n\
-                  # The same two functions again:\ndef add(a, b):\n";
     let m = smollm2();
-    let ids = m.prompt_ids(prompt, false).unwrap();
+    let ids = m.prompt_ids(CODE_PROMPT, false).unwrap();
     let n = 24;
     let plain = m.generate_ids(&ids, &greedy(n), None, None, None, &mut |_| {}).unwrap();
     for k in [1, 3, 6] {

@@ -168,22 +168,28 @@ pub struct Generation {
     pub speculative: Option<Speculation>,
 }
 
-/// The next token from `logits`: sampled, `None` when it is a stop token, else with the text
-/// it completes and (when asked) its log-probability. Generation and the engine both emit
-/// tokens through it.
-pub(crate) fn next_token(
+/// Token `t`, chosen from `logits`: `None` when it is a stop token, else the text it completes
+/// and (when asked) its log-probability. Generation and the engine both emit tokens through it.
+pub(crate) fn take_token(
     tokenizer: &crate::model::tokenizer::Tokenizer,
-    sampler: &mut Sampler,
     decoder: &mut crate::model::tokenizer::StreamDecoder,
     logits: &[f32],
+    t: u32,
     logprobs: bool,
-) -> Option<(u32, String, Option<f32>)> {
-    let t = sampler.sample(logits);
+) -> Option<(String, Option<f32>)> {
     if tokenizer.is_stop(t) {
         return None;
     }
     let logprob = logprobs.then(|| log_softmax_at(logits, t));
-    Some((t, decoder.push(t).unwrap_or_default(), logprob))
+    Some((decoder.push(t).unwrap_or_default(), logprob))
+}
+
+/// The token for a row of logits: sampled, or verified against the draft proposed for it.
+pub(crate) fn choose(sampler: &mut Sampler, logits: &[f32], draft: Option<u32>) -> u32 {
+    match draft {
+        Some(d) => sampler.verify(logits, d),
+        None => sampler.sample(logits),
+    }
 }
 
 /// What a request may use of the context: KV positions to allocate and tokens to generate.
@@ -404,17 +410,12 @@ impl Model {
                 }
                 let row = &logits[j * vocab..(j + 1) * vocab];
                 let draft = drafts.get(j).copied();
-                let t = match draft {
-                    Some(d) => sampler.verify(row, d),
-                    None => sampler.sample(row),
-                };
+                let t = choose(&mut sampler, row, draft);
                 samples += 1;
-                if self.tokenizer.is_stop(t) {
+                let Some((text, logprob)) = take_token(&self.tokenizer, &mut decoder, row, t, opts.logprobs) else {
                     finish = Finish::StopToken;
                     break 'generation;
-                }
-                let logprob = opts.logprobs.then(|| log_softmax_at(row, t));
-                let text = decoder.push(t).unwrap_or_default();
+                };
                 tokens.push(t);
                 logprobs.extend(logprob);
                 on_token(&TokenEvent {

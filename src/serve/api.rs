@@ -325,6 +325,7 @@ pub fn request(
         logprobs: logprobs || top_logprobs > 0,
         top_logprobs: top_logprobs as usize,
         stop,
+        lookup: 0,
     })
 }
 

@@ -471,7 +471,8 @@ async fn generate(
     (logprobs, top_logprobs): (bool, u32),
 ) -> Result<Response, ApiError> {
     let mode = api::mode_of(sampling.mode.as_deref(), st.opts.default_mode)?;
-    let req = api::request(sampling, ids, default_max, logprobs, top_logprobs, any_seed(st))?;
+    let mut req = api::request(sampling, ids, default_max, logprobs, top_logprobs, any_seed(st))?;
+    req.lookup = st.opts.lookup;
     let prompt_tokens = req.prompt_ids.len();
     let (rx, ticket) = submit(st, &l, mode, req)?;
     let reply = Reply::new(st, kind, l, prompt_tokens, logprobs, sampling.include_usage());
@@ -580,7 +581,8 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
     // Both continuations are submitted before either is awaited, so they decode side by side.
     let mut pending = Vec::new();
     for &m in &modes {
-        let req = api::request(&sampling, ids.clone(), 0, false, b.top, 0)?;
+        let mut req = api::request(&sampling, ids.clone(), 0, false, b.top, 0)?;
+        req.lookup = st.opts.lookup;
         pending.push((m, submit(st, &l, m, req)?));
     }
     let tokenizer = &l.rt.model.tokenizer;
@@ -668,7 +670,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let admitted = st.admitted.load(Ordering::Relaxed) as f64;
     // One row per metric: name, type, help, value.
     #[rustfmt::skip]
-    let rows: [(&str, &str, &str, f64); 16] = [
+    let rows: [(&str, &str, &str, f64); 18] = [
         ("requests_total", "counter", "Requests accepted.", get(&m.requests) as f64),
         ("requests_rejected_total", "counter", "Requests answered 503 because the queue was full.", get(&m.rejected) as f64),
         ("requests_finished_total", "counter", "Requests that ended (at a stop, a limit, or cancelled).", get(&m.finished) as f64),
@@ -685,6 +687,8 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         ("disk_bytes_total", "counter", "Bytes read from disk by the stream (0 in RAM).", disk as f64),
         ("disk_bytes_per_generated_token", "gauge", "Disk bytes over generated tokens since start (prefill reads included).", per_token),
         ("admitted", "gauge", "Requests queued or running.", admitted),
+        ("draft_tokens_total", "counter", "Prompt-lookup draft tokens verified (--lookup).", get(&m.drafted) as f64),
+        ("draft_tokens_accepted_total", "counter", "Draft tokens kept.", get(&m.accepted) as f64),
     ];
     let s: String = rows
         .iter()

@@ -48,6 +48,8 @@ pub struct ServeOptions {
     pub model_id: String,
     /// After SIGINT / SIGTERM: how long requests in flight may go on before they are cancelled.
     pub shutdown_grace: Duration,
+    /// Draft tokens per request and step by prompt lookup (0 = off).
+    pub lookup: usize,
 }
 
 /// What `/metrics` reports (Prometheus text format).
@@ -71,6 +73,9 @@ pub struct Metrics {
     pub step_ns: AtomicU64,
     /// Bytes the stream's readers got from the device (0 in RAM).
     pub disk_bytes: AtomicU64,
+    /// Prompt-lookup draft tokens verified and kept.
+    pub drafted: AtomicU64,
+    pub accepted: AtomicU64,
 }
 
 /// The model, once loaded.

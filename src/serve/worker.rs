@@ -231,6 +231,13 @@ pub(crate) fn run(
             }
         }
         metrics.running.store(clients.len() as u64, Ordering::Relaxed);
+        let (drafted, accepted) = engines
+            .iter()
+            .flatten()
+            .map(|e| e.drafts())
+            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        metrics.drafted.store(drafted, Ordering::Relaxed);
+        metrics.accepted.store(accepted, Ordering::Relaxed);
     }
 }
 

@@ -154,6 +154,11 @@ pub(crate) enum Command {
         mode: ModeArg,
         #[command(flatten)]
         sparse: SparseArgs,
+        /// Speculative decoding by prompt lookup for every request (as `run --lookup`): up to this
+        /// many draft tokens per request and step, taken from its own context and verified in the
+        /// step's pass (they count in --step-tokens). 0 = off.
+        #[arg(long, default_value_t = 0)]
+        lookup: usize,
         /// Seconds requests in flight may go on after SIGINT / SIGTERM before they are
         /// cancelled (they end with what they generated).
         #[arg(long, default_value_t = 10.0)]

@@ -478,6 +478,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             alias,
             mode,
             sparse,
+            lookup,
             shutdown_grace,
             stream,
         } => {
@@ -532,6 +533,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 },
                 model_id,
                 shutdown_grace: std::time::Duration::from_secs_f64(shutdown_grace),
+                lookup,
             };
             let load = Box::new(move || {
                 gatestream::stream::reset_peak_rss();
