@@ -120,14 +120,14 @@ def start(cmd):
     return proc, base, time.time() - t
 
 
-def level(base, c, per_client, max_tokens, seed):
+def level(base, c, per_client, max_tokens, seed, prompt=None):
     results, errors = [], []
 
     def client(i):
         for k in range(per_client):
             topic = TOPICS[(seed + i * per_client + k) % len(TOPICS)]
-            body = {"prompt": f"Here is a short story about {topic}. Once upon a time", "max_tokens": max_tokens,
-                    "temperature": 0}
+            text = prompt if prompt is not None else f"Here is a short story about {topic}. Once upon a time"
+            body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0}
             status, r = post(base, "/v1/completions", body)
             if status == 200:
                 results.append(r["usage"]["completion_tokens"])
@@ -195,6 +195,7 @@ def main():
     ap.add_argument("--load-test", type=int, default=0, help="N requests instead of the levels")
     ap.add_argument("--load-concurrency", type=int, default=16)
     ap.add_argument("--time-limit", type=float, default=600)
+    ap.add_argument("--prompt-file", help="every request sends this file's text (default: short story openings)")
     ap.add_argument("--json", help="append the result as one JSON line to this file")
     args = ap.parse_args()
     proc, base, ready_s = start(args.server)
@@ -208,7 +209,8 @@ def main():
         else:
             out["levels"] = []
             for i, c in enumerate(int(x) for x in args.concurrency.split(",")):
-                row = level(base, c, args.requests_per_client, args.max_tokens, seed=i * 5)
+                prompt = open(args.prompt_file).read() if args.prompt_file else None
+                row = level(base, c, args.requests_per_client, args.max_tokens, seed=i * 5, prompt=prompt)
                 out["levels"].append(row)
                 print(json.dumps(row), flush=True)
     finally:
