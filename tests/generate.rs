@@ -364,36 +364,22 @@ fn eight_requests_in_one_batch_stop_strings_and_top_logprobs() {
         .map(|(p, &n)| m.generate_ids(p, &greedy(n), None, None, None, &mut |_| {}).unwrap())
         .collect();
     let mut engine = Engine::new(&m, None, 64);
-    let mut ids = Vec::new();
-    for (p, &n) in prompts.iter().zip(&max) {
-        ids.push(
-            engine
-                .submit(Request {
-                    prompt_ids: p.clone(),
-                    max_tokens: n,
-                    sampler: greedy(0).sampler,
-                    top_logprobs: 3,
-                    ..Default::default()
-                })
-                .unwrap(),
-        );
-    }
-    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 8];
+    let reqs = prompts.iter().zip(&max).map(|(p, &n)| Request {
+        prompt_ids: p.clone(),
+        max_tokens: n,
+        sampler: greedy(0).sampler,
+        top_logprobs: 3,
+        ..Default::default()
+    });
     let mut widest = 0;
-    while engine.active() > 0 {
-        widest = widest.max(engine.active());
-        for e in engine.step().unwrap() {
-            if let Event::Token {
-                request, token, top, ..
-            } = e
-            {
-                assert_eq!(top.len(), 3);
-                assert_eq!(top[0].0, token, "greedy takes the most likely token");
-                assert!(top[0].1 >= top[1].1 && top[1].1 >= top[2].1);
-                got[ids.iter().position(|&r| r == request).unwrap()].push(token);
-            }
+    let (got, _) = run_engine(&mut engine, reqs, &mut |engine, e| {
+        widest = widest.max(engine);
+        if let Event::Token { token, top, .. } = e {
+            assert_eq!(top.len(), 3);
+            assert_eq!(top[0].0, *token, "greedy takes the most likely token");
+            assert!(top[0].1 >= top[1].1 && top[1].1 >= top[2].1);
         }
-    }
+    });
     assert_eq!(widest, 8);
     let want: Vec<Vec<u32>> = alone.iter().map(|g| g.tokens.clone()).collect();
     assert_eq!(got, want, "batched requests differ from each run alone");
@@ -405,30 +391,18 @@ fn eight_requests_in_one_batch_stop_strings_and_top_logprobs() {
         .generate_ids(&code, &greedy(30), None, None, None, &mut |_| {})
         .unwrap();
     let mut engine = Engine::new(&m, None, 64);
-    let mut ids = Vec::new();
-    for (p, &n) in prompts.iter().chain([&code]).zip(max.iter().chain([&30])) {
-        ids.push(
-            engine
-                .submit(Request {
-                    prompt_ids: p.clone(),
-                    max_tokens: n,
-                    sampler: greedy(0).sampler,
-                    lookup: 4,
-                    ..Default::default()
-                })
-                .unwrap(),
-        );
-    }
-    let mut got: Vec<Vec<u32>> = vec![Vec::new(); 9];
-    let mut steps = 0;
-    while engine.active() > 0 {
-        steps += 1;
-        for e in engine.step().unwrap() {
-            if let Event::Token { request, token, .. } = e {
-                got[ids.iter().position(|&r| r == request).unwrap()].push(token);
-            }
-        }
-    }
+    let reqs = prompts
+        .iter()
+        .chain([&code])
+        .zip(max.iter().chain([&30]))
+        .map(|(p, &n)| Request {
+            prompt_ids: p.clone(),
+            max_tokens: n,
+            sampler: greedy(0).sampler,
+            lookup: 4,
+            ..Default::default()
+        });
+    let (got, steps) = run_engine(&mut engine, reqs, &mut |_, _| {});
     let mut want = want;
     want.push(code_alone.tokens);
     assert_eq!(got, want, "lookup in the engine changed greedy tokens");
@@ -631,6 +605,29 @@ fn ctrl_c_stops_run_within_a_second() {
             assert!(stdout.trim().len() > 10, "nothing printed: {stdout:?}");
         }
     }
+}
+
+/// Submits `reqs` and steps until all end: each request's tokens (in submission order) and the
+/// steps taken; `each` sees the active count before each step and every event.
+fn run_engine(
+    engine: &mut gatestream::engine::Engine,
+    reqs: impl Iterator<Item = gatestream::engine::Request>,
+    each: &mut dyn FnMut(usize, &gatestream::engine::Event),
+) -> (Vec<Vec<u32>>, usize) {
+    let ids: Vec<_> = reqs.map(|r| engine.submit(r).unwrap()).collect();
+    let mut got = vec![Vec::new(); ids.len()];
+    let mut steps = 0;
+    while engine.active() > 0 {
+        let active = engine.active();
+        steps += 1;
+        for e in engine.step().unwrap() {
+            each(active, &e);
+            if let gatestream::engine::Event::Token { request, token, .. } = e {
+                got[ids.iter().position(|&r| r == request).unwrap()].push(token);
+            }
+        }
+    }
+    (got, steps)
 }
 
 /// A prompt whose continuation repeats it (prompt lookup drafts well from it).
