@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Batch;
 use crate::model::forward::{FfnMask, LayerStream, Passes};
-use crate::model::generate::{choose, lookup_draft, take_token, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
+use crate::model::generate::{lookup_draft, take_token, walk_rows, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
 use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::tokenizer::StreamDecoder;
 use crate::model::Model;
@@ -237,25 +237,39 @@ impl<'m> Engine<'m> {
         // The batch: decode tokens first, then prompt pieces while the budget lasts.
         let mut batch = Batch::default();
         let mut budget = self.step_tokens_max;
-        // The sequences whose logits the pass returns, in row order, with the row's place among
-        // the sequence's rows (0: the token fed, j: after its draft j).
+        // The sequences whose logits the pass returns, in row order, each with its first row (a
+        // decoding sequence has one row for its token and one after each of its drafts).
         let mut rows: Vec<(usize, usize)> = Vec::new();
+        let mut n_rows = 0;
         let mut members: Vec<usize> = Vec::new(); // sequence index in `seqs` of each cache slot
+                                                  // Drafts only take what the step has left once every decoding request has its token and
+                                                  // prompts waiting to be fed have up to half the step: no request waits for another's drafts.
+        let mut decoders_after = self.seqs.iter().filter(|s| s.next.is_some()).count();
+        let prompt_left: usize = self
+            .seqs
+            .iter()
+            .filter(|s| s.next.is_none())
+            .map(|s| s.prompt.len() - s.fed)
+            .sum();
+        let for_prompts = prompt_left.min(budget / 2);
         for (i, s) in self.seqs.iter_mut().enumerate() {
             s.drafts.clear();
             if let (Some(t), true) = (s.next, budget > 0) {
                 let slot = members.len();
                 members.push(i);
                 s.pass_start = s.cache.len;
-                // Drafts: within the step's budget and the tokens the request may still generate.
-                let room = (budget - 1).min(s.max_tokens - s.generated - 1);
+                decoders_after -= 1;
+                // Drafts: within what is spare of the step and the tokens the request may still
+                // generate.
+                let spare = budget.saturating_sub(1 + decoders_after + for_prompts);
+                let room = spare.min(s.max_tokens - s.generated - 1);
                 s.drafts = lookup_draft(&s.context, s.lookup.min(room));
                 batch.push(slot, t, s.cache.len, true);
-                rows.push((i, 0));
                 for (j, &d) in s.drafts.iter().enumerate() {
                     batch.push(slot, d, s.cache.len + 1 + j, true);
-                    rows.push((i, j + 1));
                 }
+                rows.push((i, n_rows));
+                n_rows += 1 + s.drafts.len();
                 budget -= 1 + s.drafts.len();
                 self.drafted += s.drafts.len() as u64;
             }
@@ -271,7 +285,8 @@ impl<'m> Engine<'m> {
                 let last = s.fed + j + 1 == s.prompt.len();
                 batch.push(slot, s.prompt[s.fed + j], s.cache.len + j, last);
                 if last {
-                    rows.push((i, 0));
+                    rows.push((i, n_rows));
+                    n_rows += 1;
                 }
             }
             budget -= take;
@@ -300,53 +315,53 @@ impl<'m> Engine<'m> {
                 s.fed += batch.seq_of_token.iter().filter(|&&x| x == slot).count();
             }
         }
-        // Sample every sequence that got logits: row by row, a draft kept while the token chosen
-        // from the row before it is the draft; the first that is not ends the sequence's step and
-        // the cache is rolled back to the tokens kept.
+        // Sample every sequence that got logits, its drafts verified (see `walk_rows`); the cache
+        // is rolled back past a rejected draft.
         let vocab = self.model.config.vocab;
         let tokenizer = &self.model.tokenizer;
         let mut ended = Vec::new();
-        let mut settled: Option<usize> = None; // the sequence whose remaining rows are skipped
-        for (r, &(i, j)) in rows.iter().enumerate() {
-            if settled == Some(i) {
-                continue;
-            }
+        for &(i, r0) in &rows {
             let s = &mut self.seqs[i];
-            let row = &logits[r * vocab..(r + 1) * vocab];
-            let draft = s.drafts.get(j).copied();
-            let t = choose(&mut s.sampler, row, draft);
-            let Some((text, logprob)) = take_token(tokenizer, &mut s.decoder, row, t, s.logprobs) else {
-                ended.push((i, Finish::StopToken));
-                settled = Some(i);
-                continue;
-            };
-            s.generated += 1;
-            if s.lookup > 0 {
-                s.context.push(t);
-            }
-            let top = crate::model::sampler::top_log_softmax(row, s.top_logprobs);
-            let (text, stopped) = release(s, text);
-            events.push(Event::Token {
-                request: s.id,
-                token: t,
-                text,
-                logprob,
-                top,
-            });
-            if stopped {
-                ended.push((i, Finish::StopString));
-            } else if s.generated >= s.max_tokens {
-                ended.push((i, s.at_max));
-            } else if draft == Some(t) {
-                self.accepted += 1;
-                continue;
-            } else {
-                if draft.is_some() {
-                    s.cache.truncate(s.pass_start + 1 + j);
+            let pass_rows = &logits[r0 * vocab..(r0 + 1 + s.drafts.len()) * vocab];
+            let mut end = None;
+            let (kept, next) = walk_rows(&mut s.sampler, pass_rows, vocab, &s.drafts, &mut |t, row| {
+                let Some((text, logprob)) = take_token(tokenizer, &mut s.decoder, row, t, s.logprobs) else {
+                    end = Some(Finish::StopToken);
+                    return false;
+                };
+                s.generated += 1;
+                if s.lookup > 0 {
+                    s.context.push(t);
                 }
-                s.next = Some(t);
+                let top = crate::model::sampler::top_log_softmax(row, s.top_logprobs);
+                let (text, stopped) = release(&mut s.held, &s.stop, text);
+                events.push(Event::Token {
+                    request: s.id,
+                    token: t,
+                    text,
+                    logprob,
+                    top,
+                });
+                end = if stopped {
+                    Some(Finish::StopString)
+                } else if s.generated >= s.max_tokens {
+                    Some(s.at_max)
+                } else {
+                    None
+                };
+                end.is_none()
+            });
+            self.accepted += kept as u64;
+            match (next, end) {
+                (Some(t), _) => {
+                    if kept < s.drafts.len() {
+                        s.cache.truncate(s.pass_start + 1 + kept);
+                    }
+                    s.next = Some(t);
+                }
+                (None, Some(finish)) => ended.push((i, finish)),
+                (None, None) => unreachable!("a walk ends only where emit ends it"),
             }
-            settled = Some(i);
         }
         ended.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
         for (i, finish) in ended {
@@ -389,18 +404,18 @@ fn finished(s: &mut Sequence, finish: Finish) -> Event {
     }
 }
 
-/// Adds a token's text to what `s` holds back and returns what can be released, and whether a
+/// Adds a token's text to what is `held` back and returns what can be released, and whether a
 /// stop string was reached (then the text before it is released and the rest dropped).
-fn release(s: &mut Sequence, text: String) -> (String, bool) {
-    if s.stop.is_empty() {
+fn release(held: &mut String, stop: &[String], text: String) -> (String, bool) {
+    if stop.is_empty() {
         return (text, false);
     }
-    s.held.push_str(&text);
-    let (out, stopped) = split_at_stop(&s.held, &s.stop);
+    held.push_str(&text);
+    let (out, stopped) = split_at_stop(held, stop);
     let out = out.to_owned();
-    s.held.drain(..out.len());
+    held.drain(..out.len());
     if stopped {
-        s.held.clear();
+        held.clear();
     }
     (out, stopped)
 }

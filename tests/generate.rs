@@ -707,3 +707,80 @@ fn prompt_lookup_keeps_greedy_tokens_in_ram_and_streamed() {
         sp.tokens_per_pass
     );
 }
+
+/// With prompt lookup, one request's drafts never take another's turn: in a step of 8 tokens,
+/// every request already decoding gets a token in every step, a prompt arriving meanwhile is fed
+/// at once (its first token within 3 steps), and the tokens are still each request's greedy
+/// tokens alone.
+#[test]
+fn drafts_take_only_what_the_step_has_spare() {
+    use gatestream::engine::{Engine, Event, Request};
+    use std::collections::HashSet;
+    let m = smollm2();
+    let code = m.prompt_ids(CODE_PROMPT, false).unwrap();
+    let late = m.prompt_ids("Once upon a time", false).unwrap();
+    let want = [
+        m.generate_ids(&code, &greedy(40), None, None, None, &mut |_| {})
+            .unwrap()
+            .tokens,
+        m.generate_ids(&code, &greedy(40), None, None, None, &mut |_| {})
+            .unwrap()
+            .tokens,
+        m.generate_ids(&late, &greedy(6), None, None, None, &mut |_| {})
+            .unwrap()
+            .tokens,
+    ];
+    let req = |p: &Vec<u32>, n: usize| Request {
+        prompt_ids: p.clone(),
+        max_tokens: n,
+        sampler: greedy(0).sampler,
+        lookup: 8,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(&m, None, 8);
+    let mut ids = vec![
+        engine.submit(req(&code, 40)).unwrap(),
+        engine.submit(req(&code, 40)).unwrap(),
+    ];
+    let mut got = vec![Vec::new(); 3];
+    let mut decoding = HashSet::new();
+    let (mut step, mut late_at) = (0, None);
+    while engine.active() > 0 {
+        step += 1;
+        // The late request arrives once both others decode.
+        if decoding.len() == 2 && late_at.is_none() {
+            ids.push(engine.submit(req(&late, 6)).unwrap());
+            late_at = Some(step);
+        }
+        let (mut tokens_of, mut ended) = (HashSet::new(), HashSet::new());
+        for e in engine.step().unwrap() {
+            match e {
+                Event::Token { request, token, .. } => {
+                    tokens_of.insert(request);
+                    got[ids.iter().position(|&r| r == request).unwrap()].push(token);
+                }
+                Event::Finished { request, .. } => {
+                    ended.insert(request);
+                }
+            }
+        }
+        for r in &decoding {
+            assert!(
+                tokens_of.contains(r) || ended.contains(r),
+                "request {r} got no token in step {step}"
+            );
+        }
+        if let Some(at) = late_at {
+            assert!(
+                step - at < 2 || !got[2].is_empty(),
+                "the late prompt waited {} steps",
+                step - at + 1
+            );
+        }
+        decoding.extend(tokens_of);
+        decoding.retain(|r| !ended.contains(r));
+    }
+    assert!(late_at.is_some(), "the two code requests never decoded together");
+    assert!(engine.drafts().1 > 0, "no draft was kept");
+    assert_eq!(got, want);
+}

@@ -45,11 +45,6 @@ impl ChatFamily {
         }
     }
 
-    /// One user message, then the assistant turn opened (`add_generation_prompt`).
-    pub fn render_user_turn(&self, user: &str) -> String {
-        self.render(&[(Role::User, user)])
-    }
-
     /// A conversation (an optional system message first, then user and assistant turns), then
     /// the assistant turn opened, as the family's template writes it. A system message after
     /// the first is written as a system turn where the family has that role (ChatML, Llama-3),

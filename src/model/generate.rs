@@ -184,12 +184,35 @@ pub(crate) fn take_token(
     Some((decoder.push(t).unwrap_or_default(), logprob))
 }
 
-/// The token for a row of logits: sampled, or verified against the draft proposed for it.
-pub(crate) fn choose(sampler: &mut Sampler, logits: &[f32], draft: Option<u32>) -> u32 {
-    match draft {
-        Some(d) => sampler.verify(logits, d),
-        None => sampler.sample(logits),
+/// One sequence's rows of a pass (`rows`: row j follows `drafts[..j]`; row 0 is the fed token's):
+/// each row's token is sampled, or verified against the row's draft, and handed to `emit`
+/// (with its row), which says whether generation goes on. A kept draft moves on to the next row;
+/// the first token that is not its row's draft ends the pass. Returns the drafts kept, and the
+/// token to feed next (`None` when `emit` ended the sequence). The KV cache then holds the pass's
+/// positions up to `pass start + 1 + kept`; the rest are rolled back. Generation and the engine
+/// both walk their passes through it.
+pub(crate) fn walk_rows(
+    sampler: &mut Sampler,
+    rows: &[f32],
+    vocab: usize,
+    drafts: &[u32],
+    emit: &mut dyn FnMut(u32, &[f32]) -> bool,
+) -> (usize, Option<u32>) {
+    for (j, row) in rows.chunks_exact(vocab).take(drafts.len() + 1).enumerate() {
+        let draft = drafts.get(j).copied();
+        let t = match draft {
+            Some(d) => sampler.verify(row, d),
+            None => sampler.sample(row),
+        };
+        let kept = draft == Some(t);
+        if !emit(t, row) {
+            return (j + kept as usize, None);
+        }
+        if !kept {
+            return (j, Some(t));
+        }
     }
+    unreachable!("the row after the last draft has no draft, so it ends the walk")
 }
 
 /// What a request may use of the context: KV positions to allocate and tokens to generate.
@@ -387,9 +410,7 @@ impl Model {
         let mut n_decode_forward = 0usize;
         let vocab = self.config.vocab;
         // `logits` holds one row per token of the last pass from the pending token on: row j
-        // follows `drafts[..j]`. A draft is kept when the token sampled from its row is the
-        // draft; the first one that is not ends the pass, and the KV cache is rolled back to
-        // the tokens kept.
+        // follows `drafts[..j]` (see `walk_rows`).
         let mut drafts: Vec<u32> = Vec::new();
         let mut context: Vec<u32> = if opts.lookup > 0 {
             prompt_tokens.clone()
@@ -398,23 +419,16 @@ impl Model {
         };
         let (mut drafted, mut accepted, mut samples) = (0usize, 0usize, 0usize);
         let mut pass_start = cache.len;
-        'generation: while tokens.len() < plan.max_new {
-            let mut pending = None;
-            for j in 0..=drafts.len() {
-                if tokens.len() == plan.max_new {
-                    break 'generation;
-                }
-                if cancelled() || logits.len() < (j + 1) * vocab {
-                    finish = Finish::Cancelled;
-                    break 'generation;
-                }
-                let row = &logits[j * vocab..(j + 1) * vocab];
-                let draft = drafts.get(j).copied();
-                let t = choose(&mut sampler, row, draft);
+        while tokens.len() < plan.max_new {
+            if cancelled() || logits.is_empty() {
+                finish = Finish::Cancelled;
+                break;
+            }
+            let (kept, pending) = walk_rows(&mut sampler, &logits, vocab, &drafts, &mut |t, row| {
                 samples += 1;
                 let Some((text, logprob)) = take_token(&self.tokenizer, &mut decoder, row, t, opts.logprobs) else {
                     finish = Finish::StopToken;
-                    break 'generation;
+                    return false;
                 };
                 tokens.push(t);
                 logprobs.extend(logprob);
@@ -427,23 +441,14 @@ impl Model {
                 if opts.lookup > 0 {
                     context.push(t);
                 }
-                if draft == Some(t) {
-                    accepted += 1;
-                    continue;
-                }
-                if draft.is_some() {
-                    // Rejected: the pending token and the drafts before this one stay.
-                    cache.truncate(pass_start + 1 + j);
-                }
-                pending = Some(t);
-                break;
-            }
+                tokens.len() < plan.max_new
+            });
+            accepted += kept;
             let Some(next) = pending else {
                 break;
             };
-            if tokens.len() == plan.max_new {
-                break;
-            }
+            // The pending token and the drafts kept stay; a rejected draft's positions go.
+            cache.truncate(pass_start + 1 + kept);
             if cancelled() {
                 finish = Finish::Cancelled;
                 break;

@@ -195,8 +195,12 @@ pub(crate) fn run(
                 continue;
             }
             let bytes0 = disk_bytes(rt);
+            let drafts0 = engine.drafts();
             let t = Instant::now();
             let stepped = engine.step();
+            let drafts1 = engine.drafts();
+            metrics.drafted.fetch_add(drafts1.0 - drafts0.0, Ordering::Relaxed);
+            metrics.accepted.fetch_add(drafts1.1 - drafts0.1, Ordering::Relaxed);
             metrics.steps.fetch_add(1, Ordering::Relaxed);
             metrics.step_sequences.fetch_add(members as u64, Ordering::Relaxed);
             metrics.batch_width.store(members as u64, Ordering::Relaxed);
@@ -231,13 +235,6 @@ pub(crate) fn run(
             }
         }
         metrics.running.store(clients.len() as u64, Ordering::Relaxed);
-        let (drafted, accepted) = engines
-            .iter()
-            .flatten()
-            .map(|e| e.drafts())
-            .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
-        metrics.drafted.store(drafted, Ordering::Relaxed);
-        metrics.accepted.store(accepted, Ordering::Relaxed);
     }
 }
 

@@ -122,11 +122,12 @@ pub struct LookaheadReport {
 impl StreamReport {
     pub fn new(s: &Streamer, g: &crate::model::generate::Generation) -> StreamReport {
         let (c, r) = s.decode_counters();
-        // Per generated token: one per pass, or several when speculation verified drafts.
-        let steps = match g.speculative {
-            Some(_) => g.decode_tokens.max(1) as f64,
-            None => c.passes.max(1) as f64,
+        // Generated tokens: one per pass, or several when speculation verified drafts.
+        let decode_tokens = match g.speculative {
+            Some(_) => g.decode_tokens as u64,
+            None => c.passes,
         };
+        let steps = decode_tokens.max(1) as f64;
         let needed = (c.ffn_needed_bytes + c.dense_needed_bytes) as f64;
         StreamReport {
             engine: match s.engine {
@@ -138,11 +139,7 @@ impl StreamReport {
             ram_budget_bytes: s.residency.budget_bytes,
             residency: s.residency.clone(),
             cost_model: s.cost,
-            decode_tokens: if g.speculative.is_some() {
-                g.decode_tokens as u64
-            } else {
-                c.passes
-            },
+            decode_tokens,
             decode_tok_per_s: g.decode_tok_per_s,
             disk_bytes_per_token: r.bytes_device as f64 / steps,
             dense_disk_bytes_per_token: s.dense_bytes_per_token as f64,
