@@ -9,10 +9,39 @@ use crate::gguf::GgufFile;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Arch {
+    /// Llama family; with `llama.expert_count`, Mixtral-style experts.
     Llama,
     Qwen2,
     Gemma3,
+    /// Qwen1.5-MoE / Qwen2-MoE: routed experts plus a shared expert behind a sigmoid gate.
+    Qwen2Moe,
+    /// Qwen3-MoE: per-head QK-norm, routed experts only.
+    Qwen3Moe,
+    /// OLMoE: QK-norm over the whole projection, routed experts only.
+    Olmoe,
 }
+
+/// Mixture-of-experts architectures llama.cpp knows that gatestream does not run, with why.
+const MOE_REFUSED: &[(&str, &str)] = &[
+    ("deepseek", "DeepSeek MoE (grouped expert gating)"),
+    ("deepseek2", "DeepSeek-V2/V3 (multi-head latent attention, MLA)"),
+    ("deepseek32", "DeepSeek-V3.2 (MLA with sparse attention)"),
+    ("dbrx", "DBRX (clamped QKV, LayerNorm)"),
+    ("grok", "Grok (soft-capped attention, GELU experts)"),
+    ("phimoe", "Phi-3.5-MoE (LayerNorm, sparsemixer routing)"),
+    ("arctic", "Snowflake Arctic (dense residual FFN beside the experts)"),
+    ("gpt-oss", "gpt-oss (attention sinks, clamped SwiGLU experts)"),
+    ("granitemoe", "Granite MoE (scaled residuals and logits)"),
+    (
+        "llama4",
+        "Llama 4 (weights applied before the experts, chunked attention)",
+    ),
+    ("bailingmoe", "Ling / Bailing MoE"),
+    ("ernie4_5-moe", "ERNIE 4.5 MoE"),
+    ("glm4moe", "GLM-4.5 (sigmoid routing with expert bias)"),
+    ("hunyuan-moe", "Hunyuan MoE"),
+    ("qwen3next", "Qwen3-Next (linear attention)"),
+];
 
 impl Arch {
     pub fn parse(path: &Path, name: &str) -> Result<Arch> {
@@ -20,9 +49,17 @@ impl Arch {
             "llama" | "mistral" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
             "gemma3" | "gemma3_text" => Ok(Arch::Gemma3),
+            "qwen2moe" => Ok(Arch::Qwen2Moe),
+            "qwen3moe" => Ok(Arch::Qwen3Moe),
+            "olmoe" => Ok(Arch::Olmoe),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 arch: other.to_string(),
+                what: MOE_REFUSED
+                    .iter()
+                    .find(|(n, _)| *n == other)
+                    .map(|(_, what)| format!(" (a mixture-of-experts model: {what})"))
+                    .unwrap_or_default(),
             }),
         }
     }
@@ -31,6 +68,9 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2Moe => "qwen2moe",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::Olmoe => "olmoe",
         }
     }
 }
@@ -87,6 +127,26 @@ pub struct ModelConfig {
     pub post_norms: bool,
     pub attn_bias: bool,
     pub final_logit_softcap: Option<f32>,
+    /// OLMoE: Q and K are RMS-normalized over the whole projection (not per head) before RoPE.
+    #[serde(default)]
+    pub qk_norm_whole: bool,
+    /// Routed experts in place of the dense FFN (every layer); `ffn` is then an expert's width.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts FFN: per token the router's softmax picks the `n_used` most likely of
+/// `n_experts` experts, whose outputs are summed weighted by their probabilities — renormalized
+/// to sum to one where the architecture does so (llama.cpp's `norm_w`).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MoeConfig {
+    pub n_experts: usize,
+    pub n_used: usize,
+    /// Whether the chosen experts' weights are divided by their sum.
+    pub normalize: bool,
+    /// Neurons of the shared expert every token also runs (Qwen2-MoE; its output is scaled by
+    /// sigmoid of a learned projection of the input); 0: none.
+    pub shared_ffn: usize,
 }
 
 impl ModelConfig {
@@ -119,6 +179,14 @@ impl ModelConfig {
         }
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd; RoPE needs pairs", self.head_dim));
+        }
+        if let Some(m) = &self.moe {
+            if m.n_used == 0 || m.n_used > m.n_experts || m.n_experts > 1024 || m.shared_ffn > 1 << 20 {
+                return bad(format!(
+                    "{} experts with {} used per token: need 1 <= used <= experts <= 1024",
+                    m.n_experts, m.n_used
+                ));
+            }
         }
         if self.sliding_pattern == 0 {
             return bad("sliding window pattern 0".into());
@@ -180,10 +248,19 @@ impl ModelConfig {
             _ => 1.0,
         };
         let rope_theta = opt_f("rope.freq_base").unwrap_or(10000.0);
+        let moe = Self::moe_from_gguf(arch, &opt_int, &int)?;
+        // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
+        let ffn = match (&moe, arch) {
+            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe) => match opt_int("expert_feed_forward_length") {
+                Some(w) => w,
+                None => int("feed_forward_length")? / m.n_used.max(1),
+            },
+            _ => int("feed_forward_length")?,
+        };
         let cfg = ModelConfig {
             arch,
             hidden,
-            ffn: int("feed_forward_length")?,
+            ffn,
             n_layers: int("block_count")?,
             n_heads,
             n_kv_heads,
@@ -212,12 +289,45 @@ impl ModelConfig {
             sliding_pattern: 6,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
-            qk_norm: gemma,
+            qk_norm: gemma || arch == Arch::Qwen3Moe,
             post_norms: gemma,
             attn_bias: arch == Arch::Qwen2,
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
+            qk_norm_whole: arch == Arch::Olmoe,
+            moe,
         };
         cfg.validate(path)
+    }
+
+    /// The experts' configuration as llama.cpp reads it: `{arch}.expert_count` and
+    /// `expert_used_count` (both required by the MoE architectures, optional for llama),
+    /// renormalization per architecture (Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE
+    /// do not), Qwen2-MoE's shared expert width (`expert_shared_feed_forward_length`, else the
+    /// dense width).
+    fn moe_from_gguf(
+        arch: Arch,
+        opt_int: &dyn Fn(&str) -> Option<usize>,
+        int: &dyn Fn(&str) -> Result<usize>,
+    ) -> Result<Option<MoeConfig>> {
+        let moe_arch = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe);
+        if !moe_arch && (arch != Arch::Llama || opt_int("expert_count").unwrap_or(0) == 0) {
+            return Ok(None);
+        }
+        let n_experts = int("expert_count")?;
+        let n_used = int("expert_used_count")?;
+        let shared_ffn = match arch {
+            Arch::Qwen2Moe => match opt_int("expert_shared_feed_forward_length") {
+                Some(w) => w,
+                None => int("feed_forward_length")?,
+            },
+            _ => 0,
+        };
+        Ok(Some(MoeConfig {
+            n_experts,
+            n_used,
+            normalize: matches!(arch, Arch::Llama | Arch::Qwen3Moe),
+            shared_ffn,
+        }))
     }
 
     /// From a Hugging Face `config.json`.
@@ -239,6 +349,12 @@ impl ModelConfig {
             .and_then(|x| x.as_str())
             .ok_or_else(|| bad("missing `model_type`".into()))?;
         let arch = Arch::parse(path, model_type)?;
+        if matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe) || v.get("num_local_experts").is_some() {
+            return Err(bad(format!(
+                "`{model_type}` is a mixture-of-experts model; gatestream reads experts from GGUF files only \
+                 (convert it with llama.cpp's convert_hf_to_gguf.py)"
+            )));
+        }
         let gemma = arch == Arch::Gemma3;
         let hidden = int("hidden_size")?;
         let n_heads = int("num_attention_heads")?;
@@ -282,6 +398,8 @@ impl ModelConfig {
             post_norms: gemma,
             attn_bias: arch == Arch::Qwen2,
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
+            qk_norm_whole: false,
+            moe: None,
         };
         cfg.validate(path)
     }

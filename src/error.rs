@@ -45,8 +45,17 @@ pub enum Error {
         found: Vec<usize>,
     },
 
-    #[error("{path}: architecture `{arch}` is not supported; supported: llama, qwen2, gemma3")]
-    UnsupportedArchitecture { path: PathBuf, arch: String },
+    #[error(
+        "{path}: architecture `{arch}`{what} is not supported; supported: llama (with experts: Mixtral), qwen2, \
+         gemma3, qwen2moe, qwen3moe, olmoe"
+    )]
+    UnsupportedArchitecture {
+        path: PathBuf,
+        arch: String,
+        /// What the architecture is, when it is one gatestream knows it cannot run (", a
+        /// mixture-of-experts model: ...").
+        what: String,
+    },
 
     /// A read of a byte range that failed (device error, or the file ends before the range does).
     /// `offset_bytes`/`len_bytes` are the range the caller asked for, not the widened device read.

@@ -242,20 +242,20 @@ struct FfnBytes {
 }
 
 impl FfnBytes {
-    fn of(model: &Model) -> FfnBytes {
-        let l0 = &model.weights.layers[0];
-        let down = l0.ffn_down.weight();
-        let down_col = match &l0.ffn_down {
+    fn of(model: &Model) -> crate::error::Result<FfnBytes> {
+        let l0 = model.weights.layers[0].dense("the FFN bytes model (eval)")?;
+        let down = l0.down.weight();
+        let down_col = match &l0.down {
             crate::model::weights::FfnDown::Columns(w) => w.row_bytes,
             crate::model::weights::FfnDown::Rows(_) => GgmlType::Q8_0.row_bytes(down.rows).unwrap_or(down.rows * 4),
         };
-        FfnBytes {
-            gate_layer: l0.ffn_gate.len_bytes() as f64,
-            up_row: l0.ffn_up.row_bytes as f64,
+        Ok(FfnBytes {
+            gate_layer: l0.gate.len_bytes() as f64,
+            up_row: l0.up.row_bytes as f64,
             down_col: down_col as f64,
             ffn: model.config.ffn,
             n_layers: model.config.n_layers,
-        }
+        })
     }
 
     fn dense(&self) -> f64 {
@@ -554,7 +554,7 @@ pub fn eval_with(
     let copy_of: Vec<Option<usize>> = (0..maskers.len())
         .map(|i| (0..i).find(|&j| maskers[j].same_mask_as(&maskers[i])))
         .collect();
-    let bytes = FfnBytes::of(model);
+    let bytes = FfnBytes::of(model)?;
     let (half, vocab) = (opts.ctx / 2, model.config.vocab);
     let mut dense_acc = Accum::default();
     let mut accs: Vec<Accum> = maskers.iter().map(|_| Accum::default()).collect();

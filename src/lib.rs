@@ -24,6 +24,7 @@ pub mod safetensors;
 pub mod serve;
 pub mod sparsity;
 pub mod stream;
+pub mod synth;
 pub mod tensor;
 
 pub use error::{Error, Result};

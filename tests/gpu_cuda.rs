@@ -554,18 +554,11 @@ fn qwen_compare(
 fn bytes_per_token(m: &Model) -> u64 {
     let mut b = m.weights.output.len_bytes() as u64;
     for l in &m.weights.layers {
-        let down = match &l.ffn_down {
+        let f = l.dense("bytes per token").unwrap();
+        let down = match &f.down {
             FfnDown::Rows(w) | FfnDown::Columns(w) => w,
         };
-        for w in [
-            &l.attn.wq,
-            &l.attn.wk,
-            &l.attn.wv,
-            &l.attn.wo,
-            &l.ffn_gate,
-            &l.ffn_up,
-            down,
-        ] {
+        for w in [&l.attn.wq, &l.attn.wk, &l.attn.wv, &l.attn.wo, &f.gate, &f.up, down] {
             b += w.len_bytes() as u64;
         }
     }

@@ -277,7 +277,7 @@ fn up_sketch_section_estimates_up_rows() {
     assert_eq!(s.len_bytes as usize, ffn * row_bytes);
     let sketch = g.section_bytes(s);
     let model = load(&path);
-    let up = &model.weights.layers[3].ffn_up;
+    let up = &model.weights.layers[3].dense("test").unwrap().up;
     let x: Vec<f32> = (0..hidden).map(|i| (i * 7919 % 1000) as f32 / 500.0 - 1.0).collect();
     let mut row = vec![0f32; hidden];
     let (mut exact, mut est) = (Vec::new(), Vec::new());

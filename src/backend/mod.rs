@@ -206,6 +206,29 @@ pub trait Device: Send + Sync {
     fn scatter_cols(&self, x: &Act, cols: &[u32], width: usize) -> Act;
     /// Columns `cols` of `x`, `[n, cols.len()]`.
     fn gather_cols(&self, x: &Act, cols: &[u32]) -> Act;
+    /// `out[rows[i]] += scales[i] · y[i]` for every row `i` of `y` (the experts' weighted sum).
+    /// This default works on any device through the host (a sync point per call).
+    fn add_rows_scaled(&self, out: &mut Act, y: &Act, rows: &[usize], scales: &[f32]) {
+        assert!(
+            y.rows == rows.len() && rows.len() == scales.len() && y.width == out.width,
+            "row scatter shape"
+        );
+        let w = out.width;
+        let yv = self.to_host(y);
+        let scatter = |o: &mut [f32]| {
+            for ((&r, &s), src) in rows.iter().zip(scales).zip(yv.chunks_exact(w)) {
+                o[r * w..(r + 1) * w].iter_mut().zip(src).for_each(|(a, b)| *a += s * b);
+            }
+        };
+        match out.as_host_mut() {
+            Some(o) => scatter(o),
+            None => {
+                let mut o = self.to_host(out).into_owned();
+                scatter(&mut o);
+                *out = self.upload(out.rows, w, o);
+            }
+        }
+    }
     /// `x · w_i` for each weight (`[n, w_i.rows]` each); one input serves several products.
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act>;
     /// `x · w[rows]`: only the listed rows, `[n, rows.len()]`.

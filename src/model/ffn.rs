@@ -18,9 +18,11 @@
 use rayon::prelude::*;
 
 use crate::backend::{Act, Device};
+use crate::config::MoeConfig;
+use crate::error::Error;
 use crate::error::Result;
 use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
-use crate::model::weights::{FfnDown, LayerWeights};
+use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
 use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
 use crate::tensor::Weight;
@@ -37,9 +39,74 @@ fn edit_on_host(dev: &dyn Device, a: &mut Act, f: impl FnOnce(&mut [f32])) {
 }
 
 impl Model {
-    /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
-    /// `[n, hidden]`, before any post-FFN norm.
-    pub(crate) fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
+    /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`, before any post-FFN norm.
+    pub fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
+        match (&w.ffn, &self.config.moe) {
+            (LayerFfn::Dense(f), _) => self.ffn_dense(l, f, xn, hooks),
+            (LayerFfn::Experts(e), Some(moe)) => self.ffn_experts(l, e, moe, xn, hooks),
+            (LayerFfn::Experts(_), None) => Err(Error::Invalid(format!(
+                "{}: layer {l} has experts but the configuration none",
+                self.path.display()
+            ))),
+        }
+    }
+
+    /// A mixture of experts (see [`MoeConfig`]): the router's choices come to the host (the
+    /// one sync point), tokens are grouped per expert so each chosen expert's rows are read
+    /// once for all its tokens, each expert is [`Model::ffn_dense`], and its rows are added to
+    /// their tokens' outputs times their weights; Qwen2-MoE's shared expert runs on every token
+    /// scaled by its sigmoid gate. Arithmetic as llama.cpp's `build_moe_ffn`: softmax over the
+    /// router's logits in f32, the `n_used` largest (ties to the lower index), renormalized
+    /// (sum clamped to 2^-14) where the architecture says so.
+    fn ffn_experts(&self, l: usize, e: &ExpertWeights, moe: &MoeConfig, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
+        let n = xn.rows;
+        let plain = hooks.stream.is_none_or(|s| !s.streams_ffn())
+            && hooks.mask.is_none()
+            && hooks.observe.is_none()
+            && matches!((hooks.select)(l, n), FfnNeurons::All);
+        if !plain {
+            return Err(Error::Invalid(
+                "neuron masks (--mode sparse), calibration and streaming are not available for \
+                 mixture-of-experts models yet; run the model in RAM with --mode dense"
+                    .into(),
+            ));
+        }
+        let dev = &*self.device;
+        let h = self.config.hidden;
+        let logits = dev.matmul(&[&e.router], xn).remove(0);
+        let routes = route(&dev.to_host(&logits), moe);
+        let mut groups: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); moe.n_experts];
+        for (t, chosen) in routes.chunks_exact(moe.n_used).enumerate() {
+            for &(ex, weight) in chosen {
+                groups[ex].0.push(t);
+                groups[ex].1.push(weight);
+            }
+        }
+        let dense = FfnHooks::dense();
+        let mut out = dev.zeros(n, h);
+        for (ex, (tokens, weights)) in groups.iter().enumerate().filter(|(_, g)| !g.0.is_empty()) {
+            let picked = (tokens.len() < n).then(|| dev.select_rows(xn, tokens));
+            let y = self.ffn_dense(l, &e.experts[ex], picked.as_ref().unwrap_or(xn), &dense)?;
+            dev.add_rows_scaled(&mut out, &y, tokens, weights);
+        }
+        if let Some((shared, gate)) = &e.shared {
+            let y = self.ffn_dense(l, shared, xn, &dense)?;
+            let x = dev.to_host(xn);
+            let scales: Vec<f32> = x
+                .chunks_exact(h)
+                .map(|row| {
+                    let g: f32 = row.iter().zip(gate).map(|(a, b)| a * b).sum();
+                    1.0 / (1.0 + (-g).exp())
+                })
+                .collect();
+            dev.add_rows_scaled(&mut out, &y, &(0..n).collect::<Vec<_>>(), &scales);
+        }
+        Ok(out)
+    }
+
+    /// A dense FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
+    /// `[n, hidden]`.
+    pub(crate) fn ffn_dense(&self, l: usize, w: &FfnWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         let cfg = &self.config;
         let dev = &*self.device;
         let (h, f) = (cfg.hidden, cfg.ffn);
@@ -53,10 +120,10 @@ impl Model {
             Some(s) => s.gate(l)?,
             None => None,
         };
-        let gate_w = streamed_gate.as_deref().unwrap_or(&w.ffn_gate);
+        let gate_w = streamed_gate.as_deref().unwrap_or(&w.gate);
         let (mut gate, up_with_gate) = match (neurons, stream) {
             (FfnNeurons::All, None) => {
-                let mut gu = dev.matmul(&[gate_w, &w.ffn_up], xn);
+                let mut gu = dev.matmul(&[gate_w, &w.up], xn);
                 let up = gu.pop().expect("up");
                 (gu.pop().expect("gate"), Some(up))
             }
@@ -81,7 +148,7 @@ impl Model {
         let mut staged: Option<(Vec<u32>, bool, Option<Weight>)> = None;
         let mut up = match (up_with_gate, stream, neurons) {
             (Some(up), _, _) => up,
-            (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.ffn_up, rows, xn), rows, f),
+            (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.up, rows, xn), rows, f),
             (None, None, FfnNeurons::All) => unreachable!("computed with the gate"),
             (None, Some(s), _) => {
                 let mut need = vec![true; f];
@@ -145,7 +212,7 @@ impl Model {
                 }
                 d
             }
-            _ => match &w.ffn_down {
+            _ => match &w.down {
                 FfnDown::Rows(down) => dev.matmul(&[down], &hact).remove(0),
                 FfnDown::Columns(down_t) => {
                     let rows = match neurons {
@@ -169,7 +236,7 @@ impl Model {
     fn ffn_decode_streamed(
         &self,
         l: usize,
-        w: &LayerWeights,
+        w: &FfnWeights,
         xn: &[f32],
         gate: &[f32],
         mask: &dyn FfnMask,
@@ -183,7 +250,7 @@ impl Model {
         mask.up_needed(l, xn, gate, &mut need);
         let one_pass = mask.decides_before_up();
         let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
-        let (up_ty, down_ty) = (w.ffn_up.ty, w.ffn_down.weight().ty);
+        let (up_ty, down_ty) = (w.up.ty, w.down.weight().ty);
         let mut px = PreparedInput::new();
         px.prepare(xn, up_ty);
 
@@ -279,4 +346,28 @@ impl Model {
         }
         s.read_ahead(next, &need, mask.decides_before_up())
     }
+}
+
+/// Per token, the experts chosen from the router's logits `[n, n_experts]`: `n_used` entries
+/// `(expert, weight)` each, most likely first (see [`Model::ffn_experts`]).
+pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
+    let mut out = Vec::with_capacity(logits.len() / moe.n_experts.max(1) * moe.n_used);
+    let mut order: Vec<usize> = Vec::with_capacity(moe.n_experts);
+    for row in logits.chunks_exact(moe.n_experts) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let exps: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let probs: Vec<f32> = exps.iter().map(|&v| v / sum).collect();
+        order.clear();
+        order.extend(0..moe.n_experts);
+        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        let chosen = &order[..moe.n_used];
+        let scale = if moe.normalize {
+            1.0 / chosen.iter().map(|&e| probs[e]).sum::<f32>().max(6.103_515_6e-5)
+        } else {
+            1.0
+        };
+        out.extend(chosen.iter().map(|&e| (e, probs[e] * scale)));
+    }
+    out
 }

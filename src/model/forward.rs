@@ -417,15 +417,16 @@ impl Model {
             pos_scale,
             style: cfg.rope_style,
         };
-        dev.rope_qk(
-            &mut q,
-            &mut k,
-            &batch.positions,
-            rope,
-            w.q_norm.as_deref(),
-            w.k_norm.as_deref(),
-            cfg.rms_eps,
-        );
+        let (q_norm, k_norm) = match (&w.q_norm, &w.k_norm) {
+            // OLMoE: over the whole projection, before RoPE.
+            (Some(qn), Some(kn)) if cfg.qk_norm_whole => {
+                dev.rms_norm_in_place(&mut q, qn, cfg.rms_eps);
+                dev.rms_norm_in_place(&mut k, kn, cfg.rms_eps);
+                (None, None)
+            }
+            _ => (w.q_norm.as_deref(), w.k_norm.as_deref()),
+        };
+        dev.rope_qk(&mut q, &mut k, &batch.positions, rope, q_norm, k_norm, cfg.rms_eps);
         dev.kv_write(l, &k, &v, &batch.positions, &batch.seq_of_token, caches);
         let shape = AttnShape {
             layer: l,

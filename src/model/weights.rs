@@ -153,6 +153,44 @@ impl TensorSource {
     pub fn has(&self, name: &str) -> bool {
         self.shape(name).is_some()
     }
+
+    /// The `n` matrices `[rows, cols]` of a GGUF three-dimensional expert tensor (dims
+    /// `[cols, rows, n]`, the expert outermost): each expert's rows are contiguous, so each is a
+    /// view at its own offset.
+    pub fn experts(&self, name: &str, n: usize, rows: usize, cols: usize, arch: Arch) -> Result<Vec<Weight>> {
+        let TensorSource::Gguf(g) = self else {
+            return Err(Error::Invalid(format!(
+                "{}: `{name}`: experts are read from GGUF files only",
+                self.path().display()
+            )));
+        };
+        let t = g.tensor(name).ok_or_else(|| self.missing(name, arch))?;
+        let found: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        let wrong = || Error::WrongShape {
+            path: self.path().to_path_buf(),
+            tensor: name.into(),
+            expected: vec![n, rows, cols],
+            found: found.clone(),
+        };
+        if found != [n, rows, cols] {
+            return Err(wrong());
+        }
+        let ty = t.ty.ok_or_else(|| gguf::unsupported_type_error(&g.path, t))?;
+        let row_bytes = ty.row_bytes(cols).ok_or_else(wrong)?;
+        Ok((0..n)
+            .map(|e| {
+                Weight::mapped(
+                    &format!("{name}[{e}]"),
+                    ty,
+                    rows,
+                    cols,
+                    g.map.clone(),
+                    t.offset_bytes as usize + e * rows * row_bytes,
+                    row_bytes,
+                )
+            })
+            .collect())
+    }
 }
 
 /// The FFN down projection in one of its two storage orders.
@@ -172,23 +210,62 @@ impl FfnDown {
     }
 }
 
+/// A gated FFN: `down · (act(gate·x) ⊙ up·x)`.
+pub struct FfnWeights {
+    pub gate: Weight,  // [ffn, hidden]
+    pub up: Weight,    // [ffn, hidden]
+    pub down: FfnDown, // [hidden, ffn] rows or [ffn, hidden] columns
+}
+
+/// A mixture-of-experts FFN (see [`crate::config::MoeConfig`]).
+pub struct ExpertWeights {
+    /// `[n_experts, hidden]`: the router's logits are `router · x`.
+    pub router: Weight,
+    /// Each expert's FFN, `[expert_ffn, hidden]` gate and up, `[hidden, expert_ffn]` down.
+    pub experts: Vec<FfnWeights>,
+    /// Qwen2-MoE's shared expert and its gate vector `[hidden]`: every token adds
+    /// `sigmoid(gate · x) · ffn(x)`.
+    pub shared: Option<(FfnWeights, Vec<f32>)>,
+}
+
+/// A layer's FFN: dense, or experts (boxed; the dense variant is the common one and is never moved
+/// per token).
+#[allow(clippy::large_enum_variant)]
+pub enum LayerFfn {
+    Dense(FfnWeights),
+    Experts(Box<ExpertWeights>),
+}
+
 /// One transformer block's weights. Shapes are `[rows, cols]` = `[out, in]`.
 pub struct LayerWeights {
     pub attn_norm: Vec<f32>, // [hidden]
     /// wq `[n_heads*head_dim, hidden]`, wk and wv `[n_kv_heads*head_dim, hidden]`,
     /// wo `[hidden, n_heads*head_dim]`.
     pub attn: AttnWeights,
-    pub bq: Option<Vec<f32>>,             // [n_heads*head_dim] (qwen2)
-    pub bk: Option<Vec<f32>>,             // [n_kv_heads*head_dim]
-    pub bv: Option<Vec<f32>>,             // [n_kv_heads*head_dim]
-    pub q_norm: Option<Vec<f32>>,         // [head_dim] (gemma3)
-    pub k_norm: Option<Vec<f32>>,         // [head_dim]
+    pub bq: Option<Vec<f32>>, // [n_heads*head_dim] (qwen2)
+    pub bk: Option<Vec<f32>>, // [n_kv_heads*head_dim]
+    pub bv: Option<Vec<f32>>, // [n_kv_heads*head_dim]
+    /// `[head_dim]` per head (gemma3, qwen3moe), or `[n_heads*head_dim]` over the whole
+    /// projection (olmoe, `qk_norm_whole`).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,         // [head_dim] or [n_kv_heads*head_dim]
     pub post_attn_norm: Option<Vec<f32>>, // [hidden] (gemma3)
     pub ffn_norm: Vec<f32>,               // [hidden]
-    pub ffn_gate: Weight,                 // [ffn, hidden]
-    pub ffn_up: Weight,                   // [ffn, hidden]
-    pub ffn_down: FfnDown,                // [hidden, ffn] rows or [ffn, hidden] columns
-    pub post_ffn_norm: Option<Vec<f32>>,  // [hidden] (gemma3)
+    pub ffn: LayerFfn,
+    pub post_ffn_norm: Option<Vec<f32>>, // [hidden] (gemma3)
+}
+
+impl LayerWeights {
+    /// The dense FFN, or an error naming `what` (a path that does not read experts yet).
+    pub fn dense(&self, what: &str) -> Result<&FfnWeights> {
+        match &self.ffn {
+            LayerFfn::Dense(f) => Ok(f),
+            LayerFfn::Experts(_) => Err(Error::Invalid(format!(
+                "{what} is not available for mixture-of-experts models yet (dense FFNs only); \
+                 run the model in RAM without --mode sparse"
+            ))),
+        }
+    }
 }
 
 pub struct ModelWeights {
@@ -248,19 +325,29 @@ impl Names {
 impl ModelWeights {
     /// Every matrix of the model, resident or not.
     fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
-        let layers = self.layers.iter_mut().flat_map(|l| {
-            let down = match &mut l.ffn_down {
+        fn ffn_mut(f: &mut FfnWeights) -> [&mut Weight; 3] {
+            let down = match &mut f.down {
                 FfnDown::Rows(w) | FfnDown::Columns(w) => w,
             };
-            [
-                &mut l.attn.wq,
-                &mut l.attn.wk,
-                &mut l.attn.wv,
-                &mut l.attn.wo,
-                &mut l.ffn_gate,
-                &mut l.ffn_up,
-                down,
-            ]
+            [&mut f.gate, &mut f.up, down]
+        }
+        let layers = self.layers.iter_mut().flat_map(|l| {
+            let attn = [&mut l.attn.wq, &mut l.attn.wk, &mut l.attn.wv, &mut l.attn.wo];
+            let ffn: Vec<&mut Weight> = match &mut l.ffn {
+                LayerFfn::Dense(f) => ffn_mut(f).into_iter().collect(),
+                LayerFfn::Experts(e) => {
+                    let ExpertWeights {
+                        router,
+                        experts,
+                        shared,
+                    } = &mut **e;
+                    std::iter::once(router)
+                        .chain(experts.iter_mut().flat_map(ffn_mut))
+                        .chain(shared.iter_mut().flat_map(|(f, _)| ffn_mut(f)))
+                        .collect()
+                }
+            };
+            attn.into_iter().chain(ffn)
         });
         [&mut self.token_embd, &mut self.output].into_iter().chain(layers)
     }
@@ -287,6 +374,8 @@ impl ModelWeights {
             Ok(v)
         };
         let (h, q, kv, f) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let qk_norm = cfg.qk_norm || cfg.qk_norm_whole;
+        let qk_norm_len = |per_head: usize, whole: usize| if cfg.qk_norm_whole { whole } else { per_head };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let n = |what: &str| names.layer(l, what, arch);
@@ -316,16 +405,49 @@ impl ModelWeights {
                 bq: opt_vec("attn_q.bias", q)?,
                 bk: opt_vec("attn_k.bias", kv)?,
                 bv: opt_vec("attn_v.bias", kv)?,
-                q_norm: need_norm("attn_q_norm.weight", cfg.head_dim, cfg.qk_norm)?,
-                k_norm: need_norm("attn_k_norm.weight", cfg.head_dim, cfg.qk_norm)?,
+                q_norm: need_norm("attn_q_norm.weight", qk_norm_len(cfg.head_dim, q), qk_norm)?,
+                k_norm: need_norm("attn_k_norm.weight", qk_norm_len(cfg.head_dim, kv), qk_norm)?,
                 post_attn_norm: need_norm("post_attention_norm.weight", h, cfg.post_norms)?,
                 ffn_norm: norm(&n("ffn_norm.weight"), h)?,
-                ffn_gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
-                ffn_up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
-                ffn_down: if neuron_major {
-                    FfnDown::Columns(src.matrix(&n("ffn_down_t.weight"), f, h, arch)?)
-                } else {
-                    FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?)
+                ffn: match &cfg.moe {
+                    None => LayerFfn::Dense(FfnWeights {
+                        gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
+                        up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
+                        down: if neuron_major {
+                            FfnDown::Columns(src.matrix(&n("ffn_down_t.weight"), f, h, arch)?)
+                        } else {
+                            FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?)
+                        },
+                    }),
+                    Some(m) => {
+                        let e = m.n_experts;
+                        let gate = src.experts(&n("ffn_gate_exps.weight"), e, f, h, arch)?;
+                        let up = src.experts(&n("ffn_up_exps.weight"), e, f, h, arch)?;
+                        let down = src.experts(&n("ffn_down_exps.weight"), e, h, f, arch)?;
+                        let experts = (gate.into_iter().zip(up).zip(down))
+                            .map(|((gate, up), down)| FfnWeights {
+                                gate,
+                                up,
+                                down: FfnDown::Rows(down),
+                            })
+                            .collect();
+                        let shared = match m.shared_ffn {
+                            0 => None,
+                            s => Some((
+                                FfnWeights {
+                                    gate: src.matrix(&n("ffn_gate_shexp.weight"), s, h, arch)?,
+                                    up: src.matrix(&n("ffn_up_shexp.weight"), s, h, arch)?,
+                                    down: FfnDown::Rows(src.matrix(&n("ffn_down_shexp.weight"), h, s, arch)?),
+                                },
+                                src.vector(&n("ffn_gate_inp_shexp.weight"), h, arch)?,
+                            )),
+                        };
+                        LayerFfn::Experts(Box::new(ExpertWeights {
+                            router: src.matrix(&n("ffn_gate_inp.weight"), e, h, arch)?,
+                            experts,
+                            shared,
+                        }))
+                    }
                 },
                 post_ffn_norm: need_norm("post_ffw_norm.weight", h, cfg.post_norms)?,
             });

@@ -407,6 +407,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
     let mut down_err = Vec::with_capacity(n_layers);
     for (l, lw) in weights.layers.iter().enumerate() {
         let n = |what: &str| format!("blk.{l}.{what}");
+        let ffn_w = lw.dense("reformat to .gst")?;
         put_vector(&mut w, &n("attn_norm.weight"), &lw.attn_norm)?;
         put_matrix(&mut w, &n("attn_q.weight"), &lw.attn.wq)?;
         put_matrix(&mut w, &n("attn_k.weight"), &lw.attn.wk)?;
@@ -428,10 +429,10 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         put_vector(&mut w, &n("ffn_norm.weight"), &lw.ffn_norm)?;
 
         let order = &orders[l];
-        let (gate_ty, gate) = rows_in_order(&lw.ffn_gate, order, to)?;
+        let (gate_ty, gate) = rows_in_order(&ffn_w.gate, order, to)?;
         w.matrix(&n("ffn_gate.weight"), gate_ty, ffn, hidden, &gate)?;
-        let (up_ty, up) = rows_in_order(&lw.ffn_up, order, to)?;
-        let FfnDown::Rows(down) = &lw.ffn_down else {
+        let (up_ty, up) = rows_in_order(&ffn_w.up, order, to)?;
+        let FfnDown::Rows(down) = &ffn_w.down else {
             return Err(Error::Invalid(
                 "internal: a non-.gst source with neuron-major down".into(),
             ));
@@ -471,7 +472,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
             let mut sketch = vec![0u8; ffn * row_bytes];
             let mut f = vec![0f32; hidden];
             for (&r, out) in order.iter().zip(sketch.chunks_exact_mut(row_bytes)) {
-                lw.ffn_up.dequantize_row(r as usize, &mut f);
+                ffn_w.up.dequantize_row(r as usize, &mut f);
                 sketch_row(&f, out);
             }
             w.section(&n("ffn_up_sketch"), &sketch)?;
@@ -492,7 +493,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
             down_type: match opts.down_type {
                 DownType::Q8_0 => GgmlType::Q8_0,
                 DownType::F16 => GgmlType::F16,
-                DownType::Same => weights.layers[0].ffn_down.weight().ty,
+                DownType::Same => weights.layers[0].dense("reformat to .gst")?.down.weight().ty,
             },
             up_sketch: opts.up_sketch,
         },

@@ -122,7 +122,7 @@ impl UpSketches {
             .layers
             .par_iter()
             .map(|l| {
-                let up = read(&l.ffn_up)?;
+                let up = read(&l.dense("up sketches")?.up)?;
                 let mut out = vec![0u8; ffn * row_bytes];
                 let mut f = vec![0f32; hidden];
                 for (n, o) in out.chunks_exact_mut(row_bytes).enumerate() {

@@ -99,19 +99,20 @@ impl Streamer {
                 + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(&cfg),
         };
         for l in &w.layers {
-            let FfnDown::Columns(down) = &l.ffn_down else {
+            let ffn_w = l.dense("streaming")?;
+            let FfnDown::Columns(down) = &ffn_w.down else {
                 return Err(not_gst());
             };
             let a = &l.attn;
             sizes
                 .attention_bytes
                 .push([&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|w| w.len_bytes() as u64).sum());
-            sizes.gate_bytes.push(l.ffn_gate.len_bytes() as u64);
-            sizes.neuron_bytes.push((l.ffn_up.row_bytes + down.row_bytes) as u64);
+            sizes.gate_bytes.push(ffn_w.gate.len_bytes() as u64);
+            sizes.neuron_bytes.push((ffn_w.up.row_bytes + down.row_bytes) as u64);
             layers.push(LayerParts {
                 attn: None,
                 gate: None,
-                up: Part::of(&l.ffn_up)?,
+                up: Part::of(&ffn_w.up)?,
                 down: Part::of(down)?,
                 ffn_ranges: Vec::new(),
             });
@@ -232,10 +233,10 @@ impl Streamer {
                 layers[l].attn = Some([Part::of(&a.wq)?, Part::of(&a.wk)?, Part::of(&a.wv)?, Part::of(&a.wo)?]);
             }
             if residency.gate_resident[l] {
-                resident_gate.push(Some(load(&lw.ffn_gate)?));
+                resident_gate.push(Some(load(&lw.dense("streaming")?.gate)?));
             } else {
                 resident_gate.push(None);
-                layers[l].gate = Some(Part::of(&lw.ffn_gate)?);
+                layers[l].gate = Some(Part::of(&lw.dense("streaming")?.gate)?);
             }
         }
         // Neuron caches start with each layer's first neurons (the hot prefix of a hot-first file).

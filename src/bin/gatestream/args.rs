@@ -236,6 +236,47 @@ pub(crate) enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write a synthetic mixture-of-experts GGUF from a dense llama-architecture GGUF (no real MoE
+    /// weights are reachable here): its FFN upcycled into experts (each a perturbed copy, a random
+    /// router; it speaks like the dense model), or random weights with its tokenizer. llama.cpp
+    /// reads the result too, so it can serve as the reference.
+    MakeMoe {
+        /// Dense source: a llama-architecture .gguf (default: SmolLM2-135M-Instruct, as fetched by
+        /// ../shared/models/fetch.sh smollm2).
+        #[arg(long, short)]
+        model: Option<PathBuf>,
+        /// The .gguf to write (through a temporary file renamed when complete).
+        output: PathBuf,
+        /// Architecture written: llama (Mixtral-style: renormalized top-K), qwen2moe (shared
+        /// expert, not renormalized), qwen3moe (per-head QK-norm, renormalized), olmoe (QK-norm over
+        /// the whole projection, not renormalized).
+        #[arg(long, value_enum, default_value_t = MoeArchArg::Qwen3moe)]
+        arch: MoeArchArg,
+        /// Experts per layer.
+        #[arg(long, default_value_t = 4)]
+        experts: usize,
+        /// Experts each token uses.
+        #[arg(long, default_value_t = 2)]
+        used: usize,
+        /// Type of the expert matrices (random models: of every matrix but the router).
+        #[arg(long = "type", value_enum, default_value_t = MoeTypeArg::Q8_0)]
+        ty: MoeTypeArg,
+        /// Random weights instead of the source's: HIDDEN,FFN,LAYERS,HEADS,KV_HEADS (FFN: each
+        /// expert's neurons), e.g. 2048,1024,16,16,16 for an OLMoE-1B-7B shape.
+        #[arg(long, value_parser = random_shape_arg)]
+        random: Option<gatestream::synth::RandomShape>,
+        /// Each expert's values are the dense ones times 1 + PERTURB·N(0,1).
+        #[arg(long, default_value_t = 0.05)]
+        perturb: f32,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Replace OUTPUT if it exists.
+        #[arg(long)]
+        force: bool,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// The quality cost of FFN sparsity: perplexity, its increase over dense, top-1 agreement
     /// and KL divergence from dense, achieved sparsity and implied FFN bytes per token, for every
     /// strategy x criterion x level, on the same windows as `perplexity`.
@@ -517,6 +558,48 @@ pub(crate) enum TypeArg {
     Bf16,
     #[value(name = "q8_0")]
     Q8_0,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum MoeArchArg {
+    Llama,
+    Qwen2moe,
+    Qwen3moe,
+    Olmoe,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub(crate) enum MoeTypeArg {
+    F32,
+    F16,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q4_k")]
+    Q4K,
+    #[value(name = "q6_k")]
+    Q6K,
+}
+
+fn random_shape_arg(s: &str) -> Result<gatestream::synth::RandomShape, String> {
+    let v: Vec<usize> = s
+        .split(',')
+        .map(|x| x.trim().parse::<usize>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("`{s}`: {e}; expected HIDDEN,FFN,LAYERS,HEADS,KV_HEADS"))?;
+    match v[..] {
+        [hidden, ffn, layers, heads, kv_heads] if v.iter().all(|&x| x > 0) => Ok(gatestream::synth::RandomShape {
+            hidden,
+            ffn,
+            layers,
+            heads,
+            kv_heads,
+        }),
+        _ => Err(format!(
+            "`{s}`: expected five positive numbers HIDDEN,FFN,LAYERS,HEADS,KV_HEADS"
+        )),
+    }
 }
 
 pub(crate) fn strategy_of(s: StrategyArg) -> Strategy {

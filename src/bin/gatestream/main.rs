@@ -662,6 +662,70 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
+        Command::MakeMoe {
+            model,
+            output,
+            arch,
+            experts,
+            used,
+            ty,
+            random,
+            perturb,
+            seed,
+            force,
+            json,
+        } => {
+            use gatestream::config::Arch;
+            use gatestream::quant::GgmlType;
+            let dense = match model {
+                Some(m) => m,
+                None => default_model()?,
+            };
+            if output.exists() && !force {
+                anyhow::bail!("{} exists; pass --force to replace it", output.display());
+            }
+            let spec = gatestream::synth::MoeSpec {
+                arch: match arch {
+                    MoeArchArg::Llama => Arch::Llama,
+                    MoeArchArg::Qwen2moe => Arch::Qwen2Moe,
+                    MoeArchArg::Qwen3moe => Arch::Qwen3Moe,
+                    MoeArchArg::Olmoe => Arch::Olmoe,
+                },
+                experts,
+                used,
+                ty: match ty {
+                    MoeTypeArg::F32 => GgmlType::F32,
+                    MoeTypeArg::F16 => GgmlType::F16,
+                    MoeTypeArg::Q8_0 => GgmlType::Q8_0,
+                    MoeTypeArg::Q4_0 => GgmlType::Q4_0,
+                    MoeTypeArg::Q4K => GgmlType::Q4_K,
+                    MoeTypeArg::Q6K => GgmlType::Q6_K,
+                },
+                random,
+                perturb,
+                seed,
+            };
+            let mut bar = Progress::new();
+            let report = gatestream::synth::write_moe(&dense, &spec, &output, &mut |done, total| {
+                bar.update("layers", done, total)
+            })?;
+            drop(bar);
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "wrote {} ({:.1} MB): {} {} experts, {} used, {} layers, hidden {}, expert FFN {}",
+                    output.display(),
+                    report.bytes as f64 / 1e6,
+                    report.arch,
+                    report.experts,
+                    report.used,
+                    report.layers,
+                    report.hidden,
+                    report.expert_ffn
+                );
+            }
+        }
         Command::Bench {
             model,
             trace,

@@ -44,6 +44,8 @@ pub(super) fn config() -> ModelConfig {
         post_norms: false,
         attn_bias: false,
         final_logit_softcap: None,
+        qk_norm_whole: false,
+        moe: None,
     }
 }
 

@@ -1,0 +1,383 @@
+//! Mixture-of-experts models: synthetic GGUFs of each architecture (`gatestream::synth`, made from
+//! stories260K's tokenizer and weights — no real MoE weights are reachable here) checked against
+//! a naive reference that computes every expert, against the dense model they were upcycled
+//! from, and batched against token by token; and the refusals (streaming, masks, unsupported
+//! MoE architectures, malformed expert tensors).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::*;
+use gatestream::config::Arch;
+use gatestream::gguf::MetaValue;
+use gatestream::kv::KvCache;
+use gatestream::model::batch::Logits;
+use gatestream::model::forward::FfnHooks;
+use gatestream::model::weights::{FfnDown, FfnWeights, LayerFfn};
+use gatestream::model::{LoadOptions, Model};
+use gatestream::quant::GgmlType;
+use gatestream::synth::{write_moe, MoeSpec, RandomShape};
+
+const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2Moe, Arch::Qwen3Moe, Arch::Olmoe];
+
+fn stories_file(dir: &Path) -> PathBuf {
+    write_temp(dir, "stories.gguf", &stories_gguf(Breakage::None))
+}
+
+fn spec(arch: Arch, ty: GgmlType, random: bool) -> MoeSpec {
+    MoeSpec {
+        arch,
+        experts: 6,
+        used: 2,
+        ty,
+        random: random.then_some(RandomShape {
+            hidden: 64,
+            ffn: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: if arch == Arch::Olmoe { 4 } else { 2 },
+        }),
+        perturb: 0.05,
+        seed: 7,
+    }
+}
+
+fn make(dir: &Path, spec: &MoeSpec, name: &str) -> PathBuf {
+    let out = dir.join(name);
+    write_moe(&stories_file(dir), spec, &out, &mut |_, _| {}).unwrap();
+    out
+}
+
+fn load(path: &Path) -> Model {
+    Model::load(path, &LoadOptions::default()).unwrap()
+}
+
+fn rows_f64(w: &gatestream::tensor::Weight) -> Vec<Vec<f64>> {
+    let mut row = vec![0f32; w.cols];
+    (0..w.rows)
+        .map(|r| {
+            w.dequantize_row(r, &mut row);
+            row.iter().map(|&v| v as f64).collect()
+        })
+        .collect()
+}
+
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// One dense SwiGLU FFN in f64.
+fn ffn_f64(f: &FfnWeights, x: &[f64]) -> Vec<f64> {
+    let FfnDown::Rows(down) = &f.down else {
+        panic!("GGUF experts store down as rows")
+    };
+    let (gate, up, down) = (rows_f64(&f.gate), rows_f64(&f.up), rows_f64(down));
+    let hact: Vec<f64> = gate
+        .iter()
+        .zip(&up)
+        .map(|(g, u)| {
+            let g = dot(g, x);
+            g / (1.0 + (-g).exp()) * dot(u, x)
+        })
+        .collect();
+    down.iter().map(|r| dot(r, &hact)).collect()
+}
+
+/// Every expert run on every token, then each token's top-K (by the router's softmax, most likely
+/// first) summed with its weights, renormalized where the architecture does so; plus the shared
+/// expert behind its sigmoid gate.
+fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> Vec<f64> {
+    let moe = model.config.moe.as_ref().unwrap();
+    let LayerFfn::Experts(e) = &model.weights.layers[l].ffn else {
+        panic!("a MoE layer")
+    };
+    let h = model.config.hidden;
+    let router = rows_f64(&e.router);
+    let mut out = Vec::with_capacity(n * h);
+    for t in 0..n {
+        let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
+        let all: Vec<Vec<f64>> = e.experts.iter().map(|f| ffn_f64(f, &xt)).collect();
+        let logits: Vec<f64> = router.iter().map(|r| dot(r, &xt)).collect();
+        let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|v| (v - max).exp()).sum();
+        let p: Vec<f64> = logits.iter().map(|v| (v - max).exp() / z).collect();
+        let mut order: Vec<usize> = (0..moe.n_experts).collect();
+        order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap());
+        let chosen = &order[..moe.n_used];
+        let sum: f64 = chosen.iter().map(|&i| p[i]).sum();
+        let mut y = vec![0f64; h];
+        for &i in chosen {
+            let w = if moe.normalize { p[i] / sum } else { p[i] };
+            y.iter_mut().zip(&all[i]).for_each(|(a, b)| *a += w * b);
+        }
+        if let Some((shared, gate)) = &e.shared {
+            let g: f64 = gate.iter().zip(&xt).map(|(a, b)| *a as f64 * b).sum();
+            let s = ffn_f64(shared, &xt);
+            y.iter_mut().zip(&s).for_each(|(a, b)| *a += b / (1.0 + (-g).exp()));
+        }
+        out.extend(y);
+    }
+    out
+}
+
+#[test]
+fn every_architecture_matches_the_naive_all_experts_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ARCHS {
+        let path = make(
+            tmp.path(),
+            &spec(arch, GgmlType::F32, true),
+            &format!("{}.gguf", arch.name()),
+        );
+        let model = load(&path);
+        let moe = model.config.moe.clone().unwrap();
+        assert_eq!((moe.n_experts, moe.n_used), (6, 2), "{arch:?}");
+        assert_eq!(moe.normalize, matches!(arch, Arch::Llama | Arch::Qwen3Moe), "{arch:?}");
+        assert_eq!(moe.shared_ffn > 0, arch == Arch::Qwen2Moe, "{arch:?}");
+        let (h, n) = (model.config.hidden, 9);
+        // Inputs of unit RMS, different per token so tokens route differently.
+        let x: Vec<f32> = (0..n * h)
+            .map(|i| ((i * 7919 % 613) as f32 / 306.5 - 1.0) * 1.7)
+            .collect();
+        let mut experts_used = std::collections::BTreeSet::new();
+        for l in 0..model.config.n_layers {
+            let w = &model.weights.layers[l];
+            let LayerFfn::Experts(e) = &w.ffn else {
+                panic!("{arch:?}: layer {l} is dense")
+            };
+            let got = model.device.download(
+                model
+                    .ffn(l, w, &model.device.upload(n, h, x.clone()), &FfnHooks::dense())
+                    .unwrap(),
+            );
+            let want = naive_moe(&model, l, &x, n);
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0f64, f64::max);
+            assert!(
+                worst <= 1e-4 * scale,
+                "{arch:?} layer {l}: |gatestream - reference| {worst:.3e} of {scale:.3e}"
+            );
+            // Batched (tokens grouped per expert) equals one token at a time.
+            for t in 0..n {
+                let one = model.device.download(
+                    model
+                        .ffn(
+                            l,
+                            w,
+                            &model.device.upload(1, h, x[t * h..(t + 1) * h].to_vec()),
+                            &FfnHooks::dense(),
+                        )
+                        .unwrap(),
+                );
+                let d = one
+                    .iter()
+                    .zip(&got[t * h..(t + 1) * h])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    d as f64 <= 1e-5 * scale,
+                    "{arch:?} layer {l} token {t}: batched vs alone {d}"
+                );
+            }
+            let mut xl = vec![0f32; n * e.router.rows];
+            for (t, row) in x.chunks_exact(h).enumerate() {
+                for (ex, r) in rows_f64(&e.router).iter().enumerate() {
+                    xl[t * e.router.rows + ex] = r.iter().zip(row).map(|(a, b)| a * *b as f64).sum::<f64>() as f32;
+                }
+            }
+            experts_used.extend(gatestream::model::ffn::route(&xl, &moe).iter().map(|r| r.0));
+        }
+        assert!(
+            experts_used.len() >= 4,
+            "{arch:?}: the tokens used only experts {experts_used:?}"
+        );
+    }
+}
+
+#[test]
+fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
+    let mut moe = gatestream::config::MoeConfig {
+        n_experts: 4,
+        n_used: 2,
+        normalize: false,
+        shared_ffn: 0,
+    };
+    let logits = [0.0f32, 2.0, 1.0, 2.0];
+    let z: f32 = logits.iter().map(|v| v.exp()).sum();
+    let r = gatestream::model::ffn::route(&logits, &moe);
+    // Ties go to the lower index; weights are the softmax's.
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3]);
+    assert!((r[0].1 - 2f32.exp() / z).abs() < 1e-6 && (r[1].1 - 2f32.exp() / z).abs() < 1e-6);
+    moe.normalize = true;
+    let r = gatestream::model::ffn::route(&logits, &moe);
+    assert!((r[0].1 - 0.5).abs() < 1e-6 && (r[1].1 - 0.5).abs() < 1e-6, "{r:?}");
+}
+
+/// Identical experts (no perturbation) whose weights sum to one are the dense FFN: the upcycled
+/// Mixtral-style model gives the dense stories260K's logits.
+#[test]
+fn identical_renormalized_experts_equal_the_dense_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s = spec(Arch::Llama, GgmlType::F32, false);
+    s.perturb = 0.0;
+    let moe = load(&make(tmp.path(), &s, "upcycled.gguf"));
+    let dense = load(&stories_file(tmp.path()));
+    let prompt = dense
+        .tokenizer
+        .encode("Once upon a time, there was a dog", true)
+        .unwrap();
+    let v = dense.config.vocab;
+    let mut c1 = KvCache::new(&dense.config, 64);
+    let mut c2 = KvCache::new(&moe.config, 64);
+    let a = dense.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
+    let b = moe.forward(&prompt, &mut c2, Logits::From(0)).unwrap();
+    assert_eq!(a.len(), prompt.len() * v);
+    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(d < 1e-3, "upcycled vs dense logits differ by {d}");
+}
+
+/// Each architecture, random Q8_0 weights (experts and attention): a batched prompt gives the
+/// logits of feeding it token by token.
+#[test]
+fn batched_prefill_equals_token_by_token_for_each_architecture() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ARCHS {
+        let model = load(&make(
+            tmp.path(),
+            &spec(arch, GgmlType::Q8_0, true),
+            &format!("{}.gguf", arch.name()),
+        ));
+        let prompt = model
+            .tokenizer
+            .encode("Once upon a time, there was a dog", true)
+            .unwrap();
+        let v = model.config.vocab;
+        let mut c1 = KvCache::new(&model.config, 64);
+        let batched = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
+        let mut c2 = KvCache::new(&model.config, 64);
+        for (i, &t) in prompt.iter().enumerate() {
+            let one = model.forward(&[t], &mut c2, Logits::Last).unwrap();
+            let d = one
+                .iter()
+                .zip(&batched[i * v..(i + 1) * v])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d < 1e-3, "{arch:?} position {i}: logits differ by {d}");
+        }
+    }
+}
+
+#[test]
+fn masks_streaming_and_reformat_are_refused_for_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = make(tmp.path(), &spec(Arch::Qwen3Moe, GgmlType::Q8_0, true), "m.gguf");
+    let model = load(&path);
+    let all: Vec<u32> = (0..8).collect();
+    let hooks = FfnHooks {
+        select: &|_, _| gatestream::model::forward::FfnNeurons::Subset(&all),
+        ..FfnHooks::dense()
+    };
+    let mut cache = KvCache::new(&model.config, 8);
+    let e = model
+        .forward_with(&[1, 2], &mut cache, Logits::Last, &hooks)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mixture-of-experts") && e.contains("--mode dense"), "{e}");
+    let e = gatestream::reformat::reformat(&path, &tmp.path().join("m.gst"), &Default::default(), &mut |_, _, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("reformat") && e.contains("mixture-of-experts"), "{e}");
+    assert!(!tmp.path().join("m.gst").exists());
+}
+
+/// A GGUF with `general.architecture` and extra keys replaced, tensors as stories260K's.
+fn stories_with(dir: &Path, name: &str, arch: &str, extra: &[(&str, MetaValue)]) -> PathBuf {
+    let src = gatestream::gguf::GgufFile::open(&stories_file(dir)).unwrap();
+    let mut meta: Vec<(String, MetaValue)> = src
+        .metadata
+        .iter()
+        .filter(|(k, _)| k.starts_with("tokenizer.") || k.starts_with("general."))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    meta.retain(|(k, _)| k != "general.architecture");
+    meta.push(("general.architecture".into(), MetaValue::Str(arch.into())));
+    for (k, v) in &src.metadata {
+        if let Some(rest) = k.strip_prefix("llama.") {
+            meta.push((format!("{arch}.{rest}"), v.clone()));
+        }
+    }
+    meta.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    let tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = src
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone(), t.type_id, src.tensor_bytes(t).to_vec()))
+        .collect();
+    let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    write_temp(dir, name, &gguf_of(&refs, &tensors))
+}
+
+fn load_err(path: &Path) -> String {
+    match Model::load(path, &LoadOptions::default()) {
+        Ok(_) => panic!("{} loaded", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn unsupported_and_malformed_moe_files_are_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let e = load_err(&stories_with(tmp.path(), "ds.gguf", "deepseek2", &[]));
+    assert!(
+        e.contains("deepseek2") && e.contains("MLA") && e.contains("qwen3moe"),
+        "{e}"
+    );
+    // A MoE architecture without its expert keys.
+    let e = load_err(&stories_with(tmp.path(), "q.gguf", "qwen3moe", &[]));
+    assert!(e.contains("qwen3moe.expert_count"), "{e}");
+    // Expert keys, but the dense tensors only.
+    let e = load_err(&stories_with(
+        tmp.path(),
+        "mx.gguf",
+        "llama",
+        &[
+            ("llama.expert_count", MetaValue::U32(4)),
+            ("llama.expert_used_count", MetaValue::U32(2)),
+        ],
+    ));
+    assert!(e.contains("blk.0.ffn_gate_exps.weight"), "{e}");
+    let e = load_err(&stories_with(
+        tmp.path(),
+        "bad.gguf",
+        "llama",
+        &[
+            ("llama.expert_count", MetaValue::U32(2)),
+            ("llama.expert_used_count", MetaValue::U32(3)),
+        ],
+    ));
+    assert!(e.contains("2 experts with 3 used"), "{e}");
+    // An expert tensor of the wrong shape.
+    let good = make(tmp.path(), &spec(Arch::Llama, GgmlType::F32, true), "good.gguf");
+    let g = gatestream::gguf::GgufFile::open(&good).unwrap();
+    let refs: Vec<(&str, MetaValue)> = g.metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = g
+        .tensors
+        .iter()
+        .map(|t| {
+            let mut dims = t.dims.clone();
+            if t.name == "blk.1.ffn_up_exps.weight" {
+                dims.swap(1, 2);
+            }
+            (t.name.clone(), dims, t.type_id, g.tensor_bytes(t).to_vec())
+        })
+        .collect();
+    let e = load_err(&write_temp(tmp.path(), "shape.gguf", &gguf_of(&refs, &tensors)));
+    assert!(
+        e.contains("blk.1.ffn_up_exps.weight") && e.contains("[6, 64, 64]"),
+        "{e}"
+    );
+}
