@@ -261,8 +261,8 @@ impl LayerWeights {
         match &self.ffn {
             LayerFfn::Dense(f) => Ok(f),
             LayerFfn::Experts(_) => Err(Error::Invalid(format!(
-                "{what} is not available for mixture-of-experts models yet (dense FFNs only); \
-                 run the model in RAM without --mode sparse"
+                "{what} does not read mixture-of-experts models yet (dense FFNs only); `run`, \
+                 `perplexity` and `serve` run them in RAM with --mode dense"
             ))),
         }
     }
