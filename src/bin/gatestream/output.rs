@@ -173,7 +173,11 @@ pub(crate) fn print_loaded(model: &Model, seconds: f64) {
             m.n_experts,
             c.ffn,
             m.n_used,
-            if m.shared_ffn > 0 { format!(", a shared expert of ffn {}", m.shared_ffn) } else { String::new() }
+            if m.shared_ffn > 0 {
+                format!(", a shared expert of ffn {}", m.shared_ffn)
+            } else {
+                String::new()
+            }
         ),
     };
     eprintln!(
