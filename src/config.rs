@@ -63,6 +63,10 @@ impl Arch {
             }),
         }
     }
+    /// The architectures whose FFNs are always experts (llama has them only with `expert_count`).
+    pub fn is_moe(self) -> bool {
+        matches!(self, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe)
+    }
     pub fn name(self) -> &'static str {
         match self {
             Arch::Llama => "llama",
@@ -309,8 +313,7 @@ impl ModelConfig {
         opt_int: &dyn Fn(&str) -> Option<usize>,
         int: &dyn Fn(&str) -> Result<usize>,
     ) -> Result<Option<MoeConfig>> {
-        let moe_arch = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe);
-        if !moe_arch && (arch != Arch::Llama || opt_int("expert_count").unwrap_or(0) == 0) {
+        if !arch.is_moe() && (arch != Arch::Llama || opt_int("expert_count").unwrap_or(0) == 0) {
             return Ok(None);
         }
         let n_experts = int("expert_count")?;
@@ -349,7 +352,7 @@ impl ModelConfig {
             .and_then(|x| x.as_str())
             .ok_or_else(|| bad("missing `model_type`".into()))?;
         let arch = Arch::parse(path, model_type)?;
-        if matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe) || v.get("num_local_experts").is_some() {
+        if arch.is_moe() || v.get("num_local_experts").is_some() {
             return Err(bad(format!(
                 "`{model_type}` is a mixture-of-experts model; gatestream reads experts from GGUF files only \
                  (convert it with llama.cpp's convert_hf_to_gguf.py)"

@@ -91,6 +91,7 @@ struct Tensor {
     bytes: Vec<u8>,
 }
 
+/// An F32 vector (give `dims` afterwards for a matrix).
 fn f32_tensor(name: String, v: &[f32]) -> Tensor {
     Tensor {
         name,
@@ -182,7 +183,7 @@ pub fn write_moe(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<MoeReport> {
     let arch = spec.arch;
-    if arch == Arch::Qwen2 || arch == Arch::Gemma3 {
+    if !arch.is_moe() && arch != Arch::Llama {
         return Err(Error::Invalid(format!(
             "{} is not a mixture-of-experts architecture; use llama, qwen2moe, qwen3moe or olmoe",
             arch.name()
@@ -390,10 +391,8 @@ pub fn write_moe(
         let logit_std = if spec.random.is_some() { 3.0 } else { 0.5 };
         let router: Vec<f32> = (0..e * h).map(|_| rng.normal() * logit_std / norm_len).collect();
         tensors.push(Tensor {
-            name: n("ffn_gate_inp.weight"),
             dims: vec![h as u64, e as u64],
-            ty: GgmlType::F32,
-            bytes: router.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ..f32_tensor(n("ffn_gate_inp.weight"), &router)
         });
 
         // Experts: [gate, up] `[f, h]` and down `[h, f]` each, expert outermost.

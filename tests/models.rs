@@ -88,17 +88,7 @@ fn batched_prefill_equals_token_by_token_decode() {
         .tokenizer
         .encode("Once upon a time, there was a dog", true)
         .unwrap();
-    let mut c1 = KvCache::new(&model.config, 64);
-    let batched = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
-    let mut c2 = KvCache::new(&model.config, 64);
-    let v = model.config.vocab;
-    for (i, &t) in prompt.iter().enumerate() {
-        let one = model.forward(&[t], &mut c2, Logits::Last).unwrap();
-        let d = one
-            .iter()
-            .zip(&batched[i * v..(i + 1) * v])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+    for (i, d) in batched_vs_one_by_one(&model, &prompt).into_iter().enumerate() {
         assert!(d < 1e-4, "position {i}: logits differ by {d}");
     }
 }

@@ -86,8 +86,8 @@ fn ffn_f64(f: &FfnWeights, x: &[f64]) -> Vec<f64> {
 
 /// Every expert run on every token, then each token's top-K (by the router's softmax, most likely
 /// first) summed with its weights, renormalized where the architecture does so; plus the shared
-/// expert behind its sigmoid gate.
-fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> Vec<f64> {
+/// expert behind its sigmoid gate. Also the experts chosen.
+fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> (Vec<f64>, Vec<usize>) {
     let moe = model.config.moe.as_ref().unwrap();
     let LayerFfn::Experts(e) = &model.weights.layers[l].ffn else {
         panic!("a MoE layer")
@@ -95,6 +95,7 @@ fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> Vec<f64> {
     let h = model.config.hidden;
     let router = rows_f64(&e.router);
     let mut out = Vec::with_capacity(n * h);
+    let mut used = Vec::new();
     for t in 0..n {
         let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
         let all: Vec<Vec<f64>> = e.experts.iter().map(|f| ffn_f64(f, &xt)).collect();
@@ -105,6 +106,7 @@ fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> Vec<f64> {
         let mut order: Vec<usize> = (0..moe.n_experts).collect();
         order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap());
         let chosen = &order[..moe.n_used];
+        used.extend_from_slice(chosen);
         let sum: f64 = chosen.iter().map(|&i| p[i]).sum();
         let mut y = vec![0f64; h];
         for &i in chosen {
@@ -118,7 +120,7 @@ fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> Vec<f64> {
         }
         out.extend(y);
     }
-    out
+    (out, used)
 }
 
 #[test]
@@ -143,7 +145,7 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
         let mut experts_used = std::collections::BTreeSet::new();
         for l in 0..model.config.n_layers {
             let w = &model.weights.layers[l];
-            let LayerFfn::Experts(e) = &w.ffn else {
+            let LayerFfn::Experts(_) = &w.ffn else {
                 panic!("{arch:?}: layer {l} is dense")
             };
             let got = model.device.download(
@@ -151,7 +153,8 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
                     .ffn(l, w, &model.device.upload(n, h, x.clone()), &FfnHooks::dense())
                     .unwrap(),
             );
-            let want = naive_moe(&model, l, &x, n);
+            let (want, used) = naive_moe(&model, l, &x, n);
+            experts_used.extend(used);
             let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
             let worst = got
                 .iter()
@@ -184,13 +187,6 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
                     "{arch:?} layer {l} token {t}: batched vs alone {d}"
                 );
             }
-            let mut xl = vec![0f32; n * e.router.rows];
-            for (t, row) in x.chunks_exact(h).enumerate() {
-                for (ex, r) in rows_f64(&e.router).iter().enumerate() {
-                    xl[t * e.router.rows + ex] = r.iter().zip(row).map(|(a, b)| a * *b as f64).sum::<f64>() as f32;
-                }
-            }
-            experts_used.extend(gatestream::model::ffn::route(&xl, &moe).iter().map(|r| r.0));
         }
         assert!(
             experts_used.len() >= 4,
@@ -256,17 +252,7 @@ fn batched_prefill_equals_token_by_token_for_each_architecture() {
             .tokenizer
             .encode("Once upon a time, there was a dog", true)
             .unwrap();
-        let v = model.config.vocab;
-        let mut c1 = KvCache::new(&model.config, 64);
-        let batched = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
-        let mut c2 = KvCache::new(&model.config, 64);
-        for (i, &t) in prompt.iter().enumerate() {
-            let one = model.forward(&[t], &mut c2, Logits::Last).unwrap();
-            let d = one
-                .iter()
-                .zip(&batched[i * v..(i + 1) * v])
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+        for (i, d) in batched_vs_one_by_one(&model, &prompt).into_iter().enumerate() {
             assert!(d < 1e-3, "{arch:?} position {i}: logits differ by {d}");
         }
     }

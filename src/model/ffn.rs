@@ -109,7 +109,8 @@ impl Model {
     pub(crate) fn ffn_dense(&self, l: usize, w: &FfnWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         let cfg = &self.config;
         let dev = &*self.device;
-        let (h, f) = (cfg.hidden, cfg.ffn);
+        // The width of this FFN (an expert's, or a shared expert's, may differ from `cfg.ffn`).
+        let (h, f) = (cfg.hidden, w.gate.rows);
         let n = xn.rows;
         let stream = hooks.stream.filter(|s| s.streams_ffn());
         let neurons = (hooks.select)(l, n);
@@ -354,10 +355,8 @@ pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
     let mut out = Vec::with_capacity(logits.len() / moe.n_experts.max(1) * moe.n_used);
     let mut order: Vec<usize> = Vec::with_capacity(moe.n_experts);
     for row in logits.chunks_exact(moe.n_experts) {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let exps: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
-        let sum: f32 = exps.iter().sum();
-        let probs: Vec<f32> = exps.iter().map(|&v| v / sum).collect();
+        let mut probs = row.to_vec();
+        crate::backend::ops::softmax(&mut probs);
         order.clear();
         order.extend(0..moe.n_experts);
         order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));

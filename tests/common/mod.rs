@@ -226,3 +226,25 @@ pub const EIGHT_PROMPTS: [&str; 8] = [
     "My favourite food is",
     "The history of the city begins with a small settlement on the river. Over the centuries merchants arrived and",
 ];
+
+/// `prompt` through `model` in one batched pass and token by token: per position, the largest
+/// difference between the two passes' logits.
+pub fn batched_vs_one_by_one(model: &gatestream::model::Model, prompt: &[u32]) -> Vec<f32> {
+    use gatestream::kv::KvCache;
+    use gatestream::model::batch::Logits;
+    let v = model.config.vocab;
+    let mut c1 = KvCache::new(&model.config, prompt.len());
+    let batched = model.forward(prompt, &mut c1, Logits::From(0)).unwrap();
+    let mut c2 = KvCache::new(&model.config, prompt.len());
+    prompt
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let one = model.forward(&[t], &mut c2, Logits::Last).unwrap();
+            one.iter()
+                .zip(&batched[i * v..(i + 1) * v])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+        })
+        .collect()
+}
