@@ -228,6 +228,8 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                     cost: ask.cost.clone(),
                     lookahead: match &mask {
                         Some(m) if ask.lookahead => Lookahead::for_mask(up_set_reads_input(m.strategy, m.criterion)),
+                        // Experts are predicted from the next layer's router (always resident).
+                        None if ask.lookahead && model.config.moe.is_some() => Lookahead::FromGates,
                         _ => Lookahead::Off,
                     },
                     kv_positions,

@@ -61,8 +61,31 @@ impl Weight {
         let row_bytes = ty
             .row_bytes(cols)
             .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
-        match rows.checked_mul(row_bytes).and_then(|b| b.checked_add(offset_bytes)) {
-            Some(end) if end <= bytes.len() => {}
+        Weight::shared_strided(name, ty, rows, cols, bytes, offset_bytes, row_bytes)
+    }
+
+    /// As [`Weight::shared`], row r at `offset_bytes + r * row_stride_bytes` (a bundled FFN's
+    /// up rows and down columns interleave).
+    pub fn shared_strided(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: Arc<Vec<u8>>,
+        offset_bytes: usize,
+        row_stride_bytes: usize,
+    ) -> Result<Weight> {
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
+        let extent = match rows {
+            0 => Some(0),
+            _ => (rows - 1)
+                .checked_mul(row_stride_bytes)
+                .and_then(|b| b.checked_add(row_bytes)),
+        };
+        match extent.and_then(|b| b.checked_add(offset_bytes)) {
+            Some(end) if end <= bytes.len() && row_stride_bytes >= row_bytes => {}
             _ => {
                 return Err(Error::Invalid(format!(
                     "{name}: {rows}x{cols} {ty:?} at byte {offset_bytes} does not fit a {}-byte buffer",
@@ -76,7 +99,7 @@ impl Weight {
             rows,
             cols,
             row_bytes,
-            row_stride_bytes: row_bytes,
+            row_stride_bytes,
             storage: Storage::Owned(bytes),
             offset_bytes,
         })

@@ -11,12 +11,17 @@ use std::path::{Path, PathBuf};
 use common::*;
 use gatestream::config::Arch;
 use gatestream::gguf::MetaValue;
+use gatestream::io::{ReadEngine, ReaderOptions};
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
 use gatestream::model::forward::FfnHooks;
 use gatestream::model::weights::{FfnDown, FfnWeights, LayerFfn};
+use gatestream::model::Placement;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::quant::GgmlType;
+use gatestream::stream::cache::CachePolicy;
+use gatestream::stream::residency::Priority;
+use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer};
 use gatestream::synth::{write_moe, MoeSpec, RandomShape};
 
 const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Qwen2Moe, Arch::Qwen3Moe, Arch::Olmoe];
@@ -274,11 +279,153 @@ fn masks_streaming_and_reformat_are_refused_for_experts() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("mixture-of-experts") && e.contains("--mode dense"), "{e}");
-    let e = gatestream::reformat::reformat(&path, &tmp.path().join("m.gst"), &Default::default(), &mut |_, _, _| {})
+    // Neuron statistics inside experts are not built: calibration is refused, nothing written.
+    let opts = gatestream::reformat::ReformatOptions {
+        calibrate_text: Some(tmp.path().join("text.txt")),
+        ..Default::default()
+    };
+    let e = gatestream::reformat::reformat(&path, &tmp.path().join("m.gst"), &opts, &mut |_, _, _| {})
         .unwrap_err()
         .to_string();
-    assert!(e.contains("reformat") && e.contains("mixture-of-experts"), "{e}");
+    assert!(e.contains("mixture-of-experts") && e.contains("--calibrate"), "{e}");
     assert!(!tmp.path().join("m.gst").exists());
+    // A dense model's neuron cache has no frequency policy.
+    let dense = tmp.path().join("dense.gst");
+    gatestream::reformat::reformat(
+        &stories_file(tmp.path()),
+        &dense,
+        &Default::default(),
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let m = Model::load(&dense, &on_disk()).unwrap();
+    let e = Streamer::open(
+        &m,
+        &stream_options(1 << 30, ReadEngine::Pread, CachePolicy::Frequency, false),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("--cache frequency"), "{e}");
+}
+
+fn on_disk() -> LoadOptions {
+    LoadOptions {
+        placement: Placement::OnDisk,
+        ..LoadOptions::default()
+    }
+}
+
+fn stream_options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy, lookahead: bool) -> StreamOptions {
+    StreamOptions {
+        budget_bytes,
+        engine,
+        reader: ReaderOptions::default(),
+        cache,
+        priority: Priority::CacheFirst,
+        prefetch_ffn: false,
+        merge_gap_bytes: None,
+        cost: CostSource::Default,
+        lookahead: if lookahead {
+            Lookahead::FromGates
+        } else {
+            Lookahead::Off
+        },
+        kv_positions: 64,
+        batch_tokens_max: 32,
+    }
+}
+
+/// The smallest budget a `.gst` MoE model streams under (from the refusal of a zero budget).
+fn min_budget(path: &Path, lookahead: bool) -> u64 {
+    let m = Model::load(path, &on_disk()).unwrap();
+    let e = Streamer::open(&m, &stream_options(0, ReadEngine::Pread, CachePolicy::Lru, lookahead))
+        .err()
+        .expect("a zero budget is refused")
+        .to_string();
+    assert!(e.contains("mixture-of-experts") && e.contains("one"), "{e}");
+    let n: String = e
+        .split("at least ")
+        .nth(1)
+        .unwrap()
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    n.parse().unwrap()
+}
+
+/// Each architecture reformatted to `.gst` equals its GGUF in RAM bit for bit; streamed from the `.gst` under budgets
+/// from one expert's room to every expert, with each reader, LRU and frequency caches, with and
+/// without lookahead, the logits of a prompt and four greedy steps are bit-identical to the
+/// `.gst` model's in RAM. The counters show the cache and lookahead at work.
+#[test]
+fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a little dog";
+    for arch in ARCHS {
+        // Three experts per token: the order their outputs are added in shows in the rounding.
+        let three = MoeSpec {
+            used: 3,
+            ..spec(arch, GgmlType::F32, true)
+        };
+        let gguf = make(tmp.path(), &three, &format!("{}.gguf", arch.name()));
+        let gst = tmp.path().join(format!("{}.gst", arch.name()));
+        gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+        // Experts keep the checkpoint's bytes and layout, so the `.gst` computes exactly as the GGUF.
+        let from_gguf = prompt_then_greedy(&load(&gguf), None, None, text, 4);
+        let reference = prompt_then_greedy(&load(&gst), None, None, text, 4);
+        assert!(
+            from_gguf
+                .iter()
+                .zip(&reference)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{arch:?}: the .gst in RAM differs from the GGUF"
+        );
+
+        let m = Model::load(&gst, &on_disk()).unwrap();
+        let cfg = &m.config;
+        let moe = cfg.moe.clone().unwrap();
+        let all_experts = (cfg.n_layers * moe.n_experts) as u64;
+        for lookahead in [false, true] {
+            let min = min_budget(&gst, lookahead);
+            let s = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, lookahead)).unwrap();
+            let expert_bytes = s.experts.as_ref().unwrap().expert_bytes;
+            assert_eq!(
+                s.experts.as_ref().unwrap().cache_slots,
+                1,
+                "the minimum holds one expert"
+            );
+            let budgets = [min, min + 3 * expert_bytes, min + all_experts * expert_bytes];
+            for (b, budget) in budgets.into_iter().enumerate() {
+                for engine in [ReadEngine::Pread, ReadEngine::Uring, ReadEngine::Mmap] {
+                    for policy in [CachePolicy::Lru, CachePolicy::Frequency] {
+                        let what = format!("{arch:?} budget {b} {engine:?} {policy:?} lookahead {lookahead}");
+                        let s = Streamer::open(&m, &stream_options(budget, engine, policy, lookahead)).unwrap();
+                        let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+                        assert!(
+                            got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{what}: streamed logits differ from in RAM"
+                        );
+                        let c = s.counters();
+                        let x = s.experts.as_ref().unwrap();
+                        assert!(x.cached() <= x.cache_slots, "{what}: {} cached", x.cached());
+                        assert!(c.cache_lookups > 0 && c.ffn_reads > 0, "{what}: {c:?}");
+                        if b == 2 {
+                            // Every expert fits: each is read at most once, later uses are hits.
+                            assert!(c.ffn_reads + c.ahead_neurons <= all_experts, "{what}: {c:?}");
+                            assert!(c.cache_hits > 0, "{what}: {c:?}");
+                        }
+                        if lookahead && b < 2 {
+                            // (With every expert cached after the prompt, there is nothing to read ahead.)
+                            assert!(c.ahead_neurons > 0, "{what}: nothing read ahead");
+                        } else if !lookahead {
+                            assert_eq!(c.ahead_neurons, 0, "{what}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// A GGUF with `general.architecture` and extra keys replaced, tensors as stories260K's.

@@ -71,26 +71,8 @@ fn dense_options(budget_bytes: u64, engine: ReadEngine) -> StreamOptions {
     }
 }
 
-/// Logits of a prompt pass (every position) followed by `steps` single-token passes, each fed
-/// the previous greedy token: the prefill and decode paths both.
 fn run(model: &Model, stream: Option<&Streamer>, mask: Option<&Masker>, text: &str, steps: usize) -> Vec<f32> {
-    let ids = model.tokenizer.encode(text, true).unwrap();
-    let mut cache = KvCache::new(&model.config, ids.len() + steps);
-    let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
-        observe: None,
-        mask: mask.map(|m| m as _),
-        stream: stream.map(|s| s as _),
-        cancel: None,
-    };
-    let mut all = model.forward_with(&ids, &mut cache, Logits::From(0), &hooks).unwrap();
-    let vocab = model.config.vocab;
-    for _ in 0..steps {
-        let last = &all[all.len() - vocab..];
-        let next = (0..vocab).max_by(|&a, &b| last[a].total_cmp(&last[b])).unwrap() as u32;
-        all.extend(model.forward_with(&[next], &mut cache, Logits::Last, &hooks).unwrap());
-    }
-    all
+    prompt_then_greedy(model, stream.map(|s| s as _), mask.map(|m| m as _), text, steps)
 }
 
 fn min_budget(path: &Path) -> u64 {

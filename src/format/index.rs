@@ -90,6 +90,12 @@ impl Index {
             return Err(at_index(format!("config has a non-finite number: {config_floats:?}")));
         }
         let config = self.config.clone().validate(path)?;
+        if (config.moe.is_some() || config.qk_norm_whole) && self.format_version < 3 {
+            return Err(at_index(format!(
+                "a mixture-of-experts config (`moe`, `qk_norm_whole`) in a version {} index; experts came with version 3",
+                self.format_version
+            )));
+        }
         if self.sections.len() > SECTIONS_MAX {
             return Err(at_index(format!(
                 "{} sections, more than the limit of {SECTIONS_MAX}",

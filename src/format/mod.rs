@@ -36,8 +36,9 @@ pub use file::{parse_file_bytes, plan_layout, reseal_checksums_for_testing, veri
 pub use header::Header;
 
 pub const MAGIC: [u8; 8] = *b"GSTREAM\0";
-/// The version this build writes. Version 2 added `recommended_sparse.per_layer_sparsity`.
-pub const FORMAT_VERSION: u32 = 2;
+/// The version this build writes. Version 2 added `recommended_sparse.per_layer_sparsity`;
+/// version 3 mixture-of-experts models (`config.moe`, `config.qk_norm_whole`, expert sections).
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest version this build reads (version 1 files are version 2 files without per-layer
 /// recommendations).
 pub const FORMAT_VERSION_MIN: u32 = 1;

@@ -60,20 +60,26 @@ impl Model {
     /// (sum clamped to 2^-14) where the architecture says so.
     fn ffn_experts(&self, l: usize, e: &ExpertWeights, moe: &MoeConfig, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         let n = xn.rows;
-        let plain = hooks.stream.is_none_or(|s| !s.streams_ffn())
+        // A stream that reads this layer's experts holds its router and shared expert too.
+        let stream = hooks.stream.and_then(|s| s.expert_layer(l).map(|x| (s, x)));
+        let plain = (stream.is_some() || hooks.stream.is_none_or(|s| !s.streams_ffn()))
             && hooks.mask.is_none()
             && hooks.observe.is_none()
             && matches!((hooks.select)(l, n), FfnNeurons::All);
         if !plain {
             return Err(Error::Invalid(
-                "neuron masks (--mode sparse), calibration and streaming are not available for \
-                 mixture-of-experts models yet; run the model in RAM with --mode dense"
+                "neuron masks (--mode sparse) and calibration are not available for mixture-of-experts models yet; \
+                 run the model with --mode dense (in RAM, or streamed from a .gst file with --ram-budget)"
                     .into(),
             ));
         }
+        let (router, shared) = match &stream {
+            Some((_, x)) => (x.router, x.shared),
+            None => (&e.router, e.shared.as_ref()),
+        };
         let dev = &*self.device;
         let h = self.config.hidden;
-        let logits = dev.matmul(&[&e.router], xn).remove(0);
+        let logits = dev.matmul(&[router], xn).remove(0);
         let routes = route(&dev.to_host(&logits), moe);
         let mut groups: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); moe.n_experts];
         for (t, chosen) in routes.chunks_exact(moe.n_used).enumerate() {
@@ -82,14 +88,47 @@ impl Model {
                 groups[ex].1.push(weight);
             }
         }
-        let dense = FfnHooks::dense();
-        let mut out = dev.zeros(n, h);
-        for (ex, (tokens, weights)) in groups.iter().enumerate().filter(|(_, g)| !g.0.is_empty()) {
-            let picked = (tokens.len() < n).then(|| dev.select_rows(xn, tokens));
-            let y = self.ffn_dense(l, &e.experts[ex], picked.as_ref().unwrap_or(xn), &dense)?;
-            dev.add_rows_scaled(&mut out, &y, tokens, weights);
+        // Lookahead (decoding): the next layer's router on this layer's input carried over to
+        // the next layer's norm picks the experts to read while this layer computes.
+        if let (Some((s, _)), 1) = (&stream, n) {
+            if let Some((next, router_next)) = s.expert_lookahead(l) {
+                let (w_now, w_next) = (&self.weights.layers[l].ffn_norm, &self.weights.layers[next].ffn_norm);
+                let x: Vec<f32> = dev
+                    .to_host(xn)
+                    .iter()
+                    .zip(w_now.iter().zip(w_next))
+                    .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
+                    .collect();
+                let predicted = dev.matmul(&[router_next], &dev.upload(1, h, x)).remove(0);
+                let ids: Vec<usize> = route(&dev.to_host(&predicted), moe).iter().map(|r| r.0).collect();
+                s.read_experts_ahead(next, &ids)?;
+            }
         }
-        if let Some((shared, gate)) = &e.shared {
+        let ids: Vec<usize> = (0..moe.n_experts).filter(|&ex| !groups[ex].0.is_empty()).collect();
+        let dense = FfnHooks::dense();
+        let mut outputs: Vec<(usize, Act)> = Vec::with_capacity(ids.len());
+        let mut one = |ex: usize, w: &FfnWeights| -> Result<()> {
+            let tokens = &groups[ex].0;
+            let picked = (tokens.len() < n).then(|| dev.select_rows(xn, tokens));
+            outputs.push((ex, self.ffn_dense(l, w, picked.as_ref().unwrap_or(xn), &dense)?));
+            Ok(())
+        };
+        match &stream {
+            Some((s, _)) => s.experts(l, &ids, &mut one)?,
+            None => {
+                for &ex in &ids {
+                    one(ex, &e.experts[ex])?;
+                }
+            }
+        }
+        // Added in expert order whatever order they came in (cache hits first when streaming),
+        // so streamed and in-RAM sums round alike.
+        outputs.sort_by_key(|o| o.0);
+        let mut out = dev.zeros(n, h);
+        for (ex, y) in &outputs {
+            dev.add_rows_scaled(&mut out, y, &groups[*ex].0, &groups[*ex].1);
+        }
+        if let Some((shared, gate)) = shared {
             let y = self.ffn_dense(l, shared, xn, &dense)?;
             let x = dev.to_host(xn);
             let scales: Vec<f32> = x

@@ -159,7 +159,35 @@ pub trait LayerStream: Sync {
     /// Generation calls this after the prompt's pass, before the first decode step (so
     /// per-token figures can leave the prompt out).
     fn prefill_done(&self) {}
+    /// A mixture-of-experts layer whose experts this stream reads: the router and shared
+    /// expert it holds; `None`: the model's own (in RAM).
+    fn expert_layer(&self, _l: usize) -> Option<ExpertLayer<'_>> {
+        None
+    }
+    /// Runs `compute` on each of layer `l`'s experts `ids` (distinct, any order): those in
+    /// memory first, the rest as their reads land.
+    fn experts(&self, l: usize, _ids: &[usize], _compute: &mut ExpertCompute<'_>) -> Result<()> {
+        Err(no_rows(l))
+    }
+    /// Where a lookahead from layer `l`'s FFN input goes: the next layer and its router;
+    /// `None`: no lookahead.
+    fn expert_lookahead(&self, _l: usize) -> Option<(usize, &Weight)> {
+        None
+    }
+    /// Reads the experts `ids` predicted for `layer` ahead.
+    fn read_experts_ahead(&self, _layer: usize, _ids: &[usize]) -> Result<()> {
+        Ok(())
+    }
 }
+
+/// What a stream holds of a mixture-of-experts layer (see [`LayerStream::expert_layer`]).
+pub struct ExpertLayer<'a> {
+    pub router: &'a Weight,
+    pub shared: Option<&'a (crate::model::weights::FfnWeights, Vec<f32>)>,
+}
+
+/// Computes one expert (its index, its weights).
+pub type ExpertCompute<'a> = dyn FnMut(usize, &crate::model::weights::FfnWeights) -> Result<()> + 'a;
 
 fn no_rows(l: usize) -> Error {
     Error::Invalid(format!("layer {l}: this stream serves no FFN rows"))

@@ -421,16 +421,34 @@ impl ModelWeights {
                     }),
                     Some(m) => {
                         let e = m.n_experts;
-                        let gate = src.experts(&n("ffn_gate_exps.weight"), e, f, h, arch)?;
-                        let up = src.experts(&n("ffn_up_exps.weight"), e, f, h, arch)?;
-                        let down = src.experts(&n("ffn_down_exps.weight"), e, h, f, arch)?;
-                        let experts = (gate.into_iter().zip(up).zip(down))
-                            .map(|((gate, up), down)| FfnWeights {
-                                gate,
-                                up,
-                                down: FfnDown::Rows(down),
-                            })
-                            .collect();
+                        let experts = if neuron_major {
+                            // `.gst`: each expert in its own section (gate, up, down rows).
+                            (0..e)
+                                .map(|i| {
+                                    Ok(FfnWeights {
+                                        gate: src.matrix(&n(&format!("ffn_gate_exps.{i}.weight")), f, h, arch)?,
+                                        up: src.matrix(&n(&format!("ffn_up_exps.{i}.weight")), f, h, arch)?,
+                                        down: FfnDown::Rows(src.matrix(
+                                            &n(&format!("ffn_down_exps.{i}.weight")),
+                                            h,
+                                            f,
+                                            arch,
+                                        )?),
+                                    })
+                                })
+                                .collect::<Result<Vec<_>>>()?
+                        } else {
+                            let gate = src.experts(&n("ffn_gate_exps.weight"), e, f, h, arch)?;
+                            let up = src.experts(&n("ffn_up_exps.weight"), e, f, h, arch)?;
+                            let down = src.experts(&n("ffn_down_exps.weight"), e, h, f, arch)?;
+                            (gate.into_iter().zip(up).zip(down))
+                                .map(|((gate, up), down)| FfnWeights {
+                                    gate,
+                                    up,
+                                    down: FfnDown::Rows(down),
+                                })
+                                .collect()
+                        };
                         let shared = match m.shared_ffn {
                             0 => None,
                             s => Some((

@@ -18,7 +18,7 @@ use crate::format::{
     self, Calibration, FfnLayout, Index, LayerCalibration, Layout, NeuronOrder, SourceInfo, UpSketch, FORMAT_VERSION,
 };
 use crate::gstfile::GstFile;
-use crate::model::weights::{FfnDown, ModelWeights, TensorSource};
+use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, ModelWeights, TensorSource};
 use crate::model::{open_source, LoadOptions, Model};
 use crate::quant::sketch::{sketch_row, sketch_row_bytes};
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
@@ -195,6 +195,74 @@ fn down_columns(down: &Weight, order: &[u32], ty: GgmlType) -> Result<(Vec<u8>, 
     Ok((out, rel))
 }
 
+/// One FFN as one section `section`: its gate rows `[ffn x hidden]`, up rows `[ffn x hidden]`
+/// and down rows `[hidden x ffn]`, each as stored (or converted to `to`), so the whole FFN is one
+/// contiguous read and its bytes are the checkpoint's. Views `names` = gate, up, down.
+fn write_ffn_section(
+    w: &mut GstWriter,
+    section: &str,
+    names: [&str; 3],
+    f: &FfnWeights,
+    to: Option<GgmlType>,
+) -> Result<()> {
+    let FfnDown::Rows(down) = &f.down else {
+        return Err(Error::Invalid(
+            "internal: a non-.gst source with neuron-major down".into(),
+        ));
+    };
+    let mut bytes = Vec::new();
+    let mut at = Vec::with_capacity(3);
+    for m in [&f.gate, &f.up, down] {
+        let (ty, b) = rows_in_order(m, &(0..m.rows as u32).collect::<Vec<_>>(), to)?;
+        at.push((bytes.len(), ty, m.rows, m.cols, b.len() / m.rows.max(1)));
+        bytes.extend_from_slice(&b);
+    }
+    w.section(section, &bytes)?;
+    for (name, (offset, ty, rows, cols, row_bytes)) in names.into_iter().zip(at) {
+        w.view(name, section, offset, ty, rows, cols, row_bytes);
+    }
+    Ok(())
+}
+
+/// A mixture-of-experts layer: the router as a matrix, each expert in its own section
+/// `blk.L.ffn_exps.E` ([`write_ffn_section`]), the shared expert in `blk.L.ffn_shexp` with its
+/// gate vector. Experts keep their down matrices as stored (nothing is re-quantized).
+fn write_experts(w: &mut GstWriter, l: usize, e: &ExpertWeights, to: Option<GgmlType>) -> Result<()> {
+    let n = |what: &str| format!("blk.{l}.{what}");
+    let (ty, router) = rows_in_order(&e.router, &(0..e.router.rows as u32).collect::<Vec<_>>(), to)?;
+    w.matrix(&n("ffn_gate_inp.weight"), ty, e.router.rows, e.router.cols, &router)?;
+    for (i, f) in e.experts.iter().enumerate() {
+        let names = [
+            n(&format!("ffn_gate_exps.{i}.weight")),
+            n(&format!("ffn_up_exps.{i}.weight")),
+            n(&format!("ffn_down_exps.{i}.weight")),
+        ];
+        write_ffn_section(
+            w,
+            &n(&format!("ffn_exps.{i}")),
+            names.each_ref().map(|s| s.as_str()),
+            f,
+            to,
+        )?;
+    }
+    if let Some((f, gate)) = &e.shared {
+        let names = [
+            n("ffn_gate_shexp.weight"),
+            n("ffn_up_shexp.weight"),
+            n("ffn_down_shexp.weight"),
+        ];
+        write_ffn_section(w, &n("ffn_shexp"), names.each_ref().map(|s| s.as_str()), f, to)?;
+        w.matrix(
+            &n("ffn_gate_inp_shexp.weight"),
+            GgmlType::F32,
+            1,
+            gate.len(),
+            &f32_bytes(gate),
+        )?;
+    }
+    Ok(())
+}
+
 /// Write the frequencies section (in the file's neuron order) and build the index's calibration.
 fn write_calibration(w: &mut GstWriter, s: &CalibrationStats, orders: &[Vec<u32>]) -> Result<Calibration> {
     let ffn = orders.first().map_or(0, |o| o.len());
@@ -354,6 +422,13 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
     }
     let cfg = src.config.clone();
     let (n_layers, ffn, hidden) = (cfg.n_layers, cfg.ffn, cfg.hidden);
+    if cfg.moe.is_some() && (opts.calibrate_text.is_some() || opts.up_sketch != UpSketch::None) {
+        return Err(Error::Invalid(format!(
+            "{}: a mixture-of-experts model is reformatted without --calibrate, --order hot-first or --up-sketch \
+             (neuron statistics inside experts are not built yet); its experts keep their neurons in checkpoint order",
+            input.display()
+        )));
+    }
 
     let mut calibration_seconds = 0.0;
     let stats: Option<CalibrationStats> = match &opts.calibrate_text {
@@ -407,7 +482,6 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
     let mut down_err = Vec::with_capacity(n_layers);
     for (l, lw) in weights.layers.iter().enumerate() {
         let n = |what: &str| format!("blk.{l}.{what}");
-        let ffn_w = lw.dense("reformat to .gst")?;
         put_vector(&mut w, &n("attn_norm.weight"), &lw.attn_norm)?;
         put_matrix(&mut w, &n("attn_q.weight"), &lw.attn.wq)?;
         put_matrix(&mut w, &n("attn_k.weight"), &lw.attn.wk)?;
@@ -428,6 +502,14 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         }
         put_vector(&mut w, &n("ffn_norm.weight"), &lw.ffn_norm)?;
 
+        let ffn_w = match &lw.ffn {
+            LayerFfn::Dense(f) => f,
+            LayerFfn::Experts(e) => {
+                write_experts(&mut w, l, e, to)?;
+                progress("layers", l + 1, n_layers);
+                continue;
+            }
+        };
         let order = &orders[l];
         let (gate_ty, gate) = rows_in_order(&ffn_w.gate, order, to)?;
         w.matrix(&n("ffn_gate.weight"), gate_ty, ffn, hidden, &gate)?;
@@ -490,10 +572,12 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         layout: Layout {
             ffn_layout: opts.ffn_layout,
             neuron_order: opts.order,
-            down_type: match opts.down_type {
-                DownType::Q8_0 => GgmlType::Q8_0,
-                DownType::F16 => GgmlType::F16,
-                DownType::Same => weights.layers[0].dense("reformat to .gst")?.down.weight().ty,
+            down_type: match (&weights.layers[0].ffn, opts.down_type) {
+                // Experts keep their down matrices as stored.
+                (LayerFfn::Experts(e), _) => e.experts[0].down.weight().ty,
+                (_, DownType::Q8_0) => GgmlType::Q8_0,
+                (_, DownType::F16) => GgmlType::F16,
+                (LayerFfn::Dense(f), DownType::Same) => to.unwrap_or(f.down.weight().ty),
             },
             up_sketch: opts.up_sketch,
         },

@@ -15,6 +15,8 @@
 pub enum CachePolicy {
     Pinned,
     Lru,
+    /// Expert caches only: the expert routed to least often goes first (LRU among equals).
+    Frequency,
 }
 
 impl CachePolicy {
@@ -22,6 +24,7 @@ impl CachePolicy {
         match self {
             CachePolicy::Pinned => "pinned",
             CachePolicy::Lru => "lru",
+            CachePolicy::Frequency => "frequency",
         }
     }
 }

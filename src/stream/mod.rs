@@ -20,6 +20,7 @@
 //! not own the arithmetic (`model::ffn` on a `backend::Device`) or the choice of neurons (the mask).
 
 pub mod cache;
+pub mod experts;
 mod open;
 pub mod plan;
 pub mod prefetch;
@@ -303,6 +304,9 @@ pub struct Streamer {
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]).
     decode_start: Mutex<Option<(Counters, ReadStats)>>,
+    /// A mixture-of-experts model's experts, cache and lookahead ([`experts`]); `None` for a
+    /// dense model.
+    pub experts: Option<experts::ExpertStream>,
 }
 
 /// The readers a streamer reads with: `fg` serves the FFN reads and setup, `bg` the prefetch

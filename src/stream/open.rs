@@ -66,6 +66,16 @@ impl Streamer {
         if !crate::gstfile::is_gst(&model.path) {
             return Err(not_gst());
         }
+        if cfg.moe.is_some() {
+            return Streamer::open_experts(model, opts, Readers { fg, bg, ahead }, direct_io, warnings);
+        }
+        if opts.cache == super::cache::CachePolicy::Frequency {
+            return Err(Error::Invalid(
+                "--cache frequency ranks whole experts of a mixture-of-experts model; a dense model's neuron cache \
+                 is lru or pinned"
+                    .into(),
+            ));
+        }
         let w = &model.weights;
         let tied = w.output.file_offset() == w.token_embd.file_offset();
         let norm_bytes = |l: &crate::model::weights::LayerWeights| {
@@ -329,6 +339,7 @@ impl Streamer {
                 decode: None,
             }),
             decode_start: Mutex::new(None),
+            experts: None,
         })
     }
 }

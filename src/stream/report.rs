@@ -105,7 +105,30 @@ pub struct StreamReport {
     pub peak_rss_bytes: u64,
     /// With lookahead: how well it predicted.
     pub lookahead: Option<LookaheadReport>,
+    /// A mixture-of-experts model: what its expert cache did (the counters' cache and
+    /// lookahead fields then count whole experts, not neurons).
+    pub experts: Option<ExpertReport>,
     pub counters: Counters,
+}
+
+/// Expert streaming per decoded token (see [`super::experts`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ExpertReport {
+    /// `lru` or `frequency`.
+    pub policy: &'static str,
+    pub cache_slots: usize,
+    /// Experts in the model (layers × experts per layer).
+    pub experts_total: usize,
+    pub expert_bytes: u64,
+    /// Experts the tokens were routed to, per token (layers × experts used).
+    pub routed_per_token: f64,
+    /// Experts read from disk per token: on demand, and ahead by the lookahead.
+    pub read_per_token: f64,
+    pub read_ahead_per_token: f64,
+    /// Share of routed experts the cache held already.
+    pub cache_hit_rate: f64,
+    /// Share of routed experts that were in memory when the layer ran (cache or lookahead).
+    pub in_memory_rate: f64,
 }
 
 /// Lookahead figures per decoded token (see [`Streamer`]).
@@ -159,10 +182,23 @@ impl StreamReport {
                 0.0
             },
             peak_rss_bytes: peak_rss_bytes(),
-            lookahead: s.lookahead.as_ref().map(|_| LookaheadReport {
-                hit_rate: c.ahead_used_neurons as f64 / c.ahead_neurons.max(1) as f64,
-                coverage: c.ahead_served_bytes as f64 / c.ffn_needed_bytes.max(1) as f64,
-                wasted_bytes_per_token: c.ahead_bytes.saturating_sub(c.ahead_used_bytes) as f64 / steps,
+            lookahead: (s.lookahead.is_some() || s.experts.as_ref().is_some_and(|x| x.lookahead)).then(|| {
+                LookaheadReport {
+                    hit_rate: c.ahead_used_neurons as f64 / c.ahead_neurons.max(1) as f64,
+                    coverage: c.ahead_served_bytes as f64 / c.ffn_needed_bytes.max(1) as f64,
+                    wasted_bytes_per_token: c.ahead_bytes.saturating_sub(c.ahead_used_bytes) as f64 / steps,
+                }
+            }),
+            experts: s.experts.as_ref().map(|x| ExpertReport {
+                policy: x.policy.name(),
+                cache_slots: x.cache_slots,
+                experts_total: x.experts_total(),
+                expert_bytes: x.expert_bytes,
+                routed_per_token: c.cache_lookups as f64 / steps,
+                read_per_token: c.ffn_reads as f64 / steps,
+                read_ahead_per_token: c.ahead_neurons as f64 / steps,
+                cache_hit_rate: c.cache_hits as f64 / c.cache_lookups.max(1) as f64,
+                in_memory_rate: (c.cache_hits + c.ahead_used_neurons) as f64 / c.cache_lookups.max(1) as f64,
             }),
             counters: c,
         }

@@ -13,7 +13,9 @@ use super::plan::{plan, PlanTotals, PlannedRead};
 use super::{unique, Part, State, Streamer};
 use crate::error::{Error, Result};
 use crate::io::Range;
-use crate::model::forward::{AttnWeights, DownRowsInMemory, LayerStream, RowLanded, RowsInMemory};
+use crate::model::forward::{
+    AttnWeights, DownRowsInMemory, ExpertCompute, ExpertLayer, LayerStream, RowLanded, RowsInMemory,
+};
 use crate::tensor::Weight;
 
 /// A lookahead read: the rows predicted for `layer`, planned into `ranges` (sorted by offset),
@@ -302,6 +304,10 @@ impl LayerStream for Streamer {
         if l == 0 {
             st.counters.passes += 1;
         }
+        if self.experts.is_some() {
+            // Mixture of experts: attention is resident.
+            return Ok(self.resident_attn[l].as_ref().map(Cow::Borrowed));
+        }
         self.advance(&mut st, l)?;
         match &self.layers[l].attn {
             None => Ok(self.resident_attn[l].as_ref().map(Cow::Borrowed)),
@@ -323,7 +329,44 @@ impl LayerStream for Streamer {
     }
 
     fn streams_ffn(&self) -> bool {
-        true
+        self.experts.is_none()
+    }
+
+    fn expert_layer(&self, l: usize) -> Option<ExpertLayer<'_>> {
+        let x = self.experts.as_ref()?;
+        Some(ExpertLayer {
+            router: x.routers.get(l)?,
+            shared: x.shared.get(l)?.as_ref(),
+        })
+    }
+
+    fn experts(&self, l: usize, ids: &[usize], compute: &mut ExpertCompute<'_>) -> Result<()> {
+        let x = self
+            .experts
+            .as_ref()
+            .ok_or_else(|| Error::Invalid(format!("layer {l}: this stream reads no experts")))?;
+        let mut st = self.state.lock().expect("stream state");
+        x.run(
+            l,
+            ids,
+            self.fg.as_ref(),
+            &self.prefetcher,
+            self.cost.max_read_bytes as usize,
+            &mut st.counters,
+            compute,
+        )
+    }
+
+    fn expert_lookahead(&self, l: usize) -> Option<(usize, &Weight)> {
+        let x = self.experts.as_ref().filter(|x| x.lookahead)?;
+        let next = l + 1;
+        x.routers.get(next).map(|r| (next, r))
+    }
+
+    fn read_experts_ahead(&self, layer: usize, ids: &[usize]) -> Result<()> {
+        let Some(x) = &self.experts else { return Ok(()) };
+        let mut st = self.state.lock().expect("stream state");
+        x.read_ahead(layer, ids, &self.prefetcher, &mut st.counters)
     }
 
     /// Reads a whole matrix of the model (e.g. every up row, to build sketches) through the

@@ -248,3 +248,34 @@ pub fn batched_vs_one_by_one(model: &gatestream::model::Model, prompt: &[u32]) -
         })
         .collect()
 }
+
+/// Logits of a prompt pass (every position) followed by `steps` single-token passes, each fed
+/// the previous greedy token: the prefill and decode paths both.
+#[allow(dead_code)]
+pub fn prompt_then_greedy(
+    model: &gatestream::model::Model,
+    stream: Option<&dyn gatestream::model::forward::LayerStream>,
+    mask: Option<&dyn gatestream::model::forward::FfnMask>,
+    text: &str,
+    steps: usize,
+) -> Vec<f32> {
+    use gatestream::model::batch::Logits;
+    use gatestream::model::forward::{FfnHooks, FfnNeurons};
+    let ids = model.tokenizer.encode(text, true).unwrap();
+    let mut cache = gatestream::kv::KvCache::new(&model.config, ids.len() + steps);
+    let hooks = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: None,
+        mask,
+        stream,
+        cancel: None,
+    };
+    let mut all = model.forward_with(&ids, &mut cache, Logits::From(0), &hooks).unwrap();
+    let vocab = model.config.vocab;
+    for _ in 0..steps {
+        let last = &all[all.len() - vocab..];
+        let next = (0..vocab).max_by(|&a, &b| last[a].total_cmp(&last[b])).unwrap() as u32;
+        all.extend(model.forward_with(&[next], &mut cache, Logits::Last, &hooks).unwrap());
+    }
+    all
+}

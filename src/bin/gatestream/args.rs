@@ -527,6 +527,7 @@ pub(crate) enum ResidencyArg {
 pub(crate) enum CacheArg {
     Lru,
     Pinned,
+    Frequency,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -654,8 +655,10 @@ pub(crate) struct StreamArgs {
     /// Stream a .gst model from disk under this RAM budget: bytes (700M, 1.5G, 512MiB) or a
     /// share of the file (40%). Resident, in this order while the budget lasts: the output
     /// matrix and norms (required), attention, gate matrices, a neuron cache; everything else
-    /// is read per token. Refused, with the minimum, when too small. Without it the model is
-    /// memory-mapped and computed in RAM.
+    /// is read per token. A mixture-of-experts model keeps everything but its routed experts
+    /// resident and gives the rest of the budget to a cache of whole experts; each layer reads
+    /// only the experts its tokens were routed to that the cache lacks. Refused, with the
+    /// minimum, when too small. Without it the model is memory-mapped and computed in RAM.
     #[arg(long)]
     pub(crate) ram_budget: Option<String>,
     /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
@@ -667,7 +670,9 @@ pub(crate) struct StreamArgs {
     pub(crate) queue_depth: usize,
     /// Neuron cache when streaming: lru (recently used neurons, replaced as others are read;
     /// default in sparse mode) or pinned (the file's first neurons — the hot prefix of a
-    /// hot-first file — never replaced; default in dense mode).
+    /// hot-first file — never replaced; default in dense mode). For a mixture-of-experts model
+    /// the cache holds whole experts: lru (default) or frequency (the expert routed to least
+    /// often since start goes first, the least recently used among equals).
     #[arg(long, value_enum)]
     pub(crate) cache: Option<CacheArg>,
     /// After attention, what the budget keeps first: gate-first (gate matrices, then the
@@ -697,6 +702,9 @@ pub(crate) struct StreamArgs {
     /// the next layer reads only what the prediction missed. Costs two more layers of FFN
     /// rows in the budget and one more gate product per layer; reports hit rate and bytes
     /// read in vain. Exact-criterion masks are predicted perfectly (they read every up row).
+    /// Mixture of experts (decoding): the next layer's router applied to this layer's FFN
+    /// input picks the experts to read ahead on the prefetch thread; costs two tokens' worth
+    /// of experts in the budget and one router product per layer.
     #[arg(long)]
     pub(crate) lookahead: bool,
 }

@@ -166,6 +166,7 @@ fn stream_ask(stream: &StreamArgs, path: &std::path::Path) -> anyhow::Result<Opt
         cache: stream.cache.map(|c| match c {
             CacheArg::Lru => CachePolicy::Lru,
             CacheArg::Pinned => CachePolicy::Pinned,
+            CacheArg::Frequency => CachePolicy::Frequency,
         }),
         priority: match stream.residency {
             ResidencyArg::GateFirst => Priority::GateFirst,
@@ -188,31 +189,50 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
     if let Some(s) = &rt.stream {
         let r = &s.residency;
         let mb = |b: u64| b as f64 / 1e6;
-        eprintln!(
-            "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB, buffers {:.1} MB, \
+        if let Some(x) = &s.experts {
+            eprintln!(
+                "streaming under {:.1} MB ({:.2} s to load what is resident): attention {:.1} MB, routers, shared \
+                 experts, norms and output {:.1} MB, buffers {:.1} MB, KV cache + batch {:.1} MB, {} expert cache of \
+                 {} of {} experts ({:.1} MB){}",
+                mb(r.budget_bytes),
+                rt.stream_open_s,
+                mb(r.attention_bytes),
+                mb(r.required_bytes),
+                mb(r.working_bytes),
+                mb(r.context_bytes),
+                x.policy.name(),
+                x.cache_slots,
+                x.experts_total(),
+                mb(r.cache_bytes),
+                if x.lookahead { ", router lookahead" } else { "" }
+            );
+        } else {
+            eprintln!(
+                "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB, buffers {:.1} MB, \
              KV cache + batch {:.1} MB, attention {}/{} layers ({:.1} MB), gate {}/{} layers ({:.1} MB), \
              neuron cache {:.1} MB ({} neurons/layer)",
-            mb(r.budget_bytes),
-            rt.stream_open_s,
-            mb(r.required_bytes),
-            mb(r.working_bytes),
-            mb(r.context_bytes),
-            r.attention_resident.iter().filter(|&&a| a).count(),
-            r.attention_resident.len(),
-            mb(r.attention_bytes),
-            r.gate_resident.iter().filter(|&&a| a).count(),
-            r.gate_resident.len(),
-            mb(r.gate_bytes),
-            mb(r.cache_bytes),
-            r.cache_neurons.first().copied().unwrap_or(0)
-        );
-        eprintln!(
+                mb(r.budget_bytes),
+                rt.stream_open_s,
+                mb(r.required_bytes),
+                mb(r.working_bytes),
+                mb(r.context_bytes),
+                r.attention_resident.iter().filter(|&&a| a).count(),
+                r.attention_resident.len(),
+                mb(r.attention_bytes),
+                r.gate_resident.iter().filter(|&&a| a).count(),
+                r.gate_resident.len(),
+                mb(r.gate_bytes),
+                mb(r.cache_bytes),
+                r.cache_neurons.first().copied().unwrap_or(0)
+            );
+            eprintln!(
             "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
             s.cost.request_us,
             s.cost.bytes_per_us,
             s.cost.align_bytes,
             s.cost.merge_gap_bytes() as f64 / 1e3
         );
+        }
     }
     if let Some(m) = &rt.mask {
         eprintln!(
@@ -650,15 +670,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let errs = &report.down_requant_rel_rms;
                 let max = errs.iter().copied().fold(0f32, f32::max);
                 let mean = errs.iter().sum::<f32>() / errs.len().max(1) as f32;
+                let down = if errs.is_empty() {
+                    "down kept as stored (experts are not re-quantized)".to_string()
+                } else {
+                    format!("down re-quantization relative RMS error: mean {mean:.4}, max {max:.4}")
+                };
                 println!(
-                    "wrote {} ({:.1} MB, {} sections) in {:.1} s (calibration {:.1} s); down re-quantization relative RMS error: mean {:.4}, max {:.4}",
+                    "wrote {} ({:.1} MB, {} sections) in {:.1} s (calibration {:.1} s); {down}",
                     report.output.display(),
                     report.file_len_bytes as f64 / 1e6,
                     report.sections,
                     report.seconds,
                     report.calibration_seconds,
-                    mean,
-                    max
                 );
             }
         }

@@ -151,7 +151,28 @@ impl Report for Outcome {
                 mb(r.peak_rss_bytes as f64),
                 mb(r.ram_budget_bytes as f64)
             );
-            if let Some(a) = &r.lookahead {
+            if let Some(x) = &r.experts {
+                eprintln!(
+                    "{label}experts: {:.1} routed per token, {:.1} read on demand and {:.1} ahead; {} cache of {} of {} \
+                     experts ({:.1} MB each): {:.1}% hits, {:.1}% in memory when the layer ran (cache or lookahead)",
+                    x.routed_per_token,
+                    x.read_per_token,
+                    x.read_ahead_per_token,
+                    x.policy,
+                    x.cache_slots,
+                    x.experts_total,
+                    mb(x.expert_bytes as f64),
+                    x.cache_hit_rate * 100.0,
+                    x.in_memory_rate * 100.0
+                );
+            }
+            if let (Some(a), Some(_)) = (&r.lookahead, &r.experts) {
+                eprintln!(
+                    "{label}lookahead: {:.1}% of the experts read ahead were used; {:.1} MB/token read in vain",
+                    a.hit_rate * 100.0,
+                    mb(a.wasted_bytes_per_token)
+                );
+            } else if let Some(a) = &r.lookahead {
                 eprintln!(
                     "{label}lookahead: {:.1}% of the neurons read ahead were used; it read {:.1}% of the FFN bytes \
                      the layers needed; {:.1} MB/token read in vain",

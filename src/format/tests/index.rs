@@ -70,11 +70,11 @@ fn rejects_unknown_index_field() {
 
 #[test]
 fn rejects_index_version_mismatch() {
-    let r = parse_changed(|ix| ix.format_version = 3);
+    let r = parse_changed(|ix| ix.format_version = 4);
     assert_malformed(
         r,
         Some(index_offset()),
-        &["index says gst format version 3, this build reads 1 to 2"],
+        &["index says gst format version 4, this build reads 1 to 3"],
     );
     let r = parse_changed(|ix| ix.format_version = 0);
     assert_malformed(r, Some(index_offset()), &["index says gst format version 0"]);
@@ -83,7 +83,7 @@ fn rejects_index_version_mismatch() {
     assert_malformed(
         r,
         Some(index_offset()),
-        &["index says gst format version 1, the header says 2"],
+        &["index says gst format version 1, the header says 3"],
     );
 }
 
@@ -447,4 +447,26 @@ fn parse_with_index_bytes_of(change: impl FnOnce(&mut Index)) -> Result<(Header,
     change(&mut index);
     let json = serde_json::to_vec(&index).unwrap_or_else(|_| b"{".to_vec());
     parse_with_index_bytes(&image[..planned.header.index_offset_bytes as usize], &json)
+}
+
+#[test]
+fn rejects_experts_in_an_index_older_than_version_3() {
+    let moe = crate::config::MoeConfig {
+        n_experts: 4,
+        n_used: 2,
+        normalize: true,
+        shared_ffn: 0,
+    };
+    let (mut index, planned, image) = sample();
+    index.format_version = 2;
+    index.config.moe = Some(moe.clone());
+    let data = &image[..planned.header.index_offset_bytes as usize];
+    let r = parse_with_header_version(data, &index.to_json_bytes(), 2);
+    assert_malformed(
+        r,
+        Some(index_offset()),
+        &["mixture-of-experts config", "version 2 index", "version 3"],
+    );
+    // The same config at version 3 is accepted.
+    parse_changed(|ix| ix.config.moe = Some(moe)).expect("version 3 reads experts");
 }

@@ -1,0 +1,623 @@
+//! Streaming a mixture-of-experts `.gst` model: everything but the routed experts stays
+//! resident (attention, routers, shared experts, norms, the output matrix), and each layer reads
+//! only the experts its tokens were routed to, each one contiguous section
+//! (`blk.L.ffn_exps.E`, docs/FORMAT.md). An expert cache holds whole experts within the budget,
+//! replaced by least recent use (`lru`) or by how often each expert was routed to
+//! (`frequency`: the least-routed goes first, the least recent among equals). Lookahead (decode
+//! only): at layer l the next layer's router is applied to layer l's FFN input carried over to
+//! the next layer's norm, and the experts it picks that the cache lacks are read on the
+//! prefetch thread while layer l computes; layer l+1 takes them into the cache and reads only
+//! what the prediction missed.
+//!
+//! Exactness: an expert's bytes are the file's whichever way they arrive (cache, lookahead,
+//! read now) and the forward pass adds the experts' outputs in expert order, so streamed logits
+//! equal the in-RAM `.gst` model's bit for bit.
+//!
+//! Owns the expert cache, the lookahead reads and their counters; no arithmetic (the forward
+//! pass computes on the experts it is handed) and no routing (the forward pass routes).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use std::time::Instant;
+
+use super::cache::CachePolicy;
+use super::prefetch::Prefetcher;
+use super::report::Counters;
+use crate::error::{Error, Result};
+use crate::io::{Range, Reader};
+use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights};
+use crate::quant::GgmlType;
+use crate::tensor::Weight;
+
+/// One matrix's place inside an expert's section.
+#[derive(Clone, Debug)]
+struct MatrixAt {
+    name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    offset: usize,
+    stride: usize,
+}
+
+/// Where an expert lies in the file, and its three matrices inside that range.
+#[derive(Clone, Debug)]
+pub(crate) struct ExpertPart {
+    offset_bytes: u64,
+    len_bytes: usize,
+    gate: MatrixAt,
+    up: MatrixAt,
+    /// Down as rows `[hidden, ffn]` (`.gst` experts keep the checkpoint's layout).
+    down: MatrixAt,
+}
+
+impl ExpertPart {
+    /// From a `.gst` expert's views (one section: gate, up and down rows, docs/FORMAT.md).
+    pub(crate) fn of(f: &FfnWeights) -> Result<ExpertPart> {
+        let FfnDown::Rows(down) = &f.down else {
+            return Err(Error::Invalid(format!(
+                "{}: an expert's down matrix is stored as rows; this file's is not",
+                f.gate.name
+            )));
+        };
+        let place = |w: &Weight| -> Result<(u64, u64)> {
+            let o = w
+                .file_offset()
+                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+            let end = o + (w.rows.saturating_sub(1) * w.row_stride_bytes + w.row_bytes) as u64;
+            Ok((o, end))
+        };
+        let spans = [place(&f.gate)?, place(&f.up)?, place(down)?];
+        let start = spans.iter().map(|s| s.0).min().unwrap_or(0);
+        let end = spans.iter().map(|s| s.1).max().unwrap_or(0);
+        let at = |w: &Weight, o: u64| MatrixAt {
+            name: w.name.clone(),
+            ty: w.ty,
+            rows: w.rows,
+            cols: w.cols,
+            offset: (o - start) as usize,
+            stride: w.row_stride_bytes,
+        };
+        Ok(ExpertPart {
+            offset_bytes: start,
+            len_bytes: (end - start) as usize,
+            gate: at(&f.gate, spans[0].0),
+            up: at(&f.up, spans[1].0),
+            down: at(down, spans[2].0),
+        })
+    }
+
+    /// The expert as weights over its bytes.
+    fn weights(&self, bytes: &Arc<Vec<u8>>) -> Result<FfnWeights> {
+        let w = |m: &MatrixAt| Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), m.offset, m.stride);
+        Ok(FfnWeights {
+            gate: w(&self.gate)?,
+            up: w(&self.up)?,
+            down: FfnDown::Rows(w(&self.down)?),
+        })
+    }
+}
+
+struct Entry {
+    bytes: Arc<Vec<u8>>,
+    last_used: u64,
+}
+
+/// Whole experts in RAM, keyed by (layer, expert).
+struct ExpertCache {
+    policy: CachePolicy,
+    slots: usize,
+    entries: HashMap<(usize, usize), Entry>,
+    /// Routing counts of every expert ever routed to (kept after eviction: the frequency
+    /// policy ranks by how often an expert is wanted, not by how long it stayed).
+    uses: HashMap<(usize, usize), u64>,
+}
+
+impl ExpertCache {
+    /// The entry to evict, never one of `keep`.
+    fn victim(&self, keep: &[(usize, usize)]) -> Option<(usize, usize)> {
+        let candidates = self.entries.iter().filter(|(k, _)| !keep.contains(k));
+        match self.policy {
+            CachePolicy::Frequency => candidates
+                .min_by_key(|(k, e)| (self.uses.get(k).copied().unwrap_or(0), e.last_used, **k))
+                .map(|(k, _)| *k),
+            _ => candidates.min_by_key(|(k, e)| (e.last_used, **k)).map(|(k, _)| *k),
+        }
+    }
+
+    /// Makes room for one entry (evicting as the policy says, never `keep`); the evicted
+    /// buffer, when nothing else holds it, for reuse.
+    fn make_room(&mut self, keep: &[(usize, usize)]) -> Option<Vec<u8>> {
+        let mut spare = None;
+        while self.entries.len() >= self.slots {
+            let Some(k) = self.victim(keep) else { break };
+            let e = self.entries.remove(&k).expect("victim present");
+            if let Ok(v) = Arc::try_unwrap(e.bytes) {
+                spare = Some(v);
+            }
+        }
+        spare
+    }
+
+    fn insert(
+        &mut self,
+        key: (usize, usize),
+        bytes: Arc<Vec<u8>>,
+        step: u64,
+        keep: &[(usize, usize)],
+    ) -> Option<Vec<u8>> {
+        if self.slots == 0 {
+            return Arc::try_unwrap(bytes).ok();
+        }
+        let spare = self.make_room(keep);
+        if self.entries.len() < self.slots {
+            self.entries.insert(key, Entry { bytes, last_used: step });
+        }
+        spare
+    }
+}
+
+/// A pending lookahead read: `experts[i]` of `layer`, in submission order.
+struct AheadJob {
+    layer: usize,
+    expert: usize,
+}
+
+struct ExpertState {
+    cache: ExpertCache,
+    step: u64,
+    ahead: VecDeque<AheadJob>,
+    spare: Vec<Vec<u8>>,
+}
+
+/// The expert half of a [`super::Streamer`] opened on a mixture-of-experts model.
+pub struct ExpertStream {
+    pub(crate) parts: Vec<Vec<ExpertPart>>,
+    pub(crate) routers: Vec<Weight>,
+    pub(crate) shared: Vec<Option<(FfnWeights, Vec<f32>)>>,
+    pub policy: CachePolicy,
+    pub cache_slots: usize,
+    pub expert_bytes: u64,
+    pub lookahead: bool,
+    /// The most experts read ahead per layer (the experts a token uses).
+    pub ahead_max: usize,
+    state: Mutex<ExpertState>,
+}
+
+/// What an expert stream holds resident and how its cache is sized.
+pub struct ExpertPlan {
+    pub policy: CachePolicy,
+    pub cache_slots: usize,
+    pub lookahead: bool,
+    pub n_used: usize,
+}
+
+impl ExpertStream {
+    /// Resident routers and shared experts loaded with `load`; the experts' places from the
+    /// model's views. The cache starts empty.
+    pub(crate) fn new(
+        layers: &[&ExpertWeights],
+        load: &dyn Fn(&Weight) -> Result<Weight>,
+        plan: ExpertPlan,
+    ) -> Result<ExpertStream> {
+        let mut parts = Vec::with_capacity(layers.len());
+        let mut routers = Vec::with_capacity(layers.len());
+        let mut shared = Vec::with_capacity(layers.len());
+        for e in layers {
+            parts.push(e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>()?);
+            routers.push(load(&e.router)?);
+            shared.push(match &e.shared {
+                None => None,
+                Some((f, g)) => {
+                    let down = match &f.down {
+                        FfnDown::Columns(d) => FfnDown::Columns(load(d)?),
+                        FfnDown::Rows(d) => FfnDown::Rows(load(d)?),
+                    };
+                    Some((
+                        FfnWeights {
+                            gate: load(&f.gate)?,
+                            up: load(&f.up)?,
+                            down,
+                        },
+                        g.clone(),
+                    ))
+                }
+            });
+        }
+        let expert_bytes = parts.iter().flatten().map(|p| p.len_bytes as u64).max().unwrap_or(0);
+        Ok(ExpertStream {
+            parts,
+            routers,
+            shared,
+            policy: plan.policy,
+            cache_slots: plan.cache_slots,
+            expert_bytes,
+            lookahead: plan.lookahead,
+            ahead_max: plan.n_used,
+            state: Mutex::new(ExpertState {
+                cache: ExpertCache {
+                    policy: plan.policy,
+                    slots: plan.cache_slots,
+                    entries: HashMap::new(),
+                    uses: HashMap::new(),
+                },
+                step: 0,
+                ahead: VecDeque::new(),
+                spare: Vec::new(),
+            }),
+        })
+    }
+
+    /// Runs `compute` on each of layer `l`'s experts `ids` (distinct): first those in the cache
+    /// (or just read ahead), then those it lacks, each as its read lands. Counts into `counters`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run(
+        &self,
+        l: usize,
+        ids: &[usize],
+        reader: &dyn Reader,
+        prefetcher: &Prefetcher,
+        max_read_bytes: usize,
+        counters: &mut Counters,
+        compute: &mut dyn FnMut(usize, &FfnWeights) -> Result<()>,
+    ) -> Result<()> {
+        let mut st = self.state.lock().expect("expert state");
+        let st = &mut *st;
+        st.step += 1;
+        let step = st.step;
+        let keys: Vec<(usize, usize)> = ids.iter().map(|&e| (l, e)).collect();
+        for k in &keys {
+            *st.cache.uses.entry(*k).or_insert(0) += 1;
+        }
+        // Lookahead reads for this layer: into the cache (stale ones, from a pass that
+        // stopped early, give their buffers back).
+        let t0 = Instant::now();
+        let mut landed = Vec::new();
+        // Pending: this layer's reads, then the next layer's (submitted by this layer's
+        // router lookahead just before); anything else is left from a pass that stopped
+        // midway and only gives its buffer back. (Bytes are the file's whichever way they
+        // came, so a stale read is never wrong, only wasted.)
+        while let Some(job) = st.ahead.front() {
+            if job.layer == l + 1 {
+                break;
+            }
+            if job.layer != l {
+                let done = prefetcher.next()?;
+                st.ahead.pop_front();
+                st.spare.push(done.buf);
+                continue;
+            }
+            let done = prefetcher.next()?;
+            let job = st.ahead.pop_front().expect("job");
+            done.result?;
+            let key = (job.layer, job.expert);
+            if let Some(v) = st.cache.insert(key, Arc::new(done.buf), step, &keys) {
+                st.spare.push(v);
+            }
+            landed.push(key);
+        }
+        let waited = t0.elapsed().as_nanos() as u64;
+        {
+            let c = &mut *counters;
+            c.io_wait_ns += waited;
+            let used = landed.iter().filter(|k| keys.contains(k)).count() as u64;
+            c.ahead_used_neurons += used;
+            c.ahead_used_bytes += used * self.expert_bytes;
+            c.ahead_served_bytes += used * self.expert_bytes;
+            // Bytes the layer needed from disk: what lookahead brought and what it reads now.
+            c.ffn_needed_bytes += used * self.expert_bytes;
+            c.cache_lookups += keys.len() as u64;
+        }
+        // Hits (including what lookahead just brought).
+        let mut misses = Vec::new();
+        let mut hits = 0u64;
+        for (&e, k) in ids.iter().zip(&keys) {
+            match st.cache.entries.get_mut(k) {
+                Some(entry) => {
+                    entry.last_used = step;
+                    let w = self.parts[l][e].weights(&entry.bytes)?;
+                    if !landed.contains(k) {
+                        hits += 1;
+                    }
+                    compute(e, &w)?;
+                }
+                None => misses.push(e),
+            }
+        }
+        counters.cache_hits += hits;
+        // Misses, at most a cache's worth at a time (one when the cache holds none), each
+        // computed as its last chunk lands.
+        let per_round = st.cache.slots.max(1);
+        for round in misses.chunks(per_round) {
+            let mut bufs: Vec<Vec<u8>> = Vec::with_capacity(round.len());
+            for &e in round {
+                let mut v = match st.spare.pop() {
+                    Some(v) => v,
+                    None => st.cache.make_room(&[]).unwrap_or_default(),
+                };
+                v.resize(self.parts[l][e].len_bytes, 0);
+                bufs.push(v);
+            }
+            let (mut chunks, mut place) = (Vec::new(), Vec::new());
+            let mut left = vec![0usize; round.len()];
+            for (i, &e) in round.iter().enumerate() {
+                let p = &self.parts[l][e];
+                let mut done = 0;
+                while done < p.len_bytes {
+                    let len = max_read_bytes.max(1).min(p.len_bytes - done);
+                    chunks.push(Range::new(p.offset_bytes + done as u64, len));
+                    place.push((i, done));
+                    left[i] += 1;
+                    done += len;
+                }
+            }
+            let t0 = Instant::now();
+            let mut compute_ns = 0u64;
+            let mut ready: Vec<Option<Arc<Vec<u8>>>> = vec![None; round.len()];
+            reader.read_each(&chunks, &mut |c, bytes| {
+                let (i, at) = place[c];
+                bufs[i][at..at + bytes.len()].copy_from_slice(bytes);
+                left[i] -= 1;
+                if left[i] == 0 {
+                    let t = Instant::now();
+                    let b = Arc::new(std::mem::take(&mut bufs[i]));
+                    let e = round[i];
+                    compute(e, &self.parts[l][e].weights(&b)?)?;
+                    ready[i] = Some(b);
+                    compute_ns += t.elapsed().as_nanos() as u64;
+                }
+                Ok(())
+            })?;
+            let wait = (t0.elapsed().as_nanos() as u64).saturating_sub(compute_ns);
+            let bytes: u64 = round.iter().map(|&e| self.parts[l][e].len_bytes as u64).sum();
+            {
+                let c = &mut *counters;
+                c.io_wait_ns += wait;
+                c.ffn_needed_bytes += bytes;
+                c.ffn_reads += round.len() as u64;
+            }
+            for (b, &e) in ready.into_iter().zip(round) {
+                let b = b.expect("every read landed");
+                if let Some(v) = st.cache.insert((l, e), b, step, &keys) {
+                    st.spare.push(v);
+                }
+            }
+        }
+        // Spare buffers for the lookahead's next reads; the rest go back to the allocator.
+        st.spare.truncate(if self.lookahead { self.ahead_max } else { 0 });
+        Ok(())
+    }
+
+    /// Reads layer `layer`'s experts `ids` (the lookahead's prediction) that the cache lacks
+    /// on the prefetch thread; the layer takes them when it runs.
+    pub(crate) fn read_ahead(
+        &self,
+        layer: usize,
+        ids: &[usize],
+        prefetcher: &Prefetcher,
+        counters: &mut Counters,
+    ) -> Result<()> {
+        let mut st = self.state.lock().expect("expert state");
+        for &e in ids.iter().take(self.ahead_max) {
+            let pending = st.ahead.iter().any(|j| (j.layer, j.expert) == (layer, e));
+            if pending || st.cache.entries.contains_key(&(layer, e)) {
+                continue;
+            }
+            let p = &self.parts[layer][e];
+            let buf = st.spare.pop().unwrap_or_default();
+            prefetcher.submit(e, vec![Range::new(p.offset_bytes, p.len_bytes)], buf)?;
+            st.ahead.push_back(AheadJob { layer, expert: e });
+            counters.ahead_neurons += 1;
+            counters.ahead_bytes += p.len_bytes as u64;
+        }
+        Ok(())
+    }
+
+    /// Experts in the model.
+    pub fn experts_total(&self) -> usize {
+        self.parts.iter().map(Vec::len).sum()
+    }
+
+    /// Experts held now (tests, reports).
+    pub fn cached(&self) -> usize {
+        self.state.lock().expect("expert state").cache.entries.len()
+    }
+}
+
+impl super::Streamer {
+    /// [`super::Streamer::with_readers`] for a mixture-of-experts model: everything but the
+    /// routed experts resident, the rest of the budget an expert cache (see the module docs).
+    pub(crate) fn open_experts(
+        model: &crate::model::Model,
+        opts: &super::StreamOptions,
+        readers: super::Readers,
+        direct_io: bool,
+        mut warnings: Vec<String>,
+    ) -> Result<super::Streamer> {
+        use super::residency::Residency;
+        use crate::model::forward::AttnWeights;
+        use crate::model::weights::LayerFfn;
+        let super::Readers { fg, bg, ahead: _ } = readers;
+        let cfg = model.config.clone();
+        let moe = cfg
+            .moe
+            .clone()
+            .ok_or_else(|| Error::Invalid("internal: not a mixture-of-experts model".into()))?;
+        let w = &model.weights;
+        let tied = w.output.file_offset() == w.token_embd.file_offset();
+        let span = |w: &Weight| (w.rows.saturating_sub(1) * w.row_stride_bytes + w.row_bytes) as u64;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        let (mut attention_bytes, mut required_bytes) = (0u64, span(&w.output) + w.output_norm.len() as u64 * 4);
+        for lw in &w.layers {
+            let a = &lw.attn;
+            attention_bytes += [&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|m| span(m)).sum::<u64>();
+            let LayerFfn::Experts(e) = &lw.ffn else {
+                return Err(Error::Invalid(
+                    "internal: a dense layer in a mixture-of-experts model".into(),
+                ));
+            };
+            required_bytes += span(&e.router);
+            if let Some((f, g)) = &e.shared {
+                required_bytes += span(&f.gate) + span(&f.up) + span(f.down.weight()) + g.len() as u64 * 4;
+            }
+            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
+            required_bytes += 4
+                * (lw.attn_norm.len()
+                    + lw.ffn_norm.len()
+                    + opt(&lw.bq)
+                    + opt(&lw.bk)
+                    + opt(&lw.bv)
+                    + opt(&lw.q_norm)
+                    + opt(&lw.k_norm)
+                    + opt(&lw.post_attn_norm)
+                    + opt(&lw.post_ffn_norm)) as u64;
+            layers.push(&**e);
+        }
+        let expert_bytes = layers
+            .iter()
+            .flat_map(|e| e.experts.iter())
+            .map(|f| ExpertPart::of(f).map(|p| p.len_bytes as u64))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        let context_bytes = crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
+            + opts.batch_tokens_max.max(1) as u64 * super::activation_bytes_per_token(&cfg);
+        let lookahead = opts.lookahead != super::Lookahead::Off;
+        // Two readers' buffers; with lookahead, its reads in flight and as many spare buffers.
+        let working_bytes = 2 * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64
+            + if lookahead {
+                2 * moe.n_used as u64 * expert_bytes
+            } else {
+                0
+            };
+        let fixed = required_bytes + attention_bytes + context_bytes + working_bytes;
+        let total_experts = cfg.n_layers * moe.n_experts;
+        let slots = (opts.budget_bytes.saturating_sub(fixed) / expert_bytes.max(1)).min(total_experts as u64) as usize;
+        if slots == 0 {
+            let mb = |b: u64| b as f64 / 1e6;
+            return Err(Error::Invalid(format!(
+                "{}: --ram-budget {} is too small for this mixture-of-experts model: at least {} ({:.1} MB) is \
+                 needed for resident attention {:.1} MB, routers, shared experts, norms and output {:.1} MB, KV cache \
+                 and batch {:.1} MB, read buffers {:.1} MB, and room for one {:.1} MB expert",
+                model.path.display(),
+                opts.budget_bytes,
+                fixed + expert_bytes,
+                mb(fixed + expert_bytes),
+                mb(attention_bytes),
+                mb(required_bytes),
+                mb(context_bytes),
+                mb(working_bytes),
+                mb(expert_bytes)
+            )));
+        }
+        if opts.cache == CachePolicy::Pinned {
+            warnings.push(
+                "--cache pinned keeps a dense model's hot neurons; an expert cache replaces experts (lru is used; \
+                 --cache frequency ranks them by how often they are routed to)"
+                    .into(),
+            );
+        }
+        let policy = match opts.cache {
+            CachePolicy::Pinned => CachePolicy::Lru,
+            p => p,
+        };
+        let load = |m: &Weight| -> Result<Weight> {
+            let offset = m
+                .file_offset()
+                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", m.name)))?;
+            let bytes = fg.read_vec(offset, span(m) as usize)?;
+            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, Arc::new(bytes), 0, m.row_stride_bytes)
+        };
+        let experts = ExpertStream::new(
+            &layers,
+            &load,
+            ExpertPlan {
+                policy,
+                cache_slots: slots,
+                lookahead,
+                n_used: moe.n_used,
+            },
+        )?;
+        let mut resident_attn = Vec::with_capacity(cfg.n_layers);
+        for lw in &w.layers {
+            let a = &lw.attn;
+            resident_attn.push(Some(AttnWeights {
+                wq: load(&a.wq)?,
+                wk: load(&a.wk)?,
+                wv: load(&a.wv)?,
+                wo: load(&a.wo)?,
+            }));
+        }
+        let output = load(&w.output)?;
+        let embedding = if tied {
+            None
+        } else {
+            Some(super::Part::of(&w.token_embd)?)
+        };
+        let max_read_bytes = opts
+            .reader
+            .slot_bytes
+            .saturating_sub(2 * crate::io::ALIGN_BYTES)
+            .max(crate::io::ALIGN_BYTES) as u64;
+        let cost = super::plan::CostModel {
+            max_read_bytes,
+            ..super::plan::CostModel::default_for(fg.align_bytes() as u64)
+        };
+        let n = cfg.n_layers;
+        let residency = Residency {
+            budget_bytes: opts.budget_bytes,
+            attention_resident: vec![true; n],
+            gate_resident: vec![false; n],
+            cache_neurons: vec![0; n],
+            required_bytes,
+            working_bytes,
+            context_bytes,
+            attention_bytes,
+            gate_bytes: 0,
+            cache_bytes: slots as u64 * expert_bytes,
+        };
+        fg.reset_stats();
+        bg.reset_stats();
+        let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
+        Ok(super::Streamer {
+            batch_tokens_max: opts.batch_tokens_max.max(1),
+            kv_positions: opts.kv_positions,
+            residency,
+            cost,
+            engine: opts.engine,
+            direct_io,
+            warnings,
+            // Without a cache, every routed expert of every layer is read per token.
+            dense_bytes_per_token: n as u64 * moe.n_used as u64 * expert_bytes,
+            fg,
+            bg,
+            prefetcher,
+            lookahead: None,
+            layers: Vec::new(),
+            embedding,
+            output,
+            resident_attn,
+            resident_gate: vec![None; n],
+            hidden: cfg.hidden,
+            pass: Mutex::new(()),
+            state: Mutex::new(super::State {
+                caches: Vec::new(),
+                staging_up: Arc::new(Vec::new()),
+                staging_down: Arc::new(Vec::new()),
+                pending: VecDeque::new(),
+                current: None,
+                spare: Vec::new(),
+                plan: Vec::new(),
+                counters: Counters::default(),
+                ahead: VecDeque::new(),
+                ahead_spare: Vec::new(),
+                ahead_taken: None,
+                decode: None,
+            }),
+            decode_start: Mutex::new(None),
+            experts: Some(experts),
+        })
+    }
+}
