@@ -344,14 +344,7 @@ fn min_budget(path: &Path, lookahead: bool) -> u64 {
         .expect("a zero budget is refused")
         .to_string();
     assert!(e.contains("mixture-of-experts") && e.contains("one"), "{e}");
-    let n: String = e
-        .split("at least ")
-        .nth(1)
-        .unwrap()
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect();
-    n.parse().unwrap()
+    budget_in_refusal(&e)
 }
 
 /// Each architecture reformatted to `.gst` equals its GGUF in RAM bit for bit; streamed from the `.gst` under budgets

@@ -85,15 +85,7 @@ fn min_budget_with(path: &Path, opts: StreamOptions) -> u64 {
         .err()
         .expect("a zero budget is refused")
         .to_string();
-    // "... at least N (x MB) is needed ..."
-    let n: String = e
-        .split("at least ")
-        .nth(1)
-        .unwrap()
-        .chars()
-        .take_while(|c| c.is_ascii_digit())
-        .collect();
-    n.parse().unwrap()
+    budget_in_refusal(&e)
 }
 
 fn assert_bit_identical(path: &Path, text: &str) {

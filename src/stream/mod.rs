@@ -259,6 +259,26 @@ struct State {
     decode: Option<DecodeStep>,
 }
 
+impl State {
+    /// Nothing pending or taken yet; `caches` and staging as the residency plan sized them.
+    fn new(caches: Vec<LayerCache>, staging_up: Vec<u8>, staging_down: Vec<u8>) -> State {
+        State {
+            caches,
+            staging_up: Arc::new(staging_up),
+            staging_down: Arc::new(staging_down),
+            pending: VecDeque::new(),
+            current: None,
+            spare: Vec::new(),
+            plan: Vec::new(),
+            counters: Counters::default(),
+            ahead: VecDeque::new(),
+            ahead_spare: Vec::new(),
+            ahead_taken: None,
+            decode: None,
+        }
+    }
+}
+
 /// A `.gst` model's streaming state. Create with [`Streamer::open`], pass as `FfnHooks::stream`.
 ///
 /// Lookahead ([`StreamOptions::lookahead`], sparse decoding only): at the start of layer l's

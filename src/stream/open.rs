@@ -3,7 +3,6 @@
 //! views of a map of the file for the mmap engine), the neuron caches' first fill, the dense
 //! prefetch ranges and the staging buffers. The model is only read.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use super::cache::LayerCache;
@@ -11,8 +10,7 @@ use super::plan::{self, plan, CostModel};
 use super::prefetch::Prefetcher;
 use super::residency::{ModelSizes, Residency};
 use super::{
-    activation_bytes_per_token, CostSource, Counters, LayerParts, Lookahead, Part, Readers, State, StreamOptions,
-    Streamer,
+    activation_bytes_per_token, CostSource, LayerParts, Lookahead, Part, Readers, State, StreamOptions, Streamer,
 };
 use crate::error::{Error, Result};
 use crate::io::{open_reader, ReadEngine, Reader};
@@ -324,20 +322,7 @@ impl Streamer {
             resident_gate,
             hidden: cfg.hidden,
             pass: Mutex::new(()),
-            state: Mutex::new(State {
-                caches,
-                staging_up: Arc::new(staging_up),
-                staging_down: Arc::new(staging_down),
-                pending: VecDeque::new(),
-                current: None,
-                spare: Vec::new(),
-                plan: Vec::new(),
-                counters: Counters::default(),
-                ahead: VecDeque::new(),
-                ahead_spare: Vec::new(),
-                ahead_taken: None,
-                decode: None,
-            }),
+            state: Mutex::new(State::new(caches, staging_up, staging_down)),
             decode_start: Mutex::new(None),
             experts: None,
         })

@@ -279,3 +279,16 @@ pub fn prompt_then_greedy(
     }
     all
 }
+
+/// The budget N a refusal names ("... at least N (x MB) is needed ...").
+#[allow(dead_code)]
+pub fn budget_in_refusal(e: &str) -> u64 {
+    let n: String = e
+        .split("at least ")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no minimum in: {e}"))
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    n.parse().unwrap()
+}
