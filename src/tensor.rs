@@ -58,10 +58,9 @@ impl Weight {
         bytes: Arc<Vec<u8>>,
         offset_bytes: usize,
     ) -> Result<Weight> {
-        let row_bytes = ty
-            .row_bytes(cols)
-            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
-        Weight::shared_strided(name, ty, rows, cols, bytes, offset_bytes, row_bytes)
+        // Packed rows; columns that do not fit the type are refused by `shared_strided`.
+        let stride = ty.row_bytes(cols).unwrap_or(0);
+        Weight::shared_strided(name, ty, rows, cols, bytes, offset_bytes, stride)
     }
 
     /// As [`Weight::shared`], row r at `offset_bytes + r * row_stride_bytes` (a bundled FFN's
@@ -205,5 +204,14 @@ impl Weight {
     /// Bytes of the rows themselves (not the gaps of a strided view).
     pub fn len_bytes(&self) -> usize {
         self.rows * self.row_bytes
+    }
+
+    /// Bytes from row 0's start to the last row's end (`len_bytes` when packed; more when
+    /// strided rows interleave with another view's).
+    pub fn extent_bytes(&self) -> usize {
+        match self.rows {
+            0 => 0,
+            r => (r - 1) * self.row_stride_bytes + self.row_bytes,
+        }
     }
 }

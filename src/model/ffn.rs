@@ -92,13 +92,7 @@ impl Model {
         // the next layer's norm picks the experts to read while this layer computes.
         if let (Some((s, _)), 1) = (&stream, n) {
             if let Some((next, router_next)) = s.expert_lookahead(l) {
-                let (w_now, w_next) = (&self.weights.layers[l].ffn_norm, &self.weights.layers[next].ffn_norm);
-                let x: Vec<f32> = dev
-                    .to_host(xn)
-                    .iter()
-                    .zip(w_now.iter().zip(w_next))
-                    .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
-                    .collect();
+                let x = self.carried_to_next_norm(l, next, &dev.to_host(xn));
                 let predicted = dev.matmul(&[router_next], &dev.upload(1, h, x)).remove(0);
                 let ids: Vec<usize> = route(&dev.to_host(&predicted), moe).iter().map(|r| r.0).collect();
                 s.read_experts_ahead(next, &ids)?;
@@ -357,6 +351,17 @@ impl Model {
         Ok(acc.iter().map(|&v| v as f32).collect())
     }
 
+    /// Layer `l`'s normalized FFN input `xn` (one token) as layer `next`'s norm would scale it:
+    /// `xn ÷ norm_l × norm_next` (the residual stream changes little from one layer to the next).
+    /// What lookahead predicts the next layer's neurons or experts from.
+    fn carried_to_next_norm(&self, l: usize, next: usize, xn: &[f32]) -> Vec<f32> {
+        let (w_now, w_next) = (&self.weights.layers[l].ffn_norm, &self.weights.layers[next].ffn_norm);
+        xn.iter()
+            .zip(w_now.iter().zip(w_next))
+            .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
+            .collect()
+    }
+
     /// Lookahead: which neurons the next layer will need, from this layer's FFN input carried
     /// over to the next layer's norm (`xn ÷ norm_l × norm_next`: the residual stream changes
     /// little from one layer to the next) and the next layer's resident gate — or, for masks
@@ -370,12 +375,7 @@ impl Model {
         let mut need = vec![false; f];
         match gate_next {
             Some(gate_w) => {
-                let (w_now, w_next) = (&self.weights.layers[l].ffn_norm, &self.weights.layers[next].ffn_norm);
-                let x: Vec<f32> = xn
-                    .iter()
-                    .zip(w_now.iter().zip(w_next))
-                    .map(|(&v, (&a, &b))| if a != 0.0 { v / a * b } else { 0.0 })
-                    .collect();
+                let x = self.carried_to_next_norm(l, next, xn);
                 let dev = &*self.device;
                 let x = dev.upload(1, h, x);
                 let mut g = dev.matmul(&[gate_w], &x).remove(0);

@@ -256,6 +256,20 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
+    /// Bytes of the layer's f32 vectors (norms, biases), which a stream keeps resident.
+    pub fn vector_bytes(&self) -> u64 {
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
+        4 * (self.attn_norm.len()
+            + self.ffn_norm.len()
+            + opt(&self.bq)
+            + opt(&self.bk)
+            + opt(&self.bv)
+            + opt(&self.q_norm)
+            + opt(&self.k_norm)
+            + opt(&self.post_attn_norm)
+            + opt(&self.post_ffn_norm)) as u64
+    }
+
     /// The dense FFN, or an error naming `what` (a path that does not read experts yet).
     pub fn dense(&self, what: &str) -> Result<&FfnWeights> {
         match &self.ffn {

@@ -122,6 +122,11 @@ fn source_info(input: &Path) -> Result<SourceInfo> {
     })
 }
 
+/// Every row of `w` in its own order, converted to `to` when given.
+fn rows_as_stored(w: &Weight, to: Option<GgmlType>) -> Result<(GgmlType, Vec<u8>)> {
+    rows_in_order(w, &(0..w.rows as u32).collect::<Vec<_>>(), to)
+}
+
 /// Rows of `w` in `order`, converted to `to` when given.
 fn rows_in_order(w: &Weight, order: &[u32], to: Option<GgmlType>) -> Result<(GgmlType, Vec<u8>)> {
     let ty = to.unwrap_or(w.ty);
@@ -213,7 +218,7 @@ fn write_ffn_section(
     let mut bytes = Vec::new();
     let mut at = Vec::with_capacity(3);
     for m in [&f.gate, &f.up, down] {
-        let (ty, b) = rows_in_order(m, &(0..m.rows as u32).collect::<Vec<_>>(), to)?;
+        let (ty, b) = rows_as_stored(m, to)?;
         at.push((bytes.len(), ty, m.rows, m.cols, b.len() / m.rows.max(1)));
         bytes.extend_from_slice(&b);
     }
@@ -229,7 +234,7 @@ fn write_ffn_section(
 /// gate vector. Experts keep their down matrices as stored (nothing is re-quantized).
 fn write_experts(w: &mut GstWriter, l: usize, e: &ExpertWeights, to: Option<GgmlType>) -> Result<()> {
     let n = |what: &str| format!("blk.{l}.{what}");
-    let (ty, router) = rows_in_order(&e.router, &(0..e.router.rows as u32).collect::<Vec<_>>(), to)?;
+    let (ty, router) = rows_as_stored(&e.router, to)?;
     w.matrix(&n("ffn_gate_inp.weight"), ty, e.router.rows, e.router.cols, &router)?;
     for (i, f) in e.experts.iter().enumerate() {
         let names = [
@@ -461,9 +466,8 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
     let weights = ModelWeights::load(&src.tensors, &cfg)?;
     let mut w = GstWriter::create(output, opts.force)?;
     let to = opts.matrix_type;
-    let identity = |rows: usize| -> Vec<u32> { (0..rows as u32).collect() };
     let put_matrix = |w: &mut GstWriter, name: &str, m: &Weight| -> Result<()> {
-        let (ty, bytes) = rows_in_order(m, &identity(m.rows), to)?;
+        let (ty, bytes) = rows_as_stored(m, to)?;
         w.matrix(name, ty, m.rows, m.cols, &bytes)
     };
     let put_vector =

@@ -65,8 +65,7 @@ impl ExpertPart {
             let o = w
                 .file_offset()
                 .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
-            let end = o + (w.rows.saturating_sub(1) * w.row_stride_bytes + w.row_bytes) as u64;
-            Ok((o, end))
+            Ok((o, o + w.extent_bytes() as u64))
         };
         let spans = [place(&f.gate)?, place(&f.up)?, place(down)?];
         let start = spans.iter().map(|s| s.0).min().unwrap_or(0);
@@ -147,9 +146,6 @@ impl ExpertCache {
         step: u64,
         keep: &[(usize, usize)],
     ) -> Option<Vec<u8>> {
-        if self.slots == 0 {
-            return Arc::try_unwrap(bytes).ok();
-        }
         let spare = self.make_room(keep);
         if self.entries.len() < self.slots {
             self.entries.insert(key, Entry { bytes, last_used: step });
@@ -194,18 +190,17 @@ pub struct ExpertPlan {
 }
 
 impl ExpertStream {
-    /// Resident routers and shared experts loaded with `load`; the experts' places from the
-    /// model's views. The cache starts empty.
+    /// Resident routers and shared experts loaded with `load`; the experts' places `parts`
+    /// (per layer, from [`ExpertPart::of`]). The cache starts empty.
     pub(crate) fn new(
         layers: &[&ExpertWeights],
+        parts: Vec<Vec<ExpertPart>>,
         load: &dyn Fn(&Weight) -> Result<Weight>,
         plan: ExpertPlan,
     ) -> Result<ExpertStream> {
-        let mut parts = Vec::with_capacity(layers.len());
         let mut routers = Vec::with_capacity(layers.len());
         let mut shared = Vec::with_capacity(layers.len());
         for e in layers {
-            parts.push(e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>()?);
             routers.push(load(&e.router)?);
             shared.push(match &e.shared {
                 None => None,
@@ -278,18 +273,13 @@ impl ExpertStream {
         // router lookahead just before); anything else is left from a pass that stopped
         // midway and only gives its buffer back. (Bytes are the file's whichever way they
         // came, so a stale read is never wrong, only wasted.)
-        while let Some(job) = st.ahead.front() {
-            if job.layer == l + 1 {
-                break;
-            }
+        while st.ahead.front().is_some_and(|j| j.layer != l + 1) {
+            let job = st.ahead.pop_front().expect("checked");
+            let done = prefetcher.next()?;
             if job.layer != l {
-                let done = prefetcher.next()?;
-                st.ahead.pop_front();
                 st.spare.push(done.buf);
                 continue;
             }
-            let done = prefetcher.next()?;
-            let job = st.ahead.pop_front().expect("job");
             done.result?;
             let key = (job.layer, job.expert);
             if let Some(v) = st.cache.insert(key, Arc::new(done.buf), step, &keys) {
@@ -339,19 +329,13 @@ impl ExpertStream {
                 v.resize(self.parts[l][e].len_bytes, 0);
                 bufs.push(v);
             }
-            let (mut chunks, mut place) = (Vec::new(), Vec::new());
+            let ranges: Vec<Range> = round
+                .iter()
+                .map(|&e| Range::new(self.parts[l][e].offset_bytes, self.parts[l][e].len_bytes))
+                .collect();
+            let (chunks, place) = super::prefetch::cut(&ranges, max_read_bytes);
             let mut left = vec![0usize; round.len()];
-            for (i, &e) in round.iter().enumerate() {
-                let p = &self.parts[l][e];
-                let mut done = 0;
-                while done < p.len_bytes {
-                    let len = max_read_bytes.max(1).min(p.len_bytes - done);
-                    chunks.push(Range::new(p.offset_bytes + done as u64, len));
-                    place.push((i, done));
-                    left[i] += 1;
-                    done += len;
-                }
-            }
+            place.iter().for_each(|&(i, _)| left[i] += 1);
             let t0 = Instant::now();
             let mut compute_ns = 0u64;
             let mut ready: Vec<Option<Arc<Vec<u8>>>> = vec![None; round.len()];
@@ -446,7 +430,7 @@ impl super::Streamer {
             .ok_or_else(|| Error::Invalid("internal: not a mixture-of-experts model".into()))?;
         let w = &model.weights;
         let tied = w.output.file_offset() == w.token_embd.file_offset();
-        let span = |w: &Weight| (w.rows.saturating_sub(1) * w.row_stride_bytes + w.row_bytes) as u64;
+        let span = |w: &Weight| w.extent_bytes() as u64;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         let (mut attention_bytes, mut required_bytes) = (0u64, span(&w.output) + w.output_norm.len() as u64 * 4);
         for lw in &w.layers {
@@ -461,27 +445,14 @@ impl super::Streamer {
             if let Some((f, g)) = &e.shared {
                 required_bytes += span(&f.gate) + span(&f.up) + span(f.down.weight()) + g.len() as u64 * 4;
             }
-            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
-            required_bytes += 4
-                * (lw.attn_norm.len()
-                    + lw.ffn_norm.len()
-                    + opt(&lw.bq)
-                    + opt(&lw.bk)
-                    + opt(&lw.bv)
-                    + opt(&lw.q_norm)
-                    + opt(&lw.k_norm)
-                    + opt(&lw.post_attn_norm)
-                    + opt(&lw.post_ffn_norm)) as u64;
+            required_bytes += lw.vector_bytes();
             layers.push(&**e);
         }
-        let expert_bytes = layers
+        let parts = layers
             .iter()
-            .flat_map(|e| e.experts.iter())
-            .map(|f| ExpertPart::of(f).map(|p| p.len_bytes as u64))
-            .collect::<Result<Vec<_>>>()?
-            .into_iter()
-            .max()
-            .unwrap_or(0);
+            .map(|e| e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?;
+        let expert_bytes = parts.iter().flatten().map(|p| p.len_bytes as u64).max().unwrap_or(0);
         let context_bytes = crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
             + opts.batch_tokens_max.max(1) as u64 * super::activation_bytes_per_token(&cfg);
         let lookahead = opts.lookahead != super::Lookahead::Off;
@@ -532,6 +503,7 @@ impl super::Streamer {
         };
         let experts = ExpertStream::new(
             &layers,
+            parts,
             &load,
             ExpertPlan {
                 policy,

@@ -76,26 +76,13 @@ impl Streamer {
         }
         let w = &model.weights;
         let tied = w.output.file_offset() == w.token_embd.file_offset();
-        let norm_bytes = |l: &crate::model::weights::LayerWeights| {
-            let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len());
-            (l.attn_norm.len()
-                + l.ffn_norm.len()
-                + opt(&l.bq)
-                + opt(&l.bk)
-                + opt(&l.bv)
-                + opt(&l.q_norm)
-                + opt(&l.k_norm)
-                + opt(&l.post_attn_norm)
-                + opt(&l.post_ffn_norm)) as u64
-                * 4
-        };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         let mut sizes = ModelSizes {
             n_layers: cfg.n_layers,
             ffn: cfg.ffn,
             required_bytes: w.output.len_bytes() as u64
                 + w.output_norm.len() as u64 * 4
-                + w.layers.iter().map(norm_bytes).sum::<u64>(),
+                + w.layers.iter().map(|l| l.vector_bytes()).sum::<u64>(),
             attention_bytes: Vec::new(),
             gate_bytes: Vec::new(),
             neuron_bytes: Vec::new(),

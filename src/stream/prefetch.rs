@@ -26,6 +26,23 @@ pub struct Done {
     pub read_time: Duration,
 }
 
+/// `ranges` cut into reads of at most `chunk_bytes` (the readers' reusable buffer size, so no
+/// read needs a one-off buffer), each with its place: (index of its range, offset in it).
+pub(crate) fn cut(ranges: &[Range], chunk_bytes: usize) -> (Vec<Range>, Vec<(usize, usize)>) {
+    let chunk_bytes = chunk_bytes.max(1);
+    let (mut chunks, mut places) = (Vec::new(), Vec::new());
+    for (i, r) in ranges.iter().enumerate() {
+        let mut done = 0;
+        while done < r.len_bytes {
+            let len = chunk_bytes.min(r.len_bytes - done);
+            chunks.push(Range::new(r.offset_bytes + done as u64, len));
+            places.push((i, done));
+            done += len;
+        }
+    }
+    (chunks, places)
+}
+
 pub struct Prefetcher {
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
@@ -47,18 +64,14 @@ impl Prefetcher {
                     let total: usize = job.ranges.iter().map(|r| r.len_bytes).sum();
                     job.buf.resize(total, 0);
                     // Each range cut into chunks, each chunk's place in the buffer.
-                    let (mut chunks, mut starts) = (Vec::new(), Vec::new());
+                    let mut range_at = Vec::with_capacity(job.ranges.len());
                     let mut at = 0;
                     for r in &job.ranges {
-                        let mut done = 0;
-                        while done < r.len_bytes {
-                            let len = chunk_bytes.min(r.len_bytes - done);
-                            chunks.push(Range::new(r.offset_bytes + done as u64, len));
-                            starts.push(at + done);
-                            done += len;
-                        }
+                        range_at.push(at);
                         at += r.len_bytes;
                     }
+                    let (chunks, places) = cut(&job.ranges, chunk_bytes);
+                    let starts: Vec<usize> = places.iter().map(|&(r, o)| range_at[r] + o).collect();
                     let buf = &mut job.buf;
                     let result = reader.read_each(&chunks, &mut |i, bytes| {
                         buf[starts[i]..starts[i] + bytes.len()].copy_from_slice(bytes);
