@@ -253,12 +253,22 @@ impl CpuBackend {
     }
 }
 
-/// Prepare one activation vector per token for dot products with weights of type `ty`.
-fn prepare_rows(xs: &[f32], width: usize, ty: crate::quant::GgmlType, out: &mut Vec<PreparedInput>) {
+/// Every token of `xs` (rows of `width`) prepared for products with `ty` weights, a prefill's
+/// many tokens in parallel on `pool`.
+fn prepare_rows(
+    pool: &rayon::ThreadPool,
+    xs: &[f32],
+    width: usize,
+    ty: crate::quant::GgmlType,
+    out: &mut Vec<PreparedInput>,
+) {
     let n = xs.len() / width;
     out.resize_with(n, PreparedInput::new);
-    for (t, p) in out.iter_mut().enumerate() {
-        p.prepare(&xs[t * width..(t + 1) * width], ty);
+    let prepare = |(t, p): (usize, &mut PreparedInput)| p.prepare(&xs[t * width..(t + 1) * width], ty);
+    if n == 1 {
+        prepare((0, &mut out[0])); // a decode step: no hand-off to the pool
+    } else {
+        pool.install(|| out.par_iter_mut().enumerate().with_min_len(4).for_each(prepare));
     }
 }
 
@@ -348,10 +358,18 @@ impl Device for CpuBackend {
     fn activate(&self, x: &mut Act, f: FfnActivation) {
         // One loop per function, so each is inlined (a function pointer per element costs ~5% of
         // prefill).
-        let v = host_mut(x);
-        match f {
+        // Split across the threads in pieces of 16 Ki values (a prefill's activations are
+        // millions of values; a decode step's few thousand stay on one thread).
+        const PIECE: usize = 1 << 14;
+        let apply = |v: &mut [f32]| match f {
             FfnActivation::Silu => v.iter_mut().for_each(|v| *v = silu(*v)),
             FfnActivation::GeluTanh => v.iter_mut().for_each(|v| *v = gelu_tanh(*v)),
+        };
+        let v = host_mut(x);
+        if v.len() <= PIECE {
+            apply(v);
+        } else {
+            self.pool.install(|| v.par_chunks_mut(PIECE).for_each(apply));
         }
     }
 
@@ -397,7 +415,7 @@ impl Device for CpuBackend {
                 .map(|w| {
                     // Weights of one type share one preparation of the input.
                     if prepared != Some(w.ty) {
-                        prepare_rows(host(x), x.width, w.ty, prep);
+                        prepare_rows(&self.pool, host(x), x.width, w.ty, prep);
                         prepared = Some(w.ty);
                     }
                     let mut out = vec![0f32; x.rows * w.rows];
@@ -412,7 +430,7 @@ impl Device for CpuBackend {
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
         self.with_prep(|prep| {
-            prepare_rows(host(x), x.width, w.ty, prep);
+            prepare_rows(&self.pool, host(x), x.width, w.ty, prep);
             let mut out = vec![0f32; x.rows * rows.len()];
             Backend::matmul_rows(self, w, rows, prep, &mut out);
             Act::host(x.rows, rows.len(), out)

@@ -48,6 +48,9 @@ pub struct PreparedInput {
     /// Sum of the quants of each group of 16 (Q8K only: 16 per block; Q6_K's scale groups).
     /// `i16` as in ggml's `bsums` (at most 16 * 127), so the kernels can `vpmaddwd` them.
     pub(crate) sums_16: Vec<i16>,
+    /// `sums_16` times the block's scale, as `f32` (Q8K only): the activation sums the wide
+    /// K-quant kernels multiply by the weights' per-group offsets in floating point.
+    pub(crate) scaled_sums_16: Vec<f32>,
 }
 
 impl PreparedInput {
@@ -62,6 +65,7 @@ impl PreparedInput {
             sums_32: Vec::new(),
             scale_and_scaled_sum: Vec::new(),
             sums_16: Vec::new(),
+            scaled_sums_16: Vec::new(),
         }
     }
 
@@ -82,6 +86,7 @@ impl PreparedInput {
         self.sums_32.clear();
         self.scale_and_scaled_sum.clear();
         self.sums_16.clear();
+        self.scaled_sums_16.clear();
         match ActivationFormat::for_weights(weight_type) {
             ActivationFormat::F32 => self.values_f32.extend_from_slice(x),
             ActivationFormat::Q8Blocks32 => {
@@ -159,8 +164,11 @@ impl PreparedInput {
             self.block_scales.push(1.0 / inv_scale);
         }
         let quants = &self.quants[start..];
+        let scale = *self.block_scales.last().expect("pushed above");
         for group in quants.chunks_exact(16) {
-            self.sums_16.push(group.iter().map(|&q| i16::from(q)).sum());
+            let sum: i16 = group.iter().map(|&q| i16::from(q)).sum();
+            self.sums_16.push(sum);
+            self.scaled_sums_16.push(scale * f32::from(sum));
         }
         for group in quants.chunks_exact(32) {
             self.sums_32.push(group.iter().map(|&q| i32::from(q)).sum());

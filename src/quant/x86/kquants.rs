@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 
 use super::super::layout::unpack_k_scales;
 use super::super::PreparedInput;
-use super::{read_f16, sum_blocks, ByteDot};
+use super::{prefetch_block, read_f16, sum_blocks, ByteDot};
 
 const Q4_K_BYTES: usize = 144;
 const Q5_K_BYTES: usize = 176;
@@ -54,6 +54,11 @@ unsafe fn dot_k4_k5<D: ByteDot, const FIFTH_BITS: bool, const NT: usize>(
     let low_nibbles = _mm256_set1_epi8(0x0f);
     sum_blocks!(NT, xs[0].len() / 256, |b, acc| {
         let block = row.add(b * block_bytes);
+        if FIFTH_BITS {
+            prefetch_block::<NT, Q5_K_BYTES>(block);
+        } else {
+            prefetch_block::<NT, Q4_K_BYTES>(block);
+        }
         let d_w = read_f16(block);
         let dmin_w = read_f16(block.add(2));
         let (scales, mins) = unpack_k_scales(&*(block.add(4) as *const [u8; 12]));
@@ -120,6 +125,7 @@ pub(super) unsafe fn dot_q6_k<D: ByteDot, const NT: usize>(row: *const u8, xs: &
     let low_nibbles = _mm256_set1_epi8(0x0f);
     sum_blocks!(NT, xs[0].len() / 256, |b, acc| {
         let block = row.add(b * Q6_K_BYTES);
+        prefetch_block::<NT, Q6_K_BYTES>(block);
         let d_w = read_f16(block.add(208));
         let scales = block.add(192) as *const i8;
         let mut qy = [_mm256_setzero_si256(); NT];

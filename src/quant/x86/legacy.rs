@@ -14,7 +14,7 @@
 use std::arch::x86_64::*;
 
 use super::super::PreparedInput;
-use super::{read_f16, sum_blocks, ByteDot};
+use super::{prefetch_block, read_f16, sum_blocks, ByteDot};
 
 const Q4_0_BYTES: usize = 18;
 const Q4_1_BYTES: usize = 20;
@@ -47,6 +47,7 @@ unsafe fn load_y(x: &PreparedInput, b: usize) -> __m256i {
 pub(super) unsafe fn dot_q4_0<D: ByteDot, const NT: usize>(row: *const u8, xs: &[&PreparedInput; NT]) -> [f32; NT] {
     sum_blocks!(NT, xs[0].len() / 32, |b, acc| {
         let block = row.add(b * Q4_0_BYTES);
+        prefetch_block::<NT, Q4_0_BYTES>(block);
         let d_w = read_f16(block);
         let q = unpack_nibbles(block.add(2));
         for t in 0..NT {
@@ -66,6 +67,7 @@ pub(super) unsafe fn dot_q4_0<D: ByteDot, const NT: usize>(row: *const u8, xs: &
 pub(super) unsafe fn dot_q4_1<D: ByteDot, const NT: usize>(row: *const u8, xs: &[&PreparedInput; NT]) -> [f32; NT] {
     sum_blocks!(NT, xs[0].len() / 32, |b, acc| {
         let block = row.add(b * Q4_1_BYTES);
+        prefetch_block::<NT, Q4_1_BYTES>(block);
         let d_m = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(block as *const i32)));
         let q = unpack_nibbles(block.add(4));
         for t in 0..NT {
@@ -86,6 +88,7 @@ pub(super) unsafe fn dot_q4_1<D: ByteDot, const NT: usize>(row: *const u8, xs: &
 pub(super) unsafe fn dot_q5_0<D: ByteDot, const NT: usize>(row: *const u8, xs: &[&PreparedInput; NT]) -> [f32; NT] {
     sum_blocks!(NT, xs[0].len() / 32, |b, acc| {
         let block = row.add(b * Q5_0_BYTES);
+        prefetch_block::<NT, Q5_0_BYTES>(block);
         let d_w = read_f16(block);
         let high_bits = std::ptr::read_unaligned(block.add(2) as *const u32);
         let q = _mm256_or_si256(unpack_nibbles(block.add(6)), D::bits_to_0x10(high_bits));
@@ -104,6 +107,7 @@ pub(super) unsafe fn dot_q5_0<D: ByteDot, const NT: usize>(row: *const u8, xs: &
 pub(super) unsafe fn dot_q8_0<D: ByteDot, const NT: usize>(row: *const u8, xs: &[&PreparedInput; NT]) -> [f32; NT] {
     sum_blocks!(NT, xs[0].len() / 32, |b, acc| {
         let block = row.add(b * Q8_0_BYTES);
+        prefetch_block::<NT, Q8_0_BYTES>(block);
         let d_w = read_f16(block);
         let w = _mm256_loadu_si256(block.add(2) as *const __m256i);
         let w_abs = _mm256_abs_epi8(w);

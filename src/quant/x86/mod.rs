@@ -18,6 +18,7 @@
 mod float;
 mod kquants;
 mod legacy;
+mod wide;
 
 use std::arch::x86_64::*;
 
@@ -44,6 +45,10 @@ pub(super) trait ByteDot {
     /// accumulators, so the widest tile that fits depends on the vector register count.
     const TILE_TOKENS: usize;
 
+    /// Whether the K-quant kernels of [`wide`] (512-bit vectors) replace those of [`kquants`]
+    /// for this family (same integers per block, a different float summation).
+    const WIDE: bool;
+
     /// `acc + [sum of a[4i..4i+4] * b[4i..4i+4] for each i32 lane i]`, `a` unsigned, `b` signed.
     /// Exact as long as adjacent pairs `a[2k]*b[2k] + a[2k+1]*b[2k+1]` fit in i16 (the AVX2
     /// implementation saturates there; every caller keeps within it, see the kernels).
@@ -62,6 +67,7 @@ pub(super) struct Avx2Dot;
 impl ByteDot for Avx2Dot {
     /// Sixteen vector registers: eight tokens would spill accumulators (measured slower).
     const TILE_TOKENS: usize = 4;
+    const WIDE: bool = false;
 
     #[inline(always)]
     unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
@@ -91,6 +97,9 @@ impl ByteDot for VnniDot {
     /// AVX-512VL gives 32 vector registers, room for eight tokens' accumulators (measured ~1.3x
     /// faster than four on Q4_K/Q8_0 prefill).
     const TILE_TOKENS: usize = 8;
+    /// On Zen 5 (512-bit vector units) the wide kernels are the faster ones: docs/RESULTS.md
+    /// section 7 has both.
+    const WIDE: bool = true;
 
     #[inline(always)]
     unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
@@ -187,6 +196,30 @@ pub(super) unsafe fn vec_dot_tile_vnni(
     vec_dot_tile_generic::<VnniDot>(ty, rows, row_bytes, xs, out)
 }
 
+/// How far ahead of the block being read a one-token product asks for the bytes that follow:
+/// these products stream their weights from memory once, and the hardware prefetcher alone left
+/// one thread's streaming matvec at ~83% of its read bandwidth (Qwen's Q6_K output matrix,
+/// `cargo bench --bench kernels`: 29.1 GiB/s, 35.0 with this; Qwen decode +16%). Asking per
+/// block measured better than asking for a whole row at its start (decode +9% only).
+const PREFETCH_AHEAD: usize = 4096;
+
+/// For a one-token product (`NT == 1`), asks the cache for the lines holding the `BYTES` bytes
+/// `PREFETCH_AHEAD` past the block at `block`; tiles reuse their rows from the cache and skip
+/// it. A prefetch is a hint: lines past the end of the weights are not read and cannot fault.
+#[inline(always)]
+unsafe fn prefetch_block<const NT: usize, const BYTES: usize>(block: *const u8) {
+    if NT == 1 {
+        let ahead = block.wrapping_add(PREFETCH_AHEAD);
+        let mut offset = 0;
+        while offset < BYTES {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(offset) as *const i8);
+            offset += 64;
+        }
+        // The last byte's line, which the steps of 64 can miss when the block straddles lines.
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(BYTES - 1) as *const i8);
+    }
+}
+
 /// The per-row loop, one arm per type so the dispatch is outside it. The quantized kernels are
 /// the tile kernels with a tile of one token.
 #[inline(always)]
@@ -220,8 +253,10 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q4_1 => each_row_tile1!(legacy::dot_q4_1::<D, 1>),
         GgmlType::Q5_0 => each_row_tile1!(legacy::dot_q5_0::<D, 1>),
         GgmlType::Q8_0 => each_row_tile1!(legacy::dot_q8_0::<D, 1>),
+        GgmlType::Q4_K if D::WIDE => each_row_tile1!(wide::dot_q4_k::<D, 1>),
         GgmlType::Q4_K => each_row_tile1!(kquants::dot_q4_k::<D, 1>),
         GgmlType::Q5_K => each_row_tile1!(kquants::dot_q5_k::<D, 1>),
+        GgmlType::Q6_K if D::WIDE => each_row_tile1!(wide::dot_q6_k::<D, 1>),
         GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
     }
 }
@@ -291,8 +326,10 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q4_1 => tiled!(legacy::dot_q4_1),
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
+        GgmlType::Q4_K if D::WIDE => tiled!(wide::dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
+        GgmlType::Q6_K if D::WIDE => tiled!(wide::dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
     }
 }
