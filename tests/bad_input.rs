@@ -205,7 +205,8 @@ fn safetensors_header_rejections_name_file_and_offset() {
 
 /// Writes the fuzz targets' seed corpora (`fuzz/corpus/`, git-ignored): a tiny llama model as
 /// GGUF (F32 and Q8_0 matrices) and as a safetensors folder input (config.json length, config,
-/// model.safetensors), each loadable, so mutations start from files that reach every check.
+/// model.safetensors), and a tiny Qwen2-MoE as GGUF and as .gst, each loadable, so mutations
+/// start from files that reach every check.
 /// Run by `tools/fuzz.sh`.
 #[test]
 #[ignore = "writes fuzz/corpus/{gguf,safetensors_dir}; run by tools/fuzz.sh, not a check"]
@@ -324,6 +325,44 @@ fn write_fuzz_seeds() {
     input.extend(data);
     std::fs::create_dir_all(root.join("safetensors_dir")).unwrap();
     std::fs::write(root.join("safetensors_dir/tiny-f32"), input).unwrap();
+
+    // Mixture of experts: a tiny random Qwen2-MoE (router, experts as 3-D tensors, shared expert
+    // and its gate) as GGUF, and the same model as .gst (format 3: one section per expert, the
+    // shared expert's section) for the index parser.
+    let tmp = tempfile::tempdir().unwrap();
+    let dense = write_temp(tmp.path(), "stories.gguf", &stories_gguf(Breakage::None));
+    let spec = gatestream::synth::MoeSpec {
+        arch: gatestream::config::Arch::Qwen2Moe,
+        experts: 4,
+        used: 2,
+        ty: gatestream::quant::GgmlType::Q8_0,
+        random: Some(gatestream::synth::RandomShape {
+            hidden: 32,
+            ffn: 32,
+            layers: 1,
+            heads: 4,
+            kv_heads: 2,
+        }),
+        perturb: 0.0,
+        seed: 3,
+    };
+    let gguf = tmp.path().join("moe.gguf");
+    gatestream::synth::write_moe(&dense, &spec, &gguf, &mut |_, _| {}).unwrap();
+    let gst = tmp.path().join("moe.gst");
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    for (from, to) in [
+        (&gguf, "gguf/tiny-qwen2moe.gguf"),
+        (&gst, "gst_index/tiny-qwen2moe.gst"),
+    ] {
+        let bytes = std::fs::read(from).unwrap();
+        assert!(
+            bytes.len() <= 262_144,
+            "{to}: {} bytes, over tools/fuzz.sh's -max_len",
+            bytes.len()
+        );
+        std::fs::create_dir_all(root.join(to).parent().unwrap()).unwrap();
+        std::fs::write(root.join(to), bytes).unwrap();
+    }
 }
 
 /// Command-line mistakes get a message, never an abort: a thread count no pool can start, a

@@ -5,10 +5,11 @@
 #
 # Targets (fuzz/fuzz_targets/): gguf (GGUF header, metadata, tensor infos, then the load),
 # safetensors_dir (config.json + model.safetensors header, then the load), gst_index (.gst
-# header and index). Seeds come from the tests (`write_fuzz_seeds`, `write_fuzz_seed`); corpora
-# and crashes stay in fuzz/corpus and fuzz/artifacts (git-ignored). Needs cargo-fuzz (installed
-# here if missing) and libFuzzer's `-Z` flags, which RUSTC_BOOTSTRAP=1 lets the stable compiler
-# take. Runs one job at a time, at low priority. Exit status 1 if any target found a crash.
+# header and index). Seeds come from the tests (`write_fuzz_seeds`, `write_fuzz_seed`: dense and
+# mixture-of-experts models); corpora and crashes stay in fuzz/corpus and fuzz/artifacts
+# (git-ignored). Needs cargo-fuzz (installed here if missing) and libFuzzer's `-Z` flags, which
+# RUSTC_BOOTSTRAP=1 lets the stable compiler take. Runs one job at a time, at low priority.
+# Exit status 1 if any target found a crash.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-600}; shift || true
