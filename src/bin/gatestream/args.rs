@@ -649,6 +649,17 @@ impl SparseArgs {
     }
 }
 
+impl Command {
+    /// Whether the command streams a model under a RAM budget (`--ram-budget`).
+    pub(crate) fn streams(&self) -> bool {
+        match self {
+            Command::Run { stream, .. } | Command::Serve { stream, .. } => stream.ram_budget.is_some(),
+            Command::Perplexity { ram_budget, .. } | Command::Eval { ram_budget, .. } => ram_budget.is_some(),
+            _ => false,
+        }
+    }
+}
+
 /// How `run` streams.
 #[derive(clap::Args)]
 pub(crate) struct StreamArgs {
