@@ -10,7 +10,8 @@
 //! [`PreparedInput`] (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256
 //! for the K-quants, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
-//! same integer per block and differs only in the order of the float summation, and the tests
+//! same integer dot per block and differs only in float arithmetic (the order of the summation;
+//! the wide K-quant kernels also take the weights' offsets in floating point), and the tests
 //! check each family against it. [`vec_dot_tile`] is the batched form (several prepared inputs
 //! against the same rows, each weight block unpacked once per few tokens); its results equal
 //! per-input [`vec_dot_rows`] bit for bit.

@@ -273,6 +273,7 @@ mod tests {
         for g in 0..16 {
             let s: i32 = p.quants[16 * g..16 * g + 16].iter().map(|&q| q as i32).sum();
             assert_eq!(i32::from(p.sums_16[g]), s);
+            assert_eq!(p.scaled_sums_16[g], p.block_scales[0] * s as f32);
         }
         for g in 0..8 {
             let pair = i32::from(p.sums_16[2 * g]) + i32::from(p.sums_16[2 * g + 1]);
@@ -285,6 +286,7 @@ mod tests {
         assert!(p.block_scales[0] > 0.0 && p.quants[9] == -127 && p.quants[40] == 127);
         p.prepare(&[0.0; 256], GgmlType::Q4_K);
         assert_eq!((p.block_scales.as_slice(), p.sums_16.len()), ([0.0f32].as_slice(), 16));
+        assert_eq!(p.scaled_sums_16, [0.0f32; 16]);
         assert!(p.is_prepared_for(GgmlType::Q5_K) && !p.is_prepared_for(GgmlType::Q8_0));
     }
 }

@@ -1,7 +1,8 @@
 //! 512-bit forms of the K-quant kernels for the AVX-512 VNNI family (Q4_K and Q6_K, the types
-//! of the large matrices of the Q4_K_M models here). On CPUs with full-width 512-bit units
-//! (AMD Zen 5, Intel server cores) one `vpmaddubsw` + `vpdpwssd` pair then covers 64 quants
-//! instead of 32, which is what the batched (prefill) products are bound by.
+//! of the large matrices of the Q4_K_M models here). On CPUs with full-width 512-bit units one
+//! `vpmaddubsw` + `vpdpwssd` pair then covers 64 quants instead of 32, which is what the batched
+//! (prefill) products are bound by. Measured on this machine's AMD Zen 5 only; on cores that
+//! split 512-bit operations in two (Zen 4) they may gain less.
 //!
 //! Per block the integers are those of the 256-bit kernels; the float side differs: each token
 //! keeps one 16-lane accumulator, and the weights' offsets (Q4_K's mins, Q6_K's 32) are taken
