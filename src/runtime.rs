@@ -94,6 +94,8 @@ pub struct OpenOptions {
     pub sparse: Option<SparseAsk>,
     /// Only used when streaming (in RAM the KV cache is allocated per request).
     pub kv_positions: KvPositions,
+    /// Experts per token for a mixture-of-experts model (see [`LoadOptions::experts_used`]).
+    pub experts_used: Option<usize>,
 }
 
 /// A model ready to run: the model, its stream, its mask.
@@ -173,6 +175,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
         &LoadOptions {
             threads: opts.threads,
             placement,
+            experts_used: opts.experts_used,
         },
         device,
     )?;

@@ -166,6 +166,7 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
                 stream: Some(pread_stream(file_bytes, 8)),
                 sparse,
                 kv_positions: KvPositions::Exactly(ids.len() + 6),
+                experts_used: None,
             },
         )
         .unwrap()
@@ -681,6 +682,7 @@ fn prompt_lookup_keeps_greedy_tokens_in_ram_and_streamed() {
             stream: Some(pread_stream(80_000_000, 4)),
             sparse: None,
             kv_positions: KvPositions::Exactly(ids.len() + n),
+            experts_used: None,
         },
     )
     .unwrap();

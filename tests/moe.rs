@@ -200,6 +200,82 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
     }
 }
 
+/// `--experts-used K` (`LoadOptions::experts_used`): each architecture routes every token to K
+/// experts (the naive reference with K, K experts per token), K equal to the model's own count
+/// changes nothing, and a dense model or a K outside 1..=experts is refused with the range.
+#[test]
+fn experts_used_routes_each_token_to_that_many_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ARCHS {
+        let path = make(
+            tmp.path(),
+            &spec(arch, GgmlType::F32, true),
+            &format!("{}.gguf", arch.name()),
+        );
+        let with = |k: Option<usize>| {
+            Model::load(
+                &path,
+                &LoadOptions {
+                    experts_used: k,
+                    ..LoadOptions::default()
+                },
+            )
+        };
+        let own = load(&path);
+        let (h, n) = (own.config.hidden, 5);
+        let x: Vec<f32> = (0..n * h)
+            .map(|i| ((i * 7919 % 613) as f32 / 306.5 - 1.0) * 1.7)
+            .collect();
+        let ffn = |m: &Model| {
+            let w = &m.weights.layers[0];
+            m.device.download(
+                m.ffn(0, w, &m.device.upload(n, h, x.clone()), &FfnHooks::dense())
+                    .unwrap(),
+            )
+        };
+        let same = with(Some(2)).unwrap();
+        assert_eq!(ffn(&same), ffn(&own), "{arch:?}: K = the model's own count");
+        for k in [1, 4] {
+            let m = with(Some(k)).unwrap();
+            assert_eq!(m.config.moe.as_ref().unwrap().n_used, k);
+            let got = ffn(&m);
+            let (want, used) = naive_moe(&m, 0, &x, n);
+            assert_eq!(used.len(), n * k, "{arch:?} K={k}: experts per token");
+            let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (*a as f64 - b).abs())
+                .fold(0f64, f64::max);
+            assert!(
+                worst <= 1e-4 * scale,
+                "{arch:?} K={k}: |gatestream - reference| {worst:.3e} of {scale:.3e}"
+            );
+            assert_ne!(
+                got,
+                ffn(&own),
+                "{arch:?} K={k}: no different from the model's own count"
+            );
+        }
+        for k in [0, 7] {
+            let e = with(Some(k)).err().expect("out of range").to_string();
+            assert!(e.contains("has 6 experts") && e.contains("give 1 to 6"), "{e}");
+        }
+    }
+    let dense = stories_file(tmp.path());
+    let e = Model::load(
+        &dense,
+        &LoadOptions {
+            experts_used: Some(1),
+            ..LoadOptions::default()
+        },
+    )
+    .err()
+    .expect("dense refused")
+    .to_string();
+    assert!(e.contains("--experts-used applies to mixture-of-experts models"), "{e}");
+}
+
 #[test]
 fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
     let mut moe = gatestream::config::MoeConfig {

@@ -177,6 +177,7 @@ fn concurrent_passes_over_one_stream_finish() {
     let opts = LoadOptions {
         threads: 4,
         placement: Placement::OnDisk,
+        ..LoadOptions::default()
     };
     let m = Arc::new(Model::load(&p, &opts).unwrap());
     let s = Arc::new(Streamer::open(&m, &options(min_budget(&p), ReadEngine::Pread, CachePolicy::Lru)).unwrap());

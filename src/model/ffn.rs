@@ -69,7 +69,9 @@ impl Model {
         if !plain {
             return Err(Error::Invalid(
                 "neuron masks (--mode sparse) and calibration are not available for mixture-of-experts models yet; \
-                 run the model with --mode dense (in RAM, or streamed from a .gst file with --ram-budget)"
+                 run the model with --mode dense (in RAM, or streamed from a .gst file with --ram-budget); \
+                 to trade quality for speed, route tokens to fewer experts: --experts-used K (run --mode compare \
+                 --experts-used K sets it against the model's own count)"
                     .into(),
             ));
         }

@@ -42,6 +42,9 @@ pub struct LoadOptions {
     pub threads: usize,
     /// Where the matrices' bytes are.
     pub placement: Placement,
+    /// A mixture-of-experts model routes each token to this many experts instead of its own
+    /// count (`expert_used_count`); refused for a dense model and outside 1..=experts.
+    pub experts_used: Option<usize>,
 }
 
 /// Where a loaded model's matrices live.
@@ -155,6 +158,26 @@ impl Model {
 
     /// The model `src` describes (its tensors checked against its config, its tokenizer built).
     pub fn from_source(path: &Path, src: Source, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
+        let mut src = src;
+        if let Some(k) = opts.experts_used {
+            let Some(moe) = src.config.moe.as_mut() else {
+                return Err(Error::Invalid(format!(
+                    "{}: --experts-used applies to mixture-of-experts models, and this model is dense",
+                    path.display()
+                )));
+            };
+            if k == 0 || k > moe.n_experts {
+                return Err(Error::Invalid(format!(
+                    "{}: --experts-used {k}: this model has {} experts per layer (it uses {} per token); \
+                     give 1 to {}",
+                    path.display(),
+                    moe.n_experts,
+                    moe.n_used,
+                    moe.n_experts
+                )));
+            }
+            moe.n_used = k;
+        }
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if opts.placement == Placement::OnDisk {

@@ -21,7 +21,7 @@ pub(crate) struct Cli {
     pub(crate) command: Command,
 }
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 pub(crate) struct ModelArgs {
     /// Model: a .gguf file, or a Hugging Face folder (config.json, model.safetensors, tokenizer.json).
     /// Default: SmolLM2-135M-Instruct as fetched by ../shared/models/fetch.sh smollm2.
@@ -36,6 +36,13 @@ pub(crate) struct ModelArgs {
     /// one-line notice).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub(crate) device: DeviceArg,
+    /// Mixture-of-experts models: route each token to this many experts instead of the model's
+    /// own count (fewer: less compute and, streamed, fewer bytes read per token, at a quality
+    /// cost `perplexity` measures; `run --mode compare` sets it against the model's own count;
+    /// `eval` builds neuron masks, which mixture-of-experts models do not have yet).
+    /// Refused for dense models.
+    #[arg(long)]
+    pub(crate) experts_used: Option<usize>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

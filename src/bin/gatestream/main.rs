@@ -128,6 +128,7 @@ fn generate_one(
                 extra: opts.max_tokens,
                 ctx: opts.ctx,
             },
+            experts_used: args.experts_used,
         },
         device.clone(),
     )?;
@@ -267,9 +268,6 @@ fn default_model() -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// Opens a model for a command that runs whole passes (perplexity, eval): in RAM, or streamed
-/// under `ram_budget` with the KV cache of `kv_positions` positions counted in it; says what
-/// was loaded and any warning.
 /// The device `--device` names (a notice on stderr when `auto` falls back to the CPU).
 fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
     let kind = match args.device {
@@ -284,6 +282,11 @@ fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
     Ok(device)
 }
 
+/// Opens a model for a command that runs whole passes (perplexity, eval): in RAM, or streamed
+/// under `ram_budget` with the KV cache of `kv_positions` positions counted in it, a
+/// mixture-of-experts model with `experts_used` experts per token if given; says what was
+/// loaded and any warning.
+#[allow(clippy::too_many_arguments)] // each is one command-line choice
 fn open_plain(
     path: &std::path::Path,
     device: Arc<dyn Device>,
@@ -291,6 +294,7 @@ fn open_plain(
     ram_budget: Option<&str>,
     io: IoArg,
     kv_positions: usize,
+    experts_used: Option<usize>,
 ) -> anyhow::Result<gatestream::runtime::Runtime> {
     let stream = match ram_budget {
         None => None,
@@ -314,6 +318,7 @@ fn open_plain(
             stream,
             sparse: None,
             kv_positions: KvPositions::Exactly(kv_positions),
+            experts_used,
         },
         device,
     )?;
@@ -448,20 +453,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     }
                 }
                 ModeArg::Compare => {
+                    // With --experts-used (a mixture-of-experts model): the model with its own
+                    // count of experts per token against that many, no neuron mask; else the
+                    // dense model against the mask.
+                    let experts = model.experts_used;
+                    let own = ModelArgs {
+                        experts_used: None,
+                        ..model.clone()
+                    };
+                    let mask = experts.is_none().then_some(&asked);
                     // One device (one thread pool) serves both runs.
-                    let dense = generate_one(&device, &model, None, &stream, None, &prompt, &opts, &mut |_| {})?;
+                    let dense = generate_one(&device, &own, None, &stream, None, &prompt, &opts, &mut |_| {})?;
                     // Give the first run's memory back before the second measures its peak.
                     gatestream::stream::release_free_memory();
                     let sparse = generate_one(
                         &device,
                         &model,
-                        Some(&asked),
+                        mask,
                         &stream,
                         stream.record_trace.as_deref(),
                         &prompt,
                         &opts,
                         &mut |_| {},
                     )?;
+                    let labels = match experts {
+                        Some(k) => ("own experts".to_string(), format!("{k} experts")),
+                        None => ("dense".to_string(), "sparse".to_string()),
+                    };
                     let (d, s) = (&dense.generation, &sparse.generation);
                     let n = d.tokens.len().min(s.tokens.len());
                     let same = d.tokens.iter().zip(&s.tokens).filter(|(a, b)| a == b).count();
@@ -480,26 +498,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                             serde_json::json!({
                                 "dense": dense.json()?, "sparse": sparse.json()?, "agreement": agreement,
                                 "first_difference": first_difference, "sparse_vs_dense": ratios,
+                                "experts_used": experts,
                             })
                         );
                     } else {
-                        println!("dense : {}", d.text);
-                        println!("sparse: {}", s.text);
+                        let width = labels.0.len().max(labels.1.len());
+                        println!("{:width$}: {}", labels.0, d.text);
+                        println!("{:width$}: {}", labels.1, s.text);
                         println!(
                             "agreement: {same}/{n} tokens ({:.1}%), first difference at {}",
                             agreement * 100.0,
                             first_difference.map_or("none".into(), |i| format!("token {i}"))
                         );
-                        dense.print_stats("dense  ");
-                        sparse.print_stats("sparse ");
+                        dense.print_stats(&format!("{:width$} ", labels.0));
+                        sparse.print_stats(&format!("{:width$} ", labels.1));
                         if let Some(r) = ratios {
                             let time = r["time_per_token"].as_f64().unwrap_or(0.0);
                             eprintln!(
-                                "sparse / dense: {:.3}x disk bytes per token, {time:.3}x time per token",
+                                "{} / {}: {:.3}x disk bytes per token, {time:.3}x time per token",
+                                labels.1,
+                                labels.0,
                                 r["disk_bytes_per_token"].as_f64().unwrap_or(0.0),
                             );
                             match &sparse.stream {
-                                Some(ss) if time > 1.0 => eprintln!("{}", slower_sparse_hint(ss)),
+                                Some(ss) if time > 1.0 && experts.is_none() => eprintln!("{}", slower_sparse_hint(ss)),
                                 _ => {}
                             }
                         }
@@ -554,6 +576,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     ctx: ctx_size,
                     sequences: parallel,
                 },
+                experts_used: model.experts_used,
             };
             let model_id = alias.unwrap_or_else(|| {
                 path.file_name()
@@ -607,7 +630,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         } => {
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
             let path = model_path(&model)?;
-            let rt = open_plain(&path, device_of(&model)?, model.threads, ram_budget.as_deref(), io, ctx)?;
+            let rt = open_plain(
+                &path,
+                device_of(&model)?,
+                model.threads,
+                ram_budget.as_deref(),
+                io,
+                ctx,
+                model.experts_used,
+            )?;
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
@@ -806,7 +837,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 };
                 let body = std::fs::read_to_string(&text)
                     .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
-                let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0)?;
+                let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0, None)?;
                 let m = &rt.model;
                 let mut ids = m.tokenizer.encode(&body, true)?;
                 ids.truncate(trace_tokens.max(1));
@@ -909,7 +940,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let path = model_path(&model)?;
             // KV positions: a window, a calibration window (512 + BOS), the sensitivity tokens.
             let kv = ctx.max(513).max(per_layer_tokens + 1);
-            let rt = open_plain(&path, device_of(&model)?, model.threads, ram_budget.as_deref(), io, kv)?;
+            let rt = open_plain(
+                &path,
+                device_of(&model)?,
+                model.threads,
+                ram_budget.as_deref(),
+                io,
+                kv,
+                model.experts_used,
+            )?;
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
