@@ -222,9 +222,13 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                     budget_bytes: ask.budget_bytes,
                     engine: ask.engine,
                     reader: ask.reader.clone(),
-                    cache: ask
-                        .cache
-                        .unwrap_or(if sparse { CachePolicy::Lru } else { CachePolicy::Pinned }),
+                    // Unasked: hot neurons pinned for a dense model, recency for a mask or an
+                    // expert cache (pinned means nothing to experts, and asking for it warns).
+                    cache: ask.cache.unwrap_or(if sparse || model.config.moe.is_some() {
+                        CachePolicy::Lru
+                    } else {
+                        CachePolicy::Pinned
+                    }),
                     priority: ask.priority,
                     prefetch_ffn: !sparse,
                     merge_gap_bytes: ask.merge_gap_bytes,

@@ -498,6 +498,65 @@ fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
 }
 
 /// A GGUF with `general.architecture` and extra keys replaced, tensors as stories260K's.
+/// The runtime (what `run --ram-budget` opens) on a MoE `.gst`: with no cache asked it uses an
+/// LRU expert cache without the warning `--cache pinned` gets; `experts_used` reaches the
+/// streamed model (K = 1 routes and reads fewer experts per token than the model's own 3).
+#[test]
+fn the_runtime_streams_experts_with_the_default_cache_and_experts_used() {
+    use gatestream::runtime::{KvPositions, OpenOptions, StreamAsk};
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = make(
+        tmp.path(),
+        &MoeSpec {
+            used: 3,
+            ..spec(Arch::Qwen3Moe, GgmlType::F32, true)
+        },
+        "m.gguf",
+    );
+    let gst = tmp.path().join("m.gst");
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    let bytes = std::fs::metadata(&gst).unwrap().len();
+    let open = |cache: Option<CachePolicy>, experts_used: Option<usize>| {
+        gatestream::runtime::open(
+            &gst,
+            &OpenOptions {
+                threads: 1,
+                stream: Some(StreamAsk {
+                    budget_bytes: bytes + (64 << 20),
+                    engine: ReadEngine::Pread,
+                    reader: Default::default(),
+                    cache,
+                    priority: Priority::CacheFirst,
+                    merge_gap_bytes: None,
+                    cost: CostSource::Default,
+                    lookahead: false,
+                    batch_tokens_max: 0,
+                }),
+                sparse: None,
+                kv_positions: KvPositions::Exactly(16),
+                experts_used,
+            },
+        )
+        .unwrap()
+    };
+    let pinned = |rt: &gatestream::runtime::Runtime| rt.warnings.iter().any(|w| w.contains("--cache pinned"));
+    assert!(!pinned(&open(None, None)), "the default cache warns");
+    assert!(
+        pinned(&open(Some(CachePolicy::Pinned), None)),
+        "--cache pinned does not warn"
+    );
+    let routed = |k: Option<usize>| {
+        let rt = open(None, k);
+        let out = rt.generate(&[1, 5, 9], &greedy(4), false, None, &mut |_| {}).unwrap();
+        out.stream.unwrap().experts.unwrap().routed_per_token
+    };
+    let (own, one) = (routed(None), routed(Some(1)));
+    assert!(
+        one > 0.0 && one * 3.0 <= own + 1e-9,
+        "K = 1 routed {one} per token, the model's 3: {own}"
+    );
+}
+
 fn stories_with(dir: &Path, name: &str, arch: &str, extra: &[(&str, MetaValue)]) -> PathBuf {
     let src = gatestream::gguf::GgufFile::open(&stories_file(dir)).unwrap();
     let mut meta: Vec<(String, MetaValue)> = src
