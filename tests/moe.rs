@@ -54,6 +54,17 @@ fn make(dir: &Path, spec: &MoeSpec, name: &str) -> PathBuf {
     out
 }
 
+/// A random F32 model of each architecture (6 experts, 2 used) written into `dir`.
+fn random_f32_models(dir: &Path) -> Vec<(Arch, PathBuf)> {
+    ARCHS
+        .iter()
+        .map(|&arch| {
+            let path = make(dir, &spec(arch, GgmlType::F32, true), &format!("{}.gguf", arch.name()));
+            (arch, path)
+        })
+        .collect()
+}
+
 fn load(path: &Path) -> Model {
     Model::load(path, &LoadOptions::default()).unwrap()
 }
@@ -128,15 +139,26 @@ fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> (Vec<f64>, Vec<usi
     (out, used)
 }
 
+/// Asserts the largest |got - want| is at most 1e-4 of the reference's largest magnitude, which
+/// it returns.
+fn assert_near_reference(got: &[f32], want: &[f64], what: &str) -> f64 {
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f64 - b).abs())
+        .fold(0f64, f64::max);
+    assert!(
+        worst <= 1e-4 * scale,
+        "{what}: |gatestream - reference| {worst:.3e} of {scale:.3e}"
+    );
+    scale
+}
+
 #[test]
 fn every_architecture_matches_the_naive_all_experts_reference() {
     let tmp = tempfile::tempdir().unwrap();
-    for arch in ARCHS {
-        let path = make(
-            tmp.path(),
-            &spec(arch, GgmlType::F32, true),
-            &format!("{}.gguf", arch.name()),
-        );
+    for (arch, path) in random_f32_models(tmp.path()) {
         let model = load(&path);
         let moe = model.config.moe.clone().unwrap();
         assert_eq!((moe.n_experts, moe.n_used), (6, 2), "{arch:?}");
@@ -160,16 +182,7 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
             );
             let (want, used) = naive_moe(&model, l, &x, n);
             experts_used.extend(used);
-            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (*a as f64 - b).abs())
-                .fold(0f64, f64::max);
-            assert!(
-                worst <= 1e-4 * scale,
-                "{arch:?} layer {l}: |gatestream - reference| {worst:.3e} of {scale:.3e}"
-            );
+            let scale = assert_near_reference(&got, &want, &format!("{arch:?} layer {l}"));
             // Batched (tokens grouped per expert) equals one token at a time.
             for t in 0..n {
                 let one = model.device.download(
@@ -206,12 +219,7 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
 #[test]
 fn experts_used_routes_each_token_to_that_many_experts() {
     let tmp = tempfile::tempdir().unwrap();
-    for arch in ARCHS {
-        let path = make(
-            tmp.path(),
-            &spec(arch, GgmlType::F32, true),
-            &format!("{}.gguf", arch.name()),
-        );
+    for (arch, path) in random_f32_models(tmp.path()) {
         let with = |k: Option<usize>| {
             Model::load(
                 &path,
@@ -241,16 +249,7 @@ fn experts_used_routes_each_token_to_that_many_experts() {
             let got = ffn(&m);
             let (want, used) = naive_moe(&m, 0, &x, n);
             assert_eq!(used.len(), n * k, "{arch:?} K={k}: experts per token");
-            let scale = want.iter().fold(0f64, |a, v| a.max(v.abs()));
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (*a as f64 - b).abs())
-                .fold(0f64, f64::max);
-            assert!(
-                worst <= 1e-4 * scale,
-                "{arch:?} K={k}: |gatestream - reference| {worst:.3e} of {scale:.3e}"
-            );
+            assert_near_reference(&got, &want, &format!("{arch:?} K={k}"));
             assert_ne!(
                 got,
                 ffn(&own),

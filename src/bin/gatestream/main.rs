@@ -282,6 +282,25 @@ fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
     Ok(device)
 }
 
+/// [`open_plain`] with what `--model`, `--device`, `--threads` and `--experts-used` say.
+fn open_for_passes(
+    args: &ModelArgs,
+    ram_budget: Option<&str>,
+    io: IoArg,
+    kv_positions: usize,
+) -> anyhow::Result<gatestream::runtime::Runtime> {
+    let path = model_path(args)?;
+    open_plain(
+        &path,
+        device_of(args)?,
+        args.threads,
+        ram_budget,
+        io,
+        kv_positions,
+        args.experts_used,
+    )
+}
+
 /// Opens a model for a command that runs whole passes (perplexity, eval): in RAM, or streamed
 /// under `ram_budget` with the KV cache of `kv_positions` positions counted in it, a
 /// mixture-of-experts model with `experts_used` experts per token if given; says what was
@@ -629,16 +648,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             io,
         } => {
             let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
-            let path = model_path(&model)?;
-            let rt = open_plain(
-                &path,
-                device_of(&model)?,
-                model.threads,
-                ram_budget.as_deref(),
-                io,
-                ctx,
-                model.experts_used,
-            )?;
+            let rt = open_for_passes(&model, ram_budget.as_deref(), io, ctx)?;
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
@@ -937,18 +947,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     "--windows-this-run needs a checkpoint to continue from: pass --checkpoint FILE or --json FILE"
                 );
             }
-            let path = model_path(&model)?;
             // KV positions: a window, a calibration window (512 + BOS), the sensitivity tokens.
             let kv = ctx.max(513).max(per_layer_tokens + 1);
-            let rt = open_plain(
-                &path,
-                device_of(&model)?,
-                model.threads,
-                ram_budget.as_deref(),
-                io,
-                kv,
-                model.experts_used,
-            )?;
+            let rt = open_for_passes(&model, ram_budget.as_deref(), io, kv)?;
             let passes = gatestream::model::forward::Passes {
                 stream: rt.layer_stream(),
                 batch_tokens_max: 0,
