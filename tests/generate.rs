@@ -13,7 +13,7 @@ use gatestream::model::forward::{AttnWeights, FfnHooks, LayerStream};
 use gatestream::model::generate::{Finish, GenerateOptions, PromptAwareMask};
 use gatestream::model::{LoadOptions, Model};
 use gatestream::reformat::{reformat, ReformatOptions};
-use gatestream::runtime::{KvPositions, OpenOptions, SparseAsk, StreamAsk};
+use gatestream::runtime::{KvPositions, OpenOptions, SparseAsk};
 use gatestream::sparsity::{Criterion, Masker, Strategy};
 
 fn smollm2() -> Model {
@@ -106,21 +106,6 @@ fn a_failed_prefill_leaves_the_mask_out_of_prompt_mode() {
         .unwrap_err();
     assert!(e.to_string().contains("simulated read failure"), "{e}");
     assert_eq!(masker.union_context(), 0, "the mask is still in prompt mode");
-}
-
-/// Streaming through the pread reader under `budget_bytes`, passes of at most `batch` tokens.
-fn pread_stream(budget_bytes: u64, batch: usize) -> StreamAsk {
-    StreamAsk {
-        budget_bytes,
-        engine: gatestream::io::ReadEngine::Pread,
-        reader: gatestream::io::ReaderOptions::default(),
-        cache: None,
-        priority: gatestream::stream::residency::Priority::CacheFirst,
-        merge_gap_bytes: None,
-        cost: gatestream::stream::CostSource::Default,
-        lookahead: false,
-        batch_tokens_max: batch,
-    }
 }
 
 /// The runtime streams a .gst model under a budget: a prompt longer than one batch is prefilled

@@ -521,15 +521,8 @@ fn the_runtime_streams_experts_with_the_default_cache_and_experts_used() {
             &OpenOptions {
                 threads: 1,
                 stream: Some(StreamAsk {
-                    budget_bytes: bytes + (64 << 20),
-                    engine: ReadEngine::Pread,
-                    reader: Default::default(),
                     cache,
-                    priority: Priority::CacheFirst,
-                    merge_gap_bytes: None,
-                    cost: CostSource::Default,
-                    lookahead: false,
-                    batch_tokens_max: 0,
+                    ..pread_stream(bytes + (64 << 20), 0)
                 }),
                 sparse: None,
                 kv_positions: KvPositions::Exactly(16),

@@ -157,8 +157,7 @@ impl Model {
     }
 
     /// The model `src` describes (its tensors checked against its config, its tokenizer built).
-    pub fn from_source(path: &Path, src: Source, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
-        let mut src = src;
+    pub fn from_source(path: &Path, mut src: Source, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
         if let Some(k) = opts.experts_used {
             let Some(moe) = src.config.moe.as_mut() else {
                 return Err(Error::Invalid(format!(

@@ -292,3 +292,19 @@ pub fn budget_in_refusal(e: &str) -> u64 {
         .collect();
     n.parse().unwrap()
 }
+
+/// Streaming through the pread reader under `budget_bytes`, passes of at most `batch` tokens
+/// (0: the stream's own limit), the cache policy the runtime picks.
+pub fn pread_stream(budget_bytes: u64, batch: usize) -> gatestream::runtime::StreamAsk {
+    gatestream::runtime::StreamAsk {
+        budget_bytes,
+        engine: gatestream::io::ReadEngine::Pread,
+        reader: gatestream::io::ReaderOptions::default(),
+        cache: None,
+        priority: gatestream::stream::residency::Priority::CacheFirst,
+        merge_gap_bytes: None,
+        cost: gatestream::stream::CostSource::Default,
+        lookahead: false,
+        batch_tokens_max: batch,
+    }
+}

@@ -13,12 +13,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::layout::unpack_k_scales;
+use super::super::layout::{unpack_k_scales, Q4_K_BLOCK_BYTES as Q4_K_BYTES, Q6_K_BLOCK_BYTES as Q6_K_BYTES};
 use super::super::PreparedInput;
 use super::{prefetch_block, read_f16, ByteDot};
-
-const Q4_K_BYTES: usize = 144;
-const Q6_K_BYTES: usize = 210;
 
 /// The 64 activations starting at element `e` of the input.
 #[inline(always)]
@@ -39,19 +36,15 @@ unsafe fn dot_scaled(acc: __m512i, q: __m512i, y: __m512i, scales_i16: __m512i) 
     _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, y), scales_i16)
 }
 
-/// i16 lane `j` of the result is lane `first + j / per` of `table` (16 i16 lanes in the low 256
-/// bits): `per` consecutive lanes share one scale.
+/// i16 lane `j` of the result is lane `first + (j >> LOG2_PER)` of `table` (16 i16 lanes in the
+/// low 256 bits): `1 << LOG2_PER` consecutive lanes share one scale.
 #[inline(always)]
-unsafe fn spread_scales(table: __m512i, first: i16, per: i16) -> __m512i {
+unsafe fn spread_scales<const LOG2_PER: u32>(table: __m512i, first: i16) -> __m512i {
     let lane = _mm512_set_epi16(
         31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
         1, 0,
     );
-    let per_shift = per.trailing_zeros();
-    let index = _mm512_add_epi16(
-        _mm512_set1_epi16(first),
-        _mm512_srl_epi16(lane, _mm_cvtsi32_si128(per_shift as i32)),
-    );
+    let index = _mm512_add_epi16(_mm512_set1_epi16(first), _mm512_srli_epi16::<LOG2_PER>(lane));
     _mm512_permutexvar_epi16(index, table)
 }
 
@@ -106,7 +99,7 @@ pub(super) unsafe fn dot_q4_k<D: ByteDot, const NT: usize>(row: *const u8, xs: &
         for chunk in 0..4 {
             let packed = broadcast_32(block.add(16 + 32 * chunk));
             let q = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low_nibbles);
-            let sc = spread_scales(scale_table, 2 * chunk as i16, 16);
+            let sc = spread_scales::<4>(scale_table, 2 * chunk as i16);
             for t in 0..NT {
                 let y = load_y64(xs[t], 256 * b + 64 * chunk);
                 qy[t] = dot_scaled(qy[t], q, y, sc);
@@ -146,8 +139,8 @@ pub(super) unsafe fn dot_q6_k<D: ByteDot, const NT: usize>(row: *const u8, xs: &
             let top = |shift: __m512i| _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srlv_epi16(qh, shift), two_bits));
             let q_first = _mm512_or_si512(_mm512_and_si512(ql, low_nibbles), top(shift_a));
             let q_second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16::<4>(ql), low_nibbles), top(shift_b));
-            let sc_first = spread_scales(scale_table, 8 * half as i16, 8);
-            let sc_second = spread_scales(scale_table, 8 * half as i16 + 4, 8);
+            let sc_first = spread_scales::<3>(scale_table, 8 * half as i16);
+            let sc_second = spread_scales::<3>(scale_table, 8 * half as i16 + 4);
             for t in 0..NT {
                 let e = 256 * b + 128 * half;
                 qy[t] = dot_scaled(qy[t], q_first, load_y64(xs[t], e), sc_first);
