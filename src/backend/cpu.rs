@@ -12,7 +12,7 @@ use super::ops::{attend, gelu_tanh, rms_norm, rope_apply, rope_table, silu};
 use super::{Act, AttnShape, Backend, Device, RopeShape};
 use crate::config::FfnActivation;
 use crate::kv::KvCache;
-use crate::quant::{axpy_row_f64, dequantize_row, vec_dot, vec_dot_rows, vec_dot_tile, PreparedInput};
+use crate::quant::{axpy_row_f64, dequantize_row, vec_dot, vec_dot_rows, vec_dot_tile, PreparedInput, TokenTile};
 use crate::tensor::Weight;
 
 /// Rows per work item: small enough to balance two threads, large enough that scheduling is
@@ -90,7 +90,9 @@ impl Backend for CpuBackend {
         }
         // Batched: each chunk of rows is multiplied with the tokens a tile at a time, so every
         // weight block is unpacked once per few tokens rather than once per token.
+        // The tiles (and their token-lane packs) are built once and shared by every chunk.
         let xs: Vec<&PreparedInput> = xs.iter().collect();
+        let tiles: Vec<TokenTile> = xs.chunks(CHUNK_TOKENS).map(TokenTile::new).collect();
         let ptr = OutPtr(out.as_mut_ptr());
         let n_chunks = w.rows.div_ceil(CHUNK_ROWS);
         self.pool.install(|| {
@@ -100,9 +102,9 @@ impl Backend for CpuBackend {
                 let n = end - start;
                 let rows = w.rows_bytes(start, end);
                 let mut local = [0f32; CHUNK_TOKENS * CHUNK_ROWS];
-                for (g, group) in xs.chunks(CHUNK_TOKENS).enumerate() {
-                    let local = &mut local[..group.len() * n];
-                    vec_dot_tile(w.ty, rows, group, local);
+                for (g, tile) in tiles.iter().enumerate() {
+                    let local = &mut local[..tile.len() * n];
+                    vec_dot_tile(w.ty, rows, tile, local);
                     let dst = ptr;
                     for (i, out_t) in local.chunks_exact(n).enumerate() {
                         let t = g * CHUNK_TOKENS + i;

@@ -11,16 +11,18 @@
 //! for the K-quants, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
 //! same integer dot per block and differs only in float arithmetic (the order of the summation;
-//! the wide K-quant kernels also take the weights' offsets in floating point), and the tests
-//! check each family against it. [`vec_dot_tile`] is the batched form (several prepared inputs
-//! against the same rows, each weight block unpacked once per few tokens); its results equal
-//! per-input [`vec_dot_rows`] bit for bit.
+//! the wide K-quant kernels close each block's exact integers in scalar float), and the tests
+//! check each family against it. [`vec_dot_tile`] is the batched form (several prepared inputs,
+//! a [`TokenTile`], against the same rows, each weight block unpacked once per few tokens, or
+//! read four quants at a time against 16 tokens in vector lanes); its results equal per-input
+//! [`vec_dot_rows`] bit for bit.
 //!
 //! Length mismatches (a row whose byte length does not fit the prepared input, an output slice of
 //! the wrong size) are programming errors here and panic; callers validate tensor shapes first.
 
 mod axpy;
 mod dequant;
+mod lanes;
 mod layout;
 mod prepare;
 mod quantize;
@@ -37,6 +39,7 @@ use std::sync::OnceLock;
 
 pub use axpy::{axpy_row_f64, axpy_row_f64_scalar};
 pub use dequant::dequantize_row;
+pub use lanes::TokenTile;
 pub use prepare::PreparedInput;
 pub use quantize::quantize_row;
 pub use scalar::vec_dot_scalar;
@@ -210,6 +213,15 @@ impl KernelFamily {
     }
 
     /// The best family this CPU supports. Cached because the matvec asks once per call.
+    /// Whether this family has the token-lane K-quant kernels that read a [`TokenTile`]'s packs.
+    fn has_lane_kernels(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == KernelFamily::Avx512Vnni {
+            return true;
+        }
+        false
+    }
+
     fn detected() -> KernelFamily {
         static FAMILY: OnceLock<KernelFamily> = OnceLock::new();
         *FAMILY.get_or_init(|| {

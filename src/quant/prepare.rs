@@ -48,9 +48,6 @@ pub struct PreparedInput {
     /// Sum of the quants of each group of 16 (Q8K only: 16 per block; Q6_K's scale groups).
     /// `i16` as in ggml's `bsums` (at most 16 * 127), so the kernels can `vpmaddwd` them.
     pub(crate) sums_16: Vec<i16>,
-    /// `sums_16` times the block's scale, as `f32` (Q8K only): the activation sums the wide
-    /// K-quant kernels multiply by the weights' per-group offsets in floating point.
-    pub(crate) scaled_sums_16: Vec<f32>,
 }
 
 impl PreparedInput {
@@ -65,7 +62,6 @@ impl PreparedInput {
             sums_32: Vec::new(),
             scale_and_scaled_sum: Vec::new(),
             sums_16: Vec::new(),
-            scaled_sums_16: Vec::new(),
         }
     }
 
@@ -86,7 +82,6 @@ impl PreparedInput {
         self.sums_32.clear();
         self.scale_and_scaled_sum.clear();
         self.sums_16.clear();
-        self.scaled_sums_16.clear();
         match ActivationFormat::for_weights(weight_type) {
             ActivationFormat::F32 => self.values_f32.extend_from_slice(x),
             ActivationFormat::Q8Blocks32 => {
@@ -164,11 +159,8 @@ impl PreparedInput {
             self.block_scales.push(1.0 / inv_scale);
         }
         let quants = &self.quants[start..];
-        let scale = *self.block_scales.last().expect("pushed above");
         for group in quants.chunks_exact(16) {
-            let sum: i16 = group.iter().map(|&q| i16::from(q)).sum();
-            self.sums_16.push(sum);
-            self.scaled_sums_16.push(scale * f32::from(sum));
+            self.sums_16.push(group.iter().map(|&q| i16::from(q)).sum());
         }
         for group in quants.chunks_exact(32) {
             self.sums_32.push(group.iter().map(|&q| i32::from(q)).sum());
@@ -273,7 +265,6 @@ mod tests {
         for g in 0..16 {
             let s: i32 = p.quants[16 * g..16 * g + 16].iter().map(|&q| q as i32).sum();
             assert_eq!(i32::from(p.sums_16[g]), s);
-            assert_eq!(p.scaled_sums_16[g], p.block_scales[0] * s as f32);
         }
         for g in 0..8 {
             let pair = i32::from(p.sums_16[2 * g]) + i32::from(p.sums_16[2 * g + 1]);
@@ -286,7 +277,6 @@ mod tests {
         assert!(p.block_scales[0] > 0.0 && p.quants[9] == -127 && p.quants[40] == 127);
         p.prepare(&[0.0; 256], GgmlType::Q4_K);
         assert_eq!((p.block_scales.as_slice(), p.sums_16.len()), ([0.0f32].as_slice(), 16));
-        assert_eq!(p.scaled_sums_16, [0.0f32; 16]);
         assert!(p.is_prepared_for(GgmlType::Q5_K) && !p.is_prepared_for(GgmlType::Q8_0));
     }
 }

@@ -1,14 +1,18 @@
-//! Batched dot products: one slice of rows against several prepared inputs at once, the inner
-//! loop of batched prefill. The SIMD kernels unpack each weight block once per micro-tile of
-//! tokens (4 for AVX2, 8 for VNNI: `ByteDot::TILE_TOKENS` in `x86`) instead of once per token, and their per-token arithmetic is
-//! the single-token kernels' own, so [`vec_dot_tile`] returns exactly what [`super::vec_dot_rows`]
-//! returns token by token (the tests compare with `assert_eq!`).
+//! Batched dot products: one slice of rows against several prepared inputs (a [`TokenTile`]) at
+//! once, the inner loop of batched prefill. The SIMD kernels unpack each weight block once per
+//! micro-tile of tokens (4 for AVX2, 8 for VNNI: `ByteDot::TILE_TOKENS` in `x86`; 16 tokens in
+//! the lanes of one vector for the VNNI family's K-quants, `super::lanes`) instead of once per
+//! token, and each token's arithmetic is the single-token kernels' own, so [`vec_dot_tile`]
+//! returns exactly what [`super::vec_dot_rows`] returns token by token (the tests compare with
+//! `assert_eq!`).
 
-use super::{check_rows, vec_dot_scalar, GgmlType, KernelFamily, PreparedInput};
+use super::lanes::TokenTile;
+use super::{check_rows, vec_dot_scalar, GgmlType, KernelFamily};
 
 impl KernelFamily {
-    /// `out[t * n_rows + r] = dot(row r, xs[t])` with this family's kernels.
-    fn vec_dot_tile(self, ty: GgmlType, rows: &[u8], xs: &[&PreparedInput], out: &mut [f32]) {
+    /// `out[t * n_rows + r] = dot(row r, token t)` with this family's kernels.
+    fn vec_dot_tile(self, ty: GgmlType, rows: &[u8], tile: &TokenTile, out: &mut [f32]) {
+        let xs = tile.tokens();
         let Some(first) = xs.first() else {
             assert!(out.is_empty(), "no inputs, but an output of {} values", out.len());
             return;
@@ -38,12 +42,12 @@ impl KernelFamily {
                 // SAFETY: this family is only constructed after `x86::vnni_supported()` confirmed
                 // its features; `check_rows` verified that `rows` is `n_rows` whole rows matching
                 // every input, and `out` has `xs.len() * n_rows` values (asserted above).
-                unsafe { super::x86::vec_dot_tile_vnni(ty, rows, row_bytes, xs, out) }
+                unsafe { super::x86::vec_dot_tile_vnni(ty, rows, row_bytes, tile, out) }
             }
             #[cfg(target_arch = "x86_64")]
             KernelFamily::Avx2 => {
                 // SAFETY: as above, with `x86::avx2_supported()`.
-                unsafe { super::x86::vec_dot_tile_avx2(ty, rows, row_bytes, xs, out) }
+                unsafe { super::x86::vec_dot_tile_avx2(ty, rows, row_bytes, tile, out) }
             }
             KernelFamily::Scalar => {
                 for (x, out_t) in xs.iter().zip(out.chunks_exact_mut(n_rows)) {
@@ -56,17 +60,18 @@ impl KernelFamily {
     }
 }
 
-/// `out[t * n_rows + r] = dot(row r, xs[t])`: `rows` holds `n_rows = rows.len() / row_bytes`
-/// consecutive rows of `ty` and `out` is `[xs.len()][n_rows]`, row-major. Equal, bit for bit, to
+/// `out[t * n_rows + r] = dot(row r, token t of tile)`: `rows` holds `n_rows = rows.len() /
+/// row_bytes` consecutive rows of `ty` and `out` is `[tile.len()][n_rows]`, row-major. Equal, bit for bit, to
 /// calling [`super::vec_dot_rows`] once per input, but each weight block is unpacked once per
 /// few tokens. Panics on mismatched lengths or formats like [`super::vec_dot_rows`].
-pub fn vec_dot_tile(ty: GgmlType, rows: &[u8], xs: &[&PreparedInput], out: &mut [f32]) {
-    KernelFamily::detected().vec_dot_tile(ty, rows, xs, out);
+pub fn vec_dot_tile(ty: GgmlType, rows: &[u8], tile: &TokenTile, out: &mut [f32]) {
+    KernelFamily::detected().vec_dot_tile(ty, rows, tile, out);
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::test_util::{random_row, Rng};
+    use super::super::PreparedInput;
     use super::*;
 
     /// Every family x type x token count x row length: the tile must equal the family's own
@@ -88,7 +93,7 @@ mod tests {
                 let row_bytes = ty.row_bytes(n_elems).unwrap();
                 let n_rows = 5;
                 let rows: Vec<u8> = (0..n_rows).flat_map(|_| random_row(&mut rng, ty, n_elems)).collect();
-                let inputs: Vec<PreparedInput> = (0..13)
+                let inputs: Vec<PreparedInput> = (0..36)
                     .map(|_| {
                         let x: Vec<f32> = (0..n_elems).map(|_| rng.normal()).collect();
                         let mut p = PreparedInput::new();
@@ -104,11 +109,13 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                for n_tok in [1, 3, 4, 5, 8, 13] {
+                // 18 and 36 end in an unpacked group of 2 and a packed one of 4 (token lanes).
+                for n_tok in [1, 2, 3, 4, 5, 8, 13, 16, 18, 36] {
                     let xs: Vec<&PreparedInput> = inputs[..n_tok].iter().collect();
+                    let token_tile = TokenTile::new(&xs);
                     for family in &families {
                         let mut tile = vec![f32::NAN; n_tok * n_rows];
-                        family.vec_dot_tile(ty, &rows, &xs, &mut tile);
+                        family.vec_dot_tile(ty, &rows, &token_tile, &mut tile);
                         for (t, x) in xs.iter().enumerate() {
                             let mut single = vec![f32::NAN; n_rows];
                             family.vec_dot_rows(ty, &rows, x, &mut single);
@@ -143,13 +150,13 @@ mod tests {
             .collect();
         let xs: Vec<&PreparedInput> = inputs.iter().collect();
         let mut out = vec![0.0; 18];
-        vec_dot_tile(ty, &rows, &xs, &mut out);
+        vec_dot_tile(ty, &rows, &TokenTile::new(&xs), &mut out);
         for (t, x) in inputs.iter().enumerate() {
             let mut single = [0.0; 3];
             super::super::vec_dot_rows(ty, &rows, x, &mut single);
             assert_eq!(&out[3 * t..3 * t + 3], &single);
         }
-        vec_dot_tile(ty, &rows, &[], &mut []);
+        vec_dot_tile(ty, &rows, &TokenTile::new(&[]), &mut []);
     }
 
     #[test]
@@ -158,6 +165,6 @@ mod tests {
         let mut p = PreparedInput::new();
         p.prepare(&[0.5; 32], GgmlType::Q8_0);
         let mut out = [0.0f32; 3];
-        vec_dot_tile(GgmlType::Q8_0, &[0u8; 34 * 2], &[&p, &p], &mut out);
+        vec_dot_tile(GgmlType::Q8_0, &[0u8; 34 * 2], &TokenTile::new(&[&p, &p]), &mut out);
     }
 }

@@ -1,7 +1,8 @@
 //! x86-64 SIMD dot products, in two families chosen at run time: AVX2 (`vpmaddubsw` +
 //! `vpmaddwd`) and AVX-512 VNNI (`vpdpbusd`/`vpdpwssd`: on 256-bit vectors for the 32-element
 //! types, where one code path serves both families — a 512-bit form measured slower — and on
-//! 512-bit vectors for the K-quants ([`wide`]), 1.5-1.8x faster on this machine's Zen 5 cores).
+//! 512-bit vectors for the K-quants ([`wide`]), whose batched form puts 16 tokens in the lanes
+//! of one vector).
 //! One-token products prefetch the weights a few KiB ahead ([`prefetch_block`]).
 //!
 //! The kernels are written once, generic over [`ByteDot`] (the only place the families differ),
@@ -24,6 +25,7 @@ mod wide;
 
 use std::arch::x86_64::*;
 
+use super::lanes::{TokenTile, LANES};
 use super::{GgmlType, PreparedInput};
 
 /// Whether the AVX2 family can run (AVX2 + FMA + F16C).
@@ -171,16 +173,10 @@ pub(super) unsafe fn vec_dot_rows_vnni(
 ///
 /// # Safety
 /// The module's contract: AVX2/FMA/F16C present, `rows` holds whole rows of `row_bytes`, every
-/// input in `xs` is prepared for them, and `out.len() == xs.len() * rows.len() / row_bytes`.
+/// token of `tile` is prepared for them, and `out.len() == tile.len() * rows.len() / row_bytes`.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn vec_dot_tile_avx2(
-    ty: GgmlType,
-    rows: &[u8],
-    row_bytes: usize,
-    xs: &[&PreparedInput],
-    out: &mut [f32],
-) {
-    vec_dot_tile_generic::<Avx2Dot>(ty, rows, row_bytes, xs, out)
+pub(super) unsafe fn vec_dot_tile_avx2(ty: GgmlType, rows: &[u8], row_bytes: usize, tile: &TokenTile, out: &mut [f32]) {
+    vec_dot_tile_generic::<Avx2Dot>(ty, rows, row_bytes, tile, out)
 }
 
 /// `out[t * n_rows + r] = dot(row r, xs[t])` with the AVX-512 VNNI kernels.
@@ -188,14 +184,8 @@ pub(super) unsafe fn vec_dot_tile_avx2(
 /// # Safety
 /// The module's contract: the VNNI family's features present, arguments as for the AVX2 entry.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-pub(super) unsafe fn vec_dot_tile_vnni(
-    ty: GgmlType,
-    rows: &[u8],
-    row_bytes: usize,
-    xs: &[&PreparedInput],
-    out: &mut [f32],
-) {
-    vec_dot_tile_generic::<VnniDot>(ty, rows, row_bytes, xs, out)
+pub(super) unsafe fn vec_dot_tile_vnni(ty: GgmlType, rows: &[u8], row_bytes: usize, tile: &TokenTile, out: &mut [f32]) {
+    vec_dot_tile_generic::<VnniDot>(ty, rows, row_bytes, tile, out)
 }
 
 /// How far ahead of the block being read a one-token product asks for the bytes that follow:
@@ -255,25 +245,34 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q4_1 => each_row_tile1!(legacy::dot_q4_1::<D, 1>),
         GgmlType::Q5_0 => each_row_tile1!(legacy::dot_q5_0::<D, 1>),
         GgmlType::Q8_0 => each_row_tile1!(legacy::dot_q8_0::<D, 1>),
-        GgmlType::Q4_K if D::WIDE => each_row_tile1!(wide::dot_q4_k::<D, 1>),
+        GgmlType::Q4_K if D::WIDE => each_row!(wide::dot_q4_k),
         GgmlType::Q4_K => each_row_tile1!(kquants::dot_q4_k::<D, 1>),
         GgmlType::Q5_K => each_row_tile1!(kquants::dot_q5_k::<D, 1>),
-        GgmlType::Q6_K if D::WIDE => each_row_tile1!(wide::dot_q6_k::<D, 1>),
+        GgmlType::Q6_K if D::WIDE => each_row!(wide::dot_q6_k),
         GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
     }
 }
 
-/// The tile loop: tokens in groups of [`ByteDot::TILE_TOKENS`], then of four, then the remainder
-/// as one smaller group; within a group every row, so the group's activations stay in L1 while
-/// the rows stream past.
+/// Rows per pass of the token-lane kernels over a block range: their float accumulators (one
+/// vector each) live on the stack.
+const LANE_ROWS: usize = 64;
+/// Blocks per pass: 4 KiB of a pack's activations each.
+const LANE_BLOCKS: usize = 4;
+
+/// The tile loop. The wide family's Q4_K/Q6_K run each packed group of [`LANES`] tokens through
+/// the token-lane kernels row by row, and a group left unpacked (fewer than
+/// [`super::lanes::MIN_TOKENS`] tokens) through the one-token kernels. The other kernels take
+/// tokens in groups of [`ByteDot::TILE_TOKENS`], then of four, then the remainder as one smaller
+/// group; within a group every row, so the group's activations stay in L1 while the rows stream past.
 #[inline(always)]
 unsafe fn vec_dot_tile_generic<D: ByteDot>(
     ty: GgmlType,
     rows: &[u8],
     row_bytes: usize,
-    xs: &[&PreparedInput],
+    tile: &TokenTile,
     out: &mut [f32],
 ) {
+    let xs = tile.tokens();
     let n_rows = rows.len() / row_bytes;
     debug_assert_eq!(rows.len(), row_bytes * n_rows);
     debug_assert_eq!(out.len(), xs.len() * n_rows);
@@ -314,6 +313,55 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             }
         }};
     }
+    // Packed groups through `$lanes`, unpacked ones token by token through `$one`.
+    macro_rules! lanes {
+        ($lm:ident :: $lanes:ident, $om:ident :: $one:ident) => {{
+            for (g, group) in xs.chunks(LANES).enumerate() {
+                let t0 = g * LANES;
+                match tile.pack(g) {
+                    Some(pack) => {
+                        debug_assert_eq!(pack.tokens, group.len());
+                        let mut dots = [0f32; LANES];
+                        for r0 in (0..n_rows).step_by(LANE_ROWS) {
+                            let r1 = (r0 + LANE_ROWS).min(n_rows);
+                            let mut acc = [_mm512_setzero_ps(); LANE_ROWS];
+                            let row = |r: usize| rows.as_ptr().add(r * row_bytes);
+                            // A few blocks at a time over all these rows, so that part of the
+                            // pack (4 KiB a block) stays in L1 while the rows pass it.
+                            for b0 in (0..pack.blocks).step_by(LANE_BLOCKS) {
+                                let blocks = b0..(b0 + LANE_BLOCKS).min(pack.blocks);
+                                let mut r = r0;
+                                while r + 2 <= r1 {
+                                    let pair: &mut [__m512; 2] = (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
+                                    $lm::$lanes::<2>([row(r), row(r + 1)], pack, blocks.clone(), pair);
+                                    r += 2;
+                                }
+                                if r < r1 {
+                                    let one: &mut [__m512; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
+                                    $lm::$lanes::<1>([row(r)], pack, blocks.clone(), one);
+                                }
+                            }
+                            for (r, lanes) in (r0..r1).zip(acc) {
+                                _mm512_storeu_ps(dots.as_mut_ptr(), lanes);
+                                for (t, &dot) in dots[..group.len()].iter().enumerate() {
+                                    // In bounds as in `group!`.
+                                    *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
+                                }
+                            }
+                        }
+                    }
+                    None => {
+                        for (t, x) in group.iter().enumerate() {
+                            for r in 0..n_rows {
+                                *out.get_unchecked_mut((t0 + t) * n_rows + r) =
+                                    $om::$one(rows.as_ptr().add(r * row_bytes), x);
+                            }
+                        }
+                    }
+                }
+            }
+        }};
+    }
     // Float weights have no unpacking to share: one token at a time.
     macro_rules! per_token {
         () => {
@@ -328,10 +376,10 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q4_1 => tiled!(legacy::dot_q4_1),
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
-        GgmlType::Q4_K if D::WIDE => tiled!(wide::dot_q4_k),
+        GgmlType::Q4_K if D::WIDE => lanes!(wide::q4_k_lanes, wide::dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
-        GgmlType::Q6_K if D::WIDE => tiled!(wide::dot_q6_k),
+        GgmlType::Q6_K if D::WIDE => lanes!(wide::q6_k_lanes, wide::dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
     }
 }
