@@ -6,9 +6,8 @@
 //! once per token (`x86::wide` has the kernels). Built once per batch of tokens and shared by
 //! every row chunk of a matrix product.
 
-use super::layout::QK_K;
 use super::prepare::ActivationFormat;
-use super::PreparedInput;
+use super::{GgmlType, PreparedInput};
 
 /// Tokens per pack: one `i32`/`f32` lane each in a 512-bit vector.
 pub(crate) const LANES: usize = 16;
@@ -17,54 +16,76 @@ pub(crate) const LANES: usize = 16;
 /// lanes whatever the number of tokens in it.
 pub(crate) const MIN_TOKENS: usize = 3;
 
-/// Up to [`LANES`] Q8_K-prepared inputs of `blocks` blocks, interleaved. Lanes past `tokens` are
-/// zero (their results are computed and dropped).
+/// Whether the VNNI family has token-lane kernels for rows of `ty`.
+pub(crate) fn has_lane_kernel(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0
+    )
+}
+
+/// Up to [`LANES`] inputs prepared alike (Q8_K blocks of 256, or Q8_0-style blocks of 32),
+/// interleaved. Lanes past `tokens` are zero (their results are computed and dropped).
 pub(crate) struct LanePack {
     /// How many of the lanes hold a token.
     pub(crate) tokens: usize,
-    /// Blocks of 256 per input.
+    /// Activation blocks (of 256 or 32) per input.
     pub(crate) blocks: usize,
-    /// `[block][group of 4 elements (64)][lane]`: the four activation quants of that group.
+    /// `[group of 4 elements][lane]`: the four activation quants of that group.
     pub(crate) quants: Vec<[i8; 4]>,
     /// `[block][lane]`: the block's activation scale.
     pub(crate) scales: Vec<f32>,
-    /// `[block][pair of groups of 32 (4)][lane]`: the two groups' quant sums as `i16`s.
+    /// Q8_K: `[block][pair of groups of 32 (4)][lane]`, the two groups' quant sums as `i16`s.
     pub(crate) sums_32: Vec<[i16; 2]>,
-    /// `[block][pair of groups of 16 (8)][lane]`: the two groups' quant sums.
+    /// Q8_K: `[block][pair of groups of 16 (8)][lane]`, the two groups' quant sums.
     pub(crate) sums_16: Vec<[i16; 2]>,
+    /// Blocks of 32: `[block][lane]`, the block's quant sum.
+    pub(crate) block_sums: Vec<i32>,
 }
 
 impl LanePack {
-    /// Interleaves `xs` (1 to [`LANES`] inputs of one length, prepared as Q8_K).
+    /// Interleaves `xs` (1 to [`LANES`] inputs of one length and activation format).
     fn new(xs: &[&PreparedInput]) -> LanePack {
         assert!((1..=LANES).contains(&xs.len()), "{} tokens for one pack", xs.len());
         let len = xs[0].len();
-        let blocks = len / QK_K;
+        let format = ActivationFormat::for_weights(xs[0].weight_type());
+        let k_blocks = format == ActivationFormat::Q8K;
+        let blocks = xs[0].block_scales.len();
         let mut pack = LanePack {
             tokens: xs.len(),
             blocks,
             quants: vec![[0; 4]; len / 4 * LANES],
             scales: vec![0.0; blocks * LANES],
-            sums_32: vec![[0; 2]; blocks * 4 * LANES],
-            sums_16: vec![[0; 2]; blocks * 8 * LANES],
+            sums_32: vec![[0; 2]; if k_blocks { blocks * 4 * LANES } else { 0 }],
+            sums_16: vec![[0; 2]; if k_blocks { blocks * 8 * LANES } else { 0 }],
+            block_sums: vec![0; if k_blocks { 0 } else { blocks * LANES }],
         };
         for (t, x) in xs.iter().enumerate() {
             assert!(
-                x.len() == len && ActivationFormat::for_weights(x.weight_type()) == ActivationFormat::Q8K,
-                "every input of a pack is Q8_K-prepared with {len} elements"
+                x.len() == len
+                    && ActivationFormat::for_weights(x.weight_type()) == format
+                    && format != ActivationFormat::F32,
+                "every input of a pack is quantized alike with {len} elements"
             );
+            if !k_blocks {
+                for (b, &sum) in x.sums_32.iter().enumerate() {
+                    pack.block_sums[b * LANES + t] = sum;
+                }
+            }
             for (g, four) in x.quants.chunks_exact(4).enumerate() {
                 pack.quants[g * LANES + t] = four.try_into().expect("chunks of 4");
             }
             for (b, &scale) in x.block_scales.iter().enumerate() {
                 pack.scales[b * LANES + t] = scale;
             }
-            // A group of 32 sums to at most 32 * 127 in magnitude: it fits an i16.
-            for (p, pair) in x.sums_32.chunks_exact(2).enumerate() {
-                pack.sums_32[p * LANES + t] = [pair[0] as i16, pair[1] as i16];
-            }
-            for (p, pair) in x.sums_16.chunks_exact(2).enumerate() {
-                pack.sums_16[p * LANES + t] = [pair[0], pair[1]];
+            if k_blocks {
+                // A group of 32 sums to at most 32 * 127 in magnitude: it fits an i16.
+                for (p, pair) in x.sums_32.chunks_exact(2).enumerate() {
+                    pack.sums_32[p * LANES + t] = [pair[0] as i16, pair[1] as i16];
+                }
+                for (p, pair) in x.sums_16.chunks_exact(2).enumerate() {
+                    pack.sums_16[p * LANES + t] = [pair[0], pair[1]];
+                }
             }
         }
         pack
@@ -81,12 +102,12 @@ pub struct TokenTile<'a> {
 }
 
 impl<'a> TokenTile<'a> {
-    /// The tokens `xs` (prepared alike). Packed when they are Q8_K-prepared (K-quant weights),
-    /// this CPU runs the token-lane kernels, and there are at least [`MIN_TOKENS`] of them; a
-    /// last group of fewer than that is left unpacked.
+    /// The tokens `xs` (prepared alike). Packed when they were prepared for a weight type with
+    /// token-lane kernels ([`has_lane_kernel`]) that this CPU runs, and there are at least
+    /// [`MIN_TOKENS`] of them; a last group of fewer than that is left unpacked.
     pub fn new(xs: &[&'a PreparedInput]) -> TokenTile<'a> {
         let lanes = xs.len() >= MIN_TOKENS
-            && ActivationFormat::for_weights(xs[0].weight_type()) == ActivationFormat::Q8K
+            && has_lane_kernel(xs[0].weight_type())
             && super::KernelFamily::detected().has_lane_kernels();
         let packs = if lanes {
             xs.chunks(LANES)
@@ -123,7 +144,6 @@ impl<'a> TokenTile<'a> {
 #[cfg(test)]
 mod tests {
     use super::super::test_util::Rng;
-    use super::super::GgmlType;
     use super::*;
 
     /// Every lane of a pack holds its own token's values, and the lanes past the tokens zeros.
@@ -160,5 +180,39 @@ mod tests {
                 }
             }
         }
+        // Blocks of 32 (Q8_0-style activations): one scale and one sum per block.
+        let legacy: Vec<PreparedInput> = (0..3)
+            .map(|_| {
+                let mut p = PreparedInput::new();
+                p.prepare(&(0..64).map(|_| rng.normal()).collect::<Vec<_>>(), GgmlType::Q5_0);
+                p
+            })
+            .collect();
+        let pack = LanePack::new(&legacy.iter().collect::<Vec<_>>());
+        assert_eq!((pack.tokens, pack.blocks, pack.sums_32.len()), (3, 2, 0));
+        for (t, x) in legacy.iter().enumerate() {
+            for b in 0..2 {
+                assert_eq!(pack.scales[b * LANES + t], x.block_scales[b]);
+                assert_eq!(pack.block_sums[b * LANES + t], x.sums_32[b]);
+            }
+            assert_eq!(pack.quants[9 * LANES + t], x.quants[36..40]);
+        }
+    }
+
+    /// Packs are built only for the weight types with token-lane kernels, and not for a last
+    /// group of fewer than MIN_TOKENS tokens.
+    #[test]
+    fn tiles_pack_lane_types_in_groups() {
+        let prepared = |ty| {
+            let mut p = PreparedInput::new();
+            p.prepare(&[0.5; 256], ty);
+            p
+        };
+        let (q4k, q41) = (prepared(GgmlType::Q4_K), prepared(GgmlType::Q4_1));
+        let lanes = super::super::KernelFamily::detected().has_lane_kernels();
+        assert_eq!(TokenTile::new(&vec![&q4k; 18]).packs.len(), if lanes { 1 } else { 0 });
+        assert_eq!(TokenTile::new(&vec![&q4k; 19]).packs.len(), if lanes { 2 } else { 0 });
+        assert_eq!(TokenTile::new(&vec![&q4k; 2]).packs.len(), 0);
+        assert_eq!(TokenTile::new(&vec![&q41; 16]).packs.len(), 0);
     }
 }

@@ -18,6 +18,7 @@
 //! [`super::check_rows`] asserts before any kernel runs. Every load below is an unaligned load
 //! (`loadu`) inside those bounds, because rows come from mmapped files with no alignment.
 
+mod exact32;
 mod float;
 mod kquants;
 mod legacy;
@@ -201,15 +202,21 @@ const PREFETCH_AHEAD: usize = 4096;
 #[inline(always)]
 unsafe fn prefetch_block<const NT: usize, const BYTES: usize>(block: *const u8) {
     if NT == 1 {
-        let ahead = block.wrapping_add(PREFETCH_AHEAD);
-        let mut offset = 0;
-        while offset < BYTES {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(offset) as *const i8);
-            offset += 64;
-        }
-        // The last byte's line, which the steps of 64 can miss when the block straddles lines.
-        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(BYTES - 1) as *const i8);
+        prefetch_ahead(block, BYTES);
     }
+}
+
+/// [`prefetch_block`] for a one-token product whose block size is not a constant parameter.
+#[inline(always)]
+unsafe fn prefetch_ahead(block: *const u8, bytes: usize) {
+    let ahead = block.wrapping_add(PREFETCH_AHEAD);
+    let mut offset = 0;
+    while offset < bytes {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(offset) as *const i8);
+        offset += 64;
+    }
+    // The last byte's line, which the steps of 64 can miss when the block straddles lines.
+    _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(bytes - 1) as *const i8);
 }
 
 /// The per-row loop, one arm per type so the dispatch is outside it. The quantized kernels are
@@ -241,9 +248,12 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::F32 => each_row!(float::dot_f32),
         GgmlType::F16 => each_row!(float::dot_f16),
         GgmlType::BF16 => each_row!(float::dot_bf16),
+        GgmlType::Q4_0 if D::WIDE => each_row!(exact32::dot::<exact32::Q4_0>),
         GgmlType::Q4_0 => each_row_tile1!(legacy::dot_q4_0::<D, 1>),
         GgmlType::Q4_1 => each_row_tile1!(legacy::dot_q4_1::<D, 1>),
+        GgmlType::Q5_0 if D::WIDE => each_row!(exact32::dot::<exact32::Q5_0>),
         GgmlType::Q5_0 => each_row_tile1!(legacy::dot_q5_0::<D, 1>),
+        GgmlType::Q8_0 if D::WIDE => each_row!(exact32::dot::<exact32::Q8_0>),
         GgmlType::Q8_0 => each_row_tile1!(legacy::dot_q8_0::<D, 1>),
         GgmlType::Q4_K if D::WIDE => each_row!(wide::dot_q4_k),
         GgmlType::Q4_K => each_row_tile1!(kquants::dot_q4_k::<D, 1>),
@@ -258,6 +268,8 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
 const LANE_ROWS: usize = 64;
 /// Blocks per pass: 4 KiB of a pack's activations each.
 const LANE_BLOCKS: usize = 4;
+/// Rows per pass of the 32-element types' token-lane kernels (eight vectors each).
+const LANE_ROWS_32: usize = 32;
 
 /// The tile loop. The wide family's Q4_K/Q6_K run each packed group of [`LANES`] tokens through
 /// the token-lane kernels row by row, and a group left unpacked (fewer than
@@ -341,8 +353,8 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                                     $lm::$lanes::<1>([row(r)], pack, blocks.clone(), one);
                                 }
                             }
-                            for (r, lanes) in (r0..r1).zip(acc) {
-                                _mm512_storeu_ps(dots.as_mut_ptr(), lanes);
+                            for (r, lanes) in (r0..r1).zip(&acc) {
+                                _mm512_storeu_ps(dots.as_mut_ptr(), *lanes);
                                 for (t, &dot) in dots[..group.len()].iter().enumerate() {
                                     // In bounds as in `group!`.
                                     *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
@@ -362,6 +374,54 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             }
         }};
     }
+    // The 32-element types' token lanes: as `lanes!`, with eight partial sums per row.
+    macro_rules! lanes32 {
+        ($ty:ty) => {{
+            for (g, group) in xs.chunks(LANES).enumerate() {
+                let t0 = g * LANES;
+                match tile.pack(g) {
+                    Some(pack) => {
+                        debug_assert_eq!(pack.tokens, group.len());
+                        let mut dots = [0f32; LANES];
+                        for r0 in (0..n_rows).step_by(LANE_ROWS_32) {
+                            let r1 = (r0 + LANE_ROWS_32).min(n_rows);
+                            let mut acc = [[_mm512_setzero_ps(); 8]; LANE_ROWS_32];
+                            let row = |r: usize| rows.as_ptr().add(r * row_bytes);
+                            // Eight blocks (4 KiB of the pack) at a time over all these rows.
+                            for b0 in (0..pack.blocks).step_by(8) {
+                                let mut r = r0;
+                                while r + 2 <= r1 {
+                                    let pair: &mut [[__m512; 8]; 2] =
+                                        (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
+                                    exact32::lanes::<$ty, 2>([row(r), row(r + 1)], pack, b0, pair);
+                                    r += 2;
+                                }
+                                if r < r1 {
+                                    let one: &mut [[__m512; 8]; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
+                                    exact32::lanes::<$ty, 1>([row(r)], pack, b0, one);
+                                }
+                            }
+                            for (r, partial) in (r0..r1).zip(&acc) {
+                                _mm512_storeu_ps(dots.as_mut_ptr(), exact32::finish(partial));
+                                for (t, &dot) in dots[..group.len()].iter().enumerate() {
+                                    // In bounds as in `group!`.
+                                    *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
+                                }
+                            }
+                        }
+                    }
+                    None => {
+                        for (t, x) in group.iter().enumerate() {
+                            for r in 0..n_rows {
+                                *out.get_unchecked_mut((t0 + t) * n_rows + r) =
+                                    exact32::dot::<$ty>(rows.as_ptr().add(r * row_bytes), x);
+                            }
+                        }
+                    }
+                }
+            }
+        }};
+    }
     // Float weights have no unpacking to share: one token at a time.
     macro_rules! per_token {
         () => {
@@ -372,9 +432,12 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
     }
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => per_token!(),
+        GgmlType::Q4_0 if D::WIDE => lanes32!(exact32::Q4_0),
         GgmlType::Q4_0 => tiled!(legacy::dot_q4_0),
         GgmlType::Q4_1 => tiled!(legacy::dot_q4_1),
+        GgmlType::Q5_0 if D::WIDE => lanes32!(exact32::Q5_0),
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
+        GgmlType::Q8_0 if D::WIDE => lanes32!(exact32::Q8_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
         GgmlType::Q4_K if D::WIDE => lanes!(wide::q4_k_lanes, wide::dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),

@@ -1,0 +1,188 @@
+//! The 32-element types with an offset (Q4_0, Q5_0, Q8_0) for the AVX-512 VNNI family, in two
+//! forms that give the same bits, like [`super::wide`] for the K-quants:
+//!
+//! - one token ([`dot`]): eight blocks at a time, each block's `vpdpbusd` sums reduced together
+//!   to one vector of eight exact integers (one lane a block), scaled and added in eight lanes;
+//! - sixteen tokens ([`lanes`]) against a [`LanePack`]: four quants of a row broadcast to every
+//!   lane, one `vpdpbusd` per 4 quants x 16 tokens.
+//!
+//! Per block both compute `J = sum(u * y) - offset * sum(y)` exactly, where `u` are the quants as
+//! unsigned bytes (`q + offset`: Q4_0 8, Q5_0 16, Q8_0 128), and then `acc[b % 8] += J * (d *
+//! y_scale)` with one fused multiply-add, in block order; the dot is the eight partial sums added
+//! as `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`. Each token's result is therefore the
+//! same in both forms and whatever the other tokens of a pack. `|J| <= 32 * 255 * 127 + 128 * 32
+//! * 127`, inside i32.
+
+use std::arch::x86_64::*;
+
+use super::super::lanes::{LanePack, LANES};
+use super::super::PreparedInput;
+use super::{hsum_ps, prefetch_ahead};
+
+/// A 32-element type whose quants are stored as `q + offset` in an unsigned form.
+pub(super) trait OffsetType {
+    /// Bytes per block; the block starts with its f16 scale `d`.
+    const BYTES: usize;
+    /// `log2(offset)`.
+    const OFFSET_SHIFT: i32;
+    /// The block's 32 quants plus the offset, as unsigned bytes in element order.
+    unsafe fn unpack(block: *const u8) -> __m256i;
+}
+
+/// 16 bytes of packed nibbles at `p` as 32 bytes: low nibbles (elements 0..16), then high.
+#[inline(always)]
+unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+    let packed = _mm_loadu_si128(p as *const __m128i);
+    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
+}
+
+pub(super) struct Q4_0;
+impl OffsetType for Q4_0 {
+    const BYTES: usize = 18;
+    const OFFSET_SHIFT: i32 = 3;
+    #[inline(always)]
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        unpack_nibbles(block.add(2))
+    }
+}
+
+pub(super) struct Q5_0;
+impl OffsetType for Q5_0 {
+    const BYTES: usize = 22;
+    const OFFSET_SHIFT: i32 = 4;
+    #[inline(always)]
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        let fifth_bits = std::ptr::read_unaligned(block.add(2) as *const u32);
+        _mm256_or_si256(
+            unpack_nibbles(block.add(6)),
+            _mm256_maskz_mov_epi8(fifth_bits, _mm256_set1_epi8(0x10)),
+        )
+    }
+}
+
+pub(super) struct Q8_0;
+impl OffsetType for Q8_0 {
+    const BYTES: usize = 34;
+    const OFFSET_SHIFT: i32 = 7;
+    #[inline(always)]
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        // i8 + 128 as u8: flip the sign bit.
+        _mm256_xor_si256(
+            _mm256_loadu_si256(block.add(2) as *const __m256i),
+            _mm256_set1_epi8(-128),
+        )
+    }
+}
+
+/// Per 128-bit half: `[x0 + x2, y0 + y2, x1 + x3, y1 + y3]`.
+#[inline(always)]
+unsafe fn sum_pairs(x: __m256i, y: __m256i) -> __m256i {
+    _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y))
+}
+
+/// Per 128-bit half, from two [`sum_pairs`] results: that half's sums of their four inputs.
+#[inline(always)]
+unsafe fn sum_quads(wx: __m256i, yz: __m256i) -> __m256i {
+    _mm256_add_epi32(_mm256_unpacklo_epi64(wx, yz), _mm256_unpackhi_epi64(wx, yz))
+}
+
+/// Lane `i` = the sum of the eight i32 lanes of `v[i]` (exact).
+#[inline(always)]
+unsafe fn reduce_8(v: &[__m256i; 8]) -> __m256i {
+    let low = sum_quads(sum_pairs(v[0], v[1]), sum_pairs(v[2], v[3]));
+    let high = sum_quads(sum_pairs(v[4], v[5]), sum_pairs(v[6], v[7]));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(low, high),
+        _mm256_permute2x128_si256::<0x31>(low, high),
+    )
+}
+
+/// One row against one token.
+#[inline(always)]
+pub(super) unsafe fn dot<T: OffsetType>(row: *const u8, x: &PreparedInput) -> f32 {
+    let n_blocks = x.len() / 32;
+    let mut acc = _mm256_setzero_ps();
+    for b0 in (0..n_blocks).step_by(8) {
+        let n = (n_blocks - b0).min(8);
+        let mask = (0xffu32 >> (8 - n)) as u8;
+        let mut dots = [_mm256_setzero_si256(); 8];
+        for (i, dot) in dots.iter_mut().enumerate().take(n) {
+            let block = row.add((b0 + i) * T::BYTES);
+            prefetch_ahead(block, T::BYTES);
+            let y = _mm256_loadu_si256(x.quants.as_ptr().add(32 * (b0 + i)) as *const __m256i);
+            *dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), T::unpack(block), y);
+        }
+        let y_sums = _mm256_maskz_loadu_epi32(mask, x.sums_32.as_ptr().add(b0));
+        let j = _mm256_sub_epi32(
+            reduce_8(&dots),
+            _mm256_sllv_epi32(y_sums, _mm256_set1_epi32(T::OFFSET_SHIFT)),
+        );
+        let y_scales = _mm256_maskz_loadu_ps(mask, x.block_scales.as_ptr().add(b0));
+        // The blocks' f16 scales, gathered as the low halves of 32-bit loads (inside each block).
+        let offsets = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(T::BYTES as i32),
+        );
+        let first = row.add(b0 * T::BYTES) as *const i32;
+        let d_words = _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, offsets, first);
+        let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(d_words));
+        let c = _mm256_mul_ps(d, y_scales);
+        acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(j), c, acc, mask);
+    }
+    hsum_ps(acc)
+}
+
+/// A block's 32 quants (plus offset) in element order, for the broadcast loads.
+#[repr(align(32))]
+#[derive(Clone, Copy)]
+struct Unpacked([u8; 32]);
+
+/// `R` rows against the pack's 16 tokens over blocks `b0 .. b0 + 8` (fewer at the end; `b0` a
+/// multiple of 8): block `b0 + i` is added into `acc[r][i]`, lane `t` for token `t`.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // `i` and `r` index several arrays in step
+pub(super) unsafe fn lanes<T: OffsetType, const R: usize>(
+    rows: [*const u8; R],
+    p: &LanePack,
+    b0: usize,
+    acc: &mut [[__m512; 8]; R],
+) {
+    let n = (p.blocks - b0).min(8);
+    let shift = _mm512_set1_epi32(T::OFFSET_SHIFT);
+    for i in 0..n {
+        let b = b0 + i;
+        let block = rows.map(|row| row.add(b * T::BYTES));
+        let mut unpacked = [Unpacked([0; 32]); R];
+        for r in 0..R {
+            _mm256_store_si256(unpacked[r].0.as_mut_ptr() as *mut __m256i, T::unpack(block[r]));
+        }
+        let mut sums = [_mm512_setzero_si512(); R];
+        for k in 0..8 {
+            let y = _mm512_loadu_si512(p.quants.as_ptr().add((8 * b + k) * LANES) as *const __m512i);
+            for r in 0..R {
+                let w = _mm512_set1_epi32(std::ptr::read_unaligned(unpacked[r].0.as_ptr().add(4 * k) as *const i32));
+                sums[r] = _mm512_dpbusd_epi32(sums[r], w, y);
+            }
+        }
+        let y_scales = _mm512_loadu_ps(p.scales.as_ptr().add(b * LANES));
+        let offsets = _mm512_sllv_epi32(
+            _mm512_loadu_si512(p.block_sums.as_ptr().add(b * LANES) as *const __m512i),
+            shift,
+        );
+        for r in 0..R {
+            let j = _mm512_sub_epi32(sums[r], offsets);
+            let d = _mm512_cvtph_ps(_mm256_set1_epi16(std::ptr::read_unaligned(block[r] as *const i16)));
+            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_mul_ps(d, y_scales), acc[r][i]);
+        }
+    }
+}
+
+/// The eight partial sums of [`lanes`] added as [`dot`]'s `hsum_ps` adds its eight lanes.
+#[inline(always)]
+pub(super) unsafe fn finish(a: &[__m512; 8]) -> __m512 {
+    // No closures here: they would not inherit the caller's target features (and not inline).
+    let even = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+    let odd = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+    _mm512_add_ps(even, odd)
+}
