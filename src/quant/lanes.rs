@@ -210,9 +210,9 @@ mod tests {
         };
         let (q4k, q41) = (prepared(GgmlType::Q4_K), prepared(GgmlType::Q4_1));
         let lanes = super::super::KernelFamily::detected().has_lane_kernels();
-        assert_eq!(TokenTile::new(&vec![&q4k; 18]).packs.len(), if lanes { 1 } else { 0 });
-        assert_eq!(TokenTile::new(&vec![&q4k; 19]).packs.len(), if lanes { 2 } else { 0 });
-        assert_eq!(TokenTile::new(&vec![&q4k; 2]).packs.len(), 0);
-        assert_eq!(TokenTile::new(&vec![&q41; 16]).packs.len(), 0);
+        assert_eq!(TokenTile::new(&[&q4k; 18]).packs.len(), if lanes { 1 } else { 0 });
+        assert_eq!(TokenTile::new(&[&q4k; 19]).packs.len(), if lanes { 2 } else { 0 });
+        assert_eq!(TokenTile::new(&[&q4k; 2]).packs.len(), 0);
+        assert_eq!(TokenTile::new(&[&q41; 16]).packs.len(), 0);
     }
 }
