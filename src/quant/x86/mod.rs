@@ -271,6 +271,24 @@ const LANE_BLOCKS: usize = 4;
 /// Rows per pass of the 32-element types' token-lane kernels (eight vectors each).
 const LANE_ROWS_32: usize = 32;
 
+/// Asks the cache for `rows[start .. start + len]` (clipped to `rows`): the next rows of a
+/// token-lane pass, which reads two rows at a time and leaves the hardware prefetcher behind
+/// when the rows come from memory.
+#[inline(always)]
+unsafe fn prefetch_rows(rows: &[u8], start: usize, len: usize) {
+    let end = (start + len).min(rows.len());
+    let mut at = start;
+    while at < end {
+        _mm_prefetch::<_MM_HINT_T0>(rows.as_ptr().add(at) as *const i8);
+        at += 64;
+    }
+}
+
+/// Whether a pack's activations (16 bytes per element) fit in L1 beside the rows passing them.
+fn fits_l1(pack: &super::lanes::LanePack) -> bool {
+    std::mem::size_of_val(pack.quants.as_slice()) <= 32 * 1024
+}
+
 /// The tile loop. The wide family's Q4_K/Q6_K run each packed group of [`LANES`] tokens through
 /// the token-lane kernels row by row, and a group left unpacked (fewer than
 /// [`super::lanes::MIN_TOKENS`] tokens) through the one-token kernels. The other kernels take
@@ -338,13 +356,16 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                             let r1 = (r0 + LANE_ROWS).min(n_rows);
                             let mut acc = [_mm512_setzero_ps(); LANE_ROWS];
                             let row = |r: usize| rows.as_ptr().add(r * row_bytes);
-                            // A few blocks at a time over all these rows, so that part of the
-                            // pack (4 KiB a block) stays in L1 while the rows pass it.
-                            for b0 in (0..pack.blocks).step_by(LANE_BLOCKS) {
-                                let blocks = b0..(b0 + LANE_BLOCKS).min(pack.blocks);
+                            // Whole rows when the pack fits in L1 (the rows then stream in
+                            // order); else a few blocks at a time over all these rows, so that
+                            // part of the pack (4 KiB a block) stays in L1 while the rows pass it.
+                            let per_pass = if fits_l1(pack) { pack.blocks } else { LANE_BLOCKS };
+                            for b0 in (0..pack.blocks).step_by(per_pass) {
+                                let blocks = b0..(b0 + per_pass).min(pack.blocks);
                                 let mut r = r0;
                                 while r + 2 <= r1 {
                                     let pair: &mut [__m512; 2] = (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
+                                    prefetch_rows(rows, (r + 2) * row_bytes, 2 * row_bytes);
                                     $lm::$lanes::<2>([row(r), row(r + 1)], pack, blocks.clone(), pair);
                                     r += 2;
                                 }
@@ -387,18 +408,30 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                             let r1 = (r0 + LANE_ROWS_32).min(n_rows);
                             let mut acc = [[_mm512_setzero_ps(); 8]; LANE_ROWS_32];
                             let row = |r: usize| rows.as_ptr().add(r * row_bytes);
-                            // Eight blocks (4 KiB of the pack) at a time over all these rows.
-                            for b0 in (0..pack.blocks).step_by(8) {
+                            // As in `lanes!`: whole rows when the pack fits in L1, else eight
+                            // blocks (4 KiB of the pack) at a time over all these rows.
+                            let per_pass = if fits_l1(pack) {
+                                pack.blocks.next_multiple_of(8)
+                            } else {
+                                8
+                            };
+                            for pass in (0..pack.blocks).step_by(per_pass) {
+                                let passes = (pass..(pass + per_pass).min(pack.blocks)).step_by(8);
                                 let mut r = r0;
                                 while r + 2 <= r1 {
                                     let pair: &mut [[__m512; 8]; 2] =
                                         (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
-                                    exact32::lanes::<$ty, 2>([row(r), row(r + 1)], pack, b0, pair);
+                                    prefetch_rows(rows, (r + 2) * row_bytes, 2 * row_bytes);
+                                    for b0 in passes.clone() {
+                                        exact32::lanes::<$ty, 2>([row(r), row(r + 1)], pack, b0, pair);
+                                    }
                                     r += 2;
                                 }
                                 if r < r1 {
                                     let one: &mut [[__m512; 8]; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
-                                    exact32::lanes::<$ty, 1>([row(r)], pack, b0, one);
+                                    for b0 in passes.clone() {
+                                        exact32::lanes::<$ty, 1>([row(r)], pack, b0, one);
+                                    }
                                 }
                             }
                             for (r, partial) in (r0..r1).zip(&acc) {
