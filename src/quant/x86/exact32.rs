@@ -14,7 +14,6 @@
 //! * 127`, inside i32.
 
 use std::arch::x86_64::*;
-use std::ops::Range;
 
 use super::super::lanes::{LanePack, LANES};
 use super::super::PreparedInput;
@@ -90,7 +89,7 @@ unsafe fn sum_quads(wx: __m256i, yz: __m256i) -> __m256i {
 
 /// Lane `i` = the sum of the eight i32 lanes of `v[i]` (exact).
 #[inline(always)]
-pub(super) unsafe fn reduce_8(v: &[__m256i; 8]) -> __m256i {
+unsafe fn reduce_8(v: &[__m256i; 8]) -> __m256i {
     let low = sum_quads(sum_pairs(v[0], v[1]), sum_pairs(v[2], v[3]));
     let high = sum_quads(sum_pairs(v[4], v[5]), sum_pairs(v[6], v[7]));
     _mm256_add_epi32(
@@ -139,18 +138,20 @@ pub(super) unsafe fn dot<T: OffsetType>(row: *const u8, x: &PreparedInput) -> f3
 #[derive(Clone, Copy)]
 struct Unpacked([u8; 32]);
 
-/// `R` rows against the pack's 16 tokens over blocks `blocks`: block `b` is added into
-/// `acc[r][b % 8]`, lane `t` for token `t`.
+/// `R` rows against the pack's 16 tokens over blocks `b0 .. b0 + 8` (fewer at the end; `b0` a
+/// multiple of 8): block `b0 + i` is added into `acc[r][i]`, lane `t` for token `t`.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // `r` indexes several arrays in step
+#[allow(clippy::needless_range_loop)] // `i` and `r` index several arrays in step
 pub(super) unsafe fn lanes<T: OffsetType, const R: usize>(
     rows: [*const u8; R],
     p: &LanePack,
-    blocks: Range<usize>,
+    b0: usize,
     acc: &mut [[__m512; 8]; R],
 ) {
+    let n = (p.blocks - b0).min(8);
     let shift = _mm512_set1_epi32(T::OFFSET_SHIFT);
-    for b in blocks {
+    for i in 0..n {
+        let b = b0 + i;
         let block = rows.map(|row| row.add(b * T::BYTES));
         let mut unpacked = [Unpacked([0; 32]); R];
         for r in 0..R {
@@ -172,14 +173,12 @@ pub(super) unsafe fn lanes<T: OffsetType, const R: usize>(
         for r in 0..R {
             let j = _mm512_sub_epi32(sums[r], offsets);
             let d = _mm512_cvtph_ps(_mm256_set1_epi16(std::ptr::read_unaligned(block[r] as *const i16)));
-            let acc = &mut acc[r][b % 8];
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_mul_ps(d, y_scales), *acc);
+            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_mul_ps(d, y_scales), acc[r][i]);
         }
     }
 }
 
-/// The eight partial sums of a token-lane kernel (here and in [`super::wide`]) added as the
-/// one-token kernels' `hsum_ps` adds their eight lanes.
+/// The eight partial sums of [`lanes`] added as [`dot`]'s `hsum_ps` adds its eight lanes.
 #[inline(always)]
 pub(super) unsafe fn finish(a: &[__m512; 8]) -> __m512 {
     // No closures here: they would not inherit the caller's target features (and not inline).

@@ -263,9 +263,13 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
     }
 }
 
-/// Rows per pass of the token-lane kernels over a block range: their float accumulators (eight
-/// vectors each, 16 KiB in all) live on the stack.
-const LANE_ROWS: usize = 32;
+/// Rows per pass of the token-lane kernels over a block range: their float accumulators (one
+/// vector each) live on the stack.
+const LANE_ROWS: usize = 64;
+/// Blocks per pass: 4 KiB of a pack's activations each.
+const LANE_BLOCKS: usize = 4;
+/// Rows per pass of the 32-element types' token-lane kernels (eight vectors each).
+const LANE_ROWS_32: usize = 32;
 
 /// Asks the cache for `rows[start .. start + len]` (clipped to `rows`): the next rows of a
 /// token-lane pass, which reads two rows at a time and leaves the hardware prefetcher behind
@@ -339,41 +343,95 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             }
         }};
     }
-    // Packed groups through the token-lane kernel (`$lanes2` two rows at a time, `$lanes1` one), unpacked ones token by token
-    // through `$one`. Each row keeps eight partial sums (block `b` in `b % 8`), added at the end
-    // as the one-token kernels add their eight lanes.
+    // Packed groups through `$lanes`, unpacked ones token by token through `$one`.
     macro_rules! lanes {
-        ($lanes2:expr, $lanes1:expr, $one:expr) => {{
+        ($lm:ident :: $lanes:ident, $om:ident :: $one:ident) => {{
             for (g, group) in xs.chunks(LANES).enumerate() {
                 let t0 = g * LANES;
                 match tile.pack(g) {
                     Some(pack) => {
                         debug_assert_eq!(pack.tokens, group.len());
                         let mut dots = [0f32; LANES];
-                        // Whole rows when the pack fits in L1 (the rows then stream in order);
-                        // else 16 KiB of the pack at a time over all the rows of a pass.
-                        let per_pass = if fits_l1(pack) {
-                            pack.blocks
-                        } else {
-                            (16 * 1024 / (std::mem::size_of_val(pack.quants.as_slice()) / pack.blocks)).max(1)
-                        };
                         for r0 in (0..n_rows).step_by(LANE_ROWS) {
                             let r1 = (r0 + LANE_ROWS).min(n_rows);
-                            let mut acc = [[_mm512_setzero_ps(); 8]; LANE_ROWS];
+                            let mut acc = [_mm512_setzero_ps(); LANE_ROWS];
                             let row = |r: usize| rows.as_ptr().add(r * row_bytes);
+                            // Whole rows when the pack fits in L1 (the rows then stream in
+                            // order); else a few blocks at a time over all these rows, so that
+                            // part of the pack (4 KiB a block) stays in L1 while the rows pass it.
+                            let per_pass = if fits_l1(pack) { pack.blocks } else { LANE_BLOCKS };
                             for b0 in (0..pack.blocks).step_by(per_pass) {
                                 let blocks = b0..(b0 + per_pass).min(pack.blocks);
+                                let mut r = r0;
+                                while r + 2 <= r1 {
+                                    let pair: &mut [__m512; 2] = (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
+                                    prefetch_rows(rows, (r + 2) * row_bytes, 2 * row_bytes);
+                                    $lm::$lanes::<2>([row(r), row(r + 1)], pack, blocks.clone(), pair);
+                                    r += 2;
+                                }
+                                if r < r1 {
+                                    let one: &mut [__m512; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
+                                    $lm::$lanes::<1>([row(r)], pack, blocks.clone(), one);
+                                }
+                            }
+                            for (r, lanes) in (r0..r1).zip(&acc) {
+                                _mm512_storeu_ps(dots.as_mut_ptr(), *lanes);
+                                for (t, &dot) in dots[..group.len()].iter().enumerate() {
+                                    // In bounds as in `group!`.
+                                    *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
+                                }
+                            }
+                        }
+                    }
+                    None => {
+                        for (t, x) in group.iter().enumerate() {
+                            for r in 0..n_rows {
+                                *out.get_unchecked_mut((t0 + t) * n_rows + r) =
+                                    $om::$one(rows.as_ptr().add(r * row_bytes), x);
+                            }
+                        }
+                    }
+                }
+            }
+        }};
+    }
+    // The 32-element types' token lanes: as `lanes!`, with eight partial sums per row.
+    macro_rules! lanes32 {
+        ($ty:ty) => {{
+            for (g, group) in xs.chunks(LANES).enumerate() {
+                let t0 = g * LANES;
+                match tile.pack(g) {
+                    Some(pack) => {
+                        debug_assert_eq!(pack.tokens, group.len());
+                        let mut dots = [0f32; LANES];
+                        for r0 in (0..n_rows).step_by(LANE_ROWS_32) {
+                            let r1 = (r0 + LANE_ROWS_32).min(n_rows);
+                            let mut acc = [[_mm512_setzero_ps(); 8]; LANE_ROWS_32];
+                            let row = |r: usize| rows.as_ptr().add(r * row_bytes);
+                            // As in `lanes!`: whole rows when the pack fits in L1, else eight
+                            // blocks (4 KiB of the pack) at a time over all these rows.
+                            let per_pass = if fits_l1(pack) {
+                                pack.blocks.next_multiple_of(8)
+                            } else {
+                                8
+                            };
+                            for pass in (0..pack.blocks).step_by(per_pass) {
+                                let passes = (pass..(pass + per_pass).min(pack.blocks)).step_by(8);
                                 let mut r = r0;
                                 while r + 2 <= r1 {
                                     let pair: &mut [[__m512; 8]; 2] =
                                         (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
                                     prefetch_rows(rows, (r + 2) * row_bytes, 2 * row_bytes);
-                                    $lanes2([row(r), row(r + 1)], pack, blocks.clone(), pair);
+                                    for b0 in passes.clone() {
+                                        exact32::lanes::<$ty, 2>([row(r), row(r + 1)], pack, b0, pair);
+                                    }
                                     r += 2;
                                 }
                                 if r < r1 {
                                     let one: &mut [[__m512; 8]; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
-                                    $lanes1([row(r)], pack, blocks.clone(), one);
+                                    for b0 in passes.clone() {
+                                        exact32::lanes::<$ty, 1>([row(r)], pack, b0, one);
+                                    }
                                 }
                             }
                             for (r, partial) in (r0..r1).zip(&acc) {
@@ -389,7 +447,7 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                         for (t, x) in group.iter().enumerate() {
                             for r in 0..n_rows {
                                 *out.get_unchecked_mut((t0 + t) * n_rows + r) =
-                                    $one(rows.as_ptr().add(r * row_bytes), x);
+                                    exact32::dot::<$ty>(rows.as_ptr().add(r * row_bytes), x);
                             }
                         }
                     }
@@ -407,29 +465,17 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
     }
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => per_token!(),
-        GgmlType::Q4_0 if D::WIDE => lanes!(
-            exact32::lanes::<exact32::Q4_0, 2>,
-            exact32::lanes::<exact32::Q4_0, 1>,
-            exact32::dot::<exact32::Q4_0>
-        ),
+        GgmlType::Q4_0 if D::WIDE => lanes32!(exact32::Q4_0),
         GgmlType::Q4_0 => tiled!(legacy::dot_q4_0),
         GgmlType::Q4_1 => tiled!(legacy::dot_q4_1),
-        GgmlType::Q5_0 if D::WIDE => lanes!(
-            exact32::lanes::<exact32::Q5_0, 2>,
-            exact32::lanes::<exact32::Q5_0, 1>,
-            exact32::dot::<exact32::Q5_0>
-        ),
+        GgmlType::Q5_0 if D::WIDE => lanes32!(exact32::Q5_0),
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
-        GgmlType::Q8_0 if D::WIDE => lanes!(
-            exact32::lanes::<exact32::Q8_0, 2>,
-            exact32::lanes::<exact32::Q8_0, 1>,
-            exact32::dot::<exact32::Q8_0>
-        ),
+        GgmlType::Q8_0 if D::WIDE => lanes32!(exact32::Q8_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
-        GgmlType::Q4_K if D::WIDE => lanes!(wide::q4_k_lanes::<2>, wide::q4_k_lanes::<1>, wide::dot_q4_k),
+        GgmlType::Q4_K if D::WIDE => lanes!(wide::q4_k_lanes, wide::dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
-        GgmlType::Q6_K if D::WIDE => lanes!(wide::q6_k_lanes::<2>, wide::q6_k_lanes::<1>, wide::dot_q6_k),
+        GgmlType::Q6_K if D::WIDE => lanes!(wide::q6_k_lanes, wide::dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
     }
 }

@@ -26,8 +26,7 @@ use std::ops::Range;
 use super::super::lanes::{LanePack, LANES};
 use super::super::layout::{unpack_k_scales, Q4_K_BLOCK_BYTES as Q4_K_BYTES, Q6_K_BLOCK_BYTES as Q6_K_BYTES};
 use super::super::PreparedInput;
-use super::exact32::reduce_8;
-use super::{hsum_ps, prefetch_block, read_f16};
+use super::{prefetch_block, read_f16};
 
 /// The 64 activations starting at element `e` of the input.
 #[inline(always)]
@@ -60,81 +59,54 @@ unsafe fn spread_scales<const LOG2_PER: u32>(table: __m512i, first: i16) -> __m5
     _mm512_permutexvar_epi16(index, table)
 }
 
-/// `v`'s two 256-bit halves added (exact).
+/// One Q4_K block closed in float: `acc + I * (d * y_scale) - M * (dmin * y_scale)`, each step
+/// rounded as the lane form's `vmulps` / `vfmadd` / `vfnmadd` round it.
 #[inline(always)]
-unsafe fn fold_512(v: __m512i) -> __m256i {
-    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+fn close_q4_k(acc: f32, i: i32, m: i32, d: f32, dmin: f32, y_scale: f32) -> f32 {
+    let acc = (i as f32).mul_add(d * y_scale, acc);
+    (-(m as f32)).mul_add(dmin * y_scale, acc)
 }
 
-/// The 32-bit words at `first + i * stride` for the lanes `i` set in `mask` (zero elsewhere).
+/// One Q6_K block closed in float: `acc + J * (d * y_scale)`.
 #[inline(always)]
-unsafe fn gather_words(first: *const u8, stride: usize, mask: u8) -> __m256i {
-    let offsets = _mm256_mullo_epi32(
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        _mm256_set1_epi32(stride as i32),
-    );
-    _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, offsets, first as *const i32)
-}
-
-/// The f16 values in the low (`HIGH == false`) or high halves of `words`, as `f32`.
-#[inline(always)]
-unsafe fn f16_halves<const HIGH: bool>(words: __m256i) -> __m256 {
-    let words = if HIGH { _mm256_srli_epi32::<16>(words) } else { words };
-    _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words))
-}
-
-/// Lanes `0..n` set.
-#[inline(always)]
-fn first_lanes(n: usize) -> u8 {
-    (0xffu32 >> (8 - n)) as u8
+fn close_q6_k(acc: f32, j: i32, d: f32, y_scale: f32) -> f32 {
+    (j as f32).mul_add(d * y_scale, acc)
 }
 
 /// Q4_K, one token (see [`super::kquants`] for the layout): each 32-byte chunk of quants
 /// broadcast to both halves, low nibbles kept in the low half and high nibbles in the high half,
 /// is the block's elements `64 * chunk ..` in order, against one 64-byte load of activations.
-/// Eight blocks at a time: their `I` and `M` reduced to one vector each (a lane per block), then
-/// closed in eight lanes, lane `b % 8` for block `b`.
 #[inline(always)]
 pub(super) unsafe fn dot_q4_k(row: *const u8, x: &PreparedInput) -> f32 {
     let low_nibbles = _mm512_set1_epi8(0x0f);
     // Shift 16-bit lanes by 0 in the low half, 4 in the high half.
     let nibble_shift = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-    let n_blocks = x.len() / 256;
-    let mut acc = _mm256_setzero_ps();
-    for b0 in (0..n_blocks).step_by(8) {
-        let n = (n_blocks - b0).min(8);
-        let mut dots = [_mm256_setzero_si256(); 8];
-        let mut min_dots = [_mm256_setzero_si256(); 8];
-        for i in 0..n {
-            let b = b0 + i;
-            let block = row.add(b * Q4_K_BYTES);
-            prefetch_block::<1, Q4_K_BYTES>(block);
-            let (scales, mins) = unpack_k_scales(&*(block.add(4) as *const [u8; 12]));
-            let scale_table =
-                _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(scales.as_ptr() as *const __m128i)));
-            let mut qy = _mm512_setzero_si512();
-            for chunk in 0..4 {
-                let packed = broadcast_32(block.add(16 + 32 * chunk));
-                let q = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low_nibbles);
-                let sc = spread_scales::<4>(scale_table, 2 * chunk as i16);
-                qy = dot_scaled(qy, q, load_y64(x, 256 * b + 64 * chunk), sc);
-            }
-            dots[i] = fold_512(qy);
-            // m[s] in both i16 halves of lane s against the two group-of-16 sums of group s.
-            let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(mins.as_ptr() as *const __m128i));
-            let mins_pairs = _mm256_or_si256(mins, _mm256_slli_epi32::<16>(mins));
-            let sums_16 = _mm256_loadu_si256(x.sums_16.as_ptr().add(16 * b) as *const __m256i);
-            min_dots[i] = _mm256_madd_epi16(sums_16, mins_pairs);
+    let mut acc = 0.0f32;
+    for b in 0..x.len() / 256 {
+        let block = row.add(b * Q4_K_BYTES);
+        prefetch_block::<1, Q4_K_BYTES>(block);
+        let (scales, mins) = unpack_k_scales(&*(block.add(4) as *const [u8; 12]));
+        let scale_table = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64(scales.as_ptr() as *const __m128i)));
+        let mut qy = _mm512_setzero_si512();
+        for chunk in 0..4 {
+            let packed = broadcast_32(block.add(16 + 32 * chunk));
+            let q = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low_nibbles);
+            let sc = spread_scales::<4>(scale_table, 2 * chunk as i16);
+            qy = dot_scaled(qy, q, load_y64(x, 256 * b + 64 * chunk), sc);
         }
-        let mask = first_lanes(n);
-        let d_dmin = gather_words(row.add(b0 * Q4_K_BYTES), Q4_K_BYTES, mask);
-        let y_scales = _mm256_maskz_loadu_ps(mask, x.block_scales.as_ptr().add(b0));
-        let d = _mm256_mul_ps(f16_halves::<false>(d_dmin), y_scales);
-        let dmin = _mm256_mul_ps(f16_halves::<true>(d_dmin), y_scales);
-        acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(reduce_8(&dots)), d, acc, mask);
-        acc = _mm256_mask3_fnmadd_ps(_mm256_cvtepi32_ps(reduce_8(&min_dots)), dmin, acc, mask);
+        let sums = x.sums_32.get_unchecked(8 * b..8 * b + 8);
+        let m: i32 = mins.iter().zip(sums).map(|(&m, &s)| i32::from(m) * s).sum();
+        let y_scale = *x.block_scales.get_unchecked(b);
+        acc = close_q4_k(
+            acc,
+            _mm512_reduce_add_epi32(qy),
+            m,
+            read_f16(block),
+            read_f16(block.add(2)),
+            y_scale,
+        );
     }
-    hsum_ps(acc)
+    acc
 }
 
 /// Q6_K, one token (see [`super::kquants`]): per half of 128, the 64 bytes of low bits give
@@ -156,52 +128,40 @@ unsafe fn unpack_q6_k_half(block: *const u8, half: usize) -> (__m512i, __m512i) 
 }
 
 /// Q6_K, one token: the quants as stored (0..64) against the activations with each group of
-/// 16's scale, and the stored offset of 32 taken from the activations' group sums; eight blocks
-/// at a time as in [`dot_q4_k`].
+/// 16's scale, and the stored offset of 32 taken from the activations' group sums.
 #[inline(always)]
 pub(super) unsafe fn dot_q6_k(row: *const u8, x: &PreparedInput) -> f32 {
-    let n_blocks = x.len() / 256;
-    let mut acc = _mm256_setzero_ps();
-    for b0 in (0..n_blocks).step_by(8) {
-        let n = (n_blocks - b0).min(8);
-        let mut dots = [_mm256_setzero_si256(); 8];
-        let mut offsets = [_mm256_setzero_si256(); 8];
-        for i in 0..n {
-            let b = b0 + i;
-            let block = row.add(b * Q6_K_BYTES);
-            prefetch_block::<1, Q6_K_BYTES>(block);
-            let scales = _mm_loadu_si128(block.add(192) as *const __m128i);
-            let scale_table = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales));
-            let mut qy = _mm512_setzero_si512();
-            for half in 0..2 {
-                let (first, second) = unpack_q6_k_half(block, half);
-                let e = 256 * b + 128 * half;
-                qy = dot_scaled(
-                    qy,
-                    first,
-                    load_y64(x, e),
-                    spread_scales::<3>(scale_table, 8 * half as i16),
-                );
-                qy = dot_scaled(
-                    qy,
-                    second,
-                    load_y64(x, e + 64),
-                    spread_scales::<3>(scale_table, 8 * half as i16 + 4),
-                );
-            }
-            dots[i] = fold_512(qy);
-            // sc[g] * sum_16(y)[g], summed in pairs by one `vpmaddwd`.
-            let sums = _mm256_loadu_si256(x.sums_16.as_ptr().add(16 * b) as *const __m256i);
-            offsets[i] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), sums);
+    let mut acc = 0.0f32;
+    for b in 0..x.len() / 256 {
+        let block = row.add(b * Q6_K_BYTES);
+        prefetch_block::<1, Q6_K_BYTES>(block);
+        let scales = _mm_loadu_si128(block.add(192) as *const __m128i);
+        let scale_table = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scales));
+        let mut qy = _mm512_setzero_si512();
+        for half in 0..2 {
+            let (first, second) = unpack_q6_k_half(block, half);
+            let e = 256 * b + 128 * half;
+            qy = dot_scaled(
+                qy,
+                first,
+                load_y64(x, e),
+                spread_scales::<3>(scale_table, 8 * half as i16),
+            );
+            qy = dot_scaled(
+                qy,
+                second,
+                load_y64(x, e + 64),
+                spread_scales::<3>(scale_table, 8 * half as i16 + 4),
+            );
         }
-        let mask = first_lanes(n);
-        let j = _mm256_sub_epi32(reduce_8(&dots), _mm256_slli_epi32::<5>(reduce_8(&offsets)));
-        // `d` is the high half of the word at byte 206 (the block's last four bytes).
-        let d = f16_halves::<true>(gather_words(row.add(b0 * Q6_K_BYTES + 206), Q6_K_BYTES, mask));
-        let y_scales = _mm256_maskz_loadu_ps(mask, x.block_scales.as_ptr().add(b0));
-        acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(j), _mm256_mul_ps(d, y_scales), acc, mask);
+        // sum_g sc[g] * sum_16(y)[g]: 16 i16 products summed in pairs by one `vpmaddwd`.
+        let sums = _mm256_loadu_si256(x.sums_16.as_ptr().add(16 * b) as *const __m256i);
+        let offsets = _mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), sums);
+        let offset = _mm512_reduce_add_epi32(_mm512_zextsi256_si512(offsets));
+        let j = _mm512_reduce_add_epi32(qy) - 32 * offset;
+        acc = close_q6_k(acc, j, read_f16(block.add(208)), *x.block_scales.get_unchecked(b));
     }
-    hsum_ps(acc)
+    acc
 }
 
 /// The pack's 64 bytes of group `g` of 4 elements: four activation quants per lane.
@@ -238,7 +198,7 @@ pub(super) unsafe fn q4_k_lanes<const R: usize>(
     rows: [*const u8; R],
     p: &LanePack,
     blocks: Range<usize>,
-    acc: &mut [[__m512; 8]; R],
+    acc: &mut [__m512; R],
 ) {
     let low_nibbles = _mm512_set1_epi8(0x0f);
     for b in blocks {
@@ -272,9 +232,8 @@ pub(super) unsafe fn q4_k_lanes<const R: usize>(
             }
             let d = _mm512_mul_ps(_mm512_set1_ps(read_f16(block[r])), y_scale);
             let dmin = _mm512_mul_ps(_mm512_set1_ps(read_f16(block[r].add(2))), y_scale);
-            let acc = &mut acc[r][b % 8];
-            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), d, *acc);
-            *acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), dmin, *acc);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), d, acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), dmin, acc[r]);
         }
     }
 }
@@ -293,7 +252,7 @@ pub(super) unsafe fn q6_k_lanes<const R: usize>(
     rows: [*const u8; R],
     p: &LanePack,
     blocks: Range<usize>,
-    acc: &mut [[__m512; 8]; R],
+    acc: &mut [__m512; R],
 ) {
     let mut unpacked = [Unpacked([0; 256]); R];
     for b in blocks {
@@ -337,7 +296,7 @@ pub(super) unsafe fn q6_k_lanes<const R: usize>(
             }
             let j = _mm512_sub_epi32(total[r], _mm512_slli_epi32::<5>(offset));
             let d = _mm512_mul_ps(_mm512_set1_ps(read_f16(block[r].add(208))), y_scale);
-            acc[r][b % 8] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), d, acc[r][b % 8]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), d, acc[r]);
         }
     }
 }
