@@ -212,8 +212,7 @@ impl KernelFamily {
         }
     }
 
-    /// The best family this CPU supports. Cached because the matvec asks once per call.
-    /// Whether this family has the token-lane K-quant kernels that read a [`TokenTile`]'s packs.
+    /// Whether this family has the token-lane kernels that read a [`TokenTile`]'s packs.
     fn has_lane_kernels(self) -> bool {
         #[cfg(target_arch = "x86_64")]
         if self == KernelFamily::Avx512Vnni {
@@ -222,6 +221,7 @@ impl KernelFamily {
         false
     }
 
+    /// The best family this CPU supports. Cached because the matvec asks once per call.
     fn detected() -> KernelFamily {
         static FAMILY: OnceLock<KernelFamily> = OnceLock::new();
         *FAMILY.get_or_init(|| {

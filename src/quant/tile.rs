@@ -1,7 +1,7 @@
 //! Batched dot products: one slice of rows against several prepared inputs (a [`TokenTile`]) at
 //! once, the inner loop of batched prefill. The SIMD kernels unpack each weight block once per
 //! micro-tile of tokens (4 for AVX2, 8 for VNNI: `ByteDot::TILE_TOKENS` in `x86`; 16 tokens in
-//! the lanes of one vector for the VNNI family's K-quants, `super::lanes`) instead of once per
+//! the lanes of one vector for the VNNI family's Q4_K, Q6_K, Q4_0, Q5_0 and Q8_0, `super::lanes`) instead of once per
 //! token, and each token's arithmetic is the single-token kernels' own, so [`vec_dot_tile`]
 //! returns exactly what [`super::vec_dot_rows`] returns token by token (the tests compare with
 //! `assert_eq!`).

@@ -17,6 +17,7 @@ use std::arch::x86_64::*;
 
 use super::super::lanes::{LanePack, LANES};
 use super::super::PreparedInput;
+use super::legacy::unpack_nibbles;
 use super::{hsum_ps, prefetch_ahead};
 
 /// A 32-element type whose quants are stored as `q + offset` in an unsigned form.
@@ -29,14 +30,7 @@ pub(super) trait OffsetType {
     unsafe fn unpack(block: *const u8) -> __m256i;
 }
 
-/// 16 bytes of packed nibbles at `p` as 32 bytes: low nibbles (elements 0..16), then high.
-#[inline(always)]
-unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
-    let packed = _mm_loadu_si128(p as *const __m128i);
-    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0f))
-}
-
+/// Q4_0: 16 bytes of nibbles after `d`, offset 8.
 pub(super) struct Q4_0;
 impl OffsetType for Q4_0 {
     const BYTES: usize = 18;
@@ -47,6 +41,7 @@ impl OffsetType for Q4_0 {
     }
 }
 
+/// Q5_0: the fifth bits (32 bits) and 16 bytes of nibbles after `d`, offset 16.
 pub(super) struct Q5_0;
 impl OffsetType for Q5_0 {
     const BYTES: usize = 22;
@@ -61,6 +56,7 @@ impl OffsetType for Q5_0 {
     }
 }
 
+/// Q8_0: 32 signed bytes after `d`, offset 128.
 pub(super) struct Q8_0;
 impl OffsetType for Q8_0 {
     const BYTES: usize = 34;

@@ -24,7 +24,7 @@ const Q8_0_BYTES: usize = 34;
 /// 16 bytes of packed nibbles at `p` as 32 bytes: low nibbles (elements 0..16) in the low 128
 /// bits, high nibbles (elements 16..32) in the high 128 bits.
 #[inline(always)]
-unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
+pub(super) unsafe fn unpack_nibbles(p: *const u8) -> __m256i {
     let packed = _mm_loadu_si128(p as *const __m128i);
     let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
     _mm256_and_si256(both, _mm256_set1_epi8(0x0f))

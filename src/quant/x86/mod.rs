@@ -271,6 +271,21 @@ const LANE_BLOCKS: usize = 4;
 /// Rows per pass of the 32-element types' token-lane kernels (eight vectors each).
 const LANE_ROWS_32: usize = 32;
 
+/// Writes lanes `0..tokens` of `lanes` (one row's dots with a pack's tokens) to
+/// `out[first + t * stride]`.
+///
+/// # Safety
+/// Every index written is inside `out` (the tile loop's bounds: `first = t0 * n_rows + r`,
+/// `stride = n_rows`, `t0 + tokens <= xs.len()`, `out.len() == xs.len() * n_rows`).
+#[inline(always)]
+unsafe fn store_lanes(out: &mut [f32], lanes: __m512, tokens: usize, first: usize, stride: usize) {
+    let mut dots = [0f32; LANES];
+    _mm512_storeu_ps(dots.as_mut_ptr(), lanes);
+    for (t, &dot) in dots[..tokens].iter().enumerate() {
+        *out.get_unchecked_mut(first + t * stride) = dot;
+    }
+}
+
 /// Asks the cache for `rows[start .. start + len]` (clipped to `rows`): the next rows of a
 /// token-lane pass, which reads two rows at a time and leaves the hardware prefetcher behind
 /// when the rows come from memory.
@@ -343,6 +358,17 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             }
         }};
     }
+    // An unpacked group of tokens `$t0 ..` through the one-token kernel `$one`, token by token.
+    macro_rules! each_token {
+        ($group:expr, $t0:expr, $one:expr) => {
+            for (t, x) in $group.iter().enumerate() {
+                for r in 0..n_rows {
+                    // In bounds as in `group!`.
+                    *out.get_unchecked_mut(($t0 + t) * n_rows + r) = $one(rows.as_ptr().add(r * row_bytes), x);
+                }
+            }
+        };
+    }
     // Packed groups through `$lanes`, unpacked ones token by token through `$one`.
     macro_rules! lanes {
         ($lm:ident :: $lanes:ident, $om:ident :: $one:ident) => {{
@@ -351,7 +377,6 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                 match tile.pack(g) {
                     Some(pack) => {
                         debug_assert_eq!(pack.tokens, group.len());
-                        let mut dots = [0f32; LANES];
                         for r0 in (0..n_rows).step_by(LANE_ROWS) {
                             let r1 = (r0 + LANE_ROWS).min(n_rows);
                             let mut acc = [_mm512_setzero_ps(); LANE_ROWS];
@@ -374,23 +399,12 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                                     $lm::$lanes::<1>([row(r)], pack, blocks.clone(), one);
                                 }
                             }
-                            for (r, lanes) in (r0..r1).zip(&acc) {
-                                _mm512_storeu_ps(dots.as_mut_ptr(), *lanes);
-                                for (t, &dot) in dots[..group.len()].iter().enumerate() {
-                                    // In bounds as in `group!`.
-                                    *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
-                                }
+                            for (r, &lanes) in (r0..r1).zip(&acc) {
+                                store_lanes(out, lanes, group.len(), t0 * n_rows + r, n_rows);
                             }
                         }
                     }
-                    None => {
-                        for (t, x) in group.iter().enumerate() {
-                            for r in 0..n_rows {
-                                *out.get_unchecked_mut((t0 + t) * n_rows + r) =
-                                    $om::$one(rows.as_ptr().add(r * row_bytes), x);
-                            }
-                        }
-                    }
+                    None => each_token!(group, t0, $om::$one),
                 }
             }
         }};
@@ -403,7 +417,6 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                 match tile.pack(g) {
                     Some(pack) => {
                         debug_assert_eq!(pack.tokens, group.len());
-                        let mut dots = [0f32; LANES];
                         for r0 in (0..n_rows).step_by(LANE_ROWS_32) {
                             let r1 = (r0 + LANE_ROWS_32).min(n_rows);
                             let mut acc = [[_mm512_setzero_ps(); 8]; LANE_ROWS_32];
@@ -435,22 +448,11 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
                                 }
                             }
                             for (r, partial) in (r0..r1).zip(&acc) {
-                                _mm512_storeu_ps(dots.as_mut_ptr(), exact32::finish(partial));
-                                for (t, &dot) in dots[..group.len()].iter().enumerate() {
-                                    // In bounds as in `group!`.
-                                    *out.get_unchecked_mut((t0 + t) * n_rows + r) = dot;
-                                }
+                                store_lanes(out, exact32::finish(partial), group.len(), t0 * n_rows + r, n_rows);
                             }
                         }
                     }
-                    None => {
-                        for (t, x) in group.iter().enumerate() {
-                            for r in 0..n_rows {
-                                *out.get_unchecked_mut((t0 + t) * n_rows + r) =
-                                    exact32::dot::<$ty>(rows.as_ptr().add(r * row_bytes), x);
-                            }
-                        }
-                    }
+                    None => each_token!(group, t0, exact32::dot::<$ty>),
                 }
             }
         }};
