@@ -73,6 +73,19 @@ fn close_q6_k(acc: f32, j: i32, d: f32, y_scale: f32) -> f32 {
     (j as f32).mul_add(d * y_scale, acc)
 }
 
+/// The sums of the eight i32 lanes of each 256-bit half of `v` (exact).
+#[inline(always)]
+unsafe fn sum_halves(v: __m512i) -> (i32, i32) {
+    // Swap 128-bit lanes within each half, then 64-bit pairs, then 32-bit neighbours.
+    let v = _mm512_add_epi32(v, _mm512_shuffle_i64x2::<0b10_11_00_01>(v, v));
+    let v = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0b01_00_11_10>(v));
+    let v = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0b10_11_00_01>(v));
+    (
+        _mm_cvtsi128_si32(_mm512_castsi512_si128(v)),
+        _mm_cvtsi128_si32(_mm512_extracti32x4_epi32::<2>(v)),
+    )
+}
+
 /// Q4_K, one token (see [`super::kquants`] for the layout): each 32-byte chunk of quants
 /// broadcast to both halves, low nibbles kept in the low half and high nibbles in the high half,
 /// is the block's elements `64 * chunk ..` in order, against one 64-byte load of activations.
@@ -94,17 +107,18 @@ pub(super) unsafe fn dot_q4_k(row: *const u8, x: &PreparedInput) -> f32 {
             let sc = spread_scales::<4>(scale_table, 2 * chunk as i16);
             qy = dot_scaled(qy, q, load_y64(x, 256 * b + 64 * chunk), sc);
         }
-        let sums = x.sums_32.get_unchecked(8 * b..8 * b + 8);
-        let m: i32 = mins.iter().zip(sums).map(|(&m, &s)| i32::from(m) * s).sum();
+        // m[s] in both i16 halves of lane s against the two group-of-16 sums of group s: the
+        // eight products of M, beside I's partial sums folded to eight lanes; both reduced at once.
+        let mins = _mm256_cvtepu8_epi32(_mm_loadl_epi64(mins.as_ptr() as *const __m128i));
+        let mins_pairs = _mm256_or_si256(mins, _mm256_slli_epi32::<16>(mins));
+        let sums_16 = _mm256_loadu_si256(x.sums_16.as_ptr().add(16 * b) as *const __m256i);
+        let i_folded = _mm256_add_epi32(_mm512_castsi512_si256(qy), _mm512_extracti64x4_epi64::<1>(qy));
+        let (i, m) = sum_halves(_mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(i_folded),
+            _mm256_madd_epi16(sums_16, mins_pairs),
+        ));
         let y_scale = *x.block_scales.get_unchecked(b);
-        acc = close_q4_k(
-            acc,
-            _mm512_reduce_add_epi32(qy),
-            m,
-            read_f16(block),
-            read_f16(block.add(2)),
-            y_scale,
-        );
+        acc = close_q4_k(acc, i, m, read_f16(block), read_f16(block.add(2)), y_scale);
     }
     acc
 }
