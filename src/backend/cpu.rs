@@ -52,26 +52,20 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         self.threads
     }
-}
 
-/// A raw output pointer shared by workers that write disjoint indices.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: workers write through it only at indices no other worker touches (disjoint row
-// chunks), and the owning slice outlives the parallel scope that uses it.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl Backend for CpuBackend {
-    fn name(&self) -> String {
-        format!(
-            "cpu ({} threads, {} kernels)",
-            self.threads,
-            crate::quant::kernel_name()
-        )
+    /// Groups of [`CHUNK_TOKENS`] tokens for [`CpuBackend::matmul_tiled`], their token-lane packs
+    /// built on the pool's threads: once per preparation, shared by every weight that reads it.
+    /// One token needs none (it takes the one-token path).
+    fn token_tiles<'a>(&self, xs: &[&'a PreparedInput]) -> Vec<TokenTile<'a>> {
+        if xs.len() < 2 {
+            return Vec::new();
+        }
+        self.pool
+            .install(|| xs.par_chunks(CHUNK_TOKENS).map(TokenTile::new).collect())
     }
 
-    fn matmul(&self, w: &Weight, xs: &[PreparedInput], out: &mut [f32]) {
+    /// [`Backend::matmul`] with `tiles` = [`CpuBackend::token_tiles`] of `xs`.
+    fn matmul_tiled(&self, w: &Weight, xs: &[PreparedInput], tiles: &[TokenTile], out: &mut [f32]) {
         let n_tok = xs.len();
         assert_eq!(out.len(), n_tok * w.rows, "matmul output size");
         if !w.is_contiguous() {
@@ -90,9 +84,7 @@ impl Backend for CpuBackend {
         }
         // Batched: each chunk of rows is multiplied with the tokens a tile at a time, so every
         // weight block is unpacked once per few tokens rather than once per token.
-        // The tiles (and their token-lane packs) are built once and shared by every chunk.
-        let xs: Vec<&PreparedInput> = xs.iter().collect();
-        let tiles: Vec<TokenTile> = xs.chunks(CHUNK_TOKENS).map(TokenTile::new).collect();
+        debug_assert_eq!(tiles.iter().map(TokenTile::len).sum::<usize>(), n_tok, "tiles of xs");
         let ptr = OutPtr(out.as_mut_ptr());
         let n_chunks = w.rows.div_ceil(CHUNK_ROWS);
         self.pool.install(|| {
@@ -118,6 +110,29 @@ impl Backend for CpuBackend {
                 }
             })
         });
+    }
+}
+
+/// A raw output pointer shared by workers that write disjoint indices.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: workers write through it only at indices no other worker touches (disjoint row
+// chunks), and the owning slice outlives the parallel scope that uses it.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        format!(
+            "cpu ({} threads, {} kernels)",
+            self.threads,
+            crate::quant::kernel_name()
+        )
+    }
+
+    fn matmul(&self, w: &Weight, xs: &[PreparedInput], out: &mut [f32]) {
+        let refs: Vec<&PreparedInput> = xs.iter().collect();
+        self.matmul_tiled(w, xs, &self.token_tiles(&refs), out);
     }
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], xs: &[PreparedInput], out: &mut [f32]) {
@@ -412,21 +427,21 @@ impl Device for CpuBackend {
 
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
         self.with_prep(|prep| {
-            let mut prepared = None;
-            ws.iter()
-                .map(|w| {
-                    // Weights of one type share one preparation of the input.
-                    if prepared != Some(w.ty) {
-                        prepare_rows(&self.pool, host(x), x.width, w.ty, prep);
-                        prepared = Some(w.ty);
-                    }
+            // Consecutive weights of one type share one preparation of the input, and its tiles.
+            let mut outs = Vec::with_capacity(ws.len());
+            for same in ws.chunk_by(|a, b| a.ty == b.ty) {
+                prepare_rows(&self.pool, host(x), x.width, same[0].ty, prep);
+                let refs: Vec<&PreparedInput> = prep.iter().collect();
+                let tiles = self.token_tiles(&refs);
+                for w in same {
                     let mut out = vec![0f32; x.rows * w.rows];
                     if w.rows > 0 && x.rows > 0 {
-                        Backend::matmul(self, w, prep, &mut out);
+                        self.matmul_tiled(w, prep, &tiles, &mut out);
                     }
-                    Act::host(x.rows, w.rows, out)
-                })
-                .collect()
+                    outs.push(Act::host(x.rows, w.rows, out));
+                }
+            }
+            outs
         })
     }
 

@@ -14,6 +14,7 @@
 //! * 127`, inside i32.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 use super::super::lanes::{LanePack, LANES};
 use super::super::PreparedInput;
@@ -98,6 +99,12 @@ unsafe fn reduce_8(v: &[__m256i; 8]) -> __m256i {
 #[inline(always)]
 pub(super) unsafe fn dot<T: OffsetType>(row: *const u8, x: &PreparedInput) -> f32 {
     let n_blocks = x.len() / 32;
+    // Eight blocks' f16 scales are gathered as the low halves of 32-bit loads at these offsets
+    // (each inside its block).
+    let d_offsets = _mm256_mullo_epi32(
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        _mm256_set1_epi32(T::BYTES as i32),
+    );
     let mut acc = _mm256_setzero_ps();
     for b0 in (0..n_blocks).step_by(8) {
         let n = (n_blocks - b0).min(8);
@@ -115,13 +122,8 @@ pub(super) unsafe fn dot<T: OffsetType>(row: *const u8, x: &PreparedInput) -> f3
             _mm256_sllv_epi32(y_sums, _mm256_set1_epi32(T::OFFSET_SHIFT)),
         );
         let y_scales = _mm256_maskz_loadu_ps(mask, x.block_scales.as_ptr().add(b0));
-        // The blocks' f16 scales, gathered as the low halves of 32-bit loads (inside each block).
-        let offsets = _mm256_mullo_epi32(
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            _mm256_set1_epi32(T::BYTES as i32),
-        );
         let first = row.add(b0 * T::BYTES) as *const i32;
-        let d_words = _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, offsets, first);
+        let d_words = _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, d_offsets, first);
         let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(d_words));
         let c = _mm256_mul_ps(d, y_scales);
         acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(j), c, acc, mask);
@@ -134,20 +136,18 @@ pub(super) unsafe fn dot<T: OffsetType>(row: *const u8, x: &PreparedInput) -> f3
 #[derive(Clone, Copy)]
 struct Unpacked([u8; 32]);
 
-/// `R` rows against the pack's 16 tokens over blocks `b0 .. b0 + 8` (fewer at the end; `b0` a
-/// multiple of 8): block `b0 + i` is added into `acc[r][i]`, lane `t` for token `t`.
+/// `R` rows against the pack's 16 tokens over blocks `blocks`: block `b` is added into
+/// `acc[r][b % 8]`, lane `t` for token `t`.
 #[inline(always)]
-#[allow(clippy::needless_range_loop)] // `i` and `r` index several arrays in step
+#[allow(clippy::needless_range_loop)] // `r` indexes several arrays in step
 pub(super) unsafe fn lanes<T: OffsetType, const R: usize>(
     rows: [*const u8; R],
     p: &LanePack,
-    b0: usize,
+    blocks: Range<usize>,
     acc: &mut [[__m512; 8]; R],
 ) {
-    let n = (p.blocks - b0).min(8);
     let shift = _mm512_set1_epi32(T::OFFSET_SHIFT);
-    for i in 0..n {
-        let b = b0 + i;
+    for b in blocks {
         let block = rows.map(|row| row.add(b * T::BYTES));
         let mut unpacked = [Unpacked([0; 32]); R];
         for r in 0..R {
@@ -169,7 +169,8 @@ pub(super) unsafe fn lanes<T: OffsetType, const R: usize>(
         for r in 0..R {
             let j = _mm512_sub_epi32(sums[r], offsets);
             let d = _mm512_cvtph_ps(_mm256_set1_epi16(std::ptr::read_unaligned(block[r] as *const i16)));
-            acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_mul_ps(d, y_scales), acc[r][i]);
+            let acc = &mut acc[r][b % 8];
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_mul_ps(d, y_scales), *acc);
         }
     }
 }

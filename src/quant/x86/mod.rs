@@ -263,10 +263,10 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
     }
 }
 
-/// Rows per pass of the token-lane kernels over a block range: their float accumulators (one
-/// vector each) live on the stack.
+/// Rows per pass of the K-quant token-lane kernels over a block range: their float
+/// accumulators (one vector each) live on the stack.
 const LANE_ROWS: usize = 64;
-/// Blocks per pass: 4 KiB of a pack's activations each.
+/// K-quant blocks per pass when the pack does not fit in L1: 4 KiB of its activations each.
 const LANE_BLOCKS: usize = 4;
 /// Rows per pass of the 32-element types' token-lane kernels (eight vectors each).
 const LANE_ROWS_32: usize = 32;
@@ -369,93 +369,80 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             }
         };
     }
-    // Packed groups through `$lanes`, unpacked ones token by token through `$one`.
+    // Packed groups through the token-lane kernel (`$two` rows at a time, `$one_row` for an odd
+    // last row), unpacked ones token by token through `$one`. Each row's accumulator starts as
+    // `$zero` and ends as `$finish(&accumulator)`; `$per_pass` blocks at a time over up to
+    // `$rows` rows, or whole rows when the pack fits in L1 (the rows then stream in order).
     macro_rules! lanes {
-        ($lm:ident :: $lanes:ident, $om:ident :: $one:ident) => {{
+        ($two:expr, $one_row:expr, $one:expr, $zero:expr, $finish:expr, $rows:expr, $per_pass:expr) => {{
             for (g, group) in xs.chunks(LANES).enumerate() {
                 let t0 = g * LANES;
                 match tile.pack(g) {
                     Some(pack) => {
                         debug_assert_eq!(pack.tokens, group.len());
-                        for r0 in (0..n_rows).step_by(LANE_ROWS) {
-                            let r1 = (r0 + LANE_ROWS).min(n_rows);
-                            let mut acc = [_mm512_setzero_ps(); LANE_ROWS];
+                        let per_pass = if fits_l1(pack) { pack.blocks } else { $per_pass };
+                        // Weight blocks cover activation blocks one to one in these types.
+                        let block_bytes = row_bytes / pack.blocks;
+                        for r0 in (0..n_rows).step_by($rows) {
+                            let r1 = (r0 + $rows).min(n_rows);
+                            let mut acc = [$zero; $rows];
                             let row = |r: usize| rows.as_ptr().add(r * row_bytes);
-                            // Whole rows when the pack fits in L1 (the rows then stream in
-                            // order); else a few blocks at a time over all these rows, so that
-                            // part of the pack (4 KiB a block) stays in L1 while the rows pass it.
-                            let per_pass = if fits_l1(pack) { pack.blocks } else { LANE_BLOCKS };
                             for b0 in (0..pack.blocks).step_by(per_pass) {
                                 let blocks = b0..(b0 + per_pass).min(pack.blocks);
                                 let mut r = r0;
                                 while r + 2 <= r1 {
-                                    let pair: &mut [__m512; 2] = (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
-                                    prefetch_rows(rows, (r + 2) * row_bytes, 2 * row_bytes);
-                                    $lm::$lanes::<2>([row(r), row(r + 1)], pack, blocks.clone(), pair);
+                                    let pair = (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
+                                    // This pass's blocks of the next two rows.
+                                    for next in r + 2..r + 4 {
+                                        let start = next * row_bytes + b0 * block_bytes;
+                                        prefetch_rows(rows, start, blocks.len() * block_bytes);
+                                    }
+                                    $two([row(r), row(r + 1)], pack, blocks.clone(), pair);
                                     r += 2;
                                 }
                                 if r < r1 {
-                                    let one: &mut [__m512; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
-                                    $lm::$lanes::<1>([row(r)], pack, blocks.clone(), one);
+                                    let one = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
+                                    $one_row([row(r)], pack, blocks.clone(), one);
                                 }
                             }
-                            for (r, &lanes) in (r0..r1).zip(&acc) {
-                                store_lanes(out, lanes, group.len(), t0 * n_rows + r, n_rows);
+                            for (r, partial) in (r0..r1).zip(&acc) {
+                                store_lanes(out, $finish(partial), group.len(), t0 * n_rows + r, n_rows);
                             }
                         }
                     }
-                    None => each_token!(group, t0, $om::$one),
+                    None => each_token!(group, t0, $one),
                 }
             }
         }};
     }
-    // The 32-element types' token lanes: as `lanes!`, with eight partial sums per row.
+    // The 32-element types: eight partial sums per row (block b in b % 8), as their one-token
+    // kernels keep them; eight blocks (4 KiB of the pack) per pass.
     macro_rules! lanes32 {
-        ($ty:ty) => {{
-            for (g, group) in xs.chunks(LANES).enumerate() {
-                let t0 = g * LANES;
-                match tile.pack(g) {
-                    Some(pack) => {
-                        debug_assert_eq!(pack.tokens, group.len());
-                        for r0 in (0..n_rows).step_by(LANE_ROWS_32) {
-                            let r1 = (r0 + LANE_ROWS_32).min(n_rows);
-                            let mut acc = [[_mm512_setzero_ps(); 8]; LANE_ROWS_32];
-                            let row = |r: usize| rows.as_ptr().add(r * row_bytes);
-                            // As in `lanes!`: whole rows when the pack fits in L1, else eight
-                            // blocks (4 KiB of the pack) at a time over all these rows.
-                            let per_pass = if fits_l1(pack) {
-                                pack.blocks.next_multiple_of(8)
-                            } else {
-                                8
-                            };
-                            for pass in (0..pack.blocks).step_by(per_pass) {
-                                let passes = (pass..(pass + per_pass).min(pack.blocks)).step_by(8);
-                                let mut r = r0;
-                                while r + 2 <= r1 {
-                                    let pair: &mut [[__m512; 8]; 2] =
-                                        (&mut acc[r - r0..r - r0 + 2]).try_into().unwrap();
-                                    prefetch_rows(rows, (r + 2) * row_bytes, 2 * row_bytes);
-                                    for b0 in passes.clone() {
-                                        exact32::lanes::<$ty, 2>([row(r), row(r + 1)], pack, b0, pair);
-                                    }
-                                    r += 2;
-                                }
-                                if r < r1 {
-                                    let one: &mut [[__m512; 8]; 1] = (&mut acc[r - r0..r - r0 + 1]).try_into().unwrap();
-                                    for b0 in passes.clone() {
-                                        exact32::lanes::<$ty, 1>([row(r)], pack, b0, one);
-                                    }
-                                }
-                            }
-                            for (r, partial) in (r0..r1).zip(&acc) {
-                                store_lanes(out, exact32::finish(partial), group.len(), t0 * n_rows + r, n_rows);
-                            }
-                        }
-                    }
-                    None => each_token!(group, t0, exact32::dot::<$ty>),
-                }
-            }
-        }};
+        ($ty:ty) => {
+            lanes!(
+                exact32::lanes::<$ty, 2>,
+                exact32::lanes::<$ty, 1>,
+                exact32::dot::<$ty>,
+                [_mm512_setzero_ps(); 8],
+                exact32::finish,
+                LANE_ROWS_32,
+                8
+            )
+        };
+    }
+    // The K-quants: one sum per row; four blocks (16 KiB of the pack) per pass.
+    macro_rules! lanes_k {
+        ($lanes:ident, $one:ident) => {
+            lanes!(
+                wide::$lanes::<2>,
+                wide::$lanes::<1>,
+                wide::$one,
+                _mm512_setzero_ps(),
+                |sum: &__m512| *sum,
+                LANE_ROWS,
+                LANE_BLOCKS
+            )
+        };
     }
     // Float weights have no unpacking to share: one token at a time.
     macro_rules! per_token {
@@ -474,10 +461,10 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
         GgmlType::Q8_0 if D::WIDE => lanes32!(exact32::Q8_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
-        GgmlType::Q4_K if D::WIDE => lanes!(wide::q4_k_lanes, wide::dot_q4_k),
+        GgmlType::Q4_K if D::WIDE => lanes_k!(q4_k_lanes, dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
-        GgmlType::Q6_K if D::WIDE => lanes!(wide::q6_k_lanes, wide::dot_q6_k),
+        GgmlType::Q6_K if D::WIDE => lanes_k!(q6_k_lanes, dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
     }
 }
