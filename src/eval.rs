@@ -47,6 +47,18 @@ pub struct EvalOptions {
     /// level (seeds 1..=N, [`Masker::jittered`]), and report the spread: how much of a
     /// difference between rows is noise.
     pub jitter_seeds: usize,
+    /// Mixture-of-experts models: counts of experts per token to measure besides the model's
+    /// own, each with no mask and with every mask configuration (`None`: the model's own count
+    /// halved until 1; refused for dense models when given).
+    pub experts: Option<Vec<usize>>,
+}
+
+/// The default experts-per-token counts `eval` measures for a model routing `own` experts per
+/// token: `own` halved until 1 (8 → 4, 2, 1).
+pub fn default_expert_counts(own: usize) -> Vec<usize> {
+    std::iter::successors(Some(own / 2), |&k| (k > 1).then_some(k / 2))
+        .filter(|&k| k >= 1)
+        .collect()
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -70,6 +82,37 @@ pub struct EvalRow {
     pub achieved_sparsity_per_layer: Vec<f32>,
     pub ffn_bytes_per_token: f64,
     pub ffn_bytes_rel_dense: f64,
+    /// Mixture-of-experts models: experts per token when not the model's own count (the dense
+    /// row and rows at the model's own count have none).
+    #[serde(default)]
+    pub experts_used: Option<usize>,
+}
+
+impl EvalRow {
+    /// The reference row: every neuron, the model's own experts per token.
+    pub fn is_dense(&self) -> bool {
+        self.strategy.is_none() && self.experts_used.is_none()
+    }
+
+    /// The row's configuration for people: `topk gate 0.50`, `topk/layer exact 0.30`, `dense`,
+    /// with ` · K experts` when the count of experts per token is not the model's own.
+    pub fn label(&self) -> String {
+        let mask = match (self.strategy, self.criterion) {
+            (Some(s), Some(c)) => format!(
+                "{}{} {} {:.2}",
+                s.name(),
+                if self.per_layer.is_some() { "/layer" } else { "" },
+                c.name(),
+                self.sparsity
+            ),
+            _ if self.experts_used.is_some() => "every neuron".into(),
+            _ => "dense".into(),
+        };
+        match self.experts_used {
+            Some(k) => format!("{mask} · {k} expert{} per token", if k == 1 { "" } else { "s" }),
+            None => mask,
+        }
+    }
 }
 
 /// A row's configuration re-run with jittered scores, one entry per seed.
@@ -93,6 +136,8 @@ pub struct EvalReport {
     pub bytes_model: &'static str,
     pub calibration: Option<String>,
     pub dense_ffn_bytes_per_token: f64,
+    /// Mixture-of-experts models: the model's own experts per token (that of the dense row).
+    pub experts_per_token: Option<usize>,
     pub rows: Vec<EvalRow>,
     pub max_ppl_increase_pct: f64,
     /// Index into `rows` of the configuration with the fewest FFN bytes per token whose
@@ -126,7 +171,7 @@ pub fn frontier(rows: &[EvalRow], max_ppl_increase_pct: f64) -> usize {
 /// thresholds `calibrate` stores); eval also measures threshold on the other criteria, with
 /// thresholds it calibrates for itself, but such a row is never stored as a recommendation.
 pub fn runnable(r: &EvalRow) -> bool {
-    r.strategy != Some(Strategy::Threshold) || r.criterion == Some(Criterion::Exact)
+    (r.strategy != Some(Strategy::Threshold) || r.criterion == Some(Criterion::Exact)) && r.experts_used.is_none()
 }
 
 /// What `gatestream recommend` reads back from an eval report's JSON.
@@ -161,7 +206,7 @@ pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport>
                 _ => false,
             }
     };
-    let dense = |r: &SavedReport| r.rows.iter().find(|x| x.strategy.is_none()).map(|x| x.perplexity);
+    let dense = |r: &SavedReport| r.rows.iter().find(|x| x.is_dense()).map(|x| x.perplexity);
     let first_dense = dense(&merged);
     for (name, r) in reports {
         let mut differs = Vec::new();
@@ -193,7 +238,7 @@ pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport>
                 differs.join("; ")
             )));
         }
-        merged.rows.extend(r.rows.into_iter().filter(|x| x.strategy.is_some()));
+        merged.rows.extend(r.rows.into_iter().filter(|x| !x.is_dense()));
     }
     Ok(merged)
 }
@@ -230,44 +275,71 @@ votes, the scored half uses the winners";
 
 pub const BYTES_MODEL: &str = "per layer and token: the whole gate matrix, plus up rows (all for exact, the candidates for candidates, \
 the kept neurons otherwise; the sketch is resident and not counted) and down columns of the kept neurons, in a neuron-major layout \
-with down as Q8_0 columns (or the .gst file's own types); exact bytes, before read alignment and merging";
+with down as Q8_0 columns (or the .gst file's own types); exact bytes, before read alignment and merging; mixture-of-experts models: per layer \
+and token the router and any shared expert whole, and for each routed expert what a dense layer's FFN of the expert's width costs";
 
 /// Bytes per neuron row of each FFN part, for the bytes model.
 struct FfnBytes {
+    /// Per layer and token whatever the mask and routing: a mixture of experts' router and
+    /// shared expert (none for dense models).
+    fixed_layer: f64,
+    /// One FFN's (an expert's) whole gate matrix.
     gate_layer: f64,
     up_row: f64,
     down_col: f64,
     ffn: usize,
     n_layers: usize,
+    /// FFNs run per layer and token: 1, or the model's own experts per token.
+    own_used: usize,
 }
 
 impl FfnBytes {
     fn of(model: &Model) -> crate::error::Result<FfnBytes> {
-        let l0 = model.weights.layers[0].dense("the FFN bytes model (eval)")?;
-        let down = l0.down.weight();
-        let down_col = match &l0.down {
-            crate::model::weights::FfnDown::Columns(w) => w.row_bytes,
-            crate::model::weights::FfnDown::Rows(_) => GgmlType::Q8_0.row_bytes(down.rows).unwrap_or(down.rows * 4),
+        use crate::model::weights::{FfnDown, LayerFfn};
+        let (ffn, fixed, own_used) = match &model.weights.layers[0].ffn {
+            LayerFfn::Dense(f) => (f, 0, 1),
+            LayerFfn::Experts(e) => {
+                let shared = e.shared.as_ref().map_or(0, |(f, _)| {
+                    f.gate.len_bytes() + f.up.len_bytes() + f.down.weight().len_bytes() + f.gate.cols * 4
+                });
+                let used = model.config.moe.as_ref().map_or(1, |m| m.n_used);
+                (&e.experts[0], e.router.len_bytes() + shared, used)
+            }
+        };
+        let down = ffn.down.weight();
+        let down_col = match &ffn.down {
+            FfnDown::Columns(w) => w.row_bytes,
+            FfnDown::Rows(_) => GgmlType::Q8_0.row_bytes(down.rows).unwrap_or(down.rows * 4),
         };
         Ok(FfnBytes {
-            gate_layer: l0.gate.len_bytes() as f64,
-            up_row: l0.up.row_bytes as f64,
+            fixed_layer: fixed as f64,
+            gate_layer: ffn.gate.len_bytes() as f64,
+            up_row: ffn.up.row_bytes as f64,
             down_col: down_col as f64,
-            ffn: model.config.ffn,
+            ffn: ffn.gate.rows,
             n_layers: model.config.n_layers,
+            own_used,
         })
     }
 
     fn dense(&self) -> f64 {
-        self.n_layers as f64 * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col))
+        self.n_layers as f64
+            * (self.fixed_layer
+                + self.own_used as f64 * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col)))
     }
 
-    fn sparse(&self, up_rows: &[f32], achieved: &[f32]) -> f64 {
+    /// With per-layer mean up rows and sparsity per FFN run, `used` FFNs per layer and token
+    /// (`None`: the model's own count).
+    fn sparse(&self, up_rows: &[f32], achieved: &[f32], used: Option<usize>) -> f64 {
+        let k = used.unwrap_or(self.own_used) as f64;
         up_rows
             .iter()
             .zip(achieved)
             .map(|(&u, &s)| {
-                self.gate_layer + u as f64 * self.up_row + (1.0 - s as f64) * self.ffn as f64 * self.down_col
+                self.fixed_layer
+                    + k * (self.gate_layer
+                        + u as f64 * self.up_row
+                        + (1.0 - s as f64) * self.ffn as f64 * self.down_col)
             })
             .sum()
     }
@@ -339,6 +411,7 @@ fn checkpoint_key(model: &Model, text: &str, text_name: &str, opts: &EvalOptions
         "calibrate_tokens": opts.calibrate_tokens,
         "per_layer_tokens": opts.per_layer_tokens,
         "jitter_seeds": opts.jitter_seeds,
+        "experts": opts.experts,
     }))
 }
 
@@ -447,6 +520,47 @@ pub fn eval_with(
             opts.ctx
         )));
     }
+    let own_experts = model.config.moe.as_ref().map(|m| m.n_used);
+    let expert_counts: Vec<Option<usize>> = match (&model.config.moe, &opts.experts) {
+        (None, Some(_)) => {
+            return Err(Error::Invalid(format!(
+                "{}: --experts measures mixture-of-experts models routed to fewer experts, and this model is dense",
+                model.path.display()
+            )))
+        }
+        (None, None) => vec![None],
+        (Some(moe), asked) => {
+            let asked = asked.clone().unwrap_or_else(|| default_expert_counts(moe.n_used));
+            if let Some(k) = asked.iter().find(|&&k| k == 0 || k > moe.n_experts) {
+                return Err(Error::Invalid(format!(
+                    "--experts {k}: this model has {} experts per layer; give counts from 1 to {}",
+                    moe.n_experts, moe.n_experts
+                )));
+            }
+            if let Some(st) = opts.strategies.iter().find(|&&st| st != Strategy::TopK) {
+                return Err(Error::Invalid(format!(
+                    "{}: a mixture-of-experts model takes top-K masks inside each routed expert; --strategy {} keeps \
+                     per-layer state over a dense layer's neurons: use --strategy topk",
+                    model.path.display(),
+                    st.name()
+                )));
+            }
+            if opts.criteria.contains(&Criterion::Sketch) || opts.per_layer_tokens > 0 {
+                return Err(Error::Invalid(format!(
+                    "{}: the sketch criterion and per-layer budgets are not available for mixture-of-experts models; \
+                     use --criterion gate, exact or candidates and no --per-layer-tokens",
+                    model.path.display()
+                )));
+            }
+            let mut counts = vec![None];
+            for k in asked {
+                if k != moe.n_used && !counts.contains(&Some(k)) {
+                    counts.push(Some(k));
+                }
+            }
+            counts
+        }
+    };
     let needs_sketch = opts.criteria.contains(&Criterion::Sketch);
     let sketches = if needs_sketch {
         let built = match passes.stream {
@@ -479,12 +593,19 @@ pub fn eval_with(
     } else {
         None
     };
+    // Per count of experts per token (dense models: one, `None`): every neuron (a row of its
+    // own unless the count is the model's), then every mask.
     let mut maskers: Vec<Masker> = Vec::new();
-    for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
-        for &st in &opts.strategies {
-            for &c in &opts.criteria {
-                let th = (st == Strategy::Threshold).then(|| pools.as_ref().expect("pools").thresholds(c, s));
-                maskers.push(Masker::new(model, st, c, s, sketches.as_ref(), th));
+    for &k in &expert_counts {
+        if k.is_some() {
+            maskers.push(Masker::new(model, Strategy::TopK, Criterion::Gate, 0.0, None, None).with_experts_used(k));
+        }
+        for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
+            for &st in &opts.strategies {
+                for &c in &opts.criteria {
+                    let th = (st == Strategy::Threshold).then(|| pools.as_ref().expect("pools").thresholds(c, s));
+                    maskers.push(Masker::new(model, st, c, s, sketches.as_ref(), th).with_experts_used(k));
+                }
             }
         }
     }
@@ -590,7 +711,9 @@ pub fn eval_with(
             .map(|(m, _)| m)
             .collect(),
     );
-    let voting = passes.hooks(Some(&voters), None);
+    // Without union masks the first half runs with no mask at all (a mixture-of-experts model
+    // takes only masks that run inside its experts).
+    let voting = passes.hooks((!voters.0.is_empty()).then_some(&voters as &dyn FfnMask), None);
     let batch_max = passes.batch_max();
     progress("windows", start, windows);
     for w in start..stop {
@@ -690,6 +813,7 @@ pub fn eval_with(
         achieved_sparsity_per_layer: vec![0.0; model.config.n_layers],
         ffn_bytes_per_token: dense_bytes,
         ffn_bytes_rel_dense: 1.0,
+        experts_used: None,
     }];
     let ppl_of = |acc: &Accum| (acc.nll / acc.count as f64).exp();
     for (i, ((m, acc), allocation)) in maskers.iter().zip(&accs).zip(allocations).take(base).enumerate() {
@@ -708,10 +832,12 @@ pub fn eval_with(
             }
         });
         let achieved = m.achieved_sparsity();
-        let b = bytes.sparse(&m.up_rows_per_token(), &achieved);
+        let b = bytes.sparse(&m.up_rows_per_token(), &achieved, m.experts_used);
+        // A row of fewer experts with every neuron is no mask.
+        let masked = m.sparsity > 0.0;
         rows.push(EvalRow {
-            strategy: Some(m.strategy),
-            criterion: Some(m.criterion),
+            strategy: masked.then_some(m.strategy),
+            criterion: masked.then_some(m.criterion),
             sparsity: m.sparsity,
             per_layer: m.per_layer.clone(),
             allocation,
@@ -724,6 +850,7 @@ pub fn eval_with(
             achieved_sparsity_per_layer: achieved,
             ffn_bytes_per_token: b,
             ffn_bytes_rel_dense: b / dense_bytes,
+            experts_used: m.experts_used,
         });
     }
     let best = frontier(&rows, opts.max_ppl_increase_pct);
@@ -739,6 +866,7 @@ pub fn eval_with(
         bytes_model: BYTES_MODEL,
         calibration: pools.map(|p| p.text),
         dense_ffn_bytes_per_token: dense_bytes,
+        experts_per_token: own_experts,
         rows,
         seconds: seconds_before + t0.elapsed().as_secs_f64(),
     }))
@@ -768,9 +896,21 @@ pub fn table(r: &EvalReport) -> String {
         );
     }
     let jitter = r.rows.iter().any(|row| row.jitter.is_some());
+    // Mixture-of-experts models: the experts per token of each row.
+    let experts = |row: &EvalRow| match r.experts_per_token {
+        Some(own) => format!("{:>7} ", row.experts_used.unwrap_or(own)),
+        None => String::new(),
+    };
+    if let Some(own) = r.experts_per_token {
+        let _ = writeln!(
+            o,
+            "mixture of experts, {own} per token: masks keep each routed expert's neurons (the shared expert runs whole)"
+        );
+    }
     let _ = writeln!(
         o,
-        "{:<10} {:<11} {:>5} {:>10} {:>8} {:>7} {:>8} {:>9} {:>11} {:>8}{}",
+        "{}{:<10} {:<11} {:>5} {:>10} {:>8} {:>7} {:>8} {:>9} {:>11} {:>8}{}",
+        if r.experts_per_token.is_some() { "experts " } else { "" },
         "strategy",
         "criterion",
         "level",
@@ -784,10 +924,13 @@ pub fn table(r: &EvalReport) -> String {
         if jitter { "  jitter Δppl% spread" } else { "" }
     );
     for row in &r.rows {
-        let name = |v: Option<String>| v.unwrap_or_else(|| "dense".into());
+        // A row of fewer experts with no mask is not the dense row.
+        let none = if row.is_dense() { "dense" } else { "none" };
+        let name = |v: Option<String>| v.unwrap_or_else(|| none.into());
         let _ = writeln!(
             o,
-            "{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}{}",
+            "{}{:<10} {:<11} {:>5.2} {:>10.4} {:>+8.2} {:>7.4} {:>8.4} {:>9.3} {:>11.2} {:>8.3}{}",
+            experts(row),
             name(
                 row.strategy
                     .map(|s| format!("{s:?}").to_lowercase() + if row.per_layer.is_some() { "/layer" } else { "" })
@@ -818,13 +961,9 @@ pub fn table(r: &EvalReport) -> String {
     let f = &r.rows[r.frontier];
     let _ = writeln!(
         o,
-        "frontier (≤ {:+.1}% perplexity): {} {} at {:.2} — {:.3} of dense FFN bytes per token ({:+.2}% perplexity, top-1 {:.4})",
+        "frontier (≤ {:+.1}% perplexity): {} — {:.3} of dense FFN bytes per token ({:+.2}% perplexity, top-1 {:.4})",
         r.max_ppl_increase_pct,
-        f.strategy.map_or("dense".into(), |s| {
-            format!("{s:?}").to_lowercase() + if f.per_layer.is_some() { "/layer" } else { "" }
-        }),
-        f.criterion.map_or("".into(), |c| format!("{c:?}").to_lowercase()),
-        f.sparsity,
+        f.label(),
         f.ffn_bytes_rel_dense,
         f.ppl_increase_pct,
         f.top1_agreement
@@ -838,10 +977,11 @@ pub fn chart(r: &EvalReport) -> crate::plot::Chart<'static> {
     let mut series: Vec<Series> = Vec::new();
     for row in &r.rows[1..] {
         let name = format!(
-            "{}{} {}",
-            row.strategy.map_or("", |s| s.name()),
+            "{}{} {}{}",
+            row.strategy.map_or("all neurons", |s| s.name()),
             if row.per_layer.is_some() { "/layer" } else { "" },
-            row.criterion.map_or("", |c| c.name())
+            row.criterion.map_or("", |c| c.name()),
+            row.experts_used.map_or(String::new(), |k| format!(" · {k} experts"))
         );
         let point = (row.ffn_bytes_rel_dense, row.ppl_increase_pct);
         match series.iter_mut().find(|s| s.name == name) {
@@ -886,6 +1026,7 @@ mod tests {
             achieved_sparsity_per_layer: vec![sparsity],
             ffn_bytes_per_token: bytes_rel * 1e6,
             ffn_bytes_rel_dense: bytes_rel,
+            experts_used: None,
         }
     }
 
@@ -923,6 +1064,24 @@ mod tests {
         let rec = recommendation(&r.rows, 2.0, &r.text, r.windows, r.ctx).unwrap();
         assert_eq!((rec.strategy.as_str(), rec.criterion.as_str()), ("threshold", "exact"));
         assert_eq!(rec.ffn_bytes_rel_dense, 0.76);
+    }
+
+    /// A mixture of experts' row routed to fewer experts (with or without a mask) is neither the
+    /// dense row when merging nor a recommendation `run --mode sparse` could use.
+    #[test]
+    fn rows_of_fewer_experts_are_not_dense_nor_recommended() {
+        let mut one = row(None, 0.0, 10.05, 0.5, 0.55);
+        one.experts_used = Some(1);
+        let mut one_masked = row(Some(Strategy::TopK), 0.5, 10.1, 1.0, 0.4);
+        one_masked.experts_used = Some(1);
+        let topk = row(Some(Strategy::TopK), 0.3, 10.12, 1.2, 0.78);
+        let r = report(20, 10.0, vec![one.clone(), one_masked, topk]);
+        assert!(r.rows[0].is_dense() && !one.is_dense());
+        assert_eq!(frontier(&r.rows, 2.0), 2, "eval reports the cheapest row");
+        let rec = recommendation(&r.rows, 2.0, &r.text, r.windows, r.ctx).unwrap();
+        assert_eq!((rec.sparsity, rec.ffn_bytes_rel_dense), (0.3, 0.78));
+        let m = merge_reports(vec![("a.json".into(), r.clone()), ("b.json".into(), r)]).unwrap();
+        assert_eq!(m.rows.len(), 7, "one dense row, and both reports' three others");
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Mixture-of-experts models: synthetic GGUFs of each architecture (`gatestream::synth`, made from
 //! stories260K's tokenizer and weights — no real MoE weights are reachable here) checked against
 //! a naive reference that computes every expert, against the dense model they were upcycled
-//! from, and batched against token by token; and the refusals (streaming, masks, unsupported
-//! MoE architectures, malformed expert tensors).
+//! from, and batched against token by token; top-K masks inside the experts and `eval` over
+//! them; and the refusals (threshold and union masks, unsupported MoE architectures, malformed
+//! expert tensors).
 
 mod common;
 
@@ -85,18 +86,31 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
 
 /// One dense SwiGLU FFN in f64.
 fn ffn_f64(f: &FfnWeights, x: &[f64]) -> Vec<f64> {
+    ffn_f64_keeping(f, x, None)
+}
+
+/// As `ffn_f64`, keeping only the `keep` neurons of largest |act(gate)| (ties to the lower
+/// index) when given: a top-K gate mask.
+fn ffn_f64_keeping(f: &FfnWeights, x: &[f64], keep: Option<usize>) -> Vec<f64> {
     let FfnDown::Rows(down) = &f.down else {
         panic!("GGUF experts store down as rows")
     };
     let (gate, up, down) = (rows_f64(&f.gate), rows_f64(&f.up), rows_f64(down));
-    let hact: Vec<f64> = gate
+    let act: Vec<f64> = gate
         .iter()
-        .zip(&up)
-        .map(|(g, u)| {
+        .map(|g| {
             let g = dot(g, x);
-            g / (1.0 + (-g).exp()) * dot(u, x)
+            g / (1.0 + (-g).exp())
         })
         .collect();
+    let mut hact: Vec<f64> = act.iter().zip(&up).map(|(a, u)| a * dot(u, x)).collect();
+    if let Some(k) = keep {
+        let mut order: Vec<usize> = (0..act.len()).collect();
+        order.sort_by(|&a, &b| act[b].abs().total_cmp(&act[a].abs()).then(a.cmp(&b)));
+        for &i in &order[k..] {
+            hact[i] = 0.0;
+        }
+    }
     down.iter().map(|r| dot(r, &hact)).collect()
 }
 
@@ -104,6 +118,12 @@ fn ffn_f64(f: &FfnWeights, x: &[f64]) -> Vec<f64> {
 /// first) summed with its weights, renormalized where the architecture does so; plus the shared
 /// expert behind its sigmoid gate. Also the experts chosen.
 fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> (Vec<f64>, Vec<usize>) {
+    naive_moe_keeping(model, l, x, n, None)
+}
+
+/// As `naive_moe`, each routed expert keeping only its `keep` neurons of largest |act(gate)|
+/// when given (the shared expert runs whole).
+fn naive_moe_keeping(model: &Model, l: usize, x: &[f32], n: usize, keep: Option<usize>) -> (Vec<f64>, Vec<usize>) {
     let moe = model.config.moe.as_ref().unwrap();
     let LayerFfn::Experts(e) = &model.weights.layers[l].ffn else {
         panic!("a MoE layer")
@@ -114,7 +134,7 @@ fn naive_moe(model: &Model, l: usize, x: &[f32], n: usize) -> (Vec<f64>, Vec<usi
     let mut used = Vec::new();
     for t in 0..n {
         let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
-        let all: Vec<Vec<f64>> = e.experts.iter().map(|f| ffn_f64(f, &xt)).collect();
+        let all: Vec<Vec<f64>> = e.experts.iter().map(|f| ffn_f64_keeping(f, &xt, keep)).collect();
         let logits: Vec<f64> = router.iter().map(|r| dot(r, &xt)).collect();
         let max = logits.iter().cloned().fold(f64::MIN, f64::max);
         let z: f64 = logits.iter().map(|v| (v - max).exp()).sum();
@@ -275,6 +295,222 @@ fn experts_used_routes_each_token_to_that_many_experts() {
     assert!(e.contains("--experts-used applies to mixture-of-experts models"), "{e}");
 }
 
+/// `eval` on a mixture of experts: the dense row is `perplexity`'s, a row of fewer experts with
+/// every neuron is the model loaded with that count, masks run inside the experts (both
+/// selections composed), the bytes model counts routed experts, and what cannot run inside
+/// experts is refused with what can.
+#[test]
+fn eval_measures_masks_inside_experts_and_fewer_experts() {
+    use gatestream::eval::{eval, EvalOptions};
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::sparsity::{Criterion, Strategy};
+    let tmp = tempfile::tempdir().unwrap();
+    let path = make(tmp.path(), &spec(Arch::Qwen2Moe, GgmlType::Q8_0, true), "m.gguf");
+    let model = load(&path);
+    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let opts = EvalOptions {
+        ctx: 64,
+        windows: 2,
+        sparsities: vec![0.0, 0.5],
+        strategies: vec![Strategy::TopK],
+        criteria: vec![Criterion::Gate, Criterion::Exact],
+        calibrate_tokens: 0,
+        max_ppl_increase_pct: 1e9,
+        per_layer_tokens: 0,
+        checkpoint: None,
+        windows_this_run: None,
+        jitter_seeds: 0,
+        experts: None,
+    };
+    let r = eval(&model, &text, "wiki", &opts, &mut |_, _, _| {}).unwrap().unwrap();
+    assert_eq!(r.experts_per_token, Some(2));
+    // Dense; gate and exact at 0.5; then one expert: every neuron, gate, exact.
+    let shape: Vec<(Option<usize>, Option<Strategy>, Option<Criterion>)> = r
+        .rows
+        .iter()
+        .map(|x| (x.experts_used, x.strategy, x.criterion))
+        .collect();
+    let (t, g, e) = (Some(Strategy::TopK), Some(Criterion::Gate), Some(Criterion::Exact));
+    assert_eq!(
+        shape,
+        vec![
+            (None, None, None),
+            (None, t, g),
+            (None, t, e),
+            (Some(1), None, None),
+            (Some(1), t, g),
+            (Some(1), t, e)
+        ]
+    );
+    let ppl = |experts_used: Option<usize>| {
+        let m = Model::load(
+            &path,
+            &LoadOptions {
+                experts_used,
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap();
+        let o = PerplexityOptions { ctx: 64, windows: 2 };
+        perplexity(&m, &text, &o, &mut |_, _, _| {}).unwrap().perplexity
+    };
+    assert_eq!(r.rows[0].perplexity, ppl(None), "the dense row");
+    assert_eq!(r.rows[3].perplexity, ppl(Some(1)), "one expert, every neuron");
+    let rows = &r.rows;
+    for row in &rows[1..] {
+        assert!(row.mean_kl > 0.0 && row.perplexity != rows[0].perplexity, "{row:?}");
+    }
+    for i in [1, 2, 4, 5] {
+        assert_eq!(rows[i].achieved_sparsity_mean, 0.5, "{:?}", rows[i]);
+    }
+    // Bytes: the router and shared expert every token, then per routed expert; one expert of
+    // two reads a little over half, and a mask at 0.5 less again; gate reads fewer up rows
+    // than exact.
+    let rel: Vec<f64> = rows.iter().map(|x| x.ffn_bytes_rel_dense).collect();
+    assert!(rel[3] > 0.5 && rel[3] < 0.75, "{rel:?}");
+    assert!(
+        rel[1] < rel[2] && rel[2] < 1.0 && rel[4] < rel[5] && rel[5] < rel[3],
+        "{rel:?}"
+    );
+    let table = gatestream::eval::table(&r);
+    assert!(
+        table.contains("mixture of experts, 2 per token") && table.contains("experts strategy"),
+        "{table}"
+    );
+    let labels: Vec<String> = rows.iter().map(|x| x.label()).collect();
+    assert_eq!(labels[3], "every neuron · 1 expert per token");
+    assert_eq!(labels[5], "topk exact 0.50 · 1 expert per token");
+
+    for (change, want) in [
+        (
+            EvalOptions {
+                strategies: vec![Strategy::Threshold],
+                ..opts.clone()
+            },
+            "use --strategy topk",
+        ),
+        (
+            EvalOptions {
+                criteria: vec![Criterion::Sketch],
+                ..opts.clone()
+            },
+            "sketch",
+        ),
+        (
+            EvalOptions {
+                experts: Some(vec![7]),
+                ..opts.clone()
+            },
+            "from 1 to 6",
+        ),
+    ] {
+        let e = eval(&model, &text, "wiki", &change, &mut |_, _, _| {})
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+    }
+    let dense = Model::load(&stories_file(tmp.path()), &LoadOptions::default()).unwrap();
+    let e = eval(
+        &dense,
+        &text,
+        "wiki",
+        &EvalOptions {
+            experts: Some(vec![1]),
+            ..opts.clone()
+        },
+        &mut |_, _, _| {},
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(e.contains("this model is dense"), "{e}");
+}
+
+/// Hooks with `mask` and nothing else.
+fn masked(mask: Option<&dyn gatestream::model::forward::FfnMask>) -> FfnHooks<'_> {
+    FfnHooks {
+        select: &|_, _| gatestream::model::forward::FfnNeurons::All,
+        observe: None,
+        mask,
+        stream: None,
+        cancel: None,
+    }
+}
+
+/// A top-K gate mask runs inside each routed expert: every architecture matches the naive
+/// reference whose experts keep their `keep` largest |act(gate)| neurons (the shared expert
+/// whole), the mask at sparsity 0 changes nothing bit for bit, and a mask asking for fewer
+/// experts per token equals the model loaded with that count, bit for bit.
+#[test]
+fn topk_masks_run_inside_each_routed_expert() {
+    use gatestream::sparsity::{Criterion, Masker, Strategy};
+    let tmp = tempfile::tempdir().unwrap();
+    for (arch, path) in random_f32_models(tmp.path()) {
+        let model = load(&path);
+        let (h, n, f) = (model.config.hidden, 7, model.config.ffn);
+        let x: Vec<f32> = (0..n * h)
+            .map(|i| ((i * 7919 % 613) as f32 / 306.5 - 1.0) * 1.7)
+            .collect();
+        let ffn = |m: &Model, mask: Option<&dyn gatestream::model::forward::FfnMask>| {
+            let w = &m.weights.layers[1];
+            let hooks = masked(mask);
+            m.device
+                .download(m.ffn(1, w, &m.device.upload(n, h, x.clone()), &hooks).unwrap())
+        };
+        let unmasked = ffn(&model, None);
+        let half = Masker::new(&model, Strategy::TopK, Criterion::Gate, 0.5, None, None);
+        let got = ffn(&model, Some(&half));
+        let (want, _) = naive_moe_keeping(&model, 1, &x, n, Some(f / 2));
+        assert_near_reference(&got, &want, &format!("{arch:?} top-K gate 0.5 inside experts"));
+        assert_ne!(got, unmasked, "{arch:?}: the mask changed nothing");
+        // Half of each routed expert's neuron slots kept: 2 experts × 7 tokens × f.
+        let achieved = half.achieved_sparsity();
+        assert_eq!(achieved[1], 0.5, "{arch:?}");
+        assert_eq!(half.counters().total[1], (2 * n * f) as u64, "{arch:?}");
+
+        let none = Masker::new(&model, Strategy::TopK, Criterion::Exact, 0.0, None, None);
+        assert_eq!(
+            ffn(&model, Some(&none)),
+            unmasked,
+            "{arch:?}: sparsity 0 changed the output"
+        );
+        let one = Masker::new(&model, Strategy::TopK, Criterion::Gate, 0.0, None, None).with_experts_used(Some(1));
+        let loaded_one = Model::load(
+            &path,
+            &LoadOptions {
+                experts_used: Some(1),
+                ..LoadOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            ffn(&model, Some(&one)),
+            ffn(&loaded_one, None),
+            "{arch:?}: one expert through the mask"
+        );
+        // Both selections composed: one expert per token, half its neurons.
+        let both = Masker::new(&model, Strategy::TopK, Criterion::Gate, 0.5, None, None).with_experts_used(Some(1));
+        let (want, used) = naive_moe_keeping(&loaded_one, 1, &x, n, Some(f / 2));
+        assert_eq!(used.len(), n);
+        assert_near_reference(
+            &ffn(&model, Some(&both)),
+            &want,
+            &format!("{arch:?} one expert, half its neurons"),
+        );
+        // Masks keeping per-layer state over a dense layer's neurons are refused by name.
+        let union = Masker::new(&model, Strategy::Union, Criterion::Gate, 0.5, None, None);
+        let w = &model.weights.layers[1];
+        let hooks = masked(Some(&union));
+        let e = model
+            .ffn(1, w, &model.device.upload(n, h, x.clone()), &hooks)
+            .err()
+            .expect("union refused")
+            .to_string();
+        assert!(e.contains("top-K") && e.contains("union"), "{e}");
+    }
+}
+
 #[test]
 fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
     let mut moe = gatestream::config::MoeConfig {
@@ -353,7 +589,7 @@ fn masks_streaming_and_reformat_are_refused_for_experts() {
         .forward_with(&[1, 2], &mut cache, Logits::Last, &hooks)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("mixture-of-experts") && e.contains("--mode dense"), "{e}");
+    assert!(e.contains("mixture-of-experts") && e.contains("top-K"), "{e}");
     // Neuron statistics inside experts are not built: calibration is refused, nothing written.
     let opts = gatestream::reformat::ReformatOptions {
         calibrate_text: Some(tmp.path().join("text.txt")),
@@ -451,6 +687,17 @@ fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
         );
 
         let m = Model::load(&gst, &on_disk()).unwrap();
+        // With a top-K mask inside the routed experts too (the experts are computed where their
+        // bytes are, with the same arithmetic).
+        let mask = gatestream::sparsity::Masker::new(
+            &m,
+            gatestream::sparsity::Strategy::TopK,
+            gatestream::sparsity::Criterion::Exact,
+            0.5,
+            None,
+            None,
+        );
+        let masked_reference = prompt_then_greedy(&load(&gst), None, Some(&mask), text, 4);
         let cfg = &m.config;
         let moe = cfg.moe.clone().unwrap();
         let all_experts = (cfg.n_layers * moe.n_experts) as u64;
@@ -474,6 +721,17 @@ fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
                             got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
                             "{what}: streamed logits differ from in RAM"
                         );
+                        if policy == CachePolicy::Lru {
+                            let s = Streamer::open(&m, &stream_options(budget, engine, policy, lookahead)).unwrap();
+                            let got = prompt_then_greedy(&m, Some(&s), Some(&mask), text, 4);
+                            assert!(
+                                got.iter()
+                                    .zip(&masked_reference)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{what}: streamed logits with a mask inside the experts differ from in RAM"
+                            );
+                            assert_ne!(got, reference, "{what}: the mask changed nothing");
+                        }
                         let c = s.counters();
                         let x = s.experts.as_ref().unwrap();
                         assert!(x.cached() <= x.cache_slots, "{what}: {} cached", x.cached());

@@ -37,6 +37,7 @@ fn eval_opts(sparsities: &[f32], strategies: &[Strategy], criteria: &[Criterion]
         checkpoint: None,
         windows_this_run: None,
         jitter_seeds: 0,
+        experts: None,
     }
 }
 

@@ -604,6 +604,7 @@ fn eval_streams_and_equals_the_in_ram_model_in_the_same_batches() {
         checkpoint: None,
         windows_this_run: None,
         jitter_seeds: 0,
+        experts: None,
     };
     let m = load_on_disk(&p);
     let stream_opts = StreamOptions {

@@ -62,19 +62,33 @@ impl Model {
         let n = xn.rows;
         // A stream that reads this layer's experts holds its router and shared expert too.
         let stream = hooks.stream.and_then(|s| s.expert_layer(l).map(|x| (s, x)));
-        let plain = (stream.is_some() || hooks.stream.is_none_or(|s| !s.streams_ffn()))
-            && hooks.mask.is_none()
-            && hooks.observe.is_none()
-            && matches!((hooks.select)(l, n), FfnNeurons::All);
-        if !plain {
+        let streams_elsewhere = stream.is_none() && hooks.stream.is_some_and(|s| s.streams_ffn());
+        let mask = hooks.mask;
+        if streams_elsewhere
+            || hooks.observe.is_some()
+            || !matches!((hooks.select)(l, n), FfnNeurons::All)
+            || mask.is_some_and(|m| !m.inside_experts())
+        {
             return Err(Error::Invalid(
-                "neuron masks (--mode sparse) and calibration are not available for mixture-of-experts models yet; \
-                 run the model with --mode dense (in RAM, or streamed from a .gst file with --ram-budget); \
-                 to trade quality for speed, route tokens to fewer experts: --experts-used K (run --mode compare \
+                "mixture-of-experts models take top-K neuron masks inside each routed expert (--strategy topk with \
+                 --criterion gate, exact or candidates); threshold and union masks, the sketch criterion and \
+                 calibration keep per-layer state over a dense layer's neurons and are not available for them; \
+                 to trade quality for speed, also route tokens to fewer experts: --experts-used K (run --mode compare \
                  --experts-used K sets it against the model's own count)"
                     .into(),
             ));
         }
+        let used = mask.and_then(|m| m.experts_used()).unwrap_or(moe.n_used);
+        if used == 0 || used > moe.n_experts {
+            return Err(Error::Invalid(format!(
+                "{} experts per token asked of a model with {} experts per layer",
+                used, moe.n_experts
+            )));
+        }
+        let moe = &MoeConfig {
+            n_used: used,
+            ..moe.clone()
+        };
         let (router, shared) = match &stream {
             Some((_, x)) => (x.router, x.shared),
             None => (&e.router, e.shared.as_ref()),
@@ -102,11 +116,28 @@ impl Model {
         }
         let ids: Vec<usize> = (0..moe.n_experts).filter(|&ex| !groups[ex].0.is_empty()).collect();
         let dense = FfnHooks::dense();
+        // A neuron mask runs inside each routed expert (not the shared one, which every token
+        // runs): it sees the expert's own activations, of the model's expert width.
+        let masked = FfnHooks {
+            select: &|_, _| FfnNeurons::All,
+            observe: None,
+            mask,
+            stream: None,
+            cancel: None,
+        };
         let mut outputs: Vec<(usize, Act)> = Vec::with_capacity(ids.len());
         let mut one = |ex: usize, w: &FfnWeights| -> Result<()> {
             let tokens = &groups[ex].0;
+            if mask.is_some() && w.gate.rows != self.config.ffn {
+                return Err(Error::Invalid(format!(
+                    "{}: layer {l} expert {ex} has {} neurons, not the model's expert width {}; a neuron mask cannot run inside it",
+                    self.path.display(),
+                    w.gate.rows,
+                    self.config.ffn
+                )));
+            }
             let picked = (tokens.len() < n).then(|| dev.select_rows(xn, tokens));
-            outputs.push((ex, self.ffn_dense(l, w, picked.as_ref().unwrap_or(xn), &dense)?));
+            outputs.push((ex, self.ffn_dense(l, w, picked.as_ref().unwrap_or(xn), &masked)?));
             Ok(())
         };
         match &stream {

@@ -267,6 +267,20 @@ pub trait FfnMask: Sync {
     fn decides_before_up(&self) -> bool {
         false
     }
+
+    /// Mixture-of-experts models: whether this mask can run inside each routed expert (per
+    /// token, on the expert's own neurons; it sees one expert's `[tokens routed to it, ffn]` at a
+    /// time). Masks that keep per-layer state over a layer's neurons (thresholds, union sets,
+    /// calibration statistics) cannot, and are refused for such models.
+    fn inside_experts(&self) -> bool {
+        false
+    }
+
+    /// Mixture-of-experts models: route each token to this many experts instead of the model's
+    /// own count, for the passes this mask runs (`eval` measures several counts in one run).
+    fn experts_used(&self) -> Option<usize> {
+        None
+    }
 }
 
 impl Model {

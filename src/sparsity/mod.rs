@@ -228,6 +228,9 @@ pub struct Masker<'a> {
     up_rows: Vec<AtomicU64>,
     /// A seed for tiny per-neuron changes of every score ([`Masker::jittered`]).
     pub jitter: Option<u64>,
+    /// Mixture-of-experts models: experts per token for the passes this mask runs (`None`: the
+    /// model's own count); see [`FfnMask::experts_used`].
+    pub experts_used: Option<usize>,
 }
 
 /// Relative size of a jittered score's change: about float rounding, far below any real
@@ -258,6 +261,7 @@ impl<'a> Masker<'a> {
             total: (0..n).map(|_| AtomicU64::new(0)).collect(),
             up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
             jitter: Some(seed),
+            experts_used: self.experts_used,
         }
     }
 
@@ -308,6 +312,7 @@ impl<'a> Masker<'a> {
             total: (0..n).map(|_| AtomicU64::new(0)).collect(),
             up_rows: (0..n).map(|_| AtomicU64::new(0)).collect(),
             jitter: None,
+            experts_used: None,
         }
     }
 
@@ -411,6 +416,19 @@ impl<'a> Masker<'a> {
         self
     }
 
+    /// The same mask routing each token to `k` experts (a mixture-of-experts model); with
+    /// sparsity 0 it keeps every neuron and only the count of experts changes.
+    pub fn with_experts_used(mut self, k: Option<usize>) -> Self {
+        self.experts_used = k;
+        self
+    }
+
+    /// Whether this mask can run inside each routed expert of a mixture-of-experts model: top-K
+    /// on a per-token score (the others keep per-layer state over a dense layer's neurons).
+    pub fn runs_inside_experts(strategy: Strategy, criterion: Criterion) -> bool {
+        strategy == Strategy::TopK && criterion != Criterion::Sketch
+    }
+
     /// Whether this mask keeps, by construction, exactly the neurons `other` keeps on every
     /// input, so that evaluating one gives the other's results. Under `Union` the candidates
     /// criterion votes with the exact score (its gate step is per token, and a union mask has
@@ -422,6 +440,7 @@ impl<'a> Masker<'a> {
             && self.sparsity == other.sparsity
             && self.per_layer == other.per_layer
             && self.jitter == other.jitter
+            && self.experts_used == other.experts_used
     }
 
     fn keep_count(&self, layer: usize) -> usize {
@@ -654,6 +673,14 @@ impl FfnMask for Masker<'_> {
 
     fn up_needed_reads_input(&self) -> bool {
         up_set_reads_input(self.strategy, self.criterion)
+    }
+
+    fn inside_experts(&self) -> bool {
+        Masker::runs_inside_experts(self.strategy, self.criterion)
+    }
+
+    fn experts_used(&self) -> Option<usize> {
+        self.experts_used
     }
 
     fn decides_before_up(&self) -> bool {

@@ -39,7 +39,7 @@ pub(crate) struct ModelArgs {
     /// Mixture-of-experts models: route each token to this many experts instead of the model's
     /// own count (fewer: less compute and, streamed, fewer bytes read per token, at a quality
     /// cost `perplexity` measures; `run --mode compare` sets it against the model's own count;
-    /// `eval` builds neuron masks, which mixture-of-experts models do not have yet).
+    /// for `eval` it becomes the model's own count, and `eval --experts` measures others).
     /// Refused for dense models.
     #[arg(long)]
     pub(crate) experts_used: Option<usize>,
@@ -286,7 +286,8 @@ pub(crate) enum Command {
     },
     /// The quality cost of FFN sparsity: perplexity, its increase over dense, top-1 agreement
     /// and KL divergence from dense, achieved sparsity and implied FFN bytes per token, for every
-    /// strategy x criterion x level, on the same windows as `perplexity`.
+    /// strategy x criterion x level, on the same windows as `perplexity`. Mixture-of-experts
+    /// models: top-K masks inside each routed expert, and fewer experts per token (`--experts`).
     Eval {
         #[command(flatten)]
         model: ModelArgs,
@@ -313,6 +314,12 @@ pub(crate) enum Command {
         /// Tokens from the END of the text used to calibrate thresholds.
         #[arg(long, default_value_t = 2048)]
         calibrate_tokens: usize,
+        /// Mixture-of-experts models: comma-separated counts of experts per token to measure
+        /// besides the model's own (each with every neuron, and with every mask inside the
+        /// routed experts); default: the model's own count halved down to 1 (8 → 4,2,1).
+        /// Refused for dense models.
+        #[arg(long, value_delimiter = ',')]
+        experts: Option<Vec<usize>>,
         /// Also evaluate top-K with per-layer budgets (levels allocated by each layer's measured
         /// sensitivity on this many tokens from the end of the text, same mean and bytes as the
         /// uniform level); 0 = off.

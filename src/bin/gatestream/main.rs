@@ -924,6 +924,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             calibrate_tokens,
             max_ppl_increase,
             per_layer_tokens,
+            experts,
             plot,
             store,
             store_in,
@@ -969,6 +970,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 checkpoint: checkpoint.clone(),
                 windows_this_run,
                 jitter_seeds,
+                experts,
             };
             let name = text.file_name().and_then(|n| n.to_str()).unwrap_or("text").to_string();
             let mut bar = Progress::new();
