@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::Device;
-use crate::bench::trace::{Trace, TraceRecorder};
+use crate::bench::trace::{AnyTrace, RouteRecorder, TraceRecorder};
 use crate::error::{Error, Result};
 use crate::gstfile::{is_gst, GstFile};
 use crate::io::{ReadEngine, ReaderOptions};
@@ -116,8 +116,9 @@ pub struct Outcome {
     /// Mask, levels and achieved sparsity per layer (sparse runs).
     pub sparsity: Option<serde_json::Value>,
     pub stream: Option<StreamReport>,
-    /// The neurons every token used (when asked to record).
-    pub trace: Option<Trace>,
+    /// The neurons every token used, or for a mixture of experts the experts each token was
+    /// routed to (when asked to record).
+    pub trace: Option<AnyTrace>,
 }
 
 /// A server slot's context: `ctx`, or when 0 the model's trained context capped at
@@ -319,25 +320,33 @@ impl Runtime {
         let masker = self.masker()?;
         let mask = masker.as_ref().map(|m| m as &dyn PromptAwareMask);
         let c = &self.model.config;
-        let recorder = record_trace.then(|| TraceRecorder::new(mask, c.n_layers, c.hidden, c.ffn));
-        let mask = match &recorder {
-            Some(r) => Some(r as &dyn PromptAwareMask),
-            None => mask,
+        // A mixture of experts records its routing; a dense model, its neurons.
+        let (neurons, routes) = match (record_trace, &c.moe) {
+            (false, _) => (None, None),
+            (true, None) => (Some(TraceRecorder::new(mask, c.n_layers, c.hidden, c.ffn)), None),
+            (true, Some(moe)) => (None, Some(RouteRecorder::new(mask, c.n_layers, moe.n_experts))),
+        };
+        let mask = match (&neurons, &routes) {
+            (Some(r), _) => Some(r as &dyn PromptAwareMask),
+            (_, Some(r)) => Some(r as &dyn PromptAwareMask),
+            _ => mask,
         };
         let generation = self
             .model
             .generate_ids(prompt_ids, opts, mask, self.layer_stream(), cancel, on_token)?;
-        let trace = recorder.map(|r| {
-            let name = self
-                .model
-                .path
-                .file_name()
-                .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-            let what = masker.as_ref().map_or("dense".into(), |m| {
-                format!("{} {} {}", m.strategy.name(), m.criterion.name(), m.sparsity)
-            });
-            r.trace(&name, &what)
+        let name = self
+            .model
+            .path
+            .file_name()
+            .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        let what = masker.as_ref().map_or("dense".into(), |m| {
+            format!("{} {} {}", m.strategy.name(), m.criterion.name(), m.sparsity)
         });
+        let trace = match (neurons, routes) {
+            (Some(r), _) => Some(AnyTrace::Neurons(r.trace(&name, &what))),
+            (_, Some(r)) => Some(AnyTrace::Routes(r.trace(&name, &what))),
+            _ => None,
+        };
         let sparsity = masker.as_ref().map(|m| {
             serde_json::json!({
                 "strategy": m.strategy, "criterion": m.criterion, "level": m.sparsity,

@@ -807,6 +807,130 @@ fn the_runtime_streams_experts_with_the_default_cache_and_experts_used() {
     );
 }
 
+/// `run --record-trace` on a mixture of experts writes a routing trace (one record per token
+/// and layer, the experts each token was routed to), and `bench` replaying it through the
+/// streamer's expert cache of the same size and policy finds the same hits as the live run: the
+/// replay measures what streaming reads. Routing traces and traces of neurons are told apart.
+#[test]
+fn routing_traces_replay_the_live_expert_cache() {
+    use gatestream::bench::experts::{bench_experts, ExpertBenchOptions};
+    use gatestream::bench::trace::AnyTrace;
+    use gatestream::bench::{BenchOptions, EngineConfig};
+    use gatestream::runtime::{KvPositions, OpenOptions, StreamAsk};
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = make(tmp.path(), &spec(Arch::Llama, GgmlType::Q8_0, true), "m.gguf");
+    let gst = tmp.path().join("m.gst");
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    let min = min_budget(&gst, false);
+    let expert_bytes = {
+        let m = Model::load(&gst, &on_disk()).unwrap();
+        let s = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, false)).unwrap();
+        s.experts.as_ref().unwrap().expert_bytes
+    };
+    let open = |policy: CachePolicy, budget: u64| {
+        gatestream::runtime::open(
+            &gst,
+            &OpenOptions {
+                threads: 1,
+                stream: Some(StreamAsk {
+                    cache: Some(policy),
+                    ..pread_stream(budget, 1)
+                }),
+                sparse: None,
+                kv_positions: KvPositions::Exactly(32),
+                experts_used: None,
+            },
+        )
+    };
+    // The runtime's own smallest budget (its KV cache and batch differ from `min_budget`'s).
+    let min = budget_in_refusal(&open(CachePolicy::Lru, 0).err().expect("refused").to_string());
+    for policy in [CachePolicy::Lru, CachePolicy::Frequency] {
+        let rt = open(policy, min + 2 * expert_bytes).unwrap();
+        // One token per pass (a one-token prompt, then decoding), as the replay reads them.
+        let opts = gatestream::model::generate::GenerateOptions {
+            sampler: gatestream::model::sampler::SamplerConfig {
+                temperature: 1.0,
+                seed: 3,
+                ..Default::default()
+            },
+            ..greedy(12)
+        };
+        let out = rt.generate(&[1], &opts, true, None, &mut |_| {}).unwrap();
+        let live = out.stream.unwrap().experts.unwrap();
+        assert_eq!(live.cache_slots, 3, "{policy:?}");
+        let Some(AnyTrace::Routes(trace)) = out.trace else {
+            panic!("{policy:?}: no routing trace")
+        };
+        let h = &trace.header;
+        assert_eq!((h.n_layers, h.n_experts, h.n_used), (2, 6, 2), "{policy:?}");
+        assert_eq!(h.tokens, out.generation.tokens.len(), "{policy:?}: a record per pass");
+        assert!(trace
+            .records
+            .iter()
+            .flatten()
+            .all(|ids| ids.len() == 2 && ids[0] != ids[1]));
+        assert!(
+            trace.distinct_experts() > 3,
+            "{policy:?}: routing too narrow to test a cache"
+        );
+        let path = tmp.path().join("routes.trace");
+        AnyTrace::Routes(trace.clone()).write(&path).unwrap();
+        let AnyTrace::Routes(back) = AnyTrace::read(&path).unwrap() else {
+            panic!("read back as another kind")
+        };
+        assert_eq!(back, trace);
+        let e = gatestream::bench::trace::Trace::read(&path).unwrap_err().to_string();
+        assert!(e.contains("routing trace"), "{e}");
+
+        let bench = BenchOptions {
+            engines: vec![EngineConfig {
+                engine: "pread",
+                queue_depth: 8,
+                fixed_buffers: false,
+            }],
+            tokens: usize::MAX,
+            gate_streamed: false,
+            cache_neurons: 0,
+            baseline_sizes: vec![4096],
+            baseline_random_reads: 16,
+            baseline_seq_bytes: 1 << 20,
+            merge_gap_bytes: None,
+            token_batches: false,
+        };
+        let x = ExpertBenchOptions {
+            cache_experts: vec![0, 3],
+            policies: vec![CachePolicy::Lru, CachePolicy::Frequency],
+        };
+        let r = bench_experts(&gst, &[back], &bench, &x, &mut |_, _, _| {}).unwrap();
+        let names: Vec<(&str, usize)> = r.passes.iter().map(|p| (p.policy, p.cache_experts)).collect();
+        assert_eq!(names, vec![("none", 0), ("lru", 3), ("frequency", 3)]);
+        let name = if policy == CachePolicy::Lru { "lru" } else { "frequency" };
+        let replay = r.passes.iter().find(|p| p.policy == name).unwrap();
+        assert_eq!(replay.tokens, h.tokens);
+        // The live report counts decoding: every record but the first (the prompt's pass, which
+        // finds the cache empty and reads its 4 experts).
+        let t = h.tokens as f64;
+        let count = |per_token: f64, tokens: f64| (per_token * tokens).round() as u64;
+        let live_hits = count(live.cache_hit_rate * live.routed_per_token, t - 1.0);
+        assert_eq!(
+            count(replay.cache_hit_rate * replay.experts_routed_per_token, t),
+            live_hits,
+            "{policy:?}: replayed hits"
+        );
+        assert_eq!(
+            count(replay.experts_read_per_token, t),
+            count(live.read_per_token, t - 1.0) + 4,
+            "{policy:?}: replayed reads"
+        );
+        assert!(live_hits > 0, "{policy:?}: no hits to compare");
+        assert_eq!(replay.experts_routed_per_token, 4.0);
+        let none = &r.passes[0];
+        assert_eq!((none.cache_hit_rate, none.experts_read_per_token), (0.0, 4.0));
+        assert_eq!(none.needed_bytes_per_token, 4.0 * expert_bytes as f64);
+        assert!(replay.needed_bytes_per_token < none.needed_bytes_per_token);
+    }
+}
+
 fn stories_with(dir: &Path, name: &str, arch: &str, extra: &[(&str, MetaValue)]) -> PathBuf {
     let src = gatestream::gguf::GgufFile::open(&stories_file(dir)).unwrap();
     let mut meta: Vec<(String, MetaValue)> = src

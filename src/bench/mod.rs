@@ -7,6 +7,7 @@
 //! Owns: replay, timing, the device baseline, the report (table, JSON, SVG). Reads through `io`,
 //! plans with `stream::plan`, never computes a model.
 
+pub mod experts;
 pub mod trace;
 
 use std::path::{Path, PathBuf};

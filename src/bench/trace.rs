@@ -6,6 +6,10 @@
 //! bitsets of `ffn` bits (`ceil(ffn / 8)` bytes, bit `n % 8` of byte `n / 8` = neuron n): the
 //! neurons whose up rows were needed, then those whose down columns were (the kept ones).
 //! Reading checks the magic, version, header and the exact length before trusting anything.
+//!
+//! Mixture-of-experts models record routing traces instead ([`RouteTrace`]): the same magic,
+//! version 2, the header as JSON ([`RouteHeader`]), then `tokens × n_layers × n_used` expert
+//! indices as u16, token-major, each token's experts in the router's order (most likely first).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -17,6 +21,8 @@ use crate::model::generate::PromptAwareMask;
 
 const MAGIC: &[u8; 8] = b"GSTTRACE";
 const VERSION: u32 = 1;
+/// Routing traces (mixture-of-experts models).
+const ROUTE_VERSION: u32 = 2;
 const HEADER_MAX_BYTES: u32 = 1 << 20;
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -80,30 +86,24 @@ impl Trace {
     }
 
     pub fn read(path: &Path) -> Result<Trace> {
-        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        match AnyTrace::read(path)? {
+            AnyTrace::Neurons(t) => Ok(t),
+            AnyTrace::Routes(_) => Err(Error::Malformed {
+                path: path.to_path_buf(),
+                format: "gatestream trace",
+                offset_bytes: 8,
+                what: "a routing trace of a mixture-of-experts model, not a trace of neurons; bench replays it against that model's .gst".into(),
+            }),
+        }
+    }
+
+    fn parse(path: &Path, bytes: &[u8], hlen: u32) -> Result<Trace> {
         let bad = |offset: usize, what: String| Error::Malformed {
             path: path.to_path_buf(),
             format: "gatestream trace",
             offset_bytes: offset as u64,
             what,
         };
-        if bytes.len() < 16 || &bytes[..8] != MAGIC {
-            return Err(bad(
-                0,
-                "not a trace file (no GSTTRACE magic); record one with `run --record-trace`".into(),
-            ));
-        }
-        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
-        if u32_at(8) != VERSION {
-            return Err(bad(
-                8,
-                format!("trace version {} (this build reads {VERSION})", u32_at(8)),
-            ));
-        }
-        let hlen = u32_at(12);
-        if hlen > HEADER_MAX_BYTES || 16 + hlen as usize > bytes.len() {
-            return Err(bad(12, format!("header length {hlen} does not fit the file")));
-        }
         let header: TraceHeader =
             serde_json::from_slice(&bytes[16..16 + hlen as usize]).map_err(|e| bad(16, format!("header JSON: {e}")))?;
         let row = header.ffn.div_ceil(8);
@@ -138,6 +138,325 @@ impl Trace {
         }
         Ok(Trace { header, records })
     }
+}
+
+/// A trace of either kind, as `run --record-trace` writes it and `bench --trace` reads it.
+#[derive(Clone, Debug)]
+pub enum AnyTrace {
+    Neurons(Trace),
+    Routes(RouteTrace),
+}
+
+impl AnyTrace {
+    pub fn write(&self, path: &Path) -> Result<()> {
+        match self {
+            AnyTrace::Neurons(t) => t.write(path),
+            AnyTrace::Routes(t) => t.write(path),
+        }
+    }
+
+    /// Either kind, by the version after the magic; the whole file checked.
+    pub fn read(path: &Path) -> Result<AnyTrace> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bad = |offset: usize, what: String| Error::Malformed {
+            path: path.to_path_buf(),
+            format: "gatestream trace",
+            offset_bytes: offset as u64,
+            what,
+        };
+        if bytes.len() < 16 || &bytes[..8] != MAGIC {
+            return Err(bad(
+                0,
+                "not a trace file (no GSTTRACE magic); record one with `run --record-trace`".into(),
+            ));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes(bytes[o..o + 4].try_into().expect("4 bytes"));
+        let version = u32_at(8);
+        if version != VERSION && version != ROUTE_VERSION {
+            return Err(bad(
+                8,
+                format!("trace version {version} (this build reads {VERSION} and {ROUTE_VERSION})"),
+            ));
+        }
+        let hlen = u32_at(12);
+        if hlen > HEADER_MAX_BYTES || 16 + hlen as usize > bytes.len() {
+            return Err(bad(12, format!("header length {hlen} does not fit the file")));
+        }
+        if version == VERSION {
+            Ok(AnyTrace::Neurons(Trace::parse(path, &bytes, hlen)?))
+        } else {
+            Ok(AnyTrace::Routes(RouteTrace::parse(path, &bytes, hlen)?))
+        }
+    }
+
+    /// One line for people: what was recorded, how much.
+    pub fn summary(&self) -> String {
+        match self {
+            AnyTrace::Neurons(t) => format!(
+                "{} tokens x {} layers ({:.1}% of neurons kept)",
+                t.header.tokens,
+                t.header.n_layers,
+                t.header.kept_fraction * 100.0
+            ),
+            AnyTrace::Routes(t) => format!(
+                "{} tokens x {} layers, {} of {} experts per token and layer, {} distinct experts routed to",
+                t.header.tokens,
+                t.header.n_layers,
+                t.header.n_used,
+                t.header.n_experts,
+                t.distinct_experts()
+            ),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RouteHeader {
+    /// The model file the trace was recorded on (name only; replay checks the shape).
+    pub model: String,
+    pub n_layers: usize,
+    pub n_experts: usize,
+    /// Experts per token in this trace (the model's own count, or `--experts-used`).
+    pub n_used: usize,
+    pub tokens: usize,
+    /// `dense`, or the neuron mask that ran inside the experts (for people).
+    pub mask: String,
+}
+
+/// Which experts each token was routed to, per layer: what a mixture-of-experts model's
+/// streaming reads, replayed by `bench` against its `.gst` without computing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteTrace {
+    pub header: RouteHeader,
+    /// `records[token][layer]`: the token's experts, most likely first.
+    pub records: Vec<Vec<Vec<u16>>>,
+}
+
+impl RouteTrace {
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let h = &self.header;
+        let json = serde_json::to_vec(h).map_err(|e| Error::Invalid(format!("trace header: {e}")))?;
+        let mut out = Vec::new();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&ROUTE_VERSION.to_le_bytes());
+        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        out.extend_from_slice(&json);
+        for e in self.records.iter().flatten().flatten() {
+            out.extend_from_slice(&e.to_le_bytes());
+        }
+        crate::io::write_replacing(path, &out)
+    }
+
+    fn parse(path: &Path, bytes: &[u8], hlen: u32) -> Result<RouteTrace> {
+        let bad = |offset: usize, what: String| Error::Malformed {
+            path: path.to_path_buf(),
+            format: "gatestream routing trace",
+            offset_bytes: offset as u64,
+            what,
+        };
+        let header: RouteHeader =
+            serde_json::from_slice(&bytes[16..16 + hlen as usize]).map_err(|e| bad(16, format!("header JSON: {e}")))?;
+        let h = &header;
+        let want = h
+            .tokens
+            .checked_mul(h.n_layers)
+            .and_then(|r| r.checked_mul(h.n_used))
+            .and_then(|r| r.checked_mul(2))
+            .and_then(|b| b.checked_add(16 + hlen as usize));
+        if h.n_layers == 0 || h.n_used == 0 || h.n_used > h.n_experts || h.n_experts > 1 << 16 {
+            return Err(bad(
+                16,
+                format!(
+                    "{} layers, {} of {} experts per token is not a routing",
+                    h.n_layers, h.n_used, h.n_experts
+                ),
+            ));
+        }
+        if want != Some(bytes.len()) {
+            return Err(bad(
+                16,
+                format!(
+                    "{} tokens x {} layers x {} experts of 2 bytes do not match the file's {} bytes (truncated?)",
+                    h.tokens,
+                    h.n_layers,
+                    h.n_used,
+                    bytes.len()
+                ),
+            ));
+        }
+        let mut at = 16 + hlen as usize;
+        let mut records = Vec::with_capacity(h.tokens);
+        for _ in 0..h.tokens {
+            let mut layers = Vec::with_capacity(h.n_layers);
+            for _ in 0..h.n_layers {
+                let mut ids = Vec::with_capacity(h.n_used);
+                for _ in 0..h.n_used {
+                    let e = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+                    if e as usize >= h.n_experts {
+                        return Err(bad(at, format!("expert {e} of a model with {}", h.n_experts)));
+                    }
+                    ids.push(e);
+                    at += 2;
+                }
+                layers.push(ids);
+            }
+            records.push(layers);
+        }
+        Ok(RouteTrace { header, records })
+    }
+
+    /// Distinct (layer, expert) pairs routed to over the whole trace.
+    pub fn distinct_experts(&self) -> usize {
+        let mut seen = std::collections::BTreeSet::new();
+        for t in &self.records {
+            for (l, ids) in t.iter().enumerate() {
+                seen.extend(ids.iter().map(|&e| (l, e)));
+            }
+        }
+        seen.len()
+    }
+}
+
+/// Records which experts every token was routed to, as an [`FfnMask`] that wraps the real mask
+/// (if any); pass it wherever the mask would go.
+pub struct RouteRecorder<'a> {
+    inner: Option<&'a dyn PromptAwareMask>,
+    n_layers: usize,
+    n_experts: usize,
+    /// Per layer: tokens recorded so far.
+    next_token: Mutex<Vec<usize>>,
+    /// Experts per token seen (the routing's; every layer the same).
+    n_used: Mutex<usize>,
+    routes: Mutex<BTreeMap<(usize, usize), Vec<u16>>>,
+}
+
+impl<'a> RouteRecorder<'a> {
+    pub fn new(inner: Option<&'a dyn PromptAwareMask>, n_layers: usize, n_experts: usize) -> Self {
+        RouteRecorder {
+            inner,
+            n_layers,
+            n_experts,
+            next_token: Mutex::new(vec![0; n_layers]),
+            n_used: Mutex::new(0),
+            routes: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The trace of every token whose layers were all recorded.
+    pub fn trace(&self, model: &str, mask: &str) -> RouteTrace {
+        let routes = self.routes.lock().expect("trace lock");
+        let tokens = self
+            .next_token
+            .lock()
+            .expect("trace lock")
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(0);
+        RouteTrace {
+            header: RouteHeader {
+                model: model.into(),
+                n_layers: self.n_layers,
+                n_experts: self.n_experts,
+                n_used: *self.n_used.lock().expect("trace lock"),
+                tokens,
+                mask: mask.into(),
+            },
+            records: (0..tokens)
+                .map(|t| (0..self.n_layers).map(|l| routes[&(t, l)].clone()).collect())
+                .collect(),
+        }
+    }
+}
+
+impl FfnMask for RouteRecorder<'_> {
+    fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], up: &[f32], hact: &mut [f32]) {
+        if let Some(m) = self.inner {
+            m.as_mask().apply(layer, xn, gate, up, hact);
+        }
+    }
+
+    fn up_needed(&self, layer: usize, xn: &[f32], gate: &[f32], need: &mut [bool]) {
+        match self.inner {
+            Some(m) => m.as_mask().up_needed(layer, xn, gate, need),
+            None => need.fill(true),
+        }
+    }
+
+    fn inside_experts(&self) -> bool {
+        self.inner.is_none_or(|m| m.as_mask().inside_experts())
+    }
+
+    fn experts_used(&self) -> Option<usize> {
+        self.inner.and_then(|m| m.as_mask().experts_used())
+    }
+
+    fn masks_neurons(&self) -> bool {
+        self.inner.is_some_and(|m| m.as_mask().masks_neurons())
+    }
+
+    fn routed(&self, layer: usize, n_used: usize, routes: &[(usize, f32)]) {
+        if let Some(m) = self.inner {
+            m.as_mask().routed(layer, n_used, routes);
+        }
+        let n = routes.len() / n_used.max(1);
+        let first = {
+            let mut next = self.next_token.lock().expect("trace lock");
+            let first = next[layer];
+            next[layer] += n;
+            first
+        };
+        *self.n_used.lock().expect("trace lock") = n_used;
+        let mut all = self.routes.lock().expect("trace lock");
+        for (t, chosen) in routes.chunks_exact(n_used).enumerate() {
+            all.insert((first + t, layer), chosen.iter().map(|r| r.0 as u16).collect());
+        }
+    }
+}
+
+impl PromptAwareMask for RouteRecorder<'_> {
+    fn prompt_tokens(&self, n: usize) {
+        if let Some(m) = self.inner {
+            m.prompt_tokens(n);
+        }
+    }
+    fn as_mask(&self) -> &dyn FfnMask {
+        self
+    }
+}
+
+/// The routing trace of `ids` (one pass per batch `passes` allows, from an empty cache) with no
+/// neuron mask: which experts each token was routed to, per layer.
+pub fn record_routes(
+    model: &crate::model::Model,
+    passes: crate::model::forward::Passes,
+    ids: &[u32],
+    text_name: &str,
+) -> Result<RouteTrace> {
+    let c = &model.config;
+    let Some(moe) = &c.moe else {
+        return Err(Error::Invalid(format!(
+            "{}: routing traces are of mixture-of-experts models, and this model is dense",
+            model.path.display()
+        )));
+    };
+    if ids.is_empty() {
+        return Err(Error::Invalid("a trace needs at least one token".into()));
+    }
+    let rec = RouteRecorder::new(None, c.n_layers, moe.n_experts);
+    let mut cache = crate::kv::KvCache::new(c, ids.len());
+    model.forward_in_batches(
+        ids,
+        &mut cache,
+        ids.len() - 1,
+        &passes.hooks(Some(&rec), None),
+        passes.batch_max(),
+    )?;
+    let name = model
+        .path
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    Ok(rec.trace(&name, &format!("dense, over {text_name}")))
 }
 
 /// Records which neurons a mask (or, with no mask, the dense model) uses, as an [`FfnMask`] that
@@ -336,5 +655,47 @@ mod tests {
         wrong[8] = 9;
         std::fs::write(&p, &wrong).unwrap();
         assert!(Trace::read(&p).unwrap_err().to_string().contains("version 9"));
+    }
+
+    #[test]
+    fn a_routing_trace_round_trips_and_damage_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.trace");
+        let t = RouteTrace {
+            header: RouteHeader {
+                model: "m.gst".into(),
+                n_layers: 2,
+                n_experts: 300,
+                n_used: 3,
+                tokens: 2,
+                mask: "dense".into(),
+            },
+            records: vec![
+                vec![vec![299, 0, 7], vec![1, 2, 3]],
+                vec![vec![5, 4, 3], vec![256, 255, 0]],
+            ],
+        };
+        t.write(&p).unwrap();
+        match AnyTrace::read(&p).unwrap() {
+            AnyTrace::Routes(back) => assert_eq!(back, t),
+            AnyTrace::Neurons(_) => panic!("read back as a trace of neurons"),
+        }
+        assert_eq!(t.distinct_experts(), 12);
+        let e = Trace::read(&p).unwrap_err().to_string();
+        assert!(e.contains("routing trace") && e.contains("offset 8"), "{e}");
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 2]).unwrap();
+        let e = AnyTrace::read(&p).unwrap_err().to_string();
+        assert!(e.contains("truncated"), "{e}");
+        // An expert index outside the model, at its own offset.
+        let mut wrong = bytes.clone();
+        let last = wrong.len() - 2;
+        wrong[last..].copy_from_slice(&300u16.to_le_bytes());
+        std::fs::write(&p, &wrong).unwrap();
+        let e = AnyTrace::read(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("expert 300 of a model with 300") && e.contains(&format!("offset {last}")),
+            "{e}"
+        );
     }
 }

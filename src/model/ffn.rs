@@ -97,6 +97,9 @@ impl Model {
         let h = self.config.hidden;
         let logits = dev.matmul(&[router], xn).remove(0);
         let routes = route(&dev.to_host(&logits), moe);
+        if let Some(m) = mask {
+            m.routed(l, moe.n_used, &routes);
+        }
         let mut groups: Vec<(Vec<usize>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); moe.n_experts];
         for (t, chosen) in routes.chunks_exact(moe.n_used).enumerate() {
             for &(ex, weight) in chosen {
@@ -121,14 +124,14 @@ impl Model {
         let masked = FfnHooks {
             select: &|_, _| FfnNeurons::All,
             observe: None,
-            mask,
+            mask: mask.filter(|m| m.masks_neurons()),
             stream: None,
             cancel: None,
         };
         let mut outputs: Vec<(usize, Act)> = Vec::with_capacity(ids.len());
         let mut one = |ex: usize, w: &FfnWeights| -> Result<()> {
             let tokens = &groups[ex].0;
-            if mask.is_some() && w.gate.rows != self.config.ffn {
+            if masked.mask.is_some() && w.gate.rows != self.config.ffn {
                 return Err(Error::Invalid(format!(
                     "{}: layer {l} expert {ex} has {} neurons, not the model's expert width {}; a neuron mask cannot run inside it",
                     self.path.display(),

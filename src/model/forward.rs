@@ -281,6 +281,16 @@ pub trait FfnMask: Sync {
     fn experts_used(&self) -> Option<usize> {
         None
     }
+
+    /// Mixture-of-experts models: whether `apply` changes the activations (false for a hook that
+    /// only watches the routing: the experts then run with no mask at all).
+    fn masks_neurons(&self) -> bool {
+        true
+    }
+
+    /// Mixture-of-experts models: layer `layer` routed its batch of tokens; `routes` holds
+    /// `n_used` `(expert, weight)` entries per token, in token order (see `model::ffn::route`).
+    fn routed(&self, _layer: usize, _n_used: usize, _routes: &[(usize, f32)]) {}
 }
 
 impl Model {

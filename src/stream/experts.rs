@@ -87,6 +87,11 @@ impl ExpertPart {
         })
     }
 
+    /// Bytes of the expert's section.
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+
     /// The expert as weights over its bytes.
     fn weights(&self, bytes: &Arc<Vec<u8>>) -> Result<FfnWeights> {
         let w = |m: &MatrixAt| Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), m.offset, m.stride);

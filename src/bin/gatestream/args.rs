@@ -394,7 +394,8 @@ pub(crate) enum Command {
         #[arg(long)]
         model: PathBuf,
         /// Traces to replay (from `run --record-trace`). Without any, one trace per --sparsity is
-        /// made by running the model over the start of --text.
+        /// made by running the model over the start of --text (a mixture-of-experts model: one
+        /// routing trace).
         #[arg(long)]
         trace: Vec<PathBuf>,
         /// Text for the built-in traces (default: ../shared/data/wikitext-2/wiki.test.raw).
@@ -440,10 +441,17 @@ pub(crate) enum Command {
         /// 0.5, a short baseline.
         #[arg(long)]
         quick: bool,
+        /// Mixture-of-experts models: expert cache sizes replayed, each with the lru and the
+        /// frequency policy (0: no cache), as counts of experts or shares of all of them (40%).
+        /// The traces are routing traces (`run --record-trace` on such a model; built in: the
+        /// model's own routing over --text).
+        #[arg(long, default_value = "0,10%,30%", value_delimiter = ',')]
+        cache_experts: Vec<String>,
         /// Write every figure and the setup as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
-        /// Draw per-layer time (dense vs sparse) and throughput vs queue depth as an SVG file.
+        /// Draw per-layer time (dense vs sparse) and throughput vs queue depth as an SVG file
+        /// (mixture-of-experts models: disk bytes per token against the expert cache's size).
         #[arg(long)]
         plot: Option<PathBuf>,
     },
@@ -719,7 +727,8 @@ pub(crate) struct StreamArgs {
     #[arg(long, default_value = "probe", value_name = "probe|default|BENCH.json")]
     pub(crate) cost_model: String,
     /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
-    /// `gatestream bench --trace FILE`. In compare mode the sparse run's.
+    /// `gatestream bench --trace FILE`; a mixture-of-experts model saves which experts each
+    /// token was routed to (a routing trace). In compare mode the second run's.
     #[arg(long)]
     pub(crate) record_trace: Option<PathBuf>,
     /// Sparse streaming: while a layer computes, predict the next layer's neurons (its

@@ -12,7 +12,7 @@ use clap::Parser;
 
 use gatestream::backend::cpu::CpuBackend;
 use gatestream::backend::Device;
-use gatestream::bench::trace::Trace;
+use gatestream::bench::trace::AnyTrace;
 use gatestream::io::ReaderOptions;
 use gatestream::model::generate::GenerateOptions;
 use gatestream::model::sampler::SamplerConfig;
@@ -141,13 +141,7 @@ fn generate_one(
     })?;
     if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
         t.write(path)?;
-        eprintln!(
-            "trace: {} tokens x {} layers ({:.1}% of neurons kept) written to {}",
-            t.header.tokens,
-            t.header.n_layers,
-            t.header.kept_fraction * 100.0,
-            path.display()
-        );
+        eprintln!("trace: {} written to {}", t.summary(), path.display());
     }
     Ok(outcome)
 }
@@ -827,6 +821,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             merge_gap_bytes,
             token_batches,
             quick,
+            cache_experts,
             json,
             plot,
         } => {
@@ -836,11 +831,45 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 (tokens, trace_tokens, sparsity, queue_depths)
             };
+            let moe = gatestream::gstfile::GstFile::open(&model)
+                .ok()
+                .and_then(|g| g.index.config.moe.clone().map(|m| (m, g.index.config.n_layers)));
             let mut traces = Vec::new();
+            let mut routes = Vec::new();
             for p in &trace {
-                traces.push(Trace::read(p)?);
+                match (AnyTrace::read(p)?, &moe) {
+                    (AnyTrace::Neurons(t), None) => traces.push(t),
+                    (AnyTrace::Routes(t), Some(_)) => routes.push(t),
+                    (AnyTrace::Neurons(_), Some(_)) => anyhow::bail!(
+                        "{}: a trace of neurons; {} is a mixture-of-experts model, whose bench replays routing traces \
+                         (`run --record-trace FILE` on it)",
+                        p.display(),
+                        model.display()
+                    ),
+                    (AnyTrace::Routes(_), None) => anyhow::bail!(
+                        "{}: a routing trace of a mixture-of-experts model; {} is dense",
+                        p.display(),
+                        model.display()
+                    ),
+                }
             }
-            if traces.is_empty() {
+            if let (true, Some(_)) = (routes.is_empty(), &moe) {
+                let text = text
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"));
+                let body = std::fs::read_to_string(&text)
+                    .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
+                let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0, None)?;
+                let m = &rt.model;
+                let mut ids = m.tokenizer.encode(&body, true)?;
+                ids.truncate(trace_tokens.max(1));
+                let name = text
+                    .file_name()
+                    .map_or("text".into(), |n| n.to_string_lossy().into_owned());
+                let passes = gatestream::model::forward::Passes::default();
+                routes.push(gatestream::bench::trace::record_routes(m, passes, &ids, &name)?);
+            }
+            if traces.is_empty() && moe.is_none() {
                 let text = match text {
                     Some(t) => t,
                     None => PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"),
@@ -902,6 +931,45 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 merge_gap_bytes,
                 token_batches,
             };
+            if let Some((m, n_layers)) = &moe {
+                use gatestream::bench::experts::{bench_experts, table as experts_table, ExpertBenchOptions};
+                let all = n_layers * m.n_experts;
+                let mut sizes = Vec::new();
+                for c in &cache_experts {
+                    let n = match c.strip_suffix('%') {
+                        Some(p) => {
+                            let share: f64 = p
+                                .parse()
+                                .ok()
+                                .filter(|s: &f64| (0.0..=100.0).contains(s))
+                                .with_context(|| format!("--cache-experts {c}: a share from 0% to 100%"))?;
+                            (all as f64 * share / 100.0).round() as usize
+                        }
+                        None => c
+                            .parse()
+                            .with_context(|| format!("--cache-experts {c}: a count of experts or a share (30%)"))?,
+                    };
+                    if !sizes.contains(&n) {
+                        sizes.push(n);
+                    }
+                }
+                let x = ExpertBenchOptions {
+                    cache_experts: sizes,
+                    policies: vec![CachePolicy::Lru, CachePolicy::Frequency],
+                };
+                let mut bar = Progress::new();
+                let report = bench_experts(&model, &routes, &opts, &x, &mut |stage, d, n| bar.update(stage, d, n))?;
+                print!("{}", experts_table(&report));
+                if let Some(path) = json {
+                    std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+                        .with_context(|| format!("writing {}", path.display()))?;
+                }
+                if let Some(path) = plot {
+                    std::fs::write(&path, gatestream::bench::experts::plot(&report))
+                        .with_context(|| format!("writing {}", path.display()))?;
+                }
+                return Ok(());
+            }
             let mut bar = Progress::new();
             let report = bench(&model, &traces, &opts, &mut |stage, d, n| bar.update(stage, d, n))?;
             print!("{}", table(&report));
