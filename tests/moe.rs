@@ -508,6 +508,16 @@ fn topk_masks_run_inside_each_routed_expert() {
             .expect("union refused")
             .to_string();
         assert!(e.contains("top-K") && e.contains("union"), "{e}");
+        // `run --mode sparse` asks for its mask by name: refused before any pass.
+        let e = Masker::for_model(&model, Strategy::Threshold, Criterion::Exact, 0.5, None)
+            .err()
+            .expect("threshold refused")
+            .to_string();
+        assert!(
+            e.contains("top-K masks inside each routed expert") && e.contains("threshold"),
+            "{e}"
+        );
+        assert!(Masker::for_model(&model, Strategy::TopK, Criterion::Candidates, 0.5, None).is_ok());
     }
 }
 

@@ -329,6 +329,15 @@ impl<'a> Masker<'a> {
         if !(0.0..1.0).contains(&sparsity) {
             return Err(Error::Invalid(format!("--sparsity {sparsity} must be in [0, 1)")));
         }
+        if model.config.moe.is_some() && !Masker::runs_inside_experts(strategy, criterion) {
+            return Err(Error::Invalid(format!(
+                "{}: a mixture-of-experts model takes top-K masks inside each routed expert (--strategy topk with \
+                 --criterion gate, exact or candidates), not --strategy {} --criterion {}",
+                model.path.display(),
+                strategy.name(),
+                criterion.name()
+            )));
+        }
         if criterion == Criterion::Sketch && sketches.is_none() {
             return Err(Error::Invalid("the sketch criterion needs sketches of up".into()));
         }
