@@ -243,6 +243,10 @@ pub fn bench_experts(
         for t in traces {
             for &(policy, slots) in &runs {
                 progress(e.engine, done, total);
+                // Every replay starts as a fresh process does: the freed cache of the one before
+                // goes back to the system, so each pays for first touching its own (else the
+                // second policy at a size reuses the first's pages and looks faster).
+                crate::stream::release_free_memory();
                 let tokens = opts.tokens.min(t.header.tokens).max(1);
                 passes.push(replay(path, &model, &parts, e, t, tokens, policy, slots, &baseline)?);
                 done += 1;

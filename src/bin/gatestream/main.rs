@@ -141,7 +141,7 @@ fn generate_one(
     })?;
     if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
         t.write(path)?;
-        eprintln!("trace: {} written to {}", t.summary(), path.display());
+        eprintln!("\ntrace: {} written to {}", t.summary(), path.display());
     }
     Ok(outcome)
 }
