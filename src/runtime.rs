@@ -20,6 +20,7 @@ use crate::bench::trace::{AnyTrace, RouteRecorder, TraceRecorder};
 use crate::error::{Error, Result};
 use crate::gstfile::{is_gst, GstFile};
 use crate::io::{ReadEngine, ReaderOptions};
+use crate::model::draft::Drafter;
 use crate::model::forward::LayerStream;
 use crate::model::generate::{GenerateOptions, Generation, PromptAwareMask, TokenEvent};
 use crate::model::{LoadOptions, Model, Placement};
@@ -108,6 +109,8 @@ pub struct Runtime {
     pub stream_open_s: f64,
     /// Things the caller should tell the user (the stream's fallbacks, costly choices).
     pub warnings: Vec<String>,
+    /// A draft model for speculative decoding ([`Runtime::attach_draft`]).
+    pub draft: Option<Drafter>,
 }
 
 /// What one request produced and measured.
@@ -273,10 +276,35 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
         sketches,
         stream_open_s,
         warnings,
+        draft: None,
     })
 }
 
 impl Runtime {
+    /// Drafts up to `max` tokens per decode pass with the model at `path` (sharing this model's
+    /// vocabulary; in RAM, on this model's device) for every request from now on.
+    pub fn attach_draft(&mut self, path: &Path, max: usize) -> Result<()> {
+        let model = Model::load_on(
+            path,
+            &LoadOptions {
+                threads: 0,
+                placement: Placement::Mapped,
+                experts_used: None,
+            },
+            self.model.device.clone(),
+        )?;
+        if self.stream.is_some() {
+            let bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            self.warnings.push(format!(
+                "the draft model {} ({:.1} MB) is memory-mapped beside --ram-budget, which does not count it",
+                path.display(),
+                bytes as f64 / 1e6
+            ));
+        }
+        self.draft = Some(Drafter::new(model, &self.model, max)?);
+        Ok(())
+    }
+
     /// The mask to run with, built fresh (its counters start at zero).
     pub fn masker(&self) -> Result<Option<Masker<'_>>> {
         let Some(m) = &self.mask else {
@@ -331,9 +359,15 @@ impl Runtime {
             (_, Some(r)) => Some(r as &dyn PromptAwareMask),
             _ => mask,
         };
-        let generation = self
-            .model
-            .generate_ids(prompt_ids, opts, mask, self.layer_stream(), cancel, on_token)?;
+        let generation = self.model.generate_ids_drafted(
+            prompt_ids,
+            opts,
+            mask,
+            self.layer_stream(),
+            cancel,
+            self.draft.as_ref(),
+            on_token,
+        )?;
         let name = self
             .model
             .path

@@ -771,3 +771,115 @@ fn drafts_take_only_what_the_step_has_spare() {
     assert!(engine.drafts().1 > 0, "no draft was kept");
     assert_eq!(got, want);
 }
+
+/// Speculative decoding with a draft model sharing the target's vocabulary keeps the target's
+/// greedy tokens exactly: a mixture of experts upcycled from stories260K drafted by stories260K
+/// itself (in RAM; drafts rejected and rolled back in both models' caches), and SmolLM2 streamed
+/// from a .gst under a budget drafted by the same .gst in RAM (every draft kept, so the disk bytes
+/// per generated token fall with the tokens per pass; the .gst's down columns are re-quantized,
+/// so its tokens are compared with its own streamed run, not the GGUF's). A draft of another
+/// vocabulary, or one beside prompt lookup, is refused.
+#[test]
+fn a_draft_model_keeps_greedy_tokens_in_ram_and_streamed() {
+    use gatestream::model::draft::Drafter;
+    let tmp = tempfile::tempdir().unwrap();
+    let stories = write_temp(tmp.path(), "stories.gguf", &stories_gguf(Breakage::None));
+    let moe = tmp.path().join("moe.gguf");
+    let spec = gatestream::synth::MoeSpec {
+        arch: gatestream::config::Arch::Llama,
+        experts: 4,
+        used: 2,
+        ty: gatestream::quant::GgmlType::F32,
+        random: None,
+        perturb: 0.3,
+        seed: 5,
+    };
+    gatestream::synth::write_moe(&stories, &spec, &moe, &mut |_, _| {}).unwrap();
+    let target = Model::load(&moe, &LoadOptions::default()).unwrap();
+    let draft = Drafter::new(Model::load(&stories, &LoadOptions::default()).unwrap(), &target, 4).unwrap();
+    let ids = target
+        .prompt_ids("Once upon a time, there was a little", false)
+        .unwrap();
+    let n = 40;
+    let plain = target
+        .generate_ids(&ids, &greedy(n), None, None, None, &mut |_| {})
+        .unwrap();
+    let spec = target
+        .generate_ids_drafted(&ids, &greedy(n), None, None, None, Some(&draft), &mut |_| {})
+        .unwrap();
+    assert_eq!(
+        spec.tokens, plain.tokens,
+        "the draft changed the target's greedy tokens"
+    );
+    let sp = spec.speculative.unwrap();
+    assert_eq!((sp.source, sp.lookup_max), ("draft", 4));
+    assert!(sp.accepted > 0 && sp.accepted < sp.drafted, "{sp:?}");
+    assert!(sp.passes < spec.decode_tokens && sp.draft_seconds > 0.0, "{sp:?}");
+    // Again with the same drafter: its cache starts over with each request.
+    let again = target
+        .generate_ids_drafted(&ids, &greedy(n), None, None, None, Some(&draft), &mut |_| {})
+        .unwrap();
+    assert_eq!(again.tokens, plain.tokens);
+    assert_eq!(again.speculative.unwrap().accepted, sp.accepted);
+    let e = target
+        .generate_ids_drafted(
+            &ids,
+            &GenerateOptions { lookup: 2, ..greedy(n) },
+            None,
+            None,
+            None,
+            Some(&draft),
+            &mut |_| {},
+        )
+        .err()
+        .expect("lookup and a draft model together")
+        .to_string();
+    assert!(e.contains("not both"), "{e}");
+    let e = Drafter::new(Model::load(&stories, &LoadOptions::default()).unwrap(), &smollm2(), 4)
+        .err()
+        .expect("another vocabulary")
+        .to_string();
+    assert!(e.contains("share the target's vocabulary"), "{e}");
+
+    let smol = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let gst = tmp.path().join("smollm2.gst");
+    reformat(&smol, &gst, &ReformatOptions::default(), &mut |_, _, _| {}).unwrap();
+    let m = smollm2();
+    let ids = m.prompt_ids(LONG_PROMPT, false).unwrap();
+    let n = 24;
+    let open = || {
+        gatestream::runtime::open(
+            &gst,
+            &OpenOptions {
+                threads: 0,
+                // FFN rows stream (see prompt lookup's test); passes of at most 4 tokens.
+                stream: Some(pread_stream(80_000_000, 4)),
+                sparse: None,
+                kv_positions: KvPositions::Exactly(ids.len() + n),
+                experts_used: None,
+            },
+        )
+        .unwrap()
+    };
+    let streamed = open().generate(&ids, &greedy(n), false, None, &mut |_| {}).unwrap();
+    let mut rt = open();
+    rt.attach_draft(&gst, 6).unwrap();
+    assert!(
+        rt.warnings.iter().any(|w| w.contains("beside --ram-budget")),
+        "{:?}",
+        rt.warnings
+    );
+    let spec = rt.generate(&ids, &greedy(n), false, None, &mut |_| {}).unwrap();
+    assert_eq!(spec.generation.tokens, streamed.generation.tokens);
+    let sp = spec.generation.speculative.unwrap();
+    assert_eq!(sp.accepted, sp.drafted, "the model drafting for itself: {sp:?}");
+    assert!(sp.tokens_per_pass > 3.5, "{sp:?}");
+    let (a, b) = (streamed.stream.unwrap(), spec.stream.unwrap());
+    assert!(
+        b.disk_bytes_per_token < a.disk_bytes_per_token / 2.0,
+        "{} vs {} bytes per token at {:.2} tokens per pass",
+        b.disk_bytes_per_token,
+        a.disk_bytes_per_token,
+        sp.tokens_per_pass
+    );
+}

@@ -11,6 +11,7 @@ use std::time::Instant;
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
 use crate::model::batch::Logits;
+use crate::model::draft::Drafter;
 use crate::model::forward::{FfnMask, LayerStream, Passes};
 use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
 use crate::model::Model;
@@ -87,8 +88,12 @@ pub fn lookup_draft(context: &[u32], k: usize) -> Vec<u32> {
 /// What speculative decoding did in one generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct Speculation {
-    /// The most draft tokens per pass (`GenerateOptions::lookup`).
+    /// Where the drafts came from: `lookup` (prompt lookup) or `draft` (a draft model).
+    pub source: &'static str,
+    /// The most draft tokens per pass (`GenerateOptions::lookup`, or the draft model's).
     pub lookup_max: usize,
+    /// Seconds the draft model took (part of the decode time; 0 for prompt lookup).
+    pub draft_seconds: f64,
     /// Draft tokens verified, and how many of them were kept.
     pub drafted: usize,
     pub accepted: usize,
@@ -351,6 +356,28 @@ impl Model {
         cancel: Option<&AtomicBool>,
         on_token: &mut dyn FnMut(&TokenEvent),
     ) -> Result<Generation> {
+        self.generate_ids_drafted(prompt_ids, opts, mask, stream, cancel, None, on_token)
+    }
+
+    /// As `generate_ids`, with drafts from `draft` (a draft model, see [`Drafter`]) verified
+    /// in each decode pass; not with prompt lookup (`opts.lookup`) at the same time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_ids_drafted(
+        &self,
+        prompt_ids: &[u32],
+        opts: &GenerateOptions,
+        mask: Option<&dyn PromptAwareMask>,
+        stream: Option<&dyn LayerStream>,
+        cancel: Option<&AtomicBool>,
+        draft: Option<&Drafter>,
+        on_token: &mut dyn FnMut(&TokenEvent),
+    ) -> Result<Generation> {
+        if draft.is_some() && opts.lookup > 0 {
+            return Err(Error::Invalid(
+                "drafts come from prompt lookup (--lookup) or from a draft model (--draft), not both".into(),
+            ));
+        }
+        let speculating = opts.lookup > 0 || draft.is_some();
         let prompt_tokens = prompt_ids.to_vec();
         if prompt_tokens.is_empty() {
             return Err(Error::Invalid("generation needs at least one prompt token".into()));
@@ -368,6 +395,9 @@ impl Model {
         let batch_max = passes.batch_max();
         let cancelled = || cancel.is_some_and(|c| c.load(Ordering::Relaxed));
         let mut cache = KvCache::new(&self.config, plan.kv_positions);
+        if let Some(d) = draft {
+            d.begin(plan.kv_positions);
+        }
         let mut sampler = Sampler::new(opts.sampler.clone());
         let mut decoder = self.tokenizer.stream_decoder();
         let mut out_text = String::new();
@@ -412,11 +442,7 @@ impl Model {
         // `logits` holds one row per token of the last pass from the pending token on: row j
         // follows `drafts[..j]` (see `walk_rows`).
         let mut drafts: Vec<u32> = Vec::new();
-        let mut context: Vec<u32> = if opts.lookup > 0 {
-            prompt_tokens.clone()
-        } else {
-            Vec::new()
-        };
+        let mut context: Vec<u32> = if speculating { prompt_tokens.clone() } else { Vec::new() };
         let (mut drafted, mut accepted, mut samples) = (0usize, 0usize, 0usize);
         let mut pass_start = cache.len;
         while tokens.len() < plan.max_new {
@@ -438,7 +464,7 @@ impl Model {
                     logprob,
                 });
                 out_text.push_str(&text);
-                if opts.lookup > 0 {
+                if speculating {
                     context.push(t);
                 }
                 tokens.len() < plan.max_new
@@ -456,7 +482,10 @@ impl Model {
             // Drafts for this pass: never past the last token the request may generate, nor
             // more than a pass takes (a stream's batch limit).
             let room = (plan.max_new - tokens.len() - 1).min(batch_max.saturating_sub(1));
-            drafts = lookup_draft(&context, opts.lookup.min(room));
+            drafts = match draft {
+                Some(d) => d.draft(&context, room)?,
+                None => lookup_draft(&context, opts.lookup.min(room)),
+            };
             drafted += drafts.len();
             pass_start = cache.len;
             let mut fed = Vec::with_capacity(1 + drafts.len());
@@ -499,8 +528,10 @@ impl Model {
                 0.0
             },
             decode_tokens,
-            speculative: (opts.lookup > 0).then(|| Speculation {
-                lookup_max: opts.lookup,
+            speculative: speculating.then(|| Speculation {
+                source: if draft.is_some() { "draft" } else { "lookup" },
+                lookup_max: draft.map_or(opts.lookup, |d| d.max),
+                draft_seconds: draft.map_or(0.0, |d| d.seconds()),
                 drafted,
                 accepted,
                 acceptance_rate: accepted as f64 / drafted.max(1) as f64,

@@ -4,6 +4,7 @@
 
 pub mod batch;
 pub mod chat;
+pub mod draft;
 pub mod ffn;
 pub mod forward;
 pub mod generate;

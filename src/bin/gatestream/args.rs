@@ -100,6 +100,16 @@ pub(crate) enum Command {
         /// read serves the whole draft). 0 = off. Figures in `speculative` with --json.
         #[arg(long, default_value_t = 0)]
         lookup: usize,
+        /// Speculative decoding with a draft model: a small model sharing this model's
+        /// vocabulary (refused otherwise), memory-mapped in RAM (outside --ram-budget), continues
+        /// the text greedily for up to --draft-max tokens per pass and this model verifies them
+        /// in one pass, as --lookup's drafts are (greedy output unchanged, sampling exact).
+        /// Pays where this model's passes are expensive (streamed) and the draft often agrees.
+        #[arg(long, conflicts_with = "lookup")]
+        draft: Option<PathBuf>,
+        /// The most tokens the draft model proposes per pass.
+        #[arg(long, default_value_t = 4, requires = "draft")]
+        draft_max: usize,
         /// dense: every FFN neuron; sparse: only the neurons the mask keeps (with --ram-budget,
         /// only those are read from disk); compare: both, one after the other, side by side, with
         /// agreement and (when streaming) the bytes each read.

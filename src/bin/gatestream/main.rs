@@ -108,6 +108,7 @@ fn generate_one(
     sparse: Option<&SparseAsk>,
     stream: &StreamArgs,
     record_trace: Option<&std::path::Path>,
+    draft: Option<(&std::path::Path, usize)>,
     prompt: &str,
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
@@ -132,6 +133,10 @@ fn generate_one(
         },
         device.clone(),
     )?;
+    let mut rt = rt;
+    if let Some((p, max)) = draft {
+        rt.attach_draft(p, max)?;
+    }
     describe(&rt, t.elapsed().as_secs_f64());
     let ids = rt.model.prompt_ids(prompt, opts.chat)?;
     let outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
@@ -180,6 +185,17 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
     print_loaded(&rt.model, load_s - rt.stream_open_s);
     for w in &rt.warnings {
         eprintln!("warning: {w}");
+    }
+    if let Some(d) = &rt.draft {
+        let c = &d.model.config;
+        eprintln!(
+            "draft model {} ({}, {} layers, hidden {}): up to {} drafts per pass",
+            d.model.path.display(),
+            c.arch.name(),
+            c.n_layers,
+            c.hidden,
+            d.max
+        );
     }
     if let Some(s) = &rt.stream {
         let r = &s.residency;
@@ -400,6 +416,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             chat,
             logprobs,
             lookup,
+            draft,
+            draft_max,
             mode,
             sparse,
             stream,
@@ -414,12 +432,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if stream.queue_depth == 0 {
                 anyhow::bail!("--queue-depth must be at least 1");
             }
-            if lookup > 0 && stream.record_trace.is_some() {
+            if (lookup > 0 || draft.is_some()) && stream.record_trace.is_some() {
                 anyhow::bail!(
-                    "--record-trace records one token per position; with --lookup a pass also runs drafts that are \
-                     then rejected: record traces without --lookup"
+                    "--record-trace records one token per position; with --lookup or --draft a pass also runs drafts \
+                     that are then rejected: record traces without them"
                 );
             }
+            let draft = draft.as_deref().map(|p| (p, draft_max));
             let opts = GenerateOptions {
                 max_tokens,
                 sampler: SamplerConfig {
@@ -454,6 +473,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         sparse,
                         &stream,
                         stream.record_trace.as_deref(),
+                        draft,
                         &prompt,
                         &opts,
                         &mut print,
@@ -476,7 +496,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     };
                     let mask = experts.is_none().then_some(&asked);
                     // One device (one thread pool) serves both runs.
-                    let dense = generate_one(&device, &own, None, &stream, None, &prompt, &opts, &mut |_| {})?;
+                    let dense = generate_one(&device, &own, None, &stream, None, draft, &prompt, &opts, &mut |_| {})?;
                     // Give the first run's memory back before the second measures its peak.
                     gatestream::stream::release_free_memory();
                     let sparse = generate_one(
@@ -485,6 +505,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         mask,
                         &stream,
                         stream.record_trace.as_deref(),
+                        draft,
                         &prompt,
                         &opts,
                         &mut |_| {},

@@ -125,8 +125,12 @@ impl Report for Outcome {
             g.finish.name()
         );
         if let Some(sp) = &g.speculative {
+            let source = match sp.source {
+                "draft" => format!("draft model, {:.2} s drafting", sp.draft_seconds),
+                _ => "prompt lookup".to_string(),
+            };
             eprintln!(
-                "{label}prompt lookup (up to {} drafts per pass): {} of {} drafts kept ({:.1}%), {:.2} tokens per pass \
+                "{label}{source} (up to {} drafts per pass): {} of {} drafts kept ({:.1}%), {:.2} tokens per pass \
                  over {} passes",
                 sp.lookup_max,
                 sp.accepted,

@@ -1,0 +1,131 @@
+//! Speculative decoding with a draft model: a small model sharing the target's vocabulary,
+//! resident in RAM, continues the context greedily for a few tokens; the target verifies them
+//! all in one batched pass (`generate`), so every weight a streamed target reads serves several
+//! positions. The draft keeps its own KV cache across passes: each call feeds only what the
+//! context gained since the last one, after rolling back the drafts the target rejected.
+//!
+//! Exactness: the drafts are a deterministic function of the context (greedy), so the target's
+//! accept/reject rule for fixed proposals (`Sampler::verify`, the rule prompt lookup uses) keeps
+//! sampling exact, and greedy output is the target's own, token for token.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::kv::KvCache;
+use crate::model::batch::Logits;
+use crate::model::sampler::argmax;
+use crate::model::Model;
+
+/// A draft model and its state between passes.
+pub struct Drafter {
+    pub model: Model,
+    /// The most drafts per pass.
+    pub max: usize,
+    state: Mutex<DraftState>,
+}
+
+struct DraftState {
+    cache: KvCache,
+    /// The tokens whose keys and values `cache` holds, in order.
+    fed: Vec<u32>,
+    /// Seconds spent in the draft model since the last `begin`.
+    seconds: f64,
+}
+
+impl Drafter {
+    /// `model` drafting up to `max` tokens per pass for `target`: refused, naming the first
+    /// difference, unless both have the same vocabulary (every token's bytes, BOS and stop
+    /// tokens).
+    pub fn new(model: Model, target: &Model, max: usize) -> Result<Drafter> {
+        if max == 0 {
+            return Err(Error::Invalid("--draft-max must be at least 1".into()));
+        }
+        let (a, b) = (&target.tokenizer, &model.tokenizer);
+        let differs = if a.vocab_size() != b.vocab_size() {
+            Some(format!(
+                "{} tokens against the target's {}",
+                b.vocab_size(),
+                a.vocab_size()
+            ))
+        } else if a.bos_id() != b.bos_id() || a.adds_bos() != b.adds_bos() {
+            Some("another BOS token".to_string())
+        } else {
+            (0..a.vocab_size() as u32)
+                .find(|&id| a.piece(id).ok() != b.piece(id).ok() || a.is_stop(id) != b.is_stop(id))
+                .map(|id| format!("token {id} differs"))
+        };
+        if let Some(d) = differs {
+            return Err(Error::Invalid(format!(
+                "{}: a draft model must share the target's vocabulary ({}): {d}",
+                model.path.display(),
+                target.path.display()
+            )));
+        }
+        let cache = KvCache::new(&model.config, 0);
+        Ok(Drafter {
+            model,
+            max,
+            state: Mutex::new(DraftState {
+                cache,
+                fed: Vec::new(),
+                seconds: 0.0,
+            }),
+        })
+    }
+
+    /// Starts a request whose context holds at most `positions` tokens (prompt and generated):
+    /// an empty cache with room for them and the drafts.
+    pub fn begin(&self, positions: usize) {
+        let mut st = self.state.lock().expect("draft state");
+        let room = (positions + self.max + 1).min(self.model.config.context_len.max(1));
+        st.cache = KvCache::new(&self.model.config, room);
+        st.fed.clear();
+        st.seconds = 0.0;
+    }
+
+    /// Seconds spent drafting since `begin`.
+    pub fn seconds(&self) -> f64 {
+        self.state.lock().expect("draft state").seconds
+    }
+
+    /// Up to `k` tokens continuing `context` greedily (fewer when the draft's context is full).
+    pub fn draft(&self, context: &[u32], k: usize) -> Result<Vec<u32>> {
+        let k = k.min(self.max);
+        if k == 0 || context.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t0 = Instant::now();
+        let mut st = self.state.lock().expect("draft state");
+        let st = &mut *st;
+        // Keep what the context still agrees with, but feed at least its last token again (the
+        // logits of the position after it are not kept between calls).
+        let same = st.fed.iter().zip(context).take_while(|(a, b)| a == b).count();
+        let keep = same.min(context.len() - 1);
+        st.cache.truncate(keep);
+        st.fed.truncate(keep);
+        // The context, then all but the last draft, must fit the draft's cache.
+        if context.len() > st.cache.capacity {
+            return Ok(Vec::new());
+        }
+        let k = k.min(st.cache.capacity + 1 - context.len());
+        let vocab = self.model.config.vocab;
+        let mut logits = self.model.forward(&context[keep..], &mut st.cache, Logits::Last)?;
+        st.fed.extend_from_slice(&context[keep..]);
+        let mut drafts = Vec::with_capacity(k);
+        loop {
+            let t = argmax(&logits[logits.len() - vocab..]);
+            if t as usize >= self.model.tokenizer.vocab_size() {
+                break;
+            }
+            drafts.push(t);
+            if drafts.len() == k {
+                break;
+            }
+            logits = self.model.forward(&[t], &mut st.cache, Logits::Last)?;
+            st.fed.push(t);
+        }
+        st.seconds += t0.elapsed().as_secs_f64();
+        Ok(drafts)
+    }
+}
