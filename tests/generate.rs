@@ -831,8 +831,7 @@ fn a_draft_model_keeps_greedy_tokens_in_ram_and_streamed() {
             Some(&draft),
             &mut |_| {},
         )
-        .err()
-        .expect("lookup and a draft model together")
+        .expect_err("lookup and a draft model together")
         .to_string();
     assert!(e.contains("not both"), "{e}");
     let e = Drafter::new(Model::load(&stories, &LoadOptions::default()).unwrap(), &smollm2(), 4)
