@@ -140,6 +140,17 @@ impl Trace {
     }
 }
 
+/// Tokens every layer has recorded (a recorder's per-layer counts' minimum).
+fn complete_tokens(next_token: &Mutex<Vec<usize>>) -> usize {
+    next_token
+        .lock()
+        .expect("trace lock")
+        .iter()
+        .copied()
+        .min()
+        .unwrap_or(0)
+}
+
 /// A trace of either kind, as `run --record-trace` writes it and `bench --trace` reads it.
 #[derive(Clone, Debug)]
 pub enum AnyTrace {
@@ -345,14 +356,7 @@ impl<'a> RouteRecorder<'a> {
     /// The trace of every token whose layers were all recorded.
     pub fn trace(&self, model: &str, mask: &str) -> RouteTrace {
         let routes = self.routes.lock().expect("trace lock");
-        let tokens = self
-            .next_token
-            .lock()
-            .expect("trace lock")
-            .iter()
-            .copied()
-            .min()
-            .unwrap_or(0);
+        let tokens = complete_tokens(&self.next_token);
         RouteTrace {
             header: RouteHeader {
                 model: model.into(),
@@ -513,14 +517,7 @@ impl<'a> TraceRecorder<'a> {
     /// The trace of every token whose layers were all recorded.
     pub fn trace(&self, model: &str, mask: &str) -> Trace {
         let uses = self.uses.lock().expect("trace lock");
-        let tokens = self
-            .next_token
-            .lock()
-            .expect("trace lock")
-            .iter()
-            .copied()
-            .min()
-            .unwrap_or(0);
+        let tokens = complete_tokens(&self.next_token);
         let records: Vec<Vec<LayerUse>> = (0..tokens)
             .map(|t| (0..self.n_layers).map(|l| uses[&(t, l)].clone()).collect())
             .collect();

@@ -874,10 +874,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     ),
                 }
             }
-            if let (true, Some(_)) = (routes.is_empty(), &moe) {
-                let text = text
-                    .clone()
-                    .unwrap_or_else(|| PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"));
+            // Built-in traces over the start of --text: routing traces of a mixture of experts,
+            // else one trace of neurons per --sparsity.
+            if (moe.is_some() && routes.is_empty()) || (moe.is_none() && traces.is_empty()) {
+                let text = text.unwrap_or_else(|| PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"));
                 let body = std::fs::read_to_string(&text)
                     .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
                 let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0, None)?;
@@ -887,27 +887,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let name = text
                     .file_name()
                     .map_or("text".into(), |n| n.to_string_lossy().into_owned());
-                let passes = gatestream::model::forward::Passes::default();
-                routes.push(gatestream::bench::trace::record_routes(m, passes, &ids, &name)?);
-            }
-            if traces.is_empty() && moe.is_none() {
-                let text = match text {
-                    Some(t) => t,
-                    None => PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"),
-                };
-                let body = std::fs::read_to_string(&text)
-                    .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
-                let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0, None)?;
-                let m = &rt.model;
-                let mut ids = m.tokenizer.encode(&body, true)?;
-                ids.truncate(trace_tokens.max(1));
-                let name = text
-                    .file_name()
-                    .map_or("text".into(), |n| n.to_string_lossy().into_owned());
-                for &s in &sparsity {
+                let passes = gatestream::model::forward::Passes::default;
+                if moe.is_some() {
+                    routes.push(gatestream::bench::trace::record_routes(m, passes(), &ids, &name)?);
+                }
+                for &s in sparsity.iter().filter(|_| moe.is_none()) {
                     let masker = Masker::for_model(m, strategy_of(strategy), criterion_of(criterion), s, None)?;
-                    let passes = gatestream::model::forward::Passes::default();
-                    traces.push(gatestream::bench::trace::record(m, passes, &ids, &masker, &name)?);
+                    traces.push(gatestream::bench::trace::record(m, passes(), &ids, &masker, &name)?);
                 }
             }
             let mut configs = Vec::new();
