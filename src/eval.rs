@@ -323,9 +323,14 @@ impl FfnBytes {
     }
 
     fn dense(&self) -> f64 {
+        self.every_neuron(None)
+    }
+
+    /// Every neuron of `used` FFNs per layer and token (`None`: the model's own count).
+    fn every_neuron(&self, used: Option<usize>) -> f64 {
+        let k = used.unwrap_or(self.own_used) as f64;
         self.n_layers as f64
-            * (self.fixed_layer
-                + self.own_used as f64 * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col)))
+            * (self.fixed_layer + k * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col)))
     }
 
     /// With per-layer mean up rows and sparsity per FFN run, `used` FFNs per layer and token
@@ -832,9 +837,13 @@ pub fn eval_with(
             }
         });
         let achieved = m.achieved_sparsity();
-        let b = bytes.sparse(&m.up_rows_per_token(), &achieved, m.experts_used);
-        // A row of fewer experts with every neuron is no mask.
-        let masked = m.sparsity > 0.0;
+        // A row of fewer experts with every neuron is no mask (its experts ran with none).
+        let masked = m.masks_neurons();
+        let b = if masked {
+            bytes.sparse(&m.up_rows_per_token(), &achieved, m.experts_used)
+        } else {
+            bytes.every_neuron(m.experts_used)
+        };
         rows.push(EvalRow {
             strategy: masked.then_some(m.strategy),
             criterion: masked.then_some(m.criterion),

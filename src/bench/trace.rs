@@ -69,12 +69,7 @@ fn set_of(bits: &[u8], ffn: usize) -> Vec<u32> {
 impl Trace {
     pub fn write(&self, path: &Path) -> Result<()> {
         let h = &self.header;
-        let json = serde_json::to_vec(h).map_err(|e| Error::Invalid(format!("trace header: {e}")))?;
-        let mut out = Vec::new();
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        out.extend_from_slice(&json);
+        let mut out = file_start(VERSION, h)?;
         for t in &self.records {
             for u in t {
                 out.extend_from_slice(&bits_of(&u.up, h.ffn));
@@ -88,24 +83,19 @@ impl Trace {
     pub fn read(path: &Path) -> Result<Trace> {
         match AnyTrace::read(path)? {
             AnyTrace::Neurons(t) => Ok(t),
-            AnyTrace::Routes(_) => Err(Error::Malformed {
-                path: path.to_path_buf(),
-                format: "gatestream trace",
-                offset_bytes: 8,
-                what: "a routing trace of a mixture-of-experts model, not a trace of neurons; bench replays it against that model's .gst".into(),
-            }),
+            AnyTrace::Routes(_) => Err(malformed(
+                path,
+                "gatestream trace",
+                8,
+                "a routing trace of a mixture-of-experts model, not a trace of neurons; bench replays it against that model's .gst"
+                    .into(),
+            )),
         }
     }
 
     fn parse(path: &Path, bytes: &[u8], hlen: u32) -> Result<Trace> {
-        let bad = |offset: usize, what: String| Error::Malformed {
-            path: path.to_path_buf(),
-            format: "gatestream trace",
-            offset_bytes: offset as u64,
-            what,
-        };
-        let header: TraceHeader =
-            serde_json::from_slice(&bytes[16..16 + hlen as usize]).map_err(|e| bad(16, format!("header JSON: {e}")))?;
+        let bad = |offset: usize, what: String| malformed(path, "gatestream trace", offset, what);
+        let header: TraceHeader = parse_header(path, bytes, hlen)?;
         let row = header.ffn.div_ceil(8);
         let want = header
             .tokens
@@ -140,6 +130,32 @@ impl Trace {
     }
 }
 
+/// A trace file's first bytes: magic, `version`, the header's length and the header as JSON.
+fn file_start(version: u32, header: &impl serde::Serialize) -> Result<Vec<u8>> {
+    let json = serde_json::to_vec(header).map_err(|e| Error::Invalid(format!("trace header: {e}")))?;
+    let mut out = Vec::new();
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+/// The header of a trace file whose first 16 bytes [`AnyTrace::read`] checked.
+fn parse_header<H: serde::de::DeserializeOwned>(path: &Path, bytes: &[u8], hlen: u32) -> Result<H> {
+    serde_json::from_slice(&bytes[16..16 + hlen as usize])
+        .map_err(|e| malformed(path, "gatestream trace", 16, format!("header JSON: {e}")))
+}
+
+fn malformed(path: &Path, format: &'static str, offset: usize, what: String) -> Error {
+    Error::Malformed {
+        path: path.to_path_buf(),
+        format,
+        offset_bytes: offset as u64,
+        what,
+    }
+}
+
 /// Tokens every layer has recorded (a recorder's per-layer counts' minimum).
 fn complete_tokens(next_token: &Mutex<Vec<usize>>) -> usize {
     next_token
@@ -169,12 +185,7 @@ impl AnyTrace {
     /// Either kind, by the version after the magic; the whole file checked.
     pub fn read(path: &Path) -> Result<AnyTrace> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let bad = |offset: usize, what: String| Error::Malformed {
-            path: path.to_path_buf(),
-            format: "gatestream trace",
-            offset_bytes: offset as u64,
-            what,
-        };
+        let bad = |offset: usize, what: String| malformed(path, "gatestream trace", offset, what);
         if bytes.len() < 16 || &bytes[..8] != MAGIC {
             return Err(bad(
                 0,
@@ -245,13 +256,7 @@ pub struct RouteTrace {
 
 impl RouteTrace {
     pub fn write(&self, path: &Path) -> Result<()> {
-        let h = &self.header;
-        let json = serde_json::to_vec(h).map_err(|e| Error::Invalid(format!("trace header: {e}")))?;
-        let mut out = Vec::new();
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&ROUTE_VERSION.to_le_bytes());
-        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
-        out.extend_from_slice(&json);
+        let mut out = file_start(ROUTE_VERSION, &self.header)?;
         for e in self.records.iter().flatten().flatten() {
             out.extend_from_slice(&e.to_le_bytes());
         }
@@ -259,14 +264,8 @@ impl RouteTrace {
     }
 
     fn parse(path: &Path, bytes: &[u8], hlen: u32) -> Result<RouteTrace> {
-        let bad = |offset: usize, what: String| Error::Malformed {
-            path: path.to_path_buf(),
-            format: "gatestream routing trace",
-            offset_bytes: offset as u64,
-            what,
-        };
-        let header: RouteHeader =
-            serde_json::from_slice(&bytes[16..16 + hlen as usize]).map_err(|e| bad(16, format!("header JSON: {e}")))?;
+        let bad = |offset: usize, what: String| malformed(path, "gatestream routing trace", offset, what);
+        let header: RouteHeader = parse_header(path, bytes, hlen)?;
         let h = &header;
         let want = h
             .tokens

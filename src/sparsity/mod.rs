@@ -692,6 +692,12 @@ impl FfnMask for Masker<'_> {
         self.experts_used
     }
 
+    /// At sparsity 0 (a mask that only asks for another count of experts) every neuron is
+    /// kept: the experts run with no mask at all, and nothing is counted.
+    fn masks_neurons(&self) -> bool {
+        self.sparsity > 0.0 || self.per_layer.is_some()
+    }
+
     fn decides_before_up(&self) -> bool {
         match self.strategy {
             Strategy::Union => *self.union_context.lock().expect("union context lock") == 0,
