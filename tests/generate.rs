@@ -45,6 +45,30 @@ fn prefill_in_batches_gives_the_same_tokens() {
     assert_eq!(batched.tokens, whole.tokens);
 }
 
+/// `ignore_eos` (`run --ignore-eos`): a continuation that ended at the end-of-sequence token goes
+/// on to `max_tokens` without ever sampling a stop token, and is the plain one up to where that
+/// one stopped.
+#[test]
+fn ignore_eos_goes_on_past_the_end_of_sequence_token() {
+    let m = smollm2();
+    // The chat template: the answer ends with the end-of-turn token.
+    let ids = m.prompt_ids("What is the capital of France?", true).unwrap();
+    let plain = m
+        .generate_ids(&ids, &greedy(64), None, None, None, &mut |_| {})
+        .unwrap();
+    assert_eq!(plain.finish, Finish::StopToken, "{:?}", plain.tokens);
+    let n = plain.tokens.len() + 8;
+    let opts = GenerateOptions {
+        ignore_eos: true,
+        ..greedy(n)
+    };
+    let g = m.generate_ids(&ids, &opts, None, None, None, &mut |_| {}).unwrap();
+    assert_eq!(g.finish, Finish::MaxTokens);
+    assert_eq!(g.tokens.len(), n);
+    assert_eq!(g.tokens[..plain.tokens.len()], plain.tokens[..]);
+    assert!(g.tokens.iter().all(|&t| !m.tokenizer.is_stop(t)), "{:?}", g.tokens);
+}
+
 /// Every token comes with its log-probability; cancelling stops between passes, keeping what
 /// was generated.
 #[test]

@@ -44,6 +44,10 @@ pub struct GenerateOptions {
     /// Speculative decoding by prompt lookup: up to this many draft tokens per pass (0 = off),
     /// see [`lookup_draft`]; each pass verifies them all at once.
     pub lookup: usize,
+    /// Never end at the model's end-of-sequence tokens: their logits are set to -inf before
+    /// sampling (as llama.cpp's `--ignore-eos` biases them), so generation goes on to
+    /// `max_tokens` or a full context. For fixed-length continuations, to compare or to time.
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerateOptions {
@@ -56,6 +60,7 @@ impl Default for GenerateOptions {
             batch_tokens_max: 0,
             logprobs: false,
             lookup: 0,
+            ignore_eos: false,
         }
     }
 }
@@ -406,6 +411,18 @@ impl Model {
         let t0 = Instant::now();
         let hooks = passes.hooks(mask.map(|m| m.as_mask()), None);
         let mut logits = Vec::new();
+        // With `ignore_eos`, each pass's rows never sample a stop token.
+        let ban_stops = |logits: &mut Vec<f32>| {
+            if opts.ignore_eos {
+                for row in logits.chunks_exact_mut(self.config.vocab) {
+                    for &id in self.tokenizer.stop_ids() {
+                        if let Some(v) = row.get_mut(id as usize) {
+                            *v = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        };
         // Prompt tokens whose pass completed (all of them unless cancelled).
         let mut prefilled = 0usize;
         {
@@ -420,6 +437,7 @@ impl Model {
                 match self.forward_with(chunk, &mut cache, Logits::Last, &hooks) {
                     Ok(l) => {
                         logits = l;
+                        ban_stops(&mut logits);
                         prefilled += chunk.len();
                     }
                     // Cancelled inside a pass: nothing is sampled from a partial prompt.
@@ -497,7 +515,10 @@ impl Model {
                 Logits::From(0)
             };
             match self.forward_with(&fed, &mut cache, which, &hooks) {
-                Ok(l) => logits = l,
+                Ok(l) => {
+                    logits = l;
+                    ban_stops(&mut logits);
+                }
                 Err(Error::Cancelled) => {
                     finish = Finish::Cancelled;
                     break;

@@ -212,6 +212,7 @@ pub fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions
         batch_tokens_max: 0,
         logprobs: false,
         lookup: 0,
+        ignore_eos: false,
     }
 }
 

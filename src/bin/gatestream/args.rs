@@ -100,6 +100,11 @@ pub(crate) enum Command {
         /// read serves the whole draft). 0 = off. Figures in `speculative` with --json.
         #[arg(long, default_value_t = 0)]
         lookup: usize,
+        /// Never stop at the model's end-of-sequence tokens: they are never sampled (their logits
+        /// set to -inf, as llama.cpp's --ignore-eos does), so generation goes on to --max-tokens
+        /// or a full context. For continuations of a fixed length, to compare or to time.
+        #[arg(long)]
+        ignore_eos: bool,
         /// Speculative decoding with a draft model: a small model sharing this model's
         /// vocabulary (refused otherwise), memory-mapped in RAM (outside --ram-budget), continues
         /// the text greedily for up to --draft-max tokens per pass and this model verifies them

@@ -416,6 +416,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             chat,
             logprobs,
             lookup,
+            ignore_eos,
             draft,
             draft_max,
             mode,
@@ -452,6 +453,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 batch_tokens_max: 0,
                 logprobs,
                 lookup,
+                ignore_eos,
             };
             stop_on_ctrl_c();
             let asked = sparse.ask();

@@ -496,6 +496,11 @@ impl Tokenizer {
         self.stop_ids.binary_search(&id).is_ok()
     }
 
+    /// The ids [`Tokenizer::is_stop`] is true of, ascending.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()
     }
