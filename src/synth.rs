@@ -4,8 +4,8 @@
 //! independent reference on the same file:
 //! - upcycled (the default): the dense FFN copied into every expert, each copy's values scaled by
 //!   `1 + perturb·N(0,1)`, a random router, the attention and embeddings as they are (Q/K rows
-//!   un-permuted for the architectures that rotate half-split pairs, QK-norm weights set to the
-//!   estimated RMS of the projections). The chosen experts' weights come close to summing to one
+//!   un-permuted for the architectures that rotate half-split pairs; QK-norm made nearly the
+//!   identity, see [`QK_LINEAR_EPS`]). The chosen experts' weights come close to summing to one
 //!   (down is scaled by experts/used where the architecture does not renormalize; Qwen2-MoE's
 //!   shared expert, the dense FFN itself behind a gate near sigmoid(0) = 1/2, takes half), so the
 //!   model speaks like its dense source and greedy tokens and perplexity mean something;
@@ -158,8 +158,22 @@ fn half_split_order(heads: usize, head_dim: usize) -> Vec<usize> {
     order
 }
 
+/// The norms' epsilon written when upcycling into a QK-norm architecture (qwen3moe, olmoe), whose
+/// source never normalized Q and K. RMSNorm is `x / sqrt(mean(x²) + eps) · w`: with an epsilon far
+/// above a projection's mean square it is nearly linear in `x`, and `w = sqrt(eps + typical mean
+/// square)` makes it nearly the identity (a token whose Q has 10× the typical mean square is scaled
+/// by ~0.5% less). Normalizing Q and K to a fixed RMS instead, as a real QK-norm model was trained
+/// to, damaged the upcycled models beyond use (perplexity ~900–1400 where the source has ~22).
+pub const QK_LINEAR_EPS: f32 = 1e4;
+
+/// With [`QK_LINEAR_EPS`] the other norms share that epsilon, so the residual stream is carried
+/// this many times larger (the embedding, the attention output and the experts' down are scaled,
+/// the output matrix is not; a power of two, and the norms undo it): its mean square then dwarfs
+/// the epsilon as the source's did its own.
+pub const QK_RESIDUAL_SCALE: f32 = 65536.0;
+
 /// The RMS a projection's rows give an input normalized to unit RMS and scaled by `norm`
-/// (uncorrelated inputs): what a QK-norm weight must restore for attention to match.
+/// (uncorrelated inputs): the typical RMS a near-identity QK-norm weight is set for.
 fn projected_rms(w: &[f32], cols: usize, norm: &[f32]) -> f32 {
     let rows = w.len() / cols;
     let s: f64 = w
@@ -251,6 +265,32 @@ pub fn write_moe(
     let down_scale = routed_share * if normalize { 1.0 } else { e as f32 / k as f32 };
     let mut rng = Rng(spec.seed ^ 0x6d6f_655f_7379_6e74);
     let half_split = arch != Arch::Llama;
+    // Upcycled into a QK-norm architecture: the norms' epsilon and the residual stream's scale.
+    let qk_linear = spec.random.is_none() && matches!(arch, Arch::Qwen3Moe | Arch::Olmoe);
+    let (rms_eps, residual) = match qk_linear {
+        true => (QK_LINEAR_EPS, QK_RESIDUAL_SCALE),
+        false => (cfg.rms_eps, 1.0),
+    };
+    // A source matrix times the residual scale: as stored when the scale is 1, else F32 from a
+    // float source (exact: a power of two) and Q8_0 from a quantized one.
+    let scaled = |name: String, w: &Weight| -> Result<Tensor> {
+        if residual == 1.0 {
+            return Ok(raw(name, w, None));
+        }
+        let v: Vec<f32> = dequantized(w).iter().map(|x| x * residual).collect();
+        let ty = match w.ty {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => GgmlType::F32,
+            _ => GgmlType::Q8_0,
+        };
+        let mut bytes = Vec::new();
+        quantize_into(ty, &v, w.cols, &mut bytes)?;
+        Ok(Tensor {
+            name,
+            dims: vec![w.cols as u64, w.rows as u64],
+            ty,
+            bytes,
+        })
+    };
 
     // Metadata: the source's tokenizer and general keys, the architecture's own keys.
     let a = arch.name();
@@ -280,7 +320,7 @@ pub fn write_moe(
         ("block_count", u(layers)),
         ("attention.head_count", u(heads)),
         ("attention.head_count_kv", u(kv_heads)),
-        ("attention.layer_norm_rms_epsilon", MetaValue::F32(cfg.rms_eps)),
+        ("attention.layer_norm_rms_epsilon", MetaValue::F32(rms_eps)),
         ("rope.freq_base", MetaValue::F32(cfg.rope_theta)),
         ("expert_count", u(e)),
         ("expert_used_count", u(k)),
@@ -311,7 +351,7 @@ pub fn write_moe(
     let random_norm = |n: usize, rng: &mut Rng| -> Vec<f32> { (0..n).map(|_| 1.0 + 0.1 * rng.normal()).collect() };
     match &weights {
         Some(w) => {
-            tensors.push(raw("token_embd.weight".into(), &w.token_embd, None));
+            tensors.push(scaled("token_embd.weight".into(), &w.token_embd)?);
             // qwen2moe and olmoe require an output matrix: a tied source writes its embedding.
             tensors.push(raw("output.weight".into(), &w.output, None));
             tensors.push(f32_tensor("output_norm.weight".into(), &w.output_norm));
@@ -349,14 +389,17 @@ pub fn write_moe(
                 tensors.push(raw(n("attn_q.weight"), &lw.attn.wq, Some(&rotated(heads))));
                 tensors.push(raw(n("attn_k.weight"), &lw.attn.wk, Some(&k_order)));
                 tensors.push(raw(n("attn_v.weight"), &lw.attn.wv, Some(&repeat)));
-                tensors.push(raw(n("attn_output.weight"), &lw.attn.wo, None));
+                tensors.push(scaled(n("attn_output.weight"), &lw.attn.wo)?);
                 if matches!(arch, Arch::Qwen3Moe | Arch::Olmoe) {
-                    let rq = projected_rms(&dequantized(&lw.attn.wq), h, &attn_norm);
-                    let rk = projected_rms(&dequantized(&lw.attn.wk), h, &attn_norm);
-                    // (Repeating heads leaves the RMS as it is.)
+                    // Near-identity weights (see QK_LINEAR_EPS); repeating heads leaves the RMS.
+                    let near_identity = |w: &Weight| {
+                        let r = projected_rms(&dequantized(w), h, &attn_norm);
+                        (rms_eps + r * r).sqrt()
+                    };
+                    let (wq, wk) = (near_identity(&lw.attn.wq), near_identity(&lw.attn.wk));
                     let (lq, lk) = if arch == Arch::Olmoe { (q, kv) } else { (hd, hd) };
-                    tensors.push(f32_tensor(n("attn_q_norm.weight"), &vec![rq; lq]));
-                    tensors.push(f32_tensor(n("attn_k_norm.weight"), &vec![rk; lk]));
+                    tensors.push(f32_tensor(n("attn_q_norm.weight"), &vec![wq; lq]));
+                    tensors.push(f32_tensor(n("attn_k_norm.weight"), &vec![wk; lk]));
                 }
             }
             None => {
@@ -415,7 +458,7 @@ pub fn write_moe(
         {
             let rows = f * h / cols;
             let mut bytes = Vec::new();
-            let scale = if p == 2 { down_scale } else { 1.0 };
+            let scale = if p == 2 { down_scale * residual } else { 1.0 };
             for _ in 0..e {
                 let v: Vec<f32> = match &dense {
                     Some(d) => d[p]

@@ -541,26 +541,49 @@ fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
 }
 
 /// Identical experts (no perturbation) whose weights sum to one are the dense FFN: the upcycled
-/// Mixtral-style model gives the dense stories260K's logits.
+/// models give the dense stories260K's logits — Mixtral-style exactly (to f32 rounding); Qwen3-MoE
+/// and OLMoE through their near-identity QK-norm (`synth::QK_LINEAR_EPS`, the residual stream
+/// scaled by `QK_RESIDUAL_SCALE`) to within 0.5% of the logits' range, with the same greedy token
+/// at every position. (QK-norm weights that normalize Q and K to a fixed RMS instead, as an earlier
+/// version wrote, differ by far more: the models were damaged beyond use.)
 #[test]
 fn identical_renormalized_experts_equal_the_dense_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut s = spec(Arch::Llama, GgmlType::F32, false);
-    s.perturb = 0.0;
-    let moe = load(&make(tmp.path(), &s, "upcycled.gguf"));
     let dense = load(&stories_file(tmp.path()));
     let prompt = dense
         .tokenizer
-        .encode("Once upon a time, there was a dog", true)
+        .encode(
+            "Once upon a time, there was a dog who liked to play in the park with his friends",
+            true,
+        )
         .unwrap();
     let v = dense.config.vocab;
     let mut c1 = KvCache::new(&dense.config, 64);
-    let mut c2 = KvCache::new(&moe.config, 64);
     let a = dense.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
-    let b = moe.forward(&prompt, &mut c2, Logits::From(0)).unwrap();
-    assert_eq!(a.len(), prompt.len() * v);
-    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(d < 1e-3, "upcycled vs dense logits differ by {d}");
+    let range = a.iter().fold(f32::MIN, |m, &x| m.max(x)) - a.iter().fold(f32::MAX, |m, &x| m.min(x));
+    let argmax = |row: &[f32]| (0..row.len()).max_by(|&i, &j| row[i].total_cmp(&row[j])).unwrap();
+    for (arch, tolerance) in [
+        (Arch::Llama, 1e-3),
+        (Arch::Qwen3Moe, 0.005 * range),
+        (Arch::Olmoe, 0.005 * range),
+    ] {
+        let mut s = spec(arch, GgmlType::F32, false);
+        s.perturb = 0.0;
+        if arch == Arch::Olmoe {
+            // Not renormalized: the weights sum to one only when every expert is used.
+            (s.experts, s.used) = (2, 2);
+        }
+        let moe = load(&make(tmp.path(), &s, &format!("upcycled-{}.gguf", arch.name())));
+        let mut c2 = KvCache::new(&moe.config, 64);
+        let b = moe.forward(&prompt, &mut c2, Logits::From(0)).unwrap();
+        assert_eq!(a.len(), prompt.len() * v);
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        eprintln!("{}: max |logit difference| {d} (logits' range {range})", arch.name());
+        assert!(d < tolerance, "{}: upcycled vs dense logits differ by {d}", arch.name());
+        for (p, (ra, rb)) in a.chunks_exact(v).zip(b.chunks_exact(v)).enumerate() {
+            assert_eq!(argmax(ra), argmax(rb), "{}: greedy token at position {p}", arch.name());
+        }
+    }
 }
 
 /// Each architecture, random Q8_0 weights (experts and attention): a batched prompt gives the
