@@ -7,7 +7,8 @@
 //! against an f64 reference; stories260K (real weights) and a synthetic model shaped like
 //! Qwen2.5-1.5B (random weights in Q4_K_M's types, made here) — the same greedy tokens over 32
 //! steps, max |Δlogit| ≤ 1% of the logits' range at every step, perplexity within 0.1% on the
-//! same windows; then decode tok/s of the Qwen-shaped model on the GPU beside the bound its
+//! same windows; the same bar for mixture-of-experts models of each architecture (stories260K
+//! upcycled into experts, F32); then decode tok/s of the Qwen-shaped model on the GPU beside the bound its
 //! memory bandwidth sets (measured in the same run) and beside the CPU.
 //! `GATESTREAM_GPU_REPORT=FILE` writes the figures as JSON.
 
@@ -40,9 +41,10 @@ fn main() {
         }
     };
     println!("gpu_cuda: {}", dev.name());
-    let checks: [(&str, Check); 5] = [
+    let checks: [(&str, Check); 6] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
+        ("moe_cuda_vs_cpu", moe),
         ("qwen_shaped_cuda_vs_cpu", qwen_shaped),
         ("qwen_shaped_cuda_vs_cpu_f32_weights", qwen_shaped_f32),
         ("qwen_shaped_decode_speed", qwen_speed),
@@ -299,6 +301,71 @@ fn stories260k(
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc.perplexity, "ppl_cuda": pg.perplexity}),
     );
     judged(mismatches, worst, rel, msg)
+}
+
+/// Mixture-of-experts models of each architecture (stories260K upcycled by `make-moe`'s code: 6
+/// F32 experts, 2 per token, a random router) on both devices: routing, grouped expert products
+/// and the weighted sum, Qwen2-MoE's shared expert and OLMoE's whole-projection QK-norm, against
+/// the same bar as stories260K.
+fn moe(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_json::Value>) -> Result<String, String> {
+    use gatestream::config::Arch;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let dense = common::write_temp(
+        dir.path(),
+        "stories.gguf",
+        &common::stories_gguf(common::Breakage::None),
+    );
+    let text = std::fs::read_to_string(common::shared_dir().join("data/wikitext-2/wiki.test.raw"))
+        .map_err(|e| e.to_string())?;
+    let text: String = text.chars().take(100_000).collect();
+    let (mut lines, mut failed) = (Vec::new(), false);
+    for arch in [Arch::Llama, Arch::Qwen2Moe, Arch::Qwen3Moe, Arch::Olmoe] {
+        let spec = gatestream::synth::MoeSpec {
+            arch,
+            experts: 6,
+            used: 2,
+            ty: GgmlType::F32,
+            random: None,
+            perturb: 0.05,
+            seed: 3,
+        };
+        let path = dir.path().join(format!("{}.gguf", arch.name()));
+        gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
+        let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
+        let gpu = load(&path, dev.clone())?;
+        let prompt = cpu
+            .tokenizer
+            .encode("Once upon a time", true)
+            .map_err(|e| e.to_string())?;
+        let (mismatches, worst) = compare_greedy(&cpu, &gpu, &prompt, 32)?;
+        let opts = gatestream::perplexity::PerplexityOptions { ctx: 256, windows: 4 };
+        let pc =
+            gatestream::perplexity::perplexity(&cpu, &text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+        let pg =
+            gatestream::perplexity::perplexity(&gpu, &text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+        let rel = (pg.perplexity / pc.perplexity - 1.0).abs();
+        let msg = format!(
+            "  {} (6 experts, 2 used): greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the \
+             range; perplexity (4 windows of 256) cpu {:.4} cuda {:.4} (diff {:.4}%)",
+            arch.name(),
+            worst * 100.0,
+            pc.perplexity,
+            pg.perplexity,
+            rel * 100.0
+        );
+        report.insert(
+            format!("moe_{}", arch.name()),
+            serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc.perplexity, "ppl_cuda": pg.perplexity}),
+        );
+        failed |= judged(mismatches, worst, rel, String::new()).is_err();
+        lines.push(msg);
+    }
+    let msg = lines.join("\n");
+    if failed {
+        Err(msg)
+    } else {
+        Ok(msg)
+    }
 }
 
 /// Qwen2.5-1.5B's shape: hidden 1536, FFN 8960, 28 layers, 12 heads of 128 over 2 KV heads,
