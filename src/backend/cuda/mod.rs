@@ -142,8 +142,16 @@ pub fn rope_threads(head_dim: usize) -> u32 {
 /// step allocates the same few dozen shapes every layer).
 #[derive(Default)]
 struct Pool {
-    free: Mutex<(HashMap<usize, Vec<CudaSlice<f32>>>, usize)>,
+    free: Mutex<FreeLists>,
 }
+
+/// Free buffers by length, and their bytes in all.
+type FreeLists = (HashMap<usize, Vec<CudaSlice<f32>>>, usize);
+/// Host vectors (norms, biases) on the device, by host address and length: the contents copied
+/// (to notice a change), the device slice and its address.
+type VectorCache = HashMap<(usize, usize), (Vec<f32>, CudaSlice<f32>, u64)>;
+/// Index lists uploaded once: the device slice and its address.
+type IndexCache = HashMap<Vec<u32>, (CudaSlice<u32>, u64)>;
 
 /// An activation's device buffer; dropping it returns the memory to the pool. Work already
 /// queued on the device's one stream that reads it runs before any later reuse.
@@ -190,8 +198,8 @@ pub struct CudaDevice {
     kernels: HashMap<KernelKey, CudaFunction>,
     label: String,
     weights: Mutex<HashMap<(usize, usize, usize), DevWeight>>,
-    vectors: Mutex<HashMap<(usize, usize), (Vec<f32>, CudaSlice<f32>, u64)>>,
-    indices: Mutex<HashMap<Vec<u32>, (CudaSlice<u32>, u64)>>,
+    vectors: Mutex<VectorCache>,
+    indices: Mutex<IndexCache>,
     pool: Arc<Pool>,
     error: Mutex<Option<String>>,
     /// Which KV buffers are this device's (several devices may live in one process).
