@@ -119,3 +119,60 @@ extern "C" __global__ void rope_norm(float* x, int row_width, int hd, const u32*
     v[a] = x0 * c - x1 * s;
     v[b] = x0 * s + x1 * c;
 }
+
+// The activations the CPU's quantized products see (src/quant/prepare.rs,
+// `PreparedInput::dequantized`), each value replaced by its 8-bit quant times its block's scale,
+// so that the f32-activation products compute what the CPU's integer products do (to rounding).
+// One warp per block; `x` holds whole blocks (rows of a multiple of the block's length).
+//
+// Blocks of 32 (Q4_0/Q4_1/Q5_0/Q8_0 weights): scale = absmax / 127, quants rounded half away
+// from zero (roundf).
+extern "C" __global__ void act_q8_32(const float* x, float* y, u64 blocks) {
+    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;  // the whole warp (b depends on the warp only)
+    int lane = threadIdx.x & 31;
+    float v = x[b * 32 + lane];
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.f;
+    float id = d != 0.f ? 1.f / d : 0.f;
+    y[b * 32 + lane] = roundf(v * id) * d;
+}
+
+// Q8_K blocks of 256 (K-quant weights): the scale carries the sign of the first element of
+// largest magnitude (iscale = -127 / max), quants rounded half to even (rintf) and capped at 127;
+// a block of zeros stays zero.
+extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
+    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;
+    int lane = threadIdx.x & 31;
+    const float* xb = x + b * 256;
+    float* yb = y + b * 256;
+    float v[8];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        v[i] = xb[lane + 32 * i];
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    // The lowest index holding that magnitude (this lane's first, then the warp's least).
+    int first = 256;
+#pragma unroll
+    for (int i = 7; i >= 0; i--) {
+        if (fabsf(v[i]) == amax) first = lane + 32 * i;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    if (amax == 0.f || first >= 256) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) yb[lane + 32 * i] = 0.f;
+        return;
+    }
+    float iscale = -127.f / xb[first];
+    float d = 1.f / iscale;
+#pragma unroll
+    for (int i = 0; i < 8; i++) yb[lane + 32 * i] = fminf(rintf(iscale * v[i]), 127.f) * d;
+}

@@ -7,7 +7,8 @@
 //! against an f64 reference; stories260K (real weights) and a synthetic model shaped like
 //! Qwen2.5-1.5B (random weights in Q4_K_M's types, made here) — the same greedy tokens over 32
 //! steps, max |Δlogit| ≤ 1% of the logits' range at every step, perplexity within 0.1% on the
-//! same windows; the same bar for mixture-of-experts models of each architecture (stories260K
+//! same windows (and again with the GPU given the CPU's 8-bit activations,
+//! `GATESTREAM_CUDA_ACTIVATIONS=q8`); the same bar for mixture-of-experts models of each architecture (stories260K
 //! upcycled into experts, F32); then decode tok/s of the Qwen-shaped model on the GPU beside the bound its
 //! memory bandwidth sets (measured in the same run) and beside the CPU.
 //! `GATESTREAM_GPU_REPORT=FILE` writes the figures as JSON.
@@ -27,7 +28,7 @@ use gatestream::model::batch::Logits;
 use gatestream::model::sampler::argmax;
 use gatestream::model::weights::FfnDown;
 use gatestream::model::{LoadOptions, Model};
-use gatestream::quant::{quantize_row, GgmlType};
+use gatestream::quant::{quantize_row, GgmlType, PreparedInput};
 use gatestream::tensor::Weight;
 
 type Check = fn(&Arc<CudaDevice>, &mut serde_json::Map<String, serde_json::Value>) -> Result<String, String>;
@@ -41,11 +42,12 @@ fn main() {
         }
     };
     println!("gpu_cuda: {}", dev.name());
-    let checks: [(&str, Check); 6] = [
+    let checks: [(&str, Check); 7] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("moe_cuda_vs_cpu", moe),
         ("qwen_shaped_cuda_vs_cpu", qwen_shaped),
+        ("qwen_shaped_cuda_q8_activations_vs_cpu", qwen_shaped_q8),
         ("qwen_shaped_cuda_vs_cpu_f32_weights", qwen_shaped_f32),
         ("qwen_shaped_decode_speed", qwen_speed),
     ];
@@ -165,6 +167,36 @@ fn kernels_per_type(
                 .map(|(t, r)| want[t * rows + r as usize])
                 .collect();
             errs.push(rel_err(&part, &want_part));
+            // With the CPU's 8-bit activations: the products of the activations it sees.
+            dev.set_q8_activations(true);
+            let q8 = dev.download(dev.matmul(&[&w], &xa).remove(0));
+            let q8_part = dev.download(dev.matmul_rows(&w, &subset, &xa));
+            dev.set_q8_activations(false);
+            let seen: Vec<f32> = x
+                .chunks_exact(cols)
+                .flat_map(|t| {
+                    let mut p = PreparedInput::new();
+                    p.prepare(t, ty);
+                    p.dequantized()
+                })
+                .collect();
+            let want_q8: Vec<f32> = (0..n)
+                .flat_map(|t| {
+                    let seen = &seen;
+                    deq.iter().map(move |row| {
+                        row.iter()
+                            .zip(&seen[t * cols..(t + 1) * cols])
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>() as f32
+                    })
+                })
+                .collect();
+            errs.push(rel_err(&q8, &want_q8));
+            let want_q8_part: Vec<f32> = (0..n)
+                .flat_map(|t| subset.iter().map(move |&r| (t, r)))
+                .map(|(t, r)| want_q8[t * rows + r as usize])
+                .collect();
+            errs.push(rel_err(&q8_part, &want_q8_part));
             // Neuron-major product: out[t] += sum_r acts[t][r] * w[r] over a row list.
             let acts: Vec<f32> = (0..n * rows)
                 .map(|i| if i % 5 == 0 { 0.0 } else { rng.normalish() })
@@ -201,7 +233,7 @@ fn kernels_per_type(
         let max = errs.iter().cloned().fold(0f64, f64::max);
         worst = worst.max(max);
         lines.push(format!(
-            "  {ty:?}: max relative error {max:.2e} (product n=1/13, rows, neuron-major, embed)"
+            "  {ty:?}: max relative error {max:.2e} (product n=1/13, rows, the same with 8-bit activations, neuron-major, embed)"
         ));
         if max > 1e-4 {
             return Err(format!("{}\n{ty:?}: error {max:.2e} > 1e-4", lines.join("\n")));
@@ -567,6 +599,19 @@ fn qwen_shaped(
     qwen_compare(dev, report, &qwen_model_path(), "qwen_shaped")
 }
 
+/// The CUDA path given the CPU's 8-bit activations (`GATESTREAM_CUDA_ACTIVATIONS=q8`) against
+/// the CPU on the same Q4_K_M-typed model: with f32 activations the two differ by the CPU's
+/// activation quantization (docs/RESULTS.md section 4); with these, by rounding alone.
+fn qwen_shaped_q8(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    dev.set_q8_activations(true);
+    let r = qwen_compare(dev, report, &qwen_model_path(), "qwen_shaped_q8_activations");
+    dev.set_q8_activations(false);
+    r
+}
+
 /// The CUDA path on the Q4_K_M-typed model against the CPU on the same weights dequantized to
 /// F32 (the CPU's exact f32 path: what separates the two is then the GPU alone).
 fn qwen_shaped_f32(
@@ -655,13 +700,17 @@ fn qwen_speed(
     let gpu = load(&path, dev.clone())?;
     let per_token = bytes_per_token(&gpu);
     let gpu_rate = decode_rate(&gpu, 128)?;
+    dev.set_q8_activations(true);
+    let gpu_q8_rate = decode_rate(&gpu, 128);
+    dev.set_q8_activations(false);
+    let gpu_q8_rate = gpu_q8_rate?;
     let bw = dev.copy_bandwidth(1 << 30).map_err(|e| e.to_string())?;
     let bound = bw / per_token as f64;
     drop(gpu);
     let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
     let cpu_rate = decode_rate(&cpu, 8)?;
     let msg = format!(
-        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s, cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
+        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
         std::thread::available_parallelism().map_or(0, |n| n.get()),
@@ -672,7 +721,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_q8_activations_tok_s": gpu_q8_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }

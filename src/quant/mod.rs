@@ -40,6 +40,8 @@ use std::sync::OnceLock;
 pub use axpy::{axpy_row_f64, axpy_row_f64_scalar};
 pub use dequant::dequantize_row;
 pub use lanes::TokenTile;
+#[cfg(feature = "cuda")]
+pub(crate) use prepare::ActivationFormat;
 pub use prepare::PreparedInput;
 pub use quantize::quantize_row;
 pub use scalar::vec_dot_scalar;

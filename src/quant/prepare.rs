@@ -194,6 +194,30 @@ fn round_half_away(x: f32) -> f32 {
     t + f32::from(u8::from(frac >= 0.5)) - f32::from(u8::from(frac <= -0.5))
 }
 
+impl PreparedInput {
+    /// The activations the dot products see, as f32: each quant times its block's scale (the
+    /// input itself for float weights). A device that multiplies f32 activations computes the
+    /// CPU's products (to rounding) from these; the CUDA device makes them on the GPU
+    /// (`act_q8_32` and `act_q8_k` in kernels/ops.cu) and tests compare with this.
+    pub fn dequantized(&self) -> Vec<f32> {
+        match ActivationFormat::for_weights(self.weight_type) {
+            ActivationFormat::F32 => self.values_f32.clone(),
+            ActivationFormat::Q8Blocks32 => self
+                .quants
+                .chunks_exact(QK_LEGACY)
+                .zip(&self.block_scales)
+                .flat_map(|(q, &d)| q.iter().map(move |&v| v as f32 * d))
+                .collect(),
+            ActivationFormat::Q8K => self
+                .quants
+                .chunks_exact(QK_K)
+                .zip(&self.block_scales)
+                .flat_map(|(q, &d)| q.iter().map(move |&v| v as f32 * d))
+                .collect(),
+        }
+    }
+}
+
 impl Default for PreparedInput {
     fn default() -> Self {
         PreparedInput::new()
@@ -217,6 +241,41 @@ mod tests {
             assert!(quants.iter().any(|&q| q.abs() == 127));
             for (v, &q) in block.iter().zip(quants) {
                 assert!((v - q as f32 * scale).abs() <= 0.5 * scale + 1e-6);
+            }
+        }
+    }
+
+    /// Every weight type's dot product with a prepared input equals the plain f32 dot product of
+    /// the dequantized row with [`PreparedInput::dequantized`] (to rounding): what a device that
+    /// multiplies f32 activations must be given to compute the CPU's products.
+    #[test]
+    fn dequantized_activations_give_the_quantized_dot_products() {
+        use crate::quant::test_util::{random_row, Rng};
+        let mut rng = Rng::new(11);
+        for ty in GgmlType::ALL {
+            let n = 512;
+            let row = random_row(&mut rng, ty, n);
+            let mut w = vec![0f32; n];
+            crate::quant::dequantize_row(ty, &row, &mut w);
+            let x: Vec<f32> = (0..n).map(|_| rng.normal() * 3.0).collect();
+            let mut p = PreparedInput::new();
+            p.prepare(&x, ty);
+            let seen = p.dequantized();
+            assert_eq!(seen.len(), n);
+            let want: f64 = w.iter().zip(&seen).map(|(&a, &b)| a as f64 * b as f64).sum();
+            let scale: f64 = w.iter().zip(&seen).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+            let got = crate::quant::vec_dot(ty, &row, &p) as f64;
+            assert!(
+                (got - want).abs() <= 1e-5 * scale,
+                "{ty:?}: {got} vs {want} (scale {scale})"
+            );
+            // Against the unquantized input it differs by the quantization (not for float types).
+            let plain: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+            if ty.block_elems() > 1 {
+                assert!(
+                    (plain - want).abs() > 1e-5 * scale,
+                    "{ty:?}: quantization changed nothing"
+                );
             }
         }
     }

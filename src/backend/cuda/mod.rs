@@ -22,7 +22,7 @@ use super::{Act, ActData, AttnShape, Device, RopeShape};
 use crate::config::{FfnActivation, RopeStyle};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::quant::GgmlType;
+use crate::quant::{ActivationFormat, GgmlType};
 use crate::tensor::Weight;
 
 /// Environment variable naming the driver library (`libcuda.so.1`) when it is not on the
@@ -62,8 +62,10 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 const TYPED: [&str; 4] = ["matmul", "matvec", "embed", "accumulate"];
 /// The kernels that are not per type.
-const OPS: [&str; 13] = [
+const OPS: [&str; 15] = [
     "accumulate_reduce",
+    "act_q8_32",
+    "act_q8_k",
     "rms_norm",
     "add",
     "mul",
@@ -204,6 +206,26 @@ pub struct CudaDevice {
     error: Mutex<Option<String>>,
     /// Which KV buffers are this device's (several devices may live in one process).
     id: usize,
+    /// Multiply the activations the CPU's quantized products see (8-bit blocks, see
+    /// [`ACTIVATIONS_ENV`]) rather than the f32 activations themselves.
+    q8_activations: std::sync::atomic::AtomicBool,
+}
+
+/// `GATESTREAM_CUDA_ACTIVATIONS`: `f32` (the default) multiplies quantized weights with the f32
+/// activations; `q8` first replaces the activations by the 8-bit blocks the CPU's products use
+/// (blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256 for K-quants), so the GPU
+/// computes what the CPU path (and llama.cpp) computes, to rounding. Not yet measured on a GPU.
+pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
+
+/// Whether [`ACTIVATIONS_ENV`] asks for 8-bit activations (`value`: the variable's value).
+pub fn q8_activations_asked(value: Option<&str>) -> Result<bool> {
+    match value.map(str::trim) {
+        None | Some("") | Some("f32") => Ok(false),
+        Some("q8") => Ok(true),
+        Some(other) => Err(Error::Invalid(format!(
+            "{ACTIVATIONS_ENV}={other}: expected f32 (the default: f32 activations) or q8 (the CPU's 8-bit activation blocks)"
+        ))),
+    }
 }
 
 fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -253,6 +275,7 @@ impl CudaDevice {
     /// GPU `ordinal`: the driver, a device, NVRTC no newer than the driver, the kernels compiled
     /// for the device (or read from the cache) and loaded.
     pub fn open(ordinal: usize) -> Result<CudaDevice> {
+        let q8 = q8_activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
         ensure_driver()?;
         let count = CudaContext::device_count().map_err(|e| {
             Error::Invalid(format!(
@@ -331,7 +354,55 @@ impl CudaDevice {
             pool: Arc::new(Pool::default()),
             error: Mutex::new(None),
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            q8_activations: std::sync::atomic::AtomicBool::new(q8),
         })
+    }
+
+    /// Switches between f32 activations and the CPU's 8-bit blocks (see [`ACTIVATIONS_ENV`]),
+    /// for products launched from now on.
+    pub fn set_q8_activations(&self, on: bool) {
+        self.q8_activations.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn q8_activations(&self) -> bool {
+        self.q8_activations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// With 8-bit activations on: `x` as the CPU's products with `ty` weights see it (`None`
+    /// when off, or for float weights, which take `x` itself).
+    fn activations_for(&self, ty: GgmlType, x: &Act) -> Option<Act> {
+        if !self.q8_activations() {
+            return None;
+        }
+        let (kernel, block) = match ActivationFormat::for_weights(ty) {
+            ActivationFormat::F32 => return None,
+            ActivationFormat::Q8Blocks32 => ("act_q8_32", 32),
+            ActivationFormat::Q8K => ("act_q8_k", 256),
+        };
+        let out = self.act(x.rows, x.width);
+        if !x.width.is_multiple_of(block) {
+            self.fail(format!(
+                "8-bit activations for {ty:?} weights need rows of whole {block}-value blocks, not {}",
+                x.width
+            ));
+            return Some(out);
+        }
+        let blocks = x.rows * x.width / block;
+        if blocks > 0 {
+            let warps = ELEMENTWISE_THREADS / 32;
+            let cfg = LaunchConfig {
+                grid_dim: ((blocks as u32).div_ceil(warps), 1, 1),
+                block_dim: (ELEMENTWISE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch(
+                kernel,
+                None,
+                cfg,
+                &[ptr(self.buf(x)), ptr(self.buf(&out)), ptr(blocks as u64)],
+            );
+        }
+        Some(out)
     }
 
     /// The device address of an activation; a host one (a caller's bug) is recorded as an
@@ -790,11 +861,26 @@ impl Device for CudaDevice {
     }
 
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
-        ws.iter().map(|w| self.product(w, None, x)).collect()
+        // The input as each weight type's products see it, made once per activation format.
+        let mut seen: Vec<(ActivationFormat, Option<Act>)> = Vec::new();
+        ws.iter()
+            .map(|w| {
+                let format = ActivationFormat::for_weights(w.ty);
+                let i = match seen.iter().position(|(f, _)| *f == format) {
+                    Some(i) => i,
+                    None => {
+                        seen.push((format, self.activations_for(w.ty, x)));
+                        seen.len() - 1
+                    }
+                };
+                self.product(w, None, seen[i].1.as_ref().unwrap_or(x))
+            })
+            .collect()
     }
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
-        self.product(w, Some(rows), x)
+        let seen = self.activations_for(w.ty, x);
+        self.product(w, Some(rows), seen.as_ref().unwrap_or(x))
     }
 
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
@@ -1054,6 +1140,19 @@ mod tests {
                 && src.contains(&format!("QUANT_KERNELS({suffix},"));
             assert!(direct || by_macro, "{name} is not in kernels/");
         }
+    }
+
+    #[test]
+    fn activation_mode_is_f32_unless_q8_is_asked() {
+        assert!(!q8_activations_asked(None).unwrap());
+        assert!(!q8_activations_asked(Some("")).unwrap());
+        assert!(!q8_activations_asked(Some("f32")).unwrap());
+        assert!(q8_activations_asked(Some(" q8 ")).unwrap());
+        let e = q8_activations_asked(Some("int8")).unwrap_err().to_string();
+        assert!(
+            e.contains(ACTIVATIONS_ENV) && e.contains("int8") && e.contains("q8"),
+            "{e}"
+        );
     }
 
     #[test]
