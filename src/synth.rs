@@ -161,8 +161,9 @@ fn half_split_order(heads: usize, head_dim: usize) -> Vec<usize> {
 /// The norms' epsilon written when upcycling into a QK-norm architecture (qwen3moe, olmoe), whose
 /// source never normalized Q and K. RMSNorm is `x / sqrt(mean(x²) + eps) · w`: with an epsilon far
 /// above a projection's mean square it is nearly linear in `x`, and `w = sqrt(eps + typical mean
-/// square)` makes it nearly the identity (a token whose Q has 10× the typical mean square is scaled
-/// by ~0.5% less). Normalizing Q and K to a fixed RMS instead, as a real QK-norm model was trained
+/// square)` makes it nearly the identity (a token's Q is scaled by `sqrt((eps + typical) / (eps +
+/// its own mean square))`, within 0.5% of one while mean squares stay under 100). Normalizing Q
+/// and K to a fixed RMS instead, as a real QK-norm model was trained
 /// to, damaged the upcycled models beyond use (perplexity ~900–1400 where the source has ~22).
 pub const QK_LINEAR_EPS: f32 = 1e4;
 
