@@ -148,17 +148,20 @@ fn kernels_per_type(
             let xa = dev.upload(n, cols, x.clone());
             // Full product and a row subset.
             let full = dev.download(dev.matmul(&[&w], &xa).remove(0));
-            let want: Vec<f32> = (0..n)
-                .flat_map(|t| {
-                    let x = &x;
-                    deq.iter().map(move |row| {
-                        row.iter()
-                            .zip(&x[t * cols..(t + 1) * cols])
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum::<f64>() as f32
+            // Every row times each token's activations `acts` [n, cols], in f64.
+            let reference = |acts: &[f32]| -> Vec<f32> {
+                (0..n)
+                    .flat_map(|t| {
+                        deq.iter().map(move |row| {
+                            row.iter()
+                                .zip(&acts[t * cols..(t + 1) * cols])
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>() as f32
+                        })
                     })
-                })
-                .collect();
+                    .collect()
+            };
+            let want = reference(&x);
             errs.push(rel_err(&full, &want));
             let subset: Vec<u32> = vec![44, 3, 17, 0, 29];
             let part = dev.download(dev.matmul_rows(&w, &subset, &xa));
@@ -180,17 +183,7 @@ fn kernels_per_type(
                     p.dequantized()
                 })
                 .collect();
-            let want_q8: Vec<f32> = (0..n)
-                .flat_map(|t| {
-                    let seen = &seen;
-                    deq.iter().map(move |row| {
-                        row.iter()
-                            .zip(&seen[t * cols..(t + 1) * cols])
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum::<f64>() as f32
-                    })
-                })
-                .collect();
+            let want_q8 = reference(&seen);
             errs.push(rel_err(&q8, &want_q8));
             let want_q8_part: Vec<f32> = (0..n)
                 .flat_map(|t| subset.iter().map(move |&r| (t, r)))
@@ -297,40 +290,44 @@ fn load(path: &std::path::Path, device: Arc<dyn Device>) -> Result<Model, String
     Model::load_on(path, &LoadOptions::default(), device).map_err(|e| e.to_string())
 }
 
-fn stories260k(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    let dir = common::stories_dir();
-    let cpu = load(&dir, Arc::new(CpuBackend::new(0)))?;
-    let gpu = load(&dir, dev.clone())?;
+/// A model file on both devices: greedy steps from "Once upon a time" (steps whose argmax differs,
+/// worst |dlogit| of the range) and perplexity of 4 windows of 256 of `text` (cpu, cuda).
+fn cpu_vs_cuda(path: &std::path::Path, dev: &Arc<CudaDevice>, text: &str) -> Result<(usize, f64, f64, f64), String> {
+    let cpu = load(path, Arc::new(CpuBackend::new(0)))?;
+    let gpu = load(path, dev.clone())?;
     let prompt = cpu
         .tokenizer
         .encode("Once upon a time", true)
         .map_err(|e| e.to_string())?;
     let (mismatches, worst) = compare_greedy(&cpu, &gpu, &prompt, 32)?;
-    let text = std::fs::read_to_string(common::shared_dir().join("data/wikitext-2/wiki.test.raw"))
-        .map_err(|e| e.to_string())?;
-    let cut = (0..=200_000.min(text.len()))
-        .rev()
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(0);
-    let text = &text[..cut];
     let opts = gatestream::perplexity::PerplexityOptions { ctx: 256, windows: 4 };
     let pc = gatestream::perplexity::perplexity(&cpu, text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
     let pg = gatestream::perplexity::perplexity(&gpu, text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
-    let rel = (pg.perplexity / pc.perplexity - 1.0).abs();
+    Ok((mismatches, worst, pc.perplexity, pg.perplexity))
+}
+
+/// The first `chars` characters of wikitext-2's test text.
+fn wiki_text(chars: usize) -> Result<String, String> {
+    let text = std::fs::read_to_string(common::shared_dir().join("data/wikitext-2/wiki.test.raw"))
+        .map_err(|e| e.to_string())?;
+    Ok(text.chars().take(chars).collect())
+}
+
+fn stories260k(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let (mismatches, worst, pc, pg) = cpu_vs_cuda(&common::stories_dir(), dev, &wiki_text(200_000)?)?;
+    let rel = (pg / pc - 1.0).abs();
     let msg = format!(
         "  stories260K: greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the range; \
-         perplexity (4 windows of 256) cpu {:.4} cuda {:.4} (diff {:.4}%)",
+         perplexity (4 windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
         worst * 100.0,
-        pc.perplexity,
-        pg.perplexity,
         rel * 100.0
     );
     report.insert(
         "stories260k".into(),
-        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc.perplexity, "ppl_cuda": pg.perplexity}),
+        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
     );
     judged(mismatches, worst, rel, msg)
 }
@@ -347,9 +344,7 @@ fn moe(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_json::V
         "stories.gguf",
         &common::stories_gguf(common::Breakage::None),
     );
-    let text = std::fs::read_to_string(common::shared_dir().join("data/wikitext-2/wiki.test.raw"))
-        .map_err(|e| e.to_string())?;
-    let text: String = text.chars().take(100_000).collect();
+    let text = wiki_text(100_000)?;
     let (mut lines, mut failed) = (Vec::new(), false);
     for arch in [Arch::Llama, Arch::Qwen2Moe, Arch::Qwen3Moe, Arch::Olmoe] {
         let spec = gatestream::synth::MoeSpec {
@@ -363,31 +358,18 @@ fn moe(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_json::V
         };
         let path = dir.path().join(format!("{}.gguf", arch.name()));
         gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
-        let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
-        let gpu = load(&path, dev.clone())?;
-        let prompt = cpu
-            .tokenizer
-            .encode("Once upon a time", true)
-            .map_err(|e| e.to_string())?;
-        let (mismatches, worst) = compare_greedy(&cpu, &gpu, &prompt, 32)?;
-        let opts = gatestream::perplexity::PerplexityOptions { ctx: 256, windows: 4 };
-        let pc =
-            gatestream::perplexity::perplexity(&cpu, &text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
-        let pg =
-            gatestream::perplexity::perplexity(&gpu, &text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
-        let rel = (pg.perplexity / pc.perplexity - 1.0).abs();
+        let (mismatches, worst, pc, pg) = cpu_vs_cuda(&path, dev, &text)?;
+        let rel = (pg / pc - 1.0).abs();
         let msg = format!(
             "  {} (6 experts, 2 used): greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the \
-             range; perplexity (4 windows of 256) cpu {:.4} cuda {:.4} (diff {:.4}%)",
+             range; perplexity (4 windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
             arch.name(),
             worst * 100.0,
-            pc.perplexity,
-            pg.perplexity,
             rel * 100.0
         );
         report.insert(
             format!("moe_{}", arch.name()),
-            serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc.perplexity, "ppl_cuda": pg.perplexity}),
+            serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
         );
         failed |= judged(mismatches, worst, rel, String::new()).is_err();
         lines.push(msg);

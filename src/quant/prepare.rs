@@ -200,21 +200,16 @@ impl PreparedInput {
     /// CPU's products (to rounding) from these; the CUDA device makes them on the GPU
     /// (`act_q8_32` and `act_q8_k` in kernels/ops.cu) and tests compare with this.
     pub fn dequantized(&self) -> Vec<f32> {
-        match ActivationFormat::for_weights(self.weight_type) {
-            ActivationFormat::F32 => self.values_f32.clone(),
-            ActivationFormat::Q8Blocks32 => self
-                .quants
-                .chunks_exact(QK_LEGACY)
-                .zip(&self.block_scales)
-                .flat_map(|(q, &d)| q.iter().map(move |&v| v as f32 * d))
-                .collect(),
-            ActivationFormat::Q8K => self
-                .quants
-                .chunks_exact(QK_K)
-                .zip(&self.block_scales)
-                .flat_map(|(q, &d)| q.iter().map(move |&v| v as f32 * d))
-                .collect(),
-        }
+        let block = match ActivationFormat::for_weights(self.weight_type) {
+            ActivationFormat::F32 => return self.values_f32.clone(),
+            ActivationFormat::Q8Blocks32 => QK_LEGACY,
+            ActivationFormat::Q8K => QK_K,
+        };
+        self.quants
+            .chunks_exact(block)
+            .zip(&self.block_scales)
+            .flat_map(|(q, &d)| q.iter().map(move |&v| v as f32 * d))
+            .collect()
     }
 }
 
