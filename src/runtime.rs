@@ -162,13 +162,6 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Runtime> {
 
 /// As `open`, computing on `device` (shared with other runtimes: one device, one thread pool).
 pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Result<Runtime> {
-    if opts.stream.is_some() && !device.host_memory() {
-        return Err(Error::Invalid(format!(
-            "--ram-budget streams weights into host memory, and {} computes in its own: streaming to a GPU \
-             is not built yet; run the GPU with the whole model in device memory (no --ram-budget)",
-            device.name()
-        )));
-    }
     let placement = if opts.stream.is_some() {
         Placement::OnDisk
     } else {

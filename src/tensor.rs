@@ -34,6 +34,10 @@ pub struct Weight {
     pub row_stride_bytes: usize,
     storage: Storage,
     offset_bytes: usize,
+    /// The bytes sit in a buffer the streaming path refills (staging, cache slots, the current
+    /// layer's read buffer): a device with memory of its own copies them at each use and never
+    /// keeps a copy by address, which could outlive the bytes it was made of.
+    volatile: bool,
 }
 
 impl Weight {
@@ -101,6 +105,7 @@ impl Weight {
             row_stride_bytes,
             storage: Storage::Owned(bytes),
             offset_bytes,
+            volatile: false,
         })
     }
 
@@ -152,6 +157,7 @@ impl Weight {
             row_stride_bytes,
             storage: Storage::Mapped(map),
             offset_bytes,
+            volatile: false,
         }
     }
 
@@ -180,6 +186,16 @@ impl Weight {
             r => (r - 1) * self.row_stride_bytes + self.row_bytes,
         };
         Some((&self.storage()[self.offset_bytes..self.offset_bytes + len], keep))
+    }
+
+    /// The same view marked as bytes of a buffer that will be refilled (see the field).
+    pub fn volatile(mut self) -> Weight {
+        self.volatile = true;
+        self
+    }
+
+    pub fn is_volatile(&self) -> bool {
+        self.volatile
     }
 
     pub fn is_contiguous(&self) -> bool {

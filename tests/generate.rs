@@ -187,6 +187,25 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     let report = got.stream.expect("a stream report");
     assert!(report.counters.passes > 0);
 
+    // The same through the runtime onto a device with memory of its own (the host stand-in,
+    // which copies the stream's buffers at each use as the CUDA device does): the same tokens.
+    let standin = std::sync::Arc::new(gatestream::backend::standin::HostStandIn::new(0));
+    let on_device = gatestream::runtime::open_on(
+        &gst,
+        &OpenOptions {
+            threads: 0,
+            stream: Some(pread_stream(file_bytes * 3 / 4, 8)),
+            sparse: None,
+            kv_positions: KvPositions::Exactly(ids.len() + 6),
+            experts_used: None,
+        },
+        standin.clone(),
+    )
+    .unwrap();
+    let got = on_device.generate(&ids, &greedy(6), false, None, &mut |_| {}).unwrap();
+    assert_eq!(got.generation.tokens, want.tokens);
+    assert!(standin.copied_bytes().1 > 0, "nothing streamed to the device");
+
     // The engine over the same stream: the same tokens; a second request past the KV positions
     // the budget holds is refused.
     let mut engine = gatestream::engine::Engine::new(&rt.model, rt.layer_stream(), 0);

@@ -8,6 +8,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::*;
 use gatestream::config::Arch;
@@ -783,6 +784,46 @@ fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Experts streamed to a device with memory of its own (the host stand-in, which copies the
+/// stream's cache slots at each use and keeps resident weights by address, as the CUDA device
+/// does): the same logits as the `.gst` in RAM on the CPU, bit for bit, for each architecture at
+/// the minimum budget (one cache slot, refilled by every expert) and with room for three.
+#[test]
+fn streamed_experts_feed_a_device_with_memory_of_its_own() {
+    use gatestream::backend::standin::HostStandIn;
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a little dog";
+    for arch in ARCHS {
+        let gguf = make(
+            tmp.path(),
+            &spec(arch, GgmlType::Q8_0, true),
+            &format!("{}.gguf", arch.name()),
+        );
+        let gst = tmp.path().join(format!("{}.gst", arch.name()));
+        gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+        let reference = prompt_then_greedy(&load(&gst), None, None, text, 4);
+        let min = min_budget(&gst, false);
+        for (b, extra) in [0u64, 3].into_iter().enumerate() {
+            let dev = Arc::new(HostStandIn::new(0));
+            let m = Model::load_on(&gst, &on_disk(), dev.clone()).unwrap();
+            let probe = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, false)).unwrap();
+            let budget = min + extra * probe.experts.as_ref().unwrap().expert_bytes;
+            drop(probe);
+            let s = Streamer::open(&m, &stream_options(budget, ReadEngine::Uring, CachePolicy::Lru, false)).unwrap();
+            let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+            assert!(
+                got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{arch:?} budget {b}: streamed to the stand-in differs from in RAM"
+            );
+            let (resident, volatile) = dev.copied_bytes();
+            assert!(
+                resident > 0 && volatile > 0,
+                "{arch:?}: {resident} resident, {volatile} volatile bytes"
+            );
         }
     }
 }

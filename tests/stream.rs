@@ -311,6 +311,59 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
     assert!(e.contains("reformat"), "{e}");
 }
 
+/// A device with memory of its own fed by the stream — the host stand-in
+/// (`gatestream::backend::standin`), which keeps resident weights by address as the CUDA device
+/// does and copies the stream's buffers (volatile weights) at each use: the streamed logits equal
+/// the in-RAM model's on the CPU, bit for bit with every neuron, and to the f64 down sums' order
+/// with a top-K mask, for every reader, with everything streamed (no cache) and with an LRU cache
+/// (hits and misses); the streamed bytes reached the device as per-use copies.
+#[test]
+fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
+    use gatestream::backend::standin::HostStandIn;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let text = "The capital of France is";
+    let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
+    let ram = load(&p);
+    let ram_mask = Masker::for_model(&ram, Strategy::TopK, Criterion::Exact, 0.5, None).unwrap();
+    let want_dense = run(&ram, None, None, text, 4);
+    let want_sparse = run(&ram, None, Some(&ram_mask), text, 4);
+    for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+        for (budget, policy) in [(min, CachePolicy::Pinned), (min + file_bytes / 2, CachePolicy::Lru)] {
+            for sparse in [false, true] {
+                let dev = Arc::new(HostStandIn::new(0));
+                let opts = LoadOptions {
+                    placement: Placement::OnDisk,
+                    ..LoadOptions::default()
+                };
+                let m = Model::load_on(&p, &opts, dev.clone()).unwrap();
+                let s = Streamer::open(&m, &options(budget, engine, policy)).unwrap();
+                let mask = sparse.then(|| Masker::for_model(&m, Strategy::TopK, Criterion::Exact, 0.5, None).unwrap());
+                let got = run(&m, Some(&s), mask.as_ref(), text, 4);
+                let what = format!("{engine:?} {policy:?} sparse {sparse}");
+                let want = if sparse { &want_sparse } else { &want_dense };
+                assert_eq!(got.len(), want.len(), "{what}");
+                if sparse {
+                    let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+                    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(diff <= 1e-4 * scale, "{what}: {diff} (scale {scale})");
+                } else {
+                    assert!(
+                        got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: differs from the in-RAM model"
+                    );
+                }
+                let (resident, volatile) = dev.copied_bytes();
+                assert!(
+                    resident > 0 && volatile > 0,
+                    "{what}: copied {resident} resident, {volatile} volatile"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
     let tmp = tempfile::tempdir().unwrap();

@@ -20,6 +20,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod ops;
+pub mod standin;
 
 use std::borrow::Cow;
 
@@ -171,8 +172,9 @@ pub trait Device: Send + Sync {
     fn take_error(&self) -> Option<crate::error::Error> {
         None
     }
-    /// Whether activations live in host memory (the CPU device); a device with memory of its
-    /// own cannot yet be fed by the streaming path.
+    /// Whether activations live in host memory (the CPU device). A device with memory of its
+    /// own copies weights to it: resident ones once (by address), streamed ones at each use
+    /// ([`Weight::is_volatile`]).
     fn host_memory(&self) -> bool {
         true
     }

@@ -94,7 +94,11 @@ impl ExpertPart {
 
     /// The expert as weights over its bytes.
     fn weights(&self, bytes: &Arc<Vec<u8>>) -> Result<FfnWeights> {
-        let w = |m: &MatrixAt| Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), m.offset, m.stride);
+        // A cache slot, refilled with another expert when evicted.
+        let w = |m: &MatrixAt| {
+            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), m.offset, m.stride)
+                .map(Weight::volatile)
+        };
         Ok(FfnWeights {
             gate: w(&self.gate)?,
             up: w(&self.up)?,

@@ -157,7 +157,7 @@ impl Streamer {
     /// A view of part `p` of the current layer's dense buffer; `at` is its byte offset there.
     pub(super) fn view(st: &State, p: &Part, at: usize) -> Result<Weight> {
         let (_, buf) = st.current.as_ref().expect("current layer");
-        Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at)
+        Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at).map(Weight::volatile)
     }
 
     /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
@@ -400,16 +400,19 @@ impl LayerStream for Streamer {
         let mut st = self.state.lock().expect("stream state");
         self.fetch(&mut st, l, up_set, if with_down { up_set } else { &[] }, up_set)?;
         let (parts, m) = (&self.layers[l], up_set.len());
-        let up = Weight::shared(&parts.up.name, parts.up.ty, m, self.hidden, st.staging_up.clone(), 0)?;
+        let up = Weight::shared(&parts.up.name, parts.up.ty, m, self.hidden, st.staging_up.clone(), 0)?.volatile();
         let down = match with_down {
-            true => Some(Weight::shared(
-                &parts.down.name,
-                parts.down.ty,
-                m,
-                self.hidden,
-                st.staging_down.clone(),
-                0,
-            )?),
+            true => Some(
+                Weight::shared(
+                    &parts.down.name,
+                    parts.down.ty,
+                    m,
+                    self.hidden,
+                    st.staging_down.clone(),
+                    0,
+                )?
+                .volatile(),
+            ),
             false => None,
         };
         Ok((up, down))
@@ -427,6 +430,7 @@ impl LayerStream for Streamer {
             st.staging_down.clone(),
             0,
         )
+        .map(Weight::volatile)
     }
 
     fn begin_decode(&self, l: usize) -> Result<()> {

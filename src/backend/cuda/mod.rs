@@ -184,6 +184,13 @@ struct DevWeight {
     _keep: Arc<dyn Any + Send + Sync>,
 }
 
+/// A weight's device address for one launch; a streamed (volatile) weight's copy lives as long as
+/// this does, so keep it until the kernel that reads it is launched.
+struct OnDevice {
+    ptr: u64,
+    _transient: Option<CudaSlice<u8>>,
+}
+
 /// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each.
 struct DevKv {
     _k: CudaSlice<f32>,
@@ -511,24 +518,42 @@ impl CudaDevice {
     }
 
     /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
-    fn weight(&self, w: &Weight) -> Option<u64> {
+    fn weight(&self, w: &Weight) -> Option<OnDevice> {
         let Some((bytes, keep)) = w.span() else {
             self.fail(format!(
-                "{}: its bytes are on disk; streaming weights to a GPU is not built yet (run without --ram-budget)",
+                "{}: its bytes are on disk, not read into memory by the stream (a bug: streamed weights reach the \
+                 device as the stream's buffers)",
                 w.name
             ));
             return None;
         };
+        let copy = |what: &str| {
+            self.check(
+                &format!("copying {what} {} ({} bytes) to the GPU", w.name, bytes.len()),
+                self.stream
+                    .clone_htod(if bytes.is_empty() { &[0u8][..] } else { bytes }),
+            )
+        };
+        if w.is_volatile() {
+            // A buffer the stream refills: copied for this use only. The copy from pageable
+            // memory has left the host buffer when `clone_htod` returns; dropping the slice after
+            // the launch frees it in stream order (or after a synchronize).
+            let buf = copy("streamed")?;
+            let ptr = self.raw(&buf);
+            return Some(OnDevice {
+                ptr,
+                _transient: Some(buf),
+            });
+        }
         let key = (bytes.as_ptr() as usize, bytes.len(), w.row_stride_bytes);
         let mut cache = self.weights.lock().expect("weights");
         if let Some(d) = cache.get(&key) {
-            return Some(d.ptr);
+            return Some(OnDevice {
+                ptr: d.ptr,
+                _transient: None,
+            });
         }
-        let buf = self.check(
-            &format!("copying {} ({} bytes) to the GPU", w.name, bytes.len()),
-            self.stream
-                .clone_htod(if bytes.is_empty() { &[0u8][..] } else { bytes }),
-        )?;
+        let buf = copy("resident")?;
         let ptr = self.raw(&buf);
         cache.insert(
             key,
@@ -538,7 +563,7 @@ impl CudaDevice {
                 _keep: keep,
             },
         );
-        Some(ptr)
+        Some(OnDevice { ptr, _transient: None })
     }
 
     /// A host vector (norm, bias) on the device, copied again if its contents changed.
@@ -710,7 +735,8 @@ impl Device for CudaDevice {
         if ids.is_empty() {
             return out;
         }
-        if let Some(wp) = self.weight(w) {
+        if let Some(wd) = self.weight(w) {
+            let wp = wd.ptr;
             let idx = self.indices(ids);
             let cfg = LaunchConfig {
                 grid_dim: (ids.len() as u32, 1, 1),
@@ -896,7 +922,8 @@ impl Device for CudaDevice {
             ));
             return;
         }
-        let Some(wp) = self.weight(w) else { return };
+        let Some(wd) = self.weight(w) else { return };
+        let wp = wd.ptr;
         let idx = rows.map_or(0, |r| self.indices(r));
         let parts = accumulate_parts(n_rows);
         let partial = self.act(parts * n, w.cols);
@@ -1102,7 +1129,8 @@ impl CudaDevice {
             self.fail(format!("{}: {} columns times an input of {}", w.name, w.cols, x.width));
             return out;
         }
-        let Some(wp) = self.weight(w) else { return out };
+        let Some(wd) = self.weight(w) else { return out };
+        let wp = wd.ptr;
         let idx = rows.map_or(0, |r| self.indices(r));
         // One token (decode): the single-token kernel, with fewer registers.
         let kernel = if x.rows == 1 { "matvec" } else { "matmul" };
