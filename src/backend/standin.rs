@@ -18,10 +18,15 @@ use crate::config::FfnActivation;
 use crate::kv::KvCache;
 use crate::tensor::Weight;
 
+/// Resident copies: by (address, length, row stride) of the original bytes, the copy and what
+/// keeps the original alive.
+type Copies = HashMap<(usize, usize, usize), (Weight, Arc<dyn std::any::Any + Send + Sync>)>;
+
 pub struct HostStandIn {
     cpu: CpuBackend,
-    /// Resident copies by (address, length, row stride) of the bytes they were made of.
-    resident: Mutex<HashMap<(usize, usize, usize), Weight>>,
+    /// Resident copies by (address, length, row stride) of the bytes they were made of, each
+    /// holding those bytes alive (as the CUDA device does) so no other buffer takes the address.
+    resident: Mutex<Copies>,
     /// Bytes copied for resident weights (once each) and for volatile ones (at every use).
     resident_bytes: AtomicU64,
     volatile_bytes: AtomicU64,
@@ -47,7 +52,7 @@ impl HostStandIn {
 
     /// The stand-in's own copy of `w`'s bytes, as a weight over them.
     fn on_device(&self, w: &Weight) -> Weight {
-        let Some((bytes, _)) = w.span() else {
+        let Some((bytes, keep)) = w.span() else {
             panic!(
                 "{}: a weight whose bytes are on disk reached the device (streamed weights arrive as the stream's buffers)",
                 w.name
@@ -75,8 +80,9 @@ impl HostStandIn {
             .entry(key)
             .or_insert_with(|| {
                 self.resident_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                copy()
+                (copy(), keep)
             })
+            .0
             .clone()
     }
 }
