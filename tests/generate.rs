@@ -134,8 +134,9 @@ fn a_failed_prefill_leaves_the_mask_out_of_prompt_mode() {
 
 /// The runtime streams a .gst model under a budget: a prompt longer than one batch is prefilled
 /// in batches (the budget holds one batch's activations and the KV cache) and gives the in-RAM
-/// model's tokens; a pass larger than a batch is refused; a request needing more KV positions
-/// than the budget was planned for is refused.
+/// model's tokens (also streamed onto a device with memory of its own, the host stand-in, by the
+/// runtime and by the engine `serve` steps); a pass larger than a batch is refused; a request
+/// needing more KV positions than the budget was planned for is refused.
 #[test]
 fn the_runtime_streams_a_long_prompt_in_batches() {
     let tmp = tempfile::tempdir().unwrap();
@@ -227,6 +228,25 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
         }
     }
     assert_eq!(tokens, want.tokens);
+    // And the engine (what `serve` steps) over the stream onto the stand-in device.
+    let mut engine = gatestream::engine::Engine::new(&on_device.model, on_device.layer_stream(), 0);
+    engine
+        .submit(gatestream::engine::Request {
+            prompt_ids: ids.clone(),
+            max_tokens: 6,
+            sampler: greedy(0).sampler,
+            ..Default::default()
+        })
+        .unwrap();
+    let mut tokens = Vec::new();
+    while engine.active() > 0 {
+        for ev in engine.step().unwrap() {
+            if let gatestream::engine::Event::Token { token, .. } = ev {
+                tokens.push(token);
+            }
+        }
+    }
+    assert_eq!(tokens, want.tokens, "the engine on the stand-in device");
 
     // One pass over more tokens than a batch is refused, naming the limit.
     let mut cache = gatestream::kv::KvCache::new(&rt.model.config, ids.len());
