@@ -16,6 +16,18 @@ use gatestream::reformat::{reformat, ReformatOptions};
 use gatestream::runtime::{KvPositions, OpenOptions, SparseAsk};
 use gatestream::sparsity::{Criterion, Masker, Strategy};
 
+/// A runtime streaming through pread under `budget` bytes, passes of at most `batch` tokens,
+/// a KV cache of `positions`, no mask.
+fn streamed(budget: u64, batch: usize, positions: usize) -> OpenOptions {
+    OpenOptions {
+        threads: 0,
+        stream: Some(pread_stream(budget, batch)),
+        sparse: None,
+        kv_positions: KvPositions::Exactly(positions),
+        experts_used: None,
+    }
+}
+
 fn smollm2() -> Model {
     Model::load(
         &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
@@ -172,11 +184,8 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
         gatestream::runtime::open(
             &gst,
             &OpenOptions {
-                threads: 0,
-                stream: Some(pread_stream(file_bytes, 8)),
                 sparse,
-                kv_positions: KvPositions::Exactly(ids.len() + 6),
-                experts_used: None,
+                ..streamed(file_bytes, 8, ids.len() + 6)
             },
         )
         .unwrap()
@@ -191,18 +200,8 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     // The same through the runtime onto a device with memory of its own (the host stand-in,
     // which copies the stream's buffers at each use as the CUDA device does): the same tokens.
     let standin = std::sync::Arc::new(gatestream::backend::standin::HostStandIn::new(0));
-    let on_device = gatestream::runtime::open_on(
-        &gst,
-        &OpenOptions {
-            threads: 0,
-            stream: Some(pread_stream(file_bytes * 3 / 4, 8)),
-            sparse: None,
-            kv_positions: KvPositions::Exactly(ids.len() + 6),
-            experts_used: None,
-        },
-        standin.clone(),
-    )
-    .unwrap();
+    let on_device =
+        gatestream::runtime::open_on(&gst, &streamed(file_bytes * 3 / 4, 8, ids.len() + 6), standin.clone()).unwrap();
     let got = on_device.generate(&ids, &greedy(6), false, None, &mut |_| {}).unwrap();
     assert_eq!(got.generation.tokens, want.tokens);
     assert!(standin.copied_bytes().1 > 0, "nothing streamed to the device");
@@ -723,15 +722,9 @@ fn prompt_lookup_keeps_greedy_tokens_in_ram_and_streamed() {
     .unwrap();
     let rt = gatestream::runtime::open(
         &gst,
-        &OpenOptions {
-            threads: 0,
-            // Above the 73.6 MB minimum, below the 110 MB file: FFN rows stream. Passes of at
-            // most 4 tokens: 6 drafts asked, 3 taken per pass.
-            stream: Some(pread_stream(80_000_000, 4)),
-            sparse: None,
-            kv_positions: KvPositions::Exactly(ids.len() + n),
-            experts_used: None,
-        },
+        // Above the 73.6 MB minimum, below the 110 MB file: FFN rows stream. Passes of at most 4
+        // tokens: 6 drafts asked, 3 taken per pass.
+        &streamed(80_000_000, 4, ids.len() + n),
     )
     .unwrap();
     let streamed = rt.generate(&ids, &greedy(n), false, None, &mut |_| {}).unwrap();
@@ -912,14 +905,8 @@ fn a_draft_model_keeps_greedy_tokens_in_ram_and_streamed() {
     let open = || {
         gatestream::runtime::open(
             &gst,
-            &OpenOptions {
-                threads: 0,
-                // FFN rows stream (see prompt lookup's test); passes of at most 4 tokens.
-                stream: Some(pread_stream(80_000_000, 4)),
-                sparse: None,
-                kv_positions: KvPositions::Exactly(ids.len() + n),
-                experts_used: None,
-            },
+            // FFN rows stream (see prompt lookup's test); passes of at most 4 tokens.
+            &streamed(80_000_000, 4, ids.len() + n),
         )
         .unwrap()
     };
