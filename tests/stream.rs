@@ -315,8 +315,10 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
 /// (`gatestream::backend::standin`), which keeps resident weights by address as the CUDA device
 /// does and copies the stream's buffers (volatile weights) at each use: the streamed logits equal
 /// the in-RAM model's on the CPU, bit for bit with every neuron, and to the f64 down sums' order
-/// with a top-K mask, for every reader, with everything streamed (no cache) and with an LRU cache
-/// (hits and misses); the streamed bytes reached the device as per-use copies.
+/// with a top-K mask (exact and gate criteria, with and without lookahead), for every reader,
+/// with everything streamed (no cache) and with an LRU cache (hits and misses); the streamed
+/// bytes reached the device as per-use copies, and a masked decode step's FFN rows were staged
+/// onto the device (not computed on the host where they landed).
 #[test]
 fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
     use gatestream::backend::standin::HostStandIn;
@@ -326,28 +328,54 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
     let text = "The capital of France is";
     let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
     let ram = load(&p);
-    let ram_mask = Masker::for_model(&ram, Strategy::TopK, Criterion::Exact, 0.5, None).unwrap();
+    let n_layers = ram.config.n_layers as u64;
     let want_dense = run(&ram, None, None, text, 4);
-    let want_sparse = run(&ram, None, Some(&ram_mask), text, 4);
+    let criteria = [Criterion::Exact, Criterion::Gate];
+    let want_sparse: Vec<Vec<f32>> = criteria
+        .iter()
+        .map(|&c| {
+            let mask = Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap();
+            run(&ram, None, Some(&mask), text, 4)
+        })
+        .collect();
     for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
         for (budget, policy) in [(min, CachePolicy::Pinned), (min + file_bytes / 2, CachePolicy::Lru)] {
-            for sparse in [false, true] {
+            for sparse in [None, Some(0), Some(1)] {
+                // Lookahead where the budget leaves room for resident gates to predict with.
+                let ahead = sparse.is_some() && policy == CachePolicy::Lru;
                 let dev = Arc::new(HostStandIn::new(0));
                 let opts = LoadOptions {
                     placement: Placement::OnDisk,
                     ..LoadOptions::default()
                 };
                 let m = Model::load_on(&p, &opts, dev.clone()).unwrap();
-                let s = Streamer::open(&m, &options(budget, engine, policy)).unwrap();
-                let mask = sparse.then(|| Masker::for_model(&m, Strategy::TopK, Criterion::Exact, 0.5, None).unwrap());
+                let mut sopts = options(budget, engine, policy);
+                if let (true, Some(c)) = (ahead, sparse) {
+                    sopts.lookahead = Lookahead::for_mask(up_set_reads_input(Strategy::TopK, criteria[c]));
+                }
+                let s = Streamer::open(&m, &sopts).unwrap();
+                let mask = sparse.map(|c| Masker::for_model(&m, Strategy::TopK, criteria[c], 0.5, None).unwrap());
                 let got = run(&m, Some(&s), mask.as_ref(), text, 4);
-                let what = format!("{engine:?} {policy:?} sparse {sparse}");
-                let want = if sparse { &want_sparse } else { &want_dense };
+                let what = format!(
+                    "{engine:?} {policy:?} sparse {:?} lookahead {ahead}",
+                    sparse.map(|c| criteria[c])
+                );
+                let want = sparse.map_or(&want_dense, |c| &want_sparse[c]);
                 assert_eq!(got.len(), want.len(), "{what}");
-                if sparse {
+                if sparse.is_some() {
                     let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                     let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
                     assert!(diff <= 1e-4 * scale, "{what}: {diff} (scale {scale})");
+                    // The prompt's pass stages each layer's up rows once; each decode step once more.
+                    let up_copies = dev.volatile_uses("ffn_up");
+                    assert!(
+                        up_copies >= 2 * n_layers,
+                        "{what}: {up_copies} copies of up rows for {n_layers} layers: decode steps computed elsewhere"
+                    );
+                    if ahead {
+                        let c = s.counters();
+                        assert!(c.ahead_neurons > 0 && c.ahead_used_neurons > 0, "{what}: {c:?}");
+                    }
                 } else {
                     assert!(
                         got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),

@@ -30,6 +30,8 @@ pub struct HostStandIn {
     /// Bytes copied for resident weights (once each) and for volatile ones (at every use).
     resident_bytes: AtomicU64,
     volatile_bytes: AtomicU64,
+    /// Volatile copies made, by weight name.
+    volatile_uses: Mutex<HashMap<String, u64>>,
 }
 
 impl HostStandIn {
@@ -39,7 +41,18 @@ impl HostStandIn {
             resident: Mutex::new(HashMap::new()),
             resident_bytes: AtomicU64::new(0),
             volatile_bytes: AtomicU64::new(0),
+            volatile_uses: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// How many volatile copies were made of weights whose name contains `part` (a streamed
+    /// layer's `ffn_up` rows, say: one copy per pass that computed them here).
+    pub fn volatile_uses(&self, part: &str) -> u64 {
+        let uses = self.volatile_uses.lock().expect("volatile uses");
+        uses.iter()
+            .filter(|(name, _)| name.contains(part))
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// Bytes copied "to the device" so far: (resident weights, volatile weights).
@@ -72,6 +85,12 @@ impl HostStandIn {
         };
         if w.is_volatile() {
             self.volatile_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            *self
+                .volatile_uses
+                .lock()
+                .expect("volatile uses")
+                .entry(w.name.clone())
+                .or_default() += 1;
             return copy();
         }
         let key = (bytes.as_ptr() as usize, bytes.len(), w.row_stride_bytes);

@@ -12,6 +12,10 @@
 //! A streamed decode step with a mask computes each up row and down column as it lands (hits
 //! from the cache meanwhile, on the other pool thread); its down sums run in another order
 //! than the staged path's, so it agrees with the in-RAM model to rounding, not bit for bit.
+//! On a device with memory of its own (`Device::host_memory() == false`) the same step takes
+//! the gate's scores to the host (the one small copy the mask needs), gathers the rows the
+//! stream hands over (cache hits, lookahead reads, reads as they land) in neuron order, and
+//! runs phases 2–4 with the device's products on those staged rows.
 //! Everything else streams through the staged path, bit-identical to the in-RAM model when
 //! every neuron is kept.
 
@@ -208,7 +212,14 @@ impl Model {
             dev.activate(&mut gate, cfg.activation);
         }
         drop(streamed_gate);
-        if let (Some(s), Some(mask), 1, FfnNeurons::All) = (stream, hooks.mask, n, neurons) {
+        // A masked, streamed decode step: on the host (the CPU device) each row is computed where
+        // it lands; a device with memory of its own gets the rows staged in neuron order instead
+        // (below), computed by its own products.
+        let decode = match (stream, hooks.mask, n, neurons) {
+            (Some(s), Some(mask), 1, FfnNeurons::All) => Some((s, mask)),
+            _ => None,
+        };
+        if let Some((s, mask)) = decode.filter(|_| dev.host_memory()) {
             let d = self.ffn_decode_streamed(l, w, &dev.to_host(xn), &dev.to_host(&gate), mask, hooks, s)?;
             return Ok(dev.upload(1, h, d));
         }
@@ -223,7 +234,12 @@ impl Model {
             (None, Some(s), _) => {
                 let mut need = vec![true; f];
                 if let Some(m) = hooks.mask {
-                    m.up_needed(l, &dev.to_host(xn), &dev.to_host(&gate), &mut need);
+                    let (xh, gh) = (dev.to_host(xn), dev.to_host(&gate));
+                    if decode.is_some() {
+                        s.begin_decode(l)?;
+                        self.predict_next(l, &xh, m, s)?;
+                    }
+                    m.up_needed(l, &xh, &gh, &mut need);
                 }
                 if let FfnNeurons::Subset(rows) = neurons {
                     let mut selected = vec![false; f];
@@ -232,7 +248,11 @@ impl Model {
                 }
                 let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
                 let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
-                let (up_w, down_w) = s.stage(l, &up_set, one_pass)?;
+                let (up_w, down_w) = match decode {
+                    // The down columns come in the down phase, for the kept neurons only.
+                    Some(_) => (staged_decode_up(s, l, &up_set, one_pass, &w.up)?, None),
+                    None => s.stage(l, &up_set, one_pass)?,
+                };
                 let u = dev.matmul(&[&up_w], xn).remove(0);
                 drop(up_w);
                 let up = dev.scatter_cols(&u, &up_set, f);
@@ -271,7 +291,10 @@ impl Model {
                         let keep: Vec<u32> = (0..f as u32)
                             .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
                             .collect();
-                        let dw = s.stage_down(l, &keep, &up_set)?;
+                        let dw = match decode {
+                            Some(_) => staged_decode_down(s, l, &keep, w.down.weight())?,
+                            None => s.stage_down(l, &keep, &up_set)?,
+                        };
                         (keep, dw)
                     }
                 };
@@ -422,6 +445,90 @@ impl Model {
         }
         s.read_ahead(next, &need, mask.decides_before_up())
     }
+}
+
+/// A decode step's up rows of `set` (sorted) as the stream hands them over (cache hits, reads
+/// as they land: [`LayerStream::decode_up`]), staged in `set`'s order for a device's product:
+/// row i is the set's i-th neuron. `like`: the layer's up matrix (its type and width).
+fn staged_decode_up(s: &dyn LayerStream, l: usize, set: &[u32], with_down: bool, like: &Weight) -> Result<Weight> {
+    let mut parts = (RowsByNeuron::default(), RowsByNeuron::default());
+    let (hits, misses) = (&mut parts.0, &mut parts.1);
+    s.decode_up(
+        l,
+        set,
+        with_down,
+        &mut |rows| rows.iter().for_each(|&(n, r)| hits.push(n, r)),
+        &mut |n, r| misses.push(n, r),
+    )?;
+    stage_rows(like, set, [parts.0, parts.1])
+}
+
+/// A decode step's down columns of the kept neurons `kept` (sorted, a subset of the up set),
+/// staged in `kept`'s order ([`LayerStream::decode_down`]). `like`: the layer's down matrix.
+fn staged_decode_down(s: &dyn LayerStream, l: usize, kept: &[u32], like: &Weight) -> Result<Weight> {
+    let mut parts = (RowsByNeuron::default(), RowsByNeuron::default());
+    let (in_memory, landed) = (&mut parts.0, &mut parts.1);
+    s.decode_down(
+        l,
+        &|n| kept.binary_search(&n).is_ok(),
+        &mut |rows, _| rows.iter().for_each(|&(n, r)| in_memory.push(n, r)),
+        &mut |n, r| landed.push(n, r),
+    )?;
+    stage_rows(like, kept, [parts.0, parts.1])
+}
+
+/// Rows handed over one by one, copied out with their neuron ids.
+#[derive(Default)]
+struct RowsByNeuron {
+    ids: Vec<u32>,
+    bytes: Vec<u8>,
+}
+
+impl RowsByNeuron {
+    fn push(&mut self, n: u32, row: &[u8]) {
+        self.ids.push(n);
+        self.bytes.extend_from_slice(row);
+    }
+}
+
+/// The rows of `set` (sorted) from `parts`, laid out in `set`'s order as a volatile weight of
+/// `like`'s type and width; every neuron of the set must be there exactly once.
+fn stage_rows(like: &Weight, set: &[u32], parts: [RowsByNeuron; 2]) -> Result<Weight> {
+    let rb = like.ty.row_bytes(like.cols).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{}: {} values do not fill whole {:?} blocks",
+            like.name, like.cols, like.ty
+        ))
+    })?;
+    let mut staged = vec![0u8; set.len() * rb];
+    let mut filled = vec![false; set.len()];
+    for p in &parts {
+        for (k, &n) in p.ids.iter().enumerate() {
+            let i = set.binary_search(&n).ok().filter(|&i| !filled[i]).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{}: the stream handed over neuron {n}'s row, not asked for or twice",
+                    like.name
+                ))
+            })?;
+            filled[i] = true;
+            staged[i * rb..(i + 1) * rb].copy_from_slice(&p.bytes[k * rb..(k + 1) * rb]);
+        }
+    }
+    if let Some(i) = filled.iter().position(|&f| !f) {
+        return Err(Error::Invalid(format!(
+            "{}: the stream did not hand over neuron {}'s row",
+            like.name, set[i]
+        )));
+    }
+    Ok(Weight::shared(
+        &like.name,
+        like.ty,
+        set.len(),
+        like.cols,
+        std::sync::Arc::new(staged),
+        0,
+    )?
+    .volatile())
 }
 
 /// Per token, the experts chosen from the router's logits `[n, n_experts]`: `n_used` entries
