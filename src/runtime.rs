@@ -65,6 +65,8 @@ pub struct StreamAsk {
     pub lookahead: bool,
     /// The most tokens per pass (prefill batches); 0 = [`crate::stream::STREAM_BATCH_TOKENS`].
     pub batch_tokens_max: usize,
+    /// A GPU's memory budget ([`StreamOptions::vram_budget_bytes`]).
+    pub vram_budget_bytes: Option<u64>,
 }
 
 /// How many KV positions the budget holds.
@@ -237,6 +239,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                         _ => Lookahead::Off,
                     },
                     kv_positions,
+                    vram_budget_bytes: ask.vram_budget_bytes,
                     batch_tokens_max: if ask.batch_tokens_max == 0 {
                         crate::stream::STREAM_BATCH_TOKENS
                     } else {

@@ -28,6 +28,118 @@ fn streamed(budget: u64, batch: usize, positions: usize) -> OpenOptions {
     }
 }
 
+/// SmolLM2 as a `.gst` (split layout) in `dir`.
+fn smollm2_gst(dir: &std::path::Path) -> std::path::PathBuf {
+    let gst = dir.join("smollm2.gst");
+    let opts = ReformatOptions {
+        ffn_layout: FfnLayout::Split,
+        ..ReformatOptions::default()
+    };
+    reformat(
+        &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+        &gst,
+        &opts,
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    gst
+}
+
+/// `--vram-budget` on a device with memory of its own (the host stand-in, which keeps weights
+/// as the CUDA device does): under a device budget of 40% of the file, from host RAM (no RAM
+/// budget) and from disk (a RAM budget), the in-RAM model's tokens; the device keeps only what
+/// its plan keeps, and a dense decode step copies exactly what the plan says it copies (every
+/// weight not kept, the whole FFN); a masked one copies less. A budget below the minimum is
+/// refused naming it, and the CPU device refuses the flag.
+#[test]
+fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_each_use() {
+    use gatestream::backend::standin::HostStandIn;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let gst = smollm2_gst(tmp.path());
+    let file_bytes = std::fs::metadata(&gst).unwrap().len();
+    let in_ram = Model::load(&gst, &LoadOptions::default()).unwrap();
+    let ids = in_ram.prompt_ids("The capital of France is", false).unwrap();
+    let sparse = SparseAsk {
+        strategy: Some(Strategy::TopK),
+        criterion: Some(Criterion::Exact),
+        sparsity: Some(0.5),
+    };
+    let want = |mask: Option<SparseAsk>| {
+        let rt = gatestream::runtime::open(
+            &gst,
+            &OpenOptions {
+                sparse: mask,
+                stream: None,
+                ..streamed(0, 8, 0)
+            },
+        )
+        .unwrap();
+        rt.generate(&ids, &greedy(6), false, None, &mut |_| {})
+            .unwrap()
+            .generation
+            .tokens
+    };
+    let (want_dense, want_sparse) = (want(None), want(Some(sparse.clone())));
+    let with_vram = |ram: u64, vram: u64, mask: Option<SparseAsk>| {
+        let mut o = streamed(ram, 8, ids.len() + 6);
+        o.stream.as_mut().unwrap().vram_budget_bytes = Some(vram);
+        o.sparse = mask;
+        o
+    };
+    let vram = file_bytes * 2 / 5;
+    for ram in [gatestream::stream::RAM_UNLIMITED, file_bytes * 3 / 4] {
+        let mut dense_copies = 0.0;
+        for mask in [None, Some(sparse.clone())] {
+            let dev = Arc::new(HostStandIn::new(0));
+            let rt = gatestream::runtime::open_on(&gst, &with_vram(ram, vram, mask.clone()), dev.clone()).unwrap();
+            let got = rt.generate(&ids, &greedy(6), false, None, &mut |_| {}).unwrap();
+            let what = format!("ram {ram} sparse {}", mask.is_some());
+            let want = if mask.is_some() { &want_sparse } else { &want_dense };
+            assert_eq!(&got.generation.tokens, want, "{what}");
+            let report = got.stream.expect("a stream report");
+            let plan = report.device_plan.clone().expect("a device plan");
+            let link = report.link.expect("link figures");
+            assert!(plan.resident_bytes() <= vram, "{what}: {plan:?}");
+            // Something kept and something not: the output matrix (tied embedding) comes first.
+            assert!(plan.output_resident, "{what}: {plan:?}");
+            assert!(
+                plan.attention_resident.iter().chain(&plan.gate_resident).any(|&k| !k),
+                "{what}: {plan:?}"
+            );
+            // The device kept at most the weights its plan keeps (norms travel as vectors).
+            let (resident, _) = dev.copied_bytes();
+            assert!(
+                resident > 0 && resident <= plan.output_bytes + plan.attention_bytes + plan.gate_bytes,
+                "{what}: {resident} resident bytes copied, plan {plan:?}"
+            );
+            if mask.is_none() {
+                assert_eq!(link.bytes_per_token, plan.copied_bytes_per_token as f64, "{what}");
+                dense_copies = link.bytes_per_token;
+            } else {
+                assert!(
+                    link.bytes_per_token < 0.85 * dense_copies,
+                    "{what}: {link:?} vs dense {dense_copies}"
+                );
+            }
+        }
+    }
+    // Too small: refused with the minimum, which runs.
+    let e = gatestream::runtime::open_on(&gst, &with_vram(file_bytes, 1000, None), Arc::new(HostStandIn::new(0)))
+        .err()
+        .expect("a tiny device budget is refused")
+        .to_string();
+    assert!(e.contains("--vram-budget 1000 is too small"), "{e}");
+    let min = budget_in_refusal(&e);
+    gatestream::runtime::open_on(&gst, &with_vram(file_bytes, min, None), Arc::new(HostStandIn::new(0))).unwrap();
+    // The CPU device computes in host memory: the flag is refused there.
+    let e = gatestream::runtime::open(&gst, &with_vram(file_bytes, vram, None))
+        .err()
+        .expect("the CPU device refuses --vram-budget")
+        .to_string();
+    assert!(e.contains("--vram-budget") && e.contains("--device cuda"), "{e}");
+}
+
 fn smollm2() -> Model {
     Model::load(
         &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
@@ -152,18 +264,7 @@ fn a_failed_prefill_leaves_the_mask_out_of_prompt_mode() {
 #[test]
 fn the_runtime_streams_a_long_prompt_in_batches() {
     let tmp = tempfile::tempdir().unwrap();
-    let gst = tmp.path().join("smollm2.gst");
-    let opts = ReformatOptions {
-        ffn_layout: FfnLayout::Split,
-        ..ReformatOptions::default()
-    };
-    reformat(
-        &model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
-        &gst,
-        &opts,
-        &mut |_, _, _| {},
-    )
-    .unwrap();
+    let gst = smollm2_gst(tmp.path());
     let in_ram = Model::load(&gst, &LoadOptions::default()).unwrap();
     let ids = in_ram.prompt_ids(LONG_PROMPT, false).unwrap();
     let want = in_ram

@@ -791,6 +791,7 @@ fn qwen_streamed(
         lookahead: Lookahead::Off,
         kv_positions: 32 + steps,
         batch_tokens_max: 32,
+        vram_budget_bytes: None,
     };
     let stream = Streamer::open(&on_disk, &opts).map_err(|e| e.to_string())?;
     let prompt: Vec<u32> = (300..324).collect();

@@ -678,6 +678,7 @@ fn stream_options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy, loo
         },
         kv_positions: 64,
         batch_tokens_max: 32,
+        vram_budget_bytes: None,
     }
 }
 

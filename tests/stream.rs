@@ -59,6 +59,7 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         lookahead: Lookahead::Off,
         kv_positions: 64,
         batch_tokens_max: 64,
+        vram_budget_bytes: None,
     }
 }
 

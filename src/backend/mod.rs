@@ -139,6 +139,30 @@ impl Act {
     }
 }
 
+/// Weights a device with memory of its own copied from the host (see [`Device::link`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LinkCounters {
+    /// Bytes of resident weights, copied once each.
+    pub resident_bytes: u64,
+    /// Bytes of volatile weights (the stream's buffers, weights the device plan keeps on the
+    /// host), copied at every use, and how many copies.
+    pub volatile_bytes: u64,
+    pub volatile_copies: u64,
+    /// Host time spent in those copies, nanoseconds.
+    pub copy_ns: u64,
+}
+
+impl LinkCounters {
+    pub fn minus(&self, o: &LinkCounters) -> LinkCounters {
+        LinkCounters {
+            resident_bytes: self.resident_bytes - o.resident_bytes,
+            volatile_bytes: self.volatile_bytes - o.volatile_bytes,
+            volatile_copies: self.volatile_copies - o.volatile_copies,
+            copy_ns: self.copy_ns - o.copy_ns,
+        }
+    }
+}
+
 /// How a layer's attention reads its cache.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -177,6 +201,11 @@ pub trait Device: Send + Sync {
     /// ([`Weight::is_volatile`]).
     fn host_memory(&self) -> bool {
         true
+    }
+    /// What the device copied from the host so far (a device with memory of its own; `None`
+    /// for the CPU device, which reads weights in place).
+    fn link(&self) -> Option<LinkCounters> {
+        None
     }
     /// Host values to the device.
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act;

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::cpu::CpuBackend;
-use super::{Act, AttnShape, Device, RopeShape};
+use super::{Act, AttnShape, Device, LinkCounters, RopeShape};
 use crate::config::FfnActivation;
 use crate::kv::KvCache;
 use crate::tensor::Weight;
@@ -115,6 +115,15 @@ impl Device for HostStandIn {
     }
     fn host_memory(&self) -> bool {
         false
+    }
+    fn link(&self) -> Option<LinkCounters> {
+        let (resident_bytes, volatile_bytes) = self.copied_bytes();
+        Some(LinkCounters {
+            resident_bytes,
+            volatile_bytes,
+            volatile_copies: self.volatile_uses(""),
+            copy_ns: 0,
+        })
     }
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
         self.cpu.upload(rows, width, values)

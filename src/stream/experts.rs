@@ -585,6 +585,8 @@ impl super::Streamer {
             pass: Mutex::new(()),
             state: Mutex::new(super::State::new(Vec::new(), Vec::new(), Vec::new())),
             decode_start: Mutex::new(None),
+            device: model.device.clone(),
+            device_plan: None,
             experts: Some(experts),
         })
     }

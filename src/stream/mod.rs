@@ -69,7 +69,15 @@ pub struct StreamOptions {
     /// The most tokens one pass takes (a longer prompt is prefilled in batches of this many);
     /// their activations are counted in the budget.
     pub batch_tokens_max: usize,
+    /// A device with memory of its own: what it keeps resident ([`residency::DeviceResidency`]);
+    /// the weights it does not keep are copied to it at each use. `None`: it keeps every weight
+    /// the host holds. Refused for the CPU device.
+    pub vram_budget_bytes: Option<u64>,
 }
+
+/// [`StreamOptions::budget_bytes`] for no RAM budget of its own: the plan keeps everything
+/// resident in host memory (what `--vram-budget` without `--ram-budget` streams from).
+pub const RAM_UNLIMITED: u64 = u64::MAX;
 
 /// The default [`StreamOptions::batch_tokens_max`]: prefill batches of 32 tokens keep a long
 /// prompt's activations at ~7 MB on Qwen2.5-1.5B (218 KB per token) while each streamed weight
@@ -322,8 +330,13 @@ pub struct Streamer {
     /// holder waits for pool work (which could deadlock).
     pass: Mutex<()>,
     state: Mutex<State>,
-    /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]).
-    decode_start: Mutex<Option<(Counters, ReadStats)>>,
+    /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]), the
+    /// device's link counters too.
+    decode_start: Mutex<Option<DecodeStart>>,
+    /// The device the model computes on (for its link counters).
+    device: Arc<dyn crate::backend::Device>,
+    /// Under `--vram-budget`: what the device keeps.
+    pub device_plan: Option<residency::DeviceResidency>,
     /// A mixture-of-experts model's experts, cache and lookahead ([`experts`]); `None` for a
     /// dense model.
     pub experts: Option<experts::ExpertStream>,
@@ -346,15 +359,34 @@ fn unique(buf: &mut Arc<Vec<u8>>) -> &mut Vec<u8> {
     Arc::get_mut(buf).expect("just made unique")
 }
 
+/// Where the decode steps' counters start (see [`Streamer::decode_counters`]).
+type DecodeStart = (Counters, ReadStats, Option<crate::backend::LinkCounters>);
+
 impl Streamer {
     /// Counters and device reads since the prompt's pass (decode steps only), or since opening
     /// when no prompt was marked.
     pub fn decode_counters(&self) -> (Counters, ReadStats) {
         let (c, r) = (self.counters(), self.read_stats());
         match *self.decode_start.lock().expect("decode start") {
-            Some((c0, r0)) => (c.minus(&c0), r.combine(&r0, -1)),
+            Some((c0, r0, _)) => (c.minus(&c0), r.combine(&r0, -1)),
             None => (c, r),
         }
+    }
+
+    /// What the device copied from the host since the prompt's pass (or since it opened): `None`
+    /// for the CPU device.
+    pub fn decode_link(&self) -> Option<crate::backend::LinkCounters> {
+        let now = self.device.link()?;
+        match *self.decode_start.lock().expect("decode start") {
+            Some((_, _, Some(l0))) => Some(now.minus(&l0)),
+            _ => Some(now),
+        }
+    }
+
+    /// Marks where decoding starts (the counters' and the device's).
+    fn mark_decode_start(&self) {
+        *self.decode_start.lock().expect("decode start") =
+            Some((self.counters(), self.read_stats(), self.device.link()));
     }
 
     pub fn counters(&self) -> Counters {

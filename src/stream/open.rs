@@ -64,6 +64,22 @@ impl Streamer {
         if !crate::gstfile::is_gst(&model.path) {
             return Err(not_gst());
         }
+        if let Some(v) = opts.vram_budget_bytes {
+            if model.device.host_memory() {
+                return Err(Error::Invalid(format!(
+                    "--vram-budget {v}: the model computes on the {}, which works in host memory; --vram-budget plans a \
+                     GPU's memory (--device cuda)",
+                    model.device.name()
+                )));
+            }
+            if cfg.moe.is_some() {
+                return Err(Error::Invalid(
+                    "--vram-budget is not built for mixture-of-experts models yet; without it the GPU keeps every \
+                     weight the host holds and copies the routed experts at each use"
+                        .into(),
+                ));
+            }
+        }
         if cfg.moe.is_some() {
             return Streamer::open_experts(model, opts, Readers { fg, bg, ahead }, direct_io, warnings);
         }
@@ -116,7 +132,11 @@ impl Streamer {
             let readers = if lookahead { 3 } else { 2 };
             sizes.reader_bytes = readers * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64;
             sizes.lookahead = lookahead;
-            sizes.plan(opts.budget_bytes, opts.priority)
+            let budget = match opts.budget_bytes {
+                super::RAM_UNLIMITED => sizes.everything_bytes(),
+                b => b,
+            };
+            sizes.plan(budget, opts.priority)
         };
         let mut residency = plan_with(&mut sizes, opts.lookahead != Lookahead::Off)?;
         let mut warnings = warnings;
@@ -140,6 +160,12 @@ impl Streamer {
                 cfg.n_layers
             ));
         }
+        let device_plan = match opts.vram_budget_bytes {
+            Some(v) => Some(sizes.plan_device(v, w.output.len_bytes() as u64, &residency)?),
+            None => None,
+        };
+        // What the device does not keep is copied to it at each use, as the stream's buffers are.
+        let on_device = |w: Weight, keep: bool| if keep { w } else { w.volatile() };
         // Reads stay within the reader's reusable buffers, even widened by a block at each end
         // (a larger read would get a one-off buffer and pay first-touch page faults).
         let max_read_bytes = opts
@@ -210,25 +236,27 @@ impl Streamer {
             }
         };
         let w = &model.weights;
-        let output = load(&w.output)?;
+        let output = on_device(load(&w.output)?, device_plan.as_ref().is_none_or(|d| d.output_resident));
         let embedding = if tied { None } else { Some(Part::of(&w.token_embd)?) };
         let mut resident_attn = Vec::with_capacity(cfg.n_layers);
         let mut resident_gate = Vec::with_capacity(cfg.n_layers);
         for (l, lw) in w.layers.iter().enumerate() {
             let a = &lw.attn;
+            let attn_kept = device_plan.as_ref().is_none_or(|d| d.attention_resident[l]);
+            let gate_kept = device_plan.as_ref().is_none_or(|d| d.gate_resident[l]);
             if residency.attention_resident[l] {
                 resident_attn.push(Some(AttnWeights {
-                    wq: load(&a.wq)?,
-                    wk: load(&a.wk)?,
-                    wv: load(&a.wv)?,
-                    wo: load(&a.wo)?,
+                    wq: on_device(load(&a.wq)?, attn_kept),
+                    wk: on_device(load(&a.wk)?, attn_kept),
+                    wv: on_device(load(&a.wv)?, attn_kept),
+                    wo: on_device(load(&a.wo)?, attn_kept),
                 }));
             } else {
                 resident_attn.push(None);
                 layers[l].attn = Some([Part::of(&a.wq)?, Part::of(&a.wk)?, Part::of(&a.wv)?, Part::of(&a.wo)?]);
             }
             if residency.gate_resident[l] {
-                resident_gate.push(Some(load(&lw.dense("streaming")?.gate)?));
+                resident_gate.push(Some(on_device(load(&lw.dense("streaming")?.gate)?, gate_kept)));
             } else {
                 resident_gate.push(None);
                 layers[l].gate = Some(Part::of(&lw.dense("streaming")?.gate)?);
@@ -311,6 +339,8 @@ impl Streamer {
             pass: Mutex::new(()),
             state: Mutex::new(State::new(caches, staging_up, staging_down)),
             decode_start: Mutex::new(None),
+            device: model.device.clone(),
+            device_plan,
             experts: None,
         })
     }

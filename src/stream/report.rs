@@ -108,7 +108,26 @@ pub struct StreamReport {
     /// A mixture-of-experts model: what its expert cache did (the counters' cache and
     /// lookahead fields then count whole experts, not neurons).
     pub experts: Option<ExpertReport>,
+    /// Under `--vram-budget`: what the device keeps.
+    pub device_plan: Option<super::residency::DeviceResidency>,
+    /// A device with memory of its own: what it copied from the host per decoded token.
+    pub link: Option<LinkReport>,
     pub counters: Counters,
+}
+
+/// Host-to-device copies of weights per decoded token (see [`crate::backend::Device::link`]).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct LinkReport {
+    /// Bytes copied at each use (streamed rows and matrices, weights the device does not keep),
+    /// and in how many copies.
+    pub bytes_per_token: f64,
+    pub copies_per_token: f64,
+    /// Resident weights copied during decoding (first uses), bytes in all.
+    pub resident_bytes: u64,
+    /// Host time in the copies per token, and the bandwidth that time gives (GB/s; 0 where the
+    /// device does not time its copies).
+    pub copy_s_per_token: f64,
+    pub copy_gb_per_s: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -199,6 +218,18 @@ impl StreamReport {
                 read_ahead_per_token: c.ahead_neurons as f64 / steps,
                 cache_hit_rate: c.cache_hits as f64 / c.cache_lookups.max(1) as f64,
                 in_memory_rate: (c.cache_hits + c.ahead_used_neurons) as f64 / c.cache_lookups.max(1) as f64,
+            }),
+            device_plan: s.device_plan.clone(),
+            link: s.decode_link().map(|l| LinkReport {
+                bytes_per_token: l.volatile_bytes as f64 / steps,
+                copies_per_token: l.volatile_copies as f64 / steps,
+                resident_bytes: l.resident_bytes,
+                copy_s_per_token: l.copy_ns as f64 / 1e9 / steps,
+                copy_gb_per_s: if l.copy_ns > 0 {
+                    (l.volatile_bytes + l.resident_bytes) as f64 / l.copy_ns as f64
+                } else {
+                    0.0
+                },
             }),
             counters: c,
         }

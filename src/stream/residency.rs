@@ -195,12 +195,130 @@ impl ModelSizes {
     }
 }
 
+/// What a device with memory of its own keeps under `--vram-budget` (a GPU fed by the stream):
+/// a plan over the weights the host holds, in the RAM plan's order of preference. Required on
+/// the device: norms and biases, the KV cache and one batch's activations, and room for the
+/// largest set of weights copied for one use (one layer's streamed attention, gate and FFN
+/// rows, or the output matrix when it is not resident). Then, while the budget lasts: the
+/// output matrix (every token multiplies all of it), attention layer by layer, gates layer by
+/// layer — each only where the host keeps it resident (what streams from disk reaches the
+/// device through the stream's buffers, copied at each use). Everything else is copied to the
+/// device at each use. A neuron cache in device memory is not planned (FFN rows come from the
+/// host's cache or the disk at each use).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceResidency {
+    pub budget_bytes: u64,
+    /// The smallest budget that runs (see above).
+    pub minimum_bytes: u64,
+    pub output_resident: bool,
+    pub attention_resident: Vec<bool>,
+    pub gate_resident: Vec<bool>,
+    /// Bytes of each kind, as planned (they sum to at most the budget): the required part
+    /// (with room for the output matrix's copy when it is not resident), then the resident
+    /// weights.
+    pub required_bytes: u64,
+    pub output_bytes: u64,
+    pub attention_bytes: u64,
+    pub gate_bytes: u64,
+    /// What a dense decode step copies to the device under this plan: every weight not
+    /// resident there, the whole FFN included.
+    pub copied_bytes_per_token: u64,
+}
+
+impl ModelSizes {
+    /// The budget that keeps everything resident: the minimum's required parts and buffers,
+    /// every attention and gate matrix, and a neuron cache of every neuron (nothing is read
+    /// per token). What streaming with no RAM budget of its own plans with.
+    pub fn everything_bytes(&self) -> u64 {
+        self.required_bytes
+            + self.context_bytes
+            + self.staging_bytes()
+            + self.attention_bytes.iter().sum::<u64>()
+            + self.gate_bytes.iter().sum::<u64>()
+            + (0..self.n_layers)
+                .map(|l| self.ffn as u64 * self.neuron_bytes[l])
+                .sum::<u64>()
+    }
+
+    /// The device's plan under `budget_bytes` (see [`DeviceResidency`]); `output_bytes`: the
+    /// output matrix's part of `required_bytes`; `ram`: what the host keeps. Refuses a budget
+    /// below the minimum, naming it.
+    pub fn plan_device(&self, budget_bytes: u64, output_bytes: u64, ram: &Residency) -> Result<DeviceResidency> {
+        let vectors = self.required_bytes.saturating_sub(output_bytes);
+        let layer_use = (0..self.n_layers)
+            .map(|l| self.attention_bytes[l] + self.gate_bytes[l] + self.ffn as u64 * self.neuron_bytes[l])
+            .max()
+            .unwrap_or(0);
+        // Room for one layer's copies; the output matrix needs as much room for its copy when it
+        // is not resident, so the minimum holds the larger of the two.
+        let base = vectors + self.context_bytes + layer_use;
+        let minimum = vectors + self.context_bytes + layer_use.max(output_bytes);
+        if budget_bytes < minimum {
+            return Err(Error::Invalid(format!(
+                "--vram-budget {} is too small for this model: at least {} ({:.1} MB) is needed on the device for \
+                 norms, the KV cache and one batch's activations, and the largest set of weights copied for one \
+                 use (one layer's attention, gate and FFN rows, or the output matrix)",
+                budget_bytes,
+                minimum,
+                minimum as f64 / 1e6
+            )));
+        }
+        let output_resident = output_bytes <= budget_bytes - base;
+        let required = if output_resident { base } else { minimum };
+        let mut left = budget_bytes - required - if output_resident { output_bytes } else { 0 };
+        let mut take = |b: u64, host_keeps: bool| -> bool {
+            let fits = host_keeps && b <= left;
+            if fits {
+                left -= b;
+            }
+            fits
+        };
+        let attention_resident: Vec<bool> = (0..self.n_layers)
+            .map(|l| take(self.attention_bytes[l], ram.attention_resident[l]))
+            .collect();
+        let gate_resident: Vec<bool> = (0..self.n_layers)
+            .map(|l| take(self.gate_bytes[l], ram.gate_resident[l]))
+            .collect();
+        let sum_where = |bytes: &[u64], keep: &[bool], want: bool| -> u64 {
+            bytes.iter().zip(keep).filter(|(_, &k)| k == want).map(|(b, _)| b).sum()
+        };
+        let ffn: u64 = (0..self.n_layers).map(|l| self.ffn as u64 * self.neuron_bytes[l]).sum();
+        Ok(DeviceResidency {
+            budget_bytes,
+            minimum_bytes: minimum,
+            output_resident,
+            required_bytes: required,
+            output_bytes: if output_resident { output_bytes } else { 0 },
+            attention_bytes: sum_where(&self.attention_bytes, &attention_resident, true),
+            gate_bytes: sum_where(&self.gate_bytes, &gate_resident, true),
+            copied_bytes_per_token: if output_resident { 0 } else { output_bytes }
+                + sum_where(&self.attention_bytes, &attention_resident, false)
+                + sum_where(&self.gate_bytes, &gate_resident, false)
+                + ffn,
+            attention_resident,
+            gate_resident,
+        })
+    }
+}
+
+impl DeviceResidency {
+    /// Bytes of the device's memory the plan uses.
+    pub fn resident_bytes(&self) -> u64 {
+        self.required_bytes + self.output_bytes + self.attention_bytes + self.gate_bytes
+    }
+}
+
 /// Parses a RAM budget: bytes with an optional K/M/G suffix (powers of 1000; KiB/MiB/GiB for
 /// powers of 1024), or a percentage of `file_bytes` ("40%").
 pub fn parse_budget(s: &str, file_bytes: u64) -> Result<u64> {
+    parse_budget_for("--ram-budget", s, file_bytes)
+}
+
+/// As [`parse_budget`], for the flag `flag` (named in the error).
+pub fn parse_budget_for(flag: &str, s: &str, file_bytes: u64) -> Result<u64> {
     let bad = || {
         Error::Invalid(format!(
-            "--ram-budget {s:?}: give bytes with an optional suffix (700M, 1.5G, 512MiB) or a share of the file (40%)"
+            "{flag} {s:?}: give bytes with an optional suffix (700M, 1.5G, 512MiB) or a share of the file (40%)"
         ))
     };
     let t = s.trim();
@@ -297,6 +415,77 @@ mod tests {
         assert_eq!(r.working_bytes, 1000);
         assert!(r.attention_resident.iter().all(|&a| a) && r.gate_resident.iter().all(|&g| g));
         assert_eq!(r.cache_neurons, vec![100; 4]);
+    }
+
+    #[test]
+    fn the_device_plan_keeps_output_attention_then_gates_the_host_holds_within_its_budget() {
+        let s = sizes();
+        let ram = s.plan(20_000, Priority::GateFirst).unwrap();
+        // Norms 1000 - output 400 = 600; one layer's use 300 + 500 + 100 x 10 = 1800 > output.
+        let min = 600 + 1800;
+        let e = s.plan_device(min - 1, 400, &ram).unwrap_err().to_string();
+        assert!(e.contains("--vram-budget") && e.contains(&min.to_string()), "{e}");
+        let d = s.plan_device(min, 400, &ram).unwrap();
+        assert_eq!(d.minimum_bytes, min);
+        // An output matrix larger than a layer's copies: the minimum leaves room for its copy,
+        // and keeping it resident needs no second room.
+        let b = ModelSizes {
+            required_bytes: 5600,
+            ..sizes()
+        };
+        let big = b.plan_device(600 + 5000, 5000, &ram).unwrap();
+        assert!(!big.output_resident && big.resident_bytes() <= 5600, "{big:?}");
+        assert!(b.plan_device(600 + 4999, 5000, &ram).is_err());
+        let kept = b.plan_device(600 + 1800 + 5000, 5000, &ram).unwrap();
+        assert!(kept.output_resident && kept.resident_bytes() <= 7400, "{kept:?}");
+        assert!(!d.output_resident && d.attention_resident.iter().all(|&a| !a));
+        // Nothing resident: output + attention + gates + every FFN row per token.
+        assert_eq!(d.copied_bytes_per_token, 400 + 4 * 300 + 4 * 500 + 4 * 1000);
+        for budget in [
+            min,
+            min + 399,
+            min + 400,
+            min + 700,
+            min + 1600,
+            min + 2100,
+            min + 10_000,
+        ] {
+            let d = s.plan_device(budget, 400, &ram).unwrap();
+            assert!(d.resident_bytes() <= budget, "{budget}: {d:?}");
+            // Output first, then attention layer by layer, then gates (what does not fit at its
+            // turn is skipped; a gate, larger than any attention here, fits only after all of it).
+            assert_eq!(d.output_resident, budget - min >= 400, "{budget}: {d:?}");
+            if d.gate_resident.iter().any(|&g| g) {
+                assert!(d.attention_resident.iter().all(|&a| a), "{budget}: {d:?}");
+            }
+            let kept = d.output_bytes + d.attention_bytes + d.gate_bytes;
+            assert_eq!(d.copied_bytes_per_token + kept, 400 + 1200 + 2000 + 4000, "{budget}");
+        }
+        let all = s.plan_device(min + 10_000, 400, &ram).unwrap();
+        assert!(all.output_resident && all.gate_resident.iter().all(|&g| g));
+        assert_eq!(all.copied_bytes_per_token, 4000, "only the FFN rows are copied");
+        // What the host streams, the device does not keep: it arrives in the stream's buffers.
+        let tight = s.plan(3600, Priority::GateFirst).unwrap();
+        assert!(tight.attention_resident.iter().any(|&a| !a));
+        let d = s.plan_device(min + 10_000, 400, &tight).unwrap();
+        for l in 0..4 {
+            assert!(!d.attention_resident[l] || tight.attention_resident[l]);
+            assert!(!d.gate_resident[l] || tight.gate_resident[l]);
+        }
+    }
+
+    #[test]
+    fn everything_resident_is_a_plan_that_reads_nothing() {
+        let s = sizes();
+        let r = s.plan(s.everything_bytes(), Priority::GateFirst).unwrap();
+        assert!(r.attention_resident.iter().all(|&a| a) && r.gate_resident.iter().all(|&g| g));
+        assert_eq!(r.cache_neurons, vec![100; 4]);
+        assert!(
+            s.plan(s.everything_bytes() - 1, Priority::GateFirst)
+                .unwrap()
+                .cache_neurons[0]
+                < 100
+        );
     }
 
     #[test]

@@ -262,7 +262,7 @@ impl Streamer {
 
 impl LayerStream for Streamer {
     fn prefill_done(&self) {
-        *self.decode_start.lock().expect("decode start") = Some((self.counters(), self.read_stats()));
+        self.mark_decode_start();
     }
 
     fn pass_lock(&self) -> Option<std::sync::MutexGuard<'_, ()>> {

@@ -307,5 +307,6 @@ pub fn pread_stream(budget_bytes: u64, batch: usize) -> gatestream::runtime::Str
         cost: gatestream::stream::CostSource::Default,
         lookahead: false,
         batch_tokens_max: batch,
+        vram_budget_bytes: None,
     }
 }

@@ -216,6 +216,8 @@ pub struct CudaDevice {
     /// Multiply the activations the CPU's quantized products see (8-bit blocks, see
     /// [`ACTIVATIONS_ENV`]) rather than the f32 activations themselves.
     q8_activations: std::sync::atomic::AtomicBool,
+    /// Weight copies from the host (see [`Device::link`]).
+    link: Mutex<super::LinkCounters>,
 }
 
 /// `GATESTREAM_CUDA_ACTIVATIONS`: `f32` (the default) multiplies quantized weights with the f32
@@ -362,6 +364,7 @@ impl CudaDevice {
             error: Mutex::new(None),
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             q8_activations: std::sync::atomic::AtomicBool::new(q8),
+            link: Mutex::new(super::LinkCounters::default()),
         })
     }
 
@@ -528,11 +531,21 @@ impl CudaDevice {
             return None;
         };
         let copy = |what: &str| {
-            self.check(
+            let t0 = std::time::Instant::now();
+            let buf = self.check(
                 &format!("copying {what} {} ({} bytes) to the GPU", w.name, bytes.len()),
                 self.stream
                     .clone_htod(if bytes.is_empty() { &[0u8][..] } else { bytes }),
-            )
+            );
+            let mut link = self.link.lock().expect("link counters");
+            link.copy_ns += t0.elapsed().as_nanos() as u64;
+            if w.is_volatile() {
+                link.volatile_bytes += bytes.len() as u64;
+                link.volatile_copies += 1;
+            } else {
+                link.resident_bytes += bytes.len() as u64;
+            }
+            buf
         };
         if w.is_volatile() {
             // A buffer the stream refills: copied for this use only. The copy from pageable
@@ -681,6 +694,10 @@ impl Device for CudaDevice {
 
     fn host_memory(&self) -> bool {
         false
+    }
+
+    fn link(&self) -> Option<super::LinkCounters> {
+        Some(*self.link.lock().expect("link counters"))
     }
 
     fn take_error(&self) -> Option<Error> {

@@ -690,7 +690,7 @@ impl Command {
     /// Whether the command streams a model under a RAM budget (`--ram-budget`).
     pub(crate) fn streams(&self) -> bool {
         match self {
-            Command::Run { stream, .. } | Command::Serve { stream, .. } => stream.ram_budget.is_some(),
+            Command::Run { stream, .. } | Command::Serve { stream, .. } => stream.streams(),
             Command::Perplexity { ram_budget, .. } | Command::Eval { ram_budget, .. } => ram_budget.is_some(),
             _ => false,
         }
@@ -709,6 +709,17 @@ pub(crate) struct StreamArgs {
     /// minimum, when too small. Without it the model is memory-mapped and computed in RAM.
     #[arg(long)]
     pub(crate) ram_budget: Option<String>,
+    /// With --device cuda: the GPU memory the model may use, as --ram-budget's sizes (40% is a
+    /// share of the file). Required on the GPU: norms, the KV cache and one batch's
+    /// activations, room for one layer's weights copied for one use; then, while the budget
+    /// lasts, the output matrix, attention and gate matrices (only those the host keeps
+    /// resident). Every other weight (FFN rows above all) is copied from host memory at each
+    /// use. Without --ram-budget the whole model is held in host RAM and streams from there to
+    /// the GPU; with it, from disk as --ram-budget plans. Refused, with the minimum, when too
+    /// small; not for the CPU device nor (yet) mixture-of-experts models. Without it the GPU
+    /// keeps every weight the host holds.
+    #[arg(long)]
+    pub(crate) vram_budget: Option<String>,
     /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
     /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
     #[arg(long, value_enum, default_value_t = IoArg::Uring)]
@@ -756,6 +767,13 @@ pub(crate) struct StreamArgs {
     /// of experts in the budget and one router product per layer.
     #[arg(long)]
     pub(crate) lookahead: bool,
+}
+
+impl StreamArgs {
+    /// Whether the model streams (through host RAM from disk, or from host RAM to a GPU).
+    pub(crate) fn streams(&self) -> bool {
+        self.ram_budget.is_some() || self.vram_budget.is_some()
+    }
 }
 
 pub(crate) fn engine_of(io: IoArg) -> ReadEngine {

@@ -20,7 +20,7 @@ use gatestream::perplexity::{perplexity_with, PerplexityOptions};
 use gatestream::runtime::{KvPositions, OpenOptions, Outcome, SparseAsk, StreamAsk};
 use gatestream::sparsity::Masker;
 use gatestream::stream::cache::CachePolicy;
-use gatestream::stream::residency::{parse_budget, Priority};
+use gatestream::stream::residency::{parse_budget, parse_budget_for, Priority};
 use gatestream::stream::CostSource;
 
 mod args;
@@ -151,13 +151,22 @@ fn generate_one(
     Ok(outcome)
 }
 
-/// What `--ram-budget` and the other streaming flags ask for (None: in RAM).
+/// What `--ram-budget`, `--vram-budget` and the other streaming flags ask for (None: in RAM).
 fn stream_ask(stream: &StreamArgs, path: &std::path::Path) -> anyhow::Result<Option<StreamAsk>> {
-    let Some(b) = &stream.ram_budget else {
+    if !stream.streams() {
         return Ok(None);
-    };
+    }
+    let file_bytes = std::fs::metadata(path)?.len();
     Ok(Some(StreamAsk {
-        budget_bytes: parse_budget(b, std::fs::metadata(path)?.len())?,
+        budget_bytes: match &stream.ram_budget {
+            Some(b) => parse_budget(b, file_bytes)?,
+            // Only a GPU budget: the whole model in host RAM, streamed from there.
+            None => gatestream::stream::RAM_UNLIMITED,
+        },
+        vram_budget_bytes: match &stream.vram_budget {
+            Some(v) => Some(parse_budget_for("--vram-budget", v, file_bytes)?),
+            None => None,
+        },
         engine: engine_of(stream.io),
         reader: ReaderOptions {
             queue_depth: stream.queue_depth,
@@ -236,6 +245,23 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
                 mb(r.cache_bytes),
                 r.cache_neurons.first().copied().unwrap_or(0)
             );
+            if let Some(d) = &s.device_plan {
+                eprintln!(
+                    "device memory under {:.1} MB (minimum {:.1} MB): norms, KV cache, batch and one layer's copies {:.1} MB, \
+                     output {}, attention {}/{} layers, gate {}/{} layers ({:.1} MB resident); {:.1} MB/token copied from \
+                     host memory when dense",
+                    mb(d.budget_bytes),
+                    mb(d.minimum_bytes),
+                    mb(d.required_bytes),
+                    if d.output_resident { "resident" } else { "copied per token" },
+                    d.attention_resident.iter().filter(|&&a| a).count(),
+                    d.attention_resident.len(),
+                    d.gate_resident.iter().filter(|&&g| g).count(),
+                    d.gate_resident.len(),
+                    mb(d.resident_bytes()),
+                    mb(d.copied_bytes_per_token)
+                );
+            }
             eprintln!(
             "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
             s.cost.request_us,
@@ -337,6 +363,7 @@ fn open_plain(
             cost: CostSource::Probe,
             lookahead: false,
             batch_tokens_max: 0,
+            vram_budget_bytes: None,
         }),
     };
     let t = std::time::Instant::now();
@@ -601,7 +628,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let path = model_path(&model)?;
             let device = device_of(&model)?;
-            let streaming = stream.ram_budget.is_some();
+            let streaming = stream.streams();
             let sparse = (mode == ModeArg::Sparse || !streaming).then(|| sparse.ask());
             let opts = OpenOptions {
                 threads: model.threads,

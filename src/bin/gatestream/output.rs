@@ -155,6 +155,28 @@ impl Report for Outcome {
                 mb(r.peak_rss_bytes as f64),
                 mb(r.ram_budget_bytes as f64)
             );
+            if let Some(k) = &r.link {
+                eprintln!(
+                    "{label}to the device: {:.1} MB/token in {:.0} copies ({:.2} ms/token of host time{}){}",
+                    mb(k.bytes_per_token),
+                    k.copies_per_token,
+                    k.copy_s_per_token * 1e3,
+                    if k.copy_gb_per_s > 0.0 {
+                        format!(", {:.1} GB/s", k.copy_gb_per_s)
+                    } else {
+                        String::new()
+                    },
+                    match &r.device_plan {
+                        Some(d) => format!(
+                            "; device budget {:.1} MB, {:.1} MB resident, {:.1} MB/token planned for dense",
+                            mb(d.budget_bytes as f64),
+                            mb(d.resident_bytes() as f64),
+                            mb(d.copied_bytes_per_token as f64)
+                        ),
+                        None => String::new(),
+                    }
+                );
+            }
             if let Some(x) = &r.experts {
                 eprintln!(
                     "{label}experts: {:.1} routed per token, {:.1} read on demand and {:.1} ahead; {} cache of {} of {} \
