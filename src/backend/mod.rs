@@ -163,6 +163,31 @@ impl LinkCounters {
     }
 }
 
+/// Host-to-device copy bandwidth for one copy size (see [`Device::measure_link`]).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct LinkBandwidth {
+    pub bytes: usize,
+    /// Copies from ordinary (pageable) memory, which the driver stages through its own pinned
+    /// buffer, and from page-locked memory (not write-combined), which it copies directly.
+    pub pageable_gb_per_s: f64,
+    pub pinned_gb_per_s: f64,
+    /// Copies timed per size (after one untimed).
+    pub copies: usize,
+}
+
+/// Copy sizes `bench --device cuda` measures the link at: 4 KiB (one neuron's rows are
+/// smaller) to 64 MiB (a large layer's FFN), by factors of 4.
+pub const LINK_SIZES: [usize; 8] = [
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+];
+
 /// How a layer's attention reads its cache.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
@@ -205,6 +230,12 @@ pub trait Device: Send + Sync {
     /// What the device copied from the host so far (a device with memory of its own; `None`
     /// for the CPU device, which reads weights in place).
     fn link(&self) -> Option<LinkCounters> {
+        None
+    }
+    /// Measures host-to-device copy bandwidth for each copy size in `sizes` (bytes), from
+    /// pageable and from pinned host memory (`bench --device cuda`); `None` for a device that
+    /// copies nothing (the CPU).
+    fn measure_link(&self, _sizes: &[usize]) -> Option<crate::error::Result<Vec<LinkBandwidth>>> {
         None
     }
     /// Host values to the device.

@@ -178,6 +178,8 @@ fn replay(
 /// What a mixture-of-experts bench measured.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ExpertBenchReport {
+    /// `bench --device cuda`: the host-to-device link, measured in the same run.
+    pub link: Option<Vec<crate::backend::LinkBandwidth>>,
     pub kernel: String,
     pub file: std::path::PathBuf,
     pub file_bytes: u64,
@@ -264,6 +266,7 @@ pub fn bench_experts(
         traces: traces.iter().map(|t| t.header.clone()).collect(),
         baseline,
         passes,
+        link: None,
     })
 }
 

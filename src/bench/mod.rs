@@ -120,6 +120,8 @@ pub struct BenchReport {
     pub setup: Setup,
     pub baseline: Baseline,
     pub passes: Vec<Pass>,
+    /// `bench --device cuda`: the host-to-device link, measured in the same run.
+    pub link: Option<Vec<crate::backend::LinkBandwidth>>,
 }
 
 /// A layer's FFN in the file.
@@ -529,10 +531,33 @@ pub fn bench(
         },
         baseline,
         passes,
+        link: None,
     })
 }
 
 /// The readable table.
+/// The host-to-device link's bandwidth by copy size, pageable and pinned (`bench --device cuda`).
+pub fn link_table(rows: &[crate::backend::LinkBandwidth]) -> String {
+    use std::fmt::Write;
+    let mut s = String::from("host-to-device copies    pageable GB/s   pinned GB/s   pinned/pageable\n");
+    for r in rows {
+        let size = if r.bytes >= 1 << 20 {
+            format!("{} MiB", r.bytes >> 20)
+        } else {
+            format!("{} KiB", r.bytes >> 10)
+        };
+        let _ = writeln!(
+            s,
+            "  {size:>8} x {:<4}      {:>13.2}   {:>11.2}   {:>15.2}",
+            r.copies,
+            r.pageable_gb_per_s,
+            r.pinned_gb_per_s,
+            r.pinned_gb_per_s / r.pageable_gb_per_s.max(1e-12)
+        );
+    }
+    s
+}
+
 pub fn table(r: &BenchReport) -> String {
     use std::fmt::Write;
     let mut s = String::new();
@@ -703,6 +728,36 @@ fn strip_xml_decl(s: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_link_table_gives_each_size_both_kinds_and_their_ratio() {
+        use crate::backend::LinkBandwidth;
+        let rows = [
+            LinkBandwidth {
+                bytes: 64 << 10,
+                pageable_gb_per_s: 2.0,
+                pinned_gb_per_s: 5.0,
+                copies: 1000,
+            },
+            LinkBandwidth {
+                bytes: 16 << 20,
+                pageable_gb_per_s: 10.0,
+                pinned_gb_per_s: 25.0,
+                copies: 16,
+            },
+        ];
+        let t = link_table(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3, "{t}");
+        assert!(
+            lines[1].contains("64 KiB") && lines[1].contains("2.00") && lines[1].contains("5.00"),
+            "{t}"
+        );
+        assert!(
+            lines[2].contains("16 MiB") && lines[2].trim_end().ends_with("2.50"),
+            "{t}"
+        );
+    }
 
     #[test]
     fn baseline_time_uses_the_nearest_size_below() {

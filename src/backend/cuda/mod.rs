@@ -680,6 +680,58 @@ fn ptr(v: u64) -> Arg {
     Arg::U64(v)
 }
 
+impl CudaDevice {
+    /// Host-to-device bandwidth per copy size (see [`Device::measure_link`]): about 256 MB
+    /// copied per size and memory kind (3 to 1000 copies), one copy first untimed, timed on the
+    /// host from the first copy's start to the stream's end.
+    fn link_bandwidth(&self, sizes: &[usize]) -> Result<Vec<super::LinkBandwidth>> {
+        let max = sizes.iter().copied().max().unwrap_or(0).max(1);
+        let mut dev = self
+            .stream
+            .alloc_zeros::<u8>(max)
+            .map_err(driver_err("allocating the link test's device buffer"))?;
+        let pageable = vec![1u8; max];
+        // SAFETY: the memory is written (filled) below before any copy reads it.
+        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(max, 0) }
+            .map_err(driver_err("allocating page-locked host memory"))?;
+        pinned
+            .as_mut_slice()
+            .map_err(driver_err("page-locked host memory"))?
+            .fill(1);
+        let mut rows = Vec::with_capacity(sizes.len());
+        for &size in sizes {
+            let size = size.max(1);
+            let copies = ((256usize << 20) / size).clamp(3, 1000);
+            let mut time = |src: &[u8]| -> Result<f64> {
+                let mut run = |n: usize| -> Result<f64> {
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..n {
+                        let mut dst = dev.slice_mut(..size);
+                        self.stream
+                            .memcpy_htod(&src[..size], &mut dst)
+                            .map_err(driver_err("copying to the GPU"))?;
+                    }
+                    self.stream.synchronize().map_err(driver_err("waiting for copies"))?;
+                    Ok(t0.elapsed().as_secs_f64())
+                };
+                run(1)?;
+                let s = run(copies)?;
+                Ok((copies * size) as f64 / s.max(1e-9) / 1e9)
+            };
+            let pageable_gb_per_s = time(&pageable)?;
+            let pinned_src = pinned.as_slice().map_err(driver_err("page-locked host memory"))?;
+            let pinned_gb_per_s = time(pinned_src)?;
+            rows.push(super::LinkBandwidth {
+                bytes: size,
+                pageable_gb_per_s,
+                pinned_gb_per_s,
+                copies,
+            });
+        }
+        Ok(rows)
+    }
+}
+
 impl Device for CudaDevice {
     fn name(&self) -> String {
         self.label.clone()
@@ -698,6 +750,10 @@ impl Device for CudaDevice {
 
     fn link(&self) -> Option<super::LinkCounters> {
         Some(*self.link.lock().expect("link counters"))
+    }
+
+    fn measure_link(&self, sizes: &[usize]) -> Option<Result<Vec<super::LinkBandwidth>>> {
+        Some(self.link_bandwidth(sizes))
     }
 
     fn take_error(&self) -> Option<Error> {

@@ -30,7 +30,8 @@ pub(crate) struct ModelArgs {
     /// Worker threads (0 = one per core; at most 1024).
     #[arg(long, default_value_t = 0, value_parser = threads_arg)]
     pub(crate) threads: usize,
-    /// Where to compute: cpu; cuda (an NVIDIA GPU, the whole model in its memory; needs a build
+    /// Where to compute: cpu; cuda (an NVIDIA GPU, the model in its memory, or streamed to it
+    /// with --ram-budget / --vram-budget; needs a build
     /// with `--features cuda`, the NVIDIA driver, and NVRTC, found on the library path or through
     /// GATESTREAM_NVRTC=/path/to/libnvrtc.so); auto (cuda when a GPU is found, else the CPU with a
     /// one-line notice).
@@ -469,6 +470,11 @@ pub(crate) enum Command {
         /// (mixture-of-experts models: disk bytes per token against the expert cache's size).
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// cuda: also measure the host-to-device link in the same run — copy bandwidth from
+        /// pageable and from pinned host memory, 4 KiB to 64 MiB per copy (--quick: 64 KiB,
+        /// 1 MiB, 16 MiB) — printed and written to --json (`link`). cpu (default): disk only.
+        #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+        device: DeviceArg,
     },
     /// Measure per-layer activation statistics of a .gst file's model on the LAST --tokens tokens
     /// of a text (evaluation uses the start of the same file, so they do not overlap) and store

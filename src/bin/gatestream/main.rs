@@ -874,8 +874,38 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cache_experts,
             json,
             plot,
+            device,
         } => {
-            use gatestream::bench::{bench, plot as bench_plot, table, BenchOptions, EngineConfig};
+            use gatestream::bench::{bench, link_table, plot as bench_plot, table, BenchOptions, EngineConfig};
+            // The link first: a missing GPU is refused before the disk work starts.
+            let link = match device {
+                DeviceArg::Cpu => None,
+                kind => {
+                    let (dev, notice) = gatestream::backend::open_device(
+                        match kind {
+                            DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
+                            _ => gatestream::backend::DeviceKind::Auto,
+                        },
+                        0,
+                    )?;
+                    if let Some(n) = notice {
+                        eprintln!("{n}");
+                    }
+                    let sizes: Vec<usize> = if quick {
+                        vec![64 << 10, 1 << 20, 16 << 20]
+                    } else {
+                        gatestream::backend::LINK_SIZES.to_vec()
+                    };
+                    match dev.measure_link(&sizes) {
+                        Some(rows) => {
+                            let rows = rows?;
+                            print!("{}", link_table(&rows));
+                            Some(rows)
+                        }
+                        None => None,
+                    }
+                }
+            };
             let (tokens, trace_tokens, sparsity, queue_depths) = if quick {
                 (2, 16, vec![0.5], vec![8, 64])
             } else {
@@ -994,7 +1024,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     policies: vec![CachePolicy::Lru, CachePolicy::Frequency],
                 };
                 let mut bar = Progress::new();
-                let report = bench_experts(&model, &routes, &opts, &x, &mut |stage, d, n| bar.update(stage, d, n))?;
+                let mut report = bench_experts(&model, &routes, &opts, &x, &mut |stage, d, n| bar.update(stage, d, n))?;
+                report.link = link;
                 print!("{}", experts_table(&report));
                 if let Some(path) = json {
                     std::fs::write(&path, serde_json::to_string_pretty(&report)?)
@@ -1007,7 +1038,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 return Ok(());
             }
             let mut bar = Progress::new();
-            let report = bench(&model, &traces, &opts, &mut |stage, d, n| bar.update(stage, d, n))?;
+            let mut report = bench(&model, &traces, &opts, &mut |stage, d, n| bar.update(stage, d, n))?;
+            report.link = link;
             print!("{}", table(&report));
             if let Some(path) = json {
                 std::fs::write(&path, serde_json::to_string_pretty(&report)?)
