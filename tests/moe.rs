@@ -825,6 +825,18 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
                 resident > 0 && volatile > 0,
                 "{arch:?}: {resident} resident, {volatile} volatile bytes"
             );
+            // A GPU budget is not planned for experts yet: refused, saying so.
+            let e = Streamer::open(
+                &m,
+                &StreamOptions {
+                    vram_budget_bytes: Some(budget),
+                    ..stream_options(budget, ReadEngine::Pread, CachePolicy::Lru, false)
+                },
+            )
+            .err()
+            .expect("--vram-budget on experts is refused")
+            .to_string();
+            assert!(e.contains("--vram-budget is not built for mixture-of-experts"), "{e}");
         }
     }
 }
