@@ -779,23 +779,11 @@ fn qwen_streamed(
     report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
     use gatestream::io::{ReadEngine, ReaderOptions};
-    use gatestream::model::Placement;
     use gatestream::stream::cache::CachePolicy;
     use gatestream::stream::residency::Priority;
     use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer};
-    let gst = qwen_gst_path()?;
-    let file_bytes = std::fs::metadata(&gst).map_err(|e| e.to_string())?.len();
+    let (file_bytes, in_device, on_disk) = qwen_gst_models(dev)?;
     let steps = 32;
-    let in_device = load(&gst, dev.clone())?;
-    let on_disk = Model::load_on(
-        &gst,
-        &LoadOptions {
-            placement: Placement::OnDisk,
-            ..LoadOptions::default()
-        },
-        dev.clone(),
-    )
-    .map_err(|e| e.to_string())?;
     let opts = StreamOptions {
         budget_bytes: file_bytes * 2 / 5,
         engine: ReadEngine::Uring,
@@ -838,6 +826,24 @@ fn qwen_streamed(
     judged(mismatches, worst, 0.0, msg)
 }
 
+/// The Qwen-shaped `.gst`'s size, the model loaded into device memory, and the model with its
+/// matrices left on disk (for a stream to feed).
+fn qwen_gst_models(dev: &Arc<CudaDevice>) -> Result<(u64, Model, Model), String> {
+    let gst = qwen_gst_path()?;
+    let file_bytes = std::fs::metadata(&gst).map_err(|e| e.to_string())?.len();
+    let in_device = load(&gst, dev.clone())?;
+    let on_disk = Model::load_on(
+        &gst,
+        &LoadOptions {
+            placement: gatestream::model::Placement::OnDisk,
+            ..LoadOptions::default()
+        },
+        dev.clone(),
+    )
+    .map_err(|e| e.to_string())?;
+    Ok((file_bytes, in_device, on_disk))
+}
+
 /// The Qwen-shaped model as a `.gst` beside its GGUF, written once for the checks that stream.
 fn qwen_gst_path() -> Result<std::path::PathBuf, String> {
     use std::sync::OnceLock;
@@ -869,13 +875,10 @@ fn qwen_gst_path() -> Result<std::path::PathBuf, String> {
 /// the bound it sets (copied bytes per token / pinned bandwidth).
 fn qwen_vram(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_json::Value>) -> Result<String, String> {
     use gatestream::io::{ReadEngine, ReaderOptions};
-    use gatestream::model::Placement;
     use gatestream::sparsity::{Criterion, Masker, Strategy};
     use gatestream::stream::cache::CachePolicy;
     use gatestream::stream::residency::Priority;
     use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer, RAM_UNLIMITED};
-    let gst = qwen_gst_path()?;
-    let file_bytes = std::fs::metadata(&gst).map_err(|e| e.to_string())?.len();
     let steps = 32;
     let link = dev
         .measure_link(&[1 << 20, 16 << 20, 64 << 20])
@@ -883,16 +886,7 @@ fn qwen_vram(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_j
         .map_err(|e| e.to_string())?;
     let best = |f: fn(&gatestream::backend::LinkBandwidth) -> f64| link.iter().map(f).fold(0f64, f64::max);
     let (pinned, pageable) = (best(|r| r.pinned_gb_per_s), best(|r| r.pageable_gb_per_s));
-    let in_device = load(&gst, dev.clone())?;
-    let on_disk = Model::load_on(
-        &gst,
-        &LoadOptions {
-            placement: Placement::OnDisk,
-            ..LoadOptions::default()
-        },
-        dev.clone(),
-    )
-    .map_err(|e| e.to_string())?;
+    let (file_bytes, in_device, on_disk) = qwen_gst_models(dev)?;
     let opts = |sparse: bool| StreamOptions {
         budget_bytes: RAM_UNLIMITED,
         engine: ReadEngine::Uring,

@@ -503,6 +503,14 @@ fn stage_rows(like: &Weight, set: &[u32], parts: [RowsByNeuron; 2]) -> Result<We
     let mut staged = vec![0u8; set.len() * rb];
     let mut filled = vec![false; set.len()];
     for p in &parts {
+        if p.bytes.len() != p.ids.len() * rb {
+            return Err(Error::Invalid(format!(
+                "{}: the stream handed over {} bytes for {} rows of {rb} bytes",
+                like.name,
+                p.bytes.len(),
+                p.ids.len()
+            )));
+        }
         for (k, &n) in p.ids.iter().enumerate() {
             let i = set.binary_search(&n).ok().filter(|&i| !filled[i]).ok_or_else(|| {
                 Error::Invalid(format!(
