@@ -535,7 +535,6 @@ pub fn bench(
     })
 }
 
-/// The readable table.
 /// The host-to-device link's bandwidth by copy size, pageable and pinned (`bench --device cuda`).
 pub fn link_table(rows: &[crate::backend::LinkBandwidth]) -> String {
     use std::fmt::Write;
@@ -558,6 +557,7 @@ pub fn link_table(rows: &[crate::backend::LinkBandwidth]) -> String {
     s
 }
 
+/// The readable table.
 pub fn table(r: &BenchReport) -> String {
     use std::fmt::Write;
     let mut s = String::new();

@@ -227,19 +227,21 @@ impl Model {
         // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
         // down columns staged with it when the mask decides before up (one read batch).
         let mut staged: Option<(Vec<u32>, bool, Option<Weight>)> = None;
+        // The mask's inputs on the host, once per layer (a sync where the device has its own
+        // memory; a borrow on the CPU): phases 2 and 3 both read them.
+        let scores = hooks.mask.map(|_| (dev.to_host(xn), dev.to_host(&gate)));
         let mut up = match (up_with_gate, stream, neurons) {
             (Some(up), _, _) => up,
             (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.up, rows, xn), rows, f),
             (None, None, FfnNeurons::All) => unreachable!("computed with the gate"),
             (None, Some(s), _) => {
                 let mut need = vec![true; f];
-                if let Some(m) = hooks.mask {
-                    let (xh, gh) = (dev.to_host(xn), dev.to_host(&gate));
+                if let (Some(m), Some((xh, gh))) = (hooks.mask, &scores) {
                     if decode.is_some() {
                         s.begin_decode(l)?;
-                        self.predict_next(l, &xh, m, s)?;
+                        self.predict_next(l, xh, m, s)?;
                     }
-                    m.up_needed(l, &xh, &gh, &mut need);
+                    m.up_needed(l, xh, gh, &mut need);
                 }
                 if let FfnNeurons::Subset(rows) = neurons {
                     let mut selected = vec![false; f];
@@ -270,8 +272,9 @@ impl Model {
             Some(mask) => {
                 let mut hact = dev.copy(&up);
                 dev.mul(&mut hact, &gate);
-                let (xh, gh, uh) = (dev.to_host(xn), dev.to_host(&gate), dev.to_host(&up));
-                edit_on_host(dev, &mut hact, |ha| mask.apply(l, &xh, &gh, &uh, ha));
+                let (xh, gh) = scores.as_ref().expect("fetched for the mask");
+                let uh = dev.to_host(&up);
+                edit_on_host(dev, &mut hact, |ha| mask.apply(l, xh, gh, &uh, ha));
                 hact
             }
         };
@@ -451,92 +454,101 @@ impl Model {
 /// as they land: [`LayerStream::decode_up`]), staged in `set`'s order for a device's product:
 /// row i is the set's i-th neuron. `like`: the layer's up matrix (its type and width).
 fn staged_decode_up(s: &dyn LayerStream, l: usize, set: &[u32], with_down: bool, like: &Weight) -> Result<Weight> {
-    let mut parts = (RowsByNeuron::default(), RowsByNeuron::default());
-    let (hits, misses) = (&mut parts.0, &mut parts.1);
-    s.decode_up(
-        l,
-        set,
-        with_down,
-        &mut |rows| rows.iter().for_each(|&(n, r)| hits.push(n, r)),
-        &mut |n, r| misses.push(n, r),
-    )?;
-    stage_rows(like, set, [parts.0, parts.1])
+    let staging = std::sync::Mutex::new(Staging::new(like, set)?);
+    s.decode_up(l, set, with_down, &mut |rows| put_each(&staging, rows), &mut |n, r| {
+        staging.lock().expect("staging").put(n, r)
+    })?;
+    staging.into_inner().expect("staging").finish(like)
 }
 
 /// A decode step's down columns of the kept neurons `kept` (sorted, a subset of the up set),
 /// staged in `kept`'s order ([`LayerStream::decode_down`]). `like`: the layer's down matrix.
 fn staged_decode_down(s: &dyn LayerStream, l: usize, kept: &[u32], like: &Weight) -> Result<Weight> {
-    let mut parts = (RowsByNeuron::default(), RowsByNeuron::default());
-    let (in_memory, landed) = (&mut parts.0, &mut parts.1);
+    let staging = std::sync::Mutex::new(Staging::new(like, kept)?);
     s.decode_down(
         l,
         &|n| kept.binary_search(&n).is_ok(),
-        &mut |rows, _| rows.iter().for_each(|&(n, r)| in_memory.push(n, r)),
-        &mut |n, r| landed.push(n, r),
+        &mut |rows, _| put_each(&staging, rows),
+        &mut |n, r| staging.lock().expect("staging").put(n, r),
     )?;
-    stage_rows(like, kept, [parts.0, parts.1])
+    staging.into_inner().expect("staging").finish(like)
 }
 
-/// Rows handed over one by one, copied out with their neuron ids.
-#[derive(Default)]
-struct RowsByNeuron {
-    ids: Vec<u32>,
-    bytes: Vec<u8>,
-}
-
-impl RowsByNeuron {
-    fn push(&mut self, n: u32, row: &[u8]) {
-        self.ids.push(n);
-        self.bytes.extend_from_slice(row);
+/// Stages `rows`, taking the lock per row so the thread handing over rows as they land waits
+/// at most one row's copy.
+fn put_each(staging: &std::sync::Mutex<Staging<'_>>, rows: &[(u32, &[u8])]) {
+    for &(n, r) in rows {
+        staging.lock().expect("staging").put(n, r);
     }
 }
 
-/// The rows of `set` (sorted) from `parts`, laid out in `set`'s order as a volatile weight of
-/// `like`'s type and width; every neuron of the set must be there exactly once.
-fn stage_rows(like: &Weight, set: &[u32], parts: [RowsByNeuron; 2]) -> Result<Weight> {
-    let rb = like.ty.row_bytes(like.cols).ok_or_else(|| {
-        Error::Invalid(format!(
-            "{}: {} values do not fill whole {:?} blocks",
-            like.name, like.cols, like.ty
-        ))
-    })?;
-    let mut staged = vec![0u8; set.len() * rb];
-    let mut filled = vec![false; set.len()];
-    for p in &parts {
-        if p.bytes.len() != p.ids.len() * rb {
+/// Rows of a sorted neuron set copied into place as the stream hands them over (the cache's on
+/// one pool thread, reads as they land on the other: hence the callers' lock), row i = the
+/// set's i-th neuron; every neuron must come exactly once, with a row of the matrix's length.
+struct Staging<'a> {
+    set: &'a [u32],
+    row_bytes: usize,
+    bytes: Vec<u8>,
+    filled: Vec<bool>,
+    /// The first row that did not fit (kept to report after the stream's call returns).
+    wrong: Option<String>,
+}
+
+impl<'a> Staging<'a> {
+    fn new(like: &Weight, set: &'a [u32]) -> Result<Staging<'a>> {
+        let row_bytes = like.ty.row_bytes(like.cols).ok_or_else(|| {
+            Error::Invalid(format!(
+                "{}: {} values do not fill whole {:?} blocks",
+                like.name, like.cols, like.ty
+            ))
+        })?;
+        Ok(Staging {
+            set,
+            row_bytes,
+            bytes: vec![0u8; set.len() * row_bytes],
+            filled: vec![false; set.len()],
+            wrong: None,
+        })
+    }
+
+    fn put(&mut self, n: u32, row: &[u8]) {
+        let rb = self.row_bytes;
+        match self.set.binary_search(&n) {
+            Ok(i) if !self.filled[i] && row.len() == rb => {
+                self.filled[i] = true;
+                self.bytes[i * rb..(i + 1) * rb].copy_from_slice(row);
+            }
+            _ if self.wrong.is_none() => {
+                self.wrong = Some(format!(
+                    "the stream handed over a row of {} bytes for neuron {n} (rows are {rb} bytes; not asked for, or twice)",
+                    row.len()
+                ))
+            }
+            _ => {}
+        }
+    }
+
+    /// The staged rows as a volatile weight of `like`'s type and width.
+    fn finish(self, like: &Weight) -> Result<Weight> {
+        if let Some(w) = self.wrong {
+            return Err(Error::Invalid(format!("{}: {w}", like.name)));
+        }
+        if let Some(i) = self.filled.iter().position(|&f| !f) {
             return Err(Error::Invalid(format!(
-                "{}: the stream handed over {} bytes for {} rows of {rb} bytes",
-                like.name,
-                p.bytes.len(),
-                p.ids.len()
+                "{}: the stream did not hand over neuron {}'s row",
+                like.name, self.set[i]
             )));
         }
-        for (k, &n) in p.ids.iter().enumerate() {
-            let i = set.binary_search(&n).ok().filter(|&i| !filled[i]).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "{}: the stream handed over neuron {n}'s row, not asked for or twice",
-                    like.name
-                ))
-            })?;
-            filled[i] = true;
-            staged[i * rb..(i + 1) * rb].copy_from_slice(&p.bytes[k * rb..(k + 1) * rb]);
-        }
+        Ok(Weight::shared(
+            &like.name,
+            like.ty,
+            self.set.len(),
+            like.cols,
+            std::sync::Arc::new(self.bytes),
+            0,
+        )?
+        .volatile())
     }
-    if let Some(i) = filled.iter().position(|&f| !f) {
-        return Err(Error::Invalid(format!(
-            "{}: the stream did not hand over neuron {}'s row",
-            like.name, set[i]
-        )));
-    }
-    Ok(Weight::shared(
-        &like.name,
-        like.ty,
-        set.len(),
-        like.cols,
-        std::sync::Arc::new(staged),
-        0,
-    )?
-    .volatile())
 }
 
 /// Per token, the experts chosen from the router's logits `[n, n_experts]`: `n_used` entries

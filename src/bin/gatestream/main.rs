@@ -306,12 +306,17 @@ fn default_model() -> anyhow::Result<PathBuf> {
 
 /// The device `--device` names (a notice on stderr when `auto` falls back to the CPU).
 fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
-    let kind = match args.device {
+    open_named_device(args.device, args.threads)
+}
+
+/// Opens the device `arg` names with `threads` CPU threads, printing `auto`'s fallback notice.
+fn open_named_device(arg: DeviceArg, threads: usize) -> anyhow::Result<Arc<dyn Device>> {
+    let kind = match arg {
         DeviceArg::Cpu => gatestream::backend::DeviceKind::Cpu,
         DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
         DeviceArg::Auto => gatestream::backend::DeviceKind::Auto,
     };
-    let (device, notice) = gatestream::backend::open_device(kind, args.threads)?;
+    let (device, notice) = gatestream::backend::open_device(kind, threads)?;
     if let Some(n) = notice {
         eprintln!("{n}");
     }
@@ -881,16 +886,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let link = match device {
                 DeviceArg::Cpu => None,
                 kind => {
-                    let (dev, notice) = gatestream::backend::open_device(
-                        match kind {
-                            DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
-                            _ => gatestream::backend::DeviceKind::Auto,
-                        },
-                        0,
-                    )?;
-                    if let Some(n) = notice {
-                        eprintln!("{n}");
-                    }
+                    let dev = open_named_device(kind, 0)?;
                     let sizes: Vec<usize> = if quick {
                         vec![64 << 10, 1 << 20, 16 << 20]
                     } else {
