@@ -18,6 +18,15 @@ enum Storage {
     /// Only the place in the file is known: the bytes are read through a stream (a model opened
     /// for streaming keeps no view of its matrices, so nothing can read them past the budget).
     OnDisk,
+    /// Host memory a device staged rows in for its own copies (`backend::Device::begin_upload`).
+    Staged(Arc<dyn StagedBytes>),
+}
+
+/// Host bytes a device staged and copied to its memory (page-locked on CUDA): readable on the
+/// host like any buffer; the device that staged them finds its copy through the handle
+/// [`Weight::span`] returns, instead of copying them again.
+pub trait StagedBytes: std::any::Any + Send + Sync {
+    fn bytes(&self) -> &[u8];
 }
 
 /// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at
@@ -50,6 +59,31 @@ impl Weight {
             )));
         }
         Weight::shared(name, ty, rows, cols, Arc::new(bytes), 0)
+    }
+
+    /// Rows staged for a device (see [`StagedBytes`]), packed from byte 0; volatile, as every
+    /// staged buffer is reused.
+    pub fn staged(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Arc<dyn StagedBytes>) -> Result<Weight> {
+        let row_bytes = ty
+            .row_bytes(cols)
+            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
+        if row_bytes.checked_mul(rows).is_none_or(|b| b > bytes.bytes().len()) {
+            return Err(Error::Invalid(format!(
+                "{name}: {rows}x{cols} {ty:?} does not fit a {}-byte staging buffer",
+                bytes.bytes().len()
+            )));
+        }
+        Ok(Weight {
+            name: name.into(),
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            row_stride_bytes: row_bytes,
+            storage: Storage::Staged(bytes),
+            offset_bytes: 0,
+            volatile: true,
+        })
     }
 
     /// The first `rows` rows of a shared buffer (the streaming path's staging and prefetch
@@ -114,7 +148,7 @@ impl Weight {
     pub fn file_offset(&self) -> Option<u64> {
         match self.storage {
             Storage::Mapped(_) | Storage::OnDisk => Some(self.offset_bytes as u64),
-            Storage::Owned(_) => None,
+            Storage::Owned(_) | Storage::Staged(_) => None,
         }
     }
 
@@ -132,7 +166,7 @@ impl Weight {
                 storage: Storage::OnDisk,
                 ..self.clone()
             },
-            Storage::Owned(_) => self.clone(),
+            Storage::Owned(_) | Storage::Staged(_) => self.clone(),
         }
     }
 
@@ -165,6 +199,7 @@ impl Weight {
         match &self.storage {
             Storage::Mapped(m) => m,
             Storage::Owned(v) => v,
+            Storage::Staged(s) => s.bytes(),
             // Every entry point that computes checks `in_memory` first (the forward pass refuses
             // a model whose matrices are on disk unless a stream serves them), so this is a bug.
             Storage::OnDisk => panic!("{}: its bytes are on disk and only a stream can read them", self.name),
@@ -179,6 +214,7 @@ impl Weight {
         let keep: Arc<dyn std::any::Any + Send + Sync> = match &self.storage {
             Storage::Mapped(m) => m.clone(),
             Storage::Owned(v) => v.clone(),
+            Storage::Staged(s) => s.clone(),
             Storage::OnDisk => return None,
         };
         let len = match self.rows {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
+use gatestream::backend::Device;
 use gatestream::format::FfnLayout;
 use gatestream::gstfile::GstFile;
 use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads, SimFaults, SimReader};
@@ -291,6 +292,74 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
     assert!(offset <= bad && bad < offset + len, "{e}");
 }
 
+/// A masked decode step on a device with memory of its own stages its rows through the
+/// device's upload buffers: through short reads it keeps the in-RAM sparse model's logits, and
+/// EIO in the middle of a staging fails the pass with the file and range, no staging protocol
+/// error, and the device usable afterwards.
+#[test]
+fn staged_uploads_survive_short_reads_and_report_eio() {
+    use gatestream::backend::standin::HostStandIn;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
+    let text = "Once upon a time";
+    let ram = load(&p);
+    let masker = |m: &Model| Masker::for_model(m, Strategy::TopK, Criterion::Exact, 0.5, None).unwrap();
+    let want = run(&ram, None, Some(&masker(&ram)), text, 3);
+    let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let opts = options(min_budget(&p), ReadEngine::Pread, CachePolicy::Pinned);
+    // 1 KiB chunks: several per layer even on this small model.
+    let dev = Arc::new(HostStandIn::new(0).with_upload_chunk_bytes(1024));
+    let lopts = LoadOptions {
+        placement: Placement::OnDisk,
+        ..LoadOptions::default()
+    };
+    let m = Model::load_on(&p, &lopts, dev.clone()).unwrap();
+    let mask = masker(&m);
+    let short = SimFaults {
+        short_reads: ShortReads::AtMost(100),
+        ..SimFaults::default()
+    };
+    let s = Streamer::with_readers(&m, &opts, readers(&p, short), false, Vec::new()).unwrap();
+    let check = |got: &[f32], what: &str| {
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(diff <= 1e-4 * scale, "{what}: {diff} (scale {scale})");
+    };
+    check(&run(&m, Some(&s), Some(&mask), text, 3), "short reads");
+    assert!(
+        s.read_stats().device_reads > s.read_stats().requests,
+        "short reads were resumed"
+    );
+    let u = dev.upload_counters();
+    assert!(u.chunks > u.uploads && u.early_chunks > 0 && u.reused > 0, "{u:?}");
+
+    // EIO in layer 1's up rows during a one-token pass (a decode step: the staged path).
+    let bad = up_offset(&p) + 100;
+    let eio = SimFaults {
+        eio_at_bytes: vec![bad],
+        ..SimFaults::default()
+    };
+    let s = Streamer::with_readers(&m, &opts, readers(&p, eio), false, Vec::new()).unwrap();
+    let mut cache = KvCache::new(&m.config, 4);
+    let hooks = FfnHooks {
+        select: &|_, _| FfnNeurons::All,
+        observe: None,
+        mask: Some(&mask),
+        stream: Some(&s),
+        cancel: None,
+    };
+    let before = dev.upload_counters().uploads;
+    let e = m
+        .forward_with(&[1], &mut cache, Logits::Last, &hooks)
+        .expect_err("EIO fails the pass")
+        .to_string();
+    assert!(e.contains(&p.display().to_string()) && e.contains("at offset"), "{e}");
+    assert!(dev.upload_counters().uploads > before, "the failed step was staging");
+    assert!(dev.take_error().is_none(), "no staging protocol error");
+    // The device goes on: a clean stream over the same device keeps the in-RAM logits.
+    let s = Streamer::open(&m, &opts).unwrap();
+    check(&run(&m, Some(&s), Some(&mask), text, 3), "after EIO");
+}
+
 #[test]
 fn a_budget_too_small_is_refused_with_the_minimum() {
     let tmp = tempfile::tempdir().unwrap();
@@ -344,7 +413,8 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
             for sparse in [None, Some(0), Some(1)] {
                 // Lookahead where the budget leaves room for resident gates to predict with.
                 let ahead = sparse.is_some() && policy == CachePolicy::Lru;
-                let dev = Arc::new(HostStandIn::new(0));
+                // 16 KiB chunks: a layer's staged up rows (360 bytes each) go over in dozens.
+                let dev = Arc::new(HostStandIn::new(0).with_upload_chunk_bytes(16 << 10));
                 let opts = LoadOptions {
                     placement: Placement::OnDisk,
                     ..LoadOptions::default()
@@ -377,6 +447,14 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
                         let c = s.counters();
                         assert!(c.ahead_neurons > 0 && c.ahead_used_neurons > 0, "{what}: {c:?}");
                     }
+                    // Decode steps staged their rows in the device's buffers, reused from step
+                    // to step, sent in chunks as they filled (most before the last row landed),
+                    // and each product waited on the chunks it read.
+                    let u = dev.upload_counters();
+                    assert!(u.uploads >= 2 * n_layers && u.reused > 0, "{what}: {u:?}");
+                    assert!(u.chunks > u.uploads && u.early_chunks > 0, "{what}: {u:?}");
+                    assert!(u.staged_uses > 0 && u.chunk_waits >= u.chunks, "{what}: {u:?}");
+                    assert_eq!(dev.link().unwrap().staged_bytes, u.sent_bytes, "{what}");
                 } else {
                     assert!(
                         got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),

@@ -27,7 +27,7 @@ use std::borrow::Cow;
 use crate::config::{FfnActivation, RopeStyle};
 use crate::kv::KvCache;
 use crate::quant::PreparedInput;
-use crate::tensor::Weight;
+use crate::tensor::{StagedBytes, Weight};
 
 /// Which device a command computes on (`--device`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,7 +148,11 @@ pub struct LinkCounters {
     /// host), copied at every use, and how many copies.
     pub volatile_bytes: u64,
     pub volatile_copies: u64,
-    /// Host time spent in those copies, nanoseconds.
+    /// Of the volatile bytes, those staged by [`Device::begin_upload`] (page-locked memory on
+    /// CUDA, copied a chunk at a time on the copy stream while the rest is still being staged).
+    pub staged_bytes: u64,
+    /// Time in those copies, nanoseconds: host time of synchronous copies, plus the device time
+    /// (between events) of the staged, asynchronous ones.
     pub copy_ns: u64,
 }
 
@@ -158,6 +162,7 @@ impl LinkCounters {
             resident_bytes: self.resident_bytes - o.resident_bytes,
             volatile_bytes: self.volatile_bytes - o.volatile_bytes,
             volatile_copies: self.volatile_copies - o.volatile_copies,
+            staged_bytes: self.staged_bytes - o.staged_bytes,
             copy_ns: self.copy_ns - o.copy_ns,
         }
     }
@@ -187,6 +192,53 @@ pub const LINK_SIZES: [usize; 8] = [
     16 << 20,
     64 << 20,
 ];
+
+/// The size a decode step's staged rows are handed to the device in ([`Upload::send`]): large
+/// enough that a copy runs near the link's bandwidth (`bench --device cuda` shows ~1 MiB does on
+/// PCIe), small enough that the first chunks copy while later rows are still being read.
+pub const UPLOAD_CHUNK_BYTES: usize = 1 << 20;
+
+/// Host memory a decode step's streamed rows are staged in for a device with memory of its own
+/// ([`Device::begin_upload`]): rows are written in place, and each chunk is handed to the device
+/// as soon as it is complete, so its copy runs while later rows are still arriving.
+pub trait Upload: Send {
+    /// The staging buffer (as long as asked), written in place.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Bytes `start..end` are final: the device copies them now (CUDA: asynchronously, on its
+    /// copy stream; the product that reads them waits for that copy's event). They must not be
+    /// written again, nor sent twice.
+    fn send(&mut self, start: usize, end: usize);
+    /// Every byte the weight will read has been sent: the buffer, as a weight's storage
+    /// ([`Weight::staged`]). The device returns it to its pool when the last weight over it
+    /// drops, after the work that reads it.
+    fn finish(self: Box<Self>) -> std::sync::Arc<dyn StagedBytes>;
+}
+
+/// Staging in ordinary memory: what a device that reads host memory in place gets (sending is
+/// nothing to do).
+pub struct HostUpload(Vec<u8>);
+
+impl HostUpload {
+    pub fn new(bytes: usize) -> HostUpload {
+        HostUpload(vec![0; bytes])
+    }
+}
+
+impl StagedBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl Upload for HostUpload {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0
+    }
+    fn send(&mut self, _start: usize, _end: usize) {}
+    fn finish(self: Box<Self>) -> std::sync::Arc<dyn StagedBytes> {
+        std::sync::Arc::new(self.0)
+    }
+}
 
 /// How a layer's attention reads its cache.
 #[derive(Clone, Copy, Debug)]
@@ -237,6 +289,18 @@ pub trait Device: Send + Sync {
     /// copies nothing (the CPU).
     fn measure_link(&self, _sizes: &[usize]) -> Option<crate::error::Result<Vec<LinkBandwidth>>> {
         None
+    }
+    /// A staging buffer of `bytes` for rows the device will compute on once (a decode step's
+    /// streamed FFN rows), handed over a chunk at a time ([`Upload`]). The default stages in
+    /// ordinary memory; a device with memory of its own stages in memory it copies from fastest
+    /// (page-locked on CUDA), reused from step to step.
+    fn begin_upload(&self, bytes: usize) -> Box<dyn Upload> {
+        Box::new(HostUpload::new(bytes))
+    }
+    /// The size of the chunks staged rows are sent in ([`UPLOAD_CHUNK_BYTES`]; a test device
+    /// may ask for smaller ones).
+    fn upload_chunk_bytes(&self) -> usize {
+        UPLOAD_CHUNK_BYTES
     }
     /// Host values to the device.
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act;

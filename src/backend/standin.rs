@@ -6,6 +6,14 @@
 //! streamed buffer handed over without that mark is then computed from a stale copy, and a test
 //! comparing with the in-RAM model fails. It reports `host_memory() == false`, as the CUDA
 //! device does. Not a compute device to run models on.
+//!
+//! Staged uploads ([`Device::begin_upload`]) follow the CUDA device's protocol and are checked
+//! against it: a chunk's bytes are "copied" (snapshotted) when it is sent, and a product computes
+//! from those snapshots only; a product over bytes never sent, bytes written after their chunk
+//! was sent, or a chunk sent twice or out of bounds is recorded as an error the pass returns
+//! ([`Device::take_error`]). Staging buffers come from a pool, refilled with a poison pattern when
+//! they return, so a weight reading a reused buffer without its chunks having been sent again
+//! computes from poison (and the comparison with the in-RAM model fails).
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -13,23 +21,57 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::cpu::CpuBackend;
-use super::{Act, AttnShape, Device, LinkCounters, RopeShape};
+use super::{Act, AttnShape, Device, LinkCounters, RopeShape, Upload};
 use crate::config::FfnActivation;
 use crate::kv::KvCache;
-use crate::tensor::Weight;
+use crate::tensor::{StagedBytes, Weight};
 
 /// Resident copies: by (address, length, row stride) of the original bytes, the copy and what
 /// keeps the original alive.
 type Copies = HashMap<(usize, usize, usize), (Weight, Arc<dyn std::any::Any + Send + Sync>)>;
 
+/// What the stand-in's staged uploads did (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UploadCounters {
+    /// Staging buffers handed out, and how many of them came from the pool (reused).
+    pub uploads: u64,
+    pub reused: u64,
+    /// Chunks sent, and of those, chunks sent while part of their buffer was still unsent:
+    /// copies that overlap the staging of the rest.
+    pub chunks: u64,
+    pub early_chunks: u64,
+    /// Bytes sent (copied to the "device") in those chunks.
+    pub sent_bytes: u64,
+    /// Products that read a staged buffer: each waited on the chunks its rows lie in.
+    pub staged_uses: u64,
+    pub chunk_waits: u64,
+}
+
+/// The byte every staging buffer is filled with when it is handed out.
+const POISON: u8 = 0xA5;
+
+/// The pool of staging buffers, shared with the buffers handed out (they return on drop).
+type UploadPool = Arc<Mutex<Vec<Vec<u8>>>>;
+
+/// Stand-ins alive in this process get distinct ids, so a staged buffer is only ever taken as
+/// already copied by the stand-in that staged it.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
 pub struct HostStandIn {
     cpu: CpuBackend,
+    id: u64,
+    pool: UploadPool,
+    uploads: Arc<Mutex<UploadCounters>>,
+    /// The first protocol error since the last `take_error`.
+    error: Arc<Mutex<Option<String>>>,
+    chunk_bytes: usize,
     /// Resident copies by (address, length, row stride) of the bytes they were made of, each
     /// holding those bytes alive (as the CUDA device does) so no other buffer takes the address.
     resident: Mutex<Copies>,
     /// Bytes copied for resident weights (once each) and for volatile ones (at every use).
     resident_bytes: AtomicU64,
     volatile_bytes: AtomicU64,
+    volatile_copies: AtomicU64,
     /// Volatile copies made, by weight name.
     volatile_uses: Mutex<HashMap<String, u64>>,
 }
@@ -38,9 +80,15 @@ impl HostStandIn {
     pub fn new(threads: usize) -> HostStandIn {
         HostStandIn {
             cpu: CpuBackend::new(threads),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            pool: Arc::new(Mutex::new(Vec::new())),
+            uploads: Arc::new(Mutex::new(UploadCounters::default())),
+            error: Arc::new(Mutex::new(None)),
+            chunk_bytes: super::UPLOAD_CHUNK_BYTES,
             resident: Mutex::new(HashMap::new()),
             resident_bytes: AtomicU64::new(0),
             volatile_bytes: AtomicU64::new(0),
+            volatile_copies: AtomicU64::new(0),
             volatile_uses: Mutex::new(HashMap::new()),
         }
     }
@@ -59,8 +107,66 @@ impl HostStandIn {
     pub fn copied_bytes(&self) -> (u64, u64) {
         (
             self.resident_bytes.load(Ordering::Relaxed),
-            self.volatile_bytes.load(Ordering::Relaxed),
+            self.volatile_bytes.load(Ordering::Relaxed) + self.upload_counters().sent_bytes,
         )
+    }
+
+    /// Staged rows sent in chunks of `bytes` (so that a small model's layer spans several).
+    pub fn with_upload_chunk_bytes(mut self, bytes: usize) -> HostStandIn {
+        self.chunk_bytes = bytes.max(1);
+        self
+    }
+
+    /// What the staged uploads did so far.
+    pub fn upload_counters(&self) -> UploadCounters {
+        *self.uploads.lock().expect("upload counters")
+    }
+
+    fn fail(&self, msg: String) {
+        self.error.lock().expect("error").get_or_insert(msg);
+    }
+
+    /// The copy a staged upload made of `w`'s bytes (`w` viewing `bytes` of `staged`): its rows
+    /// from the snapshots taken when their chunks were sent.
+    fn staged_copy(&self, w: &Weight, bytes: &[u8], staged: &StandInStaged) -> Weight {
+        let start = bytes.as_ptr() as usize - staged.host.as_ptr() as usize;
+        let end = start + bytes.len();
+        let mut copy = vec![POISON; bytes.len()];
+        let mut covered = 0usize;
+        let mut waits = 0u64;
+        for (s, e, snap) in &staged.chunks {
+            let (lo, hi) = ((*s).max(start), (*e).min(end));
+            if lo >= hi {
+                continue;
+            }
+            waits += 1;
+            covered += hi - lo;
+            copy[lo - start..hi - start].copy_from_slice(&snap[lo - s..hi - s]);
+            if staged.host[lo..hi] != snap[lo - s..hi - s] {
+                self.fail(format!(
+                    "{}: staged bytes {lo}..{hi} changed after their chunk was sent to the device",
+                    w.name
+                ));
+            }
+        }
+        if covered != bytes.len() {
+            self.fail(format!(
+                "{}: a product read staged bytes {start}..{end}, of which only {covered} were sent to the device",
+                w.name
+            ));
+        }
+        let mut u = self.uploads.lock().expect("upload counters");
+        u.staged_uses += 1;
+        u.chunk_waits += waits;
+        drop(u);
+        *self
+            .volatile_uses
+            .lock()
+            .expect("volatile uses")
+            .entry(w.name.clone())
+            .or_default() += 1;
+        Weight::shared_strided(&w.name, w.ty, w.rows, w.cols, Arc::new(copy), 0, w.row_stride_bytes)
+            .expect("the copy has the original's shape")
     }
 
     /// The stand-in's own copy of `w`'s bytes, as a weight over them.
@@ -71,6 +177,9 @@ impl HostStandIn {
                 w.name
             );
         };
+        if let Some(staged) = keep.downcast_ref::<StandInStaged>().filter(|s| s.device == self.id) {
+            return self.staged_copy(w, bytes, staged);
+        }
         let copy = || {
             Weight::shared_strided(
                 &w.name,
@@ -85,6 +194,7 @@ impl HostStandIn {
         };
         if w.is_volatile() {
             self.volatile_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            self.volatile_copies.fetch_add(1, Ordering::Relaxed);
             *self
                 .volatile_uses
                 .lock()
@@ -106,7 +216,118 @@ impl HostStandIn {
     }
 }
 
+/// A staging buffer being filled (see the module docs).
+struct StandInUpload {
+    host: Vec<u8>,
+    /// Sent chunks: byte range and the snapshot "copied" at the send.
+    chunks: Vec<(usize, usize, Vec<u8>)>,
+    sent_bytes: usize,
+    device: u64,
+    pool: UploadPool,
+    uploads: Arc<Mutex<UploadCounters>>,
+    error: Arc<Mutex<Option<String>>>,
+}
+
+/// A staging abandoned before it finished (a read failed): its buffer goes back to the pool.
+impl Drop for StandInUpload {
+    fn drop(&mut self) {
+        if self.host.capacity() > 0 {
+            let mut host = std::mem::take(&mut self.host);
+            host.fill(POISON);
+            self.pool.lock().expect("upload pool").push(host);
+        }
+    }
+}
+
+/// A staged buffer as a weight's storage; back to the pool (poisoned) when the last weight over
+/// it drops.
+struct StandInStaged {
+    host: Vec<u8>,
+    chunks: Vec<(usize, usize, Vec<u8>)>,
+    device: u64,
+    pool: UploadPool,
+}
+
+impl StagedBytes for StandInStaged {
+    fn bytes(&self) -> &[u8] {
+        &self.host
+    }
+}
+
+impl Drop for StandInStaged {
+    fn drop(&mut self) {
+        let mut host = std::mem::take(&mut self.host);
+        host.fill(POISON);
+        self.pool.lock().expect("upload pool").push(host);
+    }
+}
+
+impl Upload for StandInUpload {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.host
+    }
+    fn send(&mut self, start: usize, end: usize) {
+        let overlaps = self.chunks.iter().any(|&(s, e, _)| start < e && s < end);
+        if start >= end || end > self.host.len() || overlaps {
+            self.error.lock().expect("error").get_or_insert(format!(
+                "staged chunk {start}..{end} sent {} (buffer of {} bytes)",
+                if overlaps { "twice" } else { "out of bounds" },
+                self.host.len()
+            ));
+            return;
+        }
+        self.sent_bytes += end - start;
+        let mut u = self.uploads.lock().expect("upload counters");
+        u.chunks += 1;
+        u.sent_bytes += (end - start) as u64;
+        u.early_chunks += u64::from(self.sent_bytes < self.host.len());
+        self.chunks.push((start, end, self.host[start..end].to_vec()));
+    }
+    fn finish(mut self: Box<Self>) -> Arc<dyn StagedBytes> {
+        Arc::new(StandInStaged {
+            host: std::mem::take(&mut self.host),
+            chunks: std::mem::take(&mut self.chunks),
+            device: self.device,
+            pool: self.pool.clone(),
+        })
+    }
+}
+
 impl Device for HostStandIn {
+    fn take_error(&self) -> Option<crate::error::Error> {
+        self.error
+            .lock()
+            .expect("error")
+            .take()
+            .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
+    }
+    fn upload_chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+    fn begin_upload(&self, bytes: usize) -> Box<dyn Upload> {
+        let reused = {
+            let mut pool = self.pool.lock().expect("upload pool");
+            pool.iter()
+                .position(|b| b.capacity() >= bytes)
+                .map(|i| pool.swap_remove(i))
+        };
+        let mut u = self.uploads.lock().expect("upload counters");
+        u.uploads += 1;
+        u.reused += u64::from(reused.is_some());
+        drop(u);
+        let mut host = reused.unwrap_or_default();
+        host.clear();
+        host.resize(bytes, POISON);
+        Box::new(StandInUpload {
+            host,
+            chunks: Vec::new(),
+            sent_bytes: 0,
+            device: self.id,
+            pool: self.pool.clone(),
+            uploads: self.uploads.clone(),
+            error: self.error.clone(),
+        })
+    }
     fn name(&self) -> String {
         format!("host stand-in for a device ({})", Device::name(&self.cpu))
     }
@@ -121,7 +342,8 @@ impl Device for HostStandIn {
         Some(LinkCounters {
             resident_bytes,
             volatile_bytes,
-            volatile_copies: self.volatile_uses(""),
+            volatile_copies: self.volatile_copies.load(Ordering::Relaxed) + self.upload_counters().chunks,
+            staged_bytes: self.upload_counters().sent_bytes,
             copy_ns: 0,
         })
     }
@@ -218,5 +440,79 @@ impl Device for HostStandIn {
         shape: AttnShape,
     ) -> Act {
         self.cpu.attention(q, positions, seq_of_token, caches, shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+
+    /// A 4×8 F32 matrix (32-byte rows) and its bytes.
+    fn matrix() -> (Weight, Vec<u8>) {
+        let values: Vec<f32> = (0..32).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        (Weight::owned("w", GgmlType::F32, 4, 8, bytes.clone()).unwrap(), bytes)
+    }
+
+    fn product(dev: &HostStandIn, w: &Weight) -> Vec<f32> {
+        let x = dev.upload(1, 8, (0..8).map(|i| 1.0 - i as f32 * 0.1).collect());
+        dev.download(dev.matmul(&[w], &x).remove(0))
+    }
+
+    fn staged(dev: &HostStandIn, bytes: &[u8], sends: &[(usize, usize)], write_after: bool) -> Weight {
+        let mut up = dev.begin_upload(bytes.len());
+        up.bytes_mut().copy_from_slice(bytes);
+        for &(s, e) in sends {
+            up.send(s, e);
+        }
+        if write_after {
+            up.bytes_mut()[0] ^= 1;
+        }
+        Weight::staged("w", GgmlType::F32, 4, 8, up.finish()).unwrap()
+    }
+
+    #[test]
+    fn a_product_over_staged_rows_computes_from_the_chunks_as_sent() {
+        let (w, bytes) = matrix();
+        let dev = HostStandIn::new(1);
+        let want = product(&dev, &w);
+        let s = staged(&dev, &bytes, &[(64, 128), (0, 64)], false);
+        assert_eq!(product(&dev, &s), want);
+        assert!(dev.take_error().is_none());
+        let c = dev.upload_counters();
+        assert_eq!(
+            (c.uploads, c.reused, c.chunks, c.early_chunks, c.sent_bytes),
+            (1, 0, 2, 1, 128)
+        );
+        assert_eq!((c.staged_uses, c.chunk_waits), (1, 2));
+        // A staged buffer is copied once, when sent, not again at each use.
+        let (_, volatile) = dev.copied_bytes();
+        assert_eq!(volatile, 128);
+        assert_eq!(dev.link().unwrap().staged_bytes, 128);
+        // Released, the buffer returns to the pool, poisoned, and is handed out again.
+        drop(s);
+        let again = staged(&dev, &bytes, &[(0, 128)], false);
+        assert_eq!(product(&dev, &again), want);
+        assert_eq!(dev.upload_counters().reused, 1);
+        drop(again);
+        let mut up = dev.begin_upload(128);
+        assert!(up.bytes_mut().iter().all(|&b| b == POISON));
+    }
+
+    #[test]
+    fn staging_protocol_errors_are_returned_by_the_pass() {
+        let (_, bytes) = matrix();
+        let expect = |sends: &[(usize, usize)], write_after: bool, what: &str| {
+            let dev = HostStandIn::new(1);
+            let s = staged(&dev, &bytes, sends, write_after);
+            product(&dev, &s);
+            let e = dev.take_error().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(what), "{sends:?}: {e:?} lacks {what:?}");
+        };
+        expect(&[(0, 64)], false, "of which only 64 were sent");
+        expect(&[(0, 64), (64, 128)], true, "changed after their chunk was sent");
+        expect(&[(0, 64), (32, 128)], false, "sent twice");
+        expect(&[(0, 129)], false, "out of bounds");
     }
 }

@@ -21,7 +21,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::{Act, Device};
+use crate::backend::{Act, Device, Upload};
 use crate::config::MoeConfig;
 use crate::error::Error;
 use crate::error::Result;
@@ -252,7 +252,7 @@ impl Model {
                 let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
                 let (up_w, down_w) = match decode {
                     // The down columns come in the down phase, for the kept neurons only.
-                    Some(_) => (staged_decode_up(s, l, &up_set, one_pass, &w.up)?, None),
+                    Some(_) => (staged_decode_up(dev, s, l, &up_set, one_pass, &w.up)?, None),
                     None => s.stage(l, &up_set, one_pass)?,
                 };
                 let u = dev.matmul(&[&up_w], xn).remove(0);
@@ -295,7 +295,7 @@ impl Model {
                             .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
                             .collect();
                         let dw = match decode {
-                            Some(_) => staged_decode_down(s, l, &keep, w.down.weight())?,
+                            Some(_) => staged_decode_down(dev, s, l, &keep, w.down.weight())?,
                             None => s.stage_down(l, &keep, &up_set)?,
                         };
                         (keep, dw)
@@ -451,10 +451,17 @@ impl Model {
 }
 
 /// A decode step's up rows of `set` (sorted) as the stream hands them over (cache hits, reads
-/// as they land: [`LayerStream::decode_up`]), staged in `set`'s order for a device's product:
-/// row i is the set's i-th neuron. `like`: the layer's up matrix (its type and width).
-fn staged_decode_up(s: &dyn LayerStream, l: usize, set: &[u32], with_down: bool, like: &Weight) -> Result<Weight> {
-    let staging = std::sync::Mutex::new(Staging::new(like, set)?);
+/// as they land: [`LayerStream::decode_up`]), staged for `dev` in `set`'s order: row i is the
+/// set's i-th neuron. `like`: the layer's up matrix (its type and width).
+fn staged_decode_up(
+    dev: &dyn Device,
+    s: &dyn LayerStream,
+    l: usize,
+    set: &[u32],
+    with_down: bool,
+    like: &Weight,
+) -> Result<Weight> {
+    let staging = std::sync::Mutex::new(Staging::new(dev, like, set)?);
     s.decode_up(l, set, with_down, &mut |rows| put_each(&staging, rows), &mut |n, r| {
         staging.lock().expect("staging").put(n, r)
     })?;
@@ -462,9 +469,10 @@ fn staged_decode_up(s: &dyn LayerStream, l: usize, set: &[u32], with_down: bool,
 }
 
 /// A decode step's down columns of the kept neurons `kept` (sorted, a subset of the up set),
-/// staged in `kept`'s order ([`LayerStream::decode_down`]). `like`: the layer's down matrix.
-fn staged_decode_down(s: &dyn LayerStream, l: usize, kept: &[u32], like: &Weight) -> Result<Weight> {
-    let staging = std::sync::Mutex::new(Staging::new(like, kept)?);
+/// staged for `dev` in `kept`'s order ([`LayerStream::decode_down`]). `like`: the layer's down
+/// matrix.
+fn staged_decode_down(dev: &dyn Device, s: &dyn LayerStream, l: usize, kept: &[u32], like: &Weight) -> Result<Weight> {
+    let staging = std::sync::Mutex::new(Staging::new(dev, like, kept)?);
     s.decode_down(
         l,
         &|n| kept.binary_search(&n).is_ok(),
@@ -482,31 +490,44 @@ fn put_each(staging: &std::sync::Mutex<Staging<'_>>, rows: &[(u32, &[u8])]) {
     }
 }
 
-/// Rows of a sorted neuron set copied into place as the stream hands them over (the cache's on
-/// one pool thread, reads as they land on the other: hence the callers' lock), row i = the
-/// set's i-th neuron; every neuron must come exactly once, with a row of the matrix's length.
+/// Rows of a sorted neuron set copied into place in the device's staging buffer as the stream
+/// hands them over (the cache's on one pool thread, reads as they land on the other: hence the
+/// callers' lock), row i = the set's i-th neuron; every neuron must come exactly once, with a
+/// row of the matrix's length. The set is cut into chunks of whole rows, about
+/// [`Device::upload_chunk_bytes`] each; a chunk goes to the
+/// device ([`Upload::send`]) the moment its last row lands, so its copy overlaps the reads
+/// still in flight for the others.
 struct Staging<'a> {
     set: &'a [u32],
     row_bytes: usize,
-    bytes: Vec<u8>,
+    upload: Box<dyn Upload>,
     filled: Vec<bool>,
+    chunk_rows: usize,
+    /// Rows each chunk still waits for.
+    missing: Vec<usize>,
     /// The first row that did not fit (kept to report after the stream's call returns).
     wrong: Option<String>,
 }
 
 impl<'a> Staging<'a> {
-    fn new(like: &Weight, set: &'a [u32]) -> Result<Staging<'a>> {
+    fn new(dev: &dyn Device, like: &Weight, set: &'a [u32]) -> Result<Staging<'a>> {
         let row_bytes = like.ty.row_bytes(like.cols).ok_or_else(|| {
             Error::Invalid(format!(
                 "{}: {} values do not fill whole {:?} blocks",
                 like.name, like.cols, like.ty
             ))
         })?;
+        let chunk_rows = (dev.upload_chunk_bytes() / row_bytes.max(1)).max(1);
+        let missing = (0..set.len().div_ceil(chunk_rows))
+            .map(|c| chunk_rows.min(set.len() - c * chunk_rows))
+            .collect();
         Ok(Staging {
             set,
             row_bytes,
-            bytes: vec![0u8; set.len() * row_bytes],
+            upload: dev.begin_upload(set.len() * row_bytes),
             filled: vec![false; set.len()],
+            chunk_rows,
+            missing,
             wrong: None,
         })
     }
@@ -516,7 +537,13 @@ impl<'a> Staging<'a> {
         match self.set.binary_search(&n) {
             Ok(i) if !self.filled[i] && row.len() == rb => {
                 self.filled[i] = true;
-                self.bytes[i * rb..(i + 1) * rb].copy_from_slice(row);
+                self.upload.bytes_mut()[i * rb..(i + 1) * rb].copy_from_slice(row);
+                let c = i / self.chunk_rows;
+                self.missing[c] -= 1;
+                if self.missing[c] == 0 {
+                    let end = ((c + 1) * self.chunk_rows).min(self.set.len());
+                    self.upload.send(c * self.chunk_rows * rb, end * rb);
+                }
             }
             _ if self.wrong.is_none() => {
                 self.wrong = Some(format!(
@@ -539,15 +566,7 @@ impl<'a> Staging<'a> {
                 like.name, self.set[i]
             )));
         }
-        Ok(Weight::shared(
-            &like.name,
-            like.ty,
-            self.set.len(),
-            like.cols,
-            std::sync::Arc::new(self.bytes),
-            0,
-        )?
-        .volatile())
+        Weight::staged(&like.name, like.ty, self.set.len(), like.cols, self.upload.finish())
     }
 }
 
@@ -571,4 +590,76 @@ pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
         out.extend(chosen.iter().map(|&e| (e, probs[e] * scale)));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::standin::HostStandIn;
+    use crate::quant::GgmlType;
+
+    /// An F32 matrix of 10 rows of 4 values (16-byte rows); row r's values are r*4 .. r*4+3.
+    fn matrix() -> Weight {
+        let bytes: Vec<u8> = (0..40).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        Weight::owned("blk.0.ffn_up.weight", GgmlType::F32, 10, 4, bytes).unwrap()
+    }
+
+    #[test]
+    fn staging_sends_each_chunk_once_when_its_last_row_lands() {
+        let like = matrix();
+        // Chunks of 3 rows (48 bytes) over a set of 7 neurons: 3 + 3 + 1 rows.
+        let dev = HostStandIn::new(1).with_upload_chunk_bytes(48);
+        let set = [0u32, 2, 3, 5, 6, 8, 9];
+        let mut st = Staging::new(&dev, &like, &set).unwrap();
+        // Rows land out of order (cache hits, then reads as they complete).
+        let mut chunks_after = Vec::new();
+        for n in [9u32, 5, 0, 8, 3, 2, 6] {
+            st.put(n, like.row(n as usize));
+            chunks_after.push(dev.upload_counters().chunks);
+        }
+        // 9 completes the 1-row chunk {9}; 2 completes {0, 2, 3}; 6 completes {5, 6, 8}.
+        assert_eq!(chunks_after, [1, 1, 1, 1, 1, 2, 3]);
+        let w = st.finish(&like).unwrap();
+        assert!(w.is_volatile());
+        for (i, &n) in set.iter().enumerate() {
+            assert_eq!(w.row(i), like.row(n as usize), "row {i}");
+        }
+        let c = dev.upload_counters();
+        assert_eq!((c.chunks, c.early_chunks, c.sent_bytes), (3, 2, 7 * 16));
+        // The product computes from the chunks as sent, without a protocol error.
+        let x = dev.upload(1, 4, vec![1.0, 0.5, 0.25, 0.125]);
+        let got = dev.download(dev.matmul(&[&w], &x).remove(0));
+        let want: Vec<f32> = set
+            .iter()
+            .map(|&n| {
+                (0..4)
+                    .map(|j| (n * 4 + j) as f32 * [1.0, 0.5, 0.25, 0.125][j as usize])
+                    .sum()
+            })
+            .collect();
+        assert_eq!(got, want);
+        assert!(dev.take_error().is_none());
+    }
+
+    #[test]
+    fn staging_refuses_a_missing_row_and_a_row_of_the_wrong_length() {
+        let like = matrix();
+        let dev = HostStandIn::new(1).with_upload_chunk_bytes(48);
+        let set = [1u32, 4];
+        let mut st = Staging::new(&dev, &like, &set).unwrap();
+        st.put(1, like.row(1));
+        let e = st.finish(&like).err().unwrap().to_string();
+        assert!(e.contains("did not hand over neuron 4"), "{e}");
+        let mut st = Staging::new(&dev, &like, &set).unwrap();
+        st.put(1, like.row(1));
+        st.put(4, &like.row(4)[..8]);
+        st.put(7, like.row(7));
+        let e = st.finish(&like).err().unwrap().to_string();
+        assert!(e.contains("row of 8 bytes for neuron 4"), "{e}");
+        // Neither staging sent its incomplete chunk; each buffer went back to the pool and was
+        // handed out again.
+        assert_eq!(dev.upload_counters().chunks, 0);
+        let _third = Staging::new(&dev, &like, &set).unwrap();
+        assert_eq!(dev.upload_counters().reused, 2);
+    }
 }

@@ -122,10 +122,15 @@ pub struct LinkReport {
     /// and in how many copies.
     pub bytes_per_token: f64,
     pub copies_per_token: f64,
+    /// The share of those bytes staged in the device's own (page-locked) buffers and copied
+    /// asynchronously, a chunk at a time, while the rest was still being read (masked decode
+    /// steps' FFN rows); the rest is copied synchronously at its use.
+    pub staged_fraction: f64,
     /// Resident weights copied during decoding (first uses), bytes in all.
     pub resident_bytes: u64,
-    /// Host time in the copies per token, and the bandwidth that time gives (GB/s; 0 where the
-    /// device does not time its copies).
+    /// Time in the copies per token — host time of the synchronous ones, device time (between
+    /// events) of the staged ones — and the bandwidth that time gives (GB/s; 0 where the device
+    /// does not time its copies).
     pub copy_s_per_token: f64,
     pub copy_gb_per_s: f64,
 }
@@ -223,6 +228,7 @@ impl StreamReport {
             link: s.decode_link().map(|l| LinkReport {
                 bytes_per_token: l.volatile_bytes as f64 / steps,
                 copies_per_token: l.volatile_copies as f64 / steps,
+                staged_fraction: l.staged_bytes as f64 / l.volatile_bytes.max(1) as f64,
                 resident_bytes: l.resident_bytes,
                 copy_s_per_token: l.copy_ns as f64 / 1e9 / steps,
                 copy_gb_per_s: if l.copy_ns > 0 {

@@ -10,6 +10,7 @@
 //! later launch is skipped, and the pass returns the first one through [`Device::take_error`].
 
 pub mod nvrtc;
+mod upload;
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -189,6 +190,8 @@ struct DevWeight {
 struct OnDevice {
     ptr: u64,
     _transient: Option<CudaSlice<u8>>,
+    /// A staged buffer (its device twin is `ptr`'s), returned to the pool after the launch.
+    _staged: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 /// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each.
@@ -210,14 +213,16 @@ pub struct CudaDevice {
     vectors: Mutex<VectorCache>,
     indices: Mutex<IndexCache>,
     pool: Arc<Pool>,
-    error: Mutex<Option<String>>,
+    error: Arc<Mutex<Option<String>>>,
+    /// Page-locked staging buffers and the copy stream (see `upload`).
+    uploads: Arc<upload::Uploads>,
     /// Which KV buffers are this device's (several devices may live in one process).
     id: usize,
     /// Multiply the activations the CPU's quantized products see (8-bit blocks, see
     /// [`ACTIVATIONS_ENV`]) rather than the f32 activations themselves.
     q8_activations: std::sync::atomic::AtomicBool,
     /// Weight copies from the host (see [`Device::link`]).
-    link: Mutex<super::LinkCounters>,
+    link: Arc<Mutex<super::LinkCounters>>,
 }
 
 /// `GATESTREAM_CUDA_ACTIVATIONS`: `f32` (the default) multiplies quantized weights with the f32
@@ -345,6 +350,13 @@ impl CudaDevice {
         let name = ctx.name().unwrap_or_else(|_| "GPU".into());
         let mem = ctx.total_mem().unwrap_or(0) as f64 / (1u64 << 30) as f64;
         static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (error, link) = (
+            Arc::new(Mutex::new(None)),
+            Arc::new(Mutex::new(super::LinkCounters::default())),
+        );
+        let uploads = upload::Uploads::new(ctx.clone(), stream.clone(), link.clone(), error.clone(), id)
+            .map_err(driver_err("creating the copy stream"))?;
         Ok(CudaDevice {
             label: format!(
                 "cuda {ordinal}: {name} (sm_{arch}, {mem:.0} GiB, driver CUDA {}.{}, NVRTC {}.{}{})",
@@ -361,10 +373,11 @@ impl CudaDevice {
             vectors: Mutex::new(HashMap::new()),
             indices: Mutex::new(HashMap::new()),
             pool: Arc::new(Pool::default()),
-            error: Mutex::new(None),
-            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            error,
+            uploads: Arc::new(uploads),
+            id,
             q8_activations: std::sync::atomic::AtomicBool::new(q8),
-            link: Mutex::new(super::LinkCounters::default()),
+            link,
         })
     }
 
@@ -547,6 +560,23 @@ impl CudaDevice {
             }
             buf
         };
+        if let Some(staged) = keep.downcast_ref::<upload::CudaStaged>() {
+            match staged.device_address(self.id, bytes) {
+                Some(Ok(ptr)) => {
+                    return Some(OnDevice {
+                        ptr,
+                        _transient: None,
+                        _staged: Some(keep),
+                    })
+                }
+                Some(Err(msg)) => {
+                    self.fail(format!("{}: {msg}", w.name));
+                    return None;
+                }
+                // Staged for another GPU: copied below like any streamed buffer.
+                None => {}
+            }
+        }
         if w.is_volatile() {
             // A buffer the stream refills: copied for this use only. The copy from pageable
             // memory has left the host buffer when `clone_htod` returns; dropping the slice after
@@ -556,6 +586,7 @@ impl CudaDevice {
             return Some(OnDevice {
                 ptr,
                 _transient: Some(buf),
+                _staged: None,
             });
         }
         let key = (bytes.as_ptr() as usize, bytes.len(), w.row_stride_bytes);
@@ -564,6 +595,7 @@ impl CudaDevice {
             return Some(OnDevice {
                 ptr: d.ptr,
                 _transient: None,
+                _staged: None,
             });
         }
         let buf = copy("resident")?;
@@ -576,7 +608,11 @@ impl CudaDevice {
                 _keep: keep,
             },
         );
-        Some(OnDevice { ptr, _transient: None })
+        Some(OnDevice {
+            ptr,
+            _transient: None,
+            _staged: None,
+        })
     }
 
     /// A host vector (norm, bias) on the device, copied again if its contents changed.
@@ -749,7 +785,16 @@ impl Device for CudaDevice {
     }
 
     fn link(&self) -> Option<super::LinkCounters> {
+        self.uploads.reap_free();
         Some(*self.link.lock().expect("link counters"))
+    }
+
+    fn begin_upload(&self, bytes: usize) -> Box<dyn super::Upload> {
+        match upload::begin(&self.uploads, bytes) {
+            Some(u) => Box::new(u),
+            // The error is set; stage in ordinary memory so the step can end and return it.
+            None => Box::new(super::HostUpload::new(bytes)),
+        }
     }
 
     fn measure_link(&self, sizes: &[usize]) -> Option<Result<Vec<super::LinkBandwidth>>> {

@@ -1,0 +1,377 @@
+//! Staged uploads on CUDA ([`Device::begin_upload`](crate::backend::Device::begin_upload)): a
+//! decode step's streamed rows are written into page-locked host memory (not write-combined),
+//! and each chunk, once complete, is copied to a device twin of that buffer on the device's
+//! copy stream, asynchronously, with an event recorded after it. A product over the staged rows
+//! makes the compute stream wait on the events of the chunks it reads — so the copies run while
+//! later rows are still being read from disk, and the compute never waits on the host.
+//!
+//! Buffers (host and device twin: a slot) are pooled and reused from step to step. Reuse is
+//! ordered by two events of the slot's last use: the host waits until that use's copies have
+//! read the host memory (`copies_done`) before handing the slot out to be written, and the copy
+//! stream waits until that use's kernels have read the device twin (`readers_done`) before
+//! copying into it again.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr};
+
+use crate::backend::{LinkCounters, Upload};
+use crate::tensor::StagedBytes;
+
+/// Free slots kept for reuse; a decode step stages up rows, then down columns, and the next
+/// layer's up rows may be staged before the last layer's products ran.
+const FREE_SLOTS_MAX: usize = 4;
+
+/// What the device and its uploads share.
+pub(crate) struct Uploads {
+    pub ctx: Arc<CudaContext>,
+    /// The device's (compute) stream, and the stream staged chunks are copied on.
+    pub compute: Arc<CudaStream>,
+    pub copy: Arc<CudaStream>,
+    pub link: Arc<Mutex<LinkCounters>>,
+    pub error: Arc<Mutex<Option<String>>>,
+    pub device_id: usize,
+    free: Mutex<Vec<Slot>>,
+}
+
+/// A page-locked host buffer and its device twin, with the events of its last use.
+struct Slot {
+    host: *mut u8,
+    cap: usize,
+    _dev: CudaSlice<u8>,
+    dev_ptr: u64,
+    copies_done: Option<CudaEvent>,
+    readers_done: Option<CudaEvent>,
+    /// Each chunk copy of this (or the last) use, in the order sent: events recorded on the copy
+    /// stream before and after it (timed; the compute stream waits on the second).
+    timings: Vec<(CudaEvent, CudaEvent)>,
+}
+
+// SAFETY: `host` is page-locked memory owned by the slot alone (freed in `Drop`); whoever holds
+// the slot is the only one that writes it, and the copy engine reads it only between a copy's
+// launch and `copies_done`, which the pool waits for before handing the slot out again.
+unsafe impl Send for Slot {}
+unsafe impl Sync for Slot {}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The copy engine may still read the host memory: wait before freeing it.
+        if let Some(e) = &self.copies_done {
+            let _ = e.synchronize();
+        }
+        // SAFETY: allocated by `cuMemHostAlloc` in `Uploads::slot`, freed once, here, after the
+        // copies that read it.
+        unsafe {
+            let _ = result::free_host(self.host as _);
+        }
+    }
+}
+
+impl Uploads {
+    pub fn new(
+        ctx: Arc<CudaContext>,
+        compute: Arc<CudaStream>,
+        link: Arc<Mutex<LinkCounters>>,
+        error: Arc<Mutex<Option<String>>>,
+        device_id: usize,
+    ) -> std::result::Result<Uploads, cudarc::driver::DriverError> {
+        let copy = ctx.new_stream()?;
+        Ok(Uploads {
+            ctx,
+            compute,
+            copy,
+            link,
+            error,
+            device_id,
+            free: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn fail(&self, msg: String) {
+        self.error.lock().expect("error").get_or_insert(msg);
+    }
+
+    /// Adds the timed copies of a slot whose copies are done to the link's copy time.
+    fn reap(&self, slot: &mut Slot) {
+        if slot.timings.is_empty() {
+            return;
+        }
+        let mut ns = 0u64;
+        for (start, end) in slot.timings.drain(..) {
+            match start.elapsed_ms(&end) {
+                Ok(ms) => ns += (ms as f64 * 1e6) as u64,
+                Err(e) => {
+                    self.fail(format!("CUDA: timing a staged copy: {e}"));
+                    return;
+                }
+            }
+        }
+        self.link.lock().expect("link counters").copy_ns += ns;
+    }
+
+    /// A slot of at least `bytes`, its last use's copies done and its device twin free for the
+    /// copy stream to write: from the pool, or a new one.
+    fn slot(&self, bytes: usize) -> std::result::Result<Slot, String> {
+        let reused = {
+            let mut free = self.free.lock().expect("upload slots");
+            let best = (0..free.len())
+                .filter(|&i| free[i].cap >= bytes)
+                .min_by_key(|&i| free[i].cap);
+            best.map(|i| free.swap_remove(i))
+        };
+        if let Some(mut s) = reused {
+            if let Some(e) = &s.copies_done {
+                e.synchronize()
+                    .map_err(|e| format!("CUDA: waiting for a staged copy: {e}"))?;
+            }
+            self.reap(&mut s);
+            if let Some(e) = &s.readers_done {
+                self.copy
+                    .wait(e)
+                    .map_err(|e| format!("CUDA: ordering a staged copy after its buffer's last readers: {e}"))?;
+            }
+            return Ok(s);
+        }
+        let cap = bytes.max(1).next_power_of_two().max(64 << 10);
+        let err = |what: &'static str| move |e: cudarc::driver::DriverError| format!("CUDA: {what} ({cap} bytes): {e}");
+        self.ctx.bind_to_thread().map_err(err("binding the context"))?;
+        // SAFETY: a fresh allocation, written by the staging before any copy reads it; flags 0:
+        // page-locked, not write-combined (the host may read the staged rows too).
+        let host =
+            unsafe { result::malloc_host(cap, 0) }.map_err(err("allocating page-locked staging memory"))? as *mut u8;
+        // SAFETY: the device twin is written only by staged copies before kernels read it.
+        let dev = match unsafe { self.compute.alloc::<u8>(cap) } {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: allocated just above, not yet shared.
+                unsafe {
+                    let _ = result::free_host(host as _);
+                }
+                return Err(err("allocating a staging buffer on the GPU")(e));
+            }
+        };
+        let dev_ptr = dev.device_ptr(&self.compute).0;
+        // The allocation is ordered on the compute stream; the copy stream waits for it.
+        let allocated = self.compute.record_event(None).map_err(err("recording an event"))?;
+        self.copy.wait(&allocated).map_err(err("ordering the copy stream"))?;
+        Ok(Slot {
+            host,
+            cap,
+            _dev: dev,
+            dev_ptr,
+            copies_done: None,
+            readers_done: None,
+            timings: Vec::new(),
+        })
+    }
+
+    /// A slot back to the pool after a use: its copies and (if any) readers recorded as events.
+    fn give_back(&self, mut slot: Slot, read: bool) {
+        let copies = self.copy.record_event(None);
+        let readers = if read {
+            self.compute.record_event(None).map(Some)
+        } else {
+            Ok(None)
+        };
+        match (copies, readers) {
+            (Ok(c), Ok(r)) => {
+                slot.copies_done = Some(c);
+                if r.is_some() {
+                    slot.readers_done = r;
+                }
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                // Without the events the slot cannot be reused safely: wait and drop it.
+                self.fail(format!("CUDA: recording a staged buffer's last use: {e}"));
+                let _ = self.copy.synchronize();
+                let _ = self.compute.synchronize();
+                return;
+            }
+        }
+        let mut free = self.free.lock().expect("upload slots");
+        free.push(slot);
+        if free.len() > FREE_SLOTS_MAX {
+            let smallest = (0..free.len()).min_by_key(|&i| free[i].cap).expect("not empty");
+            free.swap_remove(smallest);
+        }
+    }
+
+    /// Adds the copy time of the slots waiting in the pool (their copies done first).
+    pub fn reap_free(&self) {
+        let mut free = self.free.lock().expect("upload slots");
+        for s in free.iter_mut() {
+            if let Some(e) = &s.copies_done {
+                if let Err(e) = e.synchronize() {
+                    self.fail(format!("CUDA: waiting for a staged copy: {e}"));
+                    return;
+                }
+            }
+            self.reap(s);
+        }
+    }
+}
+
+/// A staging in progress.
+pub(crate) struct CudaUpload {
+    uploads: Arc<Uploads>,
+    slot: Option<Slot>,
+    len: usize,
+    /// Sent chunks' byte ranges; chunk i's events are the slot's `timings[i]`.
+    chunks: Vec<(usize, usize)>,
+}
+
+/// A finished staging, as a weight's storage; back to the pool when the last weight drops.
+pub(crate) struct CudaStaged {
+    uploads: Arc<Uploads>,
+    slot: Option<Slot>,
+    len: usize,
+    chunks: Vec<(usize, usize)>,
+    /// Which chunks' events the compute stream already waits on.
+    waited: Mutex<Vec<bool>>,
+}
+
+/// A staging buffer of `bytes`, or `None` with the device's error set (the caller then stages
+/// in ordinary memory, and the pass returns the error).
+pub(crate) fn begin(uploads: &Arc<Uploads>, bytes: usize) -> Option<CudaUpload> {
+    match uploads.slot(bytes) {
+        Ok(slot) => Some(CudaUpload {
+            uploads: uploads.clone(),
+            slot: Some(slot),
+            len: bytes,
+            chunks: Vec::new(),
+        }),
+        Err(msg) => {
+            uploads.fail(msg);
+            None
+        }
+    }
+}
+
+impl Upload for CudaUpload {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        let s = self.slot.as_ref().expect("a staging holds its slot until it finishes");
+        // SAFETY: `host` holds `cap >= len` bytes, this upload holds the slot alone, and the
+        // slot's last copies finished before it was handed out (`Uploads::slot`).
+        unsafe { std::slice::from_raw_parts_mut(s.host, self.len) }
+    }
+
+    fn send(&mut self, start: usize, end: usize) {
+        let u = self.uploads.clone();
+        let overlaps = self.chunks.iter().any(|&(s, e)| start < e && s < end);
+        if start >= end || end > self.len || overlaps {
+            u.fail(format!(
+                "CUDA: staged chunk {start}..{end} sent {} (buffer of {} bytes)",
+                if overlaps { "twice" } else { "out of bounds" },
+                self.len
+            ));
+            return;
+        }
+        let s = self.slot.as_mut().expect("a staging holds its slot until it finishes");
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let copy = || -> std::result::Result<(CudaEvent, CudaEvent), cudarc::driver::DriverError> {
+            let begun = u.copy.record_event(timed)?;
+            u.ctx.bind_to_thread()?;
+            // SAFETY: `start..end` lies inside both the host buffer and its device twin
+            // (checked above; both hold `cap >= len` bytes). The host bytes stay untouched until
+            // `copies_done` (recorded after this copy) completes: the staging writes each range
+            // once, before sending it, and the pool waits for `copies_done` before reuse. The
+            // copy stream waited for the twin's last readers when the slot was handed out.
+            unsafe {
+                let src = std::slice::from_raw_parts(s.host.add(start), end - start);
+                result::memcpy_htod_async(s.dev_ptr + start as u64, src, u.copy.cu_stream())?;
+            }
+            let done = u.copy.record_event(timed)?;
+            Ok((begun, done))
+        };
+        match copy() {
+            Ok((begun, done)) => {
+                s.timings.push((begun, done));
+                self.chunks.push((start, end));
+                let mut link = u.link.lock().expect("link counters");
+                link.volatile_bytes += (end - start) as u64;
+                link.staged_bytes += (end - start) as u64;
+                link.volatile_copies += 1;
+            }
+            Err(e) => u.fail(format!("CUDA: copying staged bytes {start}..{end} to the GPU: {e}")),
+        }
+    }
+
+    fn finish(mut self: Box<Self>) -> Arc<dyn StagedBytes> {
+        let n = self.chunks.len();
+        Arc::new(CudaStaged {
+            uploads: self.uploads.clone(),
+            slot: self.slot.take(),
+            len: self.len,
+            chunks: std::mem::take(&mut self.chunks),
+            waited: Mutex::new(vec![false; n]),
+        })
+    }
+}
+
+impl Drop for CudaUpload {
+    /// A staging abandoned before it finished (a read failed): the slot goes back once the
+    /// copies already sent are done; nothing read the twin.
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.uploads.give_back(slot, false);
+        }
+    }
+}
+
+impl StagedBytes for CudaStaged {
+    fn bytes(&self) -> &[u8] {
+        let s = self.slot.as_ref().expect("held until drop");
+        // SAFETY: as in `CudaUpload::bytes_mut`; nothing writes the host bytes after the
+        // staging finished.
+        unsafe { std::slice::from_raw_parts(s.host, self.len) }
+    }
+}
+
+impl Drop for CudaStaged {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.uploads.give_back(slot, true);
+        }
+    }
+}
+
+impl CudaStaged {
+    /// The device address of host bytes `bytes` (a view of this staging), after making the
+    /// compute stream wait on the copies of the chunks they lie in; an error when part of them
+    /// was never sent.
+    pub fn device_address(&self, device_id: usize, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
+        if device_id != self.uploads.device_id {
+            return None;
+        }
+        let s = self.slot.as_ref().expect("held until drop");
+        let start = (bytes.as_ptr() as usize).wrapping_sub(s.host as usize);
+        let end = start.saturating_add(bytes.len());
+        if end > self.len {
+            return Some(Err(format!(
+                "staged bytes {start}..{end} lie outside the {}-byte staging",
+                self.len
+            )));
+        }
+        let mut covered = 0;
+        let mut waited = self.waited.lock().expect("waited chunks");
+        for (i, ((cs, ce), (_, event))) in self.chunks.iter().zip(&s.timings).enumerate() {
+            let (lo, hi) = ((*cs).max(start), (*ce).min(end));
+            if lo >= hi {
+                continue;
+            }
+            covered += hi - lo;
+            if !waited[i] {
+                if let Err(e) = self.uploads.compute.wait(event) {
+                    return Some(Err(format!("CUDA: waiting on a staged copy: {e}")));
+                }
+                waited[i] = true;
+            }
+        }
+        if covered != bytes.len() {
+            return Some(Err(format!(
+                "a product read staged bytes {start}..{end}, of which only {covered} were sent to the GPU"
+            )));
+        }
+        Some(Ok(s.dev_ptr + start as u64))
+    }
+}
