@@ -81,6 +81,16 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
             .tokens
     };
     let (want_dense, want_sparse) = (want(None), want(Some(sparse.clone())));
+    let ffn_layer_bytes = in_ram
+        .weights
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            gatestream::model::weights::LayerFfn::Dense(f) => (f.up.len_bytes() + f.down.weight().len_bytes()) as u64,
+            gatestream::model::weights::LayerFfn::Experts(_) => unreachable!("a dense model"),
+        })
+        .max()
+        .unwrap();
     let with_vram = |ram: u64, vram: u64, mask: Option<SparseAsk>| {
         let mut o = streamed(ram, 8, ids.len() + 6);
         o.stream.as_mut().unwrap().vram_budget_bytes = Some(vram);
@@ -120,6 +130,16 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
                 assert!(
                     link.bytes_per_token < 0.85 * dense_copies,
                     "{what}: {link:?} vs dense {dense_copies}"
+                );
+                // Decode steps staged their FFN rows; the staging buffers alive at once never
+                // held more than one layer's up and down matrices (the room the plan keeps for
+                // one layer's copies), give or take a grain each.
+                let u = dev.upload_counters();
+                let grain = gatestream::backend::UPLOAD_BUFFER_GRAIN as u64;
+                assert!(u.uploads > 0 && u.peak_held_bytes > 0, "{what}: {u:?}");
+                assert!(
+                    u.peak_held_bytes <= ffn_layer_bytes + 2 * grain,
+                    "{what}: {u:?} vs {ffn_layer_bytes}"
                 );
             }
         }

@@ -198,6 +198,14 @@ pub const LINK_SIZES: [usize; 8] = [
 /// PCIe), small enough that the first chunks copy while later rows are still being read.
 pub const UPLOAD_CHUNK_BYTES: usize = 1 << 20;
 
+/// Staging buffers a device keeps for reuse, and the granularity of their sizes. A decode step
+/// stages a layer's up rows, then (once the up product has run) its down columns: one buffer in
+/// use at a time, two kept, and a buffer too small for a new staging is freed before a larger
+/// one is made — so staging holds at most about one layer's FFN rows (two matrices), inside the
+/// room the device plan keeps for one layer's copies.
+pub const UPLOAD_BUFFERS_KEPT: usize = 2;
+pub const UPLOAD_BUFFER_GRAIN: usize = 64 << 10;
+
 /// Host memory a decode step's streamed rows are staged in for a device with memory of its own
 /// ([`Device::begin_upload`]): rows are written in place, and each chunk is handed to the device
 /// as soon as it is complete, so its copy runs while later rows are still arriving.

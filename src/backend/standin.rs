@@ -42,6 +42,9 @@ pub struct UploadCounters {
     pub early_chunks: u64,
     /// Bytes sent (copied to the "device") in those chunks.
     pub sent_bytes: u64,
+    /// Bytes of staging buffers alive (kept or in use) now, and at most.
+    pub held_bytes: u64,
+    pub peak_held_bytes: u64,
     /// Products that read a staged buffer: each waited on the chunks its rows lie in.
     pub staged_uses: u64,
     pub chunk_waits: u64,
@@ -232,9 +235,7 @@ struct StandInUpload {
 impl Drop for StandInUpload {
     fn drop(&mut self) {
         if self.host.capacity() > 0 {
-            let mut host = std::mem::take(&mut self.host);
-            host.fill(POISON);
-            self.pool.lock().expect("upload pool").push(host);
+            give_back(&self.pool, &self.uploads, std::mem::take(&mut self.host));
         }
     }
 }
@@ -246,6 +247,7 @@ struct StandInStaged {
     chunks: Vec<(usize, usize, Vec<u8>)>,
     device: u64,
     pool: UploadPool,
+    uploads: Arc<Mutex<UploadCounters>>,
 }
 
 impl StagedBytes for StandInStaged {
@@ -256,9 +258,19 @@ impl StagedBytes for StandInStaged {
 
 impl Drop for StandInStaged {
     fn drop(&mut self) {
-        let mut host = std::mem::take(&mut self.host);
-        host.fill(POISON);
-        self.pool.lock().expect("upload pool").push(host);
+        give_back(&self.pool, &self.uploads, std::mem::take(&mut self.host));
+    }
+}
+
+/// A staging buffer back to the pool, poisoned; beyond `UPLOAD_BUFFERS_KEPT` the smallest goes.
+fn give_back(pool: &UploadPool, uploads: &Mutex<UploadCounters>, mut host: Vec<u8>) {
+    host.fill(POISON);
+    let mut pool = pool.lock().expect("upload pool");
+    pool.push(host);
+    if pool.len() > super::UPLOAD_BUFFERS_KEPT {
+        let smallest = (0..pool.len()).min_by_key(|&i| pool[i].capacity()).expect("not empty");
+        let gone = pool.swap_remove(smallest);
+        uploads.lock().expect("upload counters").held_bytes -= gone.capacity() as u64;
     }
 }
 
@@ -289,6 +301,7 @@ impl Upload for StandInUpload {
             chunks: std::mem::take(&mut self.chunks),
             device: self.device,
             pool: self.pool.clone(),
+            uploads: self.uploads.clone(),
         })
     }
 }
@@ -305,17 +318,32 @@ impl Device for HostStandIn {
         self.chunk_bytes
     }
     fn begin_upload(&self, bytes: usize) -> Box<dyn Upload> {
-        let reused = {
+        // The CUDA device's pool policy (see UPLOAD_BUFFERS_KEPT): the smallest kept buffer that
+        // fits, else the kept ones are freed and a new one made, sized in whole grains.
+        let (reused, freed) = {
             let mut pool = self.pool.lock().expect("upload pool");
-            pool.iter()
-                .position(|b| b.capacity() >= bytes)
-                .map(|i| pool.swap_remove(i))
+            let best = (0..pool.len())
+                .filter(|&i| pool[i].capacity() >= bytes)
+                .min_by_key(|&i| pool[i].capacity());
+            match best {
+                Some(i) => (Some(pool.swap_remove(i)), 0),
+                None => (None, pool.drain(..).map(|b| b.capacity() as u64).sum()),
+            }
         };
         let mut u = self.uploads.lock().expect("upload counters");
         u.uploads += 1;
         u.reused += u64::from(reused.is_some());
+        u.held_bytes -= freed;
+        let mut host = match reused {
+            Some(b) => b,
+            None => {
+                let cap = bytes.max(1).div_ceil(super::UPLOAD_BUFFER_GRAIN) * super::UPLOAD_BUFFER_GRAIN;
+                u.held_bytes += cap as u64;
+                Vec::with_capacity(cap)
+            }
+        };
+        u.peak_held_bytes = u.peak_held_bytes.max(u.held_bytes);
         drop(u);
-        let mut host = reused.unwrap_or_default();
         host.clear();
         host.resize(bytes, POISON);
         Box::new(StandInUpload {
@@ -514,5 +542,29 @@ mod tests {
         expect(&[(0, 64), (64, 128)], true, "changed after their chunk was sent");
         expect(&[(0, 64), (32, 128)], false, "sent twice");
         expect(&[(0, 129)], false, "out of bounds");
+    }
+
+    #[test]
+    fn staging_buffers_are_reused_smallest_first_and_two_are_kept() {
+        let dev = HostStandIn::new(1);
+        let k = 1u64 << 10;
+        let held = || dev.upload_counters().held_bytes;
+        drop(dev.begin_upload(100_000)); // 2 grains
+        assert_eq!(held(), 128 * k);
+        // Nothing kept fits: the kept buffer is freed before a larger one is made.
+        drop(dev.begin_upload(200_000)); // 4 grains
+        assert_eq!(held(), 256 * k);
+        let a = dev.begin_upload(50_000); // the kept 256 KiB
+        let b = dev.begin_upload(50_000); // a new grain
+        assert_eq!(held(), 320 * k);
+        drop((a, b));
+        let (c, d) = (dev.begin_upload(10), dev.begin_upload(10)); // smallest first: 64, then 256
+        let e = dev.begin_upload(10); // a new grain
+        assert_eq!(held(), 384 * k);
+        drop((c, d, e));
+        // Three back, two kept: the smallest goes.
+        assert_eq!(held(), 320 * k);
+        let u = dev.upload_counters();
+        assert_eq!((u.uploads, u.reused, u.peak_held_bytes), (7, 3, 384 * k));
     }
 }

@@ -18,9 +18,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaSlice, CudaStream,
 use crate::backend::{LinkCounters, Upload};
 use crate::tensor::StagedBytes;
 
-/// Free slots kept for reuse; a decode step stages up rows, then down columns, and the next
-/// layer's up rows may be staged before the last layer's products ran.
-const FREE_SLOTS_MAX: usize = 4;
+use crate::backend::{UPLOAD_BUFFERS_KEPT, UPLOAD_BUFFER_GRAIN};
 
 /// What the device and its uploads share.
 pub(crate) struct Uploads {
@@ -112,13 +110,18 @@ impl Uploads {
     /// A slot of at least `bytes`, its last use's copies done and its device twin free for the
     /// copy stream to write: from the pool, or a new one.
     fn slot(&self, bytes: usize) -> std::result::Result<Slot, String> {
-        let reused = {
+        let (reused, too_small) = {
             let mut free = self.free.lock().expect("upload slots");
             let best = (0..free.len())
                 .filter(|&i| free[i].cap >= bytes)
                 .min_by_key(|&i| free[i].cap);
-            best.map(|i| free.swap_remove(i))
+            match best {
+                Some(i) => (Some(free.swap_remove(i)), Vec::new()),
+                // None fits: free them before making a larger one (see UPLOAD_BUFFERS_KEPT).
+                None => (None, std::mem::take(&mut *free)),
+            }
         };
+        drop(too_small);
         if let Some(mut s) = reused {
             if let Some(e) = &s.copies_done {
                 e.synchronize()
@@ -132,7 +135,7 @@ impl Uploads {
             }
             return Ok(s);
         }
-        let cap = bytes.max(1).next_power_of_two().max(64 << 10);
+        let cap = bytes.max(1).div_ceil(UPLOAD_BUFFER_GRAIN) * UPLOAD_BUFFER_GRAIN;
         let err = |what: &'static str| move |e: cudarc::driver::DriverError| format!("CUDA: {what} ({cap} bytes): {e}");
         self.ctx.bind_to_thread().map_err(err("binding the context"))?;
         // SAFETY: a fresh allocation, written by the staging before any copy reads it; flags 0:
@@ -190,7 +193,7 @@ impl Uploads {
         }
         let mut free = self.free.lock().expect("upload slots");
         free.push(slot);
-        if free.len() > FREE_SLOTS_MAX {
+        if free.len() > UPLOAD_BUFFERS_KEPT {
             let smallest = (0..free.len()).min_by_key(|&i| free[i].cap).expect("not empty");
             free.swap_remove(smallest);
         }
