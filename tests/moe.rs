@@ -796,6 +796,7 @@ fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
 #[test]
 fn streamed_experts_feed_a_device_with_memory_of_its_own() {
     use gatestream::backend::standin::HostStandIn;
+    use gatestream::backend::Device;
     let tmp = tempfile::tempdir().unwrap();
     let text = "Once upon a time, there was a little dog";
     for arch in ARCHS {
@@ -825,18 +826,64 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
                 resident > 0 && volatile > 0,
                 "{arch:?}: {resident} resident, {volatile} volatile bytes"
             );
-            // A GPU budget is not planned for experts yet: refused, saying so.
-            let e = Streamer::open(
-                &m,
-                &StreamOptions {
-                    vram_budget_bytes: Some(budget),
-                    ..stream_options(budget, ReadEngine::Pread, CachePolicy::Lru, false)
-                },
-            )
-            .err()
-            .expect("--vram-budget on experts is refused")
-            .to_string();
-            assert!(e.contains("--vram-budget is not built for mixture-of-experts"), "{e}");
+            // A GPU budget: the plan keeps the output, then attention and routers (with any
+            // shared expert) by layer while it lasts; the rest, and the routed experts, are
+            // copied at each use. The same logits, bit for bit.
+            let vram_opts = |v: u64| StreamOptions {
+                vram_budget_bytes: Some(v),
+                ..stream_options(budget, ReadEngine::Pread, CachePolicy::Lru, false)
+            };
+            let e = Streamer::open(&m, &vram_opts(0))
+                .err()
+                .expect("a zero GPU budget is refused")
+                .to_string();
+            let min_vram = budget_in_refusal(&e);
+            let file_bytes = std::fs::metadata(&gst).unwrap().len();
+            let vram = min_vram + file_bytes / 8;
+            let dev = Arc::new(HostStandIn::new(0));
+            let m = Model::load_on(&gst, &on_disk(), dev.clone()).unwrap();
+            let s = Streamer::open(&m, &vram_opts(vram)).unwrap();
+            let plan = s.device_plan.clone().expect("a device plan");
+            let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+            assert!(
+                got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{arch:?} budget {b}: streamed under a GPU budget differs from in RAM"
+            );
+            assert!(plan.resident_bytes() <= vram, "{arch:?}: {plan:?}");
+            let kept = plan.attention_resident.iter().chain(&plan.gate_resident);
+            assert!(
+                kept.clone().any(|&k| k) && kept.clone().any(|&k| !k),
+                "{arch:?}: {plan:?}"
+            );
+            let (resident, _) = dev.copied_bytes();
+            assert!(
+                resident > 0 && resident <= plan.output_bytes + plan.attention_bytes + plan.gate_bytes,
+                "{arch:?}: {resident} resident bytes copied, plan {plan:?}"
+            );
+            // One decode step copies the plan's bytes per token: what it does not keep, and the
+            // routed experts.
+            let link0 = dev.link().unwrap();
+            let ids = m.tokenizer.encode(text, true).unwrap();
+            let mut cache = KvCache::new(&m.config, ids.len() + 2);
+            let hooks = FfnHooks {
+                select: &|_, _| gatestream::model::forward::FfnNeurons::All,
+                observe: None,
+                mask: None,
+                stream: Some(&s),
+                cancel: None,
+            };
+            m.forward_with(&ids, &mut cache, Logits::Last, &hooks).unwrap();
+            let link1 = dev.link().unwrap();
+            m.forward_with(&[ids[1]], &mut cache, Logits::Last, &hooks).unwrap();
+            let step = dev.link().unwrap().minus(&link1);
+            assert!(
+                link1.volatile_bytes > link0.volatile_bytes,
+                "{arch:?}: the prompt copied nothing"
+            );
+            assert_eq!(
+                step.volatile_bytes, plan.copied_bytes_per_token,
+                "{arch:?}: {step:?} vs {plan:?}"
+            );
         }
     }
 }

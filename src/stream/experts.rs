@@ -442,19 +442,30 @@ impl super::Streamer {
         let span = |w: &Weight| w.extent_bytes() as u64;
         let mut layers = Vec::with_capacity(cfg.n_layers);
         let (mut attention_bytes, mut required_bytes) = (0u64, span(&w.output) + w.output_norm.len() as u64 * 4);
+        // For a GPU budget's plan: per layer, attention, and router + shared expert (the plan's
+        // "gates": resident on the host, kept on the device while the budget lasts); norms.
+        let (mut attention_by_layer, mut router_by_layer) = (Vec::new(), Vec::new());
+        let mut vector_bytes = w.output_norm.len() as u64 * 4;
         for lw in &w.layers {
             let a = &lw.attn;
-            attention_bytes += [&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|m| span(m)).sum::<u64>();
+            let attn = [&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|m| span(m)).sum::<u64>();
+            attention_bytes += attn;
+            attention_by_layer.push(attn);
             let LayerFfn::Experts(e) = &lw.ffn else {
                 return Err(Error::Invalid(
                     "internal: a dense layer in a mixture-of-experts model".into(),
                 ));
             };
+            let mut router = span(&e.router);
             required_bytes += span(&e.router);
             if let Some((f, g)) = &e.shared {
                 required_bytes += span(&f.gate) + span(&f.up) + span(f.down.weight()) + g.len() as u64 * 4;
+                router += span(&f.gate) + span(&f.up) + span(f.down.weight());
+                vector_bytes += g.len() as u64 * 4;
             }
+            router_by_layer.push(router);
             required_bytes += lw.vector_bytes();
+            vector_bytes += lw.vector_bytes();
             layers.push(&**e);
         }
         let parts = layers
@@ -510,7 +521,7 @@ impl super::Streamer {
             let bytes = fg.read_vec(offset, span(m) as usize)?;
             Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, Arc::new(bytes), 0, m.row_stride_bytes)
         };
-        let experts = ExpertStream::new(
+        let mut experts = ExpertStream::new(
             &layers,
             parts,
             &load,
@@ -531,7 +542,7 @@ impl super::Streamer {
                 wo: load(&a.wo)?,
             }));
         }
-        let output = load(&w.output)?;
+        let mut output = load(&w.output)?;
         let embedding = if tied {
             None
         } else {
@@ -559,6 +570,55 @@ impl super::Streamer {
             gate_bytes: 0,
             cache_bytes: slots as u64 * expert_bytes,
         };
+        // A GPU budget: the plan of a dense model's (see `ModelSizes::plan_device`), with each
+        // layer's router and shared expert in the place of its gate (always resident on the
+        // host here) and the routed experts' bytes per token in the place of its FFN rows.
+        let device_plan = match opts.vram_budget_bytes {
+            Some(v) => {
+                let sizes = super::residency::ModelSizes {
+                    n_layers: n,
+                    ffn: moe.n_used,
+                    required_bytes: span(&w.output) + vector_bytes,
+                    attention_bytes: attention_by_layer,
+                    gate_bytes: router_by_layer,
+                    neuron_bytes: vec![expert_bytes; n],
+                    prefetch_ffn: false,
+                    reader_bytes: 0,
+                    lookahead: false,
+                    context_bytes,
+                };
+                let host = Residency {
+                    gate_resident: vec![true; n],
+                    ..residency.clone()
+                };
+                Some(sizes.plan_device(v, span(&w.output), &host)?)
+            }
+            None => None,
+        };
+        if let Some(plan) = &device_plan {
+            // What the plan does not keep on the device is copied at each use.
+            if !plan.output_resident {
+                output = output.volatile();
+            }
+            for (l, attn) in resident_attn.iter_mut().enumerate() {
+                if let (false, Some(a)) = (plan.attention_resident[l], attn.as_mut()) {
+                    for m in [&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo] {
+                        *m = m.clone().volatile();
+                    }
+                }
+            }
+            for l in (0..n).filter(|&l| !plan.gate_resident[l]) {
+                experts.routers[l] = experts.routers[l].clone().volatile();
+                if let Some((f, _)) = experts.shared[l].as_mut() {
+                    f.gate = f.gate.clone().volatile();
+                    f.up = f.up.clone().volatile();
+                    f.down = match &f.down {
+                        FfnDown::Rows(d) => FfnDown::Rows(d.clone().volatile()),
+                        FfnDown::Columns(d) => FfnDown::Columns(d.clone().volatile()),
+                    };
+                }
+            }
+        }
         fg.reset_stats();
         bg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
@@ -586,7 +646,7 @@ impl super::Streamer {
             state: Mutex::new(super::State::new(Vec::new(), Vec::new(), Vec::new())),
             decode_start: Mutex::new(None),
             device: model.device.clone(),
-            device_plan: None,
+            device_plan,
             experts: Some(experts),
         })
     }

@@ -72,13 +72,6 @@ impl Streamer {
                     model.device.name()
                 )));
             }
-            if cfg.moe.is_some() {
-                return Err(Error::Invalid(
-                    "--vram-budget is not built for mixture-of-experts models yet; without it the GPU keeps every \
-                     weight the host holds and copies the routed experts at each use"
-                        .into(),
-                ));
-            }
         }
         if cfg.moe.is_some() {
             return Streamer::open_experts(model, opts, Readers { fg, bg, ahead }, direct_io, warnings);

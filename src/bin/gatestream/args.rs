@@ -719,10 +719,12 @@ pub(crate) struct StreamArgs {
     /// share of the file). Required on the GPU: norms, the KV cache and one batch's
     /// activations, room for one layer's weights copied for one use; then, while the budget
     /// lasts, the output matrix, attention and gate matrices (only those the host keeps
-    /// resident). Every other weight (FFN rows above all) is copied from host memory at each
-    /// use. Without --ram-budget the whole model is held in host RAM and streams from there to
-    /// the GPU; with it, from disk as --ram-budget plans. Refused, with the minimum, when too
-    /// small; not for the CPU device nor (yet) mixture-of-experts models. Without it the GPU
+    /// resident; for a mixture-of-experts model each layer's router and shared expert take the
+    /// gate's place). Every other weight (FFN rows, routed experts) is copied from host memory
+    /// at each use; a sparse decode step's FFN rows through page-locked staging, in chunks
+    /// copied while the rest is still being read. Without --ram-budget the whole model is held
+    /// in host RAM and streams from there to the GPU; with it, from disk as --ram-budget plans.
+    /// Refused, with the minimum, when too small, and for the CPU device. Without it the GPU
     /// keeps every weight the host holds.
     #[arg(long)]
     pub(crate) vram_budget: Option<String>,
