@@ -123,8 +123,17 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
                 resident > 0 && resident <= plan.output_bytes + plan.attention_bytes + plan.gate_bytes,
                 "{what}: {resident} resident bytes copied, plan {plan:?}"
             );
+            // The stream's FFN staging is page-locked while the stream is open; a dense step's
+            // FFN rows come from there (every layer's up and down matrices).
+            assert_eq!(dev.pinned_ranges(), 2, "{what}");
             if mask.is_none() {
                 assert_eq!(link.bytes_per_token, plan.copied_bytes_per_token as f64, "{what}");
+                let pinned = link.pinned_fraction * link.bytes_per_token;
+                let ffn_per_token = (ffn_layer_bytes * in_ram.config.n_layers as u64) as f64;
+                assert!(
+                    (pinned - ffn_per_token).abs() < 1.0,
+                    "{what}: {pinned} pinned, FFN {ffn_per_token}"
+                );
                 dense_copies = link.bytes_per_token;
             } else {
                 assert!(
@@ -142,6 +151,9 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
                     "{what}: {u:?} vs {ffn_layer_bytes}"
                 );
             }
+            // The locks go with the stream (before its buffers).
+            drop(rt);
+            assert_eq!(dev.pinned_ranges(), 0, "{what}");
         }
     }
     // Too small: refused with the minimum, which runs.

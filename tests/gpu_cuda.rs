@@ -969,18 +969,20 @@ fn qwen_vram(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_j
         };
         let bound = pinned * 1e9 / per_token.max(1.0);
         let staged = l.staged_bytes as f64 / l.volatile_bytes.max(1) as f64;
+        let pinned_share = l.pinned_bytes as f64 / l.volatile_bytes.max(1) as f64;
         lines.push(format!(
-            "  {name}: {rate:.1} tok/s; {:.0} MB/token copied in {:.0} copies ({:.0}% staged, asynchronous), {:.2} ms/token \
+            "  {name}: {rate:.1} tok/s; {:.0} MB/token copied in {:.0} copies ({:.0}% from page-locked memory, {:.0}% staged), {:.2} ms/token \
              in copies ({achieved:.1} GB/s, {:.0}% of pinned); link bound {bound:.0} tok/s{compared}",
             per_token / 1e6,
             l.volatile_copies as f64 / steps as f64,
+            pinned_share * 100.0,
             staged * 100.0,
             copy_s * 1e3,
             100.0 * achieved / pinned.max(1e-9)
         ));
         rows.insert(
             name.into(),
-            serde_json::json!({"tok_s": rate, "copied_bytes_per_token": per_token, "staged_fraction": staged, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
+            serde_json::json!({"tok_s": rate, "copied_bytes_per_token": per_token, "staged_fraction": staged, "pinned_fraction": pinned_share, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
         );
     }
     lines.push(format!("  in device memory: {device_rate:.1} tok/s"));

@@ -151,6 +151,9 @@ pub struct LinkCounters {
     /// Of the volatile bytes, those staged by [`Device::begin_upload`] (page-locked memory on
     /// CUDA, copied a chunk at a time on the copy stream while the rest is still being staged).
     pub staged_bytes: u64,
+    /// Of the volatile bytes, those copied from page-locked memory: staged, or in a buffer the
+    /// stream registered ([`Device::pin_host`]).
+    pub pinned_bytes: u64,
     /// Time in those copies, nanoseconds: host time of synchronous copies, plus the device time
     /// (between events) of the staged, asynchronous ones.
     pub copy_ns: u64,
@@ -163,6 +166,7 @@ impl LinkCounters {
             volatile_bytes: self.volatile_bytes - o.volatile_bytes,
             volatile_copies: self.volatile_copies - o.volatile_copies,
             staged_bytes: self.staged_bytes - o.staged_bytes,
+            pinned_bytes: self.pinned_bytes - o.pinned_bytes,
             copy_ns: self.copy_ns - o.copy_ns,
         }
     }
@@ -221,6 +225,9 @@ pub trait Upload: Send {
     /// drops, after the work that reads it.
     fn finish(self: Box<Self>) -> std::sync::Arc<dyn StagedBytes>;
 }
+
+/// Host memory a device page-locked for its copies ([`Device::pin_host`]); unlocked on drop.
+pub struct PinnedHost(pub Box<dyn Send + Sync>);
 
 /// Staging in ordinary memory: what a device that reads host memory in place gets (sending is
 /// nothing to do).
@@ -304,6 +311,14 @@ pub trait Device: Send + Sync {
     /// (page-locked on CUDA), reused from step to step.
     fn begin_upload(&self, bytes: usize) -> Box<dyn Upload> {
         Box::new(HostUpload::new(bytes))
+    }
+    /// Page-locks host memory the device copies from at each use — a buffer the stream
+    /// refills, such as its FFN staging — so those copies run at the link's pinned speed; `None`
+    /// where the device copies nothing (the CPU) or the memory could not be locked (then copies
+    /// from it stay ordinary ones). The guard unlocks it when dropped, and must be dropped
+    /// before the memory is freed.
+    fn pin_host(&self, _bytes: &[u8]) -> Option<PinnedHost> {
+        None
     }
     /// The size of the chunks staged rows are sent in ([`UPLOAD_CHUNK_BYTES`]; a test device
     /// may ask for smaller ones).

@@ -68,6 +68,10 @@ pub struct HostStandIn {
     /// The first protocol error since the last `take_error`.
     error: Arc<Mutex<Option<String>>>,
     chunk_bytes: usize,
+    /// Host ranges page-locked for copies (`pin_host`): (start address, length).
+    pinned: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// Volatile bytes copied from those ranges.
+    pinned_copied: AtomicU64,
     /// Resident copies by (address, length, row stride) of the bytes they were made of, each
     /// holding those bytes alive (as the CUDA device does) so no other buffer takes the address.
     resident: Mutex<Copies>,
@@ -88,6 +92,8 @@ impl HostStandIn {
             uploads: Arc::new(Mutex::new(UploadCounters::default())),
             error: Arc::new(Mutex::new(None)),
             chunk_bytes: super::UPLOAD_CHUNK_BYTES,
+            pinned: Arc::new(Mutex::new(Vec::new())),
+            pinned_copied: AtomicU64::new(0),
             resident: Mutex::new(HashMap::new()),
             resident_bytes: AtomicU64::new(0),
             volatile_bytes: AtomicU64::new(0),
@@ -118,6 +124,11 @@ impl HostStandIn {
     pub fn with_upload_chunk_bytes(mut self, bytes: usize) -> HostStandIn {
         self.chunk_bytes = bytes.max(1);
         self
+    }
+
+    /// Host ranges page-locked now (see [`Device::pin_host`]).
+    pub fn pinned_ranges(&self) -> usize {
+        self.pinned.lock().expect("pinned ranges").len()
     }
 
     /// What the staged uploads did so far.
@@ -198,6 +209,11 @@ impl HostStandIn {
         if w.is_volatile() {
             self.volatile_bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
             self.volatile_copies.fetch_add(1, Ordering::Relaxed);
+            let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+            let pinned = self.pinned.lock().expect("pinned ranges");
+            if pinned.iter().any(|&(p, n)| p <= lo && hi <= p + n) {
+                self.pinned_copied.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            }
             *self
                 .volatile_uses
                 .lock()
@@ -216,6 +232,18 @@ impl HostStandIn {
             })
             .0
             .clone()
+    }
+}
+
+/// Unlocks a range locked by `pin_host` when dropped.
+struct Unpin {
+    ranges: Arc<Mutex<Vec<(usize, usize)>>>,
+    range: (usize, usize),
+}
+
+impl Drop for Unpin {
+    fn drop(&mut self) {
+        self.ranges.lock().expect("pinned ranges").retain(|&r| r != self.range);
     }
 }
 
@@ -314,6 +342,19 @@ impl Device for HostStandIn {
             .take()
             .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
     }
+    fn pin_host(&self, bytes: &[u8]) -> Option<super::PinnedHost> {
+        let range = (bytes.as_ptr() as usize, bytes.len());
+        let mut pinned = self.pinned.lock().expect("pinned ranges");
+        // As cuMemHostRegister: a range overlapping one already locked is refused.
+        if bytes.is_empty() || pinned.iter().any(|&(p, n)| range.0 < p + n && p < range.0 + range.1) {
+            return None;
+        }
+        pinned.push(range);
+        Some(super::PinnedHost(Box::new(Unpin {
+            ranges: self.pinned.clone(),
+            range,
+        })))
+    }
     fn upload_chunk_bytes(&self) -> usize {
         self.chunk_bytes
     }
@@ -372,6 +413,7 @@ impl Device for HostStandIn {
             volatile_bytes,
             volatile_copies: self.volatile_copies.load(Ordering::Relaxed) + self.upload_counters().chunks,
             staged_bytes: self.upload_counters().sent_bytes,
+            pinned_bytes: self.upload_counters().sent_bytes + self.pinned_copied.load(Ordering::Relaxed),
             copy_ns: 0,
         })
     }

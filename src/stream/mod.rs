@@ -265,6 +265,11 @@ struct State {
     ahead_taken: Option<Ahead>,
     /// The decode step between its up and down phases.
     decode: Option<DecodeStep>,
+    /// Staging buffers the device page-locked ([`Streamer::pinned_staging`]), by address, and
+    /// any of them replaced while a weight still viewed it (see [`unique`]): kept until the
+    /// streamer drops, after the device unlocked them, so none is freed while locked.
+    pinned: Vec<usize>,
+    retired: Vec<Arc<Vec<u8>>>,
 }
 
 impl State {
@@ -283,6 +288,8 @@ impl State {
             ahead_spare: Vec::new(),
             ahead_taken: None,
             decode: None,
+            pinned: Vec::new(),
+            retired: Vec::new(),
         }
     }
 }
@@ -329,6 +336,11 @@ pub struct Streamer {
     /// only ever locked by the one pass running, so no pool thread waits on it while its
     /// holder waits for pool work (which could deadlock).
     pass: Mutex<()>,
+    /// The device's locks on the FFN staging buffers (a device with memory of its own copies
+    /// from them at each use; locked, at the link's pinned speed). Declared before `state` so
+    /// they drop, unlocking, before the buffers do.
+    #[allow(dead_code)]
+    pinned_staging: Vec<crate::backend::PinnedHost>,
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]), the
     /// device's link counters too.
@@ -352,9 +364,13 @@ pub struct Readers {
 
 /// The buffer for writing; a new one if a view of the old one is still alive (the weights built
 /// on it are dropped after each layer, so this does not happen in steady state).
-fn unique(buf: &mut Arc<Vec<u8>>) -> &mut Vec<u8> {
+fn unique<'a>(buf: &'a mut Arc<Vec<u8>>, pinned: &[usize], retired: &mut Vec<Arc<Vec<u8>>>) -> &'a mut Vec<u8> {
     if Arc::get_mut(buf).is_none() {
-        *buf = Arc::new(vec![0u8; buf.len()]);
+        let old = std::mem::replace(buf, Arc::new(vec![0u8; buf.len()]));
+        // A page-locked buffer must outlive its lock (the streamer's guards drop first).
+        if pinned.contains(&(old.as_ptr() as usize)) {
+            retired.push(old);
+        }
     }
     Arc::get_mut(buf).expect("just made unique")
 }

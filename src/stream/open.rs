@@ -298,6 +298,19 @@ impl Streamer {
         let mut staging_down = vec![0u8; cfg.ffn * max_row(|p| p.down.row_bytes)];
         prefault(&mut staging_up);
         prefault(&mut staging_down);
+        // A device with memory of its own copies the FFN rows from these at each use: locked,
+        // at the link's pinned speed (the heap buffers stay where they are when moved below).
+        let pinned_staging: Vec<crate::backend::PinnedHost> = match model.device.host_memory() {
+            true => Vec::new(),
+            false => [&staging_up, &staging_down]
+                .into_iter()
+                .filter_map(|b| model.device.pin_host(b))
+                .collect(),
+        };
+        let pinned_addrs = match pinned_staging.is_empty() {
+            true => Vec::new(),
+            false => vec![staging_up.as_ptr() as usize, staging_down.as_ptr() as usize],
+        };
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
@@ -330,7 +343,11 @@ impl Streamer {
             resident_gate,
             hidden: cfg.hidden,
             pass: Mutex::new(()),
-            state: Mutex::new(State::new(caches, staging_up, staging_down)),
+            pinned_staging,
+            state: Mutex::new(State {
+                pinned: pinned_addrs,
+                ..State::new(caches, staging_up, staging_down)
+            }),
             decode_start: Mutex::new(None),
             device: model.device.clone(),
             device_plan,

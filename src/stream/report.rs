@@ -126,6 +126,9 @@ pub struct LinkReport {
     /// asynchronously, a chunk at a time, while the rest was still being read (masked decode
     /// steps' FFN rows); the rest is copied synchronously at its use.
     pub staged_fraction: f64,
+    /// The share of those bytes copied from page-locked memory: staged, or from the stream's
+    /// FFN staging, which the device locks (dense steps' and prompts' FFN rows).
+    pub pinned_fraction: f64,
     /// Resident weights copied during decoding (first uses), bytes in all.
     pub resident_bytes: u64,
     /// Time in the copies per token — host time of the synchronous ones, device time (between
@@ -229,6 +232,7 @@ impl StreamReport {
                 bytes_per_token: l.volatile_bytes as f64 / steps,
                 copies_per_token: l.volatile_copies as f64 / steps,
                 staged_fraction: l.staged_bytes as f64 / l.volatile_bytes.max(1) as f64,
+                pinned_fraction: l.pinned_bytes as f64 / l.volatile_bytes.max(1) as f64,
                 resident_bytes: l.resident_bytes,
                 copy_s_per_token: l.copy_ns as f64 / 1e9 / steps,
                 copy_gb_per_s: if l.copy_ns > 0 {

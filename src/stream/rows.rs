@@ -182,6 +182,8 @@ impl Streamer {
             plan: planned,
             counters,
             current,
+            pinned,
+            retired,
             ..
         } = st;
         let prefetched: &[u8] = match current {
@@ -189,7 +191,10 @@ impl Streamer {
             _ => &[],
         };
         let cache = &mut caches[l];
-        let (su, sd) = (unique(staging_up), unique(staging_down));
+        let (su, sd) = (
+            unique(staging_up, pinned, retired),
+            unique(staging_down, pinned, retired),
+        );
         // (offset, len, (is_down, staging row))
         let mut extents: Vec<(u64, usize, (bool, u32))> = Vec::new();
         let mut misses_down = Vec::new();
@@ -487,10 +492,15 @@ impl LayerStream for Streamer {
             staging_down,
             plan: planned,
             counters,
+            pinned,
+            retired,
             ..
         } = st;
         let cache = &mut caches[l];
-        let (su, sd) = (unique(staging_up), unique(staging_down));
+        let (su, sd) = (
+            unique(staging_up, pinned, retired),
+            unique(staging_down, pinned, retired),
+        );
         let (mut hits, mut misses) = (Vec::new(), Vec::new());
         for &n in up_set {
             match cache.slot(n) {
@@ -594,10 +604,15 @@ impl LayerStream for Streamer {
             staging_up,
             staging_down,
             counters,
+            pinned,
+            retired,
             ..
         } = st;
         let cache = &mut caches[l];
-        let (su, sd) = (unique(staging_up), unique(staging_down));
+        let (su, sd) = (
+            unique(staging_up, pinned, retired),
+            unique(staging_down, pinned, retired),
+        );
         // Rows in memory: the kept hits' down columns, then (one pass) the kept misses' staged ones.
         let mut rows: Vec<(u32, &[u8])> = Vec::new();
         let cache_ro: &LayerCache = cache;

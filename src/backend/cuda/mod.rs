@@ -216,6 +216,8 @@ pub struct CudaDevice {
     error: Arc<Mutex<Option<String>>>,
     /// Page-locked staging buffers and the copy stream (see `upload`).
     uploads: Arc<upload::Uploads>,
+    /// Host ranges page-locked for the stream (`Device::pin_host`).
+    pinned: upload::PinnedRanges,
     /// Which KV buffers are this device's (several devices may live in one process).
     id: usize,
     /// Multiply the activations the CPU's quantized products see (8-bit blocks, see
@@ -375,6 +377,7 @@ impl CudaDevice {
             pool: Arc::new(Pool::default()),
             error,
             uploads: Arc::new(uploads),
+            pinned: Arc::new(Mutex::new(Vec::new())),
             id,
             q8_activations: std::sync::atomic::AtomicBool::new(q8),
             link,
@@ -576,6 +579,20 @@ impl CudaDevice {
                 // Staged for another GPU: copied below like any streamed buffer.
                 None => {}
             }
+        }
+        if w.is_volatile() && !bytes.is_empty() && upload::is_pinned(&self.pinned, bytes) {
+            // A buffer the stream refills, page-locked: copied on the copy stream.
+            return match upload::copy_pinned(&self.uploads, bytes) {
+                Ok((ptr, holder)) => Some(OnDevice {
+                    ptr,
+                    _transient: None,
+                    _staged: Some(holder),
+                }),
+                Err(msg) => {
+                    self.fail(format!("{}: {msg}", w.name));
+                    None
+                }
+            };
         }
         if w.is_volatile() {
             // A buffer the stream refills: copied for this use only. The copy from pageable
@@ -787,6 +804,10 @@ impl Device for CudaDevice {
     fn link(&self) -> Option<super::LinkCounters> {
         self.uploads.reap_free();
         Some(*self.link.lock().expect("link counters"))
+    }
+
+    fn pin_host(&self, bytes: &[u8]) -> Option<super::PinnedHost> {
+        upload::pin_host(&self.ctx, &self.pinned, bytes)
     }
 
     fn begin_upload(&self, bytes: usize) -> Box<dyn super::Upload> {

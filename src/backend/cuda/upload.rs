@@ -378,3 +378,118 @@ impl CudaStaged {
         Some(Ok(s.dev_ptr + start as u64))
     }
 }
+
+/// Copies `bytes` — page-locked host memory (a buffer the stream registered with
+/// [`pin_host`](crate::backend::Device::pin_host)) — into a pooled device buffer on the copy
+/// stream, at the link's pinned speed; the compute stream waits for the copy, and so does the
+/// host (the stream refills the buffer once the weight's use returns). The device address and a
+/// holder that returns the buffer to the pool when dropped, after the launch that reads it.
+pub(crate) fn copy_pinned(
+    uploads: &Arc<Uploads>,
+    bytes: &[u8],
+) -> std::result::Result<(u64, Arc<dyn std::any::Any + Send + Sync>), String> {
+    let mut slot = uploads.slot(bytes.len())?;
+    let u = uploads.clone();
+    let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let copy = || -> std::result::Result<(CudaEvent, CudaEvent), cudarc::driver::DriverError> {
+        let begun = u.copy.record_event(timed)?;
+        u.ctx.bind_to_thread()?;
+        // SAFETY: the slot's device twin holds at least `bytes.len()` bytes and the copy stream
+        // waited for its last readers when the slot was handed out; the host bytes stay
+        // untouched until the copy is done: the host waits for `done` below before returning.
+        unsafe { result::memcpy_htod_async(slot.dev_ptr, bytes, u.copy.cu_stream())? };
+        let done = u.copy.record_event(timed)?;
+        u.compute.wait(&done)?;
+        done.synchronize()?;
+        Ok((begun, done))
+    };
+    match copy() {
+        Ok(events) => {
+            slot.timings.push(events);
+            let ptr = slot.dev_ptr;
+            let mut link = u.link.lock().expect("link counters");
+            link.volatile_bytes += bytes.len() as u64;
+            link.pinned_bytes += bytes.len() as u64;
+            link.volatile_copies += 1;
+            drop(link);
+            let holder: Arc<dyn std::any::Any + Send + Sync> = Arc::new(CudaStaged {
+                uploads: u.clone(),
+                slot: Some(slot),
+                len: bytes.len(),
+                chunks: vec![(0, bytes.len())],
+                waited: Mutex::new(vec![true]),
+            });
+            Ok((ptr, holder))
+        }
+        Err(e) => {
+            // The copy may still be queued: wait for it before the slot can be reused.
+            let _ = u.copy.synchronize();
+            u.give_back(slot, false);
+            Err(format!(
+                "CUDA: copying {} bytes from page-locked memory to the GPU: {e}",
+                bytes.len()
+            ))
+        }
+    }
+}
+
+/// The host ranges this device page-locked, by (start address, length).
+pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize)>>>;
+
+/// Page-locks `bytes` for copies (see `Device::pin_host`); `None` if the driver refuses.
+pub(crate) fn pin_host(
+    ctx: &Arc<CudaContext>,
+    ranges: &PinnedRanges,
+    bytes: &[u8],
+) -> Option<crate::backend::PinnedHost> {
+    if bytes.is_empty() {
+        return None;
+    }
+    ctx.bind_to_thread().ok()?;
+    // SAFETY: `bytes` is live host memory; the caller keeps it allocated until the guard
+    // returned here drops (which unregisters it). Flags 0: the device only copies from it.
+    unsafe { sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), 0) }
+        .result()
+        .ok()?;
+    let range = (bytes.as_ptr() as usize, bytes.len());
+    ranges.lock().expect("pinned ranges").push(range);
+    Some(crate::backend::PinnedHost(Box::new(Unpin {
+        ctx: ctx.clone(),
+        ranges: ranges.clone(),
+        range,
+    })))
+}
+
+/// Unregisters a range page-locked by [`pin_host`] when dropped.
+struct Unpin {
+    ctx: Arc<CudaContext>,
+    ranges: PinnedRanges,
+    range: (usize, usize),
+}
+
+// SAFETY: only the range's address is kept (as a number); unregistering is a driver call that
+// any thread may make with the context bound.
+unsafe impl Send for Unpin {}
+unsafe impl Sync for Unpin {}
+
+impl Drop for Unpin {
+    fn drop(&mut self) {
+        self.ranges.lock().expect("pinned ranges").retain(|&r| r != self.range);
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: registered by `pin_host`, unregistered once, here. Copies from the range
+        // finish before their weight's use returns (`copy_pinned` waits for them).
+        unsafe {
+            let _ = sys::cuMemHostUnregister(self.range.0 as *mut _);
+        }
+    }
+}
+
+/// Whether `bytes` lie inside one of `ranges`.
+pub(crate) fn is_pinned(ranges: &PinnedRanges, bytes: &[u8]) -> bool {
+    let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+    ranges
+        .lock()
+        .expect("pinned ranges")
+        .iter()
+        .any(|&(p, n)| p <= lo && hi <= p + n)
+}

@@ -157,9 +157,11 @@ impl Report for Outcome {
             );
             if let Some(k) = &r.link {
                 eprintln!(
-                    "{label}to the device: {:.1} MB/token in {:.0} copies, {:.0}% staged and copied asynchronously ({:.2} ms/token in copies{}){}",
+                    "{label}to the device: {:.1} MB/token in {:.0} copies, {:.0}% from page-locked memory ({:.0}% staged, \
+                     copied while the rest was read; {:.2} ms/token in copies{}){}",
                     mb(k.bytes_per_token),
                     k.copies_per_token,
+                    k.pinned_fraction * 100.0,
                     k.staged_fraction * 100.0,
                     k.copy_s_per_token * 1e3,
                     if k.copy_gb_per_s > 0.0 {
