@@ -30,6 +30,9 @@ pub(crate) struct Uploads {
     pub error: Arc<Mutex<Option<String>>>,
     pub device_id: usize,
     free: Mutex<Vec<Slot>>,
+    /// Timed events whose copies were reaped, recorded again rather than created anew (a
+    /// decode step records a few hundred).
+    events: Mutex<Vec<CudaEvent>>,
 }
 
 /// A page-locked host buffer and its device twin, with the events of its last use.
@@ -82,6 +85,7 @@ impl Uploads {
             error,
             device_id,
             free: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
         })
     }
 
@@ -95,6 +99,7 @@ impl Uploads {
             return;
         }
         let mut ns = 0u64;
+        let mut spare = Vec::with_capacity(2 * slot.timings.len());
         for (start, end) in slot.timings.drain(..) {
             match start.elapsed_ms(&end) {
                 Ok(ms) => ns += (ms as f64 * 1e6) as u64,
@@ -103,8 +108,24 @@ impl Uploads {
                     return;
                 }
             }
+            spare.push(start);
+            spare.push(end);
         }
         self.link.lock().expect("link counters").copy_ns += ns;
+        let mut events = self.events.lock().expect("spare events");
+        if events.len() < 4096 {
+            events.extend(spare);
+        }
+    }
+
+    /// A timed event recorded now on the copy stream: a spare one (its last recording's work
+    /// done: reaped) or a new one.
+    fn record_copy_event(&self) -> std::result::Result<CudaEvent, cudarc::driver::DriverError> {
+        let spare = self.events.lock().expect("spare events").pop();
+        match spare {
+            Some(e) => e.record(&self.copy).map(|_| e),
+            None => self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)),
+        }
     }
 
     /// A slot of at least `bytes`, its last use's copies done and its device twin free for the
@@ -270,9 +291,8 @@ impl Upload for CudaUpload {
             return;
         }
         let s = self.slot.as_mut().expect("a staging holds its slot until it finishes");
-        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let copy = || -> std::result::Result<(CudaEvent, CudaEvent), cudarc::driver::DriverError> {
-            let begun = u.copy.record_event(timed)?;
+            let begun = u.record_copy_event()?;
             u.ctx.bind_to_thread()?;
             // SAFETY: `start..end` lies inside both the host buffer and its device twin
             // (checked above; both hold `cap >= len` bytes). The host bytes stay untouched until
@@ -283,7 +303,7 @@ impl Upload for CudaUpload {
                 let src = std::slice::from_raw_parts(s.host.add(start), end - start);
                 result::memcpy_htod_async(s.dev_ptr + start as u64, src, u.copy.cu_stream())?;
             }
-            let done = u.copy.record_event(timed)?;
+            let done = u.record_copy_event()?;
             Ok((begun, done))
         };
         match copy() {
@@ -390,15 +410,14 @@ pub(crate) fn copy_pinned(
 ) -> std::result::Result<(u64, Arc<dyn std::any::Any + Send + Sync>), String> {
     let mut slot = uploads.slot(bytes.len())?;
     let u = uploads.clone();
-    let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
     let copy = || -> std::result::Result<(CudaEvent, CudaEvent), cudarc::driver::DriverError> {
-        let begun = u.copy.record_event(timed)?;
+        let begun = u.record_copy_event()?;
         u.ctx.bind_to_thread()?;
         // SAFETY: the slot's device twin holds at least `bytes.len()` bytes and the copy stream
         // waited for its last readers when the slot was handed out; the host bytes stay
         // untouched until the copy is done: the host waits for `done` below before returning.
         unsafe { result::memcpy_htod_async(slot.dev_ptr, bytes, u.copy.cu_stream())? };
-        let done = u.copy.record_event(timed)?;
+        let done = u.record_copy_event()?;
         u.compute.wait(&done)?;
         done.synchronize()?;
         Ok((begun, done))
