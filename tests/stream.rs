@@ -360,6 +360,61 @@ fn staged_uploads_survive_short_reads_and_report_eio() {
     check(&run(&m, Some(&s), Some(&mask), text, 3), "after EIO");
 }
 
+/// The command line end to end on a device with memory of its own (the hidden `--device
+/// host-standin`): `run --mode compare --vram-budget --json --record-trace` runs both passes,
+/// reports the device plan and link figures (the sparse pass's FFN rows staged, the dense
+/// pass's from page-locked staging), and records the sparse pass's trace.
+#[test]
+fn run_compare_with_a_gpu_budget_reports_the_link_and_records_a_trace() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = convert(&stories_dir(), tmp.path(), "s.gst", FfnLayout::Split);
+    let trace = tmp.path().join("t.trace");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        .args(["run", "--model"])
+        .arg(&p)
+        .args(["--device", "host-standin", "--vram-budget", "1G", "--mode", "compare"])
+        .args([
+            "--sparsity",
+            "0.5",
+            "--criterion",
+            "exact",
+            "--max-tokens",
+            "6",
+            "--json",
+        ])
+        .arg("--record-trace")
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for pass in ["dense", "sparse"] {
+        let s = &r[pass]["stream"];
+        assert_eq!(
+            s["device_plan"]["budget_bytes"].as_u64(),
+            Some(1_000_000_000),
+            "{pass}: {s}"
+        );
+        let link = &s["link"];
+        let f = |k: &str| link[k].as_f64().unwrap_or_else(|| panic!("{pass}: no {k} in {link}"));
+        assert!(f("bytes_per_token") > 0.0, "{pass}: {link}");
+        match pass {
+            "dense" => assert!(f("staged_fraction") == 0.0 && f("pinned_fraction") > 0.5, "{link}"),
+            _ => assert!(f("staged_fraction") > 0.5, "{link}"),
+        }
+    }
+    let t = gatestream::bench::trace::Trace::read(&trace).unwrap();
+    assert!(t.header.tokens >= 6, "{:?}", t.header);
+    assert!((t.header.kept_fraction - 0.5).abs() < 0.05, "{:?}", t.header);
+    // The stand-in is a test device: not offered in --help.
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        .args(["run", "--help"])
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&help.stdout).contains("standin"));
+}
+
 #[test]
 fn a_budget_too_small_is_refused_with_the_minimum() {
     let tmp = tempfile::tempdir().unwrap();

@@ -36,6 +36,9 @@ pub enum DeviceKind {
     Cuda,
     /// CUDA when a driver and a GPU are found (and this build has CUDA), else the CPU.
     Auto,
+    /// The host stand-in for a device with memory of its own ([`standin`]): tests of the paths
+    /// that feed a GPU, run where there is none.
+    HostStandIn,
 }
 
 /// Opens the device `kind` names (`threads`: the CPU device's pool, 0 = one per core). With
@@ -48,6 +51,7 @@ pub fn open_device(
     let cpu = || -> Arc<dyn Device> { Arc::new(cpu::CpuBackend::new(threads)) };
     match kind {
         DeviceKind::Cpu => Ok((cpu(), None)),
+        DeviceKind::HostStandIn => Ok((Arc::new(standin::HostStandIn::new(threads)), None)),
         DeviceKind::Cuda => open_cuda().map(|d| (d, None)),
         DeviceKind::Auto => match open_cuda() {
             Ok(d) => Ok((d, None)),

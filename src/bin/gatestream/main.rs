@@ -315,6 +315,7 @@ fn open_named_device(arg: DeviceArg, threads: usize) -> anyhow::Result<Arc<dyn D
         DeviceArg::Cpu => gatestream::backend::DeviceKind::Cpu,
         DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
         DeviceArg::Auto => gatestream::backend::DeviceKind::Auto,
+        DeviceArg::HostStandin => gatestream::backend::DeviceKind::HostStandIn,
     };
     let (device, notice) = gatestream::backend::open_device(kind, threads)?;
     if let Some(n) = notice {
