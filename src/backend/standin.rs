@@ -102,8 +102,9 @@ impl HostStandIn {
         }
     }
 
-    /// How many volatile copies were made of weights whose name contains `part` (a streamed
-    /// layer's `ffn_up` rows, say: one copy per pass that computed them here).
+    /// How many times weights whose name contains `part` were used as volatile ones — copied at
+    /// the use, or staged and copied when sent (a streamed layer's `ffn_up` rows, say: one use
+    /// per pass that computed them here).
     pub fn volatile_uses(&self, part: &str) -> u64 {
         let uses = self.volatile_uses.lock().expect("volatile uses");
         uses.iter()

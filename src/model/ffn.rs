@@ -14,7 +14,9 @@
 //! than the staged path's, so it agrees with the in-RAM model to rounding, not bit for bit.
 //! On a device with memory of its own (`Device::host_memory() == false`) the same step takes
 //! the gate's scores to the host (the one small copy the mask needs), gathers the rows the
-//! stream hands over (cache hits, lookahead reads, reads as they land) in neuron order, and
+//! stream hands over (cache hits, lookahead reads, reads as they land) in neuron order into the
+//! device's staging buffer (`Device::begin_upload`; page-locked on CUDA), handing each chunk to
+//! the device as soon as its last row lands so its copy overlaps the reads still in flight, and
 //! runs phases 2–4 with the device's products on those staged rows.
 //! Everything else streams through the staged path, bit-identical to the in-RAM model when
 //! every neuron is kept.
