@@ -64,26 +64,9 @@ impl Weight {
     /// Rows staged for a device (see [`StagedBytes`]), packed from byte 0; volatile, as every
     /// staged buffer is reused.
     pub fn staged(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Arc<dyn StagedBytes>) -> Result<Weight> {
-        let row_bytes = ty
-            .row_bytes(cols)
-            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
-        if row_bytes.checked_mul(rows).is_none_or(|b| b > bytes.bytes().len()) {
-            return Err(Error::Invalid(format!(
-                "{name}: {rows}x{cols} {ty:?} does not fit a {}-byte staging buffer",
-                bytes.bytes().len()
-            )));
-        }
-        Ok(Weight {
-            name: name.into(),
-            ty,
-            rows,
-            cols,
-            row_bytes,
-            row_stride_bytes: row_bytes,
-            storage: Storage::Staged(bytes),
-            offset_bytes: 0,
-            volatile: true,
-        })
+        let len = bytes.bytes().len();
+        let stride = ty.row_bytes(cols).unwrap_or(0);
+        Weight::over(name, ty, rows, cols, Storage::Staged(bytes), len, 0, stride).map(Weight::volatile)
     }
 
     /// The first `rows` rows of a shared buffer (the streaming path's staging and prefetch
@@ -112,6 +95,31 @@ impl Weight {
         offset_bytes: usize,
         row_stride_bytes: usize,
     ) -> Result<Weight> {
+        let len = bytes.len();
+        Weight::over(
+            name,
+            ty,
+            rows,
+            cols,
+            Storage::Owned(bytes),
+            len,
+            offset_bytes,
+            row_stride_bytes,
+        )
+    }
+
+    /// A view of `storage` (`len` bytes), its rows checked to lie inside.
+    #[allow(clippy::too_many_arguments)]
+    fn over(
+        name: &str,
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        storage: Storage,
+        len: usize,
+        offset_bytes: usize,
+        row_stride_bytes: usize,
+    ) -> Result<Weight> {
         let row_bytes = ty
             .row_bytes(cols)
             .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
@@ -122,11 +130,10 @@ impl Weight {
                 .and_then(|b| b.checked_add(row_bytes)),
         };
         match extent.and_then(|b| b.checked_add(offset_bytes)) {
-            Some(end) if end <= bytes.len() && row_stride_bytes >= row_bytes => {}
+            Some(end) if end <= len && row_stride_bytes >= row_bytes => {}
             _ => {
                 return Err(Error::Invalid(format!(
-                    "{name}: {rows}x{cols} {ty:?} at byte {offset_bytes} does not fit a {}-byte buffer",
-                    bytes.len()
+                    "{name}: {rows}x{cols} {ty:?} at byte {offset_bytes} does not fit a {len}-byte buffer"
                 )))
             }
         }
@@ -137,7 +144,7 @@ impl Weight {
             cols,
             row_bytes,
             row_stride_bytes,
-            storage: Storage::Owned(bytes),
+            storage,
             offset_bytes,
             volatile: false,
         })
