@@ -441,9 +441,9 @@ impl super::Streamer {
         let tied = w.output.file_offset() == w.token_embd.file_offset();
         let span = |w: &Weight| w.extent_bytes() as u64;
         let mut layers = Vec::with_capacity(cfg.n_layers);
-        let (mut attention_bytes, mut required_bytes) = (0u64, span(&w.output) + w.output_norm.len() as u64 * 4);
-        // For a GPU budget's plan: per layer, attention, and router + shared expert (the plan's
-        // "gates": resident on the host, kept on the device while the budget lasts); norms.
+        let mut attention_bytes = 0u64;
+        // Per layer, attention, and router + shared expert (a GPU budget's plan keeps them in the
+        // place of a dense model's gates), and the norms and biases of all.
         let (mut attention_by_layer, mut router_by_layer) = (Vec::new(), Vec::new());
         let mut vector_bytes = w.output_norm.len() as u64 * 4;
         for lw in &w.layers {
@@ -457,17 +457,15 @@ impl super::Streamer {
                 ));
             };
             let mut router = span(&e.router);
-            required_bytes += span(&e.router);
             if let Some((f, g)) = &e.shared {
-                required_bytes += span(&f.gate) + span(&f.up) + span(f.down.weight()) + g.len() as u64 * 4;
                 router += span(&f.gate) + span(&f.up) + span(f.down.weight());
                 vector_bytes += g.len() as u64 * 4;
             }
             router_by_layer.push(router);
-            required_bytes += lw.vector_bytes();
             vector_bytes += lw.vector_bytes();
             layers.push(&**e);
         }
+        let required_bytes = span(&w.output) + vector_bytes + router_by_layer.iter().sum::<u64>();
         let parts = layers
             .iter()
             .map(|e| e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>())
