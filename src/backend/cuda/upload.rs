@@ -10,6 +10,11 @@
 //! read the host memory (`copies_done`) before handing the slot out to be written, and the copy
 //! stream waits until that use's kernels have read the device twin (`readers_done`) before
 //! copying into it again.
+//!
+//! The stream's own FFN staging (where dense steps' and prompts' rows are gathered) is
+//! page-locked in place (`pin_host`, `cuMemHostRegister`); a weight over it is copied into a
+//! pooled device buffer on the copy stream (`copy_pinned`), the host waiting for that copy alone
+//! (the stream refills the buffer next), the compute stream for its event.
 
 use std::sync::{Arc, Mutex};
 
