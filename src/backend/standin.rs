@@ -143,7 +143,7 @@ impl HostStandIn {
 
     /// The copy a staged upload made of `w`'s bytes (`w` viewing `bytes` of `staged`): its rows
     /// from the snapshots taken when their chunks were sent.
-    fn staged_copy(&self, w: &Weight, bytes: &[u8], staged: &StandInStaged) -> Weight {
+    fn staged_copy(&self, w: &Weight, bytes: &[u8], staged: &StandInUpload) -> Weight {
         let start = bytes.as_ptr() as usize - staged.host.as_ptr() as usize;
         let end = start + bytes.len();
         let mut copy = vec![POISON; bytes.len()];
@@ -192,7 +192,7 @@ impl HostStandIn {
                 w.name
             );
         };
-        if let Some(staged) = keep.downcast_ref::<StandInStaged>().filter(|s| s.device == self.id) {
+        if let Some(StandInStaged(staged)) = keep.downcast_ref::<StandInStaged>().filter(|s| s.0.device == self.id) {
             return self.staged_copy(w, bytes, staged);
         }
         let copy = || {
@@ -248,7 +248,9 @@ impl Drop for Unpin {
     }
 }
 
-/// A staging buffer being filled (see the module docs).
+/// A staging buffer being filled (see the module docs); dropped — abandoned (a read failed),
+/// or, wrapped in [`StandInStaged`], with the last weight over it — its buffer goes back to
+/// the pool.
 struct StandInUpload {
     host: Vec<u8>,
     /// Sent chunks: byte range and the snapshot "copied" at the send.
@@ -260,34 +262,18 @@ struct StandInUpload {
     error: Arc<Mutex<Option<String>>>,
 }
 
-/// A staging abandoned before it finished (a read failed): its buffer goes back to the pool.
 impl Drop for StandInUpload {
     fn drop(&mut self) {
-        if self.host.capacity() > 0 {
-            give_back(&self.pool, &self.uploads, std::mem::take(&mut self.host));
-        }
+        give_back(&self.pool, &self.uploads, std::mem::take(&mut self.host));
     }
 }
 
-/// A staged buffer as a weight's storage; back to the pool (poisoned) when the last weight over
-/// it drops.
-struct StandInStaged {
-    host: Vec<u8>,
-    chunks: Vec<(usize, usize, Vec<u8>)>,
-    device: u64,
-    pool: UploadPool,
-    uploads: Arc<Mutex<UploadCounters>>,
-}
+/// A finished staging, as a weight's storage.
+struct StandInStaged(StandInUpload);
 
 impl StagedBytes for StandInStaged {
     fn bytes(&self) -> &[u8] {
-        &self.host
-    }
-}
-
-impl Drop for StandInStaged {
-    fn drop(&mut self) {
-        give_back(&self.pool, &self.uploads, std::mem::take(&mut self.host));
+        &self.0.host
     }
 }
 
@@ -324,14 +310,8 @@ impl Upload for StandInUpload {
         u.early_chunks += u64::from(self.sent_bytes < self.host.len());
         self.chunks.push((start, end, self.host[start..end].to_vec()));
     }
-    fn finish(mut self: Box<Self>) -> Arc<dyn StagedBytes> {
-        Arc::new(StandInStaged {
-            host: std::mem::take(&mut self.host),
-            chunks: std::mem::take(&mut self.chunks),
-            device: self.device,
-            pool: self.pool.clone(),
-            uploads: self.uploads.clone(),
-        })
+    fn finish(self: Box<Self>) -> Arc<dyn StagedBytes> {
+        Arc::new(StandInStaged(*self))
     }
 }
 
@@ -409,12 +389,13 @@ impl Device for HostStandIn {
     }
     fn link(&self) -> Option<LinkCounters> {
         let (resident_bytes, volatile_bytes) = self.copied_bytes();
+        let u = self.upload_counters();
         Some(LinkCounters {
             resident_bytes,
             volatile_bytes,
-            volatile_copies: self.volatile_copies.load(Ordering::Relaxed) + self.upload_counters().chunks,
-            staged_bytes: self.upload_counters().sent_bytes,
-            pinned_bytes: self.upload_counters().sent_bytes + self.pinned_copied.load(Ordering::Relaxed),
+            volatile_copies: self.volatile_copies.load(Ordering::Relaxed) + u.chunks,
+            staged_bytes: u.sent_bytes,
+            pinned_bytes: u.sent_bytes + self.pinned_copied.load(Ordering::Relaxed),
             copy_ns: 0,
         })
     }

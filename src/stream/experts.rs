@@ -641,7 +641,7 @@ impl super::Streamer {
             resident_gate: vec![None; n],
             hidden: cfg.hidden,
             pass: Mutex::new(()),
-            pinned_staging: Vec::new(),
+            _pinned_staging: Vec::new(),
             state: Mutex::new(super::State::new(Vec::new(), Vec::new(), Vec::new())),
             decode_start: Mutex::new(None),
             device: model.device.clone(),

@@ -265,7 +265,7 @@ struct State {
     ahead_taken: Option<Ahead>,
     /// The decode step between its up and down phases.
     decode: Option<DecodeStep>,
-    /// Staging buffers the device page-locked ([`Streamer::pinned_staging`]), by address, and
+    /// Staging buffers the device page-locked (the streamer's `_pinned_staging`), by address, and
     /// any of them replaced while a weight still viewed it (see [`unique`]): kept until the
     /// streamer drops, after the device unlocked them, so none is freed while locked.
     pinned: Vec<usize>,
@@ -339,8 +339,7 @@ pub struct Streamer {
     /// The device's locks on the FFN staging buffers (a device with memory of its own copies
     /// from them at each use; locked, at the link's pinned speed). Declared before `state` so
     /// they drop, unlocking, before the buffers do.
-    #[allow(dead_code)]
-    pinned_staging: Vec<crate::backend::PinnedHost>,
+    _pinned_staging: Vec<crate::backend::PinnedHost>,
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]), the
     /// device's link counters too.

@@ -343,7 +343,7 @@ impl Streamer {
             resident_gate,
             hidden: cfg.hidden,
             pass: Mutex::new(()),
-            pinned_staging,
+            _pinned_staging: pinned_staging,
             state: Mutex::new(State {
                 pinned: pinned_addrs,
                 ..State::new(caches, staging_up, staging_down)

@@ -240,23 +240,54 @@ impl Uploads {
     }
 }
 
-/// A staging in progress.
+/// A staging in progress (or, wrapped in [`CudaStaged`], finished). Dropped, it returns its
+/// slot to the pool.
 pub(crate) struct CudaUpload {
     uploads: Arc<Uploads>,
     slot: Option<Slot>,
     len: usize,
     /// Sent chunks' byte ranges; chunk i's events are the slot's `timings[i]`.
     chunks: Vec<(usize, usize)>,
+    /// Whether kernels may have read the device twin (a finished staging's products).
+    read: bool,
 }
 
 /// A finished staging, as a weight's storage; back to the pool when the last weight drops.
 pub(crate) struct CudaStaged {
-    uploads: Arc<Uploads>,
-    slot: Option<Slot>,
-    len: usize,
-    chunks: Vec<(usize, usize)>,
+    upload: CudaUpload,
     /// Which chunks' events the compute stream already waits on.
     waited: Mutex<Vec<bool>>,
+}
+
+impl Uploads {
+    /// Copies `src` to byte `offset` of `slot`'s device twin on the copy stream, between two
+    /// timed events (the second recorded in the slot's timings: what the compute stream waits
+    /// on). The caller keeps `src` untouched until the copy is done.
+    fn copy_async(
+        &self,
+        slot: &mut Slot,
+        offset: usize,
+        src: &[u8],
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        let begun = self.record_copy_event()?;
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the caller checked `offset + src.len()` against the slot's capacity; the copy
+        // stream waited for the twin's last readers when the slot was handed out; `src` stays
+        // untouched until the copy is done (the caller's promise).
+        unsafe { result::memcpy_htod_async(slot.dev_ptr + offset as u64, src, self.copy.cu_stream())? };
+        let done = self.record_copy_event()?;
+        slot.timings.push((begun, done));
+        Ok(())
+    }
+
+    /// Counts a copy of `bytes` from page-locked memory (`staged`: from a staging buffer).
+    fn count(&self, bytes: usize, staged: bool) {
+        let mut link = self.link.lock().expect("link counters");
+        link.volatile_bytes += bytes as u64;
+        link.pinned_bytes += bytes as u64;
+        link.staged_bytes += if staged { bytes as u64 } else { 0 };
+        link.volatile_copies += 1;
+    }
 }
 
 /// A staging buffer of `bytes`, or `None` with the device's error set (the caller then stages
@@ -268,6 +299,7 @@ pub(crate) fn begin(uploads: &Arc<Uploads>, bytes: usize) -> Option<CudaUpload> 
             slot: Some(slot),
             len: bytes,
             chunks: Vec::new(),
+            read: false,
         }),
         Err(msg) => {
             uploads.fail(msg);
@@ -276,12 +308,17 @@ pub(crate) fn begin(uploads: &Arc<Uploads>, bytes: usize) -> Option<CudaUpload> 
     }
 }
 
+impl CudaUpload {
+    fn slot(&self) -> &Slot {
+        self.slot.as_ref().expect("an upload holds its slot until dropped")
+    }
+}
+
 impl Upload for CudaUpload {
     fn bytes_mut(&mut self) -> &mut [u8] {
-        let s = self.slot.as_ref().expect("a staging holds its slot until it finishes");
         // SAFETY: `host` holds `cap >= len` bytes, this upload holds the slot alone, and the
         // slot's last copies finished before it was handed out (`Uploads::slot`).
-        unsafe { std::slice::from_raw_parts_mut(s.host, self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.slot().host, self.len) }
     }
 
     fn send(&mut self, start: usize, end: usize) {
@@ -295,71 +332,53 @@ impl Upload for CudaUpload {
             ));
             return;
         }
-        let s = self.slot.as_mut().expect("a staging holds its slot until it finishes");
-        let copy = || -> std::result::Result<(CudaEvent, CudaEvent), cudarc::driver::DriverError> {
-            let begun = u.record_copy_event()?;
-            u.ctx.bind_to_thread()?;
-            // SAFETY: `start..end` lies inside both the host buffer and its device twin
-            // (checked above; both hold `cap >= len` bytes). The host bytes stay untouched until
-            // `copies_done` (recorded after this copy) completes: the staging writes each range
-            // once, before sending it, and the pool waits for `copies_done` before reuse. The
-            // copy stream waited for the twin's last readers when the slot was handed out.
-            unsafe {
-                let src = std::slice::from_raw_parts(s.host.add(start), end - start);
-                result::memcpy_htod_async(s.dev_ptr + start as u64, src, u.copy.cu_stream())?;
-            }
-            let done = u.record_copy_event()?;
-            Ok((begun, done))
-        };
-        match copy() {
-            Ok((begun, done)) => {
-                s.timings.push((begun, done));
+        let s = self.slot.as_mut().expect("an upload holds its slot until dropped");
+        // SAFETY (of the slice): `start..end` lies inside the host buffer (checked above). The
+        // staging writes each range once, before sending it, and the pool waits for the slot's
+        // copies before handing it out again: the bytes stay untouched until the copy is done.
+        let src = unsafe { std::slice::from_raw_parts(s.host.add(start), end - start) };
+        match u.copy_async(s, start, src) {
+            Ok(()) => {
                 self.chunks.push((start, end));
-                let mut link = u.link.lock().expect("link counters");
-                link.volatile_bytes += (end - start) as u64;
-                link.staged_bytes += (end - start) as u64;
-                link.volatile_copies += 1;
+                u.count(end - start, true);
             }
             Err(e) => u.fail(format!("CUDA: copying staged bytes {start}..{end} to the GPU: {e}")),
         }
     }
 
-    fn finish(mut self: Box<Self>) -> Arc<dyn StagedBytes> {
+    fn finish(self: Box<Self>) -> Arc<dyn StagedBytes> {
         let n = self.chunks.len();
         Arc::new(CudaStaged {
-            uploads: self.uploads.clone(),
-            slot: self.slot.take(),
-            len: self.len,
-            chunks: std::mem::take(&mut self.chunks),
+            upload: *self,
             waited: Mutex::new(vec![false; n]),
         })
     }
 }
 
 impl Drop for CudaUpload {
-    /// A staging abandoned before it finished (a read failed): the slot goes back once the
-    /// copies already sent are done; nothing read the twin.
+    /// Back to the pool once the copies already sent are done (and, if read, the kernels that
+    /// read the twin): a finished staging's last weight dropped, or one abandoned (a read
+    /// failed).
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            self.uploads.give_back(slot, false);
+            self.uploads.give_back(slot, self.read);
         }
     }
 }
 
 impl StagedBytes for CudaStaged {
     fn bytes(&self) -> &[u8] {
-        let s = self.slot.as_ref().expect("held until drop");
         // SAFETY: as in `CudaUpload::bytes_mut`; nothing writes the host bytes after the
         // staging finished.
-        unsafe { std::slice::from_raw_parts(s.host, self.len) }
+        unsafe { std::slice::from_raw_parts(self.upload.slot().host, self.upload.len) }
     }
 }
 
 impl Drop for CudaStaged {
+    /// Products may have read the twin: the slot's reuse waits for them (the upload, dropped
+    /// next, gives it back).
     fn drop(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            self.uploads.give_back(slot, true);
-        }
+        self.upload.read = true;
     }
 }
 
@@ -368,28 +387,29 @@ impl CudaStaged {
     /// compute stream wait on the copies of the chunks they lie in; an error when part of them
     /// was never sent.
     pub fn device_address(&self, device_id: usize, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
-        if device_id != self.uploads.device_id {
+        let u = &self.upload;
+        if device_id != u.uploads.device_id {
             return None;
         }
-        let s = self.slot.as_ref().expect("held until drop");
+        let s = u.slot();
         let start = (bytes.as_ptr() as usize).wrapping_sub(s.host as usize);
         let end = start.saturating_add(bytes.len());
-        if end > self.len {
+        if end > u.len {
             return Some(Err(format!(
                 "staged bytes {start}..{end} lie outside the {}-byte staging",
-                self.len
+                u.len
             )));
         }
         let mut covered = 0;
         let mut waited = self.waited.lock().expect("waited chunks");
-        for (i, ((cs, ce), (_, event))) in self.chunks.iter().zip(&s.timings).enumerate() {
+        for (i, ((cs, ce), (_, event))) in u.chunks.iter().zip(&s.timings).enumerate() {
             let (lo, hi) = ((*cs).max(start), (*ce).min(end));
             if lo >= hi {
                 continue;
             }
             covered += hi - lo;
             if !waited[i] {
-                if let Err(e) = self.uploads.compute.wait(event) {
+                if let Err(e) = u.uploads.compute.wait(event) {
                     return Some(Err(format!("CUDA: waiting on a staged copy: {e}")));
                 }
                 waited[i] = true;
@@ -413,48 +433,34 @@ pub(crate) fn copy_pinned(
     uploads: &Arc<Uploads>,
     bytes: &[u8],
 ) -> std::result::Result<(u64, Arc<dyn std::any::Any + Send + Sync>), String> {
-    let mut slot = uploads.slot(bytes.len())?;
-    let u = uploads.clone();
-    let copy = || -> std::result::Result<(CudaEvent, CudaEvent), cudarc::driver::DriverError> {
-        let begun = u.record_copy_event()?;
-        u.ctx.bind_to_thread()?;
-        // SAFETY: the slot's device twin holds at least `bytes.len()` bytes and the copy stream
-        // waited for its last readers when the slot was handed out; the host bytes stay
-        // untouched until the copy is done: the host waits for `done` below before returning.
-        unsafe { result::memcpy_htod_async(slot.dev_ptr, bytes, u.copy.cu_stream())? };
-        let done = u.record_copy_event()?;
-        u.compute.wait(&done)?;
-        done.synchronize()?;
-        Ok((begun, done))
+    let mut up = CudaUpload {
+        uploads: uploads.clone(),
+        slot: Some(uploads.slot(bytes.len())?),
+        len: bytes.len(),
+        chunks: Vec::new(),
+        read: false,
     };
-    match copy() {
-        Ok(events) => {
-            slot.timings.push(events);
-            let ptr = slot.dev_ptr;
-            let mut link = u.link.lock().expect("link counters");
-            link.volatile_bytes += bytes.len() as u64;
-            link.pinned_bytes += bytes.len() as u64;
-            link.volatile_copies += 1;
-            drop(link);
-            let holder: Arc<dyn std::any::Any + Send + Sync> = Arc::new(CudaStaged {
-                uploads: u.clone(),
-                slot: Some(slot),
-                len: bytes.len(),
-                chunks: vec![(0, bytes.len())],
-                waited: Mutex::new(vec![true]),
-            });
-            Ok((ptr, holder))
-        }
-        Err(e) => {
-            // The copy may still be queued: wait for it before the slot can be reused.
-            let _ = u.copy.synchronize();
-            u.give_back(slot, false);
-            Err(format!(
-                "CUDA: copying {} bytes from page-locked memory to the GPU: {e}",
-                bytes.len()
-            ))
-        }
-    }
+    let s = up.slot.as_mut().expect("just taken");
+    let copied = uploads.copy_async(s, 0, bytes).and_then(|()| {
+        let (_, done) = s.timings.last().expect("just recorded");
+        uploads.compute.wait(done)?;
+        done.synchronize()
+    });
+    // On an error `up` drops, giving the slot back after the copy stream's queued work.
+    copied.map_err(|e| {
+        format!(
+            "CUDA: copying {} bytes from page-locked memory to the GPU: {e}",
+            bytes.len()
+        )
+    })?;
+    uploads.count(bytes.len(), false);
+    up.chunks.push((0, bytes.len()));
+    let ptr = up.slot().dev_ptr;
+    let holder: Arc<dyn std::any::Any + Send + Sync> = Arc::new(CudaStaged {
+        upload: up,
+        waited: Mutex::new(vec![true]),
+    });
+    Ok((ptr, holder))
 }
 
 /// The host ranges this device page-locked, by (start address, length).
