@@ -25,9 +25,13 @@ typedef unsigned long long u64;
 #define MM_TOKENS 8
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifdef GATESTREAM_HOST_EMULATION
+    return gsemu::half_to_float(h);  // tests/cuda_emu: the kernels compiled for the CPU
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 __device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }

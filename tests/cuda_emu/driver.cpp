@@ -1,0 +1,737 @@
+// A stand-in for the NVIDIA driver library (libcuda.so.1) that runs gatestream's kernels on the
+// CPU: the subset of the driver API that cudarc and src/backend/cuda call, over host memory,
+// with kernels/*.cu compiled for the host (emu.h) and run block by block, each GPU thread a
+// fiber. Every operation completes before its call returns, so streams and events order nothing
+// (an event's time is the host clock when it was recorded). It exists so that the CUDA device's
+// host code and kernels run in CI on a machine without a GPU: what it shows is that they compute
+// the right values, never how a GPU performs. Its device calls itself a host emulation.
+//
+// Checks the real driver makes and this one makes too (errors, not crashes): copies and frees
+// must stay inside an allocation, a host range is registered once and unregistered once, an
+// event made without timing cannot be timed, a launch needs 1..1024 threads per block. Kernel
+// memory accesses are not bounds-checked. A deadlock (a barrier or shuffle some live thread
+// never reaches) fails the launch.
+//
+// Build: tests/cuda_emu/build.sh DIR (gives DIR/libcuda.so.1; point GATESTREAM_LIBCUDA at it).
+
+#include "emu.h"
+
+// The kernels, in the order the CUDA device's module has them (one translation unit).
+#include "../../kernels/quant.cu"
+#include "../../kernels/ops.cu"
+#include "../../kernels/attention.cu"
+
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void* CUcontext;
+typedef void* CUmodule;
+typedef void* CUfunction;
+typedef void* CUstream;
+typedef void* CUevent;
+
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_CONTEXT = 201,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_NOT_READY = 600,
+    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
+    CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_UNKNOWN = 999,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Fibers: one per GPU thread of the block being run.
+
+namespace gsemu {
+
+Fiber* current = nullptr;
+dim3 grid_dim, block_dim, block_idx;
+
+static const size_t STACK_BYTES = 256 << 10;
+static const size_t PAGE = 4096;
+static std::vector<Fiber> fibers;  // the block's threads, by linear id
+static int block_threads = 0;
+static int live_block = 0;                 // threads of the block that have not exited
+static int live_warp[32];                  // the same per warp
+// Arrivals at a barrier or exchange of generation `gen` (threads are at most one apart, so two
+// counters, by parity, suffice: the first to arrive at gen + 2 finds everyone past gen).
+struct Arrivals {
+    unsigned gen;
+    int count;
+    void arrive(unsigned g) {
+        if (gen != g) {
+            gen = g;
+            count = 0;
+        }
+        count++;
+    }
+    bool all(unsigned g, int live) const { return gen == g && count >= live; }
+};
+static Arrivals bar_arrivals[2];
+static Arrivals shfl_arrivals[32][2];
+static unsigned warp_slot[32][2][32];    // exchanged values: [warp][generation parity][lane]
+static std::string launch_error;
+static void* sched_sp = nullptr;
+static void (*kernel_invoke)(void* fn, void** params) = nullptr;
+static void* kernel_fn = nullptr;
+static void** kernel_params = nullptr;
+
+}  // namespace gsemu
+
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack and its pointer in *from, then resumes
+// the stack `to` (System V x86-64).
+extern "C" void gsemu_switch(void** from, void* to);
+asm(R"(
+    .text
+    .p2align 4
+    .globl gsemu_switch
+    .hidden gsemu_switch
+    .type gsemu_switch,@function
+gsemu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size gsemu_switch, .-gsemu_switch
+)");
+
+// A fresh stack whose first switch "returns" into `entry` as if it had been called.
+static void* fresh_stack(void* top, void (*entry)()) {
+    uintptr_t t = (uintptr_t)top & ~(uintptr_t)15;
+    void** sp = (void**)t;
+    *--sp = nullptr;  // entry's return address (entry never returns)
+    *--sp = (void*)entry;
+    for (int i = 0; i < 6; i++) *--sp = nullptr;
+    return sp;
+}
+#else
+#error "tests/cuda_emu: the fiber switch is written for x86-64 only"
+#endif
+
+namespace gsemu {
+
+static void yield() { gsemu_switch(&current->sp, sched_sp); }
+
+static void fail(const std::string& msg) {
+    if (launch_error.empty()) launch_error = msg;
+}
+
+// Whether a waiting thread may go on: everyone live has arrived where it waits.
+static bool may_go(const Fiber& f) {
+    if (f.wait == 1) return bar_arrivals[(f.bar - 1) & 1].all(f.bar - 1, live_block);
+    if (f.wait == 2) return shfl_arrivals[f.warp][(f.shfl - 1) & 1].all(f.shfl - 1, live_warp[f.warp]);
+    return true;
+}
+
+static void fiber_entry() {
+    kernel_invoke(kernel_fn, kernel_params);
+    current->done = true;
+    live_block--;
+    live_warp[current->warp]--;
+    gsemu_switch(&current->sp, sched_sp);
+    __builtin_trap();  // never resumed
+}
+
+void sync_threads() {
+    Fiber* f = current;
+    unsigned g = f->bar++;
+    bar_arrivals[g & 1].arrive(g);
+    f->wait = 1;
+    if (!may_go(*f)) yield();  // resumed once everyone has arrived
+    f->wait = 0;
+}
+
+unsigned shfl_xor(unsigned bits, int lane_mask) {
+    Fiber* f = current;
+    unsigned g = f->shfl++;
+    warp_slot[f->warp][g & 1][f->lane] = bits;
+    shfl_arrivals[f->warp][g & 1].arrive(g);
+    f->wait = 2;
+    if (!may_go(*f)) yield();
+    f->wait = 0;
+    int first = f->warp * 32, end = std::min(first + 32, block_threads);
+    int src = f->lane ^ lane_mask;
+    if (first + src >= end || src >= 32) return bits;  // outside the warp: the lane's own value
+    const Fiber& p = fibers[first + src];
+    if (p.done && p.shfl <= g) {
+        fail("a shuffle read a lane that had exited (thread " + std::to_string(f->linear) + ")");
+        return bits;
+    }
+    return warp_slot[f->warp][g & 1][src];
+}
+
+// Runs the kernel over the grid; false with launch_error set when a block could not finish.
+static bool run_grid() {
+    int n = block_threads;
+    if ((int)fibers.size() < n) fibers.resize(n, Fiber{});
+    for (int i = 0; i < n; i++) {
+        if (!fibers[i].stack) {
+            void* m = mmap(nullptr, STACK_BYTES + PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (m == MAP_FAILED) {
+                fail("no memory for a thread's stack");
+                return false;
+            }
+            mprotect(m, PAGE, PROT_NONE);  // overflow faults instead of corrupting a neighbour
+            fibers[i].stack = m;
+        }
+    }
+    for (unsigned bz = 0; bz < grid_dim.z; bz++)
+        for (unsigned by = 0; by < grid_dim.y; by++)
+            for (unsigned bx = 0; bx < grid_dim.x; bx++) {
+                block_idx = dim3{bx, by, bz};
+                live_block = n;
+                for (int w = 0; w < 32; w++) live_warp[w] = std::max(0, std::min(32, n - 32 * w));
+                for (int k = 0; k < 2; k++) {
+                    bar_arrivals[k] = Arrivals{~0u, 0};
+                    for (int w = 0; w < 32; w++) shfl_arrivals[w][k] = Arrivals{~0u, 0};
+                }
+                for (int i = 0; i < n; i++) {
+                    Fiber& f = fibers[i];
+                    f.tid = dim3{(unsigned)i % block_dim.x, ((unsigned)i / block_dim.x) % block_dim.y,
+                                 (unsigned)i / (block_dim.x * block_dim.y)};
+                    f.linear = i;
+                    f.lane = i & 31;
+                    f.warp = i >> 5;
+                    f.done = false;
+                    f.bar = 0;
+                    f.shfl = 0;
+                    f.wait = 0;
+                    // Tops staggered so that the threads' frames do not all fall in the same cache sets.
+                    f.sp = fresh_stack((char*)f.stack + STACK_BYTES + PAGE - (size_t)(i % 61) * 208, fiber_entry);
+                }
+                while (live_block > 0) {
+                    bool resumed = false;
+                    for (int i = 0; i < n; i++) {
+                        if (fibers[i].done || !may_go(fibers[i])) continue;
+                        resumed = true;
+                        current = &fibers[i];
+                        gsemu_switch(&sched_sp, fibers[i].sp);
+                    }
+                    if (!resumed) {
+                        fail("deadlock in block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
+                             std::to_string(bz) + "): " + std::to_string(live_block) +
+                             " threads wait at a barrier or shuffle the others never reach");
+                        current = nullptr;
+                        return false;
+                    }
+                }
+                current = nullptr;
+            }
+    return launch_error.empty();
+}
+
+}  // namespace gsemu
+
+// ---------------------------------------------------------------------------------------------
+// The kernels by name, each with a trampoline from the driver's parameter array.
+
+struct Kernel {
+    const char* name;
+    void (*invoke)(void* fn, void** params);
+    void* fn;
+};
+
+template <typename... A, size_t... I>
+static void invoke_with(void (*fn)(A...), void** p, std::index_sequence<I...>) {
+    fn(*static_cast<A*>(p[I])...);
+}
+
+template <typename... A>
+static Kernel kernel(const char* name, void (*fn)(A...)) {
+    return Kernel{name,
+                  [](void* f, void** p) {
+                      invoke_with(reinterpret_cast<void (*)(A...)>(f), p, std::index_sequence_for<A...>{});
+                  },
+                  reinterpret_cast<void*>(fn)};
+}
+
+#define K(n) kernel(#n, n),
+#define TYPED(t) K(matmul_##t) K(matvec_##t) K(embed_##t) K(accumulate_##t)
+static const Kernel KERNELS[] = {
+    TYPED(f32) TYPED(f16) TYPED(bf16) TYPED(q4_0) TYPED(q4_1) TYPED(q5_0) TYPED(q8_0) TYPED(q4_k) TYPED(q5_k)
+        TYPED(q6_k) K(accumulate_reduce) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)
+            K(activate) K(softcap) K(select_rows) K(scatter_cols) K(gather_cols) K(rope_norm) K(kv_write)
+                K(attention)};
+#undef K
+#undef TYPED
+
+// ---------------------------------------------------------------------------------------------
+// Driver state.
+
+static std::mutex lock;
+static bool initialized = false;
+static int primary_refs = 0;
+static char primary_ctx_tag;  // its address is the one context
+static thread_local CUcontext bound = nullptr;
+static std::map<CUdeviceptr, size_t> allocations;  // device memory: start -> bytes
+static size_t allocated = 0;
+static std::map<uintptr_t, size_t> registered;  // page-locked host ranges (registered)
+static std::map<void*, size_t> host_allocs;     // page-locked host memory (allocated)
+static const size_t TOTAL_MEM = 16ull << 30;
+
+struct Module {
+    std::vector<char> image;
+};
+struct Stream {
+    unsigned flags;
+};
+struct Event {
+    unsigned flags;
+    bool recorded;
+    double ms;
+};
+
+static double now_ms() {
+    using namespace std::chrono;
+    return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+// [p, p + n) inside one allocation.
+static bool device_range(CUdeviceptr p, size_t n) {
+    auto it = allocations.upper_bound(p);
+    if (it == allocations.begin()) return false;
+    --it;
+    return p >= it->first && p - it->first + n <= it->second;
+}
+
+static bool ready() { return initialized; }
+
+#define API extern "C" __attribute__((visibility("default")))
+#define GUARD                                \
+    std::lock_guard<std::mutex> guard(lock); \
+    if (!ready()) return CUDA_ERROR_NOT_INITIALIZED;
+
+API CUresult cuInit(unsigned flags) {
+    std::lock_guard<std::mutex> guard(lock);
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    initialized = true;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDriverGetVersion(int* v) {
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetCount(int* n) {
+    GUARD
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGet(CUdevice* d, int ordinal) {
+    GUARD
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetAttribute(int* v, int attrib, CUdevice d) {
+    GUARD
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    switch (attrib) {
+        case 1: *v = 1024; break;   // max threads per block
+        case 10: *v = 32; break;    // warp size
+        case 16: *v = 1; break;     // multiprocessors
+        case 75: *v = 9; break;     // compute capability 9.0: NVRTC builds for sm_90
+        case 76: *v = 0; break;
+        case 115: *v = 1; break;    // memory pools (cuMemAllocAsync), as on an H100
+        default: *v = 0; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceGetName(char* name, int len, CUdevice d) {
+    GUARD
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    std::snprintf(name, (size_t)len, "host emulation of the CUDA driver (tests/cuda_emu; not a GPU)");
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDeviceTotalMem_v2(size_t* bytes, CUdevice d) {
+    GUARD
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = TOTAL_MEM;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemGetInfo_v2(size_t* free, size_t* total) {
+    GUARD
+    *free = TOTAL_MEM - allocated;
+    *total = TOTAL_MEM;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice d) {
+    GUARD
+    if (d != 0) return CUDA_ERROR_INVALID_DEVICE;
+    primary_refs++;
+    *ctx = &primary_ctx_tag;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
+    GUARD
+    if (d != 0 || primary_refs == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    primary_refs--;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxSetCurrent(CUcontext ctx) {
+    GUARD
+    if (ctx && ctx != &primary_ctx_tag) return CUDA_ERROR_INVALID_CONTEXT;
+    bound = ctx;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuCtxGetCurrent(CUcontext* ctx) {
+    GUARD
+    *ctx = bound;
+    return CUDA_SUCCESS;
+}
+
+#define NEED_CTX \
+    if (!bound) return CUDA_ERROR_INVALID_CONTEXT;
+
+API CUresult cuCtxSynchronize() {
+    GUARD
+    NEED_CTX
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGetErrorString(CUresult e, const char** s) {
+    switch (e) {
+        case CUDA_SUCCESS: *s = "no error"; break;
+        case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
+        case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
+        case CUDA_ERROR_NOT_INITIALIZED: *s = "initialization error"; break;
+        case CUDA_ERROR_INVALID_CONTEXT: *s = "invalid device context"; break;
+        case CUDA_ERROR_INVALID_HANDLE: *s = "invalid resource handle"; break;
+        case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
+        case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *s = "part or all of the host range is already registered"; break;
+        case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *s = "host range not registered"; break;
+        case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure (see stderr: cuda_emu)"; break;
+        default: *s = "unknown error"; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGetErrorName(CUresult e, const char** s) {
+    switch (e) {
+        case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
+        case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
+        case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+        case CUDA_ERROR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
+        case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
+        case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
+        case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
+        case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *s = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; break;
+        case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *s = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; break;
+        case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
+        default: *s = "CUDA_ERROR_UNKNOWN"; break;
+    }
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modules: the image NVRTC made is kept (a function must be named in it), the code run is the
+// host build of the same source.
+
+API CUresult cuModuleLoadData(CUmodule* m, const void* image) {
+    GUARD
+    NEED_CTX
+    const unsigned char* p = (const unsigned char*)image;
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    size_t len;
+    if (p[0] == 0x7f && p[1] == 'E' && p[2] == 'L' && p[3] == 'F' && p[4] == 2) {
+        // ELF64 (a cubin): the section headers end the file.
+        unsigned long long shoff;
+        unsigned short shentsize, shnum;
+        std::memcpy(&shoff, p + 0x28, 8);
+        std::memcpy(&shentsize, p + 0x3a, 2);
+        std::memcpy(&shnum, p + 0x3c, 2);
+        len = shoff + (size_t)shentsize * shnum;
+    } else {
+        len = std::strlen((const char*)p);  // PTX text
+        if (len == 0) return CUDA_ERROR_INVALID_IMAGE;
+    }
+    *m = new Module{std::vector<char>((const char*)p, (const char*)p + len)};
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuModuleUnload(CUmodule m) {
+    GUARD
+    delete (Module*)m;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
+    GUARD
+    const Module* mod = (const Module*)m;
+    if (!mod) return CUDA_ERROR_INVALID_HANDLE;
+    size_t n = std::strlen(name);
+    bool in_image = false;
+    for (size_t i = 0; i + n <= mod->image.size() && !in_image; i++)
+        in_image = std::memcmp(&mod->image[i], name, n) == 0 && (i + n == mod->image.size() || mod->image[i + n] == 0);
+    if (!in_image) return CUDA_ERROR_NOT_FOUND;
+    for (const Kernel& k : KERNELS) {
+        if (std::strcmp(k.name, name) == 0) {
+            *f = (CUfunction)&k;
+            return CUDA_SUCCESS;
+        }
+    }
+    std::fprintf(stderr, "cuda_emu: kernel %s is in the module but not in tests/cuda_emu/driver.cpp's list\n", name);
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                            unsigned bz, unsigned shared, CUstream, void** params, void** extra) {
+    GUARD
+    NEED_CTX
+    const Kernel* k = (const Kernel*)f;
+    if (!k || extra) return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long threads = (unsigned long long)bx * by * bz;
+    if (threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 || shared != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    gsemu::grid_dim = dim3{gx, gy, gz};
+    gsemu::block_dim = dim3{bx, by, bz};
+    gsemu::block_threads = (int)threads;
+    gsemu::kernel_invoke = k->invoke;
+    gsemu::kernel_fn = k->fn;
+    gsemu::kernel_params = params;
+    gsemu::launch_error.clear();
+    if (!gsemu::run_grid()) {
+        std::fprintf(stderr, "cuda_emu: kernel %s (grid %u,%u,%u block %u,%u,%u): %s\n", k->name, gx, gy, gz, bx, by,
+                     bz, gsemu::launch_error.c_str());
+        return CUDA_ERROR_LAUNCH_FAILED;
+    }
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory.
+
+static CUresult alloc(CUdeviceptr* p, size_t n) {
+    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (allocated + n > TOTAL_MEM) return CUDA_ERROR_OUT_OF_MEMORY;
+    void* m = std::aligned_alloc(256, (n + 255) & ~(size_t)255);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = (CUdeviceptr)m;
+    allocations[*p] = n;
+    allocated += n;
+    return CUDA_SUCCESS;
+}
+
+static CUresult release(CUdeviceptr p) {
+    auto it = allocations.find(p);
+    if (it == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    allocated -= it->second;
+    allocations.erase(it);
+    std::free((void*)p);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
+    GUARD
+    NEED_CTX
+    return alloc(p, n);
+}
+API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) {
+    GUARD
+    NEED_CTX
+    return alloc(p, n);
+}
+API CUresult cuMemFree_v2(CUdeviceptr p) {
+    GUARD
+    return release(p);
+}
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) {
+    GUARD
+    return release(p);
+}
+
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    GUARD
+    NEED_CTX
+    if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    std::memcpy((void*)dst, src, n);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream) {
+    return cuMemcpyHtoD_v2(dst, src, n);
+}
+API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    GUARD
+    NEED_CTX
+    if (!device_range(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    std::memcpy(dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream) {
+    return cuMemcpyDtoH_v2(dst, src, n);
+}
+API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    GUARD
+    NEED_CTX
+    if (!device_range(dst, n) || !device_range(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    std::memmove((void*)dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+    return cuMemcpyDtoD_v2(dst, src, n);
+}
+API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+    GUARD
+    NEED_CTX
+    if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    std::memset((void*)dst, v, n);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream) {
+    return cuMemsetD8_v2(dst, v, n);
+}
+
+API CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) {
+    GUARD
+    NEED_CTX
+    if (n == 0 || flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
+    void* m = std::aligned_alloc(4096, (n + 4095) & ~(size_t)4095);
+    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    host_allocs[m] = n;
+    *p = m;
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemFreeHost(void* p) {
+    GUARD
+    auto it = host_allocs.find(p);
+    if (it == host_allocs.end()) return CUDA_ERROR_INVALID_VALUE;
+    host_allocs.erase(it);
+    std::free(p);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
+    GUARD
+    NEED_CTX
+    if (!p || n == 0 || flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t a = (uintptr_t)p;
+    auto it = registered.upper_bound(a + n - 1);
+    if (it != registered.begin()) {
+        --it;
+        if (it->first + it->second > a) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    }
+    registered[a] = n;
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemHostUnregister(void* p) {
+    GUARD
+    auto it = registered.find((uintptr_t)p);
+    if (it == registered.end()) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    registered.erase(it);
+    return CUDA_SUCCESS;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streams and events (all work has finished when its call returns).
+
+static bool stream_ok(CUstream s) {
+    return s == nullptr || s == (CUstream)0x1 || s == (CUstream)0x2 || ((Stream*)s)->flags <= 1;
+}
+
+API CUresult cuStreamCreate(CUstream* s, unsigned flags) {
+    GUARD
+    NEED_CTX
+    if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
+    *s = new Stream{flags};
+    return CUDA_SUCCESS;
+}
+API CUresult cuStreamDestroy_v2(CUstream s) {
+    GUARD
+    if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    delete (Stream*)s;
+    return CUDA_SUCCESS;
+}
+API CUresult cuStreamSynchronize(CUstream s) {
+    GUARD
+    return stream_ok(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+    GUARD
+    if (!e || flags > 1 || !stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventCreate(CUevent* e, unsigned flags) {
+    GUARD
+    NEED_CTX
+    if (flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
+    *e = new Event{flags, false, 0.0};
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventDestroy_v2(CUevent e) {
+    GUARD
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    delete (Event*)e;
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventRecord(CUevent e, CUstream s) {
+    GUARD
+    if (!e || !stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
+    Event* ev = (Event*)e;
+    ev->recorded = true;
+    ev->ms = now_ms();
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventSynchronize(CUevent e) {
+    GUARD
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+API CUresult cuEventQuery(CUevent e) {
+    GUARD
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
+    GUARD
+    const Event *a = (const Event*)start, *b = (const Event*)end;
+    // Events made with CU_EVENT_DISABLE_TIMING (2), or never recorded, cannot be timed.
+    if (!a || !b || (a->flags & 2) || (b->flags & 2) || !a->recorded || !b->recorded) return CUDA_ERROR_INVALID_HANDLE;
+    *ms = (float)(b->ms - a->ms);
+    return CUDA_SUCCESS;
+}
+API CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) { return cuEventElapsedTime(ms, start, end); }
+
+// NVRTC opens libcuda.so.1 when it is loaded and asks for the driver's private tables; there are
+// none here (NVRTC then compiles without them).
+API CUresult cuGetExportTable(const void** table, const void*) {
+    if (table) *table = nullptr;
+    return CUDA_ERROR_NOT_FOUND;
+}

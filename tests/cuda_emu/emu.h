@@ -1,0 +1,97 @@
+// Host emulation of the CUDA C++ that kernels/*.cu use, so the kernels compile with a host C++
+// compiler and run on the CPU (tests/cuda_emu/driver.cpp runs them behind the CUDA driver API).
+// Each GPU thread of a block is a fiber with a stack of its own; a block's fibers run in turn on
+// one host thread, switching only at the block barrier (__syncthreads) and at warp shuffles, so
+// shared memory (`__shared__` becomes `static`: blocks run one after another) and warp exchanges
+// behave as on the GPU. This checks what a kernel computes, never how fast a GPU would run it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define GATESTREAM_HOST_EMULATION 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct dim3 {
+    unsigned x, y, z;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+struct float4 {
+    float x, y, z, w;
+};
+
+namespace gsemu {
+
+struct Fiber {
+    void* sp;                  // saved stack pointer while switched out
+    void* stack;               // the mapping (guard page first)
+    dim3 tid;
+    int linear, lane, warp;
+    bool done;
+    unsigned bar;              // block barriers entered
+    unsigned shfl;             // warp exchanges entered
+    int wait;                  // 0 running, 1 at barrier bar - 1, 2 at exchange shfl - 1
+};
+
+extern Fiber* current;
+extern dim3 grid_dim, block_dim, block_idx;
+
+void sync_threads();
+unsigned shfl_xor(unsigned bits, int lane_mask);
+
+// IEEE half to float (what `cvt.f32.f16` does), subnormals included.
+inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {
+        int e = -1;
+        do {
+            man <<= 1;
+            e++;
+        } while ((man & 0x400) == 0);
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+}  // namespace gsemu
+
+#define threadIdx (gsemu::current->tid)
+#define blockIdx (gsemu::block_idx)
+#define blockDim (gsemu::block_dim)
+#define gridDim (gsemu::grid_dim)
+
+inline void __syncthreads() { gsemu::sync_threads(); }
+
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+    unsigned b;
+    std::memcpy(&b, &v, 4);
+    b = gsemu::shfl_xor(b, m);
+    std::memcpy(&v, &b, 4);
+    return v;
+}
+inline int __shfl_xor_sync(unsigned, int v, int m) { return (int)gsemu::shfl_xor((unsigned)v, m); }
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m) { return gsemu::shfl_xor(v, m); }
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max;
+using std::min;
