@@ -430,37 +430,37 @@ API CUresult cuCtxSynchronize() {
     return CUDA_SUCCESS;
 }
 
+// The errors this driver returns: code, name, description.
+static const struct {
+    CUresult code;
+    const char *name, *text;
+} ERRORS[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the host range is already registered"},
+    {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "host range not registered"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure (see stderr: cuda_emu)"},
+};
+
 API CUresult cuGetErrorString(CUresult e, const char** s) {
-    switch (e) {
-        case CUDA_SUCCESS: *s = "no error"; break;
-        case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
-        case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
-        case CUDA_ERROR_NOT_INITIALIZED: *s = "initialization error"; break;
-        case CUDA_ERROR_INVALID_CONTEXT: *s = "invalid device context"; break;
-        case CUDA_ERROR_INVALID_HANDLE: *s = "invalid resource handle"; break;
-        case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
-        case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *s = "part or all of the host range is already registered"; break;
-        case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *s = "host range not registered"; break;
-        case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure (see stderr: cuda_emu)"; break;
-        default: *s = "unknown error"; break;
-    }
+    *s = "unknown error";
+    for (const auto& x : ERRORS)
+        if (x.code == e) *s = x.text;
     return CUDA_SUCCESS;
 }
 
 API CUresult cuGetErrorName(CUresult e, const char** s) {
-    switch (e) {
-        case CUDA_SUCCESS: *s = "CUDA_SUCCESS"; break;
-        case CUDA_ERROR_INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; break;
-        case CUDA_ERROR_OUT_OF_MEMORY: *s = "CUDA_ERROR_OUT_OF_MEMORY"; break;
-        case CUDA_ERROR_NOT_INITIALIZED: *s = "CUDA_ERROR_NOT_INITIALIZED"; break;
-        case CUDA_ERROR_INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; break;
-        case CUDA_ERROR_INVALID_HANDLE: *s = "CUDA_ERROR_INVALID_HANDLE"; break;
-        case CUDA_ERROR_NOT_FOUND: *s = "CUDA_ERROR_NOT_FOUND"; break;
-        case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: *s = "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"; break;
-        case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: *s = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; break;
-        case CUDA_ERROR_LAUNCH_FAILED: *s = "CUDA_ERROR_LAUNCH_FAILED"; break;
-        default: *s = "CUDA_ERROR_UNKNOWN"; break;
-    }
+    *s = "CUDA_ERROR_UNKNOWN";
+    for (const auto& x : ERRORS)
+        if (x.code == e) *s = x.name;
     return CUDA_SUCCESS;
 }
 
