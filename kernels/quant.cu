@@ -272,6 +272,69 @@ __device__ void matmul_body(const u8* W, u64 row_stride, int rows_out, const u32
     }
 }
 
+// The one-token product with RPW rows per warp: y[i] = dot(W[row i], x) for the warp's rows
+// r0..r0+RPW. Each lane loads a unit of x once into registers and multiplies it with that unit
+// of each of its rows, so x is read once per RPW rows and each warp has RPW rows' loads in
+// flight (RPW = 1 is `matvec`'s work with x in registers). Same summation order per row as
+// matmul_body with NT = 1: units round-robin over lanes, then one warp reduction.
+template <int TY, int RPW>
+__device__ void matvec_rows_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                                 const float* x, float* y) {
+    int r0 = (blockIdx.x * blockDim.y + threadIdx.y) * RPW;
+    if (r0 >= rows_out) return;
+    int lane = threadIdx.x;
+    int nr = min(RPW, rows_out - r0);
+    const u8* rows[RPW];
+#pragma unroll
+    for (int k = 0; k < RPW; k++) {
+        int r = r0 + min(k, nr - 1);  // past the end: the last row again (computed, not stored)
+        rows[k] = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
+    }
+    float acc[RPW];
+#pragma unroll
+    for (int k = 0; k < RPW; k++) acc[k] = 0.f;
+    int units = cols / 32;
+    bool vec4 = (cols & 3) == 0;
+    for (int u = lane; u < units; u += 32) {
+        float xv[32];
+        if (vec4) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float4 v = ((const float4*)(x + 32 * u))[i];
+                xv[4 * i] = v.x;
+                xv[4 * i + 1] = v.y;
+                xv[4 * i + 2] = v.z;
+                xv[4 * i + 3] = v.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 32; i++) xv[i] = x[32 * u + i];
+        }
+#pragma unroll
+        for (int k = 0; k < RPW; k++) {
+            float w[32];
+            decode_unit<TY>(rows[k], u, w);
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                s += w[4 * i] * xv[4 * i] + w[4 * i + 1] * xv[4 * i + 1] + w[4 * i + 2] * xv[4 * i + 2] +
+                     w[4 * i + 3] * xv[4 * i + 3];
+            acc[k] += s;
+        }
+    }
+    if (Layout<TY>::BLOCK == 1) {
+        for (int i = units * 32 + lane; i < cols; i += 32) {
+#pragma unroll
+            for (int k = 0; k < RPW; k++) acc[k] += decode_one<TY>(rows[k], i) * x[i];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < RPW; k++) {
+        float s = warp_sum(acc[k]);
+        if (lane == 0 && k < nr) y[r0 + k] = s;
+    }
+}
+
 // Row ids[t] of W, dequantized, times scale: out [n, cols]. One block per token.
 template <int TY>
 __device__ void embed_body(const u8* W, u64 row_stride, const u32* ids, int cols, float scale, float* out) {
@@ -329,6 +392,14 @@ __device__ void accumulate_body(const u8* W, u64 row_stride, int w_rows, const u
     extern "C" __global__ void matvec_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
                                              int cols, const float* X, int n, float* Y) {                   \
         matmul_body<TY, 1>(W, row_stride, rows_out, row_ids, cols, X, n, Y);                                 \
+    }                                                                                                        \
+    extern "C" __global__ void matvec2_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,\
+                                              int cols, const float* X, int n, float* Y) {                  \
+        matvec_rows_body<TY, 2>(W, row_stride, rows_out, row_ids, cols, X, Y);                               \
+    }                                                                                                        \
+    extern "C" __global__ void matvec4_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,\
+                                              int cols, const float* X, int n, float* Y) {                  \
+        matvec_rows_body<TY, 4>(W, row_stride, rows_out, row_ids, cols, X, Y);                               \
     }                                                                                                        \
     extern "C" __global__ void embed_##NAME(const u8* W, u64 row_stride, const u32* ids, int cols,          \
                                             float scale, float* out) {                                       \

@@ -199,6 +199,18 @@ fn kernels_per_type(
                 .map(|(t, r)| want[t * rows + r as usize])
                 .collect();
             errs.push(rel_err(&part, &want_part));
+            // One token: the kernels with 2 and 4 rows per warp (45 rows and the 5-row subset
+            // leave a warp with fewer rows than it takes).
+            if n == 1 {
+                for rpw in [2, 4] {
+                    dev.set_matvec_rows(rpw).map_err(|e| e.to_string())?;
+                    let full_r = dev.download(dev.matmul(&[&w], &xa).remove(0));
+                    let part_r = dev.download(dev.matmul_rows(&w, &subset, &xa));
+                    dev.set_matvec_rows(1).map_err(|e| e.to_string())?;
+                    errs.push(rel_err(&full_r, &want));
+                    errs.push(rel_err(&part_r, &want_part));
+                }
+            }
             // With the CPU's 8-bit activations: the products of the activations it sees.
             dev.set_q8_activations(true);
             let q8 = dev.download(dev.matmul(&[&w], &xa).remove(0));
@@ -277,7 +289,7 @@ fn kernels_per_type(
         let max = errs.iter().cloned().fold(0f64, f64::max);
         worst = worst.max(max);
         lines.push(format!(
-            "  {ty:?}: max relative error {max:.2e} (product n=1/13, rows, the same with 8-bit activations, neuron-major, embed)"
+            "  {ty:?}: max relative error {max:.2e} (product n=1/13, rows, 1/2/4 rows per warp, the same with 8-bit activations, neuron-major, embed)"
         ));
         if max > 1e-4 {
             return Err(format!("{}\n{ty:?}: error {max:.2e} > 1e-4", lines.join("\n")));
@@ -903,6 +915,14 @@ fn qwen_speed(
     let gpu = load(&path, dev.clone())?;
     let per_token = bytes_per_token(&gpu);
     let gpu_rate = decode_rate(&gpu, None, 128)?;
+    // One-token products with 2 and 4 rows per warp (GATESTREAM_CUDA_MATVEC_ROWS).
+    let mut by_rows = Vec::new();
+    for rpw in [2, 4] {
+        dev.set_matvec_rows(rpw).map_err(|e| e.to_string())?;
+        let r = decode_rate(&gpu, None, 128);
+        dev.set_matvec_rows(1).map_err(|e| e.to_string())?;
+        by_rows.push((rpw, r?));
+    }
     dev.set_q8_activations(true);
     let gpu_q8_rate = decode_rate(&gpu, None, 128);
     dev.set_q8_activations(false);
@@ -913,9 +933,11 @@ fn qwen_speed(
     let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
     let cpu_rate = decode_rate(&cpu, None, 8)?;
     let msg = format!(
-        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
+        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations; {} with 2 rows per warp, {} with 4), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
+        format!("{:.1}", by_rows[0].1),
+        format!("{:.1}", by_rows[1].1),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         gpu_rate / cpu_rate,
         per_token as f64 / 1e6,
@@ -924,7 +946,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_q8_activations_tok_s": gpu_q8_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_matvec_rows_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }

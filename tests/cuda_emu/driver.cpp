@@ -276,7 +276,7 @@ static Kernel kernel(const char* name, void (*fn)(A...)) {
 }
 
 #define K(n) kernel(#n, n),
-#define TYPED(t) K(matmul_##t) K(matvec_##t) K(embed_##t) K(accumulate_##t)
+#define TYPED(t) K(matmul_##t) K(matvec_##t) K(matvec2_##t) K(matvec4_##t) K(embed_##t) K(accumulate_##t)
 static const Kernel KERNELS[] = {
     TYPED(f32) TYPED(f16) TYPED(bf16) TYPED(q4_0) TYPED(q4_1) TYPED(q5_0) TYPED(q8_0) TYPED(q4_k) TYPED(q5_k)
         TYPED(q6_k) K(accumulate_reduce) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)

@@ -61,7 +61,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 }
 
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
-const TYPED: [&str; 4] = ["matmul", "matvec", "embed", "accumulate"];
+const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
 /// The kernels that are not per type.
 const OPS: [&str; 15] = [
     "accumulate_reduce",
@@ -122,6 +122,19 @@ pub fn matmul_cfg(rows_out: usize, n: usize) -> LaunchConfig {
         grid_dim: (
             (rows_out as u32).div_ceil(MATMUL_WARPS).max(1),
             n.div_ceil(MATMUL_TOKENS).max(1) as u32,
+            1,
+        ),
+        block_dim: (32, MATMUL_WARPS, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One-token products with `rows_per_warp` rows per warp (`matvec`, `matvec2`, `matvec4`).
+pub fn matvec_cfg(rows_out: usize, rows_per_warp: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (rows_out as u32).div_ceil(MATMUL_WARPS * rows_per_warp as u32).max(1),
+            1,
             1,
         ),
         block_dim: (32, MATMUL_WARPS, 1),
@@ -223,6 +236,8 @@ pub struct CudaDevice {
     /// Multiply the activations the CPU's quantized products see (8-bit blocks, see
     /// [`ACTIVATIONS_ENV`]) rather than the f32 activations themselves.
     q8_activations: std::sync::atomic::AtomicBool,
+    /// Rows per warp of one-token products (see [`MATVEC_ROWS_ENV`]).
+    matvec_rows: std::sync::atomic::AtomicUsize,
     /// Weight copies from the host (see [`Device::link`]).
     link: Arc<Mutex<super::LinkCounters>>,
 }
@@ -241,6 +256,25 @@ pub fn q8_activations_asked(value: Option<&str>) -> Result<bool> {
         Some(other) => Err(Error::Invalid(format!(
             "{ACTIVATIONS_ENV}={other}: expected f32 (the default: f32 activations) or q8 (the CPU's 8-bit activation blocks)"
         ))),
+    }
+}
+
+/// `GATESTREAM_CUDA_MATVEC_ROWS`: rows per warp of one-token (decode) products — 1 (the default:
+/// `matvec`, one warp per row), 2 or 4 (`matvec2`/`matvec4`: each lane loads a unit of the input
+/// once for that many rows). The same sums in the same order; which is faster is for a GPU to
+/// measure (not yet measured).
+pub const MATVEC_ROWS_ENV: &str = "GATESTREAM_CUDA_MATVEC_ROWS";
+
+/// The rows per warp [`MATVEC_ROWS_ENV`] asks for (`value`: the variable's value).
+pub fn matvec_rows_asked(value: Option<&str>) -> Result<usize> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(1),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n @ (1 | 2 | 4)) => Ok(n),
+            _ => Err(Error::Invalid(format!(
+                "{MATVEC_ROWS_ENV}={v}: expected 1 (the default), 2 or 4 rows per warp of one-token products"
+            ))),
+        },
     }
 }
 
@@ -292,6 +326,7 @@ impl CudaDevice {
     /// for the device (or read from the cache) and loaded.
     pub fn open(ordinal: usize) -> Result<CudaDevice> {
         let q8 = q8_activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
+        let matvec_rows = matvec_rows_asked(std::env::var(MATVEC_ROWS_ENV).ok().as_deref())?;
         ensure_driver()?;
         let count = CudaContext::device_count().map_err(|e| {
             Error::Invalid(format!(
@@ -380,6 +415,7 @@ impl CudaDevice {
             pinned: Arc::new(Mutex::new(Vec::new())),
             id,
             q8_activations: std::sync::atomic::AtomicBool::new(q8),
+            matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
             link,
         })
     }
@@ -392,6 +428,18 @@ impl CudaDevice {
 
     pub fn q8_activations(&self) -> bool {
         self.q8_activations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets the rows per warp of one-token products launched from now on (see
+    /// [`MATVEC_ROWS_ENV`]): 1, 2 or 4.
+    pub fn set_matvec_rows(&self, rows: usize) -> Result<()> {
+        let n = matvec_rows_asked(Some(&rows.to_string()))?;
+        self.matvec_rows.store(n, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn matvec_rows(&self) -> usize {
+        self.matvec_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// With 8-bit activations on: `x` as the CPU's products with `ty` weights see it (`None`
@@ -1271,12 +1319,17 @@ impl CudaDevice {
         let Some(wd) = self.weight(w) else { return out };
         let wp = wd.ptr;
         let idx = rows.map_or(0, |r| self.indices(r));
-        // One token (decode): the single-token kernel, with fewer registers.
-        let kernel = if x.rows == 1 { "matvec" } else { "matmul" };
+        // One token (decode): a single-token kernel, with fewer registers.
+        let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
+            (1, 4) => ("matvec4", matvec_cfg(rows_out, 4)),
+            (1, 2) => ("matvec2", matvec_cfg(rows_out, 2)),
+            (1, _) => ("matvec", matvec_cfg(rows_out, 1)),
+            _ => ("matmul", matmul_cfg(rows_out, x.rows)),
+        };
         self.launch(
             kernel,
             Some(w.ty),
-            matmul_cfg(rows_out, x.rows),
+            cfg,
             &[
                 ptr(wp),
                 ptr(w.row_stride_bytes as u64),
@@ -1303,7 +1356,8 @@ mod tests {
             let (kind, suffix) = name.split_once('_').unwrap_or((&name, ""));
             let direct = src.contains(&format!("void {name}("));
             // The quantized kernels come from the QUANT_KERNELS macro.
-            let by_macro = ["matmul", "matvec", "embed", "accumulate"].contains(&kind)
+            let by_macro = TYPED.contains(&kind)
+                && src.contains(&format!("void {kind}_##NAME("))
                 && src.contains(&format!("QUANT_KERNELS({suffix},"));
             assert!(direct || by_macro, "{name} is not in kernels/");
         }
@@ -1315,6 +1369,13 @@ mod tests {
         assert!(!q8_activations_asked(Some("")).unwrap());
         assert!(!q8_activations_asked(Some("f32")).unwrap());
         assert!(q8_activations_asked(Some(" q8 ")).unwrap());
+        assert_eq!(matvec_rows_asked(None).unwrap(), 1);
+        assert_eq!(matvec_rows_asked(Some(" 4")).unwrap(), 4);
+        let e = matvec_rows_asked(Some("3")).unwrap_err().to_string();
+        assert!(
+            e.contains(MATVEC_ROWS_ENV) && e.contains("1 (the default), 2 or 4"),
+            "{e}"
+        );
         let e = q8_activations_asked(Some("int8")).unwrap_err().to_string();
         assert!(
             e.contains(ACTIVATIONS_ENV) && e.contains("int8") && e.contains("q8"),
@@ -1333,6 +1394,18 @@ mod tests {
         assert_eq!((c.grid_dim, c.block_dim), ((192, 1, 1), (32, 8, 1)));
         let c = matmul_cfg(151_936, 17);
         assert_eq!(c.grid_dim, (18_992, 3, 1));
+        assert_eq!(matvec_cfg(1536, 1).grid_dim, matmul_cfg(1536, 1).grid_dim);
+        for rows in [1usize, 31, 32, 33, 8960] {
+            for rpw in [1usize, 2, 4] {
+                let c = matvec_cfg(rows, rpw);
+                let per_block = (c.block_dim.1 as usize) * rpw;
+                assert!(c.grid_dim.0 as usize * per_block >= rows, "{rows} rows, {rpw} per warp");
+                assert!(
+                    (c.grid_dim.0 as usize - 1) * per_block < rows,
+                    "{rows} rows, {rpw} per warp"
+                );
+            }
+        }
         assert_eq!(accumulate_parts(1), 1);
         assert_eq!(accumulate_parts(8960), 64);
         assert_eq!(accumulate_parts(640), 10);
