@@ -933,11 +933,11 @@ fn qwen_speed(
     let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
     let cpu_rate = decode_rate(&cpu, None, 8)?;
     let msg = format!(
-        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations; {} with 2 rows per warp, {} with 4), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
+        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations; {:.1} with 2 rows per warp, {:.1} with 4), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
-        format!("{:.1}", by_rows[0].1),
-        format!("{:.1}", by_rows[1].1),
+        by_rows[0].1,
+        by_rows[1].1,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         gpu_rate / cpu_rate,
         per_token as f64 / 1e6,
