@@ -241,6 +241,12 @@ impl Weight {
         self.volatile
     }
 
+    /// Whether the bytes are this process's own memory (not a map of a file, not staged by a
+    /// device, not on disk).
+    pub fn is_owned(&self) -> bool {
+        matches!(self.storage, Storage::Owned(_))
+    }
+
     pub fn is_contiguous(&self) -> bool {
         self.row_stride_bytes == self.row_bytes
     }

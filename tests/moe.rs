@@ -884,6 +884,19 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
                 step.volatile_bytes, plan.copied_bytes_per_token,
                 "{arch:?}: {step:?} vs {plan:?}"
             );
+            // What the plan does not keep of the resident weights (attention; each layer's
+            // router, with its shared expert's three matrices where there is one) is copied from
+            // page-locked memory: one locked range each, and those copies are page-locked bytes.
+            let shared = usize::from(matches!(arch, Arch::Qwen2Moe));
+            let unkept = 4 * plan.attention_resident.iter().filter(|&&k| !k).count()
+                + (1 + 3 * shared) * plan.gate_resident.iter().filter(|&&k| !k).count();
+            assert_eq!(dev.pinned_ranges(), unkept, "{arch:?}: {plan:?}");
+            assert!(
+                step.pinned_bytes > 0 && step.pinned_bytes < step.volatile_bytes,
+                "{arch:?}: {step:?}"
+            );
+            drop(s);
+            assert_eq!(dev.pinned_ranges(), 0, "{arch:?}: the locks go with the stream");
         }
     }
 }

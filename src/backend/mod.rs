@@ -317,11 +317,12 @@ pub trait Device: Send + Sync {
         Box::new(HostUpload::new(bytes))
     }
     /// Page-locks host memory the device copies from at each use — a buffer the stream
-    /// refills, such as its FFN staging — so those copies run at the link's pinned speed; `None`
-    /// where the device copies nothing (the CPU) or the memory could not be locked (then copies
-    /// from it stay ordinary ones). The guard unlocks it when dropped, and must be dropped
-    /// before the memory is freed.
-    fn pin_host(&self, _bytes: &[u8]) -> Option<PinnedHost> {
+    /// refills, such as its FFN staging (`refilled`), or resident weights the device does not
+    /// keep (not refilled: a copy from them need not be waited for by the host) — so those
+    /// copies run at the link's pinned speed; `None` where the device copies nothing (the CPU)
+    /// or the memory could not be locked (then copies from it stay ordinary ones). The guard
+    /// unlocks it when dropped, and must be dropped before the memory is freed.
+    fn pin_host(&self, _bytes: &[u8], _refilled: bool) -> Option<PinnedHost> {
         None
     }
     /// The size of the chunks staged rows are sent in ([`UPLOAD_CHUNK_BYTES`]; a test device

@@ -323,7 +323,7 @@ impl Device for HostStandIn {
             .take()
             .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
     }
-    fn pin_host(&self, bytes: &[u8]) -> Option<super::PinnedHost> {
+    fn pin_host(&self, bytes: &[u8], _refilled: bool) -> Option<super::PinnedHost> {
         let range = (bytes.as_ptr() as usize, bytes.len());
         let mut pinned = self.pinned.lock().expect("pinned ranges");
         // As cuMemHostRegister: a range overlapping one already locked is refused.

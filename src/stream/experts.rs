@@ -617,6 +617,25 @@ impl super::Streamer {
                 }
             }
         }
+        // The resident weights the device's plan does not keep are copied at each use: from
+        // page-locked memory.
+        let pinned = super::pin_unkept(
+            model.device.as_ref(),
+            std::iter::once(&output)
+                .chain(
+                    resident_attn
+                        .iter()
+                        .flatten()
+                        .flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]),
+                )
+                .chain(experts.routers.iter())
+                .chain(experts.shared.iter().flatten().flat_map(|(f, _)| {
+                    let down = match &f.down {
+                        FfnDown::Rows(d) | FfnDown::Columns(d) => d,
+                    };
+                    [&f.gate, &f.up, down]
+                })),
+        );
         fg.reset_stats();
         bg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
@@ -641,7 +660,7 @@ impl super::Streamer {
             resident_gate: vec![None; n],
             hidden: cfg.hidden,
             pass: Mutex::new(()),
-            _pinned_staging: Vec::new(),
+            _pinned: pinned,
             state: Mutex::new(super::State::new(Vec::new(), Vec::new(), Vec::new())),
             decode_start: Mutex::new(None),
             device: model.device.clone(),

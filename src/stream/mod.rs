@@ -265,7 +265,7 @@ struct State {
     ahead_taken: Option<Ahead>,
     /// The decode step between its up and down phases.
     decode: Option<DecodeStep>,
-    /// Staging buffers the device page-locked (the streamer's `_pinned_staging`), by address, and
+    /// Staging buffers the device page-locked (among the streamer's `_pinned`), by address, and
     /// any of them replaced while a weight still viewed it (see [`unique`]): kept until the
     /// streamer drops, after the device unlocked them, so none is freed while locked.
     pinned: Vec<usize>,
@@ -326,6 +326,11 @@ pub struct Streamer {
     layers: Vec<LayerParts>,
     /// The embedding matrix when it streams (one row per token); `None` when tied to `output`.
     embedding: Option<Part>,
+    /// The device's locks on host memory it copies from at each use (a device with memory of its
+    /// own; locked, at the link's pinned speed): the FFN staging buffers, and the resident
+    /// weights its plan does not keep ([`pin_unkept`]). Declared before the weights and `state`
+    /// so they drop, unlocking, before the memory does.
+    _pinned: Vec<crate::backend::PinnedHost>,
     /// The output matrix (always resident), and the layers' resident attention and gates.
     output: Weight,
     resident_attn: Vec<Option<AttnWeights>>,
@@ -336,10 +341,6 @@ pub struct Streamer {
     /// only ever locked by the one pass running, so no pool thread waits on it while its
     /// holder waits for pool work (which could deadlock).
     pass: Mutex<()>,
-    /// The device's locks on the FFN staging buffers (a device with memory of its own copies
-    /// from them at each use; locked, at the link's pinned speed). Declared before `state` so
-    /// they drop, unlocking, before the buffers do.
-    _pinned_staging: Vec<crate::backend::PinnedHost>,
     state: Mutex<State>,
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]), the
     /// device's link counters too.
@@ -461,4 +462,23 @@ impl Streamer {
         }
         Ok(())
     }
+}
+
+/// The device's locks on the resident weights it copies at each use — those `weights` its plan
+/// does not keep (volatile) whose bytes are this process's own memory (a map of the file is not
+/// locked) — so those copies, too, run from page-locked memory. Empty for a device computing in
+/// host memory; a weight the device declines to lock is copied as before.
+fn pin_unkept<'a>(
+    device: &dyn crate::backend::Device,
+    weights: impl Iterator<Item = &'a Weight>,
+) -> Vec<crate::backend::PinnedHost> {
+    if device.host_memory() {
+        return Vec::new();
+    }
+    weights
+        .filter(|w| w.is_volatile() && w.is_owned())
+        .filter_map(|w| w.span())
+        .filter(|(bytes, _)| !bytes.is_empty())
+        .filter_map(|(bytes, _)| device.pin_host(bytes, false))
+        .collect()
 }

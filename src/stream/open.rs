@@ -304,13 +304,26 @@ impl Streamer {
             true => Vec::new(),
             false => [&staging_up, &staging_down]
                 .into_iter()
-                .filter_map(|b| model.device.pin_host(b))
+                .filter_map(|b| model.device.pin_host(b, true))
                 .collect(),
         };
         let pinned_addrs = match pinned_staging.is_empty() {
             true => Vec::new(),
             false => vec![staging_up.as_ptr() as usize, staging_down.as_ptr() as usize],
         };
+        // And the resident weights the device's plan does not keep, copied at each use.
+        let mut pinned = pinned_staging;
+        pinned.extend(super::pin_unkept(
+            model.device.as_ref(),
+            std::iter::once(&output)
+                .chain(
+                    resident_attn
+                        .iter()
+                        .flatten()
+                        .flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]),
+                )
+                .chain(resident_gate.iter().flatten()),
+        ));
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
@@ -343,7 +356,7 @@ impl Streamer {
             resident_gate,
             hidden: cfg.hidden,
             pass: Mutex::new(()),
-            _pinned_staging: pinned_staging,
+            _pinned: pinned,
             state: Mutex::new(State {
                 pinned: pinned_addrs,
                 ..State::new(caches, staging_up, staging_down)

@@ -628,9 +628,15 @@ impl CudaDevice {
                 None => {}
             }
         }
-        if w.is_volatile() && !bytes.is_empty() && upload::is_pinned(&self.pinned, bytes) {
-            // A buffer the stream refills, page-locked: copied on the copy stream.
-            return match upload::copy_pinned(&self.uploads, bytes) {
+        let pinned = match w.is_volatile() && !bytes.is_empty() {
+            true => upload::pinned_range(&self.pinned, bytes),
+            false => None,
+        };
+        if let Some(refilled) = pinned {
+            // Page-locked (a buffer the stream refills, or a resident weight the device does not
+            // keep): copied on the copy stream, the host waiting for the copy only where the
+            // stream may refill the buffer.
+            return match upload::copy_pinned(&self.uploads, bytes, refilled) {
                 Ok((ptr, holder)) => Some(OnDevice {
                     ptr,
                     _transient: None,
@@ -854,8 +860,8 @@ impl Device for CudaDevice {
         Some(*self.link.lock().expect("link counters"))
     }
 
-    fn pin_host(&self, bytes: &[u8]) -> Option<super::PinnedHost> {
-        upload::pin_host(&self.ctx, &self.pinned, bytes)
+    fn pin_host(&self, bytes: &[u8], refilled: bool) -> Option<super::PinnedHost> {
+        upload::pin_host(&self.ctx, &self.pinned, bytes, refilled)
     }
 
     fn begin_upload(&self, bytes: usize) -> Box<dyn super::Upload> {

@@ -424,14 +424,17 @@ impl CudaStaged {
     }
 }
 
-/// Copies `bytes` — page-locked host memory (a buffer the stream registered with
+/// Copies `bytes` — page-locked host memory (registered with
 /// [`pin_host`](crate::backend::Device::pin_host)) — into a pooled device buffer on the copy
 /// stream, at the link's pinned speed; the compute stream waits for the copy, and so does the
-/// host (the stream refills the buffer once the weight's use returns). The device address and a
-/// holder that returns the buffer to the pool when dropped, after the launch that reads it.
+/// host when the memory is `refilled` (the stream refills its buffers once the weight's use
+/// returns; resident weights stay as they are, so their copies overlap the host's work). The
+/// device address and a holder that returns the buffer to the pool when dropped, after the
+/// launch that reads it.
 pub(crate) fn copy_pinned(
     uploads: &Arc<Uploads>,
     bytes: &[u8],
+    refilled: bool,
 ) -> std::result::Result<(u64, Arc<dyn std::any::Any + Send + Sync>), String> {
     let mut up = CudaUpload {
         uploads: uploads.clone(),
@@ -444,7 +447,10 @@ pub(crate) fn copy_pinned(
     let copied = uploads.copy_async(s, 0, bytes).and_then(|()| {
         let (_, done) = s.timings.last().expect("just recorded");
         uploads.compute.wait(done)?;
-        done.synchronize()
+        match refilled {
+            true => done.synchronize(),
+            false => Ok(()),
+        }
     });
     // On an error `up` drops, giving the slot back after the copy stream's queued work.
     copied.map_err(|e| {
@@ -464,13 +470,15 @@ pub(crate) fn copy_pinned(
 }
 
 /// The host ranges this device page-locked, by (start address, length).
-pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize)>>>;
+/// Host ranges page-locked for copies: (address, length, whether the stream refills it).
+pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize, bool)>>>;
 
 /// Page-locks `bytes` for copies (see `Device::pin_host`); `None` if the driver refuses.
 pub(crate) fn pin_host(
     ctx: &Arc<CudaContext>,
     ranges: &PinnedRanges,
     bytes: &[u8],
+    refilled: bool,
 ) -> Option<crate::backend::PinnedHost> {
     if bytes.is_empty() {
         return None;
@@ -481,7 +489,7 @@ pub(crate) fn pin_host(
     unsafe { sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), 0) }
         .result()
         .ok()?;
-    let range = (bytes.as_ptr() as usize, bytes.len());
+    let range = (bytes.as_ptr() as usize, bytes.len(), refilled);
     ranges.lock().expect("pinned ranges").push(range);
     Some(crate::backend::PinnedHost(Box::new(Unpin {
         ctx: ctx.clone(),
@@ -494,7 +502,7 @@ pub(crate) fn pin_host(
 struct Unpin {
     ctx: Arc<CudaContext>,
     ranges: PinnedRanges,
-    range: (usize, usize),
+    range: (usize, usize, bool),
 }
 
 // SAFETY: only the range's address is kept (as a number); unregistering is a driver call that
@@ -506,20 +514,26 @@ impl Drop for Unpin {
     fn drop(&mut self) {
         self.ranges.lock().expect("pinned ranges").retain(|&r| r != self.range);
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: registered by `pin_host`, unregistered once, here. Copies from the range
-        // finish before their weight's use returns (`copy_pinned` waits for them).
+        // Copies from a range that is not refilled may still be in flight (`copy_pinned` does
+        // not wait for them): the device finishes its work before the range is unlocked.
+        if !self.range.2 {
+            let _ = self.ctx.synchronize();
+        }
+        // SAFETY: registered by `pin_host`, unregistered once, here, after every copy from it
+        // finished (refilled ranges: `copy_pinned` waited for each; the others: just above).
         unsafe {
             let _ = sys::cuMemHostUnregister(self.range.0 as *mut _);
         }
     }
 }
 
-/// Whether `bytes` lie inside one of `ranges`.
-pub(crate) fn is_pinned(ranges: &PinnedRanges, bytes: &[u8]) -> bool {
+/// Whether `bytes` lie inside one of `ranges`: `Some(refilled)` if so.
+pub(crate) fn pinned_range(ranges: &PinnedRanges, bytes: &[u8]) -> Option<bool> {
     let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
     ranges
         .lock()
         .expect("pinned ranges")
         .iter()
-        .any(|&(p, n)| p <= lo && hi <= p + n)
+        .find(|&&(p, n, _)| p <= lo && hi <= p + n)
+        .map(|&(_, _, refilled)| refilled)
 }
