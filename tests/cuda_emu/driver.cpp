@@ -545,8 +545,9 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
 static CUresult alloc(CUdeviceptr* p, size_t n) {
     if (n == 0) return CUDA_ERROR_INVALID_VALUE;
     if (allocated + n > TOTAL_MEM) return CUDA_ERROR_OUT_OF_MEMORY;
-    void* m = std::aligned_alloc(256, (n + 255) & ~(size_t)255);
-    if (!m) return CUDA_ERROR_OUT_OF_MEMORY;
+    // Exactly n bytes (a build with AddressSanitizer then catches a kernel reading past them).
+    void* m = nullptr;
+    if (posix_memalign(&m, 256, n) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
     *p = (CUdeviceptr)m;
     allocations[*p] = n;
     allocated += n;
