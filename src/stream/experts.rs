@@ -621,14 +621,11 @@ impl super::Streamer {
         // page-locked memory.
         let pinned = super::pin_unkept(
             model.device.as_ref(),
-            std::iter::once(&output)
-                .chain(
-                    resident_attn
-                        .iter()
-                        .flatten()
-                        .flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]),
-                )
-                .chain(experts.routers.iter())
+            &output,
+            &resident_attn,
+            experts
+                .routers
+                .iter()
                 .chain(experts.shared.iter().flatten().flat_map(|(f, _)| {
                     let down = match &f.down {
                         FfnDown::Rows(d) | FfnDown::Columns(d) => d,

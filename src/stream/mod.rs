@@ -464,18 +464,24 @@ impl Streamer {
     }
 }
 
-/// The device's locks on the resident weights it copies at each use — those `weights` its plan
+/// The device's locks on the resident weights it copies at each use — of the output matrix,
+/// the resident attention and `more` (gates, or routers and shared experts), those its plan
 /// does not keep (volatile) whose bytes are this process's own memory (a map of the file is not
 /// locked) — so those copies, too, run from page-locked memory. Empty for a device computing in
 /// host memory; a weight the device declines to lock is copied as before.
 fn pin_unkept<'a>(
     device: &dyn crate::backend::Device,
-    weights: impl Iterator<Item = &'a Weight>,
+    output: &'a Weight,
+    attn: &'a [Option<AttnWeights>],
+    more: impl Iterator<Item = &'a Weight>,
 ) -> Vec<crate::backend::PinnedHost> {
     if device.host_memory() {
         return Vec::new();
     }
-    weights
+    let attn = attn.iter().flatten().flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]);
+    std::iter::once(output)
+        .chain(attn)
+        .chain(more)
         .filter(|w| w.is_volatile() && w.is_owned())
         .filter_map(|w| w.span())
         .filter(|(bytes, _)| !bytes.is_empty())

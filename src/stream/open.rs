@@ -315,14 +315,9 @@ impl Streamer {
         let mut pinned = pinned_staging;
         pinned.extend(super::pin_unkept(
             model.device.as_ref(),
-            std::iter::once(&output)
-                .chain(
-                    resident_attn
-                        .iter()
-                        .flatten()
-                        .flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]),
-                )
-                .chain(resident_gate.iter().flatten()),
+            &output,
+            &resident_attn,
+            resident_gate.iter().flatten(),
         ));
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
