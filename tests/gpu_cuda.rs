@@ -57,12 +57,36 @@ fn main() {
     let checks: [(&str, Check); 14] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
-        ("stories260k_streamed_to_cuda", stories_streamed),
-        ("stories260k_vram_budget", stories_vram),
+        // The streamed checks below on stories260K as a `.gst` (F32): small enough for the host
+        // emulation of the driver (tests/cuda_emu), where they check the streamed paths' host
+        // code and kernels.
+        ("stories260k_streamed_to_cuda", |d, r| {
+            let gst = stories_gst_path()?;
+            streamed_to_cuda(d, r, "stories260k_streamed", "stories260K", &gst, Budget::AboveMinimum)
+        }),
+        ("stories260k_vram_budget", |d, r| {
+            let gst = stories_gst_path()?;
+            vram_budget(
+                d,
+                r,
+                "stories260k_vram_budget",
+                "stories260K",
+                &gst,
+                Budget::AboveMinimum,
+            )
+        }),
         ("moe_cuda_vs_cpu", moe),
-        ("small_qwen2_cuda_vs_cpu", small_qwen),
-        ("small_qwen2_cuda_q8_activations_vs_cpu", small_qwen_q8),
-        ("small_qwen2_cuda_vs_cpu_f32_weights", small_qwen_f32),
+        // The Qwen-shaped comparisons below on [`SMALL_QWEN`] (8 layers; its figures are not the
+        // Qwen-shaped model's, but its products are the same kernels on the same block types).
+        ("small_qwen2_cuda_vs_cpu", |d, r| {
+            shaped_compare(d, r, &SMALL_QWEN, Against::Same, "small_qwen2")
+        }),
+        ("small_qwen2_cuda_q8_activations_vs_cpu", |d, r| {
+            shaped_compare(d, r, &SMALL_QWEN, Against::Q8Activations, "small_qwen2_q8_activations")
+        }),
+        ("small_qwen2_cuda_vs_cpu_f32_weights", |d, r| {
+            shaped_compare(d, r, &SMALL_QWEN, Against::F32Weights, "small_qwen2_cpu_f32_reference")
+        }),
         ("qwen_shaped_cuda_vs_cpu", qwen_shaped),
         ("qwen_shaped_cuda_q8_activations_vs_cpu", qwen_shaped_q8),
         ("qwen_shaped_cuda_vs_cpu_f32_weights", qwen_shaped_f32),
@@ -746,41 +770,6 @@ fn qwen_shaped_f32(
     shaped_compare(dev, report, &QWEN, Against::F32Weights, "qwen_shaped_cpu_f32_reference")
 }
 
-/// The three comparisons above on [`SMALL_QWEN`] (8 layers; its figures are not the
-/// Qwen-shaped model's, but its products are the same kernels on the same block types).
-fn small_qwen(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    shaped_compare(dev, report, &SMALL_QWEN, Against::Same, "small_qwen2")
-}
-
-fn small_qwen_q8(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    shaped_compare(
-        dev,
-        report,
-        &SMALL_QWEN,
-        Against::Q8Activations,
-        "small_qwen2_q8_activations",
-    )
-}
-
-fn small_qwen_f32(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    shaped_compare(
-        dev,
-        report,
-        &SMALL_QWEN,
-        Against::F32Weights,
-        "small_qwen2_cpu_f32_reference",
-    )
-}
-
 /// What the CPU runs in a comparison with a Qwen2-built model on the GPU: the same file; the same
 /// with the GPU given the CPU's 8-bit activations; or the same weights dequantized to F32.
 #[derive(Clone, Copy, PartialEq)]
@@ -970,22 +959,6 @@ fn qwen_streamed(
     )
 }
 
-/// [`qwen_streamed`] on stories260K as a `.gst` (F32): small enough for the host emulation of
-/// the driver (tests/cuda_emu), where it checks the streamed path's host code and kernels.
-fn stories_streamed(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    streamed_to_cuda(
-        dev,
-        report,
-        "stories260k_streamed",
-        "stories260K",
-        &stories_gst_path()?,
-        Budget::AboveMinimum,
-    )
-}
-
 fn streamed_to_cuda(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
@@ -1099,20 +1072,14 @@ enum Budget {
 
 impl Budget {
     /// The bytes, given the file's size and what opening with a budget of `b` refuses (the
-    /// refusal names the minimum: "at least N").
+    /// refusal names the minimum).
     fn bytes(self, file_bytes: u64, refusal: impl Fn(u64) -> Option<gatestream::error::Error>) -> Result<u64, String> {
         let share = file_bytes * 2 / 5;
         match self {
             Budget::OfFile => Ok(share),
             Budget::AboveMinimum => {
                 let e = refusal(0).ok_or("a zero budget was not refused")?.to_string();
-                let min = e
-                    .split("at least ")
-                    .nth(1)
-                    .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
-                    .and_then(|n| n.parse::<u64>().ok())
-                    .ok_or_else(|| format!("no minimum in the refusal: {e}"))?;
-                Ok(min + share)
+                Ok(common::budget_in_refusal(&e) + share)
             }
         }
     }
@@ -1156,21 +1123,6 @@ fn qwen_vram(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_j
         "qwen-shaped",
         &qwen_gst_path()?,
         Budget::OfFile,
-    )
-}
-
-/// [`qwen_vram`] on stories260K as a `.gst` (F32), for the host emulation of the driver.
-fn stories_vram(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    vram_budget(
-        dev,
-        report,
-        "stories260k_vram_budget",
-        "stories260K",
-        &stories_gst_path()?,
-        Budget::AboveMinimum,
     )
 }
 

@@ -448,19 +448,23 @@ static const struct {
      "part or all of the host range is already registered"},
     {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "host range not registered"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure (see stderr: cuda_emu)"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
-API CUresult cuGetErrorString(CUresult e, const char** s) {
-    *s = "unknown error";
+// Name and text of error `e`; an unknown code gets the last entry.
+static const auto& error_of(CUresult e) {
     for (const auto& x : ERRORS)
-        if (x.code == e) *s = x.text;
+        if (x.code == e) return x;
+    return ERRORS[sizeof(ERRORS) / sizeof(ERRORS[0]) - 1];
+}
+
+API CUresult cuGetErrorString(CUresult e, const char** s) {
+    *s = error_of(e).text;
     return CUDA_SUCCESS;
 }
 
 API CUresult cuGetErrorName(CUresult e, const char** s) {
-    *s = "CUDA_ERROR_UNKNOWN";
-    for (const auto& x : ERRORS)
-        if (x.code == e) *s = x.name;
+    *s = error_of(e).name;
     return CUDA_SUCCESS;
 }
 

@@ -118,15 +118,9 @@ pub fn elementwise_cfg(len: usize) -> LaunchConfig {
 
 /// One warp per output row, `MATMUL_TOKENS` tokens per block row.
 pub fn matmul_cfg(rows_out: usize, n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (
-            (rows_out as u32).div_ceil(MATMUL_WARPS).max(1),
-            n.div_ceil(MATMUL_TOKENS).max(1) as u32,
-            1,
-        ),
-        block_dim: (32, MATMUL_WARPS, 1),
-        shared_mem_bytes: 0,
-    }
+    let mut c = matvec_cfg(rows_out, 1);
+    c.grid_dim.1 = n.div_ceil(MATMUL_TOKENS).max(1) as u32;
+    c
 }
 
 /// One-token products with `rows_per_warp` rows per warp (`matvec`, `matvec2`, `matvec4`).
