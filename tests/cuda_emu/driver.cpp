@@ -2,13 +2,17 @@
 // CPU: the subset of the driver API that cudarc and src/backend/cuda call, over host memory,
 // with kernels/*.cu compiled for the host (emu.h) and run block by block, each GPU thread a
 // fiber. Every operation completes before its call returns, so streams and events order nothing
-// (an event's time is the host clock when it was recorded). It exists so that the CUDA device's
+// (an event's time is the host clock when it was recorded). Stream capture records a stream's
+// kernel launches and memsets into a graph, which a graph launch runs again in order. It exists so that the CUDA device's
 // host code and kernels run in CI on a machine without a GPU: what it shows is that they compute
 // the right values, never how a GPU performs. Its device calls itself a host emulation.
 //
 // Checks the real driver makes and this one makes too (errors, not crashes): copies and frees
 // must stay inside an allocation, a host range is registered once and unregistered once, an
-// event made without timing cannot be timed, a launch needs 1..1024 threads per block. Kernel
+// event made without timing cannot be timed, a launch needs 1..1024 threads per block. While a
+// thread captures a stream (thread-local mode), any other call from it but a launch or memset
+// on that stream is refused and spoils the capture, as is work another thread puts on the
+// capturing stream — stricter than the driver, which also captures copies and event records. Kernel
 // memory accesses are not bounds-checked. A deadlock (a barrier or shuffle some live thread
 // never reaches) fails the launch.
 //
@@ -26,6 +30,7 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -39,6 +44,8 @@ typedef void* CUmodule;
 typedef void* CUfunction;
 typedef void* CUstream;
 typedef void* CUevent;
+typedef void* CUgraph;
+typedef void* CUgraphExec;
 
 enum {
     CUDA_SUCCESS = 0,
@@ -49,11 +56,14 @@ enum {
     CUDA_ERROR_INVALID_IMAGE = 200,
     CUDA_ERROR_INVALID_CONTEXT = 201,
     CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
     CUDA_ERROR_UNKNOWN = 999,
 };
 
@@ -255,15 +265,29 @@ static bool run_grid() {
 // ---------------------------------------------------------------------------------------------
 // The kernels by name, each with a trampoline from the driver's parameter array.
 
+// Parameter values copied at capture (the caller's array is gone by the time a graph runs),
+// with the array of pointers to them a launch takes.
+struct SavedParams {
+    std::shared_ptr<void> values;
+    std::vector<void*> ptrs;
+};
+
 struct Kernel {
     const char* name;
     void (*invoke)(void* fn, void** params);
     void* fn;
+    SavedParams (*save)(void** params);
 };
 
 template <typename... A, size_t... I>
 static void invoke_with(void (*fn)(A...), void** p, std::index_sequence<I...>) {
     fn(*static_cast<A*>(p[I])...);
+}
+
+template <typename... A, size_t... I>
+static SavedParams save_with(void** p, std::index_sequence<I...>) {
+    auto values = std::make_shared<std::tuple<A...>>(*static_cast<A*>(p[I])...);
+    return SavedParams{values, {static_cast<void*>(&std::get<I>(*values))...}};
 }
 
 template <typename... A>
@@ -272,7 +296,8 @@ static Kernel kernel(const char* name, void (*fn)(A...)) {
                   [](void* f, void** p) {
                       invoke_with(reinterpret_cast<void (*)(A...)>(f), p, std::index_sequence_for<A...>{});
                   },
-                  reinterpret_cast<void*>(fn)};
+                  reinterpret_cast<void*>(fn),
+                  [](void** p) { return save_with<A...>(p, std::index_sequence_for<A...>{}); }};
 }
 
 #define K(n) kernel(#n, n),
@@ -302,9 +327,39 @@ static const size_t TOTAL_MEM = 16ull << 30;
 struct Module {
     std::vector<char> image;
 };
+// A recorded operation: a launch with its parameters copied, or a memset.
+struct Node {
+    const Kernel* kernel;  // null: memset
+    dim3 grid, block;
+    SavedParams params;
+    CUdeviceptr dst;
+    unsigned char value;
+    size_t bytes;
+};
+struct Graph {
+    std::vector<Node> nodes;
+};
 struct Stream {
     unsigned flags;
+    Graph* capture;  // being captured into (owned until cuStreamEndCapture)
+    bool invalid;    // the capture was spoiled by a call it refused
 };
+// The stream this thread captures, if any.
+static thread_local Stream* capturing_here = nullptr;
+
+static CUresult capture_violation(Stream* s) {
+    if (s) s->invalid = true;
+    return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+}
+
+static bool real_stream(CUstream s) { return s != nullptr && s != (CUstream)0x1 && s != (CUstream)0x2; }
+
+// Work for stream `s` other than a launch or memset: refused while it, or this thread, captures.
+static CUresult not_capturing(CUstream s) {
+    if (capturing_here) return capture_violation(capturing_here);
+    if (real_stream(s) && ((Stream*)s)->capture) return capture_violation((Stream*)s);
+    return CUDA_SUCCESS;
+}
 struct Event {
     unsigned flags;
     bool recorded;
@@ -327,9 +382,13 @@ static bool device_range(CUdeviceptr p, size_t n) {
 static bool ready() { return initialized; }
 
 #define API extern "C" __attribute__((visibility("default")))
-#define GUARD                                \
+// Every call takes the lock; all but a few are refused while this thread captures a stream.
+#define GUARD_IN_CAPTURE                     \
     std::lock_guard<std::mutex> guard(lock); \
     if (!ready()) return CUDA_ERROR_NOT_INITIALIZED;
+#define GUARD        \
+    GUARD_IN_CAPTURE \
+    if (capturing_here) return capture_violation(capturing_here);
 
 API CUresult cuInit(unsigned flags) {
     std::lock_guard<std::mutex> guard(lock);
@@ -409,14 +468,14 @@ API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) {
 }
 
 API CUresult cuCtxSetCurrent(CUcontext ctx) {
-    GUARD
+    GUARD_IN_CAPTURE
     if (ctx && ctx != &primary_ctx_tag) return CUDA_ERROR_INVALID_CONTEXT;
     bound = ctx;
     return CUDA_SUCCESS;
 }
 
 API CUresult cuCtxGetCurrent(CUcontext* ctx) {
-    GUARD
+    GUARD_IN_CAPTURE
     *ctx = bound;
     return CUDA_SUCCESS;
 }
@@ -448,6 +507,11 @@ static const struct {
      "part or all of the host range is already registered"},
     {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED", "host range not registered"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure (see stderr: cuda_emu)"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
@@ -519,15 +583,10 @@ API CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
     return CUDA_ERROR_NOT_FOUND;
 }
 
-API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                            unsigned bz, unsigned shared, CUstream, void** params, void** extra) {
-    GUARD
-    NEED_CTX
-    const Kernel* k = (const Kernel*)f;
-    if (!k || extra) return CUDA_ERROR_INVALID_VALUE;
+// Runs kernel k now (the lock held).
+static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                           unsigned bz, void** params) {
     unsigned long long threads = (unsigned long long)bx * by * bz;
-    if (threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 || shared != 0)
-        return CUDA_ERROR_INVALID_VALUE;
     gsemu::grid_dim = dim3{gx, gy, gz};
     gsemu::block_dim = dim3{bx, by, bz};
     gsemu::block_threads = (int)threads;
@@ -541,6 +600,38 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
         return CUDA_ERROR_LAUNCH_FAILED;
     }
     return CUDA_SUCCESS;
+}
+
+// The stream a launch or memset is recorded into instead of run (null: run it); an error when
+// the call is refused.
+static CUresult capture_target(CUstream s, Stream** into) {
+    *into = nullptr;
+    Stream* st = real_stream(s) ? (Stream*)s : nullptr;
+    if (capturing_here && st != capturing_here) return capture_violation(capturing_here);
+    if (st && st->capture) {
+        if (st != capturing_here) return capture_violation(st);  // another thread's capture
+        if (st->invalid) return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+        *into = st;
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                            unsigned bz, unsigned shared, CUstream s, void** params, void** extra) {
+    GUARD_IN_CAPTURE
+    NEED_CTX
+    const Kernel* k = (const Kernel*)f;
+    if (!k || extra) return CUDA_ERROR_INVALID_VALUE;
+    unsigned long long threads = (unsigned long long)bx * by * bz;
+    if (threads == 0 || threads > 1024 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 || shared != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    Stream* into;
+    if (CUresult r = capture_target(s, &into)) return r;
+    if (into) {
+        into->capture->nodes.push_back(Node{k, dim3{gx, gy, gz}, dim3{bx, by, bz}, k->save(params), 0, 0, 0});
+        return CUDA_SUCCESS;
+    }
+    return run_kernel(k, gx, gy, gz, bx, by, bz, params);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -572,17 +663,19 @@ API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
     NEED_CTX
     return alloc(p, n);
 }
-API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream) {
+API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
     GUARD
     NEED_CTX
+    if (CUresult r = not_capturing(s)) return r;
     return alloc(p, n);
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) {
     GUARD
     return release(p);
 }
-API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream) {
+API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     GUARD
+    if (CUresult r = not_capturing(s)) return r;
     return release(p);
 }
 
@@ -593,7 +686,11 @@ API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     std::memcpy((void*)dst, src, n);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream) {
+API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
+    {
+        GUARD
+        if (CUresult r = not_capturing(s)) return r;
+    }
     return cuMemcpyHtoD_v2(dst, src, n);
 }
 API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
@@ -603,7 +700,11 @@ API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
     std::memcpy(dst, (const void*)src, n);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream) {
+API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
+    {
+        GUARD
+        if (CUresult r = not_capturing(s)) return r;
+    }
     return cuMemcpyDtoH_v2(dst, src, n);
 }
 API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
@@ -613,7 +714,11 @@ API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     std::memmove((void*)dst, (const void*)src, n);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream) {
+API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    {
+        GUARD
+        if (CUresult r = not_capturing(s)) return r;
+    }
     return cuMemcpyDtoD_v2(dst, src, n);
 }
 API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
@@ -623,7 +728,18 @@ API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     std::memset((void*)dst, v, n);
     return CUDA_SUCCESS;
 }
-API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream) {
+API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
+    {
+        GUARD_IN_CAPTURE
+        NEED_CTX
+        Stream* into;
+        if (CUresult r = capture_target(s, &into)) return r;
+        if (into) {
+            if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+            into->capture->nodes.push_back(Node{nullptr, dim3{}, dim3{}, SavedParams{}, dst, v, n});
+            return CUDA_SUCCESS;
+        }
+    }
     return cuMemsetD8_v2(dst, v, n);
 }
 
@@ -677,21 +793,24 @@ API CUresult cuStreamCreate(CUstream* s, unsigned flags) {
     GUARD
     NEED_CTX
     if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
-    *s = new Stream{flags};
+    *s = new Stream{flags, nullptr, false};
     return CUDA_SUCCESS;
 }
 API CUresult cuStreamDestroy_v2(CUstream s) {
     GUARD
-    if (!s) return CUDA_ERROR_INVALID_HANDLE;
+    if (!real_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (((Stream*)s)->capture) return CUDA_ERROR_ILLEGAL_STATE;
     delete (Stream*)s;
     return CUDA_SUCCESS;
 }
 API CUresult cuStreamSynchronize(CUstream s) {
     GUARD
+    if (CUresult r = not_capturing(s)) return r;
     return stream_ok(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
     GUARD
+    if (CUresult r = not_capturing(s)) return r;
     if (!e || flags > 1 || !stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
     return CUDA_SUCCESS;
 }
@@ -710,6 +829,7 @@ API CUresult cuEventDestroy_v2(CUevent e) {
 }
 API CUresult cuEventRecord(CUevent e, CUstream s) {
     GUARD
+    if (CUresult r = not_capturing(s)) return r;
     if (!e || !stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
     Event* ev = (Event*)e;
     ev->recorded = true;
@@ -733,6 +853,94 @@ API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
     return CUDA_SUCCESS;
 }
 API CUresult cuEventElapsedTime_v2(float* ms, CUevent start, CUevent end) { return cuEventElapsedTime(ms, start, end); }
+
+// ---------------------------------------------------------------------------------------------
+// Stream capture and graphs. A graph's nodes run in the order they were captured (one stream).
+
+API CUresult cuStreamBeginCapture_v2(CUstream s, int mode) {
+    GUARD
+    NEED_CTX
+    if (!real_stream(s)) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;  // legacy streams cannot be captured
+    Stream* st = (Stream*)s;
+    if (st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    // Modes: 0 global, 1 thread-local, 2 relaxed; this emulation checks as thread-local for all.
+    if (mode < 0 || mode > 2) return CUDA_ERROR_INVALID_VALUE;
+    st->capture = new Graph{};
+    st->invalid = false;
+    capturing_here = st;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamEndCapture(CUstream s, CUgraph* graph) {
+    GUARD_IN_CAPTURE
+    if (!real_stream(s) || !((Stream*)s)->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    Stream* st = (Stream*)s;
+    if (st != capturing_here) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;  // ended by another thread
+    capturing_here = nullptr;
+    Graph* g = st->capture;
+    st->capture = nullptr;
+    if (st->invalid) {
+        delete g;
+        *graph = nullptr;
+        return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    }
+    *graph = g;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuStreamIsCapturing(CUstream s, int* status) {
+    GUARD_IN_CAPTURE
+    Stream* st = real_stream(s) ? (Stream*)s : nullptr;
+    *status = !st || !st->capture ? 0 : st->invalid ? 2 : 1;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsigned long long flags) {
+    GUARD
+    NEED_CTX
+    if (!graph) return CUDA_ERROR_INVALID_VALUE;
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;  // none of the flags is emulated
+    *exec = new Graph(*(Graph*)graph);
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) {
+    GUARD
+    NEED_CTX
+    if (!exec) return CUDA_ERROR_INVALID_VALUE;
+    if (CUresult r = not_capturing(s)) return r;
+    for (Node& n : ((Graph*)exec)->nodes) {
+        if (n.kernel) {
+            CUresult r = run_kernel(n.kernel, n.grid.x, n.grid.y, n.grid.z, n.block.x, n.block.y, n.block.z,
+                                    n.params.ptrs.data());
+            if (r) return r;
+        } else {
+            if (!device_range(n.dst, n.bytes)) return CUDA_ERROR_LAUNCH_FAILED;  // freed since capture
+            std::memset((void*)n.dst, n.value, n.bytes);
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphUpload(CUgraphExec exec, CUstream s) {
+    GUARD
+    if (!exec) return CUDA_ERROR_INVALID_VALUE;
+    return not_capturing(s);
+}
+
+API CUresult cuGraphExecDestroy(CUgraphExec exec) {
+    GUARD
+    if (!exec) return CUDA_ERROR_INVALID_VALUE;
+    delete (Graph*)exec;
+    return CUDA_SUCCESS;
+}
+
+API CUresult cuGraphDestroy(CUgraph graph) {
+    GUARD
+    if (!graph) return CUDA_ERROR_INVALID_VALUE;
+    delete (Graph*)graph;
+    return CUDA_SUCCESS;
+}
 
 // NVRTC opens libcuda.so.1 when it is loaded and asks for the driver's private tables; there are
 // none here (NVRTC then compiles without them).

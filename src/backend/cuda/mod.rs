@@ -8,9 +8,15 @@
 //!
 //! Errors inside an operation (the `Device` methods return no `Result`) are recorded; every
 //! later launch is skipped, and the pass returns the first one through [`Device::take_error`].
+//!
+//! With [`GRAPHS_ENV`] on, launches are recorded up to the point where the host needs results,
+//! and a recording seen before is replayed as one CUDA graph (see `graph`).
 
+mod graph;
 pub mod nvrtc;
 mod upload;
+
+pub use graph::{graphs_asked, GraphCounters, GRAPHS_ENV};
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -142,6 +148,12 @@ pub fn accumulate_parts(n_rows: usize) -> usize {
     n_rows.div_ceil(64).clamp(1, 64)
 }
 
+/// The length of a token's score row in attention for `positions` cached positions: the next
+/// power of two, at least 256 (the kernel takes it as a stride only).
+pub fn attention_row(positions: usize) -> usize {
+    positions.next_power_of_two().max(256)
+}
+
 /// Threads of a RoPE block: one per rotated pair, whole warps (the optional norm reduces over
 /// the block).
 pub fn rope_threads(head_dim: usize) -> u32 {
@@ -153,6 +165,27 @@ pub fn rope_threads(head_dim: usize) -> u32 {
 #[derive(Default)]
 struct Pool {
     free: Mutex<FreeLists>,
+    /// While graphs are on, buffers the free lists cannot take wait here for the recorded
+    /// launches that may read them (see `graph`), instead of being freed at once.
+    held: Mutex<Option<Vec<CudaSlice<f32>>>>,
+}
+
+impl Pool {
+    fn hold(&self, on: bool) {
+        let mut h = self.held.lock().expect("pool");
+        match (on, h.is_some()) {
+            (true, false) => *h = Some(Vec::new()),
+            (false, true) => *h = None,
+            _ => {}
+        }
+    }
+
+    /// Frees the held buffers (in stream order, after the launches that read them).
+    fn release_held(&self) {
+        if let Some(h) = self.held.lock().expect("pool").as_mut() {
+            h.clear();
+        }
+    }
 }
 
 /// Free buffers by length, and their bytes in all.
@@ -179,6 +212,8 @@ impl Drop for DevBuf {
             if free.1 + bytes <= POOL_BYTES_MAX {
                 free.1 += bytes;
                 free.0.entry(s.len()).or_default().push(s);
+            } else if let Some(held) = self.pool.held.lock().expect("pool").as_mut() {
+                held.push(s);
             }
         }
     }
@@ -234,6 +269,8 @@ pub struct CudaDevice {
     matvec_rows: std::sync::atomic::AtomicUsize,
     /// Weight copies from the host (see [`Device::link`]).
     link: Arc<Mutex<super::LinkCounters>>,
+    /// Recorded launches and CUDA graphs (see [`GRAPHS_ENV`]).
+    graphs: Mutex<graph::Graphs>,
 }
 
 /// `GATESTREAM_CUDA_ACTIVATIONS`: `f32` (the default) multiplies quantized weights with the f32
@@ -321,6 +358,7 @@ impl CudaDevice {
     pub fn open(ordinal: usize) -> Result<CudaDevice> {
         let q8 = q8_activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
         let matvec_rows = matvec_rows_asked(std::env::var(MATVEC_ROWS_ENV).ok().as_deref())?;
+        let graphs = graphs_asked(std::env::var(GRAPHS_ENV).ok().as_deref())?;
         ensure_driver()?;
         let count = CudaContext::device_count().map_err(|e| {
             Error::Invalid(format!(
@@ -388,7 +426,7 @@ impl CudaDevice {
         );
         let uploads = upload::Uploads::new(ctx.clone(), stream.clone(), link.clone(), error.clone(), id)
             .map_err(driver_err("creating the copy stream"))?;
-        Ok(CudaDevice {
+        let dev = CudaDevice {
             label: format!(
                 "cuda {ordinal}: {name} (sm_{arch}, {mem:.0} GiB, driver CUDA {}.{}, NVRTC {}.{}{})",
                 driver.0,
@@ -411,7 +449,10 @@ impl CudaDevice {
             q8_activations: std::sync::atomic::AtomicBool::new(q8),
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
             link,
-        })
+            graphs: Mutex::new(graph::Graphs::default()),
+        };
+        dev.set_graphs(graphs);
+        Ok(dev)
     }
 
     /// Switches between f32 activations and the CPU's 8-bit blocks (see [`ACTIVATIONS_ENV`]),
@@ -547,19 +588,44 @@ impl CudaDevice {
         let mut a = self.act(rows, width);
         if let ActData::Cuda(b) = &mut a.data {
             if let Some(s) = b.slice.as_mut() {
-                let r = self.stream.memset_zeros(s);
-                self.check("zeroing device memory", r);
+                let mut g = self.graphs.lock().expect("graphs");
+                if g.recording() {
+                    g.record(graph::Op::Zero {
+                        ptr: b.ptr,
+                        bytes: s.len() * 4,
+                    });
+                } else {
+                    drop(g);
+                    let r = self.stream.memset_zeros(s);
+                    self.check("zeroing device memory", r);
+                }
             }
         }
         a
     }
 
-    /// Launches kernel `name` (of weight type `ty` for the per-type families) on the stream,
-    /// unless an earlier error stopped the device's work.
+    /// Launches kernel `name` (of weight type `ty` for the per-type families) on the stream —
+    /// or records it, when graphs are on (see `graph`) — unless an earlier error stopped the
+    /// device's work.
     fn launch(&self, name: &'static str, ty: Option<GgmlType>, cfg: LaunchConfig, args: &[Arg]) {
         if self.failed() {
             return;
         }
+        if !self.kernels.contains_key(&(name, ty)) {
+            self.fail(format!("CUDA: no kernel {name} for {ty:?}"));
+            return;
+        }
+        let mut g = self.graphs.lock().expect("graphs");
+        if g.recording() {
+            g.record(graph::Op::launch(name, ty, &cfg, args));
+            return;
+        }
+        drop(g);
+        self.launch_now(name, ty, cfg, args);
+    }
+
+    /// Launches kernel `name` on the stream now.
+    fn launch_now(&self, name: &'static str, ty: Option<GgmlType>, cfg: LaunchConfig, args: &[Arg]) {
         let Some(f) = self.kernels.get(&(name, ty)) else {
             self.fail(format!("CUDA: no kernel {name} for {ty:?}"));
             return;
@@ -605,6 +671,11 @@ impl CudaDevice {
             }
             buf
         };
+        if w.is_volatile() {
+            // Its copy, staging or page-locked range lives only for this use: what is recorded
+            // is launched, and the rest of the segment too as it comes.
+            self.leave_recording();
+        }
         if let Some(staged) = keep.downcast_ref::<upload::CudaStaged>() {
             match staged.device_address(self.id, bytes) {
                 Some(Ok(ptr)) => {
@@ -693,23 +764,39 @@ impl CudaDevice {
         match self.check("copying a vector to the GPU", self.stream.clone_htod(data)) {
             Some(s) => {
                 let ptr = self.raw(&s);
-                cache.insert(key, (v.to_vec(), s, ptr));
+                if let Some(old) = cache.insert(key, (v.to_vec(), s, ptr)) {
+                    // A recorded launch may still read the old copy.
+                    self.keep_until_launched(Box::new(old.1));
+                }
                 ptr
             }
             None => 0,
         }
     }
 
+    /// Holds device memory until the recorded launches (which may read it) are issued; freed
+    /// now (in stream order) when nothing is recorded.
+    fn keep_until_launched(&self, x: Box<dyn Any + Send + Sync>) {
+        let mut g = self.graphs.lock().expect("graphs");
+        if g.enabled {
+            g.keep(x);
+        }
+    }
+
     /// An index list on the device; the last few hundred distinct lists stay (a pass's
     /// positions and row lists repeat every layer).
     fn indices(&self, v: &[u32]) -> u64 {
+        if let Some(p) = self.arena_indices(v) {
+            return p;
+        }
         let mut cache = self.indices.lock().expect("indices");
         if let Some((_, ptr)) = cache.get(v) {
             return *ptr;
         }
         if cache.len() >= 256 {
-            // Freed in stream order: launches already queued that read them run first.
-            cache.clear();
+            // Freed in stream order: launches already queued that read them run first (and
+            // recorded ones are issued before they go).
+            self.keep_until_launched(Box::new(std::mem::take(&mut *cache)));
         }
         let data = if v.is_empty() { &[0u32][..] } else { v };
         match self.check("copying indices to the GPU", self.stream.clone_htod(data)) {
@@ -767,6 +854,7 @@ impl CudaDevice {
 }
 
 /// A kernel parameter.
+#[derive(Clone, Copy, Debug)]
 enum Arg {
     U64(u64),
     I32(i32),
@@ -850,15 +938,19 @@ impl Device for CudaDevice {
     }
 
     fn link(&self) -> Option<super::LinkCounters> {
+        self.end_segment();
         self.uploads.reap_free();
         Some(*self.link.lock().expect("link counters"))
     }
 
     fn pin_host(&self, bytes: &[u8], refilled: bool) -> Option<super::PinnedHost> {
+        self.leave_recording();
         upload::pin_host(&self.ctx, &self.pinned, bytes, refilled)
     }
 
     fn begin_upload(&self, bytes: usize) -> Box<dyn super::Upload> {
+        // Its slot's reuse is ordered by events on the compute stream after earlier readers.
+        self.leave_recording();
         match upload::begin(&self.uploads, bytes) {
             Some(u) => Box::new(u),
             // The error is set; stage in ordinary memory so the step can end and return it.
@@ -867,15 +959,19 @@ impl Device for CudaDevice {
     }
 
     fn measure_link(&self, sizes: &[usize]) -> Option<Result<Vec<super::LinkBandwidth>>> {
+        self.end_segment();
         Some(self.link_bandwidth(sizes))
     }
 
     fn take_error(&self) -> Option<Error> {
+        self.end_segment();
         self.error.lock().expect("error").take().map(Error::Invalid)
     }
 
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
         assert_eq!(values.len(), rows * width, "activation shape");
+        // A pooled buffer, which a recorded launch may still read.
+        self.end_segment();
         let mut a = self.act(rows, width);
         if let (ActData::Cuda(b), false) = (&mut a.data, values.is_empty()) {
             if let Some(s) = b.slice.as_mut() {
@@ -891,6 +987,7 @@ impl Device for CudaDevice {
     }
 
     fn copy(&self, x: &Act) -> Act {
+        self.end_segment();
         let mut y = self.act(x.rows, x.width);
         if let (ActData::Cuda(src), ActData::Cuda(dst)) = (&x.data, &mut y.data) {
             if let (Some(s), Some(d)) = (src.slice.as_ref(), dst.slice.as_mut()) {
@@ -902,6 +999,7 @@ impl Device for CudaDevice {
     }
 
     fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]> {
+        self.end_segment();
         let len = a.rows * a.width;
         let mut out = vec![0f32; len];
         if let ActData::Cuda(b) = &a.data {
@@ -1236,11 +1334,15 @@ impl Device for CudaDevice {
             return out;
         }
         let info = self.token_kv(positions, seq_of_token, caches);
-        let max_len = positions
-            .iter()
-            .map(|&p| shape.window.map_or(p + 1, |w| (p + 1).min(w)))
-            .max()
-            .unwrap_or(1);
+        // Score rows (their length is only a stride to the kernel) sized by powers of two, so a
+        // decode step's buffers and parameters repeat for a CUDA graph.
+        let max_len = attention_row(
+            positions
+                .iter()
+                .map(|&p| shape.window.map_or(p + 1, |w| (p + 1).min(w)))
+                .max()
+                .unwrap_or(1),
+        );
         let scores = self.act(q.rows * shape.n_heads, max_len);
         let cfg = LaunchConfig {
             grid_dim: (shape.n_heads as u32, q.rows as u32, 1),
@@ -1273,6 +1375,7 @@ impl CudaDevice {
     /// Device-to-device copy bandwidth over `bytes`-sized buffers, counting bytes read and
     /// written (the ceiling a memory-bound kernel reaches), in bytes per second.
     pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        self.end_segment();
         let n = bytes / 4;
         let a = self.stream.alloc_zeros::<f32>(n).map_err(driver_err("allocating"))?;
         let mut b = self.stream.alloc_zeros::<f32>(n).map_err(driver_err("allocating"))?;
