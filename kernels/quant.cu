@@ -422,6 +422,144 @@ QUANT_KERNELS(q4_k, TY_Q4_K)
 QUANT_KERNELS(q5_k, TY_Q5_K)
 QUANT_KERNELS(q6_k, TY_Q6_K)
 
+// ---------------------------------------------------------------------------------------------
+// Integer dot products (llama.cpp's approach): one-token products of K-quant rows with the
+// activations as the CPU's Q8_K blocks (`act_q8_k_blocks` in ops.cu: per 256 values a float
+// scale, 16 sums of 16 quants, 256 signed 8-bit quants), four weight and activation quants per
+// `dp4a`. Each super-block's integer sums are exact and its value is the CPU's expression
+// (src/quant/scalar.rs) to the last bit; only the order in which super-blocks are added differs.
+
+// Bytes of one activation block: d (f32), bsums (16 x i16), quants (256 x i8).
+#define Q8K_BLOCK_BYTES 292
+#define Q8K_BSUMS 4
+#define Q8K_QS 36
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+#ifdef GATESTREAM_HOST_EMULATION
+    return gsemu::dp4a(a, b, c);
+#else
+    return __dp4a(a, b, c);
+#endif
+}
+
+__device__ __forceinline__ int sum8_lanes(int v) {
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// A Q4_K super-block's part for lane k (0..7) of its group of 8: 16 bytes of quants (values
+// 16h..16h+15 of sub-blocks 2g and 2g+1, g = k / 2, h = k % 2, low and high nibbles). Returns
+// the lane's share of sum_s(sc[s] * sum(q * y)) in *qy and of sum_s(m[s] * sum(y)) in *my.
+__device__ __forceinline__ void q4_k_i8_part(const u8* b, const u8* a, int k, int* qy, int* my) {
+    int g = k >> 1, h = k & 1;
+    const u8* qs = b + 16 + 16 * k;
+    u32 w[4];
+    if ((((u64)b) & 15) == 0) {
+        uint4 v = *(const uint4*)qs;
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) w[i] = ld32(qs + 4 * i);
+    }
+    const int* lo = (const int*)(a + Q8K_QS + 32 * (2 * g) + 16 * h);
+    const int* hi = (const int*)(a + Q8K_QS + 32 * (2 * g + 1) + 16 * h);
+    int slo = 0, shi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        slo = dp4a((int)(w[i] & 0x0f0f0f0fu), lo[i], slo);
+        shi = dp4a((int)((w[i] >> 4) & 0x0f0f0f0fu), hi[i], shi);
+    }
+    float sc0, m0, sc1, m1;
+    k_scale_min(2 * g, b + 4, &sc0, &m0);
+    k_scale_min(2 * g + 1, b + 4, &sc1, &m1);
+    const short* bs = (const short*)(a + Q8K_BSUMS);
+    *qy = (int)sc0 * slo + (int)sc1 * shi;
+    *my = (int)m0 * (int)bs[4 * g + h] + (int)m1 * (int)bs[4 * g + 2 + h];
+}
+
+// A Q6_K super-block's part for lane k (0..7): half k / 4, positions l0..l0+7 (l0 = 8 * (k % 4))
+// of its four quarters. The quants are taken as stored (0..63) and 32 * sum(y) is subtracted per
+// group of 16, as the CPU does; the lane starting a group subtracts for the whole group.
+__device__ __forceinline__ int q6_k_i8_part(const u8* b, const u8* a, int k) {
+    int half = k >> 2, l0 = 8 * (k & 3);
+    const u8* ql = b + 64 * half + l0;
+    const u8* qh = b + 128 + 32 * half + l0;
+    const i8* scales = (const i8*)(b + 192) + 8 * half;
+    const short* bs = (const short*)(a + Q8K_BSUMS);
+    u32 L0[2], L1[2], H[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        L0[j] = ld32(ql + 4 * j);
+        L1[j] = ld32(ql + 32 + 4 * j);
+        H[j] = ld32(qh + 4 * j);
+    }
+    int total = 0;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        int qy = 0;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            u32 low = ((q & 1) ? L1[j] : L0[j]) >> (4 * (q >> 1));
+            u32 v = (low & 0x0f0f0f0fu) | (((H[j] >> (2 * q)) & 0x03030303u) << 4);
+            const int* y = (const int*)(a + Q8K_QS + 128 * half + 32 * q + l0 + 4 * j);
+            qy = dp4a((int)v, *y, qy);
+        }
+        int grp = 8 * half + 2 * q + (l0 >> 4);
+        if ((l0 & 15) == 0) qy -= 32 * (int)bs[grp];
+        total += (int)scales[2 * q + (l0 >> 4)] * qy;
+    }
+    return total;
+}
+
+// y[i] = dot(W[row i], x) for one token, x as Q8_K blocks (Xq). One warp per row; each group of
+// 8 lanes takes a super-block (4 per warp at a time), reduces its integer sums, and its first
+// lane adds the super-block's value.
+template <int TY>
+__device__ void matvec_i8_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                               const u8* Xq, float* y) {
+    int r = blockIdx.x * blockDim.y + threadIdx.y;
+    if (r >= rows_out) return;
+    int lane = threadIdx.x, grp = lane >> 3, k = lane & 7;
+    const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
+    int nsb = cols / 256;
+    float acc = 0.f;
+    for (int base = 0; base < nsb; base += 4) {
+        int sb = base + grp;
+        bool valid = sb < nsb;  // every lane reduces (the shuffles need the whole warp)
+        const u8* a = Xq + (u64)(valid ? sb : 0) * Q8K_BLOCK_BYTES;
+        float d8 = *(const float*)a;
+        if (TY == TY_Q4_K) {
+            const u8* b = row + 144 * (u64)(valid ? sb : 0);
+            int qy = 0, my = 0;
+            if (valid) q4_k_i8_part(b, a, k, &qy, &my);
+            qy = sum8_lanes(qy);
+            my = sum8_lanes(my);
+            if (valid && k == 0) {
+                float d = ldf16(b) * d8, dmin = ldf16(b + 2) * d8;
+                acc += d * (float)qy - dmin * (float)my;
+            }
+        } else {
+            const u8* b = row + 210 * (u64)(valid ? sb : 0);
+            int t = valid ? q6_k_i8_part(b, a, k) : 0;
+            t = sum8_lanes(t);
+            if (valid && k == 0) acc += ldf16(b + 208) * d8 * (float)t;
+        }
+    }
+    float s = warp_sum(acc);
+    if (lane == 0) y[r] = s;
+}
+
+extern "C" __global__ void matvec_i8_q4_k(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                                          const u8* Xq, int n, float* Y) {
+    matvec_i8_body<TY_Q4_K>(W, row_stride, rows_out, row_ids, cols, Xq, Y);
+}
+
+extern "C" __global__ void matvec_i8_q6_k(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                                          const u8* Xq, int n, float* Y) {
+    matvec_i8_body<TY_Q6_K>(W, row_stride, rows_out, row_ids, cols, Xq, Y);
+}
+
 // out[t][c] += sum_p partial[p][t][c], p in order. One thread per (t, c).
 extern "C" __global__ void accumulate_reduce(const float* partial, int parts, u64 len, float* out) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

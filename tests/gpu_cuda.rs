@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gatestream::backend::cpu::CpuBackend;
-use gatestream::backend::cuda::CudaDevice;
+use gatestream::backend::cuda::{Activations, CudaDevice, INT8_TYPES};
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, LinkCounters};
 use gatestream::gguf::MetaValue;
@@ -54,7 +54,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 17] = [
+    let checks: [(&str, Check); 19] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
@@ -87,6 +87,9 @@ fn main() {
         ("small_qwen2_cuda_q8_activations_vs_cpu", |d, r| {
             shaped_compare(d, r, &SMALL_QWEN, Against::Q8Activations, "small_qwen2_q8_activations")
         }),
+        ("small_qwen2_cuda_int8_vs_cpu", |d, r| {
+            shaped_compare(d, r, &SMALL_QWEN, Against::Int8, "small_qwen2_int8")
+        }),
         ("small_qwen2_cuda_vs_cpu_f32_weights", |d, r| {
             shaped_compare(d, r, &SMALL_QWEN, Against::F32Weights, "small_qwen2_cpu_f32_reference")
         }),
@@ -95,6 +98,9 @@ fn main() {
         }),
         ("qwen_shaped_cuda_vs_cpu", qwen_shaped),
         ("qwen_shaped_cuda_q8_activations_vs_cpu", qwen_shaped_q8),
+        ("qwen_shaped_cuda_int8_vs_cpu", |d, r| {
+            shaped_compare(d, r, &QWEN, Against::Int8, "qwen_shaped_int8")
+        }),
         ("qwen_shaped_cuda_vs_cpu_f32_weights", qwen_shaped_f32),
         ("qwen_shaped_decode_speed", qwen_speed),
         ("qwen_shaped_graphs", |d, r| {
@@ -245,10 +251,14 @@ fn kernels_per_type(
                 }
             }
             // With the CPU's 8-bit activations: the products of the activations it sees.
-            dev.set_q8_activations(true);
+            dev.set_activations(Activations::Q8);
             let q8 = dev.download(dev.matmul(&[&w], &xa).remove(0));
             let q8_part = dev.download(dev.matmul_rows(&w, &subset, &xa));
-            dev.set_q8_activations(false);
+            // The same multiplied as integers (one token of Q4_K and Q6_K rows; the rest as q8).
+            dev.set_activations(Activations::Int8);
+            let i8_full = dev.download(dev.matmul(&[&w], &xa).remove(0));
+            let i8_part = dev.download(dev.matmul_rows(&w, &subset, &xa));
+            dev.set_activations(Activations::F32);
             let seen: Vec<f32> = x
                 .chunks_exact(cols)
                 .flat_map(|t| {
@@ -264,6 +274,8 @@ fn kernels_per_type(
                 .map(|(t, r)| want_q8[t * rows + r as usize])
                 .collect();
             errs.push(rel_err(&q8_part, &want_q8_part));
+            errs.push(rel_err(&i8_full, &want_q8));
+            errs.push(rel_err(&i8_part, &want_q8_part));
             // Neuron-major product: out[t] += sum_r acts[t][r] * w[r] over a row list.
             let acts: Vec<f32> = (0..n * rows)
                 .map(|i| if i % 5 == 0 { 0.0 } else { rng.normalish() })
@@ -322,7 +334,12 @@ fn kernels_per_type(
         let max = errs.iter().cloned().fold(0f64, f64::max);
         worst = worst.max(max);
         lines.push(format!(
-            "  {ty:?}: max relative error {max:.2e} (product n=1/13, rows, 1/2/4 rows per warp, the same with 8-bit activations, neuron-major, embed)"
+            "  {ty:?}: max relative error {max:.2e} (product n=1/13, rows, 1/2/4 rows per warp, the same with 8-bit activations{}, neuron-major, embed)",
+            if INT8_TYPES.contains(&ty) {
+                " and as integers"
+            } else {
+                ""
+            }
         ));
         if max > 1e-4 {
             return Err(format!("{}\n{ty:?}: error {max:.2e} > 1e-4", lines.join("\n")));
@@ -876,6 +893,8 @@ fn qwen_shaped_f32(
 enum Against {
     Same,
     Q8Activations,
+    /// The GPU with the CPU's 8-bit activations in integer products (`Activations::Int8`).
+    Int8,
     F32Weights,
 }
 
@@ -895,9 +914,13 @@ fn shaped_compare(
         Against::F32Weights => write_qwen(shape, true),
         _ => path.clone(),
     };
-    dev.set_q8_activations(against == Against::Q8Activations);
+    dev.set_activations(match against {
+        Against::Q8Activations => Activations::Q8,
+        Against::Int8 => Activations::Int8,
+        _ => Activations::F32,
+    });
     let r = qwen_compare(dev, report, &path, &cpu_path, key);
-    dev.set_q8_activations(false);
+    dev.set_activations(Activations::F32);
     if against == Against::F32Weights {
         let _ = std::fs::remove_file(&cpu_path);
     }
@@ -1012,17 +1035,26 @@ fn qwen_speed(
         dev.set_matvec_rows(1).map_err(|e| e.to_string())?;
         by_rows.push((rpw, r?));
     }
-    dev.set_q8_activations(true);
-    let gpu_q8_rate = decode_rate(&gpu, None, 128);
-    dev.set_q8_activations(false);
-    let gpu_q8_rate = gpu_q8_rate?;
+    // Each activation mode, then integer products with CUDA graphs.
+    let rate_with = |a: Activations, graphs: bool| {
+        dev.set_activations(a);
+        dev.set_graphs(graphs);
+        let r = decode_rate(&gpu, None, 128);
+        dev.set_activations(Activations::F32);
+        dev.set_graphs(false);
+        r
+    };
+    let gpu_q8_rate = rate_with(Activations::Q8, false)?;
+    let gpu_int8_rate = rate_with(Activations::Int8, false)?;
+    let gpu_int8_graphs_rate = rate_with(Activations::Int8, true)?;
     let bw = dev.copy_bandwidth(1 << 30).map_err(|e| e.to_string())?;
     let bound = bw / per_token as f64;
     drop(gpu);
     let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
     let cpu_rate = decode_rate(&cpu, None, 8)?;
     let msg = format!(
-        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations; {:.1} with 2 rows per warp, {:.1} with 4), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
+        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations, {gpu_int8_rate:.1} with integer products, \
+         {gpu_int8_graphs_rate:.1} with integer products and graphs; {:.1} with 2 rows per warp, {:.1} with 4), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
         by_rows[0].1,
@@ -1035,7 +1067,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_matvec_rows_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_matvec_rows_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_int8_graphs_tok_s": gpu_int8_graphs_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }

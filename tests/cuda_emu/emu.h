@@ -46,6 +46,12 @@ extern dim3 grid_dim, block_dim, block_idx;
 void sync_threads();
 unsigned shfl_xor(unsigned bits, int lane_mask);
 
+// __dp4a with signed operands: c plus the four products of a's and b's signed bytes.
+inline int dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+}
+
 // IEEE half to float (what `cvt.f32.f16` does), subnormals included.
 inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;

@@ -69,10 +69,11 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
 /// The kernels that are not per type.
-const OPS: [&str; 15] = [
+const OPS: [&str; 16] = [
     "accumulate_reduce",
     "act_q8_32",
     "act_q8_k",
+    "act_q8_k_blocks",
     "rms_norm",
     "add",
     "mul",
@@ -96,7 +97,13 @@ fn kernel_keys() -> Vec<(KernelKey, String)> {
     let typed = GgmlType::ALL
         .iter()
         .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
-    typed.chain(OPS.iter().map(|&k| ((k, None), k.to_string()))).collect()
+    let int8 = INT8_TYPES
+        .iter()
+        .map(|&ty| (("matvec_i8", Some(ty)), format!("matvec_i8_{}", type_suffix(ty))));
+    typed
+        .chain(int8)
+        .chain(OPS.iter().map(|&k| ((k, None), k.to_string())))
+        .collect()
 }
 
 /// Every kernel's name in the module.
@@ -262,9 +269,8 @@ pub struct CudaDevice {
     pinned: upload::PinnedRanges,
     /// Which KV buffers are this device's (several devices may live in one process).
     id: usize,
-    /// Multiply the activations the CPU's quantized products see (8-bit blocks, see
-    /// [`ACTIVATIONS_ENV`]) rather than the f32 activations themselves.
-    q8_activations: std::sync::atomic::AtomicBool,
+    /// What quantized products multiply (see [`ACTIVATIONS_ENV`]): an [`Activations`] as u8.
+    activations: std::sync::atomic::AtomicU8,
     /// Rows per warp of one-token products (see [`MATVEC_ROWS_ENV`]).
     matvec_rows: std::sync::atomic::AtomicUsize,
     /// Weight copies from the host (see [`Device::link`]).
@@ -276,16 +282,37 @@ pub struct CudaDevice {
 /// `GATESTREAM_CUDA_ACTIVATIONS`: `f32` (the default) multiplies quantized weights with the f32
 /// activations; `q8` first replaces the activations by the 8-bit blocks the CPU's products use
 /// (blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256 for K-quants), so the GPU
-/// computes what the CPU path (and llama.cpp) computes, to rounding. Not yet measured on a GPU.
+/// computes what the CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them
+/// as integers (`dp4a`, llama.cpp's approach) in one-token products of Q4_K and Q6_K rows, the
+/// rest as `q8`. Not yet measured on a GPU.
 pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
 
-/// Whether [`ACTIVATIONS_ENV`] asks for 8-bit activations (`value`: the variable's value).
-pub fn q8_activations_asked(value: Option<&str>) -> Result<bool> {
+/// What the GPU's quantized products multiply the weights with (see [`ACTIVATIONS_ENV`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// The f32 activations, weights decoded to f32 (dequantize-and-FMA).
+    F32,
+    /// The CPU's 8-bit activation blocks, decoded to f32.
+    Q8,
+    /// The CPU's 8-bit blocks multiplied as integers where a kernel does (one-token products of
+    /// Q4_K and Q6_K rows), as [`Activations::Q8`] elsewhere.
+    Int8,
+}
+
+/// The weight types with integer one-token products (`matvec_i8_*`).
+pub const INT8_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
+/// Bytes of one Q8_K activation block for the integer products (`Q8K_BLOCK_BYTES`).
+const Q8K_BLOCK_BYTES: usize = 292;
+
+/// What [`ACTIVATIONS_ENV`] asks for (`value`: the variable's value).
+pub fn activations_asked(value: Option<&str>) -> Result<Activations> {
     match value.map(str::trim) {
-        None | Some("") | Some("f32") => Ok(false),
-        Some("q8") => Ok(true),
+        None | Some("") | Some("f32") => Ok(Activations::F32),
+        Some("q8") => Ok(Activations::Q8),
+        Some("int8") => Ok(Activations::Int8),
         Some(other) => Err(Error::Invalid(format!(
-            "{ACTIVATIONS_ENV}={other}: expected f32 (the default: f32 activations) or q8 (the CPU's 8-bit activation blocks)"
+            "{ACTIVATIONS_ENV}={other}: expected f32 (the default: f32 activations), q8 (the CPU's 8-bit activation \
+             blocks) or int8 (those blocks in integer products)"
         ))),
     }
 }
@@ -356,7 +383,7 @@ impl CudaDevice {
     /// GPU `ordinal`: the driver, a device, NVRTC no newer than the driver, the kernels compiled
     /// for the device (or read from the cache) and loaded.
     pub fn open(ordinal: usize) -> Result<CudaDevice> {
-        let q8 = q8_activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
+        let activations = activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
         let matvec_rows = matvec_rows_asked(std::env::var(MATVEC_ROWS_ENV).ok().as_deref())?;
         let graphs = graphs_asked(std::env::var(GRAPHS_ENV).ok().as_deref())?;
         ensure_driver()?;
@@ -446,7 +473,7 @@ impl CudaDevice {
             uploads: Arc::new(uploads),
             pinned: Arc::new(Mutex::new(Vec::new())),
             id,
-            q8_activations: std::sync::atomic::AtomicBool::new(q8),
+            activations: std::sync::atomic::AtomicU8::new(activations as u8),
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
             link,
             graphs: Mutex::new(graph::Graphs::default()),
@@ -455,14 +482,48 @@ impl CudaDevice {
         Ok(dev)
     }
 
-    /// Switches between f32 activations and the CPU's 8-bit blocks (see [`ACTIVATIONS_ENV`]),
-    /// for products launched from now on.
-    pub fn set_q8_activations(&self, on: bool) {
-        self.q8_activations.store(on, std::sync::atomic::Ordering::Relaxed);
+    /// Sets what products launched from now on multiply (see [`ACTIVATIONS_ENV`]).
+    pub fn set_activations(&self, a: Activations) {
+        self.activations.store(a as u8, std::sync::atomic::Ordering::Relaxed);
     }
 
-    pub fn q8_activations(&self) -> bool {
-        self.q8_activations.load(std::sync::atomic::Ordering::Relaxed)
+    pub fn activations(&self) -> Activations {
+        match self.activations.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => Activations::F32,
+            1 => Activations::Q8,
+            _ => Activations::Int8,
+        }
+    }
+
+    /// Whether a product of `w` with `x` runs as integers (`matvec_i8_*`).
+    fn int8_product(&self, w: &Weight, x: &Act) -> bool {
+        self.activations() == Activations::Int8
+            && x.rows == 1
+            && x.width == w.cols
+            && INT8_TYPES.contains(&w.ty)
+            && w.cols.is_multiple_of(256)
+    }
+
+    /// `x` (one token) as the integer products' Q8_K blocks: a buffer of `Q8K_BLOCK_BYTES` per
+    /// 256 values (held as floats: `Q8K_BLOCK_BYTES / 4` per block).
+    fn int8_input(&self, x: &Act) -> Act {
+        let blocks = x.width / 256;
+        let out = self.act(1, blocks * Q8K_BLOCK_BYTES / 4);
+        if blocks > 0 {
+            let warps = ELEMENTWISE_THREADS / 32;
+            let cfg = LaunchConfig {
+                grid_dim: ((blocks as u32).div_ceil(warps), 1, 1),
+                block_dim: (ELEMENTWISE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch(
+                "act_q8_k_blocks",
+                None,
+                cfg,
+                &[ptr(self.buf(x)), ptr(self.buf(&out)), ptr(blocks as u64)],
+            );
+        }
+        out
     }
 
     /// Sets the rows per warp of one-token products launched from now on (see
@@ -480,7 +541,7 @@ impl CudaDevice {
     /// With 8-bit activations on: `x` as the CPU's products with `ty` weights see it (`None`
     /// when off, or for float weights, which take `x` itself).
     fn activations_for(&self, ty: GgmlType, x: &Act) -> Option<Act> {
-        if !self.q8_activations() {
+        if self.activations() == Activations::F32 {
             return None;
         }
         let (kernel, block) = match ActivationFormat::for_weights(ty) {
@@ -1174,8 +1235,13 @@ impl Device for CudaDevice {
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
         // The input as each weight type's products see it, made once per activation format.
         let mut seen: Vec<(ActivationFormat, Option<Act>)> = Vec::new();
+        let mut int8: Option<Act> = None;
         ws.iter()
             .map(|w| {
+                if self.int8_product(w, x) {
+                    let xq = int8.get_or_insert_with(|| self.int8_input(x));
+                    return self.product_i8(w, None, xq);
+                }
                 let format = ActivationFormat::for_weights(w.ty);
                 let i = match seen.iter().position(|(f, _)| *f == format) {
                     Some(i) => i,
@@ -1190,6 +1256,10 @@ impl Device for CudaDevice {
     }
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
+        if self.int8_product(w, x) {
+            let xq = self.int8_input(x);
+            return self.product_i8(w, Some(rows), &xq);
+        }
         let seen = self.activations_for(w.ty, x);
         self.product(w, Some(rows), seen.as_ref().unwrap_or(x))
     }
@@ -1408,6 +1478,34 @@ impl CudaDevice {
         );
     }
 
+    /// `x · w[rows]` (all rows when `None`) for one token `x` given as Q8_K blocks
+    /// ([`CudaDevice::int8_input`]), with integer dot products.
+    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, xq: &Act) -> Act {
+        let rows_out = rows.map_or(w.rows, |r| r.len());
+        let out = self.act(1, rows_out);
+        if rows_out == 0 {
+            return out;
+        }
+        let Some(wd) = self.weight(w) else { return out };
+        let idx = rows.map_or(0, |r| self.indices(r));
+        self.launch(
+            "matvec_i8",
+            Some(w.ty),
+            matvec_cfg(rows_out, 1),
+            &[
+                ptr(wd.ptr),
+                ptr(w.row_stride_bytes as u64),
+                int(rows_out),
+                ptr(idx),
+                int(w.cols),
+                ptr(self.buf(xq)),
+                int(1),
+                ptr(self.buf(&out)),
+            ],
+        );
+        out
+    }
+
     /// `x · w[rows]` (all rows when `None`).
     fn product(&self, w: &Weight, rows: Option<&[u32]>, x: &Act) -> Act {
         let rows_out = rows.map_or(w.rows, |r| r.len());
@@ -1468,10 +1566,11 @@ mod tests {
 
     #[test]
     fn activation_mode_is_f32_unless_q8_is_asked() {
-        assert!(!q8_activations_asked(None).unwrap());
-        assert!(!q8_activations_asked(Some("")).unwrap());
-        assert!(!q8_activations_asked(Some("f32")).unwrap());
-        assert!(q8_activations_asked(Some(" q8 ")).unwrap());
+        assert_eq!(activations_asked(None).unwrap(), Activations::F32);
+        assert_eq!(activations_asked(Some("")).unwrap(), Activations::F32);
+        assert_eq!(activations_asked(Some("f32")).unwrap(), Activations::F32);
+        assert_eq!(activations_asked(Some(" q8 ")).unwrap(), Activations::Q8);
+        assert_eq!(activations_asked(Some("int8")).unwrap(), Activations::Int8);
         assert_eq!(matvec_rows_asked(None).unwrap(), 1);
         assert_eq!(matvec_rows_asked(Some(" 4")).unwrap(), 4);
         let e = matvec_rows_asked(Some("3")).unwrap_err().to_string();
@@ -1479,9 +1578,9 @@ mod tests {
             e.contains(MATVEC_ROWS_ENV) && e.contains("1 (the default), 2 or 4"),
             "{e}"
         );
-        let e = q8_activations_asked(Some("int8")).unwrap_err().to_string();
+        let e = activations_asked(Some("i8")).unwrap_err().to_string();
         assert!(
-            e.contains(ACTIVATIONS_ENV) && e.contains("int8") && e.contains("q8"),
+            e.contains(ACTIVATIONS_ENV) && e.contains("i8:") && e.contains("q8") && e.contains("int8"),
             "{e}"
         );
     }
