@@ -1131,7 +1131,11 @@ fn streamed_to_cuda(
     // counters).
     let device_rate = decode_rate(&in_device, None, steps)?;
     let stream = Streamer::open(&on_disk, &opts).map_err(|e| e.to_string())?;
-    let streamed_rate = decode_rate(&on_disk, Some(&stream), steps)?;
+    let (streamed_rate, link) = masked_decode(&on_disk, Some(&stream), None, steps)?;
+    // Every weight the device copies at each use (streamed attention and gates through the
+    // prefetch thread's buffers, FFN rows through the staging) is in page-locked memory.
+    let pinned_share = link.pinned_bytes as f64 / link.volatile_bytes.max(1) as f64;
+    let link_gbs = link.volatile_bytes as f64 / link.copy_ns.max(1) as f64;
     let c = stream.counters();
     let per_pass = (c.ffn_needed_bytes + c.dense_needed_bytes) as f64 / c.passes.max(1) as f64;
     if per_pass <= 0.0 {
@@ -1142,16 +1146,22 @@ fn streamed_to_cuda(
     let msg = format!(
         "  {label} .gst streamed onto the GPU (RAM budget {} of {:.3} MB, uring, dense): argmax differs at \
          {mismatches}/{steps} steps from in device memory; max |dlogit| = {:.6}% of the range; decode {streamed_rate:.2} \
-         tok/s streamed ({:.3} MB read per pass, page cache as it was) against {device_rate:.1} in device memory",
+         tok/s streamed ({:.3} MB read per pass, page cache as it was) against {device_rate:.1} in device memory; \
+         {:.3} MB/token copied to the GPU, {:.1}% of it from page-locked memory, at {link_gbs:.1} GB/s",
         budget.describe(ram),
         file_bytes as f64 / 1e6,
         worst * 100.0,
-        per_pass / 1e6
+        per_pass / 1e6,
+        link.volatile_bytes as f64 / steps as f64 / 1e6,
+        100.0 * pinned_share
     );
     report.insert(
         key.into(),
-        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "streamed_tok_s": streamed_rate, "in_device_tok_s": device_rate, "bytes_read_per_pass": per_pass}),
+        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "streamed_tok_s": streamed_rate, "in_device_tok_s": device_rate, "bytes_read_per_pass": per_pass, "link": link, "pinned_share": pinned_share}),
     );
+    if pinned_share < 0.999 {
+        return Err(format!("{msg}\n  copies from pageable memory"));
+    }
     judged(mismatches, worst, 0.0, msg)
 }
 

@@ -270,6 +270,10 @@ struct State {
     /// streamer drops, after the device unlocked them, so none is freed while locked.
     pinned: Vec<usize>,
     retired: Vec<Arc<Vec<u8>>>,
+    /// The prefetch thread's buffers the device page-locked, by address (made at their largest
+    /// at open, so never reallocated): one still viewed when it leaves `current` is retired
+    /// rather than freed while locked.
+    dense_pinned: Vec<usize>,
 }
 
 impl State {
@@ -290,6 +294,7 @@ impl State {
             decode: None,
             pinned: Vec::new(),
             retired: Vec::new(),
+            dense_pinned: Vec::new(),
         }
     }
 }
@@ -306,6 +311,12 @@ impl State {
 /// predicted perfectly, also across the last layer into the next token's first. Layers whose
 /// gate streams get no lookahead.
 pub struct Streamer {
+    /// The device's locks on host memory it copies from at each use (a device with memory of its
+    /// own; locked, at the link's pinned speed): the FFN staging buffers, the prefetch thread's
+    /// buffers, and the resident weights its plan does not keep ([`pin_unkept`]). The first
+    /// field, so they drop, unlocking, before any of that memory does (the prefetch thread's
+    /// buffers go with `prefetcher`).
+    _pinned: Vec<crate::backend::PinnedHost>,
     pub residency: Residency,
     pub cost: CostModel,
     pub engine: ReadEngine,
@@ -326,11 +337,6 @@ pub struct Streamer {
     layers: Vec<LayerParts>,
     /// The embedding matrix when it streams (one row per token); `None` when tied to `output`.
     embedding: Option<Part>,
-    /// The device's locks on host memory it copies from at each use (a device with memory of its
-    /// own; locked, at the link's pinned speed): the FFN staging buffers, and the resident
-    /// weights its plan does not keep ([`pin_unkept`]). Declared before the weights and `state`
-    /// so they drop, unlocking, before the memory does.
-    _pinned: Vec<crate::backend::PinnedHost>,
     /// The output matrix (always resident), and the layers' resident attention and gates.
     output: Weight,
     resident_attn: Vec<Option<AttnWeights>>,
@@ -429,8 +435,11 @@ impl Streamer {
     /// the next streamed layer's.
     fn advance(&self, st: &mut State, l: usize) -> Result<()> {
         if let Some((_, buf)) = st.current.take() {
-            if let Ok(v) = Arc::try_unwrap(buf) {
-                st.spare.push(v);
+            let at = buf.as_ptr() as usize;
+            match Arc::try_unwrap(buf) {
+                Ok(v) => st.spare.push(v),
+                Err(buf) if st.dense_pinned.contains(&at) => st.retired.push(buf),
+                Err(_) => {}
             }
         }
         if self.layers[l].streams_dense() {
@@ -450,8 +459,9 @@ impl Streamer {
             st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
             debug_assert_eq!(done.key, l);
             st.counters.dense_needed_bytes += done.buf.len() as u64;
-            done.result?;
+            // Kept even when the read failed (a locked buffer must not be freed here).
             st.current = Some((l, Arc::new(done.buf)));
+            done.result?;
         }
         if st.pending.is_empty() {
             if let Some(m) = self.next_streamed(l) {

@@ -311,8 +311,33 @@ impl Streamer {
             true => Vec::new(),
             false => vec![staging_up.as_ptr() as usize, staging_down.as_ptr() as usize],
         };
+        // The prefetch thread's buffers (a layer's streamed attention and gate, and its FFN rows
+        // when prefetched): on such a device two, the layer in use and the next, made at their
+        // largest (so never reallocated) and locked, as the staging is.
+        let dense_max = layers
+            .iter()
+            .map(|p| p.dense_ranges().iter().map(|r| r.len_bytes).sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        let mut dense_bufs: Vec<Vec<u8>> = Vec::new();
+        if dense_max > 0 && !model.device.host_memory() {
+            for _ in 0..2 {
+                let mut b = vec![0u8; dense_max];
+                prefault(&mut b);
+                dense_bufs.push(b);
+            }
+        }
+        let pinned_dense: Vec<crate::backend::PinnedHost> = dense_bufs
+            .iter()
+            .filter_map(|b| model.device.pin_host(b, true))
+            .collect();
+        let dense_addrs = match pinned_dense.is_empty() {
+            true => Vec::new(),
+            false => dense_bufs.iter().map(|b| b.as_ptr() as usize).collect(),
+        };
         // And the resident weights the device's plan does not keep, copied at each use.
         let mut pinned = pinned_staging;
+        pinned.extend(pinned_dense);
         pinned.extend(super::pin_unkept(
             model.device.as_ref(),
             &output,
@@ -354,6 +379,8 @@ impl Streamer {
             _pinned: pinned,
             state: Mutex::new(State {
                 pinned: pinned_addrs,
+                spare: dense_bufs,
+                dense_pinned: dense_addrs,
                 ..State::new(caches, staging_up, staging_down)
             }),
             decode_start: Mutex::new(None),
