@@ -142,14 +142,9 @@ extern "C" __global__ void act_q8_32(const float* x, float* y, u64 blocks) {
 
 // Q8_K blocks of 256 (K-quant weights): the scale carries the sign of the first element of
 // largest magnitude (iscale = -127 / max), quants rounded half to even (rintf) and capped at 127;
-// a block of zeros stays zero.
-extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
-    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b >= blocks) return;
-    int lane = threadIdx.x & 31;
-    const float* xb = x + b * 256;
-    float* yb = y + b * 256;
-    float v[8];
+// a block of zeros stays zero. Lane `lane` of the block's warp loads values lane + 32i into v[]
+// and gets iscale (0 for a block of zeros).
+__device__ float q8_k_iscale(const float* xb, int lane, float* v) {
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
@@ -166,49 +161,40 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    if (amax == 0.f || first >= 256) {
-#pragma unroll
-        for (int i = 0; i < 8; i++) yb[lane + 32 * i] = 0.f;
-        return;
-    }
-    float iscale = -127.f / xb[first];
-    float d = 1.f / iscale;
-#pragma unroll
-    for (int i = 0; i < 8; i++) yb[lane + 32 * i] = fminf(rintf(iscale * v[i]), 127.f) * d;
+    return amax == 0.f || first >= 256 ? 0.f : -127.f / xb[first];
 }
 
-// The same Q8_K blocks as integers, for the integer dot products (matvec_i8_* in quant.cu): per
-// block of 256, Q8K_BLOCK_BYTES bytes — the scale d (f32, 0 for a block of zeros), the sums of
-// each 16 quants (i16), the quants (i8). One warp per block.
+__device__ __forceinline__ int q8_k_quant(float iscale, float v) {
+    return iscale == 0.f ? 0 : (int)fminf(rintf(iscale * v), 127.f);
+}
+
+// The blocks as the float values they stand for. One warp per block.
+extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
+    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;
+    int lane = threadIdx.x & 31;
+    float v[8];
+    float iscale = q8_k_iscale(x + b * 256, lane, v);
+    float d = iscale == 0.f ? 0.f : 1.f / iscale;
+#pragma unroll
+    for (int i = 0; i < 8; i++) y[b * 256 + lane + 32 * i] = (float)q8_k_quant(iscale, v[i]) * d;
+}
+
+// The same blocks as integers, for the integer dot products (matvec_i8_* in quant.cu): per block
+// of 256, Q8K_BLOCK_BYTES bytes — the scale d (f32, 0 for a block of zeros), the sums of each 16
+// quants (i16), the quants (i8). One warp per block.
 extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) {
     u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= blocks) return;
     int lane = threadIdx.x & 31;
-    const float* xb = x + b * 256;
     u8* ob = out + b * Q8K_BLOCK_BYTES;
     float v[8];
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        v[i] = xb[lane + 32 * i];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int first = 256;
-#pragma unroll
-    for (int i = 7; i >= 0; i--) {
-        if (fabsf(v[i]) == amax) first = lane + 32 * i;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    bool zero = amax == 0.f || first >= 256;
-    float iscale = zero ? 0.f : -127.f / xb[first];
+    float iscale = q8_k_iscale(x + b * 256, lane, v);
     i8* qs = (i8*)(ob + Q8K_QS);
     short* bs = (short*)(ob + Q8K_BSUMS);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
-        int q = zero ? 0 : (int)fminf(rintf(iscale * v[i]), 127.f);
+        int q = q8_k_quant(iscale, v[i]);
         qs[lane + 32 * i] = (i8)q;
         // Values lane + 32i: lanes 0..15 are group 2i, lanes 16..31 group 2i + 1.
         int sum = q;
@@ -216,5 +202,5 @@ extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) 
         for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         if ((lane & 15) == 0) bs[2 * i + (lane >> 4)] = (short)sum;
     }
-    if (lane == 0) *(float*)ob = zero ? 0.f : 1.f / iscale;
+    if (lane == 0) *(float*)ob = iscale == 0.f ? 0.f : 1.f / iscale;
 }

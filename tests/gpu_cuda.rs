@@ -1037,11 +1037,12 @@ fn qwen_speed(
     }
     // Each activation mode, then integer products with CUDA graphs.
     let rate_with = |a: Activations, graphs: bool| {
+        let (was_a, was_g) = (dev.activations(), dev.graphs());
         dev.set_activations(a);
         dev.set_graphs(graphs);
         let r = decode_rate(&gpu, None, 128);
-        dev.set_activations(Activations::F32);
-        dev.set_graphs(false);
+        dev.set_activations(was_a);
+        dev.set_graphs(was_g);
         r
     };
     let gpu_q8_rate = rate_with(Activations::Q8, false)?;

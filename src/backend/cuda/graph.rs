@@ -396,71 +396,27 @@ mod tests {
             block_dim: (32, 8, 1),
             shared_mem_bytes: 0,
         };
-        let base = || {
-            vec![
-                Op::launch(
-                    "rms_norm",
-                    None,
-                    &cfg,
-                    &[Arg::U64(4096), Arg::I32(1536), Arg::F32(1e-6)],
-                ),
-                Op::Zero { ptr: 8192, bytes: 64 },
-            ]
+        let norm = |name: &'static str, ty: Option<GgmlType>, x: Arg, w: Arg, eps: Arg| {
+            Op::launch(name, ty, &cfg, &[x, w, eps])
         };
+        let (x, w, eps) = (Arg::U64(4096), Arg::I32(1536), Arg::F32(1e-6));
+        let base = || vec![norm("rms_norm", None, x, w, eps), Op::Zero { ptr: 8192, bytes: 64 }];
         let s = Signature::of(&base());
         assert!(s == Signature::of(&base()));
-        let mut changed: Vec<Vec<Op>> = Vec::new();
-        type Change<'a> = &'a dyn Fn(&mut Vec<Op>);
-        let variants: [Change; 8] = [
-            &|o| o[0] = Op::launch("add", None, &cfg, &[Arg::U64(4096), Arg::I32(1536), Arg::F32(1e-6)]),
-            &|o| {
-                o[0] = Op::launch(
-                    "rms_norm",
-                    Some(GgmlType::F32),
-                    &cfg,
-                    &[Arg::U64(4096), Arg::I32(1536), Arg::F32(1e-6)],
-                )
-            },
-            &|o| {
-                o[0] = Op::launch(
-                    "rms_norm",
-                    None,
-                    &cfg,
-                    &[Arg::U64(4100), Arg::I32(1536), Arg::F32(1e-6)],
-                )
-            },
-            &|o| {
-                o[0] = Op::launch(
-                    "rms_norm",
-                    None,
-                    &cfg,
-                    &[Arg::U64(4096), Arg::I32(1537), Arg::F32(1e-6)],
-                )
-            },
-            &|o| {
-                o[0] = Op::launch(
-                    "rms_norm",
-                    None,
-                    &cfg,
-                    &[Arg::U64(4096), Arg::I32(1536), Arg::F32(1e-5)],
-                )
-            },
-            &|o| {
-                o[0] = Op::launch(
-                    "rms_norm",
-                    None,
-                    &cfg,
-                    &[Arg::U64(4096), Arg::I32(1536), Arg::U64(1e-6f32.to_bits() as u64)],
-                )
-            },
-            &|o| o[1] = Op::Zero { ptr: 8192, bytes: 68 },
-            &|o| o.swap(0, 1),
+        let mut changed: Vec<Vec<Op>> = vec![
+            vec![norm("add", None, x, w, eps), base()[1].clone()],
+            vec![norm("rms_norm", Some(GgmlType::F32), x, w, eps), base()[1].clone()],
+            vec![norm("rms_norm", None, Arg::U64(4100), w, eps), base()[1].clone()],
+            vec![norm("rms_norm", None, x, Arg::I32(1537), eps), base()[1].clone()],
+            vec![norm("rms_norm", None, x, w, Arg::F32(1e-5)), base()[1].clone()],
+            // The same bits as another kind of parameter.
+            vec![
+                norm("rms_norm", None, x, w, Arg::U64(1e-6f32.to_bits() as u64)),
+                base()[1].clone(),
+            ],
+            vec![base()[0].clone(), Op::Zero { ptr: 8192, bytes: 68 }],
+            vec![base()[1].clone(), base()[0].clone()],
         ];
-        for f in variants {
-            let mut o = base();
-            f(&mut o);
-            changed.push(o);
-        }
         let mut grid = base();
         if let Op::Launch { grid: g, .. } = &mut grid[0] {
             g.0 = 5;

@@ -155,6 +155,16 @@ pub fn accumulate_parts(n_rows: usize) -> usize {
     n_rows.div_ceil(64).clamp(1, 64)
 }
 
+/// One warp per activation block (the 8-bit activation kernels): `blocks` warps in blocks of
+/// `ELEMENTWISE_THREADS` threads.
+pub fn warp_per_block_cfg(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((blocks as u32).div_ceil(ELEMENTWISE_THREADS / 32), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The length of a token's score row in attention for `positions` cached positions: the next
 /// power of two, at least 256 (the kernel takes it as a stride only).
 pub fn attention_row(positions: usize) -> usize {
@@ -510,12 +520,7 @@ impl CudaDevice {
         let blocks = x.width / 256;
         let out = self.act(1, blocks * Q8K_BLOCK_BYTES / 4);
         if blocks > 0 {
-            let warps = ELEMENTWISE_THREADS / 32;
-            let cfg = LaunchConfig {
-                grid_dim: ((blocks as u32).div_ceil(warps), 1, 1),
-                block_dim: (ELEMENTWISE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = warp_per_block_cfg(blocks);
             self.launch(
                 "act_q8_k_blocks",
                 None,
@@ -559,12 +564,7 @@ impl CudaDevice {
         }
         let blocks = x.rows * x.width / block;
         if blocks > 0 {
-            let warps = ELEMENTWISE_THREADS / 32;
-            let cfg = LaunchConfig {
-                grid_dim: ((blocks as u32).div_ceil(warps), 1, 1),
-                block_dim: (ELEMENTWISE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = warp_per_block_cfg(blocks);
             self.launch(
                 kernel,
                 None,
