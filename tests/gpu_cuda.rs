@@ -194,7 +194,17 @@ fn dequantized(w: &Weight) -> Vec<Vec<f32>> {
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-12);
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0f64, f64::max) / scale
+    max_abs_diff(a.iter().copied(), b.iter().copied()) / scale
+}
+
+/// Max |a - b|; infinite where either is NaN (which `f64::max` would skip).
+fn max_abs_diff(a: impl Iterator<Item = f32>, b: impl Iterator<Item = f32>) -> f64 {
+    a.zip(b)
+        .map(|(x, y)| match (x - y).abs() as f64 {
+            d if d.is_nan() => f64::INFINITY,
+            d => d,
+        })
+        .fold(0f64, f64::max)
 }
 
 fn kernels_per_type(
@@ -398,8 +408,8 @@ fn compare_greedy_masked(
     let (mut mismatches, mut worst) = (0, 0f64);
     for _ in 0..steps {
         let (min, max) = lc.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
-        let d = lc.iter().zip(&lg).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        worst = worst.max((d / (max - min)) as f64);
+        let d = max_abs_diff(lc.iter().copied(), lg.iter().copied());
+        worst = worst.max(d / (max - min) as f64);
         let (tc, tg) = (argmax(&lc), argmax(&lg));
         if tc != tg {
             mismatches += 1;
@@ -469,12 +479,7 @@ fn graphs_replay(
     dev.set_graphs(was);
     let ((l_off, nll_off, _, rate_off), (l_on, nll_on, c, rate_on)) = (off?, on?);
     let differing = l_off.iter().zip(&l_on).filter(|(a, b)| a != b).count();
-    let worst = l_off
-        .iter()
-        .flatten()
-        .zip(l_on.iter().flatten())
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = max_abs_diff(l_off.iter().flatten().copied(), l_on.iter().flatten().copied());
     let per_step = c.graph_ops as f64 / (c.replays + c.captures).max(1) as f64;
     let msg = format!(
         "  {key}: {STEPS} greedy steps with graphs vs without: {differing}/{} logit rows differ (max |d| {worst:e}); \

@@ -1,20 +1,24 @@
 // A stand-in for the NVIDIA driver library (libcuda.so.1) that runs gatestream's kernels on the
 // CPU: the subset of the driver API that cudarc and src/backend/cuda call, over host memory,
 // with kernels/*.cu compiled for the host (emu.h) and run block by block, each GPU thread a
-// fiber. Every operation completes before its call returns, so streams and events order nothing
-// (an event's time is the host clock when it was recorded). Stream capture records a stream's
-// kernel launches and memsets into a graph, which a graph launch runs again in order. It exists so that the CUDA device's
-// host code and kernels run in CI on a machine without a GPU: what it shows is that they compute
-// the right values, never how a GPU performs. Its device calls itself a host emulation.
+// fiber. Work queued on a stream runs in order but as late as the program allows — when
+// something waits for it (a synchronize, an event, a copy to pageable memory) — so a missing
+// wait shows as wrong values rather than passing by luck (see "Queued work"); an event's time is
+// the host clock when its point in the stream was reached. Stream capture records a stream's
+// kernel launches and memsets into a graph, which a graph launch queues again in order. It
+// exists so that the CUDA device's host code and kernels run in CI on a machine without a GPU:
+// what it shows is that they compute the right values, never how a GPU performs. Its device
+// calls itself a host emulation.
 //
 // Checks the real driver makes and this one makes too (errors, not crashes): copies and frees
 // must stay inside an allocation, a host range is registered once and unregistered once, an
 // event made without timing cannot be timed, a launch needs 1..1024 threads per block. While a
 // thread captures a stream (thread-local mode), any other call from it but a launch or memset
 // on that stream is refused and spoils the capture, as is work another thread puts on the
-// capturing stream — stricter than the driver, which also captures copies and event records. Kernel
-// memory accesses are not bounds-checked. A deadlock (a barrier or shuffle some live thread
-// never reaches) fails the launch.
+// capturing stream — stricter than the driver, which also captures copies and event records.
+// Kernel memory accesses are not bounds-checked (build with --asan for that). A deadlock (a
+// barrier or shuffle some live thread never reaches) fails the launch; a failure of queued work
+// is returned by the next wait, and every one after (sticky, as on a GPU).
 //
 // Build: tests/cuda_emu/build.sh DIR (gives DIR/libcuda.so.1; point GATESTREAM_LIBCUDA at it).
 
@@ -29,9 +33,12 @@
 
 #include <chrono>
 #include <cstdio>
+#include <deque>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -339,11 +346,32 @@ struct Node {
 struct Graph {
     std::vector<Node> nodes;
 };
+struct Event;
+// Work queued on a stream; it runs when something waits for it (see `run_one`).
+enum TaskKind { T_KERNEL, T_MEMSET, T_HTOD, T_DTOH, T_DTOD, T_FREE, T_RECORD, T_WAIT };
+struct Task {
+    TaskKind kind;
+    const Kernel* kernel;
+    dim3 grid, block;
+    SavedParams params;
+    CUdeviceptr dst, src;  // device addresses
+    void* host_dst;        // a device-to-host copy's destination (page-locked)
+    const void* host_src;  // a host-to-device copy's source: page-locked memory, read when it runs,
+    std::shared_ptr<std::vector<char>> snapshot;  // or pageable memory, copied when queued
+    unsigned char value;
+    size_t bytes;
+    Event* event;
+    unsigned long long gen;  // T_RECORD: the recording; T_WAIT: the recording waited for
+};
 struct Stream {
     unsigned flags;
     Graph* capture;  // being captured into (owned until cuStreamEndCapture)
     bool invalid;    // the capture was spoiled by a call it refused
+    std::deque<Task> queue;
 };
+// The legacy default stream (handles 0, 1, 2), and the streams made by cuStreamCreate.
+static Stream legacy{0, nullptr, false, {}};
+static std::set<Stream*> streams{&legacy};
 // The stream this thread captures, if any.
 static thread_local Stream* capturing_here = nullptr;
 
@@ -353,6 +381,7 @@ static CUresult capture_violation(Stream* s) {
 }
 
 static bool real_stream(CUstream s) { return s != nullptr && s != (CUstream)0x1 && s != (CUstream)0x2; }
+static Stream* stream_of(CUstream s) { return real_stream(s) ? (Stream*)s : &legacy; }
 
 // Work for stream `s` other than a launch or memset: refused while it, or this thread, captures.
 static CUresult not_capturing(CUstream s) {
@@ -360,11 +389,17 @@ static CUresult not_capturing(CUstream s) {
     if (real_stream(s) && ((Stream*)s)->capture) return capture_violation((Stream*)s);
     return CUDA_SUCCESS;
 }
+// An event: `gen` counts its recordings, `done` is the last one whose point in its stream has
+// been reached (with the host clock then).
 struct Event {
     unsigned flags;
     bool recorded;
     double ms;
+    Stream* stream;
+    unsigned long long gen, done;
 };
+// The first failure of queued work; returned by every wait from then on (sticky, as on a GPU).
+static CUresult async_error = CUDA_SUCCESS;
 
 static double now_ms() {
     using namespace std::chrono;
@@ -483,10 +518,13 @@ API CUresult cuCtxGetCurrent(CUcontext* ctx) {
 #define NEED_CTX \
     if (!bound) return CUDA_ERROR_INVALID_CONTEXT;
 
+static void flush_all();
+
 API CUresult cuCtxSynchronize() {
     GUARD
     NEED_CTX
-    return CUDA_SUCCESS;
+    flush_all();
+    return async_error;
 }
 
 // The errors this driver returns: code, name, description.
@@ -560,6 +598,7 @@ API CUresult cuModuleLoadData(CUmodule* m, const void* image) {
 
 API CUresult cuModuleUnload(CUmodule m) {
     GUARD
+    flush_all();
     delete (Module*)m;
     return CUDA_SUCCESS;
 }
@@ -602,8 +641,135 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
     return CUDA_SUCCESS;
 }
 
-// The stream a launch or memset is recorded into instead of run (null: run it); an error when
-// the call is refused.
+// ---------------------------------------------------------------------------------------------
+// Memory.
+
+static CUresult alloc(CUdeviceptr* p, size_t n) {
+    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (allocated + n > TOTAL_MEM) return CUDA_ERROR_OUT_OF_MEMORY;
+    // Exactly n bytes (a build with AddressSanitizer then catches a kernel reading past them).
+    void* m = nullptr;
+    if (posix_memalign(&m, 256, n) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = (CUdeviceptr)m;
+    allocations[*p] = n;
+    allocated += n;
+    return CUDA_SUCCESS;
+}
+
+static CUresult release(CUdeviceptr p) {
+    auto it = allocations.find(p);
+    if (it == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
+    allocated -= it->second;
+    allocations.erase(it);
+    std::free((void*)p);
+    return CUDA_SUCCESS;
+}
+
+// [p, p + n) inside page-locked host memory (registered or allocated): a copy reads or writes
+// it when the copy runs, as the GPU's copy engine does.
+static bool page_locked(const void* p, size_t n) {
+    uintptr_t a = (uintptr_t)p;
+    auto r = registered.upper_bound(a);
+    if (r != registered.begin() && a + n <= std::prev(r)->first + std::prev(r)->second) return true;
+    auto h = host_allocs.upper_bound((void*)p);
+    if (h != host_allocs.begin()) {
+        --h;
+        if (a >= (uintptr_t)h->first && a + n <= (uintptr_t)h->first + h->second) return true;
+    }
+    return false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Queued work. A stream's work runs in order, and only when something waits for it: a stream or
+// context synchronize, an event synchronize or query, a copy to pageable host memory, a
+// stream that waits on an event (its producer's work up to the event runs first), freeing or
+// destroying what work may use. So work runs as late as the program allows, and a missing wait
+// shows: a kernel reading a copy nobody waited for sees the memory from before it, and host
+// memory rewritten before its copy ran is copied as rewritten.
+
+static bool run_one(Stream* s);
+
+static void fail_async(CUresult r) {
+    if (r && !async_error) async_error = r;
+}
+
+static void run_task(Task& t) {
+    switch (t.kind) {
+        case T_KERNEL:
+            fail_async(run_kernel(t.kernel, t.grid.x, t.grid.y, t.grid.z, t.block.x, t.block.y, t.block.z,
+                                  t.params.ptrs.data()));
+            break;
+        case T_MEMSET:
+            if (!device_range(t.dst, t.bytes)) return fail_async(CUDA_ERROR_LAUNCH_FAILED);  // freed since
+            std::memset((void*)t.dst, t.value, t.bytes);
+            break;
+        case T_HTOD:
+            if (!device_range(t.dst, t.bytes)) return fail_async(CUDA_ERROR_LAUNCH_FAILED);
+            std::memcpy((void*)t.dst, t.snapshot ? t.snapshot->data() : t.host_src, t.bytes);
+            break;
+        case T_DTOH:
+            if (!device_range(t.src, t.bytes)) return fail_async(CUDA_ERROR_LAUNCH_FAILED);
+            std::memcpy(t.host_dst, (const void*)t.src, t.bytes);
+            break;
+        case T_DTOD:
+            if (!device_range(t.dst, t.bytes) || !device_range(t.src, t.bytes))
+                return fail_async(CUDA_ERROR_LAUNCH_FAILED);
+            std::memmove((void*)t.dst, (const void*)t.src, t.bytes);
+            break;
+        case T_FREE:
+            fail_async(release(t.dst));
+            break;
+        case T_RECORD:
+            if (t.gen > t.event->done) {
+                t.event->done = t.gen;
+                t.event->recorded = true;
+                t.event->ms = now_ms();
+            }
+            break;
+        case T_WAIT:
+            // The producer's work up to the recording waited for (it is in its queue: recorded
+            // before this wait was queued).
+            while (t.event->done < t.gen && run_one(t.event->stream)) {
+            }
+            break;
+    }
+}
+
+static bool run_one(Stream* s) {
+    if (s->queue.empty()) return false;
+    Task t = std::move(s->queue.front());
+    s->queue.pop_front();
+    run_task(t);
+    return true;
+}
+
+static void flush(Stream* s) {
+    while (run_one(s)) {
+    }
+}
+
+static void flush_all() {
+    for (bool any = true; any;) {
+        any = false;
+        for (Stream* s : streams) any |= !s->queue.empty(), flush(s);
+    }
+}
+
+// What a call on the legacy stream waits for first: its own work and that of blocking streams
+// (flags 0; cudarc's streams are non-blocking, so their work is not waited for).
+static void flush_legacy() {
+    for (Stream* s : streams)
+        if (s->flags == 0) flush(s);
+}
+
+static Task task(TaskKind kind) {
+    Task t{};
+    t.kind = kind;
+    return t;
+}
+
+// The stream a launch or memset is recorded into instead of queued (null: queue it); an error
+// when the call is refused.
 static CUresult capture_target(CUstream s, Stream** into) {
     *into = nullptr;
     Stream* st = real_stream(s) ? (Stream*)s : nullptr;
@@ -631,30 +797,12 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
         into->capture->nodes.push_back(Node{k, dim3{gx, gy, gz}, dim3{bx, by, bz}, k->save(params), 0, 0, 0});
         return CUDA_SUCCESS;
     }
-    return run_kernel(k, gx, gy, gz, bx, by, bz, params);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Memory.
-
-static CUresult alloc(CUdeviceptr* p, size_t n) {
-    if (n == 0) return CUDA_ERROR_INVALID_VALUE;
-    if (allocated + n > TOTAL_MEM) return CUDA_ERROR_OUT_OF_MEMORY;
-    // Exactly n bytes (a build with AddressSanitizer then catches a kernel reading past them).
-    void* m = nullptr;
-    if (posix_memalign(&m, 256, n) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
-    *p = (CUdeviceptr)m;
-    allocations[*p] = n;
-    allocated += n;
-    return CUDA_SUCCESS;
-}
-
-static CUresult release(CUdeviceptr p) {
-    auto it = allocations.find(p);
-    if (it == allocations.end()) return CUDA_ERROR_INVALID_VALUE;
-    allocated -= it->second;
-    allocations.erase(it);
-    std::free((void*)p);
+    Task t = task(T_KERNEL);
+    t.kernel = k;
+    t.grid = dim3{gx, gy, gz};
+    t.block = dim3{bx, by, bz};
+    t.params = k->save(params);
+    stream_of(s)->queue.push_back(std::move(t));
     return CUDA_SUCCESS;
 }
 
@@ -671,76 +819,110 @@ API CUresult cuMemAllocAsync(CUdeviceptr* p, size_t n, CUstream s) {
 }
 API CUresult cuMemFree_v2(CUdeviceptr p) {
     GUARD
+    flush_all();  // a synchronous free waits for the device
     return release(p);
 }
 API CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
     GUARD
     if (CUresult r = not_capturing(s)) return r;
-    return release(p);
+    if (!allocations.count(p)) return CUDA_ERROR_INVALID_VALUE;
+    Task t = task(T_FREE);
+    t.dst = p;
+    stream_of(s)->queue.push_back(std::move(t));
+    return CUDA_SUCCESS;
 }
 
+// Copies. The synchronous ones run on the legacy stream, now.
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     GUARD
     NEED_CTX
     if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    flush_legacy();
     std::memcpy((void*)dst, src, n);
     return CUDA_SUCCESS;
 }
 API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, CUstream s) {
-    {
-        GUARD
-        if (CUresult r = not_capturing(s)) return r;
-    }
-    return cuMemcpyHtoD_v2(dst, src, n);
+    GUARD
+    NEED_CTX
+    if (CUresult r = not_capturing(s)) return r;
+    if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    Task t = task(T_HTOD);
+    t.dst = dst;
+    t.bytes = n;
+    if (page_locked(src, n))
+        t.host_src = src;
+    else  // the driver stages pageable memory before the call returns
+        t.snapshot = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + n);
+    stream_of(s)->queue.push_back(std::move(t));
+    return CUDA_SUCCESS;
 }
 API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
     GUARD
     NEED_CTX
     if (!device_range(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    flush_legacy();
     std::memcpy(dst, (const void*)src, n);
-    return CUDA_SUCCESS;
+    return async_error;
 }
 API CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, CUstream s) {
-    {
-        GUARD
-        if (CUresult r = not_capturing(s)) return r;
-    }
-    return cuMemcpyDtoH_v2(dst, src, n);
+    GUARD
+    NEED_CTX
+    if (CUresult r = not_capturing(s)) return r;
+    if (!device_range(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    Task t = task(T_DTOH);
+    t.src = src;
+    t.host_dst = dst;
+    t.bytes = n;
+    Stream* st = stream_of(s);
+    st->queue.push_back(std::move(t));
+    // Into pageable memory the call returns once the copy is done.
+    if (!page_locked(dst, n)) flush(st);
+    return async_error;
 }
 API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     GUARD
     NEED_CTX
     if (!device_range(dst, n) || !device_range(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    flush_legacy();
     std::memmove((void*)dst, (const void*)src, n);
     return CUDA_SUCCESS;
 }
 API CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
-    {
-        GUARD
-        if (CUresult r = not_capturing(s)) return r;
-    }
-    return cuMemcpyDtoD_v2(dst, src, n);
+    GUARD
+    NEED_CTX
+    if (CUresult r = not_capturing(s)) return r;
+    if (!device_range(dst, n) || !device_range(src, n)) return CUDA_ERROR_INVALID_VALUE;
+    Task t = task(T_DTOD);
+    t.dst = dst;
+    t.src = src;
+    t.bytes = n;
+    stream_of(s)->queue.push_back(std::move(t));
+    return CUDA_SUCCESS;
 }
 API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     GUARD
     NEED_CTX
     if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    flush_legacy();
     std::memset((void*)dst, v, n);
     return CUDA_SUCCESS;
 }
 API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
-    {
-        GUARD_IN_CAPTURE
-        NEED_CTX
-        Stream* into;
-        if (CUresult r = capture_target(s, &into)) return r;
-        if (into) {
-            if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
-            into->capture->nodes.push_back(Node{nullptr, dim3{}, dim3{}, SavedParams{}, dst, v, n});
-            return CUDA_SUCCESS;
-        }
+    GUARD_IN_CAPTURE
+    NEED_CTX
+    if (!device_range(dst, n)) return CUDA_ERROR_INVALID_VALUE;
+    Stream* into;
+    if (CUresult r = capture_target(s, &into)) return r;
+    if (into) {
+        into->capture->nodes.push_back(Node{nullptr, dim3{}, dim3{}, SavedParams{}, dst, v, n});
+        return CUDA_SUCCESS;
     }
-    return cuMemsetD8_v2(dst, v, n);
+    Task t = task(T_MEMSET);
+    t.dst = dst;
+    t.value = v;
+    t.bytes = n;
+    stream_of(s)->queue.push_back(std::move(t));
+    return CUDA_SUCCESS;
 }
 
 API CUresult cuMemHostAlloc(void** p, size_t n, unsigned flags) {
@@ -757,6 +939,7 @@ API CUresult cuMemFreeHost(void* p) {
     GUARD
     auto it = host_allocs.find(p);
     if (it == host_allocs.end()) return CUDA_ERROR_INVALID_VALUE;
+    flush_all();  // waits for the device, as the driver's does
     host_allocs.erase(it);
     std::free(p);
     return CUDA_SUCCESS;
@@ -783,72 +966,97 @@ API CUresult cuMemHostUnregister(void* p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Streams and events (all work has finished when its call returns).
-
-static bool stream_ok(CUstream s) {
-    return s == nullptr || s == (CUstream)0x1 || s == (CUstream)0x2 || ((Stream*)s)->flags <= 1;
-}
+// Streams and events.
 
 API CUresult cuStreamCreate(CUstream* s, unsigned flags) {
     GUARD
     NEED_CTX
     if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
-    *s = new Stream{flags, nullptr, false};
+    Stream* st = new Stream{flags, nullptr, false, {}};
+    streams.insert(st);
+    *s = st;
     return CUDA_SUCCESS;
 }
 API CUresult cuStreamDestroy_v2(CUstream s) {
     GUARD
-    if (!real_stream(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!real_stream(s) || !streams.count((Stream*)s)) return CUDA_ERROR_INVALID_HANDLE;
     if (((Stream*)s)->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    flush((Stream*)s);  // its work still runs
+    streams.erase((Stream*)s);
     delete (Stream*)s;
     return CUDA_SUCCESS;
 }
 API CUresult cuStreamSynchronize(CUstream s) {
     GUARD
     if (CUresult r = not_capturing(s)) return r;
-    return stream_ok(s) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (real_stream(s) && !streams.count((Stream*)s)) return CUDA_ERROR_INVALID_HANDLE;
+    flush(stream_of(s));
+    return async_error;
 }
 API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
     GUARD
     if (CUresult r = not_capturing(s)) return r;
-    if (!e || flags > 1 || !stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!e || flags > 1 || (real_stream(s) && !streams.count((Stream*)s))) return CUDA_ERROR_INVALID_HANDLE;
+    Event* ev = (Event*)e;
+    if (ev->gen == 0) return CUDA_SUCCESS;  // never recorded: nothing to wait for
+    Task t = task(T_WAIT);
+    t.event = ev;
+    t.gen = ev->gen;
+    stream_of(s)->queue.push_back(std::move(t));
     return CUDA_SUCCESS;
 }
 API CUresult cuEventCreate(CUevent* e, unsigned flags) {
     GUARD
     NEED_CTX
     if (flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
-    *e = new Event{flags, false, 0.0};
+    *e = new Event{flags, false, 0.0, nullptr, 0, 0};
     return CUDA_SUCCESS;
 }
 API CUresult cuEventDestroy_v2(CUevent e) {
     GUARD
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    flush_all();  // queued work may refer to it
     delete (Event*)e;
     return CUDA_SUCCESS;
 }
 API CUresult cuEventRecord(CUevent e, CUstream s) {
     GUARD
     if (CUresult r = not_capturing(s)) return r;
-    if (!e || !stream_ok(s)) return CUDA_ERROR_INVALID_HANDLE;
+    if (!e || (real_stream(s) && !streams.count((Stream*)s))) return CUDA_ERROR_INVALID_HANDLE;
     Event* ev = (Event*)e;
-    ev->recorded = true;
-    ev->ms = now_ms();
+    Stream* st = stream_of(s);
+    if (ev->stream && ev->stream != st) flush(ev->stream);  // waits on its last recording there stay whole
+    ev->stream = st;
+    Task t = task(T_RECORD);
+    t.event = ev;
+    t.gen = ++ev->gen;
+    st->queue.push_back(std::move(t));
     return CUDA_SUCCESS;
+}
+// Runs e's stream up to its last recording.
+static void reach(Event* ev) {
+    while (ev->stream && ev->done < ev->gen && run_one(ev->stream)) {
+    }
 }
 API CUresult cuEventSynchronize(CUevent e) {
     GUARD
-    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    reach((Event*)e);
+    return async_error;
 }
 API CUresult cuEventQuery(CUevent e) {
     GUARD
-    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    reach((Event*)e);  // a query finds the work done (what it waits for then runs)
+    return async_error;
 }
 API CUresult cuEventElapsedTime(float* ms, CUevent start, CUevent end) {
     GUARD
     const Event *a = (const Event*)start, *b = (const Event*)end;
     // Events made with CU_EVENT_DISABLE_TIMING (2), or never recorded, cannot be timed.
-    if (!a || !b || (a->flags & 2) || (b->flags & 2) || !a->recorded || !b->recorded) return CUDA_ERROR_INVALID_HANDLE;
+    if (!a || !b || (a->flags & 2) || (b->flags & 2) || a->gen == 0 || b->gen == 0) return CUDA_ERROR_INVALID_HANDLE;
+    // Their last recordings not reached yet.
+    if (a->done < a->gen || b->done < b->gen) return CUDA_ERROR_NOT_READY;
     *ms = (float)(b->ms - a->ms);
     return CUDA_SUCCESS;
 }
@@ -904,20 +1112,23 @@ API CUresult cuGraphInstantiateWithFlags(CUgraphExec* exec, CUgraph graph, unsig
     return CUDA_SUCCESS;
 }
 
+// Queues the graph's nodes on the stream (a later launch of the same graph may follow them).
 API CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) {
     GUARD
     NEED_CTX
     if (!exec) return CUDA_ERROR_INVALID_VALUE;
     if (CUresult r = not_capturing(s)) return r;
-    for (Node& n : ((Graph*)exec)->nodes) {
-        if (n.kernel) {
-            CUresult r = run_kernel(n.kernel, n.grid.x, n.grid.y, n.grid.z, n.block.x, n.block.y, n.block.z,
-                                    n.params.ptrs.data());
-            if (r) return r;
-        } else {
-            if (!device_range(n.dst, n.bytes)) return CUDA_ERROR_LAUNCH_FAILED;  // freed since capture
-            std::memset((void*)n.dst, n.value, n.bytes);
-        }
+    Stream* st = stream_of(s);
+    for (const Node& n : ((Graph*)exec)->nodes) {
+        Task t = task(n.kernel ? T_KERNEL : T_MEMSET);
+        t.kernel = n.kernel;
+        t.grid = n.grid;
+        t.block = n.block;
+        t.params = n.params;  // shared: the values captured
+        t.dst = n.dst;
+        t.value = n.value;
+        t.bytes = n.bytes;
+        st->queue.push_back(std::move(t));
     }
     return CUDA_SUCCESS;
 }
@@ -931,7 +1142,7 @@ API CUresult cuGraphUpload(CUgraphExec exec, CUstream s) {
 API CUresult cuGraphExecDestroy(CUgraphExec exec) {
     GUARD
     if (!exec) return CUDA_ERROR_INVALID_VALUE;
-    delete (Graph*)exec;
+    delete (Graph*)exec;  // queued launches hold their own copies of the parameters
     return CUDA_SUCCESS;
 }
 
