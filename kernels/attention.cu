@@ -22,7 +22,9 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const TokenK
 
 // One block per (query head, token): scores over the token's cached positions
 // (max(0, pos + 1 - window) ..= pos; window 0 = all) into `scores` (one row of `max_len` per
-// block), softmax, then the weighted sum of values, each output dimension summed in position order.
+// block) — each warp takes every (warps)-th position, its lanes a stride of the head's
+// dimensions, so a key row is read whole by one warp in one go — then softmax, then the weighted
+// sum of values, each output dimension summed in position order.
 extern "C" __global__ void attention(const float* q, const TokenKv* info, int layer, int n_heads, int n_kv_heads,
                                      int hd, float scale, int window, float* scores, int max_len, float* out) {
     __shared__ float qs[ATTN_MAX_HEAD_DIM];
@@ -40,14 +42,16 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
     __syncthreads();
     float* sc = scores + ((u64)t * n_heads + head) * max_len;
     float m = -3.402823466e38f;
-    for (int j = threadIdx.x; j < len; j += blockDim.x) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int j = warp; j < len; j += warps) {
         const float* kj = K + (u64)j * kvd;
         float s = 0.f;
-        for (int d = 0; d < hd; d++) s += qs[d] * kj[d];
-        s *= scale;
-        sc[j] = s;
+        for (int d = lane; d < hd; d += 32) s += qs[d] * kj[d];
+        s = warp_sum(s) * scale;  // every lane has it
+        if (lane == 0) sc[j] = s;
         m = fmaxf(m, s);
     }
+    // (block_max's barrier also makes the scores written above visible to the whole block.)
     m = block_max(m);
     float sum = 0.f;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
