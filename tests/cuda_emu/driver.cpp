@@ -748,11 +748,10 @@ static void flush(Stream* s) {
     }
 }
 
+// Every stream's work (running one stream's work only ever runs other streams' older work, so
+// one pass empties them all).
 static void flush_all() {
-    for (bool any = true; any;) {
-        any = false;
-        for (Stream* s : streams) any |= !s->queue.empty(), flush(s);
-    }
+    for (Stream* s : streams) flush(s);
 }
 
 // What a call on the legacy stream waits for first: its own work and that of blocking streams
@@ -1025,7 +1024,8 @@ API CUresult cuEventRecord(CUevent e, CUstream s) {
     if (!e || (real_stream(s) && !streams.count((Stream*)s))) return CUDA_ERROR_INVALID_HANDLE;
     Event* ev = (Event*)e;
     Stream* st = stream_of(s);
-    if (ev->stream && ev->stream != st) flush(ev->stream);  // waits on its last recording there stay whole
+    // Waits on its last recording there stay whole (a destroyed stream ran all its work).
+    if (ev->stream && ev->stream != st && streams.count(ev->stream)) flush(ev->stream);
     ev->stream = st;
     Task t = task(T_RECORD);
     t.event = ev;
@@ -1035,7 +1035,7 @@ API CUresult cuEventRecord(CUevent e, CUstream s) {
 }
 // Runs e's stream up to its last recording.
 static void reach(Event* ev) {
-    while (ev->stream && ev->done < ev->gen && run_one(ev->stream)) {
+    while (ev->stream && ev->done < ev->gen && streams.count(ev->stream) && run_one(ev->stream)) {
     }
 }
 API CUresult cuEventSynchronize(CUevent e) {
