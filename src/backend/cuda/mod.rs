@@ -672,12 +672,13 @@ impl CudaDevice {
         if self.failed() {
             return;
         }
-        if !self.kernels.contains_key(&(name, ty)) {
-            self.fail(format!("CUDA: no kernel {name} for {ty:?}"));
-            return;
-        }
         let mut g = self.graphs.lock().expect("graphs");
         if g.recording() {
+            // Checked now, so the error names the operation that asked for it.
+            if !self.kernels.contains_key(&(name, ty)) {
+                self.fail(format!("CUDA: no kernel {name} for {ty:?}"));
+                return;
+            }
             g.record(graph::Op::launch(name, ty, &cfg, args));
             return;
         }
