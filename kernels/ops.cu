@@ -26,15 +26,56 @@ template <bool MAX> __device__ float block_reduce(float v) {
 __device__ float block_sum(float v) { return block_reduce<false>(v); }
 __device__ float block_max(float v) { return block_reduce<true>(v); }
 
-// y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
-    const float* xr = x + (u64)blockIdx.x * width;
-    float* yr = y + (u64)blockIdx.x * width;
+// Values each thread of a norm's block keeps in registers (the rest of a wider row is read
+// twice, as a loop): a row's loads are all issued before the reduction waits on any.
+#define NORM_PER_THREAD 4
+
+// One row: x += a first when `a` is given (ADD), then y = x / rms(x) * w; y may be x.
+template <bool ADD>
+__device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, int width, float eps) {
+    float v[NORM_PER_THREAD], wv[NORM_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        v[j] = 0.f;
+        wv[j] = 0.f;
+        if (i < width) {
+            v[j] = ADD ? xr[i] + ar[i] : xr[i];
+            wv[j] = w[i];
+        }
+    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+#pragma unroll
+    for (int j = 0; j < NORM_PER_THREAD; j++) ss += v[j] * v[j];
+    for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < width; i += blockDim.x) {
+        float t = ADD ? xr[i] + ar[i] : xr[i];
+        if (ADD) xr[i] = t;
+        ss += t * t;
+    }
     ss = block_sum(ss);
     float scale = rsqrtf(ss / (float)width + eps);
-    for (int i = threadIdx.x; i < width; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+#pragma unroll
+    for (int j = 0; j < NORM_PER_THREAD; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i < width) {
+            if (ADD) xr[i] = v[j];
+            yr[i] = v[j] * scale * wv[j];
+        }
+    }
+    for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < width; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+}
+
+// y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
+    u64 off = (u64)blockIdx.x * width;
+    norm_row<false>((float*)x + off, 0, w, y + off, width, eps);
+}
+
+// x[row] += a[row], then y[row] = x[row] / rms(x[row]) * w: `add` then `rms_norm` in one pass,
+// the same values. One block per row.
+extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w, float* y, int width, float eps) {
+    u64 off = (u64)blockIdx.x * width;
+    norm_row<true>(x + off, a + off, w, y + off, width, eps);
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 len) {
@@ -52,16 +93,23 @@ extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len
     if (i < len) x[i] += b[i % width];
 }
 
+__device__ __forceinline__ float act_fn(float v, int f) {
+    if (f == ACT_SILU) return v / (1.f + expf(-v));
+    const float k = 0.7978846f;
+    return 0.5f * v * (1.f + tanhf(k * v * (1.f + 0.044715f * v * v)));
+}
+
 extern "C" __global__ void activate(float* x, int f, u64 len) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < len) x[i] = act_fn(x[i], f);
+}
+
+// up[i] = up[i] * f(gate[i]): `activate` then `mul` in one pass, the same values.
+extern "C" __global__ void activate_mul(float* up, const float* gate, int f, u64 len) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
-    float v = x[i];
-    if (f == ACT_SILU) {
-        x[i] = v / (1.f + expf(-v));
-    } else {
-        const float k = 0.7978846f;
-        x[i] = 0.5f * v * (1.f + tanhf(k * v * (1.f + 0.044715f * v * v)));
-    }
+    float a = act_fn(gate[i], f);
+    up[i] *= a;
 }
 
 extern "C" __global__ void softcap(float* x, float cap, u64 len) {
@@ -92,21 +140,27 @@ extern "C" __global__ void gather_cols(const float* x, const u32* cols, int m, i
     out[t * m + i] = x[t * width + cols[i]];
 }
 
-// Per-head RMSNorm (when `norm` is given), then RoPE at positions[t], of `heads` heads of width
-// hd in rows of `row_width`. One block of hd/2 threads (rounded up to a warp) per (head, token).
-// Angles in f64 as on the CPU (ops::rope_table). style 0: adjacent pairs, 1: halves.
-extern "C" __global__ void rope_norm(float* x, int row_width, int hd, const u32* positions, float base,
-                                     float pos_scale, int style, const float* norm, float eps) {
-    int head = blockIdx.x, t = blockIdx.y;
-    float* v = x + (u64)t * row_width + (u64)head * hd;
+// Per-head RMSNorm (when the norm is given), then RoPE at positions[t], of the query heads (q,
+// rows of q_width) and then the key heads (k, rows of k_width), hd wide: one launch for both.
+// One block of hd/2 threads (rounded up to a warp) per (head, token): blockIdx.x below
+// q_width / hd is a query head, the rest key heads. Angles in f64 as on the CPU
+// (ops::rope_table). style 0: adjacent pairs, 1: halves.
+extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm, float* k, int k_width,
+                                     const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
+                                     int style, float eps) {
+    int q_heads = q_width / hd, t = blockIdx.y;
+    bool is_q = (int)blockIdx.x < q_heads;
+    int head = is_q ? blockIdx.x : blockIdx.x - q_heads;
+    float* v = is_q ? q + (u64)t * q_width + (u64)head * hd : k + (u64)t * k_width + (u64)head * hd;
+    const float* norm = is_q ? q_norm : k_norm;
     int half = hd / 2;
     int i = threadIdx.x;
     if (norm) {
         float ss = 0.f;
-        for (int k = i; k < hd; k += blockDim.x) ss += v[k] * v[k];
+        for (int j = i; j < hd; j += blockDim.x) ss += v[j] * v[j];
         ss = block_sum(ss);
         float scale = rsqrtf(ss / (float)hd + eps);
-        for (int k = i; k < hd; k += blockDim.x) v[k] = v[k] * scale * norm[k];
+        for (int j = i; j < hd; j += blockDim.x) v[j] = v[j] * scale * norm[j];
         __syncthreads();
     }
     if (i >= half) return;

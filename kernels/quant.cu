@@ -512,19 +512,15 @@ __device__ __forceinline__ int q6_k_i8_part(const u8* b, const u8* a, int k) {
     return total;
 }
 
-// y[i] = dot(W[row i], x) for one token, x as Q8_K blocks (Xq). One warp per row; each group of
-// 8 lanes takes a super-block (4 per warp at a time), reduces its integer sums, and its first
-// lane adds the super-block's value.
+// One row's integer product with x as Q8_K blocks (Xq), the share of warp `part` of the `wpr`
+// warps that take the row: each group of 8 lanes takes a super-block (4 per warp at a time:
+// super-blocks 4·part + group, then every 4·wpr on), reduces its integer sums, and its first
+// lane adds the super-block's value; the warp's sum is returned to every lane.
 template <int TY>
-__device__ void matvec_i8_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
-                               const u8* Xq, float* y) {
-    int r = blockIdx.x * blockDim.y + threadIdx.y;
-    if (r >= rows_out) return;
+__device__ float i8_row_part(const u8* row, int nsb, const u8* Xq, int part, int wpr) {
     int lane = threadIdx.x, grp = lane >> 3, k = lane & 7;
-    const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
-    int nsb = cols / 256;
     float acc = 0.f;
-    for (int base = 0; base < nsb; base += 4) {
+    for (int base = 4 * part; base < nsb; base += 4 * wpr) {
         int sb = base + grp;
         bool valid = sb < nsb;  // every lane reduces (the shuffles need the whole warp)
         const u8* a = Xq + (u64)(valid ? sb : 0) * Q8K_BLOCK_BYTES;
@@ -546,19 +542,56 @@ __device__ void matvec_i8_body(const u8* W, u64 row_stride, int rows_out, const 
             if (valid && k == 0) acc += ldf16(b + 208) * d8 * (float)t;
         }
     }
-    float s = warp_sum(acc);
-    if (lane == 0) y[r] = s;
+    return warp_sum(acc);
 }
 
-extern "C" __global__ void matvec_i8_q4_k(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
-                                          const u8* Xq, int n, float* Y) {
-    matvec_i8_body<TY_Q4_K>(W, row_stride, rows_out, row_ids, cols, Xq, Y);
+// y[i] = dot(W[row i], x) (+ bias[i] when given) for one token, x as Q8_K blocks (Xq), over
+// block `lb` of the rows: the block's 8 warps take 8 / wpr rows, `wpr` warps each (wide rows:
+// a row's warps add their sums in order through shared memory). wpr is 1, 2, 4 or 8, the same
+// for the whole launch (the barrier below is reached by every warp of a block).
+template <int TY>
+__device__ void matvec_i8_rows(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                               const u8* Xq, const float* bias, int wpr, float* y, int lb) {
+    __shared__ float part_sum[8];
+    int r = lb * (blockDim.y / wpr) + threadIdx.y / wpr, part = threadIdx.y % wpr;
+    bool valid = r < rows_out;  // whole warps: no warp returns before the barrier
+    float s = 0.f;
+    if (valid) {
+        const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
+        s = i8_row_part<TY>(row, cols / 256, Xq, part, wpr);
+    }
+    if (wpr > 1) {
+        if (threadIdx.x == 0) part_sum[threadIdx.y] = s;
+        __syncthreads();
+        if (threadIdx.x == 0 && part == 0)
+            for (int i = 1; i < wpr; i++) s += part_sum[threadIdx.y + i];
+    }
+    if (valid && part == 0 && threadIdx.x == 0) y[r] = bias ? s + bias[r] : s;
 }
 
-extern "C" __global__ void matvec_i8_q6_k(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
-                                          const u8* Xq, int n, float* Y) {
-    matvec_i8_body<TY_Q6_K>(W, row_stride, rows_out, row_ids, cols, Xq, Y);
-}
+// Up to three weights of one type multiplied with the same input in one launch (Q, K and V;
+// gate and up): blocks [0, nb0) are the first's, [nb0, nb01) the second's, the rest the third's.
+#define MATVEC_I8_KERNELS(t, TY)                                                                             \
+    extern "C" __global__ void matvec_i8_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,  \
+                                             int cols, const u8* Xq, const float* bias, int wpr, float* Y) { \
+        matvec_i8_rows<TY>(W, row_stride, rows_out, row_ids, cols, Xq, bias, wpr, Y, blockIdx.x);            \
+    }                                                                                                        \
+    extern "C" __global__ void matvec_i8x3_##t(                                                              \
+        const u8* Xq, int cols, int wpr, int nb0, int nb01, const u8* W0, u64 s0, int r0, const float* b0,   \
+        float* y0, const u8* W1, u64 s1, int r1, const float* b1, float* y1, const u8* W2, u64 s2, int r2,   \
+        const float* b2, float* y2) {                                                                        \
+        int b = blockIdx.x;                                                                                  \
+        if (b < nb0)                                                                                         \
+            matvec_i8_rows<TY>(W0, s0, r0, 0, cols, Xq, b0, wpr, y0, b);                                     \
+        else if (b < nb01)                                                                                   \
+            matvec_i8_rows<TY>(W1, s1, r1, 0, cols, Xq, b1, wpr, y1, b - nb0);                               \
+        else                                                                                                 \
+            matvec_i8_rows<TY>(W2, s2, r2, 0, cols, Xq, b2, wpr, y2, b - nb01);                              \
+    }
+
+MATVEC_I8_KERNELS(q4_k, TY_Q4_K)
+MATVEC_I8_KERNELS(q6_k, TY_Q6_K)
+#undef MATVEC_I8_KERNELS
 
 // out[t][c] += sum_p partial[p][t][c], p in order. One thread per (t, c).
 extern "C" __global__ void accumulate_reduce(const float* partial, int parts, u64 len, float* out) {

@@ -54,7 +54,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 19] = [
+    let checks: [(&str, Check); 20] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
@@ -74,6 +74,19 @@ fn main() {
                 r,
                 "stories260k_vram_budget",
                 "stories260K",
+                &gst,
+                Budget::AboveMinimum,
+            )
+        }),
+        // The same on the small Qwen2-built model as a `.gst` (Q4_K and Q6_K rows: the
+        // integer products on the staged path).
+        ("small_qwen2_vram_budget", |d, r| {
+            let gst = small_qwen_gst_path()?;
+            vram_budget(
+                d,
+                r,
+                "small_qwen2_vram_budget",
+                "small Qwen2",
                 &gst,
                 Budget::AboveMinimum,
             )
@@ -207,10 +220,24 @@ fn max_abs_diff(a: impl Iterator<Item = f32>, b: impl Iterator<Item = f32>) -> f
         .fold(0f64, f64::max)
 }
 
+/// Every product kernel against f64 (see `kernels_of_each_type`), the device's activation mode
+/// restored after (the checks that follow run in it).
 fn kernels_per_type(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
+    let was = dev.activations();
+    let r = kernels_of_each_type(dev, report);
+    dev.set_activations(was);
+    r
+}
+
+fn kernels_of_each_type(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    // f32 activations unless a product below asks for another mode.
+    dev.set_activations(Activations::F32);
     let mut rng = Rng(7);
     let mut lines = Vec::new();
     let mut worst = 0f64;
@@ -355,6 +382,78 @@ fn kernels_per_type(
             return Err(format!("{}\n{ty:?}: error {max:.2e} > 1e-4", lines.join("\n")));
         }
     }
+    // Integer products as the attention and FFN launch them: up to three weights of a type in
+    // one launch with biases added, and rows wide enough to be shared by 2, 4 and 8 warps.
+    for ty in INT8_TYPES {
+        let mut max = 0f64;
+        for super_blocks in [5usize, 8, 16, 35] {
+            let cols = 256 * super_blocks;
+            let ws: Vec<Weight> = [45usize, 7, 19]
+                .iter()
+                .map(|&r| quantized(ty, r, cols, &mut rng))
+                .collect();
+            let biases: Vec<Vec<f32>> = ws
+                .iter()
+                .map(|w| (0..w.rows).map(|_| rng.normalish()).collect())
+                .collect();
+            let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+            let xa = dev.upload(1, cols, x.clone());
+            let mut p = PreparedInput::new();
+            p.prepare(&x, ty);
+            let seen = p.dequantized();
+            dev.set_activations(Activations::Int8);
+            let refs: Vec<&Weight> = ws.iter().collect();
+            let with_bias = [Some(&biases[0][..]), None, Some(&biases[2][..])];
+            let grouped: Vec<Vec<f32>> = dev
+                .matmul_bias(&refs, &with_bias, &xa)
+                .into_iter()
+                .map(|a| dev.download(a))
+                .collect();
+            let pair: Vec<Vec<f32>> = dev
+                .matmul(&refs[..2], &xa)
+                .into_iter()
+                .map(|a| dev.download(a))
+                .collect();
+            let alone: Vec<Vec<f32>> = refs
+                .iter()
+                .map(|w| dev.download(dev.matmul(&[w], &xa).remove(0)))
+                .collect();
+            dev.set_activations(Activations::F32);
+            for (i, w) in ws.iter().enumerate() {
+                let want: Vec<f32> = dequantized(w)
+                    .iter()
+                    .enumerate()
+                    .map(|(r, row)| {
+                        let b = with_bias[i].map_or(0.0, |b| b[r] as f64);
+                        row.iter().zip(&seen).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32 + b as f32
+                    })
+                    .collect();
+                max = max.max(rel_err(&grouped[i], &want));
+                // The same row sums whichever launch computes them: bit-identical.
+                let alone_b: Vec<f32> = alone[i]
+                    .iter()
+                    .enumerate()
+                    .map(|(r, v)| with_bias[i].map_or(*v, |b| v + b[r]))
+                    .collect();
+                if grouped[i] != alone_b || (i < 2 && pair[i] != alone[i]) {
+                    return Err(format!(
+                        "{ty:?}, {cols} columns: weight {i} of a grouped launch differs from its own launch"
+                    ));
+                }
+            }
+        }
+        if let Some(e) = dev.take_error() {
+            return Err(format!("{ty:?} grouped: {e}"));
+        }
+        worst = worst.max(max);
+        lines.push(format!(
+            "  {ty:?} as integers, three weights a launch with biases, rows of 5/8/16/35 super-blocks \
+             (1/2/4/8 warps a row): max relative error {max:.2e}; each output bit-identical to its weight launched alone"
+        ));
+        if max > 1e-4 {
+            return Err(format!("{}\n{ty:?} grouped: error {max:.2e} > 1e-4", lines.join("\n")));
+        }
+    }
     report.insert("kernels_worst_relative_error".into(), worst.into());
     Ok(lines.join("\n"))
 }
@@ -419,6 +518,112 @@ fn compare_greedy_masked(
         lg = last_logits(gpu, &hg, &t, &mut cg)?;
     }
     Ok((mismatches, worst))
+}
+
+/// The neurons each layer's mask kept in one run (the reference's, recorded) for another run of
+/// the same tokens to keep (replayed), one layer at a time: the reference computes a step before
+/// the run it is compared with (`compare_greedy_masked`), so the latest record of a layer is the
+/// one to replay.
+#[derive(Default)]
+struct KeptNeurons {
+    by_layer: std::sync::Mutex<std::collections::HashMap<usize, Vec<bool>>>,
+    /// Neurons the replaying run's own mask would have chosen otherwise, and all choices seen.
+    differences: std::sync::atomic::AtomicU64,
+    choices: std::sync::atomic::AtomicU64,
+}
+
+impl KeptNeurons {
+    fn recorder<'a>(&'a self, inner: &'a dyn FfnMask) -> RecordedMask<'a> {
+        RecordedMask {
+            inner,
+            kept: self,
+            replay: false,
+        }
+    }
+
+    fn replayer<'a>(&'a self, inner: &'a dyn FfnMask) -> RecordedMask<'a> {
+        RecordedMask {
+            inner,
+            kept: self,
+            replay: true,
+        }
+    }
+
+    fn replayed_differences(&self) -> u64 {
+        self.differences.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn replayed_choices(&self) -> u64 {
+        self.choices.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn layer(&self, layer: usize, len: usize) -> Vec<bool> {
+        let kept = self.by_layer.lock().expect("kept neurons").get(&layer).cloned();
+        let kept = kept.unwrap_or_else(|| panic!("layer {layer}: replayed before the reference recorded it"));
+        assert_eq!(
+            kept.len(),
+            len,
+            "layer {layer}: replayed over another batch than recorded"
+        );
+        kept
+    }
+}
+
+/// A mask that records what it keeps, or keeps what was recorded (see [`KeptNeurons`]).
+struct RecordedMask<'a> {
+    inner: &'a dyn FfnMask,
+    kept: &'a KeptNeurons,
+    replay: bool,
+}
+
+impl FfnMask for RecordedMask<'_> {
+    fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], up: &[f32], hact: &mut [f32]) {
+        if !self.replay {
+            self.inner.apply(layer, xn, gate, up, hact);
+            let kept = hact.iter().map(|&a| a != 0.0).collect();
+            self.kept.by_layer.lock().expect("kept neurons").insert(layer, kept);
+            return;
+        }
+        let kept = self.kept.layer(layer, hact.len());
+        // What this run's own mask would keep, to count the choices that replaying changes.
+        let mut own = hact.to_vec();
+        self.inner.apply(layer, xn, gate, up, &mut own);
+        let differing = own
+            .iter()
+            .zip(hact.iter())
+            .zip(&kept)
+            .filter(|((o, a), &k)| **a != 0.0 && (**o != 0.0) != k)
+            .count();
+        self.kept
+            .differences
+            .fetch_add(differing as u64, std::sync::atomic::Ordering::Relaxed);
+        self.kept
+            .choices
+            .fetch_add(hact.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        hact.iter_mut()
+            .zip(&kept)
+            .filter(|(_, &k)| !k)
+            .for_each(|(a, _)| *a = 0.0);
+    }
+
+    fn up_needed(&self, layer: usize, xn: &[f32], gate: &[f32], need: &mut [bool]) {
+        if !(self.replay && self.inner.decides_before_up()) {
+            return self.inner.up_needed(layer, xn, gate, need);
+        }
+        let kept = self.kept.layer(layer, gate.len());
+        need.fill(false);
+        for row in kept.chunks_exact(need.len()) {
+            need.iter_mut().zip(row).for_each(|(n, &k)| *n |= k);
+        }
+    }
+
+    fn up_needed_reads_input(&self) -> bool {
+        true
+    }
+
+    fn decides_before_up(&self) -> bool {
+        self.inner.decides_before_up()
+    }
 }
 
 /// Greedy decoding on `m` from `prompt` for `steps` steps: every step's logits (the prompt's
@@ -919,13 +1124,16 @@ fn shaped_compare(
         Against::F32Weights => write_qwen(shape, true),
         _ => path.clone(),
     };
+    let was = dev.activations();
     dev.set_activations(match against {
         Against::Q8Activations => Activations::Q8,
         Against::Int8 => Activations::Int8,
-        _ => Activations::F32,
+        // The device's default (integer one-token products of K-quants, f32 elsewhere).
+        Against::Same => Activations::Auto,
+        Against::F32Weights => Activations::F32,
     });
     let r = qwen_compare(dev, report, &path, &cpu_path, key);
-    dev.set_activations(Activations::F32);
+    dev.set_activations(was);
     if against == Against::F32Weights {
         let _ = std::fs::remove_file(&cpu_path);
     }
@@ -1031,36 +1239,39 @@ fn qwen_speed(
     let path = qwen_model_path();
     let gpu = load(&path, dev.clone())?;
     let per_token = bytes_per_token(&gpu);
-    let gpu_rate = decode_rate(&gpu, None, 128)?;
-    // One-token products with 2 and 4 rows per warp (GATESTREAM_CUDA_MATVEC_ROWS).
-    let mut by_rows = Vec::new();
-    for rpw in [2, 4] {
-        dev.set_matvec_rows(rpw).map_err(|e| e.to_string())?;
-        let r = decode_rate(&gpu, None, 128);
-        dev.set_matvec_rows(1).map_err(|e| e.to_string())?;
-        by_rows.push((rpw, r?));
-    }
-    // Each activation mode, then integer products with CUDA graphs.
-    let rate_with = |a: Activations, graphs: bool| {
+    // Each activation mode with and without CUDA graphs, then f32 one-token products with 2 and
+    // 4 rows per warp (GATESTREAM_CUDA_MATVEC_ROWS); the device's modes restored after each.
+    let rate_with = |a: Activations, graphs: bool, rows: usize| -> Result<f64, String> {
         let (was_a, was_g) = (dev.activations(), dev.graphs());
         dev.set_activations(a);
         dev.set_graphs(graphs);
+        dev.set_matvec_rows(rows).map_err(|e| e.to_string())?;
         let r = decode_rate(&gpu, None, 128);
         dev.set_activations(was_a);
         dev.set_graphs(was_g);
+        dev.set_matvec_rows(1).map_err(|e| e.to_string())?;
         r
     };
-    let gpu_q8_rate = rate_with(Activations::Q8, false)?;
-    let gpu_int8_rate = rate_with(Activations::Int8, false)?;
-    let gpu_int8_graphs_rate = rate_with(Activations::Int8, true)?;
+    let gpu_rate = rate_with(Activations::Auto, true, 1)?;
+    let gpu_auto_no_graphs = rate_with(Activations::Auto, false, 1)?;
+    let gpu_f32_rate = rate_with(Activations::F32, false, 1)?;
+    let gpu_f32_graphs = rate_with(Activations::F32, true, 1)?;
+    let gpu_q8_rate = rate_with(Activations::Q8, false, 1)?;
+    let gpu_int8_rate = rate_with(Activations::Int8, false, 1)?;
+    let by_rows = [
+        (2, rate_with(Activations::F32, false, 2)?),
+        (4, rate_with(Activations::F32, false, 4)?),
+    ];
     let bw = dev.copy_bandwidth(1 << 30).map_err(|e| e.to_string())?;
     let bound = bw / per_token as f64;
     drop(gpu);
     let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
     let cpu_rate = decode_rate(&cpu, None, 8)?;
     let msg = format!(
-        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s ({gpu_q8_rate:.1} with 8-bit activations, {gpu_int8_rate:.1} with integer products, \
-         {gpu_int8_graphs_rate:.1} with integer products and graphs; {:.1} with 2 rows per warp, {:.1} with 4), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
+        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s (the defaults: integer products of K-quants, graphs; \
+         {gpu_auto_no_graphs:.1} without graphs; f32 activations {gpu_f32_rate:.1}, {gpu_f32_graphs:.1} with graphs; \
+         8-bit activations {gpu_q8_rate:.1}; int8 everywhere {gpu_int8_rate:.1}; f32 with 2 rows per warp {:.1}, with 4 {:.1}; \
+         no graphs unless said), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
         by_rows[0].1,
@@ -1073,7 +1284,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_matvec_rows_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_int8_graphs_tok_s": gpu_int8_graphs_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }
@@ -1188,25 +1399,34 @@ fn gst_models(dev: &Arc<CudaDevice>, gst: &std::path::Path) -> Result<(u64, Mode
     Ok((file_bytes, in_device, on_disk))
 }
 
+/// The small Qwen2-built model as a `.gst` beside its GGUF.
+fn small_qwen_gst_path() -> Result<std::path::PathBuf, String> {
+    use std::sync::OnceLock;
+    static PATH: OnceLock<Result<std::path::PathBuf, String>> = OnceLock::new();
+    PATH.get_or_init(|| gst_beside(&small_qwen_path())).clone()
+}
+
 /// The Qwen-shaped model as a `.gst` beside its GGUF, written once for the checks that stream.
 fn qwen_gst_path() -> Result<std::path::PathBuf, String> {
     use std::sync::OnceLock;
     static PATH: OnceLock<Result<std::path::PathBuf, String>> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let gguf = qwen_model_path();
-        let gst = gguf.with_extension("gst");
-        let t = Instant::now();
-        gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {})
-            .map_err(|e| e.to_string())?;
-        println!(
-            "  wrote {} ({:.0} MB) in {:.1} s",
-            gst.display(),
-            std::fs::metadata(&gst).map_err(|e| e.to_string())?.len() as f64 / 1e6,
-            t.elapsed().as_secs_f64()
-        );
-        Ok(gst)
-    })
-    .clone()
+    PATH.get_or_init(|| gst_beside(&qwen_model_path())).clone()
+}
+
+/// `gguf` reformatted to a `.gst` beside it.
+fn gst_beside(gguf: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let gst = gguf.with_extension("gst");
+    // Made anew from this run's GGUF (an earlier run's is refused by `reformat`).
+    let _ = std::fs::remove_file(&gst);
+    let t = Instant::now();
+    gatestream::reformat::reformat(gguf, &gst, &Default::default(), &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+    println!(
+        "  wrote {} ({:.0} MB) in {:.1} s",
+        gst.display(),
+        std::fs::metadata(&gst).map_err(|e| e.to_string())?.len() as f64 / 1e6,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(gst)
 }
 
 /// The budget a streamed check gives: the issue's 40% of the file (the Qwen-shaped model), or
@@ -1349,18 +1569,50 @@ fn vram_budget(
             None => None,
         };
         // Masked: the staged path (rows in page-locked buffers, chunks copied on the copy
-        // stream) against the same mask on the model in device memory.
+        // stream) against the model in device memory keeping the same neurons (its choices
+        // replayed), with f32 activations, where both compute their products to rounding: judged.
+        // Reported beside it: the same in the device's own mode (8-bit activations for K-quants
+        // by default: the staged down product sums the kept neurons only, the in-device one all
+        // of them with zeros, and that rounding moves later activations across 8-bit steps), and
+        // each run choosing its own neurons (a score moved across the top-k cut keeps another
+        // neuron; a deep random model carries either on).
         let mut compared = String::new();
         if let Some(c) = criterion {
+            let replayed = |s: &dyn LayerStream| -> Result<(usize, f64, u64, u64), String> {
+                let in_mask = Masker::for_model(&in_device, Strategy::TopK, c, 0.5, None).map_err(|e| e.to_string())?;
+                let m = Masker::for_model(&on_disk, Strategy::TopK, c, 0.5, None).map_err(|e| e.to_string())?;
+                let kept = KeptNeurons::default();
+                let (record, replay) = (kept.recorder(&in_mask), kept.replayer(&m));
+                let (mis, w) =
+                    compare_greedy_masked(&in_device, &on_disk, Some(s), Some((&record, &replay)), &prompt, steps)?;
+                if let Some(e) = dev.take_error() {
+                    return Err(format!("  {name} compared: {e}"));
+                }
+                Ok((mis, w, kept.replayed_differences(), kept.replayed_choices()))
+            };
+            let mode = dev.activations();
+            dev.set_activations(Activations::F32);
+            let judged_f32 = replayed(&s);
+            dev.set_activations(mode);
+            let (mis, w, _, _) = judged_f32?;
+            let s2 = Streamer::open(&on_disk, &opts(true)).map_err(|e| e.to_string())?;
+            let (mode_mis, mode_w, differed, choices) = replayed(&s2)?;
+            let s3 = Streamer::open(&on_disk, &opts(true)).map_err(|e| e.to_string())?;
             let in_mask = Masker::for_model(&in_device, Strategy::TopK, c, 0.5, None).map_err(|e| e.to_string())?;
-            let m = mask.as_ref().expect("masked");
-            let (mis, w) = compare_greedy_masked(&in_device, &on_disk, Some(&s), Some((&in_mask, m)), &prompt, steps)?;
+            let own = Masker::for_model(&on_disk, Strategy::TopK, c, 0.5, None).map_err(|e| e.to_string())?;
+            let (own_mis, own_w) =
+                compare_greedy_masked(&in_device, &on_disk, Some(&s3), Some((&in_mask, &own)), &prompt, steps)?;
             if let Some(e) = dev.take_error() {
                 return Err(format!("  {name} compared: {e}"));
             }
             compared = format!(
-                "; against in device memory: argmax differs at {mis}/{steps} steps, max |dlogit| = {:.4}% of the range",
-                w * 100.0
+                "; against in device memory keeping the same neurons, f32 activations: argmax differs at {mis}/{steps} \
+                 steps, max |dlogit| = {:.4}% of the range (in the device's mode ({mode:?}): {mode_mis}/{steps}, {:.4}%; \
+                 each choosing its own neurons: {own_mis}/{steps}, {:.4}%, {differed} of {choices} kept-neuron choices \
+                 not its own)",
+                w * 100.0,
+                mode_w * 100.0,
+                own_w * 100.0,
             );
             masked_worst.push((name, mis, w));
         }

@@ -352,6 +352,18 @@ pub trait Device: Send + Sync {
     fn mul(&self, x: &mut Act, y: &Act);
     /// `x = f(x)` elementwise.
     fn activate(&self, x: &mut Act, f: FfnActivation);
+    /// `up = up · f(gate)` elementwise: `activate`, then `mul`, unless a device does both at once
+    /// (with the same result). `gate` is left activated or as it was: not to be read after.
+    fn activate_mul(&self, up: &mut Act, gate: &mut Act, f: FfnActivation) {
+        self.activate(gate, f);
+        self.mul(up, gate);
+    }
+    /// `x += y`, then `x` normalized by RMS and scaled by `w`, into a new activation: `add`,
+    /// then `rms_norm`, unless a device does both at once (with the same result).
+    fn add_rms_norm(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Act {
+        self.add(x, y);
+        self.rms_norm(x, w, eps)
+    }
     /// `x = cap * tanh(x / cap)`.
     fn softcap(&self, x: &mut Act, cap: f32);
     /// The listed rows, in order.
@@ -385,6 +397,17 @@ pub trait Device: Send + Sync {
     }
     /// `x · w_i` for each weight (`[n, w_i.rows]` each); one input serves several products.
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act>;
+    /// `x · w_i + b_i` for each weight, a bias added to the outputs that have one
+    /// (`biases[i]` for `ws[i]`): `matmul`, then `add_bias`, unless a device does both at once.
+    fn matmul_bias(&self, ws: &[&Weight], biases: &[Option<&[f32]>], x: &Act) -> Vec<Act> {
+        let mut out = self.matmul(ws, x);
+        for (o, b) in out.iter_mut().zip(biases) {
+            if let Some(b) = b {
+                self.add_bias(o, b);
+            }
+        }
+        out
+    }
     /// `x · w[rows]`: only the listed rows, `[n, rows.len()]`.
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act;
     /// `out[t] += Σ_r acts[t][r] · w[r]` over `rows` (all when `None`), neuron-major `w`,

@@ -210,8 +210,15 @@ impl Model {
                 (dev.scatter_cols(&g, rows, f), None)
             }
         };
+        // In RAM, every neuron, nothing watching: act(gate)·up in one operation (phase 3).
+        let plain = matches!(
+            (neurons, stream, hooks.mask, hooks.observe),
+            (FfnNeurons::All, None, None, None)
+        );
         if let FfnNeurons::All = neurons {
-            dev.activate(&mut gate, cfg.activation);
+            if !plain {
+                dev.activate(&mut gate, cfg.activation);
+            }
         }
         drop(streamed_gate);
         // A masked, streamed decode step: on the host (the CPU device) each row is computed where
@@ -267,6 +274,10 @@ impl Model {
 
         // Phase 3: hidden activations act(gate)·up (in place of up unless a mask needs up).
         let hact = match hooks.mask {
+            None if plain => {
+                dev.activate_mul(&mut up, &mut gate, cfg.activation);
+                up
+            }
             None => {
                 dev.mul(&mut up, &gate);
                 up

@@ -409,6 +409,7 @@ impl Model {
             }
             None => dev.embed(&self.weights.token_embd, &batch.ids, cfg.embed_scale),
         };
+        let mut residual: Option<Act> = None;
         for (l, layer) in self.weights.layers.iter().enumerate() {
             if hooks
                 .cancel
@@ -421,8 +422,13 @@ impl Model {
                 None => None,
             };
             let attn = streamed.as_deref().unwrap_or(&layer.attn);
-            self.attention_block(l, layer, attn, &mut x, batch, caches);
-            self.ffn_block(l, layer, &mut x, hooks)?;
+            let o = self.attention_block(l, layer, attn, &mut x, residual.take(), batch, caches);
+            residual = Some(self.ffn_block(l, layer, &mut x, o, hooks)?);
+        }
+        // Each block's output is added to the residual stream where the next block normalizes
+        // it (one operation on a GPU); the last one here.
+        if let Some(d) = residual {
+            dev.add(&mut x, &d);
         }
         let mut xo = dev.select_rows(&x, &batch.logit_rows);
         if batch.logit_rows.is_empty() {
@@ -437,26 +443,30 @@ impl Model {
         Ok(dev.download(logits))
     }
 
+    /// The attention block's output for `x` (the residual stream, with the previous block's
+    /// output `pending` added first), to be added to `x` by the caller.
+    #[allow(clippy::too_many_arguments)]
     fn attention_block(
         &self,
         l: usize,
         w: &LayerWeights,
         a: &AttnWeights,
         x: &mut Act,
+        pending: Option<Act>,
         batch: &Batch,
         caches: &mut [&mut KvCache],
-    ) {
+    ) -> Act {
         let cfg = &self.config;
         let dev = &*self.device;
-        let xn = dev.rms_norm(x, &w.attn_norm, cfg.rms_eps);
-        // Q, K and V usually share a type: the input is prepared once for them.
-        let mut qkv = dev.matmul(&[&a.wq, &a.wk, &a.wv], &xn);
-        let (mut v, mut k, mut q) = (qkv.pop().expect("v"), qkv.pop().expect("k"), qkv.pop().expect("q"));
-        for (t, b) in [(&mut q, &w.bq), (&mut k, &w.bk), (&mut v, &w.bv)] {
-            if let Some(b) = b {
-                dev.add_bias(t, b);
-            }
-        }
+        let xn = match pending {
+            Some(p) => dev.add_rms_norm(x, &p, &w.attn_norm, cfg.rms_eps),
+            None => dev.rms_norm(x, &w.attn_norm, cfg.rms_eps),
+        };
+        // Q, K and V usually share a type: the input is prepared once for them (and on a GPU
+        // they may be one launch, their biases added as each output is written).
+        let biases = [&w.bq, &w.bk, &w.bv].map(|b| b.as_deref());
+        let mut qkv = dev.matmul_bias(&[&a.wq, &a.wk, &a.wv], &biases, &xn);
+        let (v, mut k, mut q) = (qkv.pop().expect("v"), qkv.pop().expect("k"), qkv.pop().expect("q"));
         let local = cfg.layer_is_local(l);
         let (base, pos_scale) = if local {
             (cfg.rope_theta_local, 1.0)
@@ -493,18 +503,20 @@ impl Model {
         if let Some(pn) = &w.post_attn_norm {
             dev.rms_norm_in_place(&mut o, pn, cfg.rms_eps);
         }
-        dev.add(x, &o);
+        o
     }
 
-    fn ffn_block(&self, l: usize, w: &LayerWeights, x: &mut Act, hooks: &FfnHooks) -> Result<()> {
+    /// The FFN block's output for `x` after the attention block's output `o` is added to it, to
+    /// be added to `x` by the caller.
+    fn ffn_block(&self, l: usize, w: &LayerWeights, x: &mut Act, o: Act, hooks: &FfnHooks) -> Result<Act> {
         let cfg = &self.config;
         let dev = &*self.device;
-        let xn = dev.rms_norm(x, &w.ffn_norm, cfg.rms_eps);
+        let xn = dev.add_rms_norm(x, &o, &w.ffn_norm, cfg.rms_eps);
+        drop(o);
         let mut d = self.ffn(l, w, &xn, hooks)?;
         if let Some(pn) = &w.post_ffn_norm {
             dev.rms_norm_in_place(&mut d, pn, cfg.rms_eps);
         }
-        dev.add(x, &d);
-        Ok(())
+        Ok(d)
     }
 }

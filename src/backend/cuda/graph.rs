@@ -31,18 +31,20 @@ use super::{Arg, CudaDevice};
 use crate::error::{Error, Result};
 use crate::quant::GgmlType;
 
-/// `GATESTREAM_CUDA_GRAPHS`: `1` (or `on`) records and replays repeated segments as CUDA graphs;
-/// `0` (`off`, the default) launches every kernel as it comes. Not yet measured on a GPU.
+/// `GATESTREAM_CUDA_GRAPHS`: `1` (or `on`, the default) records and replays repeated segments as
+/// CUDA graphs; `0` (`off`) launches every kernel as it comes. On an H100 (2026-11-25) decode
+/// with graphs: stories260K 1.80x, a small Qwen2-built model 1.58x, the Qwen2.5-1.5B-shaped
+/// model 1.03x the rate without (the same logits, bit for bit).
 pub const GRAPHS_ENV: &str = "GATESTREAM_CUDA_GRAPHS";
 
 /// Whether [`GRAPHS_ENV`] asks for graphs (`value`: the variable's value).
 pub fn graphs_asked(value: Option<&str>) -> Result<bool> {
     match value.map(str::trim) {
-        None | Some("") | Some("0") | Some("off") => Ok(false),
-        Some("1") | Some("on") => Ok(true),
+        Some("0") | Some("off") => Ok(false),
+        None | Some("") | Some("1") | Some("on") => Ok(true),
         Some(other) => Err(Error::Invalid(format!(
-            "{GRAPHS_ENV}={other}: expected 0 or off (the default: each kernel launched as it comes), or 1 or on \
-             (repeated steps replayed as CUDA graphs)"
+            "{GRAPHS_ENV}={other}: expected 1 or on (the default: repeated steps replayed as CUDA graphs), or 0 or \
+             off (each kernel launched as it comes)"
         ))),
     }
 }
@@ -374,17 +376,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn graphs_are_off_unless_asked() {
-        assert!(!graphs_asked(None).unwrap());
-        for off in ["", "0", "off", " off "] {
+    fn graphs_are_on_unless_turned_off() {
+        assert!(graphs_asked(None).unwrap());
+        for off in ["0", "off", " off "] {
             assert!(!graphs_asked(Some(off)).unwrap(), "{off:?}");
         }
-        for on in ["1", "on"] {
+        for on in ["", "1", "on"] {
             assert!(graphs_asked(Some(on)).unwrap(), "{on:?}");
         }
         let e = graphs_asked(Some("yes")).unwrap_err().to_string();
         assert!(
-            e.contains("GATESTREAM_CUDA_GRAPHS=yes") && e.contains("expected 0"),
+            e.contains("GATESTREAM_CUDA_GRAPHS=yes") && e.contains("expected 1") && e.contains("or 0"),
             "{e}"
         );
     }

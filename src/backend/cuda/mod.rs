@@ -69,8 +69,10 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
 /// The kernels that are not per type.
-const OPS: [&str; 16] = [
+const OPS: [&str; 18] = [
     "accumulate_reduce",
+    "activate_mul",
+    "add_rms_norm",
     "act_q8_32",
     "act_q8_k",
     "act_q8_k_blocks",
@@ -99,7 +101,7 @@ fn kernel_keys() -> Vec<(KernelKey, String)> {
         .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
     let int8 = INT8_TYPES
         .iter()
-        .map(|&ty| (("matvec_i8", Some(ty)), format!("matvec_i8_{}", type_suffix(ty))));
+        .flat_map(|&ty| ["matvec_i8", "matvec_i8x3"].map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
     typed
         .chain(int8)
         .chain(OPS.iter().map(|&k| ((k, None), k.to_string())))
@@ -147,6 +149,32 @@ pub fn matvec_cfg(rows_out: usize, rows_per_warp: usize) -> LaunchConfig {
         block_dim: (32, MATMUL_WARPS, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Warps per row of the integer one-token products (`matvec_i8_*`) for rows of `cols` values:
+/// one while a warp's 4 groups of 8 lanes cover the row's super-blocks in at most two passes,
+/// then 2, 4 or 8 (a wide row, such as an FFN's down row, shared by a block's warps so that
+/// enough of them read at once: 1536 rows of 8960 make only 1536 warps otherwise).
+pub fn i8_warps_per_row(cols: usize) -> usize {
+    let super_blocks = cols / 256;
+    let mut w = 1;
+    while w < MATMUL_WARPS as usize && 8 * w <= super_blocks {
+        w *= 2;
+    }
+    w
+}
+
+/// Launch geometry of the integer products: blocks of `MATMUL_WARPS` warps, each row taking
+/// `wpr` of them; the blocks each of up to three weights' `rows` need, in order.
+pub fn i8_blocks(rows: &[usize], wpr: usize) -> Vec<u32> {
+    let rows_per_block = MATMUL_WARPS as usize / wpr;
+    rows.iter().map(|r| r.div_ceil(rows_per_block) as u32).collect()
+}
+
+/// Threads of a norm's block (`rms_norm`, `add_rms_norm`: one block per row): enough for each
+/// to hold `NORM_PER_THREAD` (4) values of the row in registers, whole warps, at most 1024.
+pub fn norm_threads(width: usize) -> u32 {
+    (width.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
 /// Partitions of the rows in `accumulate_rows` (each summed in order by one thread per column
@@ -289,12 +317,14 @@ pub struct CudaDevice {
     graphs: Mutex<graph::Graphs>,
 }
 
-/// `GATESTREAM_CUDA_ACTIVATIONS`: `f32` (the default) multiplies quantized weights with the f32
-/// activations; `q8` first replaces the activations by the 8-bit blocks the CPU's products use
-/// (blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256 for K-quants), so the GPU
-/// computes what the CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them
-/// as integers (`dp4a`, llama.cpp's approach) in one-token products of Q4_K and Q6_K rows, the
-/// rest as `q8`. Not yet measured on a GPU.
+/// `GATESTREAM_CUDA_ACTIVATIONS`: what the GPU's quantized products multiply. `auto` (the
+/// default): Q4_K and Q6_K weights as `int8`, the other types as `f32` — the fastest on an H100
+/// (Qwen2.5-1.5B-shaped decode, 2026-11-25: 354 tok/s with `int8` against 206 with `f32` and 194
+/// with `q8`). `f32` multiplies quantized weights with the f32 activations; `q8` first
+/// replaces the activations by the 8-bit blocks the CPU's products use (blocks of 32 for
+/// Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256 for K-quants), so the GPU computes what the
+/// CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them as integers
+/// (`dp4a`, llama.cpp's approach) in one-token products of Q4_K and Q6_K rows, the rest as `q8`.
 pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
 
 /// What the GPU's quantized products multiply the weights with (see [`ACTIVATIONS_ENV`]).
@@ -307,6 +337,10 @@ pub enum Activations {
     /// The CPU's 8-bit blocks multiplied as integers where a kernel does (one-token products of
     /// Q4_K and Q6_K rows), as [`Activations::Q8`] elsewhere.
     Int8,
+    /// The default: weights of the types with integer products (Q4_K, Q6_K) as
+    /// [`Activations::Int8`] (integers for one token, the CPU's 8-bit blocks for a batch, as the
+    /// CPU computes them), the other types as [`Activations::F32`].
+    Auto,
 }
 
 /// The weight types with integer one-token products (`matvec_i8_*`).
@@ -317,20 +351,23 @@ const Q8K_BLOCK_BYTES: usize = 292;
 /// What [`ACTIVATIONS_ENV`] asks for (`value`: the variable's value).
 pub fn activations_asked(value: Option<&str>) -> Result<Activations> {
     match value.map(str::trim) {
-        None | Some("") | Some("f32") => Ok(Activations::F32),
+        None | Some("") | Some("auto") => Ok(Activations::Auto),
+        Some("f32") => Ok(Activations::F32),
         Some("q8") => Ok(Activations::Q8),
         Some("int8") => Ok(Activations::Int8),
         Some(other) => Err(Error::Invalid(format!(
-            "{ACTIVATIONS_ENV}={other}: expected f32 (the default: f32 activations), q8 (the CPU's 8-bit activation \
-             blocks) or int8 (those blocks in integer products)"
+            "{ACTIVATIONS_ENV}={other}: expected auto (the default: int8 for Q4_K and Q6_K weights, f32 for the \
+             others), f32 (f32 activations), q8 (the CPU's 8-bit activation blocks) or int8 (those blocks in \
+             integer products where a kernel does)"
         ))),
     }
 }
 
 /// `GATESTREAM_CUDA_MATVEC_ROWS`: rows per warp of one-token (decode) products — 1 (the default:
 /// `matvec`, one warp per row), 2 or 4 (`matvec2`/`matvec4`: each lane loads a unit of the input
-/// once for that many rows). The same sums in the same order; which is faster is for a GPU to
-/// measure (not yet measured).
+/// once for that many rows), for the f32-activation products. The same sums in the same order;
+/// slower on an H100 (Qwen2.5-1.5B-shaped decode, f32: 213.7 tok/s with 1, 196.7 with 2, 169.5
+/// with 4).
 pub const MATVEC_ROWS_ENV: &str = "GATESTREAM_CUDA_MATVEC_ROWS";
 
 /// The rows per warp [`MATVEC_ROWS_ENV`] asks for (`value`: the variable's value).
@@ -501,13 +538,14 @@ impl CudaDevice {
         match self.activations.load(std::sync::atomic::Ordering::Relaxed) {
             0 => Activations::F32,
             1 => Activations::Q8,
-            _ => Activations::Int8,
+            2 => Activations::Int8,
+            _ => Activations::Auto,
         }
     }
 
     /// Whether a product of `w` with `x` runs as integers (`matvec_i8_*`).
     fn int8_product(&self, w: &Weight, x: &Act) -> bool {
-        self.activations() == Activations::Int8
+        matches!(self.activations(), Activations::Int8 | Activations::Auto)
             && x.rows == 1
             && x.width == w.cols
             && INT8_TYPES.contains(&w.ty)
@@ -543,10 +581,19 @@ impl CudaDevice {
         self.matvec_rows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether products with `ty` weights take the CPU's 8-bit activations (in this mode).
+    fn quantizes_activations(&self, ty: GgmlType) -> bool {
+        match self.activations() {
+            Activations::F32 => false,
+            Activations::Auto => INT8_TYPES.contains(&ty),
+            Activations::Q8 | Activations::Int8 => true,
+        }
+    }
+
     /// With 8-bit activations on: `x` as the CPU's products with `ty` weights see it (`None`
     /// when off, or for float weights, which take `x` itself).
     fn activations_for(&self, ty: GgmlType, x: &Act) -> Option<Act> {
-        if self.activations() == Activations::F32 {
+        if !self.quantizes_activations(ty) {
             return None;
         }
         let (kernel, block) = match ActivationFormat::for_weights(ty) {
@@ -618,7 +665,13 @@ impl CudaDevice {
         let len = len.max(1);
         let reused = {
             let mut free = self.pool.free.lock().expect("pool");
-            let s = free.0.get_mut(&len).and_then(|v| v.pop());
+            // The free buffer of this length with the lowest address, whatever order they came
+            // back in: a step that allocates and frees as the step before it gets the same
+            // buffers, so its recorded launches repeat exactly (CUDA graphs replay them).
+            let s = free.0.get_mut(&len).and_then(|v| {
+                let lowest = (0..v.len()).min_by_key(|&i| self.raw(&v[i]))?;
+                Some(v.swap_remove(lowest))
+            });
             if s.is_some() {
                 free.1 -= len * 4;
             }
@@ -923,6 +976,14 @@ enum Arg {
     F32(f32),
 }
 
+/// `activate`'s code for an activation (ACT_* in kernels/ops.cu).
+fn activation_code(f: FfnActivation) -> usize {
+    match f {
+        FfnActivation::Silu => 0,
+        FfnActivation::GeluTanh => 1,
+    }
+}
+
 fn int(v: usize) -> Arg {
     Arg::I32(v as i32)
 }
@@ -1138,6 +1199,66 @@ impl Device for CudaDevice {
         );
     }
 
+    fn activate_mul(&self, up: &mut Act, gate: &mut Act, f: FfnActivation) {
+        let len = up.rows * up.width;
+        if gate.rows * gate.width != len {
+            self.fail(format!(
+                "activate_mul: {len} values times a gate of {}",
+                gate.rows * gate.width
+            ));
+            return;
+        }
+        self.launch(
+            "activate_mul",
+            None,
+            elementwise_cfg(len),
+            &[
+                ptr(self.buf(up)),
+                ptr(self.buf(gate)),
+                int(activation_code(f)),
+                ptr(len as u64),
+            ],
+        );
+    }
+
+    fn add_rms_norm(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Act {
+        let out = self.act(x.rows, x.width);
+        if x.rows == 0 {
+            return out;
+        }
+        if (y.rows, y.width) != (x.rows, x.width) || w.len() != x.width {
+            self.fail(format!(
+                "add_rms_norm: [{}, {}] plus [{}, {}], a norm of {}",
+                x.rows,
+                x.width,
+                y.rows,
+                y.width,
+                w.len()
+            ));
+            return out;
+        }
+        let wp = self.vector(w);
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (norm_threads(x.width), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "add_rms_norm",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(x)),
+                ptr(self.buf(y)),
+                ptr(wp),
+                ptr(self.buf(&out)),
+                int(x.width),
+                Arg::F32(eps),
+            ],
+        );
+        out
+    }
+
     fn mul(&self, x: &mut Act, y: &Act) {
         let len = x.rows * x.width;
         self.launch(
@@ -1150,15 +1271,11 @@ impl Device for CudaDevice {
 
     fn activate(&self, x: &mut Act, f: FfnActivation) {
         let len = x.rows * x.width;
-        let code = match f {
-            FfnActivation::Silu => 0,
-            FfnActivation::GeluTanh => 1,
-        };
         self.launch(
             "activate",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(x)), int(code), ptr(len as u64)],
+            &[ptr(self.buf(x)), int(activation_code(f)), ptr(len as u64)],
         );
     }
 
@@ -1234,32 +1351,17 @@ impl Device for CudaDevice {
     }
 
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
-        // The input as each weight type's products see it, made once per activation format.
-        let mut seen: Vec<(ActivationFormat, Option<Act>)> = Vec::new();
-        let mut int8: Option<Act> = None;
-        ws.iter()
-            .map(|w| {
-                if self.int8_product(w, x) {
-                    let xq = int8.get_or_insert_with(|| self.int8_input(x));
-                    return self.product_i8(w, None, xq);
-                }
-                let format = ActivationFormat::for_weights(w.ty);
-                let i = match seen.iter().position(|(f, _)| *f == format) {
-                    Some(i) => i,
-                    None => {
-                        seen.push((format, self.activations_for(w.ty, x)));
-                        seen.len() - 1
-                    }
-                };
-                self.product(w, None, seen[i].1.as_ref().unwrap_or(x))
-            })
-            .collect()
+        self.matmul_with(ws, &[], x)
+    }
+
+    fn matmul_bias(&self, ws: &[&Weight], biases: &[Option<&[f32]>], x: &Act) -> Vec<Act> {
+        self.matmul_with(ws, biases, x)
     }
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
         if self.int8_product(w, x) {
             let xq = self.int8_input(x);
-            return self.product_i8(w, Some(rows), &xq);
+            return self.product_i8(w, Some(rows), None, &xq);
         }
         let seen = self.activations_for(w.ty, x);
         self.product(w, Some(rows), seen.as_ref().unwrap_or(x))
@@ -1334,30 +1436,35 @@ impl Device for CudaDevice {
             RopeStyle::AdjacentPairs => 0,
             RopeStyle::HalfSplit => 1,
         };
-        for (x, norm) in [(&*q, q_norm), (&*k, k_norm)] {
-            let np = norm.map_or(0, |n| self.vector(n));
-            let cfg = LaunchConfig {
-                grid_dim: ((x.width / hd) as u32, positions.len() as u32, 1),
-                block_dim: (rope_threads(hd), 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch(
-                "rope_norm",
-                None,
-                cfg,
-                &[
-                    ptr(self.buf(x)),
-                    int(x.width),
-                    int(hd),
-                    ptr(pp),
-                    Arg::F32(shape.base),
-                    Arg::F32(shape.pos_scale),
-                    int(style),
-                    ptr(np),
-                    Arg::F32(eps),
-                ],
-            );
-        }
+        // Queries and keys in one launch.
+        let (qn, kn) = (
+            q_norm.map_or(0, |n| self.vector(n)),
+            k_norm.map_or(0, |n| self.vector(n)),
+        );
+        let cfg = LaunchConfig {
+            grid_dim: ((q.width / hd + k.width / hd) as u32, positions.len() as u32, 1),
+            block_dim: (rope_threads(hd), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "rope_norm",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(q)),
+                int(q.width),
+                ptr(qn),
+                ptr(self.buf(k)),
+                int(k.width),
+                ptr(kn),
+                int(hd),
+                ptr(pp),
+                Arg::F32(shape.base),
+                Arg::F32(shape.pos_scale),
+                int(style),
+                Arg::F32(eps),
+            ],
+        );
     }
 
     fn kv_write(
@@ -1468,7 +1575,7 @@ impl CudaDevice {
         let wp = self.vector(w);
         let cfg = LaunchConfig {
             grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
+            block_dim: (norm_threads(x.width), 1, 1),
             shared_mem_bytes: 0,
         };
         self.launch(
@@ -1479,9 +1586,50 @@ impl CudaDevice {
         );
     }
 
-    /// `x · w[rows]` (all rows when `None`) for one token `x` given as Q8_K blocks
-    /// ([`CudaDevice::int8_input`]), with integer dot products.
-    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, xq: &Act) -> Act {
+    /// `x · w_i` (+ `biases[i]` where given) for each weight: the integer products of one
+    /// type in launches of up to three weights (the input quantized once), the others one by one.
+    fn matmul_with(&self, ws: &[&Weight], biases: &[Option<&[f32]>], x: &Act) -> Vec<Act> {
+        let bias = |i: usize| biases.get(i).copied().flatten();
+        let mut out: Vec<Option<Act>> = ws.iter().map(|_| None).collect();
+        let int8: Vec<usize> = (0..ws.len()).filter(|&i| self.int8_product(ws[i], x)).collect();
+        if !int8.is_empty() {
+            let xq = self.int8_input(x);
+            for ty in INT8_TYPES {
+                let same: Vec<usize> = int8.iter().copied().filter(|&i| ws[i].ty == ty).collect();
+                for group in same.chunks(3) {
+                    let items: Vec<(&Weight, Option<&[f32]>)> = group.iter().map(|&i| (ws[i], bias(i))).collect();
+                    for (&i, o) in group.iter().zip(self.products_i8(&items, &xq)) {
+                        out[i] = Some(o);
+                    }
+                }
+            }
+        }
+        // The input as each other weight type's products see it, made once per format.
+        let mut seen: Vec<((ActivationFormat, bool), Option<Act>)> = Vec::new();
+        for (i, w) in ws.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let format = (ActivationFormat::for_weights(w.ty), self.quantizes_activations(w.ty));
+            let f = match seen.iter().position(|(f, _)| *f == format) {
+                Some(f) => f,
+                None => {
+                    seen.push((format, self.activations_for(w.ty, x)));
+                    seen.len() - 1
+                }
+            };
+            let mut o = self.product(w, None, seen[f].1.as_ref().unwrap_or(x));
+            if let Some(b) = bias(i) {
+                self.add_bias(&mut o, b);
+            }
+            out[i] = Some(o);
+        }
+        out.into_iter().map(|o| o.expect("every product made")).collect()
+    }
+
+    /// `x · w[rows]` (all rows when `None`; + `bias` when given) for one token `x` given as
+    /// Q8_K blocks ([`CudaDevice::int8_input`]), with integer dot products.
+    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, xq: &Act) -> Act {
         let rows_out = rows.map_or(w.rows, |r| r.len());
         let out = self.act(1, rows_out);
         if rows_out == 0 {
@@ -1489,10 +1637,17 @@ impl CudaDevice {
         }
         let Some(wd) = self.weight(w) else { return out };
         let idx = rows.map_or(0, |r| self.indices(r));
+        let bp = bias.map_or(0, |b| self.vector(b));
+        let wpr = i8_warps_per_row(w.cols);
+        let cfg = LaunchConfig {
+            grid_dim: (i8_blocks(&[rows_out], wpr)[0].max(1), 1, 1),
+            block_dim: (32, MATMUL_WARPS, 1),
+            shared_mem_bytes: 0,
+        };
         self.launch(
             "matvec_i8",
             Some(w.ty),
-            matvec_cfg(rows_out, 1),
+            cfg,
             &[
                 ptr(wd.ptr),
                 ptr(w.row_stride_bytes as u64),
@@ -1500,11 +1655,68 @@ impl CudaDevice {
                 ptr(idx),
                 int(w.cols),
                 ptr(self.buf(xq)),
-                int(1),
+                ptr(bp),
+                int(wpr),
                 ptr(self.buf(&out)),
             ],
         );
         out
+    }
+
+    /// Several weights of one integer-product type (at most three, the same columns) times the
+    /// same one-token input in one launch (`matvec_i8x3_*`); one alone as [`Self::product_i8`].
+    fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], xq: &Act) -> Vec<Act> {
+        if let [(w, b)] = items {
+            return vec![self.product_i8(w, None, *b, xq)];
+        }
+        assert!(
+            items.len() <= 3
+                && items
+                    .windows(2)
+                    .all(|p| p[0].0.ty == p[1].0.ty && p[0].0.cols == p[1].0.cols)
+        );
+        let outs: Vec<Act> = items.iter().map(|(w, _)| self.act(1, w.rows)).collect();
+        let mut segs = Vec::new();
+        for (w, b) in items {
+            let Some(wd) = self.weight(w) else { return outs };
+            segs.push((
+                wd.ptr,
+                w.row_stride_bytes as u64,
+                w.rows,
+                b.map_or(0, |b| self.vector(b)),
+            ));
+        }
+        let (ty, cols) = (items[0].0.ty, items[0].0.cols);
+        let wpr = i8_warps_per_row(cols);
+        let mut rows: Vec<usize> = segs.iter().map(|s| s.2).collect();
+        rows.resize(3, 0);
+        let nb = i8_blocks(&rows, wpr);
+        let total = nb.iter().sum::<u32>();
+        if total == 0 {
+            return outs;
+        }
+        let mut args = vec![
+            ptr(self.buf(xq)),
+            int(cols),
+            int(wpr),
+            int(nb[0] as usize),
+            int((nb[0] + nb[1]) as usize),
+        ];
+        for i in 0..3 {
+            match (segs.get(i), outs.get(i)) {
+                (Some(&(wp, stride, r, bp)), Some(o)) => {
+                    args.extend([ptr(wp), ptr(stride), int(r), ptr(bp), ptr(self.buf(o))]);
+                }
+                _ => args.extend([ptr(0), ptr(0), int(0), ptr(0), ptr(0)]),
+            }
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (total, 1, 1),
+            block_dim: (32, MATMUL_WARPS, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("matvec_i8x3", Some(ty), cfg, &args);
+        outs
     }
 
     /// `x · w[rows]` (all rows when `None`).
@@ -1561,14 +1773,21 @@ mod tests {
             let by_macro = TYPED.contains(&kind)
                 && src.contains(&format!("void {kind}_##NAME("))
                 && src.contains(&format!("QUANT_KERNELS({suffix},"));
-            assert!(direct || by_macro, "{name} is not in kernels/");
+            // The integer products come from the MATVEC_I8_KERNELS macro.
+            let int8 = ["matvec_i8x3", "matvec_i8"].iter().any(|family| {
+                name.strip_prefix(&format!("{family}_")).is_some_and(|t| {
+                    src.contains(&format!("void {family}_##t(")) && src.contains(&format!("MATVEC_I8_KERNELS({t},"))
+                })
+            });
+            assert!(direct || by_macro || int8, "{name} is not in kernels/");
         }
     }
 
     #[test]
-    fn activation_mode_is_f32_unless_q8_is_asked() {
-        assert_eq!(activations_asked(None).unwrap(), Activations::F32);
-        assert_eq!(activations_asked(Some("")).unwrap(), Activations::F32);
+    fn activation_mode_is_auto_unless_asked() {
+        assert_eq!(activations_asked(None).unwrap(), Activations::Auto);
+        assert_eq!(activations_asked(Some("")).unwrap(), Activations::Auto);
+        assert_eq!(activations_asked(Some("auto")).unwrap(), Activations::Auto);
         assert_eq!(activations_asked(Some("f32")).unwrap(), Activations::F32);
         assert_eq!(activations_asked(Some(" q8 ")).unwrap(), Activations::Q8);
         assert_eq!(activations_asked(Some("int8")).unwrap(), Activations::Int8);
@@ -1615,5 +1834,25 @@ mod tests {
         assert_eq!(rope_threads(8), 32);
         assert_eq!(rope_threads(128), 64);
         assert_eq!(rope_threads(256), 128);
+        // Norms: 4 values a thread in registers up to 4096 wide, whole warps.
+        assert_eq!(norm_threads(1536), 384);
+        assert_eq!(norm_threads(256), 64);
+        assert_eq!(norm_threads(1), 32);
+        assert_eq!(norm_threads(4096), 1024);
+        assert_eq!(norm_threads(8960), 1024);
+        // Integer products: a row's warps cover its super-blocks in one or two passes of 4.
+        assert_eq!(i8_warps_per_row(1536), 1); // 6 super-blocks
+        assert_eq!(i8_warps_per_row(2048), 2); // 8
+        assert_eq!(i8_warps_per_row(4096), 4); // 16
+        assert_eq!(i8_warps_per_row(8960), 8); // 35
+        assert_eq!(i8_warps_per_row(256 * 1000), 8);
+        for wpr in [1usize, 2, 4, 8] {
+            for rows in [1usize, 7, 8, 9, 1536] {
+                let nb = i8_blocks(&[rows, 0], wpr);
+                let per_block = MATMUL_WARPS as usize / wpr;
+                assert!(nb[0] as usize * per_block >= rows && (nb[0] as usize - 1) * per_block < rows);
+                assert_eq!(nb[1], 0);
+            }
+        }
     }
 }
