@@ -54,7 +54,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 20] = [
+    let checks: [(&str, Check); 21] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
@@ -79,7 +79,11 @@ fn main() {
             )
         }),
         // The same on the small Qwen2-built model as a `.gst` (Q4_K and Q6_K rows: the
-        // integer products on the staged path).
+        // integer products on the streamed and staged paths, Q, K and V streamed in one launch).
+        ("small_qwen2_streamed_to_cuda", |d, r| {
+            let gst = small_qwen_gst_path()?;
+            streamed_to_cuda(d, r, "small_qwen2_streamed", "small Qwen2", &gst, Budget::Minimum)
+        }),
         ("small_qwen2_vram_budget", |d, r| {
             let gst = small_qwen_gst_path()?;
             vram_budget(
@@ -1436,6 +1440,8 @@ fn gst_beside(gguf: &std::path::Path) -> Result<std::path::PathBuf, String> {
 enum Budget {
     OfFile,
     AboveMinimum,
+    /// The refused minimum itself: attention and gates streamed too (their copies volatile).
+    Minimum,
 }
 
 impl Budget {
@@ -1445,9 +1451,14 @@ impl Budget {
         let share = file_bytes * 2 / 5;
         match self {
             Budget::OfFile => Ok(share),
-            Budget::AboveMinimum => {
+            Budget::AboveMinimum | Budget::Minimum => {
                 let e = refusal(0).ok_or("a zero budget was not refused")?.to_string();
-                Ok(common::budget_in_refusal(&e) + share)
+                let min = common::budget_in_refusal(&e);
+                Ok(if matches!(self, Budget::Minimum) {
+                    min
+                } else {
+                    min + share
+                })
             }
         }
     }
@@ -1456,6 +1467,10 @@ impl Budget {
         match self {
             Budget::OfFile => "40%".into(),
             Budget::AboveMinimum => format!("(the minimum + 40% = {:.2} MB)", bytes as f64 / 1e6),
+            Budget::Minimum => format!(
+                "(the minimum, {:.2} MB: every weight it can streamed)",
+                bytes as f64 / 1e6
+            ),
         }
     }
 }

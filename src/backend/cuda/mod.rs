@@ -177,6 +177,15 @@ pub fn norm_threads(width: usize) -> u32 {
     (width.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
+/// A norm's launch: one block of [`norm_threads`] per row.
+fn norm_cfg(rows: usize, width: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (norm_threads(width), 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Partitions of the rows in `accumulate_rows` (each summed in order by one thread per column
 /// unit, then the partitions added in order): enough to fill the GPU, at least 64 rows each.
 pub fn accumulate_parts(n_rows: usize) -> usize {
@@ -1238,11 +1247,7 @@ impl Device for CudaDevice {
             return out;
         }
         let wp = self.vector(w);
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (norm_threads(x.width), 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = norm_cfg(x.rows, x.width);
         self.launch(
             "add_rms_norm",
             None,
@@ -1573,11 +1578,7 @@ impl CudaDevice {
             return;
         }
         let wp = self.vector(w);
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (norm_threads(x.width), 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = norm_cfg(x.rows, x.width);
         self.launch(
             "rms_norm",
             None,
@@ -1676,7 +1677,10 @@ impl CudaDevice {
                     .all(|p| p[0].0.ty == p[1].0.ty && p[0].0.cols == p[1].0.cols)
         );
         let outs: Vec<Act> = items.iter().map(|(w, _)| self.act(1, w.rows)).collect();
+        // Each weight's device copy (a streamed weight's lives only as long as this) is kept
+        // until the launch.
         let mut segs = Vec::new();
+        let mut on_device = Vec::new();
         for (w, b) in items {
             let Some(wd) = self.weight(w) else { return outs };
             segs.push((
@@ -1685,6 +1689,7 @@ impl CudaDevice {
                 w.rows,
                 b.map_or(0, |b| self.vector(b)),
             ));
+            on_device.push(wd);
         }
         let (ty, cols) = (items[0].0.ty, items[0].0.cols);
         let wpr = i8_warps_per_row(cols);
@@ -1716,6 +1721,7 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         self.launch("matvec_i8x3", Some(ty), cfg, &args);
+        drop(on_device);
         outs
     }
 
