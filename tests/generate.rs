@@ -49,8 +49,9 @@ fn smollm2_gst(dir: &std::path::Path) -> std::path::PathBuf {
 /// as the CUDA device does): under a device budget of 40% of the file, from host RAM (no RAM
 /// budget) and from disk (a RAM budget), the in-RAM model's tokens; the device keeps only what
 /// its plan keeps, and a dense decode step copies exactly what the plan says it copies (every
-/// weight not kept, the whole FFN); a masked one copies less. A budget below the minimum is
-/// refused naming it, and the CPU device refuses the flag.
+/// weight not kept, the whole FFN); a masked one copies less (from host RAM it copies no FFN
+/// row: the kept ones are read in place from the mapped neuron cache). A budget below the
+/// minimum is refused naming it, and the CPU device refuses the flag.
 #[test]
 fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_each_use() {
     use gatestream::backend::standin::HostStandIn;
@@ -125,16 +126,22 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
             );
             // The stream's FFN staging is page-locked while the stream is open, and so are the
             // resident attention and gate matrices the plan does not keep (each its own
-            // buffer). Under the RAM budget some of those stream from disk instead, through the
-            // prefetch thread's two buffers, which are locked too. So a dense step copies only
-            // from page-locked memory either way.
+            // buffer), and each layer's neuron cache (up rows, down columns; mapped too).
+            // Under the RAM budget some of those stream from disk instead, through the prefetch
+            // thread's two buffers, which are locked too. So a dense step copies only from
+            // page-locked memory either way.
             let unkept = 4 * plan.attention_resident.iter().filter(|&&k| !k).count()
                 + plan.gate_resident.iter().filter(|&&k| !k).count();
+            let caches = 2 * report.residency.cache_neurons.iter().filter(|&&n| n > 0).count();
             let all_resident = ram == gatestream::stream::RAM_UNLIMITED;
             if all_resident {
-                assert_eq!(dev.pinned_ranges(), 2 + unkept, "{what}");
+                assert_eq!(caches, 2 * plan.gate_resident.len(), "{what}: every layer cached");
+                assert_eq!(dev.pinned_ranges(), 2 + unkept + caches, "{what}");
             } else {
-                assert!((4..=4 + unkept).contains(&dev.pinned_ranges()), "{what}");
+                assert!(
+                    (4 + caches..=4 + unkept + caches).contains(&dev.pinned_ranges()),
+                    "{what}"
+                );
             }
             if mask.is_none() {
                 assert_eq!(link.bytes_per_token, plan.copied_bytes_per_token as f64, "{what}");
@@ -150,16 +157,29 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
                     link.bytes_per_token < 0.85 * dense_copies,
                     "{what}: {link:?} vs dense {dense_copies}"
                 );
-                // Decode steps staged their FFN rows; the staging buffers alive at once never
-                // held more than one layer's up and down matrices (the room the plan keeps for
-                // one layer's copies), give or take a grain each.
                 let u = dev.upload_counters();
-                let grain = gatestream::backend::UPLOAD_BUFFER_GRAIN as u64;
-                assert!(u.uploads > 0 && u.peak_held_bytes > 0, "{what}: {u:?}");
-                assert!(
-                    u.peak_held_bytes <= ffn_layer_bytes + 2 * grain,
-                    "{what}: {u:?} vs {ffn_layer_bytes}"
-                );
+                if all_resident {
+                    // The cache holds every layer, mapped: decode steps read the kept rows by
+                    // id where they are, nothing staged.
+                    assert!(
+                        link.mapped_bytes_per_token > 0.0 && u.uploads == 0,
+                        "{what}: {link:?} {u:?}"
+                    );
+                } else {
+                    // Decode steps staged their FFN rows; the staging buffers alive at once never
+                    // held more than one layer's up and down matrices (the room the plan keeps
+                    // for one layer's copies), give or take a grain each.
+                    let grain = gatestream::backend::UPLOAD_BUFFER_GRAIN as u64;
+                    assert_eq!(
+                        link.mapped_bytes_per_token, 0.0,
+                        "{what}: a partial cache is not read in place"
+                    );
+                    assert!(u.uploads > 0 && u.peak_held_bytes > 0, "{what}: {u:?}");
+                    assert!(
+                        u.peak_held_bytes <= ffn_layer_bytes + 2 * grain,
+                        "{what}: {u:?} vs {ffn_layer_bytes}"
+                    );
+                }
             }
             // The locks go with the stream (before its buffers).
             drop(rt);

@@ -1203,17 +1203,19 @@ fn bytes_per_token(m: &Model) -> u64 {
 /// Decode tokens per second over `steps` single-token passes (through `stream` when given),
 /// after an 8-token prompt and 3 warm-up steps.
 fn decode_rate(m: &Model, stream: Option<&dyn LayerStream>, steps: usize) -> Result<f64, String> {
-    Ok(masked_decode(m, stream, None, steps)?.0)
+    Ok(masked_decode(m, stream, None, steps, &|| 0)?.0)
 }
 
 /// As [`decode_rate`], with a mask (if any); also what the device copied from the host during
-/// the timed steps.
+/// the timed steps, and how far `mapped` (a stream's count of bytes read in place, across the
+/// link; `|| 0` for none) moved meanwhile.
 fn masked_decode(
     m: &Model,
     stream: Option<&dyn LayerStream>,
     mask: Option<&dyn FfnMask>,
     steps: usize,
-) -> Result<(f64, LinkCounters), String> {
+    mapped: &dyn Fn() -> u64,
+) -> Result<(f64, LinkCounters, u64), String> {
     let mut c = KvCache::new(&m.config, steps + 16);
     let h = masked_hooks(stream, mask);
     let mut pass = |tokens: &[u32]| {
@@ -1227,13 +1229,13 @@ fn masked_decode(
     for i in 0..3 {
         pass(&[(400 + i) % v])?;
     }
-    let l0 = m.device.link().unwrap_or_default();
+    let (l0, m0) = (m.device.link().unwrap_or_default(), mapped());
     let t = Instant::now();
     for i in 0..steps as u32 {
         pass(&[(500 + i) % v])?;
     }
     let rate = steps as f64 / t.elapsed().as_secs_f64();
-    Ok((rate, m.device.link().unwrap_or_default().minus(&l0)))
+    Ok((rate, m.device.link().unwrap_or_default().minus(&l0), mapped() - m0))
 }
 
 fn qwen_speed(
@@ -1352,7 +1354,7 @@ fn streamed_to_cuda(
     // counters).
     let device_rate = decode_rate(&in_device, None, steps)?;
     let stream = Streamer::open(&on_disk, &opts).map_err(|e| e.to_string())?;
-    let (streamed_rate, link) = masked_decode(&on_disk, Some(&stream), None, steps)?;
+    let (streamed_rate, link, _) = masked_decode(&on_disk, Some(&stream), None, steps, &|| 0)?;
     // Every weight the device copies at each use (streamed attention and gates through the
     // prefetch thread's buffers, FFN rows through the staging) is in page-locked memory.
     let pinned_share = link.pinned_bytes as f64 / link.volatile_bytes.max(1) as f64;
@@ -1554,7 +1556,7 @@ fn vram_budget(
         return Err(format!("  streamed: {e}"));
     }
     drop(stream);
-    let (device_rate, _) = masked_decode(&in_device, None, None, steps)?;
+    let (device_rate, _, _) = masked_decode(&in_device, None, None, steps, &|| 0)?;
     let mut lines = vec![format!(
         "  {label} .gst in host RAM, GPU budget {} of {:.3} MB: {:.3} MB kept on the device (output {}, \
          attention {}/{}, gates {}/{}), {:.3} MB/token copied when dense (plan); every neuron: argmax differs at \
@@ -1583,11 +1585,13 @@ fn vram_budget(
             Some(c) => Some(Masker::for_model(&on_disk, Strategy::TopK, c, 0.5, None).map_err(|e| e.to_string())?),
             None => None,
         };
-        // Masked: the staged path (rows in page-locked buffers, chunks copied on the copy
-        // stream) against the model in device memory keeping the same neurons (its choices
-        // replayed), with f32 activations, where both compute their products to rounding: judged.
-        // Reported beside it: the same in the device's own mode (8-bit activations for K-quants
-        // by default: the staged down product sums the kept neurons only, the in-device one all
+        // Masked: the streamed path (the kept rows read by id, in place, from the neuron cache
+        // the device mapped; with GATESTREAM_CUDA_MAP_HOST=0 staged in page-locked buffers and
+        // copied in chunks on the copy stream) against the model in device memory keeping the
+        // same neurons (its choices replayed), with f32 activations, where both compute their
+        // products to rounding: judged. Reported beside it: the same in the device's own mode
+        // (8-bit activations for K-quants by default: the streamed down product sums the kept
+        // neurons only, the in-device one all
         // of them with zeros, and that rounding moves later activations across 8-bit steps), and
         // each run choosing its own neurons (a score moved across the top-k cut keeps another
         // neuron; a deep random model carries either on).
@@ -1637,23 +1641,39 @@ fn vram_budget(
             );
             masked_worst.push((name, mis, w));
         }
-        let (rate, l) = masked_decode(&on_disk, Some(&s), mask.as_ref().map(|m| m as &dyn FfnMask), steps)?;
+        let mask = mask.as_ref().map(|m| m as &dyn FfnMask);
+        let (rate, l, mapped) = masked_decode(&on_disk, Some(&s), mask, steps, &|| s.counters().ffn_mapped_bytes)?;
         if let Some(e) = dev.take_error() {
             return Err(format!("  {name}: {e}"));
         }
         let per_token = l.volatile_bytes as f64 / steps as f64;
+        // Kept rows read by id, in place, from the neuron cache the device mapped: link traffic
+        // too, beside the copies. A masked run takes that path unless mapping is turned off.
+        let mapped_per_token = mapped as f64 / steps as f64;
+        let map_off = matches!(
+            std::env::var("GATESTREAM_CUDA_MAP_HOST").as_deref(),
+            Ok("0") | Ok("off")
+        );
+        if criterion.is_some() && (mapped > 0) == map_off {
+            return Err(format!(
+                "  {name}: {mapped} bytes read in place over {steps} steps with GATESTREAM_CUDA_MAP_HOST {}",
+                if map_off { "off" } else { "on" }
+            ));
+        }
         let copy_s = l.copy_ns as f64 / 1e9 / steps as f64;
         let achieved = if l.copy_ns > 0 {
             l.volatile_bytes as f64 / l.copy_ns as f64
         } else {
             0.0
         };
-        let bound = pinned * 1e9 / per_token.max(1.0);
+        let bound = pinned * 1e9 / (per_token + mapped_per_token).max(1.0);
         let staged = l.staged_bytes as f64 / l.volatile_bytes.max(1) as f64;
         let pinned_share = l.pinned_bytes as f64 / l.volatile_bytes.max(1) as f64;
         lines.push(format!(
-            "  {name}: {rate:.1} tok/s; {:.3} MB/token copied in {:.0} copies ({:.0}% from page-locked memory, {:.0}% staged), {:.2} ms/token \
-             in copies ({achieved:.1} GB/s, {:.0}% of pinned); link bound {bound:.0} tok/s{compared}",
+            "  {name}: {rate:.1} tok/s; {:.3} MB/token read in place by id; {:.3} MB/token copied in {:.0} copies ({:.0}% from \
+             page-locked memory, {:.0}% staged), {:.2} ms/token in copies ({achieved:.1} GB/s, {:.0}% of pinned); link bound \
+             {bound:.0} tok/s{compared}",
+            mapped_per_token / 1e6,
             per_token / 1e6,
             l.volatile_copies as f64 / steps as f64,
             pinned_share * 100.0,
@@ -1663,7 +1683,7 @@ fn vram_budget(
         ));
         rows.insert(
             name.into(),
-            serde_json::json!({"tok_s": rate, "copied_bytes_per_token": per_token, "staged_fraction": staged, "pinned_fraction": pinned_share, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
+            serde_json::json!({"tok_s": rate, "mapped_bytes_per_token": mapped_per_token, "copied_bytes_per_token": per_token, "staged_fraction": staged, "pinned_fraction": pinned_share, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
         );
     }
     lines.push(format!("  in device memory: {device_rate:.1} tok/s"));

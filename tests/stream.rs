@@ -132,6 +132,10 @@ fn assert_bit_identical(path: &Path, text: &str) {
             }
             if budget == all {
                 assert_eq!((c.ffn_needed_bytes, c.cache_hits), (0, c.cache_lookups), "{c:?}");
+                // The cache holds every layer in neuron order: its rows were used in place.
+                assert!(c.ffn_in_place_bytes > 0, "{c:?}");
+            } else if budget == min {
+                assert_eq!(c.ffn_in_place_bytes, 0, "{c:?}");
             }
         }
     }
@@ -362,8 +366,9 @@ fn staged_uploads_survive_short_reads_and_report_eio() {
 
 /// The command line end to end on a device with memory of its own (the hidden `--device
 /// host-standin`): `run --mode compare --vram-budget --json --record-trace` runs both passes,
-/// reports the device plan and link figures (the sparse pass's FFN rows staged, the dense
-/// pass's from page-locked staging), and records the sparse pass's trace.
+/// reports the device plan and link figures (the dense pass's FFN rows copied from views of the
+/// neuron cache, the sparse pass's kept rows read by id from it in place), and records the
+/// sparse pass's trace.
 #[test]
 fn run_compare_with_a_gpu_budget_reports_the_link_and_records_a_trace() {
     let tmp = tempfile::tempdir().unwrap();
@@ -398,10 +403,23 @@ fn run_compare_with_a_gpu_budget_reports_the_link_and_records_a_trace() {
         );
         let link = &s["link"];
         let f = |k: &str| link[k].as_f64().unwrap_or_else(|| panic!("{pass}: no {k} in {link}"));
-        assert!(f("bytes_per_token") > 0.0, "{pass}: {link}");
+        // No RAM budget: the neuron cache holds every layer, mapped by the device. A dense
+        // pass's rows are views of it, copied at each use; a sparse pass's decode steps read
+        // the kept rows by id where they are (only the prompt's pass copies).
+        let in_place = s["counters"]["ffn_in_place_bytes"].as_u64().unwrap();
+        assert!(in_place > 0, "{pass}: {s}");
         match pass {
-            "dense" => assert!(f("staged_fraction") == 0.0 && f("pinned_fraction") > 0.5, "{link}"),
-            _ => assert!(f("staged_fraction") > 0.5, "{link}"),
+            "dense" => assert!(
+                f("bytes_per_token") > 0.0
+                    && f("staged_fraction") == 0.0
+                    && f("pinned_fraction") > 0.5
+                    && f("mapped_bytes_per_token") == 0.0,
+                "{link}"
+            ),
+            _ => assert!(
+                f("mapped_bytes_per_token") > 0.0 && f("staged_fraction") == 0.0,
+                "{link}"
+            ),
         }
     }
     let t = gatestream::bench::trace::Trace::read(&trace).unwrap();
@@ -521,6 +539,93 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
                     resident > 0 && volatile > 0,
                     "{what}: copied {resident} resident, {volatile} volatile"
                 );
+            }
+        }
+    }
+}
+
+/// With a neuron cache that holds every layer (no RAM budget of its own, as `--vram-budget`
+/// alone plans), a device with memory of its own gets a dense step's FFN rows as views of the
+/// cache, copied at each use (nothing gathered into staging), and a masked decode step's
+/// products read the kept rows by id in place from the cache the device mapped (nothing staged
+/// or copied): dense logits bit-identical to the in-RAM model, sparse ones within rounding.
+#[test]
+fn a_cache_holding_every_layer_hands_a_device_its_rows_in_place() {
+    use gatestream::backend::standin::HostStandIn;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let text = "The capital of France is";
+    let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
+    let ram = load(&p);
+    let layers = ram.config.n_layers as u64;
+    let up_bytes = ram.weights.layers[0].dense("test").unwrap().up.len_bytes() as u64;
+    // The prompt's pass and four decode steps.
+    let (steps, passes) = (4, 5);
+    for (policy, sparse) in [
+        (CachePolicy::Pinned, None),
+        (CachePolicy::Lru, None),
+        (CachePolicy::Pinned, Some(Criterion::Exact)),
+        (CachePolicy::Lru, Some(Criterion::Gate)),
+    ] {
+        let want = {
+            let mask = sparse.map(|c| Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap());
+            run(&ram, None, mask.as_ref(), text, steps)
+        };
+        let dev = Arc::new(HostStandIn::new(0).with_upload_chunk_bytes(16 << 10));
+        let opts = LoadOptions {
+            placement: Placement::OnDisk,
+            ..LoadOptions::default()
+        };
+        let m = Model::load_on(&p, &opts, dev.clone()).unwrap();
+        let s = Streamer::open(&m, &options(min + 2 * file_bytes, ReadEngine::Uring, policy)).unwrap();
+        let mask = sparse.map(|c| Masker::for_model(&m, Strategy::TopK, c, 0.5, None).unwrap());
+        let got = run(&m, Some(&s), mask.as_ref(), text, steps);
+        let what = format!("{policy:?} {sparse:?}");
+        assert_eq!(got.len(), want.len(), "{what}");
+        if sparse.is_none() {
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: differs from the in-RAM model"
+            );
+        } else {
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-4 * scale, "{what}: {diff} (scale {scale})");
+        }
+        let (c, u) = (s.counters(), dev.upload_counters());
+        assert_eq!(
+            (c.ffn_needed_bytes, c.cache_hits),
+            (0, c.cache_lookups),
+            "{what}: {c:?}"
+        );
+        // Nothing went through the device's staging buffers.
+        assert_eq!(u.uploads, 0, "{what}: {u:?}");
+        let (copied_up, by_id) = (dev.volatile_uses("ffn_up"), dev.in_place_uses("ffn_"));
+        match sparse {
+            // Up and down of every layer in every pass, copied from the views.
+            None => {
+                assert!(c.ffn_in_place_bytes >= 2 * passes * layers * up_bytes, "{what}: {c:?}");
+                assert_eq!(
+                    (copied_up, by_id, c.ffn_mapped_bytes),
+                    (passes * layers, 0, 0),
+                    "{what}"
+                );
+            }
+            // The prompt's pass copies its up rows; each decode step reads up rows and down
+            // columns of every layer by id.
+            Some(_) => {
+                assert_eq!(copied_up, layers, "{what}");
+                assert_eq!(dev.in_place_uses("ffn_up"), (passes - 1) * layers, "{what}");
+                assert_eq!(dev.in_place_uses("ffn_down"), (passes - 1) * layers, "{what}");
+                assert!(
+                    c.ffn_mapped_bytes > 0 && c.ffn_in_place_bytes >= c.ffn_mapped_bytes,
+                    "{what}: {c:?}"
+                );
+                if sparse == Some(Criterion::Exact) {
+                    // The prompt's pass needs every up row: one run of slots, a view copied.
+                    assert!(c.ffn_in_place_bytes > c.ffn_mapped_bytes, "{what}: {c:?}");
+                }
             }
         }
     }

@@ -233,6 +233,22 @@ pub trait Upload: Send {
 /// Host memory a device page-locked for its copies ([`Device::pin_host`]); unlocked on drop.
 pub struct PinnedHost(pub Box<dyn Send + Sync>);
 
+/// A weight's bytes in host memory a device mapped ([`Device::map_host`]), as the storage of
+/// the weight [`Device::in_place`] returns: the device that mapped it (`device`, its own id)
+/// reads them at `device_address`; any other reads the bytes as host memory.
+pub struct MappedHost {
+    /// The weight over the host bytes (keeps them alive).
+    pub weight: Weight,
+    pub device: u64,
+    pub device_address: u64,
+}
+
+impl StagedBytes for MappedHost {
+    fn bytes(&self) -> &[u8] {
+        self.weight.span().map_or(&[], |(b, _)| b)
+    }
+}
+
 /// Staging in ordinary memory: what a device that reads host memory in place gets (sending is
 /// nothing to do).
 pub struct HostUpload(Vec<u8>);
@@ -323,6 +339,21 @@ pub trait Device: Send + Sync {
     /// or the memory could not be locked (then copies from it stay ordinary ones). The guard
     /// unlocks it when dropped, and must be dropped before the memory is freed.
     fn pin_host(&self, _bytes: &[u8], _refilled: bool) -> Option<PinnedHost> {
+        None
+    }
+    /// Page-locks host memory as `pin_host` does and maps it into the device's address space,
+    /// so that besides copies at pinned speed, the device's kernels can read weights over it in
+    /// place, across the link, without a copy ([`Device::in_place`]): the stream's neuron cache,
+    /// whose kept rows a masked decode step reads by id. `None` where the device reads host
+    /// memory anyway (the CPU), does not map (then the caller pins), or the driver refused.
+    fn map_host(&self, _bytes: &[u8], _refilled: bool) -> Option<PinnedHost> {
+        None
+    }
+    /// `w`, over host memory this device mapped ([`Device::map_host`]), as a weight its products
+    /// read in place: `matmul_rows` and `accumulate_rows` with ids then move only the listed
+    /// rows across the link, nothing is staged or copied. `None` where `w` is not over mapped
+    /// memory.
+    fn in_place(&self, _w: &Weight) -> Option<Weight> {
         None
     }
     /// The size of the chunks staged rows are sent in ([`UPLOAD_CHUNK_BYTES`]; a test device

@@ -68,8 +68,9 @@ pub struct HostStandIn {
     /// The first protocol error since the last `take_error`.
     error: Arc<Mutex<Option<String>>>,
     chunk_bytes: usize,
-    /// Host ranges page-locked for copies (`pin_host`): (start address, length).
-    pinned: Arc<Mutex<Vec<(usize, usize)>>>,
+    /// Host ranges page-locked for copies (`pin_host`, `map_host`): (start address, length,
+    /// whether mapped for reads in place).
+    pinned: Arc<Mutex<Vec<(usize, usize, bool)>>>,
     /// Volatile bytes copied from those ranges.
     pinned_copied: AtomicU64,
     /// Resident copies by (address, length, row stride) of the bytes they were made of, each
@@ -81,6 +82,8 @@ pub struct HostStandIn {
     volatile_copies: AtomicU64,
     /// Volatile copies made, by weight name.
     volatile_uses: Mutex<HashMap<String, u64>>,
+    /// Uses of weights read in place from mapped memory (`in_place`), by weight name.
+    in_place_uses: Mutex<HashMap<String, u64>>,
 }
 
 impl HostStandIn {
@@ -99,6 +102,7 @@ impl HostStandIn {
             volatile_bytes: AtomicU64::new(0),
             volatile_copies: AtomicU64::new(0),
             volatile_uses: Mutex::new(HashMap::new()),
+            in_place_uses: Mutex::new(HashMap::new()),
         }
     }
 
@@ -107,6 +111,16 @@ impl HostStandIn {
     /// per pass that computed them here).
     pub fn volatile_uses(&self, part: &str) -> u64 {
         let uses = self.volatile_uses.lock().expect("volatile uses");
+        uses.iter()
+            .filter(|(name, _)| name.contains(part))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// How many products read weights whose name contains `part` in place, from mapped host
+    /// memory ([`Device::in_place`]), without a copy.
+    pub fn in_place_uses(&self, part: &str) -> u64 {
+        let uses = self.in_place_uses.lock().expect("in-place uses");
         uses.iter()
             .filter(|(name, _)| name.contains(part))
             .map(|(_, n)| n)
@@ -139,6 +153,21 @@ impl HostStandIn {
 
     fn fail(&self, msg: String) {
         self.error.lock().expect("error").get_or_insert(msg);
+    }
+
+    /// Locks `bytes` (`pin_host`), mapped too when `mapped` (`map_host`); as cuMemHostRegister,
+    /// a range overlapping one already locked is refused.
+    fn lock_range(&self, bytes: &[u8], mapped: bool) -> Option<super::PinnedHost> {
+        let range = (bytes.as_ptr() as usize, bytes.len(), mapped);
+        let mut pinned = self.pinned.lock().expect("pinned ranges");
+        if bytes.is_empty() || pinned.iter().any(|&(p, n, _)| range.0 < p + n && p < range.0 + range.1) {
+            return None;
+        }
+        pinned.push(range);
+        Some(super::PinnedHost(Box::new(Unpin {
+            ranges: self.pinned.clone(),
+            range,
+        })))
     }
 
     /// The copy a staged upload made of `w`'s bytes (`w` viewing `bytes` of `staged`): its rows
@@ -195,6 +224,16 @@ impl HostStandIn {
         if let Some(StandInStaged(staged)) = keep.downcast_ref::<StandInStaged>().filter(|s| s.0.device == self.id) {
             return self.staged_copy(w, bytes, staged);
         }
+        // Mapped host memory, read in place: the bytes as they are now, never copied.
+        if let Some(m) = keep.downcast_ref::<super::MappedHost>().filter(|m| m.device == self.id) {
+            *self
+                .in_place_uses
+                .lock()
+                .expect("in-place uses")
+                .entry(w.name.clone())
+                .or_default() += 1;
+            return m.weight.clone();
+        }
         let copy = || {
             Weight::shared_strided(
                 &w.name,
@@ -212,7 +251,7 @@ impl HostStandIn {
             self.volatile_copies.fetch_add(1, Ordering::Relaxed);
             let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
             let pinned = self.pinned.lock().expect("pinned ranges");
-            if pinned.iter().any(|&(p, n)| p <= lo && hi <= p + n) {
+            if pinned.iter().any(|&(p, n, _)| p <= lo && hi <= p + n) {
                 self.pinned_copied.fetch_add(bytes.len() as u64, Ordering::Relaxed);
             }
             *self
@@ -238,8 +277,8 @@ impl HostStandIn {
 
 /// Unlocks a range locked by `pin_host` when dropped.
 struct Unpin {
-    ranges: Arc<Mutex<Vec<(usize, usize)>>>,
-    range: (usize, usize),
+    ranges: Arc<Mutex<Vec<(usize, usize, bool)>>>,
+    range: (usize, usize, bool),
 }
 
 impl Drop for Unpin {
@@ -324,17 +363,24 @@ impl Device for HostStandIn {
             .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
     }
     fn pin_host(&self, bytes: &[u8], _refilled: bool) -> Option<super::PinnedHost> {
-        let range = (bytes.as_ptr() as usize, bytes.len());
-        let mut pinned = self.pinned.lock().expect("pinned ranges");
-        // As cuMemHostRegister: a range overlapping one already locked is refused.
-        if bytes.is_empty() || pinned.iter().any(|&(p, n)| range.0 < p + n && p < range.0 + range.1) {
-            return None;
-        }
-        pinned.push(range);
-        Some(super::PinnedHost(Box::new(Unpin {
-            ranges: self.pinned.clone(),
-            range,
-        })))
+        self.lock_range(bytes, false)
+    }
+    fn map_host(&self, bytes: &[u8], _refilled: bool) -> Option<super::PinnedHost> {
+        self.lock_range(bytes, true)
+    }
+    fn in_place(&self, w: &Weight) -> Option<Weight> {
+        let (bytes, _) = w.span()?;
+        let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
+        let pinned = self.pinned.lock().expect("pinned ranges");
+        pinned
+            .iter()
+            .find(|&&(p, n, mapped)| mapped && p <= lo && hi <= p + n)?;
+        let mapped = super::MappedHost {
+            weight: w.clone(),
+            device: self.id,
+            device_address: lo as u64,
+        };
+        Weight::staged(&w.name, w.ty, w.rows, w.cols, Arc::new(mapped)).ok()
     }
     fn upload_chunk_bytes(&self) -> usize {
         self.chunk_bytes

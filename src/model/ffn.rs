@@ -17,9 +17,14 @@
 //! stream hands over (cache hits, lookahead reads, reads as they land) in neuron order into the
 //! device's staging buffer (`Device::begin_upload`; page-locked on CUDA), handing each chunk to
 //! the device as soon as its last row lands so its copy overlaps the reads still in flight, and
-//! runs phases 2–4 with the device's products on those staged rows.
-//! Everything else streams through the staged path, bit-identical to the in-RAM model when
-//! every neuron is kept.
+//! runs phases 2–4 with the device's products on those staged rows — unless the stream holds
+//! the whole layer in host memory the device mapped (`LayerStream::rows_in_place`: a neuron
+//! cache of every neuron, as `--vram-budget` without `--ram-budget` plans), where the device's
+//! products read the needed up rows and the kept down columns by id, in place, across the link:
+//! nothing gathered, staged or copied.
+//! Everything else streams through the staged path (a set the cache holds in consecutive slots,
+//! such as a dense step's, handed over as a view of the cache rather than gathered),
+//! bit-identical to the in-RAM model when every neuron is kept.
 
 use rayon::prelude::*;
 
@@ -235,7 +240,8 @@ impl Model {
 
         // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
         // down columns staged with it when the mask decides before up (one read batch).
-        let mut staged: Option<(Vec<u32>, bool, Option<Weight>)> = None;
+        // (up set, one read batch, down columns staged with up, read in place by id)
+        let mut staged: Option<(Vec<u32>, bool, Option<Weight>, bool)> = None;
         // The mask's inputs on the host, once per layer (a sync where the device has its own
         // memory; a borrow on the CPU): phases 2 and 3 both read them.
         let scores = hooks.mask.map(|_| (dev.to_host(xn), dev.to_host(&gate)));
@@ -259,15 +265,28 @@ impl Model {
                 }
                 let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
                 let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
-                let (up_w, down_w) = match decode {
-                    // The down columns come in the down phase, for the kept neurons only.
-                    Some(_) => (staged_decode_up(dev, s, l, &up_set, one_pass, &w.up)?, None),
-                    None => s.stage(l, &up_set, one_pass)?,
+                // A decode step's up rows are read by id, in place, where the device mapped the
+                // stream's copy of the layer; else staged as they land (the down columns come in
+                // the down phase, for the kept neurons only). Other passes' rows are staged.
+                let in_place = match decode {
+                    Some(_) => s.rows_in_place(l, &up_set, false)?,
+                    None => None,
                 };
-                let u = dev.matmul(&[&up_w], xn).remove(0);
-                drop(up_w);
+                let (u, down_w) = match (&in_place, decode) {
+                    (Some(all), _) => (dev.matmul_rows(all, &up_set, xn), None),
+                    (None, Some(_)) => {
+                        let up_w = staged_decode_up(dev, s, l, &up_set, one_pass, &w.up)?;
+                        (dev.matmul(&[&up_w], xn).remove(0), None)
+                    }
+                    (None, None) => {
+                        let (up_w, down_w) = s.stage(l, &up_set, one_pass)?;
+                        (dev.matmul(&[&up_w], xn).remove(0), down_w)
+                    }
+                };
+                let by_id = in_place.is_some();
+                drop(in_place);
                 let up = dev.scatter_cols(&u, &up_set, f);
-                staged = Some((up_set, one_pass, down_w));
+                staged = Some((up_set, one_pass, down_w, by_id));
                 up
             }
         };
@@ -297,7 +316,24 @@ impl Model {
 
         // Phase 4: down over the kept neurons.
         let d = match (staged, stream) {
-            (Some((up_set, one_pass, down_w)), Some(s)) => {
+            (Some((_, _, _, true)), Some(s)) => {
+                // The kept neurons' columns, read by id where the up rows were.
+                let ha = dev.to_host(&hact);
+                let keep: Vec<u32> = (0..f as u32)
+                    .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
+                    .collect();
+                let mut d = dev.zeros(n, h);
+                if !keep.is_empty() {
+                    let all = s.rows_in_place(l, &keep, true)?.ok_or_else(|| {
+                        Error::Invalid(format!(
+                            "layer {l}: the stream held the up rows in place but not the down columns"
+                        ))
+                    })?;
+                    dev.accumulate_rows(&all, Some(&keep), &hact, &mut d);
+                }
+                d
+            }
+            (Some((up_set, one_pass, down_w, false)), Some(s)) => {
                 // Staged columns, row i = the down set's i-th neuron (already staged when one
                 // read batch sufficed).
                 let (down_set, down_w) = match (one_pass, down_w) {
@@ -495,11 +531,14 @@ fn staged_decode_down(dev: &dyn Device, s: &dyn LayerStream, l: usize, kept: &[u
     staging.into_inner().expect("staging").finish(like)
 }
 
-/// Stages `rows`, taking the lock per row so the thread handing over rows as they land waits
-/// at most one row's copy.
+/// Stages `rows` (the rows the stream holds in memory, handed over at once) a batch of one
+/// chunk's rows at a time under the lock, so the thread handing over rows as they land waits at
+/// most one batch; each batch's copies are spread over the pool's threads (a step's rows from a
+/// cache holding the layer are hundreds of megabytes: one thread's copy was most of the step).
 fn put_each(staging: &std::sync::Mutex<Staging<'_>>, rows: &[(u32, &[u8])]) {
-    for &(n, r) in rows {
-        staging.lock().expect("staging").put(n, r);
+    let batch = staging.lock().expect("staging").chunk_rows;
+    for b in rows.chunks(batch.max(1)) {
+        staging.lock().expect("staging").put_many(b);
     }
 }
 
@@ -546,25 +585,68 @@ impl<'a> Staging<'a> {
     }
 
     fn put(&mut self, n: u32, row: &[u8]) {
+        if let Some(i) = self.claim(n, row) {
+            let rb = self.row_bytes;
+            self.upload.bytes_mut()[i * rb..(i + 1) * rb].copy_from_slice(row);
+            self.written(i);
+        }
+    }
+
+    /// [`Staging::put`] for many rows: each place claimed, the copies run in parallel, then the
+    /// chunks they complete are sent.
+    fn put_many(&mut self, rows: &[(u32, &[u8])]) {
+        let rb = self.row_bytes;
+        let mut places: Vec<(usize, &[u8])> = rows.iter().filter_map(|&(n, r)| Some((self.claim(n, r)?, r))).collect();
+        places.sort_unstable_by_key(|p| p.0);
+        {
+            // Disjoint destinations, taken in order from the buffer's rows.
+            let mut rest = self.upload.bytes_mut().chunks_exact_mut(rb);
+            let mut next = 0;
+            let mut copies: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(places.len());
+            for &(i, r) in &places {
+                let d = rest.nth(i - next).expect("a claimed row lies inside the staging");
+                next = i + 1;
+                copies.push((d, r));
+            }
+            copies
+                .par_iter_mut()
+                .with_min_len(64)
+                .for_each(|(d, r)| d.copy_from_slice(r));
+        }
+        for &(i, _) in &places {
+            self.written(i);
+        }
+    }
+
+    /// The place of neuron `n`'s row, marked filled; `None` (the first such row kept to report)
+    /// for a neuron not in the set or handed over twice, or a row of the wrong length.
+    fn claim(&mut self, n: u32, row: &[u8]) -> Option<usize> {
         let rb = self.row_bytes;
         match self.set.binary_search(&n) {
             Ok(i) if !self.filled[i] && row.len() == rb => {
                 self.filled[i] = true;
-                self.upload.bytes_mut()[i * rb..(i + 1) * rb].copy_from_slice(row);
-                let c = i / self.chunk_rows;
-                self.missing[c] -= 1;
-                if self.missing[c] == 0 {
-                    let end = ((c + 1) * self.chunk_rows).min(self.set.len());
-                    self.upload.send(c * self.chunk_rows * rb, end * rb);
-                }
+                Some(i)
             }
-            _ if self.wrong.is_none() => {
-                self.wrong = Some(format!(
-                    "the stream handed over a row of {} bytes for neuron {n} (rows are {rb} bytes; not asked for, or twice)",
-                    row.len()
-                ))
+            _ => {
+                self.wrong.get_or_insert_with(|| {
+                    format!(
+                        "the stream handed over a row of {} bytes for neuron {n} (rows are {rb} bytes; not asked for, or twice)",
+                        row.len()
+                    )
+                });
+                None
             }
-            _ => {}
+        }
+    }
+
+    /// Row `i` is written: its chunk goes to the device if that was its last row.
+    fn written(&mut self, i: usize) {
+        let c = i / self.chunk_rows;
+        self.missing[c] -= 1;
+        if self.missing[c] == 0 {
+            let end = ((c + 1) * self.chunk_rows).min(self.set.len());
+            let rb = self.row_bytes;
+            self.upload.send(c * self.chunk_rows * rb, end * rb);
         }
     }
 
@@ -652,6 +734,43 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert!(dev.take_error().is_none());
+    }
+
+    #[test]
+    fn staging_many_rows_at_once_matches_one_at_a_time_and_refuses_the_same() {
+        let like = matrix();
+        let dev = HostStandIn::new(1).with_upload_chunk_bytes(48);
+        let set = [0u32, 2, 3, 5, 6, 8, 9];
+        let mut st = Staging::new(&dev, &like, &set).unwrap();
+        // Hits in a batch (out of order, one twice, one not in the set), then a row as it lands.
+        let rows: Vec<(u32, &[u8])> = [6u32, 0, 2, 3, 8, 9, 0, 7]
+            .iter()
+            .map(|&n| (n, like.row(n as usize)))
+            .collect();
+        st.put_many(&rows);
+        // {0, 2, 3} and {9} are complete; {5, 6, 8} waits for 5.
+        assert_eq!(dev.upload_counters().chunks, 2);
+        st.put(5, like.row(5));
+        assert_eq!(dev.upload_counters().chunks, 3);
+        // The duplicate 0 is reported (the first wrong row); every place holds its neuron's row.
+        let e = st.finish(&like).err().unwrap().to_string();
+        assert!(e.contains("neuron 0") && e.contains("twice"), "{e}");
+        let mut st = Staging::new(&dev, &like, &set).unwrap();
+        let rows: Vec<(u32, &[u8])> = set.iter().rev().map(|&n| (n, like.row(n as usize))).collect();
+        st.put_many(&rows[..4]);
+        st.put_many(&rows[4..]);
+        let w = st.finish(&like).unwrap();
+        for (i, &n) in set.iter().enumerate() {
+            assert_eq!(w.row(i), like.row(n as usize), "row {i}");
+        }
+        let mut st = Staging::new(&dev, &like, &set).unwrap();
+        st.put_many(&[(2, &like.row(2)[..8])]);
+        assert!(st
+            .finish(&like)
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("row of 8 bytes for neuron 2"));
     }
 
     #[test]

@@ -79,6 +79,14 @@ pub trait LayerStream: Sync {
     fn gate(&self, _l: usize) -> Result<Option<Cow<'_, Weight>>> {
         Ok(None)
     }
+    /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
+    /// device reads in place ([`crate::backend::Device::in_place`]), row n = neuron n, when the
+    /// stream holds the layer in memory the device mapped and every neuron of `set` (sorted)
+    /// there: a decode step's products then read `set`'s rows by id, nothing staged or copied.
+    /// Counts `set`'s rows as used. `None` (nothing done): use `decode_up` / `decode_down`.
+    fn rows_in_place(&self, _l: usize, _set: &[u32], _down: bool) -> Result<Option<Weight>> {
+        Ok(None)
+    }
     /// Stages the up rows of `up_set` (sorted) and, when `with_down`, their down columns: row
     /// i of each returned matrix is the set's i-th neuron. The cache serves what it holds.
     fn stage(&self, l: usize, _up_set: &[u32], _with_down: bool) -> Result<(Weight, Option<Weight>)> {

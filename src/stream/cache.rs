@@ -9,6 +9,14 @@
 //! Why not the `lru` crate: slots are fixed rows in one contiguous buffer the compute reads in
 //! place, a pinned policy shares them, and replacement must return the slot index; a generic
 //! key-value LRU would add a map and a copy per hit.
+//!
+//! The buffers are shared (`Arc`): a set of neurons held in consecutive slots, in order (a dense
+//! step over a cache that holds the whole layer, or its hot prefix), is handed to the compute as
+//! a view of them ([`LayerCache::run_of`]), not copied. A slot written while such a view is alive
+//! (never, as the stream uses it: views live for one layer's products, slots change in a later
+//! fetch) first moves the buffer to a copy, the old one kept alive until the cache drops (the
+//! device may have locked its pages).
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -41,8 +49,10 @@ pub struct LayerCache {
     owner: Vec<u32>,
     /// Per slot: the step it was last used in.
     last_used: Vec<u64>,
-    up: Vec<u8>,
-    down: Vec<u8>,
+    up: Arc<Vec<u8>>,
+    down: Arc<Vec<u8>>,
+    /// Buffers a view still held when a slot was written (see the module docs).
+    retired: Vec<Arc<Vec<u8>>>,
     /// Slots ordered for eviction in the current step (oldest first), built lazily.
     victims: Vec<u32>,
     victims_step: Option<u64>,
@@ -58,8 +68,9 @@ impl LayerCache {
             slot_of: vec![NONE; ffn],
             owner: vec![NONE; slots],
             last_used: vec![0; slots],
-            up: vec![0; slots * up_row],
-            down: vec![0; slots * down_row],
+            up: Arc::new(vec![0; slots * up_row]),
+            down: Arc::new(vec![0; slots * down_row]),
+            retired: Vec::new(),
             victims: Vec::new(),
             victims_step: None,
         }
@@ -77,8 +88,36 @@ impl LayerCache {
         }
         self.owner[slot] = neuron;
         self.slot_of[neuron as usize] = slot as u32;
-        self.up[slot * self.up_row..(slot + 1) * self.up_row].copy_from_slice(up);
-        self.down[slot * self.down_row..(slot + 1) * self.down_row].copy_from_slice(down);
+        let (ur, dr) = (self.up_row, self.down_row);
+        writable(&mut self.up, &mut self.retired)[slot * ur..(slot + 1) * ur].copy_from_slice(up);
+        writable(&mut self.down, &mut self.retired)[slot * dr..(slot + 1) * dr].copy_from_slice(down);
+    }
+
+    /// The buffers of up rows and down columns, slot `s` at `s * row bytes`.
+    pub fn buffers(&self) -> (&Arc<Vec<u8>>, &Arc<Vec<u8>>) {
+        (&self.up, &self.down)
+    }
+
+    /// The first slot of `set` when its neurons sit in consecutive slots in its order (slot
+    /// `first + i` holds `set[i]`), so the rows can be used in place; `None` otherwise or for an
+    /// empty set. Records no use (see [`LayerCache::touch`]).
+    pub fn run_of(&self, set: &[u32]) -> Option<usize> {
+        let first = self
+            .slot_of
+            .get(*set.first()? as usize)
+            .copied()
+            .filter(|&s| s != NONE)? as usize;
+        set.iter()
+            .enumerate()
+            .all(|(i, &n)| self.slot_of.get(n as usize) == Some(&((first + i) as u32)))
+            .then_some(first)
+    }
+
+    /// Whether the cache holds the whole layer and every neuron of `set` in its own slot (slot
+    /// n = neuron n, as a cache filled in neuron order and never changed): its buffers are then
+    /// the layer's matrices, and `set` indexes them.
+    pub fn holds_in_place(&self, set: &[u32]) -> bool {
+        self.slots() == self.slot_of.len() && set.iter().all(|&n| self.slot_of.get(n as usize) == Some(&n))
     }
 
     /// The neuron's cached (up row, down column), marking it used in `step`.
@@ -142,6 +181,15 @@ impl LayerCache {
     }
 }
 
+/// `buf` for writing: in place, or (a view still holds it) as a copy, the old buffer retired.
+fn writable<'a>(buf: &'a mut Arc<Vec<u8>>, retired: &mut Vec<Arc<Vec<u8>>>) -> &'a mut Vec<u8> {
+    if Arc::get_mut(buf).is_none() {
+        let copy = Arc::new(buf.as_ref().clone());
+        retired.push(std::mem::replace(buf, copy));
+    }
+    Arc::get_mut(buf).expect("just made unique")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,5 +231,45 @@ mod tests {
         let (u, d) = bytes(5);
         c.offer(5, &u, &d, 9);
         assert!(!c.contains(5) && c.contains(0) && c.contains(1));
+    }
+
+    #[test]
+    fn a_run_of_consecutive_slots_is_found_and_a_write_under_a_view_leaves_the_view_alone() {
+        let mut c = LayerCache::new(CachePolicy::Lru, 10, 4, 3, 5);
+        for n in 0..4u32 {
+            let (u, d) = bytes(n);
+            c.fill(n as usize, n, &u, &d);
+        }
+        assert_eq!(c.run_of(&[0, 1, 2, 3]), Some(0));
+        assert_eq!(c.run_of(&[1, 2]), Some(1));
+        assert_eq!(c.run_of(&[0, 2]), None, "a gap");
+        assert_eq!(c.run_of(&[1, 0]), None, "out of order");
+        assert_eq!(c.run_of(&[3, 4]), None, "4 is not cached");
+        assert_eq!(c.run_of(&[]), None);
+        assert_eq!(c.run_of(&[12]), None, "past the layer");
+        let view = c.buffers().0.clone();
+        // Neuron 7 replaces slot 2 while the view lives: the view keeps its bytes.
+        c.get(0, 1);
+        c.get(1, 1);
+        c.get(3, 1);
+        let (u, d) = bytes(7);
+        c.offer(7, &u, &d, 1);
+        assert_eq!(c.slot(7), Some(2));
+        assert_eq!(&view[6..9], &[2, 2, 2]);
+        assert_eq!(&c.buffers().0[6..9], &[7, 7, 7]);
+        assert_eq!(c.run_of(&[0, 1, 2]), None);
+        assert_eq!(c.run_of(&[0, 1, 7, 3]), Some(0));
+        // Only a cache of the whole layer serves ids in place, and only neurons in their own slot.
+        assert!(!c.holds_in_place(&[0, 1]), "4 slots of 10 neurons");
+        let mut whole = LayerCache::new(CachePolicy::Lru, 4, 4, 3, 5);
+        for n in 0..4u32 {
+            let (u, d) = bytes(n);
+            whole.fill(n as usize, n, &u, &d);
+        }
+        assert!(whole.holds_in_place(&[0, 2, 3]) && whole.holds_in_place(&[]));
+        assert!(!whole.holds_in_place(&[1, 4]), "past the layer");
+        let (u, d) = bytes(2);
+        whole.fill(1, 2, &u, &d);
+        assert!(!whole.holds_in_place(&[2]) && whole.holds_in_place(&[0, 3]));
     }
 }

@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use super::cache::LayerCache;
+use super::cache::{CachePolicy, LayerCache};
 use super::plan::{self, plan, CostModel};
 use super::prefetch::Prefetcher;
 use super::residency::{ModelSizes, Residency};
@@ -344,6 +344,19 @@ impl Streamer {
             &resident_attn,
             resident_gate.iter().flatten(),
         ));
+        // And the neuron caches, whose rows a dense step hands over in place (views, copied at
+        // each use) and, mapped, a masked decode step's products read by id: a pinned cache is
+        // never written again, so the host need not wait for those copies; an LRU cache's slots
+        // are, so it does.
+        if !model.device.host_memory() {
+            let refilled = opts.cache != CachePolicy::Pinned;
+            let bufs = caches.iter().flat_map(|c| {
+                let (u, d) = c.buffers();
+                [u, d]
+            });
+            let dev = model.device.as_ref();
+            pinned.extend(bufs.filter_map(|b| dev.map_host(b, refilled).or_else(|| dev.pin_host(b, refilled))));
+        }
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;

@@ -31,6 +31,14 @@ pub struct Counters {
     /// FFN bytes the layers took from lookahead reads: predicted rows and rows the reads
     /// covered by reading through gaps (part of `ffn_needed_bytes`).
     pub ahead_served_bytes: u64,
+    /// FFN bytes handed to the compute in place, as views of the neuron cache, not copied into
+    /// staging: a set held in consecutive slots (a dense step over a cache holding the layer;
+    /// a device copies the view at its use), or rows a device reads by id from the cache it
+    /// mapped (`ffn_mapped_bytes`).
+    pub ffn_in_place_bytes: u64,
+    /// Of those, the rows a device's products read by id across the link from the mapped cache
+    /// (a masked decode step's up rows and kept down columns): moved, but never copied.
+    pub ffn_mapped_bytes: u64,
 }
 
 impl Counters {
@@ -49,6 +57,8 @@ impl Counters {
             ahead_bytes: self.ahead_bytes - o.ahead_bytes,
             ahead_used_bytes: self.ahead_used_bytes - o.ahead_used_bytes,
             ahead_served_bytes: self.ahead_served_bytes - o.ahead_served_bytes,
+            ffn_in_place_bytes: self.ffn_in_place_bytes - o.ffn_in_place_bytes,
+            ffn_mapped_bytes: self.ffn_mapped_bytes - o.ffn_mapped_bytes,
         }
     }
 }
@@ -136,6 +146,10 @@ pub struct LinkReport {
     /// does not time its copies).
     pub copy_s_per_token: f64,
     pub copy_gb_per_s: f64,
+    /// Bytes the device's products read in place per token, across the link, from host memory
+    /// it mapped (kept FFN rows read by id from the neuron cache): link traffic besides the
+    /// copies above.
+    pub mapped_bytes_per_token: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -240,6 +254,7 @@ impl StreamReport {
                 } else {
                     0.0
                 },
+                mapped_bytes_per_token: c.ffn_mapped_bytes as f64 / steps,
             }),
             counters: c,
         }

@@ -6,6 +6,7 @@
 //! cache. No arithmetic: the callers' callbacks compute.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::cache::LayerCache;
@@ -158,6 +159,44 @@ impl Streamer {
     pub(super) fn view(st: &State, p: &Part, at: usize) -> Result<Weight> {
         let (_, buf) = st.current.as_ref().expect("current layer");
         Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at).map(Weight::volatile)
+    }
+
+    /// Views of layer `l`'s cache over the up rows (`up`) and down columns (`down`) of `set`
+    /// (sorted) when the cache holds the set in consecutive slots in its order
+    /// ([`LayerCache::run_of`]): a dense step over a cache that holds the whole layer (the plan
+    /// without a RAM budget), or its hot prefix. Volatile, as staged rows are (a device copies
+    /// them at each use; slots may change in a later step). Counted as cache hits; `None` (and
+    /// nothing counted) when the set is not such a run or is empty.
+    pub(super) fn in_place(
+        &self,
+        st: &mut State,
+        l: usize,
+        set: &[u32],
+        up: bool,
+        down: bool,
+    ) -> Result<Option<(Option<Weight>, Option<Weight>)>> {
+        let cache = &mut st.caches[l];
+        let Some(first) = cache.run_of(set) else {
+            return Ok(None);
+        };
+        let step = st.counters.passes;
+        for s in first..first + set.len() {
+            cache.touch(s, step);
+        }
+        let (ub, db) = cache.buffers();
+        let view = |p: &Part, buf: &Arc<Vec<u8>>| {
+            Weight::shared(&p.name, p.ty, set.len(), self.hidden, buf.clone(), first * p.row_bytes)
+                .map(Weight::volatile)
+        };
+        let parts = &self.layers[l];
+        let up_w = up.then(|| view(&parts.up, ub)).transpose()?;
+        let down_w = down.then(|| view(&parts.down, db)).transpose()?;
+        let c = &mut st.counters;
+        c.cache_lookups += set.len() as u64;
+        c.cache_hits += set.len() as u64;
+        let bytes = up_w.iter().chain(&down_w).map(|w| w.len_bytes() as u64).sum::<u64>();
+        c.ffn_in_place_bytes += bytes;
+        Ok(Some((up_w, down_w)))
     }
 
     /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
@@ -401,8 +440,47 @@ impl LayerStream for Streamer {
         }
     }
 
+    fn rows_in_place(&self, l: usize, set: &[u32], down: bool) -> Result<Option<Weight>> {
+        let mut guard = self.state.lock().expect("stream state");
+        let st = &mut *guard;
+        let cache = &mut st.caches[l];
+        if !cache.holds_in_place(set) {
+            return Ok(None);
+        }
+        let parts = &self.layers[l];
+        let (p, buf) = match down {
+            false => (&parts.up, cache.buffers().0),
+            true => (&parts.down, cache.buffers().1),
+        };
+        let all = Weight::shared(&p.name, p.ty, cache.slots(), self.hidden, buf.clone(), 0)?.volatile();
+        let Some(mapped) = self.device.in_place(&all) else {
+            return Ok(None);
+        };
+        let step = st.counters.passes;
+        for &n in set {
+            cache.touch(n as usize, step);
+        }
+        let c = &mut st.counters;
+        if !down {
+            // A decode step's lookups are its up set's (the down set is a part of it).
+            c.cache_lookups += set.len() as u64;
+            c.cache_hits += set.len() as u64;
+            // The step takes no lookahead read here (everything is in memory).
+            if let Some(a) = st.ahead_taken.take() {
+                st.ahead_spare.push(a.buf);
+            }
+        }
+        let bytes = (set.len() * p.row_bytes) as u64;
+        st.counters.ffn_in_place_bytes += bytes;
+        st.counters.ffn_mapped_bytes += bytes;
+        Ok(Some(mapped))
+    }
+
     fn stage(&self, l: usize, up_set: &[u32], with_down: bool) -> Result<(Weight, Option<Weight>)> {
         let mut st = self.state.lock().expect("stream state");
+        if let Some((Some(up), down)) = self.in_place(&mut st, l, up_set, true, with_down)? {
+            return Ok((up, down));
+        }
         self.fetch(&mut st, l, up_set, if with_down { up_set } else { &[] }, up_set)?;
         let (parts, m) = (&self.layers[l], up_set.len());
         let up = Weight::shared(&parts.up.name, parts.up.ty, m, self.hidden, st.staging_up.clone(), 0)?.volatile();
@@ -425,6 +503,9 @@ impl LayerStream for Streamer {
 
     fn stage_down(&self, l: usize, down_set: &[u32], staged_up: &[u32]) -> Result<Weight> {
         let mut st = self.state.lock().expect("stream state");
+        if let Some((_, Some(down))) = self.in_place(&mut st, l, down_set, false, true)? {
+            return Ok(down);
+        }
         self.fetch(&mut st, l, &[], down_set, staged_up)?;
         let parts = &self.layers[l];
         Weight::shared(

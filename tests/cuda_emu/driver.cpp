@@ -54,6 +54,8 @@ typedef void* CUevent;
 typedef void* CUgraph;
 typedef void* CUgraphExec;
 
+static const unsigned CU_MEMHOSTREGISTER_DEVICEMAP = 0x02;
+
 enum {
     CUDA_SUCCESS = 0,
     CUDA_ERROR_INVALID_VALUE = 1,
@@ -329,6 +331,7 @@ static thread_local CUcontext bound = nullptr;
 static std::map<CUdeviceptr, size_t> allocations;  // device memory: start -> bytes
 static size_t allocated = 0;
 static std::map<uintptr_t, size_t> registered;  // page-locked host ranges (registered)
+static std::map<uintptr_t, size_t> mapped;      // of those, mapped for kernels (DEVICEMAP)
 static std::map<void*, size_t> host_allocs;     // page-locked host memory (allocated)
 static const size_t TOTAL_MEM = 16ull << 30;
 
@@ -955,6 +958,7 @@ API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
         if (it->first + it->second > a) return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
     }
     registered[a] = n;
+    if (flags & CU_MEMHOSTREGISTER_DEVICEMAP) mapped[a] = n;
     return CUDA_SUCCESS;
 }
 API CUresult cuMemHostUnregister(void* p) {
@@ -962,6 +966,19 @@ API CUresult cuMemHostUnregister(void* p) {
     auto it = registered.find((uintptr_t)p);
     if (it == registered.end()) return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
     registered.erase(it);
+    mapped.erase((uintptr_t)p);
+    return CUDA_SUCCESS;
+}
+// The device address of mapped host memory: with unified addressing, the host address itself
+// (kernels here read host memory anyway). Refused for memory not registered with DEVICEMAP.
+API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned flags) {
+    GUARD
+    NEED_CTX
+    if (!d || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    uintptr_t a = (uintptr_t)p;
+    auto r = mapped.upper_bound(a);
+    if (r == mapped.begin() || a >= std::prev(r)->first + std::prev(r)->second) return CUDA_ERROR_INVALID_VALUE;
+    *d = (CUdeviceptr)p;
     return CUDA_SUCCESS;
 }
 

@@ -312,8 +312,10 @@ pub struct CudaDevice {
     error: Arc<Mutex<Option<String>>>,
     /// Page-locked staging buffers and the copy stream (see `upload`).
     uploads: Arc<upload::Uploads>,
-    /// Host ranges page-locked for the stream (`Device::pin_host`).
+    /// Host ranges page-locked for the stream (`Device::pin_host`, `map_host`).
     pinned: upload::PinnedRanges,
+    /// Whether `map_host` maps (see [`upload::MAP_HOST_ENV`]).
+    map_host: bool,
     /// Which KV buffers are this device's (several devices may live in one process).
     id: usize,
     /// What quantized products multiply (see [`ACTIVATIONS_ENV`]): an [`Activations`] as u8.
@@ -442,6 +444,7 @@ impl CudaDevice {
         let activations = activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
         let matvec_rows = matvec_rows_asked(std::env::var(MATVEC_ROWS_ENV).ok().as_deref())?;
         let graphs = graphs_asked(std::env::var(GRAPHS_ENV).ok().as_deref())?;
+        let map_host = upload::map_host_asked(std::env::var(upload::MAP_HOST_ENV).ok().as_deref())?;
         ensure_driver()?;
         let count = CudaContext::device_count().map_err(|e| {
             Error::Invalid(format!(
@@ -528,6 +531,7 @@ impl CudaDevice {
             error,
             uploads: Arc::new(uploads),
             pinned: Arc::new(Mutex::new(Vec::new())),
+            map_host,
             id,
             activations: std::sync::atomic::AtomicU8::new(activations as u8),
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
@@ -799,6 +803,18 @@ impl CudaDevice {
             // Its copy, staging or page-locked range lives only for this use: what is recorded
             // is launched, and the rest of the segment too as it comes.
             self.leave_recording();
+        }
+        // Mapped host memory (`in_place`): the kernels read it where it is, across the link.
+        if let Some(m) = keep
+            .downcast_ref::<super::MappedHost>()
+            .filter(|m| m.device == self.id as u64)
+        {
+            let at = bytes.as_ptr() as u64 - crate::tensor::StagedBytes::bytes(m).as_ptr() as u64;
+            return Some(OnDevice {
+                ptr: m.device_address + at,
+                _transient: None,
+                _staged: Some(keep),
+            });
         }
         if let Some(staged) = keep.downcast_ref::<upload::CudaStaged>() {
             match staged.device_address(self.id, bytes) {
@@ -1077,7 +1093,26 @@ impl Device for CudaDevice {
 
     fn pin_host(&self, bytes: &[u8], refilled: bool) -> Option<super::PinnedHost> {
         self.leave_recording();
-        upload::pin_host(&self.ctx, &self.pinned, bytes, refilled)
+        upload::pin_host(&self.ctx, &self.pinned, bytes, refilled, false)
+    }
+
+    fn map_host(&self, bytes: &[u8], refilled: bool) -> Option<super::PinnedHost> {
+        if !self.map_host {
+            return None;
+        }
+        self.leave_recording();
+        upload::pin_host(&self.ctx, &self.pinned, bytes, refilled, true)
+    }
+
+    fn in_place(&self, w: &Weight) -> Option<Weight> {
+        let (bytes, _) = w.span()?;
+        let device_address = upload::mapped_address(&self.pinned, bytes)?;
+        let mapped = super::MappedHost {
+            weight: w.clone(),
+            device: self.id as u64,
+            device_address,
+        };
+        Weight::staged(&w.name, w.ty, w.rows, w.cols, Arc::new(mapped)).ok()
     }
 
     fn begin_upload(&self, bytes: usize) -> Box<dyn super::Upload> {

@@ -469,27 +469,82 @@ pub(crate) fn copy_pinned(
     Ok((ptr, holder))
 }
 
-/// The host ranges this device page-locked, by (start address, length).
-/// Host ranges page-locked for copies: (address, length, whether the stream refills it).
-pub(crate) type PinnedRanges = Arc<Mutex<Vec<(usize, usize, bool)>>>;
+/// `GATESTREAM_CUDA_MAP_HOST`: `1` (or `on`, the default) maps the stream's neuron cache into
+/// the GPU's address space (`Device::map_host`), so a masked decode step's products read the kept
+/// rows in place across the link instead of having them gathered into staging and copied; `0`
+/// (`off`) only page-locks it (the rows are then staged, as from disk).
+pub const MAP_HOST_ENV: &str = "GATESTREAM_CUDA_MAP_HOST";
 
-/// Page-locks `bytes` for copies (see `Device::pin_host`); `None` if the driver refuses.
+/// Whether [`MAP_HOST_ENV`] asks for mapping (`value`: the variable's value).
+pub fn map_host_asked(value: Option<&str>) -> crate::error::Result<bool> {
+    match value.map(str::trim) {
+        Some("0") | Some("off") => Ok(false),
+        None | Some("") | Some("1") | Some("on") => Ok(true),
+        Some(other) => Err(crate::error::Error::Invalid(format!(
+            "{MAP_HOST_ENV}={other}: expected 1 or on (the default: kept rows read in place from the mapped neuron \
+             cache), or 0 or off (kept rows staged and copied)"
+        ))),
+    }
+}
+
+/// A host range page-locked for copies: whether the stream refills it, and where the device
+/// sees it when it is also mapped (`map_host`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) struct Pinned {
+    start: usize,
+    len: usize,
+    refilled: bool,
+    mapped: Option<u64>,
+}
+
+/// The host ranges this device page-locked.
+pub(crate) type PinnedRanges = Arc<Mutex<Vec<Pinned>>>;
+
+/// Page-locks `bytes` for copies (see `Device::pin_host`), and maps them into the device's
+/// address space when `map` (`Device::map_host`); `None` if the driver refuses.
 pub(crate) fn pin_host(
     ctx: &Arc<CudaContext>,
     ranges: &PinnedRanges,
     bytes: &[u8],
     refilled: bool,
+    map: bool,
 ) -> Option<crate::backend::PinnedHost> {
     if bytes.is_empty() {
         return None;
     }
     ctx.bind_to_thread().ok()?;
+    let flags = match map {
+        true => sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+        false => 0,
+    };
     // SAFETY: `bytes` is live host memory; the caller keeps it allocated until the guard
-    // returned here drops (which unregisters it). Flags 0: the device only copies from it.
-    unsafe { sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), 0) }
+    // returned here drops (which unregisters it). Flags 0: the device only copies from it;
+    // DEVICEMAP: its kernels may also read it (never write: weights are only read).
+    unsafe { sys::cuMemHostRegister_v2(bytes.as_ptr() as *mut _, bytes.len(), flags) }
         .result()
         .ok()?;
-    let range = (bytes.as_ptr() as usize, bytes.len(), refilled);
+    let mapped = match map {
+        false => None,
+        true => {
+            let mut address: sys::CUdeviceptr = 0;
+            // SAFETY: the range was just registered with DEVICEMAP; the address is written once.
+            let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut address, bytes.as_ptr() as *mut _, 0) };
+            if got.result().is_err() {
+                // SAFETY: registered just above, by this call, and not yet used.
+                unsafe {
+                    let _ = sys::cuMemHostUnregister(bytes.as_ptr() as *mut _);
+                }
+                return None;
+            }
+            Some(address)
+        }
+    };
+    let range = Pinned {
+        start: bytes.as_ptr() as usize,
+        len: bytes.len(),
+        refilled,
+        mapped,
+    };
     ranges.lock().expect("pinned ranges").push(range);
     Some(crate::backend::PinnedHost(Box::new(Unpin {
         ctx: ctx.clone(),
@@ -502,7 +557,7 @@ pub(crate) fn pin_host(
 struct Unpin {
     ctx: Arc<CudaContext>,
     ranges: PinnedRanges,
-    range: (usize, usize, bool),
+    range: Pinned,
 }
 
 // SAFETY: only the range's address is kept (as a number); unregistering is a driver call that
@@ -515,25 +570,81 @@ impl Drop for Unpin {
         self.ranges.lock().expect("pinned ranges").retain(|&r| r != self.range);
         let _ = self.ctx.bind_to_thread();
         // Copies from a range that is not refilled may still be in flight (`copy_pinned` does
-        // not wait for them): the device finishes its work before the range is unlocked.
-        if !self.range.2 {
+        // not wait for them), and kernels may read a mapped one: the device finishes its work
+        // before the range is unlocked.
+        if !self.range.refilled || self.range.mapped.is_some() {
             let _ = self.ctx.synchronize();
         }
         // SAFETY: registered by `pin_host`, unregistered once, here, after every copy from it
         // finished (refilled ranges: `copy_pinned` waited for each; the others: just above).
         unsafe {
-            let _ = sys::cuMemHostUnregister(self.range.0 as *mut _);
+            let _ = sys::cuMemHostUnregister(self.range.start as *mut _);
         }
     }
 }
 
-/// Whether `bytes` lie inside one of `ranges`: `Some(refilled)` if so.
-pub(crate) fn pinned_range(ranges: &PinnedRanges, bytes: &[u8]) -> Option<bool> {
+/// The range of `ranges` that `bytes` lie inside, if any.
+fn range_of(ranges: &PinnedRanges, bytes: &[u8]) -> Option<Pinned> {
     let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
     ranges
         .lock()
         .expect("pinned ranges")
         .iter()
-        .find(|&&(p, n, _)| p <= lo && hi <= p + n)
-        .map(|&(_, _, refilled)| refilled)
+        .find(|r| r.start <= lo && hi <= r.start + r.len)
+        .copied()
+}
+
+/// Whether `bytes` lie inside one of `ranges`: `Some(refilled)` if so.
+pub(crate) fn pinned_range(ranges: &PinnedRanges, bytes: &[u8]) -> Option<bool> {
+    range_of(ranges, bytes).map(|r| r.refilled)
+}
+
+/// Where the device sees `bytes` when they lie inside a mapped range.
+pub(crate) fn mapped_address(ranges: &PinnedRanges, bytes: &[u8]) -> Option<u64> {
+    let r = range_of(ranges, bytes)?;
+    Some(r.mapped? + (bytes.as_ptr() as usize - r.start) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_map_host_variable_is_read_strictly() {
+        assert!(map_host_asked(None).unwrap());
+        for off in ["0", "off", " off "] {
+            assert!(!map_host_asked(Some(off)).unwrap(), "{off:?}");
+        }
+        for on in ["", "1", "on"] {
+            assert!(map_host_asked(Some(on)).unwrap(), "{on:?}");
+        }
+        let e = map_host_asked(Some("no")).unwrap_err().to_string();
+        assert!(e.contains("GATESTREAM_CUDA_MAP_HOST=no") && e.contains("or 0"), "{e}");
+    }
+
+    #[test]
+    fn a_mapped_range_gives_device_addresses_inside_it_only() {
+        let bytes = [0u8; 64];
+        let ranges: PinnedRanges = Arc::new(Mutex::new(vec![
+            Pinned {
+                start: bytes.as_ptr() as usize,
+                len: 32,
+                refilled: false,
+                mapped: Some(0x7000),
+            },
+            Pinned {
+                start: bytes.as_ptr() as usize + 32,
+                len: 32,
+                refilled: true,
+                mapped: None,
+            },
+        ]));
+        assert_eq!(mapped_address(&ranges, &bytes[8..16]), Some(0x7008));
+        assert_eq!(pinned_range(&ranges, &bytes[8..16]), Some(false));
+        // Pinned but not mapped; and across the two ranges.
+        assert_eq!(mapped_address(&ranges, &bytes[40..48]), None);
+        assert_eq!(pinned_range(&ranges, &bytes[40..48]), Some(true));
+        assert_eq!(mapped_address(&ranges, &bytes[24..40]), None);
+        assert_eq!(pinned_range(&ranges, &bytes[24..40]), None);
+    }
 }

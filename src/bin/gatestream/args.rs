@@ -728,9 +728,11 @@ pub(crate) struct StreamArgs {
     /// gate's place). Every other weight (FFN rows, routed experts) is copied from host memory
     /// at each use; a sparse decode step's FFN rows through page-locked staging, in chunks
     /// copied while the rest is still being read. Without --ram-budget the whole model is held
-    /// in host RAM and streams from there to the GPU; with it, from disk as --ram-budget plans.
-    /// Refused, with the minimum, when too small, and for the CPU device. Without it the GPU
-    /// keeps every weight the host holds.
+    /// in host RAM (the FFN rows page-locked and mapped for the GPU) and streams from there:
+    /// dense steps copy each layer's rows, sparse decode steps' products read only the kept rows,
+    /// in place, across the link (GATESTREAM_CUDA_MAP_HOST=0: staged and copied instead); with
+    /// it, from disk as --ram-budget plans. Refused, with the minimum, when too small, and for
+    /// the CPU device. Without it the GPU keeps every weight the host holds.
     #[arg(long)]
     pub(crate) vram_budget: Option<String>,
     /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
