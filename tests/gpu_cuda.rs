@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gatestream::backend::cpu::CpuBackend;
-use gatestream::backend::cuda::{Activations, CudaDevice, INT8_TYPES};
+use gatestream::backend::cuda::{Activations, CudaDevice, INT8_TYPES, MAP_HOST_ENV};
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, LinkCounters};
 use gatestream::gguf::MetaValue;
@@ -1650,15 +1650,36 @@ fn vram_budget(
         // Kept rows read by id, in place, from the neuron cache the device mapped: link traffic
         // too, beside the copies. A masked run takes that path unless mapping is turned off.
         let mapped_per_token = mapped as f64 / steps as f64;
-        let map_off = matches!(
-            std::env::var("GATESTREAM_CUDA_MAP_HOST").as_deref(),
-            Ok("0") | Ok("off")
-        );
-        if criterion.is_some() && (mapped > 0) == map_off {
+        let map_on = dev.map_host();
+        if criterion.is_some() && (mapped > 0) != map_on {
             return Err(format!(
-                "  {name}: {mapped} bytes read in place over {steps} steps with GATESTREAM_CUDA_MAP_HOST {}",
-                if map_off { "off" } else { "on" }
+                "  {name}: {mapped} bytes read in place over {steps} steps with {MAP_HOST_ENV} {}",
+                if map_on { "on" } else { "off" }
             ));
+        }
+        // The other way in the same run: a masked run with the cache mapped against one with it
+        // staged (GATESTREAM_CUDA_MAP_HOST=0), or the reverse.
+        let (mut other_way, mut other_json) = (String::new(), serde_json::Value::Null);
+        if criterion.is_some() {
+            dev.set_map_host(!map_on);
+            let s2 = Streamer::open(&on_disk, &opts(true)).map_err(|e| e.to_string());
+            let other = s2.and_then(|s2| {
+                let (rate, l2, m2) =
+                    masked_decode(&on_disk, Some(&s2), mask, steps, &|| s2.counters().ffn_mapped_bytes)?;
+                Ok((rate, l2.volatile_bytes as f64 / steps as f64, m2 as f64 / steps as f64))
+            });
+            dev.set_map_host(map_on);
+            let (rate2, copied2, mapped2) = other?;
+            if let Some(e) = dev.take_error() {
+                return Err(format!("  {name} ({MAP_HOST_ENV} flipped): {e}"));
+            }
+            other_json = serde_json::json!({"map_host": !map_on, "tok_s": rate2, "mapped_bytes_per_token": mapped2, "copied_bytes_per_token": copied2});
+            other_way = format!(
+                "; with the cache {}: {rate2:.1} tok/s ({:.3} MB/token read in place, {:.3} MB/token copied)",
+                if map_on { "staged, not mapped" } else { "mapped" },
+                mapped2 / 1e6,
+                copied2 / 1e6
+            );
         }
         let copy_s = l.copy_ns as f64 / 1e9 / steps as f64;
         let achieved = if l.copy_ns > 0 {
@@ -1672,7 +1693,7 @@ fn vram_budget(
         lines.push(format!(
             "  {name}: {rate:.1} tok/s; {:.3} MB/token read in place by id; {:.3} MB/token copied in {:.0} copies ({:.0}% from \
              page-locked memory, {:.0}% staged), {:.2} ms/token in copies ({achieved:.1} GB/s, {:.0}% of pinned); link bound \
-             {bound:.0} tok/s{compared}",
+             {bound:.0} tok/s{other_way}{compared}",
             mapped_per_token / 1e6,
             per_token / 1e6,
             l.volatile_copies as f64 / steps as f64,
@@ -1683,7 +1704,7 @@ fn vram_budget(
         ));
         rows.insert(
             name.into(),
-            serde_json::json!({"tok_s": rate, "mapped_bytes_per_token": mapped_per_token, "copied_bytes_per_token": per_token, "staged_fraction": staged, "pinned_fraction": pinned_share, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
+            serde_json::json!({"tok_s": rate, "map_host_flipped": other_json, "mapped_bytes_per_token": mapped_per_token, "copied_bytes_per_token": per_token, "staged_fraction": staged, "pinned_fraction": pinned_share, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
         );
     }
     lines.push(format!("  in device memory: {device_rate:.1} tok/s"));

@@ -15,6 +15,7 @@
 mod graph;
 pub mod nvrtc;
 mod upload;
+pub use upload::{map_host_asked, MAP_HOST_ENV};
 
 pub use graph::{graphs_asked, GraphCounters, GRAPHS_ENV};
 
@@ -315,7 +316,7 @@ pub struct CudaDevice {
     /// Host ranges page-locked for the stream (`Device::pin_host`, `map_host`).
     pinned: upload::PinnedRanges,
     /// Whether `map_host` maps (see [`upload::MAP_HOST_ENV`]).
-    map_host: bool,
+    map_host: std::sync::atomic::AtomicBool,
     /// Which KV buffers are this device's (several devices may live in one process).
     id: usize,
     /// What quantized products multiply (see [`ACTIVATIONS_ENV`]): an [`Activations`] as u8.
@@ -531,7 +532,7 @@ impl CudaDevice {
             error,
             uploads: Arc::new(uploads),
             pinned: Arc::new(Mutex::new(Vec::new())),
-            map_host,
+            map_host: std::sync::atomic::AtomicBool::new(map_host),
             id,
             activations: std::sync::atomic::AtomicU8::new(activations as u8),
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
@@ -540,6 +541,16 @@ impl CudaDevice {
         };
         dev.set_graphs(graphs);
         Ok(dev)
+    }
+
+    /// Whether `map_host` maps host memory from now on (see [`upload::MAP_HOST_ENV`]); ranges
+    /// already mapped stay so.
+    pub fn set_map_host(&self, on: bool) {
+        self.map_host.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn map_host(&self) -> bool {
+        self.map_host.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets what products launched from now on multiply (see [`ACTIVATIONS_ENV`]).
@@ -1097,7 +1108,7 @@ impl Device for CudaDevice {
     }
 
     fn map_host(&self, bytes: &[u8], refilled: bool) -> Option<super::PinnedHost> {
-        if !self.map_host {
+        if !CudaDevice::map_host(self) {
             return None;
         }
         self.leave_recording();
