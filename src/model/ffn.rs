@@ -316,12 +316,18 @@ impl Model {
 
         // Phase 4: down over the kept neurons.
         let d = match (staged, stream) {
-            (Some((_, _, _, true)), Some(s)) => {
-                // The kept neurons' columns, read by id where the up rows were.
-                let ha = dev.to_host(&hact);
-                let keep: Vec<u32> = (0..f as u32)
-                    .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
-                    .collect();
+            (Some((up_set, one_pass, _, true)), Some(s)) => {
+                // The kept neurons' columns, read by id where the up rows were: the up set when
+                // the mask chose before up (as staged), else the neurons it kept.
+                let keep: Vec<u32> = match one_pass {
+                    true => up_set,
+                    false => {
+                        let ha = dev.to_host(&hact);
+                        (0..f as u32)
+                            .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
+                            .collect()
+                    }
+                };
                 let mut d = dev.zeros(n, h);
                 if !keep.is_empty() {
                     let all = s.rows_in_place(l, &keep, true)?.ok_or_else(|| {

@@ -167,7 +167,7 @@ impl Streamer {
     /// without a RAM budget), or its hot prefix. Volatile, as staged rows are (a device copies
     /// them at each use; slots may change in a later step). Counted as cache hits; `None` (and
     /// nothing counted) when the set is not such a run or is empty.
-    pub(super) fn in_place(
+    pub(super) fn run_views(
         &self,
         st: &mut State,
         l: usize,
@@ -448,13 +448,19 @@ impl LayerStream for Streamer {
             return Ok(None);
         }
         let parts = &self.layers[l];
-        let (p, buf) = match down {
-            false => (&parts.up, cache.buffers().0),
-            true => (&parts.down, cache.buffers().1),
+        let (ub, db) = cache.buffers();
+        let all = |p: &Part, buf: &Arc<Vec<u8>>| -> Result<Option<Weight>> {
+            let w = Weight::shared(&p.name, p.ty, cache.slots(), self.hidden, buf.clone(), 0)?.volatile();
+            Ok(self.device.in_place(&w))
         };
-        let all = Weight::shared(&p.name, p.ty, cache.slots(), self.hidden, buf.clone(), 0)?.volatile();
-        let Some(mapped) = self.device.in_place(&all) else {
+        // Both matrices or neither: a step whose up rows were read in place reads its down
+        // columns so too.
+        let (Some(up), Some(dn)) = (all(&parts.up, ub)?, all(&parts.down, db)?) else {
             return Ok(None);
+        };
+        let (p, mapped) = match down {
+            false => (&parts.up, up),
+            true => (&parts.down, dn),
         };
         let step = st.counters.passes;
         for &n in set {
@@ -478,7 +484,7 @@ impl LayerStream for Streamer {
 
     fn stage(&self, l: usize, up_set: &[u32], with_down: bool) -> Result<(Weight, Option<Weight>)> {
         let mut st = self.state.lock().expect("stream state");
-        if let Some((Some(up), down)) = self.in_place(&mut st, l, up_set, true, with_down)? {
+        if let Some((Some(up), down)) = self.run_views(&mut st, l, up_set, true, with_down)? {
             return Ok((up, down));
         }
         self.fetch(&mut st, l, up_set, if with_down { up_set } else { &[] }, up_set)?;
@@ -503,7 +509,7 @@ impl LayerStream for Streamer {
 
     fn stage_down(&self, l: usize, down_set: &[u32], staged_up: &[u32]) -> Result<Weight> {
         let mut st = self.state.lock().expect("stream state");
-        if let Some((_, Some(down))) = self.in_place(&mut st, l, down_set, false, true)? {
+        if let Some((_, Some(down))) = self.run_views(&mut st, l, down_set, false, true)? {
             return Ok(down);
         }
         self.fetch(&mut st, l, &[], down_set, staged_up)?;
