@@ -47,6 +47,24 @@ fn load_on_disk(p: &Path) -> Model {
     Model::load(p, &opts).unwrap()
 }
 
+/// SmolLM2 as a split `.gst` in `dir`.
+fn smollm2_gst(dir: &Path) -> PathBuf {
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    convert(&src, dir, "smollm2.gst", FfnLayout::Split)
+}
+
+/// The model at `p` opened for streaming on a fresh host stand-in device, whose staged rows go
+/// over in 16 KiB chunks (a layer's staged up rows, 360 bytes each, in dozens).
+fn on_standin(p: &Path) -> (Arc<gatestream::backend::standin::HostStandIn>, Model) {
+    let dev = Arc::new(gatestream::backend::standin::HostStandIn::new(0).with_upload_chunk_bytes(16 << 10));
+    let opts = LoadOptions {
+        placement: Placement::OnDisk,
+        ..LoadOptions::default()
+    };
+    let m = Model::load_on(p, &opts, dev.clone()).unwrap();
+    (dev, m)
+}
+
 fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamOptions {
     StreamOptions {
         budget_bytes,
@@ -178,8 +196,7 @@ fn a_streamed_model_is_read_only_through_a_stream_and_serves_several() {
 #[test]
 fn concurrent_passes_over_one_stream_finish() {
     let tmp = tempfile::tempdir().unwrap();
-    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
-    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let p = smollm2_gst(tmp.path());
     let opts = LoadOptions {
         threads: 4,
         placement: Placement::OnDisk,
@@ -211,8 +228,7 @@ fn concurrent_passes_over_one_stream_finish() {
 #[test]
 fn dense_streaming_is_bit_identical_to_in_ram_for_every_reader_smollm2() {
     let tmp = tempfile::tempdir().unwrap();
-    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
-    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let p = smollm2_gst(tmp.path());
     assert_bit_identical(&p, "The capital of France is");
 }
 
@@ -464,10 +480,8 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
 /// onto the device (not computed on the host where they landed).
 #[test]
 fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
-    use gatestream::backend::standin::HostStandIn;
     let tmp = tempfile::tempdir().unwrap();
-    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
-    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let p = smollm2_gst(tmp.path());
     let text = "The capital of France is";
     let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
     let ram = load(&p);
@@ -486,13 +500,7 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
             for sparse in [None, Some(0), Some(1)] {
                 // Lookahead where the budget leaves room for resident gates to predict with.
                 let ahead = sparse.is_some() && policy == CachePolicy::Lru;
-                // 16 KiB chunks: a layer's staged up rows (360 bytes each) go over in dozens.
-                let dev = Arc::new(HostStandIn::new(0).with_upload_chunk_bytes(16 << 10));
-                let opts = LoadOptions {
-                    placement: Placement::OnDisk,
-                    ..LoadOptions::default()
-                };
-                let m = Model::load_on(&p, &opts, dev.clone()).unwrap();
+                let (dev, m) = on_standin(&p);
                 let mut sopts = options(budget, engine, policy);
                 if let (true, Some(c)) = (ahead, sparse) {
                     sopts.lookahead = Lookahead::for_mask(up_set_reads_input(Strategy::TopK, criteria[c]));
@@ -551,10 +559,8 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
 /// or copied): dense logits bit-identical to the in-RAM model, sparse ones within rounding.
 #[test]
 fn a_cache_holding_every_layer_hands_a_device_its_rows_in_place() {
-    use gatestream::backend::standin::HostStandIn;
     let tmp = tempfile::tempdir().unwrap();
-    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
-    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let p = smollm2_gst(tmp.path());
     let text = "The capital of France is";
     let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
     let ram = load(&p);
@@ -572,12 +578,7 @@ fn a_cache_holding_every_layer_hands_a_device_its_rows_in_place() {
             let mask = sparse.map(|c| Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap());
             run(&ram, None, mask.as_ref(), text, steps)
         };
-        let dev = Arc::new(HostStandIn::new(0).with_upload_chunk_bytes(16 << 10));
-        let opts = LoadOptions {
-            placement: Placement::OnDisk,
-            ..LoadOptions::default()
-        };
-        let m = Model::load_on(&p, &opts, dev.clone()).unwrap();
+        let (dev, m) = on_standin(&p);
         let s = Streamer::open(&m, &options(min + 2 * file_bytes, ReadEngine::Uring, policy)).unwrap();
         let mask = sparse.map(|c| Masker::for_model(&m, Strategy::TopK, c, 0.5, None).unwrap());
         let got = run(&m, Some(&s), mask.as_ref(), text, steps);
@@ -634,8 +635,7 @@ fn a_cache_holding_every_layer_hands_a_device_its_rows_in_place() {
 #[test]
 fn sparse_streaming_reads_less_and_matches_the_in_ram_sparse_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
-    let p = convert(&src, tmp.path(), "smollm2.gst", FfnLayout::Split);
+    let p = smollm2_gst(tmp.path());
     let min = min_budget(&p);
     let text = "The capital of France is";
     let ram = load(&p);

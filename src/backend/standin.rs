@@ -110,21 +110,13 @@ impl HostStandIn {
     /// the use, or staged and copied when sent (a streamed layer's `ffn_up` rows, say: one use
     /// per pass that computed them here).
     pub fn volatile_uses(&self, part: &str) -> u64 {
-        let uses = self.volatile_uses.lock().expect("volatile uses");
-        uses.iter()
-            .filter(|(name, _)| name.contains(part))
-            .map(|(_, n)| n)
-            .sum()
+        uses_of(&self.volatile_uses, part)
     }
 
     /// How many products read weights whose name contains `part` in place, from mapped host
     /// memory ([`Device::in_place`]), without a copy.
     pub fn in_place_uses(&self, part: &str) -> u64 {
-        let uses = self.in_place_uses.lock().expect("in-place uses");
-        uses.iter()
-            .filter(|(name, _)| name.contains(part))
-            .map(|(_, n)| n)
-            .sum()
+        uses_of(&self.in_place_uses, part)
     }
 
     /// Bytes copied "to the device" so far: (resident weights, volatile weights).
@@ -203,12 +195,7 @@ impl HostStandIn {
         u.staged_uses += 1;
         u.chunk_waits += waits;
         drop(u);
-        *self
-            .volatile_uses
-            .lock()
-            .expect("volatile uses")
-            .entry(w.name.clone())
-            .or_default() += 1;
+        count_use(&self.volatile_uses, &w.name);
         Weight::shared_strided(&w.name, w.ty, w.rows, w.cols, Arc::new(copy), 0, w.row_stride_bytes)
             .expect("the copy has the original's shape")
     }
@@ -226,12 +213,7 @@ impl HostStandIn {
         }
         // Mapped host memory, read in place: the bytes as they are now, never copied.
         if let Some(m) = keep.downcast_ref::<super::MappedHost>().filter(|m| m.device == self.id) {
-            *self
-                .in_place_uses
-                .lock()
-                .expect("in-place uses")
-                .entry(w.name.clone())
-                .or_default() += 1;
+            count_use(&self.in_place_uses, &w.name);
             return m.weight.clone();
         }
         let copy = || {
@@ -254,12 +236,7 @@ impl HostStandIn {
             if pinned.iter().any(|&(p, n, _)| p <= lo && hi <= p + n) {
                 self.pinned_copied.fetch_add(bytes.len() as u64, Ordering::Relaxed);
             }
-            *self
-                .volatile_uses
-                .lock()
-                .expect("volatile uses")
-                .entry(w.name.clone())
-                .or_default() += 1;
+            count_use(&self.volatile_uses, &w.name);
             return copy();
         }
         let key = (bytes.as_ptr() as usize, bytes.len(), w.row_stride_bytes);
@@ -273,6 +250,20 @@ impl HostStandIn {
             .0
             .clone()
     }
+}
+
+/// Uses counted by weight name: one more of `name`.
+fn count_use(uses: &Mutex<HashMap<String, u64>>, name: &str) {
+    *uses.lock().expect("uses").entry(name.to_string()).or_default() += 1;
+}
+
+/// The uses counted of weights whose name contains `part`.
+fn uses_of(uses: &Mutex<HashMap<String, u64>>, part: &str) -> u64 {
+    let uses = uses.lock().expect("uses");
+    uses.iter()
+        .filter(|(name, _)| name.contains(part))
+        .map(|(_, n)| n)
+        .sum()
 }
 
 /// Unlocks a range locked by `pin_host` when dropped.
