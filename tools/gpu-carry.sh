@@ -1,0 +1,48 @@
+#!/bin/bash
+# Prepares what a lent GPU machine needs to run the GPU suite (that machine has the driver, nvcc
+# and NVRTC, but no Rust toolchain and no registry): the release binary and the GPU suite built
+# here with `--features cuda`, stripped, with stories260K and a 300 kB wikitext excerpt from
+# ../shared, and `run.sh`, into DIR (default gpucarry; added to .git/info/exclude, so it travels
+# with the working tree only when named in the device tool's `carry`).
+#
+#   tools/gpu-carry.sh [DIR]
+#
+# Then, on the GPU machine (from the repository root; logs and the JSON report under $OUT):
+#   bash gpucarry/run.sh                         # the whole suite (~4 min on an H100)
+#   bash gpucarry/run.sh qwen_shaped_vram_budget # some checks
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-gpucarry}
+shared=../shared
+[ -d "$shared/data/stories260K" ] || { echo "gpu-carry: $shared/data/stories260K not found" >&2; exit 1; }
+grep -qx "$dir/" .git/info/exclude 2>/dev/null || echo "$dir/" >> .git/info/exclude
+cargo build --release --features cuda
+suite=$(cargo test --release --features cuda --test gpu_cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_cuda":
+        print(m["executable"])')
+[ -x "$suite" ] || { echo "gpu-carry: the GPU suite did not build" >&2; exit 1; }
+rm -rf "$dir"
+mkdir -p "$dir/shared/data/wikitext-2"
+cp target/release/gatestream "$suite" "$dir/"
+mv "$dir/$(basename "$suite")" "$dir/gpu_cuda"
+strip "$dir/gatestream" "$dir/gpu_cuda"
+cp -r "$shared/data/stories260K" "$dir/shared/data/"
+head -c 300000 "$shared/data/wikitext-2/wiki.test.raw" > "$dir/shared/data/wikitext-2/wiki.test.raw"
+git rev-parse HEAD > "$dir/BUILT_FROM"
+git status --short >> "$dir/BUILT_FROM"
+cat > "$dir/run.sh" <<EOF
+#!/bin/bash
+# The GPU suite on the GPU machine (see tools/gpu-carry.sh); arguments: checks to run (all when none).
+# The suite reads ../shared from the repository root's parent, as /work/shared here (linked
+# to the carried copy where there is none: the GPU machine).
+[ -e /work/shared ] || { mkdir -p /work && ln -s "\$PWD/$dir/shared" /work/shared; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+GATESTREAM_GPU_REPORT="\$OUT/report.json" timeout 570 "$dir/gpu_cuda" "\$@" > "\$OUT/suite.txt" 2>&1
+echo "suite rc \$?"
+tail -c 9000 "\$OUT/suite.txt"
+EOF
+du -sh "$dir"
+echo "gpu-carry: $dir ready (built from $(git rev-parse --short HEAD)); carry [\"$dir\"], command: bash $dir/run.sh"
