@@ -243,6 +243,19 @@ pub struct MappedHost {
     pub device_address: u64,
 }
 
+impl MappedHost {
+    /// `w` as a weight over host memory mapped by device `device` at `device_address` (what
+    /// [`Device::in_place`] returns).
+    pub fn weight_over(w: &Weight, device: u64, device_address: u64) -> Option<Weight> {
+        let mapped = MappedHost {
+            weight: w.clone(),
+            device,
+            device_address,
+        };
+        Weight::staged(&w.name, w.ty, w.rows, w.cols, std::sync::Arc::new(mapped)).ok()
+    }
+}
+
 impl StagedBytes for MappedHost {
     fn bytes(&self) -> &[u8] {
         self.weight.span().map_or(&[], |(b, _)| b)

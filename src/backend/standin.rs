@@ -366,12 +366,7 @@ impl Device for HostStandIn {
         pinned
             .iter()
             .find(|&&(p, n, mapped)| mapped && p <= lo && hi <= p + n)?;
-        let mapped = super::MappedHost {
-            weight: w.clone(),
-            device: self.id,
-            device_address: lo as u64,
-        };
-        Weight::staged(&w.name, w.ty, w.rows, w.cols, Arc::new(mapped)).ok()
+        super::MappedHost::weight_over(w, self.id, lo as u64)
     }
     fn upload_chunk_bytes(&self) -> usize {
         self.chunk_bytes

@@ -283,10 +283,8 @@ impl Model {
                         (dev.matmul(&[&up_w], xn).remove(0), down_w)
                     }
                 };
-                let by_id = in_place.is_some();
-                drop(in_place);
                 let up = dev.scatter_cols(&u, &up_set, f);
-                staged = Some((up_set, one_pass, down_w, by_id));
+                staged = Some((up_set, one_pass, down_w, in_place.is_some()));
                 up
             }
         };
@@ -321,12 +319,7 @@ impl Model {
                 // the mask chose before up (as staged), else the neurons it kept.
                 let keep: Vec<u32> = match one_pass {
                     true => up_set,
-                    false => {
-                        let ha = dev.to_host(&hact);
-                        (0..f as u32)
-                            .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
-                            .collect()
-                    }
+                    false => nonzero_neurons(&dev.to_host(&hact), n, f),
                 };
                 let mut d = dev.zeros(n, h);
                 if !keep.is_empty() {
@@ -345,10 +338,7 @@ impl Model {
                 let (down_set, down_w) = match (one_pass, down_w) {
                     (true, Some(dw)) => (up_set, dw),
                     _ => {
-                        let ha = dev.to_host(&hact);
-                        let keep: Vec<u32> = (0..f as u32)
-                            .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
-                            .collect();
+                        let keep = nonzero_neurons(&dev.to_host(&hact), n, f);
                         let dw = match decode {
                             Some(_) => staged_decode_down(dev, s, l, &keep, w.down.weight())?,
                             None => s.stage_down(l, &keep, &up_set)?,
@@ -503,6 +493,13 @@ impl Model {
         }
         s.read_ahead(next, &need, mask.decides_before_up())
     }
+}
+
+/// The neurons (of `f`) some token of the hidden activations `ha` `[n, f]` keeps (non-zero).
+fn nonzero_neurons(ha: &[f32], n: usize, f: usize) -> Vec<u32> {
+    (0..f as u32)
+        .filter(|&i| (0..n).any(|t| ha[t * f + i as usize] != 0.0))
+        .collect()
 }
 
 /// A decode step's up rows of `set` (sorted) as the stream hands them over (cache hits, reads

@@ -28,7 +28,7 @@ use std::hash::{Hash, Hasher};
 use cudarc::driver::{sys, CudaGraph, CudaSlice, LaunchConfig};
 
 use super::{Arg, CudaDevice};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::quant::GgmlType;
 
 /// `GATESTREAM_CUDA_GRAPHS`: `1` (or `on`, the default) records and replays repeated segments as
@@ -39,14 +39,12 @@ pub const GRAPHS_ENV: &str = "GATESTREAM_CUDA_GRAPHS";
 
 /// Whether [`GRAPHS_ENV`] asks for graphs (`value`: the variable's value).
 pub fn graphs_asked(value: Option<&str>) -> Result<bool> {
-    match value.map(str::trim) {
-        Some("0") | Some("off") => Ok(false),
-        None | Some("") | Some("1") | Some("on") => Ok(true),
-        Some(other) => Err(Error::Invalid(format!(
-            "{GRAPHS_ENV}={other}: expected 1 or on (the default: repeated steps replayed as CUDA graphs), or 0 or \
-             off (each kernel launched as it comes)"
-        ))),
-    }
+    super::switch_asked(
+        GRAPHS_ENV,
+        value,
+        "repeated steps replayed as CUDA graphs",
+        "each kernel launched as it comes",
+    )
 }
 
 /// Segments with fewer operations are never captured (a graph would not pay).

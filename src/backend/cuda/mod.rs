@@ -360,6 +360,18 @@ pub const INT8_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
 /// Bytes of one Q8_K activation block for the integer products (`Q8K_BLOCK_BYTES`).
 const Q8K_BLOCK_BYTES: usize = 292;
 
+/// An on/off variable (`name`, its value `value`): `1` or `on` (or unset, or empty: the default)
+/// is on, `0` or `off` off; anything else is refused, saying what each means.
+pub(crate) fn switch_asked(name: &str, value: Option<&str>, on: &str, off: &str) -> Result<bool> {
+    match value.map(str::trim) {
+        Some("0") | Some("off") => Ok(false),
+        None | Some("") | Some("1") | Some("on") => Ok(true),
+        Some(other) => Err(Error::Invalid(format!(
+            "{name}={other}: expected 1 or on (the default: {on}), or 0 or off ({off})"
+        ))),
+    }
+}
+
 /// What [`ACTIVATIONS_ENV`] asks for (`value`: the variable's value).
 pub fn activations_asked(value: Option<&str>) -> Result<Activations> {
     match value.map(str::trim) {
@@ -1118,12 +1130,7 @@ impl Device for CudaDevice {
     fn in_place(&self, w: &Weight) -> Option<Weight> {
         let (bytes, _) = w.span()?;
         let device_address = upload::mapped_address(&self.pinned, bytes)?;
-        let mapped = super::MappedHost {
-            weight: w.clone(),
-            device: self.id as u64,
-            device_address,
-        };
-        Weight::staged(&w.name, w.ty, w.rows, w.cols, Arc::new(mapped)).ok()
+        super::MappedHost::weight_over(w, self.id as u64, device_address)
     }
 
     fn begin_upload(&self, bytes: usize) -> Box<dyn super::Upload> {

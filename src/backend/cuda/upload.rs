@@ -477,14 +477,12 @@ pub const MAP_HOST_ENV: &str = "GATESTREAM_CUDA_MAP_HOST";
 
 /// Whether [`MAP_HOST_ENV`] asks for mapping (`value`: the variable's value).
 pub fn map_host_asked(value: Option<&str>) -> crate::error::Result<bool> {
-    match value.map(str::trim) {
-        Some("0") | Some("off") => Ok(false),
-        None | Some("") | Some("1") | Some("on") => Ok(true),
-        Some(other) => Err(crate::error::Error::Invalid(format!(
-            "{MAP_HOST_ENV}={other}: expected 1 or on (the default: kept rows read in place from the mapped neuron \
-             cache), or 0 or off (kept rows staged and copied)"
-        ))),
-    }
+    super::switch_asked(
+        MAP_HOST_ENV,
+        value,
+        "kept rows read in place from the mapped neuron cache",
+        "kept rows staged and copied",
+    )
 }
 
 /// A host range page-locked for copies: whether the stream refills it, and where the device
