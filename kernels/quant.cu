@@ -357,9 +357,12 @@ __device__ void embed_body(const u8* W, u64 row_stride, const u32* ids, int cols
 // acts[t][r] * W[r][c], each slice summed in row order. `accumulate_reduce` then adds the
 // partitions in order, so the result never depends on scheduling (no float atomics).
 // grid = (ceil(units / blockDim.x), partitions, n); each thread owns one unit of 32 columns.
+// Rows from `split` on are another matrix's, W2 (row r at W2 + (r - split) * row_stride2): a
+// matrix joined from two places sums exactly as one (split = w_rows: W alone).
 template <int TY>
 __device__ void accumulate_body(const u8* W, u64 row_stride, int w_rows, const u32* rows, int n_rows, int cols,
-                                const float* acts, int n, float* partial) {
+                                const float* acts, int n, float* partial, const u8* W2, u64 row_stride2,
+                                int split) {
     int u = blockIdx.x * blockDim.x + threadIdx.x;
     int units = cols / 32;
     int p = blockIdx.y, parts = gridDim.y, t = blockIdx.z;
@@ -375,7 +378,8 @@ __device__ void accumulate_body(const u8* W, u64 row_stride, int w_rows, const u
         float ar = a[r];
         if (ar == 0.f) continue;
         float w[32];
-        decode_unit<TY>(W + (u64)r * row_stride, u, w);
+        const u8* src = r < (u32)split ? W + (u64)r * row_stride : W2 + (u64)(r - (u32)split) * row_stride2;
+        decode_unit<TY>(src, u, w);
 #pragma unroll
         for (int i = 0; i < 32; i++) acc[i] += ar * w[i];
     }
@@ -407,8 +411,9 @@ __device__ void accumulate_body(const u8* W, u64 row_stride, int w_rows, const u
     }                                                                                                        \
     extern "C" __global__ void accumulate_##NAME(const u8* W, u64 row_stride, int w_rows, const u32* rows,  \
                                                  int n_rows, int cols, const float* acts, int n,             \
-                                                 float* partial) {                                           \
-        accumulate_body<TY>(W, row_stride, w_rows, rows, n_rows, cols, acts, n, partial);                    \
+                                                 float* partial, const u8* W2, u64 row_stride2, int split) { \
+        accumulate_body<TY>(W, row_stride, w_rows, rows, n_rows, cols, acts, n, partial, W2, row_stride2,    \
+                            split);                                                                          \
     }
 
 QUANT_KERNELS(f32, TY_F32)

@@ -121,7 +121,7 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
             // The device kept at most the weights its plan keeps (norms travel as vectors).
             let (resident, _) = dev.copied_bytes();
             assert!(
-                resident > 0 && resident <= plan.output_bytes + plan.attention_bytes + plan.gate_bytes,
+                resident > 0 && resident <= plan.output_bytes + plan.attention_bytes + plan.gate_bytes + plan.hot_bytes,
                 "{what}: {resident} resident bytes copied, plan {plan:?}"
             );
             // The stream's FFN staging is page-locked while the stream is open, and so are the
@@ -132,7 +132,16 @@ fn a_gpu_budget_keeps_part_of_the_model_on_the_device_and_copies_the_rest_at_eac
             // page-locked memory either way.
             let unkept = 4 * plan.attention_resident.iter().filter(|&&k| !k).count()
                 + plan.gate_resident.iter().filter(|&&k| !k).count();
-            let caches = 2 * report.residency.cache_neurons.iter().filter(|&&n| n > 0).count();
+            // A partial cache holds the neurons after the device's hot ones (a whole one, all).
+            let ffn = in_ram.config.ffn;
+            let host_held = |(&n, &hot): (&usize, &usize)| if n == ffn { n } else { n - hot };
+            let held = report
+                .residency
+                .cache_neurons
+                .iter()
+                .zip(&plan.hot_neurons)
+                .map(host_held);
+            let caches = 2 * held.filter(|&n| n > 0).count();
             let all_resident = ram == gatestream::stream::RAM_UNLIMITED;
             if all_resident {
                 assert_eq!(caches, 2 * plan.gate_resident.len(), "{what}: every layer cached");

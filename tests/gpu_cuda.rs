@@ -54,7 +54,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 21] = [
+    let checks: [(&str, Check); 22] = [
         ("kernels_per_type", kernels_per_type),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
@@ -125,6 +125,7 @@ fn main() {
         }),
         ("qwen_shaped_streamed_to_cuda", qwen_streamed),
         ("qwen_shaped_vram_budget", qwen_vram),
+        ("qwen_shaped_vram_budget_70", qwen_vram_hot),
     ];
     // Arguments (not flags): run the checks whose names contain one of them.
     let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
@@ -1310,7 +1311,7 @@ fn qwen_streamed(
         "qwen_shaped_streamed",
         "qwen-shaped",
         &qwen_gst_path()?,
-        Budget::OfFile,
+        Budget::OfFile(40),
     )
 }
 
@@ -1440,7 +1441,8 @@ fn gst_beside(gguf: &std::path::Path) -> Result<std::path::PathBuf, String> {
 /// weights) the refused minimum plus 40% of the file.
 #[derive(Clone, Copy)]
 enum Budget {
-    OfFile,
+    /// A share of the file, in percent.
+    OfFile(u64),
     AboveMinimum,
     /// The refused minimum itself: attention and gates streamed too (their copies volatile).
     Minimum,
@@ -1452,7 +1454,7 @@ impl Budget {
     fn bytes(self, file_bytes: u64, refusal: impl Fn(u64) -> Option<gatestream::error::Error>) -> Result<u64, String> {
         let share = file_bytes * 2 / 5;
         match self {
-            Budget::OfFile => Ok(share),
+            Budget::OfFile(percent) => Ok(file_bytes * percent / 100),
             Budget::AboveMinimum | Budget::Minimum => {
                 let e = refusal(0).ok_or("a zero budget was not refused")?.to_string();
                 let min = common::budget_in_refusal(&e);
@@ -1467,7 +1469,7 @@ impl Budget {
 
     fn describe(self, bytes: u64) -> String {
         match self {
-            Budget::OfFile => "40%".into(),
+            Budget::OfFile(percent) => format!("{percent}%"),
             Budget::AboveMinimum => format!("(the minimum + 40% = {:.2} MB)", bytes as f64 / 1e6),
             Budget::Minimum => format!(
                 "(the minimum, {:.2} MB: every weight it can streamed)",
@@ -1507,7 +1509,24 @@ fn qwen_vram(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_j
         "qwen_shaped_vram_budget",
         "qwen-shaped",
         &qwen_gst_path()?,
-        Budget::OfFile,
+        Budget::OfFile(40),
+    )
+}
+
+/// As [`qwen_vram`] under a GPU budget of 70% of the file: room after the output, attention
+/// and gates for hot neurons (each layer's first), computed from the GPU's own copy, so a dense
+/// step copies only the other neurons' rows.
+fn qwen_vram_hot(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    vram_budget(
+        dev,
+        report,
+        "qwen_shaped_vram_budget_70",
+        "qwen-shaped",
+        &qwen_gst_path()?,
+        Budget::OfFile(70),
     )
 }
 
@@ -1559,7 +1578,8 @@ fn vram_budget(
     let (device_rate, _, _) = masked_decode(&in_device, None, None, steps, &|| 0)?;
     let mut lines = vec![format!(
         "  {label} .gst in host RAM, GPU budget {} of {:.3} MB: {:.3} MB kept on the device (output {}, \
-         attention {}/{}, gates {}/{}), {:.3} MB/token copied when dense (plan); every neuron: argmax differs at \
+         attention {}/{}, gates {}/{}, hot neurons {}/layer: {:.3} MB), {:.3} MB/token copied when dense (plan); every \
+         neuron: argmax differs at \
          {mismatches}/{steps} steps from in device memory, max |dlogit| = {:.6}% of the range; link {pageable:.1} GB/s \
          pageable, {pinned:.1} GB/s pinned (best of 1-64 MiB copies)",
         budget.describe(vram),
@@ -1570,6 +1590,8 @@ fn vram_budget(
         plan.attention_resident.len(),
         plan.gate_resident.iter().filter(|&&g| g).count(),
         plan.gate_resident.len(),
+        plan.hot_neurons.first().copied().unwrap_or(0),
+        plan.hot_bytes as f64 / 1e6,
         plan.copied_bytes_per_token as f64 / 1e6,
         worst * 100.0
     )];

@@ -966,3 +966,101 @@ fn eval_streams_and_equals_the_in_ram_model_in_the_same_batches() {
     }
     assert!(s.counters().passes > 0 && s.read_stats().bytes_device > 0);
 }
+
+/// Under a GPU budget with room after the output matrix, attention and gates, the device keeps
+/// each layer's first neurons (the plan's hot neurons) and computes them from its own copy: the
+/// stream hands over only the rest (a cache of the whole layer lends the hot rows; a partial one
+/// holds the neurons after them), nothing is read or looked up for a hot neuron, and the down
+/// columns of both are summed as one matrix — dense logits stay bit-identical to the in-RAM
+/// model's (this model turns a last-bit difference in one FFN output into logits 0.5 apart),
+/// sparse ones within rounding.
+#[test]
+fn a_gpu_budget_keeps_hot_neurons_on_the_device_and_streams_only_the_rest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = smollm2_gst(tmp.path());
+    let text = "The capital of France is";
+    let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
+    let ram = load(&p);
+    let ffn = ram.config.ffn as u64;
+    let ffn0 = ram.weights.layers[0].dense("test").unwrap();
+    let neuron_bytes = (ffn0.up.row_bytes + ffn0.down.weight().row_bytes) as u64;
+    // The prompt's pass and four decode steps.
+    let (steps, passes) = (4, 5);
+    for (budget, policy, sparse) in [
+        (min + 2 * file_bytes, CachePolicy::Pinned, None),
+        (min + 2 * file_bytes, CachePolicy::Lru, Some(Criterion::Exact)),
+        (min + 2 * file_bytes, CachePolicy::Lru, Some(Criterion::Gate)),
+        (min + file_bytes / 2, CachePolicy::Lru, None),
+        (min + file_bytes / 2, CachePolicy::Lru, Some(Criterion::Gate)),
+    ] {
+        let want = {
+            let mask = sparse.map(|c| Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap());
+            run(&ram, None, mask.as_ref(), text, steps)
+        };
+        let (dev, m) = on_standin(&p);
+        let opts = StreamOptions {
+            vram_budget_bytes: Some(file_bytes * 7 / 10),
+            ..options(budget, ReadEngine::Uring, policy)
+        };
+        let s = Streamer::open(&m, &opts).unwrap();
+        let mask = sparse.map(|c| Masker::for_model(&m, Strategy::TopK, c, 0.5, None).unwrap());
+        let got = run(&m, Some(&s), mask.as_ref(), text, steps);
+        let what = format!("budget {budget} {policy:?} {sparse:?}");
+        assert_eq!(got.len(), want.len(), "{what}");
+        if sparse.is_none() {
+            assert!(
+                got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: differs from the in-RAM model"
+            );
+        } else {
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-4 * scale, "{what}: {diff} (scale {scale})");
+        }
+        let plan = s.device_plan.clone().unwrap();
+        let whole = s.residency.cache_neurons.iter().all(|&c| c as u64 == ffn);
+        assert!(
+            plan.hot_neurons.iter().all(|&k| k > 0 && (k as u64) < ffn),
+            "{what}: {plan:?}"
+        );
+        let streamed: u64 = plan.hot_neurons.iter().map(|&k| ffn - k as u64).sum();
+        let c = s.counters();
+        // Every hot neuron of every layer in every pass when dense; some when sparse.
+        match sparse {
+            None => assert_eq!(c.ffn_hot_bytes, passes * plan.hot_bytes, "{what}: {c:?}"),
+            Some(_) => assert!(
+                c.ffn_hot_bytes > 0 && c.ffn_hot_bytes < passes * plan.hot_bytes,
+                "{what}: {c:?}"
+            ),
+        }
+        // The stream never read or handed over a hot neuron: each other neuron's rows at most
+        // once a pass.
+        let handed = c.ffn_needed_bytes + c.ffn_in_place_bytes;
+        assert!(handed <= passes * streamed * neuron_bytes, "{what}: {c:?}");
+        // The device copied the hot rows once, with the other weights it keeps.
+        let (resident, _) = dev.copied_bytes();
+        assert!(resident >= plan.hot_bytes, "{what}: {resident} vs {plan:?}");
+        match (whole, sparse) {
+            // Whole cache: nothing read; a decode step's kept rows past the hot ones read by id.
+            (true, Some(_)) => {
+                assert_eq!(c.ffn_needed_bytes, 0, "{what}: {c:?}");
+                assert_eq!(
+                    dev.in_place_uses("ffn_down"),
+                    (passes - 1) * plan.hot_neurons.len() as u64,
+                    "{what}"
+                );
+            }
+            // Whole cache, dense: views of every other neuron's rows, every pass.
+            (true, None) => assert_eq!(
+                (c.ffn_needed_bytes, c.ffn_in_place_bytes),
+                (0, passes * streamed * neuron_bytes),
+                "{what}: {c:?}"
+            ),
+            // Partial cache: what it lacks is read, never in place.
+            (false, _) => {
+                assert!(c.ffn_needed_bytes > 0, "{what}: {c:?}");
+                assert_eq!(dev.in_place_uses("ffn_"), 0, "{what}");
+            }
+        }
+    }
+}

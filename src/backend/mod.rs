@@ -230,6 +230,28 @@ pub trait Upload: Send {
     fn finish(self: Box<Self>) -> std::sync::Arc<dyn StagedBytes>;
 }
 
+/// `head`'s rows then `tail`'s, as one weight in host memory (see
+/// [`Device::accumulate_rows_joined`]): volatile, a copy for one use.
+pub fn join_rows(head: &Weight, tail: &Weight) -> crate::error::Result<Weight> {
+    let bad = || {
+        crate::error::Error::Invalid(format!(
+            "{} and {}: rows of different types or widths ({:?} x {}, {:?} x {}) do not join",
+            head.name, tail.name, head.ty, head.cols, tail.ty, tail.cols
+        ))
+    };
+    if head.ty != tail.ty || head.cols != tail.cols {
+        return Err(bad());
+    }
+    let row_bytes = head.ty.row_bytes(head.cols).ok_or_else(bad)?;
+    let mut bytes = Vec::with_capacity((head.rows + tail.rows) * row_bytes);
+    for w in [head, tail] {
+        for r in 0..w.rows {
+            bytes.extend_from_slice(w.row(r));
+        }
+    }
+    Ok(Weight::owned(&head.name, head.ty, head.rows + tail.rows, head.cols, bytes)?.volatile())
+}
+
 /// Host memory a device page-locked for its copies ([`Device::pin_host`]); unlocked on drop.
 pub struct PinnedHost(pub Box<dyn Send + Sync>);
 
@@ -457,6 +479,18 @@ pub trait Device: Send + Sync {
     /// `out[t] += Σ_r acts[t][r] · w[r]` over `rows` (all when `None`), neuron-major `w`,
     /// summed in f64 so neither order nor thread count changes a result.
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act);
+    /// `accumulate_rows` over the matrix whose rows are `head`'s, then `tail`'s (one type and
+    /// width; `acts` `[n, head.rows + tail.rows]`, `rows` indexing the joined rows), summed
+    /// exactly as that one matrix would be: the result is `accumulate_rows`'s over it, bit for
+    /// bit. (A device keeping a layer's hot neurons sums their down columns with the rest's
+    /// streamed ones as one product, so the result does not depend on the split.) This default
+    /// joins the bytes in host memory; a device with memory of its own reads both where they are.
+    fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        match join_rows(head, tail) {
+            Ok(w) => self.accumulate_rows(&w, rows, acts, out),
+            Err(e) => panic!("{e}"),
+        }
+    }
     /// Queries and keys, per head of width `shape.head_dim`: the optional per-head RMS norm
     /// (`q_norm`, `k_norm`), then RoPE at each row's position (one table per position serves
     /// both).

@@ -492,6 +492,11 @@ impl Device for HostStandIn {
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
         self.cpu.accumulate_rows(&self.on_device(w), rows, acts, out)
     }
+    fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        // Each part where the device has it (kept, copied or read in place), joined there.
+        let joined = super::join_rows(&self.on_device(head), &self.on_device(tail)).expect("rows that join");
+        self.cpu.accumulate_rows(&joined, rows, acts, out)
+    }
     fn rope_qk(
         &self,
         q: &mut Act,

@@ -239,9 +239,10 @@ impl Model {
         }
 
         // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
-        // down columns staged with it when the mask decides before up (one read batch).
-        // (up set, one read batch, down columns staged with up, read in place by id)
-        let mut staged: Option<(Vec<u32>, bool, Option<Weight>, bool)> = None;
+        // down columns staged with it when the mask decides before up (one read batch); the
+        // device's hot neurons (`LayerStream::hot_rows`) from its own copy, the stream handing
+        // over only the rest.
+        let mut streamed: Option<Streamed> = None;
         // The mask's inputs on the host, once per layer (a sync where the device has its own
         // memory; a borrow on the CPU): phases 2 and 3 both read them.
         let scores = hooks.mask.map(|_| (dev.to_host(xn), dev.to_host(&gate)));
@@ -264,27 +265,54 @@ impl Model {
                     need.iter_mut().zip(&selected).for_each(|(n, s)| *n &= s);
                 }
                 let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
-                let up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
+                let hot = s.hot_rows(l);
+                let k = hot.map_or(0, |(u, _)| u.rows);
+                let mut up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
+                let hot_set: Vec<u32> = up_set.drain(..up_set.partition_point(|&i| (i as usize) < k)).collect();
+                // The stream is asked for rows unless the hot neurons are all the step needs.
+                let asks = k == 0 || !up_set.is_empty();
                 // A decode step's up rows are read by id, in place, where the device mapped the
                 // stream's copy of the layer; else staged as they land (the down columns come in
                 // the down phase, for the kept neurons only). Other passes' rows are staged.
-                let in_place = match decode {
-                    Some(_) => s.rows_in_place(l, &up_set, false)?,
-                    None => None,
+                let in_place = match (decode, asks) {
+                    (Some(_), true) => s.rows_in_place(l, &up_set, false)?,
+                    _ => None,
                 };
                 let (u, down_w) = match (&in_place, decode) {
-                    (Some(all), _) => (dev.matmul_rows(all, &up_set, xn), None),
+                    _ if !asks => (None, None),
+                    (Some(all), _) => {
+                        // The stream's rows start after the hot ones: row i = neuron k + i.
+                        let ids: Vec<u32> = up_set.iter().map(|&i| i - k as u32).collect();
+                        (Some(dev.matmul_rows(all, &ids, xn)), None)
+                    }
                     (None, Some(_)) => {
                         let up_w = staged_decode_up(dev, s, l, &up_set, one_pass, &w.up)?;
-                        (dev.matmul(&[&up_w], xn).remove(0), None)
+                        (Some(dev.matmul(&[&up_w], xn).remove(0)), None)
                     }
                     (None, None) => {
                         let (up_w, down_w) = s.stage(l, &up_set, one_pass)?;
-                        (dev.matmul(&[&up_w], xn).remove(0), down_w)
+                        (Some(dev.matmul(&[&up_w], xn).remove(0)), down_w)
                     }
                 };
-                let up = dev.scatter_cols(&u, &up_set, f);
-                staged = Some((up_set, one_pass, down_w, in_place.is_some()));
+                let mut up = match u {
+                    Some(u) => dev.scatter_cols(&u, &up_set, f),
+                    None => dev.zeros(n, f),
+                };
+                if let Some((hot_up, _)) = hot.filter(|_| !hot_set.is_empty()) {
+                    let u = match hot_set.len() == k {
+                        true => dev.matmul(&[hot_up], xn).remove(0),
+                        false => dev.matmul_rows(hot_up, &hot_set, xn),
+                    };
+                    dev.add(&mut up, &dev.scatter_cols(&u, &hot_set, f));
+                }
+                streamed = Some(Streamed {
+                    up_set,
+                    hot_set,
+                    one_pass,
+                    down_w,
+                    in_place: in_place.is_some(),
+                    asks,
+                });
                 up
             }
         };
@@ -313,43 +341,71 @@ impl Model {
         }
 
         // Phase 4: down over the kept neurons.
-        let d = match (staged, stream) {
-            (Some((up_set, one_pass, _, true)), Some(s)) => {
-                // The kept neurons' columns, read by id where the up rows were: the up set when
-                // the mask chose before up (as staged), else the neurons it kept.
-                let keep: Vec<u32> = match one_pass {
-                    true => up_set,
+        let d = match (streamed, stream) {
+            (Some(st), Some(s)) => {
+                let hot = s.hot_rows(l);
+                let k = hot.map_or(0, |(u, _)| u.rows);
+                // The neurons kept: the up set when the mask chose before up and the down
+                // columns are at hand with the up rows (staged with them, or in place), else
+                // those some token kept. Hot ones first, then the stream's.
+                let up_set_kept = st.one_pass && (st.in_place || st.down_w.is_some() || !st.asks);
+                let mut kept: Vec<u32> = match up_set_kept {
+                    true => st.hot_set.iter().chain(&st.up_set).copied().collect(),
                     false => nonzero_neurons(&dev.to_host(&hact), n, f),
                 };
-                let mut d = dev.zeros(n, h);
-                if !keep.is_empty() {
-                    let all = s.rows_in_place(l, &keep, true)?.ok_or_else(|| {
-                        Error::Invalid(format!(
-                            "layer {l}: the stream held the up rows in place but not the down columns"
-                        ))
-                    })?;
-                    dev.accumulate_rows(&all, Some(&keep), &hact, &mut d);
-                }
-                d
-            }
-            (Some((up_set, one_pass, down_w, false)), Some(s)) => {
-                // Staged columns, row i = the down set's i-th neuron (already staged when one
+                let rest = kept.split_off(kept.partition_point(|&i| (i as usize) < k));
+                s.count_hot_rows(l, st.hot_set.len(), kept.len());
+                // The stream's columns of `rest`: read by id in place where the up rows were
+                // (row i = neuron k + i), else staged (row i = rest[i]; already staged when one
                 // read batch sufficed).
-                let (down_set, down_w) = match (one_pass, down_w) {
-                    (true, Some(dw)) => (up_set, dw),
-                    _ => {
-                        let keep = nonzero_neurons(&dev.to_host(&hact), n, f);
-                        let dw = match decode {
-                            Some(_) => staged_decode_down(dev, s, l, &keep, w.down.weight())?,
-                            None => s.stage_down(l, &keep, &up_set)?,
-                        };
-                        (keep, dw)
-                    }
+                let tail = match (st.asks, st.in_place, st.down_w) {
+                    (false, ..) => None,
+                    (true, true, _) if rest.is_empty() => None,
+                    (true, true, _) => Some((
+                        s.rows_in_place(l, &rest, true)?.ok_or_else(|| {
+                            Error::Invalid(format!(
+                                "layer {l}: the stream held the up rows in place but not the down columns"
+                            ))
+                        })?,
+                        true,
+                    )),
+                    (true, false, Some(dw)) => Some((dw, false)),
+                    (true, false, None) => Some((
+                        match decode {
+                            Some(_) => staged_decode_down(dev, s, l, &rest, w.down.weight())?,
+                            None => s.stage_down(l, &rest, &st.up_set)?,
+                        },
+                        false,
+                    )),
                 };
                 let mut d = dev.zeros(n, h);
-                if !down_set.is_empty() {
-                    let acts = dev.gather_cols(&hact, &down_set);
-                    dev.accumulate_rows(&down_w, None, &acts, &mut d);
+                match (hot, tail) {
+                    (None, Some((all, true))) => dev.accumulate_rows(&all, Some(&rest), &hact, &mut d),
+                    (None, Some((dw, false))) if !rest.is_empty() => {
+                        let acts = dev.gather_cols(&hact, &rest);
+                        dev.accumulate_rows(&dw, None, &acts, &mut d);
+                    }
+                    (None, _) => {}
+                    // The hot columns and the stream's summed as one matrix (the result does not
+                    // depend on where the split falls): rows 0..k the hot ones, then the stream's.
+                    (Some((_, hot_down)), Some((tail, true))) => {
+                        let ids: Vec<u32> = kept.iter().chain(&rest).copied().collect();
+                        let ids = (ids.len() < f).then_some(&ids[..]);
+                        dev.accumulate_rows_joined(hot_down, &tail, ids, &hact, &mut d);
+                    }
+                    (Some((_, hot_down)), Some((tail, false))) if !kept.is_empty() || !rest.is_empty() => {
+                        let cols: Vec<u32> = (0..k as u32).chain(rest.iter().copied()).collect();
+                        let acts = dev.gather_cols(&hact, &cols);
+                        let ids: Vec<u32> = kept.iter().copied().chain(k as u32..(k + rest.len()) as u32).collect();
+                        let ids = (ids.len() < cols.len()).then_some(&ids[..]);
+                        dev.accumulate_rows_joined(hot_down, &tail, ids, &acts, &mut d);
+                    }
+                    (Some((_, hot_down)), None) if !kept.is_empty() => {
+                        let acts = dev.gather_cols(&hact, &(0..k as u32).collect::<Vec<_>>());
+                        let ids = (kept.len() < k).then_some(&kept[..]);
+                        dev.accumulate_rows(hot_down, ids, &acts, &mut d);
+                    }
+                    (Some(_), _) => {}
                 }
                 d
             }
@@ -493,6 +549,22 @@ impl Model {
         }
         s.read_ahead(next, &need, mask.decides_before_up())
     }
+}
+
+/// A streamed FFN's rows after phase 2, for phase 4.
+struct Streamed {
+    /// The up set the stream handed over (past the device's hot neurons), and the hot neurons
+    /// of the up set (computed from the device's copy).
+    up_set: Vec<u32>,
+    hot_set: Vec<u32>,
+    /// The mask chose before up (or there is none): the down set is the up set.
+    one_pass: bool,
+    /// Down columns staged with the up rows (one read batch).
+    down_w: Option<Weight>,
+    /// The up rows were read by id, in place (`LayerStream::rows_in_place`).
+    in_place: bool,
+    /// The stream was asked for rows (not when the hot neurons were all the step needed).
+    asks: bool,
 }
 
 /// The neurons (of `f`) some token of the hidden activations `ha` `[n, f]` keeps (non-zero).

@@ -79,8 +79,18 @@ pub trait LayerStream: Sync {
     fn gate(&self, _l: usize) -> Result<Option<Cow<'_, Weight>>> {
         Ok(None)
     }
+    /// Layer `l`'s hot neurons the device keeps (`--vram-budget`'s plan): the up rows and the
+    /// down columns of the layer's first `k` neurons, row n = neuron n, resident on the device.
+    /// A step computes those neurons from them and asks the stream (`stage*`, `decode_*`,
+    /// `rows_in_place`) only for neurons from `k` on. `None`: none (the stream hands over all).
+    fn hot_rows(&self, _l: usize) -> Option<(&Weight, &Weight)> {
+        None
+    }
+    /// Counts what a step computed from layer `l`'s hot rows: `up` up rows, `down` down columns.
+    fn count_hot_rows(&self, _l: usize, _up: usize, _down: usize) {}
     /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
-    /// device reads in place ([`crate::backend::Device::in_place`]), row n = neuron n, when the
+    /// device reads in place ([`crate::backend::Device::in_place`]), row n = neuron n (from the
+    /// first neuron past the device's hot ones, `hot_rows`: row i = neuron k + i), when the
     /// stream holds the layer in memory the device mapped and every neuron of `set` (sorted)
     /// there: a decode step's products then read `set`'s rows by id, nothing staged or copied.
     /// Counts `set`'s rows as used. `None` (nothing done): use `decode_up` / `decode_down`.

@@ -662,6 +662,7 @@ impl super::Streamer {
             decode_start: Mutex::new(None),
             device: model.device.clone(),
             device_plan,
+            hot: Vec::new(),
             experts: Some(experts),
         })
     }

@@ -355,6 +355,10 @@ pub struct Streamer {
     device: Arc<dyn crate::backend::Device>,
     /// Under `--vram-budget`: what the device keeps.
     pub device_plan: Option<residency::DeviceResidency>,
+    /// Per layer, the hot neurons the device keeps (the plan's `hot_neurons`): the up rows and
+    /// down columns of the layer's first neurons, resident there. The layer's cache holds the
+    /// neurons after them.
+    hot: Vec<Option<(Weight, Weight)>>,
     /// A mixture-of-experts model's experts, cache and lookahead ([`experts`]); `None` for a
     /// dense model.
     pub experts: Option<experts::ExpertStream>,

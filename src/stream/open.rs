@@ -256,26 +256,55 @@ impl Streamer {
             }
         }
         // Neuron caches start with each layer's first neurons (the hot prefix of a hot-first file).
+        // Under a GPU budget the device keeps the plan's hot neurons, the layer's first: a cache
+        // of the whole layer stays whole (never written again, it lends the device their rows),
+        // a partial one holds the neurons after them.
         let mut caches = Vec::with_capacity(cfg.n_layers);
+        let mut hot = Vec::with_capacity(cfg.n_layers);
         for (l, parts) in layers.iter().enumerate() {
             let slots = residency.cache_neurons[l];
-            let mut c = LayerCache::new(opts.cache, cfg.ffn, slots, parts.up.row_bytes, parts.down.row_bytes);
+            let k = device_plan.as_ref().map_or(0, |d| d.hot_neurons[l]).min(slots);
+            let whole = slots == cfg.ffn;
+            let first = if whole { 0 } else { k };
+            let mut c = LayerCache::new(
+                opts.cache,
+                cfg.ffn,
+                slots - first,
+                parts.up.row_bytes,
+                parts.down.row_bytes,
+            );
+            // Up rows and down columns of neurons 0..slots, each row where the file's stride puts it.
+            let (mut up, mut down) = (Vec::new(), Vec::new());
             if slots > 0 {
                 let read_rows = |p: &Part| -> Result<Vec<u8>> {
                     let r = p.range_of(slots);
                     fg.read_vec(r.offset_bytes, r.len_bytes)
                 };
-                let (up, down) = (read_rows(&parts.up)?, read_rows(&parts.down)?);
-                for n in 0..slots {
-                    let (u, d) = (n * parts.up.stride_bytes, n * parts.down.stride_bytes);
-                    c.fill(
-                        n,
-                        n as u32,
-                        &up[u..u + parts.up.row_bytes],
-                        &down[d..d + parts.down.row_bytes],
-                    );
-                }
+                (up, down) = (read_rows(&parts.up)?, read_rows(&parts.down)?);
             }
+            let row = |p: &Part, n: usize| -> std::ops::Range<usize> {
+                let at = n * p.stride_bytes;
+                at..at + p.row_bytes
+            };
+            for n in first..slots {
+                c.fill(n - first, n as u32, &up[row(&parts.up, n)], &down[row(&parts.down, n)]);
+            }
+            hot.push(match (k, whole) {
+                (0, _) => None,
+                (_, true) => {
+                    let (ub, db) = c.buffers();
+                    let view =
+                        |p: &Part, buf: &Arc<Vec<u8>>| Weight::shared(&p.name, p.ty, k, cfg.hidden, buf.clone(), 0);
+                    Some((view(&parts.up, ub)?, view(&parts.down, db)?))
+                }
+                (_, false) => {
+                    let rows = |p: &Part, bytes: &[u8]| -> Result<Weight> {
+                        let b: Vec<u8> = (0..k).flat_map(|n| bytes[row(p, n)].iter().copied()).collect();
+                        Weight::owned(&p.name, p.ty, k, cfg.hidden, b)
+                    };
+                    Some((rows(&parts.up, &up)?, rows(&parts.down, &down)?))
+                }
+            });
             caches.push(c);
         }
         if opts.prefetch_ffn {
@@ -399,6 +428,7 @@ impl Streamer {
             decode_start: Mutex::new(None),
             device: model.device.clone(),
             device_plan,
+            hot,
             experts: None,
         })
     }

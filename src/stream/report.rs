@@ -39,6 +39,9 @@ pub struct Counters {
     /// Of those, the rows a device's products read by id across the link from the mapped cache
     /// (a masked decode step's up rows and kept down columns): moved, but never copied.
     pub ffn_mapped_bytes: u64,
+    /// FFN bytes the device computed from its own copy of the hot neurons (`--vram-budget`'s
+    /// plan): neither read, staged nor moved across the link.
+    pub ffn_hot_bytes: u64,
 }
 
 impl Counters {
@@ -59,6 +62,7 @@ impl Counters {
             ahead_served_bytes: self.ahead_served_bytes - o.ahead_served_bytes,
             ffn_in_place_bytes: self.ffn_in_place_bytes - o.ffn_in_place_bytes,
             ffn_mapped_bytes: self.ffn_mapped_bytes - o.ffn_mapped_bytes,
+            ffn_hot_bytes: self.ffn_hot_bytes - o.ffn_hot_bytes,
         }
     }
 }
@@ -150,6 +154,9 @@ pub struct LinkReport {
     /// it mapped (kept FFN rows read by id from the neuron cache): link traffic besides the
     /// copies above.
     pub mapped_bytes_per_token: f64,
+    /// FFN bytes per token the device computed from its own copy of the hot neurons (no
+    /// link traffic).
+    pub hot_bytes_per_token: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -255,6 +262,7 @@ impl StreamReport {
                     0.0
                 },
                 mapped_bytes_per_token: c.ffn_mapped_bytes as f64 / steps,
+                hot_bytes_per_token: c.ffn_hot_bytes as f64 / steps,
             }),
             counters: c,
         }

@@ -202,9 +202,12 @@ impl ModelSizes {
 /// rows, or the output matrix when it is not resident). Then, while the budget lasts: the
 /// output matrix (every token multiplies all of it), attention layer by layer, gates layer by
 /// layer — each only where the host keeps it resident (what streams from disk reaches the
-/// device through the stream's buffers, copied at each use). Everything else is copied to the
-/// device at each use. A neuron cache in device memory is not planned (FFN rows come from the
-/// host's cache or the disk at each use).
+/// device through the stream's buffers, copied at each use) — then hot neurons: with what is
+/// left, split evenly over layers, each layer's first neurons (the hot prefix of a hot-first
+/// file; up row and down column) up to what the host's neuron cache holds. A step computes
+/// those from the device's copy and streams only the rest of its FFN rows (the host's cache
+/// then holds the neurons after the prefix). Everything else is copied to the device at each
+/// use.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct DeviceResidency {
     pub budget_bytes: u64,
@@ -220,8 +223,12 @@ pub struct DeviceResidency {
     pub output_bytes: u64,
     pub attention_bytes: u64,
     pub gate_bytes: u64,
+    /// Per layer: the neurons (the layer's first) whose up row and down column the device
+    /// keeps, and their bytes in all.
+    pub hot_neurons: Vec<usize>,
+    pub hot_bytes: u64,
     /// What a dense decode step copies to the device under this plan: every weight not
-    /// resident there, the whole FFN included.
+    /// resident there, the FFN rows of every neuron but the hot ones included.
     pub copied_bytes_per_token: u64,
 }
 
@@ -279,6 +286,17 @@ impl ModelSizes {
         let gate_resident: Vec<bool> = (0..self.n_layers)
             .map(|l| take(self.gate_bytes[l], ram.gate_resident[l]))
             .collect();
+        // Hot neurons with the rest, split evenly over layers, within what the host caches.
+        let per_layer = left / self.n_layers.max(1) as u64;
+        let hot_neurons: Vec<usize> = (0..self.n_layers)
+            .map(|l| {
+                let fit = (per_layer / self.neuron_bytes[l].max(1)) as usize;
+                fit.min(self.ffn).min(ram.cache_neurons.get(l).copied().unwrap_or(0))
+            })
+            .collect();
+        let hot_bytes: u64 = (0..self.n_layers)
+            .map(|l| hot_neurons[l] as u64 * self.neuron_bytes[l])
+            .sum();
         let sum_where = |bytes: &[u64], keep: &[bool], want: bool| -> u64 {
             bytes.iter().zip(keep).filter(|(_, &k)| k == want).map(|(b, _)| b).sum()
         };
@@ -294,9 +312,12 @@ impl ModelSizes {
             copied_bytes_per_token: if output_resident { 0 } else { output_bytes }
                 + sum_where(&self.attention_bytes, &attention_resident, false)
                 + sum_where(&self.gate_bytes, &gate_resident, false)
-                + ffn,
+                + ffn
+                - hot_bytes,
             attention_resident,
             gate_resident,
+            hot_neurons,
+            hot_bytes,
         })
     }
 }
@@ -304,7 +325,7 @@ impl ModelSizes {
 impl DeviceResidency {
     /// Bytes of the device's memory the plan uses.
     pub fn resident_bytes(&self) -> u64 {
-        self.required_bytes + self.output_bytes + self.attention_bytes + self.gate_bytes
+        self.required_bytes + self.output_bytes + self.attention_bytes + self.gate_bytes + self.hot_bytes
     }
 }
 
@@ -458,12 +479,24 @@ mod tests {
             if d.gate_resident.iter().any(|&g| g) {
                 assert!(d.attention_resident.iter().all(|&a| a), "{budget}: {d:?}");
             }
-            let kept = d.output_bytes + d.attention_bytes + d.gate_bytes;
+            let kept = d.output_bytes + d.attention_bytes + d.gate_bytes + d.hot_bytes;
             assert_eq!(d.copied_bytes_per_token + kept, 400 + 1200 + 2000 + 4000, "{budget}");
+            // Hot neurons take only what no gate fitted in (less than one gate's 500 bytes).
+            if d.gate_resident.iter().any(|&g| !g) {
+                assert!(d.hot_bytes < 500, "{budget}: {d:?}");
+            }
         }
+        let gates = s.plan_device(min + 400 + 1200 + 2000, 400, &ram).unwrap();
+        assert!(gates.gate_resident.iter().all(|&g| g));
+        assert_eq!(
+            (gates.hot_bytes, gates.copied_bytes_per_token),
+            (0, 4000),
+            "only the FFN rows are copied"
+        );
         let all = s.plan_device(min + 10_000, 400, &ram).unwrap();
         assert!(all.output_resident && all.gate_resident.iter().all(|&g| g));
-        assert_eq!(all.copied_bytes_per_token, 4000, "only the FFN rows are copied");
+        assert_eq!(all.hot_neurons, vec![100; 4], "every neuron fits");
+        assert_eq!(all.copied_bytes_per_token, 0);
         // What the host streams, the device does not keep: it arrives in the stream's buffers.
         let tight = s.plan(3600, Priority::GateFirst).unwrap();
         assert!(tight.attention_resident.iter().any(|&a| !a));
@@ -472,6 +505,44 @@ mod tests {
             assert!(!d.attention_resident[l] || tight.attention_resident[l]);
             assert!(!d.gate_resident[l] || tight.gate_resident[l]);
         }
+    }
+
+    #[test]
+    fn hot_neurons_take_the_device_budget_left_evenly_within_what_the_host_caches() {
+        let s = sizes();
+        let ram = s.plan(20_000, Priority::GateFirst).unwrap();
+        let min = 600 + 1800;
+        let after_gates = min + 400 + 1200 + 2000;
+        // 1000 left: 250 a layer, 25 neurons of 10 bytes each.
+        let d = s.plan_device(after_gates + 1000, 400, &ram).unwrap();
+        assert_eq!(d.hot_neurons, vec![25; 4]);
+        assert_eq!(d.hot_bytes, 1000);
+        assert_eq!(d.copied_bytes_per_token, 4000 - 1000);
+        assert_eq!(d.resident_bytes(), after_gates + 1000);
+        // A remainder smaller than a neuron a layer stays unused.
+        let d = s.plan_device(after_gates + 1039, 400, &ram).unwrap();
+        assert_eq!(d.hot_neurons, vec![25; 4]);
+        assert!(d.resident_bytes() <= after_gates + 1039);
+        // Layers of different neuron sizes get the same bytes each.
+        let mixed = ModelSizes {
+            neuron_bytes: vec![10, 20, 10, 20],
+            ..sizes()
+        };
+        let mram = mixed.plan(40_000, Priority::GateFirst).unwrap();
+        let mmin = 600 + 300 + 500 + 100 * 20;
+        let d = mixed.plan_device(mmin + 400 + 1200 + 2000 + 800, 400, &mram).unwrap();
+        assert_eq!(d.hot_neurons, vec![20, 10, 20, 10]);
+        // Never more than the host's cache holds (the device's copy comes from it).
+        let partial = s.plan(3600 + 1200 + 2000 + 4 * 70, Priority::GateFirst).unwrap();
+        assert!(partial.cache_neurons.iter().all(|&c| c < 100), "{partial:?}");
+        let d = s.plan_device(min + 10_000, 400, &partial).unwrap();
+        assert_eq!(d.hot_neurons, partial.cache_neurons);
+        // Mixture-of-experts plans have no neuron cache: no hot neurons.
+        let none = Residency {
+            cache_neurons: vec![0; 4],
+            ..ram.clone()
+        };
+        assert_eq!(s.plan_device(min + 10_000, 400, &none).unwrap().hot_bytes, 0);
     }
 
     #[test]

@@ -118,7 +118,9 @@ impl Streamer {
         let parts = &self.layers[next];
         let cache = &st.caches[next];
         let mut spans = Vec::new();
-        let predicted: Vec<u32> = (0..need.len() as u32)
+        // Neither the device's hot neurons nor what the cache holds is read.
+        let hot = self.hot_rows(next).map_or(0, |(u, _)| u.rows) as u32;
+        let predicted: Vec<u32> = (hot..need.len() as u32)
             .filter(|&n| need[n as usize] && cache.slot(n).is_none())
             .collect();
         for &n in &predicted {
@@ -440,6 +442,16 @@ impl LayerStream for Streamer {
         }
     }
 
+    fn hot_rows(&self, l: usize) -> Option<(&Weight, &Weight)> {
+        self.hot.get(l)?.as_ref().map(|(u, d)| (u, d))
+    }
+
+    fn count_hot_rows(&self, l: usize, up: usize, down: usize) {
+        let parts = &self.layers[l];
+        let mut st = self.state.lock().expect("stream state");
+        st.counters.ffn_hot_bytes += (up * parts.up.row_bytes + down * parts.down.row_bytes) as u64;
+    }
+
     fn rows_in_place(&self, l: usize, set: &[u32], down: bool) -> Result<Option<Weight>> {
         let mut guard = self.state.lock().expect("stream state");
         let st = &mut *guard;
@@ -449,8 +461,21 @@ impl LayerStream for Streamer {
         }
         let parts = &self.layers[l];
         let (ub, db) = cache.buffers();
+        // From the first neuron the device does not keep (row i = neuron hot + i).
+        let hot = self.hot_rows(l).map_or(0, |(u, _)| u.rows);
+        if set.first().is_some_and(|&n| (n as usize) < hot) {
+            return Ok(None);
+        }
         let all = |p: &Part, buf: &Arc<Vec<u8>>| -> Result<Option<Weight>> {
-            let w = Weight::shared(&p.name, p.ty, cache.slots(), self.hidden, buf.clone(), 0)?.volatile();
+            let w = Weight::shared(
+                &p.name,
+                p.ty,
+                cache.slots() - hot,
+                self.hidden,
+                buf.clone(),
+                hot * p.row_bytes,
+            )?
+            .volatile();
             Ok(self.device.in_place(&w))
         };
         // Both matrices or neither: a step whose up rows were read in place reads its down

@@ -796,6 +796,70 @@ impl CudaDevice {
     }
 
     /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
+    /// `accumulate_rows` over `w`'s rows, then `tail`'s when given (joined: see
+    /// [`Device::accumulate_rows_joined`]); one kernel reads each row where it is, so the sums
+    /// are those of the one joined matrix.
+    fn accumulate(&self, w: &Weight, tail: Option<&Weight>, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        let n = out.rows;
+        let joined_rows = w.rows + tail.map_or(0, |t| t.rows);
+        let n_rows = rows.map_or(joined_rows, |r| r.len());
+        if n == 0 || n_rows == 0 {
+            return;
+        }
+        if !w.cols.is_multiple_of(32) {
+            self.fail(format!(
+                "{}: the GPU's neuron-major product needs a multiple of 32 columns, not {}",
+                w.name, w.cols
+            ));
+            return;
+        }
+        let Some(wd) = self.weight(w) else { return };
+        // Rows from `w.rows` on are the tail's (none without one).
+        let td = match tail.filter(|t| t.rows > 0) {
+            Some(t) => match self.weight(t) {
+                Some(d) => Some((d, t.row_stride_bytes as u64)),
+                None => return,
+            },
+            None => None,
+        };
+        let (tp, tstride) = td.as_ref().map_or((0, 0), |(d, s)| (d.ptr, *s));
+        let idx = rows.map_or(0, |r| self.indices(r));
+        let parts = accumulate_parts(n_rows);
+        let partial = self.act(parts * n, w.cols);
+        let units = (w.cols / 32) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (units.div_ceil(ACCUMULATE_THREADS), parts as u32, n as u32),
+            block_dim: (ACCUMULATE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "accumulate",
+            Some(w.ty),
+            cfg,
+            &[
+                ptr(wd.ptr),
+                ptr(w.row_stride_bytes as u64),
+                int(joined_rows),
+                ptr(idx),
+                int(n_rows),
+                int(w.cols),
+                ptr(self.buf(acts)),
+                int(n),
+                ptr(self.buf(&partial)),
+                ptr(tp),
+                ptr(tstride),
+                int(w.rows),
+            ],
+        );
+        let len = n * w.cols;
+        self.launch(
+            "accumulate_reduce",
+            None,
+            elementwise_cfg(len),
+            &[ptr(self.buf(&partial)), int(parts), ptr(len as u64), ptr(self.buf(out))],
+        );
+    }
+
     fn weight(&self, w: &Weight) -> Option<OnDevice> {
         let Some((bytes, keep)) = w.span() else {
             self.fail(format!(
@@ -1426,52 +1490,18 @@ impl Device for CudaDevice {
     }
 
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
-        let n = out.rows;
-        let n_rows = rows.map_or(w.rows, |r| r.len());
-        if n == 0 || n_rows == 0 {
-            return;
-        }
-        if !w.cols.is_multiple_of(32) {
+        self.accumulate(w, None, rows, acts, out)
+    }
+
+    fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        if head.ty != tail.ty || head.cols != tail.cols {
             self.fail(format!(
-                "{}: the GPU's neuron-major product needs a multiple of 32 columns, not {}",
-                w.name, w.cols
+                "{} and {}: rows of different types or widths ({:?} x {}, {:?} x {}) do not join",
+                head.name, tail.name, head.ty, head.cols, tail.ty, tail.cols
             ));
             return;
         }
-        let Some(wd) = self.weight(w) else { return };
-        let wp = wd.ptr;
-        let idx = rows.map_or(0, |r| self.indices(r));
-        let parts = accumulate_parts(n_rows);
-        let partial = self.act(parts * n, w.cols);
-        let units = (w.cols / 32) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (units.div_ceil(ACCUMULATE_THREADS), parts as u32, n as u32),
-            block_dim: (ACCUMULATE_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(
-            "accumulate",
-            Some(w.ty),
-            cfg,
-            &[
-                ptr(wp),
-                ptr(w.row_stride_bytes as u64),
-                int(w.rows),
-                ptr(idx),
-                int(n_rows),
-                int(w.cols),
-                ptr(self.buf(acts)),
-                int(n),
-                ptr(self.buf(&partial)),
-            ],
-        );
-        let len = n * w.cols;
-        self.launch(
-            "accumulate_reduce",
-            None,
-            elementwise_cfg(len),
-            &[ptr(self.buf(&partial)), int(parts), ptr(len as u64), ptr(self.buf(out))],
-        );
+        self.accumulate(head, Some(tail), rows, acts, out)
     }
 
     fn rope_qk(

@@ -725,7 +725,10 @@ pub(crate) struct StreamArgs {
     /// activations, room for one layer's weights copied for one use; then, while the budget
     /// lasts, the output matrix, attention and gate matrices (only those the host keeps
     /// resident; for a mixture-of-experts model each layer's router and shared expert take the
-    /// gate's place). Every other weight (FFN rows, routed experts) is copied from host memory
+    /// gate's place), then hot neurons: each layer's first neurons (the hot prefix of a file
+    /// reformatted hot-first), as many as the rest allows, split evenly over layers, up to what
+    /// the host caches; a step computes them on the GPU and streams only the other neurons'
+    /// rows. Every other weight (FFN rows, routed experts) is copied from host memory
     /// at each use; a sparse decode step's FFN rows through page-locked staging, in chunks
     /// copied while the rest is still being read. Without --ram-budget the whole model is held
     /// in host RAM (the FFN rows page-locked and mapped for the GPU) and streams from there:

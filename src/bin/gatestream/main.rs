@@ -248,8 +248,8 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
             if let Some(d) = &s.device_plan {
                 eprintln!(
                     "device memory under {:.1} MB (minimum {:.1} MB): norms, KV cache, batch and one layer's copies {:.1} MB, \
-                     output {}, attention {}/{} layers, gate {}/{} layers ({:.1} MB resident); {:.1} MB/token copied from \
-                     host memory when dense",
+                     output {}, attention {}/{} layers, gate {}/{} layers, hot neurons {}/layer ({:.1} MB; {:.1} MB resident \
+                     in all); {:.1} MB/token copied from host memory when dense",
                     mb(d.budget_bytes),
                     mb(d.minimum_bytes),
                     mb(d.required_bytes),
@@ -258,6 +258,8 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
                     d.attention_resident.len(),
                     d.gate_resident.iter().filter(|&&g| g).count(),
                     d.gate_resident.len(),
+                    d.hot_neurons.first().copied().unwrap_or(0),
+                    mb(d.hot_bytes),
                     mb(d.resident_bytes()),
                     mb(d.copied_bytes_per_token)
                 );

@@ -171,9 +171,12 @@ impl Report for Outcome {
                     },
                     match &r.device_plan {
                         Some(d) => format!(
-                            "; device budget {:.1} MB, {:.1} MB resident, {:.1} MB/token planned for dense",
+                            "; device budget {:.1} MB, {:.1} MB resident ({:.1} MB of it hot neurons, {:.1} MB/token \
+                             computed from them), {:.1} MB/token planned for dense",
                             mb(d.budget_bytes as f64),
                             mb(d.resident_bytes() as f64),
+                            mb(d.hot_bytes as f64),
+                            mb(k.hot_bytes_per_token),
                             mb(d.copied_bytes_per_token as f64)
                         ),
                         None => String::new(),
