@@ -354,7 +354,9 @@ impl Model {
                     false => nonzero_neurons(&dev.to_host(&hact), n, f),
                 };
                 let rest = kept.split_off(kept.partition_point(|&i| (i as usize) < k));
-                s.count_hot_rows(l, st.hot_set.len(), kept.len());
+                if k > 0 {
+                    s.count_hot_rows(l, st.hot_set.len(), kept.len());
+                }
                 // The stream's columns of `rest`: read by id in place where the up rows were
                 // (row i = neuron k + i), else staged (row i = rest[i]; already staged when one
                 // read batch sufficed).
