@@ -393,7 +393,9 @@ fn run_compare_with_a_gpu_budget_reports_the_link_and_records_a_trace() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
         .args(["run", "--model"])
         .arg(&p)
-        .args(["--device", "host-standin", "--vram-budget", "1G", "--mode", "compare"])
+        // Room for everything but part of the FFN: the hot neurons stay on the device, the
+        // rest streams (with 1G every neuron would be hot and nothing would cross the link).
+        .args(["--device", "host-standin", "--vram-budget", "1.1M", "--mode", "compare"])
         .args([
             "--sparsity",
             "0.5",
@@ -414,7 +416,12 @@ fn run_compare_with_a_gpu_budget_reports_the_link_and_records_a_trace() {
         let s = &r[pass]["stream"];
         assert_eq!(
             s["device_plan"]["budget_bytes"].as_u64(),
-            Some(1_000_000_000),
+            Some(1_100_000),
+            "{pass}: {s}"
+        );
+        let hot = s["device_plan"]["hot_neurons"].as_array().unwrap();
+        assert!(
+            hot.iter().all(|k| k.as_u64().is_some_and(|k| k > 0 && k < 172)),
             "{pass}: {s}"
         );
         let link = &s["link"];
@@ -424,6 +431,7 @@ fn run_compare_with_a_gpu_budget_reports_the_link_and_records_a_trace() {
         // the kept rows by id where they are (only the prompt's pass copies).
         let in_place = s["counters"]["ffn_in_place_bytes"].as_u64().unwrap();
         assert!(in_place > 0, "{pass}: {s}");
+        assert!(f("hot_bytes_per_token") > 0.0, "{link}");
         match pass {
             "dense" => assert!(
                 f("bytes_per_token") > 0.0
