@@ -233,23 +233,25 @@ pub trait Upload: Send {
 /// `head`'s rows then `tail`'s, as one weight in host memory (see
 /// [`Device::accumulate_rows_joined`]): volatile, a copy for one use.
 pub fn join_rows(head: &Weight, tail: &Weight) -> crate::error::Result<Weight> {
-    let bad = || {
-        crate::error::Error::Invalid(format!(
-            "{} and {}: rows of different types or widths ({:?} x {}, {:?} x {}) do not join",
-            head.name, tail.name, head.ty, head.cols, tail.ty, tail.cols
-        ))
-    };
-    if head.ty != tail.ty || head.cols != tail.cols {
-        return Err(bad());
-    }
-    let row_bytes = head.ty.row_bytes(head.cols).ok_or_else(bad)?;
-    let mut bytes = Vec::with_capacity((head.rows + tail.rows) * row_bytes);
+    joinable(head, tail)?;
+    let mut bytes = Vec::with_capacity(head.len_bytes() + tail.len_bytes());
     for w in [head, tail] {
         for r in 0..w.rows {
             bytes.extend_from_slice(w.row(r));
         }
     }
     Ok(Weight::owned(&head.name, head.ty, head.rows + tail.rows, head.cols, bytes)?.volatile())
+}
+
+/// Whether `head`'s and `tail`'s rows join into one matrix: one type and width.
+pub fn joinable(head: &Weight, tail: &Weight) -> crate::error::Result<()> {
+    match head.ty == tail.ty && head.cols == tail.cols {
+        true => Ok(()),
+        false => Err(crate::error::Error::Invalid(format!(
+            "{} and {}: rows of different types or widths ({:?} x {}, {:?} x {}) do not join",
+            head.name, tail.name, head.ty, head.cols, tail.ty, tail.cols
+        ))),
+    }
 }
 
 /// Host memory a device page-locked for its copies ([`Device::pin_host`]); unlocked on drop.
@@ -486,10 +488,7 @@ pub trait Device: Send + Sync {
     /// streamed ones as one product, so the result does not depend on the split.) This default
     /// joins the bytes in host memory; a device with memory of its own reads both where they are.
     fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
-        match join_rows(head, tail) {
-            Ok(w) => self.accumulate_rows(&w, rows, acts, out),
-            Err(e) => panic!("{e}"),
-        }
+        self.accumulate_rows(&join_rows(head, tail).expect("rows that join"), rows, acts, out)
     }
     /// Queries and keys, per head of width `shape.head_dim`: the optional per-head RMS norm
     /// (`q_norm`, `k_norm`), then RoPE at each row's position (one table per position serves

@@ -396,11 +396,14 @@ impl Model {
                         dev.accumulate_rows_joined(hot_down, &tail, ids, &hact, &mut d);
                     }
                     (Some((_, hot_down)), Some((tail, false))) if !kept.is_empty() || !rest.is_empty() => {
+                        // The hot activations, then the stream's (all of them when every
+                        // neuron is handed over: no gather).
                         let cols: Vec<u32> = (0..k as u32).chain(rest.iter().copied()).collect();
-                        let acts = dev.gather_cols(&hact, &cols);
+                        let gathered = (cols.len() < f).then(|| dev.gather_cols(&hact, &cols));
+                        let acts = gathered.as_ref().unwrap_or(&hact);
                         let ids: Vec<u32> = kept.iter().copied().chain(k as u32..(k + rest.len()) as u32).collect();
                         let ids = (ids.len() < cols.len()).then_some(&ids[..]);
-                        dev.accumulate_rows_joined(hot_down, &tail, ids, &acts, &mut d);
+                        dev.accumulate_rows_joined(hot_down, &tail, ids, acts, &mut d);
                     }
                     (Some((_, hot_down)), None) if !kept.is_empty() => {
                         let acts = dev.gather_cols(&hact, &(0..k as u32).collect::<Vec<_>>());

@@ -299,7 +299,8 @@ impl Streamer {
                 }
                 (_, false) => {
                     let rows = |p: &Part, bytes: &[u8]| -> Result<Weight> {
-                        let b: Vec<u8> = (0..k).flat_map(|n| bytes[row(p, n)].iter().copied()).collect();
+                        let mut b = Vec::with_capacity(k * p.row_bytes);
+                        (0..k).for_each(|n| b.extend_from_slice(&bytes[row(p, n)]));
                         Weight::owned(&p.name, p.ty, k, cfg.hidden, b)
                     };
                     Some((rows(&parts.up, &up)?, rows(&parts.down, &down)?))

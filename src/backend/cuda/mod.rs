@@ -795,7 +795,6 @@ impl CudaDevice {
         self.check(name, r);
     }
 
-    /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
     /// `accumulate_rows` over `w`'s rows, then `tail`'s when given (joined: see
     /// [`Device::accumulate_rows_joined`]); one kernel reads each row where it is, so the sums
     /// are those of the one joined matrix.
@@ -860,6 +859,7 @@ impl CudaDevice {
         );
     }
 
+    /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
     fn weight(&self, w: &Weight) -> Option<OnDevice> {
         let Some((bytes, keep)) = w.span() else {
             self.fail(format!(
@@ -1494,11 +1494,8 @@ impl Device for CudaDevice {
     }
 
     fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
-        if head.ty != tail.ty || head.cols != tail.cols {
-            self.fail(format!(
-                "{} and {}: rows of different types or widths ({:?} x {}, {:?} x {}) do not join",
-                head.name, tail.name, head.ty, head.cols, tail.ty, tail.cols
-            ));
+        if let Err(e) = super::joinable(head, tail) {
+            self.fail(e.to_string());
             return;
         }
         self.accumulate(head, Some(tail), rows, acts, out)
