@@ -20,6 +20,32 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const TokenK
     ((float*)ti.v)[at] = v[(u64)t * kvd + c];
 }
 
+// `rope_norm`, then `kv_write` of its keys and `v`, in one launch (the same values): blocks past
+// the query and key heads copy the value heads (as many as the key heads) into the cache; each
+// key head is copied there once rotated. positions[t] is token t's position in `info`.
+extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_norm, float* k, int k_width,
+                                        const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
+                                        int style, float eps, const float* v, const TokenKv* info, int layer) {
+    int q_heads = q_width / hd, kv_heads = k_width / hd, t = blockIdx.y, h = blockIdx.x;
+    if (h < q_heads) {
+        rope_head(q + (u64)t * q_width + (u64)h * hd, q_norm, hd, positions[t], base, pos_scale, style, eps);
+        return;
+    }
+    TokenKv ti = info[t];
+    u64 at = ((u64)layer * ti.cap + ti.pos) * k_width;
+    if (h < q_heads + kv_heads) {
+        int head = h - q_heads;
+        float* kh = k + (u64)t * k_width + (u64)head * hd;
+        rope_head(kh, k_norm, hd, positions[t], base, pos_scale, style, eps);
+        __syncthreads();
+        for (int j = threadIdx.x; j < hd; j += blockDim.x) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
+        return;
+    }
+    int head = h - q_heads - kv_heads;
+    const float* vh = v + (u64)t * k_width + (u64)head * hd;
+    for (int j = threadIdx.x; j < hd; j += blockDim.x) ((float*)ti.v)[at + (u64)head * hd + j] = vh[j];
+}
+
 // One block per (query head, token): scores over the token's cached positions
 // (max(0, pos + 1 - window) ..= pos; window 0 = all) into `scores` (one row of `max_len` per
 // block) — each warp takes every (warps)-th position, its lanes a stride of the head's

@@ -65,17 +65,22 @@ __device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, 
     for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < width; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
 }
 
-// y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps) {
+__device__ void norm_row_q8_k(const float* yr, u8* q8, int width);
+
+// y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x. With `q8` (not null; width
+// a multiple of 256), y's rows as Q8_K blocks there too (`norm_row_q8_k`).
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps, u8* q8) {
     u64 off = (u64)blockIdx.x * width;
     norm_row<false>((float*)x + off, 0, w, y + off, width, eps);
+    if (q8) norm_row_q8_k(y + off, q8 + (u64)blockIdx.x * (width / 256) * Q8K_BLOCK_BYTES, width);
 }
 
 // x[row] += a[row], then y[row] = x[row] / rms(x[row]) * w: `add` then `rms_norm` in one pass,
-// the same values. One block per row.
-extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w, float* y, int width, float eps) {
+// the same values. One block per row; `q8` as in `rms_norm`.
+extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w, float* y, int width, float eps, u8* q8) {
     u64 off = (u64)blockIdx.x * width;
     norm_row<true>(x + off, a + off, w, y + off, width, eps);
+    if (q8) norm_row_q8_k(y + off, q8 + (u64)blockIdx.x * (width / 256) * Q8K_BLOCK_BYTES, width);
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 len) {
@@ -140,19 +145,11 @@ extern "C" __global__ void gather_cols(const float* x, const u32* cols, int m, i
     out[t * m + i] = x[t * width + cols[i]];
 }
 
-// Per-head RMSNorm (when the norm is given), then RoPE at positions[t], of the query heads (q,
-// rows of q_width) and then the key heads (k, rows of k_width), hd wide: one launch for both.
-// One block of hd/2 threads (rounded up to a warp) per (head, token): blockIdx.x below
-// q_width / hd is a query head, the rest key heads. Angles in f64 as on the CPU
-// (ops::rope_table). style 0: adjacent pairs, 1: halves.
-extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm, float* k, int k_width,
-                                     const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
-                                     int style, float eps) {
-    int q_heads = q_width / hd, t = blockIdx.y;
-    bool is_q = (int)blockIdx.x < q_heads;
-    int head = is_q ? blockIdx.x : blockIdx.x - q_heads;
-    float* v = is_q ? q + (u64)t * q_width + (u64)head * hd : k + (u64)t * k_width + (u64)head * hd;
-    const float* norm = is_q ? q_norm : k_norm;
+// Per-head RMSNorm (when `norm` is given), then RoPE at `position`, of the head at `v` (hd wide),
+// by a block of hd/2 threads rounded up to a warp, every one of which calls it. Angles in f64
+// as on the CPU (ops::rope_table). style 0: adjacent pairs, 1: halves.
+__device__ void rope_head(float* v, const float* norm, int hd, u32 position, float base, float pos_scale, int style,
+                          float eps) {
     int half = hd / 2;
     int i = threadIdx.x;
     if (norm) {
@@ -164,7 +161,7 @@ extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm,
         __syncthreads();
     }
     if (i >= half) return;
-    double p = (double)positions[t] / (double)pos_scale;
+    double p = (double)position / (double)pos_scale;
     double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
     float c = (float)cos(theta), s = (float)sin(theta);
     int a = style == 0 ? 2 * i : i;
@@ -172,6 +169,19 @@ extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm,
     float x0 = v[a], x1 = v[b];
     v[a] = x0 * c - x1 * s;
     v[b] = x0 * s + x1 * c;
+}
+
+// `rope_head` of the query heads (q, rows of q_width) and then the key heads (k, rows of
+// k_width) at positions[t]: one launch for both. One block per (head, token): blockIdx.x below
+// q_width / hd is a query head, the rest key heads.
+extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm, float* k, int k_width,
+                                     const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
+                                     int style, float eps) {
+    int q_heads = q_width / hd, t = blockIdx.y;
+    bool is_q = (int)blockIdx.x < q_heads;
+    int head = is_q ? blockIdx.x : blockIdx.x - q_heads;
+    float* v = is_q ? q + (u64)t * q_width + (u64)head * hd : k + (u64)t * k_width + (u64)head * hd;
+    rope_head(v, is_q ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps);
 }
 
 // The activations the CPU's quantized products see (src/quant/prepare.rs,
@@ -236,14 +246,11 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
 
 // The same blocks as integers, for the integer dot products (matvec_i8_* in quant.cu): per block
 // of 256, Q8K_BLOCK_BYTES bytes — the scale d (f32, 0 for a block of zeros), the sums of each 16
-// quants (i16), the quants (i8). One warp per block.
-extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) {
-    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b >= blocks) return;
-    int lane = threadIdx.x & 31;
-    u8* ob = out + b * Q8K_BLOCK_BYTES;
+// quants (i16), the quants (i8). Lane `lane` of the warp that writes block `ob` from the 256
+// values at `xb` (which every lane of the warp sees).
+__device__ void q8_k_block(const float* xb, u8* ob, int lane) {
     float v[8];
-    float iscale = q8_k_iscale(x + b * 256, lane, v);
+    float iscale = q8_k_iscale(xb, lane, v);
     i8* qs = (i8*)(ob + Q8K_QS);
     short* bs = (short*)(ob + Q8K_BSUMS);
 #pragma unroll
@@ -257,4 +264,38 @@ extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) 
         if ((lane & 15) == 0) bs[2 * i + (lane >> 4)] = (short)sum;
     }
     if (lane == 0) *(float*)ob = iscale == 0.f ? 0.f : 1.f / iscale;
+}
+
+// One warp per block.
+extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) {
+    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;
+    q8_k_block(x + b * 256, out + b * Q8K_BLOCK_BYTES, threadIdx.x & 31);
+}
+
+// The Q8_K blocks of a norm's output row `yr` (`width` a multiple of 256) into `q8`, by the
+// norm's block once every thread has written its values: warp w takes blocks w, w + warps, ...
+// The same bytes `act_q8_k_blocks` makes of that row.
+__device__ void norm_row_q8_k(const float* yr, u8* q8, int width) {
+    __syncthreads();
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (int b = threadIdx.x >> 5; b < width / 256; b += warps) q8_k_block(yr + b * 256, q8 + (u64)b * Q8K_BLOCK_BYTES, lane);
+}
+
+// `activate_mul` on 256-value blocks, each then written as a Q8_K block to `out` (the same
+// values and bytes as `activate_mul` then `act_q8_k_blocks`): one warp per block.
+extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f, u8* out, u64 blocks) {
+    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= blocks) return;
+    int lane = threadIdx.x & 31;
+    float* ub = up + b * 256;
+    const float* gb = gate + b * 256;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        int k = lane + 32 * i;
+        float a = act_fn(gb[k], f);
+        ub[k] *= a;
+    }
+    __syncwarp();  // every lane's values written before any lane reads the block's largest
+    q8_k_block(ub, out + b * Q8K_BLOCK_BYTES, lane);
 }

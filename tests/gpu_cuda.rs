@@ -54,11 +54,15 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 22] = [
+    let checks: [(&str, Check); 28] = [
         ("kernels_per_type", kernels_per_type),
+        ("fused_q8_blocks", fused_q8_blocks),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
-            graphs_replay(d, r, &common::stories_dir(), "stories260k_graphs")
+            graphs_replay(d, r, &common::stories_dir(), "stories260k_graphs", 0)
+        }),
+        ("stories260k_graph_split", |d, r| {
+            graphs_replay(d, r, &common::stories_dir(), "stories260k_graph_split", 16)
         }),
         // The streamed checks below on stories260K as a `.gst` (F32): small enough for the host
         // emulation of the driver (tests/cuda_emu), where they check the streamed paths' host
@@ -111,7 +115,13 @@ fn main() {
             shaped_compare(d, r, &SMALL_QWEN, Against::F32Weights, "small_qwen2_cpu_f32_reference")
         }),
         ("small_qwen2_graphs", |d, r| {
-            graphs_replay(d, r, &small_qwen_path(), "small_qwen2_graphs")
+            graphs_replay(d, r, &small_qwen_path(), "small_qwen2_graphs", 0)
+        }),
+        ("small_qwen2_graph_split", |d, r| {
+            graphs_replay(d, r, &small_qwen_path(), "small_qwen2_graph_split", 24)
+        }),
+        ("small_qwen2_fused", |d, r| {
+            fused_same(d, r, &small_qwen_path(), "small_qwen2_fused")
         }),
         ("qwen_shaped_cuda_vs_cpu", qwen_shaped),
         ("qwen_shaped_cuda_q8_activations_vs_cpu", qwen_shaped_q8),
@@ -121,7 +131,13 @@ fn main() {
         ("qwen_shaped_cuda_vs_cpu_f32_weights", qwen_shaped_f32),
         ("qwen_shaped_decode_speed", qwen_speed),
         ("qwen_shaped_graphs", |d, r| {
-            graphs_replay(d, r, &qwen_model_path(), "qwen_shaped_graphs")
+            graphs_replay(d, r, &qwen_model_path(), "qwen_shaped_graphs", 0)
+        }),
+        ("qwen_shaped_graph_split", |d, r| {
+            graphs_replay(d, r, &qwen_model_path(), "qwen_shaped_graph_split", 48)
+        }),
+        ("qwen_shaped_fused", |d, r| {
+            fused_same(d, r, &qwen_model_path(), "qwen_shaped_fused")
         }),
         ("qwen_shaped_streamed_to_cuda", qwen_streamed),
         ("qwen_shaped_vram_budget", qwen_vram),
@@ -235,6 +251,138 @@ fn kernels_per_type(
     let r = kernels_of_each_type(dev, report);
     dev.set_activations(was);
     r
+}
+
+/// The integer products' input blocks a norm or gated activation writes beside its output
+/// (`GATESTREAM_CUDA_FUSE`) against blocks made from the same values uploaded afresh: a Q4_K
+/// product of each producer's output equal bit for bit, and after each operation that writes
+/// an activation in place, the product of the new values (the old blocks dropped). The device's
+/// modes restored after.
+fn fused_q8_blocks(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let (was_a, was_f) = (dev.activations(), dev.fuse());
+    dev.set_activations(Activations::Auto);
+    dev.set_fuse(true);
+    let r = fused_blocks_follow_writes(dev, report);
+    dev.set_activations(was_a);
+    dev.set_fuse(was_f);
+    r
+}
+
+fn fused_blocks_follow_writes(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::backend::{Act, RopeShape};
+    use gatestream::config::{FfnActivation, RopeStyle};
+    // Three super-blocks a row; six heads of 128 for RoPE.
+    const COLS: usize = 768;
+    const EPS: f32 = 1e-6;
+    let mut rng = Rng(11);
+    let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.normalish()).collect() };
+    let w = quantized(GgmlType::Q4_K, 40, COLS, &mut Rng(12));
+    let neurons = quantized(GgmlType::F32, 24, COLS, &mut Rng(13));
+    let (norm, norm2, bias) = (values(COLS), values(COLS), values(COLS));
+    let up_values = values(COLS);
+    let gate_values = values(COLS);
+    let acts_values = values(24);
+    let x = dev.upload(1, COLS, values(COLS));
+    let product = |a: &Act| dev.download(dev.matmul(&[&w], a).remove(0));
+    // An integer product first: blocks are made ahead only once one has run.
+    product(&x);
+    let mut checked = Vec::new();
+    let mut failures = Vec::new();
+    // `blocks`: whether `a` should carry blocks (made with it) or not (written since).
+    let mut check = |what: &str, a: &Act, blocks: bool| {
+        if dev.has_input_blocks(a) != blocks {
+            failures.push(format!(
+                "{what}: input blocks {}",
+                if blocks { "missing" } else { "kept" }
+            ));
+        }
+        let got = product(a);
+        let fresh = dev.upload(1, COLS, dev.to_host(a).into_owned());
+        let want = product(&fresh);
+        let differ = got
+            .iter()
+            .zip(&want)
+            .filter(|(g, w)| g.to_bits() != w.to_bits())
+            .count();
+        if differ > 0 {
+            failures.push(format!("{what}: {differ} of {} outputs differ", want.len()));
+        }
+        checked.push(what.to_string());
+    };
+    let normed = || dev.rms_norm(&x, &norm, EPS);
+    check("rms_norm", &normed(), true);
+    let mut y = normed();
+    dev.add(&mut y, &x);
+    check("add after rms_norm", &y, false);
+    let mut y = normed();
+    dev.mul(&mut y, &x);
+    check("mul after rms_norm", &y, false);
+    let mut y = normed();
+    dev.add_bias(&mut y, &bias);
+    check("add_bias after rms_norm", &y, false);
+    let mut y = normed();
+    dev.activate(&mut y, FfnActivation::GeluTanh);
+    check("activate after rms_norm", &y, false);
+    let mut y = normed();
+    dev.softcap(&mut y, 0.5);
+    check("softcap after rms_norm", &y, false);
+    let mut y = normed();
+    dev.rms_norm_in_place(&mut y, &norm2, EPS);
+    check("rms_norm_in_place after rms_norm", &y, true);
+    let mut residual = normed();
+    let out = dev.add_rms_norm(&mut residual, &x, &norm2, EPS);
+    check("add_rms_norm", &out, true);
+    check("add_rms_norm's residual after rms_norm", &residual, false);
+    let mut up = dev.upload(1, COLS, up_values.clone());
+    let mut gate = dev.upload(1, COLS, gate_values.clone());
+    dev.activate_mul(&mut up, &mut gate, FfnActivation::Silu);
+    check("activate_mul", &up, true);
+    dev.add(&mut up, &x);
+    check("add after activate_mul", &up, false);
+    let mut up = normed();
+    dev.activate_mul(&mut up, &mut gate, FfnActivation::GeluTanh);
+    check("activate_mul after rms_norm", &up, true);
+    let mut out = normed();
+    let acts = dev.upload(1, 24, acts_values);
+    dev.accumulate_rows(&neurons, None, &acts, &mut out);
+    check("accumulate_rows after rms_norm", &out, false);
+    let (mut q, mut k) = (normed(), normed());
+    let shape = RopeShape {
+        head_dim: 128,
+        base: 10000.0,
+        pos_scale: 1.0,
+        style: RopeStyle::HalfSplit,
+    };
+    dev.rope_qk(&mut q, &mut k, &[5], shape, None, None, EPS);
+    check("rope_qk (queries) after rms_norm", &q, false);
+    check("rope_qk (keys) after rms_norm", &k, false);
+    if let Some(e) = dev.take_error() {
+        failures.push(format!("the device: {e}"));
+    }
+    let msg = format!(
+        "  fused input blocks: a Q4_K product of each of {} activations ({}) equal to the product of its values \
+         uploaded afresh{}",
+        checked.len(),
+        checked.join(", "),
+        match failures.is_empty() {
+            true => String::new(),
+            false => format!("; FAILED: {}", failures.join("; ")),
+        }
+    );
+    report.insert(
+        "fused_q8_blocks".into(),
+        serde_json::json!({"checked": checked, "failures": failures}),
+    );
+    match failures.is_empty() {
+        true => Ok(msg),
+        false => Err(msg),
+    }
 }
 
 fn kernels_of_each_type(
@@ -652,15 +800,19 @@ fn greedy_logits(m: &Model, prompt: &[u32], steps: usize) -> Result<Vec<Vec<f32>
 /// CUDA graphs (`GATESTREAM_CUDA_GRAPHS`) against the same device launching kernel by kernel,
 /// on the model at `path`: 32 greedy steps and a 64-token pass, which must give bit-identical
 /// logits (the same kernels on the same buffers), with the decode steps replayed as graphs —
-/// every step after the few that learn the steps' signatures — and the speed of both.
+/// every step after the few that learn the steps' signatures — and the speed of both. With
+/// `split` (`GATESTREAM_CUDA_GRAPH_SPLIT`), the graphs' run launches every `split` operations
+/// as they are recorded: then no graph may hold more.
 fn graphs_replay(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
     path: &std::path::Path,
     key: &str,
+    split: usize,
 ) -> Result<String, String> {
     const STEPS: usize = 32;
     let was = dev.graphs();
+    let was_split = dev.graph_split();
     let m = load(path, dev.clone())?;
     let v = m.config.vocab as u32;
     let prompt: Vec<u32> = (0..6).map(|i| (17 + 31 * i) % v).collect();
@@ -669,6 +821,8 @@ fn graphs_replay(
     type Run = (Vec<Vec<f32>>, f64, gatestream::backend::cuda::GraphCounters, f64);
     let run = |on: bool| -> Result<Run, String> {
         dev.set_graphs(on);
+        dev.set_graph_split(if on { split } else { 0 })
+            .map_err(|e| e.to_string())?;
         let c0 = dev.graph_counters();
         let logits = greedy_logits(&m, &prompt, STEPS)?;
         let c1 = dev.graph_counters();
@@ -687,31 +841,122 @@ fn graphs_replay(
     let off = run(false);
     let on = run(true);
     dev.set_graphs(was);
+    dev.set_graph_split(was_split).map_err(|e| e.to_string())?;
     let ((l_off, nll_off, _, rate_off), (l_on, nll_on, c, rate_on)) = (off?, on?);
     let differing = l_off.iter().zip(&l_on).filter(|(a, b)| a != b).count();
     let worst = max_abs_diff(l_off.iter().flatten().copied(), l_on.iter().flatten().copied());
     let per_step = c.graph_ops as f64 / (c.replays + c.captures).max(1) as f64;
     let msg = format!(
         "  {key}: {STEPS} greedy steps with graphs vs without: {differing}/{} logit rows differ (max |d| {worst:e}); \
-         64-token pass nll {nll_on:.6} vs {nll_off:.6}; {} decode steps replayed as a graph, {} captured, {} launched \
-         kernel by kernel, {} left recording part-way; {per_step:.0} operations per graph; decode {rate_on:.1} tok/s \
-         with graphs, {rate_off:.1} without ({:.2}x)",
+         64-token pass nll {nll_on:.6} vs {nll_off:.6}; {} decode steps (or parts) replayed as a graph, {} captured, \
+         {} launched kernel by kernel, {} left recording part-way; {per_step:.0} operations per graph{}; decode {rate_on:.1} \
+         tok/s with graphs, {rate_off:.1} without ({:.2}x)",
         l_off.len(),
         c.replays,
         c.captures,
         c.direct_segments,
         c.left_recording,
+        match split {
+            0 => String::new(),
+            n => format!(" (launched every {n} operations recorded)"),
+        },
         rate_on / rate_off
     );
     report.insert(
         key.into(),
         serde_json::json!({"differing_rows": differing, "max_abs_diff": worst, "nll_graphs": nll_on, "nll_direct": nll_off,
-            "counters": c, "tok_s_graphs": rate_on, "tok_s_direct": rate_off}),
+            "counters": c, "tok_s_graphs": rate_on, "tok_s_direct": rate_off, "split": split}),
     );
     // The activation pool may hand out its buffers in two orders on alternate steps (seen on
     // stories260K): the first two steps are then seen once each (launched directly), the next
     // two captured, and every step from the fifth on must replay.
-    if differing > 0 || nll_on != nll_off || (c.replays as usize) < STEPS - 4 || c.captures == 0 {
+    // Split: each step is several graphs, so the replays only grow; none holds more than asked.
+    let too_big = split > 0 && per_step > split as f64;
+    if differing > 0 || nll_on != nll_off || (c.replays as usize) < STEPS - 4 || c.captures == 0 || too_big {
+        return Err(msg);
+    }
+    Ok(msg)
+}
+
+/// Fused launches (`GATESTREAM_CUDA_FUSE`, in the default activation mode) against each
+/// operation in a launch of its own, on the model at `path` with graphs on (which count the
+/// launches): 32 greedy steps and a 64-token pass must give bit-identical logits (the same bytes
+/// reach the same kernels), and each pass must launch exactly as many operations fewer as
+/// were fused: per layer RoPE with the KV write, and per one-token row one quantization for each
+/// input whose next products include an integer one (the attention and FFN norms' outputs, the
+/// gated activation, the final norm; of a prompt only its last row's final norm) — and the speed
+/// of both.
+fn fused_same(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    path: &std::path::Path,
+    key: &str,
+) -> Result<String, String> {
+    const STEPS: usize = 32;
+    let (was_fuse, was_graphs, was_a) = (dev.fuse(), dev.graphs(), dev.activations());
+    dev.set_activations(Activations::Auto);
+    dev.set_graphs(true);
+    let m = load(path, dev.clone())?;
+    let v = m.config.vocab as u32;
+    let prompt: Vec<u32> = (0..6).map(|i| (17 + 31 * i) % v).collect();
+    let window: Vec<u32> = (0..64).map(|i| (5 + 97 * i) % v).collect();
+    // What one decode step saves: each input whose next products include an integer one.
+    let int8 = |ws: &[&Weight]| ws.iter().any(|w| INT8_TYPES.contains(&w.ty) && w.cols % 256 == 0);
+    let output_int8 = usize::from(int8(&[&m.weights.output]));
+    let mut saved_per_step = output_int8;
+    for l in &m.weights.layers {
+        let f = l.dense("fused blocks").map_err(|e| e.to_string())?;
+        let down = match &f.down {
+            FfnDown::Rows(w) | FfnDown::Columns(w) => w,
+        };
+        saved_per_step += usize::from(int8(&[&l.attn.wq, &l.attn.wk, &l.attn.wv]))
+            + usize::from(int8(&[&f.gate, &f.up]))
+            + usize::from(int8(&[down]));
+    }
+    let layers = m.weights.layers.len();
+    /// Each step's logits, the pass's nll, operations launched in the steps, decode tok/s.
+    type Run = (Vec<Vec<f32>>, f64, u64, u64, f64);
+    let run = |on: bool| -> Result<Run, String> {
+        dev.set_fuse(on);
+        let c0 = dev.graph_counters();
+        let logits = greedy_logits(&m, &prompt, STEPS)?;
+        let c1 = dev.graph_counters();
+        let nll = nll(&m, &window)?;
+        let rate = decode_rate(&m, None, 64)?;
+        let ops = c1.graph_ops + c1.direct_ops - c0.graph_ops - c0.direct_ops;
+        Ok((logits, nll, ops, c1.left_recording - c0.left_recording, rate))
+    };
+    let off = run(false);
+    let on = run(true);
+    dev.set_fuse(was_fuse);
+    dev.set_graphs(was_graphs);
+    dev.set_activations(was_a);
+    let ((l_off, nll_off, ops_off, left_off, rate_off), (l_on, nll_on, ops_on, left_on, rate_on)) = (off?, on?);
+    let differing = l_off.iter().zip(&l_on).filter(|(a, b)| a != b).count();
+    let worst = max_abs_diff(l_off.iter().flatten().copied(), l_on.iter().flatten().copied());
+    // And RoPE with the KV write in every layer of every pass; the prompt's pass normalizes
+    // only its last row before the output product.
+    let expected = (STEPS * (saved_per_step + layers) + output_int8 + layers) as u64;
+    let msg = format!(
+        "  {key}: {STEPS} greedy steps with launches fused vs not: {differing}/{} logit rows differ (max |d| {worst:e}); 64-token pass nll \
+         {nll_on:.6} vs {nll_off:.6}; {ops_on} vs {ops_off} operations ({} fewer; {saved_per_step} input \
+         blocks a step and {layers} RoPE launches a pass expected, {expected} in all); decode {rate_on:.1} tok/s fused, {rate_off:.1} not ({:.2}x)",
+        l_off.len(),
+        ops_off as i64 - ops_on as i64,
+        rate_on / rate_off
+    );
+    report.insert(
+        key.into(),
+        serde_json::json!({"differing_rows": differing, "max_abs_diff": worst, "nll_fused": nll_on, "nll_unfused": nll_off,
+            "ops_fused": ops_on, "ops_unfused": ops_off, "input_blocks_per_step_expected": saved_per_step, "expected_fewer": expected,
+            "tok_s_fused": rate_on, "tok_s_unfused": rate_off}),
+    );
+    if differing > 0
+        || nll_on != nll_off
+        || saved_per_step == 0
+        || ops_off.checked_sub(ops_on) != Some(expected)
+        || left_off + left_on > 0
+    {
         return Err(msg);
     }
     Ok(msg)
@@ -1269,6 +1514,20 @@ fn qwen_speed(
         (2, rate_with(Activations::F32, false, 2)?),
         (4, rate_with(Activations::F32, false, 4)?),
     ];
+    // The defaults without the fused input blocks (GATESTREAM_CUDA_FUSE=0), and with the
+    // recording launched every N operations (GATESTREAM_CUDA_GRAPH_SPLIT=N).
+    let was_fuse = dev.fuse();
+    dev.set_fuse(false);
+    let unfused = rate_with(Activations::Auto, true, 1);
+    dev.set_fuse(was_fuse);
+    let unfused = unfused?;
+    let mut by_split = Vec::new();
+    for n in [24, 48, 96, 192] {
+        dev.set_graph_split(n).map_err(|e| e.to_string())?;
+        let r = rate_with(Activations::Auto, true, 1);
+        dev.set_graph_split(0).map_err(|e| e.to_string())?;
+        by_split.push((n, r?));
+    }
     let bw = dev.copy_bandwidth(1 << 30).map_err(|e| e.to_string())?;
     let bound = bw / per_token as f64;
     drop(gpu);
@@ -1278,11 +1537,17 @@ fn qwen_speed(
         "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s (the defaults: integer products of K-quants, graphs; \
          {gpu_auto_no_graphs:.1} without graphs; f32 activations {gpu_f32_rate:.1}, {gpu_f32_graphs:.1} with graphs; \
          8-bit activations {gpu_q8_rate:.1}; int8 everywhere {gpu_int8_rate:.1}; f32 with 2 rows per warp {:.1}, with 4 {:.1}; \
+         the defaults without fused input blocks {unfused:.1}, with graphs launched every N operations {}; \
          no graphs unless said), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
         by_rows[0].1,
         by_rows[1].1,
+        by_split
+            .iter()
+            .map(|(n, r)| format!("{n}: {r:.1}"))
+            .collect::<Vec<_>>()
+            .join(", "),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         gpu_rate / cpu_rate,
         per_token as f64 / 1e6,
@@ -1291,7 +1556,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_unfused_tok_s": unfused, "cuda_graph_split_tok_s": by_split, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }

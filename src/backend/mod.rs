@@ -514,6 +514,25 @@ pub trait Device: Send + Sync {
         seq_of_token: &[usize],
         caches: &mut [&mut KvCache],
     );
+    /// [`Device::rope_qk`], then [`Device::kv_write`] of the keys it leaves and `v`: `at` is
+    /// `(positions, seq_of_token)`, `rope` `(shape, q_norm, k_norm, eps)`. A device may do both
+    /// in one pass.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_qk_kv_write(
+        &self,
+        layer: usize,
+        q: &mut Act,
+        k: &mut Act,
+        v: &Act,
+        at: (&[usize], &[usize]),
+        caches: &mut [&mut KvCache],
+        rope: (RopeShape, Option<&[f32]>, Option<&[f32]>, f32),
+    ) {
+        let (positions, seq_of_token) = at;
+        let (shape, q_norm, k_norm, eps) = rope;
+        self.rope_qk(q, k, positions, shape, q_norm, k_norm, eps);
+        self.kv_write(layer, k, v, positions, seq_of_token, caches);
+    }
     /// Row t's query heads over its own sequence's cached positions `..=positions[t]`.
     fn attention(
         &self,

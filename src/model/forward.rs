@@ -506,8 +506,15 @@ impl Model {
             }
             _ => (w.q_norm.as_deref(), w.k_norm.as_deref()),
         };
-        dev.rope_qk(&mut q, &mut k, &batch.positions, rope, q_norm, k_norm, cfg.rms_eps);
-        dev.kv_write(l, &k, &v, &batch.positions, &batch.seq_of_token, caches);
+        dev.rope_qk_kv_write(
+            l,
+            &mut q,
+            &mut k,
+            &v,
+            (&batch.positions, &batch.seq_of_token),
+            caches,
+            (rope, q_norm, k_norm, cfg.rms_eps),
+        );
         let shape = AttnShape {
             layer: l,
             n_heads: cfg.n_heads,

@@ -92,6 +92,8 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
 }
 inline int __shfl_xor_sync(unsigned, int v, int m) { return (int)gsemu::shfl_xor((unsigned)v, m); }
 inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m) { return gsemu::shfl_xor(v, m); }
+// A warp barrier: an exchange every lane of the warp enters before any goes on.
+inline void __syncwarp(unsigned = 0xffffffffu) { (void)gsemu::shfl_xor(0, 0); }
 
 inline float __int_as_float(int i) {
     float f;

@@ -47,10 +47,31 @@ pub fn graphs_asked(value: Option<&str>) -> Result<bool> {
     )
 }
 
+/// `GATESTREAM_CUDA_GRAPH_SPLIT`: `N` (at least [`MIN_GRAPH_OPS`]) launches a segment's
+/// recording every `N` operations — each part a graph of its own once repeated — so the GPU runs
+/// the first parts while the host records the rest of the step; `0` (the default) records the
+/// whole segment before launching it. The same kernels on the same buffers either way.
+pub const GRAPH_SPLIT_ENV: &str = "GATESTREAM_CUDA_GRAPH_SPLIT";
+
+/// The operations per launched part that [`GRAPH_SPLIT_ENV`] asks for (0: whole segments).
+pub fn graph_split_asked(value: Option<&str>) -> Result<usize> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(0),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if n == 0 || n >= MIN_GRAPH_OPS => Ok(n),
+            _ => Err(crate::error::Error::Invalid(format!(
+                "{GRAPH_SPLIT_ENV}={v}: expected 0 (the default: a segment recorded whole, then launched) or a number \
+                 of operations, at least {MIN_GRAPH_OPS}, after which the recording so far is launched"
+            ))),
+        },
+    }
+}
+
 /// Segments with fewer operations are never captured (a graph would not pay).
 pub const MIN_GRAPH_OPS: usize = 8;
-/// Graphs kept; past this the cache starts again (a model's steps need a handful).
-const GRAPHS_KEPT: usize = 64;
+/// Graphs kept; past this the cache starts again (a model's steps need a handful, or a few
+/// dozen parts with [`GRAPH_SPLIT_ENV`]).
+const GRAPHS_KEPT: usize = 256;
 /// Signatures remembered while waiting for a repeat.
 const SEEN_KEPT: usize = 4096;
 /// u32 words of the index arena.
@@ -167,6 +188,8 @@ pub(super) struct Graphs {
     cache: HashMap<u64, (Signature, Exec)>,
     seen: HashMap<u64, u32>,
     pub counters: GraphCounters,
+    /// Operations after which the recording so far is launched (0: never; [`GRAPH_SPLIT_ENV`]).
+    pub split: usize,
 }
 
 impl Graphs {
@@ -176,6 +199,11 @@ impl Graphs {
 
     pub fn record(&mut self, op: Op) {
         self.ops.push(op);
+    }
+
+    /// Whether the recording is long enough to launch part-way ([`GRAPH_SPLIT_ENV`]).
+    pub fn split_due(&self) -> bool {
+        self.split > 0 && self.ops.len() >= self.split
     }
 
     /// Holds `x` until the recorded operations are launched.
@@ -195,6 +223,33 @@ impl CudaDevice {
 
     pub fn graphs(&self) -> bool {
         self.graphs.lock().expect("graphs").enabled
+    }
+
+    /// Sets the operations after which a recording is launched part-way (0: whole segments;
+    /// see [`GRAPH_SPLIT_ENV`]); what is recorded is launched first.
+    pub fn set_graph_split(&self, ops: usize) -> Result<()> {
+        let ops = graph_split_asked(Some(&ops.to_string()))?;
+        self.end_segment();
+        self.graphs.lock().expect("graphs").split = ops;
+        Ok(())
+    }
+
+    pub fn graph_split(&self) -> usize {
+        self.graphs.lock().expect("graphs").split
+    }
+
+    /// Launches the recording so far (a part of the segment, [`GRAPH_SPLIT_ENV`]); the segment
+    /// goes on recording, its index lists where they are in the arena.
+    pub(super) fn launch_part(&self, mut g: std::sync::MutexGuard<'_, Graphs>) {
+        let ops = std::mem::take(&mut g.ops);
+        let keep = std::mem::take(&mut g.keep);
+        if !ops.is_empty() && !self.failed() {
+            self.launch_segment(&mut g, ops);
+        }
+        drop(g);
+        // Stream-ordered after the launches above.
+        drop(keep);
+        self.pool.release_held();
     }
 
     /// What graphs did so far (launches the recorded segment first, so the figures are whole).
@@ -387,6 +442,24 @@ mod tests {
             e.contains("GATESTREAM_CUDA_GRAPHS=yes") && e.contains("expected 1") && e.contains("or 0"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_split_is_off_or_at_least_the_smallest_graph() {
+        assert_eq!(graph_split_asked(None).unwrap(), 0);
+        assert_eq!(graph_split_asked(Some(" 0")).unwrap(), 0);
+        assert_eq!(graph_split_asked(Some("64")).unwrap(), 64);
+        assert_eq!(
+            graph_split_asked(Some(&MIN_GRAPH_OPS.to_string())).unwrap(),
+            MIN_GRAPH_OPS
+        );
+        for bad in ["7", "-1", "many"] {
+            let e = graph_split_asked(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("GATESTREAM_CUDA_GRAPH_SPLIT={bad}")) && e.contains("at least 8"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub mod nvrtc;
 mod upload;
 pub use upload::{map_host_asked, MAP_HOST_ENV};
 
-pub use graph::{graphs_asked, GraphCounters, GRAPHS_ENV};
+pub use graph::{graph_split_asked, graphs_asked, GraphCounters, GRAPHS_ENV, GRAPH_SPLIT_ENV};
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -70,9 +70,10 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
 /// The kernels that are not per type.
-const OPS: [&str; 18] = [
+const OPS: [&str; 20] = [
     "accumulate_reduce",
     "activate_mul",
+    "activate_mul_q8_k",
     "add_rms_norm",
     "act_q8_32",
     "act_q8_k",
@@ -87,6 +88,7 @@ const OPS: [&str; 18] = [
     "scatter_cols",
     "gather_cols",
     "rope_norm",
+    "rope_norm_kv",
     "kv_write",
     "attention",
 ];
@@ -257,6 +259,10 @@ pub(crate) struct DevBuf {
     slice: Option<CudaSlice<f32>>,
     ptr: u64,
     pool: Arc<Pool>,
+    /// The integer products' Q8_K blocks of this buffer's values, written by the kernel that
+    /// wrote them (see [`FUSE_ENV`]), for the activation's shape `(rows, width)` then; dropped
+    /// by anything that writes the buffer again ([`CudaDevice::buf_mut`]).
+    blocks: Option<((usize, usize), Box<DevBuf>)>,
 }
 
 impl Drop for DevBuf {
@@ -327,6 +333,30 @@ pub struct CudaDevice {
     link: Arc<Mutex<super::LinkCounters>>,
     /// Recorded launches and CUDA graphs (see [`GRAPHS_ENV`]).
     graphs: Mutex<graph::Graphs>,
+    /// Whether launches that follow each other are fused (see [`FUSE_ENV`]).
+    fuse: std::sync::atomic::AtomicBool,
+    /// Whether an integer product has been launched (before one, no blocks are made ahead).
+    int8_seen: std::sync::atomic::AtomicBool,
+}
+
+/// `GATESTREAM_CUDA_FUSE`: `1` (or `on`, the default) fuses launches of a decode step that
+/// follow each other: RMSNorm (with or without the residual add before it) and the gated
+/// activation write, beside their f32 output, the Q8_K blocks the integer products
+/// (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8) take as input, so one-token products of Q4_K and
+/// Q6_K rows after them need no quantization launch of their own; RoPE writes the keys and
+/// values into the KV cache (four launches fewer a layer on Qwen2.5). The same bytes as the
+/// launches they replace. `0` (`off`): each in a launch of its own. Blocks are made only for
+/// one-token rows of a multiple of 256 values, once an integer product has run.
+pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
+
+/// Whether [`FUSE_ENV`] asks for fused launches (`value`: the variable's value).
+pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
+    switch_asked(
+        FUSE_ENV,
+        value,
+        "norms and activations write the integer products' input blocks, RoPE the KV cache",
+        "each in a launch of its own",
+    )
 }
 
 /// `GATESTREAM_CUDA_ACTIVATIONS`: what the GPU's quantized products multiply. `auto` (the
@@ -457,7 +487,9 @@ impl CudaDevice {
         let activations = activations_asked(std::env::var(ACTIVATIONS_ENV).ok().as_deref())?;
         let matvec_rows = matvec_rows_asked(std::env::var(MATVEC_ROWS_ENV).ok().as_deref())?;
         let graphs = graphs_asked(std::env::var(GRAPHS_ENV).ok().as_deref())?;
+        let graph_split = graph_split_asked(std::env::var(GRAPH_SPLIT_ENV).ok().as_deref())?;
         let map_host = upload::map_host_asked(std::env::var(upload::MAP_HOST_ENV).ok().as_deref())?;
+        let fuse = fuse_asked(std::env::var(FUSE_ENV).ok().as_deref())?;
         ensure_driver()?;
         let count = CudaContext::device_count().map_err(|e| {
             Error::Invalid(format!(
@@ -550,8 +582,11 @@ impl CudaDevice {
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
             link,
             graphs: Mutex::new(graph::Graphs::default()),
+            fuse: std::sync::atomic::AtomicBool::new(fuse),
+            int8_seen: std::sync::atomic::AtomicBool::new(false),
         };
         dev.set_graphs(graphs);
+        dev.set_graph_split(graph_split)?;
         Ok(dev)
     }
 
@@ -581,16 +616,30 @@ impl CudaDevice {
 
     /// Whether a product of `w` with `x` runs as integers (`matvec_i8_*`).
     fn int8_product(&self, w: &Weight, x: &Act) -> bool {
-        matches!(self.activations(), Activations::Int8 | Activations::Auto)
+        let yes = matches!(self.activations(), Activations::Int8 | Activations::Auto)
             && x.rows == 1
             && x.width == w.cols
             && INT8_TYPES.contains(&w.ty)
-            && w.cols.is_multiple_of(256)
+            && w.cols.is_multiple_of(256);
+        if yes {
+            self.int8_seen.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        yes
     }
 
-    /// `x` (one token) as the integer products' Q8_K blocks: a buffer of `Q8K_BLOCK_BYTES` per
-    /// 256 values (held as floats: `Q8K_BLOCK_BYTES / 4` per block).
-    fn int8_input(&self, x: &Act) -> Act {
+    /// `x` (one token) as the integer products' Q8_K blocks: the address of `Q8K_BLOCK_BYTES`
+    /// per 256 values — the blocks the kernel that wrote `x` made (see [`FUSE_ENV`]), else a
+    /// buffer made now (returned with it, to keep until the product is launched).
+    fn int8_input(&self, x: &Act) -> (u64, Option<Act>) {
+        if let ActData::Cuda(DevBuf {
+            blocks: Some((shape, b)),
+            ..
+        }) = &x.data
+        {
+            if *shape == (x.rows, x.width) && x.rows == 1 {
+                return (b.ptr, None);
+            }
+        }
         let blocks = x.width / 256;
         let out = self.act(1, blocks * Q8K_BLOCK_BYTES / 4);
         if blocks > 0 {
@@ -602,7 +651,46 @@ impl CudaDevice {
                 &[ptr(self.buf(x)), ptr(self.buf(&out)), ptr(blocks as u64)],
             );
         }
-        out
+        (self.buf(&out), Some(out))
+    }
+
+    /// Sets whether the launches from now on are fused (see [`FUSE_ENV`]).
+    pub fn set_fuse(&self, on: bool) {
+        self.fuse.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn fuse(&self) -> bool {
+        self.fuse.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `a` carries the integer products' input blocks of its values (see [`FUSE_ENV`]).
+    pub fn has_input_blocks(&self, a: &Act) -> bool {
+        matches!(&a.data, ActData::Cuda(DevBuf { blocks: Some(_), .. }))
+    }
+
+    /// A buffer for the Q8_K blocks of an output `[rows, width]` its kernel writes too, when
+    /// the integer products may take it (see [`FUSE_ENV`]); `None` otherwise.
+    fn fused_blocks(&self, rows: usize, width: usize) -> Option<DevBuf> {
+        let yes = self.fuse()
+            && rows == 1
+            && width > 0
+            && width.is_multiple_of(256)
+            && matches!(self.activations(), Activations::Int8 | Activations::Auto)
+            && self.int8_seen.load(std::sync::atomic::Ordering::Relaxed);
+        yes.then(|| self.alloc(width / 256 * Q8K_BLOCK_BYTES / 4))
+    }
+
+    /// Gives `a` the blocks its values were just written as (by the launch that wrote them).
+    fn attach_blocks(a: &mut Act, blocks: Option<DevBuf>) {
+        let shape = (a.rows, a.width);
+        if let ActData::Cuda(b) = &mut a.data {
+            b.blocks = blocks.map(|k| (shape, Box::new(k)));
+        }
+    }
+
+    /// Blocks the integer products may read at `p` (as from [`Self::fused_blocks`]): 0 for none.
+    fn blocks_ptr(blocks: &Option<DevBuf>) -> u64 {
+        blocks.as_ref().map_or(0, |b| b.ptr)
     }
 
     /// Sets the rows per warp of one-token products launched from now on (see
@@ -656,6 +744,15 @@ impl CudaDevice {
             );
         }
         Some(out)
+    }
+
+    /// The device address of an activation a kernel is about to write: its blocks (see
+    /// [`FUSE_ENV`]) no longer stand for its values, so they go.
+    fn buf_mut(&self, a: &mut Act) -> u64 {
+        if let ActData::Cuda(b) = &mut a.data {
+            b.blocks = None;
+        }
+        self.buf(a)
     }
 
     /// The device address of an activation; a host one (a caller's bug) is recorded as an
@@ -723,6 +820,7 @@ impl CudaDevice {
             slice,
             ptr,
             pool: self.pool.clone(),
+            blocks: None,
         }
     }
 
@@ -769,6 +867,9 @@ impl CudaDevice {
                 return;
             }
             g.record(graph::Op::launch(name, ty, &cfg, args));
+            if g.split_due() {
+                self.launch_part(g);
+            }
             return;
         }
         drop(g);
@@ -855,7 +956,12 @@ impl CudaDevice {
             "accumulate_reduce",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(&partial)), int(parts), ptr(len as u64), ptr(self.buf(out))],
+            &[
+                ptr(self.buf(&partial)),
+                int(parts),
+                ptr(len as u64),
+                ptr(self.buf_mut(out)),
+            ],
         );
     }
 
@@ -1295,13 +1401,18 @@ impl Device for CudaDevice {
     }
 
     fn rms_norm(&self, x: &Act, w: &[f32], eps: f32) -> Act {
-        let y = self.act(x.rows, x.width);
-        self.rms_norm_into(x, w, eps, &y);
+        let mut y = self.act(x.rows, x.width);
+        let blocks = self.fused_blocks(x.rows, x.width);
+        self.rms_norm_into(x, w, eps, &y, Self::blocks_ptr(&blocks));
+        Self::attach_blocks(&mut y, blocks);
         y
     }
 
     fn rms_norm_in_place(&self, x: &mut Act, w: &[f32], eps: f32) {
-        self.rms_norm_into(&*x, w, eps, &*x);
+        self.buf_mut(x);
+        let blocks = self.fused_blocks(x.rows, x.width);
+        self.rms_norm_into(&*x, w, eps, &*x, Self::blocks_ptr(&blocks));
+        Self::attach_blocks(x, blocks);
     }
 
     fn add(&self, x: &mut Act, y: &Act) {
@@ -1310,7 +1421,7 @@ impl Device for CudaDevice {
             "add",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(x)), ptr(self.buf(y)), ptr(len as u64)],
+            &[ptr(self.buf_mut(x)), ptr(self.buf(y)), ptr(len as u64)],
         );
     }
 
@@ -1321,7 +1432,7 @@ impl Device for CudaDevice {
             "add_bias",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(x)), ptr(bp), int(b.len()), ptr(len as u64)],
+            &[ptr(self.buf_mut(x)), ptr(bp), int(b.len()), ptr(len as u64)],
         );
     }
 
@@ -1334,21 +1445,28 @@ impl Device for CudaDevice {
             ));
             return;
         }
+        let (u, g) = (self.buf_mut(up), self.buf(gate));
+        if let Some(blocks) = self.fused_blocks(up.rows, up.width) {
+            let n = up.width / 256;
+            self.launch(
+                "activate_mul_q8_k",
+                None,
+                warp_per_block_cfg(n),
+                &[ptr(u), ptr(g), int(activation_code(f)), ptr(blocks.ptr), ptr(n as u64)],
+            );
+            Self::attach_blocks(up, Some(blocks));
+            return;
+        }
         self.launch(
             "activate_mul",
             None,
             elementwise_cfg(len),
-            &[
-                ptr(self.buf(up)),
-                ptr(self.buf(gate)),
-                int(activation_code(f)),
-                ptr(len as u64),
-            ],
+            &[ptr(u), ptr(g), int(activation_code(f)), ptr(len as u64)],
         );
     }
 
     fn add_rms_norm(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Act {
-        let out = self.act(x.rows, x.width);
+        let mut out = self.act(x.rows, x.width);
         if x.rows == 0 {
             return out;
         }
@@ -1365,19 +1483,22 @@ impl Device for CudaDevice {
         }
         let wp = self.vector(w);
         let cfg = norm_cfg(x.rows, x.width);
+        let blocks = self.fused_blocks(x.rows, x.width);
         self.launch(
             "add_rms_norm",
             None,
             cfg,
             &[
-                ptr(self.buf(x)),
+                ptr(self.buf_mut(x)),
                 ptr(self.buf(y)),
                 ptr(wp),
                 ptr(self.buf(&out)),
                 int(x.width),
                 Arg::F32(eps),
+                ptr(Self::blocks_ptr(&blocks)),
             ],
         );
+        Self::attach_blocks(&mut out, blocks);
         out
     }
 
@@ -1387,7 +1508,7 @@ impl Device for CudaDevice {
             "mul",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(x)), ptr(self.buf(y)), ptr(len as u64)],
+            &[ptr(self.buf_mut(x)), ptr(self.buf(y)), ptr(len as u64)],
         );
     }
 
@@ -1397,7 +1518,7 @@ impl Device for CudaDevice {
             "activate",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(x)), int(activation_code(f)), ptr(len as u64)],
+            &[ptr(self.buf_mut(x)), int(activation_code(f)), ptr(len as u64)],
         );
     }
 
@@ -1407,7 +1528,7 @@ impl Device for CudaDevice {
             "softcap",
             None,
             elementwise_cfg(len),
-            &[ptr(self.buf(x)), Arg::F32(cap), ptr(len as u64)],
+            &[ptr(self.buf_mut(x)), Arg::F32(cap), ptr(len as u64)],
         );
     }
 
@@ -1482,8 +1603,8 @@ impl Device for CudaDevice {
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
         if self.int8_product(w, x) {
-            let xq = self.int8_input(x);
-            return self.product_i8(w, Some(rows), None, &xq);
+            let (xq, _made) = self.int8_input(x);
+            return self.product_i8(w, Some(rows), None, xq);
         }
         let seen = self.activations_for(w.ty, x);
         self.product(w, Some(rows), seen.as_ref().unwrap_or(x))
@@ -1536,10 +1657,10 @@ impl Device for CudaDevice {
             None,
             cfg,
             &[
-                ptr(self.buf(q)),
+                ptr(self.buf_mut(q)),
                 int(q.width),
                 ptr(qn),
-                ptr(self.buf(k)),
+                ptr(self.buf_mut(k)),
                 int(k.width),
                 ptr(kn),
                 int(hd),
@@ -1574,6 +1695,74 @@ impl Device for CudaDevice {
             None,
             cfg,
             &[ptr(self.buf(k)), ptr(self.buf(v)), ptr(info), int(layer), int(k.width)],
+        );
+    }
+
+    fn rope_qk_kv_write(
+        &self,
+        layer: usize,
+        q: &mut Act,
+        k: &mut Act,
+        v: &Act,
+        at: (&[usize], &[usize]),
+        caches: &mut [&mut KvCache],
+        rope: (RopeShape, Option<&[f32]>, Option<&[f32]>, f32),
+    ) {
+        let (positions, seq_of_token) = at;
+        let (shape, q_norm, k_norm, eps) = rope;
+        let hd = shape.head_dim;
+        let fits = hd > 0
+            && q.width.is_multiple_of(hd)
+            && k.width.is_multiple_of(hd)
+            && (v.rows, v.width) == (k.rows, k.width)
+            && q.rows == positions.len()
+            && k.rows == positions.len();
+        if !self.fuse() || !fits || positions.is_empty() {
+            self.rope_qk(q, k, positions, shape, q_norm, k_norm, eps);
+            self.kv_write(layer, k, v, positions, seq_of_token, caches);
+            return;
+        }
+        for c in caches.iter_mut() {
+            self.ensure_kv(c);
+        }
+        let info = self.token_kv(positions, seq_of_token, caches);
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let pp = self.indices(&pos);
+        let style = match shape.style {
+            RopeStyle::AdjacentPairs => 0,
+            RopeStyle::HalfSplit => 1,
+        };
+        let (qn, kn) = (
+            q_norm.map_or(0, |n| self.vector(n)),
+            k_norm.map_or(0, |n| self.vector(n)),
+        );
+        // Query heads, key heads, then as many value heads.
+        let cfg = LaunchConfig {
+            grid_dim: ((q.width / hd + 2 * (k.width / hd)) as u32, positions.len() as u32, 1),
+            block_dim: (rope_threads(hd), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "rope_norm_kv",
+            None,
+            cfg,
+            &[
+                ptr(self.buf_mut(q)),
+                int(q.width),
+                ptr(qn),
+                ptr(self.buf_mut(k)),
+                int(k.width),
+                ptr(kn),
+                int(hd),
+                ptr(pp),
+                Arg::F32(shape.base),
+                Arg::F32(shape.pos_scale),
+                int(style),
+                Arg::F32(eps),
+                ptr(self.buf(v)),
+                ptr(info),
+                int(layer),
+            ],
         );
     }
 
@@ -1653,7 +1842,9 @@ impl CudaDevice {
         Ok((2 * n * 4 * reps) as f64 / t.elapsed().as_secs_f64())
     }
 
-    fn rms_norm_into(&self, x: &Act, w: &[f32], eps: f32, y: &Act) {
+    /// RMSNorm of `x` into `y` (which may be `x`: the caller drops its blocks first), and into
+    /// Q8_K blocks at `blocks` unless 0 ([`Self::fused_blocks`]).
+    fn rms_norm_into(&self, x: &Act, w: &[f32], eps: f32, y: &Act, blocks: u64) {
         if x.rows == 0 {
             return;
         }
@@ -1663,7 +1854,14 @@ impl CudaDevice {
             "rms_norm",
             None,
             cfg,
-            &[ptr(self.buf(x)), ptr(wp), ptr(self.buf(y)), int(x.width), Arg::F32(eps)],
+            &[
+                ptr(self.buf(x)),
+                ptr(wp),
+                ptr(self.buf(y)),
+                int(x.width),
+                Arg::F32(eps),
+                ptr(blocks),
+            ],
         );
     }
 
@@ -1674,12 +1872,12 @@ impl CudaDevice {
         let mut out: Vec<Option<Act>> = ws.iter().map(|_| None).collect();
         let int8: Vec<usize> = (0..ws.len()).filter(|&i| self.int8_product(ws[i], x)).collect();
         if !int8.is_empty() {
-            let xq = self.int8_input(x);
+            let (xq, _made) = self.int8_input(x);
             for ty in INT8_TYPES {
                 let same: Vec<usize> = int8.iter().copied().filter(|&i| ws[i].ty == ty).collect();
                 for group in same.chunks(3) {
                     let items: Vec<(&Weight, Option<&[f32]>)> = group.iter().map(|&i| (ws[i], bias(i))).collect();
-                    for (&i, o) in group.iter().zip(self.products_i8(&items, &xq)) {
+                    for (&i, o) in group.iter().zip(self.products_i8(&items, xq)) {
                         out[i] = Some(o);
                     }
                 }
@@ -1710,7 +1908,7 @@ impl CudaDevice {
 
     /// `x · w[rows]` (all rows when `None`; + `bias` when given) for one token `x` given as
     /// Q8_K blocks ([`CudaDevice::int8_input`]), with integer dot products.
-    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, xq: &Act) -> Act {
+    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, xq: u64) -> Act {
         let rows_out = rows.map_or(w.rows, |r| r.len());
         let out = self.act(1, rows_out);
         if rows_out == 0 {
@@ -1735,7 +1933,7 @@ impl CudaDevice {
                 int(rows_out),
                 ptr(idx),
                 int(w.cols),
-                ptr(self.buf(xq)),
+                ptr(xq),
                 ptr(bp),
                 int(wpr),
                 ptr(self.buf(&out)),
@@ -1746,7 +1944,7 @@ impl CudaDevice {
 
     /// Several weights of one integer-product type (at most three, the same columns) times the
     /// same one-token input in one launch (`matvec_i8x3_*`); one alone as [`Self::product_i8`].
-    fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], xq: &Act) -> Vec<Act> {
+    fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], xq: u64) -> Vec<Act> {
         if let [(w, b)] = items {
             return vec![self.product_i8(w, None, *b, xq)];
         }
@@ -1781,7 +1979,7 @@ impl CudaDevice {
             return outs;
         }
         let mut args = vec![
-            ptr(self.buf(xq)),
+            ptr(xq),
             int(cols),
             int(wpr),
             int(nb[0] as usize),
@@ -1889,6 +2087,15 @@ mod tests {
             e.contains(ACTIVATIONS_ENV) && e.contains("i8:") && e.contains("q8") && e.contains("int8"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn fused_input_blocks_are_on_unless_turned_off() {
+        assert!(fuse_asked(None).unwrap());
+        assert!(fuse_asked(Some("on")).unwrap());
+        assert!(!fuse_asked(Some(" 0")).unwrap());
+        let e = fuse_asked(Some("no")).unwrap_err().to_string();
+        assert!(e.contains("GATESTREAM_CUDA_FUSE=no") && e.contains("or 0"), "{e}");
     }
 
     #[test]
