@@ -21,6 +21,10 @@
 // is returned by the next wait, and every one after (sticky, as on a GPU).
 //
 // Build: tests/cuda_emu/build.sh DIR (gives DIR/libcuda.so.1; point GATESTREAM_LIBCUDA at it).
+//
+// GSEMU_SKIP_KERNELS=1 skips every kernel (launches, captured or not, do nothing; copies and
+// memsets still run): what is left of a run's time is the host's own work — gatestream's and
+// this library's — for timing that alone. Every value a kernel would write is then garbage.
 
 #include "emu.h"
 
@@ -33,6 +37,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <iterator>
 #include <map>
@@ -629,6 +634,11 @@ API CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 // Runs kernel k now (the lock held).
 static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                            unsigned bz, void** params) {
+    static const bool skip = [] {
+        const char* v = std::getenv("GSEMU_SKIP_KERNELS");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    if (skip) return CUDA_SUCCESS;
     unsigned long long threads = (unsigned long long)bx * by * bz;
     gsemu::grid_dim = dim3{gx, gy, gz};
     gsemu::block_dim = dim3{bx, by, bz};

@@ -22,12 +22,11 @@
 //! first launches what is recorded and makes the rest of the segment direct.
 
 use std::any::Any;
-use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
 use cudarc::driver::{sys, CudaGraph, CudaSlice, LaunchConfig};
 
-use super::{Arg, CudaDevice};
+use super::{Arg, CudaDevice, FastMap};
 use crate::error::Result;
 use crate::quant::GgmlType;
 
@@ -112,7 +111,7 @@ impl Op {
                 block,
                 args,
             } => {
-                let mut h = std::collections::hash_map::DefaultHasher::new();
+                let mut h = super::FastHasher::default();
                 (name, ty).hash(&mut h);
                 out.extend([1, h.finish()]);
                 out.extend([grid.0, grid.1, grid.2, block.0, block.1, block.2].map(u64::from));
@@ -141,7 +140,7 @@ impl Signature {
         for op in ops {
             op.words(&mut words);
         }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
+        let mut h = super::FastHasher::default();
         words.hash(&mut h);
         Signature {
             hash: h.finish(),
@@ -184,9 +183,9 @@ pub(super) struct Graphs {
     arena: Option<(CudaSlice<u32>, u64)>,
     arena_used: usize,
     /// The segment's index lists in the arena: words -> device address.
-    arena_lists: HashMap<Vec<u32>, u64>,
-    cache: HashMap<u64, (Signature, Exec)>,
-    seen: HashMap<u64, u32>,
+    arena_lists: FastMap<Vec<u32>, u64>,
+    cache: FastMap<u64, (Signature, Exec)>,
+    seen: FastMap<u64, u32>,
     pub counters: GraphCounters,
     /// Operations after which the recording so far is launched (0: never; [`GRAPH_SPLIT_ENV`]).
     pub split: usize,

@@ -245,13 +245,59 @@ impl Pool {
     }
 }
 
+/// A fast hash for the device's own maps, whose keys come from this process (addresses,
+/// lengths, index lists, the words of a graph's signature; nothing adversarial): a rotate, xor
+/// and multiply per 8 bytes (as rustc's FxHash), against SipHash's rounds — a decode step looks
+/// up weights, vectors and kernels hundreds of times and hashes its whole signature once.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FastHasher(u64);
+
+impl FastHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl std::hash::Hasher for FastHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            self.add(u64::from_le_bytes(w.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut w = [0u8; 8];
+            w[..rest.len()].copy_from_slice(rest);
+            self.add(u64::from_le_bytes(w));
+        }
+    }
+    fn write_u8(&mut self, v: u8) {
+        self.add(u64::from(v));
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.add(u64::from(v));
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.add(v);
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.add(v as u64);
+    }
+}
+
+/// A map hashed with [`FastHasher`].
+pub(crate) type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+
 /// Free buffers by length, and their bytes in all.
-type FreeLists = (HashMap<usize, Vec<CudaSlice<f32>>>, usize);
+type FreeLists = (FastMap<usize, Vec<CudaSlice<f32>>>, usize);
 /// Host vectors (norms, biases) on the device, by host address and length: the contents copied
 /// (to notice a change), the device slice and its address.
-type VectorCache = HashMap<(usize, usize), (Vec<f32>, CudaSlice<f32>, u64)>;
+type VectorCache = FastMap<(usize, usize), (Vec<f32>, CudaSlice<f32>, u64)>;
 /// Index lists uploaded once: the device slice and its address.
-type IndexCache = HashMap<Vec<u32>, (CudaSlice<u32>, u64)>;
+type IndexCache = FastMap<Vec<u32>, (CudaSlice<u32>, u64)>;
 
 /// An activation's device buffer; dropping it returns the memory to the pool. Work already
 /// queued on the device's one stream that reads it runs before any later reuse.
@@ -310,9 +356,9 @@ struct DevKv {
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    kernels: HashMap<KernelKey, CudaFunction>,
+    kernels: FastMap<KernelKey, CudaFunction>,
     label: String,
-    weights: Mutex<HashMap<(usize, usize, usize), DevWeight>>,
+    weights: Mutex<FastMap<(usize, usize, usize), DevWeight>>,
     vectors: Mutex<VectorCache>,
     indices: Mutex<IndexCache>,
     pool: Arc<Pool>,
@@ -536,7 +582,7 @@ impl CudaDevice {
             }
             Err(e) => return Err(driver_err("loading the kernels")(e)),
         };
-        let mut kernels = HashMap::new();
+        let mut kernels = FastMap::default();
         for (key, name) in kernel_keys() {
             let f = module
                 .load_function(&name)
@@ -569,9 +615,9 @@ impl CudaDevice {
             ctx,
             stream,
             kernels,
-            weights: Mutex::new(HashMap::new()),
-            vectors: Mutex::new(HashMap::new()),
-            indices: Mutex::new(HashMap::new()),
+            weights: Mutex::new(FastMap::default()),
+            vectors: Mutex::new(FastMap::default()),
+            indices: Mutex::new(FastMap::default()),
             pool: Arc::new(Pool::default()),
             error,
             uploads: Arc::new(uploads),
@@ -1089,7 +1135,8 @@ impl CudaDevice {
         let key = (v.as_ptr() as usize, v.len());
         let mut cache = self.vectors.lock().expect("vectors");
         if let Some((host, _, ptr)) = cache.get(&key) {
-            if host.iter().map(|x| x.to_bits()).eq(v.iter().map(|x| x.to_bits())) {
+            // Compared as bytes (one memcmp): a decode step asks for every norm and bias again.
+            if f32_bytes(host) == f32_bytes(v) {
                 return *ptr;
             }
         }
@@ -1200,6 +1247,12 @@ fn activation_code(f: FfnActivation) -> usize {
         FfnActivation::Silu => 0,
         FfnActivation::GeluTanh => 1,
     }
+}
+
+/// The bytes of `v` (an f32's bits, in memory order).
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte of an f32 is initialized; u8 needs no alignment.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 fn int(v: usize) -> Arg {
