@@ -1685,45 +1685,10 @@ impl Device for CudaDevice {
         k_norm: Option<&[f32]>,
         eps: f32,
     ) {
-        let hd = shape.head_dim;
-        if positions.is_empty() || hd == 0 {
+        if positions.is_empty() || shape.head_dim == 0 {
             return;
         }
-        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let pp = self.indices(&pos);
-        let style = match shape.style {
-            RopeStyle::AdjacentPairs => 0,
-            RopeStyle::HalfSplit => 1,
-        };
-        // Queries and keys in one launch.
-        let (qn, kn) = (
-            q_norm.map_or(0, |n| self.vector(n)),
-            k_norm.map_or(0, |n| self.vector(n)),
-        );
-        let cfg = LaunchConfig {
-            grid_dim: ((q.width / hd + k.width / hd) as u32, positions.len() as u32, 1),
-            block_dim: (rope_threads(hd), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(
-            "rope_norm",
-            None,
-            cfg,
-            &[
-                ptr(self.buf_mut(q)),
-                int(q.width),
-                ptr(qn),
-                ptr(self.buf_mut(k)),
-                int(k.width),
-                ptr(kn),
-                int(hd),
-                ptr(pp),
-                Arg::F32(shape.base),
-                Arg::F32(shape.pos_scale),
-                int(style),
-                Arg::F32(eps),
-            ],
-        );
+        self.launch_rope(q, k, positions, (shape, q_norm, k_norm, eps), None);
     }
 
     fn kv_write(
@@ -1779,44 +1744,7 @@ impl Device for CudaDevice {
             self.ensure_kv(c);
         }
         let info = self.token_kv(positions, seq_of_token, caches);
-        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let pp = self.indices(&pos);
-        let style = match shape.style {
-            RopeStyle::AdjacentPairs => 0,
-            RopeStyle::HalfSplit => 1,
-        };
-        let (qn, kn) = (
-            q_norm.map_or(0, |n| self.vector(n)),
-            k_norm.map_or(0, |n| self.vector(n)),
-        );
-        // Query heads, key heads, then as many value heads.
-        let cfg = LaunchConfig {
-            grid_dim: ((q.width / hd + 2 * (k.width / hd)) as u32, positions.len() as u32, 1),
-            block_dim: (rope_threads(hd), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(
-            "rope_norm_kv",
-            None,
-            cfg,
-            &[
-                ptr(self.buf_mut(q)),
-                int(q.width),
-                ptr(qn),
-                ptr(self.buf_mut(k)),
-                int(k.width),
-                ptr(kn),
-                int(hd),
-                ptr(pp),
-                Arg::F32(shape.base),
-                Arg::F32(shape.pos_scale),
-                int(style),
-                Arg::F32(eps),
-                ptr(self.buf(v)),
-                ptr(info),
-                int(layer),
-            ],
-        );
+        self.launch_rope(q, k, positions, rope, Some((v, info, layer)));
     }
 
     fn attention(
@@ -1893,6 +1821,64 @@ impl CudaDevice {
         }
         self.stream.synchronize().map_err(driver_err("synchronizing"))?;
         Ok((2 * n * 4 * reps) as f64 / t.elapsed().as_secs_f64())
+    }
+
+    /// Queries and keys (`rope`: shape, per-head norms, eps) in one launch: `rope_norm`; with
+    /// `kv` (the values, the tokens' KV words from [`Self::token_kv`], the layer) `rope_norm_kv`,
+    /// which also writes the rotated keys and the values into the KV cache.
+    fn launch_rope(
+        &self,
+        q: &mut Act,
+        k: &mut Act,
+        positions: &[usize],
+        rope: (RopeShape, Option<&[f32]>, Option<&[f32]>, f32),
+        kv: Option<(&Act, u64, usize)>,
+    ) {
+        let (shape, q_norm, k_norm, eps) = rope;
+        let hd = shape.head_dim;
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let pp = self.indices(&pos);
+        let style = match shape.style {
+            RopeStyle::AdjacentPairs => 0,
+            RopeStyle::HalfSplit => 1,
+        };
+        let (qn, kn) = (
+            q_norm.map_or(0, |n| self.vector(n)),
+            k_norm.map_or(0, |n| self.vector(n)),
+        );
+        // Query heads, key heads, then (writing the cache) as many value heads.
+        let value_heads = kv.map_or(0, |_| k.width / hd);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (q.width / hd + k.width / hd + value_heads) as u32,
+                positions.len() as u32,
+                1,
+            ),
+            block_dim: (rope_threads(hd), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = vec![
+            ptr(self.buf_mut(q)),
+            int(q.width),
+            ptr(qn),
+            ptr(self.buf_mut(k)),
+            int(k.width),
+            ptr(kn),
+            int(hd),
+            ptr(pp),
+            Arg::F32(shape.base),
+            Arg::F32(shape.pos_scale),
+            int(style),
+            Arg::F32(eps),
+        ];
+        let name = match kv {
+            Some((v, info, layer)) => {
+                args.extend([ptr(self.buf(v)), ptr(info), int(layer)]);
+                "rope_norm_kv"
+            }
+            None => "rope_norm",
+        };
+        self.launch(name, None, cfg, &args);
     }
 
     /// RMSNorm of `x` into `y` (which may be `x`: the caller drops its blocks first), and into
