@@ -15,7 +15,9 @@ cd "$(dirname "$0")/.."
 dir=${1:-gpucarry}
 shared=../shared
 [ -d "$shared/data/stories260K" ] || { echo "gpu-carry: $shared/data/stories260K not found" >&2; exit 1; }
-grep -qx "$dir/" .git/info/exclude 2>/dev/null || echo "$dir/" >> .git/info/exclude
+exclude="$(git rev-parse --git-dir)/info/exclude"
+mkdir -p "$(dirname "$exclude")"
+grep -qx "$dir/" "$exclude" 2>/dev/null || echo "$dir/" >> "$exclude"
 cargo build --release --features cuda
 suite=$(cargo test --release --features cuda --test gpu_cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
