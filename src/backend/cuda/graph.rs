@@ -239,16 +239,8 @@ impl CudaDevice {
 
     /// Launches the recording so far (a part of the segment, [`GRAPH_SPLIT_ENV`]); the segment
     /// goes on recording, its index lists where they are in the arena.
-    pub(super) fn launch_part(&self, mut g: std::sync::MutexGuard<'_, Graphs>) {
-        let ops = std::mem::take(&mut g.ops);
-        let keep = std::mem::take(&mut g.keep);
-        if !ops.is_empty() && !self.failed() {
-            self.launch_segment(&mut g, ops);
-        }
-        drop(g);
-        // Stream-ordered after the launches above.
-        drop(keep);
-        self.pool.release_held();
+    pub(super) fn launch_part(&self, g: std::sync::MutexGuard<'_, Graphs>) {
+        self.launch_recorded(g);
     }
 
     /// What graphs did so far (launches the recorded segment first, so the figures are whole).
@@ -306,8 +298,6 @@ impl CudaDevice {
         if !g.enabled {
             return;
         }
-        let ops = std::mem::take(&mut g.ops);
-        let keep = std::mem::take(&mut g.keep);
         if end {
             g.direct = false;
             g.arena_used = 0;
@@ -316,6 +306,14 @@ impl CudaDevice {
             g.direct = true;
             g.counters.left_recording += 1;
         }
+        self.launch_recorded(g);
+    }
+
+    /// Launches the recorded operations and lets go of what they needed kept; if the driver
+    /// would not capture them (graphs then off), the pool stops holding freed buffers.
+    fn launch_recorded(&self, mut g: std::sync::MutexGuard<'_, Graphs>) {
+        let ops = std::mem::take(&mut g.ops);
+        let keep = std::mem::take(&mut g.keep);
         if !ops.is_empty() && !self.failed() {
             self.launch_segment(&mut g, ops);
         }

@@ -682,7 +682,7 @@ impl CudaDevice {
             ..
         }) = &x.data
         {
-            if *shape == (x.rows, x.width) && x.rows == 1 {
+            if *shape == (x.rows, x.width) {
                 return (b.ptr, None);
             }
         }
@@ -1462,7 +1462,7 @@ impl Device for CudaDevice {
     }
 
     fn rms_norm_in_place(&self, x: &mut Act, w: &[f32], eps: f32) {
-        self.buf_mut(x);
+        // The blocks `x` had are replaced below (by new ones or none).
         let blocks = self.fused_blocks(x.rows, x.width);
         self.rms_norm_into(&*x, w, eps, &*x, Self::blocks_ptr(&blocks));
         Self::attach_blocks(x, blocks);
@@ -1857,7 +1857,8 @@ impl CudaDevice {
             block_dim: (rope_threads(hd), 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut args = vec![
+        let (v, info, layer) = kv.map_or((0, 0, 0), |(v, info, layer)| (self.buf(v), info, layer));
+        let args = [
             ptr(self.buf_mut(q)),
             int(q.width),
             ptr(qn),
@@ -1870,15 +1871,15 @@ impl CudaDevice {
             Arg::F32(shape.pos_scale),
             int(style),
             Arg::F32(eps),
+            ptr(v),
+            ptr(info),
+            int(layer),
         ];
-        let name = match kv {
-            Some((v, info, layer)) => {
-                args.extend([ptr(self.buf(v)), ptr(info), int(layer)]);
-                "rope_norm_kv"
-            }
-            None => "rope_norm",
-        };
-        self.launch(name, None, cfg, &args);
+        // `rope_norm` takes the first 12 parameters.
+        match kv {
+            Some(_) => self.launch("rope_norm_kv", None, cfg, &args),
+            None => self.launch("rope_norm", None, cfg, &args[..12]),
+        }
     }
 
     /// RMSNorm of `x` into `y` (which may be `x`: the caller drops its blocks first), and into
