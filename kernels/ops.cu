@@ -145,6 +145,56 @@ extern "C" __global__ void gather_cols(const float* x, const u32* cols, int m, i
     out[t * m + i] = x[t * width + cols[i]];
 }
 
+// (bv, bi) takes (v, i) when v is larger, or equal with a lower index: the first largest wins,
+// -0 and +0 are equal, and a NaN never wins (every comparison with it is false).
+__device__ __forceinline__ void argmax_take(float& bv, u32& bi, float v, u32 i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+// Each row's greedy token, as sampler::argmax finds it after generation's stop-token ban: the
+// index of the row's largest value, the lowest index winning ties, NaN never chosen (a NaN first
+// value: 0), the `n_banned` ids of `banned` counted as -inf. out[row] = the index. grid.x = row,
+// blockDim.x a multiple of 32 (at most 1024). The reduction's order is fixed and its rule picks
+// one answer whatever the order, so the result does not depend on scheduling.
+extern "C" __global__ void argmax_rows(const float* x, int width, const u32* banned, int n_banned, u32* out) {
+    const float* xr = x + (u64)blockIdx.x * width;
+    const float neg_inf = __int_as_float((int)0xff800000u);
+    float bv = neg_inf;
+    u32 bi = 0xffffffffu;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        float v = xr[i];
+        for (int k = 0; k < n_banned; k++)
+            if (banned[k] == (u32)i) v = neg_inf;
+        argmax_take(bv, bi, v, (u32)i);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        argmax_take(bv, bi, ov, oi);
+    }
+    __shared__ float part_v[32];
+    __shared__ u32 part_i[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        part_v[warp] = bv;
+        part_i[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) argmax_take(bv, bi, part_v[w], part_i[w]);
+    bool first_banned = false;
+    for (int k = 0; k < n_banned; k++) first_banned |= banned[k] == 0u;
+    float first = width > 0 ? xr[0] : 0.f;
+    // A NaN first value (not banned) is the answer, as a scan that starts with it keeps it; no
+    // value at all that can win (every one NaN): 0 as well.
+    if ((!first_banned && first != first) || bi == 0xffffffffu) bi = 0;
+    out[blockIdx.x] = bi;
+}
+
 // Per-head RMSNorm (when `norm` is given), then RoPE at `position`, of the head at `v` (hd wide),
 // by a block of hd/2 threads rounded up to a warp, every one of which calls it. Angles in f64
 // as on the CPU (ops::rope_table). style 0: adjacent pairs, 1: halves.

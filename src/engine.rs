@@ -15,7 +15,7 @@
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::Batch;
+use crate::model::batch::{Batch, Want};
 use crate::model::forward::{FfnMask, LayerStream, Passes};
 use crate::model::generate::{lookup_draft, take_token, walk_rows, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
 use crate::model::sampler::{Sampler, SamplerConfig};
@@ -300,13 +300,24 @@ impl<'m> Engine<'m> {
             cancel: None,
         }
         .hooks(self.mask, None);
+        // When every sequence sampled from this pass is greedy and asks for no log-probabilities,
+        // each row's argmax is all it needs: the device finds them (see `Want::Greedy`).
+        let greedy = rows.iter().all(|&(i, _)| {
+            let s = &self.seqs[i];
+            s.sampler.is_greedy() && !s.logprobs && s.top_logprobs == 0
+        });
+        let want = if greedy {
+            Want::Greedy { banned: &[] }
+        } else {
+            Want::Logits
+        };
         let logits = {
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
             let mut by_index: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
             for &i in &members {
                 caches.push(&mut by_index[i].take().expect("one slot per sequence").cache);
             }
-            self.model.forward_batch(&batch, &mut caches, &hooks)?
+            self.model.forward_batch_want(&batch, &mut caches, &hooks, want)?
         };
         // Prompt tokens fed.
         for (slot, &i) in members.iter().enumerate() {
@@ -322,7 +333,7 @@ impl<'m> Engine<'m> {
         let mut ended = Vec::new();
         for &(i, r0) in &rows {
             let s = &mut self.seqs[i];
-            let pass_rows = &logits[r0 * vocab..(r0 + 1 + s.drafts.len()) * vocab];
+            let pass_rows = logits.rows(r0, 1 + s.drafts.len(), vocab);
             let mut end = None;
             let (kept, next) = walk_rows(&mut s.sampler, pass_rows, vocab, &s.drafts, &mut |t, row| {
                 let Some((text, logprob)) = take_token(tokenizer, &mut s.decoder, row, t, s.logprobs) else {

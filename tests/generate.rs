@@ -264,6 +264,96 @@ fn ignore_eos_goes_on_past_the_end_of_sequence_token() {
     assert!(g.tokens.iter().all(|&t| !m.tokenizer.is_stop(t)), "{:?}", g.tokens);
 }
 
+/// Greedy decoding without log-probabilities asks the device for each row's token, not its
+/// logits: on a device with memory of its own (the host stand-in, which counts what comes back)
+/// 4 bytes a row come to the host instead of a vocabulary of floats, and the tokens are those
+/// sampled from the logits (asking for log-probabilities brings the logits) — with the stop
+/// tokens banned (`ignore_eos`) and with drafts to verify (prompt lookup: several rows a pass).
+/// The engine asks for tokens when every sequence of a step is greedy without log-probabilities.
+#[test]
+fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
+    use gatestream::backend::standin::HostStandIn;
+    use gatestream::backend::Device;
+    use std::sync::Arc;
+    let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let dev = Arc::new(HostStandIn::new(0));
+    let m = Model::load_on(&path, &LoadOptions::default(), dev.clone()).unwrap();
+    let vocab = m.config.vocab as u64;
+    // The chat answer ends at the end-of-turn token, which `ignore_eos` then bans.
+    let ids = m.prompt_ids("What is the capital of France?", true).unwrap();
+    for (ignore_eos, lookup) in [(false, 0), (true, 0), (true, 3)] {
+        let what = format!("ignore_eos {ignore_eos}, lookup {lookup}");
+        let opts = GenerateOptions {
+            ignore_eos,
+            lookup,
+            ..greedy(24)
+        };
+        let run = |logprobs: bool| {
+            let before = dev.link().unwrap().to_host_bytes;
+            let g = m
+                .generate_ids(
+                    &ids,
+                    &GenerateOptions {
+                        logprobs,
+                        ..opts.clone()
+                    },
+                    None,
+                    None,
+                    None,
+                    &mut |_| {},
+                )
+                .unwrap();
+            let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
+            (g, rows as u64, dev.link().unwrap().to_host_bytes - before)
+        };
+        let (tokens, rows, back) = run(false);
+        let (logits, logit_rows, logits_back) = run(true);
+        assert_eq!(tokens.tokens, logits.tokens, "{what}");
+        assert_eq!(back, 4 * rows, "{what}: {rows} rows");
+        assert_eq!(logits_back, 4 * vocab * logit_rows, "{what}: {logit_rows} rows");
+        if ignore_eos {
+            assert_eq!(tokens.tokens.len(), 24, "{what}");
+            assert!(tokens.tokens.iter().all(|&t| !m.tokenizer.is_stop(t)), "{what}");
+        } else {
+            assert_eq!(tokens.finish, Finish::StopToken, "{what}: {:?}", tokens.tokens);
+        }
+        if lookup > 0 {
+            let sp = tokens.speculative.as_ref().unwrap();
+            assert!(sp.drafted > 0, "{what}: {sp:?}");
+        }
+    }
+    // The engine: a step whose sequences are all greedy without log-probabilities brings back
+    // 4 bytes a row, one with a sequence asking for them the step's logits; the tokens each
+    // request gets alone either way.
+    let prompts = ["The capital of France is", "Once upon a time"].map(|p| m.prompt_ids(p, false).unwrap());
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            m.generate_ids(p, &greedy(6), None, None, None, &mut |_| {})
+                .unwrap()
+                .tokens
+        })
+        .collect();
+    for logprobs_of_one in [false, true] {
+        let mut engine = gatestream::engine::Engine::new(&m, None, 16);
+        let reqs = prompts.iter().enumerate().map(|(i, p)| gatestream::engine::Request {
+            prompt_ids: p.clone(),
+            max_tokens: 6,
+            sampler: greedy(0).sampler,
+            logprobs: logprobs_of_one && i == 1,
+            ..Default::default()
+        });
+        let before = dev.link().unwrap().to_host_bytes;
+        let (got, _) = run_engine(&mut engine, reqs, &mut |_, _| {});
+        let back = dev.link().unwrap().to_host_bytes - before;
+        assert_eq!(got, alone, "logprobs of one: {logprobs_of_one}");
+        // No stop token came: one row a token.
+        let rows = got.iter().map(|t| t.len() as u64).sum::<u64>();
+        let per_row = if logprobs_of_one { 4 * vocab } else { 4 };
+        assert_eq!(back, per_row * rows, "logprobs of one: {logprobs_of_one}");
+    }
+}
+
 /// Every token comes with its log-probability; cancelling stops between passes, keeping what
 /// was generated.
 #[test]

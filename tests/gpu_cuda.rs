@@ -32,7 +32,7 @@ use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, LinkCounters};
 use gatestream::gguf::MetaValue;
 use gatestream::kv::KvCache;
-use gatestream::model::batch::Logits;
+use gatestream::model::batch::{Logits, Want};
 use gatestream::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
 use gatestream::model::sampler::argmax;
 use gatestream::model::weights::FfnDown;
@@ -54,9 +54,10 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 28] = [
+    let checks: [(&str, Check); 29] = [
         ("kernels_per_type", kernels_per_type),
         ("fused_q8_blocks", fused_q8_blocks),
+        ("argmax_rows", argmax_rows),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
             graphs_replay(d, r, &common::stories_dir(), "stories260k_graphs", 0)
@@ -251,6 +252,110 @@ fn kernels_per_type(
     let r = kernels_of_each_type(dev, report);
     dev.set_activations(was);
     r
+}
+
+/// The device's greedy tokens (`Device::argmax_rows`) against the host's
+/// (`sampler::argmax_banned`) on rows made to catch a reduction's mistakes — ties (the first
+/// wins, within and across threads and warps), -0 and +0, NaN first and anywhere, infinities,
+/// every value -inf or NaN — with banned ids (none, the largest, id 0 with one past the row,
+/// a run of ten), widths from 1 to a vocabulary; then greedy generation on stories260K (the
+/// stop token banned, prompt lookup on and off): the CPU's tokens, 4 bytes a row back.
+fn argmax_rows(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::model::sampler::argmax_banned;
+    let mut rng = Rng(0x5DEE_CE66_D1CE_4E5B);
+    let (mut rows_checked, mut failures) = (0usize, Vec::new());
+    for width in [1usize, 31, 32, 33, 1000, 1025, 4096, 151_936] {
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        for kind in 0..10u64 {
+            let row: Vec<f32> = (0..width)
+                .map(|i| {
+                    let r = rng.next();
+                    match (kind, r % 61) {
+                        (1, _) => (r % 4) as f32,
+                        (2, 0) => f32::NAN,
+                        (3, 0) => f32::INFINITY,
+                        (4, _) => f32::NEG_INFINITY,
+                        (5, _) => f32::NAN,
+                        (6, _) if i == 0 => f32::NAN,
+                        (7, _) => [0.0, -0.0][(r >> 7) as usize % 2],
+                        (8, _) => i as f32,
+                        (9, _) => -((r % 3) as f32),
+                        _ => rng.normalish(),
+                    }
+                })
+                .collect();
+            rows.push(row);
+        }
+        let values: Vec<f32> = rows.concat();
+        let x = dev.upload(rows.len(), width, values);
+        let top = argmax(&rows[0]);
+        let run: Vec<u32> = (0..10).map(|i| (i * 7 % width.max(1)) as u32).collect();
+        for banned in [vec![], vec![top], vec![0, width as u32], run] {
+            let got = dev.argmax_rows(&x, &banned);
+            let want: Vec<u32> = rows.iter().map(|r| argmax_banned(r, &banned)).collect();
+            rows_checked += rows.len();
+            if got != want {
+                failures.push(format!("width {width}, banned {banned:?}: cuda {got:?}, host {want:?}"));
+            }
+        }
+    }
+    if let Some(e) = dev.take_error() {
+        return Err(e.to_string());
+    }
+    // Greedy generation through `Want::Greedy` on both devices.
+    let path = common::stories_dir();
+    let (cpu, gpu) = (load(&path, Arc::new(CpuBackend::new(0)))?, load(&path, dev.clone())?);
+    // A prompt that repeats itself, so prompt lookup finds drafts in it.
+    let ids = cpu
+        .prompt_ids(
+            "Once upon a time there was a little girl. Once upon a time there was a little girl. Once upon a time",
+            false,
+        )
+        .map_err(|e| e.to_string())?;
+    let mut generations = Vec::new();
+    for lookup in [0, 3] {
+        let opts = gatestream::model::generate::GenerateOptions {
+            ignore_eos: true,
+            lookup,
+            ..common::greedy(24)
+        };
+        let gen = |m: &Model| m.generate_ids(&ids, &opts, None, None, None, &mut |_| {});
+        let want = gen(&cpu).map_err(|e| e.to_string())?;
+        let before = dev.link().unwrap_or_default().to_host_bytes;
+        let got = gen(&gpu).map_err(|e| e.to_string())?;
+        let back = dev.link().unwrap_or_default().to_host_bytes - before;
+        let rows = 1 + got
+            .speculative
+            .as_ref()
+            .map_or(got.decode_tokens, |s| s.passes + s.drafted);
+        let drafted = got.speculative.as_ref().map_or(0, |s| s.drafted);
+        if got.tokens != want.tokens || back != 4 * rows as u64 || (lookup > 0) != (drafted > 0) {
+            failures.push(format!(
+                "stories260K, lookup {lookup}: cuda {:?}, cpu {:?}; {back} bytes back for {rows} rows; {drafted} drafted",
+                got.tokens, want.tokens
+            ));
+        }
+        generations.push(format!(
+            "lookup {lookup}: {} tokens, {drafted} drafted, {rows} rows, {back} bytes back",
+            got.tokens.len()
+        ));
+    }
+    report.insert(
+        "argmax_rows".into(),
+        serde_json::json!({"rows_checked": rows_checked, "failures": failures.len()}),
+    );
+    if failures.is_empty() {
+        Ok(format!(
+            "  argmax_rows: {rows_checked} rows (widths 1 to 151,936) the host's tokens; stories260K greedy (stop \
+             token banned) the CPU's tokens, {}",
+            generations.join("; ")
+        ))
+    } else {
+        Err(failures.join("\n"))
+    }
 }
 
 /// The integer products' input blocks a norm or gated activation writes beside its output
@@ -1447,7 +1552,8 @@ fn bytes_per_token(m: &Model) -> u64 {
 }
 
 /// Decode tokens per second over `steps` single-token passes (through `stream` when given),
-/// after an 8-token prompt and 3 warm-up steps.
+/// after an 8-token prompt and 3 warm-up steps; each pass hands back its greedy token, as `run`
+/// asks when greedy (`Want::Greedy`: the argmax found on the device).
 fn decode_rate(m: &Model, stream: Option<&dyn LayerStream>, steps: usize) -> Result<f64, String> {
     Ok(masked_decode(m, stream, None, steps, &|| 0)?.0)
 }
@@ -1462,10 +1568,23 @@ fn masked_decode(
     steps: usize,
     mapped: &dyn Fn() -> u64,
 ) -> Result<(f64, LinkCounters, u64), String> {
+    masked_decode_as(m, stream, mask, steps, mapped, Want::Greedy { banned: &[] })
+}
+
+/// As [`masked_decode`], each pass handing back what `want` asks (`Want::Logits`: the logits
+/// copied to the host every step, as sampling at a temperature needs).
+fn masked_decode_as(
+    m: &Model,
+    stream: Option<&dyn LayerStream>,
+    mask: Option<&dyn FfnMask>,
+    steps: usize,
+    mapped: &dyn Fn() -> u64,
+    want: Want,
+) -> Result<(f64, LinkCounters, u64), String> {
     let mut c = KvCache::new(&m.config, steps + 16);
     let h = masked_hooks(stream, mask);
     let mut pass = |tokens: &[u32]| {
-        m.forward_with(tokens, &mut c, Logits::Last, &h)
+        m.forward_want(tokens, &mut c, Logits::Last, &h, want)
             .map(drop)
             .map_err(|e| e.to_string())
     };
@@ -1505,6 +1624,8 @@ fn qwen_speed(
         r
     };
     let gpu_rate = rate_with(Activations::Auto, true, 1)?;
+    // The defaults with the logits copied to the host every step instead of the token.
+    let logits_rate = masked_decode_as(&gpu, None, None, 128, &|| 0, Want::Logits)?.0;
     let gpu_auto_no_graphs = rate_with(Activations::Auto, false, 1)?;
     let gpu_f32_rate = rate_with(Activations::F32, false, 1)?;
     let gpu_f32_graphs = rate_with(Activations::F32, true, 1)?;
@@ -1534,7 +1655,8 @@ fn qwen_speed(
     let cpu = load(&path, Arc::new(CpuBackend::new(0)))?;
     let cpu_rate = decode_rate(&cpu, None, 8)?;
     let msg = format!(
-        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s (the defaults: integer products of K-quants, graphs; \
+        "  qwen-shaped decode: cuda {gpu_rate:.1} tok/s (the defaults: integer products of K-quants, graphs, \
+         the greedy token found on the GPU; {logits_rate:.1} with the logits copied to the host instead; \
          {gpu_auto_no_graphs:.1} without graphs; f32 activations {gpu_f32_rate:.1}, {gpu_f32_graphs:.1} with graphs; \
          8-bit activations {gpu_q8_rate:.1}; int8 everywhere {gpu_int8_rate:.1}; f32 with 2 rows per warp {:.1}, with 4 {:.1}; \
          the defaults without fused input blocks {unfused:.1}, with graphs launched every N operations {}; \
@@ -1556,7 +1678,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_unfused_tok_s": unfused, "cuda_graph_split_tok_s": by_split, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_logits_to_host_tok_s": logits_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_unfused_tok_s": unfused, "cuda_graph_split_tok_s": by_split, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }

@@ -161,6 +161,9 @@ pub struct LinkCounters {
     /// Time in those copies, nanoseconds: host time of synchronous copies, plus the device time
     /// (between events) of the staged, asynchronous ones.
     pub copy_ns: u64,
+    /// Bytes copied the other way, device to host: a pass's logits (or a greedy pass's tokens,
+    /// 4 bytes a row: [`Device::argmax_rows`]), the gate's scores a mask picks neurons from.
+    pub to_host_bytes: u64,
 }
 
 impl LinkCounters {
@@ -172,6 +175,7 @@ impl LinkCounters {
             staged_bytes: self.staged_bytes - o.staged_bytes,
             pinned_bytes: self.pinned_bytes - o.pinned_bytes,
             copy_ns: self.copy_ns - o.copy_ns,
+            to_host_bytes: self.to_host_bytes - o.to_host_bytes,
         }
     }
 }
@@ -434,6 +438,15 @@ pub trait Device: Send + Sync {
     }
     /// `x = cap * tanh(x / cap)`.
     fn softcap(&self, x: &mut Act, cap: f32);
+    /// Each row's greedy token ([`crate::model::sampler::argmax`], the `banned` ids counted as
+    /// -inf): a sync point, as `to_host`, that brings 4 bytes a row to the host instead of the
+    /// row (a vocabulary of logits) when the device is a GPU.
+    fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
+        let (values, w) = (self.to_host(x), x.width);
+        (0..x.rows)
+            .map(|r| crate::model::sampler::argmax_banned(&values[r * w..(r + 1) * w], banned))
+            .collect()
+    }
     /// The listed rows, in order.
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act;
     /// `[n, m]` values into columns `cols` of a zero `[n, width]`.

@@ -80,6 +80,8 @@ pub struct HostStandIn {
     resident_bytes: AtomicU64,
     volatile_bytes: AtomicU64,
     volatile_copies: AtomicU64,
+    /// Bytes brought to the host (`to_host`, `download`, `argmax_rows`'s tokens).
+    to_host_bytes: AtomicU64,
     /// Volatile copies made, by weight name.
     volatile_uses: Mutex<HashMap<String, u64>>,
     /// Uses of weights read in place from mapped memory (`in_place`), by weight name.
@@ -101,6 +103,7 @@ impl HostStandIn {
             resident_bytes: AtomicU64::new(0),
             volatile_bytes: AtomicU64::new(0),
             volatile_copies: AtomicU64::new(0),
+            to_host_bytes: AtomicU64::new(0),
             volatile_uses: Mutex::new(HashMap::new()),
             in_place_uses: Mutex::new(HashMap::new()),
         }
@@ -429,6 +432,7 @@ impl Device for HostStandIn {
             staged_bytes: u.sent_bytes,
             pinned_bytes: u.sent_bytes + self.pinned_copied.load(Ordering::Relaxed),
             copy_ns: 0,
+            to_host_bytes: self.to_host_bytes.load(Ordering::Relaxed),
         })
     }
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
@@ -441,10 +445,19 @@ impl Device for HostStandIn {
         self.cpu.copy(x)
     }
     fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]> {
+        self.to_host_bytes
+            .fetch_add((a.rows * a.width * 4) as u64, Ordering::Relaxed);
         self.cpu.to_host(a)
     }
     fn download(&self, a: Act) -> Vec<f32> {
+        self.to_host_bytes
+            .fetch_add((a.rows * a.width * 4) as u64, Ordering::Relaxed);
         self.cpu.download(a)
+    }
+    fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
+        // As a GPU: the tokens, not the rows, come to the host.
+        self.to_host_bytes.fetch_add((x.rows * 4) as u64, Ordering::Relaxed);
+        self.cpu.argmax_rows(x, banned)
     }
     fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
         self.cpu.embed(&self.on_device(w), ids, scale)

@@ -17,6 +17,66 @@ pub enum Logits {
     From(usize),
 }
 
+/// What a pass hands back for its logit rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want<'a> {
+    /// The logits, `[rows, vocab]`.
+    Logits,
+    /// Each row's greedy token ([`crate::model::sampler::argmax`], the `banned` ids counted as
+    /// -inf), found where the logits are: from a GPU, 4 bytes a row come to the host instead of
+    /// a vocabulary of logits.
+    Greedy { banned: &'a [u32] },
+}
+
+/// A pass's result, as its [`Want`] asked.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PassOut {
+    /// `[rows, vocab]`.
+    Logits(Vec<f32>),
+    /// One token a row.
+    Tokens(Vec<u32>),
+}
+
+/// `n` rows of a pass's result from row `first` on (see [`PassOut::rows`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Rows<'a> {
+    Logits(&'a [f32]),
+    Tokens(&'a [u32]),
+}
+
+impl PassOut {
+    /// The empty result `want` asks for (a pass with no logit rows).
+    pub fn empty(want: Want) -> PassOut {
+        match want {
+            Want::Logits => PassOut::Logits(Vec::new()),
+            Want::Greedy { .. } => PassOut::Tokens(Vec::new()),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        match self {
+            PassOut::Logits(l) => l.is_empty(),
+            PassOut::Tokens(t) => t.is_empty(),
+        }
+    }
+
+    /// The logits; a pass that was asked for logits returns them.
+    pub fn into_logits(self) -> Vec<f32> {
+        match self {
+            PassOut::Logits(l) => l,
+            PassOut::Tokens(_) => unreachable!("a pass asked for logits returns logits"),
+        }
+    }
+
+    /// Rows `first..first + n` (rows of `vocab` logits, or tokens).
+    pub fn rows(&self, first: usize, n: usize, vocab: usize) -> Rows<'_> {
+        match self {
+            PassOut::Logits(l) => Rows::Logits(&l[first * vocab..(first + n) * vocab]),
+            PassOut::Tokens(t) => Rows::Tokens(&t[first..first + n]),
+        }
+    }
+}
+
 /// Tokens of a forward pass (see the module docs).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Batch {

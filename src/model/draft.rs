@@ -13,8 +13,8 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::Logits;
-use crate::model::sampler::argmax;
+use crate::model::batch::{Logits, PassOut, Want};
+use crate::model::forward::FfnHooks;
 use crate::model::Model;
 
 /// A draft model and its state between passes.
@@ -109,12 +109,21 @@ impl Drafter {
             return Ok(Vec::new());
         }
         let k = k.min(st.cache.capacity + 1 - context.len());
-        let vocab = self.model.config.vocab;
-        let mut logits = self.model.forward(&context[keep..], &mut st.cache, Logits::Last)?;
+        // Each draft is the argmax, found by the draft's device (see `Want::Greedy`).
+        let greedy = |tokens: &[u32], cache: &mut KvCache| -> Result<u32> {
+            let hooks = FfnHooks::dense();
+            match self
+                .model
+                .forward_want(tokens, cache, Logits::Last, &hooks, Want::Greedy { banned: &[] })?
+            {
+                PassOut::Tokens(t) => Ok(t[0]),
+                PassOut::Logits(_) => unreachable!("a greedy pass returns tokens"),
+            }
+        };
+        let mut t = greedy(&context[keep..], &mut st.cache)?;
         st.fed.extend_from_slice(&context[keep..]);
         let mut drafts = Vec::with_capacity(k);
         loop {
-            let t = argmax(&logits[logits.len() - vocab..]);
             if t as usize >= self.model.tokenizer.vocab_size() {
                 break;
             }
@@ -122,8 +131,9 @@ impl Drafter {
             if drafts.len() == k {
                 break;
             }
-            logits = self.model.forward(&[t], &mut st.cache, Logits::Last)?;
-            st.fed.push(t);
+            let fed = t;
+            t = greedy(&[fed], &mut st.cache)?;
+            st.fed.push(fed);
         }
         st.seconds += t0.elapsed().as_secs_f64();
         Ok(drafts)

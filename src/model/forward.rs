@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use crate::backend::{Act, AttnShape, RopeShape};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::{Batch, Logits};
+use crate::model::batch::{Batch, Logits, PassOut, Want};
 use crate::model::weights::LayerWeights;
 use crate::model::{Model, Placement};
 use crate::tensor::Weight;
@@ -326,11 +326,24 @@ impl Model {
         which: Logits,
         hooks: &FfnHooks,
     ) -> Result<Vec<f32>> {
+        self.forward_want(tokens, cache, which, hooks, Want::Logits)
+            .map(PassOut::into_logits)
+    }
+
+    /// As `forward_with`, returning what `want` asks for.
+    pub fn forward_want(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        which: Logits,
+        hooks: &FfnHooks,
+        want: Want,
+    ) -> Result<PassOut> {
         if tokens.is_empty() {
-            return Ok(Vec::new());
+            return Ok(PassOut::empty(want));
         }
         let batch = Batch::one(tokens, cache.len, which)?;
-        self.forward_batch(&batch, &mut [cache], hooks)
+        self.forward_batch_want(&batch, &mut [cache], hooks, want)
     }
 
     /// As `forward_with`, feeding `tokens` in passes of at most `batch_max` tokens (a stream's
@@ -364,6 +377,18 @@ impl Model {
     /// their keys and values at their positions, and returns logits `[batch.logit_rows.len(),
     /// vocab]`. Each token attends only to its own sequence.
     pub fn forward_batch(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
+        self.forward_batch_want(batch, caches, hooks, Want::Logits)
+            .map(PassOut::into_logits)
+    }
+
+    /// As `forward_batch`, returning what `want` asks for.
+    pub fn forward_batch_want(
+        &self,
+        batch: &Batch,
+        caches: &mut [&mut KvCache],
+        hooks: &FfnHooks,
+        want: Want,
+    ) -> Result<PassOut> {
         let lens: Vec<(usize, usize)> = caches.iter().map(|c| (c.len, c.capacity)).collect();
         let next = batch.check(self.config.vocab, &lens)?;
         if hooks.stream.is_none() && self.placement == Placement::OnDisk {
@@ -374,7 +399,7 @@ impl Model {
             )));
         }
         if batch.is_empty() {
-            return Ok(Vec::new());
+            return Ok(PassOut::empty(want));
         }
         // Run the whole pass on the backend's threads: the many parallel loops inside it then
         // start from a pool thread, which joins the work directly, instead of parking the
@@ -390,8 +415,9 @@ impl Model {
         }
         let _pass = hooks.stream.and_then(|s| s.pass_lock());
         let mut result = None;
-        self.device
-            .run(Box::new(|| result = Some(self.forward_on_device(batch, caches, hooks))));
+        self.device.run(Box::new(|| {
+            result = Some(self.forward_on_device(batch, caches, hooks, want))
+        }));
         let logits = result.expect("the device ran the pass");
         if let Some(e) = self.device.take_error() {
             return Err(e);
@@ -404,7 +430,13 @@ impl Model {
     }
 
     /// The layer program, on `self.device`.
-    fn forward_on_device(&self, batch: &Batch, caches: &mut [&mut KvCache], hooks: &FfnHooks) -> Result<Vec<f32>> {
+    fn forward_on_device(
+        &self,
+        batch: &Batch,
+        caches: &mut [&mut KvCache],
+        hooks: &FfnHooks,
+        want: Want,
+    ) -> Result<PassOut> {
         let cfg = &self.config;
         let dev = &*self.device;
         let (n, h) = (batch.len(), cfg.hidden);
@@ -450,7 +482,7 @@ impl Model {
         }
         let mut xo = dev.select_rows(&x, &batch.logit_rows);
         if batch.logit_rows.is_empty() {
-            return Ok(Vec::new());
+            return Ok(PassOut::empty(want));
         }
         dev.rms_norm_in_place(&mut xo, &self.weights.output_norm, cfg.rms_eps);
         let out_w = hooks.stream.and_then(|s| s.output()).unwrap_or(&self.weights.output);
@@ -458,7 +490,10 @@ impl Model {
         if let Some(cap) = cfg.final_logit_softcap {
             dev.softcap(&mut logits, cap);
         }
-        Ok(dev.download(logits))
+        Ok(match want {
+            Want::Logits => PassOut::Logits(dev.download(logits)),
+            Want::Greedy { banned } => PassOut::Tokens(dev.argmax_rows(&logits, banned)),
+        })
     }
 
     /// The attention block's output for `x` (the residual stream, with the previous block's

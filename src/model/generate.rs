@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::Logits;
+use crate::model::batch::{Logits, PassOut, Rows, Want};
 use crate::model::draft::Drafter;
 use crate::model::forward::{FfnMask, LayerStream, Passes};
 use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
@@ -201,18 +201,32 @@ pub(crate) fn take_token(
 /// token to feed next (`None` when `emit` ended the sequence). The KV cache then holds the pass's
 /// positions up to `pass start + 1 + kept`; the rest are rolled back. Generation and the engine
 /// both walk their passes through it.
+///
+/// Rows of tokens (a greedy pass: [`Want::Greedy`]) are each row's token as greedy sampling
+/// would pick it from the row's logits, and `emit` then gets no logits (an empty row).
 pub(crate) fn walk_rows(
     sampler: &mut Sampler,
-    rows: &[f32],
+    rows: Rows,
     vocab: usize,
     drafts: &[u32],
     emit: &mut dyn FnMut(u32, &[f32]) -> bool,
 ) -> (usize, Option<u32>) {
-    for (j, row) in rows.chunks_exact(vocab).take(drafts.len() + 1).enumerate() {
+    let n = match rows {
+        Rows::Logits(l) => l.len() / vocab.max(1),
+        Rows::Tokens(t) => t.len(),
+    };
+    for j in 0..n.min(drafts.len() + 1) {
         let draft = drafts.get(j).copied();
-        let t = match draft {
-            Some(d) => sampler.verify(row, d),
-            None => sampler.sample(row),
+        let (t, row) = match rows {
+            Rows::Logits(l) => {
+                let row = &l[j * vocab..(j + 1) * vocab];
+                let t = match draft {
+                    Some(d) => sampler.verify(row, d),
+                    None => sampler.sample(row),
+                };
+                (t, row)
+            }
+            Rows::Tokens(ids) => (ids[j], &[][..]),
         };
         let kept = draft == Some(t);
         if !emit(t, row) {
@@ -410,12 +424,24 @@ impl Model {
 
         let t0 = Instant::now();
         let hooks = passes.hooks(mask.map(|m| m.as_mask()), None);
-        let mut logits = Vec::new();
+        // Greedy without logprobs needs only each row's argmax: the device finds it (from a GPU,
+        // 4 bytes a row come back instead of the logits).
+        let stop_ids: &[u32] = if opts.ignore_eos {
+            self.tokenizer.stop_ids()
+        } else {
+            &[]
+        };
+        let want = if opts.sampler.is_greedy() && !opts.logprobs {
+            Want::Greedy { banned: stop_ids }
+        } else {
+            Want::Logits
+        };
+        let mut logits = PassOut::empty(want);
         // With `ignore_eos`, each pass's rows never sample a stop token.
-        let ban_stops = |logits: &mut Vec<f32>| {
-            if opts.ignore_eos {
+        let ban_stops = |logits: &mut PassOut| {
+            if let PassOut::Logits(logits) = logits {
                 for row in logits.chunks_exact_mut(self.config.vocab) {
-                    for &id in self.tokenizer.stop_ids() {
+                    for &id in stop_ids {
                         if let Some(v) = row.get_mut(id as usize) {
                             *v = f32::NEG_INFINITY;
                         }
@@ -434,7 +460,7 @@ impl Model {
                 if let Some(m) = mask {
                     m.prompt_tokens(chunk.len());
                 }
-                match self.forward_with(chunk, &mut cache, Logits::Last, &hooks) {
+                match self.forward_want(chunk, &mut cache, Logits::Last, &hooks, want) {
                     Ok(l) => {
                         logits = l;
                         ban_stops(&mut logits);
@@ -442,7 +468,7 @@ impl Model {
                     }
                     // Cancelled inside a pass: nothing is sampled from a partial prompt.
                     Err(Error::Cancelled) => {
-                        logits.clear();
+                        logits = PassOut::empty(want);
                         break;
                     }
                     Err(e) => return Err(e),
@@ -468,7 +494,8 @@ impl Model {
                 finish = Finish::Cancelled;
                 break;
             }
-            let (kept, pending) = walk_rows(&mut sampler, &logits, vocab, &drafts, &mut |t, row| {
+            let rows = logits.rows(0, drafts.len() + 1, vocab);
+            let (kept, pending) = walk_rows(&mut sampler, rows, vocab, &drafts, &mut |t, row| {
                 samples += 1;
                 let Some((text, logprob)) = take_token(&self.tokenizer, &mut decoder, row, t, opts.logprobs) else {
                     finish = Finish::StopToken;
@@ -514,7 +541,7 @@ impl Model {
             } else {
                 Logits::From(0)
             };
-            match self.forward_with(&fed, &mut cache, which, &hooks) {
+            match self.forward_want(&fed, &mut cache, which, &hooks, want) {
                 Ok(l) => {
                     logits = l;
                     ban_stops(&mut logits);

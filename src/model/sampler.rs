@@ -17,6 +17,13 @@ pub struct SamplerConfig {
     pub seed: u64,
 }
 
+impl SamplerConfig {
+    /// Greedy: every token is the logits' argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+}
+
 impl Default for SamplerConfig {
     fn default() -> Self {
         SamplerConfig {
@@ -71,6 +78,21 @@ pub fn argmax(x: &[f32]) -> u32 {
     0
 }
 
+/// [`argmax`] of `x` with the `banned` ids (those inside `x`) counted as -inf, as generation
+/// bans stop tokens under `--ignore-eos`.
+pub fn argmax_banned(x: &[f32], banned: &[u32]) -> u32 {
+    if !banned.iter().any(|&b| (b as usize) < x.len()) {
+        return argmax(x);
+    }
+    let mut row = x.to_vec();
+    for &b in banned {
+        if let Some(v) = row.get_mut(b as usize) {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+    argmax(&row)
+}
+
 /// [`argmax`] as one scan (the definition the lanes must agree with).
 #[cfg(test)]
 fn argmax_scan(x: &[f32]) -> u32 {
@@ -95,6 +117,11 @@ impl Sampler {
         }
     }
 
+    /// Greedy: every token is the logits' argmax (and no draw is made).
+    pub fn is_greedy(&self) -> bool {
+        self.cfg.is_greedy()
+    }
+
     /// xorshift64*: uniform in [0, 1).
     fn uniform(&mut self) -> f32 {
         self.state ^= self.state >> 12;
@@ -107,7 +134,7 @@ impl Sampler {
     /// The tokens a draw can pick and their unnormalized weights (most likely first), and the
     /// weights' sum; `None` for greedy.
     fn candidates(&self, logits: &[f32]) -> Option<(Vec<(u32, f32)>, f32)> {
-        if self.cfg.temperature <= 0.0 || logits.is_empty() {
+        if self.cfg.is_greedy() || logits.is_empty() {
             return None;
         }
         let k = if self.cfg.top_k == 0 {
@@ -264,6 +291,28 @@ mod tests {
         }
         for (i, c) in cases.iter().enumerate() {
             assert_eq!(argmax(c), argmax_scan(c), "case {i} (length {})", c.len());
+        }
+    }
+
+    /// A banned id never wins (unless every other is NaN or banned too: then 0, as the scan of
+    /// the row with -inf written there); ids past the row are passed over.
+    #[test]
+    fn banned_ids_count_as_minus_infinity() {
+        let row = [0.5f32, 3.0, -1.0, 3.0, 2.0];
+        assert_eq!(argmax_banned(&row, &[]), 1);
+        assert_eq!(argmax_banned(&row, &[1]), 3);
+        assert_eq!(argmax_banned(&row, &[1, 3, 99]), 4);
+        assert_eq!(argmax_banned(&row, &[99]), 1);
+        assert_eq!(argmax_banned(&[f32::NAN, 1.0, 2.0], &[]), 0);
+        assert_eq!(argmax_banned(&[f32::NAN, 1.0, 2.0], &[0]), 2);
+        assert_eq!(argmax_banned(&[1.0, f32::NAN], &[0]), 0);
+        for banned in [&[0u32, 1, 2, 3, 4][..], &[4, 3, 2, 1, 0]] {
+            assert_eq!(argmax_banned(&row, banned), 0);
+        }
+        for ban in 0..row.len() as u32 {
+            let mut r = row;
+            r[ban as usize] = f32::NEG_INFINITY;
+            assert_eq!(argmax_banned(&row, &[ban]), argmax_scan(&r), "ban {ban}");
         }
     }
 

@@ -157,6 +157,9 @@ pub struct LinkReport {
     /// FFN bytes per token the device computed from its own copy of the hot neurons (no
     /// link traffic).
     pub hot_bytes_per_token: f64,
+    /// Bytes per token copied back to the host: logits, or 4 a row when greedy decoding finds
+    /// the token on the device; the gate's scores when a mask picks neurons.
+    pub to_host_bytes_per_token: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -263,6 +266,7 @@ impl StreamReport {
                 },
                 mapped_bytes_per_token: c.ffn_mapped_bytes as f64 / steps,
                 hot_bytes_per_token: c.ffn_hot_bytes as f64 / steps,
+                to_host_bytes_per_token: l.to_host_bytes as f64 / steps,
             }),
             counters: c,
         }

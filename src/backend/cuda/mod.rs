@@ -46,6 +46,8 @@ const MATMUL_TOKENS: usize = 8;
 /// Threads per block of attention and of the partial sums of `accumulate_rows`.
 const ATTENTION_THREADS: u32 = 128;
 const ACCUMULATE_THREADS: u32 = 64;
+/// Threads of the block that finds one row's argmax (a vocabulary of ~150k logits: ~150 each).
+const ARGMAX_THREADS: u32 = 1024;
 /// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
 const ATTN_MAX_HEAD_DIM: usize = 512;
 /// Bytes of freed activation buffers kept for reuse.
@@ -70,8 +72,9 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
 /// The kernels that are not per type.
-const OPS: [&str; 20] = [
+const OPS: [&str; 21] = [
     "accumulate_reduce",
+    "argmax_rows",
     "activate_mul",
     "activate_mul_q8_k",
     "add_rms_norm",
@@ -1414,6 +1417,7 @@ impl Device for CudaDevice {
             if let (Some(s), false, true) = (b.slice.as_ref(), self.failed(), len > 0) {
                 let r = self.stream.memcpy_dtoh(&s.slice(..len), &mut out[..]);
                 self.check("copying activations to the host", r);
+                self.link.lock().expect("link counters").to_host_bytes += (len * 4) as u64;
             }
         }
         Cow::Owned(out)
@@ -1583,6 +1587,37 @@ impl Device for CudaDevice {
             elementwise_cfg(len),
             &[ptr(self.buf_mut(x)), Arg::F32(cap), ptr(len as u64)],
         );
+    }
+
+    fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
+        if x.rows == 0 {
+            return Vec::new();
+        }
+        // One word a row, the kernel's u32 in an f32 buffer's bits.
+        let out = self.act(x.rows, 1);
+        if x.width > 0 {
+            let idx = self.indices(banned);
+            let cfg = LaunchConfig {
+                grid_dim: (x.rows as u32, 1, 1),
+                block_dim: (ARGMAX_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch(
+                "argmax_rows",
+                None,
+                cfg,
+                &[
+                    ptr(self.buf(x)),
+                    int(x.width),
+                    ptr(idx),
+                    int(banned.len()),
+                    ptr(self.buf(&out)),
+                ],
+            );
+        } else {
+            return vec![0; x.rows];
+        }
+        self.to_host(&out).iter().map(|v| v.to_bits()).collect()
     }
 
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {
