@@ -24,7 +24,8 @@
 //
 // GSEMU_SKIP_KERNELS=1 skips every kernel (launches, captured or not, do nothing; copies and
 // memsets still run): what is left of a run's time is the host's own work — gatestream's and
-// this library's — for timing that alone. Every value a kernel would write is then garbage.
+// this library's — for timing that alone. Every value a kernel would write is then garbage,
+// except argmax_rows's greedy tokens: 0 for every row, so a greedy run can go on.
 
 #include "emu.h"
 
@@ -638,7 +639,14 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
         const char* v = std::getenv("GSEMU_SKIP_KERNELS");
         return v && std::strcmp(v, "1") == 0;
     }();
-    if (skip) return CUDA_SUCCESS;
+    if (skip) {
+        // Greedy tokens still come back (token 0 for every row), so a greedy run goes on.
+        if (std::strcmp(k->name, "argmax_rows") == 0) {
+            unsigned* out = *static_cast<unsigned**>(params[4]);
+            for (unsigned r = 0; r < gx; r++) out[r] = 0;
+        }
+        return CUDA_SUCCESS;
+    }
     unsigned long long threads = (unsigned long long)bx * by * bz;
     gsemu::grid_dim = dim3{gx, gy, gz};
     gsemu::block_dim = dim3{bx, by, bz};
