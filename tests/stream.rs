@@ -520,6 +520,20 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
                     "{engine:?} {policy:?} sparse {:?} lookahead {ahead}",
                     sparse.map(|c| criteria[c])
                 );
+                // Back to the host: the logits, and for a mask each layer's input, gate and up
+                // of every token (its edit of act(gate)·up is made on the host and sent, never
+                // fetched); the lookahead's prediction may fetch its own inputs besides.
+                let tokens = (got.len() / m.config.vocab) as u64;
+                let per_layer = (m.config.hidden + 2 * m.config.ffn) as u64 * 4;
+                let want_back = 4 * got.len() as u64 + sparse.map_or(0, |_| tokens * n_layers * per_layer);
+                let back = dev.link().unwrap().to_host_bytes;
+                match ahead {
+                    false => assert_eq!(back, want_back, "{what}: bytes back to the host"),
+                    true => assert!(
+                        back >= want_back,
+                        "{what}: {back} bytes back to the host, {want_back} without lookahead"
+                    ),
+                }
                 let want = sparse.map_or(&want_dense, |c| &want_sparse[c]);
                 assert_eq!(got.len(), want.len(), "{what}");
                 if sparse.is_some() {

@@ -318,6 +318,9 @@ impl Model {
         };
 
         // Phase 3: hidden activations act(gate)·up (in place of up unless a mask needs up).
+        // A device with memory of its own: the mask's edit of them, made on the host, stays
+        // there too (phase 4 reads the kept neurons from it instead of the device).
+        let mut hact_host: Option<Vec<f32>> = None;
         let hact = match hooks.mask {
             None if plain => {
                 dev.activate_mul(&mut up, &mut gate, cfg.activation);
@@ -327,7 +330,7 @@ impl Model {
                 dev.mul(&mut up, &gate);
                 up
             }
-            Some(mask) => {
+            Some(mask) if dev.host_memory() => {
                 let mut hact = dev.copy(&up);
                 dev.mul(&mut hact, &gate);
                 let (xh, gh) = scores.as_ref().expect("fetched for the mask");
@@ -335,9 +338,25 @@ impl Model {
                 edit_on_host(dev, &mut hact, |ha| mask.apply(l, xh, gh, &uh, ha));
                 hact
             }
+            Some(mask) => {
+                // act(gate)·up made on the host from the two it holds (each the same f32
+                // product the device's `mul` makes), edited by the mask and uploaded once: no
+                // download of the device's product, no launches for it.
+                let (xh, gh) = scores.as_ref().expect("fetched for the mask");
+                let uh = dev.to_host(&up);
+                let mut ha: Vec<f32> = uh.iter().zip(gh.iter()).map(|(u, g)| u * g).collect();
+                mask.apply(l, xh, gh, &uh, &mut ha);
+                let hact = dev.upload(n, f, ha.clone());
+                hact_host = Some(ha);
+                hact
+            }
         };
         if let Some(observe) = hooks.observe {
-            observe(l, &dev.to_host(&gate), &dev.to_host(&hact));
+            let gh = dev.to_host(&gate);
+            match &hact_host {
+                Some(ha) => observe(l, &gh, ha),
+                None => observe(l, &gh, &dev.to_host(&hact)),
+            }
         }
 
         // Phase 4: down over the kept neurons.
@@ -351,7 +370,10 @@ impl Model {
                 let up_set_kept = st.one_pass && (st.in_place || st.down_w.is_some() || !st.asks);
                 let mut kept: Vec<u32> = match up_set_kept {
                     true => st.hot_set.iter().chain(&st.up_set).copied().collect(),
-                    false => nonzero_neurons(&dev.to_host(&hact), n, f),
+                    false => match &hact_host {
+                        Some(ha) => nonzero_neurons(ha, n, f),
+                        None => nonzero_neurons(&dev.to_host(&hact), n, f),
+                    },
                 };
                 let rest = kept.split_off(kept.partition_point(|&i| (i as usize) < k));
                 if k > 0 {

@@ -158,7 +158,7 @@ impl Report for Outcome {
             if let Some(k) = &r.link {
                 eprintln!(
                     "{label}to the device: {:.1} MB/token in {:.0} copies, {:.0}% from page-locked memory ({:.0}% staged, \
-                     copied while the rest was read; {:.2} ms/token in copies{}), {:.1} KB/token back to the host{}",
+                     copied while the rest was read; {:.2} ms/token in copies{}), {} back to the host{}",
                     mb(k.bytes_per_token),
                     k.copies_per_token,
                     k.pinned_fraction * 100.0,
@@ -169,7 +169,10 @@ impl Report for Outcome {
                     } else {
                         String::new()
                     },
-                    k.to_host_bytes_per_token / 1e3,
+                    match k.to_host_bytes_per_token {
+                        b if b < 1e3 => format!("{b:.0} bytes/token"),
+                        b => format!("{:.1} KB/token", b / 1e3),
+                    },
                     match &r.device_plan {
                         Some(d) => format!(
                             "; device budget {:.1} MB, {:.1} MB resident ({:.1} MB of it hot neurons, {:.1} MB/token \
