@@ -4,7 +4,7 @@
 //! is reported as "ok" there).
 //!
 //! Checks: every weight type's product, row subset, embedding gather and neuron-major product
-//! against an f64 reference; stories260K (real weights) and a synthetic model shaped like
+//! against an f64 reference; greedy tokens found on the device against the host's argmax; stories260K (real weights) and a synthetic model shaped like
 //! Qwen2.5-1.5B (random weights in Q4_K_M's types, made here) — the same greedy tokens over 32
 //! steps, max |Δlogit| ≤ 1% of the logits' range at every step, perplexity within 0.1% on the
 //! same windows (and again with the GPU given the CPU's 8-bit activations,
