@@ -1014,7 +1014,9 @@ fn fused_same(
         let down = match &f.down {
             FfnDown::Rows(w) | FfnDown::Columns(w) => w,
         };
+        // (The attention output's product quantizes its own input: one launch saved.)
         saved_per_step += usize::from(int8(&[&l.attn.wq, &l.attn.wk, &l.attn.wv]))
+            + usize::from(int8(&[&l.attn.wo]))
             + usize::from(int8(&[&f.gate, &f.up]))
             + usize::from(int8(&[down]));
     }

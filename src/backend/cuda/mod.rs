@@ -105,9 +105,9 @@ fn kernel_keys() -> Vec<(KernelKey, String)> {
     let typed = GgmlType::ALL
         .iter()
         .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
-    let int8 = INT8_TYPES
-        .iter()
-        .flat_map(|&ty| ["matvec_i8", "matvec_i8x3"].map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
+    let int8 = INT8_TYPES.iter().flat_map(|&ty| {
+        ["matvec_i8", "matvec_i8x3", "matvec_i8f"].map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
+    });
     typed
         .chain(int8)
         .chain(OPS.iter().map(|&k| ((k, None), k.to_string())))
@@ -393,9 +393,11 @@ pub struct CudaDevice {
 /// activation write, beside their f32 output, the Q8_K blocks the integer products
 /// (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8) take as input, so one-token products of Q4_K and
 /// Q6_K rows after them need no quantization launch of their own; RoPE writes the keys and
-/// values into the KV cache (four launches fewer a layer on Qwen2.5). The same bytes as the
-/// launches they replace. `0` (`off`): each in a launch of its own. Blocks are made only for
-/// one-token rows of a multiple of 256 values, once an integer product has run.
+/// values into the KV cache; a lone integer product whose input has no blocks (attention's
+/// output) quantizes that input itself, in each thread block's shared memory (five launches fewer
+/// a layer on Qwen2.5). The same bytes as the launches they replace. `0` (`off`): each in a
+/// launch of its own. Blocks are made only for one-token rows of a multiple of 256 values, once
+/// an integer product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
 /// Whether [`FUSE_ENV`] asks for fused launches (`value`: the variable's value).
@@ -438,6 +440,16 @@ pub enum Activations {
 pub const INT8_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
 /// Bytes of one Q8_K activation block for the integer products (`Q8K_BLOCK_BYTES`).
 const Q8K_BLOCK_BYTES: usize = 292;
+/// The widest input (in blocks of 256) `matvec_i8f_*` quantizes itself (`I8F_MAX_BLOCKS`).
+const I8F_MAX_BLOCKS: usize = 48;
+
+/// A one-token integer product's input: Q8_K blocks, or the values, which the product's own
+/// blocks quantize (`matvec_i8f_*`).
+#[derive(Clone, Copy)]
+enum Int8Input {
+    Blocks(u64),
+    Values(u64),
+}
 
 /// An on/off variable (`name`, its value `value`): `1` or `on` (or unset, or empty: the default)
 /// is on, `0` or `off` off; anything else is refused, saying what each means.
@@ -676,20 +688,24 @@ impl CudaDevice {
         yes
     }
 
-    /// `x` (one token) as the integer products' Q8_K blocks: the address of `Q8K_BLOCK_BYTES`
-    /// per 256 values — the blocks the kernel that wrote `x` made (see [`FUSE_ENV`]), else a
-    /// buffer made now (returned with it, to keep until the product is launched).
-    fn int8_input(&self, x: &Act) -> (u64, Option<Act>) {
+    /// `x` (one token) as the integer products' input: the Q8_K blocks (`Q8K_BLOCK_BYTES` per
+    /// 256 values) the kernel that wrote `x` made (see [`FUSE_ENV`]), else a buffer of them made
+    /// now (returned with it, to keep until the product is launched) — or, for one product
+    /// (`one`) with launches fused, the values, which that product quantizes itself.
+    fn int8_input(&self, x: &Act, one: bool) -> (Int8Input, Option<Act>) {
         if let ActData::Cuda(DevBuf {
             blocks: Some((shape, b)),
             ..
         }) = &x.data
         {
             if *shape == (x.rows, x.width) {
-                return (b.ptr, None);
+                return (Int8Input::Blocks(b.ptr), None);
             }
         }
         let blocks = x.width / 256;
+        if one && self.fuse() && x.rows == 1 && blocks <= I8F_MAX_BLOCKS {
+            return (Int8Input::Values(self.buf(x)), None);
+        }
         let out = self.act(1, blocks * Q8K_BLOCK_BYTES / 4);
         if blocks > 0 {
             let cfg = warp_per_block_cfg(blocks);
@@ -700,7 +716,7 @@ impl CudaDevice {
                 &[ptr(self.buf(x)), ptr(self.buf(&out)), ptr(blocks as u64)],
             );
         }
-        (self.buf(&out), Some(out))
+        (Int8Input::Blocks(self.buf(&out)), Some(out))
     }
 
     /// Sets whether the launches from now on are fused (see [`FUSE_ENV`]).
@@ -1691,7 +1707,7 @@ impl Device for CudaDevice {
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
         if self.int8_product(w, x) {
-            let (xq, _made) = self.int8_input(x);
+            let (xq, _made) = self.int8_input(x, true);
             return self.product_i8(w, Some(rows), None, xq);
         }
         let seen = self.activations_for(w.ty, x);
@@ -1947,7 +1963,7 @@ impl CudaDevice {
         let mut out: Vec<Option<Act>> = ws.iter().map(|_| None).collect();
         let int8: Vec<usize> = (0..ws.len()).filter(|&i| self.int8_product(ws[i], x)).collect();
         if !int8.is_empty() {
-            let (xq, _made) = self.int8_input(x);
+            let (xq, _made) = self.int8_input(x, int8.len() == 1);
             for ty in INT8_TYPES {
                 let same: Vec<usize> = int8.iter().copied().filter(|&i| ws[i].ty == ty).collect();
                 for group in same.chunks(3) {
@@ -1982,8 +1998,9 @@ impl CudaDevice {
     }
 
     /// `x · w[rows]` (all rows when `None`; + `bias` when given) for one token `x` given as
-    /// Q8_K blocks ([`CudaDevice::int8_input`]), with integer dot products.
-    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, xq: u64) -> Act {
+    /// Q8_K blocks, or values the kernel quantizes ([`CudaDevice::int8_input`]), with integer
+    /// dot products.
+    fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, input: Int8Input) -> Act {
         let rows_out = rows.map_or(w.rows, |r| r.len());
         let out = self.act(1, rows_out);
         if rows_out == 0 {
@@ -1998,8 +2015,12 @@ impl CudaDevice {
             block_dim: (32, MATMUL_WARPS, 1),
             shared_mem_bytes: 0,
         };
+        let (kernel, xq) = match input {
+            Int8Input::Blocks(p) => ("matvec_i8", p),
+            Int8Input::Values(p) => ("matvec_i8f", p),
+        };
         self.launch(
-            "matvec_i8",
+            kernel,
             Some(w.ty),
             cfg,
             &[
@@ -2019,10 +2040,13 @@ impl CudaDevice {
 
     /// Several weights of one integer-product type (at most three, the same columns) times the
     /// same one-token input in one launch (`matvec_i8x3_*`); one alone as [`Self::product_i8`].
-    fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], xq: u64) -> Vec<Act> {
+    fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], input: Int8Input) -> Vec<Act> {
         if let [(w, b)] = items {
-            return vec![self.product_i8(w, None, *b, xq)];
+            return vec![self.product_i8(w, None, *b, input)];
         }
+        let Int8Input::Blocks(xq) = input else {
+            unreachable!("several products take the input as blocks")
+        };
         assert!(
             items.len() <= 3
                 && items
@@ -2132,10 +2156,16 @@ mod tests {
             let by_macro = TYPED.contains(&kind)
                 && src.contains(&format!("void {kind}_##NAME("))
                 && src.contains(&format!("QUANT_KERNELS({suffix},"));
-            // The integer products come from the MATVEC_I8_KERNELS macro.
-            let int8 = ["matvec_i8x3", "matvec_i8"].iter().any(|family| {
+            // The integer products come from the MATVEC_I8_KERNELS and MATVEC_I8F_KERNEL macros.
+            let int8 = [
+                ("matvec_i8x3", "MATVEC_I8_KERNELS"),
+                ("matvec_i8f", "MATVEC_I8F_KERNEL"),
+                ("matvec_i8", "MATVEC_I8_KERNELS"),
+            ]
+            .iter()
+            .any(|(family, mac)| {
                 name.strip_prefix(&format!("{family}_")).is_some_and(|t| {
-                    src.contains(&format!("void {family}_##t(")) && src.contains(&format!("MATVEC_I8_KERNELS({t},"))
+                    src.contains(&format!("void {family}_##t(")) && src.contains(&format!("{mac}({t},"))
                 })
             });
             assert!(direct || by_macro || int8, "{name} is not in kernels/");
