@@ -226,7 +226,10 @@ pub(crate) fn walk_rows(
                 };
                 (t, row)
             }
-            Rows::Tokens(ids) => (ids[j], &[][..]),
+            Rows::Tokens(ids) => {
+                debug_assert!(sampler.is_greedy(), "tokens handed over for a sampler that draws");
+                (ids[j], &[][..])
+            }
         };
         let kept = draft == Some(t);
         if !emit(t, row) {

@@ -1606,33 +1606,29 @@ impl Device for CudaDevice {
     }
 
     fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
-        if x.rows == 0 {
-            return Vec::new();
+        if x.rows == 0 || x.width == 0 {
+            return vec![0; x.rows];
         }
         // One word a row, the kernel's u32 in an f32 buffer's bits.
         let out = self.act(x.rows, 1);
-        if x.width > 0 {
-            let idx = self.indices(banned);
-            let cfg = LaunchConfig {
-                grid_dim: (x.rows as u32, 1, 1),
-                block_dim: (ARGMAX_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            self.launch(
-                "argmax_rows",
-                None,
-                cfg,
-                &[
-                    ptr(self.buf(x)),
-                    int(x.width),
-                    ptr(idx),
-                    int(banned.len()),
-                    ptr(self.buf(&out)),
-                ],
-            );
-        } else {
-            return vec![0; x.rows];
-        }
+        let idx = self.indices(banned);
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "argmax_rows",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(x)),
+                int(x.width),
+                ptr(idx),
+                int(banned.len()),
+                ptr(self.buf(&out)),
+            ],
+        );
         self.to_host(&out).iter().map(|v| v.to_bits()).collect()
     }
 
