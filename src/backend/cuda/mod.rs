@@ -363,7 +363,8 @@ pub struct CudaDevice {
     label: String,
     weights: Mutex<FastMap<(usize, usize, usize), DevWeight>>,
     vectors: Mutex<VectorCache>,
-    indices: Mutex<IndexCache>,
+    /// Index lists in use, and those the last flush retired (see [`CudaDevice::indices`]).
+    indices: Mutex<(IndexCache, IndexCache)>,
     pool: Arc<Pool>,
     error: Arc<Mutex<Option<String>>>,
     /// Page-locked staging buffers and the copy stream (see `upload`).
@@ -632,7 +633,7 @@ impl CudaDevice {
             kernels,
             weights: Mutex::new(FastMap::default()),
             vectors: Mutex::new(FastMap::default()),
-            indices: Mutex::new(FastMap::default()),
+            indices: Mutex::new((FastMap::default(), FastMap::default())),
             pool: Arc::new(Pool::default()),
             error,
             uploads: Arc::new(uploads),
@@ -1188,14 +1189,24 @@ impl CudaDevice {
         if let Some(p) = self.arena_indices(v) {
             return p;
         }
-        let mut cache = self.indices.lock().expect("indices");
+        let mut guard = self.indices.lock().expect("indices");
+        let (cache, retired) = &mut *guard;
         if let Some((_, ptr)) = cache.get(v) {
             return *ptr;
         }
+        if let Some(e) = retired.remove(v) {
+            let ptr = e.1;
+            cache.insert(v.to_vec(), e);
+            return ptr;
+        }
         if cache.len() >= 256 {
-            // Freed in stream order: launches already queued that read them run first (and
-            // recorded ones are issued before they go).
-            self.keep_until_launched(Box::new(std::mem::take(&mut *cache)));
+            // The lists the flush before this one retired go, freed in stream order: launches
+            // already queued that read them run first (and recorded ones are issued before
+            // they go). This flush's stay a round more: a list handed out just before it, to
+            // a launch that asks for two (RoPE with the KV write: the tokens' KV words, then
+            // the positions), must outlive the queueing of that launch.
+            let old = std::mem::replace(retired, std::mem::take(cache));
+            self.keep_until_launched(Box::new(old));
         }
         let data = if v.is_empty() { &[0u32][..] } else { v };
         match self.check("copying indices to the GPU", self.stream.clone_htod(data)) {
