@@ -38,17 +38,6 @@ use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
 use crate::tensor::Weight;
 
-/// Runs `f` on the activation's values in host memory: in place where they live there (the
-/// CPU device), else through a download and an upload (a sync point a mask needs anyway).
-fn edit_on_host(dev: &dyn Device, a: &mut Act, f: impl FnOnce(&mut [f32])) {
-    if let Some(v) = a.as_host_mut() {
-        return f(v);
-    }
-    let mut v = dev.to_host(a).into_owned();
-    f(&mut v);
-    *a = dev.upload(a.rows, a.width, v);
-}
-
 impl Model {
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`, before any post-FFN norm.
     pub fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
@@ -330,25 +319,20 @@ impl Model {
                 dev.mul(&mut up, &gate);
                 up
             }
-            Some(mask) if dev.host_memory() => {
-                let mut hact = dev.copy(&up);
-                dev.mul(&mut hact, &gate);
-                let (xh, gh) = scores.as_ref().expect("fetched for the mask");
-                let uh = dev.to_host(&up);
-                edit_on_host(dev, &mut hact, |ha| mask.apply(l, xh, gh, &uh, ha));
-                hact
-            }
             Some(mask) => {
-                // act(gate)·up made on the host from the two it holds (each the same f32
-                // product the device's `mul` makes), edited by the mask and uploaded once: no
-                // download of the device's product, no launches for it.
+                // act(gate)·up made on the host from the gate and up it holds for the mask (the
+                // f32 products the device's `mul` makes), edited by the mask, then handed to the
+                // device (the CPU device takes the vector itself; a GPU gets one upload and no
+                // launches). A device with memory of its own keeps the host copy for phase 4 and
+                // the observer, so nothing is downloaded again.
                 let (xh, gh) = scores.as_ref().expect("fetched for the mask");
                 let uh = dev.to_host(&up);
                 let mut ha: Vec<f32> = uh.iter().zip(gh.iter()).map(|(u, g)| u * g).collect();
                 mask.apply(l, xh, gh, &uh, &mut ha);
-                let hact = dev.upload(n, f, ha.clone());
-                hact_host = Some(ha);
-                hact
+                if !dev.host_memory() {
+                    hact_host = Some(ha.clone());
+                }
+                dev.upload(n, f, ha)
             }
         };
         if let Some(observe) = hooks.observe {

@@ -81,8 +81,12 @@ pub fn argmax(x: &[f32]) -> u32 {
 /// [`argmax`] of `x` with the `banned` ids (those inside `x`) counted as -inf, as generation
 /// bans stop tokens under `--ignore-eos`.
 pub fn argmax_banned(x: &[f32], banned: &[u32]) -> u32 {
-    if !banned.iter().any(|&b| (b as usize) < x.len()) {
-        return argmax(x);
+    // Banning lowers values only at the banned ids: the first largest of the rest stays the
+    // answer (a NaN first value, 0, too, unless 0 is banned). So the row is copied only when the
+    // answer is banned.
+    let t = argmax(x);
+    if !banned.contains(&t) {
+        return t;
     }
     let mut row = x.to_vec();
     for &b in banned {
