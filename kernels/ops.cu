@@ -195,6 +195,93 @@ extern "C" __global__ void argmax_rows(const float* x, int width, const u32* ban
     out[blockIdx.x] = bi;
 }
 
+// The most candidates top_k_rows sorts (crate::model::batch::TOP_K_MAX): one a thread.
+#define TOPK_MAX 1024
+
+// v's place in f32::total_cmp's order as an unsigned key (larger key, later in the order): +0
+// above -0, a NaN with its sign bit clear above +inf, one with it set below -inf.
+__device__ __forceinline__ u32 total_order_key(float v) {
+    u32 b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Element i of a row as top_k_rows orders it: the value's key above, ~i below (a lower index
+// is larger), so every element has a key of its own; the `banned` ids count as -inf.
+__device__ __forceinline__ u64 top_k_key(const float* xr, int i, const u32* banned, int n_banned) {
+    float v = xr[i];
+    for (int k = 0; k < n_banned; k++)
+        if (banned[k] == (u32)i) v = __int_as_float((int)0xff800000u);
+    return ((u64)total_order_key(v) << 32) | (u64)(~(u32)i);
+}
+
+// Each row's k largest values with their indices, largest first, ties lower index first, in
+// f32::total_cmp's order, the `n_banned` ids of `banned` counted as -inf: as sampler::most_likely
+// lists them after generation's stop-token ban. out[row][2j] = the index, out[row][2j + 1] = the
+// value's bits. grid.x = row, blockDim.x = TOPK_MAX, 1 <= k <= min(width, TOPK_MAX).
+// A radix select over the 64-bit keys (top_k_key), a byte at a time from the top: each round
+// counts the keys that share the bytes chosen so far by their next byte, and keeps the byte
+// where the k-th largest lies; it ends once that byte's keys are exactly the ones still needed
+// (at the latest on the last byte: keys are unique). The k keys at or above the chosen bytes are
+// then gathered and ranked. Counts are integers and ranks are by unique keys, so the result does
+// not depend on scheduling.
+extern "C" __global__ void top_k_rows(const float* x, int width, const u32* banned, int n_banned, int k, u32* out) {
+    const float* xr = x + (u64)blockIdx.x * width;
+    __shared__ u32 hist[256];
+    __shared__ u64 keys[TOPK_MAX];
+    __shared__ u64 prefix, mask;
+    __shared__ u32 need, done, gathered;
+    if (threadIdx.x == 0) {
+        prefix = 0;
+        mask = 0;
+        need = (u32)k;
+        done = 0;
+        gathered = 0;
+    }
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        if (done) break;
+        u64 m = mask, p = prefix;
+        for (int i = threadIdx.x; i < width; i += blockDim.x) {
+            u64 key = top_k_key(xr, i, banned, n_banned);
+            if ((key & m) == p) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            // The keys sharing the bytes so far number at least `need`: from the top byte down,
+            // the first whose keys, with those above it, reach `need`.
+            u32 rest = need;
+            int b = 255;
+            while (b > 0 && hist[b] < rest) rest -= hist[b--];
+            prefix |= (u64)b << shift;
+            mask |= (u64)255 << shift;
+            need = rest;
+            done = hist[b] == rest;
+        }
+        __syncthreads();
+    }
+    // The keys above the chosen bytes, and all of those with them: exactly k.
+    u64 m = mask, p = prefix;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        u64 key = top_k_key(xr, i, banned, n_banned);
+        if ((key & m) >= p) {
+            u32 slot = atomicAdd(&gathered, 1u);
+            if (slot < TOPK_MAX) keys[slot] = key;
+        }
+    }
+    __syncthreads();
+    int n = min((int)gathered, k);
+    if ((int)threadIdx.x >= n) return;
+    u64 mine = keys[threadIdx.x];
+    int rank = 0;
+    for (int j = 0; j < n; j++) rank += keys[j] > mine;
+    u32 hi = (u32)(mine >> 32);
+    u32 bits = (hi & 0x80000000u) ? (hi & 0x7fffffffu) : ~hi;
+    u32* o = out + (u64)blockIdx.x * 2 * k + 2 * rank;
+    o[0] = ~(u32)mine;
+    o[1] = bits;
+}
+
 // Per-head RMSNorm (when `norm` is given), then RoPE at `position`, of the head at `v` (hd wide),
 // by a block of hd/2 threads rounded up to a warp, every one of which calls it. Angles in f64
 // as on the CPU (ops::rope_table). style 0: adjacent pairs, 1: halves.

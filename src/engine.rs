@@ -301,15 +301,22 @@ impl<'m> Engine<'m> {
         }
         .hooks(self.mask, None);
         // When every sequence sampled from this pass is greedy and asks for no log-probabilities,
-        // each row's argmax is all it needs: the device finds them (see `Want::Greedy`).
+        // each row's argmax is all it needs: the device finds them (see `Want::Greedy`); when
+        // every one draws with a top-k, the rows' most likely tokens (`Want::Top`, the largest k
+        // asked: a row's first k of them are its own k).
+        let plain = |s: &Sequence| !s.logprobs && s.top_logprobs == 0;
         let greedy = rows.iter().all(|&(i, _)| {
             let s = &self.seqs[i];
-            s.sampler.is_greedy() && !s.logprobs && s.top_logprobs == 0
+            s.sampler.is_greedy() && plain(s)
         });
-        let want = if greedy {
-            Want::Greedy { banned: &[] }
-        } else {
-            Want::Logits
+        let top_k = rows.iter().try_fold(0usize, |k, &(i, _)| {
+            let s = &self.seqs[i];
+            s.sampler.top_k().filter(|_| plain(s)).map(|t| k.max(t))
+        });
+        let want = match (greedy, top_k) {
+            (true, _) => Want::Greedy { banned: &[] },
+            (false, Some(k)) if k > 0 => Want::Top { k, banned: &[] },
+            _ => Want::Logits,
         };
         let logits = {
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());

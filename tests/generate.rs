@@ -354,6 +354,122 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
     }
 }
 
+/// Sampling with a top-k and no log-probabilities asks the device for each row's k most likely
+/// tokens, not its logits: on the host stand-in (which counts what comes back as a GPU would)
+/// 8 bytes a candidate come to the host instead of a vocabulary of floats, and the tokens are
+/// those drawn from the logits (asking for log-probabilities brings them) — with the stop tokens
+/// banned and with drafts to verify. The engine asks for the largest k of a step when every
+/// sequence of it samples with a top-k; a greedy one among them, or one with every token a
+/// candidate (top-k 0), brings the step's logits. Each request gets the tokens it gets alone.
+#[test]
+fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits() {
+    use gatestream::backend::standin::HostStandIn;
+    use gatestream::backend::Device;
+    use gatestream::model::sampler::SamplerConfig;
+    use std::sync::Arc;
+    let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let dev = Arc::new(HostStandIn::new(0));
+    let m = Model::load_on(&path, &LoadOptions::default(), dev.clone()).unwrap();
+    let vocab = m.config.vocab as u64;
+    let sampler = |top_k, seed| SamplerConfig {
+        temperature: 0.9,
+        top_k,
+        top_p: 0.95,
+        seed,
+    };
+    let ids = m
+        .prompt_ids("Once upon a time, in a quiet village, there lived", false)
+        .unwrap();
+    for (ignore_eos, lookup) in [(false, 0), (true, 0), (true, 3)] {
+        let what = format!("ignore_eos {ignore_eos}, lookup {lookup}");
+        let run = |logprobs: bool| {
+            let opts = GenerateOptions {
+                ignore_eos,
+                lookup,
+                logprobs,
+                sampler: sampler(40, 11),
+                ..greedy(24)
+            };
+            let before = dev.link().unwrap().to_host_bytes;
+            let g = m.generate_ids(&ids, &opts, None, None, None, &mut |_| {}).unwrap();
+            let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
+            (g, rows as u64, dev.link().unwrap().to_host_bytes - before)
+        };
+        let (top, rows, back) = run(false);
+        let (logits, logit_rows, logits_back) = run(true);
+        assert_eq!(top.tokens, logits.tokens, "{what}");
+        assert!(top.tokens.len() > 5, "{what}: {:?}", top.tokens);
+        assert_eq!(back, 8 * 40 * rows, "{what}: {rows} rows");
+        assert_eq!(logits_back, 4 * vocab * logit_rows, "{what}: {logit_rows} rows");
+        if lookup > 0 {
+            assert!(top.speculative.as_ref().unwrap().passes > 0, "{what}");
+        }
+    }
+    // Another seed, other tokens: the draws are the sampler's, not fixed by the candidates.
+    let other = m
+        .generate_ids(
+            &ids,
+            &GenerateOptions {
+                sampler: sampler(40, 12),
+                ignore_eos: true,
+                ..greedy(24)
+            },
+            None,
+            None,
+            None,
+            &mut |_| {},
+        )
+        .unwrap();
+    let first = m
+        .generate_ids(
+            &ids,
+            &GenerateOptions {
+                sampler: sampler(40, 11),
+                ignore_eos: true,
+                ..greedy(24)
+            },
+            None,
+            None,
+            None,
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_ne!(other.tokens, first.tokens);
+    // The engine.
+    let prompts = ["The capital of France is", "Once upon a time"].map(|p| m.prompt_ids(p, false).unwrap());
+    for (samplers, per_row) in [
+        ([sampler(20, 1), sampler(40, 2)], 8 * 40),
+        ([sampler(40, 1), greedy(0).sampler], 4 * vocab),
+        ([sampler(0, 1), sampler(40, 2)], 4 * vocab),
+    ] {
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(&samplers)
+            .map(|(p, s)| {
+                let opts = GenerateOptions {
+                    sampler: s.clone(),
+                    ..greedy(6)
+                };
+                m.generate_ids(p, &opts, None, None, None, &mut |_| {}).unwrap().tokens
+            })
+            .collect();
+        let mut engine = gatestream::engine::Engine::new(&m, None, 16);
+        let reqs = prompts.iter().zip(&samplers).map(|(p, s)| gatestream::engine::Request {
+            prompt_ids: p.clone(),
+            max_tokens: 6,
+            sampler: s.clone(),
+            ..Default::default()
+        });
+        let before = dev.link().unwrap().to_host_bytes;
+        let (got, _) = run_engine(&mut engine, reqs, &mut |_, _| {});
+        let back = dev.link().unwrap().to_host_bytes - before;
+        let what = format!("top-k {} and {}", samplers[0].top_k, samplers[1].top_k);
+        assert_eq!(got, alone, "{what}");
+        let rows = got.iter().map(|t| t.len() as u64).sum::<u64>();
+        assert_eq!(back, per_row * rows, "{what}");
+    }
+}
+
 /// Every token comes with its log-probability; cancelling stops between passes, keeping what
 /// was generated.
 #[test]

@@ -4,7 +4,8 @@
 //! is reported as "ok" there).
 //!
 //! Checks: every weight type's product, row subset, embedding gather and neuron-major product
-//! against an f64 reference; greedy tokens found on the device against the host's argmax; stories260K (real weights) and a synthetic model shaped like
+//! against an f64 reference; greedy tokens and top-k candidates found on the device against the
+//! host's; stories260K (real weights) and a synthetic model shaped like
 //! Qwen2.5-1.5B (random weights in Q4_K_M's types, made here) — the same greedy tokens over 32
 //! steps, max |Δlogit| ≤ 1% of the logits' range at every step, perplexity within 0.1% on the
 //! same windows (and again with the GPU given the CPU's 8-bit activations,
@@ -54,10 +55,11 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 29] = [
+    let checks: [(&str, Check); 30] = [
         ("kernels_per_type", kernels_per_type),
         ("fused_q8_blocks", fused_q8_blocks),
         ("argmax_rows", argmax_rows),
+        ("top_k_rows", top_k_rows),
         ("stories260k_cuda_vs_cpu", stories260k),
         ("stories260k_graphs", |d, r| {
             graphs_replay(d, r, &common::stories_dir(), "stories260k_graphs", 0)
@@ -351,6 +353,162 @@ fn argmax_rows(
         Ok(format!(
             "  argmax_rows: {rows_checked} rows (widths 1 to 151,936) the host's tokens; stories260K greedy (stop \
              token banned) the CPU's tokens, {}",
+            generations.join("; ")
+        ))
+    } else {
+        Err(failures.join("\n"))
+    }
+}
+
+/// The device's top-k candidates (`Device::top_k_rows`) against the host's
+/// (`sampler::most_likely` of the row with the banned ids at -inf), bit for bit, on rows made to
+/// catch a radix select's mistakes — ties (lower id first, across the block), -0 below +0, NaNs
+/// of either sign (above +inf, below -inf), infinities, every value equal, -inf or NaN — with
+/// k of 1, 2, 40, 1024 and the whole row where it fits, and banned ids (none, the largest, id 0
+/// with one past the row, a run of ten); then sampled generation on stories260K (temperature 0.8,
+/// top-k 40, the stop token banned, prompt lookup on and off): the tokens of the same device's
+/// logits drawn on the host (`--logprobs` makes a pass return logits), 8 bytes a candidate back.
+fn top_k_rows(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::model::batch::TOP_K_MAX;
+    use gatestream::model::sampler::{most_likely, SamplerConfig};
+    let mut rng = Rng(0x2545_F491_4F6C_DD1D);
+    let (mut rows_checked, mut failures) = (0usize, Vec::new());
+    let neg_nan = f32::from_bits(0xffc0_0000);
+    for width in [1usize, 2, 33, 1000, 1025, 4096, 151_936] {
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        for kind in 0..11u64 {
+            let row: Vec<f32> = (0..width)
+                .map(|i| {
+                    let r = rng.next();
+                    match (kind, r % 61) {
+                        (1, _) => (r % 4) as f32,
+                        (2, 0) => f32::NAN,
+                        (2, 1) => neg_nan,
+                        (3, 0) => f32::INFINITY,
+                        (4, _) => f32::NEG_INFINITY,
+                        (5, _) => [f32::NAN, neg_nan][(r >> 7) as usize % 2],
+                        (6, _) => 1.5,
+                        (7, _) => [0.0, -0.0][(r >> 7) as usize % 2],
+                        (8, _) => i as f32,
+                        (9, _) => -((r % 3) as f32),
+                        // Values alike in their top bytes: the select's later rounds decide.
+                        (10, _) => 1.0 + (r % 5000) as f32 * f32::EPSILON,
+                        _ => rng.normalish(),
+                    }
+                })
+                .collect();
+            rows.push(row);
+        }
+        let values: Vec<f32> = rows.concat();
+        let x = dev.upload(rows.len(), width, values);
+        let top = argmax(&rows[0]);
+        let run: Vec<u32> = (0..10).map(|i| (i * 7 % width) as u32).collect();
+        for banned in [vec![], vec![top], vec![0, width as u32], run] {
+            let mut ks = vec![1, 2, 40, TOP_K_MAX, width];
+            ks.retain(|&k| k <= width.min(TOP_K_MAX));
+            ks.dedup();
+            for k in ks {
+                let got = dev.top_k_rows(&x, k, &banned);
+                let want: Vec<(u32, f32)> = rows
+                    .iter()
+                    .flat_map(|r| {
+                        let mut r = r.clone();
+                        for &b in &banned {
+                            if let Some(v) = r.get_mut(b as usize) {
+                                *v = f32::NEG_INFINITY;
+                            }
+                        }
+                        most_likely(&r, k)
+                    })
+                    .collect();
+                rows_checked += rows.len();
+                let bits = |v: &[(u32, f32)]| v.iter().map(|&(i, x)| (i, x.to_bits())).collect::<Vec<_>>();
+                if bits(&got) != bits(&want) {
+                    let first = (0..want.len().min(got.len()))
+                        .find(|&i| bits(&got[i..i + 1]) != bits(&want[i..i + 1]))
+                        .unwrap_or(0);
+                    failures.push(format!(
+                        "width {width}, k {k}, banned {banned:?}: {} pairs, first difference at {first} (row {}): \
+                         cuda {:?}, host {:?}",
+                        got.len(),
+                        first / k,
+                        got.get(first),
+                        want.get(first)
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(e) = dev.take_error() {
+        return Err(e.to_string());
+    }
+    // Sampled generation through `Want::Top`, against the same device's logits drawn on the host.
+    let path = common::stories_dir();
+    let (cpu, gpu) = (load(&path, Arc::new(CpuBackend::new(0)))?, load(&path, dev.clone())?);
+    let ids = cpu
+        .prompt_ids(
+            "Once upon a time there was a little girl. Once upon a time there was a little girl. Once upon a time",
+            false,
+        )
+        .map_err(|e| e.to_string())?;
+    let mut generations = Vec::new();
+    for lookup in [0, 3] {
+        let opts = gatestream::model::generate::GenerateOptions {
+            ignore_eos: true,
+            lookup,
+            sampler: SamplerConfig {
+                temperature: 0.8,
+                top_k: 40,
+                top_p: 0.95,
+                seed: 7,
+            },
+            ..common::greedy(24)
+        };
+        let gen = |m: &Model, logprobs: bool| {
+            let opts = gatestream::model::generate::GenerateOptions {
+                logprobs,
+                ..opts.clone()
+            };
+            m.generate_ids(&ids, &opts, None, None, None, &mut |_| {})
+        };
+        let want = gen(&gpu, true).map_err(|e| e.to_string())?;
+        let on_cpu = gen(&cpu, false).map_err(|e| e.to_string())?;
+        let before = dev.link().unwrap_or_default().to_host_bytes;
+        let got = gen(&gpu, false).map_err(|e| e.to_string())?;
+        let back = dev.link().unwrap_or_default().to_host_bytes - before;
+        let rows = 1 + got
+            .speculative
+            .as_ref()
+            .map_or(got.decode_tokens, |s| s.passes + s.drafted);
+        let drafted = got.speculative.as_ref().map_or(0, |s| s.drafted);
+        if got.tokens != want.tokens || back != 8 * 40 * rows as u64 || (lookup > 0) != (drafted > 0) {
+            failures.push(format!(
+                "stories260K sampled, lookup {lookup}: candidates {:?}, logits {:?}; {back} bytes back for {rows} \
+                 rows; {drafted} drafted",
+                got.tokens, want.tokens
+            ));
+        }
+        generations.push(format!(
+            "lookup {lookup}: {} tokens, {drafted} drafted, {rows} rows, {back} bytes back, the CPU's tokens: {}",
+            got.tokens.len(),
+            if on_cpu.tokens == got.tokens {
+                "yes"
+            } else {
+                "no (its logits differ)"
+            }
+        ));
+    }
+    report.insert(
+        "top_k_rows".into(),
+        serde_json::json!({"rows_checked": rows_checked, "failures": failures.len()}),
+    );
+    if failures.is_empty() {
+        Ok(format!(
+            "  top_k_rows: {rows_checked} rows (widths 1 to 151,936, k 1 to 1024) the host's candidates; \
+             stories260K sampled (top-k 40) the tokens of its logits, {}",
             generations.join("; ")
         ))
     } else {

@@ -447,6 +447,29 @@ pub trait Device: Send + Sync {
             .map(|r| crate::model::sampler::argmax_banned(&values[r * w..(r + 1) * w], banned))
             .collect()
     }
+    /// Each row's `k` largest values with their ids, largest first (ties: lower id first, in
+    /// `f32::total_cmp`'s order), the `banned` ids counted as -inf: `[rows, k]` pairs, as
+    /// [`crate::model::sampler::most_likely`] finds them (`Want::Top`). A sync point that brings
+    /// 8 bytes a candidate to the host instead of the rows when the device is a GPU. `k` is at
+    /// least 1 and at most the row's width and [`crate::model::batch::TOP_K_MAX`].
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32]) -> Vec<(u32, f32)> {
+        let (values, w) = (self.to_host(x), x.width);
+        let mut out = Vec::with_capacity(x.rows * k);
+        for row in values.chunks_exact(w.max(1)).take(x.rows) {
+            if banned.is_empty() {
+                out.extend(crate::model::sampler::most_likely(row, k));
+                continue;
+            }
+            let mut row = row.to_vec();
+            for &b in banned {
+                if let Some(v) = row.get_mut(b as usize) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+            out.extend(crate::model::sampler::most_likely(&row, k));
+        }
+        out
+    }
     /// The listed rows, in order.
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act;
     /// `[n, m]` values into columns `cols` of a zero `[n, width]`.

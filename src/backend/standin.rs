@@ -80,7 +80,8 @@ pub struct HostStandIn {
     resident_bytes: AtomicU64,
     volatile_bytes: AtomicU64,
     volatile_copies: AtomicU64,
-    /// Bytes brought to the host (`to_host`, `download`, `argmax_rows`'s tokens).
+    /// Bytes brought to the host (`to_host`, `download`, `argmax_rows`'s tokens, `top_k_rows`'s
+    /// candidates).
     to_host_bytes: AtomicU64,
     /// Volatile copies made, by weight name.
     volatile_uses: Mutex<HashMap<String, u64>>,
@@ -458,6 +459,11 @@ impl Device for HostStandIn {
         // As a GPU: the tokens, not the rows, come to the host.
         self.to_host_bytes.fetch_add((x.rows * 4) as u64, Ordering::Relaxed);
         self.cpu.argmax_rows(x, banned)
+    }
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32]) -> Vec<(u32, f32)> {
+        // As a GPU: the candidates (an id and a value each), not the rows.
+        self.to_host_bytes.fetch_add((x.rows * k * 8) as u64, Ordering::Relaxed);
+        self.cpu.top_k_rows(x, k, banned)
     }
     fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
         self.cpu.embed(&self.on_device(w), ids, scale)

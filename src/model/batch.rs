@@ -26,7 +26,16 @@ pub enum Want<'a> {
     /// -inf), found where the logits are: from a GPU, 4 bytes a row come to the host instead of
     /// a vocabulary of logits.
     Greedy { banned: &'a [u32] },
+    /// Each row's `k` largest logits with their ids, largest first (ties: lower id first, in
+    /// `f32::total_cmp`'s order), the `banned` ids counted as -inf: all a sampler with top-k
+    /// draws from ([`crate::model::sampler::Sampler::sample_top`]). From a GPU, 8 bytes a
+    /// candidate come to the host instead of a vocabulary of logits. `k` is at most
+    /// [`TOP_K_MAX`] and the vocabulary.
+    Top { k: usize, banned: &'a [u32] },
 }
+
+/// The most candidates a row of [`Want::Top`] may ask for (a GPU block sorts them).
+pub const TOP_K_MAX: usize = 1024;
 
 /// A pass's result, as its [`Want`] asked.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,6 +44,8 @@ pub enum PassOut {
     Logits(Vec<f32>),
     /// One token a row.
     Tokens(Vec<u32>),
+    /// `k` candidates a row, `[rows, k]` (see [`Want::Top`]).
+    Top { k: usize, pairs: Vec<(u32, f32)> },
 }
 
 /// `n` rows of a pass's result from row `first` on (see [`PassOut::rows`]).
@@ -42,6 +53,11 @@ pub enum PassOut {
 pub enum Rows<'a> {
     Logits(&'a [f32]),
     Tokens(&'a [u32]),
+    /// `k` candidates a row ([`Want::Top`]).
+    Top {
+        k: usize,
+        pairs: &'a [(u32, f32)],
+    },
 }
 
 impl PassOut {
@@ -50,6 +66,7 @@ impl PassOut {
         match want {
             Want::Logits => PassOut::Logits(Vec::new()),
             Want::Greedy { .. } => PassOut::Tokens(Vec::new()),
+            Want::Top { k, .. } => PassOut::Top { k, pairs: Vec::new() },
         }
     }
 
@@ -57,6 +74,7 @@ impl PassOut {
         match self {
             PassOut::Logits(l) => l.is_empty(),
             PassOut::Tokens(t) => t.is_empty(),
+            PassOut::Top { pairs, .. } => pairs.is_empty(),
         }
     }
 
@@ -64,7 +82,7 @@ impl PassOut {
     pub fn into_logits(self) -> Vec<f32> {
         match self {
             PassOut::Logits(l) => l,
-            PassOut::Tokens(_) => unreachable!("a pass asked for logits returns logits"),
+            PassOut::Tokens(_) | PassOut::Top { .. } => unreachable!("a pass asked for logits returns logits"),
         }
     }
 
@@ -73,6 +91,10 @@ impl PassOut {
         match self {
             PassOut::Logits(l) => Rows::Logits(&l[first * vocab..(first + n) * vocab]),
             PassOut::Tokens(t) => Rows::Tokens(&t[first..first + n]),
+            PassOut::Top { k, pairs } => Rows::Top {
+                k: *k,
+                pairs: &pairs[first * k..(first + n) * k],
+            },
         }
     }
 }

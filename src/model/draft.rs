@@ -117,7 +117,7 @@ impl Drafter {
                 .forward_want(tokens, cache, Logits::Last, &hooks, Want::Greedy { banned: &[] })?
             {
                 PassOut::Tokens(t) => Ok(t[0]),
-                PassOut::Logits(_) => unreachable!("a greedy pass returns tokens"),
+                PassOut::Logits(_) | PassOut::Top { .. } => unreachable!("a greedy pass returns tokens"),
             }
         };
         let mut t = greedy(&context[keep..], &mut st.cache)?;

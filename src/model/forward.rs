@@ -8,7 +8,7 @@ use std::borrow::Cow;
 use crate::backend::{Act, AttnShape, RopeShape};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::{Batch, Logits, PassOut, Want};
+use crate::model::batch::{Batch, Logits, PassOut, Want, TOP_K_MAX};
 use crate::model::weights::LayerWeights;
 use crate::model::{Model, Placement};
 use crate::tensor::Weight;
@@ -493,6 +493,13 @@ impl Model {
         Ok(match want {
             Want::Logits => PassOut::Logits(dev.download(logits)),
             Want::Greedy { banned } => PassOut::Tokens(dev.argmax_rows(&logits, banned)),
+            Want::Top { k, banned } => {
+                let k = k.clamp(1, TOP_K_MAX).min(logits.width);
+                PassOut::Top {
+                    k,
+                    pairs: dev.top_k_rows(&logits, k, banned),
+                }
+            }
         })
     }
 

@@ -203,7 +203,8 @@ pub(crate) fn take_token(
 /// both walk their passes through it.
 ///
 /// Rows of tokens (a greedy pass: [`Want::Greedy`]) are each row's token as greedy sampling
-/// would pick it from the row's logits, and `emit` then gets no logits (an empty row).
+/// would pick it from the row's logits; rows of candidates ([`Want::Top`]) are drawn from as
+/// the row's logits would be. `emit` then gets no logits (an empty row).
 pub(crate) fn walk_rows(
     sampler: &mut Sampler,
     rows: Rows,
@@ -214,6 +215,7 @@ pub(crate) fn walk_rows(
     let n = match rows {
         Rows::Logits(l) => l.len() / vocab.max(1),
         Rows::Tokens(t) => t.len(),
+        Rows::Top { k, pairs } => pairs.len() / k.max(1),
     };
     for j in 0..n.min(drafts.len() + 1) {
         let draft = drafts.get(j).copied();
@@ -229,6 +231,14 @@ pub(crate) fn walk_rows(
             Rows::Tokens(ids) => {
                 debug_assert!(sampler.is_greedy(), "tokens handed over for a sampler that draws");
                 (ids[j], &[][..])
+            }
+            Rows::Top { k, pairs } => {
+                let top = &pairs[j * k..(j + 1) * k];
+                let t = match draft {
+                    Some(d) => sampler.verify_top(top, d),
+                    None => sampler.sample_top(top),
+                };
+                (t, &[][..])
             }
         };
         let kept = draft == Some(t);
@@ -428,16 +438,19 @@ impl Model {
         let t0 = Instant::now();
         let hooks = passes.hooks(mask.map(|m| m.as_mask()), None);
         // Greedy without logprobs needs only each row's argmax: the device finds it (from a GPU,
-        // 4 bytes a row come back instead of the logits).
+        // 4 bytes a row come back instead of the logits); a draw with top-k, only each row's k
+        // most likely tokens (8 bytes each).
         let stop_ids: &[u32] = if opts.ignore_eos {
             self.tokenizer.stop_ids()
         } else {
             &[]
         };
-        let want = if opts.sampler.is_greedy() && !opts.logprobs {
-            Want::Greedy { banned: stop_ids }
-        } else {
-            Want::Logits
+        let top_k = Sampler::new(opts.sampler.clone()).top_k();
+        let want = match (opts.logprobs, opts.sampler.is_greedy(), top_k) {
+            (true, ..) => Want::Logits,
+            (false, true, _) => Want::Greedy { banned: stop_ids },
+            (false, false, Some(k)) => Want::Top { k, banned: stop_ids },
+            (false, false, None) => Want::Logits,
         };
         let mut logits = PassOut::empty(want);
         // With `ignore_eos`, each pass's rows never sample a stop token.

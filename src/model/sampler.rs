@@ -135,6 +135,14 @@ impl Sampler {
         (r >> 40) as f32 / (1u64 << 24) as f32
     }
 
+    /// The top-k a sampler asks of a pass ([`crate::model::batch::Want::Top`]) in place of
+    /// the logits: `Some(top_k)` when it draws with a top-k of at most
+    /// [`crate::model::batch::TOP_K_MAX`] (the candidates are then all a draw looks at).
+    pub fn top_k(&self) -> Option<usize> {
+        let k = self.cfg.top_k;
+        (!self.cfg.is_greedy() && (1..=crate::model::batch::TOP_K_MAX).contains(&k)).then_some(k)
+    }
+
     /// The tokens a draw can pick and their unnormalized weights (most likely first), and the
     /// weights' sum; `None` for greedy.
     fn candidates(&self, logits: &[f32]) -> Option<(Vec<(u32, f32)>, f32)> {
@@ -146,7 +154,21 @@ impl Sampler {
         } else {
             self.cfg.top_k
         };
-        let mut cand = most_likely(logits, k);
+        Some(self.weigh(most_likely(logits, k)))
+    }
+
+    /// [`Sampler::candidates`] from a row's most likely tokens as [`most_likely`] lists them
+    /// (at least `top_k` of them, or the whole vocabulary): the first `top_k` are the same.
+    fn candidates_of(&self, top: &[(u32, f32)]) -> (Vec<(u32, f32)>, f32) {
+        assert!(
+            self.top_k().is_some() && !top.is_empty(),
+            "candidates handed over for a sampler without top-k"
+        );
+        self.weigh(top[..self.cfg.top_k.min(top.len())].to_vec())
+    }
+
+    /// Temperature, then top-p, over candidates most likely first.
+    fn weigh(&self, mut cand: Vec<(u32, f32)>) -> (Vec<(u32, f32)>, f32) {
         let max = cand[0].1;
         let mut sum = 0f32;
         for c in cand.iter_mut() {
@@ -164,7 +186,7 @@ impl Sampler {
         }
         cand.truncate(kept.max(1));
         let total: f32 = cand.iter().map(|c| c.1).sum();
-        Some((cand, total))
+        (cand, total)
     }
 
     /// The distribution `sample` draws from: `(token, probability)`, most likely first,
@@ -182,9 +204,21 @@ impl Sampler {
     /// [`Sampler::distribution`], else a token drawn from that distribution without the draft.
     /// Either way the token is distributed exactly as [`Sampler::sample`]'s.
     pub fn verify(&mut self, logits: &[f32], draft: u32) -> u32 {
-        let Some((cand, total)) = self.candidates(logits) else {
-            return argmax(logits);
-        };
+        match self.candidates(logits) {
+            None => argmax(logits),
+            Some((cand, total)) => self.keep_or_draw(&cand, total, draft),
+        }
+    }
+
+    /// [`Sampler::verify`] from the row's most likely tokens (`top`, as [`most_likely`] lists
+    /// them, at least [`Sampler::top_k`] of them or the whole vocabulary): the same token for
+    /// the same generator state.
+    pub fn verify_top(&mut self, top: &[(u32, f32)], draft: u32) -> u32 {
+        let (cand, total) = self.candidates_of(top);
+        self.keep_or_draw(&cand, total, draft)
+    }
+
+    fn keep_or_draw(&mut self, cand: &[(u32, f32)], total: f32, draft: u32) -> u32 {
         let w = cand.iter().find(|c| c.0 == draft).map_or(0.0, |c| c.1);
         if self.uniform() * total < w {
             return draft;
@@ -204,11 +238,21 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let Some((cand, total)) = self.candidates(logits) else {
-            return argmax(logits);
-        };
+        match self.candidates(logits) {
+            None => argmax(logits),
+            Some((cand, total)) => self.draw(&cand, total),
+        }
+    }
+
+    /// [`Sampler::sample`] from the row's most likely tokens (see [`Sampler::verify_top`]).
+    pub fn sample_top(&mut self, top: &[(u32, f32)]) -> u32 {
+        let (cand, total) = self.candidates_of(top);
+        self.draw(&cand, total)
+    }
+
+    fn draw(&mut self, cand: &[(u32, f32)], total: f32) -> u32 {
         let mut r = self.uniform() * total;
-        for c in &cand {
+        for c in cand {
             r -= c.1;
             if r <= 0.0 {
                 return c.0;
@@ -236,8 +280,9 @@ pub fn top_log_softmax(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         .collect()
 }
 
-/// The `k` largest logits with their ids, largest first (ties: lower id first).
-fn most_likely(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+/// The `k` largest logits with their ids, largest first (ties: lower id first), in
+/// `f32::total_cmp`'s order (+0 above -0, a NaN with its sign bit clear above +inf).
+pub fn most_likely(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     let k = k.min(logits.len());
     if k == 0 {
         return Vec::new();
@@ -357,6 +402,64 @@ mod tests {
         });
         assert_eq!(g.verify(&logits, 4), 4);
         assert_eq!(g.verify(&logits, 1), 4);
+    }
+
+    /// Drawing from a row's most likely tokens (as a device lists them, `Want::Top`) gives the
+    /// tokens drawing from the row does, seed for seed, drafts verified too — with exactly the
+    /// sampler's k, with more (the server asks for the largest k of a step), and with fewer
+    /// when the vocabulary is smaller than k.
+    #[test]
+    fn drawing_from_the_top_k_is_drawing_from_the_logits() {
+        let mut state = 0x1234_5678_9ABC_DEF1u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for (vocab, top_k, listed, top_p) in [
+            (1000usize, 40usize, 40usize, 0.95f32),
+            (1000, 40, 100, 0.9),
+            (1000, 1, 7, 1.0),
+            (30, 40, 30, 0.95),
+            (5000, 1024, 1024, 1.0),
+        ] {
+            let cfg = SamplerConfig {
+                temperature: 0.7,
+                top_k,
+                top_p,
+                seed: vocab as u64 + top_k as u64,
+            };
+            let (mut a, mut b) = (Sampler::new(cfg.clone()), Sampler::new(cfg));
+            assert_eq!(a.top_k(), Some(top_k));
+            for step in 0..300 {
+                // Few distinct values, so ties decide which tokens are listed.
+                let logits: Vec<f32> = (0..vocab).map(|_| (next() % 50) as f32 * 0.1).collect();
+                let top = most_likely(&logits, listed);
+                let draft = (next() % vocab as u64) as u32;
+                let (x, y) = if step % 2 == 0 {
+                    (a.sample(&logits), b.sample_top(&top))
+                } else {
+                    (a.verify(&logits, draft), b.verify_top(&top, draft))
+                };
+                assert_eq!(x, y, "vocab {vocab}, top-k {top_k}, {listed} listed, step {step}");
+            }
+        }
+        let no_k = |temperature, top_k| {
+            Sampler::new(SamplerConfig {
+                temperature,
+                top_k,
+                ..SamplerConfig::default()
+            })
+            .top_k()
+        };
+        assert_eq!(no_k(0.0, 40), None, "greedy");
+        assert_eq!(no_k(0.8, 0), None, "every token a candidate");
+        assert_eq!(
+            no_k(0.8, crate::model::batch::TOP_K_MAX + 1),
+            None,
+            "more than a device sorts"
+        );
     }
 
     #[test]

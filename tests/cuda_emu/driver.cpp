@@ -25,7 +25,8 @@
 // GSEMU_SKIP_KERNELS=1 skips every kernel (launches, captured or not, do nothing; copies and
 // memsets still run): what is left of a run's time is the host's own work — gatestream's and
 // this library's — for timing that alone. Every value a kernel would write is then garbage,
-// except argmax_rows's greedy tokens: 0 for every row, so a greedy run can go on.
+// except argmax_rows's greedy tokens (0 for every row) and top_k_rows's candidates (ids 0 to k - 1,
+// each with value 0), so a greedy or sampled run can go on.
 
 #include "emu.h"
 
@@ -319,7 +320,7 @@ static Kernel kernel(const char* name, void (*fn)(A...)) {
 #define TYPED(t) K(matmul_##t) K(matvec_##t) K(matvec2_##t) K(matvec4_##t) K(embed_##t) K(accumulate_##t)
 static const Kernel KERNELS[] = {
     TYPED(f32) TYPED(f16) TYPED(bf16) TYPED(q4_0) TYPED(q4_1) TYPED(q5_0) TYPED(q8_0) TYPED(q4_k) TYPED(q5_k)
-        TYPED(q6_k) K(accumulate_reduce) K(argmax_rows) K(activate_mul) K(activate_mul_q8_k) K(add_rms_norm) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)
+        TYPED(q6_k) K(accumulate_reduce) K(argmax_rows) K(top_k_rows) K(activate_mul) K(activate_mul_q8_k) K(add_rms_norm) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)
             K(activate) K(softcap) K(select_rows) K(scatter_cols) K(gather_cols) K(rope_norm) K(rope_norm_kv) K(kv_write)
                 K(attention) K(act_q8_k_blocks) K(matvec_i8_q4_k) K(matvec_i8_q6_k)
                     K(matvec_i8x3_q4_k) K(matvec_i8x3_q6_k) K(matvec_i8f_q4_k) K(matvec_i8f_q6_k)};
@@ -640,10 +641,20 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
         return v && std::strcmp(v, "1") == 0;
     }();
     if (skip) {
-        // Greedy tokens still come back (token 0 for every row), so a greedy run goes on.
+        // Greedy tokens and candidates still come back (token 0 for every row; ids 0 to k - 1,
+        // values 0), so a greedy or sampled run goes on.
         if (std::strcmp(k->name, "argmax_rows") == 0) {
             unsigned* out = *static_cast<unsigned**>(params[4]);
             for (unsigned r = 0; r < gx; r++) out[r] = 0;
+        }
+        if (std::strcmp(k->name, "top_k_rows") == 0) {
+            int n = *static_cast<int*>(params[4]);
+            unsigned* out = *static_cast<unsigned**>(params[5]);
+            for (unsigned r = 0; r < gx; r++)
+                for (int j = 0; j < n; j++) {
+                    out[(r * n + j) * 2] = (unsigned)j;
+                    out[(r * n + j) * 2 + 1] = 0;
+                }
         }
         return CUDA_SUCCESS;
     }

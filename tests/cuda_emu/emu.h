@@ -100,6 +100,17 @@ inline float __int_as_float(int i) {
     std::memcpy(&f, &i, 4);
     return f;
 }
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+// Fibers switch only at barriers and exchanges, so an atomic is a plain read-modify-write.
+inline unsigned atomicAdd(unsigned* a, unsigned v) {
+    unsigned old = *a;
+    *a = old + v;
+    return old;
+}
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max;
 using std::min;

@@ -48,6 +48,9 @@ const ATTENTION_THREADS: u32 = 128;
 const ACCUMULATE_THREADS: u32 = 64;
 /// Threads of the block that finds one row's argmax (a vocabulary of ~150k logits: ~150 each).
 const ARGMAX_THREADS: u32 = 1024;
+/// Threads of the block that finds one row's top-k (`TOPK_MAX` in kernels/ops.cu: one a
+/// candidate when they are ranked).
+const TOP_K_THREADS: u32 = crate::model::batch::TOP_K_MAX as u32;
 /// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
 const ATTN_MAX_HEAD_DIM: usize = 512;
 /// Bytes of freed activation buffers kept for reuse.
@@ -72,9 +75,10 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
 /// The kernels that are not per type.
-const OPS: [&str; 21] = [
+const OPS: [&str; 22] = [
     "accumulate_reduce",
     "argmax_rows",
+    "top_k_rows",
     "activate_mul",
     "activate_mul_q8_k",
     "add_rms_norm",
@@ -1641,6 +1645,42 @@ impl Device for CudaDevice {
             ],
         );
         self.to_host(&out).iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32]) -> Vec<(u32, f32)> {
+        assert!(
+            (1..=TOP_K_THREADS as usize).contains(&k) && k <= x.width,
+            "top_k_rows: k = {k} for rows of {}",
+            x.width
+        );
+        if x.rows == 0 {
+            return Vec::new();
+        }
+        // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value.
+        let out = self.act(x.rows, 2 * k);
+        let idx = self.indices(banned);
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (TOP_K_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "top_k_rows",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(x)),
+                int(x.width),
+                ptr(idx),
+                int(banned.len()),
+                int(k),
+                ptr(self.buf(&out)),
+            ],
+        );
+        self.to_host(&out)
+            .chunks_exact(2)
+            .map(|c| (c[0].to_bits(), c[1]))
+            .collect()
     }
 
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {
