@@ -522,10 +522,17 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
                 );
                 // Back to the host: the logits, and for a mask each layer's input, gate and up
                 // of every token (its edit of act(gate)·up is made on the host and sent, never
-                // fetched); the lookahead's prediction may fetch its own inputs besides.
+                // fetched) — except up in the decode steps of the gate criterion, which decides
+                // from the input and gate alone (the device makes act(gate)·up); the lookahead's
+                // prediction may fetch its own inputs besides.
                 let tokens = (got.len() / m.config.vocab) as u64;
-                let per_layer = (m.config.hidden + 2 * m.config.ffn) as u64 * 4;
-                let want_back = 4 * got.len() as u64 + sparse.map_or(0, |_| tokens * n_layers * per_layer);
+                let (h, f) = (m.config.hidden as u64, m.config.ffn as u64);
+                let per_token = match sparse.map(|c| criteria[c]) {
+                    None => 0,
+                    Some(Criterion::Gate) => (tokens - 4) * (h + 2 * f) + 4 * (h + f),
+                    Some(_) => tokens * (h + 2 * f),
+                };
+                let want_back = 4 * got.len() as u64 + 4 * n_layers * per_token;
                 let back = dev.link().unwrap().to_host_bytes;
                 match ahead {
                     false => assert_eq!(back, want_back, "{what}: bytes back to the host"),

@@ -310,7 +310,24 @@ impl Model {
         // A device with memory of its own: the mask's edit of them, made on the host, stays
         // there too (phase 4 reads the kept neurons from it instead of the device).
         let mut hact_host: Option<Vec<f32>> = None;
+        // A decode step on a device with memory of its own, whose mask decides from the input
+        // and gate alone and reads up only for the neurons it keeps (a hot or streamed set, up
+        // zero elsewhere): the device makes act(gate)·up, and phase 4 takes exactly that set,
+        // so up is never fetched (one sync a layer fewer). Nothing watches the activations.
+        let on_device = decode.is_some()
+            && !dev.host_memory()
+            && hooks.observe.is_none()
+            && hooks.mask.is_some_and(|m| m.decides_from_input())
+            && streamed.as_ref().is_some_and(|st| st.one_pass);
         let hact = match hooks.mask {
+            Some(mask) if on_device => {
+                // The mask is told of the step (its choice and counts need only these); the
+                // values it would zero are the device's, and phase 4 never reads them.
+                let (xh, gh) = scores.as_ref().expect("fetched for the mask");
+                mask.apply(l, xh, gh, &[], &mut vec![0f32; n * f]);
+                dev.mul(&mut up, &gate);
+                up
+            }
             None if plain => {
                 dev.activate_mul(&mut up, &mut gate, cfg.activation);
                 up
@@ -351,7 +368,7 @@ impl Model {
                 // The neurons kept: the up set when the mask chose before up and the down
                 // columns are at hand with the up rows (staged with them, or in place), else
                 // those some token kept. Hot ones first, then the stream's.
-                let up_set_kept = st.one_pass && (st.in_place || st.down_w.is_some() || !st.asks);
+                let up_set_kept = st.one_pass && (on_device || st.in_place || st.down_w.is_some() || !st.asks);
                 let mut kept: Vec<u32> = match up_set_kept {
                     true => st.hot_set.iter().chain(&st.up_set).copied().collect(),
                     false => match &hact_host {

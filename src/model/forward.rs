@@ -286,6 +286,16 @@ pub trait FfnMask: Sync {
         false
     }
 
+    /// True when `apply`'s choice, and what it counts, depends on `xn` and `gate` alone (never
+    /// on `up` or the values of `hact`), and its edit only zeroes the neurons it drops, which
+    /// are those `up_needed` did not name (so [`FfnMask::decides_before_up`] holds too). A
+    /// masked decode step on a device with memory of its own then makes act(gate)·up itself
+    /// from an up that is zero outside those neurons, and `apply` is only told of the step:
+    /// up never comes to the host.
+    fn decides_from_input(&self) -> bool {
+        false
+    }
+
     /// Mixture-of-experts models: whether this mask can run inside each routed expert (per
     /// token, on the expert's own neurons; it sees one expert's `[tokens routed to it, ffn]` at a
     /// time). Masks that keep per-layer state over a layer's neurons (thresholds, union sets,

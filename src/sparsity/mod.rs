@@ -705,6 +705,11 @@ impl FfnMask for Masker<'_> {
         }
     }
 
+    /// Gate and sketch scores read `xn` and `gate` only; a union set, nothing of the step.
+    fn decides_from_input(&self) -> bool {
+        self.decides_before_up()
+    }
+
     fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
         let (f, h) = (self.ffn, self.hidden);
         let n = hact.len() / f;
