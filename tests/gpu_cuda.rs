@@ -445,6 +445,39 @@ fn top_k_rows(
     if let Some(e) = dev.take_error() {
         return Err(e.to_string());
     }
+    // Time a vocabulary row's ways to a draw's candidates (each call a sync): top-40 on the
+    // device (320 bytes back), the argmax on the device (4 bytes), and the row brought to the
+    // host (608 KB) and its top-40 found there.
+    let timing = {
+        let row: Vec<f32> = (0..151_936).map(|_| rng.normalish() * 4.0).collect();
+        let x = dev.upload(1, row.len(), row);
+        let reps = if dev.name().contains("host emulation") { 3 } else { 200 };
+        let time = |f: &dyn Fn()| {
+            f();
+            let t = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            t.elapsed().as_secs_f64() * 1e6 / reps as f64
+        };
+        let top = time(&|| {
+            dev.top_k_rows(&x, 40, &[]);
+        });
+        let arg = time(&|| {
+            dev.argmax_rows(&x, &[]);
+        });
+        let host = time(&|| {
+            most_likely(&dev.to_host(&x), 40);
+        });
+        report.insert(
+            "top_k_rows_us".into(),
+            serde_json::json!({"top_k_40_on_device": top, "argmax_on_device": arg, "row_to_host_then_top_k_40": host}),
+        );
+        format!(
+            "a row of 151,936: top-40 on the device {top:.1} µs, argmax on the device {arg:.1} µs, the row to the \
+             host and its top-40 there {host:.1} µs (a call each, sync included)"
+        )
+    };
     // Sampled generation through `Want::Top`, against the same device's logits drawn on the host.
     let path = common::stories_dir();
     let (cpu, gpu) = (load(&path, Arc::new(CpuBackend::new(0)))?, load(&path, dev.clone())?);
@@ -508,7 +541,7 @@ fn top_k_rows(
     if failures.is_empty() {
         Ok(format!(
             "  top_k_rows: {rows_checked} rows (widths 1 to 151,936, k 1 to 1024) the host's candidates; \
-             stories260K sampled (top-k 40) the tokens of its logits, {}",
+             stories260K sampled (top-k 40) the tokens of its logits, {}; {timing}",
             generations.join("; ")
         ))
     } else {
