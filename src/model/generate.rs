@@ -445,8 +445,7 @@ impl Model {
         } else {
             &[]
         };
-        let top_k = Sampler::new(opts.sampler.clone()).top_k();
-        let want = match (opts.logprobs, opts.sampler.is_greedy(), top_k) {
+        let want = match (opts.logprobs, opts.sampler.is_greedy(), opts.sampler.device_top_k()) {
             (true, ..) => Want::Logits,
             (false, true, _) => Want::Greedy { banned: stop_ids },
             (false, false, Some(k)) => Want::Top { k, banned: stop_ids },

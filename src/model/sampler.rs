@@ -22,6 +22,14 @@ impl SamplerConfig {
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0
     }
+
+    /// The top-k a sampler asks of a pass ([`crate::model::batch::Want::Top`]) in place of
+    /// the logits: `Some(top_k)` when it draws with a top-k of at most
+    /// [`crate::model::batch::TOP_K_MAX`] (the candidates are then all a draw looks at).
+    pub fn device_top_k(&self) -> Option<usize> {
+        let k = self.top_k;
+        (!self.is_greedy() && (1..=crate::model::batch::TOP_K_MAX).contains(&k)).then_some(k)
+    }
 }
 
 impl Default for SamplerConfig {
@@ -135,12 +143,9 @@ impl Sampler {
         (r >> 40) as f32 / (1u64 << 24) as f32
     }
 
-    /// The top-k a sampler asks of a pass ([`crate::model::batch::Want::Top`]) in place of
-    /// the logits: `Some(top_k)` when it draws with a top-k of at most
-    /// [`crate::model::batch::TOP_K_MAX`] (the candidates are then all a draw looks at).
+    /// See [`SamplerConfig::device_top_k`].
     pub fn top_k(&self) -> Option<usize> {
-        let k = self.cfg.top_k;
-        (!self.cfg.is_greedy() && (1..=crate::model::batch::TOP_K_MAX).contains(&k)).then_some(k)
+        self.cfg.device_top_k()
     }
 
     /// The tokens a draw can pick and their unnormalized weights (most likely first), and the
