@@ -300,23 +300,31 @@ impl<'m> Engine<'m> {
             cancel: None,
         }
         .hooks(self.mask, None);
-        // When every sequence sampled from this pass is greedy and asks for no log-probabilities,
-        // each row's argmax is all it needs: the device finds them (see `Want::Greedy`); when
-        // every one draws with a top-k, the rows' most likely tokens (`Want::Top`, the largest k
-        // asked: a row's first k of them are its own k).
+        // When every sequence sampled from this pass asks for no log-probabilities, each row's
+        // argmax (greedy) or k most likely tokens (a draw with a top-k) is all it needs: the
+        // device finds them (see `Want::Greedy`, `Want::Top`; the largest k asked, a row's first
+        // k of them being its own k; and the argmax too when greedy sequences are among them).
         let plain = |s: &Sequence| !s.logprobs && s.top_logprobs == 0;
-        let greedy = rows.iter().all(|&(i, _)| {
+        let (mut greedy, mut sampled, mut top_k) = (0usize, 0usize, Some(0usize));
+        for &(i, _) in &rows {
             let s = &self.seqs[i];
-            s.sampler.is_greedy() && plain(s)
-        });
-        let top_k = rows.iter().try_fold(0usize, |k, &(i, _)| {
-            let s = &self.seqs[i];
-            s.sampler.top_k().filter(|_| plain(s)).map(|t| k.max(t))
-        });
-        let want = match (greedy, top_k) {
-            (true, _) => Want::Greedy { banned: &[] },
-            (false, Some(k)) if k > 0 => Want::Top { k, banned: &[] },
-            _ => Want::Logits,
+            if !plain(s) {
+                top_k = None;
+            } else if s.sampler.is_greedy() {
+                greedy += 1;
+            } else {
+                sampled += 1;
+                top_k = top_k.zip(s.sampler.top_k()).map(|(a, b)| a.max(b));
+            }
+        }
+        let want = match top_k {
+            Some(_) if sampled == 0 => Want::Greedy { banned: &[] },
+            Some(k) => Want::Top {
+                k,
+                banned: &[],
+                greedy: greedy > 0,
+            },
+            None => Want::Logits,
         };
         let logits = {
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
@@ -340,7 +348,7 @@ impl<'m> Engine<'m> {
         let mut ended = Vec::new();
         for &(i, r0) in &rows {
             let s = &mut self.seqs[i];
-            let pass_rows = logits.rows(r0, 1 + s.drafts.len(), vocab);
+            let pass_rows = logits.rows_for(r0, 1 + s.drafts.len(), vocab, s.sampler.is_greedy());
             let mut end = None;
             let (kept, next) = walk_rows(&mut s.sampler, pass_rows, vocab, &s.drafts, &mut |t, row| {
                 let Some((text, logprob)) = take_token(tokenizer, &mut s.decoder, row, t, s.logprobs) else {

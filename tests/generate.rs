@@ -359,8 +359,9 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
 /// 8 bytes a candidate come to the host instead of a vocabulary of floats, and the tokens are
 /// those drawn from the logits (asking for log-probabilities brings them) — with the stop tokens
 /// banned and with drafts to verify. The engine asks for the largest k of a step when every
-/// sequence of it samples with a top-k; a greedy one among them, or one with every token a
-/// candidate (top-k 0), brings the step's logits. Each request gets the tokens it gets alone.
+/// sequence of it samples with a top-k, and each row's greedy token too when greedy sequences
+/// share the step (4 bytes a row more); one with every token a candidate (top-k 0) brings the
+/// step's logits. Each request gets the tokens it gets alone.
 #[test]
 fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits() {
     use gatestream::backend::standin::HostStandIn;
@@ -439,7 +440,8 @@ fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits()
     let prompts = ["The capital of France is", "Once upon a time"].map(|p| m.prompt_ids(p, false).unwrap());
     for (samplers, per_row) in [
         ([sampler(20, 1), sampler(40, 2)], 8 * 40),
-        ([sampler(40, 1), greedy(0).sampler], 4 * vocab),
+        ([sampler(40, 1), greedy(0).sampler], 8 * 40 + 4),
+        ([greedy(0).sampler, sampler(7, 3)], 8 * 7 + 4),
         ([sampler(0, 1), sampler(40, 2)], 4 * vocab),
     ] {
         let alone: Vec<Vec<u32>> = prompts

@@ -30,8 +30,10 @@ pub enum Want<'a> {
     /// `f32::total_cmp`'s order), the `banned` ids counted as -inf: all a sampler with top-k
     /// draws from ([`crate::model::sampler::Sampler::sample_top`]). From a GPU, 8 bytes a
     /// candidate come to the host instead of a vocabulary of logits. `k` is at most
-    /// [`TOP_K_MAX`] and the vocabulary.
-    Top { k: usize, banned: &'a [u32] },
+    /// [`TOP_K_MAX`] and the vocabulary. With `greedy`, each row's greedy token too (as
+    /// [`Want::Greedy`]; 4 bytes a row more), for a step whose greedy sequences share the pass
+    /// with sampling ones ([`PassOut::rows_for`]).
+    Top { k: usize, banned: &'a [u32], greedy: bool },
 }
 
 /// The most candidates a row of [`Want::Top`] may ask for (a GPU block sorts them).
@@ -44,8 +46,13 @@ pub enum PassOut {
     Logits(Vec<f32>),
     /// One token a row.
     Tokens(Vec<u32>),
-    /// `k` candidates a row, `[rows, k]` (see [`Want::Top`]).
-    Top { k: usize, pairs: Vec<(u32, f32)> },
+    /// `k` candidates a row, `[rows, k]`, and each row's greedy token when asked (else empty;
+    /// see [`Want::Top`]).
+    Top {
+        k: usize,
+        pairs: Vec<(u32, f32)>,
+        tokens: Vec<u32>,
+    },
 }
 
 /// `n` rows of a pass's result from row `first` on (see [`PassOut::rows`]).
@@ -66,7 +73,11 @@ impl PassOut {
         match want {
             Want::Logits => PassOut::Logits(Vec::new()),
             Want::Greedy { .. } => PassOut::Tokens(Vec::new()),
-            Want::Top { k, .. } => PassOut::Top { k, pairs: Vec::new() },
+            Want::Top { k, .. } => PassOut::Top {
+                k,
+                pairs: Vec::new(),
+                tokens: Vec::new(),
+            },
         }
     }
 
@@ -91,10 +102,19 @@ impl PassOut {
         match self {
             PassOut::Logits(l) => Rows::Logits(&l[first * vocab..(first + n) * vocab]),
             PassOut::Tokens(t) => Rows::Tokens(&t[first..first + n]),
-            PassOut::Top { k, pairs } => Rows::Top {
+            PassOut::Top { k, pairs, .. } => Rows::Top {
                 k: *k,
                 pairs: &pairs[first * k..(first + n) * k],
             },
+        }
+    }
+
+    /// [`PassOut::rows`] for a sequence that samples greedily (`greedy`) or not: its tokens
+    /// where a pass of candidates found them too ([`Want::Top`] with `greedy`).
+    pub fn rows_for(&self, first: usize, n: usize, vocab: usize, greedy: bool) -> Rows<'_> {
+        match self {
+            PassOut::Top { tokens, .. } if greedy && !tokens.is_empty() => Rows::Tokens(&tokens[first..first + n]),
+            _ => self.rows(first, n, vocab),
         }
     }
 }

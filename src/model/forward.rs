@@ -503,11 +503,15 @@ impl Model {
         Ok(match want {
             Want::Logits => PassOut::Logits(dev.download(logits)),
             Want::Greedy { banned } => PassOut::Tokens(dev.argmax_rows(&logits, banned)),
-            Want::Top { k, banned } => {
+            Want::Top { k, banned, greedy } => {
                 let k = k.clamp(1, TOP_K_MAX).min(logits.width);
                 PassOut::Top {
                     k,
                     pairs: dev.top_k_rows(&logits, k, banned),
+                    tokens: match greedy {
+                        true => dev.argmax_rows(&logits, banned),
+                        false => Vec::new(),
+                    },
                 }
             }
         })

@@ -448,7 +448,11 @@ impl Model {
         let want = match (opts.logprobs, opts.sampler.is_greedy(), opts.sampler.device_top_k()) {
             (true, ..) => Want::Logits,
             (false, true, _) => Want::Greedy { banned: stop_ids },
-            (false, false, Some(k)) => Want::Top { k, banned: stop_ids },
+            (false, false, Some(k)) => Want::Top {
+                k,
+                banned: stop_ids,
+                greedy: false,
+            },
             (false, false, None) => Want::Logits,
         };
         let mut logits = PassOut::empty(want);
