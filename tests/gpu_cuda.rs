@@ -308,15 +308,7 @@ fn argmax_rows(
         return Err(e.to_string());
     }
     // Greedy generation through `Want::Greedy` on both devices.
-    let path = common::stories_dir();
-    let (cpu, gpu) = (load(&path, Arc::new(CpuBackend::new(0)))?, load(&path, dev.clone())?);
-    // A prompt that repeats itself, so prompt lookup finds drafts in it.
-    let ids = cpu
-        .prompt_ids(
-            "Once upon a time there was a little girl. Once upon a time there was a little girl. Once upon a time",
-            false,
-        )
-        .map_err(|e| e.to_string())?;
+    let (cpu, gpu, ids) = stories_on_both(dev)?;
     let mut generations = Vec::new();
     for lookup in [0, 3] {
         let opts = gatestream::model::generate::GenerateOptions {
@@ -358,6 +350,20 @@ fn argmax_rows(
     } else {
         Err(failures.join("\n"))
     }
+}
+
+/// stories260K on the CPU and on `dev`, and a prompt that repeats itself (so prompt lookup
+/// finds drafts in it).
+fn stories_on_both(dev: &Arc<CudaDevice>) -> Result<(Model, Model, Vec<u32>), String> {
+    let path = common::stories_dir();
+    let (cpu, gpu) = (load(&path, Arc::new(CpuBackend::new(0)))?, load(&path, dev.clone())?);
+    let ids = cpu
+        .prompt_ids(
+            "Once upon a time there was a little girl. Once upon a time there was a little girl. Once upon a time",
+            false,
+        )
+        .map_err(|e| e.to_string())?;
+    Ok((cpu, gpu, ids))
 }
 
 /// The device's top-k candidates (`Device::top_k_rows`) against the host's
@@ -479,14 +485,7 @@ fn top_k_rows(
         )
     };
     // Sampled generation through `Want::Top`, against the same device's logits drawn on the host.
-    let path = common::stories_dir();
-    let (cpu, gpu) = (load(&path, Arc::new(CpuBackend::new(0)))?, load(&path, dev.clone())?);
-    let ids = cpu
-        .prompt_ids(
-            "Once upon a time there was a little girl. Once upon a time there was a little girl. Once upon a time",
-            false,
-        )
-        .map_err(|e| e.to_string())?;
+    let (cpu, gpu, ids) = stories_on_both(dev)?;
     let mut generations = Vec::new();
     for lookup in [0, 3] {
         let opts = gatestream::model::generate::GenerateOptions {

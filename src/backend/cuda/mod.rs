@@ -547,6 +547,32 @@ fn driver_version() -> Result<(i32, i32)> {
 }
 
 impl CudaDevice {
+    /// A block of `threads` a row of `x` running `kernel` (`argmax_rows`, `top_k_rows`), whose
+    /// arguments are the rows, their width, the `banned` ids and their count, `extra`, then an
+    /// output of `out_width` words a row, which is returned.
+    fn pick_rows(
+        &self,
+        kernel: &'static str,
+        threads: u32,
+        x: &Act,
+        banned: &[u32],
+        extra: &[Arg],
+        out_width: usize,
+    ) -> Act {
+        let out = self.act(x.rows, out_width);
+        let idx = self.indices(banned);
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut args = vec![ptr(self.buf(x)), int(x.width), ptr(idx), int(banned.len())];
+        args.extend_from_slice(extra);
+        args.push(ptr(self.buf(&out)));
+        self.launch(kernel, None, cfg, &args);
+        out
+    }
+
     /// GPU `ordinal`: the driver, a device, NVRTC no newer than the driver, the kernels compiled
     /// for the device (or read from the cache) and loaded.
     pub fn open(ordinal: usize) -> Result<CudaDevice> {
@@ -1625,25 +1651,7 @@ impl Device for CudaDevice {
             return vec![0; x.rows];
         }
         // One word a row, the kernel's u32 in an f32 buffer's bits.
-        let out = self.act(x.rows, 1);
-        let idx = self.indices(banned);
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (ARGMAX_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(
-            "argmax_rows",
-            None,
-            cfg,
-            &[
-                ptr(self.buf(x)),
-                int(x.width),
-                ptr(idx),
-                int(banned.len()),
-                ptr(self.buf(&out)),
-            ],
-        );
+        let out = self.pick_rows("argmax_rows", ARGMAX_THREADS, x, banned, &[], 1);
         self.to_host(&out).iter().map(|v| v.to_bits()).collect()
     }
 
@@ -1657,26 +1665,7 @@ impl Device for CudaDevice {
             return Vec::new();
         }
         // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value.
-        let out = self.act(x.rows, 2 * k);
-        let idx = self.indices(banned);
-        let cfg = LaunchConfig {
-            grid_dim: (x.rows as u32, 1, 1),
-            block_dim: (TOP_K_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        self.launch(
-            "top_k_rows",
-            None,
-            cfg,
-            &[
-                ptr(self.buf(x)),
-                int(x.width),
-                ptr(idx),
-                int(banned.len()),
-                int(k),
-                ptr(self.buf(&out)),
-            ],
-        );
+        let out = self.pick_rows("top_k_rows", TOP_K_THREADS, x, banned, &[int(k)], 2 * k);
         self.to_host(&out)
             .chunks_exact(2)
             .map(|c| (c[0].to_bits(), c[1]))
