@@ -233,15 +233,21 @@ impl Model {
         // over only the rest.
         let mut streamed: Option<Streamed> = None;
         // The mask's inputs on the host, once per layer (a sync where the device has its own
-        // memory; a borrow on the CPU): phases 2 and 3 both read them.
-        let scores = hooks.mask.map(|_| (dev.to_host(xn), dev.to_host(&gate)));
+        // memory; a borrow on the CPU): phase 3 reads them, and phase 2 too when the mask picks
+        // up's neurons from them. Otherwise they are fetched after up is computed, so a decode
+        // layer waits on the device once (input, gate and up together), not twice.
+        let fetch = || (dev.to_host(xn), dev.to_host(&gate));
+        let mut scores = hooks.mask.filter(|m| m.up_needed_reads_input()).map(|_| fetch());
         let mut up = match (up_with_gate, stream, neurons) {
             (Some(up), _, _) => up,
             (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.up, rows, xn), rows, f),
             (None, None, FfnNeurons::All) => unreachable!("computed with the gate"),
             (None, Some(s), _) => {
                 let mut need = vec![true; f];
-                if let (Some(m), Some((xh, gh))) = (hooks.mask, &scores) {
+                if let Some(m) = hooks.mask {
+                    // A mask whose up set does not read the input is handed none (it is
+                    // fetched later; see `scores`).
+                    let (xh, gh) = scores.as_ref().map_or((&[][..], &[][..]), |(x, g)| (&x[..], &g[..]));
                     if decode.is_some() {
                         s.begin_decode(l)?;
                         self.predict_next(l, xh, m, s)?;
@@ -323,7 +329,7 @@ impl Model {
             Some(mask) if on_device => {
                 // The mask is told of the step (its choice and counts need only these); the
                 // values it would zero are the device's, and phase 4 never reads them.
-                let (xh, gh) = scores.as_ref().expect("fetched for the mask");
+                let (xh, gh) = scores.get_or_insert_with(fetch);
                 mask.apply(l, xh, gh, &[], &mut vec![0f32; n * f]);
                 dev.mul(&mut up, &gate);
                 up
@@ -342,7 +348,7 @@ impl Model {
                 // device (the CPU device takes the vector itself; a GPU gets one upload and no
                 // launches). A device with memory of its own keeps the host copy for phase 4 and
                 // the observer, so nothing is downloaded again.
-                let (xh, gh) = scores.as_ref().expect("fetched for the mask");
+                let (xh, gh) = scores.get_or_insert_with(fetch);
                 let uh = dev.to_host(&up);
                 let mut ha: Vec<f32> = uh.iter().zip(gh.iter()).map(|(u, g)| u * g).collect();
                 mask.apply(l, xh, gh, &uh, &mut ha);
