@@ -164,6 +164,10 @@ pub struct LinkCounters {
     /// Bytes copied the other way, device to host: a pass's logits (or a greedy pass's tokens,
     /// 4 bytes a row: [`Device::argmax_rows`]), the gate's scores a mask picks neurons from.
     pub to_host_bytes: u64,
+    /// Copies to the host that waited for kernels launched since the one before (each a point
+    /// where the host waits for the device and the device then for the host): with a mask, a
+    /// decode step's layers; then the logits or tokens. Counted by CUDA only (0 elsewhere).
+    pub host_waits: u64,
 }
 
 impl LinkCounters {
@@ -176,6 +180,7 @@ impl LinkCounters {
             pinned_bytes: self.pinned_bytes - o.pinned_bytes,
             copy_ns: self.copy_ns - o.copy_ns,
             to_host_bytes: self.to_host_bytes - o.to_host_bytes,
+            host_waits: self.host_waits - o.host_waits,
         }
     }
 }

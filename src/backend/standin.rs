@@ -434,6 +434,8 @@ impl Device for HostStandIn {
             pinned_bytes: u.sent_bytes + self.pinned_copied.load(Ordering::Relaxed),
             copy_ns: 0,
             to_host_bytes: self.to_host_bytes.load(Ordering::Relaxed),
+            // It computes at each call: nothing is left to wait for.
+            host_waits: 0,
         })
     }
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {

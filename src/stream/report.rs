@@ -160,6 +160,9 @@ pub struct LinkReport {
     /// Bytes per token copied back to the host: logits, or 4 a row when greedy decoding finds
     /// the token on the device; the gate's scores when a mask picks neurons.
     pub to_host_bytes_per_token: f64,
+    /// Copies to the host per token that waited for the device's kernels (CUDA counts them;
+    /// 0 elsewhere): see [`crate::backend::LinkCounters::host_waits`].
+    pub host_waits_per_token: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -267,6 +270,7 @@ impl StreamReport {
                 mapped_bytes_per_token: c.ffn_mapped_bytes as f64 / steps,
                 hot_bytes_per_token: c.ffn_hot_bytes as f64 / steps,
                 to_host_bytes_per_token: l.to_host_bytes as f64 / steps,
+                host_waits_per_token: l.host_waits as f64 / steps,
             }),
             counters: c,
         }

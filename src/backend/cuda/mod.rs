@@ -391,6 +391,9 @@ pub struct CudaDevice {
     fuse: std::sync::atomic::AtomicBool,
     /// Whether an integer product has been launched (before one, no blocks are made ahead).
     int8_seen: std::sync::atomic::AtomicBool,
+    /// Whether a kernel has been launched since the last copy to the host (which then waits
+    /// for it: `LinkCounters::host_waits`).
+    launched: std::sync::atomic::AtomicBool,
 }
 
 /// `GATESTREAM_CUDA_FUSE`: `1` (or `on`, the default) fuses launches of a decode step that
@@ -676,6 +679,7 @@ impl CudaDevice {
             graphs: Mutex::new(graph::Graphs::default()),
             fuse: std::sync::atomic::AtomicBool::new(fuse),
             int8_seen: std::sync::atomic::AtomicBool::new(false),
+            launched: std::sync::atomic::AtomicBool::new(false),
         };
         dev.set_graphs(graphs);
         dev.set_graph_split(graph_split)?;
@@ -955,6 +959,7 @@ impl CudaDevice {
         if self.failed() {
             return;
         }
+        self.launched.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut g = self.graphs.lock().expect("graphs");
         if g.recording() {
             // Checked now, so the error names the operation that asked for it.
@@ -1474,7 +1479,10 @@ impl Device for CudaDevice {
             if let (Some(s), false, true) = (b.slice.as_ref(), self.failed(), len > 0) {
                 let r = self.stream.memcpy_dtoh(&s.slice(..len), &mut out[..]);
                 self.check("copying activations to the host", r);
-                self.link.lock().expect("link counters").to_host_bytes += (len * 4) as u64;
+                let waited = self.launched.swap(false, std::sync::atomic::Ordering::Relaxed);
+                let mut link = self.link.lock().expect("link counters");
+                link.to_host_bytes += (len * 4) as u64;
+                link.host_waits += waited as u64;
             }
         }
         Cow::Owned(out)

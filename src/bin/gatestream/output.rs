@@ -158,7 +158,7 @@ impl Report for Outcome {
             if let Some(k) = &r.link {
                 eprintln!(
                     "{label}to the device: {:.1} MB/token in {:.0} copies, {:.0}% from page-locked memory ({:.0}% staged, \
-                     copied while the rest was read; {:.2} ms/token in copies{}), {} back to the host{}",
+                     copied while the rest was read; {:.2} ms/token in copies{}), {} back to the host{}{}",
                     mb(k.bytes_per_token),
                     k.copies_per_token,
                     k.pinned_fraction * 100.0,
@@ -172,6 +172,10 @@ impl Report for Outcome {
                     match k.to_host_bytes_per_token {
                         b if b < 1e3 => format!("{b:.0} bytes/token"),
                         b => format!("{:.1} KB/token", b / 1e3),
+                    },
+                    match k.host_waits_per_token {
+                        w if w > 0.0 => format!(" in {w:.1} waits/token"),
+                        _ => String::new(),
                     },
                     match &r.device_plan {
                         Some(d) => format!(
