@@ -314,7 +314,7 @@ impl<'m> Engine<'m> {
                 greedy += 1;
             } else {
                 sampled += 1;
-                top_k = top_k.zip(s.sampler.top_k()).map(|(a, b)| a.max(b));
+                top_k = top_k.zip(s.sampler.device_top_k()).map(|(a, b)| a.max(b));
             }
         }
         let want = match top_k {

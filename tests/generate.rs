@@ -264,6 +264,22 @@ fn ignore_eos_goes_on_past_the_end_of_sequence_token() {
     assert!(g.tokens.iter().all(|&t| !m.tokenizer.is_stop(t)), "{:?}", g.tokens);
 }
 
+/// A generation on a model on the host stand-in `dev`: the result, the logit rows its passes
+/// returned (1 + the decode passes, or the speculative passes and drafts), and the bytes that
+/// came back to the host meanwhile.
+fn generate_counting_bytes_back(
+    dev: &gatestream::backend::standin::HostStandIn,
+    m: &Model,
+    ids: &[u32],
+    opts: &GenerateOptions,
+) -> (gatestream::model::generate::Generation, u64, u64) {
+    use gatestream::backend::Device;
+    let before = dev.link().unwrap().to_host_bytes;
+    let g = m.generate_ids(ids, opts, None, None, None, &mut |_| {}).unwrap();
+    let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
+    (g, rows as u64, dev.link().unwrap().to_host_bytes - before)
+}
+
 /// Greedy decoding without log-probabilities asks the device for each row's token, not its
 /// logits: on a device with memory of its own (the host stand-in, which counts what comes back)
 /// 4 bytes a row come to the host instead of a vocabulary of floats, and the tokens are those
@@ -289,22 +305,15 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
             ..greedy(24)
         };
         let run = |logprobs: bool| {
-            let before = dev.link().unwrap().to_host_bytes;
-            let g = m
-                .generate_ids(
-                    &ids,
-                    &GenerateOptions {
-                        logprobs,
-                        ..opts.clone()
-                    },
-                    None,
-                    None,
-                    None,
-                    &mut |_| {},
-                )
-                .unwrap();
-            let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
-            (g, rows as u64, dev.link().unwrap().to_host_bytes - before)
+            generate_counting_bytes_back(
+                &dev,
+                &m,
+                &ids,
+                &GenerateOptions {
+                    logprobs,
+                    ..opts.clone()
+                },
+            )
         };
         let (tokens, rows, back) = run(false);
         let (logits, logit_rows, logits_back) = run(true);
@@ -391,10 +400,7 @@ fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits()
                 sampler: sampler(40, 11),
                 ..greedy(24)
             };
-            let before = dev.link().unwrap().to_host_bytes;
-            let g = m.generate_ids(&ids, &opts, None, None, None, &mut |_| {}).unwrap();
-            let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
-            (g, rows as u64, dev.link().unwrap().to_host_bytes - before)
+            generate_counting_bytes_back(&dev, &m, &ids, &opts)
         };
         let (top, rows, back) = run(false);
         let (logits, logit_rows, logits_back) = run(true);

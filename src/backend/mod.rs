@@ -466,11 +466,7 @@ pub trait Device: Send + Sync {
                 continue;
             }
             let mut row = row.to_vec();
-            for &b in banned {
-                if let Some(v) = row.get_mut(b as usize) {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
+            crate::model::sampler::ban(&mut row, banned);
             out.extend(crate::model::sampler::most_likely(&row, k));
         }
         out

@@ -460,11 +460,7 @@ impl Model {
         let ban_stops = |logits: &mut PassOut| {
             if let PassOut::Logits(logits) = logits {
                 for row in logits.chunks_exact_mut(self.config.vocab) {
-                    for &id in stop_ids {
-                        if let Some(v) = row.get_mut(id as usize) {
-                            *v = f32::NEG_INFINITY;
-                        }
-                    }
+                    crate::model::sampler::ban(row, stop_ids);
                 }
             }
         };

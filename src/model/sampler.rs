@@ -97,12 +97,18 @@ pub fn argmax_banned(x: &[f32], banned: &[u32]) -> u32 {
         return t;
     }
     let mut row = x.to_vec();
+    ban(&mut row, banned);
+    argmax(&row)
+}
+
+/// The `banned` ids of `row` (those inside it) set to -inf: a stop token never sampled under
+/// `--ignore-eos`.
+pub fn ban(row: &mut [f32], banned: &[u32]) {
     for &b in banned {
         if let Some(v) = row.get_mut(b as usize) {
             *v = f32::NEG_INFINITY;
         }
     }
-    argmax(&row)
 }
 
 /// [`argmax`] as one scan (the definition the lanes must agree with).
@@ -144,7 +150,7 @@ impl Sampler {
     }
 
     /// See [`SamplerConfig::device_top_k`].
-    pub fn top_k(&self) -> Option<usize> {
+    pub fn device_top_k(&self) -> Option<usize> {
         self.cfg.device_top_k()
     }
 
@@ -166,7 +172,7 @@ impl Sampler {
     /// (at least `top_k` of them, or the whole vocabulary): the first `top_k` are the same.
     fn candidates_of(&self, top: &[(u32, f32)]) -> (Vec<(u32, f32)>, f32) {
         assert!(
-            self.top_k().is_some() && !top.is_empty(),
+            self.device_top_k().is_some() && !top.is_empty(),
             "candidates handed over for a sampler without top-k"
         );
         self.weigh(top[..self.cfg.top_k.min(top.len())].to_vec())
@@ -216,7 +222,7 @@ impl Sampler {
     }
 
     /// [`Sampler::verify`] from the row's most likely tokens (`top`, as [`most_likely`] lists
-    /// them, at least [`Sampler::top_k`] of them or the whole vocabulary): the same token for
+    /// them, at least [`Sampler::device_top_k`] of them or the whole vocabulary): the same token for
     /// the same generator state.
     pub fn verify_top(&mut self, top: &[(u32, f32)], draft: u32) -> u32 {
         let (cand, total) = self.candidates_of(top);
@@ -436,7 +442,7 @@ mod tests {
                 seed: vocab as u64 + top_k as u64,
             };
             let (mut a, mut b) = (Sampler::new(cfg.clone()), Sampler::new(cfg));
-            assert_eq!(a.top_k(), Some(top_k));
+            assert_eq!(a.device_top_k(), Some(top_k));
             for step in 0..300 {
                 // Few distinct values, so ties decide which tokens are listed.
                 let logits: Vec<f32> = (0..vocab).map(|_| (next() % 50) as f32 * 0.1).collect();
@@ -456,7 +462,7 @@ mod tests {
                 top_k,
                 ..SamplerConfig::default()
             })
-            .top_k()
+            .device_top_k()
         };
         assert_eq!(no_k(0.0, 40), None, "greedy");
         assert_eq!(no_k(0.8, 0), None, "every token a candidate");
