@@ -205,27 +205,59 @@ __device__ __forceinline__ u32 total_order_key(float v) {
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Element i of a row as top_k_rows orders it: the value's key above, ~i below (a lower index
-// is larger), so every element has a key of its own; the `banned` ids count as -inf.
-__device__ __forceinline__ u64 top_k_key(const float* xr, int i, const u32* banned, int n_banned) {
+// Element i of a row, -inf when i is one of the `n_banned` ids of `banned`.
+__device__ __forceinline__ float unbanned(const float* xr, int i, const u32* banned, int n_banned) {
     float v = xr[i];
     for (int k = 0; k < n_banned; k++)
         if (banned[k] == (u32)i) v = __int_as_float((int)0xff800000u);
-    return ((u64)total_order_key(v) << 32) | (u64)(~(u32)i);
+    return v;
+}
+
+// Element i of a row as top_k_rows orders it: the value's key above, ~i below (a lower index
+// is larger), so every element has a key of its own; the `banned` ids count as -inf.
+__device__ __forceinline__ u64 top_k_key(const float* xr, int i, const u32* banned, int n_banned) {
+    return ((u64)total_order_key(unbanned(xr, i, banned, n_banned)) << 32) | (u64)(~(u32)i);
 }
 
 // Each row's k largest values with their indices, largest first, ties lower index first, in
 // f32::total_cmp's order, the `n_banned` ids of `banned` counted as -inf: as sampler::most_likely
 // lists them after generation's stop-token ban. out[row][2j] = the index, out[row][2j + 1] = the
 // value's bits. grid.x = row, blockDim.x = TOPK_MAX, 1 <= k <= min(width, TOPK_MAX).
+// With `lse` (not 0), each row of out is 2k + 2 words, the last two the low and high words of
+// ln sum exp(row) as an f64, the banned ids left out (ops::log_sum_exp of the banned row: the
+// maximum, then the sum of exp(v - max) in f64; each thread's elements in order, then a fixed
+// tree over the block, so the result does not depend on scheduling either). Log-probabilities
+// of the candidates are then value - that, with no row brought to the host.
 // A radix select over the 64-bit keys (top_k_key), a byte at a time from the top: each round
 // counts the keys that share the bytes chosen so far by their next byte, and keeps the byte
 // where the k-th largest lies; it ends once that byte's keys are exactly the ones still needed
 // (at the latest on the last byte: keys are unique). The k keys at or above the chosen bytes are
 // then gathered and ranked. Counts are integers and ranks are by unique keys, so the result does
 // not depend on scheduling.
-extern "C" __global__ void top_k_rows(const float* x, int width, const u32* banned, int n_banned, int k, u32* out) {
+extern "C" __global__ void top_k_rows(const float* x, int width, const u32* banned, int n_banned, int k, int lse,
+                                      u32* out) {
     const float* xr = x + (u64)blockIdx.x * width;
+    u32* row_out = out + (u64)blockIdx.x * (2 * k + (lse ? 2 : 0));
+    if (lse) {
+        __shared__ double sums[TOPK_MAX];
+        float m = __int_as_float((int)0xff800000u);
+        for (int i = threadIdx.x; i < width; i += blockDim.x) m = fmaxf(m, unbanned(xr, i, banned, n_banned));
+        m = block_max(m);
+        double s = 0.0;
+        for (int i = threadIdx.x; i < width; i += blockDim.x)
+            s += exp((double)unbanned(xr, i, banned, n_banned) - (double)m);
+        sums[threadIdx.x] = s;
+        __syncthreads();
+        for (int half = blockDim.x / 2; half > 0; half >>= 1) {
+            if ((int)threadIdx.x < half) sums[threadIdx.x] += sums[threadIdx.x + half];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            u64 bits = (u64)__double_as_longlong((double)m + log(sums[0]));
+            row_out[2 * k] = (u32)bits;
+            row_out[2 * k + 1] = (u32)(bits >> 32);
+        }
+    }
     __shared__ u32 hist[256];
     __shared__ u64 keys[TOPK_MAX];
     __shared__ u64 prefix, mask;
@@ -277,7 +309,7 @@ extern "C" __global__ void top_k_rows(const float* x, int width, const u32* bann
     for (int j = 0; j < n; j++) rank += keys[j] > mine;
     u32 hi = (u32)(mine >> 32);
     u32 bits = (hi & 0x80000000u) ? (hi & 0x7fffffffu) : ~hi;
-    u32* o = out + (u64)blockIdx.x * 2 * k + 2 * rank;
+    u32* o = row_out + 2 * rank;
     o[0] = ~(u32)mine;
     o[1] = bits;
 }

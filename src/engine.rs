@@ -300,29 +300,32 @@ impl<'m> Engine<'m> {
             cancel: None,
         }
         .hooks(self.mask, None);
-        // When every sequence sampled from this pass asks for no log-probabilities, each row's
-        // argmax (greedy) or k most likely tokens (a draw with a top-k) is all it needs: the
-        // device finds them (see `Want::Greedy`, `Want::Top`; the largest k asked, a row's first
-        // k of them being its own k; and the argmax too when greedy sequences are among them).
-        let plain = |s: &Sequence| !s.logprobs && s.top_logprobs == 0;
-        let (mut greedy, mut sampled, mut top_k) = (0usize, 0usize, Some(0usize));
+        // Each row's argmax (greedy) or k most likely tokens (a draw with a top-k) is all a
+        // sequence samples from: the device finds them (see `Want::Greedy`, `Want::Top`; the
+        // largest k asked, a row's first k of them being its own k; and the argmax too when
+        // greedy sequences are among them). Log-probabilities need each row's log-sum-exp
+        // beside them, and top log-probabilities at least as many candidates. Only a draw from
+        // the whole vocabulary (top-k 0, or more than the device lists) needs the logits.
+        let (mut greedy, mut sampled, mut lse, mut top_k) = (0usize, 0usize, false, Some(1usize));
         for &(i, _) in &rows {
             let s = &self.seqs[i];
-            if !plain(s) {
-                top_k = None;
-            } else if s.sampler.is_greedy() {
+            lse |= s.logprobs || s.top_logprobs > 0;
+            let own = if s.sampler.is_greedy() {
                 greedy += 1;
+                Some(1)
             } else {
                 sampled += 1;
-                top_k = top_k.zip(s.sampler.device_top_k()).map(|(a, b)| a.max(b));
-            }
+                s.sampler.device_top_k()
+            };
+            top_k = top_k.zip(own).map(|(a, b)| a.max(b).max(s.top_logprobs));
         }
         let want = match top_k {
-            Some(_) if sampled == 0 => Want::Greedy { banned: &[] },
+            Some(_) if sampled == 0 && !lse => Want::Greedy { banned: &[] },
             Some(k) => Want::Top {
                 k,
                 banned: &[],
                 greedy: greedy > 0,
+                lse,
             },
             None => Want::Logits,
         };
@@ -359,7 +362,7 @@ impl<'m> Engine<'m> {
                 if s.lookup > 0 {
                     s.context.push(t);
                 }
-                let top = crate::model::sampler::top_log_softmax(row, s.top_logprobs);
+                let top = row.top_logprobs(s.top_logprobs);
                 let (text, stopped) = release(&mut s.held, &s.stop, text);
                 events.push(Event::Token {
                     request: s.id,

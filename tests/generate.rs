@@ -267,6 +267,11 @@ fn ignore_eos_goes_on_past_the_end_of_sequence_token() {
 /// A generation on a model on the host stand-in `dev`: the result, the logit rows its passes
 /// returned (1 + the decode passes, or the speculative passes and drafts), and the bytes that
 /// came back to the host meanwhile.
+/// Floats' bits, to compare them exactly (NaNs included).
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 fn generate_counting_bytes_back(
     dev: &gatestream::backend::standin::HostStandIn,
     m: &Model,
@@ -283,9 +288,12 @@ fn generate_counting_bytes_back(
 /// Greedy decoding without log-probabilities asks the device for each row's token, not its
 /// logits: on a device with memory of its own (the host stand-in, which counts what comes back)
 /// 4 bytes a row come to the host instead of a vocabulary of floats, and the tokens are those
-/// sampled from the logits (asking for log-probabilities brings the logits) — with the stop
-/// tokens banned (`ignore_eos`) and with drafts to verify (prompt lookup: several rows a pass).
-/// The engine asks for tokens when every sequence of a step is greedy without log-probabilities.
+/// sampled from the logits (`logits_on_host`) — with the stop tokens banned (`ignore_eos`) and
+/// with drafts to verify (prompt lookup: several rows a pass). With log-probabilities, the
+/// token, its candidate and the row's log-sum-exp come back (20 bytes a row), and the
+/// log-probabilities are those of the logits, bit for bit. The engine asks for tokens when
+/// every sequence of a step is greedy without log-probabilities, and for the token, candidate
+/// and log-sum-exp when one of them asks for log-probabilities.
 #[test]
 fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
     use gatestream::backend::standin::HostStandIn;
@@ -304,22 +312,28 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
             lookup,
             ..greedy(24)
         };
-        let run = |logprobs: bool| {
+        let run = |logprobs: bool, logits_on_host: bool| {
             generate_counting_bytes_back(
                 &dev,
                 &m,
                 &ids,
                 &GenerateOptions {
                     logprobs,
+                    logits_on_host,
                     ..opts.clone()
                 },
             )
         };
-        let (tokens, rows, back) = run(false);
-        let (logits, logit_rows, logits_back) = run(true);
+        let (tokens, rows, back) = run(false, false);
+        let (logits, logit_rows, logits_back) = run(true, true);
+        let (lp, lp_rows, lp_back) = run(true, false);
         assert_eq!(tokens.tokens, logits.tokens, "{what}");
+        assert_eq!(lp.tokens, logits.tokens, "{what}");
+        assert_eq!(bits(&lp.logprobs), bits(&logits.logprobs), "{what}");
+        assert_eq!(lp.logprobs.len(), lp.tokens.len(), "{what}");
         assert_eq!(back, 4 * rows, "{what}: {rows} rows");
         assert_eq!(logits_back, 4 * vocab * logit_rows, "{what}: {logit_rows} rows");
+        assert_eq!(lp_back, 20 * lp_rows, "{what}: {lp_rows} rows");
         if ignore_eos {
             assert_eq!(tokens.tokens.len(), 24, "{what}");
             assert!(tokens.tokens.iter().all(|&t| !m.tokenizer.is_stop(t)), "{what}");
@@ -332,8 +346,8 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
         }
     }
     // The engine: a step whose sequences are all greedy without log-probabilities brings back
-    // 4 bytes a row, one with a sequence asking for them the step's logits; the tokens each
-    // request gets alone either way.
+    // 4 bytes a row, one with a sequence asking for them each row's token, top candidate and
+    // log-sum-exp; the tokens each request gets alone either way.
     let prompts = ["The capital of France is", "Once upon a time"].map(|p| m.prompt_ids(p, false).unwrap());
     let alone: Vec<Vec<u32>> = prompts
         .iter()
@@ -358,19 +372,21 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
         assert_eq!(got, alone, "logprobs of one: {logprobs_of_one}");
         // No stop token came: one row a token.
         let rows = got.iter().map(|t| t.len() as u64).sum::<u64>();
-        let per_row = if logprobs_of_one { 4 * vocab } else { 4 };
+        let per_row = if logprobs_of_one { 20 } else { 4 };
         assert_eq!(back, per_row * rows, "logprobs of one: {logprobs_of_one}");
     }
 }
 
-/// Sampling with a top-k and no log-probabilities asks the device for each row's k most likely
-/// tokens, not its logits: on the host stand-in (which counts what comes back as a GPU would)
-/// 8 bytes a candidate come to the host instead of a vocabulary of floats, and the tokens are
-/// those drawn from the logits (asking for log-probabilities brings them) — with the stop tokens
-/// banned and with drafts to verify. The engine asks for the largest k of a step when every
-/// sequence of it samples with a top-k, and each row's greedy token too when greedy sequences
-/// share the step (4 bytes a row more); one with every token a candidate (top-k 0) brings the
-/// step's logits. Each request gets the tokens it gets alone.
+/// Sampling with a top-k asks the device for each row's k most likely tokens, not its logits:
+/// on the host stand-in (which counts what comes back as a GPU would) 8 bytes a candidate come
+/// to the host instead of a vocabulary of floats (8 bytes a row more for log-probabilities: the
+/// row's log-sum-exp), and the tokens and log-probabilities are those of the logits
+/// (`logits_on_host`) — with the stop tokens banned and with drafts to verify. The engine asks
+/// for the largest k of a step when every sequence of it samples with a top-k (or asks for that
+/// many top log-probabilities), each row's greedy token too when greedy sequences share the
+/// step (4 bytes a row more), and the log-sum-exp when one asks for log-probabilities; one with
+/// every token a candidate (top-k 0) brings the step's logits. Each request gets the tokens it
+/// gets alone.
 #[test]
 fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits() {
     use gatestream::backend::standin::HostStandIn;
@@ -392,22 +408,28 @@ fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits()
         .unwrap();
     for (ignore_eos, lookup) in [(false, 0), (true, 0), (true, 3)] {
         let what = format!("ignore_eos {ignore_eos}, lookup {lookup}");
-        let run = |logprobs: bool| {
+        let run = |logprobs: bool, logits_on_host: bool| {
             let opts = GenerateOptions {
                 ignore_eos,
                 lookup,
                 logprobs,
+                logits_on_host,
                 sampler: sampler(40, 11),
                 ..greedy(24)
             };
             generate_counting_bytes_back(&dev, &m, &ids, &opts)
         };
-        let (top, rows, back) = run(false);
-        let (logits, logit_rows, logits_back) = run(true);
+        let (top, rows, back) = run(false, false);
+        let (logits, logit_rows, logits_back) = run(true, true);
+        let (lp, lp_rows, lp_back) = run(true, false);
         assert_eq!(top.tokens, logits.tokens, "{what}");
+        assert_eq!(lp.tokens, logits.tokens, "{what}");
+        assert_eq!(bits(&lp.logprobs), bits(&logits.logprobs), "{what}");
+        assert_eq!(lp.logprobs.len(), lp.tokens.len(), "{what}");
         assert!(top.tokens.len() > 5, "{what}: {:?}", top.tokens);
         assert_eq!(back, 8 * 40 * rows, "{what}: {rows} rows");
         assert_eq!(logits_back, 4 * vocab * logit_rows, "{what}: {logit_rows} rows");
+        assert_eq!(lp_back, (8 * 40 + 8) * lp_rows, "{what}: {lp_rows} rows");
         if lookup > 0 {
             assert!(top.speculative.as_ref().unwrap().passes > 0, "{what}");
         }
@@ -444,35 +466,78 @@ fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits()
     assert_ne!(other.tokens, first.tokens);
     // The engine.
     let prompts = ["The capital of France is", "Once upon a time"].map(|p| m.prompt_ids(p, false).unwrap());
-    for (samplers, per_row) in [
-        ([sampler(20, 1), sampler(40, 2)], 8 * 40),
-        ([sampler(40, 1), greedy(0).sampler], 8 * 40 + 4),
-        ([greedy(0).sampler, sampler(7, 3)], 8 * 7 + 4),
-        ([sampler(0, 1), sampler(40, 2)], 4 * vocab),
+    // Each case: two requests' samplers and top log-probabilities (log-probabilities with
+    // them), and the bytes a row back.
+    for (samplers, tops, per_row) in [
+        ([sampler(20, 1), sampler(40, 2)], [0, 0], 8 * 40),
+        ([sampler(40, 1), greedy(0).sampler], [0, 0], 8 * 40 + 4),
+        ([greedy(0).sampler, sampler(7, 3)], [0, 0], 8 * 7 + 4),
+        ([sampler(0, 1), sampler(40, 2)], [0, 0], 4 * vocab),
+        ([greedy(0).sampler, sampler(7, 3)], [5, 0], 8 * 7 + 4 + 8),
+        ([sampler(20, 1), greedy(0).sampler], [0, 25], 8 * 25 + 4 + 8),
+        ([sampler(20, 1), sampler(3, 2)], [2, 4], 8 * 20 + 8),
+        ([sampler(0, 1), greedy(0).sampler], [0, 3], 4 * vocab),
     ] {
-        let alone: Vec<Vec<u32>> = prompts
+        // Alone, from the logits: the tokens and (where asked) their log-probabilities.
+        let alone: Vec<(Vec<u32>, Vec<f32>)> = prompts
             .iter()
             .zip(&samplers)
-            .map(|(p, s)| {
+            .zip(tops)
+            .map(|((p, s), top)| {
                 let opts = GenerateOptions {
                     sampler: s.clone(),
+                    logprobs: top > 0,
+                    logits_on_host: true,
                     ..greedy(6)
                 };
-                m.generate_ids(p, &opts, None, None, None, &mut |_| {}).unwrap().tokens
+                let g = m.generate_ids(p, &opts, None, None, None, &mut |_| {}).unwrap();
+                (g.tokens, g.logprobs)
             })
             .collect();
         let mut engine = gatestream::engine::Engine::new(&m, None, 16);
-        let reqs = prompts.iter().zip(&samplers).map(|(p, s)| gatestream::engine::Request {
-            prompt_ids: p.clone(),
-            max_tokens: 6,
-            sampler: s.clone(),
-            ..Default::default()
-        });
+        let reqs = prompts
+            .iter()
+            .zip(&samplers)
+            .zip(tops)
+            .map(|((p, s), top)| gatestream::engine::Request {
+                prompt_ids: p.clone(),
+                max_tokens: 6,
+                sampler: s.clone(),
+                logprobs: top > 0,
+                top_logprobs: top,
+                ..Default::default()
+            });
+        let what = format!(
+            "top-k {} and {}, top log-probabilities {tops:?}",
+            samplers[0].top_k, samplers[1].top_k
+        );
         let before = dev.link().unwrap().to_host_bytes;
-        let (got, _) = run_engine(&mut engine, reqs, &mut |_, _| {});
+        let mut logprobs = vec![Vec::new(); 2];
+        let (got, _) = run_engine(&mut engine, reqs, &mut |_, e| {
+            if let gatestream::engine::Event::Token {
+                request,
+                token,
+                logprob,
+                top,
+                ..
+            } = e
+            {
+                // A new engine's requests are 0 and 1.
+                let i = *request as usize;
+                assert_eq!(logprob.is_some(), tops[i] > 0, "{what}");
+                assert_eq!(top.len(), tops[i], "{what}");
+                assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "{what}: {top:?}");
+                if let Some(&(_, l)) = top.iter().find(|c| c.0 == *token) {
+                    assert_eq!(Some(l.to_bits()), logprob.map(f32::to_bits), "{what}");
+                }
+                logprobs[i].extend(*logprob);
+            }
+        });
         let back = dev.link().unwrap().to_host_bytes - before;
-        let what = format!("top-k {} and {}", samplers[0].top_k, samplers[1].top_k);
-        assert_eq!(got, alone, "{what}");
+        for i in 0..2 {
+            assert_eq!(got[i], alone[i].0, "{what}: request {i}");
+            assert_eq!(bits(&logprobs[i]), bits(&alone[i].1), "{what}: request {i}");
+        }
         let rows = got.iter().map(|t| t.len() as u64).sum::<u64>();
         assert_eq!(back, per_row * rows, "{what}");
     }

@@ -371,9 +371,13 @@ fn stories_on_both(dev: &Arc<CudaDevice>) -> Result<(Model, Model, Vec<u32>), St
 /// catch a radix select's mistakes — ties (lower id first, across the block), -0 below +0, NaNs
 /// of either sign (above +inf, below -inf), infinities, every value equal, -inf or NaN — with
 /// k of 1, 2, 40, 1024 and the whole row where it fits, and banned ids (none, the largest, id 0
-/// with one past the row, a run of ten); then sampled generation on stories260K (temperature 0.8,
-/// top-k 40, the stop token banned, prompt lookup on and off): the tokens of the same device's
-/// logits drawn on the host (`--logprobs` makes a pass return logits), 8 bytes a candidate back.
+/// with one past the row, a run of ten); every other call with the rows' log-sum-exps, which
+/// must match the host's (`ops::log_sum_exp` of the banned row: NaN where it is NaN, else within
+/// 1e-12 relative). Then generation on stories260K (sampled with temperature 0.8 and top-k 40,
+/// and greedy; the stop token banned; prompt lookup on and off): the tokens of the same
+/// device's logits drawn on the host (`logits_on_host`), 8 bytes a candidate back; with
+/// log-probabilities, those of the logits to within 1e-5, 8 bytes a row more (greedy: the
+/// token, its candidate and the log-sum-exp, 20 bytes a row).
 fn top_k_rows(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
@@ -382,6 +386,8 @@ fn top_k_rows(
     use gatestream::model::sampler::{most_likely, SamplerConfig};
     let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let (mut rows_checked, mut failures) = (0usize, Vec::new());
+    let (mut lse_checked, mut lse_worst) = (0usize, 0f64);
+    let mut call = 0usize;
     let neg_nan = f32::from_bits(0xffc0_0000);
     for width in [1usize, 2, 33, 1000, 1025, 4096, 151_936] {
         let mut rows: Vec<Vec<f32>> = Vec::new();
@@ -417,20 +423,43 @@ fn top_k_rows(
             ks.retain(|&k| k <= width.min(TOP_K_MAX));
             ks.dedup();
             for k in ks {
-                let got = dev.top_k_rows(&x, k, &banned);
-                let want: Vec<(u32, f32)> = rows
+                call += 1;
+                let lse = call.is_multiple_of(2);
+                let top = dev.top_k_rows(&x, k, &banned, lse);
+                let got = top.pairs;
+                let banned_rows: Vec<Vec<f32>> = rows
                     .iter()
-                    .flat_map(|r| {
+                    .map(|r| {
                         let mut r = r.clone();
                         for &b in &banned {
                             if let Some(v) = r.get_mut(b as usize) {
                                 *v = f32::NEG_INFINITY;
                             }
                         }
-                        most_likely(&r, k)
+                        r
                     })
                     .collect();
+                let want: Vec<(u32, f32)> = banned_rows.iter().flat_map(|r| most_likely(r, k)).collect();
                 rows_checked += rows.len();
+                if top.lse.len() != if lse { rows.len() } else { 0 } {
+                    failures.push(format!(
+                        "width {width}, k {k}, lse {lse}: {} log-sum-exps",
+                        top.lse.len()
+                    ));
+                }
+                for (r, (&z, row)) in top.lse.iter().zip(&banned_rows).enumerate() {
+                    let host = gatestream::backend::ops::log_sum_exp(row);
+                    lse_checked += 1;
+                    let off = (z - host).abs() / host.abs().max(1.0);
+                    if host.is_nan() != z.is_nan() || off > 1e-12 {
+                        failures.push(format!(
+                            "width {width}, k {k}, banned {banned:?}, row {r}: log-sum-exp {z} on the device, {host} \
+                             on the host"
+                        ));
+                    } else if !z.is_nan() {
+                        lse_worst = lse_worst.max(off);
+                    }
+                }
                 let bits = |v: &[(u32, f32)]| v.iter().map(|&(i, x)| (i, x.to_bits())).collect::<Vec<_>>();
                 if bits(&got) != bits(&want) {
                     let first = (0..want.len().min(got.len()))
@@ -467,7 +496,10 @@ fn top_k_rows(
             t.elapsed().as_secs_f64() * 1e6 / reps as f64
         };
         let top = time(&|| {
-            dev.top_k_rows(&x, 40, &[]);
+            dev.top_k_rows(&x, 40, &[], false);
+        });
+        let top_lse = time(&|| {
+            dev.top_k_rows(&x, 40, &[], true);
         });
         let arg = time(&|| {
             dev.argmax_rows(&x, &[]);
@@ -477,70 +509,103 @@ fn top_k_rows(
         });
         report.insert(
             "top_k_rows_us".into(),
-            serde_json::json!({"top_k_40_on_device": top, "argmax_on_device": arg, "row_to_host_then_top_k_40": host}),
+            serde_json::json!({"top_k_40_on_device": top, "top_k_40_and_log_sum_exp_on_device": top_lse,
+                               "argmax_on_device": arg, "row_to_host_then_top_k_40": host}),
         );
         format!(
-            "a row of 151,936: top-40 on the device {top:.1} µs, argmax on the device {arg:.1} µs, the row to the \
-             host and its top-40 there {host:.1} µs (a call each, sync included)"
+            "a row of 151,936: top-40 on the device {top:.1} µs (with the log-sum-exp {top_lse:.1} µs), argmax on \
+             the device {arg:.1} µs, the row to the host and its top-40 there {host:.1} µs (a call each, sync \
+             included)"
         )
     };
-    // Sampled generation through `Want::Top`, against the same device's logits drawn on the host.
+    // Generation through `Want::Top` (sampled) and `Want::Greedy` / `Want::Top` (greedy, with
+    // log-probabilities), against the same device's logits taken to the host.
     let (cpu, gpu, ids) = stories_on_both(dev)?;
     let mut generations = Vec::new();
-    for lookup in [0, 3] {
-        let opts = gatestream::model::generate::GenerateOptions {
-            ignore_eos: true,
-            lookup,
-            sampler: SamplerConfig {
-                temperature: 0.8,
-                top_k: 40,
-                top_p: 0.95,
-                seed: 7,
-            },
-            ..common::greedy(24)
-        };
-        let gen = |m: &Model, logprobs: bool| {
+    let mut lp_worst = 0f32;
+    let sampled = SamplerConfig {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+    };
+    for (name, sampler, per_row, per_row_lp) in [
+        ("sampled", sampled, 8 * 40, 8 * 40 + 8),
+        ("greedy", common::greedy(0).sampler, 4, 8 + 4 + 8),
+    ] {
+        for lookup in [0, 3] {
             let opts = gatestream::model::generate::GenerateOptions {
-                logprobs,
-                ..opts.clone()
+                ignore_eos: true,
+                lookup,
+                sampler: sampler.clone(),
+                ..common::greedy(24)
             };
-            m.generate_ids(&ids, &opts, None, None, None, &mut |_| {})
-        };
-        let want = gen(&gpu, true).map_err(|e| e.to_string())?;
-        let on_cpu = gen(&cpu, false).map_err(|e| e.to_string())?;
-        let before = dev.link().unwrap_or_default().to_host_bytes;
-        let got = gen(&gpu, false).map_err(|e| e.to_string())?;
-        let back = dev.link().unwrap_or_default().to_host_bytes - before;
-        let rows = 1 + got
-            .speculative
-            .as_ref()
-            .map_or(got.decode_tokens, |s| s.passes + s.drafted);
-        let drafted = got.speculative.as_ref().map_or(0, |s| s.drafted);
-        if got.tokens != want.tokens || back != 8 * 40 * rows as u64 || (lookup > 0) != (drafted > 0) {
-            failures.push(format!(
-                "stories260K sampled, lookup {lookup}: candidates {:?}, logits {:?}; {back} bytes back for {rows} \
-                 rows; {drafted} drafted",
-                got.tokens, want.tokens
+            let gen = |m: &Model, logprobs: bool, logits_on_host: bool| {
+                let opts = gatestream::model::generate::GenerateOptions {
+                    logprobs,
+                    logits_on_host,
+                    ..opts.clone()
+                };
+                let before = dev.link().unwrap_or_default().to_host_bytes;
+                let g = m.generate_ids(&ids, &opts, None, None, None, &mut |_| {});
+                let back = dev.link().unwrap_or_default().to_host_bytes - before;
+                g.map(|g| {
+                    let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
+                    (g, rows as u64, back)
+                })
+                .map_err(|e| e.to_string())
+            };
+            let (want, _, _) = gen(&gpu, true, true)?;
+            let (on_cpu, _, _) = gen(&cpu, false, false)?;
+            let (got, rows, back) = gen(&gpu, false, false)?;
+            let (lp, lp_rows, lp_back) = gen(&gpu, true, false)?;
+            let drafted = got.speculative.as_ref().map_or(0, |s| s.drafted);
+            let lp_off = lp
+                .logprobs
+                .iter()
+                .zip(&want.logprobs)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            lp_worst = lp_worst.max(lp_off);
+            if got.tokens != want.tokens
+                || lp.tokens != want.tokens
+                || lp.logprobs.len() != want.logprobs.len()
+                || lp_off.is_nan()
+                || lp_off > 1e-5
+                || back != per_row * rows
+                || lp_back != per_row_lp * lp_rows
+                || (lookup > 0) != (drafted > 0)
+            {
+                failures.push(format!(
+                    "stories260K {name}, lookup {lookup}: picked on the device {:?} (with logprobs {:?}), from the \
+                     logits {:?}; logprobs {:?} against {:?}; {back} bytes back for {rows} rows, {lp_back} for \
+                     {lp_rows} with logprobs; {drafted} drafted",
+                    got.tokens, lp.tokens, want.tokens, lp.logprobs, want.logprobs
+                ));
+            }
+            generations.push(format!(
+                "{name}, lookup {lookup}: {} tokens, {drafted} drafted, {rows} rows, {back} bytes back ({lp_back} \
+                 with logprobs), the CPU's tokens: {}",
+                got.tokens.len(),
+                if on_cpu.tokens == got.tokens {
+                    "yes"
+                } else {
+                    "no (its logits differ)"
+                }
             ));
         }
-        generations.push(format!(
-            "lookup {lookup}: {} tokens, {drafted} drafted, {rows} rows, {back} bytes back, the CPU's tokens: {}",
-            got.tokens.len(),
-            if on_cpu.tokens == got.tokens {
-                "yes"
-            } else {
-                "no (its logits differ)"
-            }
-        ));
     }
     report.insert(
         "top_k_rows".into(),
-        serde_json::json!({"rows_checked": rows_checked, "failures": failures.len()}),
+        serde_json::json!({"rows_checked": rows_checked, "log_sum_exps_checked": lse_checked,
+                           "log_sum_exp_worst_relative": lse_worst, "logprob_worst_abs": lp_worst,
+                           "failures": failures.len()}),
     );
     if failures.is_empty() {
         Ok(format!(
-            "  top_k_rows: {rows_checked} rows (widths 1 to 151,936, k 1 to 1024) the host's candidates; \
-             stories260K sampled (top-k 40) the tokens of its logits, {}; {timing}",
+            "  top_k_rows: {rows_checked} rows (widths 1 to 151,936, k 1 to 1024) the host's candidates, \
+             {lse_checked} log-sum-exps within {lse_worst:.1e} of the host's; stories260K's tokens those of its \
+             logits, log-probabilities within {lp_worst:.1e}: {}; {timing}",
             generations.join("; ")
         ))
     } else {

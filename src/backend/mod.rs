@@ -143,6 +143,50 @@ impl Act {
     }
 }
 
+/// Each row's most likely values ([`Device::top_k_rows`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopRows {
+    /// `[rows, k]` (id, value) pairs, each row's largest first.
+    pub pairs: Vec<(u32, f32)>,
+    /// Each row's ln Σ exp of its values (the banned ids left out) when asked, else empty: a
+    /// candidate's log-probability is its value less its row's.
+    pub lse: Vec<f64>,
+}
+
+/// [`Device::argmax_rows`] of `rows` rows of `width` values on the host.
+fn host_argmax_rows(values: &[f32], rows: usize, width: usize, banned: &[u32]) -> Vec<u32> {
+    (0..rows)
+        .map(|r| crate::model::sampler::argmax_banned(&values[r * width..(r + 1) * width], banned))
+        .collect()
+}
+
+/// [`Device::top_k_rows`] of rows of `width` values on the host.
+fn host_top_k_rows(values: &[f32], width: usize, k: usize, banned: &[u32], lse: bool) -> TopRows {
+    let rows = values.len() / width.max(1);
+    let mut out = TopRows {
+        pairs: Vec::with_capacity(rows * k),
+        lse: Vec::with_capacity(if lse { rows } else { 0 }),
+    };
+    for row in values.chunks_exact(width.max(1)) {
+        let banned_row;
+        let row = if banned.is_empty() {
+            row
+        } else {
+            banned_row = {
+                let mut r = row.to_vec();
+                crate::model::sampler::ban(&mut r, banned);
+                r
+            };
+            &banned_row[..]
+        };
+        out.pairs.extend(crate::model::sampler::most_likely(row, k));
+        if lse {
+            out.lse.push(ops::log_sum_exp(row));
+        }
+    }
+    out
+}
+
 /// Weights a device with memory of its own copied from the host (see [`Device::link`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LinkCounters {
@@ -447,29 +491,17 @@ pub trait Device: Send + Sync {
     /// -inf): a sync point, as `to_host`, that brings 4 bytes a row to the host instead of the
     /// row (a vocabulary of logits) when the device is a GPU.
     fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
-        let (values, w) = (self.to_host(x), x.width);
-        (0..x.rows)
-            .map(|r| crate::model::sampler::argmax_banned(&values[r * w..(r + 1) * w], banned))
-            .collect()
+        host_argmax_rows(&self.to_host(x), x.rows, x.width, banned)
     }
     /// Each row's `k` largest values with their ids, largest first (ties: lower id first, in
     /// `f32::total_cmp`'s order), the `banned` ids counted as -inf: `[rows, k]` pairs, as
-    /// [`crate::model::sampler::most_likely`] finds them (`Want::Top`). A sync point that brings
-    /// 8 bytes a candidate to the host instead of the rows when the device is a GPU. `k` is at
-    /// least 1 and at most the row's width and [`crate::model::batch::TOP_K_MAX`].
-    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32]) -> Vec<(u32, f32)> {
-        let (values, w) = (self.to_host(x), x.width);
-        let mut out = Vec::with_capacity(x.rows * k);
-        for row in values.chunks_exact(w.max(1)).take(x.rows) {
-            if banned.is_empty() {
-                out.extend(crate::model::sampler::most_likely(row, k));
-                continue;
-            }
-            let mut row = row.to_vec();
-            crate::model::sampler::ban(&mut row, banned);
-            out.extend(crate::model::sampler::most_likely(&row, k));
-        }
-        out
+    /// [`crate::model::sampler::most_likely`] finds them (`Want::Top`); with `lse`, each row's
+    /// [`ops::log_sum_exp`] too (banned ids left out), so that the candidates' log-probabilities
+    /// need no row on the host. A sync point that brings 8 bytes a candidate (and 8 a row for
+    /// `lse`) to the host instead of the rows when the device is a GPU. `k` is at least 1 and at
+    /// most the row's width and [`crate::model::batch::TOP_K_MAX`].
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool) -> TopRows {
+        host_top_k_rows(&self.to_host(x), x.width, k, banned, lse)
     }
     /// The listed rows, in order.
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act;

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::cpu::CpuBackend;
-use super::{Act, AttnShape, Device, LinkCounters, RopeShape, Upload};
+use super::{Act, AttnShape, Device, LinkCounters, RopeShape, TopRows, Upload};
 use crate::config::FfnActivation;
 use crate::kv::KvCache;
 use crate::tensor::{StagedBytes, Weight};
@@ -462,10 +462,13 @@ impl Device for HostStandIn {
         self.to_host_bytes.fetch_add((x.rows * 4) as u64, Ordering::Relaxed);
         self.cpu.argmax_rows(x, banned)
     }
-    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32]) -> Vec<(u32, f32)> {
-        // As a GPU: the candidates (an id and a value each), not the rows.
-        self.to_host_bytes.fetch_add((x.rows * k * 8) as u64, Ordering::Relaxed);
-        self.cpu.top_k_rows(x, k, banned)
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool) -> TopRows {
+        // As a GPU: the candidates (an id and a value each) and each row's log-sum-exp, not the
+        // rows.
+        let row_bytes = k * 8 + if lse { 8 } else { 0 };
+        self.to_host_bytes
+            .fetch_add((x.rows * row_bytes) as u64, Ordering::Relaxed);
+        self.cpu.top_k_rows(x, k, banned, lse)
     }
     fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
         self.cpu.embed(&self.on_device(w), ids, scale)

@@ -6,6 +6,7 @@
 //! sequence's positions continuing its cache without a gap, logit rows inside the batch.
 
 use crate::error::{Error, Result};
+use crate::model::sampler::{log_softmax_at, top_log_softmax};
 
 /// Which positions of a one-sequence batch need logits ([`Batch::one`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,8 +33,14 @@ pub enum Want<'a> {
     /// candidate come to the host instead of a vocabulary of logits. `k` is at most
     /// [`TOP_K_MAX`] and the vocabulary. With `greedy`, each row's greedy token too (as
     /// [`Want::Greedy`]; 4 bytes a row more), for a step whose greedy sequences share the pass
-    /// with sampling ones ([`PassOut::rows_for`]).
-    Top { k: usize, banned: &'a [u32], greedy: bool },
+    /// with sampling ones ([`PassOut::rows_for`]). With `lse`, each row's log-sum-exp too (8
+    /// bytes a row), from which the candidates' log-probabilities follow ([`Row::logprob`]).
+    Top {
+        k: usize,
+        banned: &'a [u32],
+        greedy: bool,
+        lse: bool,
+    },
 }
 
 /// The most candidates a row of [`Want::Top`] may ask for (a GPU block sorts them).
@@ -46,12 +53,13 @@ pub enum PassOut {
     Logits(Vec<f32>),
     /// One token a row.
     Tokens(Vec<u32>),
-    /// `k` candidates a row, `[rows, k]`, and each row's greedy token when asked (else empty;
-    /// see [`Want::Top`]).
+    /// `k` candidates a row, `[rows, k]`, and each row's greedy token and log-sum-exp when
+    /// asked (else empty; see [`Want::Top`]).
     Top {
         k: usize,
         pairs: Vec<(u32, f32)>,
         tokens: Vec<u32>,
+        lse: Vec<f64>,
     },
 }
 
@@ -60,11 +68,61 @@ pub enum PassOut {
 pub enum Rows<'a> {
     Logits(&'a [f32]),
     Tokens(&'a [u32]),
-    /// `k` candidates a row ([`Want::Top`]).
+    /// `k` candidates a row ([`Want::Top`]), each row's log-sum-exp (empty when not asked), and
+    /// each row's greedy token for a greedy sequence (see [`PassOut::rows_for`]; else empty).
     Top {
         k: usize,
         pairs: &'a [(u32, f32)],
+        lse: &'a [f64],
+        tokens: &'a [u32],
     },
+}
+
+/// One row of a pass's result as a sampled token's emitter sees it (see
+/// [`crate::model::generate::walk_rows`]).
+#[derive(Clone, Copy, Debug)]
+pub enum Row<'a> {
+    /// The row's logits.
+    Logits(&'a [f32]),
+    /// A greedy token alone: nothing to say of log-probabilities.
+    Token,
+    /// The row's candidates, most likely first, and its log-sum-exp when the pass was asked.
+    Top { pairs: &'a [(u32, f32)], lse: Option<f64> },
+}
+
+impl Row<'_> {
+    /// ln p of token `t`, a token sampled from this row: from the logits
+    /// ([`log_softmax_at`]), or `t`'s candidate value less the row's log-sum-exp. `None` when the
+    /// row cannot say (a token alone, candidates without a log-sum-exp).
+    ///
+    /// A greedy token need not be among the candidates: [`crate::model::sampler::argmax`] and the
+    /// candidates' order differ only where the row's largest values tie as -0 and +0 (equal
+    /// values) or a NaN is in it (then the log-sum-exp is NaN): the first candidate's value then
+    /// gives what the logits would.
+    pub fn logprob(&self, t: u32) -> Option<f32> {
+        match *self {
+            Row::Logits(l) => Some(log_softmax_at(l, t)),
+            Row::Token => None,
+            Row::Top { pairs, lse } => {
+                let z = lse?;
+                let v = pairs.iter().find(|p| p.0 == t).or(pairs.first())?.1;
+                Some((v as f64 - z) as f32)
+            }
+        }
+    }
+
+    /// The `n` most likely tokens with their ln p, most likely first (as [`top_log_softmax`]):
+    /// from the logits, or the first `n` candidates (a pass asked for at least `n`, with the
+    /// log-sum-exp). Empty when `n` is 0 or the row cannot say.
+    pub fn top_logprobs(&self, n: usize) -> Vec<(u32, f32)> {
+        match *self {
+            Row::Logits(l) => top_log_softmax(l, n),
+            Row::Token | Row::Top { lse: None, .. } => Vec::new(),
+            Row::Top { pairs, lse: Some(z) } => {
+                pairs.iter().take(n).map(|&(t, v)| (t, (v as f64 - z) as f32)).collect()
+            }
+        }
+    }
 }
 
 impl PassOut {
@@ -77,6 +135,7 @@ impl PassOut {
                 k,
                 pairs: Vec::new(),
                 tokens: Vec::new(),
+                lse: Vec::new(),
             },
         }
     }
@@ -97,24 +156,28 @@ impl PassOut {
         }
     }
 
-    /// Rows `first..first + n` (rows of `vocab` logits, or tokens).
+    /// Rows `first..first + n` (rows of `vocab` logits, tokens, or candidates; a pass of
+    /// candidates' greedy tokens are left out: see [`PassOut::rows_for`]).
     pub fn rows(&self, first: usize, n: usize, vocab: usize) -> Rows<'_> {
-        match self {
-            PassOut::Logits(l) => Rows::Logits(&l[first * vocab..(first + n) * vocab]),
-            PassOut::Tokens(t) => Rows::Tokens(&t[first..first + n]),
-            PassOut::Top { k, pairs, .. } => Rows::Top {
-                k: *k,
-                pairs: &pairs[first * k..(first + n) * k],
-            },
-        }
+        self.rows_for(first, n, vocab, false)
     }
 
     /// [`PassOut::rows`] for a sequence that samples greedily (`greedy`) or not: its tokens
     /// where a pass of candidates found them too ([`Want::Top`] with `greedy`).
     pub fn rows_for(&self, first: usize, n: usize, vocab: usize, greedy: bool) -> Rows<'_> {
         match self {
-            PassOut::Top { tokens, .. } if greedy && !tokens.is_empty() => Rows::Tokens(&tokens[first..first + n]),
-            _ => self.rows(first, n, vocab),
+            PassOut::Logits(l) => Rows::Logits(&l[first * vocab..(first + n) * vocab]),
+            PassOut::Tokens(t) => Rows::Tokens(&t[first..first + n]),
+            PassOut::Top { k, pairs, tokens, lse } => Rows::Top {
+                k: *k,
+                pairs: &pairs[first * k..(first + n) * k],
+                lse: if lse.is_empty() { &[] } else { &lse[first..first + n] },
+                tokens: if greedy && !tokens.is_empty() {
+                    &tokens[first..first + n]
+                } else {
+                    &[]
+                },
+            },
         }
     }
 }
@@ -221,6 +284,82 @@ impl Batch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row's candidates with its log-sum-exp give the log-probabilities its logits give, bit
+    /// for bit: of every candidate, of the greedy token where it is not the first candidate
+    /// (-0 and +0 tied largest; a NaN in the row), and the top ones in order; with stop ids
+    /// banned on both sides.
+    #[test]
+    fn candidates_with_log_sum_exp_give_the_logits_log_probabilities() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::backend::Device;
+        use crate::model::sampler::{argmax_banned, ban};
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut rows: Vec<Vec<f32>> = (0..6)
+            .map(|_| (0..300).map(|_| (next() % 20_000) as f32 / 1000.0 - 10.0).collect())
+            .collect();
+        // Ties: -0 before +0 as the largest; a NaN; a row where one value dominates.
+        rows[1].iter_mut().for_each(|v| *v = -v.abs() - 1.0);
+        rows[1][3] = -0.0;
+        rows[1][7] = 0.0;
+        rows[2][5] = f32::NAN;
+        rows[3][9] = 80.0;
+        let dev = CpuBackend::new(1);
+        for banned in [vec![], vec![9, 0, 1000]] {
+            let values: Vec<f32> = rows.concat();
+            let x = dev.upload(rows.len(), 300, values);
+            let k = 8;
+            let top = dev.top_k_rows(&x, k, &banned, true);
+            let greedy = dev.argmax_rows(&x, &banned);
+            assert_eq!((top.pairs.len(), top.lse.len()), (rows.len() * k, rows.len()));
+            for (r, row) in rows.iter().enumerate() {
+                let mut logits = row.clone();
+                ban(&mut logits, &banned);
+                let from_logits = Row::Logits(&logits);
+                let from_top = Row::Top {
+                    pairs: &top.pairs[r * k..(r + 1) * k],
+                    lse: Some(top.lse[r]),
+                };
+                let g = greedy[r];
+                assert_eq!(g, argmax_banned(row, &banned));
+                let tokens = top.pairs[r * k..(r + 1) * k].iter().map(|p| p.0).chain([g]);
+                for t in tokens {
+                    let (a, b) = (from_top.logprob(t).unwrap(), from_logits.logprob(t).unwrap());
+                    assert_eq!(a.to_bits(), b.to_bits(), "row {r}, token {t}: {a} against {b}");
+                }
+                for n in [0, 1, 5, k] {
+                    let (a, b) = (from_top.top_logprobs(n), from_logits.top_logprobs(n));
+                    let bits = |v: &[(u32, f32)]| v.iter().map(|&(t, l)| (t, l.to_bits())).collect::<Vec<_>>();
+                    assert_eq!(bits(&a), bits(&b), "row {r}, top {n}");
+                }
+            }
+            assert_eq!(greedy[1], 3, "-0 at 3 is the first largest");
+            assert_ne!(top.pairs[k].0, 3, "total order puts +0 first");
+        }
+        // Without the log-sum-exp, or a token alone, there is nothing to say.
+        let pairs = [(1u32, 0.5f32)];
+        assert_eq!(
+            Row::Top {
+                pairs: &pairs,
+                lse: None
+            }
+            .logprob(1),
+            None
+        );
+        assert!(Row::Top {
+            pairs: &pairs,
+            lse: None
+        }
+        .top_logprobs(1)
+        .is_empty());
+        assert_eq!(Row::Token.logprob(1), None);
+    }
 
     #[test]
     fn logits_from_past_the_batch_is_an_error() {

@@ -503,15 +503,17 @@ impl Model {
         Ok(match want {
             Want::Logits => PassOut::Logits(dev.download(logits)),
             Want::Greedy { banned } => PassOut::Tokens(dev.argmax_rows(&logits, banned)),
-            Want::Top { k, banned, greedy } => {
+            Want::Top { k, banned, greedy, lse } => {
                 let k = k.clamp(1, TOP_K_MAX).min(logits.width);
+                let top = dev.top_k_rows(&logits, k, banned, lse);
                 PassOut::Top {
                     k,
-                    pairs: dev.top_k_rows(&logits, k, banned),
+                    pairs: top.pairs,
                     tokens: match greedy {
                         true => dev.argmax_rows(&logits, banned),
                         false => Vec::new(),
                     },
+                    lse: top.lse,
                 }
             }
         })

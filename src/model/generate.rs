@@ -10,10 +10,10 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::{Logits, PassOut, Rows, Want};
+use crate::model::batch::{Logits, PassOut, Row, Rows, Want};
 use crate::model::draft::Drafter;
 use crate::model::forward::{FfnMask, LayerStream, Passes};
-use crate::model::sampler::{log_softmax_at, Sampler, SamplerConfig};
+use crate::model::sampler::{Sampler, SamplerConfig};
 use crate::model::Model;
 
 /// A mask that generation tells how many of the next batch's tokens are the prompt.
@@ -48,6 +48,12 @@ pub struct GenerateOptions {
     /// sampling (as llama.cpp's `--ignore-eos` biases them), so generation goes on to
     /// `max_tokens` or a full context. For fixed-length continuations, to compare or to time.
     pub ignore_eos: bool,
+    /// Bring every pass's logits to the host and sample there ([`Want::Logits`]), as on a
+    /// device that finds neither greedy tokens nor candidates: the reference what a device
+    /// finds ([`Want::Greedy`], [`Want::Top`]) is checked against. Off (the default), only a
+    /// draw from the whole vocabulary (top-k 0, or above [`crate::model::batch::TOP_K_MAX`])
+    /// brings the logits.
+    pub logits_on_host: bool,
 }
 
 impl Default for GenerateOptions {
@@ -61,6 +67,7 @@ impl Default for GenerateOptions {
             logprobs: false,
             lookup: 0,
             ignore_eos: false,
+            logits_on_host: false,
         }
     }
 }
@@ -178,19 +185,25 @@ pub struct Generation {
     pub speculative: Option<Speculation>,
 }
 
-/// Token `t`, chosen from `logits`: `None` when it is a stop token, else the text it completes
-/// and (when asked) its log-probability. Generation and the engine both emit tokens through it.
+/// Token `t`, chosen from `row`: `None` when it is a stop token, else the text it completes
+/// and (when asked) its log-probability ([`Row::logprob`]; a pass asked for logprobs hands over
+/// logits or candidates with their log-sum-exp). Generation and the engine both emit tokens
+/// through it.
 pub(crate) fn take_token(
     tokenizer: &crate::model::tokenizer::Tokenizer,
     decoder: &mut crate::model::tokenizer::StreamDecoder,
-    logits: &[f32],
+    row: Row,
     t: u32,
     logprobs: bool,
 ) -> Option<(String, Option<f32>)> {
     if tokenizer.is_stop(t) {
         return None;
     }
-    let logprob = logprobs.then(|| log_softmax_at(logits, t));
+    let logprob = logprobs.then(|| row.logprob(t)).flatten();
+    debug_assert!(
+        !logprobs || logprob.is_some(),
+        "logprobs asked of a pass that cannot give them: {row:?}"
+    );
     Some((decoder.push(t).unwrap_or_default(), logprob))
 }
 
@@ -204,18 +217,19 @@ pub(crate) fn take_token(
 ///
 /// Rows of tokens (a greedy pass: [`Want::Greedy`]) are each row's token as greedy sampling
 /// would pick it from the row's logits; rows of candidates ([`Want::Top`]) are drawn from as
-/// the row's logits would be. `emit` then gets no logits (an empty row).
+/// the row's logits would be, or give their greedy tokens when they have them. `emit` gets the
+/// row as the pass gave it ([`Row`]), for log-probabilities.
 pub(crate) fn walk_rows(
     sampler: &mut Sampler,
     rows: Rows,
     vocab: usize,
     drafts: &[u32],
-    emit: &mut dyn FnMut(u32, &[f32]) -> bool,
+    emit: &mut dyn FnMut(u32, Row) -> bool,
 ) -> (usize, Option<u32>) {
     let n = match rows {
         Rows::Logits(l) => l.len() / vocab.max(1),
         Rows::Tokens(t) => t.len(),
-        Rows::Top { k, pairs } => pairs.len() / k.max(1),
+        Rows::Top { k, pairs, .. } => pairs.len() / k.max(1),
     };
     for j in 0..n.min(drafts.len() + 1) {
         let draft = drafts.get(j).copied();
@@ -226,19 +240,29 @@ pub(crate) fn walk_rows(
                     Some(d) => sampler.verify(row, d),
                     None => sampler.sample(row),
                 };
-                (t, row)
+                (t, Row::Logits(row))
             }
             Rows::Tokens(ids) => {
                 debug_assert!(sampler.is_greedy(), "tokens handed over for a sampler that draws");
-                (ids[j], &[][..])
+                (ids[j], Row::Token)
             }
-            Rows::Top { k, pairs } => {
+            Rows::Top { k, pairs, lse, tokens } => {
                 let top = &pairs[j * k..(j + 1) * k];
-                let t = match draft {
-                    Some(d) => sampler.verify_top(top, d),
-                    None => sampler.sample_top(top),
+                let t = match (tokens.get(j), draft) {
+                    (Some(&t), _) => {
+                        debug_assert!(sampler.is_greedy(), "tokens handed over for a sampler that draws");
+                        t
+                    }
+                    (None, Some(d)) => sampler.verify_top(top, d),
+                    (None, None) => sampler.sample_top(top),
                 };
-                (t, &[][..])
+                (
+                    t,
+                    Row::Top {
+                        pairs: top,
+                        lse: lse.get(j).copied(),
+                    },
+                )
             }
         };
         let kept = draft == Some(t);
@@ -439,21 +463,30 @@ impl Model {
         let hooks = passes.hooks(mask.map(|m| m.as_mask()), None);
         // Greedy without logprobs needs only each row's argmax: the device finds it (from a GPU,
         // 4 bytes a row come back instead of the logits); a draw with top-k, only each row's k
-        // most likely tokens (8 bytes each).
+        // most likely tokens (8 bytes each). With logprobs, the row's log-sum-exp too (and for
+        // greedy, the argmax and its candidate): a sampled token's log-probability is its value
+        // less that. Only a draw from the whole vocabulary (`--top-k 0`) needs the logits.
         let stop_ids: &[u32] = if opts.ignore_eos {
             self.tokenizer.stop_ids()
         } else {
             &[]
         };
         let want = match (opts.logprobs, opts.sampler.is_greedy(), opts.sampler.device_top_k()) {
-            (true, ..) => Want::Logits,
+            _ if opts.logits_on_host => Want::Logits,
             (false, true, _) => Want::Greedy { banned: stop_ids },
-            (false, false, Some(k)) => Want::Top {
+            (true, true, _) => Want::Top {
+                k: 1,
+                banned: stop_ids,
+                greedy: true,
+                lse: true,
+            },
+            (lse, false, Some(k)) => Want::Top {
                 k,
                 banned: stop_ids,
                 greedy: false,
+                lse,
             },
-            (false, false, None) => Want::Logits,
+            (_, false, None) => Want::Logits,
         };
         let mut logits = PassOut::empty(want);
         // With `ignore_eos`, each pass's rows never sample a stop token.
@@ -509,7 +542,7 @@ impl Model {
                 finish = Finish::Cancelled;
                 break;
             }
-            let rows = logits.rows(0, drafts.len() + 1, vocab);
+            let rows = logits.rows_for(0, drafts.len() + 1, vocab, opts.sampler.is_greedy());
             let (kept, pending) = walk_rows(&mut sampler, rows, vocab, &drafts, &mut |t, row| {
                 samples += 1;
                 let Some((text, logprob)) = take_token(&self.tokenizer, &mut decoder, row, t, opts.logprobs) else {

@@ -213,6 +213,7 @@ pub fn greedy(max_tokens: usize) -> gatestream::model::generate::GenerateOptions
         logprobs: false,
         lookup: 0,
         ignore_eos: false,
+        logits_on_host: false,
     }
 }
 

@@ -26,7 +26,7 @@
 // memsets still run): what is left of a run's time is the host's own work — gatestream's and
 // this library's — for timing that alone. Every value a kernel would write is then garbage,
 // except argmax_rows's greedy tokens (0 for every row) and top_k_rows's candidates (ids 0 to k - 1,
-// each with value 0), so a greedy or sampled run can go on.
+// each with value 0, and a log-sum-exp of 0 when asked), so a greedy or sampled run can go on.
 
 #include "emu.h"
 
@@ -649,12 +649,19 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
         }
         if (std::strcmp(k->name, "top_k_rows") == 0) {
             int n = *static_cast<int*>(params[4]);
-            unsigned* out = *static_cast<unsigned**>(params[5]);
-            for (unsigned r = 0; r < gx; r++)
+            int lse = *static_cast<int*>(params[5]);
+            unsigned* out = *static_cast<unsigned**>(params[6]);
+            unsigned stride = 2 * n + (lse ? 2 : 0);
+            for (unsigned r = 0; r < gx; r++) {
                 for (int j = 0; j < n; j++) {
-                    out[(r * n + j) * 2] = (unsigned)j;
-                    out[(r * n + j) * 2 + 1] = 0;
+                    out[r * stride + 2 * j] = (unsigned)j;
+                    out[r * stride + 2 * j + 1] = 0;
                 }
+                if (lse) {
+                    out[r * stride + 2 * n] = 0;
+                    out[r * stride + 2 * n + 1] = 0;
+                }
+            }
         }
         return CUDA_SUCCESS;
     }

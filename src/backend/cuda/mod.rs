@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
-use super::{Act, ActData, AttnShape, Device, RopeShape};
+use super::{Act, ActData, AttnShape, Device, RopeShape, TopRows};
 use crate::config::{FfnActivation, RopeStyle};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
@@ -1663,21 +1663,40 @@ impl Device for CudaDevice {
         self.to_host(&out).iter().map(|v| v.to_bits()).collect()
     }
 
-    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32]) -> Vec<(u32, f32)> {
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool) -> TopRows {
         assert!(
             (1..=TOP_K_THREADS as usize).contains(&k) && k <= x.width,
             "top_k_rows: k = {k} for rows of {}",
             x.width
         );
         if x.rows == 0 {
-            return Vec::new();
+            return TopRows::default();
         }
-        // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value.
-        let out = self.pick_rows("top_k_rows", TOP_K_THREADS, x, banned, &[int(k)], 2 * k);
-        self.to_host(&out)
-            .chunks_exact(2)
-            .map(|c| (c[0].to_bits(), c[1]))
-            .collect()
+        // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value; with
+        // `lse`, two more a row: the f64's low word, then its high one.
+        let width = 2 * k + if lse { 2 } else { 0 };
+        let out = self.pick_rows(
+            "top_k_rows",
+            TOP_K_THREADS,
+            x,
+            banned,
+            &[int(k), int(lse as usize)],
+            width,
+        );
+        let words = self.to_host(&out);
+        let mut top = TopRows {
+            pairs: Vec::with_capacity(x.rows * k),
+            lse: Vec::with_capacity(if lse { x.rows } else { 0 }),
+        };
+        for row in words.chunks_exact(width) {
+            top.pairs
+                .extend(row[..2 * k].chunks_exact(2).map(|c| (c[0].to_bits(), c[1])));
+            if lse {
+                let (lo, hi) = (row[2 * k].to_bits() as u64, row[2 * k + 1].to_bits() as u64);
+                top.lse.push(f64::from_bits(hi << 32 | lo));
+            }
+        }
+        top
     }
 
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {

@@ -489,6 +489,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 logprobs,
                 lookup,
                 ignore_eos,
+                logits_on_host: false,
             };
             stop_on_ctrl_c();
             let asked = sparse.ask();
