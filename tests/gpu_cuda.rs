@@ -371,9 +371,10 @@ fn stories_on_both(dev: &Arc<CudaDevice>) -> Result<(Model, Model, Vec<u32>), St
 /// catch a radix select's mistakes — ties (lower id first, across the block), -0 below +0, NaNs
 /// of either sign (above +inf, below -inf), infinities, every value equal, -inf or NaN — with
 /// k of 1, 2, 40, 1024 and the whole row where it fits, and banned ids (none, the largest, id 0
-/// with one past the row, a run of ten); every other call with the rows' log-sum-exps, which
-/// must match the host's (`ops::log_sum_exp` of the banned row: NaN where it is NaN, else within
-/// 1e-12 relative). Then generation on stories260K (sampled with temperature 0.8 and top-k 40,
+/// with one past the row, a run of ten); every other call with the rows' greedy tokens (the
+/// host's `argmax_banned`, exactly) and log-sum-exps, which must match the host's
+/// (`ops::log_sum_exp` of the banned row: NaN where it is NaN, else within 1e-12 relative).
+/// Then generation on stories260K (sampled with temperature 0.8 and top-k 40,
 /// and greedy; the stop token banned; prompt lookup on and off): the tokens of the same
 /// device's logits drawn on the host (`logits_on_host`), 8 bytes a candidate back; with
 /// log-probabilities, those of the logits to within 1e-5, 8 bytes a row more (greedy: the
@@ -383,7 +384,7 @@ fn top_k_rows(
     report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
     use gatestream::model::batch::TOP_K_MAX;
-    use gatestream::model::sampler::{most_likely, SamplerConfig};
+    use gatestream::model::sampler::{argmax_banned, most_likely, SamplerConfig};
     let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let (mut rows_checked, mut failures) = (0usize, Vec::new());
     let (mut lse_checked, mut lse_worst) = (0usize, 0f64);
@@ -425,7 +426,7 @@ fn top_k_rows(
             for k in ks {
                 call += 1;
                 let lse = call.is_multiple_of(2);
-                let top = dev.top_k_rows(&x, k, &banned, lse);
+                let top = dev.top_k_rows(&x, k, &banned, lse, lse);
                 let got = top.pairs;
                 let banned_rows: Vec<Vec<f32>> = rows
                     .iter()
@@ -445,6 +446,18 @@ fn top_k_rows(
                     failures.push(format!(
                         "width {width}, k {k}, lse {lse}: {} log-sum-exps",
                         top.lse.len()
+                    ));
+                }
+                // Asked with the log-sum-exps, each row's greedy token too (at the same wait).
+                let greedy: Vec<u32> = match lse {
+                    true => rows.iter().map(|r| argmax_banned(r, &banned)).collect(),
+                    false => Vec::new(),
+                };
+                if top.tokens != greedy {
+                    failures.push(format!(
+                        "width {width}, k {k}, banned {banned:?}: greedy tokens {:?} on the device, {greedy:?} on \
+                         the host",
+                        top.tokens
                     ));
                 }
                 for (r, (&z, row)) in top.lse.iter().zip(&banned_rows).enumerate() {
@@ -496,10 +509,10 @@ fn top_k_rows(
             t.elapsed().as_secs_f64() * 1e6 / reps as f64
         };
         let top = time(&|| {
-            dev.top_k_rows(&x, 40, &[], false);
+            dev.top_k_rows(&x, 40, &[], false, false);
         });
         let top_lse = time(&|| {
-            dev.top_k_rows(&x, 40, &[], true);
+            dev.top_k_rows(&x, 40, &[], true, false);
         });
         let arg = time(&|| {
             dev.argmax_rows(&x, &[]);

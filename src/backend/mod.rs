@@ -151,6 +151,8 @@ pub struct TopRows {
     /// Each row's ln Σ exp of its values (the banned ids left out) when asked, else empty: a
     /// candidate's log-probability is its value less its row's.
     pub lse: Vec<f64>,
+    /// Each row's greedy token ([`Device::argmax_rows`]) when asked, else empty.
+    pub tokens: Vec<u32>,
 }
 
 /// [`Device::argmax_rows`] of `rows` rows of `width` values on the host.
@@ -161,11 +163,15 @@ fn host_argmax_rows(values: &[f32], rows: usize, width: usize, banned: &[u32]) -
 }
 
 /// [`Device::top_k_rows`] of rows of `width` values on the host.
-fn host_top_k_rows(values: &[f32], width: usize, k: usize, banned: &[u32], lse: bool) -> TopRows {
+fn host_top_k_rows(values: &[f32], width: usize, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
     let rows = values.len() / width.max(1);
     let mut out = TopRows {
         pairs: Vec::with_capacity(rows * k),
         lse: Vec::with_capacity(if lse { rows } else { 0 }),
+        tokens: match greedy {
+            true => host_argmax_rows(values, rows, width, banned),
+            false => Vec::new(),
+        },
     };
     for row in values.chunks_exact(width.max(1)) {
         let banned_row;
@@ -497,11 +503,12 @@ pub trait Device: Send + Sync {
     /// `f32::total_cmp`'s order), the `banned` ids counted as -inf: `[rows, k]` pairs, as
     /// [`crate::model::sampler::most_likely`] finds them (`Want::Top`); with `lse`, each row's
     /// [`ops::log_sum_exp`] too (banned ids left out), so that the candidates' log-probabilities
-    /// need no row on the host. A sync point that brings 8 bytes a candidate (and 8 a row for
-    /// `lse`) to the host instead of the rows when the device is a GPU. `k` is at least 1 and at
-    /// most the row's width and [`crate::model::batch::TOP_K_MAX`].
-    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool) -> TopRows {
-        host_top_k_rows(&self.to_host(x), x.width, k, banned, lse)
+    /// need no row on the host; with `greedy`, each row's [`Device::argmax_rows`] too, at the
+    /// same sync. A sync point that brings 8 bytes a candidate (and 8 a row for `lse`, 4 for
+    /// `greedy`) to the host instead of the rows when the device is a GPU. `k` is at least 1 and
+    /// at most the row's width and [`crate::model::batch::TOP_K_MAX`].
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
+        host_top_k_rows(&self.to_host(x), x.width, k, banned, lse, greedy)
     }
     /// The listed rows, in order.
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act;

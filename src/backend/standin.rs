@@ -462,13 +462,13 @@ impl Device for HostStandIn {
         self.to_host_bytes.fetch_add((x.rows * 4) as u64, Ordering::Relaxed);
         self.cpu.argmax_rows(x, banned)
     }
-    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool) -> TopRows {
-        // As a GPU: the candidates (an id and a value each) and each row's log-sum-exp, not the
-        // rows.
-        let row_bytes = k * 8 + if lse { 8 } else { 0 };
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
+        // As a GPU: the candidates (an id and a value each), each row's log-sum-exp and greedy
+        // token, not the rows.
+        let row_bytes = k * 8 + if lse { 8 } else { 0 } + if greedy { 4 } else { 0 };
         self.to_host_bytes
             .fetch_add((x.rows * row_bytes) as u64, Ordering::Relaxed);
-        self.cpu.top_k_rows(x, k, banned, lse)
+        self.cpu.top_k_rows(x, k, banned, lse, greedy)
     }
     fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
         self.cpu.embed(&self.on_device(w), ids, scale)

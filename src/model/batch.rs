@@ -315,8 +315,9 @@ mod tests {
             let values: Vec<f32> = rows.concat();
             let x = dev.upload(rows.len(), 300, values);
             let k = 8;
-            let top = dev.top_k_rows(&x, k, &banned, true);
-            let greedy = dev.argmax_rows(&x, &banned);
+            let top = dev.top_k_rows(&x, k, &banned, true, true);
+            let greedy = &top.tokens;
+            assert_eq!(greedy, &dev.argmax_rows(&x, &banned));
             assert_eq!((top.pairs.len(), top.lse.len()), (rows.len() * k, rows.len()));
             for (r, row) in rows.iter().enumerate() {
                 let mut logits = row.clone();

@@ -505,14 +505,11 @@ impl Model {
             Want::Greedy { banned } => PassOut::Tokens(dev.argmax_rows(&logits, banned)),
             Want::Top { k, banned, greedy, lse } => {
                 let k = k.clamp(1, TOP_K_MAX).min(logits.width);
-                let top = dev.top_k_rows(&logits, k, banned, lse);
+                let top = dev.top_k_rows(&logits, k, banned, lse, greedy);
                 PassOut::Top {
                     k,
                     pairs: top.pairs,
-                    tokens: match greedy {
-                        true => dev.argmax_rows(&logits, banned),
-                        false => Vec::new(),
-                    },
+                    tokens: top.tokens,
                     lse: top.lse,
                 }
             }

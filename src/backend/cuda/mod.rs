@@ -1663,7 +1663,7 @@ impl Device for CudaDevice {
         self.to_host(&out).iter().map(|v| v.to_bits()).collect()
     }
 
-    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool) -> TopRows {
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
         assert!(
             (1..=TOP_K_THREADS as usize).contains(&k) && k <= x.width,
             "top_k_rows: k = {k} for rows of {}",
@@ -1672,6 +1672,8 @@ impl Device for CudaDevice {
         if x.rows == 0 {
             return TopRows::default();
         }
+        // The greedy tokens' kernel first, so one wait brings both results.
+        let tokens = greedy.then(|| self.pick_rows("argmax_rows", ARGMAX_THREADS, x, banned, &[], 1));
         // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value; with
         // `lse`, two more a row: the f64's low word, then its high one.
         let width = 2 * k + if lse { 2 } else { 0 };
@@ -1687,6 +1689,7 @@ impl Device for CudaDevice {
         let mut top = TopRows {
             pairs: Vec::with_capacity(x.rows * k),
             lse: Vec::with_capacity(if lse { x.rows } else { 0 }),
+            tokens: tokens.map_or(Vec::new(), |t| self.to_host(&t).iter().map(|v| v.to_bits()).collect()),
         };
         for row in words.chunks_exact(width) {
             top.pairs
