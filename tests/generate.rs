@@ -267,6 +267,73 @@ fn ignore_eos_goes_on_past_the_end_of_sequence_token() {
 /// A generation on a model on the host stand-in `dev`: the result, the logit rows its passes
 /// returned (1 + the decode passes, or the speculative passes and drafts), and the bytes that
 /// came back to the host meanwhile.
+/// A mask that decides from the layer's input and gate alone (union sets past the prompt, gate
+/// scores) has its decode steps computed on a device with memory of its own from the set it
+/// chose, and is told of each step from that set (`FfnMask::count_decided`) instead of being
+/// handed the activations: a union set's decode steps bring nothing of the FFN back to the host
+/// (its set reads no input), gate scores the layer's input and gate only. The tokens and the
+/// mask's achieved sparsity are the in-RAM model's; the bytes back are exactly the greedy
+/// tokens (4 a pass), the prompt pass's input, gate and up of every layer (the mask's edit is
+/// made on the host) and, for gate scores, each decode step's input and gate.
+#[test]
+fn masks_deciding_from_the_input_run_device_decode_steps_without_their_activations() {
+    use gatestream::backend::standin::HostStandIn;
+    use gatestream::backend::Device;
+    use std::sync::Arc;
+    let tmp = tempfile::tempdir().unwrap();
+    let gst = smollm2_gst(tmp.path());
+    let file_bytes = std::fs::metadata(&gst).unwrap().len();
+    let in_ram = Model::load(&gst, &LoadOptions::default()).unwrap();
+    let ids = in_ram.prompt_ids("The capital of France is", false).unwrap();
+    let (layers, h, f) = (
+        in_ram.config.n_layers as u64,
+        in_ram.config.hidden as u64,
+        in_ram.config.ffn as u64,
+    );
+    for (strategy, criterion) in [(Strategy::Union, Criterion::Exact), (Strategy::TopK, Criterion::Gate)] {
+        let what = format!("{strategy:?} {criterion:?}");
+        let ask = SparseAsk {
+            strategy: Some(strategy),
+            criterion: Some(criterion),
+            sparsity: Some(0.5),
+        };
+        let in_ram = gatestream::runtime::open(
+            &gst,
+            &OpenOptions {
+                sparse: Some(ask.clone()),
+                stream: None,
+                ..streamed(0, 8, 0)
+            },
+        )
+        .unwrap()
+        .generate(&ids, &greedy(6), false, None, &mut |_| {})
+        .unwrap();
+        let dev = Arc::new(HostStandIn::new(0));
+        let mut o = streamed(gatestream::stream::RAM_UNLIMITED, 8, ids.len() + 6);
+        o.stream.as_mut().unwrap().vram_budget_bytes = Some(file_bytes * 2 / 5);
+        o.sparse = Some(ask);
+        let rt = gatestream::runtime::open_on(&gst, &o, dev.clone()).unwrap();
+        let before = dev.link().unwrap().to_host_bytes;
+        let got = rt.generate(&ids, &greedy(6), false, None, &mut |_| {}).unwrap();
+        let back = dev.link().unwrap().to_host_bytes - before;
+        assert_eq!(got.generation.tokens, in_ram.generation.tokens, "{what}");
+        let achieved = |o: &gatestream::runtime::Outcome| o.sparsity.as_ref().unwrap()["achieved_per_layer"].clone();
+        assert_eq!(achieved(&got), achieved(&in_ram), "{what}: the mask's counts");
+        let steps = got.generation.decode_tokens as u64;
+        assert!(steps >= 3, "{what}: {:?}", got.generation.tokens);
+        let prompt = ids.len() as u64;
+        let decode_fetch = match strategy {
+            Strategy::Union => 0,
+            _ => steps * (h + f),
+        };
+        assert_eq!(
+            back,
+            4 * (1 + steps) + 4 * layers * (prompt * (h + 2 * f) + decode_fetch),
+            "{what}: bytes back to the host"
+        );
+    }
+}
+
 /// Floats' bits, to compare them exactly (NaNs included).
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

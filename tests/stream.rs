@@ -484,8 +484,9 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
 /// the in-RAM model's on the CPU, bit for bit with every neuron, and to the f64 down sums' order
 /// with a top-K mask (exact and gate criteria, with and without lookahead), for every reader,
 /// with everything streamed (no cache) and with an LRU cache (hits and misses); the streamed
-/// bytes reached the device as per-use copies, and a masked decode step's FFN rows were staged
-/// onto the device (not computed on the host where they landed).
+/// bytes reached the device as per-use copies, a masked decode step's FFN rows were staged
+/// onto the device (not computed on the host where they landed), and the mask counted what it
+/// kept as in RAM.
 #[test]
 fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
     let tmp = tempfile::tempdir().unwrap();
@@ -496,13 +497,14 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
     let n_layers = ram.config.n_layers as u64;
     let want_dense = run(&ram, None, None, text, 4);
     let criteria = [Criterion::Exact, Criterion::Gate];
-    let want_sparse: Vec<Vec<f32>> = criteria
+    // The in-RAM model's logits and the mask's counts (`apply` at every step).
+    let (want_sparse, want_counts): (Vec<Vec<f32>>, Vec<_>) = criteria
         .iter()
         .map(|&c| {
             let mask = Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap();
-            run(&ram, None, Some(&mask), text, 4)
+            (run(&ram, None, Some(&mask), text, 4), mask.counters())
         })
-        .collect();
+        .unzip();
     for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
         for (budget, policy) in [(min, CachePolicy::Pinned), (min + file_bytes / 2, CachePolicy::Lru)] {
             for sparse in [None, Some(0), Some(1)] {
@@ -543,6 +545,11 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
                 }
                 let want = sparse.map_or(&want_dense, |c| &want_sparse[c]);
                 assert_eq!(got.len(), want.len(), "{what}");
+                // The mask counted what it kept as in RAM, also where the device made the
+                // activations and the mask was only told of the step (`count_decided`).
+                if let (Some(c), Some(mask)) = (sparse, &mask) {
+                    assert_eq!(mask.counters(), want_counts[c], "{what}: the mask's counts");
+                }
                 if sparse.is_some() {
                     let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                     let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

@@ -327,10 +327,11 @@ impl Model {
             && streamed.as_ref().is_some_and(|st| st.one_pass);
         let hact = match hooks.mask {
             Some(mask) if on_device => {
-                // The mask is told of the step (its choice and counts need only these); the
-                // values it would zero are the device's, and phase 4 never reads them.
-                let (xh, gh) = scores.get_or_insert_with(fetch);
-                mask.apply(l, xh, gh, &[], &mut vec![0f32; n * f]);
+                // The mask counts the step from the set it chose (phase 4 takes exactly that
+                // set): its choice is not made again, and the input and gate stay on the
+                // device unless the choice read them.
+                let st = streamed.as_ref().expect("on_device needs the stream's sets");
+                mask.count_decided(l, st.hot_set.len() + st.up_set.len());
                 dev.mul(&mut up, &gate);
                 up
             }

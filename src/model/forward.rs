@@ -296,6 +296,14 @@ pub trait FfnMask: Sync {
         false
     }
 
+    /// A masked decode step (one token) that a device with memory of its own ran for a mask
+    /// that [`FfnMask::decides_from_input`]: the step kept exactly the `kept` neurons
+    /// `up_needed` named, and the device made their activations, so `apply` is not called.
+    /// Counts the step as `apply` would have, recomputing nothing and needing neither the input
+    /// nor the gate on the host. A mask that decides from the input counts its steps here; the
+    /// default counts nothing.
+    fn count_decided(&self, _layer: usize, _kept: usize) {}
+
     /// Mixture-of-experts models: whether this mask can run inside each routed expert (per
     /// token, on the expert's own neurons; it sees one expert's `[tokens routed to it, ffn]` at a
     /// time). Masks that keep per-layer state over a layer's neurons (thresholds, union sets,

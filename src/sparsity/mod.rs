@@ -710,6 +710,15 @@ impl FfnMask for Masker<'_> {
         self.decides_before_up()
     }
 
+    /// What `apply` counts for one token whose kept set is the one `up_needed` named (gate and
+    /// sketch scores: the token's own set, its up rows those; a union set past the context: the
+    /// set).
+    fn count_decided(&self, layer: usize, kept: usize) {
+        self.kept[layer].fetch_add(kept as u64, Ordering::Relaxed);
+        self.total[layer].fetch_add(self.ffn as u64, Ordering::Relaxed);
+        self.up_rows[layer].fetch_add(kept as u64, Ordering::Relaxed);
+    }
+
     fn apply(&self, layer: usize, xn: &[f32], gate: &[f32], _up: &[f32], hact: &mut [f32]) {
         let (f, h) = (self.ffn, self.hidden);
         let n = hact.len() / f;
