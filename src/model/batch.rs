@@ -293,14 +293,8 @@ mod tests {
     fn candidates_with_log_sum_exp_give_the_logits_log_probabilities() {
         use crate::backend::cpu::CpuBackend;
         use crate::backend::Device;
-        use crate::model::sampler::{argmax_banned, ban};
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        use crate::model::sampler::{argmax_banned, ban, test_rng};
+        let mut next = test_rng();
         let mut rows: Vec<Vec<f32>> = (0..6)
             .map(|_| (0..300).map(|_| (next() % 20_000) as f32 / 1000.0 - 10.0).collect())
             .collect();

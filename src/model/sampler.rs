@@ -308,19 +308,25 @@ pub fn most_likely(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     all
 }
 
+/// A xorshift generator for tests' rows (a fixed seed: the same rows every run).
+#[cfg(test)]
+pub(crate) fn test_rng() -> impl FnMut() -> u64 {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn argmax_is_the_first_largest_as_one_scan_finds_it() {
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = test_rng();
         let mut cases: Vec<Vec<f32>> = vec![
             vec![],
             vec![1.0],
