@@ -305,7 +305,8 @@ impl<'m> Engine<'m> {
         // largest k asked, a row's first k of them being its own k; and the argmax too when
         // greedy sequences are among them). Log-probabilities need each row's log-sum-exp
         // beside them, and top log-probabilities at least as many candidates. Only a draw from
-        // the whole vocabulary (top-k 0, or more than the device lists) needs the logits.
+        // the whole vocabulary (top-k 0, or more than the device lists), or more top
+        // log-probabilities than it lists, needs the logits.
         let (mut greedy, mut sampled, mut lse, mut top_k) = (0usize, 0usize, false, Some(1usize));
         for &(i, _) in &rows {
             let s = &self.seqs[i];
@@ -317,7 +318,10 @@ impl<'m> Engine<'m> {
                 sampled += 1;
                 s.sampler.device_top_k()
             };
-            top_k = top_k.zip(own).map(|(a, b)| a.max(b).max(s.top_logprobs));
+            top_k = top_k
+                .zip(own)
+                .map(|(a, b)| a.max(b).max(s.top_logprobs))
+                .filter(|&k| k <= crate::model::batch::TOP_K_MAX);
         }
         let want = match top_k {
             Some(_) if sampled == 0 && !lse => Want::Greedy { banned: &[] },

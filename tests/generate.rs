@@ -544,6 +544,8 @@ fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits()
         ([sampler(20, 1), greedy(0).sampler], [0, 25], 8 * 25 + 4 + 8),
         ([sampler(20, 1), sampler(3, 2)], [2, 4], 8 * 20 + 8),
         ([sampler(0, 1), greedy(0).sampler], [0, 3], 4 * vocab),
+        // More top log-probabilities than the device lists: the logits.
+        ([sampler(20, 1), greedy(0).sampler], [0, 1100], 4 * vocab),
     ] {
         // Alone, from the logits: the tokens and (where asked) their log-probabilities.
         let alone: Vec<(Vec<u32>, Vec<f32>)> = prompts
