@@ -6,7 +6,7 @@
 //! sequence's positions continuing its cache without a gap, logit rows inside the batch.
 
 use crate::error::{Error, Result};
-use crate::model::sampler::{log_softmax_at, top_log_softmax};
+use crate::model::sampler::{log_prob, log_softmax_at, top_log_softmax};
 
 /// Which positions of a one-sequence batch need logits ([`Batch::one`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,7 +106,7 @@ impl Row<'_> {
             Row::Top { pairs, lse } => {
                 let z = lse?;
                 let v = pairs.iter().find(|p| p.0 == t).or(pairs.first())?.1;
-                Some((v as f64 - z) as f32)
+                Some(log_prob(v, z))
             }
         }
     }
@@ -118,9 +118,7 @@ impl Row<'_> {
         match *self {
             Row::Logits(l) => top_log_softmax(l, n),
             Row::Token | Row::Top { lse: None, .. } => Vec::new(),
-            Row::Top { pairs, lse: Some(z) } => {
-                pairs.iter().take(n).map(|&(t, v)| (t, (v as f64 - z) as f32)).collect()
-            }
+            Row::Top { pairs, lse: Some(z) } => pairs.iter().take(n).map(|&(t, v)| (t, log_prob(v, z))).collect(),
         }
     }
 }

@@ -275,7 +275,13 @@ impl Sampler {
 
 /// `ln softmax(logits)[id]`, in f64 (the model's own log-probability of a token).
 pub fn log_softmax_at(logits: &[f32], id: u32) -> f32 {
-    (logits[id as usize] as f64 - crate::backend::ops::log_sum_exp(logits)) as f32
+    log_prob(logits[id as usize], crate::backend::ops::log_sum_exp(logits))
+}
+
+/// ln p of a logit `value` in a row whose log-sum-exp is `lse`, in f64 (as the logits or a
+/// device's candidates give them: `crate::model::batch::Row`).
+pub fn log_prob(value: f32, lse: f64) -> f32 {
+    (value as f64 - lse) as f32
 }
 
 /// The `n` most likely tokens under `softmax(logits)` with their ln p, most likely first (ties:
@@ -287,7 +293,7 @@ pub fn top_log_softmax(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     let z = crate::backend::ops::log_sum_exp(logits);
     most_likely(logits, n)
         .into_iter()
-        .map(|(t, l)| (t, (l as f64 - z) as f32))
+        .map(|(t, l)| (t, log_prob(l, z)))
         .collect()
 }
 
