@@ -148,6 +148,20 @@ fn assert_bit_identical(path: &Path, text: &str) {
                 // Every FFN row came with the prefetch: nothing read on the compute thread.
                 assert_eq!(c.ffn_needed_bytes, 0, "{c:?}");
             }
+            // The prefetch thread's reads land in its buffers (laid out in phase with the file):
+            // io_uring reads their whole blocks in place (most of the bytes; the count includes
+            // the next pass's first layer, read ahead), the other engines copy.
+            // The prefetch buffers are registered with its reader (fixed buffers), so those
+            // reads take the fixed-buffer opcode.
+            let st = s.read_stats();
+            let in_place = st.bytes_in_place;
+            match engine {
+                ReadEngine::Uring if c.dense_needed_bytes > 0 => assert!(
+                    2 * in_place > c.dense_needed_bytes && 2 * st.bytes_in_place_registered > c.dense_needed_bytes,
+                    "{engine:?} at budget {budget} ({policy:?}): {st:?}: {c:?}"
+                ),
+                _ => assert_eq!(in_place, 0, "{engine:?} at budget {budget} ({policy:?})"),
+            }
             if budget == all {
                 assert_eq!((c.ffn_needed_bytes, c.cache_hits), (0, c.cache_lookups), "{c:?}");
                 // The cache holds every layer in neuron order: its rows were used in place.

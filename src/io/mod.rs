@@ -11,7 +11,10 @@
 //! buffers and are lent to the callback only for its duration: compute on them there (the sparse FFN
 //! accumulates a neuron as its bundle lands), or copy them out. While the callback runs, the rest of
 //! the batch stays in flight, so compute overlaps I/O without the caller owning any buffer that the
-//! kernel writes into. [`Reader::read_into`] is the convenience form that copies into caller slices.
+//! kernel writes into. [`Reader::read_into`] is the form that fills caller slices: a copy out of
+//! the reader's buffers, except that the io_uring engine reads straight into a caller's buffer laid
+//! out in phase with the file ([`in_phase_starts`]) — how reads land directly in memory a GPU has
+//! page-locked, with no copy on the host.
 //!
 //! Every engine returns the same bytes. Alignment is the reader's job: callers give any offset and
 //! length; O_DIRECT engines widen each read to [`ALIGN_BYTES`] and hand back only the wanted bytes,
@@ -104,14 +107,30 @@ pub trait Reader: Send + Sync {
         1
     }
 
-    /// Reads each request's `buf.len()` bytes at its offset into its buffer (one copy out of the
-    /// reader's buffers). Same error contract as `read_each`.
+    /// Reads each request's `buf.len()` bytes at its offset into its buffer. Same error contract as
+    /// `read_each` (on an error, a buffer's contents are unspecified). By default one copy out of
+    /// the reader's buffers; the io_uring engine reads the whole blocks of a buffer laid out in
+    /// phase with the file ([`in_phase_starts`]) straight into it, counted in
+    /// [`ReadStats::bytes_in_place`].
     fn read_into(&self, reqs: &mut [ReadReq<'_>]) -> Result<()> {
         let ranges: Vec<Range> = reqs.iter().map(|r| Range::new(r.offset_bytes, r.buf.len())).collect();
         self.read_each(&ranges, &mut |i, bytes| {
             reqs[i].buf.copy_from_slice(bytes);
             Ok(())
         })
+    }
+
+    /// Registers `bytes` — memory that `read_into` will read into again and again, such as a
+    /// long-lived prefetch buffer — with the engine, so those reads skip per-read setup (io_uring:
+    /// a fixed buffer, its pages pinned once instead of at every read). The guard undoes it when
+    /// dropped. `None`: nothing to register (the default) or the engine has no room or is refused.
+    ///
+    /// # Safety
+    /// `bytes` must stay allocated, in place (never freed, moved or reallocated) until the
+    /// returned guard is dropped: a fixed-buffer read writes to the pages registered, whatever
+    /// the address names by then.
+    unsafe fn register(&self, _bytes: &mut [u8]) -> Option<Registration> {
+        None
     }
 
     /// Reads one range into a new `Vec`.
@@ -122,6 +141,58 @@ pub trait Reader: Send + Sync {
             buf: &mut out,
         }])?;
         Ok(out)
+    }
+}
+
+/// Where to place each of `ranges`, back to back in order, in a buffer whose first byte is at
+/// address `base`, so that [`Reader::read_into`] can read their whole blocks straight into it (the
+/// io_uring engine does; see its module doc): each range at the first position at or after the
+/// previous one's end whose address has the range's file offset's phase modulo
+/// [`ALIGN_BYTES`]. Returns each range's start and the end of the last; at most
+/// [`in_phase_len_max`]. The layout depends on `base`: compute it for the buffer that is read into.
+pub fn in_phase_starts(base: usize, ranges: &[Range]) -> (Vec<usize>, usize) {
+    let a = ALIGN_BYTES as u64;
+    let mut starts = Vec::with_capacity(ranges.len());
+    let mut at = 0usize;
+    for r in ranges {
+        let addr = (base as u64).wrapping_add(at as u64);
+        let pad = (r.offset_bytes % a).wrapping_sub(addr % a).wrapping_add(a) % a;
+        at += pad as usize;
+        starts.push(at);
+        at += r.len_bytes;
+    }
+    (starts, at)
+}
+
+/// The most bytes [`in_phase_starts`] lays `ranges` out in, whatever the base address.
+pub fn in_phase_len_max(ranges: &[Range]) -> usize {
+    ranges.iter().map(|r| r.len_bytes + ALIGN_BYTES - 1).sum()
+}
+
+/// Memory registered with a reader ([`Reader::register`]); dropping it undoes the registration.
+pub struct Registration {
+    release: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl Registration {
+    pub(crate) fn new(release: impl FnOnce() + Send + Sync + 'static) -> Registration {
+        Registration {
+            release: Some(Box::new(release)),
+        }
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release();
+        }
+    }
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Registration")
     }
 }
 

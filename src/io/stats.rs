@@ -20,6 +20,12 @@ pub struct ReadStats {
     pub bytes_device: u64,
     /// Wall time spent inside `read_each` (callbacks included), summed over calls.
     pub wall_ns: u64,
+    /// Requested bytes the device read straight into the caller's memory (`read_into` on
+    /// io_uring, where the buffer's layout allows it): never copied out of a reader's buffer.
+    pub bytes_in_place: u64,
+    /// Of those, the bytes read into memory registered with the engine ([`super::Reader::register`]):
+    /// io_uring fixed buffers, whose pages the kernel pinned once instead of at every read.
+    pub bytes_in_place_registered: u64,
 }
 
 impl ReadStats {
@@ -33,6 +39,8 @@ impl ReadStats {
             device_reads: f(self.device_reads, o.device_reads),
             bytes_device: f(self.bytes_device, o.bytes_device),
             wall_ns: f(self.wall_ns, o.wall_ns),
+            bytes_in_place: f(self.bytes_in_place, o.bytes_in_place),
+            bytes_in_place_registered: f(self.bytes_in_place_registered, o.bytes_in_place_registered),
         }
     }
 
@@ -62,6 +70,8 @@ pub(crate) struct StatsCell {
     device_reads: AtomicU64,
     bytes_device: AtomicU64,
     wall_ns: AtomicU64,
+    bytes_in_place: AtomicU64,
+    bytes_in_place_registered: AtomicU64,
 }
 
 impl StatsCell {
@@ -75,6 +85,14 @@ impl StatsCell {
         self.bytes_device.fetch_add(bytes, Relaxed);
     }
 
+    pub(crate) fn add_in_place(&self, bytes: u64) {
+        self.bytes_in_place.fetch_add(bytes, Relaxed);
+    }
+
+    pub(crate) fn add_in_place_registered(&self, bytes: u64) {
+        self.bytes_in_place_registered.fetch_add(bytes, Relaxed);
+    }
+
     pub(crate) fn add_wall_since(&self, start: Instant) {
         self.wall_ns.fetch_add(start.elapsed().as_nanos() as u64, Relaxed);
     }
@@ -86,6 +104,8 @@ impl StatsCell {
             device_reads: self.device_reads.load(Relaxed),
             bytes_device: self.bytes_device.load(Relaxed),
             wall_ns: self.wall_ns.load(Relaxed),
+            bytes_in_place: self.bytes_in_place.load(Relaxed),
+            bytes_in_place_registered: self.bytes_in_place_registered.load(Relaxed),
         }
     }
 
@@ -96,6 +116,8 @@ impl StatsCell {
             &self.device_reads,
             &self.bytes_device,
             &self.wall_ns,
+            &self.bytes_in_place,
+            &self.bytes_in_place_registered,
         ] {
             c.store(0, Relaxed);
         }

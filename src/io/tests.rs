@@ -558,3 +558,238 @@ fn open_reader_falls_back_with_a_warning_and_still_reads() {
         assert_eq!(u.reader.read_vec(0, 40_000).unwrap(), bytes);
     }
 }
+
+#[test]
+fn in_phase_layout_puts_each_range_at_its_file_phase_within_the_bound() {
+    let ranges = [
+        Range::new(4096, 10_000),
+        Range::new(5, 3),
+        Range::new(123_456, 0),
+        Range::new(8191, 4097),
+        Range::new(1 << 20, 4096),
+    ];
+    for base in [0usize, 16, 4095, 4096, 0x7f00_0000_1010] {
+        let (starts, end) = in_phase_starts(base, &ranges);
+        assert!(end <= in_phase_len_max(&ranges), "base {base}: {end}");
+        let mut prev_end = 0;
+        for (r, &s) in ranges.iter().zip(&starts) {
+            assert!(s >= prev_end && s - prev_end < ALIGN_BYTES, "base {base}: {r:?} at {s}");
+            assert_eq!(
+                (base + s) % ALIGN_BYTES,
+                r.offset_bytes as usize % ALIGN_BYTES,
+                "base {base}: {r:?}"
+            );
+            prev_end = s + r.len_bytes;
+        }
+        assert_eq!(end, prev_end);
+    }
+}
+
+/// `read_into` on io_uring: buffers laid out in phase with the file get their whole blocks read
+/// in place (counted), the partial blocks at their ends and buffers out of phase through the
+/// slots; every byte right, with and without fixed buffers, O_DIRECT and resumed short reads.
+#[cfg(target_os = "linux")]
+#[test]
+fn uring_read_into_lands_whole_blocks_in_place() {
+    let dir = scratch_dir();
+    let (path, bytes) = test_file(&dir, 300_000 + 123, 71);
+    let mut ranges = test_ranges(bytes.len(), 60, 73);
+    ranges.retain(|r| r.len_bytes > 0);
+    for fixed in [FixedBuffers::On, FixedBuffers::Off] {
+        for direct in [DirectIo::Optional, DirectIo::Off] {
+            for sqe in [None, Some(8192)] {
+                let mut r = uring(&path, fixed, direct);
+                if let Some(b) = sqe {
+                    r = r.with_sqe_bytes_max(b);
+                }
+                let name = format!("uring {fixed:?} {direct:?} sqe {sqe:?}");
+                let a = r.align_bytes();
+                // In phase: one buffer, each range at its file phase; the expected in-place bytes
+                // are each range's whole blocks.
+                let mut buf = vec![0xAAu8; in_phase_len_max(&ranges)];
+                let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges);
+                let mut want_in_place = 0u64;
+                for rg in &ranges {
+                    let (o, e) = (rg.offset_bytes as usize, rg.offset_bytes as usize + rg.len_bytes);
+                    let (lo, hi) = (o.div_ceil(a) * a, e / a * a);
+                    want_in_place += hi.saturating_sub(lo) as u64;
+                }
+                {
+                    let mut rest: &mut [u8] = &mut buf;
+                    let mut at = 0;
+                    let mut reqs = Vec::new();
+                    for (rg, &s) in ranges.iter().zip(&starts) {
+                        let (_, tail) = std::mem::take(&mut rest).split_at_mut(s - at);
+                        let (mine, tail) = tail.split_at_mut(rg.len_bytes);
+                        reqs.push(ReadReq {
+                            offset_bytes: rg.offset_bytes,
+                            buf: mine,
+                        });
+                        rest = tail;
+                        at = s + rg.len_bytes;
+                    }
+                    r.read_into(&mut reqs).unwrap_or_else(|e| panic!("{name}: {e}"));
+                }
+                for (rg, &s) in ranges.iter().zip(&starts) {
+                    let o = rg.offset_bytes as usize;
+                    assert!(buf[s..s + rg.len_bytes] == bytes[o..o + rg.len_bytes], "{name}: {rg:?}");
+                }
+                let st = r.stats();
+                assert_eq!(st.bytes_in_place, want_in_place, "{name}: {st:?}");
+                assert!(want_in_place > 0, "{name}: the ranges exercise the in-place path");
+                // Out of phase by one byte: nothing in place (when O_DIRECT needs alignment), the
+                // same bytes.
+                r.reset_stats();
+                let mut bufs: Vec<Vec<u8>> = ranges.iter().map(|rg| vec![0x55; rg.len_bytes + 1]).collect();
+                let mut reqs: Vec<ReadReq> = ranges
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|(rg, b)| {
+                        let skip = !(b.as_ptr() as usize + 1)
+                            .wrapping_sub(rg.offset_bytes as usize)
+                            .is_multiple_of(a);
+                        let b = if skip { &mut b[1..] } else { &mut b[..rg.len_bytes] };
+                        ReadReq {
+                            offset_bytes: rg.offset_bytes,
+                            buf: &mut b[..rg.len_bytes],
+                        }
+                    })
+                    .collect();
+                r.read_into(&mut reqs).unwrap_or_else(|e| panic!("{name}: {e}"));
+                for (rg, q) in ranges.iter().zip(&reqs) {
+                    let o = rg.offset_bytes as usize;
+                    assert!(q.buf[..] == bytes[o..o + rg.len_bytes], "{name}: out of phase {rg:?}");
+                }
+                if a > 1 {
+                    assert_eq!(r.stats().bytes_in_place, 0, "{name}");
+                }
+            }
+        }
+    }
+}
+
+/// A read into a caller's buffer that fails (the file shrank after it was opened) returns the
+/// error naming the range, with every read of the batch completed, and the reader still works.
+#[cfg(target_os = "linux")]
+#[test]
+fn uring_read_into_in_place_reports_eof_and_stays_usable() {
+    let dir = scratch_dir();
+    let (path, bytes) = test_file(&dir, 256 * 1024, 79);
+    for fixed in [FixedBuffers::On, FixedBuffers::Off] {
+        let r = uring(&path, fixed, DirectIo::Optional);
+        let ranges = [
+            Range::new(0, 100_000),
+            Range::new(131_072, 120_000),
+            Range::new(8192, 4096),
+        ];
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(200_000)
+            .unwrap();
+        let mut buf = vec![0u8; in_phase_len_max(&ranges)];
+        let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges);
+        let (a, rest) = buf.split_at_mut(starts[1]);
+        let (b, rest) = rest.split_at_mut(starts[2] - starts[1]);
+        let c = &mut rest[..4096];
+        let mut reqs = [
+            ReadReq {
+                offset_bytes: 0,
+                buf: &mut a[starts[0]..starts[0] + 100_000],
+            },
+            ReadReq {
+                offset_bytes: 131_072,
+                buf: &mut b[..120_000],
+            },
+            ReadReq {
+                offset_bytes: 8192,
+                buf: c,
+            },
+        ];
+        let err = r.read_into(&mut reqs).unwrap_err();
+        assert!(err.to_string().contains("ended at byte"), "{err}");
+        // Restore the file for the next round and read again through the same reader.
+        std::fs::write(&path, &bytes).unwrap();
+        let mut out = vec![0u8; 100_000];
+        r.read_into(&mut [ReadReq {
+            offset_bytes: 0,
+            buf: &mut out,
+        }])
+        .unwrap();
+        assert!(out == bytes[..100_000]);
+    }
+}
+
+/// Memory registered with the io_uring reader is read into with the fixed-buffer opcode (counted
+/// apart); the same bytes land either way; the registration ends with its guard, the table has
+/// room for a few entries, and without fixed buffers nothing registers.
+#[cfg(target_os = "linux")]
+#[test]
+fn uring_reads_into_registered_memory_as_fixed_buffers() {
+    let dir = scratch_dir();
+    let (path, bytes) = test_file(&dir, 400_000 + 5, 83);
+    let ranges = [
+        Range::new(0, 150_000),
+        Range::new(4096 * 40 + 100, 90_000),
+        Range::new(300_000, 100_005),
+    ];
+    let read = |r: &UringReader, buf: &mut Vec<u8>| {
+        let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges);
+        let mut rest: &mut [u8] = buf;
+        let mut at = 0;
+        let mut reqs = Vec::new();
+        for (rg, &s) in ranges.iter().zip(&starts) {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(s - at);
+            let (mine, tail) = tail.split_at_mut(rg.len_bytes);
+            reqs.push(ReadReq {
+                offset_bytes: rg.offset_bytes,
+                buf: mine,
+            });
+            rest = tail;
+            at = s + rg.len_bytes;
+        }
+        r.reset_stats();
+        r.read_into(&mut reqs).unwrap();
+        for (rg, q) in ranges.iter().zip(&reqs) {
+            let o = rg.offset_bytes as usize;
+            assert!(q.buf[..] == bytes[o..o + rg.len_bytes], "{rg:?}");
+        }
+        r.stats()
+    };
+    for sqe in [None, Some(8192)] {
+        let mut r = uring(&path, FixedBuffers::On, DirectIo::Optional);
+        if let Some(b) = sqe {
+            r = r.with_sqe_bytes_max(b);
+        }
+        let mut buf = vec![0u8; in_phase_len_max(&ranges)];
+        // SAFETY: `buf` is neither freed nor reallocated before `guard` drops (below).
+        let guard = unsafe { r.register(&mut buf) }.expect("a kernel with sparse buffer tables (5.19+)");
+        let st = read(&r, &mut buf);
+        assert!(
+            st.bytes_in_place > 0 && st.bytes_in_place_registered == st.bytes_in_place,
+            "{st:?}"
+        );
+        drop(guard);
+        let st = read(&r, &mut buf);
+        assert!(
+            st.bytes_in_place > 0 && st.bytes_in_place_registered == 0,
+            "after the guard: {st:?}"
+        );
+        // Room for a few entries; a freed entry is taken again.
+        let mut bufs: Vec<Vec<u8>> = (0..12).map(|_| vec![0u8; 8192]).collect();
+        // SAFETY: `bufs` outlive `guards` (dropped first, below) and are never resized.
+        let mut guards: Vec<Registration> = bufs.iter_mut().filter_map(|b| unsafe { r.register(b) }).collect();
+        assert!(guards.len() >= 2 && guards.len() < 12, "{} entries", guards.len());
+        guards.pop();
+        // SAFETY: as above.
+        guards.push(unsafe { r.register(&mut buf) }.expect("the entry just freed"));
+        let st = read(&r, &mut buf);
+        assert_eq!(st.bytes_in_place_registered, st.bytes_in_place, "{st:?}");
+        drop(guards);
+    }
+    let off = uring(&path, FixedBuffers::Off, DirectIo::Optional);
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: nothing is registered.
+    assert!(unsafe { off.register(&mut buf) }.is_none());
+}

@@ -9,18 +9,26 @@
 //! batch: it fills every free slot with a read, waits for at least one completion, reports finished
 //! ranges to the callback straight from the slot (zero copy), resubmits short reads, and refills.
 //! Calls from several threads serialize on the ring's mutex.
+//!
+//! `read_into` reads straight into the caller's memory where O_DIRECT allows it: the whole
+//! aligned blocks of a request whose buffer address has the file offset's phase modulo the
+//! alignment (a caller that lays its buffer out so gets its bytes without a copy; `stream`'s
+//! prefetch buffers are laid out so). Only the partial blocks at either end, and requests whose
+//! phase does not match, go through the slots and are copied. The kernel then writes into memory
+//! the ring does not own, so every path out of such a batch — an error, a panicking callback —
+//! first waits until no read is in flight.
 
 use super::buf::AlignedBuf;
 use super::file::{eof_at, has_o_direct, open_file, resume_at, DirectIo, Span};
 use super::stats::{ReadStats, StatsCell};
-use super::{check_range, read_error, OnDone, Range, Reader};
+use super::{check_range, read_error, OnDone, Range, ReadReq, Reader, Registration};
 use crate::error::{Error, Result};
 use io_uring::{opcode, types, IoUring, Probe};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Whether the slot buffers are registered with the kernel (`IORING_REGISTER_BUFFERS`), which
@@ -63,6 +71,9 @@ impl Default for UringOptions {
 }
 
 const QUEUE_DEPTH_MAX: usize = 4096;
+/// Entries of the registered-buffer table after the slots, for caller memory
+/// ([`Reader::register`]); the table is sparse (Linux 5.19+) so they can be filled later.
+const LENT_MAX: usize = 8;
 /// One SQE reads at most this much (its length field is 32-bit); longer reads continue like short
 /// reads.
 const SQE_BYTES_MAX: usize = 1 << 30;
@@ -70,7 +81,8 @@ const SQE_BYTES_MAX: usize = 1 << 30;
 const RETRY_ERRNOS: [i32; 2] = [libc::EINTR, libc::EAGAIN];
 
 pub struct UringReader {
-    ring: Mutex<Ring>,
+    /// Shared with the [`Registration`]s of caller memory, which clear their entry when dropped.
+    ring: Arc<Mutex<Ring>>,
     file: File,
     path: PathBuf,
     len_bytes: u64,
@@ -93,12 +105,66 @@ struct Inflight {
     pos: usize,
     /// A one-off buffer for a read larger than a slot (read without the fixed-buffer opcode).
     big: Option<AlignedBuf>,
+    /// The caller's memory the read lands in (a [`Job::Into`]); the slot's buffer is unused.
+    dest: Option<DestPtr>,
+    /// Whether that memory is registered (read with the fixed-buffer opcode).
+    registered: bool,
+}
+
+/// The start of caller memory a [`Job::Into`] read lands in.
+#[derive(Clone, Copy, Debug)]
+struct DestPtr(*mut u8);
+
+// SAFETY: a `DestPtr` is only created by `read_into` from a `&mut [u8]` it holds for the whole
+// batch, and is dereferenced (by the kernel, or to compute an SQE's address) only while that
+// batch runs on the thread holding the ring's mutex; moving it with the ring between threads
+// gives no other thread access to the memory.
+unsafe impl Send for DestPtr {}
+
+/// One read of a batch.
+#[derive(Clone, Copy, Debug)]
+enum Job {
+    /// Into the ring's buffers; the range's bytes are lent to the callback.
+    Lend(Range),
+    /// Whole aligned blocks (offset and length multiples of the reader's alignment) straight into
+    /// caller memory at `dest`, `range.len_bytes` long and aligned likewise; no callback.
+    Into { range: Range, dest: DestPtr },
+}
+
+impl Job {
+    fn range(&self) -> Range {
+        match *self {
+            Job::Lend(r) | Job::Into { range: r, .. } => r,
+        }
+    }
+}
+
+/// The bytes `[lo, hi)` of a request (`len` bytes at file offset `offset` into memory at `addr`)
+/// that can be read straight into its memory under alignment `align`: the whole blocks, when the
+/// address has the offset's phase modulo `align`; `(0, 0)` when none can.
+fn in_place_part(offset: u64, addr: usize, len: usize, align: usize) -> (usize, usize) {
+    if align <= 1 {
+        return (0, len);
+    }
+    let a = align as u64;
+    if !(addr as u64).wrapping_sub(offset).is_multiple_of(a) {
+        return (0, 0);
+    }
+    let lo = ((a - offset % a) % a).min(len as u64) as usize;
+    let hi = lo + (len - lo) / align * align;
+    match hi > lo {
+        true => (lo, hi),
+        false => (0, 0),
+    }
 }
 
 struct Ring {
     ring: IoUring,
     slots: Vec<AlignedBuf>,
     fixed: bool,
+    /// Caller memory registered at table entry `slots.len() + i` (start address, length); empty
+    /// when the table is not sparse (no room to add entries).
+    lent: Vec<Option<(usize, usize)>>,
     inflight: Vec<Option<Inflight>>,
     free: Vec<usize>,
     /// SQEs pushed whose CQE has not been reaped. While > 0 the kernel may write into slot memory.
@@ -148,6 +214,7 @@ impl UringReader {
             .map(|_| AlignedBuf::new(opts.slot_bytes))
             .collect();
         let mut fixed = false;
+        let mut lent = Vec::new();
         if opts.fixed_buffers == FixedBuffers::On {
             let iovecs: Vec<libc::iovec> = slots
                 .iter_mut()
@@ -156,11 +223,27 @@ impl UringReader {
                     iov_len: b.len(),
                 })
                 .collect();
+            // A sparse table with room for caller memory after the slots, where the kernel has
+            // them; else the slots alone.
+            let table = (iovecs.len() + LENT_MAX) as u32;
             // SAFETY: each iovec describes a live slot allocation owned by the `Ring` built below,
             // which also owns the `IoUring`; the slots are never freed or reallocated while the
             // ring exists (`Ring` drops its ring first — field order — after draining every read),
             // so the registration never outlives the memory it names.
-            match unsafe { ring.submitter().register_buffers(&iovecs) } {
+            let sparse = ring.submitter().register_buffers_sparse(table).is_ok()
+                && unsafe { ring.submitter().register_buffers_update(0, &iovecs, None) }.is_ok();
+            if sparse {
+                lent = vec![None; LENT_MAX];
+            } else {
+                // Nothing or an empty table registered: start again with the slots alone.
+                let _ = ring.submitter().unregister_buffers();
+            }
+            let registered = match sparse {
+                true => Ok(()),
+                // SAFETY: as above.
+                false => unsafe { ring.submitter().register_buffers(&iovecs) },
+            };
+            match registered {
                 Ok(()) => fixed = true,
                 Err(e) => warnings.push(format!(
                     "{}: registering {} io_uring buffers failed ({e}); reading without fixed \
@@ -172,15 +255,16 @@ impl UringReader {
         }
         let queue_depth = opts.queue_depth;
         Ok(UringReader {
-            ring: Mutex::new(Ring {
+            ring: Arc::new(Mutex::new(Ring {
                 ring,
                 slots,
                 fixed,
+                lent,
                 inflight: (0..queue_depth).map(|_| None).collect(),
                 free: (0..queue_depth).rev().collect(),
                 pending: 0,
                 cqes: Vec::with_capacity(queue_depth),
-            }),
+            })),
             align: opened.align_bytes,
             sqe_bytes_max: SQE_BYTES_MAX,
             direct_io_active: opened.direct_io_active,
@@ -226,14 +310,35 @@ impl Ring {
         e.pos = resume_at(e.done, align);
         let len = (e.span.dev_len_bytes - e.pos).min(sqe_bytes_max);
         let offset = e.span.dev_offset_bytes + e.pos as u64;
-        let sqe = match e.big.as_mut() {
-            Some(big) => {
+        let sqe = match (e.dest, e.big.as_mut()) {
+            (Some(dest), _) => {
+                // SAFETY (pointer arithmetic): pos + len <= dev_len_bytes = the destination's
+                // length (an `Into` range is whole blocks, so it is not widened).
+                let ptr = unsafe { dest.0.add(e.pos) };
+                // Caller memory inside a registered entry is read as a fixed buffer.
+                let (at, end) = (ptr as usize, ptr as usize + len);
+                let entry = self
+                    .lent
+                    .iter()
+                    .position(|l| l.is_some_and(|(start, n)| start <= at && end <= start + n));
+                match entry {
+                    Some(i) => {
+                        e.registered = true;
+                        let index = (self.slots.len() + i) as u16;
+                        opcode::ReadFixed::new(types::Fd(fd), ptr, len as u32, index)
+                            .offset(offset)
+                            .build()
+                    }
+                    None => opcode::Read::new(types::Fd(fd), ptr, len as u32).offset(offset).build(),
+                }
+            }
+            (None, Some(big)) => {
                 // SAFETY (pointer arithmetic): pos + len <= dev_len_bytes <= the buffer's length,
                 // so the pointer stays inside the allocation.
                 let ptr = unsafe { big.as_mut_ptr().add(e.pos) };
                 opcode::Read::new(types::Fd(fd), ptr, len as u32).offset(offset).build()
             }
-            None if fixed => opcode::ReadFixed::new(
+            (None, None) if fixed => opcode::ReadFixed::new(
                 types::Fd(fd),
                 // SAFETY: as above; the slot's length is >= dev_len_bytes (checked when assigned).
                 unsafe { slot_ptr.add(e.pos) },
@@ -243,7 +348,7 @@ impl Ring {
             .offset(offset)
             .build(),
             // SAFETY: as above.
-            None => opcode::Read::new(types::Fd(fd), unsafe { slot_ptr.add(e.pos) }, len as u32)
+            (None, None) => opcode::Read::new(types::Fd(fd), unsafe { slot_ptr.add(e.pos) }, len as u32)
                 .offset(offset)
                 .build(),
         }
@@ -254,7 +359,10 @@ impl Ring {
             // reaped: `read_each` takes the entry out only when it handles this SQE's CQE,
             // `pending` counts the SQE, and every path that could free or reuse the memory (`drain`
             // at the start of the next call, `Drop`) first waits until `pending` is zero. `fd` belongs to the reader's `File`, alive as long as the ring.
-            // For ReadFixed the range lies inside registered buffer `slot`.
+            // For ReadFixed the range lies inside registered buffer `slot`. Or it points into
+            // caller memory (`dest`), which `read_into` borrows mutably for the whole batch and
+            // does not touch where reads land; `run` returns (or unwinds) only after `pending`
+            // is zero when a batch has such reads (see `run`).
             let pushed = unsafe { self.ring.submission().push(&sqe) };
             if pushed.is_ok() {
                 break;
@@ -335,6 +443,47 @@ impl Reader for UringReader {
     fn reset_stats(&self) {
         self.stats.reset()
     }
+
+    /// Enters `bytes` in the ring's registered-buffer table (one of [`LENT_MAX`] entries after
+    /// the slots), so reads into it take the fixed-buffer opcode: its pages are pinned once, not
+    /// at every read. `None` without fixed buffers, without a sparse table (kernels before 5.19),
+    /// when every entry is taken, or when the kernel refuses (RLIMIT_MEMLOCK).
+    unsafe fn register(&self, bytes: &mut [u8]) -> Option<Registration> {
+        if bytes.is_empty() {
+            return None;
+        }
+        let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+        let i = ring.lent.iter().position(Option::is_none)?;
+        let index = (ring.slots.len() + i) as u32;
+        let iov = libc::iovec {
+            iov_base: bytes.as_mut_ptr().cast(),
+            iov_len: bytes.len(),
+        };
+        // SAFETY: the entry names `bytes`, which the caller keeps allocated and in place until the
+        // returned guard drops (this method's contract); the guard clears the entry then. Reads
+        // into it happen only inside `read_into`, which the caller's borrow of the memory allows.
+        unsafe { ring.ring.submitter().register_buffers_update(index, &[iov], None) }.ok()?;
+        ring.lent[i] = Some((bytes.as_ptr() as usize, bytes.len()));
+        let shared = Arc::clone(&self.ring);
+        Some(Registration::new(move || {
+            let mut ring = shared.lock().unwrap_or_else(|e| e.into_inner());
+            ring.lent[i] = None;
+            let empty = libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            };
+            // SAFETY: an empty entry names no memory. No read uses the entry now: reads into
+            // caller memory complete inside `read_into`, under the lock held here.
+            let _ = unsafe { ring.ring.submitter().register_buffers_update(index, &[empty], None) };
+        }))
+    }
+
+    fn read_into(&self, reqs: &mut [ReadReq<'_>]) -> Result<()> {
+        let t0 = Instant::now();
+        let result = self.read_into_inner(reqs);
+        self.stats.add_wall_since(t0);
+        result
+    }
 }
 
 impl UringReader {
@@ -349,22 +498,110 @@ impl UringReader {
                 on_done(i, &[])?;
             }
         }
+        let jobs: Vec<Job> = ranges.iter().map(|&r| Job::Lend(r)).collect();
+        self.run(&jobs, on_done)
+    }
+
+    /// `read_into` (see the module doc): each request's whole aligned blocks read straight into
+    /// its buffer when the buffer's address has the file offset's phase, the rest through slots
+    /// and copied.
+    fn read_into_inner(&self, reqs: &mut [ReadReq<'_>]) -> Result<()> {
+        for r in reqs.iter() {
+            check_range(&self.path, Range::new(r.offset_bytes, r.buf.len()), self.len_bytes)?;
+        }
+        self.stats
+            .add_requests(reqs.len() as u64, reqs.iter().map(|r| r.buf.len() as u64).sum());
+        // Every byte is written through these pointers (derived once from the `&mut` borrows,
+        // which `reqs` holds for the whole call), so no reference to a buffer is made while the
+        // kernel writes into another part of it.
+        let bases: Vec<*mut u8> = reqs.iter_mut().map(|r| r.buf.as_mut_ptr()).collect();
+        let mut jobs = Vec::with_capacity(reqs.len());
+        // Per job: its request and where its bytes start in the request's buffer.
+        let mut places: Vec<(usize, usize)> = Vec::with_capacity(reqs.len());
+        let mut in_place_bytes = 0u64;
+        for (i, r) in reqs.iter().enumerate() {
+            let (o, len) = (r.offset_bytes, r.buf.len());
+            let (lo, hi) = in_place_part(o, bases[i] as usize, len, self.align);
+            // (start, end, straight into the buffer): head and tail through slots.
+            let pieces = match hi > lo {
+                true => [(0, lo, false), (lo, hi, true), (hi, len, false)],
+                false => [(0, len, false), (0, 0, false), (0, 0, false)],
+            };
+            for (at, end, into) in pieces.into_iter().filter(|p| p.1 > p.0) {
+                let range = Range::new(o + at as u64, end - at);
+                jobs.push(match into {
+                    true => {
+                        in_place_bytes += range.len_bytes as u64;
+                        // SAFETY (pointer arithmetic): at < end <= len, inside request i's buffer.
+                        Job::Into {
+                            range,
+                            dest: DestPtr(unsafe { bases[i].add(at) }),
+                        }
+                    }
+                    false => Job::Lend(range),
+                });
+                places.push((i, at));
+            }
+        }
+        self.stats.add_in_place(in_place_bytes);
+        self.run(&jobs, &mut |j, bytes| {
+            let (i, at) = places[j];
+            debug_assert!(at + bytes.len() <= reqs[i].buf.len());
+            // SAFETY: a `Lend` job's bytes go to `[at, at + len)` of request i's buffer, inside it
+            // (the jobs split the request), and no other job of the batch writes there.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), bases[i].add(at), bytes.len()) };
+            Ok(())
+        })
+    }
+
+    /// Runs `jobs`: fills every free slot with a read, reaps completions, resumes short reads,
+    /// hands each `Lend` job's bytes to `on_done(job index, bytes)`. With `Into` jobs, it returns
+    /// or unwinds only after every read of the batch has completed (the kernel writes into the
+    /// caller's memory); if the ring cannot be waited on then, the process aborts, the only sound
+    /// way out.
+    fn run(&self, jobs: &[Job], on_done: &mut OnDone<'_>) -> Result<()> {
         let ring_err = |e: io::Error| Error::io(&self.path, e);
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         ring.drain().map_err(ring_err)?;
+        if !jobs.iter().any(|j| matches!(j, Job::Into { .. })) {
+            return self.run_on(&mut ring, jobs, on_done);
+        }
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_on(&mut ring, jobs, on_done)));
+        if let Err(e) = ring.drain() {
+            eprintln!(
+                "{}: io_uring reads into caller memory may still be in flight and the ring cannot \
+                 be waited on ({e}); aborting rather than returning memory the kernel may write",
+                self.path.display()
+            );
+            std::process::abort();
+        }
+        match outcome {
+            Ok(r) => r,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    fn run_on(&self, ring: &mut Ring, jobs: &[Job], on_done: &mut OnDone<'_>) -> Result<()> {
+        let ring_err = |e: io::Error| Error::io(&self.path, e);
         let fd = self.file.as_raw_fd();
         let mut next = 0usize;
         let mut first_err: Option<Error> = None;
         loop {
-            while first_err.is_none() && next < ranges.len() && !ring.free.is_empty() {
-                let (index, range) = (next, ranges[next]);
+            while first_err.is_none() && next < jobs.len() && !ring.free.is_empty() {
+                let (index, job) = (next, jobs[next]);
                 next += 1;
+                let range = job.range();
                 if range.len_bytes == 0 {
                     continue;
                 }
                 let slot = ring.free.pop().expect("checked non-empty");
                 let span = Span::widen(range, self.align);
-                let big = (span.dev_len_bytes > ring.slots[slot].len()).then(|| AlignedBuf::new(span.dev_len_bytes));
+                let dest = match job {
+                    Job::Into { dest, .. } => Some(dest),
+                    Job::Lend(_) => None,
+                };
+                let big = (dest.is_none() && span.dev_len_bytes > ring.slots[slot].len())
+                    .then(|| AlignedBuf::new(span.dev_len_bytes));
                 ring.inflight[slot] = Some(Inflight {
                     index,
                     range,
@@ -372,6 +609,8 @@ impl UringReader {
                     done: 0,
                     pos: 0,
                     big,
+                    dest,
+                    registered: false,
                 });
                 if let Err(e) = ring.push(slot, fd, self.align, self.sqe_bytes_max) {
                     ring.inflight[slot] = None;
@@ -383,7 +622,8 @@ impl UringReader {
                 break;
             }
             if let Err(e) = ring.wait() {
-                // Reads may still be in flight; the next call (or Drop) drains them first.
+                // Reads may still be in flight; the next call (or Drop) drains them first, or,
+                // with reads into caller memory, `run` before it returns.
                 return Err(first_err.unwrap_or(ring_err(e)));
             }
             let cqes = std::mem::take(&mut ring.cqes);
@@ -420,7 +660,10 @@ impl UringReader {
                     }
                 } else {
                     let (lo, hi) = (e.span.head_bytes, needed);
-                    if first_err.is_none() {
+                    if e.registered {
+                        self.stats.add_in_place_registered(e.range.len_bytes as u64);
+                    }
+                    if first_err.is_none() && e.dest.is_none() {
                         let bytes = match &e.big {
                             Some(big) => &big.as_slice()[lo..hi],
                             None => &ring.slots[slot].as_slice()[lo..hi],

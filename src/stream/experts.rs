@@ -399,7 +399,13 @@ impl ExpertStream {
             }
             let p = &self.parts[layer][e];
             let buf = st.spare.pop().unwrap_or_default();
-            prefetcher.submit(e, vec![Range::new(p.offset_bytes, p.len_bytes)], buf)?;
+            // Packed: the expert cache's views start at the buffer's first byte.
+            prefetcher.submit(
+                e,
+                vec![Range::new(p.offset_bytes, p.len_bytes)],
+                buf,
+                super::prefetch::Placement::Packed,
+            )?;
             st.ahead.push_back(AheadJob { layer, expert: e });
             counters.ahead_neurons += 1;
             counters.ahead_bytes += p.len_bytes as u64;
@@ -657,6 +663,7 @@ impl super::Streamer {
             resident_gate: vec![None; n],
             hidden: cfg.hidden,
             pass: Mutex::new(()),
+            _registered: Vec::new(),
             _pinned: pinned,
             state: Mutex::new(super::State::new(Vec::new(), Vec::new(), Vec::new())),
             decode_start: Mutex::new(None),

@@ -41,7 +41,7 @@ use crate::quant::GgmlType;
 use crate::tensor::Weight;
 use cache::{CachePolicy, LayerCache};
 use plan::{CostModel, PlannedRead};
-use prefetch::Prefetcher;
+use prefetch::{Placement, Prefetcher};
 use residency::{Priority, Residency};
 use rows::{Ahead, DecodeStep};
 
@@ -224,27 +224,31 @@ impl LayerParts {
         spans
     }
 
-    /// Where the prefetched FFN rows start in the layer's dense buffer.
-    fn ffn_ranges_at(&self) -> usize {
-        self.attn
-            .iter()
-            .flatten()
-            .chain(self.gate.iter())
-            .map(|p| p.rows * p.row_bytes)
-            .sum()
+    /// The number of streamed attention and gate matrices (the first of `dense_ranges()`).
+    fn matrix_count(&self) -> usize {
+        self.attn.as_ref().map_or(0, |a| a.len()) + self.gate.is_some() as usize
     }
-    /// The bytes of file extent `(o, len)` in the layer's dense buffer, if it was prefetched.
-    fn prefetched<'b>(&self, buf: &'b [u8], o: u64, len: usize) -> Option<&'b [u8]> {
-        let mut at = self.ffn_ranges_at();
-        for r in &self.ffn_ranges {
+
+    /// The bytes of file extent `(o, len)` in the layer's dense buffer `buf` (its ranges at
+    /// `starts`), if it was prefetched.
+    fn prefetched<'b>(&self, buf: &'b [u8], starts: &[usize], o: u64, len: usize) -> Option<&'b [u8]> {
+        let first = self.matrix_count();
+        for (r, &at) in self.ffn_ranges.iter().zip(starts.get(first..)?) {
             if o >= r.offset_bytes && o + len as u64 <= r.offset_bytes + r.len_bytes as u64 {
                 let start = at + (o - r.offset_bytes) as usize;
                 return buf.get(start..start + len);
             }
-            at += r.len_bytes;
         }
         None
     }
+}
+
+/// A layer's dense parts as the prefetch thread read them: `buf` holds its `dense_ranges()`,
+/// range i at `starts[i]` (each at its file phase, [`prefetch::Placement::InPhase`]).
+struct Current {
+    layer: usize,
+    buf: Arc<Vec<u8>>,
+    starts: Vec<usize>,
 }
 
 struct State {
@@ -253,8 +257,8 @@ struct State {
     staging_down: Arc<Vec<u8>>,
     /// Layers whose dense parts were submitted to the prefetcher, oldest first.
     pending: VecDeque<usize>,
-    /// The layer whose dense parts are in use, and their bytes.
-    current: Option<(usize, Arc<Vec<u8>>)>,
+    /// The layer whose dense parts are in use.
+    current: Option<Current>,
     spare: Vec<Vec<u8>>,
     plan: Vec<PlannedRead>,
     counters: Counters,
@@ -270,9 +274,9 @@ struct State {
     /// streamer drops, after the device unlocked them, so none is freed while locked.
     pinned: Vec<usize>,
     retired: Vec<Arc<Vec<u8>>>,
-    /// The prefetch thread's buffers the device page-locked, by address (made at their largest
-    /// at open, so never reallocated): one still viewed when it leaves `current` is retired
-    /// rather than freed while locked.
+    /// The prefetch thread's buffers the device page-locked or the reader registered, by
+    /// address (made at their largest at open, so never reallocated): one still viewed when it
+    /// leaves `current` is retired rather than freed while locked or registered.
     dense_pinned: Vec<usize>,
 }
 
@@ -311,6 +315,9 @@ impl State {
 /// predicted perfectly, also across the last layer into the next token's first. Layers whose
 /// gate streams get no lookahead.
 pub struct Streamer {
+    /// The prefetch thread's buffers registered with its reader (io_uring fixed buffers), undone
+    /// before any of that memory is freed (the first field, so dropped first).
+    _registered: Vec<crate::io::Registration>,
     /// The device's locks on host memory it copies from at each use (a device with memory of its
     /// own; locked, at the link's pinned speed): the FFN staging buffers, the prefetch thread's
     /// buffers, and the resident weights its plan does not keep ([`pin_unkept`]). The first
@@ -438,7 +445,7 @@ impl Streamer {
     /// Makes layer `l`'s dense parts current (waiting for the prefetch if needed) and requests
     /// the next streamed layer's.
     fn advance(&self, st: &mut State, l: usize) -> Result<()> {
-        if let Some((_, buf)) = st.current.take() {
+        if let Some(Current { buf, .. }) = st.current.take() {
             let at = buf.as_ptr() as usize;
             match Arc::try_unwrap(buf) {
                 Ok(v) => st.spare.push(v),
@@ -454,7 +461,8 @@ impl Streamer {
                     st.spare.push(d.buf);
                 }
                 let buf = st.spare.pop().unwrap_or_default();
-                self.prefetcher.submit(l, self.layers[l].dense_ranges(), buf)?;
+                self.prefetcher
+                    .submit(l, self.layers[l].dense_ranges(), buf, Placement::InPhase)?;
                 st.pending.push_back(l);
             }
             let t0 = Instant::now();
@@ -462,15 +470,20 @@ impl Streamer {
             st.pending.pop_front();
             st.counters.io_wait_ns += t0.elapsed().as_nanos() as u64;
             debug_assert_eq!(done.key, l);
-            st.counters.dense_needed_bytes += done.buf.len() as u64;
+            st.counters.dense_needed_bytes += done.bytes as u64;
             // Kept even when the read failed (a locked buffer must not be freed here).
-            st.current = Some((l, Arc::new(done.buf)));
+            st.current = Some(Current {
+                layer: l,
+                buf: Arc::new(done.buf),
+                starts: done.starts,
+            });
             done.result?;
         }
         if st.pending.is_empty() {
             if let Some(m) = self.next_streamed(l) {
                 let buf = st.spare.pop().unwrap_or_default();
-                self.prefetcher.submit(m, self.layers[m].dense_ranges(), buf)?;
+                self.prefetcher
+                    .submit(m, self.layers[m].dense_ranges(), buf, Placement::InPhase)?;
                 st.pending.push_back(m);
             }
         }

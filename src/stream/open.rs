@@ -343,25 +343,40 @@ impl Streamer {
         };
         // The prefetch thread's buffers (a layer's streamed attention and gate, and its FFN rows
         // when prefetched): on such a device two, the layer in use and the next, made at their
-        // largest (so never reallocated) and locked, as the staging is.
+        // largest (so never reallocated) and locked, as the staging is. The reads land in them
+        // directly (laid out in phase with the file), so in page-locked memory. Made at open on
+        // every device (the budget counts them): registered with the reader below.
         let dense_max = layers
             .iter()
-            .map(|p| p.dense_ranges().iter().map(|r| r.len_bytes).sum::<usize>())
+            .map(|p| crate::io::in_phase_len_max(&p.dense_ranges()))
             .max()
             .unwrap_or(0);
         let mut dense_bufs: Vec<Vec<u8>> = Vec::new();
-        if dense_max > 0 && !model.device.host_memory() {
+        if dense_max > 0 {
             for _ in 0..2 {
                 let mut b = vec![0u8; dense_max];
                 prefault(&mut b);
                 dense_bufs.push(b);
             }
         }
-        let pinned_dense: Vec<crate::backend::PinnedHost> = dense_bufs
-            .iter()
-            .filter_map(|b| model.device.pin_host(b, true))
+        let pinned_dense: Vec<crate::backend::PinnedHost> = match model.device.host_memory() {
+            true => Vec::new(),
+            false => dense_bufs
+                .iter()
+                .filter_map(|b| model.device.pin_host(b, true))
+                .collect(),
+        };
+        // Registered with the prefetch thread's reader too (io_uring: fixed buffers), so its
+        // reads into them skip pinning their pages at every read.
+        // SAFETY: these buffers are never reallocated (made at their largest: `read_job` only
+        // resizes within it) nor freed while registered: the guards are the streamer's first
+        // field, dropped before the buffers, and a buffer leaving `current` while still viewed
+        // is retired, not freed (`dense_pinned` names them).
+        let registered: Vec<crate::io::Registration> = dense_bufs
+            .iter_mut()
+            .filter_map(|b| unsafe { bg.register(b) })
             .collect();
-        let dense_addrs = match pinned_dense.is_empty() {
+        let dense_addrs = match pinned_dense.is_empty() && registered.is_empty() {
             true => Vec::new(),
             false => dense_bufs.iter().map(|b| b.as_ptr() as usize).collect(),
         };
@@ -419,6 +434,7 @@ impl Streamer {
             resident_gate,
             hidden: cfg.hidden,
             pass: Mutex::new(()),
+            _registered: registered,
             _pinned: pinned,
             state: Mutex::new(State {
                 pinned: pinned_addrs,

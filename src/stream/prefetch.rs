@@ -2,6 +2,12 @@
 //! buffers while the compute thread works on the layer before, and hands them back in the order
 //! they were asked for. Buffers come back to it for reuse, so steady-state decoding allocates
 //! nothing and first-touch page faults stay out of the timings.
+//!
+//! A job's ranges are laid out in its buffer either back to back ([`Placement::Packed`], copied
+//! there as they land) or each at its file offset's phase ([`Placement::InPhase`]), which lets the
+//! reader put their whole blocks straight into the buffer ([`crate::io::Reader::read_into`]): no
+//! copy on the host, and on a GPU, whose device page-locked the buffer, the reads land in
+//! page-locked memory the copies to the device start from.
 
 use std::sync::Arc;
 
@@ -10,20 +16,87 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::io::{Range, Reader};
+use crate::io::{in_phase_len_max, in_phase_starts, Range, ReadReq, Reader};
+
+/// How a job's ranges are laid out in its buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Back to back from the buffer's start, in the order given; copied out of the reader's
+    /// buffers as they land.
+    Packed,
+    /// In the order given, each at its file offset's phase ([`in_phase_starts`]; up to
+    /// [`in_phase_len_max`] bytes), read straight into the buffer where the reader can.
+    InPhase,
+}
 
 struct Job {
     key: usize,
     ranges: Vec<Range>,
     buf: Vec<u8>,
+    placement: Placement,
 }
 
-/// A finished job: `buf` holds the ranges back to back, in the order given.
+/// A finished job: `buf` holds range i's bytes at `starts[i]`.
 pub struct Done {
     pub key: usize,
     pub buf: Vec<u8>,
+    pub starts: Vec<usize>,
+    /// The ranges' bytes (what was asked for; the buffer may be longer).
+    pub bytes: usize,
     pub result: Result<()>,
     pub read_time: Duration,
+}
+
+/// Reads `ranges` into `buf` laid out by `placement` (resized to fit), cut into reads of at most
+/// `chunk_bytes`; returns where each range starts.
+fn read_job(
+    reader: &dyn Reader,
+    ranges: &[Range],
+    buf: &mut Vec<u8>,
+    placement: Placement,
+    chunk_bytes: usize,
+) -> (Vec<usize>, Result<()>) {
+    let (chunks, places) = cut(ranges, chunk_bytes);
+    match placement {
+        Placement::Packed => {
+            let mut starts = Vec::with_capacity(ranges.len());
+            let mut at = 0;
+            for r in ranges {
+                starts.push(at);
+                at += r.len_bytes;
+            }
+            buf.resize(at, 0);
+            let at: Vec<usize> = places.iter().map(|&(r, o)| starts[r] + o).collect();
+            let result = reader.read_each(&chunks, &mut |i, bytes| {
+                buf[at[i]..at[i] + bytes.len()].copy_from_slice(bytes);
+                Ok(())
+            });
+            (starts, result)
+        }
+        Placement::InPhase => {
+            // Sized first (a buffer made at its largest is not reallocated), then laid out for
+            // the address it has.
+            buf.resize(in_phase_len_max(ranges), 0);
+            let (starts, end) = in_phase_starts(buf.as_ptr() as usize, ranges);
+            // The chunks lie in the buffer in order and apart: split it into their slices.
+            let mut reqs = Vec::with_capacity(chunks.len());
+            let mut rest: &mut [u8] = &mut buf[..end];
+            let mut at = 0;
+            for (c, &(r, o)) in chunks.iter().zip(&places) {
+                let start = starts[r] + o;
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+                let (mine, tail) = tail.split_at_mut(c.len_bytes);
+                reqs.push(ReadReq {
+                    offset_bytes: c.offset_bytes,
+                    buf: mine,
+                });
+                rest = tail;
+                at = start + c.len_bytes;
+            }
+            let result = reader.read_into(&mut reqs);
+            (starts, result)
+        }
+    }
 }
 
 /// `ranges` cut into reads of at most `chunk_bytes` (the readers' reusable buffer size, so no
@@ -61,25 +134,13 @@ impl Prefetcher {
             .spawn(move || {
                 for mut job in job_rx {
                     let t0 = Instant::now();
-                    let total: usize = job.ranges.iter().map(|r| r.len_bytes).sum();
-                    job.buf.resize(total, 0);
-                    // Each range cut into chunks, each chunk's place in the buffer.
-                    let mut range_at = Vec::with_capacity(job.ranges.len());
-                    let mut at = 0;
-                    for r in &job.ranges {
-                        range_at.push(at);
-                        at += r.len_bytes;
-                    }
-                    let (chunks, places) = cut(&job.ranges, chunk_bytes);
-                    let starts: Vec<usize> = places.iter().map(|&(r, o)| range_at[r] + o).collect();
-                    let buf = &mut job.buf;
-                    let result = reader.read_each(&chunks, &mut |i, bytes| {
-                        buf[starts[i]..starts[i] + bytes.len()].copy_from_slice(bytes);
-                        Ok(())
-                    });
+                    let (starts, result) =
+                        read_job(reader.as_ref(), &job.ranges, &mut job.buf, job.placement, chunk_bytes);
                     let done = Done {
                         key: job.key,
                         buf: job.buf,
+                        starts,
+                        bytes: job.ranges.iter().map(|r| r.len_bytes).sum(),
                         result,
                         read_time: t0.elapsed(),
                     };
@@ -96,12 +157,17 @@ impl Prefetcher {
         })
     }
 
-    /// Queues a read of `ranges` into `buf` (reused; resized as needed).
-    pub fn submit(&self, key: usize, ranges: Vec<Range>, buf: Vec<u8>) -> Result<()> {
+    /// Queues a read of `ranges` into `buf` (reused; resized as needed), laid out by `placement`.
+    pub fn submit(&self, key: usize, ranges: Vec<Range>, buf: Vec<u8>, placement: Placement) -> Result<()> {
         self.jobs
             .as_ref()
             .expect("prefetcher running")
-            .send(Job { key, ranges, buf })
+            .send(Job {
+                key,
+                ranges,
+                buf,
+                placement,
+            })
             .map_err(|_| Error::Invalid("the prefetch thread has stopped".into()))
     }
 

@@ -112,6 +112,13 @@ pub struct StreamReport {
     pub dense_disk_bytes_per_token: f64,
     /// Device bytes per byte needed (FFN rows, streamed matrices, embedding rows).
     pub read_amplification: f64,
+    /// Share of the bytes asked of the readers that the device wrote straight into the buffer
+    /// they were for (io_uring into the prefetch buffers, laid out in phase with the file; on a
+    /// GPU, page-locked memory): not copied on the host.
+    pub in_place_fraction: f64,
+    /// The share of those bytes that landed in memory registered with the reader (io_uring
+    /// fixed buffers: pages pinned once, not at every read).
+    pub in_place_registered_fraction: f64,
     /// Share of needed FFN neurons the neuron cache served.
     pub cache_hit_rate: f64,
     /// Share of decode time the compute thread waited for reads.
@@ -225,6 +232,8 @@ impl StreamReport {
             } else {
                 1.0
             },
+            in_place_fraction: r.bytes_in_place as f64 / r.bytes_requested.max(1) as f64,
+            in_place_registered_fraction: r.bytes_in_place_registered as f64 / r.bytes_in_place.max(1) as f64,
             cache_hit_rate: if c.cache_lookups > 0 {
                 c.cache_hits as f64 / c.cache_lookups as f64
             } else {

@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use super::cache::LayerCache;
 use super::plan::{plan, PlanTotals, PlannedRead};
+use super::prefetch::Placement;
 use super::{unique, Part, State, Streamer};
 use crate::error::{Error, Result};
 use crate::io::Range;
@@ -24,7 +25,7 @@ use crate::tensor::Weight;
 pub(super) struct Ahead {
     pub(super) layer: usize,
     pub(super) ranges: Vec<Range>,
-    /// Where each range starts in `buf`.
+    /// Where each range starts in `buf` (empty until the read is done).
     pub(super) starts: Vec<usize>,
     pub(super) buf: Vec<u8>,
     /// The neurons predicted (sorted), and the bytes read for each (up row, and down column
@@ -102,6 +103,7 @@ impl Streamer {
             done.result?;
             if a.layer == l {
                 a.buf = done.buf;
+                a.starts = done.starts;
                 return Ok(Some(a));
             }
             st.ahead_spare.push(done.buf);
@@ -136,20 +138,14 @@ impl Streamer {
         let mut planned = Vec::new();
         let totals = plan(&spans, &self.cost, &mut planned);
         let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
-        let mut starts = Vec::with_capacity(ranges.len());
-        let mut at = 0;
-        for r in &ranges {
-            starts.push(at);
-            at += r.len_bytes;
-        }
         let buf = st.ahead_spare.pop().unwrap_or_default();
-        pf.submit(next, ranges.clone(), buf)?;
+        pf.submit(next, ranges.clone(), buf, Placement::InPhase)?;
         st.counters.ahead_neurons += predicted.len() as u64;
         st.counters.ahead_bytes += totals.needed_bytes;
         st.ahead.push_back(Ahead {
             layer: next,
             ranges,
-            starts,
+            starts: Vec::new(),
             buf: Vec::new(),
             neuron_bytes: totals.needed_bytes / predicted.len() as u64,
             predicted,
@@ -157,10 +153,10 @@ impl Streamer {
         Ok(())
     }
 
-    /// A view of part `p` of the current layer's dense buffer; `at` is its byte offset there.
-    pub(super) fn view(st: &State, p: &Part, at: usize) -> Result<Weight> {
-        let (_, buf) = st.current.as_ref().expect("current layer");
-        Weight::shared(&p.name, p.ty, p.rows, p.cols, buf.clone(), at).map(Weight::volatile)
+    /// A view of part `p` of the current layer's dense buffer, the `i`-th of its `dense_ranges()`.
+    pub(super) fn view(st: &State, p: &Part, i: usize) -> Result<Weight> {
+        let c = st.current.as_ref().expect("current layer");
+        Weight::shared(&p.name, p.ty, p.rows, p.cols, c.buf.clone(), c.starts[i]).map(Weight::volatile)
     }
 
     /// Views of layer `l`'s cache over the up rows (`up`) and down columns (`down`) of `set`
@@ -227,9 +223,9 @@ impl Streamer {
             retired,
             ..
         } = st;
-        let prefetched: &[u8] = match current {
-            Some((cl, buf)) if *cl == l => buf,
-            _ => &[],
+        let (prefetched, starts): (&[u8], &[usize]) = match current {
+            Some(c) if c.layer == l => (&c.buf, &c.starts),
+            _ => (&[], &[]),
         };
         let cache = &mut caches[l];
         let (su, sd) = (
@@ -248,7 +244,7 @@ impl Streamer {
                 }
                 None => {
                     let (o, len) = parts.up.extent(n);
-                    match parts.prefetched(prefetched, o, len) {
+                    match parts.prefetched(prefetched, starts, o, len) {
                         Some(b) => su[i * ur..(i + 1) * ur].copy_from_slice(b),
                         None => extents.push((o, len, (false, i as u32))),
                     }
@@ -271,7 +267,7 @@ impl Streamer {
                         counters.cache_lookups += 1;
                     }
                     let (o, len) = parts.down.extent(n);
-                    match parts.prefetched(prefetched, o, len) {
+                    match parts.prefetched(prefetched, starts, o, len) {
                         Some(b) => sd[i * dr..(i + 1) * dr].copy_from_slice(b),
                         None => extents.push((o, len, (true, i as u32))),
                     }
@@ -357,20 +353,12 @@ impl LayerStream for Streamer {
         self.advance(&mut st, l)?;
         match &self.layers[l].attn {
             None => Ok(self.resident_attn[l].as_ref().map(Cow::Borrowed)),
-            Some([q, k, v, o]) => {
-                let mut at = 0;
-                let mut next = |p: &Part| {
-                    let w = Streamer::view(&st, p, at);
-                    at += p.rows * p.row_bytes;
-                    w
-                };
-                Ok(Some(Cow::Owned(AttnWeights {
-                    wq: next(q)?,
-                    wk: next(k)?,
-                    wv: next(v)?,
-                    wo: next(o)?,
-                })))
-            }
+            Some([q, k, v, o]) => Ok(Some(Cow::Owned(AttnWeights {
+                wq: Streamer::view(&st, q, 0)?,
+                wk: Streamer::view(&st, k, 1)?,
+                wv: Streamer::view(&st, v, 2)?,
+                wo: Streamer::view(&st, o, 3)?,
+            }))),
         }
     }
 
@@ -435,8 +423,9 @@ impl LayerStream for Streamer {
         match &parts.gate {
             Some(g) => {
                 let st = self.state.lock().expect("stream state");
-                let at = parts.attn.iter().flatten().map(|p| p.rows * p.row_bytes).sum();
-                Streamer::view(&st, g, at).map(|w| Some(Cow::Owned(w)))
+                // After the streamed attention matrices, if any.
+                let i = parts.matrix_count() - 1;
+                Streamer::view(&st, g, i).map(|w| Some(Cow::Owned(w)))
             }
             None => Ok(self.resident_gate[l].as_ref().map(Cow::Borrowed)),
         }

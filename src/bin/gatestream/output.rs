@@ -144,12 +144,15 @@ impl Report for Outcome {
             let mb = |b: f64| b / 1e6;
             eprintln!(
                 "{label}streamed ({}{}): {:.1} MB/token from disk (dense streaming: {:.1} MB planned), read amplification {:.2}, \
+                 {:.0}% read in place ({:.0}% of that into registered buffers), \
                  cache hits {:.1}%, waiting for reads {:.0}% of decode time, peak RSS {:.1} MB (budget {:.1} MB)",
                 r.engine,
                 if r.direct_io { ", O_DIRECT" } else { "" },
                 mb(r.disk_bytes_per_token),
                 mb(r.dense_disk_bytes_per_token),
                 r.read_amplification,
+                r.in_place_fraction * 100.0,
+                r.in_place_registered_fraction * 100.0,
                 r.cache_hit_rate * 100.0,
                 r.io_wait_fraction * 100.0,
                 mb(r.peak_rss_bytes as f64),
