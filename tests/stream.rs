@@ -145,8 +145,16 @@ fn assert_bit_identical(path: &Path, text: &str) {
                 assert!(c.ffn_needed_bytes > 0 && c.cache_hits == 0, "{c:?}");
             }
             if opts.prefetch_ffn {
-                // Every FFN row came with the prefetch: nothing read on the compute thread.
+                // Every FFN row came with the prefetch: nothing read on the compute thread; and
+                // dense steps took them as views of the prefetch buffer, the pinned cache's rows
+                // copied in front (the pinned cache holds some at the larger budget).
                 assert_eq!(c.ffn_needed_bytes, 0, "{c:?}");
+                assert!(c.ffn_in_place_bytes > 0, "{engine:?} at budget {budget}: {c:?}");
+                assert_eq!(
+                    c.cache_hits > 0,
+                    budget == mid_dense,
+                    "{engine:?} at budget {budget}: {c:?}"
+                );
             }
             // The prefetch thread's reads land in its buffers (laid out in phase with the file):
             // io_uring reads their whole blocks in place (most of the bytes; the count includes
@@ -600,6 +608,56 @@ fn a_device_with_memory_of_its_own_is_fed_by_the_stream() {
             }
         }
     }
+}
+
+/// Dense streaming onto a device with memory of its own (the host stand-in): the layer's reads
+/// land in the prefetch buffers (in place, registered, page-locked by the device), and a split
+/// file's dense steps hand over their FFN rows as views of that buffer — the pinned cache's rows
+/// copied in front by the prefetch thread — while a bundled file's are gathered into the
+/// staging as before (two strided views would copy each bundle twice). Either way: logits bit
+/// for bit the in-RAM model's, the same bytes copied to the device, every one from page-locked
+/// memory.
+#[test]
+fn dense_streaming_hands_a_device_the_prefetch_buffers_rows_in_place() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let text = "The capital of France is";
+    let mut copied = Vec::new();
+    for layout in [FfnLayout::Split, FfnLayout::Bundled] {
+        let p = convert(&src, tmp.path(), &format!("{layout:?}.gst"), layout);
+        let want = run(&load(&p), None, None, text, 4);
+        let min = min_budget_with(&p, dense_options(0, ReadEngine::Uring));
+        let file_bytes = std::fs::metadata(&p).unwrap().len();
+        for budget in [min, min + file_bytes / 4] {
+            let (dev, m) = on_standin(&p);
+            let s = Streamer::open(&m, &dense_options(budget, ReadEngine::Uring)).unwrap();
+            let got = run(&m, Some(&s), None, text, 4);
+            let what = format!("{layout:?} at budget {budget}");
+            assert!(
+                got.len() == want.len() && got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: differs from the in-RAM model"
+            );
+            let (c, r) = (s.counters(), s.read_stats());
+            assert_eq!(c.cache_hits > 0, budget > min, "{what}: {c:?}");
+            match layout {
+                FfnLayout::Split => assert!(c.ffn_in_place_bytes > 0, "{what}: {c:?}"),
+                FfnLayout::Bundled => assert_eq!(c.ffn_in_place_bytes, 0, "{what}: {c:?}"),
+            }
+            // (The next pass's first layer may still be in flight: its bytes count as they land.)
+            assert!(
+                2 * r.bytes_in_place_registered > c.dense_needed_bytes,
+                "{what}: {r:?}: {c:?}"
+            );
+            let link = dev.link().unwrap();
+            assert!(
+                link.volatile_bytes > 0 && link.pinned_bytes == link.volatile_bytes,
+                "{what}: {link:?}"
+            );
+            copied.push((budget > min, link.volatile_bytes, link.volatile_copies));
+        }
+    }
+    // The two layouts' runs copied the same bytes in as many copies, budget for budget.
+    assert_eq!(copied[0..2], copied[2..4], "{copied:?}");
 }
 
 /// With a neuron cache that holds every layer (no RAM budget of its own, as `--vram-budget`

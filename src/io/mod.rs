@@ -147,14 +147,16 @@ pub trait Reader: Send + Sync {
 /// Where to place each of `ranges`, back to back in order, in a buffer whose first byte is at
 /// address `base`, so that [`Reader::read_into`] can read their whole blocks straight into it (the
 /// io_uring engine does; see its module doc): each range at the first position at or after the
-/// previous one's end whose address has the range's file offset's phase modulo
-/// [`ALIGN_BYTES`]. Returns each range's start and the end of the last; at most
-/// [`in_phase_len_max`]. The layout depends on `base`: compute it for the buffer that is read into.
-pub fn in_phase_starts(base: usize, ranges: &[Range]) -> (Vec<usize>, usize) {
+/// previous one's end plus `leads[i]` bytes kept free before it (none where `leads` is shorter)
+/// whose address has the range's file offset's phase modulo [`ALIGN_BYTES`]. Returns each range's
+/// start and the end of the last; at most [`in_phase_len_max`]. The layout depends on `base`:
+/// compute it for the buffer that is read into.
+pub fn in_phase_starts(base: usize, ranges: &[Range], leads: &[usize]) -> (Vec<usize>, usize) {
     let a = ALIGN_BYTES as u64;
     let mut starts = Vec::with_capacity(ranges.len());
     let mut at = 0usize;
-    for r in ranges {
+    for (i, r) in ranges.iter().enumerate() {
+        at += leads.get(i).copied().unwrap_or(0);
         let addr = (base as u64).wrapping_add(at as u64);
         let pad = (r.offset_bytes % a).wrapping_sub(addr % a).wrapping_add(a) % a;
         at += pad as usize;
@@ -164,9 +166,9 @@ pub fn in_phase_starts(base: usize, ranges: &[Range]) -> (Vec<usize>, usize) {
     (starts, at)
 }
 
-/// The most bytes [`in_phase_starts`] lays `ranges` out in, whatever the base address.
-pub fn in_phase_len_max(ranges: &[Range]) -> usize {
-    ranges.iter().map(|r| r.len_bytes + ALIGN_BYTES - 1).sum()
+/// The most bytes [`in_phase_starts`] lays `ranges` (and `leads`) out in, whatever the base address.
+pub fn in_phase_len_max(ranges: &[Range], leads: &[usize]) -> usize {
+    ranges.iter().map(|r| r.len_bytes + ALIGN_BYTES - 1).sum::<usize>() + leads.iter().sum::<usize>()
 }
 
 /// Memory registered with a reader ([`Reader::register`]); dropping it undoes the registration.

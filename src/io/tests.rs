@@ -568,12 +568,19 @@ fn in_phase_layout_puts_each_range_at_its_file_phase_within_the_bound() {
         Range::new(8191, 4097),
         Range::new(1 << 20, 4096),
     ];
-    for base in [0usize, 16, 4095, 4096, 0x7f00_0000_1010] {
-        let (starts, end) = in_phase_starts(base, &ranges);
-        assert!(end <= in_phase_len_max(&ranges), "base {base}: {end}");
+    for (base, leads) in [0usize, 16, 4095, 4096, 0x7f00_0000_1010]
+        .into_iter()
+        .flat_map(|b| [(b, vec![]), (b, vec![0, 5000, 1, 4096])])
+    {
+        let (starts, end) = in_phase_starts(base, &ranges, &leads);
+        assert!(end <= in_phase_len_max(&ranges, &leads), "base {base}: {end}");
         let mut prev_end = 0;
-        for (r, &s) in ranges.iter().zip(&starts) {
-            assert!(s >= prev_end && s - prev_end < ALIGN_BYTES, "base {base}: {r:?} at {s}");
+        for (i, (r, &s)) in ranges.iter().zip(&starts).enumerate() {
+            let lead = leads.get(i).copied().unwrap_or(0);
+            assert!(
+                s >= prev_end + lead && s - prev_end - lead < ALIGN_BYTES,
+                "base {base}: {r:?} at {s}"
+            );
             assert_eq!(
                 (base + s) % ALIGN_BYTES,
                 r.offset_bytes as usize % ALIGN_BYTES,
@@ -606,8 +613,8 @@ fn uring_read_into_lands_whole_blocks_in_place() {
                 let a = r.align_bytes();
                 // In phase: one buffer, each range at its file phase; the expected in-place bytes
                 // are each range's whole blocks.
-                let mut buf = vec![0xAAu8; in_phase_len_max(&ranges)];
-                let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges);
+                let mut buf = vec![0xAAu8; in_phase_len_max(&ranges, &[])];
+                let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges, &[]);
                 let mut want_in_place = 0u64;
                 for rg in &ranges {
                     let (o, e) = (rg.offset_bytes as usize, rg.offset_bytes as usize + rg.len_bytes);
@@ -688,8 +695,8 @@ fn uring_read_into_in_place_reports_eof_and_stays_usable() {
             .unwrap()
             .set_len(200_000)
             .unwrap();
-        let mut buf = vec![0u8; in_phase_len_max(&ranges)];
-        let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges);
+        let mut buf = vec![0u8; in_phase_len_max(&ranges, &[])];
+        let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges, &[]);
         let (a, rest) = buf.split_at_mut(starts[1]);
         let (b, rest) = rest.split_at_mut(starts[2] - starts[1]);
         let c = &mut rest[..4096];
@@ -735,7 +742,7 @@ fn uring_reads_into_registered_memory_as_fixed_buffers() {
         Range::new(300_000, 100_005),
     ];
     let read = |r: &UringReader, buf: &mut Vec<u8>| {
-        let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges);
+        let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges, &[]);
         let mut rest: &mut [u8] = buf;
         let mut at = 0;
         let mut reqs = Vec::new();
@@ -762,7 +769,7 @@ fn uring_reads_into_registered_memory_as_fixed_buffers() {
         if let Some(b) = sqe {
             r = r.with_sqe_bytes_max(b);
         }
-        let mut buf = vec![0u8; in_phase_len_max(&ranges)];
+        let mut buf = vec![0u8; in_phase_len_max(&ranges, &[])];
         // SAFETY: `buf` is neither freed nor reallocated before `guard` drops (below).
         let guard = unsafe { r.register(&mut buf) }.expect("a kernel with sparse buffer tables (5.19+)");
         let st = read(&r, &mut buf);

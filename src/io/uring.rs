@@ -515,12 +515,13 @@ impl UringReader {
         // which `reqs` holds for the whole call), so no reference to a buffer is made while the
         // kernel writes into another part of it.
         let bases: Vec<*mut u8> = reqs.iter_mut().map(|r| r.buf.as_mut_ptr()).collect();
+        let lens: Vec<usize> = reqs.iter().map(|r| r.buf.len()).collect();
         let mut jobs = Vec::with_capacity(reqs.len());
         // Per job: its request and where its bytes start in the request's buffer.
         let mut places: Vec<(usize, usize)> = Vec::with_capacity(reqs.len());
         let mut in_place_bytes = 0u64;
         for (i, r) in reqs.iter().enumerate() {
-            let (o, len) = (r.offset_bytes, r.buf.len());
+            let (o, len) = (r.offset_bytes, lens[i]);
             let (lo, hi) = in_place_part(o, bases[i] as usize, len, self.align);
             // (start, end, straight into the buffer): head and tail through slots.
             let pieces = match hi > lo {
@@ -546,7 +547,7 @@ impl UringReader {
         self.stats.add_in_place(in_place_bytes);
         self.run(&jobs, &mut |j, bytes| {
             let (i, at) = places[j];
-            debug_assert!(at + bytes.len() <= reqs[i].buf.len());
+            debug_assert!(at + bytes.len() <= lens[i]);
             // SAFETY: a `Lend` job's bytes go to `[at, at + len)` of request i's buffer, inside it
             // (the jobs split the request), and no other job of the batch writes there.
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), bases[i].add(at), bytes.len()) };

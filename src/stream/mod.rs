@@ -191,6 +191,65 @@ struct LayerParts {
     down: Part,
     /// FFN rows prefetched with the dense parts (dense streaming), as merged file ranges.
     ffn_ranges: Vec<Range>,
+    /// Dense steps' FFN rows handed over as views of the prefetch buffer, when set.
+    views: Option<FfnViews>,
+}
+
+/// How a dense step's FFN rows are handed over as views of the layer's prefetch buffer instead
+/// of being gathered into the staging: the stream's neurons are `first..ffn` (after the
+/// device's hot ones); a pinned cache holds `first..cached` (never written again, so the
+/// prefetch thread may read it) and the prefetch reads `cached..ffn`. Room for the cached rows is
+/// kept free before the prefetched ranges (`leads`), and the prefetch thread copies them there
+/// (`fill`), so each matrix's rows `first..ffn` lie in the buffer at one stride, as in the file
+/// (a bundled file's up rows and down columns interleaved: strided views, which only a device
+/// computing in host memory takes; a device with memory of its own would copy the whole bundle
+/// for each of the two views, so it is handed contiguous rows only).
+#[derive(Clone)]
+struct FfnViews {
+    first: usize,
+    cached: usize,
+    /// The pinned cache's up rows and down columns (slot s = neuron `first + s`).
+    cache_up: Arc<Vec<u8>>,
+    cache_down: Arc<Vec<u8>>,
+    /// Per matrix (up, down): the index among `dense_ranges()` of the range holding its row
+    /// `cached`, and that row's byte offset in the range.
+    at: [(usize, usize); 2],
+}
+
+impl FfnViews {
+    /// Bytes kept free before each of `dense_ranges()` (`n` of them): room for the cached rows
+    /// before the range each matrix's row `cached` starts.
+    fn leads(&self, parts: &LayerParts, n: usize) -> Vec<usize> {
+        let mut leads = vec![0; n];
+        for ((i, off), p) in self.at.iter().zip([&parts.up, &parts.down]) {
+            let room = (self.cached - self.first) * p.stride_bytes;
+            leads[*i] = leads[*i].max(room.saturating_sub(*off));
+        }
+        leads
+    }
+
+    /// Where matrix `m`'s (0 up, 1 down) row `first` lies in a buffer whose ranges start at
+    /// `starts`.
+    fn row_first_at(&self, p: &Part, m: usize, starts: &[usize]) -> usize {
+        let (i, off) = self.at[m];
+        starts[i] + off - (self.cached - self.first) * p.stride_bytes
+    }
+
+    /// What the prefetch thread runs before its reads: the cached rows copied into the room kept
+    /// for them.
+    fn fill(&self, parts: &LayerParts) -> prefetch::Fill {
+        let v = self.clone();
+        let (up, down) = (parts.up.clone(), parts.down.clone());
+        Box::new(move |buf: &mut [u8], starts: &[usize]| {
+            for (m, (p, cache)) in [(&up, &v.cache_up), (&down, &v.cache_down)].into_iter().enumerate() {
+                let at = v.row_first_at(p, m, starts);
+                for s in 0..v.cached - v.first {
+                    let dst = at + s * p.stride_bytes;
+                    buf[dst..dst + p.row_bytes].copy_from_slice(&cache[s * p.row_bytes..(s + 1) * p.row_bytes]);
+                }
+            }
+        })
+    }
 }
 
 impl LayerParts {
@@ -442,6 +501,19 @@ impl Streamer {
         (1..=n).map(|d| (l + d) % n).find(|&m| self.layers[m].streams_dense())
     }
 
+    /// How layer `l`'s dense parts are laid out in the prefetch buffer: in phase with the file,
+    /// with room for the cached FFN rows before the prefetched ones when dense steps take views.
+    fn placement(&self, l: usize) -> Placement {
+        let parts = &self.layers[l];
+        match &parts.views {
+            None => Placement::in_phase(),
+            Some(v) => Placement::InPhase {
+                leads: v.leads(parts, parts.matrix_count() + parts.ffn_ranges.len()),
+                fill: Some(v.fill(parts)),
+            },
+        }
+    }
+
     /// Makes layer `l`'s dense parts current (waiting for the prefetch if needed) and requests
     /// the next streamed layer's.
     fn advance(&self, st: &mut State, l: usize) -> Result<()> {
@@ -462,7 +534,7 @@ impl Streamer {
                 }
                 let buf = st.spare.pop().unwrap_or_default();
                 self.prefetcher
-                    .submit(l, self.layers[l].dense_ranges(), buf, Placement::InPhase)?;
+                    .submit(l, self.layers[l].dense_ranges(), buf, self.placement(l))?;
                 st.pending.push_back(l);
             }
             let t0 = Instant::now();
@@ -483,7 +555,7 @@ impl Streamer {
             if let Some(m) = self.next_streamed(l) {
                 let buf = st.spare.pop().unwrap_or_default();
                 self.prefetcher
-                    .submit(m, self.layers[m].dense_ranges(), buf, Placement::InPhase)?;
+                    .submit(m, self.layers[m].dense_ranges(), buf, self.placement(m))?;
                 st.pending.push_back(m);
             }
         }

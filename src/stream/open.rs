@@ -10,7 +10,8 @@ use super::plan::{self, plan, CostModel};
 use super::prefetch::Prefetcher;
 use super::residency::{ModelSizes, Residency};
 use super::{
-    activation_bytes_per_token, CostSource, LayerParts, Lookahead, Part, Readers, State, StreamOptions, Streamer,
+    activation_bytes_per_token, CostSource, FfnViews, LayerParts, Lookahead, Part, Readers, State, StreamOptions,
+    Streamer,
 };
 use crate::error::{Error, Result};
 use crate::io::{open_reader, ReadEngine, Reader};
@@ -119,6 +120,7 @@ impl Streamer {
                 up: Part::of(&ffn_w.up)?,
                 down: Part::of(down)?,
                 ffn_ranges: Vec::new(),
+                views: None,
             });
         }
         let plan_with = |sizes: &mut ModelSizes, lookahead: bool| {
@@ -322,6 +324,40 @@ impl Streamer {
                 plan(&spans, &exact, &mut reads);
                 p.ffn_ranges = reads.iter().map(|r| r.range).collect();
             }
+            // Dense steps take their FFN rows as views of the prefetch buffer, the pinned cache's
+            // rows copied in front of the prefetched ones by the prefetch thread (see
+            // `FfnViews`): strided views of a bundled file only on a device computing in host
+            // memory.
+            let contiguous =
+                |p: &LayerParts| p.up.stride_bytes == p.up.row_bytes && p.down.stride_bytes == p.down.row_bytes;
+            if opts.cache == CachePolicy::Pinned {
+                for (l, p) in layers.iter_mut().enumerate() {
+                    if p.ffn_ranges.is_empty() || !(model.device.host_memory() || contiguous(p)) {
+                        continue;
+                    }
+                    let cached = residency.cache_neurons[l];
+                    let first = hot[l].as_ref().map_or(0, |(u, _): &(Weight, Weight)| u.rows);
+                    // Where each matrix's row `cached` (its first prefetched row) was read.
+                    let m = p.matrix_count();
+                    let place = |part: &Part| {
+                        let (o, _) = part.extent(cached as u32);
+                        p.ffn_ranges
+                            .iter()
+                            .position(|r| r.offset_bytes <= o && o < r.offset_bytes + r.len_bytes as u64)
+                            .map(|j| (m + j, (o - p.ffn_ranges[j].offset_bytes) as usize))
+                    };
+                    let (ub, db) = caches[l].buffers();
+                    if let (Some(u), Some(d), true) = (place(&p.up), place(&p.down), first <= cached) {
+                        p.views = Some(FfnViews {
+                            first,
+                            cached,
+                            cache_up: ub.clone(),
+                            cache_down: db.clone(),
+                            at: [u, d],
+                        });
+                    }
+                }
+            }
         }
         let max_row = |f: fn(&LayerParts) -> usize| layers.iter().map(f).max().unwrap_or(0);
         let mut staging_up = vec![0u8; cfg.ffn * max_row(|p| p.up.row_bytes)];
@@ -348,7 +384,11 @@ impl Streamer {
         // every device (the budget counts them): registered with the reader below.
         let dense_max = layers
             .iter()
-            .map(|p| crate::io::in_phase_len_max(&p.dense_ranges()))
+            .map(|p| {
+                let ranges = p.dense_ranges();
+                let leads = p.views.as_ref().map_or(Vec::new(), |v| v.leads(p, ranges.len()));
+                crate::io::in_phase_len_max(&ranges, &leads)
+            })
             .max()
             .unwrap_or(0);
         let mut dense_bufs: Vec<Vec<u8>> = Vec::new();

@@ -18,15 +18,29 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::io::{in_phase_len_max, in_phase_starts, Range, ReadReq, Reader};
 
+/// Writes the bytes kept free before a job's ranges (their leads), given the buffer and where
+/// each range starts; run on the prefetch thread before the reads.
+pub type Fill = Box<dyn FnOnce(&mut [u8], &[usize]) + Send>;
+
 /// How a job's ranges are laid out in its buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placement {
     /// Back to back from the buffer's start, in the order given; copied out of the reader's
     /// buffers as they land.
     Packed,
     /// In the order given, each at its file offset's phase ([`in_phase_starts`]; up to
-    /// [`in_phase_len_max`] bytes), read straight into the buffer where the reader can.
-    InPhase,
+    /// [`in_phase_len_max`] bytes) after `leads[i]` bytes kept free before it, read straight
+    /// into the buffer where the reader can; `fill` writes those free bytes.
+    InPhase { leads: Vec<usize>, fill: Option<Fill> },
+}
+
+impl Placement {
+    /// In phase, nothing kept free.
+    pub fn in_phase() -> Placement {
+        Placement::InPhase {
+            leads: Vec::new(),
+            fill: None,
+        }
+    }
 }
 
 struct Job {
@@ -73,11 +87,14 @@ fn read_job(
             });
             (starts, result)
         }
-        Placement::InPhase => {
+        Placement::InPhase { leads, fill } => {
             // Sized first (a buffer made at its largest is not reallocated), then laid out for
             // the address it has.
-            buf.resize(in_phase_len_max(ranges), 0);
-            let (starts, end) = in_phase_starts(buf.as_ptr() as usize, ranges);
+            buf.resize(in_phase_len_max(ranges, &leads), 0);
+            let (starts, end) = in_phase_starts(buf.as_ptr() as usize, ranges, &leads);
+            if let Some(fill) = fill {
+                fill(buf, &starts);
+            }
             // The chunks lie in the buffer in order and apart: split it into their slices.
             let mut reqs = Vec::with_capacity(chunks.len());
             let mut rest: &mut [u8] = &mut buf[..end];

@@ -31,10 +31,11 @@ pub struct Counters {
     /// FFN bytes the layers took from lookahead reads: predicted rows and rows the reads
     /// covered by reading through gaps (part of `ffn_needed_bytes`).
     pub ahead_served_bytes: u64,
-    /// FFN bytes handed to the compute in place, as views of the neuron cache, not copied into
-    /// staging: a set held in consecutive slots (a dense step over a cache holding the layer;
-    /// a device copies the view at its use), or rows a device reads by id from the cache it
-    /// mapped (`ffn_mapped_bytes`).
+    /// FFN bytes handed to the compute in place, not copied into staging: views of the neuron
+    /// cache (a set held in consecutive slots: a dense step over a cache holding the layer; a
+    /// device copies the view at its use), of the prefetch buffer (a dense step's rows read with
+    /// the layer, the pinned cache's copied in front of them), or rows a device reads by id from
+    /// the cache it mapped (`ffn_mapped_bytes`).
     pub ffn_in_place_bytes: u64,
     /// Of those, the rows a device's products read by id across the link from the mapped cache
     /// (a masked decode step's up rows and kept down columns): moved, but never copied.

@@ -139,7 +139,7 @@ impl Streamer {
         let totals = plan(&spans, &self.cost, &mut planned);
         let ranges: Vec<Range> = planned.iter().map(|p| p.range).collect();
         let buf = st.ahead_spare.pop().unwrap_or_default();
-        pf.submit(next, ranges.clone(), buf, Placement::InPhase)?;
+        pf.submit(next, ranges.clone(), buf, Placement::in_phase())?;
         st.counters.ahead_neurons += predicted.len() as u64;
         st.counters.ahead_bytes += totals.needed_bytes;
         st.ahead.push_back(Ahead {
@@ -195,6 +195,43 @@ impl Streamer {
         let bytes = up_w.iter().chain(&down_w).map(|w| w.len_bytes() as u64).sum::<u64>();
         c.ffn_in_place_bytes += bytes;
         Ok(Some((up_w, down_w)))
+    }
+
+    /// Views of the current layer's prefetch buffer over the up rows and down columns of `set`
+    /// (sorted) when it is every neuron the stream hands over (`first..ffn`: a dense step) and
+    /// the layer's rows were laid out for it ([`super::FfnViews`]: the pinned cache's rows copied
+    /// in front of the prefetched ones). Counted as the staging would be, and as bytes in place;
+    /// `None` (nothing counted) otherwise.
+    pub(super) fn prefetch_views(
+        &self,
+        st: &mut State,
+        l: usize,
+        set: &[u32],
+        with_down: bool,
+    ) -> Result<Option<(Weight, Weight)>> {
+        let parts = &self.layers[l];
+        let (Some(v), Some(c)) = (&parts.views, st.current.as_ref().filter(|c| c.layer == l)) else {
+            return Ok(None);
+        };
+        let rows = parts.up.rows - v.first;
+        // A sorted set of distinct neurons this long from `first` to the last is all of them.
+        let every = set.len() == rows
+            && set.first() == Some(&(v.first as u32))
+            && set.last() == Some(&(parts.up.rows as u32 - 1));
+        if !every || !with_down {
+            return Ok(None);
+        }
+        let view = |p: &Part, m: usize| {
+            let at = v.row_first_at(p, m, &c.starts);
+            Weight::shared_strided(&p.name, p.ty, rows, self.hidden, c.buf.clone(), at, p.stride_bytes)
+                .map(Weight::volatile)
+        };
+        let (up, down) = (view(&parts.up, 0)?, view(&parts.down, 1)?);
+        let counters = &mut st.counters;
+        counters.cache_lookups += rows as u64;
+        counters.cache_hits += (v.cached - v.first) as u64;
+        counters.ffn_in_place_bytes += (up.len_bytes() + down.len_bytes()) as u64;
+        Ok(Some((up, down)))
     }
 
     /// Reads the up rows of `up_set` and the down columns of `down_set` (each sorted) into the
@@ -500,6 +537,9 @@ impl LayerStream for Streamer {
         let mut st = self.state.lock().expect("stream state");
         if let Some((Some(up), down)) = self.run_views(&mut st, l, up_set, true, with_down)? {
             return Ok((up, down));
+        }
+        if let Some((up, down)) = self.prefetch_views(&mut st, l, up_set, with_down)? {
+            return Ok((up, Some(down)));
         }
         self.fetch(&mut st, l, up_set, if with_down { up_set } else { &[] }, up_set)?;
         let (parts, m) = (&self.layers[l], up_set.len());
