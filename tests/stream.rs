@@ -658,6 +658,39 @@ fn dense_streaming_hands_a_device_the_prefetch_buffers_rows_in_place() {
     }
     // The two layouts' runs copied the same bytes in as many copies, budget for budget.
     assert_eq!(copied[0..2], copied[2..4], "{copied:?}");
+    // Under a GPU budget that keeps each layer's first neurons on the device (hot), the views
+    // start after them: the cache's rows past the hot ones copied in front, the rest read.
+    let p = convert(&src, tmp.path(), "hot.gst", FfnLayout::Split);
+    let want = run(&load(&p), None, None, text, 4);
+    let file_bytes = std::fs::metadata(&p).unwrap().len();
+    let min = min_budget_with(&p, dense_options(0, ReadEngine::Uring));
+    for vram in [file_bytes * 45 / 100, file_bytes * 55 / 100] {
+        let (_dev, m) = on_standin(&p);
+        let opts = StreamOptions {
+            vram_budget_bytes: Some(vram),
+            ..dense_options(min + file_bytes / 4, ReadEngine::Uring)
+        };
+        let s = Streamer::open(&m, &opts).unwrap();
+        let got = run(&m, Some(&s), None, text, 4);
+        let plan = s.device_plan.clone().unwrap();
+        let what = format!(
+            "GPU budget {vram}: hot {:?}, cached {:?}",
+            plan.hot_neurons, s.residency.cache_neurons
+        );
+        assert!(
+            plan.hot_neurons
+                .iter()
+                .zip(&s.residency.cache_neurons)
+                .all(|(&k, &c)| 0 < k && k < c),
+            "{what}"
+        );
+        assert!(
+            got.len() == want.len() && got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: differs from the in-RAM model"
+        );
+        let c = s.counters();
+        assert!(c.ffn_in_place_bytes > 0 && c.ffn_hot_bytes > 0, "{what}: {c:?}");
+    }
 }
 
 /// With a neuron cache that holds every layer (no RAM budget of its own, as `--vram-budget`

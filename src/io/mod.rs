@@ -171,6 +171,26 @@ pub fn in_phase_len_max(ranges: &[Range], leads: &[usize]) -> usize {
     ranges.iter().map(|r| r.len_bytes + ALIGN_BYTES - 1).sum::<usize>() + leads.iter().sum::<usize>()
 }
 
+/// Requests for [`Reader::read_into`] reading `ranges` into `buf`, range i's bytes at
+/// `starts[i]` (increasing, each range clear of the next), e.g. as [`in_phase_starts`] placed
+/// them. Panics if a range does not fit where it is placed (a caller's layout bug).
+pub fn requests_at<'a>(buf: &'a mut [u8], ranges: &[Range], starts: &[usize]) -> Vec<ReadReq<'a>> {
+    let mut reqs = Vec::with_capacity(ranges.len());
+    let mut rest: &mut [u8] = buf;
+    let mut at = 0;
+    for (r, &start) in ranges.iter().zip(starts) {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
+        let (mine, tail) = tail.split_at_mut(r.len_bytes);
+        reqs.push(ReadReq {
+            offset_bytes: r.offset_bytes,
+            buf: mine,
+        });
+        rest = tail;
+        at = start + r.len_bytes;
+    }
+    reqs
+}
+
 /// Memory registered with a reader ([`Reader::register`]); dropping it undoes the registration.
 pub struct Registration {
     release: Option<Box<dyn FnOnce() + Send + Sync>>,

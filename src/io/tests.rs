@@ -621,22 +621,8 @@ fn uring_read_into_lands_whole_blocks_in_place() {
                     let (lo, hi) = (o.div_ceil(a) * a, e / a * a);
                     want_in_place += hi.saturating_sub(lo) as u64;
                 }
-                {
-                    let mut rest: &mut [u8] = &mut buf;
-                    let mut at = 0;
-                    let mut reqs = Vec::new();
-                    for (rg, &s) in ranges.iter().zip(&starts) {
-                        let (_, tail) = std::mem::take(&mut rest).split_at_mut(s - at);
-                        let (mine, tail) = tail.split_at_mut(rg.len_bytes);
-                        reqs.push(ReadReq {
-                            offset_bytes: rg.offset_bytes,
-                            buf: mine,
-                        });
-                        rest = tail;
-                        at = s + rg.len_bytes;
-                    }
-                    r.read_into(&mut reqs).unwrap_or_else(|e| panic!("{name}: {e}"));
-                }
+                r.read_into(&mut requests_at(&mut buf, &ranges, &starts))
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
                 for (rg, &s) in ranges.iter().zip(&starts) {
                     let o = rg.offset_bytes as usize;
                     assert!(buf[s..s + rg.len_bytes] == bytes[o..o + rg.len_bytes], "{name}: {rg:?}");
@@ -697,23 +683,7 @@ fn uring_read_into_in_place_reports_eof_and_stays_usable() {
             .unwrap();
         let mut buf = vec![0u8; in_phase_len_max(&ranges, &[])];
         let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges, &[]);
-        let (a, rest) = buf.split_at_mut(starts[1]);
-        let (b, rest) = rest.split_at_mut(starts[2] - starts[1]);
-        let c = &mut rest[..4096];
-        let mut reqs = [
-            ReadReq {
-                offset_bytes: 0,
-                buf: &mut a[starts[0]..starts[0] + 100_000],
-            },
-            ReadReq {
-                offset_bytes: 131_072,
-                buf: &mut b[..120_000],
-            },
-            ReadReq {
-                offset_bytes: 8192,
-                buf: c,
-            },
-        ];
+        let mut reqs = requests_at(&mut buf, &ranges, &starts);
         let err = r.read_into(&mut reqs).unwrap_err();
         assert!(err.to_string().contains("ended at byte"), "{err}");
         // Restore the file for the next round and read again through the same reader.
@@ -743,19 +713,7 @@ fn uring_reads_into_registered_memory_as_fixed_buffers() {
     ];
     let read = |r: &UringReader, buf: &mut Vec<u8>| {
         let (starts, _) = in_phase_starts(buf.as_ptr() as usize, &ranges, &[]);
-        let mut rest: &mut [u8] = buf;
-        let mut at = 0;
-        let mut reqs = Vec::new();
-        for (rg, &s) in ranges.iter().zip(&starts) {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(s - at);
-            let (mine, tail) = tail.split_at_mut(rg.len_bytes);
-            reqs.push(ReadReq {
-                offset_bytes: rg.offset_bytes,
-                buf: mine,
-            });
-            rest = tail;
-            at = s + rg.len_bytes;
-        }
+        let mut reqs = requests_at(buf, &ranges, &starts);
         r.reset_stats();
         r.read_into(&mut reqs).unwrap();
         for (rg, q) in ranges.iter().zip(&reqs) {

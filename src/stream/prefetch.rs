@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::io::{in_phase_len_max, in_phase_starts, Range, ReadReq, Reader};
+use crate::io::{in_phase_len_max, in_phase_starts, requests_at, Range, Reader};
 
 /// Writes the bytes kept free before a job's ranges (their leads), given the buffer and where
 /// each range starts; run on the prefetch thread before the reads.
@@ -95,22 +95,9 @@ fn read_job(
             if let Some(fill) = fill {
                 fill(buf, &starts);
             }
-            // The chunks lie in the buffer in order and apart: split it into their slices.
-            let mut reqs = Vec::with_capacity(chunks.len());
-            let mut rest: &mut [u8] = &mut buf[..end];
-            let mut at = 0;
-            for (c, &(r, o)) in chunks.iter().zip(&places) {
-                let start = starts[r] + o;
-                let (_, tail) = std::mem::take(&mut rest).split_at_mut(start - at);
-                let (mine, tail) = tail.split_at_mut(c.len_bytes);
-                reqs.push(ReadReq {
-                    offset_bytes: c.offset_bytes,
-                    buf: mine,
-                });
-                rest = tail;
-                at = start + c.len_bytes;
-            }
-            let result = reader.read_into(&mut reqs);
+            // The chunks lie in the buffer in order and apart.
+            let at: Vec<usize> = places.iter().map(|&(r, o)| starts[r] + o).collect();
+            let result = reader.read_into(&mut requests_at(&mut buf[..end], &chunks, &at));
             (starts, result)
         }
     }
