@@ -55,7 +55,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = dev.name().contains("host emulation");
-    let checks: [(&str, Check); 30] = [
+    let checks: [(&str, Check); 33] = [
         ("kernels_per_type", kernels_per_type),
         ("fused_q8_blocks", fused_q8_blocks),
         ("argmax_rows", argmax_rows),
@@ -74,6 +74,19 @@ fn main() {
             let gst = stories_gst_path()?;
             streamed_to_cuda(d, r, "stories260k_streamed", "stories260K", &gst, Budget::AboveMinimum)
         }),
+        // A split file's dense steps take their FFN rows as views of the prefetch buffers (a
+        // bundled file's are gathered into the staging): both must equal the in-device model.
+        ("stories260k_streamed_to_cuda_split", |d, r| {
+            let gst = split_gst_beside(&stories_gst_path()?.with_file_name("stories.gguf"))?;
+            streamed_to_cuda(
+                d,
+                r,
+                "stories260k_streamed_split",
+                "stories260K (split)",
+                &gst,
+                Budget::AboveMinimum,
+            )
+        }),
         ("stories260k_vram_budget", |d, r| {
             let gst = stories_gst_path()?;
             vram_budget(
@@ -90,6 +103,17 @@ fn main() {
         ("small_qwen2_streamed_to_cuda", |d, r| {
             let gst = small_qwen_gst_path()?;
             streamed_to_cuda(d, r, "small_qwen2_streamed", "small Qwen2", &gst, Budget::Minimum)
+        }),
+        ("small_qwen2_streamed_to_cuda_split", |d, r| {
+            let gst = split_gst_beside(&small_qwen_path())?;
+            streamed_to_cuda(
+                d,
+                r,
+                "small_qwen2_streamed_split",
+                "small Qwen2 (split)",
+                &gst,
+                Budget::Minimum,
+            )
         }),
         ("small_qwen2_vram_budget", |d, r| {
             let gst = small_qwen_gst_path()?;
@@ -143,6 +167,17 @@ fn main() {
             fused_same(d, r, &qwen_model_path(), "qwen_shaped_fused")
         }),
         ("qwen_shaped_streamed_to_cuda", qwen_streamed),
+        ("qwen_shaped_streamed_to_cuda_split", |d, r| {
+            let gst = split_gst_beside(&qwen_model_path())?;
+            streamed_to_cuda(
+                d,
+                r,
+                "qwen_shaped_streamed_split",
+                "qwen-shaped (split)",
+                &gst,
+                Budget::OfFile(40),
+            )
+        }),
         ("qwen_shaped_vram_budget", qwen_vram),
         ("qwen_shaped_vram_budget_70", qwen_vram_hot),
     ];
@@ -2019,6 +2054,12 @@ fn streamed_to_cuda(
     let link_gbs = link.volatile_bytes as f64 / link.copy_ns.max(1) as f64;
     let c = stream.counters();
     let per_pass = (c.ffn_needed_bytes + c.dense_needed_bytes) as f64 / c.passes.max(1) as f64;
+    // The reads that landed straight in the prefetch buffers (page-locked by the device,
+    // registered with io_uring), and the FFN rows handed over as views of them (split files).
+    let r = stream.read_stats();
+    let in_place = r.bytes_in_place as f64 / r.bytes_requested.max(1) as f64;
+    let registered = r.bytes_in_place_registered as f64 / r.bytes_in_place.max(1) as f64;
+    let views_per_pass = c.ffn_in_place_bytes as f64 / c.passes.max(1) as f64;
     if per_pass <= 0.0 {
         return Err(format!(
             "  {label}: nothing was streamed (the budget kept the whole file)"
@@ -2028,17 +2069,22 @@ fn streamed_to_cuda(
         "  {label} .gst streamed onto the GPU (RAM budget {} of {:.3} MB, uring, dense): argmax differs at \
          {mismatches}/{steps} steps from in device memory; max |dlogit| = {:.6}% of the range; decode {streamed_rate:.2} \
          tok/s streamed ({:.3} MB read per pass, page cache as it was) against {device_rate:.1} in device memory; \
-         {:.3} MB/token copied to the GPU, {:.1}% of it from page-locked memory, at {link_gbs:.1} GB/s",
+         {:.3} MB/token copied to the GPU, {:.1}% of it from page-locked memory, at {link_gbs:.1} GB/s; \
+         {:.1}% of the bytes read in place ({:.1}% of those into registered buffers), {:.3} MB of FFN rows \
+         a pass handed over as views of the prefetch buffers",
         budget.describe(ram),
         file_bytes as f64 / 1e6,
         worst * 100.0,
         per_pass / 1e6,
         link.volatile_bytes as f64 / steps as f64 / 1e6,
-        100.0 * pinned_share
+        100.0 * pinned_share,
+        100.0 * in_place,
+        100.0 * registered,
+        views_per_pass / 1e6
     );
     report.insert(
         key.into(),
-        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "streamed_tok_s": streamed_rate, "in_device_tok_s": device_rate, "bytes_read_per_pass": per_pass, "link": link, "pinned_share": pinned_share}),
+        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "streamed_tok_s": streamed_rate, "in_device_tok_s": device_rate, "bytes_read_per_pass": per_pass, "link": link, "pinned_share": pinned_share, "in_place_share": in_place, "in_place_registered_share": registered, "ffn_view_bytes_per_pass": views_per_pass}),
     );
     if pinned_share < 0.999 {
         return Err(format!("{msg}\n  copies from pageable memory"));
@@ -2079,11 +2125,29 @@ fn qwen_gst_path() -> Result<std::path::PathBuf, String> {
 
 /// `gguf` reformatted to a `.gst` beside it.
 fn gst_beside(gguf: &std::path::Path) -> Result<std::path::PathBuf, String> {
-    let gst = gguf.with_extension("gst");
+    gst_beside_as(gguf, &gguf.with_extension("gst"), &Default::default())
+}
+
+/// `gguf` reformatted with a split FFN layout (up rows and down columns in two sections) to
+/// NAME.split.gst beside it.
+fn split_gst_beside(gguf: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let opts = gatestream::reformat::ReformatOptions {
+        ffn_layout: gatestream::format::FfnLayout::Split,
+        ..Default::default()
+    };
+    gst_beside_as(gguf, &gguf.with_extension("split.gst"), &opts)
+}
+
+fn gst_beside_as(
+    gguf: &std::path::Path,
+    gst: &std::path::Path,
+    opts: &gatestream::reformat::ReformatOptions,
+) -> Result<std::path::PathBuf, String> {
+    let gst = gst.to_path_buf();
     // Made anew from this run's GGUF (an earlier run's is refused by `reformat`).
     let _ = std::fs::remove_file(&gst);
     let t = Instant::now();
-    gatestream::reformat::reformat(gguf, &gst, &Default::default(), &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+    gatestream::reformat::reformat(gguf, &gst, opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
     println!(
         "  wrote {} ({:.0} MB) in {:.1} s",
         gst.display(),
