@@ -3,8 +3,8 @@
 //! they were asked for. Buffers come back to it for reuse, so steady-state decoding allocates
 //! nothing and first-touch page faults stay out of the timings.
 //!
-//! A job's ranges are laid out in its buffer either back to back ([`Placement::Packed`], copied
-//! there as they land) or each at its file offset's phase ([`Placement::InPhase`]), which lets the
+//! A job's ranges are laid out in its buffer either back to back ([`Placement::Packed`], mostly
+//! copied there as they land) or each at its file offset's phase ([`Placement::InPhase`]), which lets the
 //! reader put their whole blocks straight into the buffer ([`crate::io::Reader::read_into`]): no
 //! copy on the host, and on a GPU, whose device page-locked the buffer, the reads land in
 //! page-locked memory the copies to the device start from.
@@ -24,8 +24,8 @@ pub type Fill = Box<dyn FnOnce(&mut [u8], &[usize]) + Send>;
 
 /// How a job's ranges are laid out in its buffer.
 pub enum Placement {
-    /// Back to back from the buffer's start, in the order given; copied out of the reader's
-    /// buffers as they land.
+    /// Back to back from the buffer's start, in the order given (most reads then copied out of
+    /// the reader's buffers: a range's phase in the buffer is rarely its file offset's).
     Packed,
     /// In the order given, each at its file offset's phase ([`in_phase_starts`]; up to
     /// [`in_phase_len_max`] bytes) after `leads[i]` bytes kept free before it, read straight
@@ -62,7 +62,9 @@ pub struct Done {
 }
 
 /// Reads `ranges` into `buf` laid out by `placement` (resized to fit), cut into reads of at most
-/// `chunk_bytes`; returns where each range starts.
+/// `chunk_bytes`; returns where each range starts. One read path for both layouts: the reader
+/// fills the chunks' slices (io_uring in place wherever a slice has its file offset's phase,
+/// which the in-phase layout gives every range).
 fn read_job(
     reader: &dyn Reader,
     ranges: &[Range],
@@ -70,8 +72,7 @@ fn read_job(
     placement: Placement,
     chunk_bytes: usize,
 ) -> (Vec<usize>, Result<()>) {
-    let (chunks, places) = cut(ranges, chunk_bytes);
-    match placement {
+    let (starts, end, fill) = match placement {
         Placement::Packed => {
             let mut starts = Vec::with_capacity(ranges.len());
             let mut at = 0;
@@ -80,27 +81,24 @@ fn read_job(
                 at += r.len_bytes;
             }
             buf.resize(at, 0);
-            let at: Vec<usize> = places.iter().map(|&(r, o)| starts[r] + o).collect();
-            let result = reader.read_each(&chunks, &mut |i, bytes| {
-                buf[at[i]..at[i] + bytes.len()].copy_from_slice(bytes);
-                Ok(())
-            });
-            (starts, result)
+            (starts, at, None)
         }
         Placement::InPhase { leads, fill } => {
             // Sized first (a buffer made at its largest is not reallocated), then laid out for
             // the address it has.
             buf.resize(in_phase_len_max(ranges, &leads), 0);
             let (starts, end) = in_phase_starts(buf.as_ptr() as usize, ranges, &leads);
-            if let Some(fill) = fill {
-                fill(buf, &starts);
-            }
-            // The chunks lie in the buffer in order and apart.
-            let at: Vec<usize> = places.iter().map(|&(r, o)| starts[r] + o).collect();
-            let result = reader.read_into(&mut requests_at(&mut buf[..end], &chunks, &at));
-            (starts, result)
+            (starts, end, fill)
         }
+    };
+    if let Some(fill) = fill {
+        fill(buf, &starts);
     }
+    // The chunks lie in the buffer in order and apart.
+    let (chunks, places) = cut(ranges, chunk_bytes);
+    let at: Vec<usize> = places.iter().map(|&(r, o)| starts[r] + o).collect();
+    let result = reader.read_into(&mut requests_at(&mut buf[..end], &chunks, &at));
+    (starts, result)
 }
 
 /// `ranges` cut into reads of at most `chunk_bytes` (the readers' reusable buffer size, so no
