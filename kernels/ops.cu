@@ -471,19 +471,44 @@ __device__ void norm_row_q8_k(const float* yr, u8* q8, int width) {
 }
 
 // `activate_mul` on 256-value blocks, each then written as a Q8_K block to `out` (the same
-// values and bytes as `activate_mul` then `act_q8_k_blocks`): one warp per block.
+// values and bytes as `activate_mul` then `act_q8_k_blocks`): one thread block of 256 per Q8_K
+// block, a value a thread, so that an FFN's 35 blocks keep 35 multiprocessors busy rather than
+// 35 warps (H100, Qwen2.5-1.5B's 8960 values, ncu: 11.0 µs a launch with a warp a block, 3.6 µs so).
 extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f, u8* out, u64 blocks) {
-    u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    __shared__ float vals[256];
+    __shared__ float warp_max[8];
+    __shared__ int warp_first[8];
+    u64 b = blockIdx.x;
     if (b >= blocks) return;
-    int lane = threadIdx.x & 31;
-    float* ub = up + b * 256;
-    const float* gb = gate + b * 256;
+    int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    float x = up[b * 256 + t] * act_fn(gate[b * 256 + t], f);
+    up[b * 256 + t] = x;
+    vals[t] = x;
+    // The block's largest magnitude, then the lowest index holding it (as q8_k_iscale).
+    float amax = fabsf(x);
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        int k = lane + 32 * i;
-        float a = act_fn(gb[k], f);
-        ub[k] *= a;
-    }
-    __syncwarp();  // every lane's values written before any lane reads the block's largest
-    q8_k_block(ub, out + b * Q8K_BLOCK_BYTES, lane);
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) warp_max[w] = amax;
+    __syncthreads();
+    amax = warp_max[0];
+#pragma unroll
+    for (int i = 1; i < 8; i++) amax = fmaxf(amax, warp_max[i]);
+    int first = fabsf(x) == amax ? t : 256;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    if (lane == 0) warp_first[w] = first;
+    __syncthreads();
+    first = warp_first[0];
+#pragma unroll
+    for (int i = 1; i < 8; i++) first = min(first, warp_first[i]);
+    float iscale = amax == 0.f || first >= 256 ? 0.f : -127.f / vals[first];
+    u8* ob = out + b * Q8K_BLOCK_BYTES;
+    int q = q8_k_quant(iscale, x);
+    ((i8*)(ob + Q8K_QS))[t] = (i8)q;
+    // The sums of each 16 quants: lanes 0..15 of a warp are group 2w, lanes 16..31 group 2w + 1.
+    int sum = q;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if ((lane & 15) == 0) ((short*)(ob + Q8K_BSUMS))[t >> 4] = (short)sum;
+    if (t == 0) *(float*)ob = iscale == 0.f ? 0.f : 1.f / iscale;
 }

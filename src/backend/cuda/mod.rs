@@ -1573,7 +1573,11 @@ impl Device for CudaDevice {
             self.launch(
                 "activate_mul_q8_k",
                 None,
-                warp_per_block_cfg(n),
+                LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
                 &[ptr(u), ptr(g), int(activation_code(f)), ptr(blocks.ptr), ptr(n as u64)],
             );
             Self::attach_blocks(up, Some(blocks));
