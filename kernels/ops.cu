@@ -5,26 +5,35 @@
 #define ACT_SILU 0
 #define ACT_GELU_TANH 1
 
-// A reduction over a block (blockDim.x a multiple of 32, at most 1024): the sum, or with MAX the
-// maximum; every thread gets the result.
-template <bool MAX> __device__ __forceinline__ float combine(float a, float b) { return MAX ? fmaxf(a, b) : a + b; }
+// A reduction over a block (blockDim.x a multiple of 32, at most 1024) with `op`: every thread
+// gets the result.
+struct ReduceSum {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct ReduceMax {
+    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct ReduceMin {
+    __device__ int operator()(int a, int b) const { return min(a, b); }
+};
 
-template <bool MAX> __device__ float block_reduce(float v) {
-    __shared__ float part[32];
+template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {
+    __shared__ T part[32];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = combine<MAX>(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
     int warps = blockDim.x >> 5;
-    float r = part[0];
-    for (int i = 1; i < warps; i++) r = combine<MAX>(r, part[i]);
+    T r = part[0];
+    for (int i = 1; i < warps; i++) r = op(r, part[i]);
     return r;
 }
 
-__device__ float block_sum(float v) { return block_reduce<false>(v); }
-__device__ float block_max(float v) { return block_reduce<true>(v); }
+__device__ float block_sum(float v) { return block_reduce(v, ReduceSum()); }
+__device__ float block_max(float v) { return block_reduce(v, ReduceMax()); }
+__device__ int block_min(int v) { return block_reduce(v, ReduceMin()); }
 
 // Values each thread of a norm's block keeps in registers (the rest of a wider row is read
 // twice, as a loop): a row's loads are all issued before the reduction waits on any.
@@ -476,31 +485,15 @@ __device__ void norm_row_q8_k(const float* yr, u8* q8, int width) {
 // 35 warps (H100, Qwen2.5-1.5B's 8960 values, ncu: 11.0 µs a launch with a warp a block, 3.6 µs so).
 extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f, u8* out, u64 blocks) {
     __shared__ float vals[256];
-    __shared__ float warp_max[8];
-    __shared__ int warp_first[8];
     u64 b = blockIdx.x;
     if (b >= blocks) return;
-    int t = threadIdx.x, lane = t & 31, w = t >> 5;
+    int t = threadIdx.x, lane = t & 31;
     float x = up[b * 256 + t] * act_fn(gate[b * 256 + t], f);
     up[b * 256 + t] = x;
     vals[t] = x;
     // The block's largest magnitude, then the lowest index holding it (as q8_k_iscale).
-    float amax = fabsf(x);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (lane == 0) warp_max[w] = amax;
-    __syncthreads();
-    amax = warp_max[0];
-#pragma unroll
-    for (int i = 1; i < 8; i++) amax = fmaxf(amax, warp_max[i]);
-    int first = fabsf(x) == amax ? t : 256;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    if (lane == 0) warp_first[w] = first;
-    __syncthreads();
-    first = warp_first[0];
-#pragma unroll
-    for (int i = 1; i < 8; i++) first = min(first, warp_first[i]);
+    float amax = block_max(fabsf(x));
+    int first = block_min(fabsf(x) == amax ? t : 256);
     float iscale = amax == 0.f || first >= 256 ? 0.f : -127.f / vals[first];
     u8* ob = out + b * Q8K_BLOCK_BYTES;
     int q = q8_k_quant(iscale, x);
