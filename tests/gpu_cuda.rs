@@ -77,15 +77,8 @@ fn main() {
         // A split file's dense steps take their FFN rows as views of the prefetch buffers (a
         // bundled file's are gathered into the staging): both must equal the in-device model.
         ("stories260k_streamed_to_cuda_split", |d, r| {
-            let gst = split_gst_beside(&stories_gst_path()?.with_file_name("stories.gguf"))?;
-            streamed_to_cuda(
-                d,
-                r,
-                "stories260k_streamed_split",
-                "stories260K (split)",
-                &gst,
-                Budget::AboveMinimum,
-            )
+            let gguf = stories_gst_path()?.with_file_name("stories.gguf");
+            split_streamed_to_cuda(d, r, &gguf, "stories260k", "stories260K", Budget::AboveMinimum)
         }),
         ("stories260k_vram_budget", |d, r| {
             let gst = stories_gst_path()?;
@@ -105,15 +98,7 @@ fn main() {
             streamed_to_cuda(d, r, "small_qwen2_streamed", "small Qwen2", &gst, Budget::Minimum)
         }),
         ("small_qwen2_streamed_to_cuda_split", |d, r| {
-            let gst = split_gst_beside(&small_qwen_path())?;
-            streamed_to_cuda(
-                d,
-                r,
-                "small_qwen2_streamed_split",
-                "small Qwen2 (split)",
-                &gst,
-                Budget::Minimum,
-            )
+            split_streamed_to_cuda(d, r, &small_qwen_path(), "small_qwen2", "small Qwen2", Budget::Minimum)
         }),
         ("small_qwen2_vram_budget", |d, r| {
             let gst = small_qwen_gst_path()?;
@@ -168,13 +153,12 @@ fn main() {
         }),
         ("qwen_shaped_streamed_to_cuda", qwen_streamed),
         ("qwen_shaped_streamed_to_cuda_split", |d, r| {
-            let gst = split_gst_beside(&qwen_model_path())?;
-            streamed_to_cuda(
+            split_streamed_to_cuda(
                 d,
                 r,
-                "qwen_shaped_streamed_split",
-                "qwen-shaped (split)",
-                &gst,
+                &qwen_model_path(),
+                "qwen_shaped",
+                "qwen-shaped",
                 Budget::OfFile(40),
             )
         }),
@@ -2006,6 +1990,27 @@ fn qwen_streamed(
         "qwen-shaped",
         &qwen_gst_path()?,
         Budget::OfFile(40),
+    )
+}
+
+/// [`streamed_to_cuda`] on `gguf` reformatted with a split FFN layout beside it (report key
+/// `{name}_streamed_split`, label "`label` (split)").
+fn split_streamed_to_cuda(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    gguf: &std::path::Path,
+    name: &str,
+    label: &str,
+    budget: Budget,
+) -> Result<String, String> {
+    let gst = split_gst_beside(gguf)?;
+    streamed_to_cuda(
+        dev,
+        report,
+        &format!("{name}_streamed_split"),
+        &format!("{label} (split)"),
+        &gst,
+        budget,
     )
 }
 
