@@ -526,8 +526,22 @@ pub mod write {
         pub bytes: &'a [u8],
     }
 
-    /// Serialize a version-3 GGUF with 32-byte alignment.
-    pub fn gguf_bytes(metadata: &[(&str, MetaValue)], tensors: &[TensorOut]) -> Vec<u8> {
+    /// Tensor data starts, and each tensor's data is padded, to a multiple of this.
+    pub const ALIGN_BYTES: u64 = 32;
+
+    /// A tensor's entry in the header: name, GGUF dims (`ne`, fastest first), ggml type id and
+    /// the length of its data.
+    pub struct TensorInfoOut<'a> {
+        pub name: &'a str,
+        pub dims: &'a [u64],
+        pub type_id: u32,
+        pub len_bytes: u64,
+    }
+
+    /// A version-3 GGUF's header (metadata and tensor infos), padded to the alignment so the
+    /// tensors' data can follow it, each at the returned offset from the header's end (data
+    /// written in order, each padded to [`ALIGN_BYTES`]). Lets a writer stream the data.
+    pub fn gguf_header(metadata: &[(&str, MetaValue)], tensors: &[TensorInfoOut]) -> (Vec<u8>, Vec<u64>) {
         let mut out = Vec::new();
         out.extend_from_slice(b"GGUF");
         out.extend_from_slice(&3u32.to_le_bytes());
@@ -543,15 +557,30 @@ pub mod write {
         for t in tensors {
             put_str(&mut out, t.name);
             out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
-            for d in &t.dims {
+            for d in t.dims {
                 out.extend_from_slice(&d.to_le_bytes());
             }
             out.extend_from_slice(&t.type_id.to_le_bytes());
             out.extend_from_slice(&rel.to_le_bytes());
             offsets.push(rel);
-            rel = (rel + t.bytes.len() as u64).next_multiple_of(32);
+            rel = (rel + t.len_bytes).next_multiple_of(ALIGN_BYTES);
         }
-        out.resize((out.len() as u64).next_multiple_of(32) as usize, 0);
+        out.resize((out.len() as u64).next_multiple_of(ALIGN_BYTES) as usize, 0);
+        (out, offsets)
+    }
+
+    /// Serialize a version-3 GGUF with 32-byte alignment.
+    pub fn gguf_bytes(metadata: &[(&str, MetaValue)], tensors: &[TensorOut]) -> Vec<u8> {
+        let infos: Vec<TensorInfoOut> = tensors
+            .iter()
+            .map(|t| TensorInfoOut {
+                name: t.name,
+                dims: &t.dims,
+                type_id: t.type_id,
+                len_bytes: t.bytes.len() as u64,
+            })
+            .collect();
+        let (mut out, offsets) = gguf_header(metadata, &infos);
         let start = out.len();
         for (t, off) in tensors.iter().zip(offsets) {
             out.resize(start + off as usize, 0);

@@ -67,6 +67,10 @@ pub struct StreamAsk {
     pub batch_tokens_max: usize,
     /// A GPU's memory budget ([`StreamOptions::vram_budget_bytes`]).
     pub vram_budget_bytes: Option<u64>,
+    /// Prefetch buffers ([`StreamOptions::prefetch_buffers`]); 0 = the default.
+    pub prefetch_buffers: usize,
+    /// Bytes per prefetch read ([`StreamOptions::prefetch_read_bytes`]); 0 = the default.
+    pub prefetch_read_bytes: usize,
 }
 
 /// How many KV positions the budget holds.
@@ -240,6 +244,14 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                     },
                     kv_positions,
                     vram_budget_bytes: ask.vram_budget_bytes,
+                    prefetch_buffers: match ask.prefetch_buffers {
+                        0 => crate::stream::PREFETCH_BUFFERS,
+                        n => n,
+                    },
+                    prefetch_read_bytes: match ask.prefetch_read_bytes {
+                        0 => crate::stream::PREFETCH_READ_BYTES,
+                        n => n,
+                    },
                     batch_tokens_max: if ask.batch_tokens_max == 0 {
                         crate::stream::STREAM_BATCH_TOKENS
                     } else {

@@ -2041,6 +2041,8 @@ fn streamed_to_cuda(
         kv_positions: 32 + steps,
         batch_tokens_max: 32,
         vram_budget_bytes: None,
+        prefetch_buffers: gatestream::stream::PREFETCH_BUFFERS,
+        prefetch_read_bytes: gatestream::stream::PREFETCH_READ_BYTES,
     };
     let ram = budget.bytes(file_bytes, |b| Streamer::open(&on_disk, &opts(b)).err())?;
     let opts = opts(ram);
@@ -2292,6 +2294,8 @@ fn vram_budget(
         kv_positions: 64 + steps,
         batch_tokens_max: 32,
         vram_budget_bytes: Some(vram),
+        prefetch_buffers: gatestream::stream::PREFETCH_BUFFERS,
+        prefetch_read_bytes: gatestream::stream::PREFETCH_READ_BYTES,
     };
     let vram = budget.bytes(file_bytes, |b| Streamer::open(&on_disk, &opts_in(false, b)).err())?;
     let opts = |sparse: bool| opts_in(sparse, vram);

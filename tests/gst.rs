@@ -543,3 +543,229 @@ fn a_stored_per_layer_budget_is_what_run_sparse_applies() {
         assert!((a - s).abs() < 0.01, "achieved {achieved:?} for levels {levels:?}");
     }
 }
+
+/// A small shape `make-model` writes: `arch` with `experts`, a synthetic vocabulary of 512.
+fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) -> gatestream::synth::Shape {
+    gatestream::synth::Shape {
+        name: "custom".into(),
+        arch,
+        hidden: 256,
+        ffn: if experts.is_some() { 256 } else { 512 },
+        layers: 3,
+        heads: 4,
+        kv_heads: if arch == gatestream::config::Arch::Olmoe { 4 } else { 2 },
+        head_dim: 64,
+        vocab: 512,
+        context_len: 256,
+        rope_theta: 10000.0,
+        rms_eps: 1e-6,
+        tied: false,
+        experts,
+    }
+}
+
+fn make_model(
+    dir: &Path,
+    name: &str,
+    spec: &gatestream::synth::MakeSpec,
+    format: gatestream::synth::OutputFormat,
+) -> PathBuf {
+    let out = dir.join(name);
+    let r = gatestream::synth::write_model(spec, &out, &format, false, &mut |_, _| {}).unwrap();
+    assert_eq!(r.file_bytes, std::fs::metadata(&out).unwrap().len(), "{name}");
+    out
+}
+
+/// `make-model` (each architecture it writes, dense and with experts): the `.gst` it writes
+/// directly holds, section for section, the bytes `reformat` writes from the GGUF it writes from
+/// the same seed (for the split, bundled and rows layouts), and the same config and tokenizer; the
+/// GGUF and the rows `.gst` compute the same logits, bit for bit, and the split `.gst` (down
+/// columns re-quantized to Q8_0) within rounding. A second seed gives other weights.
+#[test]
+fn make_model_writes_the_gst_reformat_makes_of_the_gguf_it_writes() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time";
+    for (arch, experts, mix) in [
+        (Arch::Llama, None, Mix::Q4KM),
+        (Arch::Qwen2, None, Mix::Q6K),
+        (Arch::Llama, Some((8, 2)), Mix::Q4KM),
+        (Arch::Qwen3Moe, Some((6, 2)), Mix::Q8_0),
+        (Arch::Olmoe, Some((4, 2)), Mix::Q4KM),
+    ] {
+        let spec = MakeSpec {
+            shape: small_shape(arch, experts),
+            mix,
+            dequantize: false,
+            tokenizer: TokenizerChoice::Synthetic,
+            seed: 3,
+            residual_gain: 0.1,
+        };
+        let what = format!("{arch:?} {experts:?} {mix:?}");
+        let base = format!("{}-{}", arch.name(), experts.is_some());
+        let gguf = make_model(tmp.path(), &format!("{base}.gguf"), &spec, OutputFormat::Gguf);
+        let in_ram = logits(&load(&gguf), text);
+        assert!(in_ram.iter().all(|v| v.is_finite()), "{what}");
+        let layouts: &[FfnLayout] = match experts {
+            None => &[FfnLayout::Split, FfnLayout::Bundled, FfnLayout::Rows],
+            Some(_) => &[FfnLayout::Split],
+        };
+        for &layout in layouts {
+            let opts = ReformatOptions {
+                ffn_layout: layout,
+                ..ReformatOptions::default()
+            };
+            let direct = make_model(
+                tmp.path(),
+                &format!("{base}-{layout:?}.gst"),
+                &spec,
+                OutputFormat::Gst(opts.clone()),
+            );
+            let converted = convert(&gguf, tmp.path(), &format!("{base}-{layout:?}-converted.gst"), &opts);
+            let (a, b) = (GstFile::open(&direct).unwrap(), GstFile::open(&converted).unwrap());
+            a.verify(&mut |_, _| {}).unwrap();
+            assert_eq!(a.index.config, b.index.config, "{what} {layout:?}");
+            assert_eq!(a.index.layout, b.index.layout, "{what} {layout:?}");
+            assert_eq!(a.index.tensors, b.index.tensors, "{what} {layout:?}");
+            let names = |g: &GstFile| g.index.sections.iter().map(|s| s.name.clone()).collect::<Vec<_>>();
+            assert_eq!(names(&a), names(&b), "{what} {layout:?}");
+            for (sa, sb) in a.index.sections.iter().zip(&b.index.sections) {
+                assert!(
+                    a.section_bytes(sa) == b.section_bytes(sb),
+                    "{what} {layout:?}: section {} differs",
+                    sa.name
+                );
+            }
+            let got = logits(&load(&direct), text);
+            if layout == FfnLayout::Rows || experts.is_some() {
+                assert!(
+                    got.iter().zip(&in_ram).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{what} {layout:?}"
+                );
+                if layout == FfnLayout::Rows {
+                    // No larger than the GGUF but for each section's alignment to 4 KiB
+                    // (nothing re-quantized; 292 sections pad Llama-3-8B's 4.9 GB by 1.2 MB).
+                    let len = |p: &Path| std::fs::metadata(p).unwrap().len();
+                    let pad = 4096 * a.index.sections.len() as u64;
+                    assert!(
+                        len(&direct) <= len(&gguf) + pad,
+                        "{what}: {} vs {}",
+                        len(&direct),
+                        len(&gguf)
+                    );
+                }
+            } else {
+                let range = in_ram.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(max_abs_diff(&got, &in_ram) < 0.05 * range, "{what} {layout:?}");
+            }
+        }
+        let other = make_model(
+            tmp.path(),
+            &format!("{base}-seed4.gguf"),
+            &MakeSpec {
+                seed: 4,
+                ..spec.clone()
+            },
+            OutputFormat::Gguf,
+        );
+        assert_ne!(
+            logits(&load(&other), text),
+            in_ram,
+            "{what}: another seed, the same weights"
+        );
+    }
+}
+
+/// `make-model` takes a real tokenizer (SmolLM2's) and pads its vocabulary to the shape's with
+/// unused tokens: the model encodes text as SmolLM2 does and has the shape's vocabulary; a shape
+/// with fewer tokens than the tokenizer takes the tokenizer's. Bad shapes, an existing output and
+/// a full disk's worth are refused with the reason.
+#[test]
+fn make_model_pads_a_real_tokenizer_and_refuses_bad_shapes() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let smollm2 = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let spec = |vocab: usize| MakeSpec {
+        shape: Shape {
+            vocab,
+            ..small_shape(Arch::Llama, None)
+        },
+        mix: Mix::Q4KM,
+        dequantize: false,
+        tokenizer: TokenizerChoice::From(smollm2.clone()),
+        seed: 1,
+        residual_gain: 0.1,
+    };
+    let padded = make_model(tmp.path(), "padded.gguf", &spec(50_000), OutputFormat::Gguf);
+    let (m, donor) = (load(&padded), load(&smollm2));
+    assert_eq!(m.config.vocab, 50_000);
+    let text = "The capital of France is Paris.";
+    assert_eq!(
+        m.tokenizer.encode(text, true).unwrap(),
+        donor.tokenizer.encode(text, true).unwrap()
+    );
+    let gst = make_model(
+        tmp.path(),
+        "padded.gst",
+        &spec(50_000),
+        OutputFormat::Gst(ReformatOptions::default()),
+    );
+    assert_eq!(
+        load(&gst).tokenizer.encode(text, true).unwrap(),
+        donor.tokenizer.encode(text, true).unwrap()
+    );
+    let small = make_model(tmp.path(), "small.gguf", &spec(1000), OutputFormat::Gguf);
+    assert_eq!(load(&small).config.vocab, 49_152, "the tokenizer's vocabulary");
+    // An existing file is kept; bad shapes are named.
+    let e = gatestream::synth::write_model(&spec(50_000), &padded, &OutputFormat::Gguf, false, &mut |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already exists") && e.contains("--force"), "{e}");
+    for (shape, needle) in [
+        (
+            Shape {
+                heads: 3,
+                ..small_shape(Arch::Llama, None)
+            },
+            "KV heads",
+        ),
+        (
+            Shape {
+                hidden: 100,
+                ..small_shape(Arch::Llama, None)
+            },
+            "multiples of 32",
+        ),
+        (small_shape(Arch::Qwen3Moe, None), "needs --experts"),
+        (
+            Shape {
+                experts: Some((4, 5)),
+                ..small_shape(Arch::Llama, None)
+            },
+            "used",
+        ),
+        (
+            Shape {
+                kv_heads: 2,
+                ..small_shape(Arch::Olmoe, Some((4, 2)))
+            },
+            "grouped-query",
+        ),
+    ] {
+        let s = MakeSpec {
+            shape,
+            tokenizer: TokenizerChoice::Synthetic,
+            ..spec(512)
+        };
+        let out = tmp.path().join("bad.gguf");
+        let e = gatestream::synth::write_model(&s, &out, &OutputFormat::Gguf, false, &mut |_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(needle), "{needle}: {e}");
+        assert!(!out.exists());
+    }
+    let e = gatestream::synth::Shape::named("llama3-9b").unwrap_err().to_string();
+    assert!(e.contains("llama3-8b") && e.contains("custom"), "{e}");
+}

@@ -679,6 +679,8 @@ fn stream_options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy, loo
         kv_positions: 64,
         batch_tokens_max: 32,
         vram_budget_bytes: None,
+        prefetch_buffers: gatestream::stream::PREFETCH_BUFFERS,
+        prefetch_read_bytes: gatestream::stream::PREFETCH_READ_BYTES,
     }
 }
 

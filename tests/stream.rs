@@ -79,6 +79,8 @@ fn options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy) -> StreamO
         kv_positions: 64,
         batch_tokens_max: 64,
         vram_budget_bytes: None,
+        prefetch_buffers: gatestream::stream::PREFETCH_BUFFERS,
+        prefetch_read_bytes: gatestream::stream::PREFETCH_READ_BYTES,
     }
 }
 
@@ -119,10 +121,12 @@ fn assert_bit_identical(path: &Path, text: &str) {
     for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
         // Everything streamed; some resident; everything resident with a full neuron cache.
         // The minimum (everything streamed), half the file more, and everything resident.
+        // (The two minima differ: only sparse reads need the compute thread's reader to hold
+        // whole reads.)
         let (mid, mid_dense, all) = (
             min + file_bytes / 2,
             min_dense + file_bytes / 2,
-            min_dense + 2 * file_bytes,
+            min.max(min_dense) + 2 * file_bytes,
         );
         for (budget, opts) in [
             (min, options(min, engine, CachePolicy::Pinned)),
@@ -641,7 +645,7 @@ fn dense_streaming_hands_a_device_the_prefetch_buffers_rows_in_place() {
             assert_eq!(c.cache_hits > 0, budget > min, "{what}: {c:?}");
             match layout {
                 FfnLayout::Split => assert!(c.ffn_in_place_bytes > 0, "{what}: {c:?}"),
-                FfnLayout::Bundled => assert_eq!(c.ffn_in_place_bytes, 0, "{what}: {c:?}"),
+                FfnLayout::Bundled | FfnLayout::Rows => assert_eq!(c.ffn_in_place_bytes, 0, "{what}: {c:?}"),
             }
             // (The next pass's first layer may still be in flight: its bytes count as they land.)
             assert!(
@@ -1197,6 +1201,154 @@ fn a_gpu_budget_keeps_hot_neurons_on_the_device_and_streams_only_the_rest() {
             (false, _) => {
                 assert!(c.ffn_needed_bytes > 0, "{what}: {c:?}");
                 assert_eq!(dev.in_place_uses("ffn_"), 0, "{what}");
+            }
+        }
+    }
+}
+
+/// Models written by `make-model` stream at half their size: a dense model in the `rows` layout
+/// (its FFN matrices kept or read whole), the same in the split layout, and a mixture of experts
+/// (its read buffers once took more than the budget). Streamed logits equal the in-RAM model's
+/// bit for bit with every reader, from the minimum budget to everything resident; in the rows
+/// layout the prefetch buffers are sized by what the plan streams, and a second read-ahead
+/// buffer, bigger reads and smaller ones change no logit.
+#[test]
+fn make_model_models_stream_at_half_their_size() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a cat";
+    let shape = |arch, ffn, layers, experts| Shape {
+        name: "custom".into(),
+        arch,
+        hidden: 512,
+        ffn,
+        layers,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 1024,
+        context_len: 512,
+        rope_theta: 10000.0,
+        rms_eps: 1e-6,
+        tied: false,
+        experts,
+    };
+    let make = |name: &str, shape: Shape, layout: FfnLayout| {
+        let spec = MakeSpec {
+            shape,
+            mix: Mix::Q4KM,
+            dequantize: false,
+            tokenizer: TokenizerChoice::Synthetic,
+            seed: 5,
+            residual_gain: 0.1,
+        };
+        let out = tmp.path().join(name);
+        let opts = ReformatOptions {
+            ffn_layout: layout,
+            ..ReformatOptions::default()
+        };
+        gatestream::synth::write_model(&spec, &out, &OutputFormat::Gst(opts), false, &mut |_, _| {}).unwrap();
+        out
+    };
+    let models = [
+        (
+            make("rows.gst", shape(Arch::Llama, 2048, 12, None), FfnLayout::Rows),
+            FfnLayout::Rows,
+        ),
+        (
+            make("split.gst", shape(Arch::Llama, 2048, 12, None), FfnLayout::Split),
+            FfnLayout::Split,
+        ),
+        (
+            make(
+                "moe.gst",
+                shape(Arch::Qwen3Moe, 1024, 6, Some((8, 2))),
+                FfnLayout::Split,
+            ),
+            FfnLayout::Split,
+        ),
+    ];
+    for (p, layout) in &models {
+        let file_bytes = std::fs::metadata(p).unwrap().len();
+        let moe = p.ends_with("moe.gst");
+        let reference = run(&load(p), None, None, text, 4);
+        let m = load_on_disk(p);
+        let opts = |budget: u64, engine| StreamOptions {
+            cost: CostSource::Default,
+            ..match moe {
+                true => options(budget, engine, CachePolicy::Lru),
+                false => dense_options(budget, engine),
+            }
+        };
+        let min = budget_in_refusal(
+            &Streamer::open(&m, &opts(0, ReadEngine::Pread))
+                .err()
+                .unwrap()
+                .to_string(),
+        );
+        assert!(
+            min <= file_bytes / 2,
+            "{}: the minimum {min} is more than half of {file_bytes}",
+            p.display()
+        );
+        for budget in [min, file_bytes / 2, 2 * file_bytes] {
+            for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+                let s = Streamer::open(&m, &opts(budget, engine)).unwrap();
+                let got = run(&m, Some(&s), None, text, 4);
+                assert!(
+                    got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} ({layout:?}) at budget {budget} with {engine:?} differs from in RAM",
+                    p.display()
+                );
+                let r = &s.residency;
+                assert!(r.resident_bytes() <= budget, "{r:?}");
+                if *layout == FfnLayout::Rows && budget < file_bytes {
+                    // Some FFN matrices stream; the buffers hold what the plan streams, no more.
+                    assert!(r.up_resident.iter().chain(&r.down_resident).any(|&k| !k), "{r:?}");
+                    let c = s.counters();
+                    assert!(c.dense_needed_bytes > 0 && c.ffn_needed_bytes == 0, "{c:?}");
+                    let layer_max = (0..m.config.n_layers)
+                        .map(|l| {
+                            let w = m.weights.layers[l].dense("test").unwrap();
+                            let kept = [
+                                r.attention_resident[l],
+                                r.gate_resident[l],
+                                r.up_resident[l],
+                                r.down_resident[l],
+                            ];
+                            let a = &m.weights.layers[l].attn;
+                            let sizes = [
+                                [&a.wq, &a.wk, &a.wv, &a.wo]
+                                    .iter()
+                                    .map(|w| w.len_bytes() as u64)
+                                    .sum::<u64>(),
+                                w.gate.len_bytes() as u64,
+                                w.up.len_bytes() as u64,
+                                w.down.weight().len_bytes() as u64,
+                            ];
+                            (0..4).filter(|&i| !kept[i]).map(|i| sizes[i]).sum::<u64>()
+                        })
+                        .max()
+                        .unwrap();
+                    assert_eq!(r.prefetch_buffer_bytes, layer_max, "{r:?}");
+                }
+            }
+        }
+        if *layout == FfnLayout::Rows {
+            for (buffers, read_bytes) in [(3, 1 << 20), (2, 8192), (4, 64 << 20)] {
+                let o = StreamOptions {
+                    prefetch_buffers: buffers,
+                    prefetch_read_bytes: read_bytes,
+                    ..opts(file_bytes * 3 / 4, ReadEngine::Uring)
+                };
+                let s = Streamer::open(&m, &o).unwrap();
+                assert_eq!(s.residency.prefetch_buffers, buffers);
+                let got = run(&m, Some(&s), None, text, 4);
+                assert!(
+                    got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{buffers} buffers"
+                );
             }
         }
     }

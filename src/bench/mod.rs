@@ -290,6 +290,167 @@ fn measure_baseline(path: &Path, file_bytes: u64, opts: &BenchOptions) -> Result
     })
 }
 
+/// Sequential reads of one size at one queue depth (`bench --device-only`).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SequentialPoint {
+    pub read_bytes: usize,
+    pub queue_depth: usize,
+    pub gb_per_s: f64,
+}
+
+/// The device's own curve on a file (any file: a `.gst`, a GGUF): sequential reads by request
+/// size and queue depth, then random reads by size at the deepest queue — what streaming's
+/// request size and queue depth are chosen against, and what its read rate is compared with.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceCurve {
+    pub kernel: String,
+    pub file: PathBuf,
+    pub file_bytes: u64,
+    pub direct_io_align_bytes: usize,
+    pub sequential_bytes_per_point: u64,
+    pub sequential: Vec<SequentialPoint>,
+    pub random: Vec<RandomBaseline>,
+    /// The fastest sequential point.
+    pub best_sequential_gb_per_s: f64,
+}
+
+/// Measures [`DeviceCurve`] with io_uring and O_DIRECT: `seq_bytes` at each size × depth, each
+/// point over its own region of the file (so no point reads what another just read), then
+/// `random_reads` reads of each of `random_sizes`.
+pub fn device_curve(
+    path: &Path,
+    sizes: &[usize],
+    depths: &[usize],
+    seq_bytes: u64,
+    random_sizes: &[usize],
+    random_reads: usize,
+    progress: &mut dyn FnMut(&str, usize, usize),
+) -> Result<DeviceCurve> {
+    let file_bytes = std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len();
+    let seq_bytes = seq_bytes.min(file_bytes);
+    let open_at = |read_bytes: usize, queue_depth: usize| -> Result<Box<dyn Reader>> {
+        let opts = ReaderOptions {
+            queue_depth,
+            slot_bytes: read_bytes + 2 * crate::io::ALIGN_BYTES,
+            direct_io: DirectIo::Optional,
+            ..ReaderOptions::default()
+        };
+        Ok(open_reader(path, ReadEngine::Uring, &opts)?.reader)
+    };
+    let mut sink = Vec::new();
+    let mut sequential = Vec::new();
+    let total = sizes.len() * depths.len() + 1;
+    let mut region = 0u64;
+    let mut align = 1;
+    for &size in sizes {
+        for &qd in depths {
+            progress("sequential", sequential.len(), total);
+            let r = open_at(size, qd)?;
+            align = r.align_bytes();
+            let start = (region * seq_bytes) % (file_bytes - seq_bytes + 1) / 4096 * 4096;
+            region += 1;
+            let mut seq = Vec::new();
+            chunks(Range::new(start, seq_bytes as usize), size, &mut seq);
+            let t = timed_batch(r.as_ref(), &seq, &mut sink)?;
+            sequential.push(SequentialPoint {
+                read_bytes: size,
+                queue_depth: qd,
+                gb_per_s: seq_bytes as f64 / t / 1e9,
+            });
+        }
+    }
+    progress("random", total - 1, total);
+    let qd = depths.iter().copied().max().unwrap_or(64);
+    let r = open_at(random_sizes.iter().copied().max().unwrap_or(4096), qd)?;
+    let mut random = Vec::new();
+    for &size in random_sizes {
+        let size = size.min(file_bytes as usize).max(1);
+        let slots = (file_bytes / size as u64).max(1);
+        let n = random_reads;
+        let stride = (slots / n.max(1) as u64).max(1) | 1;
+        let ranges: Vec<Range> = (0..n as u64)
+            .map(|i| Range::new(((i * stride * 7919 + 13) % slots) * size as u64, size))
+            .collect();
+        let t = timed_batch(r.as_ref(), &ranges, &mut sink)?;
+        random.push(RandomBaseline {
+            read_bytes: size,
+            queue_depth: qd,
+            iops: n as f64 / t,
+            gb_per_s: (n * size) as f64 / t / 1e9,
+        });
+    }
+    progress("done", total, total);
+    let best = sequential.iter().map(|p| p.gb_per_s).fold(0.0, f64::max);
+    Ok(DeviceCurve {
+        kernel: kernel(),
+        file: path.to_path_buf(),
+        file_bytes,
+        direct_io_align_bytes: align,
+        sequential_bytes_per_point: seq_bytes,
+        sequential,
+        random,
+        best_sequential_gb_per_s: best,
+    })
+}
+
+/// The device curve as a table.
+pub fn curve_table(c: &DeviceCurve) -> String {
+    use std::fmt::Write;
+    let mut depths: Vec<usize> = c.sequential.iter().map(|p| p.queue_depth).collect();
+    depths.dedup();
+    depths.sort_unstable();
+    depths.dedup();
+    let mut s = format!(
+        "device curve of {} ({:.2} GB, io_uring, O_DIRECT {}-byte alignment): sequential GB/s, {:.0} MB per point\n  read size",
+        c.file.display(),
+        c.file_bytes as f64 / 1e9,
+        c.direct_io_align_bytes,
+        c.sequential_bytes_per_point as f64 / 1e6
+    );
+    for d in &depths {
+        let _ = write!(s, "   QD {d:<4}");
+    }
+    s.push('\n');
+    let mut sizes: Vec<usize> = c.sequential.iter().map(|p| p.read_bytes).collect();
+    sizes.dedup();
+    for size in sizes {
+        let _ = write!(s, "  {:>9}", human_bytes(size));
+        for d in &depths {
+            match c
+                .sequential
+                .iter()
+                .find(|p| p.read_bytes == size && p.queue_depth == *d)
+            {
+                Some(p) => {
+                    let _ = write!(s, "   {:>7.2}", p.gb_per_s);
+                }
+                None => s.push_str("         -"),
+            }
+        }
+        s.push('\n');
+    }
+    for r in &c.random {
+        let _ = writeln!(
+            s,
+            "  random {:>9} at QD {}: {:>8.0} IOPS, {:.2} GB/s",
+            human_bytes(r.read_bytes),
+            r.queue_depth,
+            r.iops,
+            r.gb_per_s
+        );
+    }
+    let _ = writeln!(s, "  best sequential: {:.2} GB/s", c.best_sequential_gb_per_s);
+    s
+}
+
+fn human_bytes(b: usize) -> String {
+    match b {
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
+        b => format!("{b} B"),
+    }
+}
+
 /// The baseline's time for reads of these sizes at queue depth `qd`, seconds (sequential at the
 /// nearest measured depth; random reads at the depth they were measured at).
 fn baseline_time(b: &Baseline, sizes: &[usize], qd: usize) -> f64 {

@@ -96,6 +96,12 @@ impl Index {
                 self.format_version
             )));
         }
+        if self.layout.ffn_layout == super::FfnLayout::Rows && self.format_version < 4 {
+            return Err(at_index(format!(
+                "the `rows` FFN layout in a version {} index; it came with version 4",
+                self.format_version
+            )));
+        }
         if self.sections.len() > SECTIONS_MAX {
             return Err(at_index(format!(
                 "{} sections, more than the limit of {SECTIONS_MAX}",

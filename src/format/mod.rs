@@ -37,8 +37,9 @@ pub use header::Header;
 
 pub const MAGIC: [u8; 8] = *b"GSTREAM\0";
 /// The version this build writes. Version 2 added `recommended_sparse.per_layer_sparsity`;
-/// version 3 mixture-of-experts models (`config.moe`, `config.qk_norm_whole`, expert sections).
-pub const FORMAT_VERSION: u32 = 3;
+/// version 3 mixture-of-experts models (`config.moe`, `config.qk_norm_whole`, expert sections);
+/// version 4 the `rows` FFN layout (each FFN matrix as the checkpoint stores it).
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest version this build reads (version 1 files are version 2 files without per-layer
 /// recommendations).
 pub const FORMAT_VERSION_MIN: u32 = 1;
@@ -68,6 +69,10 @@ pub enum FfnLayout {
     Bundled,
     /// Up rows and down columns live in two neuron-major sections.
     Split,
+    /// Gate, up and down as the checkpoint stores them (down as `[hidden x ffn]` rows, nothing
+    /// re-quantized): no larger than the source, read whole by dense streaming; no neuron-sparse
+    /// reads (version 4).
+    Rows,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -78,6 +78,24 @@ pub struct ReadReq<'a> {
     pub buf: &'a mut [u8],
 }
 
+/// A read [`Reader::read_stream`] makes: `len_bytes` bytes at `offset_bytes` into caller memory at
+/// `dest`; `tag` names it to the completion callback.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamReq {
+    pub offset_bytes: u64,
+    pub len_bytes: usize,
+    pub dest: *mut u8,
+    pub tag: u64,
+}
+
+/// `next(idle)`: the next request of a [`Reader::read_stream`], or `None` when there is none now.
+/// `idle` is true when nothing is in flight: the callback may then block for a request, and
+/// `None` ends the stream; with `idle` false it must not block (reads are waiting to be reaped).
+pub type NextReq<'a> = dyn FnMut(bool) -> Option<StreamReq> + 'a;
+/// `done(tag, result)`: a [`Reader::read_stream`] request finished (its bytes are all in place),
+/// or failed (the error names the file and range; its memory's contents are unspecified).
+pub type ReqDone<'a> = dyn FnMut(u64, Result<()>) + 'a;
+
 /// Called once per completed range with the range's index in the batch and its bytes.
 /// Returning an error stops the batch (reads in flight are drained) and `read_each` returns it.
 pub type OnDone<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
@@ -131,6 +149,31 @@ pub trait Reader: Send + Sync {
     /// the address names by then.
     unsafe fn register(&self, _bytes: &mut [u8]) -> Option<Registration> {
         None
+    }
+
+    /// A pipeline of reads into caller memory: takes requests from `next` and reports each to
+    /// `done` as it completes, in any order, until `next(true)` returns `None`. The io_uring
+    /// engine keeps its queue full across requests (the next ones are started while the last
+    /// ones of a batch are still in flight, so a stream of jobs never drains the device between
+    /// them) and reads whole blocks in place as `read_into` does; by default each request is
+    /// read on its own, in order. Per-request errors go to `done`; an error return means the
+    /// reader itself failed (its ring could not be waited on).
+    ///
+    /// # Safety
+    /// Each request's `dest` must be valid for writes of `len_bytes` bytes, and neither read nor
+    /// written by anyone else, from when `next` hands it over until `done` is called with its tag.
+    unsafe fn read_stream(&self, next: &mut NextReq<'_>, done: &mut ReqDone<'_>) -> Result<()> {
+        while let Some(r) = next(true) {
+            // SAFETY: the caller guarantees `dest` is valid and unaliased for `len_bytes` until
+            // `done`, which is called right after the read.
+            let buf = unsafe { std::slice::from_raw_parts_mut(r.dest, r.len_bytes) };
+            let result = self.read_into(&mut [ReadReq {
+                offset_bytes: r.offset_bytes,
+                buf,
+            }]);
+            done(r.tag, result);
+        }
+        Ok(())
     }
 
     /// Reads one range into a new `Vec`.
@@ -240,6 +283,13 @@ pub struct ReaderOptions {
     pub fixed_buffers: FixedBuffers,
     #[cfg(target_os = "linux")]
     pub uring_probe: UringProbe,
+}
+
+impl ReaderOptions {
+    /// The reusable buffers a reader opened with these options holds (queue depth × slot).
+    pub fn buffer_bytes(&self) -> u64 {
+        (self.queue_depth * self.slot_bytes) as u64
+    }
 }
 
 impl Default for ReaderOptions {

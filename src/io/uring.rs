@@ -21,7 +21,7 @@
 use super::buf::AlignedBuf;
 use super::file::{eof_at, has_o_direct, open_file, resume_at, DirectIo, Span};
 use super::stats::{ReadStats, StatsCell};
-use super::{check_range, read_error, OnDone, Range, ReadReq, Reader, Registration};
+use super::{check_range, read_error, NextReq, OnDone, Range, ReadReq, Reader, Registration, ReqDone, StreamReq};
 use crate::error::{Error, Result};
 use io_uring::{opcode, types, IoUring, Probe};
 use std::fs::File;
@@ -484,6 +484,36 @@ impl Reader for UringReader {
         self.stats.add_wall_since(t0);
         result
     }
+
+    /// Keeps the ring full across requests (see [`Reader::read_stream`]): while reads are in
+    /// flight, free slots take the next requests `next(false)` offers, each split as `read_into`
+    /// splits one; when nothing is in flight the ring is let go while `next(true)` waits.
+    unsafe fn read_stream(&self, next: &mut NextReq<'_>, done: &mut ReqDone<'_>) -> Result<()> {
+        while let Some(first) = next(true) {
+            let t0 = Instant::now();
+            let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
+            ring.drain().map_err(|e| Error::io(&self.path, e))?;
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.stream_on(&mut ring, first, next, done)
+            }));
+            // Reads into caller memory: nothing may be in flight when this returns or unwinds.
+            if let Err(e) = ring.drain() {
+                eprintln!(
+                    "{}: io_uring reads into caller memory may still be in flight and the ring cannot \
+                     be waited on ({e}); aborting rather than returning memory the kernel may write",
+                    self.path.display()
+                );
+                std::process::abort();
+            }
+            drop(ring);
+            self.stats.add_wall_since(t0);
+            match outcome {
+                Ok(r) => r?,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        }
+        Ok(())
+    }
 }
 
 impl UringReader {
@@ -584,103 +614,260 @@ impl UringReader {
 
     fn run_on(&self, ring: &mut Ring, jobs: &[Job], on_done: &mut OnDone<'_>) -> Result<()> {
         let ring_err = |e: io::Error| Error::io(&self.path, e);
-        let fd = self.file.as_raw_fd();
         let mut next = 0usize;
         let mut first_err: Option<Error> = None;
         loop {
             while first_err.is_none() && next < jobs.len() && !ring.free.is_empty() {
                 let (index, job) = (next, jobs[next]);
                 next += 1;
-                let range = job.range();
-                if range.len_bytes == 0 {
+                if job.range().len_bytes == 0 {
                     continue;
                 }
-                let slot = ring.free.pop().expect("checked non-empty");
-                let span = Span::widen(range, self.align);
-                let dest = match job {
-                    Job::Into { dest, .. } => Some(dest),
-                    Job::Lend(_) => None,
-                };
-                let big = (dest.is_none() && span.dev_len_bytes > ring.slots[slot].len())
-                    .then(|| AlignedBuf::new(span.dev_len_bytes));
-                ring.inflight[slot] = Some(Inflight {
-                    index,
-                    range,
-                    span,
-                    done: 0,
-                    pos: 0,
-                    big,
-                    dest,
-                    registered: false,
-                });
-                if let Err(e) = ring.push(slot, fd, self.align, self.sqe_bytes_max) {
-                    ring.inflight[slot] = None;
-                    ring.free.push(slot);
+                if let Err(e) = self.start(ring, index, job) {
                     first_err = Some(ring_err(e));
                 }
             }
             if ring.pending == 0 {
                 break;
             }
-            if let Err(e) = ring.wait() {
+            let reaped = self.reap(ring, &mut |index, outcome| match outcome {
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+                Ok(Some(bytes)) if first_err.is_none() => {
+                    if let Err(e) = on_done(index, bytes) {
+                        first_err = Some(e);
+                    }
+                }
+                Ok(_) => {}
+            });
+            if let Err(e) = reaped {
                 // Reads may still be in flight; the next call (or Drop) drains them first, or,
                 // with reads into caller memory, `run` before it returns.
-                return Err(first_err.unwrap_or(ring_err(e)));
+                return Err(first_err.unwrap_or(e));
             }
-            let cqes = std::mem::take(&mut ring.cqes);
-            for &(user_data, res) in &cqes {
-                let slot = user_data as usize;
-                let mut e = ring.inflight[slot].take().expect("CQE for an empty slot");
-                let needed = e.span.needed_bytes(e.range);
-                let outcome: Option<io::Error> = if res < 0 {
-                    let errno = -res;
-                    (!RETRY_ERRNOS.contains(&errno)).then(|| io::Error::from_raw_os_error(errno))
-                } else {
-                    if res > 0 {
-                        self.stats.add_device_read(res as u64);
-                    }
-                    // No progress: the file ends at `done` (see `file::read_span`).
-                    let end = e.pos + res as usize;
-                    if end <= e.done {
-                        Some(eof_at(e.span.dev_offset_bytes + e.done as u64))
-                    } else {
-                        e.done = end;
-                        None
-                    }
-                };
-                if let Some(err) = outcome {
-                    first_err.get_or_insert(read_error(&self.path, e.range, err));
-                    ring.free.push(slot);
-                } else if e.done < needed {
-                    // Short read (or EINTR/EAGAIN): resume the rest in the same slot.
-                    ring.inflight[slot] = Some(e);
-                    if let Err(err) = ring.push(slot, fd, self.align, self.sqe_bytes_max) {
-                        let e = ring.inflight[slot].take().expect("just stored");
-                        first_err.get_or_insert(read_error(&self.path, e.range, err));
-                        ring.free.push(slot);
-                    }
-                } else {
-                    let (lo, hi) = (e.span.head_bytes, needed);
-                    if e.registered {
-                        self.stats.add_in_place_registered(e.range.len_bytes as u64);
-                    }
-                    if first_err.is_none() && e.dest.is_none() {
-                        let bytes = match &e.big {
-                            Some(big) => &big.as_slice()[lo..hi],
-                            None => &ring.slots[slot].as_slice()[lo..hi],
-                        };
-                        if let Err(err) = on_done(e.index, bytes) {
-                            first_err = Some(err);
-                        }
-                    }
-                    ring.free.push(slot);
-                }
-            }
-            ring.cqes = cqes;
         }
         match first_err {
             Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// Starts `job` (the `index`-th of its batch) in a free slot (the caller checked there is
+    /// one); on an error nothing is in flight for it and the slot is free again.
+    fn start(&self, ring: &mut Ring, index: usize, job: Job) -> io::Result<()> {
+        let fd = self.file.as_raw_fd();
+        let range = job.range();
+        let slot = ring.free.pop().expect("a free slot");
+        let span = Span::widen(range, self.align);
+        let dest = match job {
+            Job::Into { dest, .. } => Some(dest),
+            Job::Lend(_) => None,
+        };
+        let big = (dest.is_none() && span.dev_len_bytes > ring.slots[slot].len())
+            .then(|| AlignedBuf::new(span.dev_len_bytes));
+        ring.inflight[slot] = Some(Inflight {
+            index,
+            range,
+            span,
+            done: 0,
+            pos: 0,
+            big,
+            dest,
+            registered: false,
+        });
+        ring.push(slot, fd, self.align, self.sqe_bytes_max).inspect_err(|_| {
+            ring.inflight[slot] = None;
+            ring.free.push(slot);
+        })
+    }
+
+    /// Waits for at least one completion and settles every completion there is: a short read
+    /// (or EINTR/EAGAIN) is resumed in its slot; a read that finished or failed frees its slot
+    /// and goes to `settled(index, outcome)` — `Ok(Some(bytes))` for a read into the ring's
+    /// buffers (lent for the call), `Ok(None)` for one into caller memory, `Err` naming the
+    /// range when it failed. An error return means the ring could not be waited on.
+    fn reap(&self, ring: &mut Ring, settled: &mut dyn FnMut(usize, Result<Option<&[u8]>>)) -> Result<()> {
+        let fd = self.file.as_raw_fd();
+        ring.wait().map_err(|e| Error::io(&self.path, e))?;
+        let cqes = std::mem::take(&mut ring.cqes);
+        for &(user_data, res) in &cqes {
+            let slot = user_data as usize;
+            let mut e = ring.inflight[slot].take().expect("CQE for an empty slot");
+            let needed = e.span.needed_bytes(e.range);
+            let outcome: Option<io::Error> = if res < 0 {
+                let errno = -res;
+                (!RETRY_ERRNOS.contains(&errno)).then(|| io::Error::from_raw_os_error(errno))
+            } else {
+                if res > 0 {
+                    self.stats.add_device_read(res as u64);
+                }
+                // No progress: the file ends at `done` (see `file::read_span`).
+                let end = e.pos + res as usize;
+                if end <= e.done {
+                    Some(eof_at(e.span.dev_offset_bytes + e.done as u64))
+                } else {
+                    e.done = end;
+                    None
+                }
+            };
+            if let Some(err) = outcome {
+                settled(e.index, Err(read_error(&self.path, e.range, err)));
+                ring.free.push(slot);
+            } else if e.done < needed {
+                // Short read (or EINTR/EAGAIN): resume the rest in the same slot.
+                let index = e.index;
+                let range = e.range;
+                ring.inflight[slot] = Some(e);
+                if let Err(err) = ring.push(slot, fd, self.align, self.sqe_bytes_max) {
+                    ring.inflight[slot] = None;
+                    ring.free.push(slot);
+                    settled(index, Err(read_error(&self.path, range, err)));
+                }
+            } else {
+                let (lo, hi) = (e.span.head_bytes, needed);
+                if e.registered {
+                    self.stats.add_in_place_registered(e.range.len_bytes as u64);
+                }
+                match (e.dest, &e.big) {
+                    (Some(_), _) => settled(e.index, Ok(None)),
+                    (None, Some(big)) => settled(e.index, Ok(Some(&big.as_slice()[lo..hi]))),
+                    (None, None) => settled(e.index, Ok(Some(&ring.slots[slot].as_slice()[lo..hi]))),
+                }
+                ring.free.push(slot);
+            }
+        }
+        ring.cqes = cqes;
+        Ok(())
+    }
+
+    /// `read_into`'s split of a request (`len` bytes at `offset` into memory at `base`): its
+    /// whole aligned blocks straight into the memory when the address has the offset's phase,
+    /// the partial blocks at either end (or everything, when the phase differs) through the
+    /// slots; each piece with where its bytes start in the memory.
+    fn pieces(&self, offset: u64, base: *mut u8, len: usize) -> Vec<(Job, usize)> {
+        let (lo, hi) = in_place_part(offset, base as usize, len, self.align);
+        let parts = match hi > lo {
+            true => [(0, lo, false), (lo, hi, true), (hi, len, false)],
+            false => [(0, len, false), (0, 0, false), (0, 0, false)],
+        };
+        parts
+            .into_iter()
+            .filter(|p| p.1 > p.0)
+            .map(|(at, end, into)| {
+                let range = Range::new(offset + at as u64, end - at);
+                let job = match into {
+                    // SAFETY (pointer arithmetic): at < end <= len, inside the request's memory.
+                    true => Job::Into {
+                        range,
+                        dest: DestPtr(unsafe { base.add(at) }),
+                    },
+                    false => Job::Lend(range),
+                };
+                (job, at)
+            })
+            .collect()
+    }
+
+    /// `read_stream` once nothing is in flight and `first` is at hand: keeps the ring full from
+    /// `next(false)` until it has nothing more and every read has settled.
+    fn stream_on(
+        &self,
+        ring: &mut Ring,
+        first: StreamReq,
+        next: &mut NextReq<'_>,
+        done: &mut ReqDone<'_>,
+    ) -> Result<()> {
+        struct Open {
+            req: StreamReq,
+            /// Pieces not yet settled, and where each piece's bytes start in the request's memory.
+            left: usize,
+            at: [usize; 3],
+            err: Option<Error>,
+        }
+        let mut open: Vec<Option<Open>> = Vec::new();
+        let mut free_ids: Vec<usize> = Vec::new();
+        // Pieces waiting for a slot: (job, request id, piece number).
+        let mut queued: std::collections::VecDeque<(Job, usize, usize)> = std::collections::VecDeque::new();
+        let mut pending_req = Some(first);
+        loop {
+            // Fill free slots: queued pieces first, then new requests.
+            while !ring.free.is_empty() {
+                if let Some((job, id, k)) = queued.pop_front() {
+                    if let Err(e) = self.start(ring, id * 3 + k, job) {
+                        let o = open[id].as_mut().expect("an open request");
+                        o.err.get_or_insert(Error::io(&self.path, e));
+                        o.left -= 1;
+                        if o.left == 0 {
+                            let o = open[id].take().expect("open");
+                            free_ids.push(id);
+                            done(o.req.tag, Err(o.err.expect("just set")));
+                        }
+                    }
+                    continue;
+                }
+                let Some(req) = pending_req.take().or_else(|| next(false)) else {
+                    break;
+                };
+                let range = Range::new(req.offset_bytes, req.len_bytes);
+                if let Err(e) = check_range(&self.path, range, self.len_bytes) {
+                    done(req.tag, Err(e));
+                    continue;
+                }
+                self.stats.add_requests(1, req.len_bytes as u64);
+                let pieces = self.pieces(req.offset_bytes, req.dest, req.len_bytes);
+                if pieces.is_empty() {
+                    done(req.tag, Ok(()));
+                    continue;
+                }
+                let mut at = [0; 3];
+                for (k, (job, a)) in pieces.iter().enumerate() {
+                    at[k] = *a;
+                    if let Job::Into { range, .. } = job {
+                        self.stats.add_in_place(range.len_bytes as u64);
+                    }
+                }
+                let id = free_ids.pop().unwrap_or_else(|| {
+                    open.push(None);
+                    open.len() - 1
+                });
+                open[id] = Some(Open {
+                    req,
+                    left: pieces.len(),
+                    at,
+                    err: None,
+                });
+                for (k, (job, _)) in pieces.into_iter().enumerate() {
+                    queued.push_back((job, id, k));
+                }
+            }
+            if ring.pending == 0 && queued.is_empty() {
+                // Nothing in flight, waiting or offered: the caller waits idle (without the ring).
+                return Ok(());
+            }
+            self.reap(ring, &mut |index, outcome| {
+                let (id, k) = (index / 3, index % 3);
+                let o = open[id].as_mut().expect("a settled piece's request is open");
+                match outcome {
+                    Err(e) => {
+                        o.err.get_or_insert(e);
+                    }
+                    Ok(Some(bytes)) => {
+                        // SAFETY: the piece's bytes belong at `[at, at + len)` of the request's
+                        // memory (the pieces split it), which the caller keeps valid and
+                        // untouched until `done` (this method's contract); no other piece
+                        // writes there.
+                        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), o.req.dest.add(o.at[k]), bytes.len()) };
+                    }
+                    Ok(None) => {}
+                }
+                o.left -= 1;
+                if o.left == 0 {
+                    let o = open[id].take().expect("open");
+                    free_ids.push(id);
+                    done(o.req.tag, o.err.map_or(Ok(()), Err));
+                }
+            })?;
         }
     }
 }

@@ -42,7 +42,11 @@ impl Model {
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`, before any post-FFN norm.
     pub fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         match (&w.ffn, &self.config.moe) {
-            (LayerFfn::Dense(f), _) => self.ffn_dense(l, f, xn, hooks),
+            // A stream that hands the whole FFN over (the `rows` layout): as in RAM, on its views.
+            (LayerFfn::Dense(f), _) => match hooks.stream.map(|s| s.ffn_weights(l)).transpose()?.flatten() {
+                Some(streamed) => self.ffn_dense(l, &streamed, xn, hooks),
+                None => self.ffn_dense(l, f, xn, hooks),
+            },
             (LayerFfn::Experts(e), Some(moe)) => self.ffn_experts(l, e, moe, xn, hooks),
             (LayerFfn::Experts(_), None) => Err(Error::Invalid(format!(
                 "{}: layer {l} has experts but the configuration none",

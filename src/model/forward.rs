@@ -79,6 +79,13 @@ pub trait LayerStream: Sync {
     fn gate(&self, _l: usize) -> Result<Option<Cow<'_, Weight>>> {
         Ok(None)
     }
+    /// Layer `l`'s whole FFN (gate, up, down rows) when the stream hands its matrices over
+    /// (a `.gst` in the `rows` layout: views of its prefetch buffer, or resident copies): the FFN
+    /// then computes on them as on the in-RAM model's. `None`: the stream hands over rows, or
+    /// nothing.
+    fn ffn_weights(&self, _l: usize) -> Result<Option<crate::model::weights::FfnWeights>> {
+        Ok(None)
+    }
     /// Layer `l`'s hot neurons the device keeps (`--vram-budget`'s plan): the up rows and the
     /// down columns of the layer's first `k` neurons, row n = neuron n, resident on the device.
     /// A step computes those neurons from them and asks the stream (`stage*`, `decode_*`,

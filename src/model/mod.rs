@@ -242,6 +242,60 @@ fn find_llama2c_tokenizer(dir: &Path) -> Option<PathBuf> {
     found.into_iter().next()
 }
 
+/// The GGUF metadata that holds `v` (what [`gguf_vocab`] reads back): `tokenizer.ggml.*` and
+/// `tokenizer.chat_template`, each present field under its llama.cpp key.
+pub fn gguf_vocab_metadata(v: &GgufVocab) -> Vec<(String, MetaValue)> {
+    let key = |k: &str| format!("tokenizer.ggml.{k}");
+    let strings = |s: &[String]| MetaValue::Array(s.iter().map(|t| MetaValue::Str(t.clone())).collect());
+    let mut m = vec![
+        (key("model"), MetaValue::Str(v.model.clone())),
+        (key("tokens"), strings(&v.tokens)),
+    ];
+    if let Some(p) = &v.pre {
+        m.push((key("pre"), MetaValue::Str(p.clone())));
+    }
+    if let Some(s) = &v.scores {
+        m.push((
+            key("scores"),
+            MetaValue::Array(s.iter().map(|&f| MetaValue::F32(f)).collect()),
+        ));
+    }
+    if let Some(t) = &v.token_types {
+        m.push((
+            key("token_type"),
+            MetaValue::Array(t.iter().map(|&i| MetaValue::I32(i)).collect()),
+        ));
+    }
+    if let Some(mg) = &v.merges {
+        m.push((key("merges"), strings(mg)));
+    }
+    for (k, id) in [
+        ("bos_token_id", v.bos_id),
+        ("eos_token_id", v.eos_id),
+        ("eot_token_id", v.eot_id),
+        ("eom_token_id", v.eom_id),
+        ("unknown_token_id", v.unknown_id),
+        ("padding_token_id", v.padding_id),
+    ] {
+        if let Some(id) = id {
+            m.push((key(k), MetaValue::U32(id)));
+        }
+    }
+    for (k, flag) in [
+        ("add_bos_token", v.add_bos),
+        ("add_eos_token", v.add_eos),
+        ("add_space_prefix", v.add_space_prefix),
+    ] {
+        if let Some(f) = flag {
+            m.push((key(k), MetaValue::Bool(f)));
+        }
+    }
+    if let Some(t) = &v.chat_template {
+        m.push(("tokenizer.chat_template".into(), MetaValue::Str(t.clone())));
+    }
+    m
+}
+
 /// Gather the tokenizer.* metadata of a GGUF file.
 pub fn gguf_vocab(g: &GgufFile) -> Result<GgufVocab> {
     let get = |k: &str| g.get(&format!("tokenizer.ggml.{k}"));

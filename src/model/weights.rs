@@ -19,7 +19,8 @@ pub enum TensorSource {
         dir: PathBuf,
         model: SafetensorsModel,
     },
-    /// A `.gst` file: GGUF tensor names, FFN down stored as neuron-major columns.
+    /// A `.gst` file: GGUF tensor names, FFN down stored as neuron-major columns (or, in the
+    /// `rows` layout, as the checkpoint stores it).
     Gst(Box<GstFile>),
 }
 
@@ -427,7 +428,8 @@ impl ModelWeights {
                     None => LayerFfn::Dense(FfnWeights {
                         gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
                         up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
-                        down: if neuron_major {
+                        // A `.gst` holds down columns unless its layout is `rows` (down as stored).
+                        down: if neuron_major && !src.has(&n("ffn_down.weight")) {
                             FfnDown::Columns(src.matrix(&n("ffn_down_t.weight"), f, h, arch)?)
                         } else {
                             FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?)

@@ -6,6 +6,7 @@
 //! Reads the source through `model` (memory-mapped) one layer at a time, so memory stays at
 //! about one layer's down matrix in f32.
 
+pub mod builder;
 pub mod calibrate;
 pub mod writer;
 
@@ -14,15 +15,13 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::format::Recommendation;
-use crate::format::{
-    self, Calibration, FfnLayout, Index, LayerCalibration, Layout, NeuronOrder, SourceInfo, UpSketch, FORMAT_VERSION,
-};
+use crate::format::{self, Calibration, FfnLayout, Index, LayerCalibration, NeuronOrder, SourceInfo, UpSketch};
 use crate::gstfile::GstFile;
-use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, ModelWeights, TensorSource};
+use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, ModelWeights, TensorSource};
 use crate::model::{open_source, LoadOptions, Model};
-use crate::quant::sketch::{sketch_row, sketch_row_bytes};
 use crate::quant::{dequantize_row, quantize_row, GgmlType};
 use crate::tensor::Weight;
+pub use builder::GstBuilder;
 use calibrate::{calibrate, hot_first_order, prefix_coverage, CalibrationStats};
 use writer::GstWriter;
 
@@ -426,7 +425,7 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         ));
     }
     let cfg = src.config.clone();
-    let (n_layers, ffn, hidden) = (cfg.n_layers, cfg.ffn, cfg.hidden);
+    let (n_layers, ffn) = (cfg.n_layers, cfg.ffn);
     if cfg.moe.is_some() && (opts.calibrate_text.is_some() || opts.up_sketch != UpSketch::None) {
         return Err(Error::Invalid(format!(
             "{}: a mixture-of-experts model is reformatted without --calibrate, --order hot-first or --up-sketch \
@@ -464,143 +463,25 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
         .collect();
 
     let weights = ModelWeights::load(&src.tensors, &cfg)?;
-    let mut w = GstWriter::create(output, opts.force)?;
-    let to = opts.matrix_type;
-    let put_matrix = |w: &mut GstWriter, name: &str, m: &Weight| -> Result<()> {
-        let (ty, bytes) = rows_as_stored(m, to)?;
-        w.matrix(name, ty, m.rows, m.cols, &bytes)
-    };
-    let put_vector =
-        |w: &mut GstWriter, name: &str, v: &[f32]| w.matrix(name, GgmlType::F32, 1, v.len(), &f32_bytes(v));
-
-    w.section(
-        "tokenizer.json",
-        &serde_json::to_vec(&src.tokenizer).map_err(|e| Error::Invalid(e.to_string()))?,
+    let mut b = GstBuilder::create(output, opts)?;
+    let tied = weights.output.name == weights.token_embd.name;
+    b.globals(
+        &src.tokenizer,
+        &weights.token_embd,
+        (!tied).then_some(&weights.output),
+        &weights.output_norm,
     )?;
-    put_matrix(&mut w, "token_embd.weight", &weights.token_embd)?;
-    if weights.output.name != weights.token_embd.name {
-        put_matrix(&mut w, "output.weight", &weights.output)?;
-    }
-    put_vector(&mut w, "output_norm.weight", &weights.output_norm)?;
-
-    let mut down_err = Vec::with_capacity(n_layers);
     for (l, lw) in weights.layers.iter().enumerate() {
-        let n = |what: &str| format!("blk.{l}.{what}");
-        put_vector(&mut w, &n("attn_norm.weight"), &lw.attn_norm)?;
-        put_matrix(&mut w, &n("attn_q.weight"), &lw.attn.wq)?;
-        put_matrix(&mut w, &n("attn_k.weight"), &lw.attn.wk)?;
-        put_matrix(&mut w, &n("attn_v.weight"), &lw.attn.wv)?;
-        put_matrix(&mut w, &n("attn_output.weight"), &lw.attn.wo)?;
-        for (what, v) in [
-            ("attn_q.bias", &lw.bq),
-            ("attn_k.bias", &lw.bk),
-            ("attn_v.bias", &lw.bv),
-            ("attn_q_norm.weight", &lw.q_norm),
-            ("attn_k_norm.weight", &lw.k_norm),
-            ("post_attention_norm.weight", &lw.post_attn_norm),
-            ("post_ffw_norm.weight", &lw.post_ffn_norm),
-        ] {
-            if let Some(v) = v {
-                put_vector(&mut w, &n(what), v)?;
-            }
-        }
-        put_vector(&mut w, &n("ffn_norm.weight"), &lw.ffn_norm)?;
-
-        let ffn_w = match &lw.ffn {
-            LayerFfn::Dense(f) => f,
-            LayerFfn::Experts(e) => {
-                write_experts(&mut w, l, e, to)?;
-                progress("layers", l + 1, n_layers);
-                continue;
-            }
-        };
-        let order = &orders[l];
-        let (gate_ty, gate) = rows_in_order(&ffn_w.gate, order, to)?;
-        w.matrix(&n("ffn_gate.weight"), gate_ty, ffn, hidden, &gate)?;
-        let (up_ty, up) = rows_in_order(&ffn_w.up, order, to)?;
-        let FfnDown::Rows(down) = &ffn_w.down else {
-            return Err(Error::Invalid(
-                "internal: a non-.gst source with neuron-major down".into(),
-            ));
-        };
-        let down_ty = match opts.down_type {
-            DownType::Q8_0 => GgmlType::Q8_0,
-            DownType::F16 => GgmlType::F16,
-            DownType::Same => to.unwrap_or(down.ty),
-        };
-        let (down_t, err) = down_columns(down, order, down_ty)?;
-        down_err.push(err);
-        let (up_row, down_row) = (up.len() / ffn, down_t.len() / ffn);
-        match opts.ffn_layout {
-            FfnLayout::Split => {
-                w.matrix(&n("ffn_up.weight"), up_ty, ffn, hidden, &up)?;
-                w.matrix(&n("ffn_down_t.weight"), down_ty, ffn, hidden, &down_t)?;
-            }
-            FfnLayout::Bundled => {
-                let mut bundle = Vec::with_capacity(up.len() + down_t.len());
-                for i in 0..ffn {
-                    bundle.extend_from_slice(&up[i * up_row..(i + 1) * up_row]);
-                    bundle.extend_from_slice(&down_t[i * down_row..(i + 1) * down_row]);
-                }
-                let section = n("ffn_updown");
-                w.section(&section, &bundle)?;
-                let stride = up_row + down_row;
-                w.view(&n("ffn_up.weight"), &section, 0, up_ty, ffn, hidden, stride);
-                w.view(&n("ffn_down_t.weight"), &section, up_row, down_ty, ffn, hidden, stride);
-            }
-        }
-        if opts.up_sketch == UpSketch::TwoBit {
-            let row_bytes = sketch_row_bytes(hidden).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "--up-sketch 2bit needs hidden ({hidden}) to be a multiple of 32"
-                ))
-            })?;
-            let mut sketch = vec![0u8; ffn * row_bytes];
-            let mut f = vec![0f32; hidden];
-            for (&r, out) in order.iter().zip(sketch.chunks_exact_mut(row_bytes)) {
-                ffn_w.up.dequantize_row(r as usize, &mut f);
-                sketch_row(&f, out);
-            }
-            w.section(&n("ffn_up_sketch"), &sketch)?;
-        }
+        b.layer(l, lw, &orders[l])?;
         progress("layers", l + 1, n_layers);
     }
-
-    let calibration = match &stats {
-        None => None,
-        Some(s) => Some(write_calibration(&mut w, s, &orders)?),
-    };
-    let index = Index {
-        format_version: FORMAT_VERSION,
-        config: cfg,
-        layout: Layout {
-            ffn_layout: opts.ffn_layout,
-            neuron_order: opts.order,
-            down_type: match (&weights.layers[0].ffn, opts.down_type) {
-                // Experts keep their down matrices as stored.
-                (LayerFfn::Experts(e), _) => e.experts[0].down.weight().ty,
-                (_, DownType::Q8_0) => GgmlType::Q8_0,
-                (_, DownType::F16) => GgmlType::F16,
-                (LayerFfn::Dense(f), DownType::Same) => to.unwrap_or(f.down.weight().ty),
-            },
-            up_sketch: opts.up_sketch,
-        },
-        source: source_info(input)?,
-        tokenizer_section: "tokenizer.json".into(),
-        calibration,
-        down_requant_rel_rms: down_err.clone(),
-        recommended_sparse: None,
-        sections: Vec::new(),
-        tensors: Vec::new(),
-    };
-    let n_sections = w.sections.len();
-    let file_len_bytes = w.finish(index)?;
+    let built = b.finish(cfg, source_info(input)?, stats.as_ref().map(|s| (s, &orders[..])))?;
     Ok(ReformatReport {
         output: output.to_path_buf(),
-        file_len_bytes,
-        sections: n_sections,
+        file_len_bytes: built.file_len_bytes,
+        sections: built.sections,
         seconds: t0.elapsed().as_secs_f64(),
         calibration_seconds,
-        down_requant_rel_rms: down_err,
+        down_requant_rel_rms: built.down_requant_rel_rms,
     })
 }

@@ -481,7 +481,9 @@ impl super::Streamer {
             + opts.batch_tokens_max.max(1) as u64 * super::activation_bytes_per_token(&cfg);
         let lookahead = opts.lookahead != super::Lookahead::Off;
         // Two readers' buffers; with lookahead, its reads in flight and as many spare buffers.
-        let working_bytes = 2 * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64
+        let roles = super::open::reader_roles(opts, true, super::open::section_max_bytes(model));
+        let working_bytes = roles.fg.buffer_bytes()
+            + roles.bg.buffer_bytes()
             + if lookahead {
                 2 * moe.n_used as u64 * expert_bytes
             } else {
@@ -573,6 +575,11 @@ impl super::Streamer {
             attention_bytes,
             gate_bytes: 0,
             cache_bytes: slots as u64 * expert_bytes,
+            up_resident: Vec::new(),
+            down_resident: Vec::new(),
+            ffn_matrix_bytes: 0,
+            prefetch_buffers: 0,
+            prefetch_buffer_bytes: 0,
         };
         // A GPU budget: the plan of a dense model's (see `ModelSizes::plan_device`), with each
         // layer's router and shared expert in the place of its gate (always resident on the
@@ -590,6 +597,8 @@ impl super::Streamer {
                     reader_bytes: 0,
                     lookahead: false,
                     context_bytes,
+                    ffn_rows: None,
+                    prefetch_buffers: 2,
                 };
                 let host = Residency {
                     gate_resident: vec![true; n],
@@ -661,6 +670,7 @@ impl super::Streamer {
             output,
             resident_attn,
             resident_gate: vec![None; n],
+            resident_ffn: Vec::new(),
             hidden: cfg.hidden,
             pass: Mutex::new(()),
             _registered: Vec::new(),

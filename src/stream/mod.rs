@@ -73,7 +73,20 @@ pub struct StreamOptions {
     /// the weights it does not keep are copied to it at each use. `None`: it keeps every weight
     /// the host holds. Refused for the CPU device.
     pub vram_budget_bytes: Option<u64>,
+    /// Prefetch buffers, each a layer's streamed matrices (at least 2: the layer in use and the
+    /// next being read; each more reads one more layer ahead). [`PREFETCH_BUFFERS`] by default.
+    pub prefetch_buffers: usize,
+    /// Bytes of one read the prefetch thread issues (its reads land in place, so they are not
+    /// bound by the reader's slot size): [`PREFETCH_READ_BYTES`] by default.
+    pub prefetch_read_bytes: usize,
 }
+
+/// The default [`StreamOptions::prefetch_buffers`].
+pub const PREFETCH_BUFFERS: usize = 2;
+
+/// The default [`StreamOptions::prefetch_read_bytes`]: 1 MiB, where this machine's disk gives
+/// sequential reads at its full rate (smaller requests cost it 10-30%).
+pub const PREFETCH_READ_BYTES: usize = 1 << 20;
 
 /// [`StreamOptions::budget_bytes`] for no RAM budget of its own: the plan keeps everything
 /// resident in host memory (what `--vram-budget` without `--ram-budget` streams from).
@@ -187,8 +200,14 @@ struct LayerParts {
     /// wq, wk, wv, wo when streamed.
     attn: Option<[Part; 4]>,
     gate: Option<Part>,
+    /// Neuron-major files: the up rows and down columns (row n = neuron n). The `rows` layout:
+    /// the up matrix `[ffn, hidden]` and the down matrix `[hidden, ffn]` as stored.
     up: Part,
     down: Part,
+    /// The `rows` layout: up and down when each streams whole (read with the attention and
+    /// gate, after them), `None` when resident.
+    rows_up: Option<Part>,
+    rows_down: Option<Part>,
     /// FFN rows prefetched with the dense parts (dense streaming), as merged file ranges.
     ffn_ranges: Vec<Range>,
     /// Dense steps' FFN rows handed over as views of the prefetch buffer, when set.
@@ -253,14 +272,30 @@ impl FfnViews {
 }
 
 impl LayerParts {
-    /// Streamed attention and gate matrices.
-    fn matrix_ranges(&self) -> Vec<Range> {
+    /// Streamed whole matrices, in the order they lie in the prefetch buffer: attention, gate,
+    /// and in the `rows` layout up and down.
+    fn matrices(&self) -> impl Iterator<Item = &Part> {
         self.attn
             .iter()
             .flatten()
             .chain(self.gate.iter())
-            .map(Part::range)
-            .collect()
+            .chain(self.rows_up.iter())
+            .chain(self.rows_down.iter())
+    }
+
+    fn matrix_ranges(&self) -> Vec<Range> {
+        self.matrices().map(Part::range).collect()
+    }
+
+    /// The index among `dense_ranges()` of the streamed gate, up and down (those present).
+    fn gate_index(&self) -> usize {
+        self.attn.as_ref().map_or(0, |a| a.len())
+    }
+    fn rows_up_index(&self) -> usize {
+        self.gate_index() + self.gate.is_some() as usize
+    }
+    fn rows_down_index(&self) -> usize {
+        self.rows_up_index() + self.rows_up.is_some() as usize
     }
     /// Everything the prefetch thread reads for this layer.
     fn dense_ranges(&self) -> Vec<Range> {
@@ -269,7 +304,7 @@ impl LayerParts {
         r
     }
     fn streams_dense(&self) -> bool {
-        self.attn.is_some() || self.gate.is_some() || !self.ffn_ranges.is_empty()
+        self.matrices().next().is_some() || !self.ffn_ranges.is_empty()
     }
     /// The up rows and down columns of neurons `first..` (those a pinned cache of `first`
     /// neurons lacks), sorted by offset.
@@ -283,9 +318,9 @@ impl LayerParts {
         spans
     }
 
-    /// The number of streamed attention and gate matrices (the first of `dense_ranges()`).
+    /// The number of streamed whole matrices (the first of `dense_ranges()`).
     fn matrix_count(&self) -> usize {
-        self.attn.as_ref().map_or(0, |a| a.len()) + self.gate.is_some() as usize
+        self.matrices().count()
     }
 
     /// The bytes of file extent `(o, len)` in the layer's dense buffer `buf` (its ranges at
@@ -407,6 +442,9 @@ pub struct Streamer {
     output: Weight,
     resident_attn: Vec<Option<AttnWeights>>,
     resident_gate: Vec<Option<Weight>>,
+    /// The `rows` layout: each layer's resident up and down matrices (`None` where they stream);
+    /// empty for a neuron-major file.
+    resident_ffn: Vec<(Option<Weight>, Option<Weight>)>,
     hidden: usize,
     /// Held for a whole forward pass, taken before the pass enters the thread pool
     /// ([`LayerStream::pass_lock`]): passes over one stream run one at a time, and `state` is

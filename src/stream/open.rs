@@ -31,15 +31,16 @@ impl Streamer {
     /// stream could read.
     pub fn open(model: &Model, opts: &StreamOptions) -> Result<Streamer> {
         // Two readers: one for the compute thread's FFN reads, one for the prefetch thread.
-        let open = || -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
-            let o = open_reader(&model.path, opts.engine, &opts.reader)?;
+        let roles = reader_roles(opts, model.config.moe.is_some(), section_max_bytes(model));
+        let open = |o: &crate::io::ReaderOptions| -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
+            let o = open_reader(&model.path, opts.engine, o)?;
             Ok((Arc::from(o.reader), o.direct_io_active, o.warnings))
         };
-        let (fg, direct_io, mut warnings) = open()?;
-        let (bg, _, w2) = open()?;
+        let (fg, direct_io, mut warnings) = open(&roles.fg)?;
+        let (bg, _, w2) = open(&roles.bg)?;
         warnings.extend(w2.into_iter().filter(|w| !warnings.contains(w)).collect::<Vec<_>>());
         let ahead = if opts.lookahead != Lookahead::Off {
-            Some(open()?.0)
+            Some(open(&roles.bg)?.0)
         } else {
             None
         };
@@ -102,30 +103,61 @@ impl Streamer {
             lookahead: false,
             context_bytes: crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
                 + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(&cfg),
+            ffn_rows: None,
+            prefetch_buffers: opts.prefetch_buffers.max(2),
+        };
+        // The `rows` layout (down as stored) streams its FFN as whole matrices, no neuron cache.
+        let rows_layout = matches!(w.layers.first().map(|l| l.dense("streaming")).transpose()?, Some(f) if matches!(f.down, FfnDown::Rows(_)));
+        let mut ffn_rows = super::residency::FfnRows {
+            up_bytes: Vec::new(),
+            down_bytes: Vec::new(),
         };
         for l in &w.layers {
             let ffn_w = l.dense("streaming")?;
-            let FfnDown::Columns(down) = &ffn_w.down else {
-                return Err(not_gst());
+            let down = match (&ffn_w.down, rows_layout) {
+                (FfnDown::Columns(d), false) | (FfnDown::Rows(d), true) => d,
+                _ => return Err(not_gst()),
             };
             let a = &l.attn;
             sizes
                 .attention_bytes
                 .push([&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|w| w.len_bytes() as u64).sum());
             sizes.gate_bytes.push(ffn_w.gate.len_bytes() as u64);
-            sizes.neuron_bytes.push((ffn_w.up.row_bytes + down.row_bytes) as u64);
+            let (up_bytes, down_bytes) = (ffn_w.up.len_bytes() as u64, down.len_bytes() as u64);
+            sizes.neuron_bytes.push(match rows_layout {
+                // What a neuron's share of the two matrices is (the device plan's unit).
+                true => (up_bytes + down_bytes).div_ceil(cfg.ffn.max(1) as u64),
+                false => (ffn_w.up.row_bytes + down.row_bytes) as u64,
+            });
+            ffn_rows.up_bytes.push(up_bytes);
+            ffn_rows.down_bytes.push(down_bytes);
             layers.push(LayerParts {
                 attn: None,
                 gate: None,
                 up: Part::of(&ffn_w.up)?,
                 down: Part::of(down)?,
+                rows_up: None,
+                rows_down: None,
                 ffn_ranges: Vec::new(),
                 views: None,
             });
         }
+        if rows_layout {
+            sizes.ffn_rows = Some(ffn_rows);
+            // Nothing of the FFN is read neuron by neuron.
+            sizes.prefetch_ffn = false;
+            if opts.lookahead != Lookahead::Off {
+                return Err(Error::Invalid(format!(
+                    "{}: --lookahead reads a layer's predicted neurons ahead, and this file's FFN is in the rows \
+                     layout (read whole); reformat with --ffn-layout split or bundled for neuron reads",
+                    model.path.display()
+                )));
+            }
+        }
+        let roles = reader_roles(opts, false, section_max_bytes(model));
         let plan_with = |sizes: &mut ModelSizes, lookahead: bool| {
-            let readers = if lookahead { 3 } else { 2 };
-            sizes.reader_bytes = readers * (opts.reader.queue_depth * opts.reader.slot_bytes) as u64;
+            let bg_readers = if lookahead { 2 } else { 1 };
+            sizes.reader_bytes = roles.fg.buffer_bytes() + bg_readers * roles.bg.buffer_bytes();
             sizes.lookahead = lookahead;
             let budget = match opts.budget_bytes {
                 super::RAM_UNLIMITED => sizes.everything_bytes(),
@@ -169,7 +201,15 @@ impl Streamer {
             .saturating_sub(2 * crate::io::ALIGN_BYTES)
             .max(crate::io::ALIGN_BYTES) as u64;
         let mut cost = match opts.cost {
-            CostSource::Probe => plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?,
+            // Dense streaming plans no scattered reads (its reads are whole ranges, prefetched):
+            // nothing to probe for, and its compute thread's reader has no slots to probe with.
+            CostSource::Probe if !opts.prefetch_ffn => {
+                plan::probe(fg.as_ref(), 1024, 32 << 20, opts.reader.slot_bytes, max_read_bytes)?
+            }
+            CostSource::Probe => CostModel {
+                max_read_bytes,
+                ..CostModel::default_for(fg.align_bytes() as u64)
+            },
             CostSource::Default => CostModel {
                 max_read_bytes,
                 ..CostModel::default_for(fg.align_bytes() as u64)
@@ -235,6 +275,7 @@ impl Streamer {
         let embedding = if tied { None } else { Some(Part::of(&w.token_embd)?) };
         let mut resident_attn = Vec::with_capacity(cfg.n_layers);
         let mut resident_gate = Vec::with_capacity(cfg.n_layers);
+        let mut resident_ffn = Vec::new();
         for (l, lw) in w.layers.iter().enumerate() {
             let a = &lw.attn;
             let attn_kept = device_plan.as_ref().is_none_or(|d| d.attention_resident[l]);
@@ -255,6 +296,26 @@ impl Streamer {
             } else {
                 resident_gate.push(None);
                 layers[l].gate = Some(Part::of(&lw.dense("streaming")?.gate)?);
+            }
+            if rows_layout {
+                // Whole up and down matrices: resident (copied to a device at each use: its
+                // plan keeps no FFN rows of this layout), or streamed with the layer.
+                let f = lw.dense("streaming")?;
+                let up = match residency.up_resident[l] {
+                    true => Some(on_device(load(&f.up)?, false)),
+                    false => {
+                        layers[l].rows_up = Some(Part::of(&f.up)?);
+                        None
+                    }
+                };
+                let down = match residency.down_resident[l] {
+                    true => Some(on_device(load(f.down.weight())?, false)),
+                    false => {
+                        layers[l].rows_down = Some(Part::of(f.down.weight())?);
+                        None
+                    }
+                };
+                resident_ffn.push((up, down));
             }
         }
         // Neuron caches start with each layer's first neurons (the hot prefix of a hot-first file).
@@ -310,7 +371,7 @@ impl Streamer {
             });
             caches.push(c);
         }
-        if opts.prefetch_ffn {
+        if opts.prefetch_ffn && !rows_layout {
             for (l, p) in layers.iter_mut().enumerate() {
                 let spans = p.ffn_extents_from(residency.cache_neurons[l]);
                 // Only touching rows merge: the ranges hold exactly the rows.
@@ -359,7 +420,11 @@ impl Streamer {
                 }
             }
         }
-        let max_row = |f: fn(&LayerParts) -> usize| layers.iter().map(f).max().unwrap_or(0);
+        // Staging for a layer's FFN rows (none in the `rows` layout: nothing is staged).
+        let max_row = |f: fn(&LayerParts) -> usize| match rows_layout {
+            true => 0,
+            false => layers.iter().map(f).max().unwrap_or(0),
+        };
         let mut staging_up = vec![0u8; cfg.ffn * max_row(|p| p.up.row_bytes)];
         let mut staging_down = vec![0u8; cfg.ffn * max_row(|p| p.down.row_bytes)];
         prefault(&mut staging_up);
@@ -393,7 +458,7 @@ impl Streamer {
             .unwrap_or(0);
         let mut dense_bufs: Vec<Vec<u8>> = Vec::new();
         if dense_max > 0 {
-            for _ in 0..2 {
+            for _ in 0..residency.prefetch_buffers.max(2) {
                 let mut b = vec![0u8; dense_max];
                 prefault(&mut b);
                 dense_bufs.push(b);
@@ -427,7 +492,10 @@ impl Streamer {
             model.device.as_ref(),
             &output,
             &resident_attn,
-            resident_gate.iter().flatten(),
+            resident_gate
+                .iter()
+                .flatten()
+                .chain(resident_ffn.iter().flat_map(|(u, d)| u.iter().chain(d.iter()))),
         ));
         // And the neuron caches, whose rows a dense step hands over in place (views, copied at
         // each use) and, mapped, a masked decode step's products read by id: a pinned cache is
@@ -444,7 +512,7 @@ impl Streamer {
         }
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
-        let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
+        let prefetcher = Prefetcher::start(bg.clone(), opts.prefetch_read_bytes.max(crate::io::ALIGN_BYTES))?;
         let lookahead = match (lookahead_on, ahead) {
             (false, _) => None,
             (true, r) => {
@@ -472,6 +540,7 @@ impl Streamer {
             output,
             resident_attn,
             resident_gate,
+            resident_ffn,
             hidden: cfg.hidden,
             pass: Mutex::new(()),
             _registered: registered,
@@ -489,6 +558,74 @@ impl Streamer {
             experts: None,
         })
     }
+}
+
+/// The readers' options by role.
+pub(crate) struct ReaderRoles {
+    /// The compute thread's: whole slots where it reads through them (a sparse FFN's neuron
+    /// reads; an expert cache's misses, at most 16 large reads in flight); a dense model
+    /// streamed whole reads only token embeddings there, into slots of two blocks.
+    pub fg: crate::io::ReaderOptions,
+    /// The prefetch (and lookahead) threads': their reads land in place in buffers laid out in
+    /// phase with the file, so a slot holds only the partial block at a read's end — unless
+    /// experts are read ahead into buffers that are not (two blocks otherwise).
+    pub bg: crate::io::ReaderOptions,
+}
+
+/// `read_max_bytes`: the longest read the compute thread's reader can be asked for (a read never
+/// spans two sections, so a model's largest FFN or expert section bounds it): its slots are no
+/// larger than that, widened by a block at each end.
+pub(crate) fn reader_roles(opts: &StreamOptions, moe: bool, read_max_bytes: u64) -> ReaderRoles {
+    let align = crate::io::ALIGN_BYTES;
+    let small = crate::io::ReaderOptions {
+        slot_bytes: 2 * align,
+        ..opts.reader.clone()
+    };
+    let fitted = crate::io::ReaderOptions {
+        slot_bytes: opts
+            .reader
+            .slot_bytes
+            .min((read_max_bytes as usize).next_multiple_of(align) + 2 * align),
+        ..opts.reader.clone()
+    };
+    let experts = crate::io::ReaderOptions {
+        queue_depth: opts.reader.queue_depth.min(16),
+        ..fitted.clone()
+    };
+    ReaderRoles {
+        fg: match (moe, opts.prefetch_ffn) {
+            (true, _) => experts.clone(),
+            (false, true) => small.clone(),
+            (false, false) => fitted,
+        },
+        bg: match moe && opts.lookahead != Lookahead::Off {
+            true => experts,
+            false => small,
+        },
+    }
+}
+
+/// The bytes of the largest FFN matrix (an expert: all three) any layer holds: no read the
+/// compute thread's reader makes is longer.
+pub(crate) fn section_max_bytes(model: &Model) -> u64 {
+    use crate::model::weights::LayerFfn;
+    let span = |w: &Weight| w.extent_bytes() as u64;
+    model
+        .weights
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            LayerFfn::Dense(f) => span(&f.gate).max(span(&f.up)).max(span(f.down.weight())),
+            LayerFfn::Experts(e) => e
+                .experts
+                .iter()
+                .chain(e.shared.iter().map(|(f, _)| f))
+                .map(|f| span(&f.gate) + span(&f.up) + span(f.down.weight()))
+                .max()
+                .unwrap_or(0),
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Writes each page once, so first-touch faults happen at setup, not while timing tokens.
@@ -509,7 +646,10 @@ fn dense_plan_bytes(layers: &[LayerParts], residency: &Residency, cost: &CostMod
             .iter()
             .map(|r| (r.offset_bytes, r.len_bytes))
             .collect();
-        spans.extend(p.ffn_extents_from(residency.cache_neurons[l]));
+        if residency.up_resident.is_empty() {
+            // Neuron-major: every neuron the pinned cache does not hold.
+            spans.extend(p.ffn_extents_from(residency.cache_neurons[l]));
+        }
         spans.sort_unstable_by_key(|s| s.0);
         total += plan(&spans, cost, &mut out).device_bytes;
     }

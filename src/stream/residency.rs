@@ -40,6 +40,19 @@ pub struct ModelSizes {
     /// The pass's own memory: the KV cache of every position allocated and one batch's
     /// activations (a prompt is prefilled in batches of at most that many tokens).
     pub context_bytes: u64,
+    /// The `rows` layout: each layer's whole up and down matrices, kept or streamed like the
+    /// attention and gate matrices (there is no neuron cache); `None`: neuron-major.
+    pub ffn_rows: Option<FfnRows>,
+    /// Prefetch buffers (at least 2: the layer in use and the one being read; each more lets
+    /// one more layer be read ahead, so the device never waits between layers).
+    pub prefetch_buffers: usize,
+}
+
+/// The `rows` layout's FFN matrices, per layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FfnRows {
+    pub up_bytes: Vec<u64>,
+    pub down_bytes: Vec<u64>,
 }
 
 /// What the budget goes to after attention.
@@ -58,6 +71,10 @@ pub struct Residency {
     pub gate_resident: Vec<bool>,
     /// Neurons each layer's cache holds.
     pub cache_neurons: Vec<usize>,
+    /// The `rows` layout: whether each layer's up and down matrices are resident (empty for
+    /// a neuron-major file).
+    pub up_resident: Vec<bool>,
+    pub down_resident: Vec<bool>,
     /// Bytes of each kind, as planned (they sum to at most the budget).
     pub required_bytes: u64,
     pub working_bytes: u64,
@@ -66,15 +83,22 @@ pub struct Residency {
     pub attention_bytes: u64,
     pub gate_bytes: u64,
     pub cache_bytes: u64,
+    /// The `rows` layout's resident up and down matrices.
+    pub ffn_matrix_bytes: u64,
+    /// Prefetch buffers and the bytes of each (0 when nothing dense streams).
+    pub prefetch_buffers: usize,
+    pub prefetch_buffer_bytes: u64,
 }
 
 impl Residency {
     /// Whether any attention or gate matrix (or, when FFN rows are prefetched, any neuron the
-    /// cache lacks) is read per token by the prefetch thread.
+    /// cache lacks; in the `rows` layout, any up or down matrix) is read per token by the
+    /// prefetch thread.
     fn streams_dense(&self, prefetch_ffn: bool, ffn: usize) -> bool {
         self.attention_resident.iter().any(|&a| !a)
             || self.gate_resident.iter().any(|&g| !g)
-            || (prefetch_ffn && self.cache_neurons.iter().any(|&c| c < ffn))
+            || self.up_resident.iter().chain(&self.down_resident).any(|&r| !r)
+            || (prefetch_ffn && self.up_resident.is_empty() && self.cache_neurons.iter().any(|&c| c < ffn))
     }
 
     pub fn resident_bytes(&self) -> u64 {
@@ -84,13 +108,18 @@ impl Residency {
             + self.attention_bytes
             + self.gate_bytes
             + self.cache_bytes
+            + self.ffn_matrix_bytes
     }
 }
 
 impl ModelSizes {
     /// Staging for one layer's whole FFN (dense streaming reads every neuron of a layer at once),
-    /// twice more with lookahead. (With the readers' buffers, which are always there.)
+    /// twice more with lookahead; none in the `rows` layout, whose FFN streams as matrices.
+    /// (With the readers' buffers, which are always there.)
     fn staging_bytes(&self) -> u64 {
+        if self.ffn_rows.is_some() {
+            return self.reader_bytes;
+        }
         let layer = (0..self.n_layers)
             .map(|l| self.ffn as u64 * self.neuron_bytes[l])
             .max()
@@ -98,52 +127,94 @@ impl ModelSizes {
         self.reader_bytes + if self.lookahead { 3 * layer } else { layer }
     }
 
-    /// Two layers' streamed attention + gate (+ FFN rows when prefetched): the one in use and
-    /// the one being read.
-    fn prefetch_bytes(&self) -> u64 {
-        let ffn = |l: usize| {
-            if self.prefetch_ffn {
-                self.ffn as u64 * self.neuron_bytes[l]
-            } else {
-                0
+    /// What one prefetch buffer holds for layer `l` under `r` (everything streamed when `None`):
+    /// its streamed attention, gate and — when prefetched — FFN rows (in the `rows` layout, its
+    /// streamed up and down matrices). (Each range's place in phase pads it by less than a
+    /// block, which the plan leaves out.)
+    fn prefetched_layer_bytes(&self, l: usize, r: Option<&Residency>) -> u64 {
+        let streams = |v: Option<&Vec<bool>>| v.is_none_or(|v| !v.get(l).copied().unwrap_or(false));
+        let mut bytes = 0;
+        if streams(r.map(|r| &r.attention_resident)) {
+            bytes += self.attention_bytes[l];
+        }
+        if streams(r.map(|r| &r.gate_resident)) {
+            bytes += self.gate_bytes[l];
+        }
+        match &self.ffn_rows {
+            Some(f) => {
+                if streams(r.map(|r| &r.up_resident)) {
+                    bytes += f.up_bytes[l];
+                }
+                if streams(r.map(|r| &r.down_resident)) {
+                    bytes += f.down_bytes[l];
+                }
             }
-        };
-        2 * (0..self.n_layers)
-            .map(|l| self.attention_bytes[l] + self.gate_bytes[l] + ffn(l))
+            // Dense steps' views hold the whole layer's FFN (the cached rows copied in front).
+            None if self.prefetch_ffn && r.is_none_or(|r| r.cache_neurons[l] < self.ffn) => {
+                bytes += self.ffn as u64 * self.neuron_bytes[l];
+            }
+            None => {}
+        }
+        bytes
+    }
+
+    /// The prefetch buffers for `r` (everything streamed when `None`): each sized for the
+    /// layer that streams the most.
+    fn prefetch_bytes_for(&self, r: Option<&Residency>) -> u64 {
+        let layer = (0..self.n_layers)
+            .map(|l| self.prefetched_layer_bytes(l, r))
             .max()
-            .unwrap_or(0)
+            .unwrap_or(0);
+        self.prefetch_buffers.max(2) as u64 * layer
     }
 
     /// The smallest budget that runs: required + staging + prefetch buffers.
     pub fn minimum_bytes(&self) -> u64 {
-        self.required_bytes + self.context_bytes + self.staging_bytes() + self.prefetch_bytes()
+        self.required_bytes + self.context_bytes + self.staging_bytes() + self.prefetch_bytes_for(None)
     }
 
     /// Plans residency under `budget_bytes`; refuses a budget below the minimum, naming it.
+    /// The prefetch buffers are sized by what the plan streams: planned first for the most any
+    /// layer could stream, then again with the buffers the plan needs (smaller buffers leave
+    /// more resident, which streams less), until they no longer shrink.
     pub fn plan(&self, budget_bytes: u64, priority: Priority) -> Result<Residency> {
         let min = self.minimum_bytes();
         if budget_bytes < min {
+            let mb = |b: u64| b as f64 / 1e6;
             return Err(Error::Invalid(format!(
                 "--ram-budget {} is too small for this model: at least {} ({:.1} MB) is needed for the output \
-                 matrix, norms, the buffers one layer streams through, the KV cache and one batch's activations",
+                 matrix and norms ({:.1} MB), the buffers one layer streams through ({:.1} MB), the KV cache and one \
+                 batch's activations ({:.1} MB)",
                 budget_bytes,
                 min,
-                min as f64 / 1e6
+                mb(min),
+                mb(self.required_bytes),
+                mb(self.staging_bytes() + self.prefetch_bytes_for(None)),
+                mb(self.context_bytes)
             )));
         }
         let staging = self.staging_bytes();
-        // Prefetch buffers only when something dense streams: plan without them first, and
-        // again with them if the plan streams anything.
-        let plan = self.plan_with(budget_bytes, priority, staging);
-        if plan.streams_dense(self.prefetch_ffn, self.ffn) {
-            Ok(self.plan_with(budget_bytes, priority, staging + self.prefetch_bytes()))
-        } else {
-            Ok(plan)
+        // Prefetch buffers only when something dense streams.
+        let plan = self.plan_with(budget_bytes, priority, staging, 0);
+        if !plan.streams_dense(self.prefetch_ffn, self.ffn) {
+            return Ok(plan);
         }
+        let mut prefetch = self.prefetch_bytes_for(None);
+        let mut plan = self.plan_with(budget_bytes, priority, staging, prefetch);
+        for _ in 0..8 {
+            let need = self.prefetch_bytes_for(Some(&plan));
+            if need >= prefetch {
+                break;
+            }
+            prefetch = need;
+            plan = self.plan_with(budget_bytes, priority, staging, prefetch);
+        }
+        Ok(plan)
     }
 
-    fn plan_with(&self, budget_bytes: u64, priority: Priority, working: u64) -> Residency {
+    fn plan_with(&self, budget_bytes: u64, priority: Priority, staging: u64, prefetch: u64) -> Residency {
         let n = self.n_layers;
+        let working = staging + prefetch;
         let mut left = budget_bytes - self.required_bytes - self.context_bytes - working;
         let take = |bytes: &[u64], left: &mut u64| -> (Vec<bool>, u64) {
             let mut taken = 0;
@@ -160,8 +231,14 @@ impl ModelSizes {
                 .collect();
             (keep, taken)
         };
+        if let Some(f) = &self.ffn_rows {
+            return self.plan_rows(f, budget_bytes, left, working, prefetch);
+        }
         let (attention_resident, attention_bytes) = take(&self.attention_bytes, &mut left);
         let cache = |left: &mut u64| -> (Vec<usize>, u64) {
+            if self.ffn_rows.is_some() {
+                return (vec![0; n], 0);
+            }
             let per_layer = *left / n.max(1) as u64;
             let neurons: Vec<usize> = (0..n)
                 .map(|l| ((per_layer / self.neuron_bytes[l].max(1)) as usize).min(self.ffn))
@@ -185,12 +262,81 @@ impl ModelSizes {
             attention_resident,
             gate_resident,
             cache_neurons,
+            up_resident: Vec::new(),
+            down_resident: Vec::new(),
             required_bytes: self.required_bytes,
             working_bytes: working,
             context_bytes: self.context_bytes,
             attention_bytes,
             gate_bytes,
             cache_bytes,
+            ffn_matrix_bytes: 0,
+            prefetch_buffers: self.buffers_if(prefetch),
+            prefetch_buffer_bytes: prefetch / self.buffers_if(prefetch).max(1) as u64,
+        }
+    }
+
+    fn buffers_if(&self, prefetch: u64) -> usize {
+        match prefetch {
+            0 => 0,
+            _ => self.prefetch_buffers.max(2),
+        }
+    }
+
+    /// The `rows` layout's plan: every matrix of a layer (attention as one, gate, up, down)
+    /// saves its bytes at every token, so any choice keeps as many bytes as another; the plan
+    /// keeps them where the most is streamed — each step the largest matrix that fits of the
+    /// layer that streams the most — so layers stream alike and the prefetch buffers, sized
+    /// for the layer that streams the most, stay small.
+    fn plan_rows(&self, f: &FfnRows, budget_bytes: u64, mut left: u64, working: u64, prefetch: u64) -> Residency {
+        let n = self.n_layers;
+        // Per layer: attention, gate, up, down.
+        let sizes: Vec<[u64; 4]> = (0..n)
+            .map(|l| {
+                [
+                    self.attention_bytes[l],
+                    self.gate_bytes[l],
+                    f.up_bytes[l],
+                    f.down_bytes[l],
+                ]
+            })
+            .collect();
+        let mut kept = vec![[false; 4]; n];
+        let streamed =
+            |kept: &[[bool; 4]], l: usize| -> u64 { (0..4).filter(|&m| !kept[l][m]).map(|m| sizes[l][m]).sum() };
+        loop {
+            // (layer's streamed bytes, matrix bytes, layer, matrix): the largest first.
+            let best = (0..n)
+                .flat_map(|l| (0..4).map(move |m| (l, m)))
+                .filter(|&(l, m)| !kept[l][m] && sizes[l][m] <= left)
+                .max_by_key(|&(l, m)| (streamed(&kept, l), sizes[l][m], std::cmp::Reverse(l)));
+            let Some((l, m)) = best else { break };
+            kept[l][m] = true;
+            left -= sizes[l][m];
+        }
+        let column = |m: usize| -> (Vec<bool>, u64) {
+            let keep: Vec<bool> = kept.iter().map(|k| k[m]).collect();
+            let bytes = (0..n).filter(|&l| keep[l]).map(|l| sizes[l][m]).sum();
+            (keep, bytes)
+        };
+        let ((attention_resident, attention_bytes), (gate_resident, gate_bytes)) = (column(0), column(1));
+        let ((up_resident, up_bytes), (down_resident, down_bytes)) = (column(2), column(3));
+        Residency {
+            budget_bytes,
+            attention_resident,
+            gate_resident,
+            cache_neurons: vec![0; n],
+            up_resident,
+            down_resident,
+            required_bytes: self.required_bytes,
+            working_bytes: working,
+            context_bytes: self.context_bytes,
+            attention_bytes,
+            gate_bytes,
+            cache_bytes: 0,
+            ffn_matrix_bytes: up_bytes + down_bytes,
+            prefetch_buffers: self.buffers_if(prefetch),
+            prefetch_buffer_bytes: prefetch / self.buffers_if(prefetch).max(1) as u64,
         }
     }
 }
@@ -237,14 +383,16 @@ impl ModelSizes {
     /// every attention and gate matrix, and a neuron cache of every neuron (nothing is read
     /// per token). What streaming with no RAM budget of its own plans with.
     pub fn everything_bytes(&self) -> u64 {
+        let ffn: u64 = match &self.ffn_rows {
+            Some(f) => f.up_bytes.iter().chain(&f.down_bytes).sum(),
+            None => (0..self.n_layers).map(|l| self.ffn as u64 * self.neuron_bytes[l]).sum(),
+        };
         self.required_bytes
             + self.context_bytes
             + self.staging_bytes()
             + self.attention_bytes.iter().sum::<u64>()
             + self.gate_bytes.iter().sum::<u64>()
-            + (0..self.n_layers)
-                .map(|l| self.ffn as u64 * self.neuron_bytes[l])
-                .sum::<u64>()
+            + ffn
     }
 
     /// The device's plan under `budget_bytes` (see [`DeviceResidency`]); `output_bytes`: the
@@ -388,6 +536,8 @@ mod tests {
             reader_bytes: 0,
             context_bytes: 0,
             lookahead: false,
+            ffn_rows: None,
+            prefetch_buffers: 2,
         }
     }
 
@@ -413,10 +563,15 @@ mod tests {
         for budget in [3600u64, 4000, 5000, 6000, 7000, 8000, 20_000] {
             let c = s.plan(budget, Priority::CacheFirst).unwrap();
             assert!(c.resident_bytes() <= budget, "{budget}: {c:?}");
-            // Whatever streams has its prefetch buffers in the budget (staging 1000 + 2 x 800).
+            // Whatever streams has its prefetch buffers in the budget, sized by what the plan
+            // streams: staging 1000 + 2 x (the most one layer streams: 300 attention + 500 gate).
             for r in [&c, &s.plan(budget, Priority::GateFirst).unwrap()] {
-                let streams = r.gate_resident.iter().chain(&r.attention_resident).any(|&x| !x);
-                assert_eq!(r.working_bytes, if streams { 2600 } else { 1000 }, "{budget}: {r:?}");
+                let layer = (0..4)
+                    .map(|l| 300 * !r.attention_resident[l] as u64 + 500 * !r.gate_resident[l] as u64)
+                    .max()
+                    .unwrap();
+                assert_eq!(r.working_bytes, 1000 + 2 * layer, "{budget}: {r:?}");
+                assert_eq!(r.prefetch_buffer_bytes, layer, "{budget}: {r:?}");
             }
             if c.gate_resident.iter().any(|&g| g) {
                 assert_eq!(c.cache_neurons, vec![100; 4], "{budget}: gates only after a full cache");

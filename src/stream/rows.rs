@@ -18,6 +18,7 @@ use crate::io::Range;
 use crate::model::forward::{
     AttnWeights, DownRowsInMemory, ExpertCompute, ExpertLayer, LayerStream, RowLanded, RowsInMemory,
 };
+use crate::model::weights::{FfnDown, FfnWeights};
 use crate::tensor::Weight;
 
 /// A lookahead read: the rows predicted for `layer`, planned into `ranges` (sorted by offset),
@@ -400,7 +401,9 @@ impl LayerStream for Streamer {
     }
 
     fn streams_ffn(&self) -> bool {
-        self.experts.is_none()
+        // Neuron-major files hand rows over; the `rows` layout hands whole matrices over
+        // (`ffn_weights`) and experts go through `experts`.
+        self.experts.is_none() && self.resident_ffn.is_empty()
     }
 
     fn expert_layer(&self, l: usize) -> Option<ExpertLayer<'_>> {
@@ -461,11 +464,43 @@ impl LayerStream for Streamer {
             Some(g) => {
                 let st = self.state.lock().expect("stream state");
                 // After the streamed attention matrices, if any.
-                let i = parts.matrix_count() - 1;
-                Streamer::view(&st, g, i).map(|w| Some(Cow::Owned(w)))
+                Streamer::view(&st, g, parts.gate_index()).map(|w| Some(Cow::Owned(w)))
             }
             None => Ok(self.resident_gate[l].as_ref().map(Cow::Borrowed)),
         }
+    }
+
+    /// The `rows` layout: the layer's gate, up and down matrices, each resident or a view of
+    /// the layer's prefetch buffer.
+    fn ffn_weights(&self, l: usize) -> Result<Option<FfnWeights>> {
+        let Some((up_kept, down_kept)) = self.resident_ffn.get(l) else {
+            return Ok(None);
+        };
+        let parts = &self.layers[l];
+        let st = self.state.lock().expect("stream state");
+        let gate = match (&parts.gate, &self.resident_gate[l]) {
+            (Some(g), _) => Streamer::view(&st, g, parts.gate_index())?,
+            (None, Some(g)) => g.clone(),
+            (None, None) => {
+                return Err(Error::Invalid(format!(
+                    "layer {l}: its gate is neither resident nor streamed"
+                )))
+            }
+        };
+        let matrix = |part: &Option<super::Part>, index: usize, kept: &Option<Weight>| -> Result<Weight> {
+            match (part, kept) {
+                (Some(p), _) => Streamer::view(&st, p, index),
+                (None, Some(w)) => Ok(w.clone()),
+                (None, None) => Err(Error::Invalid(format!(
+                    "layer {l}: an FFN matrix is neither resident nor streamed"
+                ))),
+            }
+        };
+        Ok(Some(FfnWeights {
+            gate,
+            up: matrix(&parts.rows_up, parts.rows_up_index(), up_kept)?,
+            down: FfnDown::Rows(matrix(&parts.rows_down, parts.rows_down_index(), down_kept)?),
+        }))
     }
 
     fn hot_rows(&self, l: usize) -> Option<(&Weight, &Weight)> {

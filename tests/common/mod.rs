@@ -309,5 +309,7 @@ pub fn pread_stream(budget_bytes: u64, batch: usize) -> gatestream::runtime::Str
         lookahead: false,
         batch_tokens_max: batch,
         vram_budget_bytes: None,
+        prefetch_buffers: 0,
+        prefetch_read_bytes: 0,
     }
 }

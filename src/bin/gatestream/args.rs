@@ -230,7 +230,9 @@ pub(crate) enum Command {
         /// The .gst file to write (written to a temporary file and renamed when complete).
         output: PathBuf,
         /// bundled: each neuron's up row and down column side by side (one read fetches both);
-        /// split: up rows and down columns in separate neuron-major sections.
+        /// split: up rows and down columns in separate neuron-major sections; rows: gate, up and
+        /// down as the source stores them (no transpose, nothing re-quantized, no larger than the
+        /// source): for dense streaming, no neuron-sparse reads.
         #[arg(long, value_enum, default_value_t = LayoutArg::Split)]
         ffn_layout: LayoutArg,
         /// Element type of the transposed down columns (re-quantized along hidden); `same` keeps
@@ -260,6 +262,74 @@ pub(crate) enum Command {
         /// Worker threads for calibration (0 = one per core; at most 1024).
         #[arg(long, default_value_t = 0, value_parser = threads_arg)]
         threads: usize,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a model of a real architecture's shape with random weights — Llama-3-8B/70B,
+    /// Qwen2.5-1.5B/7B/32B, Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B, or custom dimensions —
+    /// in the type mix llama.cpp's quantizer gives it (Q4_K_M, Q6_K or Q8_0), with a real
+    /// tokenizer, as a GGUF llama.cpp loads or as a .gst directly (a tensor at a time: memory
+    /// stays at about one layer). Random weights make quality figures (perplexity, agreement,
+    /// draft acceptance) meaningless; their bytes, shapes and types are real, so speeds, bytes
+    /// per token and memory are what the real model's would be.
+    MakeModel {
+        /// The file to write: .gguf or .gst (written to a temporary file and renamed when
+        /// complete; --format overrides the extension).
+        output: PathBuf,
+        /// A named shape, or `custom` with --hidden, --ffn, --layers, --heads, --kv-heads (and
+        /// optionally --head-dim, --vocab, --arch, --experts/--experts-used).
+        #[arg(long)]
+        shape: String,
+        /// The type mix: q4_k_m (llama.cpp's Q4_K_M rules: Q6_K output and some attn_v/ffn_down),
+        /// q6_k or q8_0.
+        #[arg(long, value_enum, default_value_t = MixArg::Q4KM)]
+        mix: MixArg,
+        /// gguf or gst (default: from OUTPUT's extension).
+        #[arg(long, value_enum)]
+        format: Option<ModelFormatArg>,
+        /// With a .gst: the FFN layout (as `reformat --ffn-layout`).
+        #[arg(long, value_enum, default_value_t = LayoutArg::Split)]
+        ffn_layout: LayoutArg,
+        /// With a .gst in the split or bundled layout: the down columns' type (as `reformat`).
+        #[arg(long, value_enum, default_value_t = DownArg::Q8_0)]
+        down_type: DownArg,
+        /// A GGUF whose tokenizer to take (its vocabulary padded with unused tokens up to the
+        /// shape's), or `synthetic` (made-up pieces and bytes, for exact small vocabularies).
+        /// Default: Qwen2.5-Coder-1.5B's for the Qwen shapes, SmolLM2's for the others (as
+        /// ../shared/models/fetch.sh fetches them).
+        #[arg(long)]
+        tokenizer: Option<String>,
+        /// Custom shapes: llama, qwen2, qwen3moe or olmoe.
+        #[arg(long, value_enum, default_value_t = MakeArchArg::Llama)]
+        arch: MakeArchArg,
+        #[arg(long)]
+        hidden: Option<usize>,
+        /// The FFN width (each expert's in a mixture of experts).
+        #[arg(long)]
+        ffn: Option<usize>,
+        #[arg(long)]
+        layers: Option<usize>,
+        #[arg(long)]
+        heads: Option<usize>,
+        #[arg(long)]
+        kv_heads: Option<usize>,
+        /// Default: hidden / heads.
+        #[arg(long)]
+        head_dim: Option<usize>,
+        /// Default: the tokenizer's.
+        #[arg(long)]
+        vocab: Option<usize>,
+        /// Experts per layer (custom mixture-of-experts shapes).
+        #[arg(long)]
+        experts: Option<usize>,
+        #[arg(long)]
+        experts_used: Option<usize>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Replace OUTPUT if it exists.
+        #[arg(long)]
+        force: bool,
         /// Print the report as JSON on stdout.
         #[arg(long)]
         json: bool,
@@ -458,6 +528,11 @@ pub(crate) enum Command {
         /// shows what the per-layer round trips cost). Per-layer times are then not measured.
         #[arg(long)]
         token_batches: bool,
+        /// Only the device's own curve, on any file (a .gst or a GGUF): sequential reads of
+        /// 256 KiB, 1 MiB and 4 MiB at queue depths 4, 16 and 64 (256 MB each; --quick: 64 MB),
+        /// then random reads of 4 KiB to 1 MiB — what streaming's read rate is compared with.
+        #[arg(long)]
+        device_only: bool,
         /// Small and fast (a CI smoke test): 2 tokens, queue depths 8 and 64, a 16-token trace at
         /// 0.5, a short baseline.
         #[arg(long)]
@@ -515,6 +590,31 @@ pub(crate) enum Command {
 pub(crate) enum LayoutArg {
     Bundled,
     Split,
+    Rows,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum MixArg {
+    #[value(name = "q4_k_m")]
+    Q4KM,
+    #[value(name = "q6_k")]
+    Q6K,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum ModelFormatArg {
+    Gguf,
+    Gst,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub(crate) enum MakeArchArg {
+    Llama,
+    Qwen2,
+    Qwen3moe,
+    Olmoe,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -785,6 +885,25 @@ pub(crate) struct StreamArgs {
     /// of experts in the budget and one router product per layer.
     #[arg(long)]
     pub(crate) lookahead: bool,
+    /// Layers whose streamed weights are read ahead while one computes (each one more
+    /// prefetch buffer of the largest layer's streamed bytes in the budget). With 2 or more
+    /// the reads of one layer start while the last reads of the one before are still in
+    /// flight, so the disk never waits between layers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub(crate) read_ahead: u16,
+    /// Bytes of each read the prefetch thread issues (whole blocks land straight in its
+    /// buffers, so reads are not bounded by the reader's slots); default 1 MiB.
+    #[arg(long, value_parser = read_bytes_arg)]
+    pub(crate) read_bytes: Option<usize>,
+}
+
+/// `--read-bytes`: a size (256K, 1M, 4MiB) of at least 4 KiB and at most 64 MiB.
+fn read_bytes_arg(s: &str) -> Result<usize, String> {
+    let b = gatestream::stream::residency::parse_budget_for("--read-bytes", s, 0).map_err(|e| e.to_string())?;
+    if !(4096..=64 << 20).contains(&b) {
+        return Err(format!("{s}: give 4K to 64M"));
+    }
+    Ok(b as usize)
 }
 
 impl StreamArgs {

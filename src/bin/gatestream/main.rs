@@ -24,6 +24,7 @@ use gatestream::stream::residency::{parse_budget, parse_budget_for, Priority};
 use gatestream::stream::CostSource;
 
 mod args;
+mod make;
 mod output;
 
 use args::*;
@@ -167,6 +168,8 @@ fn stream_ask(stream: &StreamArgs, path: &std::path::Path) -> anyhow::Result<Opt
             Some(v) => Some(parse_budget_for("--vram-budget", v, file_bytes)?),
             None => None,
         },
+        prefetch_buffers: stream.read_ahead as usize + 1,
+        prefetch_read_bytes: stream.read_bytes.unwrap_or(0),
         engine: engine_of(stream.io),
         reader: ReaderOptions {
             queue_depth: stream.queue_depth,
@@ -227,24 +230,7 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
                 if x.lookahead { ", router lookahead" } else { "" }
             );
         } else {
-            eprintln!(
-                "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB, buffers {:.1} MB, \
-             KV cache + batch {:.1} MB, attention {}/{} layers ({:.1} MB), gate {}/{} layers ({:.1} MB), \
-             neuron cache {:.1} MB ({} neurons/layer)",
-                mb(r.budget_bytes),
-                rt.stream_open_s,
-                mb(r.required_bytes),
-                mb(r.working_bytes),
-                mb(r.context_bytes),
-                r.attention_resident.iter().filter(|&&a| a).count(),
-                r.attention_resident.len(),
-                mb(r.attention_bytes),
-                r.gate_resident.iter().filter(|&&a| a).count(),
-                r.gate_resident.len(),
-                mb(r.gate_bytes),
-                mb(r.cache_bytes),
-                r.cache_neurons.first().copied().unwrap_or(0)
-            );
+            print_residency(s, rt.stream_open_s, rt.mask.as_ref().map(|m| m.sparsity));
             if let Some(d) = &s.device_plan {
                 eprintln!(
                     "device memory under {:.1} MB (minimum {:.1} MB): norms, KV cache, batch and one layer's copies {:.1} MB, \
@@ -372,6 +358,8 @@ fn open_plain(
             lookahead: false,
             batch_tokens_max: 0,
             vram_budget_bytes: None,
+            prefetch_buffers: 0,
+            prefetch_read_bytes: 0,
         }),
     };
     let t = std::time::Instant::now();
@@ -743,19 +731,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             threads,
             json,
         } => {
-            use gatestream::format::{FfnLayout, NeuronOrder, UpSketch};
+            use gatestream::format::{NeuronOrder, UpSketch};
             use gatestream::quant::GgmlType;
-            use gatestream::reformat::{reformat, DownType, ReformatOptions};
+            use gatestream::reformat::{reformat, ReformatOptions};
             let opts = ReformatOptions {
-                ffn_layout: match ffn_layout {
-                    LayoutArg::Bundled => FfnLayout::Bundled,
-                    LayoutArg::Split => FfnLayout::Split,
-                },
-                down_type: match down_type {
-                    DownArg::Q8_0 => DownType::Q8_0,
-                    DownArg::F16 => DownType::F16,
-                    DownArg::Same => DownType::Same,
-                },
+                ffn_layout: ffn_layout.into(),
+                down_type: down_type.into(),
                 order: match order {
                     OrderArg::Original => NeuronOrder::Original,
                     OrderArg::HotFirst => NeuronOrder::HotFirst,
@@ -786,7 +767,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 let max = errs.iter().copied().fold(0f32, f32::max);
                 let mean = errs.iter().sum::<f32>() / errs.len().max(1) as f32;
                 let down = if errs.is_empty() {
-                    "down kept as stored (experts are not re-quantized)".to_string()
+                    "down kept as stored (the rows layout and experts are not re-quantized)".to_string()
                 } else {
                     format!("down re-quantization relative RMS error: mean {mean:.4}, max {max:.4}")
                 };
@@ -800,6 +781,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
+        c @ Command::MakeModel { .. } => make::make_model(c)?,
         Command::MakeMoe {
             model,
             output,
@@ -880,12 +862,31 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             merge_gap_bytes,
             token_batches,
             quick,
+            device_only,
             cache_experts,
             json,
             plot,
             device,
         } => {
             use gatestream::bench::{bench, link_table, plot as bench_plot, table, BenchOptions, EngineConfig};
+            if device_only {
+                let mut bar = Progress::new();
+                let curve = gatestream::bench::device_curve(
+                    &model,
+                    &[256 << 10, 1 << 20, 4 << 20],
+                    &[4, 16, 64],
+                    if quick { 64 << 20 } else { 256 << 20 },
+                    &[4096, 16384, 65536, 262144, 1 << 20],
+                    if quick { 1024 } else { 4096 },
+                    &mut |stage, done, total| bar.update(stage, done, total),
+                )?;
+                drop(bar);
+                print!("{}", gatestream::bench::curve_table(&curve));
+                if let Some(p) = json {
+                    std::fs::write(&p, serde_json::to_vec_pretty(&curve)?)?;
+                }
+                return Ok(());
+            }
             // The link first: a missing GPU is refused before the disk work starts.
             let link = match device {
                 DeviceArg::Cpu => None,

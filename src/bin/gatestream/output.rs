@@ -254,3 +254,56 @@ pub(crate) fn print_loaded(model: &Model, seconds: f64) {
         model.device.name()
     );
 }
+
+/// What a dense model's streaming plan keeps and reads (stderr): the fixed parts, then each
+/// kind of weight kept with what a byte of it saves per token (the plan's order of
+/// preference), and the bytes read per token.
+pub(crate) fn print_residency(s: &gatestream::stream::Streamer, open_s: f64, sparsity: Option<f32>) {
+    let r = &s.residency;
+    let mb = |b: u64| b as f64 / 1e6;
+    let count = |v: &[bool]| format!("{}/{}", v.iter().filter(|&&k| k).count(), v.len());
+    let buffers = match r.prefetch_buffers {
+        0 => format!("buffers {:.1} MB", mb(r.working_bytes)),
+        n => format!(
+            "buffers {:.1} MB ({n} prefetch x {:.1} MB, readers and staging {:.1} MB)",
+            mb(r.working_bytes),
+            mb(r.prefetch_buffer_bytes),
+            mb(r.working_bytes - n as u64 * r.prefetch_buffer_bytes)
+        ),
+    };
+    eprintln!(
+        "streaming under {:.1} MB ({:.2} s to load what is resident): required {:.1} MB (output matrix, norms), \
+         {buffers}, KV cache + batch {:.1} MB",
+        mb(r.budget_bytes),
+        open_s,
+        mb(r.required_bytes),
+        mb(r.context_bytes),
+    );
+    let ffn = match r.up_resident.is_empty() {
+        true => {
+            // A cached neuron saves its bytes only when the mask keeps it.
+            let share = sparsity.map_or(1.0, |s| 1.0 - s);
+            format!(
+                "neuron cache {:.1} MB ({} neurons/layer: {:.2} per byte, the share of neurons a token uses)",
+                mb(r.cache_bytes),
+                r.cache_neurons.first().copied().unwrap_or(0),
+                share
+            )
+        }
+        false => format!(
+            "up {} and down {} layers ({:.1} MB)",
+            count(&r.up_resident),
+            count(&r.down_resident),
+            mb(r.ffn_matrix_bytes)
+        ),
+    };
+    eprintln!(
+        "  kept, by bytes saved per token per byte kept: attention {} layers ({:.1} MB), gate {} layers ({:.1} MB) \
+         and every whole matrix save 1 per byte; {ffn}; {:.1} MB read per token when dense",
+        count(&r.attention_resident),
+        mb(r.attention_bytes),
+        count(&r.gate_resident),
+        mb(r.gate_bytes),
+        mb(s.dense_bytes_per_token)
+    );
+}

@@ -76,11 +76,11 @@ fn rejects_bad_magic() {
 
 #[test]
 fn rejects_unknown_version() {
-    let image = with_header(|h| h.format_version = 4);
+    let image = with_header(|h| h.format_version = 5);
     assert_malformed(
         parse_file_bytes(path(), &image),
         Some(8),
-        &["gst format version 4, this build reads 1 to 3; re-run gatestream reformat"],
+        &["gst format version 5, this build reads 1 to 4; re-run gatestream reformat"],
     );
 }
 

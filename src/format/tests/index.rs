@@ -70,11 +70,11 @@ fn rejects_unknown_index_field() {
 
 #[test]
 fn rejects_index_version_mismatch() {
-    let r = parse_changed(|ix| ix.format_version = 4);
+    let r = parse_changed(|ix| ix.format_version = 5);
     assert_malformed(
         r,
         Some(index_offset()),
-        &["index says gst format version 4, this build reads 1 to 3"],
+        &["index says gst format version 5, this build reads 1 to 4"],
     );
     let r = parse_changed(|ix| ix.format_version = 0);
     assert_malformed(r, Some(index_offset()), &["index says gst format version 0"]);
@@ -83,7 +83,7 @@ fn rejects_index_version_mismatch() {
     assert_malformed(
         r,
         Some(index_offset()),
-        &["index says gst format version 1, the header says 3"],
+        &["index says gst format version 1, the header says 4"],
     );
 }
 
@@ -469,4 +469,20 @@ fn rejects_experts_in_an_index_older_than_version_3() {
     );
     // The same config at version 3 is accepted.
     parse_changed(|ix| ix.config.moe = Some(moe)).expect("version 3 reads experts");
+}
+
+#[test]
+fn rejects_the_rows_layout_in_an_index_older_than_version_4() {
+    let (mut index, planned, image) = sample();
+    index.format_version = 3;
+    index.layout.ffn_layout = crate::format::FfnLayout::Rows;
+    let data = &image[..planned.header.index_offset_bytes as usize];
+    let r = parse_with_header_version(data, &index.to_json_bytes(), 3);
+    assert_malformed(
+        r,
+        Some(index_offset()),
+        &["`rows` FFN layout", "version 3 index", "version 4"],
+    );
+    // The same layout at version 4 is accepted.
+    parse_changed(|ix| ix.layout.ffn_layout = crate::format::FfnLayout::Rows).expect("version 4 reads rows");
 }

@@ -15,6 +15,7 @@
 
 use std::path::Path;
 
+use super::Rng;
 use crate::config::Arch;
 use crate::error::{Error, Result};
 use crate::gguf::write::{gguf_bytes, TensorOut};
@@ -61,26 +62,6 @@ pub struct MoeReport {
     pub hidden: usize,
     pub expert_ffn: usize,
     pub bytes: u64,
-}
-
-/// A deterministic generator (splitmix64; Box-Muller normals).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        let (a, b) = (self.unit(), self.unit());
-        (-2.0 * a.ln()).sqrt() * (std::f32::consts::TAU * b).cos()
-    }
 }
 
 /// A tensor being written: GGUF dims (fastest first), type and bytes.

@@ -1,0 +1,206 @@
+//! `gatestream make-model`: the flags turned into a `synth::MakeSpec`, the file written with a
+//! progress bar, the report printed.
+
+use std::path::PathBuf;
+
+use gatestream::config::Arch;
+use gatestream::format::FfnLayout;
+use gatestream::reformat::{DownType, ReformatOptions};
+use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+
+use crate::args::{Command, DownArg, LayoutArg, MakeArchArg, MixArg, ModelFormatArg};
+use crate::output::Progress;
+
+impl From<LayoutArg> for FfnLayout {
+    fn from(a: LayoutArg) -> FfnLayout {
+        match a {
+            LayoutArg::Bundled => FfnLayout::Bundled,
+            LayoutArg::Split => FfnLayout::Split,
+            LayoutArg::Rows => FfnLayout::Rows,
+        }
+    }
+}
+
+impl From<DownArg> for DownType {
+    fn from(a: DownArg) -> DownType {
+        match a {
+            DownArg::Q8_0 => DownType::Q8_0,
+            DownArg::F16 => DownType::F16,
+            DownArg::Same => DownType::Same,
+        }
+    }
+}
+
+/// Where `../shared/models/fetch.sh` puts its models (`GATESTREAM_MODELS`, else under HOME).
+pub(crate) fn models_dir() -> anyhow::Result<PathBuf> {
+    std::env::var_os("GATESTREAM_MODELS")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/gatestream/models")))
+        .ok_or_else(|| anyhow::anyhow!("neither GATESTREAM_MODELS nor HOME is set: give the model's path"))
+}
+
+pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
+    let Command::MakeModel {
+        output,
+        shape,
+        mix,
+        format,
+        ffn_layout,
+        down_type,
+        tokenizer,
+        arch,
+        hidden,
+        ffn,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        experts,
+        experts_used,
+        seed,
+        force,
+        json,
+    } = c
+    else {
+        unreachable!("called for make-model only");
+    };
+    let custom_flags = [
+        hidden,
+        ffn,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        vocab,
+        experts,
+        experts_used,
+    ];
+    let shape = if shape == "custom" {
+        let need = |v: Option<usize>, flag: &str| v.ok_or_else(|| anyhow::anyhow!("--shape custom needs {flag}"));
+        let (hidden, heads) = (need(hidden, "--hidden")?, need(heads, "--heads")?);
+        let arch = match arch {
+            MakeArchArg::Llama => Arch::Llama,
+            MakeArchArg::Qwen2 => Arch::Qwen2,
+            MakeArchArg::Qwen3moe => Arch::Qwen3Moe,
+            MakeArchArg::Olmoe => Arch::Olmoe,
+        };
+        Shape {
+            name: "custom".into(),
+            arch,
+            hidden,
+            ffn: need(ffn, "--ffn")?,
+            layers: need(layers, "--layers")?,
+            heads,
+            kv_heads: need(kv_heads, "--kv-heads")?,
+            head_dim: head_dim.unwrap_or(hidden / heads.max(1)),
+            // 0: the tokenizer's (a vocabulary padded to 0 tokens is the tokenizer's own).
+            vocab: vocab.unwrap_or(0),
+            context_len: 4096,
+            rope_theta: if arch == Arch::Llama { 10000.0 } else { 1e6 },
+            rms_eps: 1e-6,
+            tied: false,
+            experts: match (experts, experts_used) {
+                (None, None) => None,
+                (Some(e), Some(k)) => Some((e, k)),
+                _ => anyhow::bail!("give --experts and --experts-used together"),
+            },
+        }
+    } else {
+        if custom_flags.iter().any(|f| f.is_some()) {
+            anyhow::bail!(
+                "--shape {shape} sets every dimension; --hidden, --ffn, --layers, --heads, --kv-heads, --head-dim, \
+                 --vocab and --experts go with --shape custom"
+            );
+        }
+        Shape::named(&shape)?
+    };
+    let tokenizer = match tokenizer.as_deref() {
+        Some("synthetic") => TokenizerChoice::Synthetic,
+        Some(path) => TokenizerChoice::From(PathBuf::from(path)),
+        None => {
+            let file = match shape.arch {
+                Arch::Qwen2 | Arch::Qwen3Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                _ => "SmolLM2-135M-Instruct.Q4_1.gguf",
+            };
+            let path = models_dir()?.join(file);
+            if !path.exists() {
+                anyhow::bail!(
+                    "the default tokenizer for --shape {} is {}'s, and {} is not there: fetch it with \
+                     ../shared/models/fetch.sh all, or give --tokenizer GGUF (or synthetic)",
+                    shape.name,
+                    file,
+                    path.display()
+                );
+            }
+            TokenizerChoice::From(path)
+        }
+    };
+    if shape.vocab == 0 && matches!(tokenizer, TokenizerChoice::Synthetic) {
+        anyhow::bail!("a synthetic tokenizer needs --vocab");
+    }
+    let format = match format {
+        Some(ModelFormatArg::Gguf) => OutputFormat::Gguf,
+        Some(ModelFormatArg::Gst) => OutputFormat::Gst(ReformatOptions::default()),
+        None => match output.extension().and_then(|e| e.to_str()) {
+            Some("gguf") => OutputFormat::Gguf,
+            Some("gst") => OutputFormat::Gst(ReformatOptions::default()),
+            _ => anyhow::bail!(
+                "{}: name a .gguf or .gst file, or say which with --format gguf|gst",
+                output.display()
+            ),
+        },
+    };
+    let format = match format {
+        OutputFormat::Gst(o) => OutputFormat::Gst(ReformatOptions {
+            ffn_layout: ffn_layout.into(),
+            down_type: down_type.into(),
+            ..o
+        }),
+        f => f,
+    };
+    let spec = MakeSpec {
+        shape,
+        mix: match mix {
+            MixArg::Q4KM => Mix::Q4KM,
+            MixArg::Q6K => Mix::Q6K,
+            MixArg::Q8_0 => Mix::Q8_0,
+        },
+        dequantize: false,
+        tokenizer,
+        seed,
+        residual_gain: 0.1,
+    };
+    let mut bar = Progress::new();
+    let report = gatestream::synth::write_model(&spec, &output, &format, force, &mut |done, total| {
+        bar.update("MB", (done >> 20) as usize, (total >> 20) as usize)
+    })?;
+    drop(bar);
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        let s = &report.shape;
+        println!(
+            "wrote {} ({:.2} GB, {}): {}-shaped {} {}, {:.2}B parameters, {} layers, hidden {}, ffn {}{}, vocab {} \
+             ({} tokenizer) in {:.1} s, peak RSS {:.0} MB",
+            report.output.display(),
+            report.file_bytes as f64 / 1e9,
+            report.format,
+            s.name,
+            s.arch.name(),
+            report.mix,
+            report.parameters as f64 / 1e9,
+            s.layers,
+            s.hidden,
+            s.ffn,
+            s.experts
+                .map_or(String::new(), |(e, k)| format!(" x {e} experts ({k} used)")),
+            report.vocab,
+            report.tokenizer,
+            report.seconds,
+            report.peak_rss_bytes as f64 / 1e6
+        );
+        println!("random weights: quality figures (perplexity, agreement, draft acceptance) mean nothing; speeds, bytes and memory are real");
+    }
+    Ok(())
+}

@@ -1,0 +1,189 @@
+//! Random tensor bytes: quantized blocks written directly (random quants under fixed scales, so a
+//! gigabyte takes a second, not the minutes quantizing random floats would), norms, biases and
+//! routers as F32. Each tensor's bytes depend only on the seed, its name and its shape — not on
+//! the order tensors are made in or the number of threads — so a GGUF and a `.gst` written from
+//! the same seed hold the same weights.
+//!
+//! Scales: every matrix's values are centred with a standard deviation of about 0.02 × `gain`
+//! (as trained transformers' are); norms are near 1, biases near 0, and a router's logits have a
+//! standard deviation of about 3 for a unit-RMS input (clear expert choices, so a rounding
+//! difference rarely swaps an expert).
+
+use rayon::prelude::*;
+
+use super::Rng;
+use crate::error::{Error, Result};
+use crate::quant::GgmlType;
+
+/// Rows generated per independently seeded chunk (the unit of parallel work).
+const ROWS_PER_CHUNK: usize = 64;
+
+/// A seed for `name` under `seed` (FNV-1a of the name, mixed with the seed).
+pub fn name_seed(seed: u64, name: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut r = Rng(h ^ seed.rotate_left(17));
+    r.next()
+}
+
+fn f16(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+fn fill_random(rng: &mut Rng, out: &mut [u8]) {
+    for chunk in out.chunks_mut(8) {
+        let b = rng.next().to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// Writes one random block of `ty` (values centred, standard deviation ~0.02 × gain) into `out`.
+fn random_block(ty: GgmlType, gain: f32, rng: &mut Rng, out: &mut [u8]) {
+    // A block's scale varies by up to ±50% around the one that gives the target spread.
+    let scale = |base: f32, rng: &mut Rng| gain * base * (0.5 + rng.unit());
+    match ty {
+        GgmlType::Q4_K => {
+            // d, dmin, 12 bytes of 6-bit scales and mins (all 15), 128 bytes of 4-bit quants:
+            // value = 15·d·q − 15·dmin, q in 0..16, dmin = 7.5·d centres it (std 69·d).
+            let d = scale(3e-4, rng);
+            out[0..2].copy_from_slice(&f16(d));
+            out[2..4].copy_from_slice(&f16(7.5 * d));
+            out[4..12].fill(15);
+            out[12..16].fill(0xff);
+            fill_random(rng, &mut out[16..144]);
+        }
+        GgmlType::Q5_K => {
+            // As Q4_K with a fifth bit per quant (32 bytes of high bits): q in 0..32, dmin = 15.5·d.
+            let d = scale(1.5e-4, rng);
+            out[0..2].copy_from_slice(&f16(d));
+            out[2..4].copy_from_slice(&f16(15.5 * d));
+            out[4..12].fill(15);
+            out[12..16].fill(0xff);
+            fill_random(rng, &mut out[16..176]);
+        }
+        GgmlType::Q6_K => {
+            // 128 bytes of low and 64 of high quant bits, 16 signed scales (16), d:
+            // value = d·16·(q − 32), q in 0..64 (std 295·d).
+            fill_random(rng, &mut out[0..192]);
+            out[192..208].fill(16);
+            let d = scale(7e-5, rng);
+            out[208..210].copy_from_slice(&f16(d));
+        }
+        GgmlType::Q8_0 => {
+            // d, 32 signed quants (std 74·d).
+            let d = scale(2.8e-4, rng);
+            out[0..2].copy_from_slice(&f16(d));
+            fill_random(rng, &mut out[2..34]);
+        }
+        GgmlType::Q5_0 => {
+            // d, 4 bytes of fifth bits, 16 of nibbles: value = d·(q − 16) (std 9.2·d).
+            let d = scale(2.2e-3, rng);
+            out[0..2].copy_from_slice(&f16(d));
+            fill_random(rng, &mut out[2..22]);
+        }
+        _ => unreachable!("random_block is only called for the types random_matrix accepts"),
+    }
+}
+
+/// Bytes of a random `[rows, cols]` matrix of `ty` (rows of whole blocks along `cols`), made in
+/// parallel chunks of rows, each seeded from `seed` and its index.
+pub fn random_matrix(ty: GgmlType, rows: usize, cols: usize, gain: f32, seed: u64) -> Result<Vec<u8>> {
+    if !matches!(
+        ty,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::Q5_0
+    ) {
+        return Err(Error::Invalid(format!(
+            "random weights are made as Q5_0, Q8_0, Q4_K, Q5_K or Q6_K blocks, not {}",
+            ty.name()
+        )));
+    }
+    let row_bytes = ty
+        .row_bytes(cols)
+        .ok_or_else(|| Error::Invalid(format!("{cols} columns are not a whole number of {} blocks", ty.name())))?;
+    let (block_elems, block_bytes) = (ty.block_elems(), ty.block_bytes());
+    let len = rows
+        .checked_mul(row_bytes)
+        .ok_or_else(|| Error::Invalid(format!("a {rows} x {cols} matrix does not fit in memory")))?;
+    let mut out = vec![0u8; len];
+    out.par_chunks_mut(ROWS_PER_CHUNK * row_bytes)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            let mut rng = Rng(seed ^ (c as u64).wrapping_mul(0xd6e8_feb8_6659_fd93));
+            for block in chunk.chunks_exact_mut(block_bytes) {
+                random_block(ty, gain, &mut rng, block);
+            }
+        });
+    debug_assert_eq!(cols % block_elems, 0);
+    Ok(out)
+}
+
+/// A norm's weights: about 1 (1 + 0.05·N(0,1)).
+pub fn random_norm(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    (0..len).map(|_| 1.0 + 0.05 * rng.normal()).collect()
+}
+
+/// A bias: about 0 (0.1·N(0,1)).
+pub fn random_bias(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    (0..len).map(|_| 0.1 * rng.normal()).collect()
+}
+
+/// A router `[experts, hidden]`: logits of standard deviation ~3 for a unit-RMS input (the
+/// norm before it is ~1, so each row's values are N(0, 1) · 3 / sqrt(hidden)).
+pub fn random_router(experts: usize, hidden: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    let s = 3.0 / (hidden as f32).sqrt();
+    (0..experts * hidden).map(|_| rng.normal() * s).collect()
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A quantized matrix's bytes decoded to F32 (the same weights, stored exactly).
+pub fn dequantized_bytes(ty: GgmlType, bytes: &[u8], cols: usize) -> Vec<u8> {
+    let row_bytes = ty.row_bytes(cols).expect("rows of whole blocks");
+    let mut row = vec![0f32; cols];
+    let mut out = Vec::with_capacity(bytes.len() / row_bytes * cols * 4);
+    for r in bytes.chunks_exact(row_bytes) {
+        crate::quant::dequantize_row(ty, r, &mut row);
+        out.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_matrices_are_centred_near_the_target_spread_and_reproducible() {
+        for ty in [
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+            GgmlType::Q8_0,
+            GgmlType::Q5_0,
+        ] {
+            let (rows, cols) = (130, 512);
+            let a = random_matrix(ty, rows, cols, 1.0, 7).unwrap();
+            assert_eq!(a, random_matrix(ty, rows, cols, 1.0, 7).unwrap(), "{ty:?}");
+            assert_ne!(a, random_matrix(ty, rows, cols, 1.0, 8).unwrap(), "{ty:?}");
+            let f: Vec<f32> = dequantized_bytes(ty, &a, cols)
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let n = f.len() as f64;
+            let mean = f.iter().map(|&v| v as f64).sum::<f64>() / n;
+            let std = (f.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+            assert!(mean.abs() < 0.002, "{ty:?}: mean {mean}");
+            assert!((0.017..0.026).contains(&std), "{ty:?}: std {std}");
+            assert!(f.iter().all(|v| v.is_finite()));
+        }
+        assert!(random_matrix(GgmlType::F16, 4, 64, 1.0, 1).is_err());
+        assert_ne!(name_seed(1, "blk.0.ffn_up.weight"), name_seed(1, "blk.1.ffn_up.weight"));
+    }
+}

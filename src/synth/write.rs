@@ -1,0 +1,700 @@
+//! `make-model`: a model of a real shape with random weights, written a tensor at a time as a
+//! GGUF llama.cpp loads, or a layer at a time as a `.gst` (through `reformat`'s builder, so it
+//! is the file `reformat` would make from that GGUF). Memory stays at about one layer (plus the
+//! tokenizer); nothing is left under the output's name unless the file is complete.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::shapes::{Mix, Role, Shape};
+use super::tensors::{dequantized_bytes, f32_bytes, name_seed, random_bias, random_matrix, random_norm, random_router};
+use crate::config::{Arch, ModelConfig};
+use crate::error::{Error, Result};
+use crate::format::SourceInfo;
+use crate::gguf::write::{gguf_header, TensorInfoOut};
+use crate::gguf::{GgufFile, MetaValue};
+use crate::model::forward::AttnWeights;
+use crate::model::tokenizer::{GgufVocab, TokenizerSpec};
+use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
+use crate::quant::GgmlType;
+use crate::reformat::{GstBuilder, ReformatOptions};
+use crate::tensor::Weight;
+
+/// Where the tokenizer comes from.
+#[derive(Clone, Debug)]
+pub enum TokenizerChoice {
+    /// A GGUF file's tokenizer (a real one: `../shared/models`); its vocabulary is padded with
+    /// unused `[PAD<id>]` tokens up to the shape's vocabulary, or, when it has more tokens than
+    /// the shape, sets the vocabulary.
+    From(PathBuf),
+    /// A SentencePiece-style vocabulary of the shape's size made up here (control tokens, the
+    /// 256 byte tokens, then `▁w<id>` pieces): for models that need an exact small vocabulary
+    /// (tests); text tokenizes into bytes.
+    Synthetic,
+}
+
+/// What file to write.
+#[derive(Clone, Debug)]
+pub enum OutputFormat {
+    Gguf,
+    /// A `.gst` with these options (the FFN layout, down's type…; no calibration).
+    Gst(ReformatOptions),
+}
+
+/// What to make.
+#[derive(Clone, Debug)]
+pub struct MakeSpec {
+    pub shape: Shape,
+    pub mix: Mix,
+    /// Store the mix's weights decoded to F32 (the same values, exactly): a reference for the
+    /// f32 paths.
+    pub dequantize: bool,
+    pub tokenizer: TokenizerChoice,
+    pub seed: u64,
+    /// The residual branches' last products (`attn_output`, `ffn_down`) at this share of the
+    /// other matrices' scale, so a deep random network's residual stream stays finite and its
+    /// logits distinct.
+    pub residual_gain: f32,
+}
+
+/// What was written.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct MakeReport {
+    pub output: PathBuf,
+    pub format: &'static str,
+    pub shape: Shape,
+    pub mix: &'static str,
+    pub dequantized: bool,
+    pub tokenizer: String,
+    /// The model's vocabulary (the shape's, or the tokenizer's when it has more tokens).
+    pub vocab: usize,
+    pub tensors: usize,
+    pub parameters: u64,
+    /// The tensors' bytes, and the file's.
+    pub tensor_bytes: u64,
+    pub file_bytes: u64,
+    pub seconds: f64,
+    /// The process's peak resident memory when the file was complete.
+    pub peak_rss_bytes: u64,
+}
+
+/// How a tensor's values are made.
+#[derive(Clone, Copy, Debug)]
+enum Fill {
+    Norm,
+    Bias,
+    Router,
+    /// A matrix of `gen` type (the mix's; stored as F32 when dequantized) at `gain`.
+    Matrix {
+        gen: GgmlType,
+        gain: f32,
+    },
+    /// `n` experts' matrices, the expert outermost.
+    Experts {
+        gen: GgmlType,
+        gain: f32,
+        n: usize,
+    },
+}
+
+/// One tensor of the file.
+#[derive(Clone, Debug)]
+struct Planned {
+    name: String,
+    /// `[rows, cols]` (`[n, rows, cols]` for experts; `[len]` for vectors), cols fastest.
+    shape: Vec<usize>,
+    ty: GgmlType,
+    fill: Fill,
+}
+
+impl Planned {
+    fn cols(&self) -> usize {
+        *self.shape.last().expect("a tensor has a dimension")
+    }
+    fn rows(&self) -> usize {
+        self.shape.iter().rev().skip(1).product()
+    }
+    fn len_bytes(&self) -> u64 {
+        self.rows() as u64 * self.ty.row_bytes(self.cols()).expect("planned rows of whole blocks") as u64
+    }
+    /// GGUF dims (`ne`): fastest first.
+    fn dims(&self) -> Vec<u64> {
+        self.shape.iter().rev().map(|&d| d as u64).collect()
+    }
+
+    /// The tensor's bytes (the same for a seed whatever else is made).
+    fn bytes(&self, seed: u64, dequantize: bool) -> Result<Vec<u8>> {
+        let s = name_seed(seed, &self.name);
+        let cols = self.cols();
+        match self.fill {
+            Fill::Norm => Ok(f32_bytes(&random_norm(cols, s))),
+            Fill::Bias => Ok(f32_bytes(&random_bias(cols, s))),
+            Fill::Router => Ok(f32_bytes(&random_router(self.rows(), cols, s))),
+            Fill::Matrix { gen, gain } => {
+                let b = random_matrix(gen, self.rows(), cols, gain, s)?;
+                Ok(if dequantize {
+                    dequantized_bytes(gen, &b, cols)
+                } else {
+                    b
+                })
+            }
+            Fill::Experts { gen, gain, n } => {
+                let rows = self.rows() / n;
+                let mut out = Vec::with_capacity(self.len_bytes() as usize);
+                for e in 0..n {
+                    let b = random_matrix(gen, rows, cols, gain, name_seed(s, &e.to_string()))?;
+                    out.extend(if dequantize {
+                        dequantized_bytes(gen, &b, cols)
+                    } else {
+                        b
+                    });
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// The model's tensors, in file order: the embedding, output norm and output, then each layer's.
+fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
+    let s = &spec.shape;
+    let (h, f, q, kv) = (s.hidden, s.ffn, s.q_dim(), s.kv_dim());
+    let stored = |gen: GgmlType| if spec.dequantize { GgmlType::F32 } else { gen };
+    let matrix = |name: String, role: Role, layer: usize, rows: usize, cols: usize, gain: f32| {
+        let gen = spec.mix.matrix_type(s, role, layer, cols);
+        Planned {
+            name,
+            shape: vec![rows, cols],
+            ty: stored(gen),
+            fill: Fill::Matrix { gen, gain },
+        }
+    };
+    let vector = |name: String, len: usize, fill: Fill| Planned {
+        name,
+        shape: vec![len],
+        ty: GgmlType::F32,
+        fill,
+    };
+    let mut globals = vec![
+        matrix("token_embd.weight".into(), Role::TokenEmbd, 0, vocab, h, 1.0),
+        vector("output_norm.weight".into(), h, Fill::Norm),
+    ];
+    if !s.tied {
+        globals.push(matrix("output.weight".into(), Role::Output, 0, vocab, h, 1.0));
+    }
+    let mut all = vec![globals];
+    let g = spec.residual_gain;
+    for l in 0..s.layers {
+        let n = |what: &str| format!("blk.{l}.{what}");
+        let mut t = vec![
+            vector(n("attn_norm.weight"), h, Fill::Norm),
+            matrix(n("attn_q.weight"), Role::AttnQ, l, q, h, 1.0),
+            matrix(n("attn_k.weight"), Role::AttnK, l, kv, h, 1.0),
+            matrix(n("attn_v.weight"), Role::AttnV, l, kv, h, 1.0),
+            matrix(n("attn_output.weight"), Role::AttnOutput, l, h, q, g),
+        ];
+        match s.arch {
+            Arch::Qwen2 => {
+                t.push(vector(n("attn_q.bias"), q, Fill::Bias));
+                t.push(vector(n("attn_k.bias"), kv, Fill::Bias));
+                t.push(vector(n("attn_v.bias"), kv, Fill::Bias));
+            }
+            Arch::Qwen3Moe => {
+                t.push(vector(n("attn_q_norm.weight"), s.head_dim, Fill::Norm));
+                t.push(vector(n("attn_k_norm.weight"), s.head_dim, Fill::Norm));
+            }
+            Arch::Olmoe => {
+                t.push(vector(n("attn_q_norm.weight"), q, Fill::Norm));
+                t.push(vector(n("attn_k_norm.weight"), kv, Fill::Norm));
+            }
+            _ => {}
+        }
+        t.push(vector(n("ffn_norm.weight"), h, Fill::Norm));
+        match s.experts {
+            None => {
+                t.push(matrix(n("ffn_gate.weight"), Role::FfnGate, l, f, h, 1.0));
+                t.push(matrix(n("ffn_up.weight"), Role::FfnUp, l, f, h, 1.0));
+                t.push(matrix(n("ffn_down.weight"), Role::FfnDown, l, h, f, g));
+            }
+            Some((e, _)) => {
+                t.push(Planned {
+                    name: n("ffn_gate_inp.weight"),
+                    shape: vec![e, h],
+                    ty: GgmlType::F32,
+                    fill: Fill::Router,
+                });
+                for (what, role, rows, cols, gain) in [
+                    ("ffn_gate_exps.weight", Role::FfnGate, f, h, 1.0),
+                    ("ffn_up_exps.weight", Role::FfnUp, f, h, 1.0),
+                    ("ffn_down_exps.weight", Role::FfnDown, h, f, g),
+                ] {
+                    let gen = spec.mix.matrix_type(s, role, l, cols);
+                    t.push(Planned {
+                        name: n(what),
+                        shape: vec![e, rows, cols],
+                        ty: stored(gen),
+                        fill: Fill::Experts { gen, gain, n: e },
+                    });
+                }
+            }
+        }
+        all.push(t);
+    }
+    all
+}
+
+/// The synthetic SentencePiece-style vocabulary of `n` tokens (see [`TokenizerChoice::Synthetic`]).
+fn synthetic_vocab(n: usize) -> GgufVocab {
+    let tokens = (0..n)
+        .map(|i| match i {
+            0 => "<unk>".to_string(),
+            1 => "<s>".to_string(),
+            2 => "</s>".to_string(),
+            3..=258 => format!("<0x{:02X}>", i - 3),
+            _ => format!("\u{2581}w{i}"),
+        })
+        .collect();
+    GgufVocab {
+        model: "llama".into(),
+        tokens,
+        scores: Some((0..n).map(|i| -(i as f32)).collect()),
+        token_types: Some(
+            (0..n)
+                .map(|i| {
+                    if i < 3 {
+                        3
+                    } else if i < 259 {
+                        6
+                    } else {
+                        1
+                    }
+                })
+                .collect(),
+        ),
+        bos_id: Some(1),
+        eos_id: Some(2),
+        unknown_id: Some(0),
+        add_bos: Some(true),
+        ..GgufVocab::default()
+    }
+}
+
+/// The tokenizer's vocabulary, padded to `vocab` tokens (`[PAD<id>]`, unused) when it has
+/// fewer; and the name to report.
+fn vocabulary(choice: &TokenizerChoice, vocab: usize) -> Result<(GgufVocab, String)> {
+    match choice {
+        TokenizerChoice::Synthetic => {
+            if vocab < 259 {
+                return Err(Error::Invalid(format!(
+                    "a synthetic tokenizer needs at least 259 tokens (3 control, 256 bytes); the shape has {vocab}"
+                )));
+            }
+            Ok((synthetic_vocab(vocab), "synthetic".into()))
+        }
+        TokenizerChoice::From(path) => {
+            let g = GgufFile::open(path)?;
+            let mut v = crate::model::gguf_vocab(&g)?;
+            let n = v.tokens.len();
+            for i in n..vocab {
+                v.tokens.push(format!("[PAD{i}]"));
+            }
+            if let Some(t) = v.token_types.as_mut() {
+                t.resize(v.tokens.len(), 5);
+            }
+            if let Some(s) = v.scores.as_mut() {
+                s.resize(v.tokens.len(), -1e9);
+            }
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("model").to_string();
+            Ok((v, name))
+        }
+    }
+}
+
+/// The GGUF metadata of the model: architecture, dimensions, file type, tokenizer.
+fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
+    let s = &spec.shape;
+    let a = s.arch.name();
+    let u = |v: usize| MetaValue::U32(v as u32);
+    let mut m: Vec<(String, MetaValue)> = vec![
+        ("general.architecture".into(), MetaValue::Str(a.into())),
+        (
+            "general.name".into(),
+            MetaValue::Str(format!(
+                "{}-shaped random {} (gatestream make-model, seed {})",
+                s.name,
+                spec.mix.name(),
+                spec.seed
+            )),
+        ),
+        (
+            "general.file_type".into(),
+            MetaValue::U32(if spec.dequantize { 0 } else { spec.mix.file_type() }),
+        ),
+        ("general.quantization_version".into(), MetaValue::U32(2)),
+    ];
+    let ffn_key = match (s.arch, s.experts) {
+        // Qwen's MoE files give the dense width beside the experts' own.
+        (Arch::Qwen3Moe, Some((_, k))) => s.ffn * k,
+        _ => s.ffn,
+    };
+    for (key, v) in [
+        ("context_length", u(s.context_len)),
+        ("embedding_length", u(s.hidden)),
+        ("feed_forward_length", u(ffn_key)),
+        ("block_count", u(s.layers)),
+        ("attention.head_count", u(s.heads)),
+        ("attention.head_count_kv", u(s.kv_heads)),
+        ("attention.key_length", u(s.head_dim)),
+        ("attention.value_length", u(s.head_dim)),
+        ("attention.layer_norm_rms_epsilon", MetaValue::F32(s.rms_eps)),
+        ("rope.freq_base", MetaValue::F32(s.rope_theta)),
+        ("vocab_size", u(vocab.tokens.len())),
+    ] {
+        m.push((format!("{a}.{key}"), v));
+    }
+    if let Some((e, k)) = s.experts {
+        m.push((format!("{a}.expert_count"), u(e)));
+        m.push((format!("{a}.expert_used_count"), u(k)));
+        if s.arch == Arch::Qwen3Moe {
+            m.push((format!("{a}.expert_feed_forward_length"), u(s.ffn)));
+        }
+    }
+    m.extend(crate::model::gguf_vocab_metadata(vocab));
+    m
+}
+
+/// The configuration a reader makes of `meta` (a GGUF of no tensors parsed in memory), so a
+/// `.gst` written directly says what its GGUF would.
+fn config_of(meta: &[(&str, MetaValue)], vocab: usize, out: &Path) -> Result<ModelConfig> {
+    let (bytes, _) = gguf_header(meta, &[]);
+    let mut map = memmap2::MmapMut::map_anon(bytes.len()).map_err(|e| Error::io(out, e))?;
+    map.copy_from_slice(&bytes);
+    let map = map.make_read_only().map_err(|e| Error::io(out, e))?;
+    let g = GgufFile::parse(out, Arc::new(map))?;
+    ModelConfig::from_gguf(&g, vocab)
+}
+
+/// A file being written under a temporary name in the target's folder, renamed when complete,
+/// removed if dropped before.
+struct Partial {
+    tmp: PathBuf,
+    target: PathBuf,
+    file: Option<std::io::BufWriter<std::fs::File>>,
+}
+
+impl Partial {
+    fn create(target: &Path) -> Result<Partial> {
+        let dir = match target.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("model");
+        let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
+        let f = std::fs::File::create(&tmp).map_err(|e| {
+            Error::Invalid(format!(
+                "cannot write {}: creating its temporary file in {} failed ({e}); is the folder there and writable?",
+                target.display(),
+                dir.display()
+            ))
+        })?;
+        Ok(Partial {
+            tmp,
+            target: target.to_path_buf(),
+            file: Some(std::io::BufWriter::with_capacity(8 << 20, f)),
+        })
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        let f = self.file.as_mut().expect("open until finished");
+        f.write_all(bytes).map_err(|e| Error::io(&self.tmp, e))
+    }
+
+    fn finish(mut self) -> Result<()> {
+        let f = self.file.take().expect("open until finished");
+        let f = f.into_inner().map_err(|e| Error::io(&self.tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io(&self.tmp, e))?;
+        std::fs::rename(&self.tmp, &self.target).map_err(|e| Error::io(&self.target, e))
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Refuses to start a file of `bytes` where the disk has less room (with a margin of 1%).
+fn check_room(out: &Path, bytes: u64) -> Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = match out.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+            .map_err(|_| Error::Invalid(format!("{}: a path with a NUL byte", dir.display())))?;
+        // SAFETY: `c` is a NUL-terminated path and `st` a zeroed statvfs the call fills.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0 {
+            let free = st.f_bavail as u64 * st.f_frsize as u64;
+            if free < bytes + bytes / 100 {
+                return Err(Error::Invalid(format!(
+                    "{}: the model needs {:.2} GB and {} has {:.2} GB free; free some room or write elsewhere",
+                    out.display(),
+                    bytes as f64 / 1e9,
+                    dir.display(),
+                    free as f64 / 1e9
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes the model `spec` describes to `out` as `format`; `progress(done, total)` in bytes of
+/// tensors made. Refuses an existing `out` unless `force`.
+pub fn write_model(
+    spec: &MakeSpec,
+    out: &Path,
+    format: &OutputFormat,
+    force: bool,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<MakeReport> {
+    let t0 = Instant::now();
+    if out.exists() && !force {
+        return Err(Error::Invalid(format!(
+            "{} already exists; pass --force to replace it",
+            out.display()
+        )));
+    }
+    if !(spec.residual_gain.is_finite() && spec.residual_gain > 0.0) {
+        return Err(Error::Invalid(format!(
+            "residual gain {}: give a positive number",
+            spec.residual_gain
+        )));
+    }
+    let (vocab_tokens, tokenizer_name) = vocabulary(&spec.tokenizer, spec.shape.vocab)?;
+    let vocab = vocab_tokens.tokens.len();
+    // The shape as written: its vocabulary is the tokenizer's when that has more tokens (or the
+    // shape gives none).
+    let spec = &MakeSpec {
+        shape: Shape {
+            vocab,
+            ..spec.shape.clone()
+        },
+        ..spec.clone()
+    };
+    spec.shape.check()?;
+    let meta = metadata(spec, &vocab_tokens);
+    let meta_refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let config = config_of(&meta_refs, vocab, out)?;
+    let planned = plan(spec, vocab);
+    let all: Vec<&Planned> = planned.iter().flatten().collect();
+    let total: u64 = all.iter().map(|p| p.len_bytes()).sum();
+    let parameters: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
+    check_room(out, total)?;
+    let mut done = 0u64;
+    let (format_name, file_bytes) = match format {
+        OutputFormat::Gguf => {
+            let dims: Vec<Vec<u64>> = all.iter().map(|p| p.dims()).collect();
+            let infos: Vec<TensorInfoOut> = all
+                .iter()
+                .zip(&dims)
+                .map(|(p, d)| TensorInfoOut {
+                    name: &p.name,
+                    dims: d,
+                    type_id: p.ty.ggml_id(),
+                    len_bytes: p.len_bytes(),
+                })
+                .collect();
+            let (header, offsets) = gguf_header(&meta_refs, &infos);
+            let mut file = Partial::create(out)?;
+            file.write(&header)?;
+            let mut at = 0u64;
+            for (p, &off) in all.iter().zip(&offsets) {
+                file.write(&vec![0u8; (off - at) as usize])?;
+                let b = p.bytes(spec.seed, spec.dequantize)?;
+                debug_assert_eq!(b.len() as u64, p.len_bytes());
+                file.write(&b)?;
+                at = off + b.len() as u64;
+                done += b.len() as u64;
+                progress(done, total);
+            }
+            file.finish()?;
+            ("gguf", header.len() as u64 + at)
+        }
+        OutputFormat::Gst(opts) => {
+            let mut b = GstBuilder::create(out, &ReformatOptions { force, ..opts.clone() })?;
+            let mut made = |p: &Planned| -> Result<Vec<u8>> {
+                let bytes = p.bytes(spec.seed, spec.dequantize)?;
+                done += bytes.len() as u64;
+                progress(done, total);
+                Ok(bytes)
+            };
+            let globals = &planned[0];
+            let find = |name: &str| globals.iter().find(|p| p.name == name);
+            let weight = |p: &Planned, bytes: Vec<u8>| {
+                let (rows, cols) = (p.rows(), p.cols());
+                Weight::owned(&p.name, p.ty, rows, cols, bytes)
+            };
+            let embd_p = find("token_embd.weight").expect("planned");
+            let token_embd = weight(embd_p, made(embd_p)?)?;
+            let norm_p = find("output_norm.weight").expect("planned");
+            let output_norm = floats(&made(norm_p)?);
+            let output = match find("output.weight") {
+                Some(p) => Some(weight(p, made(p)?)?),
+                None => None,
+            };
+            b.globals(
+                &TokenizerSpec::Gguf {
+                    vocab: vocab_tokens.clone(),
+                },
+                &token_embd,
+                output.as_ref(),
+                &output_norm,
+            )?;
+            drop((token_embd, output));
+            let identity: Vec<u32> = (0..spec.shape.ffn as u32).collect();
+            for (l, tensors) in planned[1..].iter().enumerate() {
+                let lw = layer_weights(tensors, &mut made)?;
+                b.layer(l, &lw, &identity)?;
+            }
+            let description = format!(
+                "make-model {} {}{} seed {} (random weights)",
+                spec.shape.name,
+                spec.mix.name(),
+                if spec.dequantize { " dequantized to F32" } else { "" },
+                spec.seed
+            );
+            let source = SourceInfo {
+                file_name: description.clone(),
+                len_bytes: 0,
+                xxh3: crate::format::checksum_hex(description.as_bytes()),
+            };
+            let built = b.finish(config, source, None)?;
+            ("gst", built.file_len_bytes)
+        }
+    };
+    Ok(MakeReport {
+        output: out.to_path_buf(),
+        format: format_name,
+        shape: spec.shape.clone(),
+        mix: spec.mix.name(),
+        dequantized: spec.dequantize,
+        tokenizer: tokenizer_name,
+        vocab,
+        tensors: all.len(),
+        parameters,
+        tensor_bytes: total,
+        file_bytes,
+        seconds: t0.elapsed().as_secs_f64(),
+        peak_rss_bytes: crate::stream::peak_rss_bytes(),
+    })
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+        .collect()
+}
+
+/// A layer's weights from its planned tensors (made in order by `made`).
+fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<Vec<u8>>) -> Result<LayerWeights> {
+    let mut vectors: Vec<(String, Vec<f32>)> = Vec::new();
+    let mut matrices: Vec<(String, Weight)> = Vec::new();
+    let mut experts: Vec<(String, Arc<Vec<u8>>, usize, usize, GgmlType)> = Vec::new();
+    for p in tensors {
+        let short = p
+            .name
+            .split_once('.')
+            .map_or("", |x| x.1)
+            .split_once('.')
+            .map_or("", |x| x.1)
+            .to_string();
+        let bytes = made(p)?;
+        match p.fill {
+            Fill::Norm | Fill::Bias => vectors.push((short, floats(&bytes))),
+            Fill::Router | Fill::Matrix { .. } => {
+                matrices.push((short, Weight::owned(&p.name, p.ty, p.rows(), p.cols(), bytes)?))
+            }
+            Fill::Experts { n, .. } => experts.push((short, Arc::new(bytes), n, p.shape[1], p.ty)),
+        }
+    }
+    let mut vector = |k: &str| vectors.iter().position(|v| v.0 == k).map(|i| vectors.swap_remove(i).1);
+    let attn_norm = vector("attn_norm.weight").expect("planned");
+    let ffn_norm = vector("ffn_norm.weight").expect("planned");
+    let (bq, bk, bv) = (vector("attn_q.bias"), vector("attn_k.bias"), vector("attn_v.bias"));
+    let (q_norm, k_norm) = (vector("attn_q_norm.weight"), vector("attn_k_norm.weight"));
+    let mut matrix = |k: &str| {
+        matrices
+            .iter()
+            .position(|m| m.0 == k)
+            .map(|i| matrices.swap_remove(i).1)
+            .ok_or_else(|| Error::Invalid(format!("internal: make-model planned no {k}")))
+    };
+    let attn = AttnWeights {
+        wq: matrix("attn_q.weight")?,
+        wk: matrix("attn_k.weight")?,
+        wv: matrix("attn_v.weight")?,
+        wo: matrix("attn_output.weight")?,
+    };
+    let ffn = if experts.is_empty() {
+        LayerFfn::Dense(FfnWeights {
+            gate: matrix("ffn_gate.weight")?,
+            up: matrix("ffn_up.weight")?,
+            down: FfnDown::Rows(matrix("ffn_down.weight")?),
+        })
+    } else {
+        let router = matrix("ffn_gate_inp.weight")?;
+        // Each expert a view of its slice of the three-dimensional tensors.
+        let views = |k: &str| -> Result<Vec<Weight>> {
+            let (name, bytes, n, rows, ty) = experts
+                .iter()
+                .find(|x| x.0 == k)
+                .ok_or_else(|| Error::Invalid(format!("internal: make-model planned no {k}")))?;
+            let per = bytes.len() / n;
+            let cols = per / rows / ty.block_bytes() * ty.block_elems();
+            (0..*n)
+                .map(|e| Weight::shared(&format!("{name}[{e}]"), *ty, *rows, cols, bytes.clone(), e * per))
+                .collect()
+        };
+        let (gate, up, down) = (
+            views("ffn_gate_exps.weight")?,
+            views("ffn_up_exps.weight")?,
+            views("ffn_down_exps.weight")?,
+        );
+        LayerFfn::Experts(Box::new(ExpertWeights {
+            router,
+            experts: gate
+                .into_iter()
+                .zip(up)
+                .zip(down)
+                .map(|((gate, up), down)| FfnWeights {
+                    gate,
+                    up,
+                    down: FfnDown::Rows(down),
+                })
+                .collect(),
+            shared: None,
+        }))
+    };
+    Ok(LayerWeights {
+        attn_norm,
+        attn,
+        bq,
+        bk,
+        bv,
+        q_norm,
+        k_norm,
+        post_attn_norm: None,
+        ffn_norm,
+        ffn,
+        post_ffn_norm: None,
+    })
+}
