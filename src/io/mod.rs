@@ -43,7 +43,7 @@ mod tests;
 #[cfg(target_os = "linux")]
 mod uring;
 
-pub use buf::{AlignedBuf, BufferPool, ALIGN_BYTES};
+pub use buf::{advise_huge_pages, AlignedBuf, BufferPool, ALIGN_BYTES};
 pub use file::DirectIo;
 pub use mmap::MmapReader;
 pub use pread::{PreadOptions, PreadReader};

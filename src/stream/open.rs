@@ -460,6 +460,8 @@ impl Streamer {
         if dense_max > 0 {
             for _ in 0..residency.prefetch_buffers.max(2) {
                 let mut b = vec![0u8; dense_max];
+                // Large reads land here: in huge pages, each is one device request.
+                crate::io::advise_huge_pages(&mut b);
                 prefault(&mut b);
                 dense_bufs.push(b);
             }
