@@ -31,7 +31,6 @@ use gatestream::backend::cpu::CpuBackend;
 use gatestream::backend::cuda::{Activations, CudaDevice, INT8_TYPES, MAP_HOST_ENV};
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, LinkCounters};
-use gatestream::gguf::MetaValue;
 use gatestream::kv::KvCache;
 use gatestream::model::batch::{Logits, Want};
 use gatestream::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
@@ -1477,176 +1476,48 @@ fn moe(dev: &Arc<CudaDevice>, report: &mut serde_json::Map<String, serde_json::V
     }
 }
 
-/// Qwen2.5-1.5B's shape: hidden 1536, FFN 8960, 28 layers, 12 heads of 128 over 2 KV heads,
-/// vocabulary 151936, q/k/v biases; weights random, in the types llama.cpp's
-/// Q4_K_M gives that model (Q6_K embeddings; Q6_K attn_v and ffn_down on the layers its
-/// `use_more_bits` picks, Q4_K elsewhere). Blocks are written directly (random quants, scales
-/// chosen so weights are centred with std ≈ 0.02), so making 1 GB takes seconds.
+/// A Qwen2-shaped model with random weights, written by `make-model`'s library
+/// (`gatestream::synth`): q/k/v biases, the types llama.cpp's Q4_K_M gives each matrix (Q6_K
+/// output, Q6_K attn_v and ffn_down on the layers its `use_more_bits` picks, Q4_K elsewhere),
+/// quantized blocks written directly (random quants, scales chosen so weights are centred with
+/// std ≈ 0.02), so making 1 GB takes seconds; a synthetic vocabulary of the shape's size (ids are
+/// fed directly; no text is tokenized).
 ///
 /// Two choices meant to keep the random network from amplifying rounding differences: the
 /// output matrix is its own (untied; the bytes read per token are the same as tied), and each
 /// residual branch's last product (attn_output, ffn_down) has weights at `residual_gain` of the
 /// others' scale. Measured on an H100 (docs/RESULTS.md section 4): with or without them, the
 /// CPU's 8-bit activation quantization moves its logits by ~5% of their range on this model,
-/// while the CPU's exact path on the same weights as F32 agrees with the GPU to 2e-6.
+/// while the CPU's exact path on the same weights as F32 (`as_f32`: the same draws, decoded)
+/// agrees with the GPU to 2e-6.
 fn qwen_shaped_gguf(dir: &std::path::Path, shape: &Shape, residual_gain: f32, as_f32: bool) -> std::path::PathBuf {
-    let Shape {
-        name,
-        hidden,
-        ffn,
-        heads,
-        kv_heads,
-        hd,
-        vocab,
-        layers,
-    } = *shape;
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
-    let q4k = |rows: usize, cols: usize, gain: f32, rng: &mut Rng| -> Vec<u8> {
-        let mut out = Vec::with_capacity(rows * cols / 256 * 144);
-        for _ in 0..rows * cols / 256 {
-            let d = gain * 3e-4 * (0.5 + rng.unit());
-            out.extend(f16(d));
-            out.extend(f16(7.5 * d));
-            out.extend([15, 15, 15, 15, 15, 15, 15, 15, 0xff, 0xff, 0xff, 0xff]);
-            for _ in 0..16 {
-                out.extend(rng.next().to_le_bytes()[..8].iter());
-            }
-        }
-        out
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, TokenizerChoice};
+    let spec = MakeSpec {
+        shape: gatestream::synth::Shape {
+            name: shape.name.into(),
+            arch: gatestream::config::Arch::Qwen2,
+            hidden: shape.hidden,
+            ffn: shape.ffn,
+            layers: shape.layers,
+            heads: shape.heads,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.hd,
+            vocab: shape.vocab,
+            context_len: 32768,
+            rope_theta: 1e6,
+            rms_eps: 1e-6,
+            tied: false,
+            experts: None,
+        },
+        mix: Mix::Q4KM,
+        dequantize: as_f32,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 1,
+        residual_gain,
     };
-    let q6k = |rows: usize, cols: usize, gain: f32, rng: &mut Rng| -> Vec<u8> {
-        let mut out = Vec::with_capacity(rows * cols / 256 * 210);
-        for _ in 0..rows * cols / 256 {
-            for _ in 0..24 {
-                out.extend(rng.next().to_le_bytes());
-            }
-            out.extend([16u8; 16]);
-            out.extend(f16(gain * 7e-5 * (0.5 + rng.unit())));
-        }
-        out
-    };
-    let f32s = |n: usize, base: f32, spread: f32, rng: &mut Rng| -> Vec<u8> {
-        (0..n)
-            .flat_map(|_| (base + spread * rng.normalish()).to_le_bytes())
-            .collect()
-    };
-    let more_bits = |l: usize| l < layers / 8 || l >= 7 * layers / 8 || (l - layers / 8) % 3 == 2;
-    const Q4K: u32 = 12;
-    const Q6K: u32 = 14;
-    /// What a tensor holds: a norm (around 1), a bias (around 0), a matrix of a type at a gain.
-    enum Kind {
-        Norm,
-        Bias,
-        Matrix(u32, f32),
-    }
-    let mut t: Vec<(String, Vec<u64>, u32, Vec<u8>)> = Vec::new();
-    // (name, GGUF dims: columns first, kind), in the order the weights are drawn.
-    let mut push = |name: String, dims: Vec<usize>, kind: Kind, rng: &mut Rng| {
-        let (ty, bytes) = match kind {
-            Kind::Norm => (0, f32s(dims[0], 1.0, 0.05, rng)),
-            Kind::Bias => (0, f32s(dims[0], 0.0, 0.1, rng)),
-            Kind::Matrix(Q6K, gain) => (Q6K, q6k(dims[1], dims[0], gain, rng)),
-            Kind::Matrix(ty, gain) => (ty, q4k(dims[1], dims[0], gain, rng)),
-        };
-        t.push((name, dims.iter().map(|&d| d as u64).collect(), ty, bytes));
-    };
-    push(
-        "token_embd.weight".into(),
-        vec![hidden, vocab],
-        Kind::Matrix(Q6K, 1.0),
-        &mut rng,
-    );
-    push(
-        "output.weight".into(),
-        vec![hidden, vocab],
-        Kind::Matrix(Q6K, 1.0),
-        &mut rng,
-    );
-    push("output_norm.weight".into(), vec![hidden], Kind::Norm, &mut rng);
-    let (q, kv) = (heads * hd, kv_heads * hd);
-    for l in 0..layers {
-        let vty = if more_bits(l) { Q6K } else { Q4K };
-        // The residual branches' last products (attn_output, ffn_down) at `residual_gain`.
-        for (name, dims, kind) in [
-            ("attn_norm.weight", vec![hidden], Kind::Norm),
-            ("attn_q.weight", vec![hidden, q], Kind::Matrix(Q4K, 1.0)),
-            ("attn_q.bias", vec![q], Kind::Bias),
-            ("attn_k.weight", vec![hidden, kv], Kind::Matrix(Q4K, 1.0)),
-            ("attn_k.bias", vec![kv], Kind::Bias),
-            ("attn_v.weight", vec![hidden, kv], Kind::Matrix(vty, 1.0)),
-            ("attn_v.bias", vec![kv], Kind::Bias),
-            ("attn_output.weight", vec![q, hidden], Kind::Matrix(Q4K, residual_gain)),
-            ("ffn_norm.weight", vec![hidden], Kind::Norm),
-            ("ffn_gate.weight", vec![hidden, ffn], Kind::Matrix(Q4K, 1.0)),
-            ("ffn_up.weight", vec![hidden, ffn], Kind::Matrix(Q4K, 1.0)),
-            ("ffn_down.weight", vec![ffn, hidden], Kind::Matrix(vty, residual_gain)),
-        ] {
-            push(format!("blk.{l}.{name}"), dims, kind, &mut rng);
-        }
-    }
-    // A SentencePiece-style vocabulary of the right size (ids are fed directly; no text is
-    // tokenized): control tokens, the 256 byte tokens, then plain pieces.
-    let tokens: Vec<MetaValue> = (0..vocab)
-        .map(|i| {
-            MetaValue::Str(match i {
-                0 => "<unk>".into(),
-                1 => "<s>".into(),
-                2 => "</s>".into(),
-                3..=258 => format!("<0x{:02X}>", i - 3),
-                _ => format!("\u{2581}w{i}"),
-            })
-        })
-        .collect();
-    let scores: Vec<MetaValue> = (0..vocab).map(|i| MetaValue::F32(-(i as f32))).collect();
-    let types: Vec<MetaValue> = (0..vocab)
-        .map(|i| {
-            MetaValue::I32(if i < 3 {
-                3
-            } else if i < 259 {
-                6
-            } else {
-                1
-            })
-        })
-        .collect();
-    let meta: Vec<(&str, MetaValue)> = vec![
-        ("general.architecture", MetaValue::Str("qwen2".into())),
-        ("general.name", MetaValue::Str("qwen2.5-1.5b-shaped random".into())),
-        ("qwen2.context_length", MetaValue::U32(32768)),
-        ("qwen2.embedding_length", MetaValue::U32(hidden as u32)),
-        ("qwen2.feed_forward_length", MetaValue::U32(ffn as u32)),
-        ("qwen2.block_count", MetaValue::U32(layers as u32)),
-        ("qwen2.attention.head_count", MetaValue::U32(heads as u32)),
-        ("qwen2.attention.head_count_kv", MetaValue::U32(kv_heads as u32)),
-        ("qwen2.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-6)),
-        ("qwen2.rope.freq_base", MetaValue::F32(1_000_000.0)),
-        ("tokenizer.ggml.model", MetaValue::Str("llama".into())),
-        ("tokenizer.ggml.tokens", MetaValue::Array(tokens)),
-        ("tokenizer.ggml.scores", MetaValue::Array(scores)),
-        ("tokenizer.ggml.token_type", MetaValue::Array(types)),
-        ("tokenizer.ggml.bos_token_id", MetaValue::U32(1)),
-        ("tokenizer.ggml.eos_token_id", MetaValue::U32(2)),
-    ];
-    if as_f32 {
-        // The same weights dequantized (the RNG draws are the same): the CPU then multiplies
-        // f32 activations with them, with no 8-bit activation quantization.
-        for (_, dims, ty, bytes) in t.iter_mut().filter(|x| x.2 != 0) {
-            let gty = GgmlType::from_ggml_id(*ty).unwrap();
-            let (cols, rows) = (dims[0] as usize, dims[1] as usize);
-            let rb = gty.row_bytes(cols).unwrap();
-            let mut out = Vec::with_capacity(rows * cols * 4);
-            let mut row = vec![0f32; cols];
-            for r in 0..rows {
-                gatestream::quant::dequantize_row(gty, &bytes[r * rb..(r + 1) * rb], &mut row);
-                out.extend(row.iter().flat_map(|v| v.to_le_bytes()));
-            }
-            *bytes = out;
-            *ty = 0;
-        }
-    }
-    let bytes = common::gguf_of(&meta, &t);
-    common::write_temp(dir, &format!("{name}{}.gguf", if as_f32 { "-f32" } else { "" }), &bytes)
+    let path = dir.join(format!("{}{}.gguf", shape.name, if as_f32 { "-f32" } else { "" }));
+    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    path
 }
 
 /// The dimensions of a Qwen2-shaped random model.

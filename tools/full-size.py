@@ -24,7 +24,8 @@ Cases (2 threads, release builds, A B A B for --pairs pairs; ratio = gatestream 
 Before each pair under a cap, `bench --device-only --quick` measures the disk's sequential rate,
 so each streamed read rate is quoted beside the device's in the same run. Each line prints both
 medians, the median of the per-pair ratios, gatestream's bytes per token, achieved GB/s, time to
-first token, peak memory (the cgroup's), and the device's sequential GB/s.
+first token, peak resident memory (the process's, beside its budget: the cgroup's own peak is the
+cap itself once the page cache fills it), and the device's sequential GB/s.
 """
 
 import argparse
@@ -162,7 +163,7 @@ def main():
                 gbs = s["disk_bytes_per_token"] * s["decode_tok_per_s"] / 1e9
                 figs.append({"GB_per_tok": s["disk_bytes_per_token"] / 1e9, "GB_per_s": gbs, "device_GB_per_s": seq,
                              "of_device": gbs / seq if seq else 0, "ttft_s": d["prefill_s"],
-                             "peak_MB": int(f["peak_bytes"]) / 1e6,
+                             "peak_rss_MB": s["peak_rss_bytes"] / 1e6, "budget_MB": s["ram_budget_bytes"] / 1e6,
                              "tokens_per_pass": (d.get("speculative") or {}).get("tokens_per_pass", 1.0)})
                 _, err, f = capped(cap, [PEER_BIN / "llama-completion", "-m", gguf, "-p", prompt, "-n", n, "-t", "2",
                                          "-c", "512", "--temp", "0", "-s", "1", "--ignore-eos", "-no-cnv", "-nr"])

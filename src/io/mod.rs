@@ -176,16 +176,26 @@ pub trait Reader: Send + Sync {
         Ok(())
     }
 
-    /// Reads one range into a new `Vec`.
+    /// Reads one range into a new `Vec`, in requests of at most [`READ_VEC_PIECE_BYTES`] (a
+    /// `Vec` is rarely in phase with the file, so each request goes through a reader buffer of
+    /// its size: one for the whole range would double a large matrix's memory while it loads).
     fn read_vec(&self, offset_bytes: u64, len_bytes: usize) -> Result<Vec<u8>> {
         let mut out = vec![0u8; len_bytes];
-        self.read_into(&mut [ReadReq {
-            offset_bytes,
-            buf: &mut out,
-        }])?;
+        let (mut ranges, mut starts) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        while at < len_bytes {
+            let n = READ_VEC_PIECE_BYTES.min(len_bytes - at);
+            ranges.push(Range::new(offset_bytes + at as u64, n));
+            starts.push(at);
+            at += n;
+        }
+        self.read_into(&mut requests_at(&mut out, &ranges, &starts))?;
         Ok(out)
     }
 }
+
+/// The largest request [`Reader::read_vec`] makes.
+pub const READ_VEC_PIECE_BYTES: usize = 4 << 20;
 
 /// Where to place each of `ranges`, back to back in order, in a buffer whose first byte is at
 /// address `base`, so that [`Reader::read_into`] can read their whole blocks straight into it (the

@@ -92,11 +92,11 @@ impl ExpertPart {
         self.len_bytes
     }
 
-    /// The expert as weights over its bytes.
-    fn weights(&self, bytes: &Arc<Vec<u8>>) -> Result<FfnWeights> {
+    /// The expert as weights over its bytes, which start at `at` in `bytes`.
+    fn weights(&self, bytes: &Arc<Vec<u8>>, at: usize) -> Result<FfnWeights> {
         // A cache slot, refilled with another expert when evicted.
         let w = |m: &MatrixAt| {
-            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), m.offset, m.stride)
+            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), at + m.offset, m.stride)
                 .map(Weight::volatile)
         };
         Ok(FfnWeights {
@@ -109,6 +109,8 @@ impl ExpertPart {
 
 struct Entry {
     bytes: Arc<Vec<u8>>,
+    /// Where the expert's bytes start in `bytes` (read in place: at its file offset's phase).
+    at: usize,
     last_used: u64,
 }
 
@@ -151,16 +153,42 @@ impl ExpertCache {
     fn insert(
         &mut self,
         key: (usize, usize),
-        bytes: Arc<Vec<u8>>,
+        (bytes, at): (Arc<Vec<u8>>, usize),
         step: u64,
         keep: &[(usize, usize)],
     ) -> Option<Vec<u8>> {
         let spare = self.make_room(keep);
         if self.entries.len() < self.slots {
-            self.entries.insert(key, Entry { bytes, last_used: step });
+            self.entries.insert(
+                key,
+                Entry {
+                    bytes,
+                    at,
+                    last_used: step,
+                },
+            );
         }
         spare
     }
+}
+
+/// Sizes `v` for `len` bytes read from file offset `offset` straight into it (O_DIRECT in place):
+/// returns where they start, at the offset's phase modulo the block; a new buffer's memory is
+/// advised into huge pages before it is first touched.
+fn in_phase(v: &mut Vec<u8>, offset: u64, len: usize) -> usize {
+    let a = crate::io::ALIGN_BYTES;
+    let need = len + a;
+    if v.capacity() < need {
+        *v = Vec::with_capacity(need);
+        // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
+        let spare = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), need) };
+        crate::io::advise_huge_pages(spare);
+    }
+    let addr = v.as_ptr() as usize;
+    let at = ((offset % a as u64) as usize + a - addr % a) % a;
+    v.clear();
+    v.resize(at + len, 0);
+    at
 }
 
 /// A pending lookahead read: `experts[i]` of `layer`, in submission order.
@@ -291,7 +319,8 @@ impl ExpertStream {
             }
             done.result?;
             let key = (job.layer, job.expert);
-            if let Some(v) = st.cache.insert(key, Arc::new(done.buf), step, &keys) {
+            // (Read ahead packed: the expert's bytes start at the buffer's first byte.)
+            if let Some(v) = st.cache.insert(key, (Arc::new(done.buf), 0), step, &keys) {
                 st.spare.push(v);
             }
             landed.push(key);
@@ -315,7 +344,7 @@ impl ExpertStream {
             match st.cache.entries.get_mut(k) {
                 Some(entry) => {
                     entry.last_used = step;
-                    let w = self.parts[l][e].weights(&entry.bytes)?;
+                    let w = self.parts[l][e].weights(&entry.bytes, entry.at)?;
                     if !landed.contains(k) {
                         hits += 1;
                     }
@@ -326,17 +355,20 @@ impl ExpertStream {
         }
         counters.cache_hits += hits;
         // Misses, at most a cache's worth at a time (one when the cache holds none), each
-        // computed as its last chunk lands.
+        // computed as its last chunk lands. Each is read straight into its buffer (laid out at
+        // its file offset's phase, in huge pages where the kernel gives them) as one pipeline
+        // of reads.
         let per_round = st.cache.slots.max(1);
         for round in misses.chunks(per_round) {
-            let mut bufs: Vec<Vec<u8>> = Vec::with_capacity(round.len());
+            let mut bufs: Vec<(Vec<u8>, usize)> = Vec::with_capacity(round.len());
             for &e in round {
                 let mut v = match st.spare.pop() {
                     Some(v) => v,
                     None => st.cache.make_room(&[]).unwrap_or_default(),
                 };
-                v.resize(self.parts[l][e].len_bytes, 0);
-                bufs.push(v);
+                let p = &self.parts[l][e];
+                let at = in_phase(&mut v, p.offset_bytes, p.len_bytes);
+                bufs.push((v, at));
             }
             let ranges: Vec<Range> = round
                 .iter()
@@ -345,23 +377,57 @@ impl ExpertStream {
             let (chunks, place) = super::prefetch::cut(&ranges, max_read_bytes);
             let mut left = vec![0usize; round.len()];
             place.iter().for_each(|&(i, _)| left[i] += 1);
+            // Where each chunk lands (derived once: the buffers are not touched again until
+            // their last chunk is in).
+            let dests: Vec<*mut u8> = place
+                .iter()
+                // SAFETY (pointer arithmetic): the chunk lies inside its expert's bytes, which
+                // lie inside the buffer from `at` (sized by `in_phase`).
+                .map(|&(i, o)| unsafe { bufs[i].0.as_mut_ptr().add(bufs[i].1 + o) })
+                .collect();
             let t0 = Instant::now();
             let mut compute_ns = 0u64;
-            let mut ready: Vec<Option<Arc<Vec<u8>>>> = vec![None; round.len()];
-            reader.read_each(&chunks, &mut |c, bytes| {
-                let (i, at) = place[c];
-                bufs[i][at..at + bytes.len()].copy_from_slice(bytes);
-                left[i] -= 1;
-                if left[i] == 0 {
-                    let t = Instant::now();
-                    let b = Arc::new(std::mem::take(&mut bufs[i]));
-                    let e = round[i];
-                    compute(e, &self.parts[l][e].weights(&b)?)?;
-                    ready[i] = Some(b);
-                    compute_ns += t.elapsed().as_nanos() as u64;
+            let mut ready: Vec<Option<(Arc<Vec<u8>>, usize)>> = vec![None; round.len()];
+            let mut first_err: Option<Error> = None;
+            let mut issued = 0usize;
+            let mut next = |_idle: bool| -> Option<crate::io::StreamReq> {
+                let c = issued;
+                let r = chunks.get(c)?;
+                issued += 1;
+                Some(crate::io::StreamReq {
+                    offset_bytes: r.offset_bytes,
+                    len_bytes: r.len_bytes,
+                    dest: dests[c],
+                    tag: c as u64,
+                })
+            };
+            let mut done = |tag: u64, result: Result<()>| {
+                let i = place[tag as usize].0;
+                if let Err(e) = result {
+                    first_err.get_or_insert(e);
+                    return;
                 }
-                Ok(())
-            })?;
+                left[i] -= 1;
+                if left[i] > 0 || first_err.is_some() {
+                    return;
+                }
+                let t = Instant::now();
+                let (b, at) = std::mem::take(&mut bufs[i]);
+                let b = Arc::new(b);
+                let e = round[i];
+                if let Err(err) = self.parts[l][e].weights(&b, at).and_then(|w| compute(e, &w)) {
+                    first_err = Some(err);
+                }
+                ready[i] = Some((b, at));
+                compute_ns += t.elapsed().as_nanos() as u64;
+            };
+            // SAFETY: each chunk's destination lies in its expert's buffer, which stays where it
+            // is (not touched, moved out of `bufs` only once its last chunk has landed, freed
+            // only after this call) until every chunk has reported to `done`.
+            unsafe { reader.read_stream(&mut next, &mut done) }?;
+            if let Some(e) = first_err {
+                return Err(e);
+            }
             let wait = (t0.elapsed().as_nanos() as u64).saturating_sub(compute_ns);
             let bytes: u64 = round.iter().map(|&e| self.parts[l][e].len_bytes as u64).sum();
             {
@@ -654,6 +720,7 @@ impl super::Streamer {
         Ok(super::Streamer {
             batch_tokens_max: opts.batch_tokens_max.max(1),
             kv_positions: opts.kv_positions,
+            read_bytes: opts.prefetch_read_bytes.max(crate::io::ALIGN_BYTES),
             residency,
             cost,
             engine: opts.engine,

@@ -430,6 +430,8 @@ pub struct Streamer {
     pub batch_tokens_max: usize,
     /// KV positions the budget holds.
     pub kv_positions: usize,
+    /// Bytes of one large read (the prefetch thread's, an expert's miss).
+    read_bytes: usize,
     fg: Arc<dyn Reader>,
     bg: Arc<dyn Reader>,
     prefetcher: Prefetcher,

@@ -527,6 +527,7 @@ impl Streamer {
         Ok(Streamer {
             batch_tokens_max: opts.batch_tokens_max.max(1),
             kv_positions: opts.kv_positions,
+            read_bytes: opts.prefetch_read_bytes.max(crate::io::ALIGN_BYTES),
             residency,
             cost,
             engine: opts.engine,

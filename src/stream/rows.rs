@@ -425,7 +425,8 @@ impl LayerStream for Streamer {
             ids,
             self.fg.as_ref(),
             &self.prefetcher,
-            self.cost.max_read_bytes as usize,
+            // Misses are read in place: as large reads as the prefetch thread's.
+            self.read_bytes,
             &mut st.counters,
             compute,
         )
