@@ -46,13 +46,17 @@ pub fn describe(g: &GstFile) -> String {
         ix.source.file_name, ix.source.len_bytes, ix.source.xxh3
     );
     let l = &ix.layout;
+    // Down is stored as neuron-major columns, or (the rows layout, experts) as the source's rows.
+    let down = match (l.ffn_layout, ix.config.moe.is_some()) {
+        (crate::format::FfnLayout::Rows, _) | (_, true) => {
+            format!("down rows as stored (layer 0: {})", l.down_type.name())
+        }
+        _ => format!("down columns {}", l.down_type.name()),
+    };
     let _ = writeln!(
         o,
-        "layout: ffn {:?}, neuron order {:?}, down columns {}, up sketch {:?}",
-        l.ffn_layout,
-        l.neuron_order,
-        l.down_type.name(),
-        l.up_sketch
+        "layout: ffn {:?}, neuron order {:?}, {down}, up sketch {:?}",
+        l.ffn_layout, l.neuron_order, l.up_sketch
     );
     if !ix.down_requant_rel_rms.is_empty() {
         let e = &ix.down_requant_rel_rms;

@@ -769,3 +769,62 @@ fn make_model_pads_a_real_tokenizer_and_refuses_bad_shapes() {
     let e = gatestream::synth::Shape::named("llama3-9b").unwrap_err().to_string();
     assert!(e.contains("llama3-8b") && e.contains("custom"), "{e}");
 }
+
+/// `verify` reads the file (not through a map) in batches: a section longer than a batch (36 MB
+/// here) is hashed across them, and one flipped byte anywhere in a section is found and named.
+#[test]
+fn verify_reads_large_sections_and_finds_a_flipped_byte() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = MakeSpec {
+        shape: Shape {
+            hidden: 2048,
+            ffn: 16384,
+            layers: 1,
+            heads: 16,
+            kv_heads: 4,
+            head_dim: 128,
+            ..small_shape(Arch::Llama, None)
+        },
+        mix: Mix::Q8_0,
+        dequantize: false,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 9,
+        residual_gain: 0.1,
+    };
+    let opts = ReformatOptions {
+        ffn_layout: FfnLayout::Rows,
+        ..ReformatOptions::default()
+    };
+    let p = make_model(tmp.path(), "big.gst", &spec, OutputFormat::Gst(opts));
+    let g = GstFile::open(&p).unwrap();
+    let up = g
+        .index
+        .sections
+        .iter()
+        .find(|s| s.name == "blk.0.ffn_up.weight")
+        .unwrap()
+        .clone();
+    assert!(up.len_bytes > 32 << 20, "{}", up.len_bytes);
+    let mut seen = 0;
+    g.verify(&mut |done, total| {
+        assert!(done <= total);
+        seen = done;
+    })
+    .unwrap();
+    assert_eq!(seen, g.index.sections.iter().map(|s| s.len_bytes).sum::<u64>());
+    drop(g);
+    // One bit flipped past the first batch of the large section.
+    let at = up.offset_bytes + (33 << 20) + 12345;
+    let mut bytes = std::fs::read(&p).unwrap();
+    bytes[at as usize] ^= 0x10;
+    std::fs::write(&p, &bytes).unwrap();
+    let e = GstFile::open(&p)
+        .unwrap()
+        .verify(&mut |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`blk.0.ffn_up.weight` checksum mismatch"), "{e}");
+    assert!(e.contains(&up.offset_bytes.to_string()), "{e}");
+}

@@ -64,6 +64,33 @@ pub fn parse_file_bytes(path: &Path, bytes: &[u8]) -> Result<(Header, Index)> {
 }
 
 /// Verify one section's checksum against its bytes (the whole section, `s.len_bytes` long).
+/// Checks a section's xxh3, computed over its bytes as they were read (`digest`, of
+/// `len_bytes` bytes), against the index's: what [`verify_section`] does for bytes in memory.
+pub fn verify_section_digest(path: &Path, s: &Section, len_bytes: u64, digest: u64) -> Result<()> {
+    if len_bytes != s.len_bytes {
+        return Err(malformed(
+            path,
+            s.offset_bytes,
+            format!(
+                "section `{}`: got {len_bytes} bytes to verify, the index says {}; read the whole section",
+                s.name, s.len_bytes
+            ),
+        ));
+    }
+    let found = super::checksum_to_hex(digest);
+    if found != s.xxh3 {
+        return Err(malformed(
+            path,
+            s.offset_bytes,
+            format!(
+                "section `{}` checksum mismatch: the index says {}, its {} bytes hash to {found}; {REBUILD}",
+                s.name, s.xxh3, s.len_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
 pub fn verify_section(path: &Path, s: &Section, bytes: &[u8]) -> Result<()> {
     if bytes.len() as u64 != s.len_bytes {
         return Err(malformed(

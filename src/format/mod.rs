@@ -32,7 +32,9 @@ use crate::config::ModelConfig;
 use crate::error::Error;
 use crate::quant::GgmlType;
 
-pub use file::{parse_file_bytes, plan_layout, reseal_checksums_for_testing, verify_section, Planned};
+pub use file::{
+    parse_file_bytes, plan_layout, reseal_checksums_for_testing, verify_section, verify_section_digest, Planned,
+};
 pub use header::Header;
 
 pub const MAGIC: [u8; 8] = *b"GSTREAM\0";

@@ -758,3 +758,56 @@ fn uring_reads_into_registered_memory_as_fixed_buffers() {
     // SAFETY: nothing is registered.
     assert!(unsafe { off.register(&mut buf) }.is_none());
 }
+
+/// `read_vec` reads a large range in pieces of at most `READ_VEC_PIECE_BYTES` (each piece is one
+/// reader buffer, so loading a large matrix never holds a second copy of it whole), and every
+/// engine returns the same bytes for it, and for `read_stream`'s pipeline of requests.
+#[test]
+fn read_vec_reads_in_pieces_and_read_stream_in_any_engine() {
+    let dir = scratch_dir();
+    let len = 2 * super::READ_VEC_PIECE_BYTES + 12345;
+    let (path, expected) = test_file(&dir, len + 8192, 77);
+    let sim = SimReader::from_bytes("sim", expected.clone(), SimFaults::default());
+    let got = sim.read_vec(4096, len).unwrap();
+    assert!(got == expected[4096..4096 + len]);
+    assert_eq!(sim.stats().requests, 3, "{:?}", sim.stats());
+    let readers: Vec<Box<dyn Reader>> = vec![
+        Box::new(uring(&path, FixedBuffers::On, DirectIo::Optional)),
+        Box::new(pread(&path, DirectIo::Optional)),
+        Box::new(sim),
+    ];
+    for r in &readers {
+        assert!(r.read_vec(100, len).unwrap() == expected[100..100 + len]);
+        // A stream of requests into one buffer, some in phase with the file and some not.
+        let mut buf = vec![0u8; len];
+        let base = buf.as_mut_ptr();
+        let cuts = [
+            (0usize, 5000usize),
+            (5000, 1 << 20),
+            ((1 << 20) + 5000, len - (1 << 20) - 5000),
+        ];
+        let mut i = 0;
+        let mut done = Vec::new();
+        // SAFETY: each request points into `buf`, which outlives the call and is not touched
+        // until it returns.
+        unsafe {
+            r.read_stream(
+                &mut |_| {
+                    let (at, n) = *cuts.get(i)?;
+                    i += 1;
+                    Some(super::StreamReq {
+                        offset_bytes: 3 + at as u64,
+                        len_bytes: n,
+                        dest: base.add(at),
+                        tag: at as u64,
+                    })
+                },
+                &mut |tag, res| done.push((tag, res.is_ok())),
+            )
+        }
+        .unwrap();
+        done.sort();
+        assert_eq!(done, cuts.iter().map(|c| (c.0 as u64, true)).collect::<Vec<_>>());
+        assert!(buf == expected[3..3 + len]);
+    }
+}
