@@ -181,8 +181,12 @@ pub trait Reader: Send + Sync {
     /// its size: one for the whole range would double a large matrix's memory while it loads).
     fn read_vec(&self, offset_bytes: u64, len_bytes: usize) -> Result<Vec<u8>> {
         let mut out = vec![0u8; len_bytes];
-        let (mut ranges, mut starts) = (Vec::new(), Vec::new());
-        let mut at = 0;
+        // (An empty range is one request, so its offset is checked like any other.)
+        let (mut ranges, mut starts) = (
+            vec![Range::new(offset_bytes, len_bytes.min(READ_VEC_PIECE_BYTES))],
+            vec![0],
+        );
+        let mut at = ranges[0].len_bytes;
         while at < len_bytes {
             let n = READ_VEC_PIECE_BYTES.min(len_bytes - at);
             ranges.push(Range::new(offset_bytes + at as u64, n));
@@ -196,6 +200,44 @@ pub trait Reader: Send + Sync {
 
 /// The largest request [`Reader::read_vec`] makes.
 pub const READ_VEC_PIECE_BYTES: usize = 4 << 20;
+
+/// Sizes `v` to hold `len` bytes read from file offset `offset` straight into it (O_DIRECT in
+/// place, [`in_phase_starts`]): returns where they start, at the offset's phase modulo
+/// [`ALIGN_BYTES`]. A buffer too small is replaced by one whose memory is advised into huge
+/// pages before it is first touched ([`advise_huge_pages`]).
+pub fn lay_in_phase(v: &mut Vec<u8>, offset: u64, len: usize) -> usize {
+    let a = ALIGN_BYTES;
+    let need = len + a;
+    if v.capacity() < need {
+        *v = Vec::with_capacity(need);
+        // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
+        let spare = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), need) };
+        advise_huge_pages(spare);
+    }
+    let addr = v.as_ptr() as usize;
+    let at = ((offset % a as u64) as usize + a - addr % a) % a;
+    v.clear();
+    v.resize(at + len, 0);
+    at
+}
+
+/// Reads `len` bytes at `offset` into a new buffer laid out in phase ([`lay_in_phase`]), in
+/// requests of at most [`READ_VEC_PIECE_BYTES`]: io_uring reads their whole blocks in place (no
+/// reader buffer, no copy). Returns the buffer and where the bytes start in it.
+pub fn read_in_phase(r: &dyn Reader, offset: u64, len: usize) -> Result<(Vec<u8>, usize)> {
+    let mut v = Vec::new();
+    let at = lay_in_phase(&mut v, offset, len);
+    let (mut ranges, mut starts) = (vec![Range::new(offset, len.min(READ_VEC_PIECE_BYTES))], vec![at]);
+    let mut done = ranges[0].len_bytes;
+    while done < len {
+        let n = READ_VEC_PIECE_BYTES.min(len - done);
+        ranges.push(Range::new(offset + done as u64, n));
+        starts.push(at + done);
+        done += n;
+    }
+    r.read_into(&mut requests_at(&mut v, &ranges, &starts))?;
+    Ok((v, at))
+}
 
 /// Where to place each of `ranges`, back to back in order, in a buffer whose first byte is at
 /// address `base`, so that [`Reader::read_into`] can read their whole blocks straight into it (the

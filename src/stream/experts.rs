@@ -172,25 +172,6 @@ impl ExpertCache {
     }
 }
 
-/// Sizes `v` for `len` bytes read from file offset `offset` straight into it (O_DIRECT in place):
-/// returns where they start, at the offset's phase modulo the block; a new buffer's memory is
-/// advised into huge pages before it is first touched.
-fn in_phase(v: &mut Vec<u8>, offset: u64, len: usize) -> usize {
-    let a = crate::io::ALIGN_BYTES;
-    let need = len + a;
-    if v.capacity() < need {
-        *v = Vec::with_capacity(need);
-        // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
-        let spare = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), need) };
-        crate::io::advise_huge_pages(spare);
-    }
-    let addr = v.as_ptr() as usize;
-    let at = ((offset % a as u64) as usize + a - addr % a) % a;
-    v.clear();
-    v.resize(at + len, 0);
-    at
-}
-
 /// A pending lookahead read: `experts[i]` of `layer`, in submission order.
 struct AheadJob {
     layer: usize,
@@ -367,7 +348,7 @@ impl ExpertStream {
                     None => st.cache.make_room(&[]).unwrap_or_default(),
                 };
                 let p = &self.parts[l][e];
-                let at = in_phase(&mut v, p.offset_bytes, p.len_bytes);
+                let at = crate::io::lay_in_phase(&mut v, p.offset_bytes, p.len_bytes);
                 bufs.push((v, at));
             }
             let ranges: Vec<Range> = round
@@ -590,8 +571,8 @@ impl super::Streamer {
             let offset = m
                 .file_offset()
                 .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", m.name)))?;
-            let bytes = fg.read_vec(offset, span(m) as usize)?;
-            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, Arc::new(bytes), 0, m.row_stride_bytes)
+            let (bytes, at) = crate::io::read_in_phase(fg.as_ref(), offset, span(m) as usize)?;
+            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, Arc::new(bytes), at, m.row_stride_bytes)
         };
         let mut experts = ExpertStream::new(
             &layers,

@@ -267,7 +267,11 @@ impl Streamer {
                         w.row_stride_bytes,
                     ))
                 }
-                None => Weight::owned(&w.name, w.ty, w.rows, w.cols, fg.read_vec(offset, w.len_bytes())?),
+                None => {
+                    // In phase with the file: read in place, in huge pages.
+                    let (bytes, at) = crate::io::read_in_phase(fg.as_ref(), offset, w.len_bytes())?;
+                    Weight::shared(&w.name, w.ty, w.rows, w.cols, Arc::new(bytes), at)
+                }
             }
         };
         let w = &model.weights;
