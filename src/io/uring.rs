@@ -94,6 +94,10 @@ pub struct UringReader {
     stats: StatsCell,
 }
 
+/// What [`UringReader::reap`] hands each read that finished: its index, and its bytes (`Some`,
+/// lent from the ring's buffers), `None` (read into caller memory) or the error.
+type Settled<'a> = dyn FnMut(usize, Result<Option<&[u8]>>) + 'a;
+
 /// One read in flight (or between resubmissions) in a slot.
 struct Inflight {
     index: usize,
@@ -687,7 +691,7 @@ impl UringReader {
     /// and goes to `settled(index, outcome)` — `Ok(Some(bytes))` for a read into the ring's
     /// buffers (lent for the call), `Ok(None)` for one into caller memory, `Err` naming the
     /// range when it failed. An error return means the ring could not be waited on.
-    fn reap(&self, ring: &mut Ring, settled: &mut dyn FnMut(usize, Result<Option<&[u8]>>)) -> Result<()> {
+    fn reap(&self, ring: &mut Ring, settled: &mut Settled<'_>) -> Result<()> {
         let fd = self.file.as_raw_fd();
         ring.wait().map_err(|e| Error::io(&self.path, e))?;
         let cqes = std::mem::take(&mut ring.cqes);

@@ -604,11 +604,15 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// A three-dimensional expert tensor made: name, bytes, experts, each one's rows, type.
+type ExpertTensor = (String, Arc<Vec<u8>>, usize, usize, GgmlType);
+
 /// A layer's weights from its planned tensors (made in order by `made`).
 fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<Vec<u8>>) -> Result<LayerWeights> {
     let mut vectors: Vec<(String, Vec<f32>)> = Vec::new();
     let mut matrices: Vec<(String, Weight)> = Vec::new();
-    let mut experts: Vec<(String, Arc<Vec<u8>>, usize, usize, GgmlType)> = Vec::new();
+    // (name, the tensor's bytes, experts, each one's rows, type)
+    let mut experts: Vec<ExpertTensor> = Vec::new();
     for p in tensors {
         let short = p
             .name
