@@ -18,7 +18,7 @@ enum Storage {
     /// Only the place in the file is known: the bytes are read through a stream (a model opened
     /// for streaming keeps no view of its matrices, so nothing can read them past the budget).
     OnDisk,
-    /// Host memory a device staged rows in for its own copies (`backend::Device::begin_upload`).
+    /// Host memory a device staged rows in for its own copies (`backend::HostLink::begin_upload`).
     Staged(Arc<dyn StagedBytes>),
 }
 

@@ -278,7 +278,7 @@ fn ignore_eos_goes_on_past_the_end_of_sequence_token() {
 #[test]
 fn masks_deciding_from_the_input_run_device_decode_steps_without_their_activations() {
     use gatestream::backend::standin::HostStandIn;
-    use gatestream::backend::Device;
+    use gatestream::backend::HostLink;
     use std::sync::Arc;
     let tmp = tempfile::tempdir().unwrap();
     let gst = smollm2_gst(tmp.path());
@@ -345,7 +345,7 @@ fn generate_counting_bytes_back(
     ids: &[u32],
     opts: &GenerateOptions,
 ) -> (gatestream::model::generate::Generation, u64, u64) {
-    use gatestream::backend::Device;
+    use gatestream::backend::HostLink;
     let before = dev.link().unwrap().to_host_bytes;
     let g = m.generate_ids(ids, opts, None, None, None, &mut |_| {}).unwrap();
     let rows = 1 + g.speculative.as_ref().map_or(g.decode_tokens, |s| s.passes + s.drafted);
@@ -364,7 +364,7 @@ fn generate_counting_bytes_back(
 #[test]
 fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
     use gatestream::backend::standin::HostStandIn;
-    use gatestream::backend::Device;
+    use gatestream::backend::HostLink;
     use std::sync::Arc;
     let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
     let dev = Arc::new(HostStandIn::new(0));
@@ -457,7 +457,7 @@ fn greedy_tokens_found_on_the_device_are_those_sampled_from_the_logits() {
 #[test]
 fn sampled_tokens_drawn_from_device_candidates_are_those_drawn_from_the_logits() {
     use gatestream::backend::standin::HostStandIn;
-    use gatestream::backend::Device;
+    use gatestream::backend::HostLink;
     use gatestream::model::sampler::SamplerConfig;
     use std::sync::Arc;
     let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");

@@ -798,7 +798,7 @@ fn streamed_experts_equal_the_in_ram_gst_model_for_every_reader() {
 #[test]
 fn streamed_experts_feed_a_device_with_memory_of_its_own() {
     use gatestream::backend::standin::HostStandIn;
-    use gatestream::backend::Device;
+    use gatestream::backend::HostLink;
     let tmp = tempfile::tempdir().unwrap();
     let text = "Once upon a time, there was a little dog";
     for arch in ARCHS {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
-use gatestream::backend::Device;
+use gatestream::backend::{Device, HostLink};
 use gatestream::format::FfnLayout;
 use gatestream::gstfile::GstFile;
 use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads, SimFaults, SimReader};

@@ -300,6 +300,8 @@ fn host_mut(a: &mut Act) -> &mut [f32] {
 }
 
 /// The CPU device: activations are host vectors, products run on this backend's threads.
+impl super::HostLink for CpuBackend {}
+
 impl Device for CpuBackend {
     fn name(&self) -> String {
         Backend::name(self)

@@ -20,6 +20,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod ops;
+pub mod pick;
 pub mod standin;
 
 use std::borrow::Cow;
@@ -158,7 +159,7 @@ pub struct TopRows {
 /// [`Device::argmax_rows`] of `rows` rows of `width` values on the host.
 fn host_argmax_rows(values: &[f32], rows: usize, width: usize, banned: &[u32]) -> Vec<u32> {
     (0..rows)
-        .map(|r| crate::model::sampler::argmax_banned(&values[r * width..(r + 1) * width], banned))
+        .map(|r| pick::argmax_banned(&values[r * width..(r + 1) * width], banned))
         .collect()
 }
 
@@ -180,12 +181,12 @@ fn host_top_k_rows(values: &[f32], width: usize, k: usize, banned: &[u32], lse: 
         } else {
             banned_row = {
                 let mut r = row.to_vec();
-                crate::model::sampler::ban(&mut r, banned);
+                pick::ban(&mut r, banned);
                 r
             };
             &banned_row[..]
         };
-        out.pairs.extend(crate::model::sampler::most_likely(row, k));
+        out.pairs.extend(pick::most_likely(row, k));
         if lse {
             out.lse.push(ops::log_sum_exp(row));
         }
@@ -193,7 +194,7 @@ fn host_top_k_rows(values: &[f32], width: usize, k: usize, banned: &[u32], lse: 
     out
 }
 
-/// Weights a device with memory of its own copied from the host (see [`Device::link`]).
+/// Weights a device with memory of its own copied from the host (see [`HostLink::link`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct LinkCounters {
     /// Bytes of resident weights, copied once each.
@@ -202,11 +203,11 @@ pub struct LinkCounters {
     /// host), copied at every use, and how many copies.
     pub volatile_bytes: u64,
     pub volatile_copies: u64,
-    /// Of the volatile bytes, those staged by [`Device::begin_upload`] (page-locked memory on
+    /// Of the volatile bytes, those staged by [`HostLink::begin_upload`] (page-locked memory on
     /// CUDA, copied a chunk at a time on the copy stream while the rest is still being staged).
     pub staged_bytes: u64,
     /// Of the volatile bytes, those copied from page-locked memory: staged, or in a buffer the
-    /// stream registered ([`Device::pin_host`]).
+    /// stream registered ([`HostLink::pin_host`]).
     pub pinned_bytes: u64,
     /// Time in those copies, nanoseconds: host time of synchronous copies, plus the device time
     /// (between events) of the staged, asynchronous ones.
@@ -235,7 +236,7 @@ impl LinkCounters {
     }
 }
 
-/// Host-to-device copy bandwidth for one copy size (see [`Device::measure_link`]).
+/// Host-to-device copy bandwidth for one copy size (see [`HostLink::measure_link`]).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct LinkBandwidth {
     pub bytes: usize,
@@ -274,7 +275,7 @@ pub const UPLOAD_BUFFERS_KEPT: usize = 2;
 pub const UPLOAD_BUFFER_GRAIN: usize = 64 << 10;
 
 /// Host memory a decode step's streamed rows are staged in for a device with memory of its own
-/// ([`Device::begin_upload`]): rows are written in place, and each chunk is handed to the device
+/// ([`HostLink::begin_upload`]): rows are written in place, and each chunk is handed to the device
 /// as soon as it is complete, so its copy runs while later rows are still arriving.
 pub trait Upload: Send {
     /// The staging buffer (as long as asked), written in place.
@@ -313,11 +314,11 @@ pub fn joinable(head: &Weight, tail: &Weight) -> crate::error::Result<()> {
     }
 }
 
-/// Host memory a device page-locked for its copies ([`Device::pin_host`]); unlocked on drop.
+/// Host memory a device page-locked for its copies ([`HostLink::pin_host`]); unlocked on drop.
 pub struct PinnedHost(pub Box<dyn Send + Sync>);
 
-/// A weight's bytes in host memory a device mapped ([`Device::map_host`]), as the storage of
-/// the weight [`Device::in_place`] returns: the device that mapped it (`device`, its own id)
+/// A weight's bytes in host memory a device mapped ([`HostLink::map_host`]), as the storage of
+/// the weight [`HostLink::in_place`] returns: the device that mapped it (`device`, its own id)
 /// reads them at `device_address`; any other reads the bytes as host memory.
 pub struct MappedHost {
     /// The weight over the host bytes (keeps them alive).
@@ -328,7 +329,7 @@ pub struct MappedHost {
 
 impl MappedHost {
     /// `w` as a weight over host memory mapped by device `device` at `device_address` (what
-    /// [`Device::in_place`] returns).
+    /// [`HostLink::in_place`] returns).
     pub fn weight_over(w: &Weight, device: u64, device_address: u64) -> Option<Weight> {
         let mapped = MappedHost {
             weight: w.clone(),
@@ -392,18 +393,14 @@ pub struct RopeShape {
     pub style: RopeStyle,
 }
 
-/// The layer program's operations (see the module docs). Shapes are `[rows, width]`; a batch's
-/// tokens are the rows.
-pub trait Device: Send + Sync {
-    fn name(&self) -> String;
-    /// Runs `f` where the device's work starts cheapest (the CPU device: on its own threads).
-    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>);
-    /// The first error an operation met since the last call (a device whose operations can
-    /// fail — out of memory, a failed launch — records it and skips later work; the pass then
-    /// returns it). The CPU device's operations cannot fail.
-    fn take_error(&self) -> Option<crate::error::Error> {
-        None
-    }
+/// The most candidates a row of [`Device::top_k_rows`] (a pass's `Want::Top`) may ask for: a
+/// GPU block sorts them.
+pub const TOP_K_MAX: usize = 1024;
+
+/// How a device reaches host memory: whether it computes in it, what it copied across the link,
+/// and the memory the stream lends it (pinned or mapped buffers, staged uploads, weights read in
+/// place). The stream sees a device only through this; the layer program through [`Device`].
+pub trait HostLink: Send + Sync {
     /// Whether activations live in host memory (the CPU device). A device with memory of its
     /// own copies weights to it: resident ones once (by address), streamed ones at each use
     /// ([`Weight::is_volatile`]).
@@ -439,13 +436,13 @@ pub trait Device: Send + Sync {
     }
     /// Page-locks host memory as `pin_host` does and maps it into the device's address space,
     /// so that besides copies at pinned speed, the device's kernels can read weights over it in
-    /// place, across the link, without a copy ([`Device::in_place`]): the stream's neuron cache,
+    /// place, across the link, without a copy ([`HostLink::in_place`]): the stream's neuron cache,
     /// whose kept rows a masked decode step reads by id. `None` where the device reads host
     /// memory anyway (the CPU), does not map (then the caller pins), or the driver refused.
     fn map_host(&self, _bytes: &[u8], _refilled: bool) -> Option<PinnedHost> {
         None
     }
-    /// `w`, over host memory this device mapped ([`Device::map_host`]), as a weight its products
+    /// `w`, over host memory this device mapped ([`HostLink::map_host`]), as a weight its products
     /// read in place: `matmul_rows` and `accumulate_rows` with ids then move only the listed
     /// rows across the link, nothing is staged or copied. `None` where `w` is not over mapped
     /// memory.
@@ -456,6 +453,20 @@ pub trait Device: Send + Sync {
     /// may ask for smaller ones).
     fn upload_chunk_bytes(&self) -> usize {
         UPLOAD_CHUNK_BYTES
+    }
+}
+
+/// The layer program's operations (see the module docs). Shapes are `[rows, width]`; a batch's
+/// tokens are the rows. Every device is also a [`HostLink`].
+pub trait Device: HostLink {
+    fn name(&self) -> String;
+    /// Runs `f` where the device's work starts cheapest (the CPU device: on its own threads).
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>);
+    /// The first error an operation met since the last call (a device whose operations can
+    /// fail — out of memory, a failed launch — records it and skips later work; the pass then
+    /// returns it). The CPU device's operations cannot fail.
+    fn take_error(&self) -> Option<crate::error::Error> {
+        None
     }
     /// Host values to the device.
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act;
@@ -493,7 +504,7 @@ pub trait Device: Send + Sync {
     }
     /// `x = cap * tanh(x / cap)`.
     fn softcap(&self, x: &mut Act, cap: f32);
-    /// Each row's greedy token ([`crate::model::sampler::argmax`], the `banned` ids counted as
+    /// Each row's greedy token ([`pick::argmax`], the `banned` ids counted as
     /// -inf): a sync point, as `to_host`, that brings 4 bytes a row to the host instead of the
     /// row (a vocabulary of logits) when the device is a GPU.
     fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
@@ -501,12 +512,12 @@ pub trait Device: Send + Sync {
     }
     /// Each row's `k` largest values with their ids, largest first (ties: lower id first, in
     /// `f32::total_cmp`'s order), the `banned` ids counted as -inf: `[rows, k]` pairs, as
-    /// [`crate::model::sampler::most_likely`] finds them (`Want::Top`); with `lse`, each row's
+    /// [`pick::most_likely`] finds them (`Want::Top`); with `lse`, each row's
     /// [`ops::log_sum_exp`] too (banned ids left out), so that the candidates' log-probabilities
     /// need no row on the host; with `greedy`, each row's [`Device::argmax_rows`] too, at the
     /// same sync. A sync point that brings 8 bytes a candidate (and 8 a row for `lse`, 4 for
     /// `greedy`) to the host instead of the rows when the device is a GPU. `k` is at least 1 and
-    /// at most the row's width and [`crate::model::batch::TOP_K_MAX`].
+    /// at most the row's width and [`TOP_K_MAX`].
     fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
         host_top_k_rows(&self.to_host(x), x.width, k, banned, lse, greedy)
     }

@@ -7,7 +7,7 @@
 //! comparing with the in-RAM model fails. It reports `host_memory() == false`, as the CUDA
 //! device does. Not a compute device to run models on.
 //!
-//! Staged uploads ([`Device::begin_upload`]) follow the CUDA device's protocol and are checked
+//! Staged uploads ([`super::HostLink::begin_upload`]) follow the CUDA device's protocol and are checked
 //! against it: a chunk's bytes are "copied" (snapshotted) when it is sent, and a product computes
 //! from those snapshots only; a product over bytes never sent, bytes written after their chunk
 //! was sent, or a chunk sent twice or out of bounds is recorded as an error the pass returns
@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::cpu::CpuBackend;
-use super::{Act, AttnShape, Device, LinkCounters, RopeShape, TopRows, Upload};
+use super::{Act, AttnShape, Device, HostLink, LinkCounters, RopeShape, TopRows, Upload};
 use crate::config::FfnActivation;
 use crate::kv::KvCache;
 use crate::tensor::{StagedBytes, Weight};
@@ -118,7 +118,7 @@ impl HostStandIn {
     }
 
     /// How many products read weights whose name contains `part` in place, from mapped host
-    /// memory ([`Device::in_place`]), without a copy.
+    /// memory ([`super::HostLink::in_place`]), without a copy.
     pub fn in_place_uses(&self, part: &str) -> u64 {
         uses_of(&self.in_place_uses, part)
     }
@@ -137,7 +137,7 @@ impl HostStandIn {
         self
     }
 
-    /// Host ranges page-locked now (see [`Device::pin_host`]).
+    /// Host ranges page-locked now (see [`super::HostLink::pin_host`]).
     pub fn pinned_ranges(&self) -> usize {
         self.pinned.lock().expect("pinned ranges").len()
     }
@@ -349,20 +349,15 @@ impl Upload for StandInUpload {
     }
 }
 
-impl Device for HostStandIn {
-    fn take_error(&self) -> Option<crate::error::Error> {
-        self.error
-            .lock()
-            .expect("error")
-            .take()
-            .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
-    }
+impl HostLink for HostStandIn {
     fn pin_host(&self, bytes: &[u8], _refilled: bool) -> Option<super::PinnedHost> {
         self.lock_range(bytes, false)
     }
+
     fn map_host(&self, bytes: &[u8], _refilled: bool) -> Option<super::PinnedHost> {
         self.lock_range(bytes, true)
     }
+
     fn in_place(&self, w: &Weight) -> Option<Weight> {
         let (bytes, _) = w.span()?;
         let (lo, hi) = (bytes.as_ptr() as usize, bytes.as_ptr() as usize + bytes.len());
@@ -372,9 +367,11 @@ impl Device for HostStandIn {
             .find(|&&(p, n, mapped)| mapped && p <= lo && hi <= p + n)?;
         super::MappedHost::weight_over(w, self.id, lo as u64)
     }
+
     fn upload_chunk_bytes(&self) -> usize {
         self.chunk_bytes
     }
+
     fn begin_upload(&self, bytes: usize) -> Box<dyn Upload> {
         // The CUDA device's pool policy (see UPLOAD_BUFFERS_KEPT): the smallest kept buffer that
         // fits, else the kept ones are freed and a new one made, sized in whole grains.
@@ -414,15 +411,11 @@ impl Device for HostStandIn {
             error: self.error.clone(),
         })
     }
-    fn name(&self) -> String {
-        format!("host stand-in for a device ({})", Device::name(&self.cpu))
-    }
-    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
-        self.cpu.run(f)
-    }
+
     fn host_memory(&self) -> bool {
         false
     }
+
     fn link(&self) -> Option<LinkCounters> {
         let (resident_bytes, volatile_bytes) = self.copied_bytes();
         let u = self.upload_counters();
@@ -437,6 +430,22 @@ impl Device for HostStandIn {
             // It computes at each call: nothing is left to wait for.
             host_waits: 0,
         })
+    }
+}
+
+impl Device for HostStandIn {
+    fn take_error(&self) -> Option<crate::error::Error> {
+        self.error
+            .lock()
+            .expect("error")
+            .take()
+            .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
+    }
+    fn name(&self) -> String {
+        format!("host stand-in for a device ({})", Device::name(&self.cpu))
+    }
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
+        self.cpu.run(f)
     }
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
         self.cpu.upload(rows, width, values)

@@ -43,8 +43,7 @@ pub enum Want<'a> {
     },
 }
 
-/// The most candidates a row of [`Want::Top`] may ask for (a GPU block sorts them).
-pub const TOP_K_MAX: usize = 1024;
+pub use crate::backend::TOP_K_MAX;
 
 /// A pass's result, as its [`Want`] asked.
 #[derive(Clone, Debug, PartialEq)]

@@ -12,10 +12,10 @@
 //! A streamed decode step with a mask computes each up row and down column as it lands (hits
 //! from the cache meanwhile, on the other pool thread); its down sums run in another order
 //! than the staged path's, so it agrees with the in-RAM model to rounding, not bit for bit.
-//! On a device with memory of its own (`Device::host_memory() == false`) the same step takes
+//! On a device with memory of its own (`HostLink::host_memory() == false`) the same step takes
 //! the gate's scores to the host (the one small copy the mask needs), gathers the rows the
 //! stream hands over (cache hits, lookahead reads, reads as they land) in neuron order into the
-//! device's staging buffer (`Device::begin_upload`; page-locked on CUDA), handing each chunk to
+//! device's staging buffer (`HostLink::begin_upload`; page-locked on CUDA), handing each chunk to
 //! the device as soon as its last row lands so its copy overlaps the reads still in flight, and
 //! runs phases 2–4 with the device's products on those staged rows — unless the stream holds
 //! the whole layer in host memory the device mapped (`LayerStream::rows_in_place`: a neuron
@@ -660,7 +660,7 @@ fn put_each(staging: &std::sync::Mutex<Staging<'_>>, rows: &[(u32, &[u8])]) {
 /// hands them over (the cache's on one pool thread, reads as they land on the other: hence the
 /// callers' lock), row i = the set's i-th neuron; every neuron must come exactly once, with a
 /// row of the matrix's length. The set is cut into chunks of whole rows, about
-/// [`Device::upload_chunk_bytes`] each; a chunk goes to the
+/// [`HostLink::upload_chunk_bytes`] each; a chunk goes to the
 /// device ([`Upload::send`]) the moment its last row lands, so its copy overlaps the reads
 /// still in flight for the others.
 struct Staging<'a> {

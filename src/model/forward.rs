@@ -96,7 +96,7 @@ pub trait LayerStream: Sync {
     /// Counts what a step computed from layer `l`'s hot rows: `up` up rows, `down` down columns.
     fn count_hot_rows(&self, _l: usize, _up: usize, _down: usize) {}
     /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
-    /// device reads in place ([`crate::backend::Device::in_place`]), row n = neuron n (from the
+    /// device reads in place ([`crate::backend::HostLink::in_place`]), row n = neuron n (from the
     /// first neuron past the device's hot ones, `hot_rows`: row i = neuron k + i), when the
     /// stream holds the layer in memory the device mapped and every neuron of `set` (sorted)
     /// there: a decode step's products then read `set`'s rows by id, nothing staged or copied.

@@ -725,7 +725,7 @@ impl super::Streamer {
             _pinned: pinned,
             state: Mutex::new(super::State::new(Vec::new(), Vec::new(), Vec::new())),
             decode_start: Mutex::new(None),
-            device: model.device.clone(),
+            link: model.device.clone(),
             device_plan,
             hot: Vec::new(),
             experts: Some(experts),

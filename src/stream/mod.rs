@@ -1,7 +1,7 @@
 //! Streaming from disk: runs a `.gst` model under a RAM budget, reading per token only what is
 //! not resident, and for the FFN only the neurons the mask keeps.
 //!
-//! Per layer (see DESIGN.md, "The pipeline"): the layer's streamed dense parts (attention and
+//! Per layer (see docs/DESIGN.md, "The pipeline"): the layer's streamed dense parts (attention and
 //! gate matrices that did not fit the budget) were requested from the prefetch thread while the
 //! layer before computed; the gate runs; the mask (or dense: every neuron) names the neurons
 //! that need up; their up rows and down columns not in the neuron cache are planned into
@@ -457,8 +457,9 @@ pub struct Streamer {
     /// Counters when the prompt's pass finished (see [`LayerStream::prefill_done`]), the
     /// device's link counters too.
     decode_start: Mutex<Option<DecodeStart>>,
-    /// The device the model computes on (for its link counters).
-    device: Arc<dyn crate::backend::Device>,
+    /// How the device the model computes on reaches host memory (its link counters, the
+    /// weights it reads in place).
+    link: Arc<dyn crate::backend::HostLink>,
     /// Under `--vram-budget`: what the device keeps.
     pub device_plan: Option<residency::DeviceResidency>,
     /// Per layer, the hot neurons the device keeps (the plan's `hot_neurons`): the up rows and
@@ -508,7 +509,7 @@ impl Streamer {
     /// What the device copied from the host since the prompt's pass (or since it opened): `None`
     /// for the CPU device.
     pub fn decode_link(&self) -> Option<crate::backend::LinkCounters> {
-        let now = self.device.link()?;
+        let now = self.link.link()?;
         match *self.decode_start.lock().expect("decode start") {
             Some((_, _, Some(l0))) => Some(now.minus(&l0)),
             _ => Some(now),
@@ -517,8 +518,7 @@ impl Streamer {
 
     /// Marks where decoding starts (the counters' and the device's).
     fn mark_decode_start(&self) {
-        *self.decode_start.lock().expect("decode start") =
-            Some((self.counters(), self.read_stats(), self.device.link()));
+        *self.decode_start.lock().expect("decode start") = Some((self.counters(), self.read_stats(), self.link.link()));
     }
 
     pub fn counters(&self) -> Counters {
@@ -609,12 +609,12 @@ impl Streamer {
 /// locked) — so those copies, too, run from page-locked memory. Empty for a device computing in
 /// host memory; a weight the device declines to lock is copied as before.
 fn pin_unkept<'a>(
-    device: &dyn crate::backend::Device,
+    link: &dyn crate::backend::HostLink,
     output: &'a Weight,
     attn: &'a [Option<AttnWeights>],
     more: impl Iterator<Item = &'a Weight>,
 ) -> Vec<crate::backend::PinnedHost> {
-    if device.host_memory() {
+    if link.host_memory() {
         return Vec::new();
     }
     let attn = attn.iter().flatten().flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]);
@@ -624,6 +624,6 @@ fn pin_unkept<'a>(
         .filter(|w| w.is_volatile() && w.is_owned())
         .filter_map(|w| w.span())
         .filter(|(bytes, _)| !bytes.is_empty())
-        .filter_map(|(bytes, _)| device.pin_host(bytes, false))
+        .filter_map(|(bytes, _)| link.pin_host(bytes, false))
         .collect()
 }

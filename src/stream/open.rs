@@ -57,6 +57,8 @@ impl Streamer {
     ) -> Result<Streamer> {
         let Readers { fg, bg, ahead } = readers;
         let cfg = model.config.clone();
+        // How the device reaches host memory: what the stream locks, maps and hands it.
+        let link: &dyn crate::backend::HostLink = model.device.as_ref();
         let not_gst = || {
             Error::Invalid(format!(
                 "{}: streaming reads a .gst file (neuron-major FFN); convert with `gatestream reformat`",
@@ -67,7 +69,7 @@ impl Streamer {
             return Err(not_gst());
         }
         if let Some(v) = opts.vram_budget_bytes {
-            if model.device.host_memory() {
+            if link.host_memory() {
                 return Err(Error::Invalid(format!(
                     "--vram-budget {v}: the model computes on the {}, which works in host memory; --vram-budget plans a \
                      GPU's memory (--device cuda)",
@@ -397,7 +399,7 @@ impl Streamer {
                 |p: &LayerParts| p.up.stride_bytes == p.up.row_bytes && p.down.stride_bytes == p.down.row_bytes;
             if opts.cache == CachePolicy::Pinned {
                 for (l, p) in layers.iter_mut().enumerate() {
-                    if p.ffn_ranges.is_empty() || !(model.device.host_memory() || contiguous(p)) {
+                    if p.ffn_ranges.is_empty() || !(link.host_memory() || contiguous(p)) {
                         continue;
                     }
                     let cached = residency.cache_neurons[l];
@@ -435,11 +437,11 @@ impl Streamer {
         prefault(&mut staging_down);
         // A device with memory of its own copies the FFN rows from these at each use: locked,
         // at the link's pinned speed (the heap buffers stay where they are when moved below).
-        let pinned_staging: Vec<crate::backend::PinnedHost> = match model.device.host_memory() {
+        let pinned_staging: Vec<crate::backend::PinnedHost> = match link.host_memory() {
             true => Vec::new(),
             false => [&staging_up, &staging_down]
                 .into_iter()
-                .filter_map(|b| model.device.pin_host(b, true))
+                .filter_map(|b| link.pin_host(b, true))
                 .collect(),
         };
         let pinned_addrs = match pinned_staging.is_empty() {
@@ -470,12 +472,9 @@ impl Streamer {
                 dense_bufs.push(b);
             }
         }
-        let pinned_dense: Vec<crate::backend::PinnedHost> = match model.device.host_memory() {
+        let pinned_dense: Vec<crate::backend::PinnedHost> = match link.host_memory() {
             true => Vec::new(),
-            false => dense_bufs
-                .iter()
-                .filter_map(|b| model.device.pin_host(b, true))
-                .collect(),
+            false => dense_bufs.iter().filter_map(|b| link.pin_host(b, true)).collect(),
         };
         // Registered with the prefetch thread's reader too (io_uring: fixed buffers), so its
         // reads into them skip pinning their pages at every read.
@@ -495,7 +494,7 @@ impl Streamer {
         let mut pinned = pinned_staging;
         pinned.extend(pinned_dense);
         pinned.extend(super::pin_unkept(
-            model.device.as_ref(),
+            link,
             &output,
             &resident_attn,
             resident_gate
@@ -507,14 +506,13 @@ impl Streamer {
         // each use) and, mapped, a masked decode step's products read by id: a pinned cache is
         // never written again, so the host need not wait for those copies; an LRU cache's slots
         // are, so it does.
-        if !model.device.host_memory() {
+        if !link.host_memory() {
             let refilled = opts.cache != CachePolicy::Pinned;
             let bufs = caches.iter().flat_map(|c| {
                 let (u, d) = c.buffers();
                 [u, d]
             });
-            let dev = model.device.as_ref();
-            pinned.extend(bufs.filter_map(|b| dev.map_host(b, refilled).or_else(|| dev.pin_host(b, refilled))));
+            pinned.extend(bufs.filter_map(|b| link.map_host(b, refilled).or_else(|| link.pin_host(b, refilled))));
         }
         let dense_bytes_per_token = dense_plan_bytes(&layers, &residency, &cost, embedding.as_ref());
         fg.reset_stats();
@@ -559,7 +557,7 @@ impl Streamer {
                 ..State::new(caches, staging_up, staging_down)
             }),
             decode_start: Mutex::new(None),
-            device: model.device.clone(),
+            link: model.device.clone(),
             device_plan,
             hot,
             experts: None,

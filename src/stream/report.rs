@@ -137,7 +137,7 @@ pub struct StreamReport {
     pub counters: Counters,
 }
 
-/// Host-to-device copies of weights per decoded token (see [`crate::backend::Device::link`]).
+/// Host-to-device copies of weights per decoded token (see [`crate::backend::HostLink::link`]).
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct LinkReport {
     /// Bytes copied at each use (streamed rows and matrices, weights the device does not keep),

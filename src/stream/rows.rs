@@ -538,7 +538,7 @@ impl LayerStream for Streamer {
                 hot * p.row_bytes,
             )?
             .volatile();
-            Ok(self.device.in_place(&w))
+            Ok(self.link.in_place(&w))
         };
         // Both matrices or neither: a step whose up rows were read in place reads its down
         // columns so too.

@@ -50,7 +50,7 @@ const ACCUMULATE_THREADS: u32 = 64;
 const ARGMAX_THREADS: u32 = 1024;
 /// Threads of the block that finds one row's top-k (`TOPK_MAX` in kernels/ops.cu: one a
 /// candidate when they are ranked).
-const TOP_K_THREADS: u32 = crate::model::batch::TOP_K_MAX as u32;
+const TOP_K_THREADS: u32 = super::TOP_K_MAX as u32;
 /// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
 const ATTN_MAX_HEAD_DIM: usize = 512;
 /// Bytes of freed activation buffers kept for reuse.
@@ -373,7 +373,7 @@ pub struct CudaDevice {
     error: Arc<Mutex<Option<String>>>,
     /// Page-locked staging buffers and the copy stream (see `upload`).
     uploads: Arc<upload::Uploads>,
-    /// Host ranges page-locked for the stream (`Device::pin_host`, `map_host`).
+    /// Host ranges page-locked for the stream (`HostLink::pin_host`, `map_host`).
     pinned: upload::PinnedRanges,
     /// Whether `map_host` maps (see [`upload::MAP_HOST_ENV`]).
     map_host: std::sync::atomic::AtomicBool,
@@ -383,7 +383,7 @@ pub struct CudaDevice {
     activations: std::sync::atomic::AtomicU8,
     /// Rows per warp of one-token products (see [`MATVEC_ROWS_ENV`]).
     matvec_rows: std::sync::atomic::AtomicUsize,
-    /// Weight copies from the host (see [`Device::link`]).
+    /// Weight copies from the host (see [`HostLink::link`]).
     link: Arc<Mutex<super::LinkCounters>>,
     /// Recorded launches and CUDA graphs (see [`GRAPHS_ENV`]).
     graphs: Mutex<graph::Graphs>,
@@ -1329,7 +1329,7 @@ fn ptr(v: u64) -> Arg {
 }
 
 impl CudaDevice {
-    /// Host-to-device bandwidth per copy size (see [`Device::measure_link`]): about 256 MB
+    /// Host-to-device bandwidth per copy size (see [`HostLink::measure_link`]): about 256 MB
     /// copied per size and memory kind (3 to 1000 copies), one copy first untimed, timed on the
     /// host from the first copy's start to the stream's end.
     fn link_bandwidth(&self, sizes: &[usize]) -> Result<Vec<super::LinkBandwidth>> {
@@ -1380,18 +1380,7 @@ impl CudaDevice {
     }
 }
 
-impl Device for CudaDevice {
-    fn name(&self) -> String {
-        self.label.clone()
-    }
-
-    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
-        if let Err(e) = self.ctx.bind_to_thread() {
-            self.fail(format!("CUDA: binding the context: {e}"));
-        }
-        f()
-    }
-
+impl super::HostLink for CudaDevice {
     fn host_memory(&self) -> bool {
         false
     }
@@ -1434,6 +1423,19 @@ impl Device for CudaDevice {
     fn measure_link(&self, sizes: &[usize]) -> Option<Result<Vec<super::LinkBandwidth>>> {
         self.end_segment();
         Some(self.link_bandwidth(sizes))
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.label.clone()
+    }
+
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("CUDA: binding the context: {e}"));
+        }
+        f()
     }
 
     fn take_error(&self) -> Option<Error> {

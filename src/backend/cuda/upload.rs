@@ -1,4 +1,4 @@
-//! Staged uploads on CUDA ([`Device::begin_upload`](crate::backend::Device::begin_upload)): a
+//! Staged uploads on CUDA ([`HostLink::begin_upload`](crate::backend::HostLink::begin_upload)): a
 //! decode step's streamed rows are written into page-locked host memory (not write-combined),
 //! and each chunk, once complete, is copied to a device twin of that buffer on the device's
 //! copy stream, asynchronously, with an event recorded after it. A product over the staged rows
@@ -425,7 +425,7 @@ impl CudaStaged {
 }
 
 /// Copies `bytes` — page-locked host memory (registered with
-/// [`pin_host`](crate::backend::Device::pin_host)) — into a pooled device buffer on the copy
+/// [`pin_host`](crate::backend::HostLink::pin_host)) — into a pooled device buffer on the copy
 /// stream, at the link's pinned speed; the compute stream waits for the copy, and so does the
 /// host when the memory is `refilled` (the stream refills its buffers once the weight's use
 /// returns; resident weights stay as they are, so their copies overlap the host's work). The
@@ -470,7 +470,7 @@ pub(crate) fn copy_pinned(
 }
 
 /// `GATESTREAM_CUDA_MAP_HOST`: `1` (or `on`, the default) maps the stream's neuron cache into
-/// the GPU's address space (`Device::map_host`), so a masked decode step's products read the kept
+/// the GPU's address space (`HostLink::map_host`), so a masked decode step's products read the kept
 /// rows in place across the link instead of having them gathered into staging and copied; `0`
 /// (`off`) only page-locks it (the rows are then staged, as from disk).
 pub const MAP_HOST_ENV: &str = "GATESTREAM_CUDA_MAP_HOST";
@@ -498,8 +498,8 @@ pub(crate) struct Pinned {
 /// The host ranges this device page-locked.
 pub(crate) type PinnedRanges = Arc<Mutex<Vec<Pinned>>>;
 
-/// Page-locks `bytes` for copies (see `Device::pin_host`), and maps them into the device's
-/// address space when `map` (`Device::map_host`); `None` if the driver refuses.
+/// Page-locks `bytes` for copies (see `HostLink::pin_host`), and maps them into the device's
+/// address space when `map` (`HostLink::map_host`); `None` if the driver refuses.
 pub(crate) fn pin_host(
     ctx: &Arc<CudaContext>,
     ranges: &PinnedRanges,
