@@ -61,7 +61,7 @@ impl AlignedBuf {
             alloc::handle_alloc_error(layout)
         };
         // Touch every page now: `alloc_zeroed` of a large block maps untouched zero pages, and the
-        // first write fault would otherwise land inside the first timed read (DESIGN.md: first touch
+        // first write fault would otherwise land inside the first timed read (docs/DESIGN.md: first touch
         // runs at 0.3–0.4 GB/s).
         for page in (0..len_bytes).step_by(ALIGN_BYTES) {
             // SAFETY: `page < len_bytes`, so the write is inside the allocation we own exclusively.

@@ -1,5 +1,5 @@
 //! The 2-bit up sketch: a compact copy of a row for cheap estimates of `up·x` when choosing
-//! neurons (DESIGN.md, "What the gate predicts"). Blocks of 32 values, each 12 bytes: f16 scale
+//! neurons (docs/DESIGN.md, "What the gate predicts"). Blocks of 32 values, each 12 bytes: f16 scale
 //! `d`, f16 minimum `m`, then 32 two-bit codes `c` (4 per byte, lowest bits first), decoding to
 //! `m + d·c`. Not a ggml type: only the selection step reads it, never the forward pass.
 

@@ -23,7 +23,7 @@ pub struct CostModel {
 }
 
 impl CostModel {
-    /// This machine's virtio disk as DESIGN.md measured it: ~75k IOPS of 4 KiB at queue depth 64
+    /// The development machine's virtio disk, conservatively (docs/DESIGN.md): ~75k IOPS of 4 KiB at queue depth 64
     /// (≈13 µs per request) and ~1.5 GB/s sequential.
     pub fn default_for(align_bytes: u64) -> CostModel {
         CostModel {

@@ -865,8 +865,8 @@ pub(crate) struct StreamArgs {
     pub(crate) merge_gap_bytes: Option<u64>,
     /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
     /// model file at start-up: 1024 random 4 KiB reads in batches of 256, twice, and 32 MiB
-    /// sequential; ~0.1 s), default (13 µs per request at 1.5 GB/s: this machine's virtio
-    /// disk as DESIGN.md measured it), or a `gatestream bench --json` report (its device
+    /// sequential; ~0.1 s), default (13 µs per request at 1.5 GB/s: the development machine's
+    /// virtio disk, conservatively; docs/DESIGN.md), or a `gatestream bench --json` report (its device
     /// baseline: sequential 1 MiB bandwidth and the time per 4 KiB random read at QD 64).
     #[arg(long, default_value = "probe", value_name = "probe|default|BENCH.json")]
     pub(crate) cost_model: String,

@@ -102,8 +102,7 @@ impl ByteDot for VnniDot {
     /// AVX-512VL gives 32 vector registers, room for eight tokens' accumulators (measured ~1.3x
     /// faster than four on Q4_K/Q8_0 prefill).
     const TILE_TOKENS: usize = 8;
-    /// On Zen 5 (512-bit vector units) the wide kernels are the faster ones: docs/RESULTS.md
-    /// section 7 has both.
+    /// The wide kernels (512-bit vectors).
     const WIDE: bool = true;
 
     #[inline(always)]
