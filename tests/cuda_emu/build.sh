@@ -9,7 +9,7 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 flags=(-O2)
 if [ "${1:-}" = "--asan" ]; then
-    flags=(-O1 -g -fsanitize=address -fno-omit-frame-pointer)
+    flags=(-O2 -g -fsanitize=address -fno-omit-frame-pointer)
     shift
 fi
 out="${1:?usage: build.sh [--asan] DIR}"
