@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gatestream::backend::cpu::CpuBackend;
-use gatestream::backend::cuda::{Activations, CudaDevice, INT8_TYPES, MAP_HOST_ENV};
+use gatestream::backend::cuda::{Activations, CudaDevice, CudaOptions, INT8_TYPES, MAP_HOST_ENV};
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, HostLink, LinkCounters};
 use gatestream::config::Arch;
@@ -44,14 +44,16 @@ use gatestream::tensor::Weight;
 type Check = fn(&Arc<CudaDevice>, &mut serde_json::Map<String, serde_json::Value>) -> Result<String, String>;
 
 fn main() {
-    let dev = match CudaDevice::open(0) {
+    let dev = match CudaOptions::from_vars(&|name| std::env::var(name).ok()).and_then(|o| CudaDevice::open(0, &o)) {
         Ok(d) => Arc::new(d),
         Err(e) => {
             println!("gpu_cuda: NO GPU SUITE RUN — no CUDA device here ({e}). 0 GPU checks ran; none passed.");
             // The lib's kernel compile check (NVRTC, no GPU needed) passes without running when
             // no NVRTC is found and GATESTREAM_NVRTC is unset: said here, where output is seen.
-            if let Err(e) = gatestream::backend::cuda::nvrtc::Nvrtc::load() {
-                println!("gpu_cuda: the NVRTC kernel compile check (lib tests) did NOT RUN either: {e}");
+            if let Ok(o) = CudaOptions::from_vars(&|name| std::env::var(name).ok()) {
+                if let Err(e) = gatestream::backend::cuda::nvrtc::Nvrtc::load_from(o.nvrtc, &o.cuda_homes) {
+                    println!("gpu_cuda: the NVRTC kernel compile check (lib tests) did NOT RUN either: {e}");
+                }
             }
             return;
         }

@@ -42,19 +42,22 @@ pub enum DeviceKind {
     HostStandIn,
 }
 
-/// Opens the device `kind` names (`threads`: the CPU device's pool, 0 = one per core). With
-/// `Auto`, the reason CUDA was not used comes back as a one-line notice for the caller to print.
+/// Opens the device `kind` names (`threads`: the CPU device's pool, 0 = one per core). `var`
+/// hands over the variables a CUDA device is opened with (the binary passes the process's
+/// environment: see `cuda::CudaOptions`); the library reads none itself. With `Auto`, the reason
+/// CUDA was not used comes back as a one-line notice for the caller to print.
 pub fn open_device(
     kind: DeviceKind,
     threads: usize,
+    var: &dyn Fn(&str) -> Option<String>,
 ) -> crate::error::Result<(std::sync::Arc<dyn Device>, Option<String>)> {
     use std::sync::Arc;
     let cpu = || -> Arc<dyn Device> { Arc::new(cpu::CpuBackend::new(threads)) };
     match kind {
         DeviceKind::Cpu => Ok((cpu(), None)),
         DeviceKind::HostStandIn => Ok((Arc::new(standin::HostStandIn::new(threads)), None)),
-        DeviceKind::Cuda => open_cuda().map(|d| (d, None)),
-        DeviceKind::Auto => match open_cuda() {
+        DeviceKind::Cuda => open_cuda(var).map(|d| (d, None)),
+        DeviceKind::Auto => match open_cuda(var) {
             Ok(d) => Ok((d, None)),
             Err(e) => Ok((cpu(), Some(format!("--device auto: running on the CPU ({e})")))),
         },
@@ -62,12 +65,13 @@ pub fn open_device(
 }
 
 #[cfg(feature = "cuda")]
-fn open_cuda() -> crate::error::Result<std::sync::Arc<dyn Device>> {
-    Ok(std::sync::Arc::new(cuda::CudaDevice::open(0)?))
+fn open_cuda(var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std::sync::Arc<dyn Device>> {
+    let opts = cuda::CudaOptions::from_vars(var)?;
+    Ok(std::sync::Arc::new(cuda::CudaDevice::open(0, &opts)?))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda() -> crate::error::Result<std::sync::Arc<dyn Device>> {
+fn open_cuda(_var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std::sync::Arc<dyn Device>> {
     Err(crate::error::Error::Invalid(
         "CUDA: this gatestream was built without CUDA; rebuild with `cargo build --release --features cuda` \
          (use --device cpu to run on the CPU)"

@@ -49,14 +49,9 @@ const DIRS: [&str; 3] = [
     "/usr/lib/x86_64-linux-gnu",
 ];
 
-fn candidates() -> Vec<String> {
+fn candidates(cuda_homes: &[PathBuf]) -> Vec<String> {
     let mut out: Vec<String> = NAMES.iter().map(|s| s.to_string()).collect();
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(d) = std::env::var_os(var) {
-            dirs.push(Path::new(&d).join("lib64"));
-        }
-    }
+    let mut dirs: Vec<PathBuf> = cuda_homes.iter().map(|d| d.join("lib64")).collect();
     dirs.extend(DIRS.iter().map(PathBuf::from));
     for d in dirs {
         for n in NAMES {
@@ -67,16 +62,12 @@ fn candidates() -> Vec<String> {
 }
 
 impl Nvrtc {
-    /// `GATESTREAM_NVRTC` when set (only that file), else the standard names and folders.
-    pub fn load() -> Result<Nvrtc> {
-        Nvrtc::load_from(std::env::var(NVRTC_ENV).ok().filter(|p| !p.is_empty()))
-    }
-
-    /// `file` when given (only that file), else the standard names and folders.
-    pub fn load_from(file: Option<String>) -> Result<Nvrtc> {
+    /// `file` when given (only that file: `GATESTREAM_NVRTC`), else the standard names and
+    /// folders, and `lib64` of each of `cuda_homes`.
+    pub fn load_from(file: Option<String>, cuda_homes: &[PathBuf]) -> Result<Nvrtc> {
         let (tried, explicit) = match file {
             Some(p) => (vec![p], true),
-            None => (candidates(), false),
+            None => (candidates(cuda_homes), false),
         };
         let mut last = String::new();
         for c in &tried {
@@ -258,14 +249,6 @@ pub fn parse_ptxas_report(log: &str) -> Vec<KernelResources> {
     out
 }
 
-/// The folder of compiled kernels.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os(CACHE_ENV) {
-        return Some(PathBuf::from(d));
-    }
-    std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/gatestream/kernels"))
-}
-
 /// The cached module's file name: source hash, architecture, NVRTC version.
 pub fn cache_file_name(src: &str, arch: u32, nvrtc: (i32, i32)) -> String {
     let opts = compile_options(arch).join(" ");
@@ -273,13 +256,13 @@ pub fn cache_file_name(src: &str, arch: u32, nvrtc: (i32, i32)) -> String {
     format!("kernels-{hash:016x}-sm{arch}-nvrtc{}.{}.cubin", nvrtc.0, nvrtc.1)
 }
 
-/// The compiled kernels for `sm_{arch}` and whether they came from the cache: from the cache
-/// when `use_cache` and there, else compiled and stored (written to a temporary name and renamed,
-/// so a reader never sees half a file). A cache that cannot be written is not an error: the
-/// module is then compiled again next time.
-pub fn compiled_module(nvrtc: &Nvrtc, arch: u32, use_cache: bool) -> Result<(Vec<u8>, bool)> {
+/// The compiled kernels for `sm_{arch}` and whether they came from the cache (the folder
+/// `cache`): from the cache when `use_cache` and there, else compiled and stored (written to a
+/// temporary name and renamed, so a reader never sees half a file). A cache that cannot be
+/// written is not an error: the module is then compiled again next time.
+pub fn compiled_module(nvrtc: &Nvrtc, arch: u32, cache: Option<&Path>, use_cache: bool) -> Result<(Vec<u8>, bool)> {
     let src = source();
-    let file = cache_dir().map(|d| d.join(cache_file_name(&src, arch, nvrtc.version)));
+    let file = cache.map(|d| d.join(cache_file_name(&src, arch, nvrtc.version)));
     if let Some(f) = file.as_ref().filter(|_| use_cache) {
         if let Ok(bytes) = std::fs::read(f) {
             if !bytes.is_empty() {
@@ -353,9 +336,10 @@ mod tests {
     /// the GPU suite (`--test gpu_cuda`, which prints uncaptured) repeats it in its summary line.
     #[test]
     fn kernels_compile_for_sm80_and_sm90_without_spills() {
-        let named = std::env::var(NVRTC_ENV).is_ok_and(|p| !p.is_empty());
+        let opts = super::super::CudaOptions::from_vars(&|name| std::env::var(name).ok()).unwrap();
+        let named = opts.nvrtc.is_some();
         let how = format!("python3 -m pip install --target DIR nvidia-cuda-nvrtc-cu12, then {NVRTC_ENV}=DIR/nvidia/cuda_nvrtc/lib/libnvrtc.so.12");
-        let nvrtc = match Nvrtc::load() {
+        let nvrtc = match Nvrtc::load_from(opts.nvrtc, &opts.cuda_homes) {
             Ok(n) => n,
             Err(e) if !named => {
                 eprintln!("kernels_compile_for_sm80_and_sm90_without_spills: NOT RUN: {e}\n(to run it: {how})");
@@ -396,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_missing_nvrtc_named_by_the_variable_is_a_clear_error() {
-        let e = Nvrtc::load_from(Some("/nonexistent/libnvrtc.so.12".into()))
+        let e = Nvrtc::load_from(Some("/nonexistent/libnvrtc.so.12".into()), &[])
             .err()
             .expect("no such file")
             .to_string();

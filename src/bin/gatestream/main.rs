@@ -310,7 +310,8 @@ fn open_named_device(arg: DeviceArg, threads: usize) -> anyhow::Result<Arc<dyn D
         DeviceArg::Auto => gatestream::backend::DeviceKind::Auto,
         DeviceArg::HostStandin => gatestream::backend::DeviceKind::HostStandIn,
     };
-    let (device, notice) = gatestream::backend::open_device(kind, threads)?;
+    // The CUDA device's settings (where its libraries are, its modes) come from the environment.
+    let (device, notice) = gatestream::backend::open_device(kind, threads, &|name| std::env::var(name).ok())?;
     if let Some(n) = notice {
         eprintln!("{n}");
     }

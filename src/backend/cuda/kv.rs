@@ -1,0 +1,59 @@
+//! The KV cache on the device: each sequence's keys and values, allocated on first use, and
+//! each token's cache words for a launch.
+
+use super::*;
+
+/// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each.
+pub(super) struct DevKv {
+    pub(super) _k: CudaSlice<f32>,
+    pub(super) _v: CudaSlice<f32>,
+    pub(super) k: u64,
+    pub(super) v: u64,
+    pub(super) shape: (usize, usize, usize),
+    pub(super) device: usize,
+}
+
+impl CudaDevice {
+    /// Each token's `TokenKv` (key base, value base, position, capacity) as u32 words.
+    pub(super) fn token_kv(&self, positions: &[usize], seq_of_token: &[usize], caches: &[&mut KvCache]) -> u64 {
+        let mut words = Vec::with_capacity(positions.len() * 8);
+        for (&pos, &s) in positions.iter().zip(seq_of_token) {
+            let (k, v, cap) = match caches[s].device.as_ref().and_then(|d| d.downcast_ref::<DevKv>()) {
+                Some(d) => (d.k, d.v, d.shape.1 as u64),
+                None => (0, 0, 0),
+            };
+            for x in [k, v, pos as u64, cap] {
+                words.push(x as u32);
+                words.push((x >> 32) as u32);
+            }
+        }
+        self.indices(&words)
+    }
+
+    /// Gives `cache` device buffers for its shape if it has none of this device's.
+    pub(super) fn ensure_kv(&self, cache: &mut KvCache) {
+        let shape = (cache.k.len(), cache.capacity, cache.kv_dim);
+        let ok = cache
+            .device
+            .as_ref()
+            .and_then(|d| d.downcast_ref::<DevKv>())
+            .is_some_and(|d| d.shape == shape && d.device == self.id);
+        if ok {
+            return;
+        }
+        let len = (shape.0 * shape.1 * shape.2).max(1);
+        let k = self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len));
+        let v = self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len));
+        if let (Some(k), Some(v)) = (k, v) {
+            let (kp, vp) = (self.raw(&k), self.raw(&v));
+            cache.device = Some(Box::new(DevKv {
+                _k: k,
+                _v: v,
+                k: kp,
+                v: vp,
+                shape,
+                device: self.id,
+            }));
+        }
+    }
+}

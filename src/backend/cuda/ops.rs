@@ -1,0 +1,792 @@
+//! The layer program's operations on the CUDA device ([`Device`]), and the launches they share
+//! (RoPE, norms, products: float, integer and by rows).
+
+use super::*;
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.label.clone()
+    }
+
+    fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            self.fail(format!("CUDA: binding the context: {e}"));
+        }
+        f()
+    }
+
+    fn take_error(&self) -> Option<Error> {
+        self.end_segment();
+        self.error.lock().expect("error").take().map(Error::Invalid)
+    }
+
+    fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
+        assert_eq!(values.len(), rows * width, "activation shape");
+        // A pooled buffer, which a recorded launch may still read.
+        self.end_segment();
+        let mut a = self.act(rows, width);
+        if let (ActData::Cuda(b), false) = (&mut a.data, values.is_empty()) {
+            if let Some(s) = b.slice.as_mut() {
+                let r = self.stream.memcpy_htod(&values[..], &mut s.slice_mut(..values.len()));
+                self.check("copying activations to the GPU", r);
+            }
+        }
+        a
+    }
+
+    fn zeros(&self, rows: usize, width: usize) -> Act {
+        self.zeroed(rows, width)
+    }
+
+    fn copy(&self, x: &Act) -> Act {
+        self.end_segment();
+        let mut y = self.act(x.rows, x.width);
+        if let (ActData::Cuda(src), ActData::Cuda(dst)) = (&x.data, &mut y.data) {
+            if let (Some(s), Some(d)) = (src.slice.as_ref(), dst.slice.as_mut()) {
+                let r = self.stream.memcpy_dtod(s, d);
+                self.check("copying on the GPU", r);
+            }
+        }
+        y
+    }
+
+    fn to_host<'a>(&self, a: &'a Act) -> Cow<'a, [f32]> {
+        self.end_segment();
+        let len = a.rows * a.width;
+        let mut out = vec![0f32; len];
+        if let ActData::Cuda(b) = &a.data {
+            if let (Some(s), false, true) = (b.slice.as_ref(), self.failed(), len > 0) {
+                let r = self.stream.memcpy_dtoh(&s.slice(..len), &mut out[..]);
+                self.check("copying activations to the host", r);
+                let waited = self.launched.swap(false, std::sync::atomic::Ordering::Relaxed);
+                let mut link = self.link.lock().expect("link counters");
+                link.to_host_bytes += (len * 4) as u64;
+                link.host_waits += waited as u64;
+            }
+        }
+        Cow::Owned(out)
+    }
+
+    fn download(&self, a: Act) -> Vec<f32> {
+        self.to_host(&a).into_owned()
+    }
+
+    fn embed(&self, w: &Weight, ids: &[u32], scale: f32) -> Act {
+        let out = self.act(ids.len(), w.cols);
+        if ids.is_empty() {
+            return out;
+        }
+        if let Some(wd) = self.weight(w) {
+            let wp = wd.ptr;
+            let idx = self.indices(ids);
+            let cfg = LaunchConfig {
+                grid_dim: (ids.len() as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.launch(
+                "embed",
+                Some(w.ty),
+                cfg,
+                &[
+                    ptr(wp),
+                    ptr(w.row_stride_bytes as u64),
+                    ptr(idx),
+                    int(w.cols),
+                    Arg::F32(scale),
+                    ptr(self.buf(&out)),
+                ],
+            );
+        }
+        out
+    }
+
+    fn rms_norm(&self, x: &Act, w: &[f32], eps: f32) -> Act {
+        let mut y = self.act(x.rows, x.width);
+        let blocks = self.fused_blocks(x.rows, x.width);
+        self.rms_norm_into(x, w, eps, &y, Self::blocks_ptr(&blocks));
+        Self::attach_blocks(&mut y, blocks);
+        y
+    }
+
+    fn rms_norm_in_place(&self, x: &mut Act, w: &[f32], eps: f32) {
+        // The blocks `x` had are replaced below (by new ones or none).
+        let blocks = self.fused_blocks(x.rows, x.width);
+        self.rms_norm_into(&*x, w, eps, &*x, Self::blocks_ptr(&blocks));
+        Self::attach_blocks(x, blocks);
+    }
+
+    fn add(&self, x: &mut Act, y: &Act) {
+        let len = x.rows * x.width;
+        self.launch(
+            "add",
+            None,
+            elementwise_cfg(len),
+            &[ptr(self.buf_mut(x)), ptr(self.buf(y)), ptr(len as u64)],
+        );
+    }
+
+    fn add_bias(&self, x: &mut Act, b: &[f32]) {
+        let len = x.rows * x.width;
+        let bp = self.vector(b);
+        self.launch(
+            "add_bias",
+            None,
+            elementwise_cfg(len),
+            &[ptr(self.buf_mut(x)), ptr(bp), int(b.len()), ptr(len as u64)],
+        );
+    }
+
+    fn activate_mul(&self, up: &mut Act, gate: &mut Act, f: FfnActivation) {
+        let len = up.rows * up.width;
+        if gate.rows * gate.width != len {
+            self.fail(format!(
+                "activate_mul: {len} values times a gate of {}",
+                gate.rows * gate.width
+            ));
+            return;
+        }
+        let (u, g) = (self.buf_mut(up), self.buf(gate));
+        if let Some(blocks) = self.fused_blocks(up.rows, up.width) {
+            let n = up.width / 256;
+            self.launch(
+                "activate_mul_q8_k",
+                None,
+                LaunchConfig {
+                    grid_dim: (n as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &[ptr(u), ptr(g), int(activation_code(f)), ptr(blocks.ptr), ptr(n as u64)],
+            );
+            Self::attach_blocks(up, Some(blocks));
+            return;
+        }
+        self.launch(
+            "activate_mul",
+            None,
+            elementwise_cfg(len),
+            &[ptr(u), ptr(g), int(activation_code(f)), ptr(len as u64)],
+        );
+    }
+
+    fn add_rms_norm(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Act {
+        let mut out = self.act(x.rows, x.width);
+        if x.rows == 0 {
+            return out;
+        }
+        if (y.rows, y.width) != (x.rows, x.width) || w.len() != x.width {
+            self.fail(format!(
+                "add_rms_norm: [{}, {}] plus [{}, {}], a norm of {}",
+                x.rows,
+                x.width,
+                y.rows,
+                y.width,
+                w.len()
+            ));
+            return out;
+        }
+        let wp = self.vector(w);
+        let cfg = norm_cfg(x.rows, x.width);
+        let blocks = self.fused_blocks(x.rows, x.width);
+        self.launch(
+            "add_rms_norm",
+            None,
+            cfg,
+            &[
+                ptr(self.buf_mut(x)),
+                ptr(self.buf(y)),
+                ptr(wp),
+                ptr(self.buf(&out)),
+                int(x.width),
+                Arg::F32(eps),
+                ptr(Self::blocks_ptr(&blocks)),
+            ],
+        );
+        Self::attach_blocks(&mut out, blocks);
+        out
+    }
+
+    fn mul(&self, x: &mut Act, y: &Act) {
+        let len = x.rows * x.width;
+        self.launch(
+            "mul",
+            None,
+            elementwise_cfg(len),
+            &[ptr(self.buf_mut(x)), ptr(self.buf(y)), ptr(len as u64)],
+        );
+    }
+
+    fn activate(&self, x: &mut Act, f: FfnActivation) {
+        let len = x.rows * x.width;
+        self.launch(
+            "activate",
+            None,
+            elementwise_cfg(len),
+            &[ptr(self.buf_mut(x)), int(activation_code(f)), ptr(len as u64)],
+        );
+    }
+
+    fn softcap(&self, x: &mut Act, cap: f32) {
+        let len = x.rows * x.width;
+        self.launch(
+            "softcap",
+            None,
+            elementwise_cfg(len),
+            &[ptr(self.buf_mut(x)), Arg::F32(cap), ptr(len as u64)],
+        );
+    }
+
+    fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
+        if x.rows == 0 || x.width == 0 {
+            return vec![0; x.rows];
+        }
+        // One word a row, the kernel's u32 in an f32 buffer's bits.
+        let out = self.pick_rows("argmax_rows", ARGMAX_THREADS, x, banned, &[], 1);
+        self.to_host(&out).iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
+        assert!(
+            (1..=TOP_K_THREADS as usize).contains(&k) && k <= x.width,
+            "top_k_rows: k = {k} for rows of {}",
+            x.width
+        );
+        if x.rows == 0 {
+            return TopRows::default();
+        }
+        // The greedy tokens' kernel first, so one wait brings both results.
+        let tokens = greedy.then(|| self.pick_rows("argmax_rows", ARGMAX_THREADS, x, banned, &[], 1));
+        // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value; with
+        // `lse`, two more a row: the f64's low word, then its high one.
+        let width = 2 * k + if lse { 2 } else { 0 };
+        let out = self.pick_rows(
+            "top_k_rows",
+            TOP_K_THREADS,
+            x,
+            banned,
+            &[int(k), int(lse as usize)],
+            width,
+        );
+        let words = self.to_host(&out);
+        let mut top = TopRows {
+            pairs: Vec::with_capacity(x.rows * k),
+            lse: Vec::with_capacity(if lse { x.rows } else { 0 }),
+            tokens: tokens.map_or(Vec::new(), |t| self.to_host(&t).iter().map(|v| v.to_bits()).collect()),
+        };
+        for row in words.chunks_exact(width) {
+            top.pairs
+                .extend(row[..2 * k].chunks_exact(2).map(|c| (c[0].to_bits(), c[1])));
+            if lse {
+                let (lo, hi) = (row[2 * k].to_bits() as u64, row[2 * k + 1].to_bits() as u64);
+                top.lse.push(f64::from_bits(hi << 32 | lo));
+            }
+        }
+        top
+    }
+
+    fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {
+        let out = self.act(rows.len(), x.width);
+        if rows.is_empty() || x.width == 0 {
+            return out;
+        }
+        let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.indices(&ids);
+        let cfg = rows_cfg(x.width, rows.len());
+        self.launch(
+            "select_rows",
+            None,
+            cfg,
+            &[ptr(self.buf(x)), ptr(idx), int(x.width), ptr(self.buf(&out))],
+        );
+        out
+    }
+
+    fn scatter_cols(&self, x: &Act, cols: &[u32], width: usize) -> Act {
+        let out = self.zeroed(x.rows, width);
+        if cols.is_empty() || x.rows == 0 {
+            return out;
+        }
+        let idx = self.indices(cols);
+        let cfg = rows_cfg(cols.len(), x.rows);
+        self.launch(
+            "scatter_cols",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(x)),
+                ptr(idx),
+                int(cols.len()),
+                int(width),
+                ptr(self.buf(&out)),
+            ],
+        );
+        out
+    }
+
+    fn gather_cols(&self, x: &Act, cols: &[u32]) -> Act {
+        let out = self.act(x.rows, cols.len());
+        if cols.is_empty() || x.rows == 0 {
+            return out;
+        }
+        let idx = self.indices(cols);
+        let cfg = rows_cfg(cols.len(), x.rows);
+        self.launch(
+            "gather_cols",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(x)),
+                ptr(idx),
+                int(cols.len()),
+                int(x.width),
+                ptr(self.buf(&out)),
+            ],
+        );
+        out
+    }
+
+    fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
+        self.matmul_with(ws, &[], x)
+    }
+
+    fn matmul_bias(&self, ws: &[&Weight], biases: &[Option<&[f32]>], x: &Act) -> Vec<Act> {
+        self.matmul_with(ws, biases, x)
+    }
+
+    fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
+        if self.int8_product(w, x) {
+            let (xq, _made) = self.int8_input(x, true);
+            return self.product_i8(w, Some(rows), None, xq);
+        }
+        let seen = self.activations_for(w.ty, x);
+        self.product(w, Some(rows), seen.as_ref().unwrap_or(x))
+    }
+
+    fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        self.accumulate(w, None, rows, acts, out)
+    }
+
+    fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
+        if let Err(e) = crate::backend::joinable(head, tail) {
+            self.fail(e.to_string());
+            return;
+        }
+        self.accumulate(head, Some(tail), rows, acts, out)
+    }
+
+    fn rope_qk(
+        &self,
+        q: &mut Act,
+        k: &mut Act,
+        positions: &[usize],
+        shape: RopeShape,
+        q_norm: Option<&[f32]>,
+        k_norm: Option<&[f32]>,
+        eps: f32,
+    ) {
+        if positions.is_empty() || shape.head_dim == 0 {
+            return;
+        }
+        self.launch_rope(q, k, positions, (shape, q_norm, k_norm, eps), None);
+    }
+
+    fn kv_write(
+        &self,
+        layer: usize,
+        k: &Act,
+        v: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &mut [&mut KvCache],
+    ) {
+        if positions.is_empty() {
+            return;
+        }
+        for c in caches.iter_mut() {
+            self.ensure_kv(c);
+        }
+        let info = self.token_kv(positions, seq_of_token, caches);
+        let cfg = rows_cfg(k.width, positions.len());
+        self.launch(
+            "kv_write",
+            None,
+            cfg,
+            &[ptr(self.buf(k)), ptr(self.buf(v)), ptr(info), int(layer), int(k.width)],
+        );
+    }
+
+    fn rope_qk_kv_write(
+        &self,
+        layer: usize,
+        q: &mut Act,
+        k: &mut Act,
+        v: &Act,
+        at: (&[usize], &[usize]),
+        caches: &mut [&mut KvCache],
+        rope: (RopeShape, Option<&[f32]>, Option<&[f32]>, f32),
+    ) {
+        let (positions, seq_of_token) = at;
+        let (shape, q_norm, k_norm, eps) = rope;
+        let hd = shape.head_dim;
+        let fits = hd > 0
+            && q.width.is_multiple_of(hd)
+            && k.width.is_multiple_of(hd)
+            && (v.rows, v.width) == (k.rows, k.width)
+            && q.rows == positions.len()
+            && k.rows == positions.len();
+        if !self.fuse() || !fits || positions.is_empty() {
+            self.rope_qk(q, k, positions, shape, q_norm, k_norm, eps);
+            self.kv_write(layer, k, v, positions, seq_of_token, caches);
+            return;
+        }
+        for c in caches.iter_mut() {
+            self.ensure_kv(c);
+        }
+        let info = self.token_kv(positions, seq_of_token, caches);
+        self.launch_rope(q, k, positions, rope, Some((v, info, layer)));
+    }
+
+    fn attention(
+        &self,
+        q: &Act,
+        positions: &[usize],
+        seq_of_token: &[usize],
+        caches: &[&mut KvCache],
+        shape: AttnShape,
+    ) -> Act {
+        let out = self.act(q.rows, q.width);
+        if positions.is_empty() {
+            return out;
+        }
+        if shape.head_dim > ATTN_MAX_HEAD_DIM {
+            self.fail(format!(
+                "CUDA: attention supports heads of at most {ATTN_MAX_HEAD_DIM}, not {}",
+                shape.head_dim
+            ));
+            return out;
+        }
+        let info = self.token_kv(positions, seq_of_token, caches);
+        // Score rows (their length is only a stride to the kernel) sized by powers of two, so a
+        // decode step's buffers and parameters repeat for a CUDA graph.
+        let max_len = attention_row(
+            positions
+                .iter()
+                .map(|&p| shape.window.map_or(p + 1, |w| (p + 1).min(w)))
+                .max()
+                .unwrap_or(1),
+        );
+        let scores = self.act(q.rows * shape.n_heads, max_len);
+        let cfg = LaunchConfig {
+            grid_dim: (shape.n_heads as u32, q.rows as u32, 1),
+            block_dim: (ATTENTION_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "attention",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(q)),
+                ptr(info),
+                int(shape.layer),
+                int(shape.n_heads),
+                int(shape.n_kv_heads),
+                int(shape.head_dim),
+                Arg::F32(shape.scale),
+                int(shape.window.unwrap_or(0)),
+                ptr(self.buf(&scores)),
+                int(max_len),
+                ptr(self.buf(&out)),
+            ],
+        );
+        out
+    }
+}
+
+impl CudaDevice {
+    /// Device-to-device copy bandwidth over `bytes`-sized buffers, counting bytes read and
+    /// written (the ceiling a memory-bound kernel reaches), in bytes per second.
+    pub fn copy_bandwidth(&self, bytes: usize) -> Result<f64> {
+        self.end_segment();
+        let n = bytes / 4;
+        let a = self.stream.alloc_zeros::<f32>(n).map_err(driver_err("allocating"))?;
+        let mut b = self.stream.alloc_zeros::<f32>(n).map_err(driver_err("allocating"))?;
+        self.stream.memcpy_dtod(&a, &mut b).map_err(driver_err("copying"))?;
+        self.stream.synchronize().map_err(driver_err("synchronizing"))?;
+        let reps = 20;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            self.stream.memcpy_dtod(&a, &mut b).map_err(driver_err("copying"))?;
+        }
+        self.stream.synchronize().map_err(driver_err("synchronizing"))?;
+        Ok((2 * n * 4 * reps) as f64 / t.elapsed().as_secs_f64())
+    }
+
+    /// Queries and keys (`rope`: shape, per-head norms, eps) in one launch: `rope_norm`; with
+    /// `kv` (the values, the tokens' KV words from [`Self::token_kv`], the layer) `rope_norm_kv`,
+    /// which also writes the rotated keys and the values into the KV cache.
+    pub(super) fn launch_rope(
+        &self,
+        q: &mut Act,
+        k: &mut Act,
+        positions: &[usize],
+        rope: (RopeShape, Option<&[f32]>, Option<&[f32]>, f32),
+        kv: Option<(&Act, u64, usize)>,
+    ) {
+        let (shape, q_norm, k_norm, eps) = rope;
+        let hd = shape.head_dim;
+        let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let pp = self.indices(&pos);
+        let style = match shape.style {
+            RopeStyle::AdjacentPairs => 0,
+            RopeStyle::HalfSplit => 1,
+        };
+        let (qn, kn) = (
+            q_norm.map_or(0, |n| self.vector(n)),
+            k_norm.map_or(0, |n| self.vector(n)),
+        );
+        // Query heads, key heads, then (writing the cache) as many value heads.
+        let value_heads = kv.map_or(0, |_| k.width / hd);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                (q.width / hd + k.width / hd + value_heads) as u32,
+                positions.len() as u32,
+                1,
+            ),
+            block_dim: (rope_threads(hd), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (v, info, layer) = kv.map_or((0, 0, 0), |(v, info, layer)| (self.buf(v), info, layer));
+        let args = [
+            ptr(self.buf_mut(q)),
+            int(q.width),
+            ptr(qn),
+            ptr(self.buf_mut(k)),
+            int(k.width),
+            ptr(kn),
+            int(hd),
+            ptr(pp),
+            Arg::F32(shape.base),
+            Arg::F32(shape.pos_scale),
+            int(style),
+            Arg::F32(eps),
+            ptr(v),
+            ptr(info),
+            int(layer),
+        ];
+        // `rope_norm` takes the first 12 parameters.
+        match kv {
+            Some(_) => self.launch("rope_norm_kv", None, cfg, &args),
+            None => self.launch("rope_norm", None, cfg, &args[..12]),
+        }
+    }
+
+    /// RMSNorm of `x` into `y` (which may be `x`: the caller drops its blocks first), and into
+    /// Q8_K blocks at `blocks` unless 0 ([`Self::fused_blocks`]).
+    pub(super) fn rms_norm_into(&self, x: &Act, w: &[f32], eps: f32, y: &Act, blocks: u64) {
+        if x.rows == 0 {
+            return;
+        }
+        let wp = self.vector(w);
+        let cfg = norm_cfg(x.rows, x.width);
+        self.launch(
+            "rms_norm",
+            None,
+            cfg,
+            &[
+                ptr(self.buf(x)),
+                ptr(wp),
+                ptr(self.buf(y)),
+                int(x.width),
+                Arg::F32(eps),
+                ptr(blocks),
+            ],
+        );
+    }
+
+    /// `x · w_i` (+ `biases[i]` where given) for each weight: the integer products of one
+    /// type in launches of up to three weights (the input quantized once), the others one by one.
+    pub(super) fn matmul_with(&self, ws: &[&Weight], biases: &[Option<&[f32]>], x: &Act) -> Vec<Act> {
+        let bias = |i: usize| biases.get(i).copied().flatten();
+        let mut out: Vec<Option<Act>> = ws.iter().map(|_| None).collect();
+        let int8: Vec<usize> = (0..ws.len()).filter(|&i| self.int8_product(ws[i], x)).collect();
+        if !int8.is_empty() {
+            let (xq, _made) = self.int8_input(x, int8.len() == 1);
+            for ty in INT8_TYPES {
+                let same: Vec<usize> = int8.iter().copied().filter(|&i| ws[i].ty == ty).collect();
+                for group in same.chunks(3) {
+                    let items: Vec<(&Weight, Option<&[f32]>)> = group.iter().map(|&i| (ws[i], bias(i))).collect();
+                    for (&i, o) in group.iter().zip(self.products_i8(&items, xq)) {
+                        out[i] = Some(o);
+                    }
+                }
+            }
+        }
+        // The input as each other weight type's products see it, made once per format.
+        let mut seen: Vec<((ActivationFormat, bool), Option<Act>)> = Vec::new();
+        for (i, w) in ws.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
+            let format = (ActivationFormat::for_weights(w.ty), self.quantizes_activations(w.ty));
+            let f = match seen.iter().position(|(f, _)| *f == format) {
+                Some(f) => f,
+                None => {
+                    seen.push((format, self.activations_for(w.ty, x)));
+                    seen.len() - 1
+                }
+            };
+            let mut o = self.product(w, None, seen[f].1.as_ref().unwrap_or(x));
+            if let Some(b) = bias(i) {
+                self.add_bias(&mut o, b);
+            }
+            out[i] = Some(o);
+        }
+        out.into_iter().map(|o| o.expect("every product made")).collect()
+    }
+
+    /// `x · w[rows]` (all rows when `None`; + `bias` when given) for one token `x` given as
+    /// Q8_K blocks, or values the kernel quantizes ([`CudaDevice::int8_input`]), with integer
+    /// dot products.
+    pub(super) fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, input: Int8Input) -> Act {
+        let rows_out = rows.map_or(w.rows, |r| r.len());
+        let out = self.act(1, rows_out);
+        if rows_out == 0 {
+            return out;
+        }
+        let Some(wd) = self.weight(w) else { return out };
+        let idx = rows.map_or(0, |r| self.indices(r));
+        let bp = bias.map_or(0, |b| self.vector(b));
+        let wpr = i8_warps_per_row(w.cols);
+        let cfg = LaunchConfig {
+            grid_dim: (i8_blocks(&[rows_out], wpr)[0].max(1), 1, 1),
+            block_dim: (32, MATMUL_WARPS, 1),
+            shared_mem_bytes: 0,
+        };
+        let (kernel, xq) = match input {
+            Int8Input::Blocks(p) => ("matvec_i8", p),
+            Int8Input::Values(p) => ("matvec_i8f", p),
+        };
+        self.launch(
+            kernel,
+            Some(w.ty),
+            cfg,
+            &[
+                ptr(wd.ptr),
+                ptr(w.row_stride_bytes as u64),
+                int(rows_out),
+                ptr(idx),
+                int(w.cols),
+                ptr(xq),
+                ptr(bp),
+                int(wpr),
+                ptr(self.buf(&out)),
+            ],
+        );
+        out
+    }
+
+    /// Several weights of one integer-product type (at most three, the same columns) times the
+    /// same one-token input in one launch (`matvec_i8x3_*`); one alone as [`Self::product_i8`].
+    pub(super) fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], input: Int8Input) -> Vec<Act> {
+        if let [(w, b)] = items {
+            return vec![self.product_i8(w, None, *b, input)];
+        }
+        let Int8Input::Blocks(xq) = input else {
+            unreachable!("several products take the input as blocks")
+        };
+        assert!(
+            items.len() <= 3
+                && items
+                    .windows(2)
+                    .all(|p| p[0].0.ty == p[1].0.ty && p[0].0.cols == p[1].0.cols)
+        );
+        let outs: Vec<Act> = items.iter().map(|(w, _)| self.act(1, w.rows)).collect();
+        // Each weight's device copy (a streamed weight's lives only as long as this) is kept
+        // until the launch.
+        let mut segs = Vec::new();
+        let mut on_device = Vec::new();
+        for (w, b) in items {
+            let Some(wd) = self.weight(w) else { return outs };
+            segs.push((
+                wd.ptr,
+                w.row_stride_bytes as u64,
+                w.rows,
+                b.map_or(0, |b| self.vector(b)),
+            ));
+            on_device.push(wd);
+        }
+        let (ty, cols) = (items[0].0.ty, items[0].0.cols);
+        let wpr = i8_warps_per_row(cols);
+        let mut rows: Vec<usize> = segs.iter().map(|s| s.2).collect();
+        rows.resize(3, 0);
+        let nb = i8_blocks(&rows, wpr);
+        let total = nb.iter().sum::<u32>();
+        if total == 0 {
+            return outs;
+        }
+        let mut args = vec![
+            ptr(xq),
+            int(cols),
+            int(wpr),
+            int(nb[0] as usize),
+            int((nb[0] + nb[1]) as usize),
+        ];
+        for i in 0..3 {
+            match (segs.get(i), outs.get(i)) {
+                (Some(&(wp, stride, r, bp)), Some(o)) => {
+                    args.extend([ptr(wp), ptr(stride), int(r), ptr(bp), ptr(self.buf(o))]);
+                }
+                _ => args.extend([ptr(0), ptr(0), int(0), ptr(0), ptr(0)]),
+            }
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (total, 1, 1),
+            block_dim: (32, MATMUL_WARPS, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("matvec_i8x3", Some(ty), cfg, &args);
+        drop(on_device);
+        outs
+    }
+
+    /// `x · w[rows]` (all rows when `None`).
+    pub(super) fn product(&self, w: &Weight, rows: Option<&[u32]>, x: &Act) -> Act {
+        let rows_out = rows.map_or(w.rows, |r| r.len());
+        let out = self.act(x.rows, rows_out);
+        if x.rows == 0 || rows_out == 0 {
+            return out;
+        }
+        if x.width != w.cols {
+            self.fail(format!("{}: {} columns times an input of {}", w.name, w.cols, x.width));
+            return out;
+        }
+        let Some(wd) = self.weight(w) else { return out };
+        let wp = wd.ptr;
+        let idx = rows.map_or(0, |r| self.indices(r));
+        // One token (decode): a single-token kernel, with fewer registers.
+        let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
+            (1, 4) => ("matvec4", matvec_cfg(rows_out, 4)),
+            (1, 2) => ("matvec2", matvec_cfg(rows_out, 2)),
+            (1, _) => ("matvec", matvec_cfg(rows_out, 1)),
+            _ => ("matmul", matmul_cfg(rows_out, x.rows)),
+        };
+        self.launch(
+            kernel,
+            Some(w.ty),
+            cfg,
+            &[
+                ptr(wp),
+                ptr(w.row_stride_bytes as u64),
+                int(rows_out),
+                ptr(idx),
+                int(w.cols),
+                ptr(self.buf(x)),
+                int(x.rows),
+                ptr(self.buf(&out)),
+            ],
+        );
+        out
+    }
+}

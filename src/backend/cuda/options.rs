@@ -1,0 +1,169 @@
+//! What the CUDA device opens with ([`CudaOptions`]): where its libraries and kernel cache are, and
+//! its modes (operation fusion, the activations quantized products multiply, rows per warp of
+//! one-token products, graphs, host mapping), each parsed from its variable and refused with what
+//! its values mean. The library reads no environment: the binary (and the GPU suite) hand the
+//! variables over ([`CudaOptions::from_vars`]).
+
+use super::*;
+
+/// `GATESTREAM_CUDA_FUSE`: `1` (or `on`, the default) fuses launches of a decode step that
+/// follow each other: RMSNorm (with or without the residual add before it) and the gated
+/// activation write, beside their f32 output, the Q8_K blocks the integer products
+/// (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8) take as input, so one-token products of Q4_K and
+/// Q6_K rows after them need no quantization launch of their own; RoPE writes the keys and
+/// values into the KV cache; a lone integer product whose input has no blocks (attention's
+/// output) quantizes that input itself, in each thread block's shared memory (five launches fewer
+/// a layer on Qwen2.5). The same bytes as the launches they replace. `0` (`off`): each in a
+/// launch of its own. Blocks are made only for one-token rows of a multiple of 256 values, once
+/// an integer product has run.
+pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
+
+/// Whether [`FUSE_ENV`] asks for fused launches (`value`: the variable's value).
+pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
+    switch_asked(
+        FUSE_ENV,
+        value,
+        "norms and activations write the integer products' input blocks, RoPE the KV cache",
+        "each in a launch of its own",
+    )
+}
+
+/// `GATESTREAM_CUDA_ACTIVATIONS`: what the GPU's quantized products multiply. `auto` (the
+/// default): Q4_K and Q6_K weights as `int8`, the other types as `f32` — the fastest on an H100
+/// (Qwen2.5-1.5B-shaped decode, 2026-11-25: 354 tok/s with `int8` against 206 with `f32` and 194
+/// with `q8`). `f32` multiplies quantized weights with the f32 activations; `q8` first
+/// replaces the activations by the 8-bit blocks the CPU's products use (blocks of 32 for
+/// Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256 for K-quants), so the GPU computes what the
+/// CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them as integers
+/// (`dp4a`, llama.cpp's approach) in one-token products of Q4_K and Q6_K rows, the rest as `q8`.
+pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
+
+/// What the GPU's quantized products multiply the weights with (see [`ACTIVATIONS_ENV`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activations {
+    /// The f32 activations, weights decoded to f32 (dequantize-and-FMA).
+    F32,
+    /// The CPU's 8-bit activation blocks, decoded to f32.
+    Q8,
+    /// The CPU's 8-bit blocks multiplied as integers where a kernel does (one-token products of
+    /// Q4_K and Q6_K rows), as [`Activations::Q8`] elsewhere.
+    Int8,
+    /// The default: weights of the types with integer products (Q4_K, Q6_K) as
+    /// [`Activations::Int8`] (integers for one token, the CPU's 8-bit blocks for a batch, as the
+    /// CPU computes them), the other types as [`Activations::F32`].
+    Auto,
+}
+
+/// The weight types with integer one-token products (`matvec_i8_*`).
+pub const INT8_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
+/// Bytes of one Q8_K activation block for the integer products (`Q8K_BLOCK_BYTES`).
+pub(super) const Q8K_BLOCK_BYTES: usize = 292;
+/// The widest input (in blocks of 256) `matvec_i8f_*` quantizes itself (`I8F_MAX_BLOCKS`).
+pub(super) const I8F_MAX_BLOCKS: usize = 48;
+
+/// A one-token integer product's input: Q8_K blocks, or the values, which the product's own
+/// blocks quantize (`matvec_i8f_*`).
+#[derive(Clone, Copy)]
+pub(super) enum Int8Input {
+    Blocks(u64),
+    Values(u64),
+}
+
+/// An on/off variable (`name`, its value `value`): `1` or `on` (or unset, or empty: the default)
+/// is on, `0` or `off` off; anything else is refused, saying what each means.
+pub(crate) fn switch_asked(name: &str, value: Option<&str>, on: &str, off: &str) -> Result<bool> {
+    match value.map(str::trim) {
+        Some("0") | Some("off") => Ok(false),
+        None | Some("") | Some("1") | Some("on") => Ok(true),
+        Some(other) => Err(Error::Invalid(format!(
+            "{name}={other}: expected 1 or on (the default: {on}), or 0 or off ({off})"
+        ))),
+    }
+}
+
+/// What [`ACTIVATIONS_ENV`] asks for (`value`: the variable's value).
+pub fn activations_asked(value: Option<&str>) -> Result<Activations> {
+    match value.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(Activations::Auto),
+        Some("f32") => Ok(Activations::F32),
+        Some("q8") => Ok(Activations::Q8),
+        Some("int8") => Ok(Activations::Int8),
+        Some(other) => Err(Error::Invalid(format!(
+            "{ACTIVATIONS_ENV}={other}: expected auto (the default: int8 for Q4_K and Q6_K weights, f32 for the \
+             others), f32 (f32 activations), q8 (the CPU's 8-bit activation blocks) or int8 (those blocks in \
+             integer products where a kernel does)"
+        ))),
+    }
+}
+
+/// `GATESTREAM_CUDA_MATVEC_ROWS`: rows per warp of one-token (decode) products — 1 (the default:
+/// `matvec`, one warp per row), 2 or 4 (`matvec2`/`matvec4`: each lane loads a unit of the input
+/// once for that many rows), for the f32-activation products. The same sums in the same order;
+/// slower on an H100 (Qwen2.5-1.5B-shaped decode, f32: 213.7 tok/s with 1, 196.7 with 2, 169.5
+/// with 4).
+pub const MATVEC_ROWS_ENV: &str = "GATESTREAM_CUDA_MATVEC_ROWS";
+
+/// The rows per warp [`MATVEC_ROWS_ENV`] asks for (`value`: the variable's value).
+pub fn matvec_rows_asked(value: Option<&str>) -> Result<usize> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(1),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n @ (1 | 2 | 4)) => Ok(n),
+            _ => Err(Error::Invalid(format!(
+                "{MATVEC_ROWS_ENV}={v}: expected 1 (the default), 2 or 4 rows per warp of one-token products"
+            ))),
+        },
+    }
+}
+
+/// What the CUDA device is opened with.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    /// The driver library to load first ([`LIBCUDA_ENV`]), else the loader's own search.
+    pub libcuda: Option<String>,
+    /// The NVRTC library file ([`nvrtc::NVRTC_ENV`]), else the standard names and folders.
+    pub nvrtc: Option<String>,
+    /// CUDA installations whose `lib64` is searched for NVRTC too (`CUDA_HOME`, `CUDA_PATH`).
+    pub cuda_homes: Vec<std::path::PathBuf>,
+    /// The folder of compiled kernels ([`nvrtc::CACHE_ENV`], else `~/.cache/gatestream/kernels`);
+    /// `None`: compiled at every open.
+    pub kernel_cache: Option<std::path::PathBuf>,
+    /// What quantized products multiply ([`ACTIVATIONS_ENV`]).
+    pub activations: Activations,
+    /// Rows per warp of one-token products ([`MATVEC_ROWS_ENV`]).
+    pub matvec_rows: usize,
+    /// Recorded launches replayed as CUDA graphs ([`GRAPHS_ENV`]).
+    pub graphs: bool,
+    /// Launches a graph is cut after ([`GRAPH_SPLIT_ENV`]; 0: not cut).
+    pub graph_split: usize,
+    /// Whether the stream's neuron cache is mapped for kernels to read in place ([`MAP_HOST_ENV`]).
+    pub map_host: bool,
+    /// Whether launches that follow each other are fused ([`FUSE_ENV`]).
+    pub fuse: bool,
+}
+
+impl CudaOptions {
+    /// The options the variables `var` returns ask for (`|name| std::env::var(name).ok()` for the
+    /// process's environment); an unset or empty variable takes its default.
+    pub fn from_vars(var: &dyn Fn(&str) -> Option<String>) -> Result<CudaOptions> {
+        let set = |name: &str| var(name).filter(|v| !v.is_empty());
+        Ok(CudaOptions {
+            libcuda: set(LIBCUDA_ENV),
+            nvrtc: set(nvrtc::NVRTC_ENV),
+            cuda_homes: ["CUDA_HOME", "CUDA_PATH"]
+                .iter()
+                .filter_map(|n| set(n))
+                .map(std::path::PathBuf::from)
+                .collect(),
+            kernel_cache: set(nvrtc::CACHE_ENV)
+                .map(std::path::PathBuf::from)
+                .or_else(|| set("HOME").map(|h| std::path::Path::new(&h).join(".cache/gatestream/kernels"))),
+            activations: activations_asked(var(ACTIVATIONS_ENV).as_deref())?,
+            matvec_rows: matvec_rows_asked(var(MATVEC_ROWS_ENV).as_deref())?,
+            graphs: graphs_asked(var(GRAPHS_ENV).as_deref())?,
+            graph_split: graph_split_asked(var(GRAPH_SPLIT_ENV).as_deref())?,
+            map_host: map_host_asked(var(MAP_HOST_ENV).as_deref())?,
+            fuse: fuse_asked(var(FUSE_ENV).as_deref())?,
+        })
+    }
+}

@@ -1,0 +1,195 @@
+//! The kernels the device launches (their names in the module, per weight type or not) and
+//! each family's launch geometry; the constants shared with `kernels/*.cu` (checked against the
+//! source by the tests in `mod.rs`).
+
+use super::*;
+
+/// Threads per block of the elementwise kernels.
+pub(super) const ELEMENTWISE_THREADS: u32 = 256;
+/// Warps per block of the matmul kernels (one output row each).
+pub(super) const MATMUL_WARPS: u32 = 8;
+/// Tokens per matmul block (`MM_TOKENS` in kernels/quant.cu).
+pub(super) const MATMUL_TOKENS: usize = 8;
+/// Threads per block of attention and of the partial sums of `accumulate_rows`.
+pub(super) const ATTENTION_THREADS: u32 = 128;
+pub(super) const ACCUMULATE_THREADS: u32 = 64;
+/// Threads of the block that finds one row's argmax (a vocabulary of ~150k logits: ~150 each).
+pub(super) const ARGMAX_THREADS: u32 = 1024;
+/// Threads of the block that finds one row's top-k (`TOPK_MAX` in kernels/ops.cu: one a
+/// candidate when they are ranked).
+pub(super) const TOP_K_THREADS: u32 = crate::backend::TOP_K_MAX as u32;
+/// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
+pub(super) const ATTN_MAX_HEAD_DIM: usize = 512;
+/// Bytes of freed activation buffers kept for reuse.
+pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
+
+/// The kernel name suffix of a weight type.
+pub fn type_suffix(ty: GgmlType) -> &'static str {
+    match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+    }
+}
+
+/// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
+pub(super) const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
+/// The kernels that are not per type.
+pub(super) const OPS: [&str; 22] = [
+    "accumulate_reduce",
+    "argmax_rows",
+    "top_k_rows",
+    "activate_mul",
+    "activate_mul_q8_k",
+    "add_rms_norm",
+    "act_q8_32",
+    "act_q8_k",
+    "act_q8_k_blocks",
+    "rms_norm",
+    "add",
+    "mul",
+    "add_bias",
+    "activate",
+    "softcap",
+    "select_rows",
+    "scatter_cols",
+    "gather_cols",
+    "rope_norm",
+    "rope_norm_kv",
+    "kv_write",
+    "attention",
+];
+
+/// A kernel: a name, and the weight type for the per-type families (looked up per launch
+/// without building its name).
+pub(super) type KernelKey = (&'static str, Option<GgmlType>);
+
+/// Every kernel the device launches, with its name in the module.
+pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
+    let typed = GgmlType::ALL
+        .iter()
+        .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
+    let int8 = INT8_TYPES.iter().flat_map(|&ty| {
+        ["matvec_i8", "matvec_i8x3", "matvec_i8f"].map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
+    });
+    typed
+        .chain(int8)
+        .chain(OPS.iter().map(|&k| ((k, None), k.to_string())))
+        .collect()
+}
+
+/// Every kernel's name in the module.
+pub fn kernel_names() -> Vec<String> {
+    kernel_keys().into_iter().map(|(_, n)| n).collect()
+}
+
+/// One thread per element of a row of `width`, one row of blocks per row.
+pub(super) fn rows_cfg(width: usize, rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((width as u32).div_ceil(ELEMENTWISE_THREADS).max(1), rows as u32, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One thread per element.
+pub fn elementwise_cfg(len: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((len as u32).div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per output row, `MATMUL_TOKENS` tokens per block row.
+pub fn matmul_cfg(rows_out: usize, n: usize) -> LaunchConfig {
+    let mut c = matvec_cfg(rows_out, 1);
+    c.grid_dim.1 = n.div_ceil(MATMUL_TOKENS).max(1) as u32;
+    c
+}
+
+/// One-token products with `rows_per_warp` rows per warp (`matvec`, `matvec2`, `matvec4`).
+pub fn matvec_cfg(rows_out: usize, rows_per_warp: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            (rows_out as u32).div_ceil(MATMUL_WARPS * rows_per_warp as u32).max(1),
+            1,
+            1,
+        ),
+        block_dim: (32, MATMUL_WARPS, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Warps per row of the integer one-token products (`matvec_i8_*`) for rows of `cols` values:
+/// one while a warp's 4 groups of 8 lanes cover the row's super-blocks in at most two passes,
+/// then 2, 4 or 8 (a wide row, such as an FFN's down row, shared by a block's warps so that
+/// enough of them read at once: 1536 rows of 8960 make only 1536 warps otherwise).
+pub fn i8_warps_per_row(cols: usize) -> usize {
+    let super_blocks = cols / 256;
+    let mut w = 1;
+    while w < MATMUL_WARPS as usize && 8 * w <= super_blocks {
+        w *= 2;
+    }
+    w
+}
+
+/// Launch geometry of the integer products: blocks of `MATMUL_WARPS` warps, each row taking
+/// `wpr` of them; the blocks each of up to three weights' `rows` need, in order.
+pub fn i8_blocks(rows: &[usize], wpr: usize) -> Vec<u32> {
+    let rows_per_block = MATMUL_WARPS as usize / wpr;
+    rows.iter().map(|r| r.div_ceil(rows_per_block) as u32).collect()
+}
+
+/// Threads of a norm's block (`rms_norm`, `add_rms_norm`: one block per row): enough for each
+/// to hold [`NORM_PER_THREAD`] values of the row in registers, whole warps, at most 1024.
+pub fn norm_threads(width: usize) -> u32 {
+    (width.div_ceil(NORM_PER_THREAD).next_multiple_of(32)).clamp(32, 1024) as u32
+}
+
+/// Values of a row each thread of a norm's block holds (`NORM_PER_THREAD` in kernels/ops.cu).
+pub(super) const NORM_PER_THREAD: usize = 4;
+
+/// A norm's launch: one block of [`norm_threads`] per row.
+pub(super) fn norm_cfg(rows: usize, width: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (norm_threads(width), 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Partitions of the rows in `accumulate_rows` (each summed in order by one thread per column
+/// unit, then the partitions added in order): enough to fill the GPU, at least 64 rows each.
+pub fn accumulate_parts(n_rows: usize) -> usize {
+    n_rows.div_ceil(64).clamp(1, 64)
+}
+
+/// One warp per activation block (the 8-bit activation kernels): `blocks` warps in blocks of
+/// `ELEMENTWISE_THREADS` threads.
+pub fn warp_per_block_cfg(blocks: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((blocks as u32).div_ceil(ELEMENTWISE_THREADS / 32), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The length of a token's score row in attention for `positions` cached positions: the next
+/// power of two, at least 256 (the kernel takes it as a stride only).
+pub fn attention_row(positions: usize) -> usize {
+    positions.next_power_of_two().max(256)
+}
+
+/// Threads of a RoPE block: one per rotated pair, whole warps (the optional norm reduces over
+/// the block).
+pub fn rope_threads(head_dim: usize) -> u32 {
+    ((head_dim / 2).div_ceil(32) * 32).clamp(32, 1024) as u32
+}
