@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use super::{checksum_hex, malformed, Header, Index, Section, ALIGN_BYTES, FORMAT_VERSION, HEADER_BYTES, REBUILD};
+use super::{malformed, Header, Index, Section, ALIGN_BYTES, FORMAT_VERSION, HEADER_BYTES, REBUILD};
 use crate::error::{Error, Result};
 
 /// Parse a whole file image (header + index), as the fuzz target and tests do; returns the
@@ -63,7 +63,6 @@ pub fn parse_file_bytes(path: &Path, bytes: &[u8]) -> Result<(Header, Index)> {
     Ok((header, index))
 }
 
-/// Verify one section's checksum against its bytes (the whole section, `s.len_bytes` long).
 /// Checks a section's xxh3, computed over its bytes as they were read (`digest`, of
 /// `len_bytes` bytes), against the index's: what [`verify_section`] does for bytes in memory.
 pub fn verify_section_digest(path: &Path, s: &Section, len_bytes: u64, digest: u64) -> Result<()> {
@@ -91,31 +90,9 @@ pub fn verify_section_digest(path: &Path, s: &Section, len_bytes: u64, digest: u
     Ok(())
 }
 
+/// Verify one section's checksum against its bytes (the whole section, `s.len_bytes` long).
 pub fn verify_section(path: &Path, s: &Section, bytes: &[u8]) -> Result<()> {
-    if bytes.len() as u64 != s.len_bytes {
-        return Err(malformed(
-            path,
-            s.offset_bytes,
-            format!(
-                "section `{}`: got {} bytes to verify, the index says {}; read the whole section",
-                s.name,
-                bytes.len(),
-                s.len_bytes
-            ),
-        ));
-    }
-    let found = checksum_hex(bytes);
-    if found != s.xxh3 {
-        return Err(malformed(
-            path,
-            s.offset_bytes,
-            format!(
-                "section `{}` checksum mismatch: the index says {}, its {} bytes hash to {found}; {REBUILD}",
-                s.name, s.xxh3, s.len_bytes
-            ),
-        ));
-    }
-    Ok(())
+    verify_section_digest(path, s, bytes.len() as u64, xxhash_rust::xxh3::xxh3_64(bytes))
 }
 
 /// Where everything goes in a file being written. The writer writes `header.to_bytes()`, then

@@ -189,12 +189,10 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
         report.link = link;
         print!("{}", experts_table(&report));
         if let Some(path) = json {
-            std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-                .with_context(|| format!("writing {}", path.display()))?;
+            write_file(&path, &serde_json::to_string_pretty(&report)?)?;
         }
         if let Some(path) = plot {
-            std::fs::write(&path, gatestream::bench::experts::plot(&report))
-                .with_context(|| format!("writing {}", path.display()))?;
+            write_file(&path, &gatestream::bench::experts::plot(&report))?;
         }
         return Ok(());
     }
@@ -203,11 +201,10 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
     report.link = link;
     print!("{}", table(&report));
     if let Some(path) = json {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_file(&path, &serde_json::to_string_pretty(&report)?)?;
     }
     if let Some(path) = plot {
-        std::fs::write(&path, bench_plot(&report)).with_context(|| format!("writing {}", path.display()))?;
+        write_file(&path, &bench_plot(&report))?;
     }
     Ok(())
 }

@@ -4,6 +4,11 @@
 use gatestream::model::Model;
 use gatestream::runtime::Outcome;
 
+/// Writes a report file (`--json`, `--plot`), naming the file when that fails.
+pub(crate) fn write_file(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))
+}
+
 /// Why sparse streaming can take longer than dense, in this run's own figures: on a device
 /// where a request costs as much as reading many KB, scattered neuron reads save bytes but not
 /// time; what saves time there is the neuron cache.

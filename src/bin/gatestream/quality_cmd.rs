@@ -118,12 +118,10 @@ pub(crate) fn eval(c: Command) -> anyhow::Result<()> {
     };
     print!("{}", table(&report));
     if let Some(path) = json {
-        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_file(&path, &serde_json::to_string_pretty(&report)?)?;
     }
     if let Some(path) = plot {
-        std::fs::write(&path, gatestream::eval::chart(&report).svg())
-            .with_context(|| format!("writing {}", path.display()))?;
+        write_file(&path, &gatestream::eval::chart(&report).svg())?;
     }
     if let Some(path) = &checkpoint {
         // The report is written: the progress it was made from is no longer needed.
