@@ -71,6 +71,9 @@ pub struct StreamAsk {
     pub prefetch_buffers: usize,
     /// Bytes per prefetch read ([`StreamOptions::prefetch_read_bytes`]); 0 = the default.
     pub prefetch_read_bytes: usize,
+    /// Under a GPU budget, whether the CPU computes the rows the GPU does not keep
+    /// ([`crate::stream::hybrid`]).
+    pub hybrid: crate::stream::hybrid::HybridMode,
 }
 
 /// How many KV positions the budget holds.
@@ -259,7 +262,11 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                     },
                 },
             )?;
+            let mut s = s;
             warnings.extend(s.warnings.iter().cloned());
+            if let Some(w) = s.enable_hybrid(ask.hybrid, opts.threads)? {
+                warnings.push(w);
+            }
             Some(s)
         }
     };

@@ -1784,6 +1784,22 @@ fn decode_rate(m: &Model, stream: Option<&dyn LayerStream>, steps: usize) -> Res
 /// As [`decode_rate`], with a mask (if any); also what the device copied from the host during
 /// the timed steps, and how far `mapped` (a stream's count of bytes read in place, across the
 /// link; `|| 0` for none) moved meanwhile.
+/// Prompt tokens a second in one pass of `n` tokens over `stream` (after one untimed pass).
+fn prefill_rate(m: &Model, stream: &dyn LayerStream, n: usize) -> Result<f64, String> {
+    let h = masked_hooks(Some(stream), None);
+    let v = m.config.vocab as u32;
+    let tokens: Vec<u32> = (0..n as u32).map(|t| (600 + t) % v).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        let mut c = KvCache::new(&m.config, n + 1);
+        let t = Instant::now();
+        m.forward_with(&tokens, &mut c, Logits::Last, &h)
+            .map_err(|e| e.to_string())?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(n as f64 / best)
+}
+
 fn masked_decode(
     m: &Model,
     stream: Option<&dyn LayerStream>,
@@ -2206,6 +2222,7 @@ fn vram_budget(
     use gatestream::io::{ReadEngine, ReaderOptions};
     use gatestream::sparsity::{Criterion, Masker, Strategy};
     use gatestream::stream::cache::CachePolicy;
+    use gatestream::stream::hybrid::HybridMode;
     use gatestream::stream::residency::Priority;
     use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer, RAM_UNLIMITED};
     let steps = 32;
@@ -2399,14 +2416,64 @@ fn vram_budget(
             serde_json::json!({"tok_s": rate, "map_host_flipped": other_json, "mapped_bytes_per_token": mapped_per_token, "copied_bytes_per_token": per_token, "staged_fraction": staged, "pinned_fraction": pinned_share, "copy_s_per_token": copy_s, "achieved_gb_s": achieved, "link_bound_tok_s": bound}),
         );
     }
+    // The hybrid executor: the rows the GPU does not keep computed by the CPU where they lie
+    // (cpu-cold), as the cost model decides (auto), and copied to the GPU (gpu-stream, as the
+    // dense row above), in one run: decode and prefill rates, the link's traffic, and the
+    // greedy tokens against the model in device memory (judged by the same bar).
+    let hybrid_steps = speed_steps(dev, steps);
+    let mut hybrid_rows = serde_json::Map::new();
+    let mut hybrid_worst = Vec::new();
+    for mode in [HybridMode::CpuCold, HybridMode::Auto, HybridMode::GpuStream] {
+        let mut s = Streamer::open(&on_disk, &opts(false)).map_err(|e| e.to_string())?;
+        let note = s
+            .enable_hybrid(mode, 0)
+            .map_err(|e| format!("  hybrid {}: {e}", mode.name()))?;
+        let plan = s.hybrid_plan().cloned();
+        let (mis, w) = compare_greedy(&in_device, &on_disk, Some(&s), &prompt, hybrid_steps)?;
+        if let Some(e) = dev.take_error() {
+            return Err(format!("  hybrid {}: {e}", mode.name()));
+        }
+        let prefill = prefill_rate(&on_disk, &s, speed_steps(dev, 32))?;
+        // The CPU's cold bytes over the timed steps.
+        let (rate, l, cpu_bytes) = masked_decode(&on_disk, Some(&s), None, timed, &|| s.counters().cold_cpu_bytes)?;
+        if let Some(e) = dev.take_error() {
+            return Err(format!("  hybrid {}: {e}", mode.name()));
+        }
+        let per = |b: u64| b as f64 / timed as f64;
+        lines.push(format!(
+            "  hybrid {}: decode {rate:.1} tok/s, prefill {prefill:.1} tok/s; argmax differs at {mis}/{hybrid_steps} \
+             steps from in device memory, max |dlogit| = {:.6}% of the range; {:.3} MB/token copied, {:.1} KB/token of \
+             activations to the GPU; the CPU computed {:.3} MB/token of cold rows{}{}",
+            mode.name(),
+            w * 100.0,
+            per(l.volatile_bytes) / 1e6,
+            per(l.activation_bytes) / 1e3,
+            per(cpu_bytes) / 1e6,
+            plan.as_ref()
+                .map_or(String::new(), |p| format!("\n    {}", p.describe())),
+            note.map_or(String::new(), |n| format!("\n    {n}"))
+        ));
+        hybrid_rows.insert(
+            mode.name().into(),
+            serde_json::json!({"decode_tok_s": rate, "prefill_tok_s": prefill, "mismatched_steps": mis, "max_dlogit_of_range": w,
+                "copied_bytes_per_token": per(l.volatile_bytes), "activation_bytes_per_token": per(l.activation_bytes),
+                "cpu_bytes_per_token": per(cpu_bytes), "plan": plan}),
+        );
+        hybrid_worst.push((mis, w));
+    }
     lines.push(format!("  in device memory: {device_rate:.1} tok/s"));
     report.insert(
         key.into(),
-        serde_json::json!({"file_bytes": file_bytes, "plan": plan, "mismatched_steps": mismatches, "max_dlogit_of_range": worst, "link": link, "in_device_tok_s": device_rate, "streamed": rows,
+        serde_json::json!({"file_bytes": file_bytes, "plan": plan, "mismatched_steps": mismatches, "max_dlogit_of_range": worst, "link": link, "in_device_tok_s": device_rate, "streamed": rows, "hybrid": hybrid_rows,
             "masked_against_in_device": masked_worst.iter().map(|(n, m, w)| serde_json::json!({"mask": n, "mismatched_steps": m, "max_dlogit_of_range": w})).collect::<Vec<_>>()}),
     );
     // The masked comparisons are judged by the same bar (the staged bytes are the same rows).
-    let masked_mis: usize = masked_worst.iter().map(|m| m.1).sum();
-    let masked_w = masked_worst.iter().map(|m| m.2).fold(0f64, f64::max);
+    let masked_mis: usize =
+        masked_worst.iter().map(|m| m.1).sum::<usize>() + hybrid_worst.iter().map(|m| m.0).sum::<usize>();
+    let masked_w = masked_worst
+        .iter()
+        .map(|m| m.2)
+        .chain(hybrid_worst.iter().map(|m| m.1))
+        .fold(0f64, f64::max);
     judged(mismatches + masked_mis, worst.max(masked_w), 0.0, lines.join("\n"))
 }

@@ -1353,3 +1353,168 @@ fn make_model_models_stream_at_half_their_size() {
         }
     }
 }
+
+/// The hybrid executor (`--hybrid`) on the host stand-in as the GPU and the CPU device as the
+/// CPU: the rows past the device's hot neurons computed by the CPU from the stream's caches,
+/// the CPU's f64 down sums finished by the device's and rounded once. Logits bit-identical to
+/// the in-RAM model's when dense (under two GPU budgets), within the f64 down-sum tolerance
+/// when masked (top-K on the gate); the link carries activations only (no FFN row copied,
+/// staged or read in place across it).
+#[test]
+fn the_hybrid_executor_computes_cold_rows_on_the_cpu_like_the_in_ram_model() {
+    use gatestream::stream::hybrid::HybridMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = smollm2_gst(tmp.path());
+    let text = "The capital of France is";
+    let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
+    let ram = load(&p);
+    let (layers, hidden) = (ram.config.n_layers as u64, ram.config.hidden as u64);
+    let prompt = ram.tokenizer.encode(text, true).unwrap().len() as u64;
+    let (steps, passes) = (4u64, 5u64);
+    for (vram, sparse) in [
+        (file_bytes * 7 / 10, None),
+        (file_bytes * 45 / 100, None),
+        (file_bytes * 7 / 10, Some(Criterion::Gate)),
+    ] {
+        let want = {
+            let mask = sparse.map(|c| Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap());
+            run(&ram, None, mask.as_ref(), text, steps as usize)
+        };
+        let (dev, m) = on_standin(&p);
+        let policy = if sparse.is_some() {
+            CachePolicy::Lru
+        } else {
+            CachePolicy::Pinned
+        };
+        let opts = StreamOptions {
+            vram_budget_bytes: Some(vram),
+            ..options(min + 2 * file_bytes, ReadEngine::Uring, policy)
+        };
+        let mut s = Streamer::open(&m, &opts).unwrap();
+        assert_eq!(s.enable_hybrid(HybridMode::CpuCold, 1).unwrap(), None);
+        let plan = s.hybrid_plan().unwrap().clone();
+        assert_eq!(plan.max_width, usize::MAX);
+        assert!(
+            plan.cpu_s_one_token > 0.0 && plan.cold_bytes_per_layer > 0.0,
+            "{plan:?}"
+        );
+        // The stand-in measures no link.
+        assert!(!plan.link_measured, "{plan:?}");
+        let mask = sparse.map(|c| Masker::for_model(&m, Strategy::TopK, c, 0.5, None).unwrap());
+        let got = run(&m, Some(&s), mask.as_ref(), text, steps as usize);
+        let what = format!("GPU budget {vram} {sparse:?}");
+        assert_like_in_ram(&got, &want, sparse.is_some(), &what);
+        let (c, link, u) = (s.counters(), dev.link().unwrap(), dev.upload_counters());
+        let hot = s.device_plan.as_ref().unwrap().hot_neurons.clone();
+        assert!(
+            hot.iter().all(|&k| k > 0 && (k as u64) < ram.config.ffn as u64),
+            "{what}: {hot:?}"
+        );
+        // A mask takes the hybrid in decode steps only (the prompt's pass goes through the
+        // device as before); dense passes take it always.
+        let hybrid_passes = if sparse.is_some() { passes - 1 } else { passes };
+        assert_eq!(c.cold_cpu_layers, hybrid_passes * layers, "{what}: {c:?}");
+        assert!(c.cold_cpu_bytes > 0 && c.ffn_hot_bytes > 0, "{what}: {c:?}");
+        // No FFN row crossed the link in a hybrid pass: nothing staged, nothing read in place,
+        // and only the masked prompt's pass copied up rows.
+        assert_eq!(u.uploads, 0, "{what}: {u:?}");
+        assert_eq!(dev.in_place_uses("ffn_"), 0, "{what}");
+        assert_eq!(dev.volatile_uses("ffn_up"), (passes - hybrid_passes) * layers, "{what}");
+        assert_eq!(
+            dev.volatile_uses("ffn_down"),
+            (passes - hybrid_passes) * layers,
+            "{what}"
+        );
+        // What crossed it instead: each hybrid layer's partial output, `hidden` floats a token.
+        let tokens = if sparse.is_some() { steps } else { prompt + steps };
+        assert!(
+            link.activation_bytes >= tokens * layers * hidden * 4,
+            "{what}: {link:?}"
+        );
+        if sparse.is_none() {
+            assert_eq!(c.ffn_in_place_bytes + c.ffn_needed_bytes, 0, "{what}: {c:?}");
+        }
+    }
+}
+
+/// Under `--hybrid auto` a prompt's pass wider than the crossover copies the cold rows to the
+/// device and the decode steps compute them on the CPU: the switch mid-generation keeps the
+/// in-RAM model's greedy tokens, and the counters split that way.
+#[test]
+fn the_hybrid_crossover_switches_between_prefill_and_decode_and_keeps_greedy_tokens() {
+    use gatestream::stream::hybrid::HybridMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = smollm2_gst(tmp.path());
+    let text = "The capital of France is";
+    let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
+    let ram = load(&p);
+    let layers = ram.config.n_layers as u64;
+    let steps = 6;
+    let greedy = |logits: &[f32]| -> Vec<usize> {
+        let v = ram.config.vocab;
+        let rows = logits.len() / v;
+        (rows - steps - 1..rows)
+            .map(|r| {
+                let row = &logits[r * v..(r + 1) * v];
+                (0..v).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap()
+            })
+            .collect()
+    };
+    let want = run(&ram, None, None, text, steps);
+    let (dev, m) = on_standin(&p);
+    let opts = StreamOptions {
+        vram_budget_bytes: Some(file_bytes * 7 / 10),
+        ..options(min + 2 * file_bytes, ReadEngine::Uring, CachePolicy::Pinned)
+    };
+    let mut s = Streamer::open(&m, &opts).unwrap();
+    assert_eq!(s.enable_hybrid(HybridMode::Auto, 1).unwrap(), None);
+    let plan = s.hybrid_plan().unwrap();
+    assert!(plan.max_width <= opts.batch_tokens_max, "{plan:?}");
+    assert!(plan.describe().contains("hybrid (auto)"), "{}", plan.describe());
+    // The prompt (more than 2 tokens) on the device, decode steps on the CPU.
+    s.set_hybrid_max_width(2);
+    let got = run(&m, Some(&s), None, text, steps);
+    assert_like_in_ram(&got, &want, false, "auto, crossover 2");
+    assert_eq!(greedy(&got), greedy(&want));
+    let c = s.counters();
+    assert_eq!(c.cold_cpu_layers, steps as u64 * layers, "{c:?}");
+    assert_eq!(dev.volatile_uses("ffn_up"), layers);
+    // gpu-stream (and off) open no hybrid: every pass copies its rows, as before.
+    for mode in [HybridMode::GpuStream, HybridMode::Off] {
+        s.enable_hybrid(mode, 1).unwrap();
+        assert!(s.hybrid_plan().is_none(), "{mode:?}");
+    }
+}
+
+/// Where the hybrid cannot run, `cpu-cold` is refused with the reason and the fix, and `auto`
+/// stays off with that reason as a warning (or silently without a GPU budget).
+#[test]
+fn the_hybrid_executor_says_why_it_cannot_run() {
+    use gatestream::stream::hybrid::HybridMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let p = smollm2_gst(tmp.path());
+    let (min, file_bytes) = (min_budget(&p), std::fs::metadata(&p).unwrap().len());
+    // No GPU budget (the CPU device).
+    let m = load(&p);
+    let mut s = Streamer::open(
+        &m,
+        &options(min + 2 * file_bytes, ReadEngine::Pread, CachePolicy::Pinned),
+    )
+    .unwrap();
+    let e = s.enable_hybrid(HybridMode::CpuCold, 1).unwrap_err().to_string();
+    assert!(e.contains("--vram-budget"), "{e}");
+    assert_eq!(s.enable_hybrid(HybridMode::Auto, 1).unwrap(), None);
+    assert!(s.hybrid_plan().is_none());
+    // A RAM budget that streams part of each layer from disk.
+    let (_dev, m) = on_standin(&p);
+    let opts = StreamOptions {
+        vram_budget_bytes: Some(file_bytes * 7 / 10),
+        ..options(min + file_bytes / 4, ReadEngine::Pread, CachePolicy::Lru)
+    };
+    let mut s = Streamer::open(&m, &opts).unwrap();
+    let e = s.enable_hybrid(HybridMode::CpuCold, 1).unwrap_err().to_string();
+    assert!(e.contains("--ram-budget"), "{e}");
+    let w = s.enable_hybrid(HybridMode::Auto, 1).unwrap().expect("a warning");
+    assert!(w.contains("--hybrid auto: off") && w.contains("--ram-budget"), "{w}");
+    assert!(s.hybrid_plan().is_none());
+}

@@ -115,11 +115,11 @@ impl CpuBackend {
 
 /// A raw output pointer shared by workers that write disjoint indices.
 #[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
+struct OutPtr<T>(*mut T);
 // SAFETY: workers write through it only at indices no other worker touches (disjoint row
 // chunks), and the owning slice outlives the parallel scope that uses it.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
+unsafe impl<T> Send for OutPtr<T> {}
+unsafe impl<T> Sync for OutPtr<T> {}
 
 impl Backend for CpuBackend {
     fn name(&self) -> String {
@@ -154,6 +154,19 @@ impl Backend for CpuBackend {
     }
 
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &[f32], out: &mut [f32]) {
+        let mut sums = vec![0f64; out.len()];
+        self.accumulate_rows_f64(w, rows, acts, &mut sums);
+        for (o, s) in out.iter_mut().zip(&sums) {
+            *o += *s as f32;
+        }
+    }
+}
+
+impl CpuBackend {
+    /// [`Backend::accumulate_rows`]'s sums added to `out` in f64, not rounded: a share of a
+    /// product whose other share is summed elsewhere (the hybrid executor's cold neurons),
+    /// rounded once where the shares meet ([`Device::accumulate_rows_onto`]).
+    pub fn accumulate_rows_f64(&self, w: &Weight, rows: Option<&[u32]>, acts: &[f32], out: &mut [f64]) {
         let n_tok = out.len() / w.cols;
         assert_eq!(out.len(), n_tok * w.cols, "accumulate_rows output size");
         assert_eq!(acts.len(), n_tok * w.rows, "accumulate_rows activations size");
@@ -181,7 +194,7 @@ impl Backend for CpuBackend {
                 .collect()
         });
         for (i, o) in out.iter_mut().enumerate() {
-            *o += partials.iter().map(|p| p[i]).sum::<f64>() as f32;
+            *o += partials.iter().map(|p| p[i]).sum::<f64>();
         }
     }
 }
@@ -196,7 +209,7 @@ impl CpuBackend {
     /// the columns and no reduction is needed; every row's segment is dequantized into the
     /// tile's f64 accumulators, which stay in L1 instead of streaming a whole `[tokens, cols]`
     /// buffer through the cache for every row.
-    fn accumulate_tiled(&self, w: &Weight, rows: &[u32], acts: &[f32], n_tok: usize, out: &mut [f32]) {
+    fn accumulate_tiled(&self, w: &Weight, rows: &[u32], acts: &[f32], n_tok: usize, out: &mut [f64]) {
         let block = w.ty.block_elems();
         // Column tiles must cut rows at block boundaries; fall back to whole rows otherwise.
         let tile_cols = if COLS_PER_TILE.is_multiple_of(block) && w.cols.is_multiple_of(block) {
@@ -233,7 +246,7 @@ impl CpuBackend {
                     for (c, v) in (c0..c1).zip(&acc[(t - t0) * width..(t - t0 + 1) * width]) {
                         // SAFETY: (t, c) lies inside `out` ([n_tok, cols], asserted by the
                         // caller) and inside this tile, which no other task touches.
-                        unsafe { *dst.0.add(t * w.cols + c) += *v as f32 };
+                        unsafe { *dst.0.add(t * w.cols + c) += *v };
                     }
                 }
             })
@@ -458,6 +471,14 @@ impl Device for CpuBackend {
 
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
         Backend::accumulate_rows(self, w, rows, host(acts), host_mut(out));
+    }
+
+    fn accumulate_rows_onto(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, base: Vec<f64>, out: &mut Act) {
+        let mut sums = base;
+        self.accumulate_rows_f64(w, rows, host(acts), &mut sums);
+        for (o, s) in host_mut(out).iter_mut().zip(&sums) {
+            *o += *s as f32;
+        }
     }
 
     fn rope_qk(

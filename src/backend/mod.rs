@@ -223,6 +223,9 @@ pub struct LinkCounters {
     /// where the host waits for the device and the device then for the host): with a mask, a
     /// decode step's layers; then the logits or tokens. Counted by CUDA only (0 elsewhere).
     pub host_waits: u64,
+    /// Activations copied to the device ([`Device::upload`]): a prompt's embeddings, the hybrid
+    /// executor's partial FFN outputs, a mask's edited activations.
+    pub activation_bytes: u64,
 }
 
 impl LinkCounters {
@@ -236,6 +239,7 @@ impl LinkCounters {
             copy_ns: self.copy_ns - o.copy_ns,
             to_host_bytes: self.to_host_bytes - o.to_host_bytes,
             host_waits: self.host_waits - o.host_waits,
+            activation_bytes: self.activation_bytes - o.activation_bytes,
         }
     }
 }
@@ -472,6 +476,9 @@ pub trait Device: HostLink {
     fn take_error(&self) -> Option<crate::error::Error> {
         None
     }
+    /// Starts what the device was asked so far (one that records operations to launch them
+    /// together launches them now), so it computes while the host works on something else.
+    fn launch_pending(&self) {}
     /// Host values to the device.
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act;
     fn zeros(&self, rows: usize, width: usize) -> Act;
@@ -572,6 +579,16 @@ pub trait Device: HostLink {
     /// `out[t] += Σ_r acts[t][r] · w[r]` over `rows` (all when `None`), neuron-major `w`,
     /// summed in f64 so neither order nor thread count changes a result.
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act);
+    /// `out[t] += Σ_r acts[t][r] · w[r]` as `accumulate_rows`, the sum starting from `base`
+    /// (`[n, w.cols]`, f64: a share of the same product summed elsewhere, the hybrid executor's
+    /// CPU share) and rounded once, so the split does not change the result. This default
+    /// rounds `base` and the device's own sum each to f32 (a device whose products sum in f32
+    /// anyway); the CPU device sums both in f64.
+    fn accumulate_rows_onto(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, base: Vec<f64>, out: &mut Act) {
+        self.accumulate_rows(w, rows, acts, out);
+        let shared = self.upload(out.rows, out.width, base.iter().map(|&v| v as f32).collect());
+        self.add(out, &shared);
+    }
     /// `accumulate_rows` over the matrix whose rows are `head`'s, then `tail`'s (one type and
     /// width; `acts` `[n, head.rows + tail.rows]`, `rows` indexing the joined rows), summed
     /// exactly as that one matrix would be: the result is `accumulate_rows`'s over it, bit for

@@ -83,6 +83,8 @@ pub struct HostStandIn {
     /// Bytes brought to the host (`to_host`, `download`, `argmax_rows`'s tokens, `top_k_rows`'s
     /// candidates).
     to_host_bytes: AtomicU64,
+    /// Activation bytes sent to the "device" (`upload`).
+    uploaded_bytes: AtomicU64,
     /// Volatile copies made, by weight name.
     volatile_uses: Mutex<HashMap<String, u64>>,
     /// Uses of weights read in place from mapped memory (`in_place`), by weight name.
@@ -105,6 +107,7 @@ impl HostStandIn {
             volatile_bytes: AtomicU64::new(0),
             volatile_copies: AtomicU64::new(0),
             to_host_bytes: AtomicU64::new(0),
+            uploaded_bytes: AtomicU64::new(0),
             volatile_uses: Mutex::new(HashMap::new()),
             in_place_uses: Mutex::new(HashMap::new()),
         }
@@ -429,6 +432,7 @@ impl HostLink for HostStandIn {
             to_host_bytes: self.to_host_bytes.load(Ordering::Relaxed),
             // It computes at each call: nothing is left to wait for.
             host_waits: 0,
+            activation_bytes: self.uploaded_bytes.load(Ordering::Relaxed),
         })
     }
 }
@@ -448,6 +452,8 @@ impl Device for HostStandIn {
         self.cpu.run(f)
     }
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
+        self.uploaded_bytes
+            .fetch_add(4 * values.len() as u64, Ordering::Relaxed);
         self.cpu.upload(rows, width, values)
     }
     fn zeros(&self, rows: usize, width: usize) -> Act {
@@ -524,6 +530,11 @@ impl Device for HostStandIn {
     }
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
         self.cpu.accumulate_rows(&self.on_device(w), rows, acts, out)
+    }
+    fn accumulate_rows_onto(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, base: Vec<f64>, out: &mut Act) {
+        // The base crosses the link as f64.
+        self.uploaded_bytes.fetch_add(8 * base.len() as u64, Ordering::Relaxed);
+        self.cpu.accumulate_rows_onto(&self.on_device(w), rows, acts, base, out)
     }
     fn accumulate_rows_joined(&self, head: &Weight, tail: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
         // Each part where the device has it (kept, copied or read in place), joined there.

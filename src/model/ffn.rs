@@ -28,11 +28,12 @@
 
 use rayon::prelude::*;
 
+use crate::backend::cpu::CpuBackend;
 use crate::backend::{Act, Device, Upload};
 use crate::config::MoeConfig;
 use crate::error::Error;
 use crate::error::Result;
-use crate::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
+use crate::model::forward::{ColdRows, FfnHooks, FfnMask, FfnNeurons, LayerStream};
 use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
 use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
@@ -219,6 +220,23 @@ impl Model {
             }
         }
         drop(streamed_gate);
+        // The hybrid executor: the rows the device does not keep computed by the host's CPU where
+        // they lie, for a pass the stream's cost model gives it (a dense pass, or a decode step
+        // whose mask decides from the input and gate alone).
+        let hybrid = match (stream, neurons, hooks.observe) {
+            (Some(s), FfnNeurons::All, None)
+                if !dev.host_memory()
+                    && hooks
+                        .mask
+                        .is_none_or(|m| n == 1 && m.decides_from_input() && m.decides_before_up()) =>
+            {
+                s.cold_on_host(l, n).map(|c| (s, c))
+            }
+            _ => None,
+        };
+        if let Some((s, cold)) = hybrid {
+            return self.ffn_hybrid(l, xn, &gate, hooks.mask, s, cold);
+        }
         // A masked, streamed decode step: on the host (the CPU device) each row is computed where
         // it lands; a device with memory of its own gets the rows staged in neuron order instead
         // (below), computed by its own products.
@@ -462,6 +480,88 @@ impl Model {
             },
         };
         Ok(d)
+    }
+
+    /// A hybrid step after phase 1 (`gate` activated, on the device): the neurons the device
+    /// keeps (its hot rows) computed there, the rest by the host's CPU from the rows the stream
+    /// holds in host memory ([`ColdRows`]); the CPU's partial output crosses the link (`hidden`
+    /// floats a token) and is added to the device's. The device's launches are made first, so
+    /// a device that queues them computes its share while the CPU computes the other. A mask
+    /// (decode) picks the neurons from the input and gate, both brought to the host once.
+    fn ffn_hybrid(
+        &self,
+        l: usize,
+        xn: &Act,
+        gate: &Act,
+        mask: Option<&dyn FfnMask>,
+        s: &dyn LayerStream,
+        cold: ColdRows,
+    ) -> Result<Act> {
+        let dev = &*self.device;
+        let (n, h, f, k) = (xn.rows, self.config.hidden, gate.width, cold.first);
+        if cold.up.rows != f - k || cold.down.rows != f - k {
+            return Err(Error::Invalid(format!(
+                "layer {l}: the stream's cold rows ({} up, {} down) are not the {} neurons past the {k} hot ones",
+                cold.up.rows,
+                cold.down.rows,
+                f - k
+            )));
+        }
+        // The one wait on the device a layer: its input and activated gate to the host.
+        let (xh, gh) = (dev.to_host(xn).into_owned(), dev.to_host(gate).into_owned());
+        let mut need = vec![true; f];
+        if let Some(m) = mask {
+            m.up_needed(l, &xh, &gh, &mut need);
+            m.count_decided(l, need.iter().filter(|&&b| b).count());
+        }
+        let hot_set: Vec<u32> = (0..k as u32).filter(|&i| need[i as usize]).collect();
+        let cold_set: Vec<u32> = (k as u32..f as u32)
+            .filter(|&i| need[i as usize])
+            .map(|i| i - k as u32)
+            .collect();
+        // The device's share first (its up rows times the gate), started before the CPU's, so
+        // a device that queues its work computes while the CPU does; its down product waits for
+        // the CPU's sums and adds them before rounding (one rounding, as one device's product).
+        let hot = match (s.hot_rows(l), hot_set.is_empty()) {
+            (Some((hot_up, hot_down)), false) => {
+                let all = hot_set.len() == k;
+                let mut u = match all {
+                    true => dev.matmul(&[hot_up], xn).remove(0),
+                    false => dev.matmul_rows(hot_up, &hot_set, xn),
+                };
+                dev.mul(&mut u, &dev.gather_cols(gate, &hot_set));
+                let acts = match all {
+                    true => u,
+                    false => dev.scatter_cols(&u, &hot_set, k),
+                };
+                s.count_hot_rows(l, hot_set.len(), hot_set.len());
+                Some((hot_down, all, acts))
+            }
+            _ => None,
+        };
+        dev.launch_pending();
+        let sums = match cold_set.is_empty() {
+            true => vec![0f64; n * h],
+            false => {
+                let started = std::time::Instant::now();
+                let all = cold_set.len() == f - k;
+                let g: Vec<f32> = (0..n)
+                    .flat_map(|t| cold_set.iter().map(move |&i| (t, i)))
+                    .map(|(t, i)| gh[t * f + k + i as usize])
+                    .collect();
+                let sums = cold_ffn(cold.cpu, cold.up, cold.down, (!all).then_some(&cold_set[..]), &xh, g, n);
+                s.count_cold(l, cold_set.len(), n, started.elapsed().as_nanos() as u64);
+                sums
+            }
+        };
+        match hot {
+            Some((hot_down, all, acts)) => {
+                let mut d = dev.zeros(n, h);
+                dev.accumulate_rows_onto(hot_down, (!all).then_some(&hot_set[..]), &acts, sums, &mut d);
+                Ok(d)
+            }
+            None => Ok(dev.upload(n, h, sums.iter().map(|&v| v as f32).collect())),
+        }
     }
 
     /// One token's masked, streamed FFN after phase 1, computed where the bytes are (see the
@@ -799,6 +899,36 @@ pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
         out.extend(chosen.iter().map(|&e| (e, probs[e] * scale)));
     }
     out
+}
+
+/// The cold share of a hybrid FFN on the CPU `cpu`: `down · (gate ⊙ up·x)` over the neurons
+/// `set` of the neuron-major `up` and `down` (row ids; every row when `None`), for `x`
+/// `[n, hidden]` and the activated `gate` `[n, set.len()]` (or `[n, up.rows]`). Returns the
+/// `[n, hidden]` partial output as its f64 sums, for the device to round once with its own
+/// share ([`Device::accumulate_rows_onto`]).
+pub fn cold_ffn(
+    cpu: &CpuBackend,
+    up: &Weight,
+    down: &Weight,
+    set: Option<&[u32]>,
+    x: &[f32],
+    gate: Vec<f32>,
+    n: usize,
+) -> Vec<f64> {
+    let h = up.cols;
+    let xa = cpu.upload(n, h, x.to_vec());
+    let (mut u, m) = match set {
+        None => (cpu.matmul(&[up], &xa).remove(0), up.rows),
+        Some(s) => (cpu.matmul_rows(up, s, &xa), s.len()),
+    };
+    cpu.mul(&mut u, &cpu.upload(n, m, gate));
+    let acts = match set {
+        None => u,
+        Some(s) => cpu.scatter_cols(&u, s, up.rows),
+    };
+    let mut sums = vec![0f64; n * down.cols];
+    cpu.accumulate_rows_f64(down, set, &cpu.download(acts), &mut sums);
+    sums
 }
 
 #[cfg(test)]

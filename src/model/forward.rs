@@ -95,6 +95,16 @@ pub trait LayerStream: Sync {
     }
     /// Counts what a step computed from layer `l`'s hot rows: `up` up rows, `down` down columns.
     fn count_hot_rows(&self, _l: usize, _up: usize, _down: usize) {}
+    /// The hybrid executor (`--hybrid`): for a pass of `n` tokens, layer `l`'s FFN rows past the
+    /// device's hot ones (`hot_rows`), in host memory, for the host's CPU to compute — when the
+    /// stream holds them there and its cost model gives a pass of this width to the CPU.
+    /// `None`: the device computes every neuron (the rows are handed to it).
+    fn cold_on_host(&self, _l: usize, _n: usize) -> Option<ColdRows<'_>> {
+        None
+    }
+    /// Counts what the CPU computed of layer `l` for the hybrid executor: `neurons` cold
+    /// neurons for `tokens` tokens in `ns` nanoseconds.
+    fn count_cold(&self, _l: usize, _neurons: usize, _tokens: usize, _ns: u64) {}
     /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
     /// device reads in place ([`crate::backend::HostLink::in_place`]), row n = neuron n (from the
     /// first neuron past the device's hot ones, `hot_rows`: row i = neuron k + i), when the
@@ -203,6 +213,16 @@ pub trait LayerStream: Sync {
     fn read_experts_ahead(&self, _layer: usize, _ids: &[usize]) -> Result<()> {
         Ok(())
     }
+}
+
+/// A layer's cold FFN rows in host memory and the CPU that computes them (see
+/// [`LayerStream::cold_on_host`]): neuron-major, row i = neuron `first + i`, where `first` is
+/// the number of hot neurons the device keeps.
+pub struct ColdRows<'a> {
+    pub first: usize,
+    pub up: &'a Weight,
+    pub down: &'a Weight,
+    pub cpu: &'a crate::backend::cpu::CpuBackend,
 }
 
 /// What a stream holds of a mixture-of-experts layer (see [`LayerStream::expert_layer`]).

@@ -729,6 +729,7 @@ impl super::Streamer {
             device_plan,
             hot: Vec::new(),
             experts: Some(experts),
+            hybrid: None,
         })
     }
 }

@@ -21,6 +21,7 @@
 
 pub mod cache;
 pub mod experts;
+pub mod hybrid;
 mod open;
 pub mod plan;
 pub mod prefetch;
@@ -469,6 +470,8 @@ pub struct Streamer {
     /// A mixture-of-experts model's experts, cache and lookahead ([`experts`]); `None` for a
     /// dense model.
     pub experts: Option<experts::ExpertStream>,
+    /// The hybrid executor's CPU, cold rows and plan ([`Streamer::enable_hybrid`]).
+    hybrid: Option<hybrid::Hybrid>,
 }
 
 /// The readers a streamer reads with: `fg` serves the FFN reads and setup, `bg` the prefetch
@@ -496,6 +499,86 @@ fn unique<'a>(buf: &'a mut Arc<Vec<u8>>, pinned: &[usize], retired: &mut Vec<Arc
 type DecodeStart = (Counters, ReadStats, Option<crate::backend::LinkCounters>);
 
 impl Streamer {
+    /// Turns on the hybrid executor ([`hybrid`]) for `mode` with `threads` CPU threads (0: one
+    /// per core): measures its cost model and keeps each layer's cold rows. It needs a GPU
+    /// budget (`vram_budget_bytes`) on a dense neuron-major file whose neuron caches hold every
+    /// layer in host memory (no RAM budget of its own). `Off` and `GpuStream` turn it off.
+    /// Returns why it stays off under `Auto` where it cannot run (`CpuCold` fails instead).
+    pub fn enable_hybrid(&mut self, mode: hybrid::HybridMode, threads: usize) -> Result<Option<String>> {
+        use hybrid::HybridMode;
+        self.hybrid = None;
+        if matches!(mode, HybridMode::Off | HybridMode::GpuStream) {
+            return Ok(None);
+        }
+        let ffn = self.residency.cache_neurons.len();
+        if self.device_plan.is_none() && mode == HybridMode::Auto {
+            return Ok(None);
+        }
+        let why_not = if self.device_plan.is_none() {
+            Some("it splits a model between a GPU and the CPU: it needs --vram-budget (and --device cuda)".to_string())
+        } else if self.experts.is_some() {
+            Some("a mixture-of-experts model's experts are not split between the devices yet".to_string())
+        } else if !self.resident_ffn.is_empty() {
+            Some(
+                "the rows layout keeps no FFN rows on the device: reformat with --ffn-layout split or bundled"
+                    .to_string(),
+            )
+        } else {
+            let st = self.state.lock().expect("stream state");
+            let whole = st
+                .caches
+                .iter()
+                .zip(&self.layers)
+                .all(|(c, p)| c.slots() == p.up.rows && c.slots() > 0);
+            (!whole || ffn == 0).then(|| {
+                "the CPU computes rows it holds in host memory, and --ram-budget streams some of them from disk: \
+                 drop --ram-budget (the host then keeps the whole model)"
+                    .to_string()
+            })
+        };
+        if let Some(why) = why_not {
+            return match mode {
+                HybridMode::CpuCold => Err(Error::Invalid(format!("--hybrid cpu-cold: {why}"))),
+                _ => Ok(Some(format!("--hybrid auto: off, since {why}"))),
+            };
+        }
+        let cold = {
+            let st = self.state.lock().expect("stream state");
+            let mut cold = Vec::with_capacity(self.layers.len());
+            for (l, p) in self.layers.iter().enumerate() {
+                let k = self.hot[l].as_ref().map_or(0, |(u, _)| u.rows);
+                let (ub, db) = st.caches[l].buffers();
+                let rows = st.caches[l].slots() - k;
+                let view = |part: &Part, buf: &Arc<Vec<u8>>| {
+                    Weight::shared(&part.name, part.ty, rows, self.hidden, buf.clone(), k * part.row_bytes)
+                };
+                cold.push((k, view(&p.up, ub)?, view(&p.down, db)?));
+            }
+            cold
+        };
+        self.hybrid = Some(hybrid::Hybrid::new(
+            mode,
+            threads,
+            cold,
+            self.link.as_ref(),
+            self.batch_tokens_max,
+        )?);
+        Ok(None)
+    }
+
+    /// Sets the widest pass whose cold rows the CPU computes, in place of the width the cost
+    /// model chose (tests and measurements of a given split); no effect when the hybrid is off.
+    pub fn set_hybrid_max_width(&mut self, width: usize) {
+        if let Some(h) = &mut self.hybrid {
+            h.plan.max_width = width;
+        }
+    }
+
+    /// The hybrid executor's plan, when it is on.
+    pub fn hybrid_plan(&self) -> Option<&hybrid::HybridPlan> {
+        self.hybrid.as_ref().map(|h| &h.plan)
+    }
+
     /// Counters and device reads since the prompt's pass (decode steps only), or since opening
     /// when no prompt was marked.
     pub fn decode_counters(&self) -> (Counters, ReadStats) {

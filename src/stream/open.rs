@@ -561,6 +561,7 @@ impl Streamer {
             device_plan,
             hot,
             experts: None,
+            hybrid: None,
         })
     }
 }

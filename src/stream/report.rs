@@ -43,6 +43,13 @@ pub struct Counters {
     /// FFN bytes the device computed from its own copy of the hot neurons (`--vram-budget`'s
     /// plan): neither read, staged nor moved across the link.
     pub ffn_hot_bytes: u64,
+    /// The hybrid executor: bytes of cold FFN rows the CPU computed (each read once a pass,
+    /// whatever its width), neurons times tokens it computed, its time in them (nanoseconds),
+    /// and the layers it computed them for.
+    pub cold_cpu_bytes: u64,
+    pub cold_cpu_token_neurons: u64,
+    pub cold_cpu_ns: u64,
+    pub cold_cpu_layers: u64,
 }
 
 impl Counters {
@@ -64,6 +71,10 @@ impl Counters {
             ffn_in_place_bytes: self.ffn_in_place_bytes - o.ffn_in_place_bytes,
             ffn_mapped_bytes: self.ffn_mapped_bytes - o.ffn_mapped_bytes,
             ffn_hot_bytes: self.ffn_hot_bytes - o.ffn_hot_bytes,
+            cold_cpu_bytes: self.cold_cpu_bytes - o.cold_cpu_bytes,
+            cold_cpu_token_neurons: self.cold_cpu_token_neurons - o.cold_cpu_token_neurons,
+            cold_cpu_ns: self.cold_cpu_ns - o.cold_cpu_ns,
+            cold_cpu_layers: self.cold_cpu_layers - o.cold_cpu_layers,
         }
     }
 }
@@ -134,7 +145,22 @@ pub struct StreamReport {
     pub device_plan: Option<super::residency::DeviceResidency>,
     /// A device with memory of its own: what it copied from the host per decoded token.
     pub link: Option<LinkReport>,
+    /// The hybrid executor (`--hybrid`): its plan and what the CPU computed per decoded token.
+    pub hybrid: Option<HybridReport>,
     pub counters: Counters,
+}
+
+/// The hybrid executor's work per decoded token (see [`super::hybrid`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct HybridReport {
+    pub plan: super::hybrid::HybridPlan,
+    /// Layers whose cold rows the CPU computed, per token (the model's layer count when every
+    /// decode step took them).
+    pub cpu_layers_per_token: f64,
+    /// Bytes of cold rows the CPU computed per token, its time in them, and its rate (GB/s).
+    pub cpu_bytes_per_token: f64,
+    pub cpu_s_per_token: f64,
+    pub cpu_gb_per_s: f64,
 }
 
 /// Host-to-device copies of weights per decoded token (see [`crate::backend::HostLink::link`]).
@@ -171,6 +197,9 @@ pub struct LinkReport {
     /// Copies to the host per token that waited for the device's kernels (CUDA counts them;
     /// 0 elsewhere): see [`crate::backend::LinkCounters::host_waits`].
     pub host_waits_per_token: f64,
+    /// Activation bytes per token copied to the device (the hybrid executor's partial outputs
+    /// among them).
+    pub activation_bytes_per_token: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -281,6 +310,14 @@ impl StreamReport {
                 hot_bytes_per_token: c.ffn_hot_bytes as f64 / steps,
                 to_host_bytes_per_token: l.to_host_bytes as f64 / steps,
                 host_waits_per_token: l.host_waits as f64 / steps,
+                activation_bytes_per_token: l.activation_bytes as f64 / steps,
+            }),
+            hybrid: s.hybrid_plan().map(|p| HybridReport {
+                plan: p.clone(),
+                cpu_layers_per_token: c.cold_cpu_layers as f64 / steps,
+                cpu_bytes_per_token: c.cold_cpu_bytes as f64 / steps,
+                cpu_s_per_token: c.cold_cpu_ns as f64 / 1e9 / steps,
+                cpu_gb_per_s: c.cold_cpu_bytes as f64 / c.cold_cpu_ns.max(1) as f64,
             }),
             counters: c,
         }

@@ -514,6 +514,20 @@ impl LayerStream for Streamer {
         st.counters.ffn_hot_bytes += (up * parts.up.row_bytes + down * parts.down.row_bytes) as u64;
     }
 
+    fn cold_on_host(&self, l: usize, n: usize) -> Option<crate::model::forward::ColdRows<'_>> {
+        self.hybrid.as_ref()?.rows(l, n)
+    }
+
+    fn count_cold(&self, l: usize, neurons: usize, tokens: usize, ns: u64) {
+        let Some(h) = &self.hybrid else { return };
+        let mut st = self.state.lock().expect("stream state");
+        let c = &mut st.counters;
+        c.cold_cpu_bytes += neurons as u64 * h.neuron_bytes(l);
+        c.cold_cpu_token_neurons += (neurons * tokens) as u64;
+        c.cold_cpu_ns += ns;
+        c.cold_cpu_layers += 1;
+    }
+
     fn rows_in_place(&self, l: usize, set: &[u32], down: bool) -> Result<Option<Weight>> {
         let mut guard = self.state.lock().expect("stream state");
         let st = &mut *guard;

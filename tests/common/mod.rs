@@ -311,5 +311,6 @@ pub fn pread_stream(budget_bytes: u64, batch: usize) -> gatestream::runtime::Str
         vram_budget_bytes: None,
         prefetch_buffers: 0,
         prefetch_read_bytes: 0,
+        hybrid: gatestream::stream::hybrid::HybridMode::Auto,
     }
 }

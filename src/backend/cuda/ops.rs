@@ -20,6 +20,10 @@ impl Device for CudaDevice {
         self.error.lock().expect("error").take().map(Error::Invalid)
     }
 
+    fn launch_pending(&self) {
+        self.end_segment();
+    }
+
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {
         assert_eq!(values.len(), rows * width, "activation shape");
         // A pooled buffer, which a recorded launch may still read.
@@ -29,6 +33,7 @@ impl Device for CudaDevice {
             if let Some(s) = b.slice.as_mut() {
                 let r = self.stream.memcpy_htod(&values[..], &mut s.slice_mut(..values.len()));
                 self.check("copying activations to the GPU", r);
+                self.link.lock().expect("link counters").activation_bytes += 4 * values.len() as u64;
             }
         }
         a

@@ -672,6 +672,26 @@ pub(crate) enum ResidencyArg {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum HybridArg {
+    Auto,
+    Off,
+    CpuCold,
+    GpuStream,
+}
+
+impl HybridArg {
+    pub(crate) fn mode(self) -> gatestream::stream::hybrid::HybridMode {
+        use gatestream::stream::hybrid::HybridMode;
+        match self {
+            HybridArg::Auto => HybridMode::Auto,
+            HybridArg::Off => HybridMode::Off,
+            HybridArg::CpuCold => HybridMode::CpuCold,
+            HybridArg::GpuStream => HybridMode::GpuStream,
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum CacheArg {
     Lru,
     Pinned,
@@ -838,6 +858,18 @@ pub(crate) struct StreamArgs {
     /// the CPU device. Without it the GPU keeps every weight the host holds.
     #[arg(long)]
     pub(crate) vram_budget: Option<String>,
+    /// With --vram-budget (and no --ram-budget: the host holds the whole model): where the FFN
+    /// rows the GPU does not keep are computed. cpu-cold: by the CPU, where they lie in host
+    /// memory, while the GPU computes attention and its hot neurons; only activations cross
+    /// the link (the layer's input and gate to the host, a partial output of `hidden` floats a
+    /// token back). gpu-stream (or off): copied to the GPU at each use. auto (default): a cost
+    /// model measured at start (the CPU's time for one layer's cold rows at 1 and 8 tokens,
+    /// the link's pinned copy rate) gives each pass width to the faster side and is printed:
+    /// decode and narrow batches on the CPU when it beats the link, wide prompt batches on the
+    /// GPU. Dense steps, and sparse decode steps whose mask picks from the gate (top-K); not
+    /// yet mixture-of-experts models or the rows layout (auto then says why it is off).
+    #[arg(long, value_enum, default_value_t = HybridArg::Auto)]
+    pub(crate) hybrid: HybridArg,
     /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
     /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
     #[arg(long, value_enum, default_value_t = IoArg::Uring)]

@@ -193,6 +193,7 @@ fn stream_ask(stream: &StreamArgs, path: &std::path::Path) -> anyhow::Result<Opt
         cost: cost_source(&stream.cost_model)?,
         lookahead: stream.lookahead,
         batch_tokens_max: 0,
+        hybrid: stream.hybrid.mode(),
     }))
 }
 
@@ -254,6 +255,9 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
                     mb(d.resident_bytes()),
                     mb(d.copied_bytes_per_token)
                 );
+            }
+            if let Some(h) = s.hybrid_plan() {
+                eprintln!("{}", h.describe());
             }
             eprintln!(
             "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
@@ -366,6 +370,7 @@ fn open_plain(
             vram_budget_bytes: None,
             prefetch_buffers: 0,
             prefetch_read_bytes: 0,
+            hybrid: gatestream::stream::hybrid::HybridMode::Auto,
         }),
     };
     let t = std::time::Instant::now();

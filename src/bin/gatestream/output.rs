@@ -199,6 +199,24 @@ impl Report for Outcome {
                     }
                 );
             }
+            if let Some(h) = &r.hybrid {
+                eprintln!(
+                    "{label}hybrid ({}): the CPU computed the cold FFN rows of {:.1} layers/token, {:.1} MB/token in {:.2} \
+                     ms/token ({:.1} GB/s){}",
+                    h.plan.mode.name(),
+                    h.cpu_layers_per_token,
+                    mb(h.cpu_bytes_per_token),
+                    h.cpu_s_per_token * 1e3,
+                    h.cpu_gb_per_s,
+                    match &r.link {
+                        Some(k) => format!(
+                            "; activations to the device {:.1} KB/token",
+                            k.activation_bytes_per_token / 1e3
+                        ),
+                        None => String::new(),
+                    }
+                );
+            }
             if let Some(x) = &r.experts {
                 eprintln!(
                     "{label}experts: {:.1} routed per token, {:.1} read on demand and {:.1} ahead; {} cache of {} of {} \

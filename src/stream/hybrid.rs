@@ -1,0 +1,244 @@
+//! The hybrid executor's host side (`--hybrid`): under a GPU budget, the FFN rows the device
+//! does not keep are computed by the host's CPU where they lie (the stream's neuron caches,
+//! each holding its whole layer in host memory), and only activations cross the link: the
+//! layer's input and gate go to the host, a `hidden`-sized partial output comes back per token
+//! (`model::ffn`'s hybrid step). Which passes do so is decided once, at open, from a cost model
+//! measured there: the CPU's time for one layer's cold rows at one token and at
+//! [`MEASURE_WIDTH`] tokens (a line through the two), against the link's time to copy those rows
+//! (its pinned bandwidth, measured by the device). Passes of up to [`HybridPlan::max_width`]
+//! tokens — decode, narrow batches — compute cold rows on the CPU; wider ones (a prompt's
+//! batches) copy them to the device as the plain `--vram-budget` path does. The GPU's own time
+//! for its share is not in the model: both sides are compared on the cold rows alone.
+
+use std::time::Instant;
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::HostLink;
+use crate::error::{Error, Result};
+use crate::model::ffn::cold_ffn;
+use crate::tensor::Weight;
+
+/// Tokens of the second CPU measurement (the first takes one).
+pub const MEASURE_WIDTH: usize = 8;
+
+/// The link bandwidth assumed where the device measures none (the host stand-in): PCIe 4.0
+/// x16's practical rate.
+pub const ASSUMED_LINK_GB_PER_S: f64 = 25.0;
+
+/// Copy size the link is measured at: about one large layer's cold rows.
+const LINK_PROBE_BYTES: usize = 16 << 20;
+
+/// What `--hybrid` asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum HybridMode {
+    /// The cost model decides per pass width (the default).
+    Auto,
+    /// No CPU compute: every row the device does not keep is copied to it (as `GpuStream`).
+    Off,
+    /// Every pass computes the cold rows on the CPU, whatever its width.
+    CpuCold,
+    /// Every pass copies the cold rows to the device (today's `--vram-budget`).
+    GpuStream,
+}
+
+impl HybridMode {
+    pub fn name(&self) -> &'static str {
+        match self {
+            HybridMode::Auto => "auto",
+            HybridMode::Off => "off",
+            HybridMode::CpuCold => "cpu-cold",
+            HybridMode::GpuStream => "gpu-stream",
+        }
+    }
+}
+
+/// The cost model measured at open, and what it decided (printed at start, in `--json`).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct HybridPlan {
+    pub mode: HybridMode,
+    /// CPU threads computing cold rows.
+    pub threads: usize,
+    /// Cold rows (up and down) per layer, bytes, averaged over the layers.
+    pub cold_bytes_per_layer: f64,
+    /// The CPU's time for one layer's cold rows: one token, and each token after it.
+    pub cpu_s_one_token: f64,
+    pub cpu_s_per_extra_token: f64,
+    /// The CPU's rate at one token, GB/s of cold rows.
+    pub cpu_gb_per_s: f64,
+    /// The link's pinned copy rate, GB/s, and whether the device measured it (else
+    /// [`ASSUMED_LINK_GB_PER_S`]).
+    pub link_gb_per_s: f64,
+    pub link_measured: bool,
+    /// The link's time to copy one layer's cold rows.
+    pub link_s: f64,
+    /// Passes of at most this many tokens compute cold rows on the CPU (0: none).
+    pub max_width: usize,
+}
+
+impl HybridPlan {
+    /// The plan as a line for the user.
+    pub fn describe(&self) -> String {
+        let ms = |s: f64| s * 1e3;
+        let width = match self.max_width {
+            0 => "no pass computes them on the CPU: every pass copies them to the device".to_string(),
+            usize::MAX => "every pass computes them on the CPU".to_string(),
+            w => format!(
+                "passes of up to {w} token{} compute them on the CPU, wider ones copy them to the device",
+                if w == 1 { "" } else { "s" }
+            ),
+        };
+        format!(
+            "hybrid ({}): cold FFN rows {:.1} MB a layer in host memory; the CPU ({} threads) computes them in {:.2} ms \
+             for 1 token ({:.1} GB/s) + {:.3} ms per further token; the link copies them in {:.2} ms ({:.1} GB/s \
+             pinned, {}); {width}",
+            self.mode.name(),
+            self.cold_bytes_per_layer / 1e6,
+            self.threads,
+            ms(self.cpu_s_one_token),
+            self.cpu_gb_per_s,
+            ms(self.cpu_s_per_extra_token),
+            ms(self.link_s),
+            self.link_gb_per_s,
+            if self.link_measured {
+                "measured"
+            } else {
+                "assumed: the device measures no link"
+            }
+        )
+    }
+}
+
+/// The widest pass for which the CPU's time `one + extra · (n - 1)` stays within `link`
+/// (0 when even one token takes longer; `cap` when every width up to it does).
+pub fn crossover(one: f64, extra: f64, link: f64, cap: usize) -> usize {
+    if one > link {
+        return 0;
+    }
+    if extra <= 0.0 {
+        return cap;
+    }
+    let n = 1.0 + ((link - one) / extra).floor();
+    if n >= cap as f64 {
+        cap
+    } else {
+        n as usize
+    }
+}
+
+/// The host side of the hybrid executor: the CPU, each layer's cold rows (views of the caches'
+/// bytes, which a cache holding its whole layer never rewrites) and the plan.
+pub struct Hybrid {
+    cpu: CpuBackend,
+    /// Per layer: the hot neurons the device keeps, and the host's rows after them.
+    cold: Vec<(usize, Weight, Weight)>,
+    pub plan: HybridPlan,
+}
+
+impl Hybrid {
+    /// Measures the cost model on layer `probe`'s cold rows and `link`, and decides for `mode`
+    /// (never `Off` or `GpuStream`: those open no hybrid). `cap`: the most tokens a pass takes.
+    pub fn new(
+        mode: HybridMode,
+        threads: usize,
+        cold: Vec<(usize, Weight, Weight)>,
+        link: &dyn HostLink,
+        cap: usize,
+    ) -> Result<Hybrid> {
+        let cpu = CpuBackend::new(threads);
+        let layers = cold.len().max(1) as f64;
+        let cold_bytes_per_layer = cold
+            .iter()
+            .map(|(_, u, d)| (u.len_bytes() + d.len_bytes()) as f64)
+            .sum::<f64>()
+            / layers;
+        let (_, up, down) = cold
+            .iter()
+            .max_by_key(|(_, u, _)| u.rows)
+            .ok_or_else(|| Error::Invalid("the hybrid executor needs a layer".into()))?;
+        // Best of a few runs at each width, on a deterministic input.
+        let time = |n: usize, runs: usize| -> f64 {
+            let x: Vec<f32> = (0..n * up.cols)
+                .map(|i| ((i * 7919) % 1999) as f32 / 1999.0 - 0.5)
+                .collect();
+            let g: Vec<f32> = (0..n * up.rows).map(|i| ((i * 104729) % 997) as f32 / 997.0).collect();
+            (0..runs)
+                .map(|_| {
+                    let t = Instant::now();
+                    std::hint::black_box(cold_ffn(&cpu, up, down, None, &x, g.clone(), n));
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min)
+        };
+        let probe_bytes = (up.len_bytes() + down.len_bytes()) as f64;
+        let one = time(1, 3);
+        let wide = time(MEASURE_WIDTH, 2);
+        let extra = ((wide - one) / (MEASURE_WIDTH - 1) as f64).max(0.0);
+        // Scaled from the probed layer to the average one.
+        let scale = cold_bytes_per_layer / probe_bytes.max(1.0);
+        let (one, extra) = (one * scale, extra * scale);
+        let measured = match link.measure_link(&[LINK_PROBE_BYTES]) {
+            Some(r) => r?.first().map(|b| b.pinned_gb_per_s).filter(|&g| g > 0.0),
+            None => None,
+        };
+        let link_gb_per_s = measured.unwrap_or(ASSUMED_LINK_GB_PER_S);
+        let link_s = cold_bytes_per_layer / (link_gb_per_s * 1e9);
+        let max_width = match mode {
+            HybridMode::CpuCold => usize::MAX,
+            HybridMode::Auto => crossover(one, extra, link_s, cap.max(1)),
+            HybridMode::Off | HybridMode::GpuStream => 0,
+        };
+        let plan = HybridPlan {
+            mode,
+            threads: cpu.threads(),
+            cold_bytes_per_layer,
+            cpu_s_one_token: one,
+            cpu_s_per_extra_token: extra,
+            cpu_gb_per_s: cold_bytes_per_layer / one.max(1e-12) / 1e9,
+            link_gb_per_s,
+            link_measured: measured.is_some(),
+            link_s,
+            max_width,
+        };
+        Ok(Hybrid { cpu, cold, plan })
+    }
+
+    /// Layer `l`'s cold rows for a pass of `n` tokens, when the plan gives it to the CPU.
+    pub fn rows(&self, l: usize, n: usize) -> Option<crate::model::forward::ColdRows<'_>> {
+        if n > self.plan.max_width {
+            return None;
+        }
+        let (first, up, down) = self.cold.get(l)?;
+        Some(crate::model::forward::ColdRows {
+            first: *first,
+            up,
+            down,
+            cpu: &self.cpu,
+        })
+    }
+
+    /// Bytes of layer `l`'s cold rows per neuron (an up row and a down column).
+    pub fn neuron_bytes(&self, l: usize) -> u64 {
+        self.cold.get(l).map_or(0, |(_, u, d)| {
+            (u.len_bytes() / u.rows.max(1) + d.len_bytes() / d.rows.max(1)) as u64
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crossover;
+
+    #[test]
+    fn the_crossover_is_the_widest_pass_the_cpu_finishes_within_the_link_time() {
+        // 1 ms for one token, 0.25 ms per further one, 2 ms on the link: 1 + 4 · 0.25 = 2.
+        assert_eq!(crossover(1e-3, 0.25e-3, 2e-3, 64), 5);
+        assert_eq!(crossover(1e-3, 0.25e-3, 1.9e-3, 64), 4);
+        // Slower than the link at one token: never.
+        assert_eq!(crossover(3e-3, 0.0, 2e-3, 64), 0);
+        // No cost per token: up to the widest pass.
+        assert_eq!(crossover(1e-3, 0.0, 2e-3, 64), 64);
+        assert_eq!(crossover(1e-3, 1e-9, 2e-3, 32), 32);
+        // Exactly the link's time at one token still counts.
+        assert_eq!(crossover(2e-3, 1e-3, 2e-3, 64), 1);
+    }
+}
