@@ -166,8 +166,6 @@ static void* fresh_stack(void* top, void (*entry)()) {
 
 namespace gsemu {
 
-static void yield() { gsemu_switch(&current->sp, sched_sp); }
-
 static void fail(const std::string& msg) {
     if (launch_error.empty()) launch_error = msg;
 }
@@ -179,12 +177,32 @@ static bool may_go(const Fiber& f) {
     return true;
 }
 
+// The current thread stops (it waits, or it is done): the next thread after it, in linear
+// order, that may go is resumed directly (one switch, not two through the scheduler); when none
+// may, the scheduler is (the block is done, or deadlocked). Any order of running threads between
+// barriers and exchanges is one a GPU may take.
+static void switch_on() {
+    Fiber* f = current;
+    int n = block_threads;
+    for (int k = 1, i = f->linear + 1; k < n; k++, i++) {
+        if (i >= n) i -= n;
+        Fiber& g = fibers[i];
+        if (g.done || !may_go(g)) continue;
+        current = &g;
+        gsemu_switch(&f->sp, g.sp);
+        return;  // resumed by another thread, which set `current`
+    }
+    gsemu_switch(&f->sp, sched_sp);
+}
+
+static void yield() { switch_on(); }
+
 static void fiber_entry() {
     kernel_invoke(kernel_fn, kernel_params);
     current->done = true;
     live_block--;
     live_warp[current->warp]--;
-    gsemu_switch(&current->sp, sched_sp);
+    switch_on();
     __builtin_trap();  // never resumed
 }
 
