@@ -264,7 +264,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
             )?;
             let mut s = s;
             warnings.extend(s.warnings.iter().cloned());
-            if let Some(w) = s.enable_hybrid(ask.hybrid, opts.threads)? {
+            if let Some(w) = s.enable_hybrid(&model, ask.hybrid, opts.threads)? {
                 warnings.push(w);
             }
             Some(s)

@@ -903,6 +903,100 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
     }
 }
 
+/// The hybrid executor on a mixture of experts (`--hybrid cpu-cold`, the stand-in as the GPU):
+/// every routed expert computed by the CPU where the stream has it in host memory (cached, or
+/// read on a miss), the routers, shared expert and attention by the device. The same logits as
+/// the `.gst` in RAM, bit for bit, for each architecture; a decode step copies no expert across
+/// the link (the step without the hybrid copies them), only their output rows.
+#[test]
+fn the_hybrid_executor_computes_routed_experts_on_the_cpu() {
+    use gatestream::backend::standin::HostStandIn;
+    use gatestream::backend::{HostLink, LinkCounters};
+    use gatestream::stream::hybrid::HybridMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a little dog";
+    for arch in ARCHS {
+        let gguf = make(
+            tmp.path(),
+            &spec(arch, GgmlType::Q8_0, true),
+            &format!("{}.gguf", arch.name()),
+        );
+        let gst = tmp.path().join(format!("{}.gst", arch.name()));
+        gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+        let reference = prompt_then_greedy(&load(&gst), None, None, text, 4);
+        let min = min_budget(&gst, false);
+        let expert_bytes = {
+            let m = Model::load(&gst, &on_disk()).unwrap();
+            let s = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, false)).unwrap();
+            s.experts.as_ref().unwrap().expert_bytes
+        };
+        // Room for three experts: routed experts come from the cache or are read on a miss.
+        let budget = min + 3 * expert_bytes;
+        let vram_opts = |v: u64| StreamOptions {
+            vram_budget_bytes: Some(v),
+            ..stream_options(budget, ReadEngine::Uring, CachePolicy::Lru, false)
+        };
+        let file_bytes = std::fs::metadata(&gst).unwrap().len();
+        let vram = {
+            let m = Model::load_on(&gst, &on_disk(), Arc::new(HostStandIn::new(0))).unwrap();
+            let e = Streamer::open(&m, &vram_opts(0)).err().expect("refused").to_string();
+            budget_in_refusal(&e) + file_bytes / 8
+        };
+        // (logits, one decode step's link counters, the CPU's cold bytes, layers on the CPU)
+        let run = |mode: HybridMode| -> (Vec<f32>, LinkCounters, u64, u64) {
+            let dev = Arc::new(HostStandIn::new(0));
+            let m = Model::load_on(&gst, &on_disk(), dev.clone()).unwrap();
+            let mut s = Streamer::open(&m, &vram_opts(vram)).unwrap();
+            assert_eq!(s.enable_hybrid(&m, mode, 1).unwrap(), None, "{arch:?}");
+            assert_eq!(s.hybrid_plan().is_some(), mode == HybridMode::CpuCold, "{arch:?}");
+            let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+            let ids = m.tokenizer.encode(text, true).unwrap();
+            let mut cache = KvCache::new(&m.config, ids.len() + 2);
+            let hooks = FfnHooks {
+                select: &|_, _| gatestream::model::forward::FfnNeurons::All,
+                observe: None,
+                mask: None,
+                stream: Some(&s),
+                cancel: None,
+            };
+            m.forward_with(&ids, &mut cache, Logits::Last, &hooks).unwrap();
+            let (link1, c1) = (dev.link().unwrap(), s.counters());
+            m.forward_with(&[ids[1]], &mut cache, Logits::Last, &hooks).unwrap();
+            let c = s.counters().minus(&c1);
+            (
+                got,
+                dev.link().unwrap().minus(&link1),
+                c.cold_cpu_bytes,
+                c.cold_cpu_layers,
+            )
+        };
+        let (got, step, cpu_bytes, cpu_layers) = run(HybridMode::CpuCold);
+        assert!(
+            got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{arch:?}: the hybrid differs from in RAM"
+        );
+        let (_, plain, plain_cpu, _) = run(HybridMode::GpuStream);
+        let cfg = load(&gst).config;
+        let (layers, used) = (cfg.n_layers as u64, cfg.moe.as_ref().unwrap().n_used as u64);
+        assert_eq!((cpu_layers, plain_cpu), (layers, 0), "{arch:?}");
+        // The step's routed experts: computed on the CPU, where the plain step copied them.
+        assert!(
+            cpu_bytes > 0 && cpu_bytes <= layers * used * expert_bytes,
+            "{arch:?}: {cpu_bytes} vs {used} of {expert_bytes}-byte experts"
+        );
+        assert_eq!(
+            step.volatile_bytes + cpu_bytes,
+            plain.volatile_bytes,
+            "{arch:?}: {step:?} vs {plain:?}"
+        );
+        // Each routed expert's output rows (one token: `hidden` floats each) crossed instead.
+        assert!(
+            step.activation_bytes >= plain.activation_bytes + layers * used * cfg.hidden as u64 * 4,
+            "{arch:?}: {step:?} vs {plain:?}"
+        );
+    }
+}
+
 /// A GGUF with `general.architecture` and extra keys replaced, tensors as stories260K's.
 /// The runtime (what `run --ram-budget` opens) on a MoE `.gst`: with no cache asked it uses an
 /// LRU expert cache without the warning `--cache pinned` gets; `experts_used` reaches the

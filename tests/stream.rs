@@ -1391,7 +1391,7 @@ fn the_hybrid_executor_computes_cold_rows_on_the_cpu_like_the_in_ram_model() {
             ..options(min + 2 * file_bytes, ReadEngine::Uring, policy)
         };
         let mut s = Streamer::open(&m, &opts).unwrap();
-        assert_eq!(s.enable_hybrid(HybridMode::CpuCold, 1).unwrap(), None);
+        assert_eq!(s.enable_hybrid(&m, HybridMode::CpuCold, 1).unwrap(), None);
         let plan = s.hybrid_plan().unwrap().clone();
         assert_eq!(plan.max_width, usize::MAX);
         assert!(
@@ -1467,7 +1467,7 @@ fn the_hybrid_crossover_switches_between_prefill_and_decode_and_keeps_greedy_tok
         ..options(min + 2 * file_bytes, ReadEngine::Uring, CachePolicy::Pinned)
     };
     let mut s = Streamer::open(&m, &opts).unwrap();
-    assert_eq!(s.enable_hybrid(HybridMode::Auto, 1).unwrap(), None);
+    assert_eq!(s.enable_hybrid(&m, HybridMode::Auto, 1).unwrap(), None);
     let plan = s.hybrid_plan().unwrap();
     assert!(plan.max_width <= opts.batch_tokens_max, "{plan:?}");
     assert!(plan.describe().contains("hybrid (auto)"), "{}", plan.describe());
@@ -1481,7 +1481,7 @@ fn the_hybrid_crossover_switches_between_prefill_and_decode_and_keeps_greedy_tok
     assert_eq!(dev.volatile_uses("ffn_up"), layers);
     // gpu-stream (and off) open no hybrid: every pass copies its rows, as before.
     for mode in [HybridMode::GpuStream, HybridMode::Off] {
-        s.enable_hybrid(mode, 1).unwrap();
+        s.enable_hybrid(&m, mode, 1).unwrap();
         assert!(s.hybrid_plan().is_none(), "{mode:?}");
     }
 }
@@ -1501,9 +1501,9 @@ fn the_hybrid_executor_says_why_it_cannot_run() {
         &options(min + 2 * file_bytes, ReadEngine::Pread, CachePolicy::Pinned),
     )
     .unwrap();
-    let e = s.enable_hybrid(HybridMode::CpuCold, 1).unwrap_err().to_string();
+    let e = s.enable_hybrid(&m, HybridMode::CpuCold, 1).unwrap_err().to_string();
     assert!(e.contains("--vram-budget"), "{e}");
-    assert_eq!(s.enable_hybrid(HybridMode::Auto, 1).unwrap(), None);
+    assert_eq!(s.enable_hybrid(&m, HybridMode::Auto, 1).unwrap(), None);
     assert!(s.hybrid_plan().is_none());
     // A RAM budget that streams part of each layer from disk.
     let (_dev, m) = on_standin(&p);
@@ -1512,9 +1512,9 @@ fn the_hybrid_executor_says_why_it_cannot_run() {
         ..options(min + file_bytes / 4, ReadEngine::Pread, CachePolicy::Lru)
     };
     let mut s = Streamer::open(&m, &opts).unwrap();
-    let e = s.enable_hybrid(HybridMode::CpuCold, 1).unwrap_err().to_string();
+    let e = s.enable_hybrid(&m, HybridMode::CpuCold, 1).unwrap_err().to_string();
     assert!(e.contains("--ram-budget"), "{e}");
-    let w = s.enable_hybrid(HybridMode::Auto, 1).unwrap().expect("a warning");
+    let w = s.enable_hybrid(&m, HybridMode::Auto, 1).unwrap().expect("a warning");
     assert!(w.contains("--hybrid auto: off") && w.contains("--ram-budget"), "{w}");
     assert!(s.hybrid_plan().is_none());
 }

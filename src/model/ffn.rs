@@ -30,7 +30,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Act, Device, Upload};
-use crate::config::MoeConfig;
+use crate::config::{FfnActivation, MoeConfig};
 use crate::error::Error;
 use crate::error::Result;
 use crate::model::forward::{ColdRows, FfnHooks, FfnMask, FfnNeurons, LayerStream};
@@ -124,6 +124,20 @@ impl Model {
         }
         let ids: Vec<usize> = (0..moe.n_experts).filter(|&ex| !groups[ex].0.is_empty()).collect();
         let dense = FfnHooks::dense();
+        // The hybrid executor: routed experts computed by the host's CPU where the stream has
+        // them (host memory), unless a neuron mask runs inside them; the device computes the
+        // shared expert meanwhile (launched first), and gets each expert's output rows.
+        let on_cpu = match (&stream, mask.filter(|m| m.masks_neurons())) {
+            (Some((s, _)), None) if !dev.host_memory() => s.host_cpu(n).map(|cpu| (*s, cpu)),
+            _ => None,
+        };
+        let shared_y = match shared {
+            Some((shared, _)) => Some(self.ffn_dense(l, shared, xn, &dense)?),
+            None => None,
+        };
+        let xh = on_cpu.map(|_| dev.to_host(xn).into_owned());
+        dev.launch_pending();
+        let (mut cpu_bytes, mut cpu_ns) = (0u64, 0u64);
         // A neuron mask runs inside each routed expert (not the shared one, which every token
         // runs): it sees the expert's own activations, of the model's expert width.
         let masked = FfnHooks {
@@ -144,6 +158,18 @@ impl Model {
                     self.config.ffn
                 )));
             }
+            if let (Some((_, cpu)), Some(xh)) = (on_cpu, &xh) {
+                let started = std::time::Instant::now();
+                let x: Vec<f32> = tokens
+                    .iter()
+                    .flat_map(|&t| xh[t * h..(t + 1) * h].iter().copied())
+                    .collect();
+                let y = host_ffn(cpu, w, &x, tokens.len(), self.config.activation);
+                cpu_ns += started.elapsed().as_nanos() as u64;
+                cpu_bytes += (w.gate.len_bytes() + w.up.len_bytes() + w.down.weight().len_bytes()) as u64;
+                outputs.push((ex, dev.upload(tokens.len(), h, y)));
+                return Ok(());
+            }
             let picked = (tokens.len() < n).then(|| dev.select_rows(xn, tokens));
             outputs.push((ex, self.ffn_dense(l, w, picked.as_ref().unwrap_or(xn), &masked)?));
             Ok(())
@@ -156,6 +182,9 @@ impl Model {
                 }
             }
         }
+        if let Some((s, _)) = on_cpu.filter(|_| cpu_bytes > 0) {
+            s.count_cold(cpu_bytes, cpu_ns);
+        }
         // Added in expert order whatever order they came in (cache hits first when streaming),
         // so streamed and in-RAM sums round alike.
         outputs.sort_by_key(|o| o.0);
@@ -163,8 +192,7 @@ impl Model {
         for (ex, y) in &outputs {
             dev.add_rows_scaled(&mut out, y, &groups[*ex].0, &groups[*ex].1);
         }
-        if let Some((shared, gate)) = shared {
-            let y = self.ffn_dense(l, shared, xn, &dense)?;
+        if let (Some((_, gate)), Some(y)) = (shared, shared_y) {
             let x = dev.to_host(xn);
             let scales: Vec<f32> = x
                 .chunks_exact(h)
@@ -550,7 +578,9 @@ impl Model {
                     .map(|(t, i)| gh[t * f + k + i as usize])
                     .collect();
                 let sums = cold_ffn(cold.cpu, cold.up, cold.down, (!all).then_some(&cold_set[..]), &xh, g, n);
-                s.count_cold(l, cold_set.len(), n, started.elapsed().as_nanos() as u64);
+                let row_bytes = |w: &Weight| (w.len_bytes() / w.rows.max(1)) as u64;
+                let bytes = cold_set.len() as u64 * (row_bytes(cold.up) + row_bytes(cold.down));
+                s.count_cold(bytes, started.elapsed().as_nanos() as u64);
                 sums
             }
         };
@@ -899,6 +929,26 @@ pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
         out.extend(chosen.iter().map(|&e| (e, probs[e] * scale)));
     }
     out
+}
+
+/// A whole FFN (an expert) on the CPU `cpu` for `x` `[n, hidden]`: `down · (act(gate·x) ·
+/// up·x)`, as the in-RAM model computes it (gate and up from one prepared input, the gated
+/// activation in one operation). Returns `[n, hidden]`.
+pub fn host_ffn(cpu: &CpuBackend, w: &FfnWeights, x: &[f32], n: usize, act: FfnActivation) -> Vec<f32> {
+    let xa = cpu.upload(n, w.gate.cols, x.to_vec());
+    let mut gu = cpu.matmul(&[&w.gate, &w.up], &xa);
+    let mut up = gu.pop().expect("up");
+    let mut gate = gu.pop().expect("gate");
+    cpu.activate_mul(&mut up, &mut gate, act);
+    let d = match &w.down {
+        FfnDown::Rows(down) => cpu.matmul(&[down], &up).remove(0),
+        FfnDown::Columns(down_t) => {
+            let mut d = cpu.zeros(n, down_t.cols);
+            cpu.accumulate_rows(down_t, None, &up, &mut d);
+            d
+        }
+    };
+    cpu.download(d)
 }
 
 /// The cold share of a hybrid FFN on the CPU `cpu`: `down · (gate ⊙ up·x)` over the neurons

@@ -102,9 +102,15 @@ pub trait LayerStream: Sync {
     fn cold_on_host(&self, _l: usize, _n: usize) -> Option<ColdRows<'_>> {
         None
     }
-    /// Counts what the CPU computed of layer `l` for the hybrid executor: `neurons` cold
-    /// neurons for `tokens` tokens in `ns` nanoseconds.
-    fn count_cold(&self, _l: usize, _neurons: usize, _tokens: usize, _ns: u64) {}
+    /// The hybrid executor's CPU for a pass of `n` tokens of a mixture-of-experts model, when
+    /// its cost model gives the pass to the CPU: the routed experts the stream hands over (in
+    /// host memory) are then computed there, not copied to the device. `None`: the device.
+    fn host_cpu(&self, _n: usize) -> Option<&crate::backend::cpu::CpuBackend> {
+        None
+    }
+    /// Counts what the CPU computed of one layer for the hybrid executor: `bytes` of weights
+    /// in `ns` nanoseconds.
+    fn count_cold(&self, _bytes: u64, _ns: u64) {}
     /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
     /// device reads in place ([`crate::backend::HostLink::in_place`]), row n = neuron n (from the
     /// first neuron past the device's hot ones, `hot_rows`: row i = neuron k + i), when the

@@ -465,6 +465,18 @@ impl ExpertStream {
         self.parts.iter().map(Vec::len).sum()
     }
 
+    /// Layer 0's expert 0 read into memory (the hybrid executor's cost model times the CPU on
+    /// it); not cached, but counted with the reader's reads.
+    pub(crate) fn probe_expert(&self, reader: &dyn Reader) -> Result<FfnWeights> {
+        let part = self
+            .parts
+            .first()
+            .and_then(|p| p.first())
+            .ok_or_else(|| Error::Invalid("a mixture-of-experts stream without experts".into()))?;
+        let bytes = reader.read_vec(part.offset_bytes, part.len_bytes)?;
+        part.weights(&Arc::new(bytes), 0)
+    }
+
     /// Experts held now (tests, reports).
     pub fn cached(&self) -> usize {
         self.state.lock().expect("expert state").cache.entries.len()

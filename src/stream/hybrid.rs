@@ -1,21 +1,27 @@
-//! The hybrid executor's host side (`--hybrid`): under a GPU budget, the FFN rows the device
-//! does not keep are computed by the host's CPU where they lie (the stream's neuron caches,
-//! each holding its whole layer in host memory), and only activations cross the link: the
-//! layer's input and gate go to the host, a `hidden`-sized partial output comes back per token
-//! (`model::ffn`'s hybrid step). Which passes do so is decided once, at open, from a cost model
-//! measured there: the CPU's time for one layer's cold rows at one token and at
-//! [`MEASURE_WIDTH`] tokens (a line through the two), against the link's time to copy those rows
-//! (its pinned bandwidth, measured by the device). Passes of up to [`HybridPlan::max_width`]
-//! tokens — decode, narrow batches — compute cold rows on the CPU; wider ones (a prompt's
-//! batches) copy them to the device as the plain `--vram-budget` path does. The GPU's own time
-//! for its share is not in the model: both sides are compared on the cold rows alone.
+//! The hybrid executor's host side (`--hybrid`): under a GPU budget, what the device does not
+//! keep is computed by the host's CPU where it lies, and only activations cross the link. A
+//! dense model: the FFN rows past the device's hot neurons, from the stream's neuron caches
+//! (each holding its whole layer in host memory); the layer's input and gate go to the host,
+//! the CPU's f64 down sums come back (`hidden` values a token) and the device finishes them with
+//! its own (`model::ffn`'s hybrid step). A mixture of experts: every routed expert, as the
+//! stream hands it over in host memory (cached, or read on a miss), its output rows sent to the
+//! device, which computes attention, routers and shared experts meanwhile. Which passes do so is
+//! decided once, at open, from a cost model measured there: the CPU's time for one layer's share
+//! at one token and at [`MEASURE_WIDTH`] tokens (a line through the two), against the link's time
+//! to copy those bytes (its pinned bandwidth, measured by the device). Passes of up to
+//! [`HybridPlan::max_width`] tokens — decode, narrow batches — compute on the CPU; wider ones (a
+//! prompt's batches) copy the bytes to the device as the plain `--vram-budget` path does. The
+//! GPU's own time for its share is not in the model: both sides are compared on the CPU's
+//! share alone.
 
 use std::time::Instant;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::HostLink;
+use crate::config::FfnActivation;
 use crate::error::{Error, Result};
-use crate::model::ffn::cold_ffn;
+use crate::model::ffn::{cold_ffn, host_ffn};
+use crate::model::weights::FfnWeights;
 use crate::tensor::Weight;
 
 /// Tokens of the second CPU measurement (the first takes one).
@@ -56,11 +62,16 @@ impl HybridMode {
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct HybridPlan {
     pub mode: HybridMode,
+    /// What the CPU computes: "cold FFN rows" (a dense model: the neurons the GPU does not
+    /// keep) or "routed experts" (a mixture of experts: every routed expert; the GPU keeps
+    /// attention, routers and shared experts).
+    pub what: String,
     /// CPU threads computing cold rows.
     pub threads: usize,
-    /// Cold rows (up and down) per layer, bytes, averaged over the layers.
+    /// What the CPU computes per layer and token, bytes: cold rows (up and down, averaged over
+    /// the layers), or the routed experts of one token (experts used x one expert's bytes).
     pub cold_bytes_per_layer: f64,
-    /// The CPU's time for one layer's cold rows: one token, and each token after it.
+    /// The CPU's time for one layer's share: one token, and each token after it.
     pub cpu_s_one_token: f64,
     pub cpu_s_per_extra_token: f64,
     /// The CPU's rate at one token, GB/s of cold rows.
@@ -88,10 +99,11 @@ impl HybridPlan {
             ),
         };
         format!(
-            "hybrid ({}): cold FFN rows {:.1} MB a layer in host memory; the CPU ({} threads) computes them in {:.2} ms \
+            "hybrid ({}): {} {:.1} MB a layer and token; the CPU ({} threads) computes them in {:.2} ms \
              for 1 token ({:.1} GB/s) + {:.3} ms per further token; the link copies them in {:.2} ms ({:.1} GB/s \
              pinned, {}); {width}",
             self.mode.name(),
+            self.what,
             self.cold_bytes_per_layer / 1e6,
             self.threads,
             ms(self.cpu_s_one_token),
@@ -125,8 +137,25 @@ pub fn crossover(one: f64, extra: f64, link: f64, cap: usize) -> usize {
     }
 }
 
+/// What the cost model times on the CPU at open: one layer's cold rows (up rows and down
+/// columns, neuron-major), or one expert (gate, up and down rows).
+pub enum Probe<'a> {
+    Cold(&'a Weight, &'a Weight),
+    Expert(&'a FfnWeights, FfnActivation),
+}
+
+impl Probe<'_> {
+    fn bytes(&self) -> usize {
+        match self {
+            Probe::Cold(u, d) => u.len_bytes() + d.len_bytes(),
+            Probe::Expert(f, _) => f.gate.len_bytes() + f.up.len_bytes() + f.down.weight().len_bytes(),
+        }
+    }
+}
+
 /// The host side of the hybrid executor: the CPU, each layer's cold rows (views of the caches'
-/// bytes, which a cache holding its whole layer never rewrites) and the plan.
+/// bytes, which a cache holding its whole layer never rewrites; none for a mixture of
+/// experts, whose experts the stream hands over) and the plan.
 pub struct Hybrid {
     cpu: CpuBackend,
     /// Per layer: the hot neurons the device keeps, and the host's rows after them.
@@ -135,53 +164,64 @@ pub struct Hybrid {
 }
 
 impl Hybrid {
-    /// Measures the cost model on layer `probe`'s cold rows and `link`, and decides for `mode`
-    /// (never `Off` or `GpuStream`: those open no hybrid). `cap`: the most tokens a pass takes.
+    /// Measures the cost model on `probe` (scaled to `bytes_per_layer`, what a layer gives the
+    /// CPU per token) and `link`, and decides for `mode` (never `Off` or `GpuStream`: those
+    /// open no hybrid). `cap`: the most tokens a pass takes.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         mode: HybridMode,
         threads: usize,
         cold: Vec<(usize, Weight, Weight)>,
+        what: &str,
+        bytes_per_layer: f64,
+        probe: Probe,
         link: &dyn HostLink,
         cap: usize,
     ) -> Result<Hybrid> {
         let cpu = CpuBackend::new(threads);
-        let layers = cold.len().max(1) as f64;
-        let cold_bytes_per_layer = cold
-            .iter()
-            .map(|(_, u, d)| (u.len_bytes() + d.len_bytes()) as f64)
-            .sum::<f64>()
-            / layers;
-        let (_, up, down) = cold
-            .iter()
-            .max_by_key(|(_, u, _)| u.rows)
-            .ok_or_else(|| Error::Invalid("the hybrid executor needs a layer".into()))?;
+        let width = match &probe {
+            Probe::Cold(u, _) => u.cols,
+            Probe::Expert(f, _) => f.gate.cols,
+        };
         // Best of a few runs at each width, on a deterministic input.
         let time = |n: usize, runs: usize| -> f64 {
-            let x: Vec<f32> = (0..n * up.cols)
+            let x: Vec<f32> = (0..n * width)
                 .map(|i| ((i * 7919) % 1999) as f32 / 1999.0 - 0.5)
                 .collect();
-            let g: Vec<f32> = (0..n * up.rows).map(|i| ((i * 104729) % 997) as f32 / 997.0).collect();
             (0..runs)
                 .map(|_| {
                     let t = Instant::now();
-                    std::hint::black_box(cold_ffn(&cpu, up, down, None, &x, g.clone(), n));
+                    match &probe {
+                        Probe::Cold(up, down) => {
+                            let g: Vec<f32> = (0..n * up.rows).map(|i| ((i * 104729) % 997) as f32 / 997.0).collect();
+                            std::hint::black_box(cold_ffn(&cpu, up, down, None, &x, g, n));
+                        }
+                        Probe::Expert(f, act) => {
+                            std::hint::black_box(host_ffn(&cpu, f, &x, n, *act));
+                        }
+                    }
                     t.elapsed().as_secs_f64()
                 })
                 .fold(f64::INFINITY, f64::min)
         };
-        let probe_bytes = (up.len_bytes() + down.len_bytes()) as f64;
+        let probe_bytes = probe.bytes() as f64;
+        if probe_bytes == 0.0 || bytes_per_layer == 0.0 {
+            return Err(Error::Invalid(
+                "the hybrid executor found nothing for the CPU to compute".into(),
+            ));
+        }
         let one = time(1, 3);
         let wide = time(MEASURE_WIDTH, 2);
         let extra = ((wide - one) / (MEASURE_WIDTH - 1) as f64).max(0.0);
-        // Scaled from the probed layer to the average one.
-        let scale = cold_bytes_per_layer / probe_bytes.max(1.0);
+        // Scaled from the probe to a layer's share.
+        let scale = bytes_per_layer / probe_bytes;
         let (one, extra) = (one * scale, extra * scale);
         let measured = match link.measure_link(&[LINK_PROBE_BYTES]) {
             Some(r) => r?.first().map(|b| b.pinned_gb_per_s).filter(|&g| g > 0.0),
             None => None,
         };
         let link_gb_per_s = measured.unwrap_or(ASSUMED_LINK_GB_PER_S);
-        let link_s = cold_bytes_per_layer / (link_gb_per_s * 1e9);
+        let link_s = bytes_per_layer / (link_gb_per_s * 1e9);
         let max_width = match mode {
             HybridMode::CpuCold => usize::MAX,
             HybridMode::Auto => crossover(one, extra, link_s, cap.max(1)),
@@ -189,11 +229,12 @@ impl Hybrid {
         };
         let plan = HybridPlan {
             mode,
+            what: what.to_string(),
             threads: cpu.threads(),
-            cold_bytes_per_layer,
+            cold_bytes_per_layer: bytes_per_layer,
             cpu_s_one_token: one,
             cpu_s_per_extra_token: extra,
-            cpu_gb_per_s: cold_bytes_per_layer / one.max(1e-12) / 1e9,
+            cpu_gb_per_s: bytes_per_layer / one.max(1e-12) / 1e9,
             link_gb_per_s,
             link_measured: measured.is_some(),
             link_s,
@@ -204,23 +245,18 @@ impl Hybrid {
 
     /// Layer `l`'s cold rows for a pass of `n` tokens, when the plan gives it to the CPU.
     pub fn rows(&self, l: usize, n: usize) -> Option<crate::model::forward::ColdRows<'_>> {
-        if n > self.plan.max_width {
-            return None;
-        }
         let (first, up, down) = self.cold.get(l)?;
         Some(crate::model::forward::ColdRows {
             first: *first,
             up,
             down,
-            cpu: &self.cpu,
+            cpu: self.cpu_for(n)?,
         })
     }
 
-    /// Bytes of layer `l`'s cold rows per neuron (an up row and a down column).
-    pub fn neuron_bytes(&self, l: usize) -> u64 {
-        self.cold.get(l).map_or(0, |(_, u, d)| {
-            (u.len_bytes() / u.rows.max(1) + d.len_bytes() / d.rows.max(1)) as u64
-        })
+    /// The CPU, for a pass of `n` tokens the plan gives it.
+    pub fn cpu_for(&self, n: usize) -> Option<&CpuBackend> {
+        (n <= self.plan.max_width).then_some(&self.cpu)
     }
 }
 

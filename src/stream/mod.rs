@@ -500,24 +500,30 @@ type DecodeStart = (Counters, ReadStats, Option<crate::backend::LinkCounters>);
 
 impl Streamer {
     /// Turns on the hybrid executor ([`hybrid`]) for `mode` with `threads` CPU threads (0: one
-    /// per core): measures its cost model and keeps each layer's cold rows. It needs a GPU
-    /// budget (`vram_budget_bytes`) on a dense neuron-major file whose neuron caches hold every
-    /// layer in host memory (no RAM budget of its own). `Off` and `GpuStream` turn it off.
-    /// Returns why it stays off under `Auto` where it cannot run (`CpuCold` fails instead).
-    pub fn enable_hybrid(&mut self, mode: hybrid::HybridMode, threads: usize) -> Result<Option<String>> {
-        use hybrid::HybridMode;
+    /// per core) for `model` (the model this stream was opened for): measures its cost model
+    /// and keeps each layer's cold rows. It needs a GPU budget (`vram_budget_bytes`), and a
+    /// mixture-of-experts model (its routed experts, cached or read, are in host memory either
+    /// way) or a dense neuron-major file whose neuron caches hold every layer in host memory (no
+    /// RAM budget of its own). `Off` and `GpuStream` turn it off. Returns why it stays off under
+    /// `Auto` where it cannot run (`CpuCold` fails instead).
+    pub fn enable_hybrid(
+        &mut self,
+        model: &crate::model::Model,
+        mode: hybrid::HybridMode,
+        threads: usize,
+    ) -> Result<Option<String>> {
+        use hybrid::{HybridMode, Probe};
         self.hybrid = None;
         if matches!(mode, HybridMode::Off | HybridMode::GpuStream) {
             return Ok(None);
         }
-        let ffn = self.residency.cache_neurons.len();
         if self.device_plan.is_none() && mode == HybridMode::Auto {
             return Ok(None);
         }
         let why_not = if self.device_plan.is_none() {
             Some("it splits a model between a GPU and the CPU: it needs --vram-budget (and --device cuda)".to_string())
         } else if self.experts.is_some() {
-            Some("a mixture-of-experts model's experts are not split between the devices yet".to_string())
+            None
         } else if !self.resident_ffn.is_empty() {
             Some(
                 "the rows layout keeps no FFN rows on the device: reformat with --ffn-layout split or bundled"
@@ -530,7 +536,7 @@ impl Streamer {
                 .iter()
                 .zip(&self.layers)
                 .all(|(c, p)| c.slots() == p.up.rows && c.slots() > 0);
-            (!whole || ffn == 0).then(|| {
+            (!whole || self.layers.is_empty()).then(|| {
                 "the CPU computes rows it holds in host memory, and --ram-budget streams some of them from disk: \
                  drop --ram-budget (the host then keeps the whole model)"
                     .to_string()
@@ -542,27 +548,65 @@ impl Streamer {
                 _ => Ok(Some(format!("--hybrid auto: off, since {why}"))),
             };
         }
-        let cold = {
-            let st = self.state.lock().expect("stream state");
-            let mut cold = Vec::with_capacity(self.layers.len());
-            for (l, p) in self.layers.iter().enumerate() {
-                let k = self.hot[l].as_ref().map_or(0, |(u, _)| u.rows);
-                let (ub, db) = st.caches[l].buffers();
-                let rows = st.caches[l].slots() - k;
-                let view = |part: &Part, buf: &Arc<Vec<u8>>| {
-                    Weight::shared(&part.name, part.ty, rows, self.hidden, buf.clone(), k * part.row_bytes)
-                };
-                cold.push((k, view(&p.up, ub)?, view(&p.down, db)?));
+        let link = self.link.clone();
+        let cap = self.batch_tokens_max;
+        let hybrid = match &self.experts {
+            Some(x) => {
+                let moe =
+                    model.config.moe.as_ref().ok_or_else(|| {
+                        Error::Invalid("internal: an expert stream for a model without experts".into())
+                    })?;
+                let probe = x.probe_expert(self.fg.as_ref())?;
+                let per_layer = moe.n_used as f64 * x.expert_bytes as f64;
+                hybrid::Hybrid::new(
+                    mode,
+                    threads,
+                    Vec::new(),
+                    &format!("routed experts ({} of {} a token)", moe.n_used, moe.n_experts),
+                    per_layer,
+                    Probe::Expert(&probe, model.config.activation),
+                    link.as_ref(),
+                    cap,
+                )?
             }
-            cold
+            None => {
+                let cold = {
+                    let st = self.state.lock().expect("stream state");
+                    let mut cold = Vec::with_capacity(self.layers.len());
+                    for (l, p) in self.layers.iter().enumerate() {
+                        let k = self.hot[l].as_ref().map_or(0, |(u, _)| u.rows);
+                        let (ub, db) = st.caches[l].buffers();
+                        let rows = st.caches[l].slots() - k;
+                        let view = |part: &Part, buf: &Arc<Vec<u8>>| {
+                            Weight::shared(&part.name, part.ty, rows, self.hidden, buf.clone(), k * part.row_bytes)
+                        };
+                        cold.push((k, view(&p.up, ub)?, view(&p.down, db)?));
+                    }
+                    cold
+                };
+                let per_layer = cold
+                    .iter()
+                    .map(|(_, u, d)| (u.len_bytes() + d.len_bytes()) as f64)
+                    .sum::<f64>()
+                    / cold.len().max(1) as f64;
+                let (_, up, down) = cold
+                    .iter()
+                    .max_by_key(|(_, u, _)| u.rows)
+                    .ok_or_else(|| Error::Invalid("the hybrid executor needs a layer".into()))?;
+                let (up, down) = (up.clone(), down.clone());
+                hybrid::Hybrid::new(
+                    mode,
+                    threads,
+                    cold,
+                    "cold FFN rows",
+                    per_layer,
+                    Probe::Cold(&up, &down),
+                    link.as_ref(),
+                    cap,
+                )?
+            }
         };
-        self.hybrid = Some(hybrid::Hybrid::new(
-            mode,
-            threads,
-            cold,
-            self.link.as_ref(),
-            self.batch_tokens_max,
-        )?);
+        self.hybrid = Some(hybrid);
         Ok(None)
     }
 

@@ -43,11 +43,10 @@ pub struct Counters {
     /// FFN bytes the device computed from its own copy of the hot neurons (`--vram-budget`'s
     /// plan): neither read, staged nor moved across the link.
     pub ffn_hot_bytes: u64,
-    /// The hybrid executor: bytes of cold FFN rows the CPU computed (each read once a pass,
-    /// whatever its width), neurons times tokens it computed, its time in them (nanoseconds),
-    /// and the layers it computed them for.
+    /// The hybrid executor: bytes of weights the CPU computed with (cold FFN rows or routed
+    /// experts, each read once a pass, whatever its width), its time in them (nanoseconds), and
+    /// the layers it computed for.
     pub cold_cpu_bytes: u64,
-    pub cold_cpu_token_neurons: u64,
     pub cold_cpu_ns: u64,
     pub cold_cpu_layers: u64,
 }
@@ -72,7 +71,6 @@ impl Counters {
             ffn_mapped_bytes: self.ffn_mapped_bytes - o.ffn_mapped_bytes,
             ffn_hot_bytes: self.ffn_hot_bytes - o.ffn_hot_bytes,
             cold_cpu_bytes: self.cold_cpu_bytes - o.cold_cpu_bytes,
-            cold_cpu_token_neurons: self.cold_cpu_token_neurons - o.cold_cpu_token_neurons,
             cold_cpu_ns: self.cold_cpu_ns - o.cold_cpu_ns,
             cold_cpu_layers: self.cold_cpu_layers - o.cold_cpu_layers,
         }

@@ -518,12 +518,14 @@ impl LayerStream for Streamer {
         self.hybrid.as_ref()?.rows(l, n)
     }
 
-    fn count_cold(&self, l: usize, neurons: usize, tokens: usize, ns: u64) {
-        let Some(h) = &self.hybrid else { return };
+    fn host_cpu(&self, n: usize) -> Option<&crate::backend::cpu::CpuBackend> {
+        self.hybrid.as_ref().filter(|_| self.experts.is_some())?.cpu_for(n)
+    }
+
+    fn count_cold(&self, bytes: u64, ns: u64) {
         let mut st = self.state.lock().expect("stream state");
         let c = &mut st.counters;
-        c.cold_cpu_bytes += neurons as u64 * h.neuron_bytes(l);
-        c.cold_cpu_token_neurons += (neurons * tokens) as u64;
+        c.cold_cpu_bytes += bytes;
         c.cold_cpu_ns += ns;
         c.cold_cpu_layers += 1;
     }

@@ -858,16 +858,18 @@ pub(crate) struct StreamArgs {
     /// the CPU device. Without it the GPU keeps every weight the host holds.
     #[arg(long)]
     pub(crate) vram_budget: Option<String>,
-    /// With --vram-budget (and no --ram-budget: the host holds the whole model): where the FFN
-    /// rows the GPU does not keep are computed. cpu-cold: by the CPU, where they lie in host
-    /// memory, while the GPU computes attention and its hot neurons; only activations cross
-    /// the link (the layer's input and gate to the host, a partial output of `hidden` floats a
-    /// token back). gpu-stream (or off): copied to the GPU at each use. auto (default): a cost
-    /// model measured at start (the CPU's time for one layer's cold rows at 1 and 8 tokens,
-    /// the link's pinned copy rate) gives each pass width to the faster side and is printed:
-    /// decode and narrow batches on the CPU when it beats the link, wide prompt batches on the
-    /// GPU. Dense steps, and sparse decode steps whose mask picks from the gate (top-K); not
-    /// yet mixture-of-experts models or the rows layout (auto then says why it is off).
+    /// With --vram-budget: where the weights the GPU does not keep are computed. cpu-cold: by
+    /// the CPU, where they lie in host memory, while the GPU computes attention and what it
+    /// keeps; only activations cross the link. A dense model (without --ram-budget: the host
+    /// holds the whole model): the FFN rows past the GPU's hot neurons (the layer's input and
+    /// gate to the host, the CPU's partial output of `hidden` values a token back); dense steps,
+    /// and sparse decode steps whose mask picks from the gate (top-K); not the rows layout. A
+    /// mixture of experts (with or without --ram-budget): every routed expert, cached or read
+    /// (its output rows back), unless a neuron mask runs inside the experts. gpu-stream (or
+    /// off): copied to the GPU at each use. auto (default): a cost model measured at start (the
+    /// CPU's time for a layer's share at 1 and 8 tokens, the link's pinned copy rate) gives each
+    /// pass width to the faster side and is printed: decode and narrow batches on the CPU when
+    /// it beats the link, wide prompt batches on the GPU (auto says why where it cannot run).
     #[arg(long, value_enum, default_value_t = HybridArg::Auto)]
     pub(crate) hybrid: HybridArg,
     /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to

@@ -256,9 +256,6 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
                     mb(d.copied_bytes_per_token)
                 );
             }
-            if let Some(h) = s.hybrid_plan() {
-                eprintln!("{}", h.describe());
-            }
             eprintln!(
             "read planner: {:.1} µs per request, {:.0} MB/s, {}-byte alignment: gaps under {:.1} KB are read through",
             s.cost.request_us,
@@ -267,6 +264,9 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
             s.cost.merge_gap_bytes() as f64 / 1e3
         );
         }
+    }
+    if let Some(h) = rt.stream.as_ref().and_then(|s| s.hybrid_plan()) {
+        eprintln!("{}", h.describe());
     }
     if let Some(m) = &rt.mask {
         eprintln!(

@@ -201,9 +201,10 @@ impl Report for Outcome {
             }
             if let Some(h) = &r.hybrid {
                 eprintln!(
-                    "{label}hybrid ({}): the CPU computed the cold FFN rows of {:.1} layers/token, {:.1} MB/token in {:.2} \
-                     ms/token ({:.1} GB/s){}",
+                    "{label}hybrid ({}): the CPU computed the {} of {:.1} layers/token, {:.1} MB/token in {:.2} ms/token \
+                     ({:.1} GB/s){}",
                     h.plan.mode.name(),
+                    h.plan.what,
                     h.cpu_layers_per_token,
                     mb(h.cpu_bytes_per_token),
                     h.cpu_s_per_token * 1e3,
