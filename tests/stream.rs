@@ -1371,10 +1371,13 @@ fn the_hybrid_executor_computes_cold_rows_on_the_cpu_like_the_in_ram_model() {
     let (layers, hidden) = (ram.config.n_layers as u64, ram.config.hidden as u64);
     let prompt = ram.tokenizer.encode(text, true).unwrap().len() as u64;
     let (steps, passes) = (4u64, 5u64);
-    for (vram, sparse) in [
-        (file_bytes * 7 / 10, None),
-        (file_bytes * 45 / 100, None),
-        (file_bytes * 7 / 10, Some(Criterion::Gate)),
+    // (GPU budget, mask, RAM budget: None holds every layer in host memory, Some streams part
+    // of each layer's rows from disk, which the step stages for the CPU as a dense step would)
+    for (vram, sparse, ram_budget) in [
+        (file_bytes * 7 / 10, None, None),
+        (file_bytes * 45 / 100, None, None),
+        (file_bytes * 7 / 10, Some(Criterion::Gate), None),
+        (file_bytes * 7 / 10, None, Some(min + file_bytes / 4)),
     ] {
         let want = {
             let mask = sparse.map(|c| Masker::for_model(&ram, Strategy::TopK, c, 0.5, None).unwrap());
@@ -1388,7 +1391,10 @@ fn the_hybrid_executor_computes_cold_rows_on_the_cpu_like_the_in_ram_model() {
         };
         let opts = StreamOptions {
             vram_budget_bytes: Some(vram),
-            ..options(min + 2 * file_bytes, ReadEngine::Uring, policy)
+            ..match ram_budget {
+                None => options(min + 2 * file_bytes, ReadEngine::Uring, policy),
+                Some(b) => dense_options(b, ReadEngine::Uring),
+            }
         };
         let mut s = Streamer::open(&m, &opts).unwrap();
         assert_eq!(s.enable_hybrid(&m, HybridMode::CpuCold, 1).unwrap(), None);
@@ -1401,8 +1407,9 @@ fn the_hybrid_executor_computes_cold_rows_on_the_cpu_like_the_in_ram_model() {
         // The stand-in measures no link.
         assert!(!plan.link_measured, "{plan:?}");
         let mask = sparse.map(|c| Masker::for_model(&m, Strategy::TopK, c, 0.5, None).unwrap());
+        let read_before = s.read_stats().bytes_device;
         let got = run(&m, Some(&s), mask.as_ref(), text, steps as usize);
-        let what = format!("GPU budget {vram} {sparse:?}");
+        let what = format!("GPU budget {vram} {sparse:?} RAM budget {ram_budget:?}");
         assert_like_in_ram(&got, &want, sparse.is_some(), &what);
         let (c, link, u) = (s.counters(), dev.link().unwrap(), dev.upload_counters());
         let hot = s.device_plan.as_ref().unwrap().hot_neurons.clone();
@@ -1431,8 +1438,17 @@ fn the_hybrid_executor_computes_cold_rows_on_the_cpu_like_the_in_ram_model() {
             link.activation_bytes >= tokens * layers * hidden * 4,
             "{what}: {link:?}"
         );
-        if sparse.is_none() {
-            assert_eq!(c.ffn_in_place_bytes + c.ffn_needed_bytes, 0, "{what}: {c:?}");
+        match ram_budget {
+            // Every cold row in place in the caches: nothing handed over, nothing read.
+            None if sparse.is_none() => {
+                assert_eq!(c.ffn_in_place_bytes + c.ffn_needed_bytes, 0, "{what}: {c:?}")
+            }
+            None => {}
+            // Part of each layer read from disk every pass, staged for the CPU.
+            Some(_) => assert!(
+                s.read_stats().bytes_device > read_before && c.cache_hits > 0,
+                "{what}: {c:?}"
+            ),
         }
     }
 }
@@ -1486,8 +1502,9 @@ fn the_hybrid_crossover_switches_between_prefill_and_decode_and_keeps_greedy_tok
     }
 }
 
-/// Where the hybrid cannot run, `cpu-cold` is refused with the reason and the fix, and `auto`
-/// stays off with that reason as a warning (or silently without a GPU budget).
+/// Where the hybrid cannot run (no GPU budget; the rows layout), `cpu-cold` is refused with the
+/// reason and the fix, and `auto` stays off with that reason as a warning (or silently without
+/// a GPU budget).
 #[test]
 fn the_hybrid_executor_says_why_it_cannot_run() {
     use gatestream::stream::hybrid::HybridMode;
@@ -1505,16 +1522,19 @@ fn the_hybrid_executor_says_why_it_cannot_run() {
     assert!(e.contains("--vram-budget"), "{e}");
     assert_eq!(s.enable_hybrid(&m, HybridMode::Auto, 1).unwrap(), None);
     assert!(s.hybrid_plan().is_none());
-    // A RAM budget that streams part of each layer from disk.
-    let (_dev, m) = on_standin(&p);
+    // The rows layout: the device keeps no FFN rows, and the CPU's share is not split by neuron.
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let rows = convert(&src, tmp.path(), "rows.gst", FfnLayout::Rows);
+    let rows_bytes = std::fs::metadata(&rows).unwrap().len();
+    let (_dev, m) = on_standin(&rows);
     let opts = StreamOptions {
-        vram_budget_bytes: Some(file_bytes * 7 / 10),
-        ..options(min + file_bytes / 4, ReadEngine::Pread, CachePolicy::Lru)
+        vram_budget_bytes: Some(rows_bytes * 7 / 10),
+        ..dense_options(2 * rows_bytes, ReadEngine::Pread)
     };
     let mut s = Streamer::open(&m, &opts).unwrap();
     let e = s.enable_hybrid(&m, HybridMode::CpuCold, 1).unwrap_err().to_string();
-    assert!(e.contains("--ram-budget"), "{e}");
+    assert!(e.contains("--ffn-layout split"), "{e}");
     let w = s.enable_hybrid(&m, HybridMode::Auto, 1).unwrap().expect("a warning");
-    assert!(w.contains("--hybrid auto: off") && w.contains("--ram-budget"), "{w}");
+    assert!(w.contains("--hybrid auto: off") && w.contains("--ffn-layout"), "{w}");
     assert!(s.hybrid_plan().is_none());
 }

@@ -262,7 +262,9 @@ impl Model {
             }
             _ => None,
         };
-        if let Some((s, cold)) = hybrid {
+        // (A mask takes the hybrid where the rows are in place: a masked step that reads rows
+        // has the decode path's lookahead and reads as they land.)
+        if let Some((s, cold)) = hybrid.filter(|(_, c)| hooks.mask.is_none() || c.rows.is_some()) {
             return self.ffn_hybrid(l, xn, &gate, hooks.mask, s, cold);
         }
         // A masked, streamed decode step: on the host (the CPU device) each row is computed where
@@ -527,11 +529,11 @@ impl Model {
     ) -> Result<Act> {
         let dev = &*self.device;
         let (n, h, f, k) = (xn.rows, self.config.hidden, gate.width, cold.first);
-        if cold.up.rows != f - k || cold.down.rows != f - k {
+        if let Some((up, down)) = cold.rows.filter(|(u, d)| u.rows != f - k || d.rows != f - k) {
             return Err(Error::Invalid(format!(
                 "layer {l}: the stream's cold rows ({} up, {} down) are not the {} neurons past the {k} hot ones",
-                cold.up.rows,
-                cold.down.rows,
+                up.rows,
+                down.rows,
                 f - k
             )));
         }
@@ -577,9 +579,28 @@ impl Model {
                     .flat_map(|t| cold_set.iter().map(move |&i| (t, i)))
                     .map(|(t, i)| gh[t * f + k + i as usize])
                     .collect();
-                let sums = cold_ffn(cold.cpu, cold.up, cold.down, (!all).then_some(&cold_set[..]), &xh, g, n);
                 let row_bytes = |w: &Weight| (w.len_bytes() / w.rows.max(1)) as u64;
-                let bytes = cold_set.len() as u64 * (row_bytes(cold.up) + row_bytes(cold.down));
+                let (sums, bytes) = match cold.rows {
+                    Some((up, down)) => (
+                        cold_ffn(cold.cpu, up, down, (!all).then_some(&cold_set[..]), &xh, g, n),
+                        row_bytes(up) + row_bytes(down),
+                    ),
+                    None => {
+                        // Staged in set order (row i = the set's i-th neuron), as a dense step's.
+                        let ids: Vec<u32> = cold_set.iter().map(|&i| i + k as u32).collect();
+                        let (up, down) = s.stage(l, &ids, true)?;
+                        let down = down.ok_or_else(|| {
+                            Error::Invalid(format!(
+                                "layer {l}: the stream staged up rows without their down columns"
+                            ))
+                        })?;
+                        (
+                            cold_ffn(cold.cpu, &up, &down, None, &xh, g, n),
+                            row_bytes(&up) + row_bytes(&down),
+                        )
+                    }
+                };
+                let bytes = cold_set.len() as u64 * bytes;
                 s.count_cold(bytes, started.elapsed().as_nanos() as u64);
                 sums
             }

@@ -222,12 +222,13 @@ pub trait LayerStream: Sync {
 }
 
 /// A layer's cold FFN rows in host memory and the CPU that computes them (see
-/// [`LayerStream::cold_on_host`]): neuron-major, row i = neuron `first + i`, where `first` is
-/// the number of hot neurons the device keeps.
+/// [`LayerStream::cold_on_host`]). `first` is the number of hot neurons the device keeps;
+/// `rows`, when the stream holds every cold neuron in place: up rows and down columns,
+/// neuron-major, row i = neuron `first + i`. `None`: the stream reads some of them (a RAM budget
+/// of its own), and the step stages the cold neurons it needs ([`LayerStream::stage`]).
 pub struct ColdRows<'a> {
     pub first: usize,
-    pub up: &'a Weight,
-    pub down: &'a Weight,
+    pub rows: Option<(&'a Weight, &'a Weight)>,
     pub cpu: &'a crate::backend::cpu::CpuBackend,
 }
 

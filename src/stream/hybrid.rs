@@ -158,8 +158,9 @@ impl Probe<'_> {
 /// experts, whose experts the stream hands over) and the plan.
 pub struct Hybrid {
     cpu: CpuBackend,
-    /// Per layer: the hot neurons the device keeps, and the host's rows after them.
-    cold: Vec<(usize, Weight, Weight)>,
+    /// Per layer: the hot neurons the device keeps, and the host's rows after them when the
+    /// stream holds them all in place (else they are staged at each step).
+    cold: Vec<(usize, Option<(Weight, Weight)>)>,
     pub plan: HybridPlan,
 }
 
@@ -171,7 +172,7 @@ impl Hybrid {
     pub fn new(
         mode: HybridMode,
         threads: usize,
-        cold: Vec<(usize, Weight, Weight)>,
+        cold: Vec<(usize, Option<(Weight, Weight)>)>,
         what: &str,
         bytes_per_layer: f64,
         probe: Probe,
@@ -245,11 +246,10 @@ impl Hybrid {
 
     /// Layer `l`'s cold rows for a pass of `n` tokens, when the plan gives it to the CPU.
     pub fn rows(&self, l: usize, n: usize) -> Option<crate::model::forward::ColdRows<'_>> {
-        let (first, up, down) = self.cold.get(l)?;
+        let (first, rows) = self.cold.get(l)?;
         Some(crate::model::forward::ColdRows {
             first: *first,
-            up,
-            down,
+            rows: rows.as_ref().map(|(u, d)| (u, d)),
             cpu: self.cpu_for(n)?,
         })
     }

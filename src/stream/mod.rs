@@ -503,9 +503,10 @@ impl Streamer {
     /// per core) for `model` (the model this stream was opened for): measures its cost model
     /// and keeps each layer's cold rows. It needs a GPU budget (`vram_budget_bytes`), and a
     /// mixture-of-experts model (its routed experts, cached or read, are in host memory either
-    /// way) or a dense neuron-major file whose neuron caches hold every layer in host memory (no
-    /// RAM budget of its own). `Off` and `GpuStream` turn it off. Returns why it stays off under
-    /// `Auto` where it cannot run (`CpuCold` fails instead).
+    /// way) or a dense neuron-major file (its cold rows in place where a neuron cache holds the
+    /// whole layer, else staged at each step, read as a dense step reads them). `Off` and
+    /// `GpuStream` turn it off. Returns why it stays off under `Auto` where it cannot run
+    /// (`CpuCold` fails instead).
     pub fn enable_hybrid(
         &mut self,
         model: &crate::model::Model,
@@ -530,17 +531,7 @@ impl Streamer {
                     .to_string(),
             )
         } else {
-            let st = self.state.lock().expect("stream state");
-            let whole = st
-                .caches
-                .iter()
-                .zip(&self.layers)
-                .all(|(c, p)| c.slots() == p.up.rows && c.slots() > 0);
-            (!whole || self.layers.is_empty()).then(|| {
-                "the CPU computes rows it holds in host memory, and --ram-budget streams some of them from disk: \
-                 drop --ram-budget (the host then keeps the whole model)"
-                    .to_string()
-            })
+            None
         };
         if let Some(why) = why_not {
             return match mode {
@@ -570,30 +561,66 @@ impl Streamer {
                 )?
             }
             None => {
-                let cold = {
+                // Per layer: its cold rows in place where the cache holds the whole layer (never
+                // rewritten then); else staged at each step.
+                let cold: Vec<(usize, Option<(Weight, Weight)>)> = {
                     let st = self.state.lock().expect("stream state");
                     let mut cold = Vec::with_capacity(self.layers.len());
                     for (l, p) in self.layers.iter().enumerate() {
                         let k = self.hot[l].as_ref().map_or(0, |(u, _)| u.rows);
-                        let (ub, db) = st.caches[l].buffers();
-                        let rows = st.caches[l].slots() - k;
+                        let c = &st.caches[l];
+                        if c.slots() != p.up.rows {
+                            cold.push((k, None));
+                            continue;
+                        }
+                        let (ub, db) = c.buffers();
                         let view = |part: &Part, buf: &Arc<Vec<u8>>| {
-                            Weight::shared(&part.name, part.ty, rows, self.hidden, buf.clone(), k * part.row_bytes)
+                            Weight::shared(
+                                &part.name,
+                                part.ty,
+                                p.up.rows - k,
+                                self.hidden,
+                                buf.clone(),
+                                k * part.row_bytes,
+                            )
                         };
-                        cold.push((k, view(&p.up, ub)?, view(&p.down, db)?));
+                        cold.push((k, Some((view(&p.up, ub)?, view(&p.down, db)?))));
                     }
                     cold
                 };
-                let per_layer = cold
+                let per_layer = self
+                    .layers
                     .iter()
-                    .map(|(_, u, d)| (u.len_bytes() + d.len_bytes()) as f64)
+                    .zip(&cold)
+                    .map(|(p, (k, _))| ((p.up.rows - k) * (p.up.row_bytes + p.down.row_bytes)) as f64)
                     .sum::<f64>()
                     / cold.len().max(1) as f64;
-                let (_, up, down) = cold
-                    .iter()
-                    .max_by_key(|(_, u, _)| u.rows)
-                    .ok_or_else(|| Error::Invalid("the hybrid executor needs a layer".into()))?;
-                let (up, down) = (up.clone(), down.clone());
+                // The probe: the largest layer held in place, else the first rows of layer 0 read
+                // from the file (at most 4096 neurons; the time is scaled to a layer's share).
+                let (up, down) = match cold.iter().filter_map(|(_, r)| r.as_ref()).max_by_key(|(u, _)| u.rows) {
+                    Some((u, d)) => (u.clone(), d.clone()),
+                    None => {
+                        let p = self
+                            .layers
+                            .first()
+                            .ok_or_else(|| Error::Invalid("a model without layers".into()))?;
+                        let rows = p.up.rows.min(4096);
+                        let read = |part: &Part| -> Result<Weight> {
+                            let r = part.range_of(rows);
+                            let bytes = self.fg.read_vec(r.offset_bytes, r.len_bytes)?;
+                            Weight::shared_strided(
+                                &part.name,
+                                part.ty,
+                                rows,
+                                self.hidden,
+                                Arc::new(bytes),
+                                0,
+                                part.stride_bytes,
+                            )
+                        };
+                        (read(&p.up)?, read(&p.down)?)
+                    }
+                };
                 hybrid::Hybrid::new(
                     mode,
                     threads,

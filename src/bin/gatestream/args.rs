@@ -859,13 +859,13 @@ pub(crate) struct StreamArgs {
     #[arg(long)]
     pub(crate) vram_budget: Option<String>,
     /// With --vram-budget: where the weights the GPU does not keep are computed. cpu-cold: by
-    /// the CPU, where they lie in host memory, while the GPU computes attention and what it
-    /// keeps; only activations cross the link. A dense model (without --ram-budget: the host
-    /// holds the whole model): the FFN rows past the GPU's hot neurons (the layer's input and
-    /// gate to the host, the CPU's partial output of `hidden` values a token back); dense steps,
-    /// and sparse decode steps whose mask picks from the gate (top-K); not the rows layout. A
-    /// mixture of experts (with or without --ram-budget): every routed expert, cached or read
-    /// (its output rows back), unless a neuron mask runs inside the experts. gpu-stream (or
+    /// the CPU, where they lie in host memory (with --ram-budget, as they are read), while the
+    /// GPU computes attention and what it keeps; only activations cross the link. A dense model:
+    /// the FFN rows past the GPU's hot neurons (the layer's input and gate to the host, the
+    /// CPU's partial output of `hidden` values a token back); dense steps, and sparse decode
+    /// steps whose mask picks from the gate (top-K) when the host holds the whole model (no
+    /// --ram-budget); not the rows layout. A mixture of experts: every routed expert, cached or
+    /// read (its output rows back), unless a neuron mask runs inside the experts. gpu-stream (or
     /// off): copied to the GPU at each use. auto (default): a cost model measured at start (the
     /// CPU's time for a layer's share at 1 and 8 tokens, the link's pinned copy rate) gives each
     /// pass width to the faster side and is printed: decode and narrow batches on the CPU when
