@@ -1482,23 +1482,8 @@ fn moe(
     arch: gatestream::config::Arch,
 ) -> Result<String, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let dense = common::write_temp(
-        dir.path(),
-        "stories.gguf",
-        &common::stories_gguf(common::Breakage::None),
-    );
     let text = wiki_text(100_000)?;
-    let spec = gatestream::synth::MoeSpec {
-        arch,
-        experts: 6,
-        used: 2,
-        ty: GgmlType::F32,
-        random: None,
-        perturb: 0.05,
-        seed: 3,
-    };
-    let path = dir.path().join(format!("{}.gguf", arch.name()));
-    gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    let path = stories_moe(dir.path(), arch)?;
     let (mismatches, worst, pc, pg) = cpu_vs_cuda(&path, dev, &text)?;
     let rel = (pg / pc - 1.0).abs();
     let msg = format!(
@@ -1514,6 +1499,23 @@ fn moe(
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
     );
     judged(mismatches, worst, rel, msg)
+}
+
+/// stories260K upcycled into 6 F32 experts, 2 used a token, of `arch`, as a GGUF in `dir`.
+fn stories_moe(dir: &std::path::Path, arch: gatestream::config::Arch) -> Result<std::path::PathBuf, String> {
+    let dense = common::write_temp(dir, "stories.gguf", &common::stories_gguf(common::Breakage::None));
+    let spec = gatestream::synth::MoeSpec {
+        arch,
+        experts: 6,
+        used: 2,
+        ty: GgmlType::F32,
+        random: None,
+        perturb: 0.05,
+        seed: 3,
+    };
+    let path = dir.join(format!("{}.gguf", arch.name()));
+    gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(path)
 }
 
 /// The MoE of [`moe`] as a `.gst` streamed from host RAM under a GPU budget (a quarter of the
@@ -1532,23 +1534,7 @@ fn moe_hybrid(
     use gatestream::stream::residency::Priority;
     use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer, RAM_UNLIMITED};
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let dense = common::write_temp(
-        dir.path(),
-        "stories.gguf",
-        &common::stories_gguf(common::Breakage::None),
-    );
-    let spec = gatestream::synth::MoeSpec {
-        arch,
-        experts: 6,
-        used: 2,
-        ty: GgmlType::F32,
-        random: None,
-        perturb: 0.05,
-        seed: 3,
-    };
-    let gguf = dir.path().join(format!("{}.gguf", arch.name()));
-    gatestream::synth::write_moe(&dense, &spec, &gguf, &mut |_, _| {}).map_err(|e| e.to_string())?;
-    let gst = gst_beside(&gguf)?;
+    let gst = gst_beside(&stories_moe(dir.path(), arch)?)?;
     let (file_bytes, in_device, on_disk) = gst_models(dev, &gst)?;
     let opts = |vram: u64| StreamOptions {
         budget_bytes: RAM_UNLIMITED,

@@ -685,6 +685,14 @@ fn stream_options(budget_bytes: u64, engine: ReadEngine, cache: CachePolicy, loo
 }
 
 /// The smallest budget a `.gst` MoE model streams under (from the refusal of a zero budget).
+/// A random Q8_0 model of `arch` (see [`spec`]) reformatted to a `.gst` in `dir`.
+fn random_gst(dir: &Path, arch: Arch) -> PathBuf {
+    let gguf = make(dir, &spec(arch, GgmlType::Q8_0, true), &format!("{}.gguf", arch.name()));
+    let gst = dir.join(format!("{}.gst", arch.name()));
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    gst
+}
+
 fn min_budget(path: &Path, lookahead: bool) -> u64 {
     let m = Model::load(path, &on_disk()).unwrap();
     let e = Streamer::open(&m, &stream_options(0, ReadEngine::Pread, CachePolicy::Lru, lookahead))
@@ -802,13 +810,7 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
     let tmp = tempfile::tempdir().unwrap();
     let text = "Once upon a time, there was a little dog";
     for arch in ARCHS {
-        let gguf = make(
-            tmp.path(),
-            &spec(arch, GgmlType::Q8_0, true),
-            &format!("{}.gguf", arch.name()),
-        );
-        let gst = tmp.path().join(format!("{}.gst", arch.name()));
-        gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+        let gst = random_gst(tmp.path(), arch);
         let reference = prompt_then_greedy(&load(&gst), None, None, text, 4);
         let min = min_budget(&gst, false);
         for (b, extra) in [0u64, 3].into_iter().enumerate() {
@@ -916,13 +918,7 @@ fn the_hybrid_executor_computes_routed_experts_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let text = "Once upon a time, there was a little dog";
     for arch in ARCHS {
-        let gguf = make(
-            tmp.path(),
-            &spec(arch, GgmlType::Q8_0, true),
-            &format!("{}.gguf", arch.name()),
-        );
-        let gst = tmp.path().join(format!("{}.gst", arch.name()));
-        gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+        let gst = random_gst(tmp.path(), arch);
         let reference = prompt_then_greedy(&load(&gst), None, None, text, 4);
         let min = min_budget(&gst, false);
         let expert_bytes = {
