@@ -135,8 +135,11 @@ impl Model {
             Some((shared, _)) => Some(self.ffn_dense(l, shared, xn, &dense)?),
             None => None,
         };
-        let xh = on_cpu.map(|_| dev.to_host(xn).into_owned());
-        dev.launch_pending();
+        // The input on the host, once: the CPU's experts and the shared expert's gate read it.
+        let mut xh = on_cpu.map(|_| dev.to_host(xn).into_owned());
+        if on_cpu.is_some() {
+            dev.launch_pending();
+        }
         let (mut cpu_bytes, mut cpu_ns) = (0u64, 0u64);
         // A neuron mask runs inside each routed expert (not the shared one, which every token
         // runs): it sees the expert's own activations, of the model's expert width.
@@ -164,7 +167,7 @@ impl Model {
                     .iter()
                     .flat_map(|&t| xh[t * h..(t + 1) * h].iter().copied())
                     .collect();
-                let y = host_ffn(cpu, w, &x, tokens.len(), self.config.activation);
+                let y = host_ffn(cpu, w, x, tokens.len(), self.config.activation);
                 cpu_ns += started.elapsed().as_nanos() as u64;
                 cpu_bytes += (w.gate.len_bytes() + w.up.len_bytes() + w.down.weight().len_bytes()) as u64;
                 outputs.push((ex, dev.upload(tokens.len(), h, y)));
@@ -193,7 +196,7 @@ impl Model {
             dev.add_rows_scaled(&mut out, y, &groups[*ex].0, &groups[*ex].1);
         }
         if let (Some((_, gate)), Some(y)) = (shared, shared_y) {
-            let x = dev.to_host(xn);
+            let x = xh.get_or_insert_with(|| dev.to_host(xn).into_owned());
             let scales: Vec<f32> = x
                 .chunks_exact(h)
                 .map(|row| {
@@ -258,13 +261,15 @@ impl Model {
                         .mask
                         .is_none_or(|m| n == 1 && m.decides_from_input() && m.decides_before_up()) =>
             {
-                s.cold_on_host(l, n).map(|c| (s, c))
+                // (A mask takes it where the rows are in place: a masked step that reads rows has
+                // the decode path's lookahead and reads as they land.)
+                s.cold_on_host(l, n)
+                    .filter(|c| hooks.mask.is_none() || c.rows.is_some())
+                    .map(|c| (s, c))
             }
             _ => None,
         };
-        // (A mask takes the hybrid where the rows are in place: a masked step that reads rows
-        // has the decode path's lookahead and reads as they land.)
-        if let Some((s, cold)) = hybrid.filter(|(_, c)| hooks.mask.is_none() || c.rows.is_some()) {
+        if let Some((s, cold)) = hybrid {
             return self.ffn_hybrid(l, xn, &gate, hooks.mask, s, cold);
         }
         // A masked, streamed decode step: on the host (the CPU device) each row is computed where
@@ -582,7 +587,7 @@ impl Model {
                 let row_bytes = |w: &Weight| (w.len_bytes() / w.rows.max(1)) as u64;
                 let (sums, bytes) = match cold.rows {
                     Some((up, down)) => (
-                        cold_ffn(cold.cpu, up, down, (!all).then_some(&cold_set[..]), &xh, g, n),
+                        cold_ffn(cold.cpu, up, down, (!all).then_some(&cold_set[..]), xh, g, n),
                         row_bytes(up) + row_bytes(down),
                     ),
                     None => {
@@ -595,7 +600,7 @@ impl Model {
                             ))
                         })?;
                         (
-                            cold_ffn(cold.cpu, &up, &down, None, &xh, g, n),
+                            cold_ffn(cold.cpu, &up, &down, None, xh, g, n),
                             row_bytes(&up) + row_bytes(&down),
                         )
                     }
@@ -955,8 +960,8 @@ pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
 /// A whole FFN (an expert) on the CPU `cpu` for `x` `[n, hidden]`: `down · (act(gate·x) ·
 /// up·x)`, as the in-RAM model computes it (gate and up from one prepared input, the gated
 /// activation in one operation). Returns `[n, hidden]`.
-pub fn host_ffn(cpu: &CpuBackend, w: &FfnWeights, x: &[f32], n: usize, act: FfnActivation) -> Vec<f32> {
-    let xa = cpu.upload(n, w.gate.cols, x.to_vec());
+pub fn host_ffn(cpu: &CpuBackend, w: &FfnWeights, x: Vec<f32>, n: usize, act: FfnActivation) -> Vec<f32> {
+    let xa = cpu.upload(n, w.gate.cols, x);
     let mut gu = cpu.matmul(&[&w.gate, &w.up], &xa);
     let mut up = gu.pop().expect("up");
     let mut gate = gu.pop().expect("gate");
@@ -982,12 +987,11 @@ pub fn cold_ffn(
     up: &Weight,
     down: &Weight,
     set: Option<&[u32]>,
-    x: &[f32],
+    x: Vec<f32>,
     gate: Vec<f32>,
     n: usize,
 ) -> Vec<f64> {
-    let h = up.cols;
-    let xa = cpu.upload(n, h, x.to_vec());
+    let xa = cpu.upload(n, up.cols, x);
     let (mut u, m) = match set {
         None => (cpu.matmul(&[up], &xa).remove(0), up.rows),
         Some(s) => (cpu.matmul_rows(up, s, &xa), s.len()),

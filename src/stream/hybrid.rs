@@ -195,10 +195,10 @@ impl Hybrid {
                     match &probe {
                         Probe::Cold(up, down) => {
                             let g: Vec<f32> = (0..n * up.rows).map(|i| ((i * 104729) % 997) as f32 / 997.0).collect();
-                            std::hint::black_box(cold_ffn(&cpu, up, down, None, &x, g, n));
+                            std::hint::black_box(cold_ffn(&cpu, up, down, None, x.clone(), g, n));
                         }
                         Probe::Expert(f, act) => {
-                            std::hint::black_box(host_ffn(&cpu, f, &x, n, *act));
+                            std::hint::black_box(host_ffn(&cpu, f, x.clone(), n, *act));
                         }
                     }
                     t.elapsed().as_secs_f64()

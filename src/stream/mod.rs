@@ -175,6 +175,12 @@ impl Part {
         )
     }
 
+    /// Slots `first..first + count` of a neuron cache's buffer for this matrix (`buf`, one
+    /// packed row of `hidden` columns a slot) as a weight over it.
+    pub(crate) fn slots(&self, buf: &Arc<Vec<u8>>, first: usize, count: usize, hidden: usize) -> Result<Weight> {
+        Weight::shared(&self.name, self.ty, count, hidden, buf.clone(), first * self.row_bytes)
+    }
+
     /// Rows `0..rows` as one range: the whole matrix when contiguous, the span from its first
     /// to its last row's end when strided (bundled).
     pub(crate) fn range_of(&self, rows: usize) -> Range {
@@ -521,17 +527,15 @@ impl Streamer {
         if self.device_plan.is_none() && mode == HybridMode::Auto {
             return Ok(None);
         }
-        let why_not = if self.device_plan.is_none() {
-            Some("it splits a model between a GPU and the CPU: it needs --vram-budget (and --device cuda)".to_string())
-        } else if self.experts.is_some() {
-            None
-        } else if !self.resident_ffn.is_empty() {
-            Some(
-                "the rows layout keeps no FFN rows on the device: reformat with --ffn-layout split or bundled"
-                    .to_string(),
-            )
-        } else {
-            None
+        let why_not = match () {
+            _ if self.device_plan.is_none() => {
+                Some("it splits a model between a GPU and the CPU: it needs --vram-budget (and --device cuda)")
+            }
+            // (The rows layout: its resident FFN matrices; experts have none.)
+            _ if !self.resident_ffn.is_empty() => {
+                Some("the rows layout keeps no FFN rows on the device: reformat with --ffn-layout split or bundled")
+            }
+            _ => None,
         };
         if let Some(why) = why_not {
             return match mode {
@@ -574,17 +578,14 @@ impl Streamer {
                             continue;
                         }
                         let (ub, db) = c.buffers();
-                        let view = |part: &Part, buf: &Arc<Vec<u8>>| {
-                            Weight::shared(
-                                &part.name,
-                                part.ty,
-                                p.up.rows - k,
-                                self.hidden,
-                                buf.clone(),
-                                k * part.row_bytes,
-                            )
-                        };
-                        cold.push((k, Some((view(&p.up, ub)?, view(&p.down, db)?))));
+                        let rows = p.up.rows - k;
+                        cold.push((
+                            k,
+                            Some((
+                                p.up.slots(ub, k, rows, self.hidden)?,
+                                p.down.slots(db, k, rows, self.hidden)?,
+                            )),
+                        ));
                     }
                     cold
                 };

@@ -362,9 +362,10 @@ impl Streamer {
                 (0, _) => None,
                 (_, true) => {
                     let (ub, db) = c.buffers();
-                    let view =
-                        |p: &Part, buf: &Arc<Vec<u8>>| Weight::shared(&p.name, p.ty, k, cfg.hidden, buf.clone(), 0);
-                    Some((view(&parts.up, ub)?, view(&parts.down, db)?))
+                    Some((
+                        parts.up.slots(ub, 0, k, cfg.hidden)?,
+                        parts.down.slots(db, 0, k, cfg.hidden)?,
+                    ))
                 }
                 (_, false) => {
                     let rows = |p: &Part, bytes: &[u8]| -> Result<Weight> {

@@ -183,10 +183,7 @@ impl Streamer {
             cache.touch(s, step);
         }
         let (ub, db) = cache.buffers();
-        let view = |p: &Part, buf: &Arc<Vec<u8>>| {
-            Weight::shared(&p.name, p.ty, set.len(), self.hidden, buf.clone(), first * p.row_bytes)
-                .map(Weight::volatile)
-        };
+        let view = |p: &Part, buf: &Arc<Vec<u8>>| p.slots(buf, first, set.len(), self.hidden).map(Weight::volatile);
         let parts = &self.layers[l];
         let up_w = up.then(|| view(&parts.up, ub)).transpose()?;
         let down_w = down.then(|| view(&parts.down, db)).transpose()?;
@@ -545,15 +542,7 @@ impl LayerStream for Streamer {
             return Ok(None);
         }
         let all = |p: &Part, buf: &Arc<Vec<u8>>| -> Result<Option<Weight>> {
-            let w = Weight::shared(
-                &p.name,
-                p.ty,
-                cache.slots() - hot,
-                self.hidden,
-                buf.clone(),
-                hot * p.row_bytes,
-            )?
-            .volatile();
+            let w = p.slots(buf, hot, cache.slots() - hot, self.hidden)?.volatile();
             Ok(self.link.in_place(&w))
         };
         // Both matrices or neither: a step whose up rows were read in place reads its down
