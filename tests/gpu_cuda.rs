@@ -1459,10 +1459,10 @@ fn stories260k(
     let rel = (pg / pc - 1.0).abs();
     let msg = format!(
         "  stories260K: greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the range; \
-         perplexity ({} windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
-        ppl_windows(dev),
+         perplexity ({windows} windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
         worst * 100.0,
-        rel * 100.0
+        rel * 100.0,
+        windows = ppl_windows(dev),
     );
     report.insert(
         "stories260k".into(),
@@ -1488,11 +1488,11 @@ fn moe(
     let rel = (pg / pc - 1.0).abs();
     let msg = format!(
         "  {} (6 experts, 2 used): greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the \
-         range; perplexity ({} windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
+         range; perplexity ({windows} windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
         arch.name(),
-        ppl_windows(dev),
         worst * 100.0,
-        rel * 100.0
+        rel * 100.0,
+        windows = ppl_windows(dev),
     );
     report.insert(
         format!("moe_{}", arch.name()),
