@@ -15,7 +15,7 @@
 # environment: GATESTREAM (binary), GPU_DEVICE (cuda; host-standin runs the script here, with no
 # GPU and nothing it prints a GPU's figure), LLAMA_BIN (llama.cpp's binaries; default /tmp/llb
 # from gpupeer/setup.sh), MODELS (where models are written; default /tmp/gsm), TOKENS (32),
-# PROMPT_CHARS (2400: about 512 tokens), THREADS (all cores), DEADLINE (420: seconds after which
+# PROMPT_CHARS (420: about 512 tokens of the synthetic tokenizer, whose spaces are 3 byte tokens), THREADS (all cores), DEADLINE (420: seconds after which
 # no further run starts, so a device call of 600 s ends with its table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,7 @@ log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt" >&2; }
 [ -x "$G" ] || { log "no gatestream binary at $G (tools/gpu-carry.sh builds it)"; exit 1; }
 text=gpucarry/shared/data/wikitext-2/wiki.test.raw
 [ -f "$text" ] || text=../shared/data/wikitext-2/wiki.test.raw
-PROMPT=$(head -c "${PROMPT_CHARS:-2400}" "$text" | tr -d '\000')
+PROMPT=$(head -c "${PROMPT_CHARS:-420}" "$text" | tr -d '\000')
 if [ -z "${LLAMA_BIN:-}" ] && [ -f gpupeer/setup.sh ]; then
     eval "$(bash gpupeer/setup.sh)"
     LLAMA_BIN=/tmp/llb
@@ -53,7 +53,8 @@ rows="$OUT/rows.tsv"
 
 make() { # SHAPE -> $M/SHAPE.gguf and $M/SHAPE.gst (split layout for dense, experts' sections for MoE)
     local shape=$1
-    [ -s "$M/$shape.gguf" ] || "$G" make-model "$M/$shape.gguf" --shape "$shape" --force >> "$OUT/make.txt" 2>&1 || return 1
+    # (the synthetic tokenizer: the GPU machine has no real model to take one from)
+    [ -s "$M/$shape.gguf" ] || "$G" make-model "$M/$shape.gguf" --shape "$shape" --tokenizer synthetic --force >> "$OUT/make.txt" 2>&1 || return 1
     [ -s "$M/$shape.gst" ] || "$G" reformat "$M/$shape.gguf" "$M/$shape.gst" --ffn-layout split --force >> "$OUT/make.txt" 2>&1 || return 1
 }
 

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""gatestream's CUDA device beside llama.cpp's CUDA backend, on the same GGUF and GPU, in one run.
+
+    tools/gpu-carry.sh && cp -r ../shared/peer/cuda gpupeer     # here (both folders git-excluded)
+    python3 tools/gpu-compare.py [--cases decode,prefill,batched,served] [--pairs 2]
+                                 [--shape qwen2.5-1.5b] [--deadline 240] [--json FILE]
+                                                                # there; carry ["gpucarry", "gpupeer"]
+
+The model is written on the machine (`gatestream make-model --shape SHAPE --tokenizer synthetic`:
+random weights in llama.cpp's Q4_K_M type mix; speeds are real, text is not; the synthetic
+vocabulary spells English as byte tokens, so N characters of prompt are about N tokens in both
+engines). Cases, each timed A B A B (--pairs pairs; ratios are gatestream / llama.cpp, above 1
+is gatestream faster; each line gives both medians and the median of the per-pair ratios):
+
+  decode   llama-bench -ngl 99 -p 0 -n 128 (tg128) vs `gatestream run --device cuda --max-tokens
+           128 --ignore-eos --json` from a 6-token prompt (decode_tok_per_s)
+  prefill  llama-bench -ngl 99 -p 512 -n 0 (pp512) vs `run --max-tokens 1` on a 511-character
+           prompt, 512 tokens with BOS (prefill_tok_per_s)
+  batched  N sequences at once, each a 128-token prompt and 128 generated tokens:
+           llama-batched-bench -npp 128 -ntg 128 -npl 1,8,32,64 (generated tokens over its whole
+           time, prompts included; its decode-only S_TG beside it) vs `gatestream serve --parallel
+           64` under tools/serve-bench.py at concurrency N, one request a client (the same tokens,
+           through HTTP: the server's overhead counts against gatestream)
+  served   llama-server -np 64 vs `gatestream serve --parallel 64`, the same client
+           (tools/serve-bench.py: C clients, 2 requests each, 64 tokens, short prompts), C = 1/8/32
+
+Settings: --gatestream (default gpucarry/gatestream, else target/release/gatestream), --llama
+(llama.cpp's binaries; default: unpacked from gpupeer/ by its setup.sh into /tmp/llb), --device
+(cuda; host-standin runs it here on the CPU stand-in, with llama.cpp's CPU build and --ngl 0:
+nothing it prints is a GPU's figure), --deadline (seconds after which no further case starts).
+Logs and results under $OUT (default /tmp/gpu-compare); the table is printed last.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("OUT") or "/tmp/gpu-compare")
+START = time.time()
+ROWS = []
+
+
+def log(msg):
+    line = f"[{time.strftime('%H:%M:%S')} +{time.time() - START:5.0f}s] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    with open(OUT / "log.txt", "a") as f:
+        f.write(line + "\n")
+
+
+def run(cmd, name, timeout=300, env=None):
+    """Runs cmd with its output in OUT/name.{out,err}; returns (rc, stdout)."""
+    t = time.time()
+    try:
+        p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = 124, (e.stdout or b"").decode(errors="replace"), (e.stderr or b"").decode(errors="replace")
+    (OUT / f"{name}.out").write_text(out)
+    (OUT / f"{name}.err").write_text(err)
+    log(f"{name}: exit {rc} in {time.time() - t:.1f} s: {' '.join(shlex.quote(str(c)) for c in cmd)[:300]}")
+    return rc, out
+
+
+def row(case, ours, theirs, ratios, note=""):
+    med = lambda v: f"{statistics.median(v):.1f}" if v else "-"
+    r = {"case": case, "gatestream": med(ours), "llama.cpp": med(theirs),
+         "ratio": f"{statistics.median(ratios):.2f}" if ratios else "-",
+         "pairs": " ".join(f"{x:.2f}" for x in ratios), "note": note,
+         "gatestream_all": ours, "llama_all": theirs}
+    ROWS.append(r)
+    log(f"ROW {case}: gatestream {r['gatestream']} llama.cpp {r['llama.cpp']} ratio {r['ratio']} ({r['pairs']}) {note}")
+
+
+def llama_bench(a, ll, env, gguf, p, n, name):
+    rc, out = run([ll / "llama-bench", "-m", gguf, "-ngl", a.ngl, "-p", p, "-n", n, "-r", 2, "-t", a.threads,
+                   "-o", "json"], name, env=env)
+    try:
+        return float(json.loads(out)[0]["avg_ts"])
+    except Exception:
+        return None
+
+
+def ours_run(a, gguf, prompt, tokens, name, field):
+    rc, out = run([a.gatestream, "run", "--device", a.device, "--model", gguf, "--threads", a.threads,
+                   "--prompt", prompt, "--max-tokens", tokens, "--ignore-eos", "--json"], name)
+    try:
+        d = json.loads(out)
+        return float(d[field]), d
+    except Exception:
+        return None, None
+
+
+def late(a):
+    return time.time() - START > a.deadline
+
+
+def paired(a, case, pairs, ours_fn, theirs_fn, note=""):
+    ours, theirs, ratios = [], [], []
+    for i in range(pairs):
+        if late(a):
+            note += f" (deadline: {i} of {pairs} pairs)"
+            break
+        order = [("g", ours_fn), ("l", theirs_fn)] if i % 2 == 0 else [("l", theirs_fn), ("g", ours_fn)]
+        got = {}
+        for k, fn in order:
+            got[k] = fn(i)
+        if got["g"] is not None:
+            ours.append(got["g"])
+        if got["l"] is not None:
+            theirs.append(got["l"])
+        if got["g"] and got["l"]:
+            ratios.append(got["g"] / got["l"])
+    row(case, ours, theirs, ratios, note)
+
+
+def serve_bench(a, cmd, label, conc, per_client, tokens, prompt_file, name):
+    argv = [sys.executable, ROOT / "tools/serve-bench.py", "--server", cmd, "--label", label,
+            "--concurrency", conc, "--requests-per-client", per_client, "--max-tokens", tokens]
+    if prompt_file:
+        argv += ["--prompt-file", prompt_file]
+    rc, out = run(argv, name, timeout=240)
+    levels = {}
+    for line in out.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        for lv in d.get("levels", []):
+            levels[lv["concurrency"]] = lv
+    return levels
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="decode,prefill,batched,served")
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
+    ap.add_argument("--model", help="a GGUF to use instead of making one")
+    ap.add_argument("--models", default="/tmp/gsm")
+    ap.add_argument("--gatestream")
+    ap.add_argument("--llama")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ngl", default="99")
+    ap.add_argument("--threads", default=str(os.cpu_count()))
+    ap.add_argument("--widths", default="1,8,32,64", help="batched: sequences at once")
+    ap.add_argument("--served", default="1,8,32", help="served: clients at once")
+    ap.add_argument("--deadline", type=float, default=240)
+    ap.add_argument("--json", help="write the rows here (default OUT/compare.json)")
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    g = Path(a.gatestream or (ROOT / "gpucarry/gatestream" if (ROOT / "gpucarry/gatestream").exists()
+                              else ROOT / "target/release/gatestream"))
+    a.gatestream = g
+    env = dict(os.environ)
+    if a.llama:
+        ll = Path(a.llama)
+    else:
+        setup = ROOT / "gpupeer/setup.sh"
+        if not setup.exists():
+            sys.exit("no llama.cpp: give --llama DIR, or copy ../shared/peer/cuda to gpupeer/")
+        line = subprocess.run(["bash", setup], capture_output=True, text=True).stdout.strip()
+        if line.startswith("export LD_LIBRARY_PATH="):
+            env["LD_LIBRARY_PATH"] = line.split("=", 1)[1].replace("${LD_LIBRARY_PATH:-}", env.get("LD_LIBRARY_PATH", ""))
+        ll = Path("/tmp/llb")
+    os.environ["LD_LIBRARY_PATH"] = env.get("LD_LIBRARY_PATH", "")
+    rc, _ = run([ll / "llama-bench", "--help"], "llama-starts", timeout=30, env=env)
+    if rc != 0:
+        run(["ldd", ll / "llama-bench"], "llama-ldd", timeout=30)
+        log("llama.cpp's llama-bench does not start (see llama-ldd.out); the comparison needs it")
+        sys.exit(1)
+    if a.model:
+        gguf = Path(a.model)
+    else:
+        Path(a.models).mkdir(parents=True, exist_ok=True)
+        gguf = Path(a.models) / f"{a.shape}.gguf"
+        if not gguf.exists():
+            rc, _ = run([g, "make-model", gguf, "--shape", a.shape, "--tokenizer", "synthetic", "--force"],
+                        "make-model", timeout=600)
+            if rc != 0:
+                sys.exit("make-model failed (see make-model.err)")
+    log(f"model {gguf} ({gguf.stat().st_size / 1e6:.0f} MB), device {a.device}, llama.cpp -ngl {a.ngl}")
+    cases = a.cases.split(",")
+    # Warm-ups: each engine loads the model once untimed (file in the page cache, kernels compiled).
+    # Prompts are ASCII letters, no spaces: a byte token each in the synthetic vocabulary, plus
+    # what the tokenizer adds (BOS, a leading word mark), measured here and taken off.
+    letters = "".join(c for c in (ROOT / "README.md").read_text(errors="replace") if c.isascii() and c.isalpha())
+    _, d = ours_run(a, gguf, letters[:511], 1, "warm-gatestream", "prefill_tok_per_s")
+    extra = (d or {}).get("prompt_tokens", 512) - 511
+    log(f"a 511-letter prompt is {511 + extra} tokens")
+    llama_bench(a, ll, env, gguf, 16, 4, "warm-llama")
+
+    if "decode" in cases:
+        paired(a, "decode tg128 (tok/s)", a.pairs,
+               lambda i: ours_run(a, gguf, "The capital of France is", 128, f"decode-gs-{i}", "decode_tok_per_s")[0],
+               lambda i: llama_bench(a, ll, env, gguf, 0, 128, f"decode-ll-{i}"))
+    if "prefill" in cases:
+        prompt = letters[:512 - extra]
+        tokens = []
+
+        def ours(i):
+            v, d = ours_run(a, gguf, prompt, 1, f"prefill-gs-{i}", "prefill_tok_per_s")
+            if d:
+                tokens.append(d.get("prompt_tokens"))
+            return v
+        paired(a, "prefill pp512 (tok/s)", a.pairs, ours,
+               lambda i: llama_bench(a, ll, env, gguf, 512, 0, f"prefill-ll-{i}"))
+        ROWS[-1]["note"] += f" gatestream's prompt: {sorted(set(tokens))} tokens"
+    widths = [int(w) for w in a.widths.split(",")]
+    par = max(widths + [int(c) for c in a.served.split(",")])
+    gs_serve = (f"{g} serve --device {a.device} --model {gguf} --port {{port}} --parallel {par} --ctx-size 512 "
+                f"--threads {a.threads}")
+    ll_serve = (f"{ll}/llama-server -m {gguf} -ngl {a.ngl} -np {par} -c {512 * par} -t {a.threads} "
+                f"--host 127.0.0.1 --port {{port}}")
+    if "batched" in cases and not late(a):
+        pf = OUT / "prompt128.txt"
+        pf.write_text(letters[1000:1128 - extra])  # 128 tokens
+        rc, out = run([ll / "llama-batched-bench", "-m", gguf, "-ngl", a.ngl, "-c", 256 * max(widths), "-b", 2048,
+                       "-ub", 512, "-npp", 128, "-ntg", 128, "-npl", a.widths, "-t", a.threads,
+                       "--output-format", "jsonl"], "batched-ll", timeout=240, env=env)
+        llb = {}
+        for line in out.splitlines():
+            try:
+                d = json.loads(line)
+                llb[int(d["pl"])] = d
+            except (ValueError, KeyError):
+                pass
+        gsb = serve_bench(a, gs_serve, "gatestream", a.widths, 1, 128, pf, "batched-gs")
+        for w in widths:
+            lv, d = gsb.get(w), llb.get(w)
+            mine = lv["tok_per_s"] if lv and not lv.get("errors") else None
+            theirs = d["pl"] * d["tg"] / d["t"] if d else None
+            note = f"llama.cpp decode-only S_TG {d['speed_tg']:.0f}" if d else "llama.cpp: no row"
+            if lv and lv.get("errors"):
+                note += f"; gatestream errors {lv['errors']}: {lv.get('first_error')}"
+            row(f"batched {w} x (128+128) (gen tok/s)", [mine] if mine else [], [theirs] if theirs else [],
+                [mine / theirs] if mine and theirs else [], note)
+    if "served" in cases and not late(a):
+        got = {"gs": serve_bench(a, gs_serve, "gatestream", a.served, 2, 64, None, "served-gs"),
+               "ll": serve_bench(a, ll_serve, "llama-server", a.served, 2, 64, None, "served-ll")}
+        for c in [int(x) for x in a.served.split(",")]:
+            lg, lf = got["gs"].get(c), got["ll"].get(c)
+            mine = lg["tok_per_s"] if lg and not lg.get("errors") else None
+            theirs = lf["tok_per_s"] if lf and not lf.get("errors") else None
+            note = ""
+            for who, lv in (("gatestream", lg), ("llama-server", lf)):
+                if lv and lv.get("errors"):
+                    note += f"{who} errors {lv['errors']}: {str(lv.get('first_error'))[:120]}; "
+            row(f"served C={c} (tok/s)", [mine] if mine else [], [theirs] if theirs else [],
+                [mine / theirs] if mine and theirs else [], note)
+
+    (Path(a.json) if a.json else OUT / "compare.json").write_text(json.dumps(
+        {"model": str(gguf), "device": a.device, "ngl": a.ngl, "rows": ROWS}, indent=1))
+    print(f"\n{'case':<36} {'gatestream':>11} {'llama.cpp':>10} {'ratio':>6}  pairs / note")
+    for r in ROWS:
+        print(f"{r['case']:<36} {r['gatestream']:>11} {r['llama.cpp']:>10} {r['ratio']:>6}  {r['pairs']} {r['note']}")
+    if a.device != "cuda":
+        print(f"(--device {a.device}: no figure above is a GPU's)")
+
+
+if __name__ == "__main__":
+    main()
