@@ -290,10 +290,86 @@ fn kernels_per_type(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
-    let was = dev.activations();
+    let (was, mma) = (dev.activations(), dev.mma());
+    // The FMA loops first, against f64 at 1e-4; then the tensor-core products of batches.
+    dev.set_mma(false);
     let r = kernels_of_each_type(dev, report);
+    dev.set_mma(true);
+    let r = r.and_then(|msg| Ok(format!("{msg}\n{}", mma_products(dev, report)?)));
     dev.set_activations(was);
+    dev.set_mma(mma);
     r
+}
+
+/// The tensor-core products of several tokens (`mma_*`, kernels/mma.cu) for every block type,
+/// against f64 sums of what they multiply: each weight value and each input value rounded to
+/// f16, the input first divided by its token's power-of-two scale (one token here is a million
+/// times larger than f16 holds) and the sum multiplied back. 130 rows (tiles of 64 and a part
+/// tile), 2, 13 and 70 tokens (a part tile of tokens), an odd number of units (blocks of 32),
+/// and row subsets crossing tiles; rows of 1280/1312 values in two parts, and a 70 x 4096
+/// matrix in eight (see `mma_cfg`). Each token's error is judged against its own largest value.
+fn mma_products(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    dev.set_activations(Activations::F32);
+    let h = |v: f32| half::f16::from_f32(v).to_f32() as f64;
+    let mut rng = Rng(11);
+    let mut lines = Vec::new();
+    let mut worst = 0f64;
+    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_elems() > 1) {
+        let mut max = 0f64;
+        let narrow = if ty.block_elems() == 256 { 1280 } else { 1312 };
+        for (rows, cols, widths) in [(130, narrow, &[2usize, 13, 70][..]), (70, 4096, &[13][..])] {
+            let w = quantized(ty, rows, cols, &mut rng);
+            let deq: Vec<Vec<f64>> = dequantized(&w)
+                .iter()
+                .map(|r| r.iter().map(|&v| h(v)).collect())
+                .collect();
+            let subset: Vec<u32> = vec![rows as u32 - 1, 3, 64, 0, 50, 63, 65];
+            for &n in widths {
+                let mut x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                if n == 70 {
+                    x[5 * cols..6 * cols].iter_mut().for_each(|v| *v *= 1e6);
+                }
+                let xa = dev.upload(n, cols, x.clone());
+                let full = dev.download(dev.matmul(&[&w], &xa).remove(0));
+                let part = dev.download(dev.matmul_rows(&w, &subset, &xa));
+                for t in 0..n {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let big = xt.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let mut scale = 1f32;
+                    while big > 32768.0 * scale {
+                        scale *= 2.0;
+                    }
+                    let seen: Vec<f64> = xt.iter().map(|&v| h(v / scale)).collect();
+                    let want: Vec<f32> = deq
+                        .iter()
+                        .map(|row| (row.iter().zip(&seen).map(|(a, b)| a * b).sum::<f64>() * scale as f64) as f32)
+                        .collect();
+                    let want_part: Vec<f32> = subset.iter().map(|&r| want[r as usize]).collect();
+                    max = max
+                        .max(rel_err(&full[t * rows..(t + 1) * rows], &want))
+                        .max(rel_err(&part[t * subset.len()..(t + 1) * subset.len()], &want_part));
+                }
+            }
+        }
+        if let Some(e) = dev.take_error() {
+            return Err(format!("{ty:?} on the tensor cores: {e}"));
+        }
+        worst = worst.max(max);
+        lines.push(format!(
+            "  {ty:?} on the tensor cores: max relative error {max:.2e} against f64 sums of the f16 values (n=2/13/70, rows, split in parts)"
+        ));
+        if max > 1e-4 {
+            return Err(format!(
+                "{}\n{ty:?} on the tensor cores: error {max:.2e} > 1e-4",
+                lines.join("\n")
+            ));
+        }
+    }
+    report.insert("mma_products_max_rel_err".into(), worst.into());
+    Ok(lines.join("\n"))
 }
 
 /// The device's greedy tokens (`Device::argmax_rows`) against the host's

@@ -32,6 +32,7 @@
 
 // The kernels, in the order the CUDA device's module has them (one translation unit).
 #include "../../kernels/quant.cu"
+#include "../../kernels/mma.cu"
 #include "../../kernels/ops.cu"
 #include "../../kernels/attention.cu"
 
@@ -89,6 +90,7 @@ enum {
 namespace gsemu {
 
 Fiber* current = nullptr;
+MmaSlot mma_slots[32];
 dim3 grid_dim, block_dim, block_idx;
 
 static const size_t STACK_BYTES = 256 << 10;
@@ -335,13 +337,13 @@ static Kernel kernel(const char* name, void (*fn)(A...)) {
 }
 
 #define K(n) kernel(#n, n),
-#define TYPED(t) K(matmul_##t) K(matvec_##t) K(matvec2_##t) K(matvec4_##t) K(embed_##t) K(accumulate_##t)
+#define TYPED(t) K(matmul_##t) K(matvec_##t) K(matvec2_##t) K(matvec4_##t) K(embed_##t) K(accumulate_##t) K(mma_##t)
 static const Kernel KERNELS[] = {
     TYPED(f32) TYPED(f16) TYPED(bf16) TYPED(q4_0) TYPED(q4_1) TYPED(q5_0) TYPED(q8_0) TYPED(q4_k) TYPED(q5_k)
         TYPED(q6_k) K(accumulate_reduce) K(argmax_rows) K(top_k_rows) K(activate_mul) K(activate_mul_q8_k) K(add_rms_norm) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)
             K(activate) K(softcap) K(select_rows) K(scatter_cols) K(gather_cols) K(rope_norm) K(rope_norm_kv) K(kv_write)
                 K(attention) K(act_q8_k_blocks) K(matvec_i8_q4_k) K(matvec_i8_q6_k)
-                    K(matvec_i8x3_q4_k) K(matvec_i8x3_q6_k) K(matvec_i8f_q4_k) K(matvec_i8f_q6_k)};
+                    K(matvec_i8x3_q4_k) K(matvec_i8x3_q6_k) K(matvec_i8f_q4_k) K(matvec_i8f_q6_k) K(act_f16_rows) K(mma_sum_parts)};
 #undef K
 #undef TYPED
 

@@ -74,6 +74,56 @@ inline float half_to_float(uint16_t h) {
     return f;
 }
 
+// Float to IEEE half, rounded to nearest even (what `cvt.rn.f16.f32` does), subnormals and
+// overflow to infinity included.
+inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds past 65504
+    if (ax < 0x38800000u) {  // below the smallest normal half: a subnormal (or zero)
+        if (ax < 0x33000000u) return (uint16_t)sign;  // below half the smallest subnormal
+        uint32_t e = ax >> 23, man = (ax & 0x7fffffu) | 0x800000u;
+        int shift = 126 - (int)e;  // man >> shift is the subnormal's integer (units of 2^-24)
+        uint32_t h = man >> shift, rest = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((ax - 0x38000000u) >> 13), rest = ax & 0x1fffu;
+    if (rest > 0x1000u || (rest == 0x1000u && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+// One warp's m16n8k16 product of f16 fragments into f32 sums (`mma.sync`, kernels/mma.cu, which
+// gives the layouts): every lane puts its fragments in its warp's slot, then each computes its
+// four sums from all of them, adding products in k order to its d.
+struct MmaSlot {
+    uint32_t a[32][4];
+    uint32_t b[32][2];
+};
+extern MmaSlot mma_slots[32];
+
+inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
+    MmaSlot& s = mma_slots[current->warp];
+    int lane = current->lane, g = lane >> 2, q = lane & 3;
+    std::memcpy(s.a[lane], a, 16);
+    std::memcpy(s.b[lane], b, 8);
+    (void)shfl_xor(0, 0);  // every lane's fragments are in
+    auto half = [](uint32_t w, int k) { return half_to_float((uint16_t)(w >> (16 * (k & 1)))); };
+    for (int i = 0; i < 4; i++) {
+        int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
+        float sum = d[i];
+        for (int k = 0; k < 16; k++) {
+            float av = half(s.a[(row & 7) * 4 + ((k & 7) >> 1)][(row >> 3) + 2 * (k >> 3)], k);
+            float bv = half(s.b[col * 4 + ((k & 7) >> 1)][k >> 3], k);
+            sum += av * bv;
+        }
+        d[i] = sum;
+    }
+    (void)shfl_xor(0, 0);  // every lane has read them before any writes its next ones
+}
+
 }  // namespace gsemu
 
 #define threadIdx (gsemu::current->tid)

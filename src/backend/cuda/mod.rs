@@ -77,6 +77,8 @@ pub struct CudaDevice {
     graphs: Mutex<graph::Graphs>,
     /// Whether launches that follow each other are fused (see [`FUSE_ENV`]).
     fuse: std::sync::atomic::AtomicBool,
+    /// Whether batched quantized products run on the tensor cores (see [`MMA_ENV`]).
+    mma: std::sync::atomic::AtomicBool,
     /// Whether an integer product has been launched (before one, no blocks are made ahead).
     int8_seen: std::sync::atomic::AtomicBool,
     /// Whether a kernel has been launched since the last copy to the host (which then waits
@@ -121,6 +123,7 @@ impl CudaDevice {
             graph_split,
             map_host,
             fuse,
+            mma,
             ..
         } = *opts;
         ensure_driver(opts.libcuda.as_deref())?;
@@ -216,6 +219,7 @@ impl CudaDevice {
             link,
             graphs: Mutex::new(graph::Graphs::default()),
             fuse: std::sync::atomic::AtomicBool::new(fuse),
+            mma: std::sync::atomic::AtomicBool::new(mma),
             int8_seen: std::sync::atomic::AtomicBool::new(false),
             launched: std::sync::atomic::AtomicBool::new(false),
         };
@@ -299,6 +303,43 @@ impl CudaDevice {
 
     pub fn fuse(&self) -> bool {
         self.fuse.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets whether batched quantized products from now on run on the tensor cores (see
+    /// [`MMA_ENV`]).
+    pub fn set_mma(&self, on: bool) {
+        self.mma.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn mma(&self) -> bool {
+        self.mma.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `x · w` runs on the tensor cores: several tokens, a block-quantized type (float
+    /// weights keep the exact f32 products), whole 32-value units.
+    fn mma_product(&self, w: &Weight, x: &Act) -> bool {
+        x.rows > 1
+            && self.mma()
+            && !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
+            && w.cols.is_multiple_of(32)
+    }
+
+    /// `x` as the tensor-core products take it (`act_f16_rows`): its rows as f16, each divided
+    /// by a power of two where its values would not fit, then the rows' scales.
+    fn f16_input(&self, x: &Act) -> Act {
+        let out = self.act(1, x.rows * x.width / 2 + x.rows);
+        let cfg = LaunchConfig {
+            grid_dim: (x.rows as u32, 1, 1),
+            block_dim: (MMA_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(
+            "act_f16_rows",
+            None,
+            cfg,
+            &[ptr(self.buf(x)), int(x.width), int(x.rows), ptr(self.buf(&out))],
+        );
+        out
     }
 
     /// Whether `a` carries the integer products' input blocks of its values (see [`FUSE_ENV`]).
@@ -654,6 +695,9 @@ mod tests {
                 .unwrap_or_else(|_| panic!("{name}: {value} is not a number"))
         };
         assert_eq!(defined("MM_TOKENS"), MATMUL_TOKENS);
+        assert_eq!(defined("MMA_BM"), MMA_ROWS);
+        assert_eq!(defined("MMA_BN"), MMA_TOKENS);
+        assert_eq!(defined("MMA_THREADS"), MMA_THREADS as usize);
         assert_eq!(defined("TOPK_MAX"), TOP_K_THREADS as usize);
         assert_eq!(defined("TOPK_MAX"), crate::backend::TOP_K_MAX);
         assert_eq!(defined("ATTN_MAX_HEAD_DIM"), ATTN_MAX_HEAD_DIM);
@@ -673,7 +717,8 @@ mod tests {
             // The quantized kernels come from the QUANT_KERNELS macro.
             let by_macro = TYPED.contains(&kind)
                 && src.contains(&format!("void {kind}_##NAME("))
-                && src.contains(&format!("QUANT_KERNELS({suffix},"));
+                && (src.contains(&format!("QUANT_KERNELS({suffix},"))
+                    || src.contains(&format!("MMA_KERNEL({suffix},")));
             // The integer products come from the MATVEC_I8_KERNELS and MATVEC_I8F_KERNEL macros.
             let int8 = [
                 ("matvec_i8x3", "MATVEC_I8_KERNELS"),

@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 
 /// The kernel sources, one translation unit in this order (embedded in the binary).
-pub const SOURCES: [(&str, &str); 3] = [
+pub const SOURCES: [(&str, &str); 4] = [
     ("kernels/quant.cu", include_str!("../../../kernels/quant.cu")),
+    ("kernels/mma.cu", include_str!("../../../kernels/mma.cu")),
     ("kernels/ops.cu", include_str!("../../../kernels/ops.cu")),
     ("kernels/attention.cu", include_str!("../../../kernels/attention.cu")),
 ];

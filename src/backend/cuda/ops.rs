@@ -770,6 +770,43 @@ impl CudaDevice {
         let Some(wd) = self.weight(w) else { return out };
         let wp = wd.ptr;
         let idx = rows.map_or(0, |r| self.indices(r));
+        if self.mma_product(w, x) {
+            let xh = self.f16_input(x);
+            let cfg = mma_cfg(rows_out, x.rows, w.cols);
+            let parts = cfg.grid_dim.2 as usize;
+            // Split products sum their parts into a buffer of their own first.
+            let partial = (parts > 1).then(|| self.act(parts * x.rows, rows_out));
+            self.launch(
+                "mma",
+                Some(w.ty),
+                cfg,
+                &[
+                    ptr(wp),
+                    ptr(w.row_stride_bytes as u64),
+                    int(rows_out),
+                    ptr(idx),
+                    int(w.cols),
+                    ptr(self.buf(&xh)),
+                    int(x.rows),
+                    ptr(self.buf(partial.as_ref().unwrap_or(&out))),
+                ],
+            );
+            if let Some(partial) = partial {
+                let len = x.rows * rows_out;
+                self.launch(
+                    "mma_sum_parts",
+                    None,
+                    elementwise_cfg(len),
+                    &[
+                        ptr(self.buf(&partial)),
+                        int(parts),
+                        ptr(len as u64),
+                        ptr(self.buf(&out)),
+                    ],
+                );
+            }
+            return out;
+        }
         // One token (decode): a single-token kernel, with fewer registers.
         let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
             (1, 4) => ("matvec4", matvec_cfg(rows_out, 4)),

@@ -18,6 +18,22 @@ use super::*;
 /// an integer product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
+/// `GATESTREAM_CUDA_MMA`: `1` (or `on`, the default) multiplies several tokens at once (prompts,
+/// sequences decoding together) with block-quantized weights on the tensor cores (`mma_*` in
+/// kernels/mma.cu: each weight unit decoded once per 64 tokens into f16, f16 inputs, f32 sums);
+/// `0` (`off`): the FMA loops (`matmul_*`, f32 inputs, a unit decoded once per 8 tokens).
+pub const MMA_ENV: &str = "GATESTREAM_CUDA_MMA";
+
+/// Whether [`MMA_ENV`] asks for the tensor-core products (`value`: the variable's value).
+pub fn mma_asked(value: Option<&str>) -> Result<bool> {
+    switch_asked(
+        MMA_ENV,
+        value,
+        "batches of quantized products on the tensor cores",
+        "FMA loops",
+    )
+}
+
 /// Whether [`FUSE_ENV`] asks for fused launches (`value`: the variable's value).
 pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
     switch_asked(
@@ -140,6 +156,8 @@ pub struct CudaOptions {
     pub map_host: bool,
     /// Whether launches that follow each other are fused ([`FUSE_ENV`]).
     pub fuse: bool,
+    /// Whether batched quantized products run on the tensor cores ([`MMA_ENV`]).
+    pub mma: bool,
 }
 
 impl CudaOptions {
@@ -164,6 +182,7 @@ impl CudaOptions {
             graph_split: graph_split_asked(var(GRAPH_SPLIT_ENV).as_deref())?,
             map_host: map_host_asked(var(MAP_HOST_ENV).as_deref())?,
             fuse: fuse_asked(var(FUSE_ENV).as_deref())?,
+            mma: mma_asked(var(MMA_ENV).as_deref())?,
         })
     }
 }

@@ -40,10 +40,12 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 }
 
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
-pub(super) const TYPED: [&str; 6] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate"];
+pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 22] = [
+pub(super) const OPS: [&str; 24] = [
     "accumulate_reduce",
+    "act_f16_rows",
+    "mma_sum_parts",
     "argmax_rows",
     "top_k_rows",
     "activate_mul",
@@ -104,6 +106,38 @@ pub fn elementwise_cfg(len: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: ((len as u32).div_ceil(ELEMENTWISE_THREADS).max(1), 1, 1),
         block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Weight rows, tokens and threads of a tensor-core product's block (`MMA_BM`, `MMA_BN`,
+/// `MMA_THREADS` in kernels/mma.cu).
+pub(super) const MMA_ROWS: usize = 64;
+pub(super) const MMA_TOKENS: usize = 64;
+pub(super) const MMA_THREADS: u32 = 128;
+
+/// Blocks a tensor-core product aims for (two an H100 multiprocessor): fewer tiles than this
+/// split the rows' units into parts.
+pub(super) const MMA_TARGET_BLOCKS: usize = 264;
+/// The fewest 32-value units a part of a split product sums.
+pub(super) const MMA_MIN_PART_UNITS: usize = 16;
+
+/// A tensor-core product's grid: a block per `MMA_ROWS` rows by `MMA_TOKENS` tokens by part of
+/// the columns (see `mma_body`), parts enough to reach [`MMA_TARGET_BLOCKS`] blocks while each
+/// sums at least [`MMA_MIN_PART_UNITS`] units.
+pub fn mma_cfg(rows_out: usize, n: usize, cols: usize) -> LaunchConfig {
+    let tiles = rows_out.div_ceil(MMA_ROWS).max(1) * n.div_ceil(MMA_TOKENS).max(1);
+    let parts = MMA_TARGET_BLOCKS
+        .div_ceil(tiles)
+        .min(cols / 32 / MMA_MIN_PART_UNITS)
+        .max(1);
+    LaunchConfig {
+        grid_dim: (
+            rows_out.div_ceil(MMA_ROWS).max(1) as u32,
+            n.div_ceil(MMA_TOKENS).max(1) as u32,
+            parts as u32,
+        ),
+        block_dim: (MMA_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
 }

@@ -1,0 +1,182 @@
+// Batched products on the tensor cores: Y[t][r] = dot(W[row r], X[t]) for a batch of tokens
+// (prompts, several sequences decoding together), with `mma.sync` m16n8k16 on f16 inputs and
+// f32 sums. Each block computes a tile of MMA_BM weight rows by MMA_BN tokens: per step of
+// MMA_BK columns its threads decode the tile's weight units (decode_unit, kernels/quant.cu) into
+// f16 in shared memory and copy the tokens' f16 values beside them, then each warp multiplies
+// its 32 rows by 32 tokens. A weight unit is decoded once per MMA_BN tokens (matmul_body decodes
+// it once per MM_TOKENS). The input comes from `act_f16_rows`: each token's values as f16,
+// divided by a power of two when they would not fit (|x| > MMA_F16_LIMIT), the product
+// multiplied back by it, so large activations neither overflow nor lose their low bits to a
+// rescale. Compiled after quant.cu (one translation unit; see its head).
+
+#define MMA_BM 64
+#define MMA_BN 64
+#define MMA_BK 64
+// Threads per block: four warps, two by two over the tile.
+#define MMA_THREADS 128
+// 32-bit words per shared row: 32 of values and 4 of padding, so the 8 rows one fragment load
+// touches (36 words apart) fall in 8 distinct banks.
+#define MMA_ROW_WORDS 36
+// The largest |x| an input keeps unscaled (f16's largest finite value is 65504).
+#define MMA_F16_LIMIT 32768.0f
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+#ifdef GATESTREAM_HOST_EMULATION
+    return gsemu::float_to_half(f);
+#else
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#endif
+}
+
+// d += A · B for one 16x8 tile of a warp (the PTX fragment layouts of m16n8k16 .f16: a holds
+// rows g and g + 8, columns 2q, 2q + 1 and those + 8; b columns g, rows 2q, 2q + 1 and + 8; d
+// rows g and g + 8, columns 2q and 2q + 1; g = lane / 4, q = lane % 4).
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
+#ifdef GATESTREAM_HOST_EMULATION
+    gsemu::mma_16816(d, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// X [n][cols] f32 -> out: n rows of cols f16 values, then n f32 scales (a power of two each, 1
+// unless the row's largest |x| passes MMA_F16_LIMIT); row t holds X[t] / scale[t]. One block a
+// row; cols even.
+extern "C" __global__ void act_f16_rows(const float* X, int cols, int n, u16* out) {
+    __shared__ float part[MMA_THREADS];
+    int t = blockIdx.x;
+    const float* x = X + (u64)t * cols;
+    float m = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) m = fmaxf(m, fabsf(x[i]));
+    part[threadIdx.x] = m;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if ((int)threadIdx.x < s) part[threadIdx.x] = fmaxf(part[threadIdx.x], part[threadIdx.x + s]);
+        __syncthreads();
+    }
+    float scale = 1.f;
+    while (part[0] > MMA_F16_LIMIT * scale && scale < 1e30f) scale *= 2.f;  // (an infinite |x| stops)
+    float inv = 1.f / scale;  // exact: a power of two
+    u16* o = out + (u64)t * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = f32_to_f16(x[i] * inv);
+    if (threadIdx.x == 0) ((float*)(out + (u64)n * cols))[t] = scale;
+}
+
+// grid = (ceil(rows_out / MMA_BM), ceil(n / MMA_BN), parts), MMA_THREADS threads; cols a
+// multiple of 32 (whole units). Xh as act_f16_rows writes it (n rows of cols f16, then n
+// scales). With parts > 1 (few tiles, long rows: a down projection for a few tokens) block z
+// sums its share of the units (an even count; the last share what is left) into Y + z * n *
+// rows_out, and mma_sum_parts adds the parts in order: the result never depends on scheduling.
+template <int TY>
+__device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u16* Xh,
+                         int n, float* Y) {
+    __shared__ u32 ws[MMA_BM * MMA_ROW_WORDS];
+    __shared__ u32 xs[MMA_BN * MMA_ROW_WORDS];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int m0 = blockIdx.x * MMA_BM, n0 = blockIdx.y * MMA_BN;
+    int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
+    // The unit this thread decodes each step: row dr of the tile, the step's unit du.
+    int dr = tid >> 1, du = tid & 1;
+    int r = min(m0 + dr, rows_out - 1);  // past the end: the last row again (computed, not stored)
+    const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
+    const u32* x32 = (const u32*)Xh;
+    int row_words = cols / 2;
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
+    int units = cols / 32, parts = gridDim.z;
+    int per = ((units + parts - 1) / parts + 1) & ~1;
+    int u_end = min(units, (int)(blockIdx.z + 1) * per);
+    Y += (u64)blockIdx.z * n * rows_out;
+    for (int u0 = blockIdx.z * per; u0 < u_end; u0 += 2) {
+        {
+            u32* dst = ws + dr * MMA_ROW_WORDS + du * 16;
+            if (u0 + du < u_end) {
+                float w[32];
+                decode_unit<TY>(row, u0 + du, w);
+#pragma unroll
+                for (int i = 0; i < 16; i++) dst[i] = (u32)f32_to_f16(w[2 * i]) | ((u32)f32_to_f16(w[2 * i + 1]) << 16);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 16; i++) dst[i] = 0;
+            }
+        }
+        // The tokens' values: each warp copies whole rows, a word a lane (coalesced).
+        int words = min(32, (u_end - u0) * 16);
+#pragma unroll 4
+        for (int i = 0; i < MMA_BN / 4; i++) {
+            int tt = warp + 4 * i, t = n0 + tt;
+            xs[tt * MMA_ROW_WORDS + lane] = (t < n && lane < words) ? x32[(u64)t * row_words + u0 * 16 + lane] : 0u;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int ks = 0; ks < MMA_BK / 2; ks += 8) {
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const u32* p = ws + (wm + mi * 16 + g) * MMA_ROW_WORDS + ks + q;
+                a[mi][0] = p[0];
+                a[mi][1] = p[8 * MMA_ROW_WORDS];
+                a[mi][2] = p[4];
+                a[mi][3] = p[8 * MMA_ROW_WORDS + 4];
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const u32* p = xs + (wn + ni * 8 + g) * MMA_ROW_WORDS + ks + q;
+                b[ni][0] = p[0];
+                b[ni][1] = p[4];
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_16816(acc[mi][ni], a[mi], b[ni]);
+        }
+        __syncthreads();
+    }
+    const float* scale = (const float*)(Xh + (u64)n * cols);
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int rr = m0 + wm + mi * 16 + g + 8 * (i >> 1), t = n0 + wn + ni * 8 + 2 * q + (i & 1);
+                if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i] * scale[t];
+            }
+}
+
+// out[i] = sum_p partial[p][i], p in order. One thread per value.
+extern "C" __global__ void mma_sum_parts(const float* partial, int parts, u64 len, float* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float s = 0.f;
+    for (int p = 0; p < parts; p++) s += partial[(u64)p * len + i];
+    out[i] = s;
+}
+
+#define MMA_KERNEL(NAME, TY)                                                                             \
+    extern "C" __global__ void mma_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
+                                          int cols, const u16* Xh, int n, float* Y) {                    \
+        mma_body<TY>(W, row_stride, rows_out, row_ids, cols, Xh, n, Y);                                  \
+    }
+
+MMA_KERNEL(f32, TY_F32)
+MMA_KERNEL(f16, TY_F16)
+MMA_KERNEL(bf16, TY_BF16)
+MMA_KERNEL(q4_0, TY_Q4_0)
+MMA_KERNEL(q4_1, TY_Q4_1)
+MMA_KERNEL(q5_0, TY_Q5_0)
+MMA_KERNEL(q8_0, TY_Q8_0)
+MMA_KERNEL(q4_k, TY_Q4_K)
+MMA_KERNEL(q5_k, TY_Q5_K)
+MMA_KERNEL(q6_k, TY_Q6_K)
