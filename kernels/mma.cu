@@ -2,12 +2,17 @@
 // (prompts, several sequences decoding together), with `mma.sync` m16n8k16 on f16 inputs and
 // f32 sums. Each block computes a tile of MMA_BM weight rows by MMA_BN tokens: per step of
 // MMA_BK columns its threads decode the tile's weight units (decode_unit, kernels/quant.cu) into
-// f16 in shared memory and copy the tokens' f16 values beside them, then each warp multiplies
-// its 32 rows by 32 tokens. A weight unit is decoded once per MMA_BN tokens (matmul_body decodes
-// it once per MM_TOKENS). The input comes from `act_f16_rows`: each token's values as f16,
-// divided by a power of two when they would not fit (|x| > MMA_F16_LIMIT), the product
-// multiplied back by it, so large activations neither overflow nor lose their low bits to a
-// rescale. Compiled after quant.cu (one translation unit; see its head).
+// shared memory and copy the tokens' values beside them, then each warp multiplies its 32 rows
+// by 32 tokens. A weight unit is decoded once per MMA_BN tokens (matmul_body decodes it once
+// per MM_TOKENS).
+//
+// Every value is held as two f16, hi = f16(v) and lo = f16(v - hi) (22 bits of significand
+// between them), and each tile's product is hi·hi + hi·lo + lo·hi (lo·lo, below 2^-22 of the
+// product, is left out): as exact as f32 products, where one f16 each would round every weight
+// and input to 11 bits (a logit moved by 1% on the small Qwen2 check). To keep the low halves
+// out of f16's subnormals, weights are multiplied by MMA_W_SCALE and each token's values by a
+// power of two that brings its largest |x| to [2^13, 2^14) (`act_f16_rows`); the sums are
+// divided back. Compiled after quant.cu (one translation unit; see its head).
 
 #define MMA_BM 64
 #define MMA_BN 64
@@ -17,8 +22,9 @@
 // 32-bit words per shared row: 32 of values and 4 of padding, so the 8 rows one fragment load
 // touches (36 words apart) fall in 8 distinct banks.
 #define MMA_ROW_WORDS 36
-// The largest |x| an input keeps unscaled (f16's largest finite value is 65504).
-#define MMA_F16_LIMIT 32768.0f
+// Weights are multiplied by this before their split (a power of two: exact); a |w| up to 1000
+// stays below f16's largest finite value (65504).
+#define MMA_W_SCALE 64.0f
 
 __device__ __forceinline__ u16 f32_to_f16(float f) {
 #ifdef GATESTREAM_HOST_EMULATION
@@ -45,9 +51,9 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) 
 #endif
 }
 
-// X [n][cols] f32 -> out: n rows of cols f16 values, then n f32 scales (a power of two each, 1
-// unless the row's largest |x| passes MMA_F16_LIMIT); row t holds X[t] / scale[t]. One block a
-// row; cols even.
+// X [n][cols] f32 -> out: n rows of cols f16 (hi), n rows of cols f16 (lo), then n f32 scales:
+// row t's values divided by scale[t], a power of two that brings its largest |x| to [2^13,
+// 2^14) (1 for a row of zeros), split as hi + lo. One block a row; cols even.
 extern "C" __global__ void act_f16_rows(const float* X, int cols, int n, u16* out) {
     __shared__ float part[MMA_THREADS];
     int t = blockIdx.x;
@@ -60,24 +66,32 @@ extern "C" __global__ void act_f16_rows(const float* X, int cols, int n, u16* ou
         if ((int)threadIdx.x < s) part[threadIdx.x] = fmaxf(part[threadIdx.x], part[threadIdx.x + s]);
         __syncthreads();
     }
-    float scale = 1.f;
-    while (part[0] > MMA_F16_LIMIT * scale && scale < 1e30f) scale *= 2.f;  // (an infinite |x| stops)
-    float inv = 1.f / scale;  // exact: a power of two
-    u16* o = out + (u64)t * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = f32_to_f16(x[i] * inv);
-    if (threadIdx.x == 0) ((float*)(out + (u64)n * cols))[t] = scale;
+    float big = part[0], scale = 1.f;
+    // (bounded: an infinite or NaN |x| leaves the loops with some power of two)
+    for (int k = 0; k < 256 && big >= 16384.f * scale; k++) scale *= 2.f;
+    for (int k = 0; k < 256 && big > 0.f && big < 8192.f * scale; k++) scale *= 0.5f;
+    float inv = 1.f / scale;  // exact: a power of two (scale stays a normal float)
+    u16* hi = out + (u64)t * cols;
+    u16* lo = out + ((u64)n + t) * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = x[i] * inv;
+        u16 h = f32_to_f16(v);
+        hi[i] = h;
+        lo[i] = f32_to_f16(v - f16_to_f32(h));
+    }
+    if (threadIdx.x == 0) ((float*)(out + 2 * (u64)n * cols))[t] = scale;
 }
 
 // grid = (ceil(rows_out / MMA_BM), ceil(n / MMA_BN), parts), MMA_THREADS threads; cols a
-// multiple of 32 (whole units). Xh as act_f16_rows writes it (n rows of cols f16, then n
-// scales). With parts > 1 (few tiles, long rows: a down projection for a few tokens) block z
+// multiple of 32 (whole units). Xh as act_f16_rows writes it (hi rows, lo rows, scales). With parts > 1 (few tiles, long rows: a down projection for a few tokens) block z
 // sums its share of the units (an even count; the last share what is left) into Y + z * n *
 // rows_out, and mma_sum_parts adds the parts in order: the result never depends on scheduling.
 template <int TY>
 __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u16* Xh,
                          int n, float* Y) {
-    __shared__ u32 ws[MMA_BM * MMA_ROW_WORDS];
-    __shared__ u32 xs[MMA_BN * MMA_ROW_WORDS];
+    // [0]: the high halves, [1]: the low ones.
+    __shared__ u32 ws[2][MMA_BM * MMA_ROW_WORDS];
+    __shared__ u32 xs[2][MMA_BN * MMA_ROW_WORDS];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
     int m0 = blockIdx.x * MMA_BM, n0 = blockIdx.y * MMA_BN;
     int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
@@ -85,7 +99,8 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
     int dr = tid >> 1, du = tid & 1;
     int r = min(m0 + dr, rows_out - 1);  // past the end: the last row again (computed, not stored)
     const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
-    const u32* x32 = (const u32*)Xh;
+    const u32* xhi = (const u32*)Xh;
+    const u32* xlo = (const u32*)(Xh + (u64)n * cols);
     int row_words = cols / 2;
     float acc[2][4][4];
 #pragma unroll
@@ -99,16 +114,30 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
     int u_end = min(units, (int)(blockIdx.z + 1) * per);
     Y += (u64)blockIdx.z * n * rows_out;
     for (int u0 = blockIdx.z * per; u0 < u_end; u0 += 2) {
+        // This step's sums, added to acc once: acc's rounding then comes once a step, not at
+        // every instruction (2e-6 of the result against f64 the other way, 10x the FMA loops').
+        float step[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) step[i][j][k] = 0.f;
         {
-            u32* dst = ws + dr * MMA_ROW_WORDS + du * 16;
+            int at = dr * MMA_ROW_WORDS + du * 16;
             if (u0 + du < u_end) {
                 float w[32];
                 decode_unit<TY>(row, u0 + du, w);
 #pragma unroll
-                for (int i = 0; i < 16; i++) dst[i] = (u32)f32_to_f16(w[2 * i]) | ((u32)f32_to_f16(w[2 * i + 1]) << 16);
+                for (int i = 0; i < 16; i++) {
+                    float a = w[2 * i] * MMA_W_SCALE, b = w[2 * i + 1] * MMA_W_SCALE;
+                    u16 ha = f32_to_f16(a), hb = f32_to_f16(b);
+                    ws[0][at + i] = (u32)ha | ((u32)hb << 16);
+                    ws[1][at + i] = (u32)f32_to_f16(a - f16_to_f32(ha)) | ((u32)f32_to_f16(b - f16_to_f32(hb)) << 16);
+                }
             } else {
 #pragma unroll
-                for (int i = 0; i < 16; i++) dst[i] = 0;
+                for (int i = 0; i < 16; i++) ws[0][at + i] = ws[1][at + i] = 0;
             }
         }
         // The tokens' values: each warp copies whole rows, a word a lane (coalesced).
@@ -116,34 +145,51 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
 #pragma unroll 4
         for (int i = 0; i < MMA_BN / 4; i++) {
             int tt = warp + 4 * i, t = n0 + tt;
-            xs[tt * MMA_ROW_WORDS + lane] = (t < n && lane < words) ? x32[(u64)t * row_words + u0 * 16 + lane] : 0u;
+            bool in = t < n && lane < words;
+            u64 at = (u64)t * row_words + u0 * 16 + lane;
+            xs[0][tt * MMA_ROW_WORDS + lane] = in ? xhi[at] : 0u;
+            xs[1][tt * MMA_ROW_WORDS + lane] = in ? xlo[at] : 0u;
         }
         __syncthreads();
 #pragma unroll
         for (int ks = 0; ks < MMA_BK / 2; ks += 8) {
-            u32 a[2][4], b[4][2];
+            u32 a[2][2][4], b[2][4][2];
 #pragma unroll
-            for (int mi = 0; mi < 2; mi++) {
-                const u32* p = ws + (wm + mi * 16 + g) * MMA_ROW_WORDS + ks + q;
-                a[mi][0] = p[0];
-                a[mi][1] = p[8 * MMA_ROW_WORDS];
-                a[mi][2] = p[4];
-                a[mi][3] = p[8 * MMA_ROW_WORDS + 4];
-            }
+            for (int h = 0; h < 2; h++) {
 #pragma unroll
-            for (int ni = 0; ni < 4; ni++) {
-                const u32* p = xs + (wn + ni * 8 + g) * MMA_ROW_WORDS + ks + q;
-                b[ni][0] = p[0];
-                b[ni][1] = p[4];
+                for (int mi = 0; mi < 2; mi++) {
+                    const u32* p = ws[h] + (wm + mi * 16 + g) * MMA_ROW_WORDS + ks + q;
+                    a[h][mi][0] = p[0];
+                    a[h][mi][1] = p[8 * MMA_ROW_WORDS];
+                    a[h][mi][2] = p[4];
+                    a[h][mi][3] = p[8 * MMA_ROW_WORDS + 4];
+                }
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) {
+                    const u32* p = xs[h] + (wn + ni * 8 + g) * MMA_ROW_WORDS + ks + q;
+                    b[h][ni][0] = p[0];
+                    b[h][ni][1] = p[4];
+                }
             }
 #pragma unroll
             for (int mi = 0; mi < 2; mi++)
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) mma_16816(acc[mi][ni], a[mi], b[ni]);
+                for (int ni = 0; ni < 4; ni++) {
+                    // the small terms first
+                    mma_16816(step[mi][ni], a[1][mi], b[0][ni]);
+                    mma_16816(step[mi][ni], a[0][mi], b[1][ni]);
+                    mma_16816(step[mi][ni], a[0][mi], b[0][ni]);
+                }
         }
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) acc[i][j][k] += step[i][j][k];
         __syncthreads();
     }
-    const float* scale = (const float*)(Xh + (u64)n * cols);
+    const float* scale = (const float*)(Xh + 2 * (u64)n * cols);
 #pragma unroll
     for (int mi = 0; mi < 2; mi++)
 #pragma unroll
@@ -151,7 +197,7 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int rr = m0 + wm + mi * 16 + g + 8 * (i >> 1), t = n0 + wn + ni * 8 + 2 * q + (i & 1);
-                if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i] * scale[t];
+                if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i] * (scale[t] / MMA_W_SCALE);
             }
 }
 

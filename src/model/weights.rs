@@ -338,6 +338,27 @@ impl Names {
 }
 
 impl ModelWeights {
+    /// Every matrix of the model: the embedding, the output, then each layer's attention and
+    /// FFN (a mixture of experts: its router, experts and shared expert).
+    pub fn matrices(&self) -> Vec<&Weight> {
+        let mut out = vec![&self.token_embd, &self.output];
+        for l in &self.layers {
+            out.extend([&l.attn.wq, &l.attn.wk, &l.attn.wv, &l.attn.wo]);
+            let ffns: Vec<&FfnWeights> = match &l.ffn {
+                LayerFfn::Dense(f) => vec![f],
+                LayerFfn::Experts(e) => {
+                    out.push(&e.router);
+                    e.experts.iter().chain(e.shared.iter().map(|(f, _)| f)).collect()
+                }
+            };
+            for f in ffns {
+                let (FfnDown::Rows(down) | FfnDown::Columns(down)) = &f.down;
+                out.extend([&f.gate, &f.up, down]);
+            }
+        }
+        out
+    }
+
     /// Every matrix of the model, resident or not.
     fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
         fn ffn_mut(f: &mut FfnWeights) -> [&mut Weight; 3] {

@@ -61,6 +61,14 @@ impl HostLink for CudaDevice {
         false
     }
 
+    fn keep_resident(&self, w: &Weight) {
+        if !w.is_volatile() && w.span().is_some() && self.weight(w).is_some() {
+            // (the copy is done when this returns: its time is the load's)
+            let r = self.stream.synchronize();
+            self.check("copying a weight to the GPU", r);
+        }
+    }
+
     fn link(&self) -> Option<LinkCounters> {
         self.end_segment();
         self.uploads.reap_free();

@@ -324,10 +324,10 @@ impl CudaDevice {
             && w.cols.is_multiple_of(32)
     }
 
-    /// `x` as the tensor-core products take it (`act_f16_rows`): its rows as f16, each divided
-    /// by a power of two where its values would not fit, then the rows' scales.
+    /// `x` as the tensor-core products take it (`act_f16_rows`): its rows scaled by powers of
+    /// two and split into two f16 each (high rows, low rows), then the rows' scales.
     fn f16_input(&self, x: &Act) -> Act {
-        let out = self.act(1, x.rows * x.width / 2 + x.rows);
+        let out = self.act(1, x.rows * x.width + x.rows);
         let cfg = LaunchConfig {
             grid_dim: (x.rows as u32, 1, 1),
             block_dim: (MMA_THREADS, 1, 1),
