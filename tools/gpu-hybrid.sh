@@ -144,4 +144,9 @@ for set in $SETS; do
 done
 echo
 echo "device: $DEV ($(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1))"
-printf 'case\tsystem\tprefill tok/s\tdecode tok/s\tnotes\n' | cat - "$rows" | column -t -s $'\t'
+# (the table aligned by python3: the GPU machine has no `column`)
+printf 'case\tsystem\tprefill tok/s\tdecode tok/s\tnotes\n' | cat - "$rows" | python3 -c 'import sys
+rows = [l.rstrip("\n").split("\t") for l in sys.stdin]
+w = [max(len(r[i]) if i < len(r) else 0 for r in rows) for i in range(max(map(len, rows)))]
+for r in rows:
+    print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())'
