@@ -39,15 +39,35 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 // d += A · B for one 16x8 tile of a warp (the PTX fragment layouts of m16n8k16 .f16: a holds
 // rows g and g + 8, columns 2q, 2q + 1 and those + 8; b columns g, rows 2q, 2q + 1 and + 8; d
 // rows g and g + 8, columns 2q and 2q + 1; g = lane / 4, q = lane % 4).
+#ifndef GATESTREAM_HOST_EMULATION
 __device__ __forceinline__ void mma_16816(float* d, const u32* a, const u32* b) {
-#ifdef GATESTREAM_HOST_EMULATION
-    gsemu::mma_16816(d, a, b);
-#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// A warp's 2 x 4 tiles of one 16-column step: d[mi][ni] += a[1][mi]·b[0][ni] + a[0][mi]·b[1][ni]
+// + a[0][mi]·b[0][ni] (low halves' terms first; [0] the high halves, [1] the low ones), as
+// three mma.sync each, for the first `live` token tiles (the others hold no token: a batch
+// narrower than the block's 64). (The emulated driver exchanges the warp's fragments once.)
+__device__ __forceinline__ void mma_tiles(float (&d)[2][4][4], const u32 (&a)[2][2][4], const u32 (&b)[2][4][2],
+                                          int live) {
+#ifdef GATESTREAM_HOST_EMULATION
+    gsemu::mma_tiles(&d[0][0][0], &a[0][0][0], &b[0][0][0], live);
+#else
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            if (ni < live) {  // the same for the whole warp
+                mma_16816(d[mi][ni], a[1][mi], b[0][ni]);
+                mma_16816(d[mi][ni], a[0][mi], b[1][ni]);
+                mma_16816(d[mi][ni], a[0][mi], b[0][ni]);
+            }
+        }
 #endif
 }
 
@@ -86,6 +106,16 @@ extern "C" __global__ void act_f16_rows(const float* X, int cols, int n, u16* ou
 // multiple of 32 (whole units). Xh as act_f16_rows writes it (hi rows, lo rows, scales). With parts > 1 (few tiles, long rows: a down projection for a few tokens) block z
 // sums its share of the units (an even count; the last share what is left) into Y + z * n *
 // rows_out, and mma_sum_parts adds the parts in order: the result never depends on scheduling.
+// A warp's 2 x 4 tiles of sums (4 a lane each), set to zero.
+__device__ __forceinline__ void zero_tiles(float (&t)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) t[i][j][k] = 0.f;
+}
+
 template <int TY>
 __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u16* Xh,
                          int n, float* Y) {
@@ -103,12 +133,9 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
     const u32* xlo = (const u32*)(Xh + (u64)n * cols);
     int row_words = cols / 2;
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int k = 0; k < 4; k++) acc[i][j][k] = 0.f;
+    zero_tiles(acc);
+    // The warp's 8-token tiles that hold tokens of the batch (0 to 4).
+    int live = min(4, max(0, (n - n0 - wn + 7) / 8));
     int units = cols / 32, parts = gridDim.z;
     int per = ((units + parts - 1) / parts + 1) & ~1;
     int u_end = min(units, (int)(blockIdx.z + 1) * per);
@@ -117,12 +144,7 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
         // This step's sums, added to acc once: acc's rounding then comes once a step, not at
         // every instruction (2e-6 of the result against f64 the other way, 10x the FMA loops').
         float step[2][4][4];
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int k = 0; k < 4; k++) step[i][j][k] = 0.f;
+        zero_tiles(step);
         {
             int at = dr * MMA_ROW_WORDS + du * 16;
             if (u0 + du < u_end) {
@@ -171,15 +193,7 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
                     b[h][ni][1] = p[4];
                 }
             }
-#pragma unroll
-            for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
-                    // the small terms first
-                    mma_16816(step[mi][ni], a[1][mi], b[0][ni]);
-                    mma_16816(step[mi][ni], a[0][mi], b[1][ni]);
-                    mma_16816(step[mi][ni], a[0][mi], b[0][ni]);
-                }
+            mma_tiles(step, a, b, live);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++)

@@ -307,7 +307,7 @@ fn kernels_per_type(
 /// larger than f16 holds (scaled down by a power of two), one a million times smaller (scaled
 /// up). 130 rows (tiles of 64 and a part tile), 2, 13 and 70 tokens (a part tile of tokens), an
 /// odd number of units (blocks of 32), row subsets crossing tiles; rows of 1280/1312 values in
-/// two parts, and a 70 x 4096 matrix in eight (see `mma_cfg`).
+/// two parts, and a 70 x 2048 matrix in four (see `mma_cfg`).
 fn mma_products(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
@@ -319,7 +319,7 @@ fn mma_products(
     for ty in GgmlType::ALL.into_iter().filter(|t| t.block_elems() > 1) {
         let mut max = 0f64;
         let narrow = if ty.block_elems() == 256 { 1280 } else { 1312 };
-        for (rows, cols, widths) in [(130, narrow, &[2usize, 13, 70][..]), (70, 4096, &[13][..])] {
+        for (rows, cols, widths) in [(130, narrow, &[2usize, 13, 70][..]), (70, 2048, &[13][..])] {
             let w = quantized(ty, rows, cols, &mut rng);
             let deq: Vec<Vec<f64>> = dequantized(&w)
                 .iter()

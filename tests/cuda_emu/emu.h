@@ -95,32 +95,55 @@ inline uint16_t float_to_half(float f) {
     return (uint16_t)(sign | h);
 }
 
-// One warp's m16n8k16 product of f16 fragments into f32 sums (`mma.sync`, kernels/mma.cu, which
-// gives the layouts): every lane puts its fragments in its warp's slot, then each computes its
-// four sums from all of them, adding products in k order to its d.
+// The m16n8k16 products of f16 fragments into f32 sums that `mma.sync` computes (kernels/mma.cu,
+// which gives the layouts), for a warp's 2 x 4 tiles at once (`mma_tiles`): every lane puts its
+// fragments in its warp's slot, then each computes its own sums from all of them, adding the
+// products of one instruction in k order to its d, instruction after instruction.
 struct MmaSlot {
-    uint32_t a[32][4];
-    uint32_t b[32][2];
+    uint32_t a[32][16];  // a lane's A fragments: [half][mi][4]
+    uint32_t b[32][16];  // its B fragments: [half][ni][2]
 };
 extern MmaSlot mma_slots[32];
 
-inline void mma_16816(float* d, const uint32_t* a, const uint32_t* b) {
-    MmaSlot& s = mma_slots[current->warp];
+// Every half's float, made once (the products below convert ~1500 halves a lane a step).
+inline const float* half_table() {
+    static float* t = [] {
+        static float v[65536];
+        for (uint32_t h = 0; h < 65536; h++) v[h] = half_to_float((uint16_t)h);
+        return v;
+    }();
+    return t;
+}
+
+// d[0..4] += A·B for this lane, A's words at `ao` of each lane's slot row, B's at `bo`.
+inline void mma_tile(const MmaSlot& s, int ao, int bo, float* d) {
     int lane = current->lane, g = lane >> 2, q = lane & 3;
-    std::memcpy(s.a[lane], a, 16);
-    std::memcpy(s.b[lane], b, 8);
-    (void)shfl_xor(0, 0);  // every lane's fragments are in
-    auto half = [](uint32_t w, int k) { return half_to_float((uint16_t)(w >> (16 * (k & 1)))); };
+    const float* ht = half_table();
+    auto half = [ht](uint32_t w, int k) { return ht[(uint16_t)(w >> (16 * (k & 1)))]; };
     for (int i = 0; i < 4; i++) {
         int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
         float sum = d[i];
         for (int k = 0; k < 16; k++) {
-            float av = half(s.a[(row & 7) * 4 + ((k & 7) >> 1)][(row >> 3) + 2 * (k >> 3)], k);
-            float bv = half(s.b[col * 4 + ((k & 7) >> 1)][k >> 3], k);
+            float av = half(s.a[(row & 7) * 4 + ((k & 7) >> 1)][ao + (row >> 3) + 2 * (k >> 3)], k);
+            float bv = half(s.b[col * 4 + ((k & 7) >> 1)][bo + (k >> 3)], k);
             sum += av * bv;
         }
         d[i] = sum;
     }
+}
+
+inline void mma_tiles(float* d, const uint32_t* a, const uint32_t* b, int live) {
+    MmaSlot& s = mma_slots[current->warp];
+    std::memcpy(s.a[current->lane], a, 64);
+    std::memcpy(s.b[current->lane], b, 64);
+    (void)shfl_xor(0, 0);  // every lane's fragments are in
+    for (int mi = 0; mi < 2; mi++)
+        for (int ni = 0; ni < live; ni++) {
+            float* t = d + (mi * 4 + ni) * 4;
+            mma_tile(s, 8 + 4 * mi, 2 * ni, t);  // a[1][mi] b[0][ni]
+            mma_tile(s, 4 * mi, 8 + 2 * ni, t);  // a[0][mi] b[1][ni]
+            mma_tile(s, 4 * mi, 2 * ni, t);      // a[0][mi] b[0][ni]
+        }
     (void)shfl_xor(0, 0);  // every lane has read them before any writes its next ones
 }
 

@@ -770,49 +770,24 @@ impl CudaDevice {
         let Some(wd) = self.weight(w) else { return out };
         let wp = wd.ptr;
         let idx = rows.map_or(0, |r| self.indices(r));
-        if self.mma_product(w, x) {
-            let xh = self.f16_input(x);
+        // Several tokens of a block-quantized type: the tensor cores, on the input as two f16
+        // a value (a split product sums its parts into a buffer of its own first). Otherwise a
+        // single-token kernel for one token (fewer registers), the FMA loops for several.
+        let (mut xh, mut partial) = (None, None);
+        let (kernel, cfg, input, target) = if self.mma_product(w, x) {
             let cfg = mma_cfg(rows_out, x.rows, w.cols);
             let parts = cfg.grid_dim.2 as usize;
-            // Split products sum their parts into a buffer of their own first.
-            let partial = (parts > 1).then(|| self.act(parts * x.rows, rows_out));
-            self.launch(
-                "mma",
-                Some(w.ty),
-                cfg,
-                &[
-                    ptr(wp),
-                    ptr(w.row_stride_bytes as u64),
-                    int(rows_out),
-                    ptr(idx),
-                    int(w.cols),
-                    ptr(self.buf(&xh)),
-                    int(x.rows),
-                    ptr(self.buf(partial.as_ref().unwrap_or(&out))),
-                ],
-            );
-            if let Some(partial) = partial {
-                let len = x.rows * rows_out;
-                self.launch(
-                    "mma_sum_parts",
-                    None,
-                    elementwise_cfg(len),
-                    &[
-                        ptr(self.buf(&partial)),
-                        int(parts),
-                        ptr(len as u64),
-                        ptr(self.buf(&out)),
-                    ],
-                );
-            }
-            return out;
-        }
-        // One token (decode): a single-token kernel, with fewer registers.
-        let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
-            (1, 4) => ("matvec4", matvec_cfg(rows_out, 4)),
-            (1, 2) => ("matvec2", matvec_cfg(rows_out, 2)),
-            (1, _) => ("matvec", matvec_cfg(rows_out, 1)),
-            _ => ("matmul", matmul_cfg(rows_out, x.rows)),
+            let input = self.buf(xh.insert(self.f16_input(x)));
+            partial = (parts > 1).then(|| self.act(parts * x.rows, rows_out));
+            ("mma", cfg, input, self.buf(partial.as_ref().unwrap_or(&out)))
+        } else {
+            let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
+                (1, 4) => ("matvec4", matvec_cfg(rows_out, 4)),
+                (1, 2) => ("matvec2", matvec_cfg(rows_out, 2)),
+                (1, _) => ("matvec", matvec_cfg(rows_out, 1)),
+                _ => ("matmul", matmul_cfg(rows_out, x.rows)),
+            };
+            (kernel, cfg, self.buf(x), self.buf(&out))
         };
         self.launch(
             kernel,
@@ -824,11 +799,26 @@ impl CudaDevice {
                 int(rows_out),
                 ptr(idx),
                 int(w.cols),
-                ptr(self.buf(x)),
+                ptr(input),
                 int(x.rows),
-                ptr(self.buf(&out)),
+                ptr(target),
             ],
         );
+        if let Some(partial) = partial {
+            let len = x.rows * rows_out;
+            self.launch(
+                "mma_sum_parts",
+                None,
+                elementwise_cfg(len),
+                &[
+                    ptr(self.buf(&partial)),
+                    int(cfg.grid_dim.2 as usize),
+                    ptr(len as u64),
+                    ptr(self.buf(&out)),
+                ],
+            );
+        }
+        drop(xh);
         out
     }
 }
