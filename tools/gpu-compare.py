@@ -23,6 +23,10 @@ is gatestream faster; each line gives both medians and the median of the per-pai
            through HTTP: the server's overhead counts against gatestream)
   served   llama-server -np 64 vs `gatestream serve --parallel 64`, the same client
            (tools/serve-bench.py: C clients, 2 requests each, 64 tokens, short prompts), C = 1/8/32
+  mma      (not a llama.cpp row) gatestream's own prefill of the 512-token prompt with the
+           tensor-core products off and on (GATESTREAM_CUDA_MMA=0 / 1), A B A B
+  profile  (not timed against anything) per-kernel GPU time of that prefill under `ncu --metrics
+           gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt
 
 Settings: --gatestream (default gpucarry/gatestream, else target/release/gatestream), --llama
 (llama.cpp's binaries; default: unpacked from gpupeer/ by its setup.sh into /tmp/llb), --device
@@ -137,9 +141,36 @@ def serve_bench(a, cmd, label, conc, per_client, tokens, prompt_file, name):
     return levels
 
 
+def profile(a, gguf, prompt):
+    """Per-kernel GPU time of one prefill under ncu, summed by kernel name into OUT/profile.txt."""
+    import csv
+    import shutil
+    if not shutil.which("ncu"):
+        log("profile: no ncu on this machine; skipped")
+        return
+    rc, out = run(["ncu", "--clock-control", "none", "--csv", "--metrics", "gpu__time_duration.sum",
+                   a.gatestream, "run", "--device", a.device, "--model", gguf, "--prompt", prompt,
+                   "--max-tokens", 1], "profile-ncu", timeout=120)
+    tot, cnt = {}, {}
+    rows = csv.DictReader([l for l in out.splitlines() if l.startswith('"')])
+    for r in rows:
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1, "usecond": 1, "ms": 1e3, "msecond": 1e3}.get(r.get("Metric Unit"), 1)
+        k = r["Kernel Name"].split("(")[0]
+        tot[k] = tot.get(k, 0) + float(r["Metric Value"].replace(",", "")) * unit
+        cnt[k] = cnt.get(k, 0) + 1
+    total = sum(tot.values()) or 1
+    lines = [f"prefill of {len(prompt)}-letter prompt: {total / 1e3:.2f} ms of kernel time over {sum(cnt.values())} launches (ncu upper bounds)"]
+    lines += [f"  {k:32s} {cnt[k]:6d} launches {v / 1e3:9.3f} ms {100 * v / total:5.1f}%"
+              for k, v in sorted(tot.items(), key=lambda x: -x[1])[:16]]
+    (OUT / "profile.txt").write_text("\n".join(lines) + "\n")
+    log("profile: " + lines[0])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="decode,prefill,batched,served")
+    ap.add_argument("--cases", default="decode,prefill,batched,served,mma,profile")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
     ap.add_argument("--model", help="a GGUF to use instead of making one")
@@ -255,11 +286,27 @@ def main():
             row(f"served C={c} (tok/s)", [mine] if mine else [], [theirs] if theirs else [],
                 [mine / theirs] if mine and theirs else [], note)
 
+    if "mma" in cases and not late(a):
+        def prefill_with(m, i):
+            env = dict(os.environ, GATESTREAM_CUDA_MMA=m)
+            rc, out = run([a.gatestream, "run", "--device", a.device, "--model", gguf, "--threads", a.threads,
+                           "--prompt", letters[:512 - extra], "--max-tokens", 1, "--json"], f"mma{m}-{i}", env=env)
+            try:
+                return float(json.loads(out)["prefill_tok_per_s"])
+            except Exception:
+                return None
+        paired(a, "prefill, tensor cores on / off", a.pairs, lambda i: prefill_with("1", i),
+               lambda i: prefill_with("0", i), "gatestream alone: the llama.cpp column is MMA=0")
+    if "profile" in cases and not late(a):
+        profile(a, gguf, letters[:512 - extra])
+
     (Path(a.json) if a.json else OUT / "compare.json").write_text(json.dumps(
         {"model": str(gguf), "device": a.device, "ngl": a.ngl, "rows": ROWS}, indent=1))
     print(f"\n{'case':<36} {'gatestream':>11} {'llama.cpp':>10} {'ratio':>6}  pairs / note")
     for r in ROWS:
         print(f"{r['case']:<36} {r['gatestream']:>11} {r['llama.cpp']:>10} {r['ratio']:>6}  {r['pairs']} {r['note']}")
+    if (OUT / "profile.txt").exists():
+        print("\n" + (OUT / "profile.txt").read_text(), end="")
     if a.device != "cuda":
         print(f"(--device {a.device}: no figure above is a GPU's)")
 
