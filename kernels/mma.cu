@@ -105,7 +105,8 @@ extern "C" __global__ void act_f16_rows(const float* X, int cols, int n, u16* ou
 // grid = (ceil(rows_out / MMA_BM), ceil(n / MMA_BN), parts), MMA_THREADS threads; cols a
 // multiple of 32 (whole units). Xh as act_f16_rows writes it (hi rows, lo rows, scales). With parts > 1 (few tiles, long rows: a down projection for a few tokens) block z
 // sums its share of the units (an even count; the last share what is left) into Y + z * n *
-// rows_out, and mma_sum_parts adds the parts in order: the result never depends on scheduling.
+// rows_out, and `accumulate_reduce` (kernels/quant.cu) adds the parts in order onto zeros: the
+// result never depends on scheduling.
 // A warp's 2 x 4 tiles of sums (4 a lane each), set to zero.
 __device__ __forceinline__ void zero_tiles(float (&t)[2][4][4]) {
 #pragma unroll
@@ -213,15 +214,6 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
                 int rr = m0 + wm + mi * 16 + g + 8 * (i >> 1), t = n0 + wn + ni * 8 + 2 * q + (i & 1);
                 if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i] * (scale[t] / MMA_W_SCALE);
             }
-}
-
-// out[i] = sum_p partial[p][i], p in order. One thread per value.
-extern "C" __global__ void mma_sum_parts(const float* partial, int parts, u64 len, float* out) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= len) return;
-    float s = 0.f;
-    for (int p = 0; p < parts; p++) s += partial[(u64)p * len + i];
-    out[i] = s;
 }
 
 #define MMA_KERNEL(NAME, TY)                                                                             \

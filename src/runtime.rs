@@ -188,9 +188,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
     // A GPU holding the whole model takes its weights now: the first pass then computes only
     // (its prefill figure is not also the model's upload), and a model too large fails here.
     if opts.stream.is_none() && !model.device.host_memory() {
-        for w in model.weights.matrices() {
-            model.device.keep_resident(w);
-        }
+        model.device.keep_resident(&model.weights.matrices());
         if let Some(e) = model.device.take_error() {
             return Err(e);
         }

@@ -457,11 +457,11 @@ pub trait HostLink: Send + Sync {
     fn in_place(&self, _w: &Weight) -> Option<Weight> {
         None
     }
-    /// Copies a resident weight to the device now, as its first use would (a device with memory
-    /// of its own: the model's weights at load, so that the first pass is not also the upload);
-    /// nothing for the CPU or a streamed weight. A failure is the device's error
-    /// ([`Device::take_error`]).
-    fn keep_resident(&self, _w: &Weight) {}
+    /// Copies resident weights to the device now, as their first use would, and waits for the
+    /// copies (a device with memory of its own: the model's weights at load, so that the first
+    /// pass is not also the upload); nothing for the CPU or streamed weights. A failure is the
+    /// device's error ([`Device::take_error`]).
+    fn keep_resident(&self, _ws: &[&Weight]) {}
     /// The size of the chunks staged rows are sent in ([`UPLOAD_CHUNK_BYTES`]; a test device
     /// may ask for smaller ones).
     fn upload_chunk_bytes(&self) -> usize {

@@ -337,55 +337,42 @@ impl Names {
     }
 }
 
+/// The matrices of `ModelWeights` `$w`, borrowed shared or (`mut`) mutably: one listing for both.
+macro_rules! every_matrix {
+    ($w:expr $(, $m:ident)?) => {{
+        let w = $w;
+        let mut out = vec![& $($m)? w.token_embd, & $($m)? w.output];
+        for l in & $($m)? w.layers {
+            let AttnWeights { wq, wk, wv, wo, .. } = & $($m)? l.attn;
+            out.extend([wq, wk, wv, wo]);
+            let ffns: Vec<& $($m)? FfnWeights> = match & $($m)? l.ffn {
+                LayerFfn::Dense(f) => vec![f],
+                LayerFfn::Experts(e) => {
+                    let ExpertWeights { router, experts, shared } = & $($m)? **e;
+                    out.push(router);
+                    experts.into_iter().chain(shared.into_iter().map(|(f, _)| f)).collect()
+                }
+            };
+            for f in ffns {
+                let FfnWeights { gate, up, down } = f;
+                let (FfnDown::Rows(down) | FfnDown::Columns(down)) = down;
+                out.extend([gate, up, down]);
+            }
+        }
+        out
+    }};
+}
+
 impl ModelWeights {
     /// Every matrix of the model: the embedding, the output, then each layer's attention and
     /// FFN (a mixture of experts: its router, experts and shared expert).
     pub fn matrices(&self) -> Vec<&Weight> {
-        let mut out = vec![&self.token_embd, &self.output];
-        for l in &self.layers {
-            out.extend([&l.attn.wq, &l.attn.wk, &l.attn.wv, &l.attn.wo]);
-            let ffns: Vec<&FfnWeights> = match &l.ffn {
-                LayerFfn::Dense(f) => vec![f],
-                LayerFfn::Experts(e) => {
-                    out.push(&e.router);
-                    e.experts.iter().chain(e.shared.iter().map(|(f, _)| f)).collect()
-                }
-            };
-            for f in ffns {
-                let (FfnDown::Rows(down) | FfnDown::Columns(down)) = &f.down;
-                out.extend([&f.gate, &f.up, down]);
-            }
-        }
-        out
+        every_matrix!(self)
     }
 
-    /// Every matrix of the model, resident or not.
-    fn matrices_mut(&mut self) -> impl Iterator<Item = &mut Weight> {
-        fn ffn_mut(f: &mut FfnWeights) -> [&mut Weight; 3] {
-            let down = match &mut f.down {
-                FfnDown::Rows(w) | FfnDown::Columns(w) => w,
-            };
-            [&mut f.gate, &mut f.up, down]
-        }
-        let layers = self.layers.iter_mut().flat_map(|l| {
-            let attn = [&mut l.attn.wq, &mut l.attn.wk, &mut l.attn.wv, &mut l.attn.wo];
-            let ffn: Vec<&mut Weight> = match &mut l.ffn {
-                LayerFfn::Dense(f) => ffn_mut(f).into_iter().collect(),
-                LayerFfn::Experts(e) => {
-                    let ExpertWeights {
-                        router,
-                        experts,
-                        shared,
-                    } = &mut **e;
-                    std::iter::once(router)
-                        .chain(experts.iter_mut().flat_map(ffn_mut))
-                        .chain(shared.iter_mut().flat_map(|(f, _)| ffn_mut(f)))
-                        .collect()
-                }
-            };
-            attn.into_iter().chain(ffn)
-        });
-        [&mut self.token_embd, &mut self.output].into_iter().chain(layers)
+    /// The same, to change.
+    fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        every_matrix!(self, mut)
     }
 
     /// Drops every matrix's view of the file, keeping only where it is ([`Weight::on_disk`]).

@@ -61,12 +61,13 @@ impl HostLink for CudaDevice {
         false
     }
 
-    fn keep_resident(&self, w: &Weight) {
-        if !w.is_volatile() && w.span().is_some() && self.weight(w).is_some() {
-            // (the copy is done when this returns: its time is the load's)
-            let r = self.stream.synchronize();
-            self.check("copying a weight to the GPU", r);
+    fn keep_resident(&self, ws: &[&Weight]) {
+        for w in ws.iter().filter(|w| !w.is_volatile() && w.span().is_some()) {
+            let _ = self.weight(w);
         }
+        // (the copies are done when this returns: their time is the load's)
+        let r = self.stream.synchronize();
+        self.check("copying weights to the GPU", r);
     }
 
     fn link(&self) -> Option<LinkCounters> {

@@ -318,10 +318,7 @@ impl CudaDevice {
     /// Whether `x · w` runs on the tensor cores: several tokens, a block-quantized type (float
     /// weights keep the exact f32 products), whole 32-value units.
     fn mma_product(&self, w: &Weight, x: &Act) -> bool {
-        x.rows > 1
-            && self.mma()
-            && !matches!(w.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16)
-            && w.cols.is_multiple_of(32)
+        x.rows > 1 && self.mma() && w.ty.block_elems() > 1 && w.cols.is_multiple_of(32)
     }
 
     /// `x` as the tensor-core products take it (`act_f16_rows`): its rows scaled by powers of

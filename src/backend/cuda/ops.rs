@@ -365,7 +365,7 @@ impl Device for CudaDevice {
             return self.product_i8(w, Some(rows), None, xq);
         }
         let seen = self.activations_for(w.ty, x);
-        self.product(w, Some(rows), seen.as_ref().unwrap_or(x))
+        self.product(w, Some(rows), seen.as_ref().unwrap_or(x), &mut None)
     }
 
     fn accumulate_rows(&self, w: &Weight, rows: Option<&[u32]>, acts: &Act, out: &mut Act) {
@@ -628,21 +628,25 @@ impl CudaDevice {
                 }
             }
         }
-        // The input as each other weight type's products see it, made once per format.
-        let mut seen: Vec<((ActivationFormat, bool), Option<Act>)> = Vec::new();
+        // The input as each other weight type's products see it, made once per format (and as
+        // the tensor cores take it, once when a product there needs it).
+        // (format, the input in it when not `x` itself, the tensor cores' split of it)
+        type Seen = ((ActivationFormat, bool), Option<Act>, Option<Act>);
+        let mut seen: Vec<Seen> = Vec::new();
         for (i, w) in ws.iter().enumerate() {
             if out[i].is_some() {
                 continue;
             }
             let format = (ActivationFormat::for_weights(w.ty), self.quantizes_activations(w.ty));
-            let f = match seen.iter().position(|(f, _)| *f == format) {
+            let f = match seen.iter().position(|(f, _, _)| *f == format) {
                 Some(f) => f,
                 None => {
-                    seen.push((format, self.activations_for(w.ty, x)));
+                    seen.push((format, self.activations_for(w.ty, x), None));
                     seen.len() - 1
                 }
             };
-            let mut o = self.product(w, None, seen[f].1.as_ref().unwrap_or(x));
+            let (_, input, f16) = &mut seen[f];
+            let mut o = self.product(w, None, input.as_ref().unwrap_or(x), f16);
             if let Some(b) = bias(i) {
                 self.add_bias(&mut o, b);
             }
@@ -756,10 +760,11 @@ impl CudaDevice {
         outs
     }
 
-    /// `x · w[rows]` (all rows when `None`).
-    pub(super) fn product(&self, w: &Weight, rows: Option<&[u32]>, x: &Act) -> Act {
+    /// `x · w[rows]` (all rows when `None`). `f16`: `x` as the tensor cores take it
+    /// ([`CudaDevice::f16_input`]), made here the first time a product of `x` needs it.
+    pub(super) fn product(&self, w: &Weight, rows: Option<&[u32]>, x: &Act, f16: &mut Option<Act>) -> Act {
         let rows_out = rows.map_or(w.rows, |r| r.len());
-        let out = self.act(x.rows, rows_out);
+        let mut out = self.act(x.rows, rows_out);
         if x.rows == 0 || rows_out == 0 {
             return out;
         }
@@ -771,14 +776,20 @@ impl CudaDevice {
         let wp = wd.ptr;
         let idx = rows.map_or(0, |r| self.indices(r));
         // Several tokens of a block-quantized type: the tensor cores, on the input as two f16
-        // a value (a split product sums its parts into a buffer of its own first). Otherwise a
-        // single-token kernel for one token (fewer registers), the FMA loops for several.
-        let (mut xh, mut partial) = (None, None);
+        // a value (a split product sums its parts into a buffer of its own, then adds them in
+        // order onto zeros: `accumulate_reduce`). Otherwise a single-token kernel for one token
+        // (fewer registers), the FMA loops for several.
+        let mut partial = None;
         let (kernel, cfg, input, target) = if self.mma_product(w, x) {
             let cfg = mma_cfg(rows_out, x.rows, w.cols);
-            let parts = cfg.grid_dim.2 as usize;
-            let input = self.buf(xh.insert(self.f16_input(x)));
-            partial = (parts > 1).then(|| self.act(parts * x.rows, rows_out));
+            let input = match f16 {
+                Some(xh) => self.buf(xh),
+                None => self.buf(f16.insert(self.f16_input(x))),
+            };
+            if cfg.grid_dim.2 > 1 {
+                out = self.zeroed(x.rows, rows_out);
+                partial = Some(self.act(cfg.grid_dim.2 as usize * x.rows, rows_out));
+            }
             ("mma", cfg, input, self.buf(partial.as_ref().unwrap_or(&out)))
         } else {
             let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
@@ -807,7 +818,7 @@ impl CudaDevice {
         if let Some(partial) = partial {
             let len = x.rows * rows_out;
             self.launch(
-                "mma_sum_parts",
+                "accumulate_reduce",
                 None,
                 elementwise_cfg(len),
                 &[
@@ -818,7 +829,6 @@ impl CudaDevice {
                 ],
             );
         }
-        drop(xh);
         out
     }
 }

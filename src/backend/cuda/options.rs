@@ -20,8 +20,9 @@ pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
 /// `GATESTREAM_CUDA_MMA`: `1` (or `on`, the default) multiplies several tokens at once (prompts,
 /// sequences decoding together) with block-quantized weights on the tensor cores (`mma_*` in
-/// kernels/mma.cu: each weight unit decoded once per 64 tokens into f16, f16 inputs, f32 sums);
-/// `0` (`off`): the FMA loops (`matmul_*`, f32 inputs, a unit decoded once per 8 tokens).
+/// kernels/mma.cu: each weight unit decoded once per 64 tokens, every value as two f16 so the
+/// products are as exact as f32 ones, f32 sums); `0` (`off`): the FMA loops (`matmul_*`, f32
+/// inputs, a unit decoded once per 8 tokens).
 pub const MMA_ENV: &str = "GATESTREAM_CUDA_MMA";
 
 /// Whether [`MMA_ENV`] asks for the tensor-core products (`value`: the variable's value).

@@ -42,10 +42,9 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 24] = [
+pub(super) const OPS: [&str; 23] = [
     "accumulate_reduce",
     "act_f16_rows",
-    "mma_sum_parts",
     "argmax_rows",
     "top_k_rows",
     "activate_mul",
@@ -126,17 +125,13 @@ pub(super) const MMA_MIN_PART_UNITS: usize = 16;
 /// the columns (see `mma_body`), parts enough to reach [`MMA_TARGET_BLOCKS`] blocks while each
 /// sums at least [`MMA_MIN_PART_UNITS`] units.
 pub fn mma_cfg(rows_out: usize, n: usize, cols: usize) -> LaunchConfig {
-    let tiles = rows_out.div_ceil(MMA_ROWS).max(1) * n.div_ceil(MMA_TOKENS).max(1);
+    let (row_tiles, token_tiles) = (rows_out.div_ceil(MMA_ROWS).max(1), n.div_ceil(MMA_TOKENS).max(1));
     let parts = MMA_TARGET_BLOCKS
-        .div_ceil(tiles)
+        .div_ceil(row_tiles * token_tiles)
         .min(cols / 32 / MMA_MIN_PART_UNITS)
         .max(1);
     LaunchConfig {
-        grid_dim: (
-            rows_out.div_ceil(MMA_ROWS).max(1) as u32,
-            n.div_ceil(MMA_TOKENS).max(1) as u32,
-            parts as u32,
-        ),
+        grid_dim: (row_tiles as u32, token_tiles as u32, parts as u32),
         block_dim: (MMA_THREADS, 1, 1),
         shared_mem_bytes: 0,
     }
