@@ -400,6 +400,73 @@ fn serve_speaks_openai_and_batched_requests_equal_each_alone() {
     assert_eq!(s.metric("generated_tokens_total"), generated);
 }
 
+/// `serve --draft`: every request drafts from its own state of the draft model (here the
+/// model itself), verified in the shared steps: four concurrent greedy requests each get the
+/// text they get alone, and drafts were verified and kept. A request with `ignore_eos` goes on
+/// past the stop token its greedy run ends at, to `max_tokens`, with the same text up to there.
+#[test]
+fn serve_drafts_per_request_and_ignores_eos_when_asked() {
+    let m = Model::load(&smollm2_path(), &LoadOptions::default()).unwrap();
+    let alone: Vec<String> = PROMPTS[..4]
+        .iter()
+        .map(|p| {
+            let ids = m.prompt_ids(p, false).unwrap();
+            m.generate_ids(&ids, &greedy(16), None, None, None, &mut |_| {})
+                .unwrap()
+                .text
+        })
+        .collect();
+    let draft = smollm2_path();
+    let s = Server::start(&[
+        "--parallel",
+        "4",
+        "--ctx-size",
+        "256",
+        "--draft",
+        draft.to_str().unwrap(),
+        "--draft-max",
+        "3",
+    ]);
+    let handles: Vec<_> = PROMPTS[..4]
+        .iter()
+        .map(|p| {
+            let addr = s.addr.clone();
+            let body = json!({"prompt": p, "max_tokens": 16, "temperature": 0});
+            std::thread::spawn(move || {
+                let (status, _, text) = http(&addr, "POST", "/v1/completions", Some(body.to_string().as_bytes()));
+                assert_eq!(status, 200, "{text}");
+                serde_json::from_str::<Value>(&text).unwrap()
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let r = h.join().unwrap();
+        assert_eq!(
+            r["choices"][0]["text"], alone[i],
+            "request {i} differs from its run alone"
+        );
+    }
+    let (drafted, kept) = (s.metric("draft_tokens_total"), s.metric("draft_tokens_accepted_total"));
+    assert!(drafted > 0.0 && kept > 0.0, "drafted {drafted}, kept {kept}");
+
+    let chat = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                      "max_tokens": 48, "temperature": 0});
+    let (status, ends) = s.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{ends}");
+    assert_eq!(ends["choices"][0]["finish_reason"], "stop", "{ends}");
+    let mut on = chat.clone();
+    on["ignore_eos"] = json!(true);
+    let (status, goes_on) = s.post("/v1/chat/completions", &on);
+    assert_eq!(status, 200, "{goes_on}");
+    assert_eq!(goes_on["choices"][0]["finish_reason"], "length", "{goes_on}");
+    assert_eq!(goes_on["usage"]["completion_tokens"], 48, "{goes_on}");
+    let (a, b) = (
+        ends["choices"][0]["message"]["content"].as_str().unwrap(),
+        goes_on["choices"][0]["message"]["content"].as_str().unwrap(),
+    );
+    assert!(b.len() > a.len() && b.starts_with(a), "{a:?} / {b:?}");
+}
+
 #[test]
 fn a_full_queue_is_503_and_sigterm_lets_requests_finish() {
     let mut s = Server::start(&["--parallel", "1", "--queue", "0", "--shutdown-grace", "120"]);

@@ -1,14 +1,14 @@
 //! Speculative decoding with a draft model: a small model sharing the target's vocabulary,
 //! resident in RAM, continues the context greedily for a few tokens; the target verifies them
-//! all in one batched pass (`generate`), so every weight a streamed target reads serves several
-//! positions. The draft keeps its own KV cache across passes: each call feeds only what the
-//! context gained since the last one, after rolling back the drafts the target rejected.
+//! all in one batched pass (the engine's step), so every weight a streamed target reads serves
+//! several positions. Each request keeps its own draft state ([`DraftState`]: a KV cache of the
+//! draft model) across passes: each call feeds only what the context gained since the last one,
+//! after rolling back the drafts the target rejected.
 //!
 //! Exactness: the drafts are a deterministic function of the context (greedy), so the target's
 //! accept/reject rule for fixed proposals (`Sampler::verify`, the rule prompt lookup uses) keeps
 //! sampling exact, and greedy output is the target's own, token for token.
 
-use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -17,15 +17,15 @@ use crate::model::batch::{Logits, PassOut, Want};
 use crate::model::forward::FfnHooks;
 use crate::model::Model;
 
-/// A draft model and its state between passes.
+/// A draft model; the state between passes is each request's own ([`Drafter::begin`]).
 pub struct Drafter {
     pub model: Model,
     /// The most drafts per pass.
     pub max: usize,
-    state: Mutex<DraftState>,
 }
 
-struct DraftState {
+/// One request's draft state: what the draft model has seen of its context.
+pub struct DraftState {
     cache: KvCache,
     /// The tokens whose keys and values `cache` holds, in order.
     fed: Vec<u32>,
@@ -62,42 +62,28 @@ impl Drafter {
                 target.path.display()
             )));
         }
-        let cache = KvCache::new(&model.config, 0);
-        Ok(Drafter {
-            model,
-            max,
-            state: Mutex::new(DraftState {
-                cache,
-                fed: Vec::new(),
-                seconds: 0.0,
-            }),
-        })
+        Ok(Drafter { model, max })
     }
 
-    /// Starts a request whose context holds at most `positions` tokens (prompt and generated):
-    /// an empty cache with room for them and the drafts.
-    pub fn begin(&self, positions: usize) {
-        let mut st = self.state.lock().expect("draft state");
+    /// The draft state of a request whose context holds at most `positions` tokens (prompt and
+    /// generated): an empty cache with room for them and the drafts.
+    pub fn begin(&self, positions: usize) -> DraftState {
         let room = (positions + self.max + 1).min(self.model.config.context_len.max(1));
-        st.cache = KvCache::new(&self.model.config, room);
-        st.fed.clear();
-        st.seconds = 0.0;
+        DraftState {
+            cache: KvCache::new(&self.model.config, room),
+            fed: Vec::new(),
+            seconds: 0.0,
+        }
     }
 
-    /// Seconds spent drafting since `begin`.
-    pub fn seconds(&self) -> f64 {
-        self.state.lock().expect("draft state").seconds
-    }
-
-    /// Up to `k` tokens continuing `context` greedily (fewer when the draft's context is full).
-    pub fn draft(&self, context: &[u32], k: usize) -> Result<Vec<u32>> {
+    /// Up to `k` tokens continuing `context` greedily (fewer when the draft's context is full),
+    /// from and into the request's state `st`.
+    pub fn draft(&self, st: &mut DraftState, context: &[u32], k: usize) -> Result<Vec<u32>> {
         let k = k.min(self.max);
         if k == 0 || context.is_empty() {
             return Ok(Vec::new());
         }
         let t0 = Instant::now();
-        let mut st = self.state.lock().expect("draft state");
-        let st = &mut *st;
         // Keep what the context still agrees with, but feed at least its last token again (the
         // logits of the position after it are not kept between calls).
         let same = st.fed.iter().zip(context).take_while(|(a, b)| a == b).count();
@@ -137,5 +123,12 @@ impl Drafter {
         }
         st.seconds += t0.elapsed().as_secs_f64();
         Ok(drafts)
+    }
+}
+
+impl DraftState {
+    /// Seconds this request spent in the draft model.
+    pub fn seconds(&self) -> f64 {
+        self.seconds
     }
 }

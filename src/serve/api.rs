@@ -96,6 +96,9 @@ pub struct Sampling {
     pub tools: Option<serde_json::Value>,
     /// The server runs dense or sparse; `mode` picks one per request (not OpenAI's).
     pub mode: Option<String>,
+    /// Not OpenAI's; llama-server's: never end at the model's stop tokens (generate to
+    /// `max_tokens`, for timing).
+    pub ignore_eos: Option<bool>,
 }
 
 #[derive(Deserialize, Debug, Clone, Default)]
@@ -326,6 +329,8 @@ pub fn request(
         top_logprobs: top_logprobs as usize,
         stop,
         lookup: 0,
+        ignore_eos: s.ignore_eos.unwrap_or(false),
+        logits_on_host: false,
     })
 }
 

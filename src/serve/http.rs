@@ -687,7 +687,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         ("disk_bytes_total", "counter", "Bytes read from disk by the stream (0 in RAM).", disk as f64),
         ("disk_bytes_per_generated_token", "gauge", "Disk bytes over generated tokens since start (prefill reads included).", per_token),
         ("admitted", "gauge", "Requests queued or running.", admitted),
-        ("draft_tokens_total", "counter", "Prompt-lookup draft tokens verified (--lookup).", get(&m.drafted) as f64),
+        ("draft_tokens_total", "counter", "Draft tokens verified (--lookup or --draft).", get(&m.drafted) as f64),
         ("draft_tokens_accepted_total", "counter", "Draft tokens kept.", get(&m.accepted) as f64),
     ];
     let s: String = rows

@@ -84,7 +84,10 @@ pub(crate) fn run(
 ) -> Result<()> {
     // engines[0] runs dense requests, engines[1] (when there is a mask) sparse ones.
     let make = |e: usize| -> Result<Engine> {
-        let engine = Engine::new(&rt.model, rt.layer_stream(), limits.step_tokens).with_context(limits.ctx);
+        let mut engine = Engine::new(&rt.model, rt.layer_stream(), limits.step_tokens).with_context(limits.ctx);
+        if let Some(d) = &rt.draft {
+            engine = engine.with_drafter(d);
+        }
         match mask {
             Some(m) if e == 1 => engine.with_mask(m),
             _ => Ok(engine),
@@ -268,7 +271,9 @@ fn route(ev: Event, e: usize, clients: &mut HashMap<(usize, RequestId), Client>,
                 });
             }
         }
-        Event::Finished { request, finish, text } => {
+        Event::Finished {
+            request, finish, text, ..
+        } => {
             if let Some(c) = clients.remove(&(e, request)) {
                 metrics.finished.fetch_add(1, Ordering::Relaxed);
                 let _ = c.out.send(Out::Done {

@@ -187,6 +187,15 @@ pub(crate) enum Command {
         /// step's pass (they count in --step-tokens). 0 = off.
         #[arg(long, default_value_t = 0)]
         lookup: usize,
+        /// Speculative decoding with a draft model for every request (as `run --draft`): a small
+        /// model sharing this model's vocabulary proposes up to --draft-max tokens per request and
+        /// step (each request keeps its own draft state), verified in the step's pass (they count
+        /// in --step-tokens). Greedy output unchanged, sampling exact.
+        #[arg(long, conflicts_with = "lookup")]
+        draft: Option<PathBuf>,
+        /// The most tokens the draft model proposes per request and step.
+        #[arg(long, default_value_t = 4, requires = "draft")]
+        draft_max: usize,
         /// Seconds requests in flight may go on after SIGINT / SIGTERM before they are
         /// cancelled (they end with what they generated).
         #[arg(long, default_value_t = 10.0)]

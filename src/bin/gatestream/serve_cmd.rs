@@ -16,6 +16,8 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
         mode,
         sparse,
         lookup,
+        draft,
+        draft_max,
         shutdown_grace,
         stream,
     } = c
@@ -79,7 +81,10 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
     let load = Box::new(move || {
         gatestream::stream::reset_peak_rss();
         let t = std::time::Instant::now();
-        let rt = gatestream::runtime::open_on(&path, &opts, device)?;
+        let mut rt = gatestream::runtime::open_on(&path, &opts, device)?;
+        if let Some(d) = &draft {
+            rt.attach_draft(d, draft_max)?;
+        }
         describe(&rt, t.elapsed().as_secs_f64());
         let ctx = gatestream::runtime::slot_context(&rt.model, ctx_size);
         eprintln!(

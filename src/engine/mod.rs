@@ -5,21 +5,30 @@
 //! stalls the others and a new request joins at the next step (continuous batching). Every
 //! generated token comes out as an [`Event`] with its id, text and (when asked) log-probability;
 //! a request ends with its finish reason (stop token, stop string, max tokens, context full,
-//! cancelled). `run` is one request; `serve` is HTTP over this loop.
+//! cancelled). This is the one generation loop: `run` is one request ([`Model::generate_ids`],
+//! in `single`), `serve` is HTTP over it.
 //!
-//! Owns: the sequences (KV cache, sampler, text decoder, position) and the step's scheduling.
-//! Does not own arithmetic (`model`), reading (`stream`) or sampling rules (`sampler`). A mask
-//! applies to every token of every request ([`Engine::with_mask`]); per-token masks (top-K,
-//! threshold) decide each token alone, so batching does not change them; the union mask keeps
-//! per-prompt state, not per-sequence state, and is refused.
+//! Owns: the sequences (KV cache, sampler, text decoder, position, drafts, timings) and the
+//! step's scheduling. Does not own arithmetic (`model`), reading (`stream`) or sampling rules
+//! (`sampler`). A mask applies to every token of every request ([`Engine::with_mask`]);
+//! per-token masks (top-K, threshold) decide each token alone, so batching does not change
+//! them. A mask that learns from a prompt (the union mask, the trace recorders:
+//! [`Engine::with_prompt_mask`]) keeps one prompt's state, so such an engine runs one request
+//! at a time.
+
+mod single;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
-use crate::model::batch::{Batch, Want};
+use crate::model::batch::{Batch, PassOut, Row, Rows, Want};
+use crate::model::draft::{DraftState, Drafter};
 use crate::model::forward::{FfnMask, LayerStream, Passes};
-use crate::model::generate::{lookup_draft, take_token, walk_rows, ContextPlan, Finish, PREFILL_BATCH_TOKENS};
+use crate::model::generate::{lookup_draft, ContextPlan, Finish, PromptAwareMask, PREFILL_BATCH_TOKENS};
 use crate::model::sampler::{Sampler, SamplerConfig};
-use crate::model::tokenizer::StreamDecoder;
+use crate::model::tokenizer::{StreamDecoder, Tokenizer};
 use crate::model::Model;
 use crate::sparsity::{Masker, Strategy};
 
@@ -41,7 +50,37 @@ pub struct Request {
     pub stop: Vec<String>,
     /// Speculative decoding by prompt lookup: up to this many draft tokens verified per step
     /// (see [`crate::model::generate::lookup_draft`]; 0 = off). Greedy tokens are unchanged.
+    /// Not with an engine's draft model ([`Engine::with_drafter`]), which drafts instead.
     pub lookup: usize,
+    /// Never end at the model's stop tokens: their logits are set to -inf before sampling (as
+    /// llama.cpp's `--ignore-eos` biases them), so the request goes on to `max_tokens` or a full
+    /// context.
+    pub ignore_eos: bool,
+    /// Bring this request's logits to the host and sample there ([`Want::Logits`]): the
+    /// reference what a device finds (greedy tokens, candidates) is checked against.
+    pub logits_on_host: bool,
+}
+
+/// What one request cost, handed over when it ends ([`Event::Finished`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RequestStats {
+    /// Prompt tokens whose pass completed (all of them unless cancelled).
+    pub prefilled: usize,
+    /// Seconds from the request's first pass to the end of the pass that fed its last prompt
+    /// token (its first token's sampling not included).
+    pub prefill_s: f64,
+    /// Seconds from then to the end (the first token's sampling included).
+    pub decode_s: f64,
+    /// Decode passes (one per step the request decoded in; the first token comes from the
+    /// prompt's pass), and tokens sampled from them (several a pass with drafts; a final stop
+    /// token counted).
+    pub decode_passes: usize,
+    pub decode_tokens: usize,
+    /// Draft tokens verified, and how many were kept.
+    pub drafted: usize,
+    pub accepted: usize,
+    /// Seconds in the draft model (part of `decode_s`; 0 without one).
+    pub draft_seconds: f64,
 }
 
 /// What a step produced for one request.
@@ -63,6 +102,7 @@ pub enum Event {
         request: RequestId,
         finish: Finish,
         text: String,
+        stats: RequestStats,
     },
 }
 
@@ -93,6 +133,14 @@ struct Sequence<'m> {
     /// The drafts fed after `next` in this step, and where the step's tokens start in the cache.
     drafts: Vec<u32>,
     pass_start: usize,
+    /// The draft model's state for this request (an engine with a draft model).
+    draft: Option<DraftState>,
+    ignore_eos: bool,
+    logits_on_host: bool,
+    /// When its first pass started, and when the pass feeding its last prompt token ended.
+    started: Option<Instant>,
+    prefilled_at: Option<Instant>,
+    stats: RequestStats,
 }
 
 /// Requests over one model and, optionally, its stream (see the module docs).
@@ -104,6 +152,11 @@ pub struct Engine<'m> {
     seqs: Vec<Sequence<'m>>,
     next_id: RequestId,
     mask: Option<&'m dyn FfnMask>,
+    /// A mask told how many of a pass's tokens are prompt ([`Engine::with_prompt_mask`]).
+    prompt_mask: Option<&'m dyn PromptAwareMask>,
+    drafter: Option<&'m Drafter>,
+    /// Set from outside: every request ends cancelled at the next step or inside the pass.
+    cancel: Option<&'m AtomicBool>,
     /// Each request's context (prompt + generated); 0 = the model's.
     ctx: usize,
     /// Draft tokens verified and kept, over every request so far.
@@ -130,6 +183,9 @@ impl<'m> Engine<'m> {
             seqs: Vec::new(),
             next_id: 0,
             mask: None,
+            prompt_mask: None,
+            drafter: None,
+            cancel: None,
             ctx: 0,
             drafted: 0,
             accepted: 0,
@@ -166,9 +222,45 @@ impl<'m> Engine<'m> {
         Ok(self)
     }
 
+    /// Every token through `mask`, told before each pass how many of its tokens are a prompt's
+    /// (masks that learn from the prompt: the union mask, the trace recorders). Its state is one
+    /// prompt's, so the engine then runs one request at a time (a second is refused while one
+    /// runs).
+    pub fn with_prompt_mask(mut self, mask: &'m dyn PromptAwareMask) -> Engine<'m> {
+        self.mask = Some(mask.as_mask());
+        self.prompt_mask = Some(mask);
+        self
+    }
+
+    /// Drafts from `drafter` (a small model sharing the vocabulary) for every request, verified
+    /// in each decode pass (see [`crate::model::draft`]); a request that asks for prompt lookup
+    /// too is refused.
+    pub fn with_drafter(mut self, drafter: &'m Drafter) -> Engine<'m> {
+        self.drafter = Some(drafter);
+        self
+    }
+
+    /// Ends every request (finish `Cancelled`, tokens so far kept) once `cancel` is set: at the
+    /// next step, or inside the running pass between layers.
+    pub fn with_cancel(mut self, cancel: &'m AtomicBool) -> Engine<'m> {
+        self.cancel = Some(cancel);
+        self
+    }
+
     /// Queues a request; it starts at the next step.
     pub fn submit(&mut self, req: Request) -> Result<RequestId> {
         let plan = check(self.model, &req, self.ctx)?;
+        if self.drafter.is_some() && req.lookup > 0 {
+            return Err(Error::Invalid(
+                "drafts come from prompt lookup (--lookup) or from a draft model (--draft), not both".into(),
+            ));
+        }
+        if self.prompt_mask.is_some() && !self.seqs.is_empty() {
+            return Err(Error::Invalid(
+                "this engine's mask learns from one prompt at a time (union, traces): one request runs at a time"
+                    .into(),
+            ));
+        }
         let positions = plan.kv_positions;
         if let Some(limit) = self.stream.and_then(|s| s.kv_positions()) {
             let in_use: usize = self.seqs.iter().map(|s| s.cache.capacity).sum();
@@ -181,7 +273,7 @@ impl<'m> Engine<'m> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let context = if req.lookup > 0 {
+        let context = if req.lookup > 0 || self.drafter.is_some() {
             req.prompt_ids.clone()
         } else {
             Vec::new()
@@ -206,6 +298,12 @@ impl<'m> Engine<'m> {
             context,
             drafts: Vec::new(),
             pass_start: 0,
+            draft: self.drafter.map(|d| d.begin(positions)),
+            ignore_eos: req.ignore_eos,
+            logits_on_host: req.logits_on_host,
+            started: None,
+            prefilled_at: None,
+            stats: RequestStats::default(),
         });
         Ok(id)
     }
@@ -225,11 +323,16 @@ impl<'m> Engine<'m> {
     /// One pass over every active request (see the module docs); returns its events.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
+        let cancelled = self.cancel.is_some_and(|c| c.load(Ordering::Relaxed));
         // Cancelled requests, and those that may generate nothing, end before any work.
         self.seqs.retain_mut(|s| {
-            let done = s.cancelled || s.max_tokens == 0;
+            let done = cancelled || s.cancelled || s.max_tokens == 0;
             if done {
-                let finish = if s.cancelled { Finish::Cancelled } else { s.at_max };
+                let finish = if cancelled || s.cancelled {
+                    Finish::Cancelled
+                } else {
+                    s.at_max
+                };
                 events.push(finished(s, finish));
             }
             !done
@@ -237,13 +340,15 @@ impl<'m> Engine<'m> {
         // The batch: decode tokens first, then prompt pieces while the budget lasts.
         let mut batch = Batch::default();
         let mut budget = self.step_tokens_max;
-        // The sequences whose logits the pass returns, in row order, each with its first row (a
-        // decoding sequence has one row for its token and one after each of its drafts).
-        let mut rows: Vec<(usize, usize)> = Vec::new();
+        // The sequences whose logits the pass returns, in row order: each with its first row and
+        // its number of rows (a decoding sequence has one row for its token and one after each of
+        // its drafts; a prompt's last piece, one).
+        let mut rows: Vec<(usize, usize, usize)> = Vec::new();
         let mut n_rows = 0;
         let mut members: Vec<usize> = Vec::new(); // sequence index in `seqs` of each cache slot
-                                                  // Drafts only take what the step has left once every decoding request has its token and
-                                                  // prompts waiting to be fed have up to half the step: no request waits for another's drafts.
+        let mut decode_fed = 0;
+        // Drafts only take what the step has left once every decoding request has its token and
+        // prompts waiting to be fed have up to half the step: no request waits for another's drafts.
         let mut decoders_after = self.seqs.iter().filter(|s| s.next.is_some()).count();
         let prompt_left: usize = self
             .seqs
@@ -252,6 +357,7 @@ impl<'m> Engine<'m> {
             .map(|s| s.prompt.len() - s.fed)
             .sum();
         let for_prompts = prompt_left.min(budget / 2);
+        let now = Instant::now();
         for (i, s) in self.seqs.iter_mut().enumerate() {
             s.drafts.clear();
             if let (Some(t), true) = (s.next, budget > 0) {
@@ -263,29 +369,35 @@ impl<'m> Engine<'m> {
                 // generate.
                 let spare = budget.saturating_sub(1 + decoders_after + for_prompts);
                 let room = spare.min(s.max_tokens - s.generated - 1);
-                s.drafts = lookup_draft(&s.context, s.lookup.min(room));
+                s.drafts = match (self.drafter, s.draft.as_mut()) {
+                    (Some(d), Some(st)) => d.draft(st, &s.context, room)?,
+                    _ => lookup_draft(&s.context, s.lookup.min(room)),
+                };
                 batch.push(slot, t, s.cache.len, true);
                 for (j, &d) in s.drafts.iter().enumerate() {
                     batch.push(slot, d, s.cache.len + 1 + j, true);
                 }
-                rows.push((i, n_rows));
+                rows.push((i, n_rows, 1 + s.drafts.len()));
                 n_rows += 1 + s.drafts.len();
                 budget -= 1 + s.drafts.len();
+                decode_fed += 1 + s.drafts.len();
                 self.drafted += s.drafts.len() as u64;
+                s.stats.drafted += s.drafts.len();
             }
         }
-        for (i, s) in self.seqs.iter().enumerate() {
+        for (i, s) in self.seqs.iter_mut().enumerate() {
             if s.next.is_some() || budget == 0 {
                 continue;
             }
             let take = (s.prompt.len() - s.fed).min(budget);
             let slot = members.len();
             members.push(i);
+            s.started.get_or_insert(now);
             for j in 0..take {
                 let last = s.fed + j + 1 == s.prompt.len();
                 batch.push(slot, s.prompt[s.fed + j], s.cache.len + j, last);
                 if last {
-                    rows.push((i, n_rows));
+                    rows.push((i, n_rows, 1));
                     n_rows += 1;
                 }
             }
@@ -297,20 +409,26 @@ impl<'m> Engine<'m> {
         let hooks = Passes {
             stream: self.stream,
             batch_tokens_max: self.step_tokens_max,
-            cancel: None,
+            cancel: self.cancel,
         }
         .hooks(self.mask, None);
+        let stop_ids = self.model.tokenizer.stop_ids();
         // Each row's argmax (greedy) or k most likely tokens (a draw with a top-k) is all a
         // sequence samples from: the device finds them (see `Want::Greedy`, `Want::Top`; the
         // largest k asked, a row's first k of them being its own k; and the argmax too when
         // greedy sequences are among them). Log-probabilities need each row's log-sum-exp
         // beside them, and top log-probabilities at least as many candidates. Only a draw from
         // the whole vocabulary (top-k 0, or more than the device lists), or more top
-        // log-probabilities than it lists, needs the logits.
+        // log-probabilities than it lists, needs the logits; so do rows that disagree on
+        // banning the stop tokens (`ignore_eos`: banned on the host then), and a request that
+        // asks for them (`logits_on_host`).
         let (mut greedy, mut sampled, mut lse, mut top_k) = (0usize, 0usize, false, Some(1usize));
-        for &(i, _) in &rows {
+        let (mut bans, mut on_host) = (0usize, false);
+        for &(i, _, _) in &rows {
             let s = &self.seqs[i];
             lse |= s.logprobs || s.top_logprobs > 0;
+            bans += s.ignore_eos as usize;
+            on_host |= s.logits_on_host;
             let own = if s.sampler.is_greedy() {
                 greedy += 1;
                 Some(1)
@@ -323,47 +441,98 @@ impl<'m> Engine<'m> {
                 .map(|(a, b)| a.max(b).max(s.top_logprobs))
                 .filter(|&k| k <= crate::model::batch::TOP_K_MAX);
         }
+        let banned: &[u32] = if bans > 0 { stop_ids } else { &[] };
         let want = match top_k {
-            Some(_) if sampled == 0 && !lse => Want::Greedy { banned: &[] },
+            _ if on_host || (bans > 0 && bans < rows.len()) => Want::Logits,
+            Some(_) if sampled == 0 && !lse => Want::Greedy { banned },
             Some(k) => Want::Top {
                 k,
-                banned: &[],
+                banned,
                 greedy: greedy > 0,
                 lse,
             },
             None => Want::Logits,
         };
-        let logits = {
+        if let Some(m) = self.prompt_mask {
+            m.prompt_tokens(batch.len() - decode_fed);
+        }
+        let pass = {
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
             let mut by_index: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
             for &i in &members {
                 caches.push(&mut by_index[i].take().expect("one slot per sequence").cache);
             }
-            self.model.forward_batch_want(&batch, &mut caches, &hooks, want)?
+            self.model.forward_batch_want(&batch, &mut caches, &hooks, want)
         };
+        // A mask that learns from prompts is told when no prompt is left to feed (also when the
+        // pass failed), so the next prompt votes from nothing.
+        if let (Some(m), true) = (self.prompt_mask, pass.is_err()) {
+            m.prompt_tokens(0);
+        }
+        let mut logits = match pass {
+            Ok(l) => l,
+            // Cancelled inside the pass: every request ends with the tokens it had; nothing is
+            // sampled from the pass.
+            Err(Error::Cancelled) => {
+                for mut s in self.seqs.drain(..) {
+                    events.push(finished(&mut s, Finish::Cancelled));
+                }
+                return Ok(events);
+            }
+            Err(e) => return Err(e),
+        };
+        let done = Instant::now();
         // Prompt tokens fed.
+        let mut prompt_done = false;
         for (slot, &i) in members.iter().enumerate() {
             let s = &mut self.seqs[i];
             if s.next.is_none() {
                 s.fed += batch.seq_of_token.iter().filter(|&&x| x == slot).count();
+                s.stats.prefilled = s.fed;
+                if s.fed == s.prompt.len() {
+                    s.prefilled_at = Some(done);
+                    prompt_done = true;
+                }
+            }
+        }
+        if let (true, Some(stream)) = (prompt_done, self.stream) {
+            stream.prefill_done();
+        }
+        if let (Some(m), true) = (
+            self.prompt_mask,
+            self.seqs.iter().all(|s| s.next.is_some() || s.fed == s.prompt.len()),
+        ) {
+            m.prompt_tokens(0);
+        }
+        let vocab = self.model.config.vocab;
+        // Rows of a request that bans the stop tokens, where the pass brought logits.
+        if let PassOut::Logits(l) = &mut logits {
+            for &(i, r0, n) in &rows {
+                if self.seqs[i].ignore_eos {
+                    for row in l[r0 * vocab..(r0 + n) * vocab].chunks_exact_mut(vocab) {
+                        crate::model::sampler::ban(row, stop_ids);
+                    }
+                }
             }
         }
         // Sample every sequence that got logits, its drafts verified (see `walk_rows`); the cache
         // is rolled back past a rejected draft.
-        let vocab = self.model.config.vocab;
         let tokenizer = &self.model.tokenizer;
         let mut ended = Vec::new();
-        for &(i, r0) in &rows {
+        for &(i, r0, n) in &rows {
             let s = &mut self.seqs[i];
-            let pass_rows = logits.rows_for(r0, 1 + s.drafts.len(), vocab, s.sampler.is_greedy());
+            let decoding = s.next.is_some();
+            s.stats.decode_passes += decoding as usize;
+            let pass_rows = logits.rows_for(r0, n, vocab, s.sampler.is_greedy());
             let mut end = None;
             let (kept, next) = walk_rows(&mut s.sampler, pass_rows, vocab, &s.drafts, &mut |t, row| {
+                s.stats.decode_tokens += decoding as usize;
                 let Some((text, logprob)) = take_token(tokenizer, &mut s.decoder, row, t, s.logprobs) else {
                     end = Some(Finish::StopToken);
                     return false;
                 };
                 s.generated += 1;
-                if s.lookup > 0 {
+                if !s.context.is_empty() {
                     s.context.push(t);
                 }
                 let top = row.top_logprobs(s.top_logprobs);
@@ -385,6 +554,7 @@ impl<'m> Engine<'m> {
                 end.is_none()
             });
             self.accepted += kept as u64;
+            s.stats.accepted += kept;
             match (next, end) {
                 (Some(t), _) => {
                     if kept < s.drafts.len() {
@@ -425,15 +595,115 @@ pub fn check(model: &Model, req: &Request, ctx: usize) -> Result<ContextPlan> {
     model.context_plan(req.prompt_ids.len(), req.max_tokens, ctx)
 }
 
+/// Token `t`, chosen from `row`: `None` when it is a stop token, else the text it completes
+/// and (when asked) its log-probability ([`Row::logprob`]; a pass asked for logprobs hands over
+/// logits or candidates with their log-sum-exp).
+fn take_token(
+    tokenizer: &Tokenizer,
+    decoder: &mut StreamDecoder,
+    row: Row,
+    t: u32,
+    logprobs: bool,
+) -> Option<(String, Option<f32>)> {
+    if tokenizer.is_stop(t) {
+        return None;
+    }
+    let logprob = logprobs.then(|| row.logprob(t)).flatten();
+    debug_assert!(
+        !logprobs || logprob.is_some(),
+        "logprobs asked of a pass that cannot give them: {row:?}"
+    );
+    Some((decoder.push(t).unwrap_or_default(), logprob))
+}
+
+/// One sequence's rows of a pass (`rows`: row j follows `drafts[..j]`; row 0 is the fed token's):
+/// each row's token is sampled, or verified against the row's draft, and handed to `emit`
+/// (with its row), which says whether generation goes on. A kept draft moves on to the next row;
+/// the first token that is not its row's draft ends the pass. Returns the drafts kept, and the
+/// token to feed next (`None` when `emit` ended the sequence). The KV cache then holds the pass's
+/// positions up to `pass start + 1 + kept`; the rest are rolled back.
+///
+/// Rows of tokens (a greedy pass: `Want::Greedy`) are each row's token as greedy sampling
+/// would pick it from the row's logits; rows of candidates (`Want::Top`) are drawn from as
+/// the row's logits would be, or give their greedy tokens when they have them. `emit` gets the
+/// row as the pass gave it ([`Row`]), for log-probabilities.
+fn walk_rows(
+    sampler: &mut Sampler,
+    rows: Rows,
+    vocab: usize,
+    drafts: &[u32],
+    emit: &mut dyn FnMut(u32, Row) -> bool,
+) -> (usize, Option<u32>) {
+    let n = match rows {
+        Rows::Logits(l) => l.len() / vocab.max(1),
+        Rows::Tokens(t) => t.len(),
+        Rows::Top { k, pairs, .. } => pairs.len() / k.max(1),
+    };
+    for j in 0..n.min(drafts.len() + 1) {
+        let draft = drafts.get(j).copied();
+        let (t, row) = match rows {
+            Rows::Logits(l) => {
+                let row = &l[j * vocab..(j + 1) * vocab];
+                let t = match draft {
+                    Some(d) => sampler.verify(row, d),
+                    None => sampler.sample(row),
+                };
+                (t, Row::Logits(row))
+            }
+            Rows::Tokens(ids) => {
+                debug_assert!(sampler.is_greedy(), "tokens handed over for a sampler that draws");
+                (ids[j], Row::Token)
+            }
+            Rows::Top { k, pairs, lse, tokens } => {
+                let top = &pairs[j * k..(j + 1) * k];
+                let t = match (tokens.get(j), draft) {
+                    (Some(&t), _) => {
+                        debug_assert!(sampler.is_greedy(), "tokens handed over for a sampler that draws");
+                        t
+                    }
+                    (None, Some(d)) => sampler.verify_top(top, d),
+                    (None, None) => sampler.sample_top(top),
+                };
+                (
+                    t,
+                    Row::Top {
+                        pairs: top,
+                        lse: lse.get(j).copied(),
+                    },
+                )
+            }
+        };
+        let kept = draft == Some(t);
+        if !emit(t, row) {
+            return (j + kept as usize, None);
+        }
+        if !kept {
+            return (j, Some(t));
+        }
+    }
+    unreachable!("the row after the last draft has no draft, so it ends the walk")
+}
+
+/// The event that ends `s`, with what it cost.
 fn finished(s: &mut Sequence, finish: Finish) -> Event {
     let mut text = std::mem::take(&mut s.held);
     if finish != Finish::StopString {
         text.push_str(&s.decoder.flush().unwrap_or_default());
     }
+    let now = Instant::now();
+    let since = |t: Option<Instant>| t.map_or(0.0, |t| now.duration_since(t).as_secs_f64());
+    let mut stats = s.stats;
+    stats.prefill_s = match (s.started, s.prefilled_at) {
+        (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
+        (a, _) => since(a),
+    };
+    stats.decode_s = since(s.prefilled_at);
+    stats.draft_seconds = s.draft.as_ref().map_or(0.0, |d| d.seconds());
     Event::Finished {
         request: s.id,
         finish,
         text,
+        stats,
     }
 }
 
