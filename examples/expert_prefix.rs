@@ -16,7 +16,7 @@ use std::sync::Mutex;
 
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::kv::KvCache;
-use gatestream::model::forward::{FfnHooks, FfnMask, FfnNeurons};
+use gatestream::model::forward::{FfnHooks, FfnMask};
 use gatestream::model::{LoadOptions, Model};
 use gatestream::perplexity::window_tokens;
 
@@ -144,7 +144,6 @@ fn main() {
     // Perplexity over windows `ws` with `mask` (llama-perplexity's scoring: the second half).
     let run = |mask: Option<&dyn FfnMask>, ws: std::ops::Range<usize>| -> f64 {
         let hooks = FfnHooks {
-            select: &|_, _| FfnNeurons::All,
             observe: None,
             mask,
             stream: None,

@@ -770,7 +770,6 @@ fn the_runtime_streams_a_long_prompt_in_batches() {
     // One pass over more tokens than a batch is refused, naming the limit.
     let mut cache = gatestream::kv::KvCache::new(&rt.model.config, ids.len());
     let hooks = FfnHooks {
-        select: &|_, _| gatestream::model::forward::FfnNeurons::All,
         observe: None,
         mask: None,
         stream: rt.layer_stream(),
@@ -1107,7 +1106,6 @@ fn the_context_bounds_prompt_and_generation() {
 fn cancel_stops_a_pass_between_layers() {
     use gatestream::kv::KvCache;
     use gatestream::model::batch::Logits;
-    use gatestream::model::forward::FfnNeurons;
     let m = smollm2();
     let ids = m.prompt_ids(LONG_PROMPT, false).unwrap();
     let cancel = AtomicBool::new(false);
@@ -1119,7 +1117,6 @@ fn cancel_stops_a_pass_between_layers() {
         }
     };
     let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
         observe: Some(&observe),
         mask: None,
         stream: None,

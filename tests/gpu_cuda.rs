@@ -34,7 +34,7 @@ use gatestream::backend::{Device, HostLink, LinkCounters};
 use gatestream::config::Arch;
 use gatestream::kv::KvCache;
 use gatestream::model::batch::{Logits, Want};
-use gatestream::model::forward::{FfnHooks, FfnMask, FfnNeurons, LayerStream};
+use gatestream::model::forward::{FfnHooks, FfnMask, LayerStream};
 use gatestream::model::sampler::argmax;
 use gatestream::model::weights::FfnDown;
 use gatestream::model::{LoadOptions, Model};
@@ -1097,7 +1097,6 @@ fn kernels_of_each_type(
 /// The given stream and mask (if any).
 fn masked_hooks<'a>(stream: Option<&'a dyn LayerStream>, mask: Option<&'a dyn FfnMask>) -> FfnHooks<'a> {
     FfnHooks {
-        select: &|_, _| FfnNeurons::All,
         observe: None,
         mask,
         stream,

@@ -6,7 +6,6 @@ mod common;
 use common::*;
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
-use gatestream::model::forward::{FfnHooks, FfnNeurons};
 use gatestream::model::sampler::argmax;
 use gatestream::model::{LoadOptions, Model};
 
@@ -91,49 +90,6 @@ fn batched_prefill_equals_token_by_token_decode() {
     for (i, d) in batched_vs_one_by_one(&model, &prompt).into_iter().enumerate() {
         assert!(d < 1e-4, "position {i}: logits differ by {d}");
     }
-}
-
-#[test]
-fn ffn_over_all_neurons_as_a_subset_equals_dense() {
-    let model = Model::load(&stories_dir(), &LoadOptions::default()).unwrap();
-    let prompt = model.tokenizer.encode("Once upon a time", true).unwrap();
-    let all: Vec<u32> = (0..model.config.ffn as u32).collect();
-    let mut c1 = KvCache::new(&model.config, 16);
-    let mut c2 = KvCache::new(&model.config, 16);
-    let dense = model.forward(&prompt, &mut c1, Logits::From(0)).unwrap();
-    let subset = model
-        .forward_with(
-            &prompt,
-            &mut c2,
-            Logits::From(0),
-            &FfnHooks {
-                select: &|_, _| FfnNeurons::Subset(&all),
-                observe: None,
-                mask: None,
-                stream: None,
-                cancel: None,
-            },
-        )
-        .unwrap();
-    assert_eq!(dense, subset);
-    // And dropping half the neurons changes the output (the subset is really used).
-    let half: Vec<u32> = (0..model.config.ffn as u32 / 2).collect();
-    let mut c3 = KvCache::new(&model.config, 16);
-    let sparse = model
-        .forward_with(
-            &prompt,
-            &mut c3,
-            Logits::From(0),
-            &FfnHooks {
-                select: &|_, _| FfnNeurons::Subset(&half),
-                observe: None,
-                mask: None,
-                stream: None,
-                cancel: None,
-            },
-        )
-        .unwrap();
-    assert_ne!(dense, sparse);
 }
 
 #[test]

@@ -431,7 +431,6 @@ fn eval_measures_masks_inside_experts_and_fewer_experts() {
 /// Hooks with `mask` and nothing else.
 fn masked(mask: Option<&dyn gatestream::model::forward::FfnMask>) -> FfnHooks<'_> {
     FfnHooks {
-        select: &|_, _| gatestream::model::forward::FfnNeurons::All,
         observe: None,
         mask,
         stream: None,
@@ -613,9 +612,13 @@ fn masks_streaming_and_reformat_are_refused_for_experts() {
     let tmp = tempfile::tempdir().unwrap();
     let path = make(tmp.path(), &spec(Arch::Qwen3Moe, GgmlType::Q8_0, true), "m.gguf");
     let model = load(&path);
-    let all: Vec<u32> = (0..8).collect();
+    // A mask that keeps per-layer state (as a threshold or union mask does: not inside experts).
+    struct LayerState;
+    impl gatestream::model::forward::FfnMask for LayerState {
+        fn apply(&self, _: usize, _: &[f32], _: &[f32], _: &[f32], _: &mut [f32]) {}
+    }
     let hooks = FfnHooks {
-        select: &|_, _| gatestream::model::forward::FfnNeurons::Subset(&all),
+        mask: Some(&LayerState),
         ..FfnHooks::dense()
     };
     let mut cache = KvCache::new(&model.config, 8);
@@ -870,7 +873,6 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
             let ids = m.tokenizer.encode(text, true).unwrap();
             let mut cache = KvCache::new(&m.config, ids.len() + 2);
             let hooks = FfnHooks {
-                select: &|_, _| gatestream::model::forward::FfnNeurons::All,
                 observe: None,
                 mask: None,
                 stream: Some(&s),
@@ -949,7 +951,6 @@ fn the_hybrid_executor_computes_routed_experts_on_the_cpu() {
             let ids = m.tokenizer.encode(text, true).unwrap();
             let mut cache = KvCache::new(&m.config, ids.len() + 2);
             let hooks = FfnHooks {
-                select: &|_, _| gatestream::model::forward::FfnNeurons::All,
                 observe: None,
                 mask: None,
                 stream: Some(&s),

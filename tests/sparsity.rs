@@ -8,7 +8,7 @@ use common::*;
 use gatestream::eval::{eval, EvalOptions};
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
-use gatestream::model::forward::{FfnHooks, FfnNeurons, Passes};
+use gatestream::model::forward::{FfnHooks, Passes};
 use gatestream::model::{LoadOptions, Model};
 use gatestream::sparsity::calibration::ScorePools;
 use gatestream::sparsity::{Criterion, Masker, Strategy, UpSketches};
@@ -51,7 +51,6 @@ fn evaluate(model: &Model, text: &str, opts: &EvalOptions) -> gatestream::eval::
 fn run(model: &Model, ids: &[u32], mask: Option<&Masker>) -> Vec<f32> {
     let mut cache = KvCache::new(&model.config, ids.len());
     let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
         observe: None,
         mask: mask.map(|m| m as _),
         stream: None,

@@ -16,7 +16,7 @@ use gatestream::gstfile::GstFile;
 use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads, SimFaults, SimReader};
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
-use gatestream::model::forward::{FfnHooks, FfnNeurons};
+use gatestream::model::forward::FfnHooks;
 use gatestream::model::{LoadOptions, Model, Placement};
 use gatestream::reformat::{reformat, ReformatOptions};
 use gatestream::sparsity::{up_set_reads_input, Criterion, Masker, Strategy};
@@ -312,7 +312,6 @@ fn short_reads_are_resumed_and_eio_names_file_offset_and_length() {
     let ids = m.tokenizer.encode("Once upon a time", true).unwrap();
     let mut cache = KvCache::new(&m.config, ids.len());
     let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
         observe: None,
         mask: None,
         stream: Some(&s),
@@ -387,7 +386,6 @@ fn staged_uploads_survive_short_reads_and_report_eio() {
     let s = Streamer::with_readers(&m, &opts, readers(&p, eio), false, Vec::new()).unwrap();
     let mut cache = KvCache::new(&m.config, 4);
     let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
         observe: None,
         mask: Some(&mask),
         stream: Some(&s),

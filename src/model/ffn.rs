@@ -2,9 +2,9 @@
 //! its arithmetic here; a stream ([`LayerStream`]) only hands weights over: the gate (resident
 //! or prefetched), staged up rows and down columns, or, for a streamed decode step, rows where
 //! they are (cache slots, and reads as they land). Phases:
-//! 1. the gate product and its activation (for the selected neurons);
-//! 2. the neurons that need up: every selected one when the rows are in memory (computing them
-//!    costs no reads), the mask's `up_needed` set when they stream; up·x for those;
+//! 1. the gate product and its activation;
+//! 2. the neurons that need up: every one when the rows are in memory (computing them costs no
+//!    reads), the mask's `up_needed` set when they stream; up·x for those;
 //! 3. act(gate)·up, the mask's final choice (`apply`), the observer;
 //! 4. down over the kept neurons: a product of the hidden activations with `[hidden, ffn]` rows,
 //!    or an f64 accumulation of neuron-major `[ffn, hidden]` columns.
@@ -33,7 +33,7 @@ use crate::backend::{Act, Device, Upload};
 use crate::config::{FfnActivation, MoeConfig};
 use crate::error::Error;
 use crate::error::Result;
-use crate::model::forward::{ColdRows, FfnHooks, FfnMask, FfnNeurons, LayerStream};
+use crate::model::forward::{ColdRows, FfnHooks, FfnMask, LayerStream};
 use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
 use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
@@ -69,11 +69,7 @@ impl Model {
         let stream = hooks.stream.and_then(|s| s.expert_layer(l).map(|x| (s, x)));
         let streams_elsewhere = stream.is_none() && hooks.stream.is_some_and(|s| s.streams_ffn());
         let mask = hooks.mask;
-        if streams_elsewhere
-            || hooks.observe.is_some()
-            || !matches!((hooks.select)(l, n), FfnNeurons::All)
-            || mask.is_some_and(|m| !m.inside_experts())
-        {
+        if streams_elsewhere || hooks.observe.is_some() || mask.is_some_and(|m| !m.inside_experts()) {
             return Err(Error::Invalid(
                 "mixture-of-experts models take top-K neuron masks inside each routed expert (--strategy topk with \
                  --criterion gate, exact or candidates); threshold and union masks, the sketch criterion and \
@@ -144,7 +140,6 @@ impl Model {
         // A neuron mask runs inside each routed expert (not the shared one, which every token
         // runs): it sees the expert's own activations, of the model's expert width.
         let masked = FfnHooks {
-            select: &|_, _| FfnNeurons::All,
             observe: None,
             mask: mask.filter(|m| m.masks_neurons()),
             stream: None,
@@ -218,44 +213,32 @@ impl Model {
         let (h, f) = (cfg.hidden, w.gate.rows);
         let n = xn.rows;
         let stream = hooks.stream.filter(|s| s.streams_ffn());
-        let neurons = (hooks.select)(l, n);
 
-        // Phase 1: act(gate·x) `[n, ffn]` (neurons not selected stay exactly zero); in RAM with
-        // every neuron selected, up·x too, from the same prepared input.
+        // Phase 1: act(gate·x) `[n, ffn]`; in RAM, up·x too, from the same prepared input.
         let streamed_gate = match stream {
             Some(s) => s.gate(l)?,
             None => None,
         };
         let gate_w = streamed_gate.as_deref().unwrap_or(&w.gate);
-        let (mut gate, up_with_gate) = match (neurons, stream) {
-            (FfnNeurons::All, None) => {
+        let (mut gate, up_with_gate) = match stream {
+            None => {
                 let mut gu = dev.matmul(&[gate_w, &w.up], xn);
                 let up = gu.pop().expect("up");
                 (gu.pop().expect("gate"), Some(up))
             }
-            (FfnNeurons::All, Some(_)) => (dev.matmul(&[gate_w], xn).remove(0), None),
-            (FfnNeurons::Subset(rows), _) => {
-                let mut g = dev.matmul_rows(gate_w, rows, xn);
-                dev.activate(&mut g, cfg.activation);
-                (dev.scatter_cols(&g, rows, f), None)
-            }
+            Some(_) => (dev.matmul(&[gate_w], xn).remove(0), None),
         };
-        // In RAM, every neuron, nothing watching: act(gate)·up in one operation (phase 3).
-        let plain = matches!(
-            (neurons, stream, hooks.mask, hooks.observe),
-            (FfnNeurons::All, None, None, None)
-        );
-        if let FfnNeurons::All = neurons {
-            if !plain {
-                dev.activate(&mut gate, cfg.activation);
-            }
+        // In RAM, no mask, nothing watching: act(gate)·up in one operation (phase 3).
+        let plain = matches!((stream, hooks.mask, hooks.observe), (None, None, None));
+        if !plain {
+            dev.activate(&mut gate, cfg.activation);
         }
         drop(streamed_gate);
         // The hybrid executor: the rows the device does not keep computed by the host's CPU where
         // they lie, for a pass the stream's cost model gives it (a dense pass, or a decode step
         // whose mask decides from the input and gate alone).
-        let hybrid = match (stream, neurons, hooks.observe) {
-            (Some(s), FfnNeurons::All, None)
+        let hybrid = match (stream, hooks.observe) {
+            (Some(s), None)
                 if !dev.host_memory()
                     && hooks
                         .mask
@@ -275,8 +258,8 @@ impl Model {
         // A masked, streamed decode step: on the host (the CPU device) each row is computed where
         // it lands; a device with memory of its own gets the rows staged in neuron order instead
         // (below), computed by its own products.
-        let decode = match (stream, hooks.mask, n, neurons) {
-            (Some(s), Some(mask), 1, FfnNeurons::All) => Some((s, mask)),
+        let decode = match (stream, hooks.mask, n) {
+            (Some(s), Some(mask), 1) => Some((s, mask)),
             _ => None,
         };
         if let Some((s, mask)) = decode.filter(|_| dev.host_memory()) {
@@ -295,11 +278,10 @@ impl Model {
         // layer waits on the device once (input, gate and up together), not twice.
         let fetch = || (dev.to_host(xn), dev.to_host(&gate));
         let mut scores = hooks.mask.filter(|m| m.up_needed_reads_input()).map(|_| fetch());
-        let mut up = match (up_with_gate, stream, neurons) {
-            (Some(up), _, _) => up,
-            (None, None, FfnNeurons::Subset(rows)) => dev.scatter_cols(&dev.matmul_rows(&w.up, rows, xn), rows, f),
-            (None, None, FfnNeurons::All) => unreachable!("computed with the gate"),
-            (None, Some(s), _) => {
+        let mut up = match (up_with_gate, stream) {
+            (Some(up), _) => up,
+            (None, None) => unreachable!("computed with the gate"),
+            (None, Some(s)) => {
                 let mut need = vec![true; f];
                 if let Some(m) = hooks.mask {
                     // A mask whose up set does not read the input is handed none (it is
@@ -311,60 +293,9 @@ impl Model {
                     }
                     m.up_needed(l, xh, gh, &mut need);
                 }
-                if let FfnNeurons::Subset(rows) = neurons {
-                    let mut selected = vec![false; f];
-                    rows.iter().for_each(|&r| selected[r as usize] = true);
-                    need.iter_mut().zip(&selected).for_each(|(n, s)| *n &= s);
-                }
                 let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
-                let hot = s.hot_rows(l);
-                let k = hot.map_or(0, |(u, _)| u.rows);
-                let mut up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
-                let hot_set: Vec<u32> = up_set.drain(..up_set.partition_point(|&i| (i as usize) < k)).collect();
-                // The stream is asked for rows unless the hot neurons are all the step needs.
-                let asks = k == 0 || !up_set.is_empty();
-                // A decode step's up rows are read by id, in place, where the device mapped the
-                // stream's copy of the layer; else staged as they land (the down columns come in
-                // the down phase, for the kept neurons only). Other passes' rows are staged.
-                let in_place = match (decode, asks) {
-                    (Some(_), true) => s.rows_in_place(l, &up_set, false)?,
-                    _ => None,
-                };
-                let (u, down_w) = match (&in_place, decode) {
-                    _ if !asks => (None, None),
-                    (Some(all), _) => {
-                        // The stream's rows start after the hot ones: row i = neuron k + i.
-                        let ids: Vec<u32> = up_set.iter().map(|&i| i - k as u32).collect();
-                        (Some(dev.matmul_rows(all, &ids, xn)), None)
-                    }
-                    (None, Some(_)) => {
-                        let up_w = staged_decode_up(dev, s, l, &up_set, one_pass, &w.up)?;
-                        (Some(dev.matmul(&[&up_w], xn).remove(0)), None)
-                    }
-                    (None, None) => {
-                        let (up_w, down_w) = s.stage(l, &up_set, one_pass)?;
-                        (Some(dev.matmul(&[&up_w], xn).remove(0)), down_w)
-                    }
-                };
-                let mut up = match u {
-                    Some(u) => dev.scatter_cols(&u, &up_set, f),
-                    None => dev.zeros(n, f),
-                };
-                if let Some((hot_up, _)) = hot.filter(|_| !hot_set.is_empty()) {
-                    let u = match hot_set.len() == k {
-                        true => dev.matmul(&[hot_up], xn).remove(0),
-                        false => dev.matmul_rows(hot_up, &hot_set, xn),
-                    };
-                    dev.add(&mut up, &dev.scatter_cols(&u, &hot_set, f));
-                }
-                streamed = Some(Streamed {
-                    up_set,
-                    hot_set,
-                    one_pass,
-                    down_w,
-                    in_place: in_place.is_some(),
-                    asks,
-                });
+                let (up, st) = self.up_streamed(l, w, xn, s, decode.is_some(), &need, one_pass)?;
+                streamed = Some(st);
                 up
             }
         };
@@ -426,94 +357,168 @@ impl Model {
 
         // Phase 4: down over the kept neurons.
         let d = match (streamed, stream) {
-            (Some(st), Some(s)) => {
-                let hot = s.hot_rows(l);
-                let k = hot.map_or(0, |(u, _)| u.rows);
-                // The neurons kept: the up set when the mask chose before up and the down
-                // columns are at hand with the up rows (staged with them, or in place), else
-                // those some token kept. Hot ones first, then the stream's.
-                let up_set_kept = st.one_pass && (on_device || st.in_place || st.down_w.is_some() || !st.asks);
-                let mut kept: Vec<u32> = match up_set_kept {
-                    true => st.hot_set.iter().chain(&st.up_set).copied().collect(),
-                    false => match &hact_host {
-                        Some(ha) => nonzero_neurons(ha, n, f),
-                        None => nonzero_neurons(&dev.to_host(&hact), n, f),
-                    },
-                };
-                let rest = kept.split_off(kept.partition_point(|&i| (i as usize) < k));
-                if k > 0 {
-                    s.count_hot_rows(l, st.hot_set.len(), kept.len());
-                }
-                // The stream's columns of `rest`: read by id in place where the up rows were
-                // (row i = neuron k + i), else staged (row i = rest[i]; already staged when one
-                // read batch sufficed).
-                let tail = match (st.asks, st.in_place, st.down_w) {
-                    (false, ..) => None,
-                    (true, true, _) if rest.is_empty() => None,
-                    (true, true, _) => Some((
-                        s.rows_in_place(l, &rest, true)?.ok_or_else(|| {
-                            Error::Invalid(format!(
-                                "layer {l}: the stream held the up rows in place but not the down columns"
-                            ))
-                        })?,
-                        true,
-                    )),
-                    (true, false, Some(dw)) => Some((dw, false)),
-                    (true, false, None) => Some((
-                        match decode {
-                            Some(_) => staged_decode_down(dev, s, l, &rest, w.down.weight())?,
-                            None => s.stage_down(l, &rest, &st.up_set)?,
-                        },
-                        false,
-                    )),
-                };
-                let mut d = dev.zeros(n, h);
-                match (hot, tail) {
-                    (None, Some((all, true))) => dev.accumulate_rows(&all, Some(&rest), &hact, &mut d),
-                    (None, Some((dw, false))) if !rest.is_empty() => {
-                        let acts = dev.gather_cols(&hact, &rest);
-                        dev.accumulate_rows(&dw, None, &acts, &mut d);
-                    }
-                    (None, _) => {}
-                    // The hot columns and the stream's summed as one matrix (the result does not
-                    // depend on where the split falls): rows 0..k the hot ones, then the stream's.
-                    (Some((_, hot_down)), Some((tail, true))) => {
-                        let ids: Vec<u32> = kept.iter().chain(&rest).copied().collect();
-                        let ids = (ids.len() < f).then_some(&ids[..]);
-                        dev.accumulate_rows_joined(hot_down, &tail, ids, &hact, &mut d);
-                    }
-                    (Some((_, hot_down)), Some((tail, false))) if !kept.is_empty() || !rest.is_empty() => {
-                        // The hot activations, then the stream's (all of them when every
-                        // neuron is handed over: no gather).
-                        let cols: Vec<u32> = (0..k as u32).chain(rest.iter().copied()).collect();
-                        let gathered = (cols.len() < f).then(|| dev.gather_cols(&hact, &cols));
-                        let acts = gathered.as_ref().unwrap_or(&hact);
-                        let ids: Vec<u32> = kept.iter().copied().chain(k as u32..(k + rest.len()) as u32).collect();
-                        let ids = (ids.len() < cols.len()).then_some(&ids[..]);
-                        dev.accumulate_rows_joined(hot_down, &tail, ids, acts, &mut d);
-                    }
-                    (Some((_, hot_down)), None) if !kept.is_empty() => {
-                        let acts = dev.gather_cols(&hact, &(0..k as u32).collect::<Vec<_>>());
-                        let ids = (kept.len() < k).then_some(&kept[..]);
-                        dev.accumulate_rows(hot_down, ids, &acts, &mut d);
-                    }
-                    (Some(_), _) => {}
-                }
-                d
-            }
+            (Some(st), Some(s)) => self.down_streamed(l, w, s, st, &hact, hact_host.as_deref(), on_device)?,
             _ => match &w.down {
                 FfnDown::Rows(down) => dev.matmul(&[down], &hact).remove(0),
                 FfnDown::Columns(down_t) => {
-                    let rows = match neurons {
-                        FfnNeurons::All => None,
-                        FfnNeurons::Subset(rows) => Some(rows),
-                    };
                     let mut d = dev.zeros(n, h);
-                    dev.accumulate_rows(down_t, rows, &hact, &mut d);
+                    dev.accumulate_rows(down_t, None, &hact, &mut d);
                     d
                 }
             },
         };
+        Ok(d)
+    }
+
+    /// Phase 2 of a streamed step: up·x `[n, ffn]` for the neurons `need` names, the device's hot
+    /// ones from its own copy (`LayerStream::hot_rows`) and the rest as the stream hands them
+    /// over ([`UpRows`]), the down columns with them when `one_pass` allows (one read batch).
+    #[allow(clippy::too_many_arguments)]
+    fn up_streamed(
+        &self,
+        l: usize,
+        w: &FfnWeights,
+        xn: &Act,
+        s: &dyn LayerStream,
+        decode: bool,
+        need: &[bool],
+        one_pass: bool,
+    ) -> Result<(Act, Streamed)> {
+        let dev = &*self.device;
+        let (n, f) = (xn.rows, w.gate.rows);
+        let hot = s.hot_rows(l);
+        let k = hot.map_or(0, |(u, _)| u.rows);
+        let mut up_set: Vec<u32> = (0..f as u32).filter(|&i| need[i as usize]).collect();
+        let hot_set: Vec<u32> = up_set.drain(..up_set.partition_point(|&i| (i as usize) < k)).collect();
+        // The stream is asked for rows unless the hot neurons are all the step needs. A decode
+        // step's up rows are read by id, in place, where the device mapped the stream's copy of
+        // the layer; else staged as they land (the down columns come in the down phase, for the
+        // kept neurons only). Other passes' rows are staged.
+        let asks = k == 0 || !up_set.is_empty();
+        let (rows, u) = match (asks, decode) {
+            (false, _) => (UpRows::HotOnly, None),
+            (true, true) => match s.rows_in_place(l, &up_set, false)? {
+                Some(all) => {
+                    // The stream's rows start after the hot ones: row i = neuron k + i.
+                    let ids: Vec<u32> = up_set.iter().map(|&i| i - k as u32).collect();
+                    (UpRows::InPlace, Some(dev.matmul_rows(&all, &ids, xn)))
+                }
+                None => {
+                    let up_w = staged_decode_up(dev, s, l, &up_set, one_pass, &w.up)?;
+                    (UpRows::StagedDecode, Some(dev.matmul(&[&up_w], xn).remove(0)))
+                }
+            },
+            (true, false) => {
+                let (up_w, down) = s.stage(l, &up_set, one_pass)?;
+                (UpRows::Staged { down }, Some(dev.matmul(&[&up_w], xn).remove(0)))
+            }
+        };
+        let mut up = match u {
+            Some(u) => dev.scatter_cols(&u, &up_set, f),
+            None => dev.zeros(n, f),
+        };
+        if let Some((hot_up, _)) = hot.filter(|_| !hot_set.is_empty()) {
+            let u = match hot_set.len() == k {
+                true => dev.matmul(&[hot_up], xn).remove(0),
+                false => dev.matmul_rows(hot_up, &hot_set, xn),
+            };
+            dev.add(&mut up, &dev.scatter_cols(&u, &hot_set, f));
+        }
+        Ok((
+            up,
+            Streamed {
+                up_set,
+                hot_set,
+                one_pass,
+                rows,
+            },
+        ))
+    }
+
+    /// Phase 4 of a streamed step: down over the kept neurons of the hidden activations `hact`
+    /// (`hact_host`: the host's copy, where the mask made them there), the device's hot columns
+    /// from its own copy and the rest where phase 2's rows say ([`UpRows`], [`DownTail`]).
+    /// `on_device`: the device made the activations of exactly the up set.
+    #[allow(clippy::too_many_arguments)]
+    fn down_streamed(
+        &self,
+        l: usize,
+        w: &FfnWeights,
+        s: &dyn LayerStream,
+        st: Streamed,
+        hact: &Act,
+        hact_host: Option<&[f32]>,
+        on_device: bool,
+    ) -> Result<Act> {
+        let dev = &*self.device;
+        let (n, h, f) = (hact.rows, self.config.hidden, w.gate.rows);
+        let hot = s.hot_rows(l);
+        let k = hot.map_or(0, |(u, _)| u.rows);
+        // The neurons kept: the up set when the mask chose before up and the down columns are
+        // at hand with the up rows (staged with them, or in place), else those some token kept.
+        // Hot ones first, then the stream's.
+        let at_hand = match &st.rows {
+            UpRows::HotOnly | UpRows::InPlace => true,
+            UpRows::Staged { down } => down.is_some(),
+            UpRows::StagedDecode => false,
+        };
+        let mut kept: Vec<u32> = match st.one_pass && (on_device || at_hand) {
+            true => st.hot_set.iter().chain(&st.up_set).copied().collect(),
+            false => match hact_host {
+                Some(ha) => nonzero_neurons(ha, n, f),
+                None => nonzero_neurons(&dev.to_host(hact), n, f),
+            },
+        };
+        let rest = kept.split_off(kept.partition_point(|&i| (i as usize) < k));
+        if k > 0 {
+            s.count_hot_rows(l, st.hot_set.len(), kept.len());
+        }
+        let tail = match st.rows {
+            UpRows::HotOnly => None,
+            UpRows::InPlace if rest.is_empty() => None,
+            UpRows::InPlace => Some(DownTail::InPlace(s.rows_in_place(l, &rest, true)?.ok_or_else(
+                || {
+                    Error::Invalid(format!(
+                        "layer {l}: the stream held the up rows in place but not the down columns"
+                    ))
+                },
+            )?)),
+            UpRows::Staged { down: Some(dw) } => Some(DownTail::Staged(dw)),
+            UpRows::Staged { down: None } => Some(DownTail::Staged(s.stage_down(l, &rest, &st.up_set)?)),
+            UpRows::StagedDecode => Some(DownTail::Staged(staged_decode_down(dev, s, l, &rest, w.down.weight())?)),
+        };
+        let mut d = dev.zeros(n, h);
+        match (hot, tail) {
+            (None, Some(DownTail::InPlace(all))) => dev.accumulate_rows(&all, Some(&rest), hact, &mut d),
+            (None, Some(DownTail::Staged(dw))) if !rest.is_empty() => {
+                let acts = dev.gather_cols(hact, &rest);
+                dev.accumulate_rows(&dw, None, &acts, &mut d);
+            }
+            (None, _) => {}
+            // The hot columns and the stream's summed as one matrix (the result does not depend
+            // on where the split falls): rows 0..k the hot ones, then the stream's.
+            (Some((_, hot_down)), Some(DownTail::InPlace(tail))) => {
+                let ids: Vec<u32> = kept.iter().chain(&rest).copied().collect();
+                let ids = (ids.len() < f).then_some(&ids[..]);
+                dev.accumulate_rows_joined(hot_down, &tail, ids, hact, &mut d);
+            }
+            (Some((_, hot_down)), Some(DownTail::Staged(tail))) if !kept.is_empty() || !rest.is_empty() => {
+                // The hot activations, then the stream's (all of them when every neuron is
+                // handed over: no gather).
+                let cols: Vec<u32> = (0..k as u32).chain(rest.iter().copied()).collect();
+                let gathered = (cols.len() < f).then(|| dev.gather_cols(hact, &cols));
+                let acts = gathered.as_ref().unwrap_or(hact);
+                let ids: Vec<u32> = kept.iter().copied().chain(k as u32..(k + rest.len()) as u32).collect();
+                let ids = (ids.len() < cols.len()).then_some(&ids[..]);
+                dev.accumulate_rows_joined(hot_down, &tail, ids, acts, &mut d);
+            }
+            (Some((_, hot_down)), None) if !kept.is_empty() => {
+                let acts = dev.gather_cols(hact, &(0..k as u32).collect::<Vec<_>>());
+                let ids = (kept.len() < k).then_some(&kept[..]);
+                dev.accumulate_rows(hot_down, ids, &acts, &mut d);
+            }
+            (Some(_), _) => {}
+        }
         Ok(d)
     }
 
@@ -754,12 +759,32 @@ struct Streamed {
     hot_set: Vec<u32>,
     /// The mask chose before up (or there is none): the down set is the up set.
     one_pass: bool,
-    /// Down columns staged with the up rows (one read batch).
-    down_w: Option<Weight>,
-    /// The up rows were read by id, in place (`LayerStream::rows_in_place`).
-    in_place: bool,
-    /// The stream was asked for rows (not when the hot neurons were all the step needed).
-    asks: bool,
+    /// Where the up rows came from, which says where the down columns come from.
+    rows: UpRows,
+}
+
+/// Where a streamed step's up rows came from (decided once, in phase 2), and so where phase 4
+/// finds its down columns.
+enum UpRows {
+    /// The device's hot neurons were all the step needed: the stream was not asked.
+    HotOnly,
+    /// A decode step's rows read by id where the device mapped the stream's copy of the layer
+    /// (`LayerStream::rows_in_place`): the kept neurons' down columns are read there too.
+    InPlace,
+    /// A decode step's rows staged as they landed: the kept neurons' down columns are staged
+    /// the same way.
+    StagedDecode,
+    /// A pass's rows staged by the stream, with the down columns when one read batch sufficed
+    /// (`down`), else the kept neurons' columns staged after.
+    Staged { down: Option<Weight> },
+}
+
+/// The stream's down columns of the kept neurons past the hot ones, for phase 4.
+enum DownTail {
+    /// In place: row i is neuron k + i (k hot neurons).
+    InPlace(Weight),
+    /// Staged: row i is the i-th kept neuron past the hot ones.
+    Staged(Weight),
 }
 
 /// The neurons (of `f`) some token of the hidden activations `ha` `[n, f]` keeps (non-zero).

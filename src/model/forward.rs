@@ -1,7 +1,7 @@
 //! The forward pass: embeddings, per-layer attention with a KV cache and the gated FFN, final
 //! norm and logits. One code path serves batched prefill (many tokens at once, each weight read
-//! once per batch) and decode (one token). The FFN can be computed over a subset of neurons
-//! (`FfnNeurons`), the seam the sparse streaming path builds on.
+//! once per batch) and decode (one token). A mask ([`FfnMask`]) picks the FFN neurons that
+//! count, the seam the sparse streaming path builds on.
 
 use std::borrow::Cow;
 
@@ -13,24 +13,14 @@ use crate::model::weights::LayerWeights;
 use crate::model::{Model, Placement};
 use crate::tensor::Weight;
 
-/// Which FFN neurons to compute. `All` is the dense model; `Subset` computes gate and up only
-/// for the listed neurons and treats the others as exactly zero.
-#[derive(Clone, Copy, Debug)]
-pub enum FfnNeurons<'a> {
-    All,
-    Subset(&'a [u32]),
-}
-
 /// `(layer, act(gate), act(gate)·up)` — see [`FfnHooks::observe`].
 pub type FfnObserver<'a> = &'a (dyn Fn(usize, &[f32], &[f32]) + Sync);
 
-/// Per-layer control over the FFN: which neurons to compute, and an observer that sees the
+/// Per-layer control over the FFN: the neurons that count, and an observer that sees the
 /// activations (calibration collects statistics through it).
 pub struct FfnHooks<'a> {
-    /// `(layer, n_tokens)` → the neurons to compute for that layer.
-    pub select: &'a (dyn Fn(usize, usize) -> FfnNeurons<'a> + Sync),
     /// `(layer, act(gate), act(gate)·up)`, both `[n_tokens, ffn]`, after a layer's FFN hidden
-    /// activations are computed (neurons not computed are zero).
+    /// activations are computed (neurons a mask dropped are zero).
     pub observe: Option<FfnObserver<'a>>,
     /// Chooses which of the computed neurons count, after gate and up are known.
     pub mask: Option<&'a dyn FfnMask>,
@@ -249,7 +239,6 @@ impl FfnHooks<'_> {
     /// The dense model: every neuron, no observer, no mask.
     pub fn dense() -> FfnHooks<'static> {
         FfnHooks {
-            select: &|_, _| FfnNeurons::All,
             observe: None,
             mask: None,
             stream: None,
@@ -286,7 +275,6 @@ impl<'a> Passes<'a> {
         'a: 'h,
     {
         FfnHooks {
-            select: &|_, _| FfnNeurons::All,
             observe,
             mask,
             stream: self.stream,

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use crate::error::Result;
 use crate::kv::KvCache;
 use crate::model::batch::Logits;
-use crate::model::forward::{FfnHooks, FfnNeurons};
+use crate::model::forward::FfnHooks;
 use crate::model::Model;
 use crate::sparsity::calibration::{quantile, text_tail, POOLED_TOKENS_MAX};
 
@@ -89,7 +89,6 @@ pub fn calibrate(
             }
         };
         let hooks = FfnHooks {
-            select: &|_, _| FfnNeurons::All,
             observe: Some(&observe),
             mask: None,
             stream: None,

@@ -262,11 +262,10 @@ pub fn prompt_then_greedy(
     steps: usize,
 ) -> Vec<f32> {
     use gatestream::model::batch::Logits;
-    use gatestream::model::forward::{FfnHooks, FfnNeurons};
+    use gatestream::model::forward::FfnHooks;
     let ids = model.tokenizer.encode(text, true).unwrap();
     let mut cache = gatestream::kv::KvCache::new(&model.config, ids.len() + steps);
     let hooks = FfnHooks {
-        select: &|_, _| FfnNeurons::All,
         observe: None,
         mask,
         stream,
