@@ -15,6 +15,7 @@
 mod driver;
 mod graph;
 mod kv;
+mod launch;
 mod link;
 mod memory;
 pub mod nvrtc;
@@ -87,29 +88,23 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// A block of `threads` a row of `x` running `kernel` (`argmax_rows`, `top_k_rows`), whose
-    /// arguments are the rows, their width, the `banned` ids and their count, `extra`, then an
-    /// output of `out_width` words a row, which is returned.
-    fn pick_rows(
-        &self,
-        kernel: &'static str,
-        threads: u32,
-        x: &Act,
-        banned: &[u32],
-        extra: &[Arg],
-        out_width: usize,
-    ) -> Act {
-        let out = self.act(x.rows, out_width);
-        let idx = self.indices(banned);
+    /// What a row-picking kernel (`argmax_rows`, `top_k_rows`) runs with: a block of `threads`
+    /// a row of `x`, the `banned` ids on the device, and an output of `out_width` words a row.
+    fn pick_rows(&self, threads: u32, x: &Act, banned: &[u32], out_width: usize) -> (LaunchConfig, u64, Act) {
         let cfg = LaunchConfig {
             grid_dim: (x.rows as u32, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut args = vec![ptr(self.buf(x)), int(x.width), ptr(idx), int(banned.len())];
-        args.extend_from_slice(extra);
-        args.push(ptr(self.buf(&out)));
-        self.launch(kernel, None, cfg, &args);
+        (cfg, self.indices(banned), self.act(x.rows, out_width))
+    }
+
+    /// Each row's argmax, the `banned` ids left out: one word a row, the kernel's u32 in an f32
+    /// buffer's bits.
+    fn argmax_launch(&self, x: &Act, banned: &[u32]) -> Act {
+        let (cfg, idx, out) = self.pick_rows(ARGMAX_THREADS, x, banned, 1);
+        self.k()
+            .argmax_rows(cfg, self.buf(x), x.width, idx, banned.len(), self.buf(&out));
         out
     }
 
@@ -286,12 +281,8 @@ impl CudaDevice {
         let out = self.act(1, blocks * Q8K_BLOCK_BYTES / 4);
         if blocks > 0 {
             let cfg = warp_per_block_cfg(blocks);
-            self.launch(
-                "act_q8_k_blocks",
-                None,
-                cfg,
-                &[ptr(self.buf(x)), ptr(self.buf(&out)), ptr(blocks as u64)],
-            );
+            self.k()
+                .act_q8_k_blocks(cfg, self.buf(x), self.buf(&out), blocks as u64);
         }
         (Int8Input::Blocks(self.buf(&out)), Some(out))
     }
@@ -330,12 +321,7 @@ impl CudaDevice {
             block_dim: (MMA_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(
-            "act_f16_rows",
-            None,
-            cfg,
-            &[ptr(self.buf(x)), int(x.width), int(x.rows), ptr(self.buf(&out))],
-        );
+        self.k().act_f16_rows(cfg, self.buf(x), x.width, x.rows, self.buf(&out));
         out
     }
 
@@ -412,12 +398,7 @@ impl CudaDevice {
         let blocks = x.rows * x.width / block;
         if blocks > 0 {
             let cfg = warp_per_block_cfg(blocks);
-            self.launch(
-                kernel,
-                None,
-                cfg,
-                &[ptr(self.buf(x)), ptr(self.buf(&out)), ptr(blocks as u64)],
-            );
+            self.k().act_q8(kernel, cfg, self.buf(x), self.buf(&out), blocks as u64);
         }
         Some(out)
     }
@@ -567,8 +548,9 @@ impl CudaDevice {
                 Arg::F32(v) => b.arg(v),
             };
         }
-        // SAFETY: each kernel's parameters are the (u64 pointer / i32 / f32) values its callers
-        // below pass, in order, and every pointer is a live device buffer of the size it reads.
+        // SAFETY: each kernel's parameters are the (u64 pointer / i32 / f32) values its typed
+        // launcher passes, in order (`launch`, held to the source by its test), and every pointer
+        // is a live device buffer of the size it reads.
         let r = unsafe { b.launch(cfg) };
         self.check(name, r);
     }
@@ -609,41 +591,34 @@ impl CudaDevice {
             block_dim: (ACCUMULATE_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(
-            "accumulate",
-            Some(w.ty),
+        self.k().accumulate(
+            w.ty,
             cfg,
-            &[
-                ptr(wd.ptr),
-                ptr(w.row_stride_bytes as u64),
-                int(joined_rows),
-                ptr(idx),
-                int(n_rows),
-                int(w.cols),
-                ptr(self.buf(acts)),
-                int(n),
-                ptr(self.buf(&partial)),
-                ptr(tp),
-                ptr(tstride),
-                int(w.rows),
-            ],
+            wd.ptr,
+            w.row_stride_bytes as u64,
+            joined_rows,
+            idx,
+            n_rows,
+            w.cols,
+            self.buf(acts),
+            n,
+            self.buf(&partial),
+            tp,
+            tstride,
+            w.rows,
         );
         let len = n * w.cols;
-        self.launch(
-            "accumulate_reduce",
-            None,
+        self.k().accumulate_reduce(
             elementwise_cfg(len),
-            &[
-                ptr(self.buf(&partial)),
-                int(parts),
-                ptr(len as u64),
-                ptr(self.buf_mut(out)),
-            ],
+            self.buf(&partial),
+            parts,
+            len as u64,
+            self.buf_mut(out),
         );
     }
 }
 
-/// A kernel parameter.
+/// A kernel argument as it is queued or recorded (made by the typed launchers, `launch`).
 #[derive(Clone, Copy, Debug)]
 enum Arg {
     U64(u64),
@@ -663,14 +638,6 @@ fn activation_code(f: FfnActivation) -> usize {
 fn f32_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and every byte of an f32 is initialized; u8 needs no alignment.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-fn int(v: usize) -> Arg {
-    Arg::I32(v as i32)
-}
-
-fn ptr(v: u64) -> Arg {
-    Arg::U64(v)
 }
 
 #[cfg(test)]

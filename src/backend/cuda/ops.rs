@@ -89,18 +89,15 @@ impl Device for CudaDevice {
                 block_dim: (128, 1, 1),
                 shared_mem_bytes: 0,
             };
-            self.launch(
-                "embed",
-                Some(w.ty),
+            self.k().embed(
+                w.ty,
                 cfg,
-                &[
-                    ptr(wp),
-                    ptr(w.row_stride_bytes as u64),
-                    ptr(idx),
-                    int(w.cols),
-                    Arg::F32(scale),
-                    ptr(self.buf(&out)),
-                ],
+                wp,
+                w.row_stride_bytes as u64,
+                idx,
+                w.cols,
+                scale,
+                self.buf(&out),
             );
         }
         out
@@ -123,23 +120,15 @@ impl Device for CudaDevice {
 
     fn add(&self, x: &mut Act, y: &Act) {
         let len = x.rows * x.width;
-        self.launch(
-            "add",
-            None,
-            elementwise_cfg(len),
-            &[ptr(self.buf_mut(x)), ptr(self.buf(y)), ptr(len as u64)],
-        );
+        self.k()
+            .add(elementwise_cfg(len), self.buf_mut(x), self.buf(y), len as u64);
     }
 
     fn add_bias(&self, x: &mut Act, b: &[f32]) {
         let len = x.rows * x.width;
         let bp = self.vector(b);
-        self.launch(
-            "add_bias",
-            None,
-            elementwise_cfg(len),
-            &[ptr(self.buf_mut(x)), ptr(bp), int(b.len()), ptr(len as u64)],
-        );
+        self.k()
+            .add_bias(elementwise_cfg(len), self.buf_mut(x), bp, b.len(), len as u64);
     }
 
     fn activate_mul(&self, up: &mut Act, gate: &mut Act, f: FfnActivation) {
@@ -154,25 +143,18 @@ impl Device for CudaDevice {
         let (u, g) = (self.buf_mut(up), self.buf(gate));
         if let Some(blocks) = self.fused_blocks(up.rows, up.width) {
             let n = up.width / 256;
-            self.launch(
-                "activate_mul_q8_k",
-                None,
-                LaunchConfig {
-                    grid_dim: (n as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-                &[ptr(u), ptr(g), int(activation_code(f)), ptr(blocks.ptr), ptr(n as u64)],
-            );
+            let cfg = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            self.k()
+                .activate_mul_q8_k(cfg, u, g, activation_code(f), blocks.ptr, n as u64);
             Self::attach_blocks(up, Some(blocks));
             return;
         }
-        self.launch(
-            "activate_mul",
-            None,
-            elementwise_cfg(len),
-            &[ptr(u), ptr(g), int(activation_code(f)), ptr(len as u64)],
-        );
+        self.k()
+            .activate_mul(elementwise_cfg(len), u, g, activation_code(f), len as u64);
     }
 
     fn add_rms_norm(&self, x: &mut Act, y: &Act, w: &[f32], eps: f32) -> Act {
@@ -194,19 +176,15 @@ impl Device for CudaDevice {
         let wp = self.vector(w);
         let cfg = norm_cfg(x.rows, x.width);
         let blocks = self.fused_blocks(x.rows, x.width);
-        self.launch(
-            "add_rms_norm",
-            None,
+        self.k().add_rms_norm(
             cfg,
-            &[
-                ptr(self.buf_mut(x)),
-                ptr(self.buf(y)),
-                ptr(wp),
-                ptr(self.buf(&out)),
-                int(x.width),
-                Arg::F32(eps),
-                ptr(Self::blocks_ptr(&blocks)),
-            ],
+            self.buf_mut(x),
+            self.buf(y),
+            wp,
+            self.buf(&out),
+            x.width,
+            eps,
+            Self::blocks_ptr(&blocks),
         );
         Self::attach_blocks(&mut out, blocks);
         out
@@ -214,32 +192,19 @@ impl Device for CudaDevice {
 
     fn mul(&self, x: &mut Act, y: &Act) {
         let len = x.rows * x.width;
-        self.launch(
-            "mul",
-            None,
-            elementwise_cfg(len),
-            &[ptr(self.buf_mut(x)), ptr(self.buf(y)), ptr(len as u64)],
-        );
+        self.k()
+            .mul(elementwise_cfg(len), self.buf_mut(x), self.buf(y), len as u64);
     }
 
     fn activate(&self, x: &mut Act, f: FfnActivation) {
         let len = x.rows * x.width;
-        self.launch(
-            "activate",
-            None,
-            elementwise_cfg(len),
-            &[ptr(self.buf_mut(x)), int(activation_code(f)), ptr(len as u64)],
-        );
+        self.k()
+            .activate(elementwise_cfg(len), self.buf_mut(x), activation_code(f), len as u64);
     }
 
     fn softcap(&self, x: &mut Act, cap: f32) {
         let len = x.rows * x.width;
-        self.launch(
-            "softcap",
-            None,
-            elementwise_cfg(len),
-            &[ptr(self.buf_mut(x)), Arg::F32(cap), ptr(len as u64)],
-        );
+        self.k().softcap(elementwise_cfg(len), self.buf_mut(x), cap, len as u64);
     }
 
     fn argmax_rows(&self, x: &Act, banned: &[u32]) -> Vec<u32> {
@@ -247,7 +212,7 @@ impl Device for CudaDevice {
             return vec![0; x.rows];
         }
         // One word a row, the kernel's u32 in an f32 buffer's bits.
-        let out = self.pick_rows("argmax_rows", ARGMAX_THREADS, x, banned, &[], 1);
+        let out = self.argmax_launch(x, banned);
         self.to_host(&out).iter().map(|v| v.to_bits()).collect()
     }
 
@@ -261,17 +226,20 @@ impl Device for CudaDevice {
             return TopRows::default();
         }
         // The greedy tokens' kernel first, so one wait brings both results.
-        let tokens = greedy.then(|| self.pick_rows("argmax_rows", ARGMAX_THREADS, x, banned, &[], 1));
+        let tokens = greedy.then(|| self.argmax_launch(x, banned));
         // Two words a candidate: the id (a u32 in an f32 buffer's bits), then the value; with
         // `lse`, two more a row: the f64's low word, then its high one.
         let width = 2 * k + if lse { 2 } else { 0 };
-        let out = self.pick_rows(
-            "top_k_rows",
-            TOP_K_THREADS,
-            x,
-            banned,
-            &[int(k), int(lse as usize)],
-            width,
+        let (cfg, idx, out) = self.pick_rows(TOP_K_THREADS, x, banned, width);
+        self.k().top_k_rows(
+            cfg,
+            self.buf(x),
+            x.width,
+            idx,
+            banned.len(),
+            k,
+            lse as usize,
+            self.buf(&out),
         );
         let words = self.to_host(&out);
         let mut top = TopRows {
@@ -298,12 +266,7 @@ impl Device for CudaDevice {
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
         let idx = self.indices(&ids);
         let cfg = rows_cfg(x.width, rows.len());
-        self.launch(
-            "select_rows",
-            None,
-            cfg,
-            &[ptr(self.buf(x)), ptr(idx), int(x.width), ptr(self.buf(&out))],
-        );
+        self.k().select_rows(cfg, self.buf(x), idx, x.width, self.buf(&out));
         out
     }
 
@@ -314,18 +277,8 @@ impl Device for CudaDevice {
         }
         let idx = self.indices(cols);
         let cfg = rows_cfg(cols.len(), x.rows);
-        self.launch(
-            "scatter_cols",
-            None,
-            cfg,
-            &[
-                ptr(self.buf(x)),
-                ptr(idx),
-                int(cols.len()),
-                int(width),
-                ptr(self.buf(&out)),
-            ],
-        );
+        self.k()
+            .scatter_cols(cfg, self.buf(x), idx, cols.len(), width, self.buf(&out));
         out
     }
 
@@ -336,18 +289,8 @@ impl Device for CudaDevice {
         }
         let idx = self.indices(cols);
         let cfg = rows_cfg(cols.len(), x.rows);
-        self.launch(
-            "gather_cols",
-            None,
-            cfg,
-            &[
-                ptr(self.buf(x)),
-                ptr(idx),
-                int(cols.len()),
-                int(x.width),
-                ptr(self.buf(&out)),
-            ],
-        );
+        self.k()
+            .gather_cols(cfg, self.buf(x), idx, cols.len(), x.width, self.buf(&out));
         out
     }
 
@@ -413,12 +356,7 @@ impl Device for CudaDevice {
         }
         let info = self.token_kv(positions, seq_of_token, caches);
         let cfg = rows_cfg(k.width, positions.len());
-        self.launch(
-            "kv_write",
-            None,
-            cfg,
-            &[ptr(self.buf(k)), ptr(self.buf(v)), ptr(info), int(layer), int(k.width)],
-        );
+        self.k().kv_write(cfg, self.buf(k), self.buf(v), info, layer, k.width);
     }
 
     fn rope_qk_kv_write(
@@ -487,23 +425,19 @@ impl Device for CudaDevice {
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(
-            "attention",
-            None,
+        self.k().attention(
             cfg,
-            &[
-                ptr(self.buf(q)),
-                ptr(info),
-                int(shape.layer),
-                int(shape.n_heads),
-                int(shape.n_kv_heads),
-                int(shape.head_dim),
-                Arg::F32(shape.scale),
-                int(shape.window.unwrap_or(0)),
-                ptr(self.buf(&scores)),
-                int(max_len),
-                ptr(self.buf(&out)),
-            ],
+            self.buf(q),
+            info,
+            shape.layer,
+            shape.n_heads,
+            shape.n_kv_heads,
+            shape.head_dim,
+            shape.scale,
+            shape.window.unwrap_or(0),
+            self.buf(&scores),
+            max_len,
+            self.buf(&out),
         );
         out
     }
@@ -562,28 +496,30 @@ impl CudaDevice {
             block_dim: (rope_threads(hd), 1, 1),
             shared_mem_bytes: 0,
         };
-        let (v, info, layer) = kv.map_or((0, 0, 0), |(v, info, layer)| (self.buf(v), info, layer));
-        let args = [
-            ptr(self.buf_mut(q)),
-            int(q.width),
-            ptr(qn),
-            ptr(self.buf_mut(k)),
-            int(k.width),
-            ptr(kn),
-            int(hd),
-            ptr(pp),
-            Arg::F32(shape.base),
-            Arg::F32(shape.pos_scale),
-            int(style),
-            Arg::F32(eps),
-            ptr(v),
-            ptr(info),
-            int(layer),
-        ];
-        // `rope_norm` takes the first 12 parameters.
+        let (qp, kp) = (self.buf_mut(q), self.buf_mut(k));
+        let (qw, kw, base, pos_scale) = (q.width, k.width, shape.base, shape.pos_scale);
         match kv {
-            Some(_) => self.launch("rope_norm_kv", None, cfg, &args),
-            None => self.launch("rope_norm", None, cfg, &args[..12]),
+            Some((v, info, layer)) => self.k().rope_norm_kv(
+                cfg,
+                qp,
+                qw,
+                qn,
+                kp,
+                kw,
+                kn,
+                hd,
+                pp,
+                base,
+                pos_scale,
+                style,
+                eps,
+                self.buf(v),
+                info,
+                layer,
+            ),
+            None => self
+                .k()
+                .rope_norm(cfg, qp, qw, qn, kp, kw, kn, hd, pp, base, pos_scale, style, eps),
         }
     }
 
@@ -595,19 +531,8 @@ impl CudaDevice {
         }
         let wp = self.vector(w);
         let cfg = norm_cfg(x.rows, x.width);
-        self.launch(
-            "rms_norm",
-            None,
-            cfg,
-            &[
-                ptr(self.buf(x)),
-                ptr(wp),
-                ptr(self.buf(y)),
-                int(x.width),
-                Arg::F32(eps),
-                ptr(blocks),
-            ],
-        );
+        self.k()
+            .rms_norm(cfg, self.buf(x), wp, self.buf(y), x.width, eps, blocks);
     }
 
     /// `x · w_i` (+ `biases[i]` where given) for each weight: the integer products of one
@@ -677,21 +602,19 @@ impl CudaDevice {
             Int8Input::Blocks(p) => ("matvec_i8", p),
             Int8Input::Values(p) => ("matvec_i8f", p),
         };
-        self.launch(
+        self.k().product_i8(
             kernel,
-            Some(w.ty),
+            w.ty,
             cfg,
-            &[
-                ptr(wd.ptr),
-                ptr(w.row_stride_bytes as u64),
-                int(rows_out),
-                ptr(idx),
-                int(w.cols),
-                ptr(xq),
-                ptr(bp),
-                int(wpr),
-                ptr(self.buf(&out)),
-            ],
+            wd.ptr,
+            w.row_stride_bytes as u64,
+            rows_out,
+            idx,
+            w.cols,
+            xq,
+            bp,
+            wpr,
+            self.buf(&out),
         );
         out
     }
@@ -735,27 +658,41 @@ impl CudaDevice {
         if total == 0 {
             return outs;
         }
-        let mut args = vec![
-            ptr(xq),
-            int(cols),
-            int(wpr),
-            int(nb[0] as usize),
-            int((nb[0] + nb[1]) as usize),
-        ];
-        for i in 0..3 {
-            match (segs.get(i), outs.get(i)) {
-                (Some(&(wp, stride, r, bp)), Some(o)) => {
-                    args.extend([ptr(wp), ptr(stride), int(r), ptr(bp), ptr(self.buf(o))]);
-                }
-                _ => args.extend([ptr(0), ptr(0), int(0), ptr(0), ptr(0)]),
-            }
-        }
+        // Each segment's weight, stride, rows, bias and output (all 0 for an absent one).
+        let seg = |i: usize| match (segs.get(i), outs.get(i)) {
+            (Some(&(wp, stride, r, bp)), Some(o)) => (wp, stride, r, bp, self.buf(o)),
+            _ => (0, 0, 0, 0, 0),
+        };
+        let (s0, s1, s2) = (seg(0), seg(1), seg(2));
         let cfg = LaunchConfig {
             grid_dim: (total, 1, 1),
             block_dim: (32, MATMUL_WARPS, 1),
             shared_mem_bytes: 0,
         };
-        self.launch("matvec_i8x3", Some(ty), cfg, &args);
+        self.k().matvec_i8x3(
+            ty,
+            cfg,
+            xq,
+            cols,
+            wpr,
+            nb[0] as usize,
+            (nb[0] + nb[1]) as usize,
+            s0.0,
+            s0.1,
+            s0.2,
+            s0.3,
+            s0.4,
+            s1.0,
+            s1.1,
+            s1.2,
+            s1.3,
+            s1.4,
+            s2.0,
+            s2.1,
+            s2.2,
+            s2.3,
+            s2.4,
+        );
         drop(on_device);
         outs
     }
@@ -800,33 +737,27 @@ impl CudaDevice {
             };
             (kernel, cfg, self.buf(x), self.buf(&out))
         };
-        self.launch(
+        self.k().product(
             kernel,
-            Some(w.ty),
+            w.ty,
             cfg,
-            &[
-                ptr(wp),
-                ptr(w.row_stride_bytes as u64),
-                int(rows_out),
-                ptr(idx),
-                int(w.cols),
-                ptr(input),
-                int(x.rows),
-                ptr(target),
-            ],
+            wp,
+            w.row_stride_bytes as u64,
+            rows_out,
+            idx,
+            w.cols,
+            input,
+            x.rows,
+            target,
         );
         if let Some(partial) = partial {
             let len = x.rows * rows_out;
-            self.launch(
-                "accumulate_reduce",
-                None,
+            self.k().accumulate_reduce(
                 elementwise_cfg(len),
-                &[
-                    ptr(self.buf(&partial)),
-                    int(cfg.grid_dim.2 as usize),
-                    ptr(len as u64),
-                    ptr(self.buf(&out)),
-                ],
+                self.buf(&partial),
+                cfg.grid_dim.2 as usize,
+                len as u64,
+                self.buf(&out),
             );
         }
         out

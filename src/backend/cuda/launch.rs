@@ -1,0 +1,338 @@
+//! Typed launchers: one method per kernel of `kernels/*.cu` ([`CudaDevice::k`]), its parameters
+//! named and typed in the order of the kernel's `extern "C"` signature; a family of per-type
+//! kernels (`matmul_q4_k`, `matmul_q8_0`, …) is one launcher taking the weight type. A launch
+//! cannot pass a wrong count or kind of argument. Before it is queued, the launcher checks what
+//! the kernel takes for granted: a grid of at least one block, every pointer the kernel reads
+//! or writes non-null (those it may take as 0, "none", are declared `Opt`), every `int` within
+//! an `i32` (a wrapped count would read the wrong memory), and each kernel's own conditions
+//! (`if`). A test holds every list to the signatures in the source.
+
+use super::*;
+
+/// A kernel parameter's kind, as its `extern "C"` signature declares it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// A device pointer the kernel dereferences: never 0.
+    Ptr,
+    /// A device pointer the kernel may take as 0 ("none": all rows, no bias, no blocks).
+    Opt,
+    /// A `u64` count or byte stride.
+    U64,
+    /// An `int`.
+    I32,
+    /// A `float`.
+    F32,
+}
+
+impl Kind {
+    /// The kind a parameter's C type has (the test's reading of the source).
+    #[cfg(test)]
+    fn of_c_type(decl: &str) -> Option<Kind> {
+        let ty = decl.rsplit_once(' ').map_or(decl, |(t, _)| t).trim();
+        match ty {
+            t if t.ends_with('*') => Some(Kind::Ptr),
+            "u64" => Some(Kind::U64),
+            "int" => Some(Kind::I32),
+            "float" => Some(Kind::F32),
+            _ => None,
+        }
+    }
+
+    /// Whether a parameter of this kind may be declared as one of `source` kind (a nullable
+    /// pointer is a pointer).
+    #[cfg(test)]
+    fn declares(self, source: Kind) -> bool {
+        self == source || (self == Kind::Opt && source == Kind::Ptr)
+    }
+}
+
+/// The launchers of one device (see the module docs).
+pub(super) struct Kernels<'a>(&'a CudaDevice);
+
+impl CudaDevice {
+    /// The typed launchers (see [`launch`](self)).
+    pub(super) fn k(&self) -> Kernels<'_> {
+        Kernels(self)
+    }
+}
+
+/// The argument a launcher passes for parameter `name` of `kernel`, checked as its kind says.
+fn arg_of(kernel: &str, name: &str, kind: Kind, v: Value) -> Arg {
+    match (kind, v) {
+        (Kind::Ptr, Value::U64(p)) => {
+            assert!(p != 0, "{kernel}: {name} is a null pointer");
+            Arg::U64(p)
+        }
+        (Kind::Opt | Kind::U64, Value::U64(v)) => Arg::U64(v),
+        (Kind::I32, Value::Usize(v)) => Arg::I32(
+            i32::try_from(v).unwrap_or_else(|_| panic!("{kernel}: {name} = {v} does not fit the kernel's int")),
+        ),
+        (Kind::F32, Value::F32(v)) => Arg::F32(v),
+        (kind, v) => unreachable!("{kernel}: {name} is {kind:?}, given {v:?} (the macro types it)"),
+    }
+}
+
+/// A launcher's argument before its check.
+#[derive(Debug)]
+enum Value {
+    U64(u64),
+    Usize(usize),
+    F32(f32),
+}
+
+macro_rules! rust_type {
+    (Ptr) => {
+        u64
+    };
+    (Opt) => {
+        u64
+    };
+    (U64) => {
+        u64
+    };
+    (I32) => {
+        usize
+    };
+    (F32) => {
+        f32
+    };
+}
+
+macro_rules! value {
+    (Ptr, $v:expr) => {
+        Value::U64($v)
+    };
+    (Opt, $v:expr) => {
+        Value::U64($v)
+    };
+    (U64, $v:expr) => {
+        Value::U64($v)
+    };
+    (I32, $v:expr) => {
+        Value::Usize($v)
+    };
+    (F32, $v:expr) => {
+        Value::F32($v)
+    };
+}
+
+/// The kernels a launcher launches: its own name, or those of its family (the test's table).
+#[allow(unused_macros)]
+macro_rules! names {
+    ($launcher:ident) => { &[stringify!($launcher)] };
+    ($launcher:ident [$($alt:literal),+]) => { &[$($alt),+] };
+}
+
+/// `launcher [family names] <typed> (param: Kind, …) if condition;` — see the module docs.
+macro_rules! kernels {
+    ($(
+        $(#[$doc:meta])*
+        $launcher:ident $([$($alt:literal),+])? $(<$typed:ident>)? ( $($arg:ident : $kind:ident),* $(,)? )
+        $(if $cond:expr)?;
+    )*) => {
+        /// Each launcher's kernels and their parameter kinds, in order (the test's table).
+        #[cfg(test)]
+        pub(super) const SIGNATURES: &[(&[&str], &[Kind])] = &[$((names!($launcher $([$($alt),+])?), &[$(Kind::$kind),*])),*];
+
+        impl Kernels<'_> {
+            $(
+                $(#[$doc])*
+                #[allow(clippy::too_many_arguments)]
+                pub(super) fn $launcher(
+                    &self,
+                    $(kernel: kernel_name!($($alt),+),)?
+                    $($typed: GgmlType,)?
+                    cfg: LaunchConfig,
+                    $($arg: rust_type!($kind)),*
+                ) {
+                    #[allow(unused_variables)]
+                    let name: &'static str = stringify!($launcher);
+                    $(let name: &'static str = kernel_name!(check kernel, [$($alt),+]);)?
+                    #[allow(unused_variables)]
+                    let weight_type: Option<GgmlType> = None;
+                    $(let weight_type = Some($typed);)?
+                    let (g, b) = (cfg.grid_dim, cfg.block_dim);
+                    assert!(
+                        g.0 * g.1 * g.2 > 0 && b.0 * b.1 * b.2 > 0,
+                        "{name}: a launch of {g:?} blocks of {b:?} threads"
+                    );
+                    $(assert!($cond, "{name}: {}", stringify!($cond));)?
+                    self.0.launch(name, weight_type, cfg, &[$(arg_of(name, stringify!($arg), Kind::$kind, value!($kind, $arg))),*]);
+                }
+            )*
+        }
+    };
+}
+
+/// A family launcher's `kernel` parameter (one of its names), and its check.
+macro_rules! kernel_name {
+    ($($alt:literal),+) => { &'static str };
+    (check $kernel:ident, [$($alt:literal),+]) => {{
+        assert!([$($alt),+].contains(&$kernel), "{} is not one of {:?}", $kernel, [$($alt),+]);
+        $kernel
+    }};
+}
+
+kernels! {
+    /// `x += y`, `len` values.
+    add(x: Ptr, y: Ptr, len: U64);
+    /// `x *= y`, `len` values.
+    mul(x: Ptr, y: Ptr, len: U64);
+    /// `x += b` per row of `width`.
+    add_bias(x: Ptr, b: Ptr, width: I32, len: U64) if width > 0;
+    /// `x = act(x)` (`f`: an ACT_* code).
+    activate(x: Ptr, f: I32, len: U64);
+    /// `up = act(gate) · up`.
+    activate_mul(up: Ptr, gate: Ptr, f: I32, len: U64);
+    /// As `activate_mul`, and its rows as Q8_K blocks into `out`.
+    activate_mul_q8_k(up: Ptr, gate: Ptr, f: I32, out: Ptr, blocks: U64);
+    /// `x = cap · tanh(x / cap)`.
+    softcap(x: Ptr, cap: F32, len: U64);
+    /// RMSNorm of each row into `y`, and into Q8_K blocks at `q8` unless 0.
+    rms_norm(x: Ptr, w: Ptr, y: Ptr, width: I32, eps: F32, q8: Opt);
+    /// `x += a`, then RMSNorm of `x` into `y` (and `q8` unless 0).
+    add_rms_norm(x: Ptr, a: Ptr, w: Ptr, y: Ptr, width: I32, eps: F32, q8: Opt);
+    /// The rows `rows` of `x` into `out`.
+    select_rows(x: Ptr, rows: Ptr, width: I32, out: Ptr);
+    /// `x`'s `m` columns into columns `cols` of `out` (zero elsewhere).
+    scatter_cols(x: Ptr, cols: Ptr, m: I32, width: I32, out: Ptr);
+    /// Columns `cols` of `x` (`m` of them) into `out`.
+    gather_cols(x: Ptr, cols: Ptr, m: I32, width: I32, out: Ptr);
+    /// Each row's largest value's index, the `banned` ids left out.
+    argmax_rows(x: Ptr, width: I32, banned: Opt, n_banned: I32, out: Ptr);
+    /// Each row's `k` largest values with their ids (and with `lse`, the row's log-sum-exp).
+    top_k_rows(x: Ptr, width: I32, banned: Opt, n_banned: I32, k: I32, lse: I32, out: Ptr)
+        if (1..=TOP_K_THREADS as usize).contains(&k) && k <= width;
+    /// Rotary embedding of the query and key heads (each head normed first where given).
+    rope_norm(
+        q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, positions: Ptr,
+        base: F32, pos_scale: F32, style: I32, eps: F32,
+    ) if hd > 0 && hd % 2 == 0;
+    /// As `rope_norm`, writing the keys and `v` into the KV cache (`info`, `layer`) too.
+    rope_norm_kv(
+        q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, positions: Ptr,
+        base: F32, pos_scale: F32, style: I32, eps: F32, v: Ptr, info: Ptr, layer: I32,
+    ) if hd > 0 && hd % 2 == 0;
+    /// Each token's keys and values into the KV cache.
+    kv_write(k: Ptr, v: Ptr, info: Ptr, layer: I32, kvd: I32);
+    /// Attention of each token's query heads over its sequence's cache.
+    attention(
+        q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
+        scores: Ptr, max_len: I32, out: Ptr,
+    ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads % n_kv_heads == 0;
+    /// 8-bit activations: `blocks` blocks of 32 (Q8_0) or 256 (Q8_K) values of `x` into `y`.
+    act_q8 ["act_q8_32", "act_q8_k"] (x: Ptr, y: Ptr, blocks: U64);
+    /// Q8_K blocks of `x` as the integer products take them.
+    act_q8_k_blocks(x: Ptr, out: Ptr, blocks: U64);
+    /// `x` as the tensor cores take it: rows scaled by powers of two, split into two f16 each.
+    act_f16_rows(x: Ptr, cols: I32, n: I32, out: Ptr) if cols % 32 == 0;
+    /// `y = x · w[row_ids]` (all rows when 0) for `n` tokens: the FMA loops (`matmul`, and
+    /// `matvec*` for one token) or the tensor cores (`mma`, `x` from `act_f16_rows`).
+    product ["matmul", "matvec", "matvec2", "matvec4", "mma"] <ty> (
+        w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr,
+    ) if cols % ty.block_elems() == 0;
+    /// Rows `ids` of `w` (times `scale`) into `out`.
+    embed<ty>(w: Ptr, row_stride: U64, ids: Ptr, cols: I32, scale: F32, out: Ptr);
+    /// `partial += acts · w[rows]` over neuron-major rows (all `w_rows` when `rows` is 0; rows
+    /// from `split` on in `w2`), in `grid.z` ordered parts.
+    accumulate<ty>(
+        w: Ptr, row_stride: U64, w_rows: I32, rows: Opt, n_rows: I32, cols: I32, acts: Ptr, n: I32,
+        partial: Ptr, w2: Opt, row_stride2: U64, split: I32,
+    ) if split <= w_rows;
+    /// `out += Σ parts` of `partial`, in order.
+    accumulate_reduce(partial: Ptr, parts: I32, len: U64, out: Ptr) if parts > 0;
+    /// `y = x · w[row_ids] (+ bias)` for one token with integer dot products: `x` as Q8_K
+    /// blocks (`matvec_i8`) or values the kernel quantizes (`matvec_i8f`).
+    product_i8 ["matvec_i8", "matvec_i8f"] <ty> (
+        w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, bias: Opt, wpr: I32, y: Ptr,
+    );
+    /// Up to three products of one Q8_K input in one launch (absent ones all 0).
+    matvec_i8x3<ty>(
+        xq: Ptr, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
+        w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The source's `extern "C" __global__` kernels: base name (a macro family's `NAME##` part
+    /// left off) and parameter kinds.
+    fn source_signatures() -> Vec<(String, Vec<Kind>)> {
+        let src = nvrtc::source().replace("\\\n", " ");
+        let mut out = Vec::new();
+        let mut rest = &src[..];
+        while let Some(at) = rest.find("extern \"C\" __global__ void ") {
+            rest = &rest[at + "extern \"C\" __global__ void ".len()..];
+            let open = rest.find('(').expect("a parameter list");
+            let name = rest[..open].trim();
+            let name = name.split("_##").next().unwrap_or(name).to_string();
+            let close = rest.find(')').expect("the list's end");
+            let kinds = rest[open + 1..close]
+                .split(',')
+                .map(|p| Kind::of_c_type(p.trim()).unwrap_or_else(|| panic!("{name}: a parameter `{}`", p.trim())))
+                .collect();
+            out.push((name, kinds));
+        }
+        out
+    }
+
+    /// Every launcher's parameters are its kernels' in the source (same count, same kinds, a
+    /// nullable pointer a pointer), and every kernel in the source has a launcher.
+    #[test]
+    fn signatures_match_the_kernel_source() {
+        let source = source_signatures();
+        assert!(source.len() >= 30, "{} kernels found", source.len());
+        for (names, kinds) in SIGNATURES {
+            for name in *names {
+                let (_, src) = source
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .unwrap_or_else(|| panic!("{name}: no kernel of that name in kernels/"));
+                assert_eq!(kinds.len(), src.len(), "{name}: {kinds:?} against the source's {src:?}");
+                for (i, (k, s)) in kinds.iter().zip(src).enumerate() {
+                    assert!(k.declares(*s), "{name}: parameter {i} is {k:?}, the source's {s:?}");
+                }
+            }
+        }
+        for (name, _) in &source {
+            assert!(
+                SIGNATURES.iter().any(|(names, _)| names.contains(&name.as_str())),
+                "{name}: a kernel without a launcher"
+            );
+        }
+    }
+
+    /// The checks a launcher makes before it queues anything.
+    #[test]
+    fn launchers_refuse_what_a_kernel_cannot_take() {
+        let refuses = |what: &str, f: &dyn Fn()| {
+            let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err(what);
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            msg
+        };
+        assert!(refuses("null", &|| {
+            arg_of("add", "x", Kind::Ptr, Value::U64(0));
+        })
+        .contains("add: x is a null pointer"));
+        assert!(matches!(
+            arg_of("rms_norm", "q8", Kind::Opt, Value::U64(0)),
+            Arg::U64(0)
+        ));
+        assert!(refuses("wide", &|| {
+            arg_of("matmul", "n", Kind::I32, Value::Usize(1 << 31));
+        })
+        .contains("matmul: n = 2147483648 does not fit the kernel's int"));
+        assert!(matches!(
+            arg_of("matmul", "n", Kind::I32, Value::Usize(i32::MAX as usize)),
+            Arg::I32(i32::MAX)
+        ));
+    }
+}
