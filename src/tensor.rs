@@ -22,11 +22,37 @@ enum Storage {
     Staged(Arc<dyn StagedBytes>),
 }
 
-/// Host bytes a device staged and copied to its memory (page-locked on CUDA): readable on the
-/// host like any buffer; the device that staged them finds its copy through the handle
-/// [`Weight::span`] returns, instead of copying them again.
+/// Host bytes a device staged and copied to its memory (page-locked on CUDA), or mapped to read
+/// in place: readable on the host like any buffer; the device that staged or mapped them finds
+/// its copy or its address through [`Weight::home`], instead of copying them again.
 pub trait StagedBytes: std::any::Any + Send + Sync {
     fn bytes(&self) -> &[u8];
+
+    /// Host memory a device mapped (`backend::HostLink::in_place`): that device and the device
+    /// address of the first of [`StagedBytes::bytes`].
+    fn mapped(&self) -> Option<(u64, u64)> {
+        None
+    }
+
+    /// Where device `device` holds its copy of `bytes` (a view of these), when it staged them:
+    /// its address, or why it cannot be used (part of them was never sent); `None` for another
+    /// device's staging.
+    fn device_address(&self, _device: u64, _bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
+        None
+    }
+}
+
+/// Where a weight's bytes live ([`Weight::home`]): what a device with memory of its own matches
+/// on to read them in place, find the copy it staged, or copy them.
+pub enum Home<'a> {
+    /// On disk: only a stream can read them.
+    OnDisk,
+    /// This process's memory (its own, or a map of the model file).
+    Host,
+    /// Host memory device `device` mapped: it reads the weight in place, row 0 at `address`.
+    Mapped { device: u64, address: u64 },
+    /// Host memory a device staged the bytes in for its own copy.
+    Staged(&'a dyn StagedBytes),
 }
 
 /// A matrix `[rows, cols]` in `ty`; row `r` is `row_bytes` bytes at
@@ -229,6 +255,21 @@ impl Weight {
             r => (r - 1) * self.row_stride_bytes + self.row_bytes,
         };
         Some((&self.storage()[self.offset_bytes..self.offset_bytes + len], keep))
+    }
+
+    /// Where the bytes live (see [`Home`]).
+    pub fn home(&self) -> Home<'_> {
+        match &self.storage {
+            Storage::OnDisk => Home::OnDisk,
+            Storage::Mapped(_) | Storage::Owned(_) => Home::Host,
+            Storage::Staged(s) => match s.mapped() {
+                Some((device, base)) => Home::Mapped {
+                    device,
+                    address: base + self.offset_bytes as u64,
+                },
+                None => Home::Staged(&**s),
+            },
+        }
     }
 
     /// The same view marked as bytes of a buffer that will be refilled (see the field).

@@ -352,6 +352,10 @@ impl StagedBytes for MappedHost {
     fn bytes(&self) -> &[u8] {
         self.weight.span().map_or(&[], |(b, _)| b)
     }
+
+    fn mapped(&self) -> Option<(u64, u64)> {
+        Some((self.device, self.device_address))
+    }
 }
 
 /// Staging in ordinary memory: what a device that reads host memory in place gets (sending is

@@ -24,7 +24,7 @@ use super::cpu::CpuBackend;
 use super::{Act, AttnShape, Device, HostLink, LinkCounters, RopeShape, TopRows, Upload};
 use crate::config::FfnActivation;
 use crate::kv::KvCache;
-use crate::tensor::{StagedBytes, Weight};
+use crate::tensor::{Home, StagedBytes, Weight};
 
 /// Resident copies: by (address, length, row stride) of the original bytes, the copy and what
 /// keeps the original alive.
@@ -215,13 +215,20 @@ impl HostStandIn {
                 w.name
             );
         };
-        if let Some(StandInStaged(staged)) = keep.downcast_ref::<StandInStaged>().filter(|s| s.0.device == self.id) {
-            return self.staged_copy(w, bytes, staged);
-        }
-        // Mapped host memory, read in place: the bytes as they are now, never copied.
-        if let Some(m) = keep.downcast_ref::<super::MappedHost>().filter(|m| m.device == self.id) {
-            count_use(&self.in_place_uses, &w.name);
-            return m.weight.clone();
+        match w.home() {
+            // Its own staging (this test device's one look at a type behind the trait).
+            Home::Staged(s) => {
+                let own = (s as &dyn std::any::Any).downcast_ref::<StandInStaged>();
+                if let Some(StandInStaged(staged)) = own.filter(|s| s.0.device == self.id) {
+                    return self.staged_copy(w, bytes, staged);
+                }
+            }
+            // Mapped host memory, read in place: the bytes as they are now, never copied.
+            Home::Mapped { device, .. } if device == self.id => {
+                count_use(&self.in_place_uses, &w.name);
+                return w.clone();
+            }
+            Home::Mapped { .. } | Home::Host | Home::OnDisk => {}
         }
         let copy = || {
             Weight::shared_strided(

@@ -372,6 +372,10 @@ impl StagedBytes for CudaStaged {
         // staging finished.
         unsafe { std::slice::from_raw_parts(self.upload.slot().host, self.upload.len) }
     }
+
+    fn device_address(&self, device: u64, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
+        self.copy_address(device as usize, bytes)
+    }
 }
 
 impl Drop for CudaStaged {
@@ -386,7 +390,7 @@ impl CudaStaged {
     /// The device address of host bytes `bytes` (a view of this staging), after making the
     /// compute stream wait on the copies of the chunks they lie in; an error when part of them
     /// was never sent.
-    pub fn device_address(&self, device_id: usize, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
+    fn copy_address(&self, device_id: usize, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
         let u = &self.upload;
         if device_id != u.uploads.device_id {
             return None;

@@ -3,6 +3,7 @@
 //! memory).
 
 use super::*;
+use crate::tensor::Home;
 
 impl CudaDevice {
     /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
@@ -37,34 +38,27 @@ impl CudaDevice {
             // is launched, and the rest of the segment too as it comes.
             self.leave_recording();
         }
-        // Mapped host memory (`in_place`): the kernels read it where it is, across the link.
-        if let Some(m) = keep
-            .downcast_ref::<crate::backend::MappedHost>()
-            .filter(|m| m.device == self.id as u64)
-        {
-            let at = bytes.as_ptr() as u64 - crate::tensor::StagedBytes::bytes(m).as_ptr() as u64;
-            return Some(OnDevice {
-                ptr: m.device_address + at,
-                _transient: None,
-                _staged: Some(keep),
-            });
-        }
-        if let Some(staged) = keep.downcast_ref::<upload::CudaStaged>() {
-            match staged.device_address(self.id, bytes) {
-                Some(Ok(ptr)) => {
-                    return Some(OnDevice {
-                        ptr,
-                        _transient: None,
-                        _staged: Some(keep),
-                    })
-                }
-                Some(Err(msg)) => {
-                    self.fail(format!("{}: {msg}", w.name));
-                    return None;
-                }
-                // Staged for another GPU: copied below like any streamed buffer.
-                None => {}
+        let in_place = match w.home() {
+            // Mapped host memory (`in_place`): the kernels read it where it is, across the link.
+            Home::Mapped { device, address } if device == self.id as u64 => Some(Ok(address)),
+            // Staged by this device: its copy (another GPU's staging is copied below like any
+            // streamed buffer).
+            Home::Staged(staged) => staged.device_address(self.id as u64, bytes),
+            Home::Mapped { .. } | Home::Host | Home::OnDisk => None,
+        };
+        match in_place {
+            Some(Ok(ptr)) => {
+                return Some(OnDevice {
+                    ptr,
+                    _transient: None,
+                    _staged: Some(keep),
+                })
             }
+            Some(Err(msg)) => {
+                self.fail(format!("{}: {msg}", w.name));
+                return None;
+            }
+            None => {}
         }
         let pinned = match w.is_volatile() && !bytes.is_empty() {
             true => upload::pinned_range(&self.pinned, bytes),
