@@ -80,6 +80,22 @@ impl Server {
         (status, v)
     }
 
+    /// POSTs each body to /v1/completions at once, each from its own thread; the responses (each
+    /// checked to be 200) in the bodies' order.
+    fn complete_at_once(&self, bodies: impl Iterator<Item = Value>) -> Vec<Value> {
+        let handles: Vec<_> = bodies
+            .map(|body| {
+                let addr = self.addr.clone();
+                std::thread::spawn(move || {
+                    let (status, _, text) = http(&addr, "POST", "/v1/completions", Some(body.to_string().as_bytes()));
+                    assert_eq!(status, 200, "{text}");
+                    serde_json::from_str::<Value>(&text).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
     fn metric(&self, name: &str) -> f64 {
         let (_, _, text) = self.get("/metrics");
         text.lines()
@@ -169,21 +185,11 @@ fn serve_speaks_openai_and_batched_requests_equal_each_alone() {
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct.Q4_1.gguf");
 
     // Eight concurrent greedy completions: each exactly as alone, and they did share steps.
-    let handles: Vec<_> = PROMPTS
+    let bodies = PROMPTS
         .iter()
         .enumerate()
-        .map(|(i, p)| {
-            let addr = s.addr.clone();
-            let body = json!({"prompt": p, "max_tokens": 12 + 4 * i, "temperature": 0});
-            std::thread::spawn(move || {
-                let (status, _, text) = http(&addr, "POST", "/v1/completions", Some(body.to_string().as_bytes()));
-                assert_eq!(status, 200, "{text}");
-                serde_json::from_str::<Value>(&text).unwrap()
-            })
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let r = h.join().unwrap();
+        .map(|(i, p)| json!({"prompt": p, "max_tokens": 12 + 4 * i, "temperature": 0}));
+    for (i, r) in s.complete_at_once(bodies).into_iter().enumerate() {
         assert_eq!(
             r["choices"][0]["text"], alone[i],
             "request {i} differs from its run alone"
@@ -427,20 +433,10 @@ fn serve_drafts_per_request_and_ignores_eos_when_asked() {
         "--draft-max",
         "3",
     ]);
-    let handles: Vec<_> = PROMPTS[..4]
+    let bodies = PROMPTS[..4]
         .iter()
-        .map(|p| {
-            let addr = s.addr.clone();
-            let body = json!({"prompt": p, "max_tokens": 16, "temperature": 0});
-            std::thread::spawn(move || {
-                let (status, _, text) = http(&addr, "POST", "/v1/completions", Some(body.to_string().as_bytes()));
-                assert_eq!(status, 200, "{text}");
-                serde_json::from_str::<Value>(&text).unwrap()
-            })
-        })
-        .collect();
-    for (i, h) in handles.into_iter().enumerate() {
-        let r = h.join().unwrap();
+        .map(|p| json!({"prompt": p, "max_tokens": 16, "temperature": 0}));
+    for (i, r) in s.complete_at_once(bodies).into_iter().enumerate() {
         assert_eq!(
             r["choices"][0]["text"], alone[i],
             "request {i} differs from its run alone"

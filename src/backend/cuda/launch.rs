@@ -207,30 +207,30 @@ kernels! {
     rope_norm(
         q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, positions: Ptr,
         base: F32, pos_scale: F32, style: I32, eps: F32,
-    ) if hd > 0 && hd % 2 == 0;
+    ) if hd > 0 && hd.is_multiple_of(2);
     /// As `rope_norm`, writing the keys and `v` into the KV cache (`info`, `layer`) too.
     rope_norm_kv(
         q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, positions: Ptr,
         base: F32, pos_scale: F32, style: I32, eps: F32, v: Ptr, info: Ptr, layer: I32,
-    ) if hd > 0 && hd % 2 == 0;
+    ) if hd > 0 && hd.is_multiple_of(2);
     /// Each token's keys and values into the KV cache.
     kv_write(k: Ptr, v: Ptr, info: Ptr, layer: I32, kvd: I32);
     /// Attention of each token's query heads over its sequence's cache.
     attention(
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
         scores: Ptr, max_len: I32, out: Ptr,
-    ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads % n_kv_heads == 0;
+    ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
     /// 8-bit activations: `blocks` blocks of 32 (Q8_0) or 256 (Q8_K) values of `x` into `y`.
     act_q8 ["act_q8_32", "act_q8_k"] (x: Ptr, y: Ptr, blocks: U64);
     /// Q8_K blocks of `x` as the integer products take them.
     act_q8_k_blocks(x: Ptr, out: Ptr, blocks: U64);
     /// `x` as the tensor cores take it: rows scaled by powers of two, split into two f16 each.
-    act_f16_rows(x: Ptr, cols: I32, n: I32, out: Ptr) if cols % 32 == 0;
+    act_f16_rows(x: Ptr, cols: I32, n: I32, out: Ptr) if cols.is_multiple_of(32);
     /// `y = x · w[row_ids]` (all rows when 0) for `n` tokens: the FMA loops (`matmul`, and
     /// `matvec*` for one token) or the tensor cores (`mma`, `x` from `act_f16_rows`).
     product ["matmul", "matvec", "matvec2", "matvec4", "mma"] <ty> (
         w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr,
-    ) if cols % ty.block_elems() == 0;
+    ) if cols.is_multiple_of(ty.block_elems());
     /// Rows `ids` of `w` (times `scale`) into `out`.
     embed<ty>(w: Ptr, row_stride: U64, ids: Ptr, cols: I32, scale: F32, out: Ptr);
     /// `partial += acts · w[rows]` over neuron-major rows (all `w_rows` when `rows` is 0; rows
