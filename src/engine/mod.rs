@@ -128,7 +128,8 @@ struct Sequence<'m> {
     held: String,
     cancelled: bool,
     lookup: usize,
-    /// Prompt and generated tokens (kept only with `lookup`), where drafts are looked up.
+    /// Prompt and generated tokens (kept only with `lookup` or a draft model), where drafts come
+    /// from.
     context: Vec<u32>,
     /// The drafts fed after `next` in this step, and where the step's tokens start in the cache.
     drafts: Vec<u32>,
@@ -192,7 +193,7 @@ impl<'m> Engine<'m> {
         }
     }
 
-    /// Draft tokens verified and kept so far (requests with `lookup`).
+    /// Draft tokens verified and kept so far (requests with `lookup`, or a draft model).
     pub fn drafts(&self) -> (u64, u64) {
         (self.drafted, self.accepted)
     }
@@ -453,8 +454,9 @@ impl<'m> Engine<'m> {
             },
             None => Want::Logits,
         };
+        let prompt_fed = batch.len() - decode_fed;
         if let Some(m) = self.prompt_mask {
-            m.prompt_tokens(batch.len() - decode_fed);
+            m.prompt_tokens(prompt_fed);
         }
         let pass = {
             let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
@@ -500,7 +502,7 @@ impl<'m> Engine<'m> {
         }
         if let (Some(m), true) = (
             self.prompt_mask,
-            self.seqs.iter().all(|s| s.next.is_some() || s.fed == s.prompt.len()),
+            prompt_fed > 0 && self.seqs.iter().all(|s| s.next.is_some() || s.fed == s.prompt.len()),
         ) {
             m.prompt_tokens(0);
         }
@@ -532,7 +534,7 @@ impl<'m> Engine<'m> {
                     return false;
                 };
                 s.generated += 1;
-                if !s.context.is_empty() {
+                if s.lookup > 0 || s.draft.is_some() {
                     s.context.push(t);
                 }
                 let top = row.top_logprobs(s.top_logprobs);

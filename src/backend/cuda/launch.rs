@@ -9,7 +9,10 @@
 
 use super::*;
 
-/// A kernel parameter's kind, as its `extern "C"` signature declares it.
+/// A kernel parameter's kind, as its `extern "C"` signature declares it: what each launcher's
+/// parameters are declared as (their Rust type and check are [`arg`]'s function of the same
+/// name); the test holds the declarations to the source.
+#[cfg(test)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     /// A device pointer the kernel dereferences: never 0.
@@ -24,9 +27,9 @@ pub(super) enum Kind {
     F32,
 }
 
+#[cfg(test)]
 impl Kind {
     /// The kind a parameter's C type has (the test's reading of the source).
-    #[cfg(test)]
     fn of_c_type(decl: &str) -> Option<Kind> {
         let ty = decl.rsplit_once(' ').map_or(decl, |(t, _)| t).trim();
         match ty {
@@ -40,7 +43,6 @@ impl Kind {
 
     /// Whether a parameter of this kind may be declared as one of `source` kind (a nullable
     /// pointer is a pointer).
-    #[cfg(test)]
     fn declares(self, source: Kind) -> bool {
         self == source || (self == Kind::Opt && source == Kind::Ptr)
     }
@@ -56,28 +58,32 @@ impl CudaDevice {
     }
 }
 
-/// The argument a launcher passes for parameter `name` of `kernel`, checked as its kind says.
-fn arg_of(kernel: &str, name: &str, kind: Kind, v: Value) -> Arg {
-    match (kind, v) {
-        (Kind::Ptr, Value::U64(p)) => {
-            assert!(p != 0, "{kernel}: {name} is a null pointer");
-            Arg::U64(p)
-        }
-        (Kind::Opt | Kind::U64, Value::U64(v)) => Arg::U64(v),
-        (Kind::I32, Value::Usize(v)) => Arg::I32(
-            i32::try_from(v).unwrap_or_else(|_| panic!("{kernel}: {name} = {v} does not fit the kernel's int")),
-        ),
-        (Kind::F32, Value::F32(v)) => Arg::F32(v),
-        (kind, v) => unreachable!("{kernel}: {name} is {kind:?}, given {v:?} (the macro types it)"),
-    }
-}
+/// Each kind's argument for parameter `name` of `kernel`, checked as the kind says: a launcher
+/// calls the function its parameter's kind names.
+#[allow(non_snake_case)]
+mod arg {
+    use super::Arg;
 
-/// A launcher's argument before its check.
-#[derive(Debug)]
-enum Value {
-    U64(u64),
-    Usize(usize),
-    F32(f32),
+    pub(super) fn Ptr(kernel: &str, name: &str, p: u64) -> Arg {
+        assert!(p != 0, "{kernel}: {name} is a null pointer");
+        Arg::U64(p)
+    }
+
+    pub(super) fn Opt(_kernel: &str, _name: &str, p: u64) -> Arg {
+        Arg::U64(p)
+    }
+
+    pub(super) fn U64(_kernel: &str, _name: &str, v: u64) -> Arg {
+        Arg::U64(v)
+    }
+
+    pub(super) fn I32(kernel: &str, name: &str, v: usize) -> Arg {
+        Arg::I32(i32::try_from(v).unwrap_or_else(|_| panic!("{kernel}: {name} = {v} does not fit the kernel's int")))
+    }
+
+    pub(super) fn F32(_kernel: &str, _name: &str, v: f32) -> Arg {
+        Arg::F32(v)
+    }
 }
 
 macro_rules! rust_type {
@@ -98,21 +104,24 @@ macro_rules! rust_type {
     };
 }
 
-macro_rules! value {
-    (Ptr, $v:expr) => {
-        Value::U64($v)
+/// The kernel a launcher launches: its own, or the one of its family it was given (checked).
+macro_rules! launch_name {
+    ($launcher:ident) => {
+        stringify!($launcher)
     };
-    (Opt, $v:expr) => {
-        Value::U64($v)
+    ($launcher:ident $kernel:ident [$($alt:literal),+]) => {{
+        assert!([$($alt),+].contains(&$kernel), "{} is not one of {:?}", $kernel, [$($alt),+]);
+        $kernel
+    }};
+}
+
+/// The weight type a per-type launcher was given, `None` for the others.
+macro_rules! weight_type {
+    () => {
+        None
     };
-    (U64, $v:expr) => {
-        Value::U64($v)
-    };
-    (I32, $v:expr) => {
-        Value::Usize($v)
-    };
-    (F32, $v:expr) => {
-        Value::F32($v)
+    ($typed:ident) => {
+        Some($typed)
     };
 }
 
@@ -145,32 +154,24 @@ macro_rules! kernels {
                     cfg: LaunchConfig,
                     $($arg: rust_type!($kind)),*
                 ) {
-                    #[allow(unused_variables)]
-                    let name: &'static str = stringify!($launcher);
-                    $(let name: &'static str = kernel_name!(check kernel, [$($alt),+]);)?
-                    #[allow(unused_variables)]
-                    let weight_type: Option<GgmlType> = None;
-                    $(let weight_type = Some($typed);)?
+                    let name: &'static str = launch_name!($launcher $(kernel [$($alt),+])?);
+                    let weight_type: Option<GgmlType> = weight_type!($($typed)?);
                     let (g, b) = (cfg.grid_dim, cfg.block_dim);
                     assert!(
                         g.0 * g.1 * g.2 > 0 && b.0 * b.1 * b.2 > 0,
                         "{name}: a launch of {g:?} blocks of {b:?} threads"
                     );
                     $(assert!($cond, "{name}: {}", stringify!($cond));)?
-                    self.0.launch(name, weight_type, cfg, &[$(arg_of(name, stringify!($arg), Kind::$kind, value!($kind, $arg))),*]);
+                    self.0.launch(name, weight_type, cfg, &[$(arg::$kind(name, stringify!($arg), $arg)),*]);
                 }
             )*
         }
     };
 }
 
-/// A family launcher's `kernel` parameter (one of its names), and its check.
+/// A family launcher's `kernel` parameter: one of its names.
 macro_rules! kernel_name {
     ($($alt:literal),+) => { &'static str };
-    (check $kernel:ident, [$($alt:literal),+]) => {{
-        assert!([$($alt),+].contains(&$kernel), "{} is not one of {:?}", $kernel, [$($alt),+]);
-        $kernel
-    }};
 }
 
 kernels! {
@@ -319,20 +320,14 @@ mod tests {
             msg
         };
         assert!(refuses("null", &|| {
-            arg_of("add", "x", Kind::Ptr, Value::U64(0));
+            arg::Ptr("add", "x", 0);
         })
         .contains("add: x is a null pointer"));
-        assert!(matches!(
-            arg_of("rms_norm", "q8", Kind::Opt, Value::U64(0)),
-            Arg::U64(0)
-        ));
+        assert!(matches!(arg::Opt("rms_norm", "q8", 0), Arg::U64(0)));
         assert!(refuses("wide", &|| {
-            arg_of("matmul", "n", Kind::I32, Value::Usize(1 << 31));
+            arg::I32("matmul", "n", 1 << 31);
         })
         .contains("matmul: n = 2147483648 does not fit the kernel's int"));
-        assert!(matches!(
-            arg_of("matmul", "n", Kind::I32, Value::Usize(i32::MAX as usize)),
-            Arg::I32(i32::MAX)
-        ));
+        assert!(matches!(arg::I32("matmul", "n", i32::MAX as usize), Arg::I32(i32::MAX)));
     }
 }

@@ -373,26 +373,12 @@ impl StagedBytes for CudaStaged {
         unsafe { std::slice::from_raw_parts(self.upload.slot().host, self.upload.len) }
     }
 
-    fn device_address(&self, device: u64, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
-        self.copy_address(device as usize, bytes)
-    }
-}
-
-impl Drop for CudaStaged {
-    /// Products may have read the twin: the slot's reuse waits for them (the upload, dropped
-    /// next, gives it back).
-    fn drop(&mut self) {
-        self.upload.read = true;
-    }
-}
-
-impl CudaStaged {
     /// The device address of host bytes `bytes` (a view of this staging), after making the
     /// compute stream wait on the copies of the chunks they lie in; an error when part of them
     /// was never sent.
-    fn copy_address(&self, device_id: usize, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
+    fn device_address(&self, device: u64, bytes: &[u8]) -> Option<std::result::Result<u64, String>> {
         let u = &self.upload;
-        if device_id != u.uploads.device_id {
+        if device as usize != u.uploads.device_id {
             return None;
         }
         let s = u.slot();
@@ -425,6 +411,14 @@ impl CudaStaged {
             )));
         }
         Some(Ok(s.dev_ptr + start as u64))
+    }
+}
+
+impl Drop for CudaStaged {
+    /// Products may have read the twin: the slot's reuse waits for them (the upload, dropped
+    /// next, gives it back).
+    fn drop(&mut self) {
+        self.upload.read = true;
     }
 }
 
