@@ -95,3 +95,102 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
         o[d] = acc * inv;
     }
 }
+
+// Flash-style attention for runs of one sequence's consecutive tokens (a prompt, a draft): one
+// block per (query head, tile of up to ATTN_TILE_Q tokens) takes the tile's keys ATTN_TILE_K
+// positions at a time into shared memory once for all its tokens, with a running maximum and sum
+// per token (the softmax rescaled as the maximum grows), instead of a block per token reading
+// every key and value again. `tiles` holds (first token, tokens) pairs: tokens of one sequence at
+// consecutive positions. Heads of at most ATTN_TILE_MAX_HD values; four warps.
+#define ATTN_TILE_Q 16
+#define ATTN_TILE_K 16
+#define ATTN_TILE_MAX_HD 256
+
+extern "C" __global__ void attention_tiles(const float* q, const TokenKv* info, const u32* tiles, int layer,
+                                           int n_heads, int n_kv_heads, int hd, float scale, int window, float* out) {
+    __shared__ float qs[ATTN_TILE_Q][ATTN_TILE_MAX_HD + 1];
+    __shared__ float kv[ATTN_TILE_K][ATTN_TILE_MAX_HD + 1];  // the chunk's keys, then its values
+    __shared__ float p[ATTN_TILE_Q][ATTN_TILE_K];
+    __shared__ float rescale[ATTN_TILE_Q], total[ATTN_TILE_Q];
+    int head = blockIdx.x, t0 = (int)tiles[2 * blockIdx.y], nt = (int)tiles[2 * blockIdx.y + 1];
+    int tid = threadIdx.x;
+    TokenKv ti = info[t0];
+    int qd = n_heads * hd, kvd = n_kv_heads * hd;
+    int pos0 = (int)ti.pos;
+    int kvh = head / (n_heads / n_kv_heads);
+    const float* K = (const float*)ti.k + (u64)layer * ti.cap * kvd + (u64)kvh * hd;
+    const float* V = (const float*)ti.v + (u64)layer * ti.cap * kvd + (u64)kvh * hd;
+    for (int i = tid; i < ATTN_TILE_Q * hd; i += blockDim.x) {
+        int r = i / hd, d = i % hd;
+        qs[r][d] = r < nt ? q[(u64)(t0 + r) * qd + (u64)head * hd + d] : 0.f;
+    }
+    // Scores: thread tid takes token qi = tid / 8 and keys 2 (tid % 8), + 1 of each chunk; the 8
+    // threads of a token keep its running maximum m and sum l.
+    int qi = tid >> 3, kj = 2 * (tid & 7);
+    int my_pos = pos0 + qi;
+    int my_first = window > 0 ? max(0, my_pos + 1 - window) : 0;
+    float m = -3.402823466e38f, l = 0.f;
+    // Sums: thread tid takes dimensions tid and tid + blockDim.x of every token.
+    float o[ATTN_TILE_Q][2];
+#pragma unroll
+    for (int r = 0; r < ATTN_TILE_Q; r++) o[r][0] = o[r][1] = 0.f;
+    int first = window > 0 ? max(0, pos0 + 1 - window) : 0, last = pos0 + nt - 1;
+    for (int c0 = first; c0 <= last; c0 += ATTN_TILE_K) {
+        __syncthreads();  // the previous chunk's values and weights are used
+        for (int i = tid; i < ATTN_TILE_K * hd; i += blockDim.x) {
+            int r = i / hd, d = i % hd;
+            kv[r][d] = c0 + r <= last ? K[(u64)(c0 + r) * kvd + d] : 0.f;
+        }
+        __syncthreads();
+        float s[2];
+        bool ok[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            int j = c0 + kj + e;
+            ok[e] = qi < nt && j <= my_pos && j >= my_first;
+            float acc = 0.f;
+            for (int d = 0; d < hd; d++) acc += qs[qi][d] * kv[kj + e][d];
+            s[e] = acc * scale;
+        }
+        float mx = fmaxf(ok[0] ? s[0] : -3.402823466e38f, ok[1] ? s[1] : -3.402823466e38f);
+#pragma unroll
+        for (int o8 = 1; o8 < 8; o8 <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o8));
+        float m_new = fmaxf(m, mx);
+        float p0 = ok[0] ? expf(s[0] - m_new) : 0.f, p1 = ok[1] ? expf(s[1] - m_new) : 0.f;
+        float ps = p0 + p1;
+#pragma unroll
+        for (int o8 = 1; o8 < 8; o8 <<= 1) ps += __shfl_xor_sync(0xffffffffu, ps, o8);
+        float alpha = expf(m - m_new);
+        l = l * alpha + ps;
+        m = m_new;
+        p[qi][kj] = p0;
+        p[qi][kj + 1] = p1;
+        if ((tid & 7) == 0) rescale[qi] = alpha;
+        __syncthreads();  // scores read from the keys; weights written
+        for (int i = tid; i < ATTN_TILE_K * hd; i += blockDim.x) {
+            int r = i / hd, d = i % hd;
+            kv[r][d] = c0 + r <= last ? V[(u64)(c0 + r) * kvd + d] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            int d = tid + h * blockDim.x;
+            if (d >= hd) continue;
+#pragma unroll
+            for (int r = 0; r < ATTN_TILE_Q; r++) {
+                float acc = o[r][h] * rescale[r];
+#pragma unroll
+                for (int j = 0; j < ATTN_TILE_K; j++) acc += p[r][j] * kv[j][d];
+                o[r][h] = acc;
+            }
+        }
+    }
+    if ((tid & 7) == 0) total[qi] = l;
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int d = tid + h * blockDim.x;
+        if (d >= hd) continue;
+        for (int r = 0; r < nt; r++) out[(u64)(t0 + r) * qd + (u64)head * hd + d] = o[r][h] / total[r];
+    }
+}

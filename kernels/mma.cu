@@ -232,3 +232,298 @@ MMA_KERNEL(q8_0, TY_Q8_0)
 MMA_KERNEL(q4_k, TY_Q4_K)
 MMA_KERNEL(q5_k, TY_Q5_K)
 MMA_KERNEL(q6_k, TY_Q6_K)
+
+// ---------------------------------------------------------------------------------------------
+// Integer tiles (llama.cpp's MMQ approach): batched products of Q4_K and Q6_K rows with the
+// activations as Q8_K blocks (act_q8_k_blocks: per token and 256 values a float scale, 16 sums
+// of 16 quants, 256 signed 8-bit quants), on the tensor cores as 8-bit integers with int32 sums.
+// Each block computes MMA_BM rows by MMA_BN tokens, a super-block (256 values) a step: its
+// threads unpack the tile's weight quants into shared memory as bytes (Q4_K 0..15, Q6_K 0..63)
+// beside each row's scales, and copy the tokens' quants, sums and scales; then each warp
+// multiplies its 32 rows by 32 tokens: Q4_K a 32-value sub-block an `mma` (m16n8k32), its sums
+// times the row's sub-block scale added as integers, the mins' term sum_s m[s]·(y sums of s) one
+// f16 `mma` (m16n8k16: the mins, at most 63, and the sums of 16 quants, at most 2032 in
+// magnitude, are exact f16 integers, each product and their sum exact in f32); Q6_K a 16-value
+// group an `mma` (m16n8k16), minus 32 times the group's y sum, times its scale. A super-block's
+// integer sums are exact and its value is the one-token integer products' expression
+// (q4_k_i8_dot, q6_k_i8_dot in quant.cu) to the bit; super-blocks are added in order.
+
+// 32-bit words per shared row of quants: 64 of values and 4 of padding, so the 8 rows a fragment
+// load touches (68 words apart) fall in 8 distinct banks.
+#define MMQ_ROW_WORDS 68
+
+#ifndef GATESTREAM_HOST_EMULATION
+__device__ __forceinline__ void mma_s8_16832(int* d, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_s8_16816(int* d, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]));
+}
+#endif
+
+// A warp's 2 x 4 tiles of one K-value step of 8-bit products, d[mi][ni] += a[mi]·b[ni], for the
+// first `live` token tiles. K = 32: a tile's A is 4 words (rows g and g + 8, words q and q + 4),
+// its B 2 (column g, words q and q + 4); K = 16: A 2 words (rows g and g + 8, word q), B 1 (word
+// q) — in words the f16 m16n8k16 / m16n8k8 layouts.
+template <int K>
+__device__ __forceinline__ void mma_s8_tiles(int (&d)[2][4][4], const u32 (&a)[2][K / 8], const u32 (&b)[4][K / 16],
+                                             int live) {
+#ifdef GATESTREAM_HOST_EMULATION
+    gsemu::mma_s8_tiles(&d[0][0][0], &a[0][0], &b[0][0], live, K);
+#else
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++) {
+            if (ni < live) {
+                if (K == 32)
+                    mma_s8_16832(d[mi][ni], a[mi], b[ni]);
+                else
+                    mma_s8_16816(d[mi][ni], a[mi], b[ni]);
+            }
+        }
+#endif
+}
+
+// A warp's 2 x 4 tiles of one f16 m16n8k16 product each, d[mi][ni] += a[mi]·b[ni].
+__device__ __forceinline__ void mma_f16_once(float (&d)[2][4][4], const u32 (&a)[2][4], const u32 (&b)[4][2], int live) {
+#ifdef GATESTREAM_HOST_EMULATION
+    gsemu::mma_f16_once(&d[0][0][0], &a[0][0], &b[0][0], live);
+#else
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+            if (ni < live) mma_16816(d[mi][ni], a[mi], b[ni]);
+#endif
+}
+
+__device__ __forceinline__ void zero_int_tiles(int (&t)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int k = 0; k < 4; k++) t[i][j][k] = 0;
+}
+
+// Two small integers (|v| <= 2048: exact) as the f16 pair of one word.
+__device__ __forceinline__ u32 f16_pair(int lo, int hi) {
+    return (u32)f32_to_f16((float)lo) | ((u32)f32_to_f16((float)hi) << 16);
+}
+
+// grid = (ceil(rows_out / MMA_BM), ceil(n / MMA_BN), parts), MMA_THREADS threads; cols a multiple
+// of 256. Xq: token t's Q8_K blocks from t * (cols / 256) on. With parts > 1 block z sums its
+// share of the super-blocks into Y + z * n * rows_out, and `accumulate_reduce` adds the parts in
+// order onto zeros (as mma_body's).
+template <int TY>
+__device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u8* Xq, int n,
+                         float* Y) {
+    __shared__ u32 ws[MMA_BM * MMQ_ROW_WORDS];
+    __shared__ u32 xs[MMA_BN * MMQ_ROW_WORDS];
+    // (rows of 17 words: the 8 rows or tokens one read touches fall in distinct banks)
+    __shared__ int wsc[MMA_BM][17];  // Q4_K: the 8 sub-blocks' scales, then their mins; Q6_K: the 16 scales
+    __shared__ float wd[MMA_BM][2];  // d (and Q4_K's dmin)
+    __shared__ int xsum[MMA_BN][17];  // each token's 16 sums of 16 quants
+    __shared__ float xd[MMA_BN];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int m0 = blockIdx.x * MMA_BM, n0 = blockIdx.y * MMA_BN;
+    int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
+    // The half super-block this thread unpacks each step: row dr of the tile, half du.
+    int dr = tid >> 1, du = tid & 1;
+    int r = min(m0 + dr, rows_out - 1);  // past the end: the last row again (computed, not stored)
+    const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
+    int nsb = cols / 256, parts = gridDim.z;
+    int per = (nsb + parts - 1) / parts;
+    int sb_end = min(nsb, (int)(blockIdx.z + 1) * per);
+    int live = min(4, max(0, (n - n0 - wn + 7) / 8));
+    Y += (u64)blockIdx.z * n * rows_out;
+    float acc[2][4][4];
+    zero_tiles(acc);
+    for (int sb = blockIdx.z * per; sb < sb_end; sb++) {
+        u32* wrow = ws + dr * MMQ_ROW_WORDS;
+        if (TY == TY_Q4_K) {
+            // Bytes 32j..32j+31 of the quants: sub-block 2j in the low nibbles, 2j + 1 in the high.
+            const u8* b = row + 144 * (u64)sb;
+#pragma unroll
+            for (int jj = 0; jj < 2; jj++) {
+                int j = 2 * du + jj;
+#pragma unroll
+                for (int w = 0; w < 8; w++) {
+                    u32 v = ld32(b + 16 + 32 * j + 4 * w);
+                    wrow[16 * j + w] = v & 0x0f0f0f0fu;
+                    wrow[16 * j + 8 + w] = (v >> 4) & 0x0f0f0f0fu;
+                }
+            }
+            if (du == 0) {
+#pragma unroll
+                for (int s = 0; s < 8; s++) {
+                    float sc, m;
+                    k_scale_min(s, b + 4, &sc, &m);
+                    wsc[dr][s] = (int)sc;
+                    wsc[dr][8 + s] = (int)m;
+                }
+                wd[dr][0] = ldf16(b);
+                wd[dr][1] = ldf16(b + 2);
+            }
+        } else {
+            // Half du (values 128du..128du+127): quarter k from the low (k even) or high nibbles of
+            // ql (bytes 32 (k % 2) on) and bits 2k, 2k + 1 of qh.
+            const u8* b = row + 210 * (u64)sb;
+            const u8* ql = b + 64 * du;
+            const u8* qh = b + 128 + 32 * du;
+#pragma unroll
+            for (int w = 0; w < 8; w++) {
+                u32 l0 = ld32(ql + 4 * w), l1 = ld32(ql + 32 + 4 * w), h = ld32(qh + 4 * w);
+                wrow[32 * du + w] = (l0 & 0x0f0f0f0fu) | ((h & 0x03030303u) << 4);
+                wrow[32 * du + 8 + w] = (l1 & 0x0f0f0f0fu) | (((h >> 2) & 0x03030303u) << 4);
+                wrow[32 * du + 16 + w] = ((l0 >> 4) & 0x0f0f0f0fu) | (((h >> 4) & 0x03030303u) << 4);
+                wrow[32 * du + 24 + w] = ((l1 >> 4) & 0x0f0f0f0fu) | (((h >> 6) & 0x03030303u) << 4);
+            }
+            if (du == 0) {
+#pragma unroll
+                for (int s = 0; s < 16; s++) wsc[dr][s] = (int)(i8)b[192 + s];
+                wd[dr][0] = ldf16(b + 208);
+            }
+        }
+        // The tokens' blocks (73 words: the scale, 8 words of sums, 64 of quants): a warp a token
+        // at a time, a word a lane.
+#pragma unroll 4
+        for (int i = 0; i < MMA_BN / 4; i++) {
+            int tt = warp + 4 * i, t = n0 + tt;
+            bool in = t < n;
+            const u32* blk = (const u32*)(Xq + ((u64)(in ? t : 0) * nsb + sb) * Q8K_BLOCK_BYTES);
+            xs[tt * MMQ_ROW_WORDS + lane] = in ? blk[Q8K_QS / 4 + lane] : 0u;
+            xs[tt * MMQ_ROW_WORDS + 32 + lane] = in ? blk[Q8K_QS / 4 + 32 + lane] : 0u;
+            if (lane < 16) xsum[tt][lane] = in ? (int)((const short*)(blk + Q8K_BSUMS / 4))[lane] : 0;
+            if (lane == 16) xd[tt] = in ? *(const float*)blk : 0.f;
+        }
+        __syncthreads();
+        int qy[2][4][4];
+        zero_int_tiles(qy);
+        if (TY == TY_Q4_K) {
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                u32 a[2][4], b[4][2];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const u32* p = ws + (wm + mi * 16 + g) * MMQ_ROW_WORDS + 8 * s + q;
+                    a[mi][0] = p[0];
+                    a[mi][1] = p[8 * MMQ_ROW_WORDS];
+                    a[mi][2] = p[4];
+                    a[mi][3] = p[8 * MMQ_ROW_WORDS + 4];
+                }
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) {
+                    const u32* p = xs + (wn + ni * 8 + g) * MMQ_ROW_WORDS + 8 * s + q;
+                    b[ni][0] = p[0];
+                    b[ni][1] = p[4];
+                }
+                int t[2][4][4];
+                zero_int_tiles(t);
+                mma_s8_tiles<32>(t, a, b, live);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int sc = wsc[wm + mi * 16 + g + 8 * (i >> 1)][s];
+#pragma unroll
+                        for (int ni = 0; ni < 4; ni++) qy[mi][ni][i] += sc * t[mi][ni][i];
+                    }
+            }
+            // The mins' term: A[row][k] = m[row][k / 2], B[k][token] = the token's k-th sum.
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const int* lo = wsc[wm + mi * 16 + g] + 8;
+                const int* hi = wsc[wm + mi * 16 + g + 8] + 8;
+                a[mi][0] = f16_pair(lo[q], lo[q]);
+                a[mi][1] = f16_pair(hi[q], hi[q]);
+                a[mi][2] = f16_pair(lo[4 + q], lo[4 + q]);
+                a[mi][3] = f16_pair(hi[4 + q], hi[4 + q]);
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                const int* ys = xsum[wn + ni * 8 + g];
+                b[ni][0] = f16_pair(ys[2 * q], ys[2 * q + 1]);
+                b[ni][1] = f16_pair(ys[8 + 2 * q], ys[9 + 2 * q]);
+            }
+            float my[2][4][4];
+            zero_tiles(my);
+            mma_f16_once(my, a, b, live);
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int rl = wm + mi * 16 + g + 8 * (i >> 1), tl = wn + ni * 8 + 2 * q + (i & 1);
+                        float d8 = xd[tl];
+                        float d = wd[rl][0] * d8, dmin = wd[rl][1] * d8;
+                        acc[mi][ni][i] += d * (float)qy[mi][ni][i] - dmin * my[mi][ni][i];
+                    }
+        } else {
+#pragma unroll
+            for (int s = 0; s < 16; s++) {
+                u32 a[2][2], b[4][1];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    const u32* p = ws + (wm + mi * 16 + g) * MMQ_ROW_WORDS + 4 * s + q;
+                    a[mi][0] = p[0];
+                    a[mi][1] = p[8 * MMQ_ROW_WORDS];
+                }
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) b[ni][0] = xs[(wn + ni * 8 + g) * MMQ_ROW_WORDS + 4 * s + q];
+                int t[2][4][4];
+                zero_int_tiles(t);
+                mma_s8_tiles<16>(t, a, b, live);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int sc = wsc[wm + mi * 16 + g + 8 * (i >> 1)][s];
+#pragma unroll
+                        for (int ni = 0; ni < 4; ni++) {
+                            int ys = xsum[wn + ni * 8 + 2 * q + (i & 1)][s];
+                            qy[mi][ni][i] += sc * (t[mi][ni][i] - 32 * ys);
+                        }
+                    }
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        int rl = wm + mi * 16 + g + 8 * (i >> 1), tl = wn + ni * 8 + 2 * q + (i & 1);
+                        acc[mi][ni][i] += wd[rl][0] * xd[tl] * (float)qy[mi][ni][i];
+                    }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int rr = m0 + wm + mi * 16 + g + 8 * (i >> 1), t = n0 + wn + ni * 8 + 2 * q + (i & 1);
+                if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i];
+            }
+}
+
+#define MMQ_KERNEL(t, TY)                                                                             \
+    extern "C" __global__ void mmq_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
+                                       int cols, const u8* Xq, int n, float* Y) {                     \
+        mmq_body<TY>(W, row_stride, rows_out, row_ids, cols, Xq, n, Y);                               \
+    }
+
+MMQ_KERNEL(q4_k, TY_Q4_K)
+MMQ_KERNEL(q6_k, TY_Q6_K)
+#undef MMQ_KERNEL

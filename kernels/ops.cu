@@ -464,7 +464,7 @@ extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) 
         for (int b = threadIdx.y; b < cols / 256; b += blockDim.y)                                             \
             q8_k_block(X + (u64)b * 256, xq + b * Q8K_BLOCK_BYTES, threadIdx.x);                               \
         __syncthreads();                                                                                       \
-        matvec_i8_rows<TY>(W, row_stride, rows_out, row_ids, cols, xq, bias, wpr, Y, blockIdx.x);             \
+        matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, xq, 1, bias, wpr, Y, blockIdx.x);       \
     }
 MATVEC_I8F_KERNEL(q4_k, TY_Q4_K)
 MATVEC_I8F_KERNEL(q6_k, TY_Q6_K)

@@ -453,13 +453,15 @@ __device__ __forceinline__ int sum8_lanes(int v) {
     return v;
 }
 
+// The most tokens one integer product takes (`matvec_i8n_*`): a batch of up to I8N_MAX tokens
+// reads each weight super-block once and multiplies it with every token's block.
+#define I8N_MAX 8
+
 // A Q4_K super-block's part for lane k (0..7) of its group of 8: 16 bytes of quants (values
-// 16h..16h+15 of sub-blocks 2g and 2g+1, g = k / 2, h = k % 2, low and high nibbles). Returns
-// the lane's share of sum_s(sc[s] * sum(q * y)) in *qy and of sum_s(m[s] * sum(y)) in *my.
-__device__ __forceinline__ void q4_k_i8_part(const u8* b, const u8* a, int k, int* qy, int* my) {
-    int g = k >> 1, h = k & 1;
+// 16h..16h+15 of sub-blocks 2g and 2g+1, g = k / 2, h = k % 2, low and high nibbles), loaded
+// once for every token (q4_k_i8_dot).
+__device__ __forceinline__ void q4_k_i8_load(const u8* b, int k, u32 (&w)[4]) {
     const u8* qs = b + 16 + 16 * k;
-    u32 w[4];
     if ((((u64)b) & 15) == 0) {
         uint4 v = *(const uint4*)qs;
         w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
@@ -467,6 +469,12 @@ __device__ __forceinline__ void q4_k_i8_part(const u8* b, const u8* a, int k, in
 #pragma unroll
         for (int i = 0; i < 4; i++) w[i] = ld32(qs + 4 * i);
     }
+}
+
+// Lane k's share, with one token's Q8_K block `a`, of sum_s(sc[s] * sum(q * y)) in *qy and of
+// sum_s(m[s] * sum(y)) in *my (the sub-blocks' six-bit scales and mins read from b).
+__device__ __forceinline__ void q4_k_i8_dot(const u8* b, const u32 (&w)[4], const u8* a, int k, int* qy, int* my) {
+    int g = k >> 1, h = k & 1;
     const int* lo = (const int*)(a + Q8K_QS + 32 * (2 * g) + 16 * h);
     const int* hi = (const int*)(a + Q8K_QS + 32 * (2 * g + 1) + 16 * h);
     int slo = 0, shi = 0;
@@ -484,29 +492,35 @@ __device__ __forceinline__ void q4_k_i8_part(const u8* b, const u8* a, int k, in
 }
 
 // A Q6_K super-block's part for lane k (0..7): half k / 4, positions l0..l0+7 (l0 = 8 * (k % 4))
-// of its four quarters. The quants are taken as stored (0..63) and 32 * sum(y) is subtracted per
-// group of 16, as the CPU does; the lane starting a group subtracts for the whole group.
-__device__ __forceinline__ int q6_k_i8_part(const u8* b, const u8* a, int k) {
+// of its four quarters, loaded once for every token (q6_k_i8_dot).
+__device__ __forceinline__ void q6_k_i8_load(const u8* b, int k, u32 (&l0w)[2], u32 (&l1w)[2], u32 (&hw)[2]) {
     int half = k >> 2, l0 = 8 * (k & 3);
     const u8* ql = b + 64 * half + l0;
     const u8* qh = b + 128 + 32 * half + l0;
-    const i8* scales = (const i8*)(b + 192) + 8 * half;
-    const short* bs = (const short*)(a + Q8K_BSUMS);
-    u32 L0[2], L1[2], H[2];
 #pragma unroll
     for (int j = 0; j < 2; j++) {
-        L0[j] = ld32(ql + 4 * j);
-        L1[j] = ld32(ql + 32 + 4 * j);
-        H[j] = ld32(qh + 4 * j);
+        l0w[j] = ld32(ql + 4 * j);
+        l1w[j] = ld32(ql + 32 + 4 * j);
+        hw[j] = ld32(qh + 4 * j);
     }
+}
+
+// Lane k's share with one token's Q8_K block `a`. The quants are taken as stored (0..63) and
+// 32 * sum(y) is subtracted per group of 16, as the CPU does; the lane starting a group
+// subtracts for the whole group.
+__device__ __forceinline__ int q6_k_i8_dot(const u8* b, const u32 (&l0w)[2], const u32 (&l1w)[2], const u32 (&hw)[2],
+                                           const u8* a, int k) {
+    int half = k >> 2, l0 = 8 * (k & 3);
+    const i8* scales = (const i8*)(b + 192) + 8 * half;
+    const short* bs = (const short*)(a + Q8K_BSUMS);
     int total = 0;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         int qy = 0;
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            u32 low = ((q & 1) ? L1[j] : L0[j]) >> (4 * (q >> 1));
-            u32 v = (low & 0x0f0f0f0fu) | (((H[j] >> (2 * q)) & 0x03030303u) << 4);
+            u32 low = ((q & 1) ? l1w[j] : l0w[j]) >> (4 * (q >> 1));
+            u32 v = (low & 0x0f0f0f0fu) | (((hw[j] >> (2 * q)) & 0x03030303u) << 4);
             const int* y = (const int*)(a + Q8K_QS + 128 * half + 32 * q + l0 + 4 * j);
             qy = dp4a((int)v, *y, qy);
         }
@@ -517,81 +531,121 @@ __device__ __forceinline__ int q6_k_i8_part(const u8* b, const u8* a, int k) {
     return total;
 }
 
-// One row's integer product with x as Q8_K blocks (Xq), the share of warp `part` of the `wpr`
-// warps that take the row: each group of 8 lanes takes a super-block (4 per warp at a time:
-// super-blocks 4·part + group, then every 4·wpr on), reduces its integer sums, and its first
-// lane adds the super-block's value; the warp's sum is returned to every lane.
-template <int TY>
-__device__ float i8_row_part(const u8* row, int nsb, const u8* Xq, int part, int wpr) {
+// One row's integer products with n tokens (n <= NMAX) as Q8_K blocks (Xq: token t's blocks
+// from t * nsb on), the share of warp `part` of the `wpr` warps that take the row: each group of
+// 8 lanes takes a super-block (4 per warp at a time: super-blocks 4·part + group, then every
+// 4·wpr on), loads its part of the weights once, reduces each token's integer sums, and its
+// first lane adds each token's super-block value; acc[t] is the warp's sum for token t on every
+// lane. A token's sums and their order do not depend on n: one token in a batch gets what it
+// gets alone.
+template <int TY, int NMAX>
+__device__ void i8_row_parts(const u8* row, int nsb, const u8* Xq, int n, int part, int wpr, float (&acc)[NMAX]) {
     int lane = threadIdx.x, grp = lane >> 3, k = lane & 7;
-    float acc = 0.f;
+#pragma unroll
+    for (int t = 0; t < NMAX; t++) acc[t] = 0.f;
     for (int base = 4 * part; base < nsb; base += 4 * wpr) {
         int sb = base + grp;
         bool valid = sb < nsb;  // every lane reduces (the shuffles need the whole warp)
-        const u8* a = Xq + (u64)(valid ? sb : 0) * Q8K_BLOCK_BYTES;
-        float d8 = *(const float*)a;
+        int at = valid ? sb : 0;
         if (TY == TY_Q4_K) {
-            const u8* b = row + 144 * (u64)(valid ? sb : 0);
-            int qy = 0, my = 0;
-            if (valid) q4_k_i8_part(b, a, k, &qy, &my);
-            qy = sum8_lanes(qy);
-            my = sum8_lanes(my);
-            if (valid && k == 0) {
-                float d = ldf16(b) * d8, dmin = ldf16(b + 2) * d8;
-                acc += d * (float)qy - dmin * (float)my;
+            const u8* b = row + 144 * (u64)at;
+            u32 w[4];
+            if (valid) q4_k_i8_load(b, k, w);
+#pragma unroll
+            for (int t = 0; t < NMAX; t++) {
+                if (t >= n) break;  // the same for the whole warp
+                const u8* a = Xq + ((u64)t * nsb + at) * Q8K_BLOCK_BYTES;
+                float d8 = *(const float*)a;
+                int qy = 0, my = 0;
+                if (valid) q4_k_i8_dot(b, w, a, k, &qy, &my);
+                qy = sum8_lanes(qy);
+                my = sum8_lanes(my);
+                if (valid && k == 0) {
+                    float d = ldf16(b) * d8, dmin = ldf16(b + 2) * d8;
+                    acc[t] += d * (float)qy - dmin * (float)my;
+                }
             }
         } else {
-            const u8* b = row + 210 * (u64)(valid ? sb : 0);
-            int t = valid ? q6_k_i8_part(b, a, k) : 0;
-            t = sum8_lanes(t);
-            if (valid && k == 0) acc += ldf16(b + 208) * d8 * (float)t;
+            const u8* b = row + 210 * (u64)at;
+            u32 l0w[2], l1w[2], hw[2];
+            if (valid) q6_k_i8_load(b, k, l0w, l1w, hw);
+#pragma unroll
+            for (int t = 0; t < NMAX; t++) {
+                if (t >= n) break;
+                const u8* a = Xq + ((u64)t * nsb + at) * Q8K_BLOCK_BYTES;
+                float d8 = *(const float*)a;
+                int s = valid ? q6_k_i8_dot(b, l0w, l1w, hw, a, k) : 0;
+                s = sum8_lanes(s);
+                if (valid && k == 0) acc[t] += ldf16(b + 208) * d8 * (float)s;
+            }
         }
     }
-    return warp_sum(acc);
+#pragma unroll
+    for (int t = 0; t < NMAX; t++)
+        if (t < n) acc[t] = warp_sum(acc[t]);
 }
 
-// y[i] = dot(W[row i], x) (+ bias[i] when given) for one token, x as Q8_K blocks (Xq), over
-// block `lb` of the rows: the block's 8 warps take 8 / wpr rows, `wpr` warps each (wide rows:
-// a row's warps add their sums in order through shared memory). wpr is 1, 2, 4 or 8, the same
-// for the whole launch (the barrier below is reached by every warp of a block).
-template <int TY>
+// Y[t][i] = dot(W[row i], x_t) (+ bias[i] when given) for n tokens (n <= NMAX), x as Q8_K blocks
+// (Xq), over block `lb` of the rows: the block's 8 warps take 8 / wpr rows, `wpr` warps each
+// (wide rows: a row's warps add their sums in order through shared memory). wpr is 1, 2, 4 or
+// 8, the same for the whole launch (the barrier below is reached by every warp of a block).
+template <int TY, int NMAX>
 __device__ void matvec_i8_rows(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
-                               const u8* Xq, const float* bias, int wpr, float* y, int lb) {
-    __shared__ float part_sum[8];
+                               const u8* Xq, int n, const float* bias, int wpr, float* Y, int lb) {
+    __shared__ float part_sum[8][NMAX];
     int r = lb * (blockDim.y / wpr) + threadIdx.y / wpr, part = threadIdx.y % wpr;
     bool valid = r < rows_out;  // whole warps: no warp returns before the barrier
-    float s = 0.f;
+    float s[NMAX];
     if (valid) {
         const u8* row = W + (u64)(row_ids ? row_ids[r] : (u32)r) * row_stride;
-        s = i8_row_part<TY>(row, cols / 256, Xq, part, wpr);
+        i8_row_parts<TY, NMAX>(row, cols / 256, Xq, n, part, wpr, s);
+    } else {
+#pragma unroll
+        for (int t = 0; t < NMAX; t++) s[t] = 0.f;
     }
     if (wpr > 1) {
-        if (threadIdx.x == 0) part_sum[threadIdx.y] = s;
+        if (threadIdx.x == 0)
+#pragma unroll
+            for (int t = 0; t < NMAX; t++) part_sum[threadIdx.y][t] = s[t];
         __syncthreads();
         if (threadIdx.x == 0 && part == 0)
-            for (int i = 1; i < wpr; i++) s += part_sum[threadIdx.y + i];
+            for (int i = 1; i < wpr; i++)
+#pragma unroll
+                for (int t = 0; t < NMAX; t++) s[t] += part_sum[threadIdx.y + i][t];
     }
-    if (valid && part == 0 && threadIdx.x == 0) y[r] = bias ? s + bias[r] : s;
+    if (valid && part == 0 && threadIdx.x == 0)
+#pragma unroll
+        for (int t = 0; t < NMAX; t++)
+            if (t < n) Y[(u64)t * rows_out + r] = bias ? s[t] + bias[r] : s[t];
 }
 
 // Up to three weights of one type multiplied with the same input in one launch (Q, K and V;
 // gate and up): blocks [0, nb0) are the first's, [nb0, nb01) the second's, the rest the third's.
+// The one-token kernels' 256 threads at most 40 registers each (6 blocks a multiprocessor), as
+// they compile on their own; matvec_i8n_* holds a sum per token.
+#define I8_ONE_BOUNDS __launch_bounds__(256, 6)
+// matvec_i8n_*: n tokens (1..I8N_MAX) in one launch, each weight super-block read once.
 #define MATVEC_I8_KERNELS(t, TY)                                                                             \
-    extern "C" __global__ void matvec_i8_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,  \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,  \
                                              int cols, const u8* Xq, const float* bias, int wpr, float* Y) { \
-        matvec_i8_rows<TY>(W, row_stride, rows_out, row_ids, cols, Xq, bias, wpr, Y, blockIdx.x);            \
+        matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, Xq, 1, bias, wpr, Y, blockIdx.x);      \
     }                                                                                                        \
-    extern "C" __global__ void matvec_i8x3_##t(                                                              \
+    extern "C" __global__ void matvec_i8n_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
+                                              int cols, const u8* Xq, int n, const float* bias, int wpr,     \
+                                              float* Y) {                                                    \
+        matvec_i8_rows<TY, I8N_MAX>(W, row_stride, rows_out, row_ids, cols, Xq, n, bias, wpr, Y, blockIdx.x); \
+    }                                                                                                        \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_##t(                                                          \
         const u8* Xq, int cols, int wpr, int nb0, int nb01, const u8* W0, u64 s0, int r0, const float* b0,   \
         float* y0, const u8* W1, u64 s1, int r1, const float* b1, float* y1, const u8* W2, u64 s2, int r2,   \
         const float* b2, float* y2) {                                                                        \
         int b = blockIdx.x;                                                                                  \
         if (b < nb0)                                                                                         \
-            matvec_i8_rows<TY>(W0, s0, r0, 0, cols, Xq, b0, wpr, y0, b);                                     \
+            matvec_i8_rows<TY, 1>(W0, s0, r0, 0, cols, Xq, 1, b0, wpr, y0, b);                               \
         else if (b < nb01)                                                                                   \
-            matvec_i8_rows<TY>(W1, s1, r1, 0, cols, Xq, b1, wpr, y1, b - nb0);                               \
+            matvec_i8_rows<TY, 1>(W1, s1, r1, 0, cols, Xq, 1, b1, wpr, y1, b - nb0);                         \
         else                                                                                                 \
-            matvec_i8_rows<TY>(W2, s2, r2, 0, cols, Xq, b2, wpr, y2, b - nb01);                              \
+            matvec_i8_rows<TY, 1>(W2, s2, r2, 0, cols, Xq, 1, b2, wpr, y2, b - nb01);                        \
     }
 
 MATVEC_I8_KERNELS(q4_k, TY_Q4_K)

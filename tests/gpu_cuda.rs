@@ -4,7 +4,9 @@
 //! is reported as "ok" there).
 //!
 //! Checks: every weight type's product, row subset, embedding gather and neuron-major product
-//! against an f64 reference; greedy tokens and top-k candidates found on the device against the
+//! against an f64 reference (Q4_K and Q6_K also in batches of 2-8 tokens as integers, bit-identical
+//! to each token alone, and as integer tiles on the tensor cores); a prompt's attention in tiles
+//! of tokens against a block per token and the CPU; greedy tokens and top-k candidates found on the device against the
 //! host's; stories260K (real weights) and a synthetic model shaped like
 //! Qwen2.5-1.5B (random weights in Q4_K_M's types, made here) — the same greedy tokens over 32
 //! steps, max |Δlogit| ≤ 1% of the logits' range at every step, perplexity within 0.1% on the
@@ -62,8 +64,10 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 37] = [
+    let checks: [(&str, Check); 39] = [
         ("kernels_per_type", kernels_per_type),
+        ("int8_batches", int8_batches),
+        ("attention_tiles", attention_tiles),
         ("fused_q8_blocks", fused_q8_blocks),
         ("argmax_rows", argmax_rows),
         ("top_k_rows", top_k_rows),
@@ -295,10 +299,127 @@ fn kernels_per_type(
     dev.set_mma(false);
     let r = kernels_of_each_type(dev, report);
     dev.set_mma(true);
+    let mmq = dev.mmq();
+    dev.set_mmq(false);
     let r = r.and_then(|msg| Ok(format!("{msg}\n{}", mma_products(dev, report)?)));
+    dev.set_mmq(true);
+    let r = r.and_then(|msg| Ok(format!("{msg}\n{}", mmq_products(dev, report)?)));
     dev.set_activations(was);
     dev.set_mma(mma);
+    dev.set_mmq(mmq);
     r
+}
+
+/// Batches of Q4_K and Q6_K rows wider than the integer products take, as integer tiles on the
+/// tensor cores (`mmq_*`, kernels/mma.cu), against f64 on the 8-bit activations the CPU sees
+/// (the Q8_K blocks): every super-block's integer sums exact, so within 1e-6 of each token's
+/// largest value. 130 rows (tiles of 64 and a part tile), 9, 13 and 70 tokens (a part tile of
+/// tokens; one a million times larger, one a million times smaller), row subsets crossing tiles,
+/// three weights asked at once with a bias; rows of 5 super-blocks in two parts, a 70 x 2048
+/// matrix in four (see `mmq_cfg`). With the integer tiles off the same batch takes the f16
+/// pairs (`mma_*`): shown by results that differ.
+fn mmq_products(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    dev.set_activations(Activations::Auto);
+    let tokens = dev.int8_tokens();
+    dev.set_int8_tokens(8).map_err(|e| e.to_string())?;
+    let r = mmq_products_in(dev, report);
+    dev.set_int8_tokens(tokens).map_err(|e| e.to_string())?;
+    r
+}
+
+fn mmq_products_in(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let mut rng = Rng(29);
+    let mut lines = Vec::new();
+    let mut worst = 0f64;
+    for ty in INT8_TYPES {
+        let mut max = 0f64;
+        for (rows, cols, widths) in [(130usize, 1280usize, &[9usize, 13, 70][..]), (70, 2048, &[13][..])] {
+            let ws: Vec<Weight> = [rows, 7, 19]
+                .iter()
+                .map(|&r| quantized(ty, r, cols, &mut rng))
+                .collect();
+            let refs: Vec<&Weight> = ws.iter().collect();
+            let deq: Vec<Vec<Vec<f64>>> = ws
+                .iter()
+                .map(|w| {
+                    dequantized(w)
+                        .iter()
+                        .map(|r| r.iter().map(|&v| v as f64).collect())
+                        .collect()
+                })
+                .collect();
+            let bias: Vec<f32> = (0..rows).map(|_| rng.normalish()).collect();
+            let subset: Vec<u32> = vec![rows as u32 - 1, 3, 64, 0, 50, 63, 65];
+            for &n in widths {
+                let mut x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                if n == 70 {
+                    x[5 * cols..6 * cols].iter_mut().for_each(|v| *v *= 1e6);
+                    x[6 * cols..7 * cols].iter_mut().for_each(|v| *v *= 1e-6);
+                }
+                let xa = dev.upload(n, cols, x.clone());
+                let three: Vec<Vec<f32>> = dev
+                    .matmul_bias(&refs, &[Some(&bias[..]), None, None], &xa)
+                    .into_iter()
+                    .map(|a| dev.download(a))
+                    .collect();
+                let part = dev.download(dev.matmul_rows(&ws[0], &subset, &xa));
+                dev.set_mmq(false);
+                let pairs = dev.download(dev.matmul(&[&ws[0]], &xa).remove(0));
+                dev.set_mmq(true);
+                let plain = dev.download(dev.matmul(&[&ws[0]], &xa).remove(0));
+                if pairs == plain {
+                    return Err(format!(
+                        "{ty:?}, {n} tokens: the integer tiles gave what the f16 pairs give"
+                    ));
+                }
+                for t in 0..n {
+                    let mut p = PreparedInput::new();
+                    p.prepare(&x[t * cols..(t + 1) * cols], ty);
+                    let seen: Vec<f64> = p.dequantized().iter().map(|&v| v as f64).collect();
+                    for (i, w) in ws.iter().enumerate() {
+                        let sums: Vec<f64> = deq[i]
+                            .iter()
+                            .map(|row| row.iter().zip(&seen).map(|(a, b)| a * b).sum::<f64>())
+                            .collect();
+                        let want: Vec<f32> = sums
+                            .iter()
+                            .enumerate()
+                            .map(|(r, v)| (v + if i == 0 { bias[r] as f64 } else { 0.0 }) as f32)
+                            .collect();
+                        max = max.max(rel_err(&three[i][t * w.rows..(t + 1) * w.rows], &want));
+                        if i == 0 {
+                            let unbiased: Vec<f32> = sums.iter().map(|&v| v as f32).collect();
+                            let want_part: Vec<f32> = subset.iter().map(|&r| unbiased[r as usize]).collect();
+                            max = max
+                                .max(rel_err(&plain[t * rows..(t + 1) * rows], &unbiased))
+                                .max(rel_err(&part[t * subset.len()..(t + 1) * subset.len()], &want_part));
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(e) = dev.take_error() {
+            return Err(format!("{ty:?} as integer tiles: {e}"));
+        }
+        worst = worst.max(max);
+        lines.push(format!(
+            "  {ty:?} as integer tiles: max relative error {max:.2e} against f64 on its 8-bit activations (n=9/13/70, rows, three weights, split in parts)"
+        ));
+        if max > 1e-6 {
+            return Err(format!(
+                "{}\n{ty:?} as integer tiles: error {max:.2e} > 1e-6",
+                lines.join("\n")
+            ));
+        }
+    }
+    report.insert("mmq_products_max_rel_err".into(), worst.into());
+    Ok(lines.join("\n"))
 }
 
 /// The tensor-core products of several tokens (`mma_*`, kernels/mma.cu) for every block type,
@@ -364,6 +485,112 @@ fn mma_products(
     }
     report.insert("mma_products_max_rel_err".into(), worst.into());
     Ok(lines.join("\n"))
+}
+
+/// Attention over tiles of a prompt's tokens (`attention_tiles`: 16 tokens a block, a running
+/// softmax) against a block per token and head (`attention`) and the CPU, within 1e-5 of each
+/// output row's largest value, in one batch of three sequences: a prompt's second piece (37 tokens
+/// after 40 cached: tiles of 16, 16 and 5), a decode token after 50, a fresh 21-token prompt;
+/// heads of 8 to 256 values, grouped-query ratios 1 to 2, sliding windows of 5 and 20.
+fn attention_tiles(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let was = dev.attn_tiles();
+    let r = attention_tiles_in(dev, report);
+    dev.set_attn_tiles(was);
+    r
+}
+
+fn attention_tiles_in(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::backend::AttnShape;
+    let base = load(&common::stories_dir(), Arc::new(CpuBackend::new(0)))?
+        .config
+        .clone();
+    let cpu = CpuBackend::new(0);
+    let mut rng = Rng(31);
+    let (mut worst_blocks, mut worst_cpu) = (0f64, 0f64);
+    // (sequence, position) of the cached tokens, then of the batch's.
+    let hist: Vec<(usize, usize)> = (0..40).map(|p| (0, p)).chain((0..50).map(|p| (1, p))).collect();
+    let batch: Vec<(usize, usize)> = (40..77)
+        .map(|p| (0, p))
+        .chain([(1, 50)])
+        .chain((0..21).map(|p| (2, p)))
+        .collect();
+    for (n_heads, n_kv_heads, head_dim, window) in [
+        (4usize, 2usize, 64usize, None),
+        (2, 1, 128, Some(20)),
+        (3, 3, 80, None),
+        (2, 2, 256, None),
+        (8, 4, 8, Some(5)),
+    ] {
+        let mut cfg = base.clone();
+        cfg.n_layers = 1;
+        cfg.n_heads = n_heads;
+        cfg.n_kv_heads = n_kv_heads;
+        cfg.head_dim = head_dim;
+        let kvd = n_kv_heads * head_dim;
+        let mut draw = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.normalish()).collect() };
+        let (hk, hv) = (draw(hist.len() * kvd), draw(hist.len() * kvd));
+        let (bk, bv) = (draw(batch.len() * kvd), draw(batch.len() * kvd));
+        let q = draw(batch.len() * n_heads * head_dim);
+        let shape = AttnShape {
+            layer: 0,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window,
+        };
+        let run = |d: &dyn Device| -> Vec<f32> {
+            let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new(&cfg, 96)).collect();
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            for (toks, k, v) in [(&hist, &hk, &hv), (&batch, &bk, &bv)] {
+                let pos: Vec<usize> = toks.iter().map(|t| t.1).collect();
+                let seq: Vec<usize> = toks.iter().map(|t| t.0).collect();
+                let (ka, va) = (
+                    d.upload(toks.len(), kvd, k.clone()),
+                    d.upload(toks.len(), kvd, v.clone()),
+                );
+                d.kv_write(0, &ka, &va, &pos, &seq, &mut refs);
+            }
+            let pos: Vec<usize> = batch.iter().map(|t| t.1).collect();
+            let seq: Vec<usize> = batch.iter().map(|t| t.0).collect();
+            let qa = d.upload(batch.len(), n_heads * head_dim, q.clone());
+            d.download(d.attention(&qa, &pos, &seq, &refs, shape))
+        };
+        dev.set_attn_tiles(true);
+        let tiled = run(dev.as_ref());
+        dev.set_attn_tiles(false);
+        let blocks = run(dev.as_ref());
+        let on_cpu = run(&cpu);
+        if let Some(e) = dev.take_error() {
+            return Err(format!("attention, heads of {head_dim}: {e}"));
+        }
+        let width = n_heads * head_dim;
+        for t in 0..batch.len() {
+            let row = |v: &[f32]| v[t * width..(t + 1) * width].to_vec();
+            worst_blocks = worst_blocks.max(rel_err(&row(&tiled), &row(&blocks)));
+            worst_cpu = worst_cpu.max(rel_err(&row(&tiled), &row(&on_cpu)));
+        }
+        if tiled == blocks {
+            return Err(format!(
+                "attention, heads of {head_dim}: the tiles gave a block per token's sums to the bit (not run?)"
+            ));
+        }
+    }
+    report.insert("attention_tiles_max_rel_err".into(), worst_blocks.max(worst_cpu).into());
+    let msg = format!(
+        "  attention in tiles of 16 tokens: max relative error {worst_blocks:.2e} against a block per token, \
+         {worst_cpu:.2e} against the CPU (three sequences in one batch, heads of 8/64/80/128/256, windows 5 and 20)"
+    );
+    if worst_blocks > 1e-5 || worst_cpu > 1e-5 {
+        return Err(format!("{msg}: over 1e-5"));
+    }
+    Ok(msg)
 }
 
 /// The device's greedy tokens (`Device::argmax_rows`) against the host's
@@ -1091,6 +1318,120 @@ fn kernels_of_each_type(
         }
     }
     report.insert("kernels_worst_relative_error".into(), worst.into());
+    Ok(lines.join("\n"))
+}
+
+/// Batches of 2 to 8 tokens multiplied as integers (`matvec_i8n_*`: each weight super-block read
+/// once for every token) against each token multiplied alone (`matvec_i8_*`): bit-identical, for
+/// whole products with and without biases, row subsets and three weights asked at once, rows of
+/// 5, 16 and 65 super-blocks (1, 2 and 8 warps a row), 45 and 130 rows; and within 1e-4 of f64
+/// on the 8-bit activations the CPU sees. With the integer tiles off, a batch past `int8_tokens`
+/// (and every batch with it at 1) takes the f16 pairs on the tensor cores instead: shown by its
+/// results differing from the integer ones.
+fn int8_batches(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let (was, tokens) = (dev.activations(), dev.int8_tokens());
+    dev.set_activations(Activations::Auto);
+    dev.set_int8_tokens(8).map_err(|e| e.to_string())?;
+    let r = int8_batches_in(dev, report);
+    dev.set_activations(was);
+    dev.set_int8_tokens(tokens).map_err(|e| e.to_string())?;
+    r
+}
+
+fn int8_batches_in(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let mut rng = Rng(23);
+    let mut lines = Vec::new();
+    let mut worst = 0f64;
+    let download_all =
+        |acts: Vec<gatestream::backend::Act>| acts.into_iter().map(|a| dev.download(a)).collect::<Vec<_>>();
+    for ty in INT8_TYPES {
+        let mut max = 0f64;
+        for (super_blocks, rows) in [(5usize, 130usize), (16, 45), (65, 45)] {
+            let cols = 256 * super_blocks;
+            let ws: Vec<Weight> = [rows, 7, 19]
+                .iter()
+                .map(|&r| quantized(ty, r, cols, &mut rng))
+                .collect();
+            let refs: Vec<&Weight> = ws.iter().collect();
+            let deq = dequantized(&ws[0]);
+            let bias: Vec<f32> = (0..rows).map(|_| rng.normalish()).collect();
+            let subset: Vec<u32> = vec![rows as u32 - 1, 3, 64.min(rows as u32 - 2), 0, 29];
+            for n in 2..=8usize {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                let xa = dev.upload(n, cols, x.clone());
+                let full = dev.download(dev.matmul(&[&ws[0]], &xa).remove(0));
+                let biased = dev.download(dev.matmul_bias(&[&ws[0]], &[Some(&bias[..])], &xa).remove(0));
+                let part = dev.download(dev.matmul_rows(&ws[0], &subset, &xa));
+                let three = download_all(dev.matmul(&refs, &xa));
+                for t in 0..n {
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    let one = dev.upload(1, cols, xt.to_vec());
+                    let alone = dev.download(dev.matmul(&[&ws[0]], &one).remove(0));
+                    let alone_part = dev.download(dev.matmul_rows(&ws[0], &subset, &one));
+                    let alone_biased = dev.download(dev.matmul_bias(&[&ws[0]], &[Some(&bias[..])], &one).remove(0));
+                    let alone_three = download_all(dev.matmul(&refs, &one));
+                    let row = |v: &[f32], width: usize| v[t * width..(t + 1) * width].to_vec();
+                    let same = row(&full, rows) == alone
+                        && row(&biased, rows) == alone_biased
+                        && row(&part, subset.len()) == alone_part
+                        && (0..3).all(|i| row(&three[i], ws[i].rows) == alone_three[i]);
+                    if !same {
+                        return Err(format!(
+                            "{ty:?}, {cols} columns, {n} tokens: token {t} of the batch differs from the token multiplied alone"
+                        ));
+                    }
+                    let mut p = PreparedInput::new();
+                    p.prepare(xt, ty);
+                    let seen = p.dequantized();
+                    let want: Vec<f32> = deq
+                        .iter()
+                        .map(|r| r.iter().zip(&seen).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() as f32)
+                        .collect();
+                    max = max.max(rel_err(&alone, &want));
+                }
+            }
+            // Past the integer batches (the integer tiles off): the f16 pairs on the tensor cores,
+            // on the f32 values (not the integer sums).
+            let mmq = dev.mmq();
+            dev.set_mmq(false);
+            let n = 9;
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+            let xa = dev.upload(n, cols, x.clone());
+            let wide = dev.download(dev.matmul(&[&ws[0]], &xa).remove(0));
+            let first = dev.download(
+                dev.matmul(&[&ws[0]], &dev.upload(1, cols, x[..cols].to_vec()))
+                    .remove(0),
+            );
+            dev.set_int8_tokens(1).map_err(|e| e.to_string())?;
+            let two = dev.upload(2, cols, x[..2 * cols].to_vec());
+            let on_cores = dev.download(dev.matmul(&[&ws[0]], &two).remove(0));
+            dev.set_int8_tokens(8).map_err(|e| e.to_string())?;
+            dev.set_mmq(mmq);
+            if wide[..rows] == first[..] || on_cores[..rows] == first[..] {
+                return Err(format!(
+                    "{ty:?}, {cols} columns: 9 tokens (or 2 with int8_tokens 1) gave the integer sums; the tensor cores were expected"
+                ));
+            }
+        }
+        if let Some(e) = dev.take_error() {
+            return Err(format!("{ty:?} batches as integers: {e}"));
+        }
+        worst = worst.max(max);
+        lines.push(format!(
+            "  {ty:?} batches of 2-8 tokens as integers (rows of 5/16/65 super-blocks, biases, row subsets, three weights): \
+             every token bit-identical to it alone; max relative error {max:.2e} against f64 on its 8-bit activations"
+        ));
+        if max > 1e-4 {
+            return Err(format!("{}\n{ty:?} batches: error {max:.2e} > 1e-4", lines.join("\n")));
+        }
+    }
+    report.insert("int8_batches_max_rel_err".into(), worst.into());
     Ok(lines.join("\n"))
 }
 

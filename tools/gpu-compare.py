@@ -23,8 +23,11 @@ is gatestream faster; each line gives both medians and the median of the per-pai
            through HTTP: the server's overhead counts against gatestream)
   served   llama-server -np 64 vs `gatestream serve --parallel 64`, the same client
            (tools/serve-bench.py: C clients, 2 requests each, 64 tokens, short prompts), C = 1/8/32
-  mma      (not a llama.cpp row) gatestream's own prefill of the 512-token prompt with the
-           tensor-core products off and on (GATESTREAM_CUDA_MMA=0 / 1), A B A B
+  mma      (not a llama.cpp row) gatestream's own prefill of the 512-token prompt with Q4_K/Q6_K
+           batches as integer tiles (the default) and as f16 pairs (GATESTREAM_CUDA_MMQ=0), A B A B
+  int8     (not a llama.cpp row) gatestream's batched decode at 2, 4 and 8 sequences (as in
+           `batched`) with batches of Q4_K/Q6_K products as integers (GATESTREAM_CUDA_INT8_TOKENS=8,
+           the default) and on the tensor cores (=1): the crossover; one run each
   profile  (not timed against anything) per-kernel GPU time of that prefill under `ncu --metrics
            gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt
 
@@ -170,7 +173,7 @@ def profile(a, gguf, prompt):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="decode,prefill,batched,served,mma,profile")
+    ap.add_argument("--cases", default="decode,prefill,batched,served,mma,int8,profile")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
     ap.add_argument("--model", help="a GGUF to use instead of making one")
@@ -288,15 +291,26 @@ def main():
 
     if "mma" in cases and not late(a):
         def prefill_with(m, i):
-            env = dict(os.environ, GATESTREAM_CUDA_MMA=m)
+            env = dict(os.environ, GATESTREAM_CUDA_MMQ=m)
             rc, out = run([a.gatestream, "run", "--device", a.device, "--model", gguf, "--threads", a.threads,
-                           "--prompt", letters[:512 - extra], "--max-tokens", 1, "--json"], f"mma{m}-{i}", env=env)
+                           "--prompt", letters[:512 - extra], "--max-tokens", 1, "--json"], f"mmq{m}-{i}", env=env)
             try:
                 return float(json.loads(out)["prefill_tok_per_s"])
             except Exception:
                 return None
-        paired(a, "prefill, tensor cores on / off", a.pairs, lambda i: prefill_with("1", i),
-               lambda i: prefill_with("0", i), "gatestream alone: the llama.cpp column is MMA=0")
+        paired(a, "prefill, integer tiles / f16 pairs", a.pairs, lambda i: prefill_with("1", i),
+               lambda i: prefill_with("0", i), "gatestream alone: the llama.cpp column is MMQ=0")
+    if "int8" in cases and not late(a):
+        pf = OUT / "prompt128.txt"
+        pf.write_text(letters[1000:1128 - extra])  # 128 tokens
+        on = serve_bench(a, gs_serve, "int8 8", "2,4,8", 1, 128, pf, "int8-8")
+        off = serve_bench(a, "env GATESTREAM_CUDA_INT8_TOKENS=1 " + gs_serve, "int8 1", "2,4,8", 1, 128, pf, "int8-1")
+        for w in (2, 4, 8):
+            lo, lf = on.get(w), off.get(w)
+            mine = lo["tok_per_s"] if lo and not lo.get("errors") else None
+            base = lf["tok_per_s"] if lf and not lf.get("errors") else None
+            row(f"batched {w}, integer / tensor cores", [mine] if mine else [], [base] if base else [],
+                [mine / base] if mine and base else [], "gatestream alone: the llama.cpp column is INT8_TOKENS=1")
     if "profile" in cases and not late(a):
         profile(a, gguf, letters[:512 - extra])
 

@@ -16,6 +16,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __launch_bounds__(...)
 
 struct dim3 {
     unsigned x, y, z;
@@ -145,6 +146,45 @@ inline void mma_tiles(float* d, const uint32_t* a, const uint32_t* b, int live) 
             mma_tile(s, 4 * mi, 2 * ni, t);      // a[0][mi] b[0][ni]
         }
     (void)shfl_xor(0, 0);  // every lane has read them before any writes its next ones
+}
+
+// One f16 m16n8k16 product a tile, d[mi][ni] += a[mi]·b[ni] (A's words [mi][4], B's [ni][2]).
+inline void mma_f16_once(float* d, const uint32_t* a, const uint32_t* b, int live) {
+    MmaSlot& s = mma_slots[current->warp];
+    std::memcpy(s.a[current->lane], a, 32);
+    std::memcpy(s.b[current->lane], b, 32);
+    (void)shfl_xor(0, 0);
+    for (int mi = 0; mi < 2; mi++)
+        for (int ni = 0; ni < live; ni++) mma_tile(s, 4 * mi, 2 * ni, d + (mi * 4 + ni) * 4);
+    (void)shfl_xor(0, 0);
+}
+
+// The m16n8k32 (k = 32) and m16n8k16 (k = 16) products of signed 8-bit fragments into int32 sums
+// that `mma.sync` computes (exact, so in any order), for a warp's 2 x 4 tiles (`mma_s8_tiles` in
+// kernels/mma.cu): A's words [mi][k / 8], B's [ni][k / 16]. The PTX layouts, in 32-bit words of
+// four values: word w of row r of a 16-row A is register (r / 8) + 2 (w / 4) of lane 4 (r % 8) +
+// w % 4; word w of column c of B is register w / 4 of lane 4 c + w % 4; lane 4 g + q's sums are
+// rows g and g + 8 by columns 2q and 2q + 1.
+inline void mma_s8_tiles(int* d, const uint32_t* a, const uint32_t* b, int live, int k) {
+    MmaSlot& s = mma_slots[current->warp];
+    int aw = k / 8, bw = k / 16;
+    std::memcpy(s.a[current->lane], a, 2 * aw * 4);
+    std::memcpy(s.b[current->lane], b, 4 * bw * 4);
+    (void)shfl_xor(0, 0);
+    int lane = current->lane, g = lane >> 2, q = lane & 3;
+    for (int mi = 0; mi < 2; mi++)
+        for (int ni = 0; ni < live; ni++)
+            for (int i = 0; i < 4; i++) {
+                int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
+                int sum = d[(mi * 4 + ni) * 4 + i];
+                for (int w = 0; w < k / 4; w++) {
+                    uint32_t av = s.a[(row & 7) * 4 + (w & 3)][mi * aw + (row >> 3) + 2 * (w >> 2)];
+                    uint32_t bv = s.b[col * 4 + (w & 3)][ni * bw + (w >> 2)];
+                    sum = dp4a((int)av, (int)bv, sum);
+                }
+                d[(mi * 4 + ni) * 4 + i] = sum;
+            }
+    (void)shfl_xor(0, 0);
 }
 
 }  // namespace gsemu

@@ -221,6 +221,11 @@ kernels! {
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
         scores: Ptr, max_len: I32, out: Ptr,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
+    /// The same for the tiles of runs of a sequence's tokens (`tiles`: (first, count) pairs).
+    attention_tiles(
+        q: Ptr, info: Ptr, tiles: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
+        out: Ptr,
+    ) if hd <= ATTN_TILE_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
     /// 8-bit activations: `blocks` blocks of 32 (Q8_0) or 256 (Q8_K) values of `x` into `y`.
     act_q8 ["act_q8_32", "act_q8_k"] (x: Ptr, y: Ptr, blocks: U64);
     /// Q8_K blocks of `x` as the integer products take them.
@@ -247,6 +252,15 @@ kernels! {
     product_i8 ["matvec_i8", "matvec_i8f"] <ty> (
         w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, bias: Opt, wpr: I32, y: Ptr,
     );
+    /// `y = x · w[row_ids] (+ bias)` for `n` tokens with integer dot products, each weight
+    /// super-block read once for all of them; `x` as Q8_K blocks, token after token.
+    matvec_i8n<ty>(
+        w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
+    ) if (1..=I8N_MAX).contains(&n);
+    /// `y = x · w[row_ids]` for `n` tokens as integer tiles on the tensor cores, `x` as Q8_K
+    /// blocks, token after token (in `grid.z` parts as `accumulate`'s).
+    mmq<ty>(w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr)
+        if cols.is_multiple_of(256) && n > 0;
     /// Up to three products of one Q8_K input in one launch (absent ones all 0).
     matvec_i8x3<ty>(
         xq: Ptr, cols: I32, wpr: I32, nb0: I32, nb01: I32,
@@ -269,7 +283,8 @@ mod tests {
         while let Some(at) = rest.find("extern \"C\" __global__ void ") {
             rest = &rest[at + "extern \"C\" __global__ void ".len()..];
             let open = rest.find('(').expect("a parameter list");
-            let name = rest[..open].trim();
+            // (after launch bounds, where a kernel has them: the name is the last word)
+            let name = rest[..open].split_whitespace().last().expect("a kernel's name");
             let name = name.split("_##").next().unwrap_or(name).to_string();
             let close = rest.find(')').expect("the list's end");
             let kinds = rest[open + 1..close]

@@ -80,6 +80,12 @@ pub struct CudaDevice {
     fuse: std::sync::atomic::AtomicBool,
     /// Whether batched quantized products run on the tensor cores (see [`MMA_ENV`]).
     mma: std::sync::atomic::AtomicBool,
+    /// The most tokens whose Q4_K and Q6_K products run as integers (see [`INT8_TOKENS_ENV`]).
+    int8_tokens: std::sync::atomic::AtomicUsize,
+    /// Whether wider batches of Q4_K and Q6_K rows run as integer tiles (see [`MMQ_ENV`]).
+    mmq: std::sync::atomic::AtomicBool,
+    /// Whether a prompt's attention runs in tiles of tokens (see [`ATTN_TILES_ENV`]).
+    attn_tiles: std::sync::atomic::AtomicBool,
     /// Whether an integer product has been launched (before one, no blocks are made ahead).
     int8_seen: std::sync::atomic::AtomicBool,
     /// Whether a kernel has been launched since the last copy to the host (which then waits
@@ -119,6 +125,9 @@ impl CudaDevice {
             map_host,
             fuse,
             mma,
+            int8_tokens,
+            mmq,
+            attn_tiles,
             ..
         } = *opts;
         ensure_driver(opts.libcuda.as_deref())?;
@@ -215,6 +224,9 @@ impl CudaDevice {
             graphs: Mutex::new(graph::Graphs::default()),
             fuse: std::sync::atomic::AtomicBool::new(fuse),
             mma: std::sync::atomic::AtomicBool::new(mma),
+            int8_tokens: std::sync::atomic::AtomicUsize::new(int8_tokens),
+            mmq: std::sync::atomic::AtomicBool::new(mmq),
+            attn_tiles: std::sync::atomic::AtomicBool::new(attn_tiles),
             int8_seen: std::sync::atomic::AtomicBool::new(false),
             launched: std::sync::atomic::AtomicBool::new(false),
         };
@@ -247,10 +259,23 @@ impl CudaDevice {
         }
     }
 
-    /// Whether a product of `w` with `x` runs as integers (`matvec_i8_*`).
+    /// Sets the most tokens whose Q4_K and Q6_K products run as integers (see
+    /// [`INT8_TOKENS_ENV`]; 1 to [`I8N_MAX`]).
+    pub fn set_int8_tokens(&self, n: usize) -> Result<()> {
+        let n = int8_tokens_asked(Some(&n.to_string()))?;
+        self.int8_tokens.store(n, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn int8_tokens(&self) -> usize {
+        self.int8_tokens.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether a product of `w` with `x` runs as integers (`matvec_i8_*` for one token,
+    /// `matvec_i8n_*` for a batch of up to [`Self::int8_tokens`]).
     fn int8_product(&self, w: &Weight, x: &Act) -> bool {
         let yes = matches!(self.activations(), Activations::Int8 | Activations::Auto)
-            && x.rows == 1
+            && (1..=self.int8_tokens()).contains(&x.rows)
             && x.width == w.cols
             && INT8_TYPES.contains(&w.ty)
             && w.cols.is_multiple_of(256);
@@ -260,10 +285,11 @@ impl CudaDevice {
         yes
     }
 
-    /// `x` (one token) as the integer products' input: the Q8_K blocks (`Q8K_BLOCK_BYTES` per
-    /// 256 values) the kernel that wrote `x` made (see [`FUSE_ENV`]), else a buffer of them made
-    /// now (returned with it, to keep until the product is launched) — or, for one product
-    /// (`one`) with launches fused, the values, which that product quantizes itself.
+    /// `x` as the integer products' input: the Q8_K blocks (`Q8K_BLOCK_BYTES` per 256 values,
+    /// token after token) the kernel that wrote `x` made (see [`FUSE_ENV`]), else a buffer of
+    /// them made now (returned with it, to keep until the product is launched) — or, for one
+    /// product (`one`) of one token with launches fused, the values, which that product
+    /// quantizes itself.
     fn int8_input(&self, x: &Act, one: bool) -> (Int8Input, Option<Act>) {
         if let ActData::Cuda(DevBuf {
             blocks: Some((shape, b)),
@@ -274,7 +300,7 @@ impl CudaDevice {
                 return (Int8Input::Blocks(b.ptr), None);
             }
         }
-        let blocks = x.width / 256;
+        let blocks = x.rows * x.width / 256;
         if one && self.fuse() && x.rows == 1 && blocks <= I8F_MAX_BLOCKS {
             return (Int8Input::Values(self.buf(x)), None);
         }
@@ -306,8 +332,42 @@ impl CudaDevice {
         self.mma.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Sets whether wider batches of Q4_K and Q6_K rows run as integer tiles from now on (see
+    /// [`MMQ_ENV`]).
+    pub fn set_mmq(&self, on: bool) {
+        self.mmq.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn mmq(&self) -> bool {
+        self.mmq.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets whether a prompt's attention runs in tiles of tokens from now on (see
+    /// [`ATTN_TILES_ENV`]).
+    pub fn set_attn_tiles(&self, on: bool) {
+        self.attn_tiles.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn attn_tiles(&self) -> bool {
+        self.attn_tiles.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether `x · w` runs as integer tiles (`mmq_*`): the tensor cores and the integer tiles
+    /// on, a batch wider than the integer products take, Q4_K or Q6_K rows of whole
+    /// super-blocks, activations auto or int8.
+    fn mmq_product(&self, w: &Weight, x: &Act) -> bool {
+        x.rows > self.int8_tokens()
+            && self.mma()
+            && self.mmq()
+            && matches!(self.activations(), Activations::Int8 | Activations::Auto)
+            && x.width == w.cols
+            && INT8_TYPES.contains(&w.ty)
+            && w.cols.is_multiple_of(256)
+    }
+
     /// Whether `x · w` runs on the tensor cores: several tokens, a block-quantized type (float
-    /// weights keep the exact f32 products), whole 32-value units.
+    /// weights keep the exact f32 products), whole 32-value units (the callers take the integer
+    /// products first where they apply: [`Self::int8_product`]).
     fn mma_product(&self, w: &Weight, x: &Act) -> bool {
         x.rows > 1 && self.mma() && w.ty.block_elems() > 1 && w.cols.is_multiple_of(32)
     }
@@ -665,9 +725,12 @@ mod tests {
         assert_eq!(defined("TOPK_MAX"), TOP_K_THREADS as usize);
         assert_eq!(defined("TOPK_MAX"), crate::backend::TOP_K_MAX);
         assert_eq!(defined("ATTN_MAX_HEAD_DIM"), ATTN_MAX_HEAD_DIM);
+        assert_eq!(defined("ATTN_TILE_Q"), ATTN_TILE_TOKENS);
+        assert_eq!(defined("ATTN_TILE_MAX_HD"), ATTN_TILE_MAX_HEAD_DIM);
         assert_eq!(defined("NORM_PER_THREAD"), NORM_PER_THREAD);
         assert_eq!(defined("Q8K_BLOCK_BYTES"), Q8K_BLOCK_BYTES);
         assert_eq!(defined("I8F_MAX_BLOCKS"), I8F_MAX_BLOCKS);
+        assert_eq!(defined("I8N_MAX"), I8N_MAX);
         assert_eq!(defined("ACT_SILU"), activation_code(FfnActivation::Silu));
         assert_eq!(defined("ACT_GELU_TANH"), activation_code(FfnActivation::GeluTanh));
     }
@@ -686,17 +749,37 @@ mod tests {
             // The integer products come from the MATVEC_I8_KERNELS and MATVEC_I8F_KERNEL macros.
             let int8 = [
                 ("matvec_i8x3", "MATVEC_I8_KERNELS"),
+                ("matvec_i8n", "MATVEC_I8_KERNELS"),
+                ("mmq", "MMQ_KERNEL"),
                 ("matvec_i8f", "MATVEC_I8F_KERNEL"),
                 ("matvec_i8", "MATVEC_I8_KERNELS"),
             ]
             .iter()
             .any(|(family, mac)| {
-                name.strip_prefix(&format!("{family}_")).is_some_and(|t| {
-                    src.contains(&format!("void {family}_##t(")) && src.contains(&format!("{mac}({t},"))
-                })
+                name.strip_prefix(&format!("{family}_"))
+                    .is_some_and(|t| src.contains(&format!(" {family}_##t(")) && src.contains(&format!("{mac}({t},")))
             });
             assert!(direct || by_macro || int8, "{name} is not in kernels/");
         }
+    }
+
+    /// Tiles are runs of one sequence at consecutive positions, at most 16 tokens, in order.
+    #[test]
+    fn attention_tiles_split_at_sequences_gaps_and_sixteen() {
+        // 20 tokens of sequence 0 from 5, a decode token of 1, 3 of 2, a gap in 2, 2 of 0 again.
+        let mut pos: Vec<usize> = (5..25).collect();
+        let mut seq = vec![0; 20];
+        pos.extend([9, 0, 1, 2, 7, 25, 26]);
+        seq.extend([1, 2, 2, 2, 2, 0, 0]);
+        assert_eq!(
+            attention_tiles(&pos, &seq),
+            vec![(0, 16), (16, 4), (20, 1), (21, 3), (24, 1), (25, 2)]
+        );
+        assert!(attention_tiles(&[], &[]).is_empty());
+        assert!(attn_tiles_asked(None).unwrap());
+        assert!(!attn_tiles_asked(Some("off")).unwrap());
+        assert!(!mmq_asked(Some("0")).unwrap());
+        assert!(mmq_asked(Some("f16")).unwrap_err().to_string().contains(MMQ_ENV));
     }
 
     #[test]
@@ -707,6 +790,12 @@ mod tests {
         assert_eq!(activations_asked(Some("f32")).unwrap(), Activations::F32);
         assert_eq!(activations_asked(Some(" q8 ")).unwrap(), Activations::Q8);
         assert_eq!(activations_asked(Some("int8")).unwrap(), Activations::Int8);
+        assert_eq!(int8_tokens_asked(None).unwrap(), I8N_MAX);
+        assert_eq!(int8_tokens_asked(Some(" 1")).unwrap(), 1);
+        for bad in ["0", "9", "many"] {
+            let e = int8_tokens_asked(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(INT8_TOKENS_ENV) && e.contains("1 to 8"), "{e}");
+        }
         assert_eq!(matvec_rows_asked(None).unwrap(), 1);
         assert_eq!(matvec_rows_asked(Some(" 4")).unwrap(), 4);
         let e = matvec_rows_asked(Some("3")).unwrap_err().to_string();

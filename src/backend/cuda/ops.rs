@@ -305,7 +305,11 @@ impl Device for CudaDevice {
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
         if self.int8_product(w, x) {
             let (xq, _made) = self.int8_input(x, true);
-            return self.product_i8(w, Some(rows), None, xq);
+            return self.product_i8(w, Some(rows), None, xq, x.rows);
+        }
+        if self.mmq_product(w, x) {
+            let (xq, _made) = self.int8_input(x, false);
+            return self.product_mmq(w, Some(rows), xq, x.rows);
         }
         let seen = self.activations_for(w.ty, x);
         self.product(w, Some(rows), seen.as_ref().unwrap_or(x), &mut None)
@@ -410,6 +414,31 @@ impl Device for CudaDevice {
             return out;
         }
         let info = self.token_kv(positions, seq_of_token, caches);
+        if self.attn_tiles() && shape.head_dim <= ATTN_TILE_MAX_HEAD_DIM {
+            let tiles = attention_tiles(positions, seq_of_token);
+            if positions.len() >= ATTN_TILE_MIN_RUN * tiles.len() {
+                let flat: Vec<u32> = tiles.iter().flat_map(|&(t, n)| [t as u32, n as u32]).collect();
+                let cfg = LaunchConfig {
+                    grid_dim: (shape.n_heads as u32, tiles.len() as u32, 1),
+                    block_dim: (ATTENTION_THREADS, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                self.k().attention_tiles(
+                    cfg,
+                    self.buf(q),
+                    info,
+                    self.indices(&flat),
+                    shape.layer,
+                    shape.n_heads,
+                    shape.n_kv_heads,
+                    shape.head_dim,
+                    shape.scale,
+                    shape.window.unwrap_or(0),
+                    self.buf(&out),
+                );
+                return out;
+            }
+        }
         // Score rows (their length is only a stride to the kernel) sized by powers of two, so a
         // decode step's buffers and parameters repeat for a CUDA graph.
         let max_len = attention_row(
@@ -545,12 +574,28 @@ impl CudaDevice {
             let (xq, _made) = self.int8_input(x, int8.len() == 1);
             for ty in INT8_TYPES {
                 let same: Vec<usize> = int8.iter().copied().filter(|&i| ws[i].ty == ty).collect();
-                for group in same.chunks(3) {
+                // One token: up to three weights a launch; a batch: a launch a weight, each
+                // reading its rows once for every token.
+                for group in same.chunks(if x.rows == 1 { 3 } else { 1 }) {
                     let items: Vec<(&Weight, Option<&[f32]>)> = group.iter().map(|&i| (ws[i], bias(i))).collect();
-                    for (&i, o) in group.iter().zip(self.products_i8(&items, xq)) {
+                    for (&i, o) in group.iter().zip(self.products_i8(&items, xq, x.rows)) {
                         out[i] = Some(o);
                     }
                 }
+            }
+        }
+        // Wider batches of the same types as integer tiles, on the input's Q8_K blocks made once.
+        let tiles: Vec<usize> = (0..ws.len())
+            .filter(|&i| out[i].is_none() && self.mmq_product(ws[i], x))
+            .collect();
+        if !tiles.is_empty() {
+            let (xq, _made) = self.int8_input(x, false);
+            for i in tiles {
+                let mut o = self.product_mmq(ws[i], None, xq, x.rows);
+                if let Some(b) = bias(i) {
+                    self.add_bias(&mut o, b);
+                }
+                out[i] = Some(o);
             }
         }
         // The input as each other weight type's products see it, made once per format (and as
@@ -580,12 +625,20 @@ impl CudaDevice {
         out.into_iter().map(|o| o.expect("every product made")).collect()
     }
 
-    /// `x · w[rows]` (all rows when `None`; + `bias` when given) for one token `x` given as
-    /// Q8_K blocks, or values the kernel quantizes ([`CudaDevice::int8_input`]), with integer
-    /// dot products.
-    pub(super) fn product_i8(&self, w: &Weight, rows: Option<&[u32]>, bias: Option<&[f32]>, input: Int8Input) -> Act {
+    /// `x · w[rows]` (all rows when `None`; + `bias` when given) for `n` tokens `x` given as
+    /// Q8_K blocks, or one token's values the kernel quantizes ([`CudaDevice::int8_input`]), with
+    /// integer dot products: one token by `matvec_i8*`, a batch by `matvec_i8n` (each token's
+    /// sums and their order as alone).
+    pub(super) fn product_i8(
+        &self,
+        w: &Weight,
+        rows: Option<&[u32]>,
+        bias: Option<&[f32]>,
+        input: Int8Input,
+        n: usize,
+    ) -> Act {
         let rows_out = rows.map_or(w.rows, |r| r.len());
-        let out = self.act(1, rows_out);
+        let out = self.act(n, rows_out);
         if rows_out == 0 {
             return out;
         }
@@ -599,6 +652,24 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let (kernel, xq) = match input {
+            Int8Input::Blocks(p) if n > 1 => {
+                self.k().matvec_i8n(
+                    w.ty,
+                    cfg,
+                    wd.ptr,
+                    w.row_stride_bytes as u64,
+                    rows_out,
+                    idx,
+                    w.cols,
+                    p,
+                    n,
+                    bp,
+                    wpr,
+                    self.buf(&out),
+                );
+                return out;
+            }
+            Int8Input::Values(_) if n > 1 => unreachable!("a batch's input is blocks"),
             Int8Input::Blocks(p) => ("matvec_i8", p),
             Int8Input::Values(p) => ("matvec_i8f", p),
         };
@@ -619,12 +690,60 @@ impl CudaDevice {
         out
     }
 
-    /// Several weights of one integer-product type (at most three, the same columns) times the
-    /// same one-token input in one launch (`matvec_i8x3_*`); one alone as [`Self::product_i8`].
-    pub(super) fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], input: Int8Input) -> Vec<Act> {
-        if let [(w, b)] = items {
-            return vec![self.product_i8(w, None, *b, input)];
+    /// `x · w[rows]` (all rows when `None`) for `n` tokens `x` given as Q8_K blocks, as integer
+    /// tiles on the tensor cores (`mmq_*`); a split product sums its parts into a buffer of its
+    /// own, then adds them in order onto zeros (`accumulate_reduce`).
+    pub(super) fn product_mmq(&self, w: &Weight, rows: Option<&[u32]>, input: Int8Input, n: usize) -> Act {
+        let rows_out = rows.map_or(w.rows, |r| r.len());
+        let Int8Input::Blocks(xq) = input else {
+            unreachable!("integer tiles take the input as blocks")
+        };
+        let cfg = mmq_cfg(rows_out, n, w.cols);
+        let parts = cfg.grid_dim.2 as usize;
+        let out = if parts > 1 {
+            self.zeroed(n, rows_out)
+        } else {
+            self.act(n, rows_out)
+        };
+        if rows_out == 0 || n == 0 {
+            return out;
         }
+        let Some(wd) = self.weight(w) else { return out };
+        let idx = rows.map_or(0, |r| self.indices(r));
+        let partial = (parts > 1).then(|| self.act(parts * n, rows_out));
+        self.k().mmq(
+            w.ty,
+            cfg,
+            wd.ptr,
+            w.row_stride_bytes as u64,
+            rows_out,
+            idx,
+            w.cols,
+            xq,
+            n,
+            self.buf(partial.as_ref().unwrap_or(&out)),
+        );
+        if let Some(partial) = partial {
+            let len = n * rows_out;
+            self.k().accumulate_reduce(
+                elementwise_cfg(len),
+                self.buf(&partial),
+                parts,
+                len as u64,
+                self.buf(&out),
+            );
+        }
+        out
+    }
+
+    /// Several weights of one integer-product type (at most three, the same columns) times the
+    /// same one-token input in one launch (`matvec_i8x3_*`); one alone (of `n` tokens) as
+    /// [`Self::product_i8`].
+    pub(super) fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], input: Int8Input, n: usize) -> Vec<Act> {
+        if let [(w, b)] = items {
+            return vec![self.product_i8(w, None, *b, input, n)];
+        }
+        assert_eq!(n, 1, "several weights a launch take one token");
         let Int8Input::Blocks(xq) = input else {
             unreachable!("several products take the input as blocks")
         };

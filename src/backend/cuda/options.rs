@@ -19,11 +19,50 @@ use super::*;
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
 /// `GATESTREAM_CUDA_MMA`: `1` (or `on`, the default) multiplies several tokens at once (prompts,
-/// sequences decoding together) with block-quantized weights on the tensor cores (`mma_*` in
+/// sequences decoding together; for Q4_K and Q6_K rows, more than [`INT8_TOKENS_ENV`] asks to
+/// multiply as integers) with block-quantized weights on the tensor cores (`mma_*` in
 /// kernels/mma.cu: each weight unit decoded once per 64 tokens, every value as two f16 so the
 /// products are as exact as f32 ones, f32 sums); `0` (`off`): the FMA loops (`matmul_*`, f32
 /// inputs, a unit decoded once per 8 tokens).
 pub const MMA_ENV: &str = "GATESTREAM_CUDA_MMA";
+
+/// `GATESTREAM_CUDA_MMQ`: `1` (or `on`, the default) multiplies batches of Q4_K and Q6_K rows
+/// wider than [`INT8_TOKENS_ENV`] (with `GATESTREAM_CUDA_ACTIVATIONS` auto or int8, and the tensor
+/// cores on) as 8-bit integers on the tensor cores (`mmq_*` in kernels/mma.cu, llama.cpp's MMQ
+/// approach: the activations as the CPU's Q8_K blocks, int8 `mma` with int32 sums, each
+/// super-block's value the one-token integer products' to the bit); `0` (`off`): on the tensor
+/// cores as f16 pairs (`mma_*`, the activations' 8-bit blocks decoded to f32).
+pub const MMQ_ENV: &str = "GATESTREAM_CUDA_MMQ";
+
+/// Whether [`MMQ_ENV`] asks for the integer tiles (`value`: the variable's value).
+pub fn mmq_asked(value: Option<&str>) -> Result<bool> {
+    switch_asked(
+        MMQ_ENV,
+        value,
+        "batches of Q4_K and Q6_K rows as 8-bit integers on the tensor cores",
+        "as f16 pairs",
+    )
+}
+
+/// `GATESTREAM_CUDA_ATTN_TILES`: `1` (or `on`, the default) computes attention for runs of a
+/// sequence's consecutive tokens (prompts: runs of at least [`ATTN_TILE_MIN_RUN`] on average, heads of
+/// at most 256 values) a tile of 16 tokens a block (`attention_tiles` in kernels/attention.cu:
+/// each chunk of keys and values read once for the tile, the softmax kept running); `0` (`off`):
+/// a block per token and head (`attention`), as for decode steps.
+pub const ATTN_TILES_ENV: &str = "GATESTREAM_CUDA_ATTN_TILES";
+
+/// Whether [`ATTN_TILES_ENV`] asks for tiled attention (`value`: the variable's value).
+pub fn attn_tiles_asked(value: Option<&str>) -> Result<bool> {
+    switch_asked(
+        ATTN_TILES_ENV,
+        value,
+        "a prompt's attention 16 tokens a block",
+        "a block per token and head",
+    )
+}
+
+/// The fewest tokens a run of the batch's runs must average for tiled attention.
+pub const ATTN_TILE_MIN_RUN: usize = 4;
 
 /// Whether [`MMA_ENV`] asks for the tensor-core products (`value`: the variable's value).
 pub fn mma_asked(value: Option<&str>) -> Result<bool> {
@@ -52,7 +91,9 @@ pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
 /// replaces the activations by the 8-bit blocks the CPU's products use (blocks of 32 for
 /// Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256 for K-quants), so the GPU computes what the
 /// CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them as integers
-/// (`dp4a`, llama.cpp's approach) in one-token products of Q4_K and Q6_K rows, the rest as `q8`.
+/// (`dp4a`, llama.cpp's approach) in products of Q4_K and Q6_K rows with up to
+/// [`INT8_TOKENS_ENV`] tokens, and as integer tiles on the tensor cores past that ([`MMQ_ENV`]),
+/// the rest as `q8`.
 pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
 
 /// What the GPU's quantized products multiply the weights with (see [`ACTIVATIONS_ENV`]).
@@ -62,24 +103,28 @@ pub enum Activations {
     F32,
     /// The CPU's 8-bit activation blocks, decoded to f32.
     Q8,
-    /// The CPU's 8-bit blocks multiplied as integers where a kernel does (one-token products of
-    /// Q4_K and Q6_K rows), as [`Activations::Q8`] elsewhere.
+    /// The CPU's 8-bit blocks multiplied as integers where a kernel does (products of Q4_K and
+    /// Q6_K rows: up to [`INT8_TOKENS_ENV`] tokens with `dp4a`, more as integer tiles,
+    /// [`MMQ_ENV`]), as [`Activations::Q8`] elsewhere.
     Int8,
     /// The default: weights of the types with integer products (Q4_K, Q6_K) as
-    /// [`Activations::Int8`] (integers for one token, the CPU's 8-bit blocks for a batch, as the
-    /// CPU computes them), the other types as [`Activations::F32`].
+    /// [`Activations::Int8`] (integers, as the CPU computes them), the other types as
+    /// [`Activations::F32`].
     Auto,
 }
 
-/// The weight types with integer one-token products (`matvec_i8_*`).
+/// The weight types with integer products (`matvec_i8_*`, `matvec_i8n_*`).
 pub const INT8_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
+/// The most tokens one integer product takes (`I8N_MAX`: `matvec_i8n_*` reads each weight
+/// super-block once for all of them).
+pub const I8N_MAX: usize = 8;
 /// Bytes of one Q8_K activation block for the integer products (`Q8K_BLOCK_BYTES`).
 pub(super) const Q8K_BLOCK_BYTES: usize = 292;
 /// The widest input (in blocks of 256) `matvec_i8f_*` quantizes itself (`I8F_MAX_BLOCKS`).
 pub(super) const I8F_MAX_BLOCKS: usize = 48;
 
-/// A one-token integer product's input: Q8_K blocks, or the values, which the product's own
-/// blocks quantize (`matvec_i8f_*`).
+/// An integer product's input: Q8_K blocks (token after token), or one token's values, which
+/// the product's own blocks quantize (`matvec_i8f_*`).
 #[derive(Clone, Copy)]
 pub(super) enum Int8Input {
     Blocks(u64),
@@ -133,6 +178,29 @@ pub fn matvec_rows_asked(value: Option<&str>) -> Result<usize> {
     }
 }
 
+/// `GATESTREAM_CUDA_INT8_TOKENS`: the most tokens (1 to 8, the default 8) whose products of
+/// Q4_K and Q6_K rows run as integers (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8): a batch of
+/// up to that many tokens — a short prompt's piece, sequences decoding together — reads each
+/// weight super-block once and multiplies it with every token's Q8_K block (`matvec_i8n_*`),
+/// as llama.cpp's integer vector kernels do for batches of up to 8; each token gets the sums it
+/// gets alone. Wider batches take the tensor cores (`GATESTREAM_CUDA_MMA`). `1`: only single
+/// tokens run as integers, every batch on the tensor cores.
+pub const INT8_TOKENS_ENV: &str = "GATESTREAM_CUDA_INT8_TOKENS";
+
+/// The tokens [`INT8_TOKENS_ENV`] asks for (`value`: the variable's value).
+pub fn int8_tokens_asked(value: Option<&str>) -> Result<usize> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(I8N_MAX),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n @ 1..=I8N_MAX) => Ok(n),
+            _ => Err(Error::Invalid(format!(
+                "{INT8_TOKENS_ENV}={v}: expected 1 to {I8N_MAX} (the default {I8N_MAX}), the most tokens whose \
+                 Q4_K and Q6_K products run as integers (1: single tokens only, batches on the tensor cores)"
+            ))),
+        },
+    }
+}
+
 /// What the CUDA device is opened with.
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
@@ -159,6 +227,12 @@ pub struct CudaOptions {
     pub fuse: bool,
     /// Whether batched quantized products run on the tensor cores ([`MMA_ENV`]).
     pub mma: bool,
+    /// The most tokens whose Q4_K and Q6_K products run as integers ([`INT8_TOKENS_ENV`]).
+    pub int8_tokens: usize,
+    /// Whether wider batches of Q4_K and Q6_K rows run as integer tiles ([`MMQ_ENV`]).
+    pub mmq: bool,
+    /// Whether a prompt's attention runs in tiles of tokens ([`ATTN_TILES_ENV`]).
+    pub attn_tiles: bool,
 }
 
 impl CudaOptions {
@@ -184,6 +258,9 @@ impl CudaOptions {
             map_host: map_host_asked(var(MAP_HOST_ENV).as_deref())?,
             fuse: fuse_asked(var(FUSE_ENV).as_deref())?,
             mma: mma_asked(var(MMA_ENV).as_deref())?,
+            int8_tokens: int8_tokens_asked(var(INT8_TOKENS_ENV).as_deref())?,
+            mmq: mmq_asked(var(MMQ_ENV).as_deref())?,
+            attn_tiles: attn_tiles_asked(var(ATTN_TILES_ENV).as_deref())?,
         })
     }
 }

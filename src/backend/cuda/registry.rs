@@ -20,6 +20,10 @@ pub(super) const ARGMAX_THREADS: u32 = 1024;
 pub(super) const TOP_K_THREADS: u32 = crate::backend::TOP_K_MAX as u32;
 /// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
 pub(super) const ATTN_MAX_HEAD_DIM: usize = 512;
+/// Tokens of a tile of tiled attention (`ATTN_TILE_Q`) and the largest head it takes
+/// (`ATTN_TILE_MAX_HD`; its blocks have [`ATTENTION_THREADS`] threads).
+pub(super) const ATTN_TILE_TOKENS: usize = 16;
+pub(super) const ATTN_TILE_MAX_HEAD_DIM: usize = 256;
 /// Bytes of freed activation buffers kept for reuse.
 pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
 
@@ -42,7 +46,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 23] = [
+pub(super) const OPS: [&str; 24] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -66,6 +70,7 @@ pub(super) const OPS: [&str; 23] = [
     "rope_norm_kv",
     "kv_write",
     "attention",
+    "attention_tiles",
 ];
 
 /// A kernel: a name, and the weight type for the per-type families (looked up per launch
@@ -78,7 +83,8 @@ pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
         .iter()
         .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
     let int8 = INT8_TYPES.iter().flat_map(|&ty| {
-        ["matvec_i8", "matvec_i8x3", "matvec_i8f"].map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
+        ["matvec_i8", "matvec_i8x3", "matvec_i8f", "matvec_i8n", "mmq"]
+            .map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
     });
     typed
         .chain(int8)
@@ -89,6 +95,25 @@ pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
 /// Every kernel's name in the module.
 pub fn kernel_names() -> Vec<String> {
     kernel_keys().into_iter().map(|(_, n)| n).collect()
+}
+
+/// The tiles of tiled attention over a batch: (first token, tokens) pairs, each a run of one
+/// sequence's tokens at consecutive positions, at most [`ATTN_TILE_TOKENS`] long.
+pub fn attention_tiles(positions: &[usize], seq_of_token: &[usize]) -> Vec<(usize, usize)> {
+    let mut tiles: Vec<(usize, usize)> = Vec::new();
+    for t in 0..positions.len() {
+        match tiles.last_mut() {
+            Some((_, n))
+                if *n < ATTN_TILE_TOKENS
+                    && seq_of_token[t] == seq_of_token[t - 1]
+                    && positions[t] == positions[t - 1] + 1 =>
+            {
+                *n += 1
+            }
+            _ => tiles.push((t, 1)),
+        }
+    }
+    tiles
 }
 
 /// One thread per element of a row of `width`, one row of blocks per row.
@@ -129,6 +154,24 @@ pub fn mma_cfg(rows_out: usize, n: usize, cols: usize) -> LaunchConfig {
     let parts = MMA_TARGET_BLOCKS
         .div_ceil(row_tiles * token_tiles)
         .min(cols / 32 / MMA_MIN_PART_UNITS)
+        .max(1);
+    LaunchConfig {
+        grid_dim: (row_tiles as u32, token_tiles as u32, parts as u32),
+        block_dim: (MMA_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The fewest super-blocks a part of a split integer-tile product sums.
+pub(super) const MMQ_MIN_PART_SUPER_BLOCKS: usize = 2;
+
+/// An integer-tile product's grid (`mmq_*`): as [`mma_cfg`]'s, the parts splitting the rows'
+/// super-blocks (at least [`MMQ_MIN_PART_SUPER_BLOCKS`] each).
+pub fn mmq_cfg(rows_out: usize, n: usize, cols: usize) -> LaunchConfig {
+    let (row_tiles, token_tiles) = (rows_out.div_ceil(MMA_ROWS).max(1), n.div_ceil(MMA_TOKENS).max(1));
+    let parts = MMA_TARGET_BLOCKS
+        .div_ceil(row_tiles * token_tiles)
+        .min(cols / 256 / MMQ_MIN_PART_SUPER_BLOCKS)
         .max(1);
     LaunchConfig {
         grid_dim: (row_tiles as u32, token_tiles as u32, parts as u32),
