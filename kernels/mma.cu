@@ -117,6 +117,48 @@ __device__ __forceinline__ void zero_tiles(float (&t)[2][4][4]) {
             for (int k = 0; k < 4; k++) t[i][j][k] = 0.f;
 }
 
+// A warp's fragments of one 8-word step from shared rows `row_words` apart (the m16n8k16 f16 and
+// m16n8k32 s8 layouts, in words): A of rows r0 + mi * 16 (+ g, + g + 8), words w0 + q and
+// w0 + q + 4; B of tokens t0 + ni * 8 + g, the same words.
+__device__ __forceinline__ void load_a_frags(const u32* sh, int row_words, int r0, int w0, u32 (&a)[2][4]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++) {
+        const u32* p = sh + (r0 + mi * 16 + g) * row_words + w0 + q;
+        a[mi][0] = p[0];
+        a[mi][1] = p[8 * row_words];
+        a[mi][2] = p[4];
+        a[mi][3] = p[8 * row_words + 4];
+    }
+}
+
+__device__ __forceinline__ void load_b_frags(const u32* sh, int row_words, int t0, int w0, u32 (&b)[4][2]) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < 4; ni++) {
+        const u32* p = sh + (t0 + ni * 8 + g) * row_words + w0 + q;
+        b[ni][0] = p[0];
+        b[ni][1] = p[4];
+    }
+}
+
+// A warp's 32 x 32 sums into Y [n][rows_out] from row r0 and token t0 on (those past the ends
+// left out), each times scale[t] / div where `scale` is given.
+__device__ __forceinline__ void store_tiles(const float (&acc)[2][4][4], float* Y, int r0, int t0, int rows_out, int n,
+                                            const float* scale, float div) {
+    int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int rr = r0 + mi * 16 + g + 8 * (i >> 1), t = t0 + ni * 8 + 2 * q + (i & 1);
+                if (rr < rows_out && t < n)
+                    Y[(u64)t * rows_out + rr] = scale ? acc[mi][ni][i] * (scale[t] / div) : acc[mi][ni][i];
+            }
+}
+
 template <int TY>
 __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u16* Xh,
                          int n, float* Y) {
@@ -179,20 +221,8 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
             u32 a[2][2][4], b[2][4][2];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++) {
-                    const u32* p = ws[h] + (wm + mi * 16 + g) * MMA_ROW_WORDS + ks + q;
-                    a[h][mi][0] = p[0];
-                    a[h][mi][1] = p[8 * MMA_ROW_WORDS];
-                    a[h][mi][2] = p[4];
-                    a[h][mi][3] = p[8 * MMA_ROW_WORDS + 4];
-                }
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
-                    const u32* p = xs[h] + (wn + ni * 8 + g) * MMA_ROW_WORDS + ks + q;
-                    b[h][ni][0] = p[0];
-                    b[h][ni][1] = p[4];
-                }
+                load_a_frags(ws[h], MMA_ROW_WORDS, wm, ks, a[h]);
+                load_b_frags(xs[h], MMA_ROW_WORDS, wn, ks, b[h]);
             }
             mma_tiles(step, a, b, live);
         }
@@ -204,16 +234,7 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
                 for (int k = 0; k < 4; k++) acc[i][j][k] += step[i][j][k];
         __syncthreads();
     }
-    const float* scale = (const float*)(Xh + 2 * (u64)n * cols);
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int rr = m0 + wm + mi * 16 + g + 8 * (i >> 1), t = n0 + wn + ni * 8 + 2 * q + (i & 1);
-                if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i] * (scale[t] / MMA_W_SCALE);
-            }
+    store_tiles(acc, Y, m0 + wm, n0 + wn, rows_out, n, (const float*)(Xh + 2 * (u64)n * cols), MMA_W_SCALE);
 }
 
 #define MMA_KERNEL(NAME, TY)                                                                             \
@@ -411,20 +432,8 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
 #pragma unroll
             for (int s = 0; s < 8; s++) {
                 u32 a[2][4], b[4][2];
-#pragma unroll
-                for (int mi = 0; mi < 2; mi++) {
-                    const u32* p = ws + (wm + mi * 16 + g) * MMQ_ROW_WORDS + 8 * s + q;
-                    a[mi][0] = p[0];
-                    a[mi][1] = p[8 * MMQ_ROW_WORDS];
-                    a[mi][2] = p[4];
-                    a[mi][3] = p[8 * MMQ_ROW_WORDS + 4];
-                }
-#pragma unroll
-                for (int ni = 0; ni < 4; ni++) {
-                    const u32* p = xs + (wn + ni * 8 + g) * MMQ_ROW_WORDS + 8 * s + q;
-                    b[ni][0] = p[0];
-                    b[ni][1] = p[4];
-                }
+                load_a_frags(ws, MMQ_ROW_WORDS, wm, 8 * s, a);
+                load_b_frags(xs, MMQ_ROW_WORDS, wn, 8 * s, b);
                 int t[2][4][4];
                 zero_int_tiles(t);
                 mma_s8_tiles<32>(t, a, b, live);
@@ -507,15 +516,7 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
         }
         __syncthreads();
     }
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int rr = m0 + wm + mi * 16 + g + 8 * (i >> 1), t = n0 + wn + ni * 8 + 2 * q + (i & 1);
-                if (rr < rows_out && t < n) Y[(u64)t * rows_out + rr] = acc[mi][ni][i];
-            }
+    store_tiles(acc, Y, m0 + wm, n0 + wn, rows_out, n, nullptr, 1.f);
 }
 
 #define MMQ_KERNEL(t, TY)                                                                             \

@@ -453,12 +453,13 @@ extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) 
 
 // A one-token integer product whose input came without blocks (attention's output): the block's
 // warps first make the input's Q8_K blocks in shared memory — the bytes act_q8_k_blocks makes —
-// then take their rows as matvec_i8_* does. One launch instead of two; every block quantizes the
+// then take their rows as matvec_i8_* does (n is 1). One launch instead of two; every block quantizes the
 // input again (at most I8F_MAX_BLOCKS blocks of 256: wider inputs take act_q8_k_blocks).
 #define I8F_MAX_BLOCKS 48
 #define MATVEC_I8F_KERNEL(t, TY)                                                                                \
     extern "C" __global__ void matvec_i8f_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,    \
-                                              int cols, const float* X, const float* bias, int wpr, float* Y) { \
+                                              int cols, const float* X, int n, const float* bias, int wpr,      \
+                                              float* Y) {                                                       \
         __shared__ int xq_words[I8F_MAX_BLOCKS * Q8K_BLOCK_BYTES / 4];                                         \
         u8* xq = (u8*)xq_words;                                                                                \
         for (int b = threadIdx.y; b < cols / 256; b += blockDim.y)                                             \

@@ -624,10 +624,12 @@ __device__ void matvec_i8_rows(const u8* W, u64 row_stride, int rows_out, const 
 // The one-token kernels' 256 threads at most 40 registers each (6 blocks a multiprocessor), as
 // they compile on their own; matvec_i8n_* holds a sum per token.
 #define I8_ONE_BOUNDS __launch_bounds__(256, 6)
-// matvec_i8n_*: n tokens (1..I8N_MAX) in one launch, each weight super-block read once.
+// matvec_i8_*: one token (n is 1); matvec_i8n_*: n tokens (1..I8N_MAX) in one launch, each weight
+// super-block read once.
 #define MATVEC_I8_KERNELS(t, TY)                                                                             \
-    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,  \
-                                             int cols, const u8* Xq, const float* bias, int wpr, float* Y) { \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8_##t(const u8* W, u64 row_stride, int rows_out,       \
+                                                           const u32* row_ids, int cols, const u8* Xq, int n, \
+                                                           const float* bias, int wpr, float* Y) {           \
         matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, Xq, 1, bias, wpr, Y, blockIdx.x);      \
     }                                                                                                        \
     extern "C" __global__ void matvec_i8n_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \

@@ -404,19 +404,10 @@ fn mmq_products_in(
                 }
             }
         }
-        if let Some(e) = dev.take_error() {
-            return Err(format!("{ty:?} as integer tiles: {e}"));
-        }
-        worst = worst.max(max);
-        lines.push(format!(
+        let line = format!(
             "  {ty:?} as integer tiles: max relative error {max:.2e} against f64 on its 8-bit activations (n=9/13/70, rows, three weights, split in parts)"
-        ));
-        if max > 1e-6 {
-            return Err(format!(
-                "{}\n{ty:?} as integer tiles: error {max:.2e} > 1e-6",
-                lines.join("\n")
-            ));
-        }
+        );
+        type_verdict(dev, &mut lines, &mut worst, max, 1e-6, line)?;
     }
     report.insert("mmq_products_max_rel_err".into(), worst.into());
     Ok(lines.join("\n"))
@@ -469,22 +460,34 @@ fn mma_products(
                 }
             }
         }
-        if let Some(e) = dev.take_error() {
-            return Err(format!("{ty:?} on the tensor cores: {e}"));
-        }
-        worst = worst.max(max);
-        lines.push(format!(
+        let line = format!(
             "  {ty:?} on the tensor cores: max relative error {max:.2e} against f64 (n=2/13/70, rows, split in parts)"
-        ));
-        if max > 1e-5 {
-            return Err(format!(
-                "{}\n{ty:?} on the tensor cores: error {max:.2e} > 1e-5",
-                lines.join("\n")
-            ));
-        }
+        );
+        type_verdict(dev, &mut lines, &mut worst, max, 1e-5, line)?;
     }
     report.insert("mma_products_max_rel_err".into(), worst.into());
     Ok(lines.join("\n"))
+}
+
+/// One weight type's checks ended: the device's error if it has one, else its line added to
+/// `lines` and `max` (its worst relative error, into `worst`) held to `bar`.
+fn type_verdict(
+    dev: &CudaDevice,
+    lines: &mut Vec<String>,
+    worst: &mut f64,
+    max: f64,
+    bar: f64,
+    line: String,
+) -> Result<(), String> {
+    if let Some(e) = dev.take_error() {
+        return Err(format!("{}: {e}", line.trim()));
+    }
+    *worst = worst.max(max);
+    lines.push(line);
+    if max > bar {
+        return Err(format!("{}\nerror {max:.2e} > {bar:.0e}", lines.join("\n")));
+    }
+    Ok(())
 }
 
 /// Attention over tiles of a prompt's tokens (`attention_tiles`: 16 tokens a block, a running
@@ -1419,17 +1422,11 @@ fn int8_batches_in(
                 ));
             }
         }
-        if let Some(e) = dev.take_error() {
-            return Err(format!("{ty:?} batches as integers: {e}"));
-        }
-        worst = worst.max(max);
-        lines.push(format!(
+        let line = format!(
             "  {ty:?} batches of 2-8 tokens as integers (rows of 5/16/65 super-blocks, biases, row subsets, three weights): \
              every token bit-identical to it alone; max relative error {max:.2e} against f64 on its 8-bit activations"
-        ));
-        if max > 1e-4 {
-            return Err(format!("{}\n{ty:?} batches: error {max:.2e} > 1e-4", lines.join("\n")));
-        }
+        );
+        type_verdict(dev, &mut lines, &mut worst, max, 1e-4, line)?;
     }
     report.insert("int8_batches_max_rel_err".into(), worst.into());
     Ok(lines.join("\n"))

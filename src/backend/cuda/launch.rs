@@ -247,14 +247,10 @@ kernels! {
     ) if split <= w_rows;
     /// `out += Σ parts` of `partial`, in order.
     accumulate_reduce(partial: Ptr, parts: I32, len: U64, out: Ptr) if parts > 0;
-    /// `y = x · w[row_ids] (+ bias)` for one token with integer dot products: `x` as Q8_K
-    /// blocks (`matvec_i8`) or values the kernel quantizes (`matvec_i8f`).
-    product_i8 ["matvec_i8", "matvec_i8f"] <ty> (
-        w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, bias: Opt, wpr: I32, y: Ptr,
-    );
-    /// `y = x · w[row_ids] (+ bias)` for `n` tokens with integer dot products, each weight
-    /// super-block read once for all of them; `x` as Q8_K blocks, token after token.
-    matvec_i8n<ty>(
+    /// `y = x · w[row_ids] (+ bias)` for `n` tokens with integer dot products: one token as Q8_K
+    /// blocks (`matvec_i8`) or values the kernel quantizes (`matvec_i8f`), `n` tokens' blocks,
+    /// token after token, each weight super-block read once for all (`matvec_i8n`).
+    product_i8 ["matvec_i8", "matvec_i8f", "matvec_i8n"] <ty> (
         w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
     ) if (1..=I8N_MAX).contains(&n);
     /// `y = x · w[row_ids]` for `n` tokens as integer tiles on the tensor cores, `x` as Q8_K

@@ -652,23 +652,7 @@ impl CudaDevice {
             shared_mem_bytes: 0,
         };
         let (kernel, xq) = match input {
-            Int8Input::Blocks(p) if n > 1 => {
-                self.k().matvec_i8n(
-                    w.ty,
-                    cfg,
-                    wd.ptr,
-                    w.row_stride_bytes as u64,
-                    rows_out,
-                    idx,
-                    w.cols,
-                    p,
-                    n,
-                    bp,
-                    wpr,
-                    self.buf(&out),
-                );
-                return out;
-            }
+            Int8Input::Blocks(p) if n > 1 => ("matvec_i8n", p),
             Int8Input::Values(_) if n > 1 => unreachable!("a batch's input is blocks"),
             Int8Input::Blocks(p) => ("matvec_i8", p),
             Int8Input::Values(p) => ("matvec_i8f", p),
@@ -683,6 +667,7 @@ impl CudaDevice {
             idx,
             w.cols,
             xq,
+            n,
             bp,
             wpr,
             self.buf(&out),
@@ -699,18 +684,12 @@ impl CudaDevice {
             unreachable!("integer tiles take the input as blocks")
         };
         let cfg = mmq_cfg(rows_out, n, w.cols);
-        let parts = cfg.grid_dim.2 as usize;
-        let out = if parts > 1 {
-            self.zeroed(n, rows_out)
-        } else {
-            self.act(n, rows_out)
-        };
+        let (out, partial) = self.parts_target(n, rows_out, cfg.grid_dim.2 as usize);
         if rows_out == 0 || n == 0 {
             return out;
         }
         let Some(wd) = self.weight(w) else { return out };
         let idx = rows.map_or(0, |r| self.indices(r));
-        let partial = (parts > 1).then(|| self.act(parts * n, rows_out));
         self.k().mmq(
             w.ty,
             cfg,
@@ -723,17 +702,33 @@ impl CudaDevice {
             n,
             self.buf(partial.as_ref().unwrap_or(&out)),
         );
+        self.reduce_parts(partial, &out);
+        out
+    }
+
+    /// Where a product launched in `parts` parts writes: its output (`n` rows of `rows_out`)
+    /// alone for one part; for several, the output as zeros and a buffer of the parts' sums.
+    fn parts_target(&self, n: usize, rows_out: usize, parts: usize) -> (Act, Option<Act>) {
+        if parts > 1 {
+            (self.zeroed(n, rows_out), Some(self.act(parts * n, rows_out)))
+        } else {
+            (self.act(n, rows_out), None)
+        }
+    }
+
+    /// Adds the parts' sums `partial` (from [`Self::parts_target`]) onto `out`, in order.
+    fn reduce_parts(&self, partial: Option<Act>, out: &Act) {
         if let Some(partial) = partial {
-            let len = n * rows_out;
+            let len = out.rows * out.width;
+            let parts = partial.rows / out.rows;
             self.k().accumulate_reduce(
                 elementwise_cfg(len),
                 self.buf(&partial),
                 parts,
                 len as u64,
-                self.buf(&out),
+                self.buf(out),
             );
         }
-        out
     }
 
     /// Several weights of one integer-product type (at most three, the same columns) times the
@@ -842,10 +837,7 @@ impl CudaDevice {
                 Some(xh) => self.buf(xh),
                 None => self.buf(f16.insert(self.f16_input(x))),
             };
-            if cfg.grid_dim.2 > 1 {
-                out = self.zeroed(x.rows, rows_out);
-                partial = Some(self.act(cfg.grid_dim.2 as usize * x.rows, rows_out));
-            }
+            (out, partial) = self.parts_target(x.rows, rows_out, cfg.grid_dim.2 as usize);
             ("mma", cfg, input, self.buf(partial.as_ref().unwrap_or(&out)))
         } else {
             let (kernel, cfg) = match (x.rows, self.matvec_rows()) {
@@ -869,16 +861,7 @@ impl CudaDevice {
             x.rows,
             target,
         );
-        if let Some(partial) = partial {
-            let len = x.rows * rows_out;
-            self.k().accumulate_reduce(
-                elementwise_cfg(len),
-                self.buf(&partial),
-                cfg.grid_dim.2 as usize,
-                len as u64,
-                self.buf(&out),
-            );
-        }
+        self.reduce_parts(partial, &out);
         out
     }
 }

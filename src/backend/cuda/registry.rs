@@ -150,16 +150,7 @@ pub(super) const MMA_MIN_PART_UNITS: usize = 16;
 /// the columns (see `mma_body`), parts enough to reach [`MMA_TARGET_BLOCKS`] blocks while each
 /// sums at least [`MMA_MIN_PART_UNITS`] units.
 pub fn mma_cfg(rows_out: usize, n: usize, cols: usize) -> LaunchConfig {
-    let (row_tiles, token_tiles) = (rows_out.div_ceil(MMA_ROWS).max(1), n.div_ceil(MMA_TOKENS).max(1));
-    let parts = MMA_TARGET_BLOCKS
-        .div_ceil(row_tiles * token_tiles)
-        .min(cols / 32 / MMA_MIN_PART_UNITS)
-        .max(1);
-    LaunchConfig {
-        grid_dim: (row_tiles as u32, token_tiles as u32, parts as u32),
-        block_dim: (MMA_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    tiles_cfg(rows_out, n, cols / 32 / MMA_MIN_PART_UNITS)
 }
 
 /// The fewest super-blocks a part of a split integer-tile product sums.
@@ -168,10 +159,15 @@ pub(super) const MMQ_MIN_PART_SUPER_BLOCKS: usize = 2;
 /// An integer-tile product's grid (`mmq_*`): as [`mma_cfg`]'s, the parts splitting the rows'
 /// super-blocks (at least [`MMQ_MIN_PART_SUPER_BLOCKS`] each).
 pub fn mmq_cfg(rows_out: usize, n: usize, cols: usize) -> LaunchConfig {
+    tiles_cfg(rows_out, n, cols / 256 / MMQ_MIN_PART_SUPER_BLOCKS)
+}
+
+/// A block per tile of rows by tokens by part, at most `max_parts` parts.
+fn tiles_cfg(rows_out: usize, n: usize, max_parts: usize) -> LaunchConfig {
     let (row_tiles, token_tiles) = (rows_out.div_ceil(MMA_ROWS).max(1), n.div_ceil(MMA_TOKENS).max(1));
     let parts = MMA_TARGET_BLOCKS
         .div_ceil(row_tiles * token_tiles)
-        .min(cols / 256 / MMQ_MIN_PART_SUPER_BLOCKS)
+        .min(max_parts)
         .max(1);
     LaunchConfig {
         grid_dim: (row_tiles as u32, token_tiles as u32, parts as u32),
