@@ -165,7 +165,7 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
     // [0]: the high halves, [1]: the low ones.
     __shared__ u32 ws[2][MMA_BM * MMA_ROW_WORDS];
     __shared__ u32 xs[2][MMA_BN * MMA_ROW_WORDS];
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     int m0 = blockIdx.x * MMA_BM, n0 = blockIdx.y * MMA_BN;
     int wm = (warp & 1) * 32, wn = (warp >> 1) * 32;
     // The unit this thread decodes each step: row dr of the tile, the step's unit du.
@@ -334,9 +334,13 @@ __device__ __forceinline__ void zero_int_tiles(int (&t)[2][4][4]) {
             for (int k = 0; k < 4; k++) t[i][j][k] = 0;
 }
 
-// Two small integers (|v| <= 2048: exact) as the f16 pair of one word.
+// Two small integers (|v| <= 2048: exact) as the f16 pair of one word; one, twice.
 __device__ __forceinline__ u32 f16_pair(int lo, int hi) {
     return (u32)f32_to_f16((float)lo) | ((u32)f32_to_f16((float)hi) << 16);
+}
+__device__ __forceinline__ u32 f16_twice(int v) {
+    u32 h = f32_to_f16((float)v);
+    return h | (h << 16);
 }
 
 // grid = (ceil(rows_out / MMA_BM), ceil(n / MMA_BN), parts), MMA_THREADS threads; cols a multiple
@@ -452,10 +456,10 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
             for (int mi = 0; mi < 2; mi++) {
                 const int* lo = wsc[wm + mi * 16 + g] + 8;
                 const int* hi = wsc[wm + mi * 16 + g + 8] + 8;
-                a[mi][0] = f16_pair(lo[q], lo[q]);
-                a[mi][1] = f16_pair(hi[q], hi[q]);
-                a[mi][2] = f16_pair(lo[4 + q], lo[4 + q]);
-                a[mi][3] = f16_pair(hi[4 + q], hi[4 + q]);
+                a[mi][0] = f16_twice(lo[q]);
+                a[mi][1] = f16_twice(hi[q]);
+                a[mi][2] = f16_twice(lo[4 + q]);
+                a[mi][3] = f16_twice(hi[4 + q]);
             }
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {

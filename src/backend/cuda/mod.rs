@@ -271,18 +271,26 @@ impl CudaDevice {
         self.int8_tokens.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether a product of `w` with `x` runs as integers (`matvec_i8_*` for one token,
-    /// `matvec_i8n_*` for a batch of up to [`Self::int8_tokens`]).
-    fn int8_product(&self, w: &Weight, x: &Act) -> bool {
-        let yes = matches!(self.activations(), Activations::Int8 | Activations::Auto)
-            && (1..=self.int8_tokens()).contains(&x.rows)
+    /// How a product of `w` with `x` runs as integers, if it does: Q4_K or Q6_K rows of whole
+    /// super-blocks, activations auto or int8; up to [`Self::int8_tokens`] tokens with `dp4a`
+    /// (`matvec_i8*`), more as tiles on the tensor cores (`mmq_*`) when they and the integer
+    /// tiles are on.
+    fn integer_path(&self, w: &Weight, x: &Act) -> Option<IntegerPath> {
+        let integer = matches!(self.activations(), Activations::Int8 | Activations::Auto)
+            && x.rows > 0
             && x.width == w.cols
             && INT8_TYPES.contains(&w.ty)
             && w.cols.is_multiple_of(256);
-        if yes {
+        if !integer {
+            None
+        } else if x.rows <= self.int8_tokens() {
             self.int8_seen.store(true, std::sync::atomic::Ordering::Relaxed);
+            Some(IntegerPath::Dots)
+        } else if self.mma() && self.mmq() {
+            Some(IntegerPath::Tiles)
+        } else {
+            None
         }
-        yes
     }
 
     /// `x` as the integer products' input: the Q8_K blocks (`Q8K_BLOCK_BYTES` per 256 values,
@@ -352,22 +360,9 @@ impl CudaDevice {
         self.attn_tiles.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Whether `x · w` runs as integer tiles (`mmq_*`): the tensor cores and the integer tiles
-    /// on, a batch wider than the integer products take, Q4_K or Q6_K rows of whole
-    /// super-blocks, activations auto or int8.
-    fn mmq_product(&self, w: &Weight, x: &Act) -> bool {
-        x.rows > self.int8_tokens()
-            && self.mma()
-            && self.mmq()
-            && matches!(self.activations(), Activations::Int8 | Activations::Auto)
-            && x.width == w.cols
-            && INT8_TYPES.contains(&w.ty)
-            && w.cols.is_multiple_of(256)
-    }
-
     /// Whether `x · w` runs on the tensor cores: several tokens, a block-quantized type (float
     /// weights keep the exact f32 products), whole 32-value units (the callers take the integer
-    /// products first where they apply: [`Self::int8_product`]).
+    /// products first where they apply: [`Self::integer_path`]).
     fn mma_product(&self, w: &Weight, x: &Act) -> bool {
         x.rows > 1 && self.mma() && w.ty.block_elems() > 1 && w.cols.is_multiple_of(32)
     }

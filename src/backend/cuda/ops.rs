@@ -303,13 +303,12 @@ impl Device for CudaDevice {
     }
 
     fn matmul_rows(&self, w: &Weight, rows: &[u32], x: &Act) -> Act {
-        if self.int8_product(w, x) {
-            let (xq, _made) = self.int8_input(x, true);
-            return self.product_i8(w, Some(rows), None, xq, x.rows);
-        }
-        if self.mmq_product(w, x) {
-            let (xq, _made) = self.int8_input(x, false);
-            return self.product_mmq(w, Some(rows), xq, x.rows);
+        if let Some(path) = self.integer_path(w, x) {
+            let (xq, _made) = self.int8_input(x, path == IntegerPath::Dots);
+            return match path {
+                IntegerPath::Dots => self.product_i8(w, Some(rows), None, xq, x.rows),
+                IntegerPath::Tiles => self.product_mmq(w, Some(rows), xq, x.rows),
+            };
         }
         let seen = self.activations_for(w.ty, x);
         self.product(w, Some(rows), seen.as_ref().unwrap_or(x), &mut None)
@@ -414,7 +413,8 @@ impl Device for CudaDevice {
             return out;
         }
         let info = self.token_kv(positions, seq_of_token, caches);
-        if self.attn_tiles() && shape.head_dim <= ATTN_TILE_MAX_HEAD_DIM {
+        // (fewer tokens than a run must average cannot make one: no tiles looked for)
+        if self.attn_tiles() && shape.head_dim <= ATTN_TILE_MAX_HEAD_DIM && positions.len() >= ATTN_TILE_MIN_RUN {
             let tiles = attention_tiles(positions, seq_of_token);
             if positions.len() >= ATTN_TILE_MIN_RUN * tiles.len() {
                 let flat: Vec<u32> = tiles.iter().flat_map(|&(t, n)| [t as u32, n as u32]).collect();
@@ -569,7 +569,9 @@ impl CudaDevice {
     pub(super) fn matmul_with(&self, ws: &[&Weight], biases: &[Option<&[f32]>], x: &Act) -> Vec<Act> {
         let bias = |i: usize| biases.get(i).copied().flatten();
         let mut out: Vec<Option<Act>> = ws.iter().map(|_| None).collect();
-        let int8: Vec<usize> = (0..ws.len()).filter(|&i| self.int8_product(ws[i], x)).collect();
+        let paths: Vec<Option<IntegerPath>> = ws.iter().map(|w| self.integer_path(w, x)).collect();
+        let on = |path: IntegerPath| -> Vec<usize> { (0..ws.len()).filter(|&i| paths[i] == Some(path)).collect() };
+        let int8 = on(IntegerPath::Dots);
         if !int8.is_empty() {
             let (xq, _made) = self.int8_input(x, int8.len() == 1);
             for ty in INT8_TYPES {
@@ -585,9 +587,7 @@ impl CudaDevice {
             }
         }
         // Wider batches of the same types as integer tiles, on the input's Q8_K blocks made once.
-        let tiles: Vec<usize> = (0..ws.len())
-            .filter(|&i| out[i].is_none() && self.mmq_product(ws[i], x))
-            .collect();
+        let tiles = on(IntegerPath::Tiles);
         if !tiles.is_empty() {
             let (xq, _made) = self.int8_input(x, false);
             for i in tiles {
@@ -683,12 +683,13 @@ impl CudaDevice {
         let Int8Input::Blocks(xq) = input else {
             unreachable!("integer tiles take the input as blocks")
         };
-        let cfg = mmq_cfg(rows_out, n, w.cols);
-        let (out, partial) = self.parts_target(n, rows_out, cfg.grid_dim.2 as usize);
+        let out = self.act(n, rows_out);
         if rows_out == 0 || n == 0 {
             return out;
         }
         let Some(wd) = self.weight(w) else { return out };
+        let cfg = mmq_cfg(rows_out, n, w.cols);
+        let (out, partial) = self.parts_target(out, cfg.grid_dim.2 as usize);
         let idx = rows.map_or(0, |r| self.indices(r));
         self.k().mmq(
             w.ty,
@@ -706,13 +707,14 @@ impl CudaDevice {
         out
     }
 
-    /// Where a product launched in `parts` parts writes: its output (`n` rows of `rows_out`)
-    /// alone for one part; for several, the output as zeros and a buffer of the parts' sums.
-    fn parts_target(&self, n: usize, rows_out: usize, parts: usize) -> (Act, Option<Act>) {
+    /// Where a product launched in `parts` parts writes: its output `out` itself for one part;
+    /// for several, an output of zeros in its place and a buffer of the parts' sums.
+    fn parts_target(&self, out: Act, parts: usize) -> (Act, Option<Act>) {
         if parts > 1 {
+            let (n, rows_out) = (out.rows, out.width);
             (self.zeroed(n, rows_out), Some(self.act(parts * n, rows_out)))
         } else {
-            (self.act(n, rows_out), None)
+            (out, None)
         }
     }
 
@@ -837,7 +839,7 @@ impl CudaDevice {
                 Some(xh) => self.buf(xh),
                 None => self.buf(f16.insert(self.f16_input(x))),
             };
-            (out, partial) = self.parts_target(x.rows, rows_out, cfg.grid_dim.2 as usize);
+            (out, partial) = self.parts_target(out, cfg.grid_dim.2 as usize);
             ("mma", cfg, input, self.buf(partial.as_ref().unwrap_or(&out)))
         } else {
             let (kernel, cfg) = match (x.rows, self.matvec_rows()) {

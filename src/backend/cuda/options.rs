@@ -45,7 +45,7 @@ pub fn mmq_asked(value: Option<&str>) -> Result<bool> {
 }
 
 /// `GATESTREAM_CUDA_ATTN_TILES`: `1` (or `on`, the default) computes attention for runs of a
-/// sequence's consecutive tokens (prompts: runs of at least [`ATTN_TILE_MIN_RUN`] on average, heads of
+/// sequence's consecutive tokens (prompts: runs of at least `ATTN_TILE_MIN_RUN` on average, heads of
 /// at most 256 values) a tile of 16 tokens a block (`attention_tiles` in kernels/attention.cu:
 /// each chunk of keys and values read once for the tile, the softmax kept running); `0` (`off`):
 /// a block per token and head (`attention`), as for decode steps.
@@ -60,9 +60,6 @@ pub fn attn_tiles_asked(value: Option<&str>) -> Result<bool> {
         "a block per token and head",
     )
 }
-
-/// The fewest tokens a run of the batch's runs must average for tiled attention.
-pub const ATTN_TILE_MIN_RUN: usize = 4;
 
 /// Whether [`MMA_ENV`] asks for the tensor-core products (`value`: the variable's value).
 pub fn mma_asked(value: Option<&str>) -> Result<bool> {
@@ -122,6 +119,14 @@ pub const I8N_MAX: usize = 8;
 pub(super) const Q8K_BLOCK_BYTES: usize = 292;
 /// The widest input (in blocks of 256) `matvec_i8f_*` quantizes itself (`I8F_MAX_BLOCKS`).
 pub(super) const I8F_MAX_BLOCKS: usize = 48;
+
+/// How a product runs as integers (`CudaDevice::integer_path`): dot products of up to
+/// [`INT8_TOKENS_ENV`] tokens (`matvec_i8*`), or tiles on the tensor cores (`mmq_*`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum IntegerPath {
+    Dots,
+    Tiles,
+}
 
 /// An integer product's input: Q8_K blocks (token after token), or one token's values, which
 /// the product's own blocks quantize (`matvec_i8f_*`).

@@ -24,6 +24,9 @@ pub(super) const ATTN_MAX_HEAD_DIM: usize = 512;
 /// (`ATTN_TILE_MAX_HD`; its blocks have [`ATTENTION_THREADS`] threads).
 pub(super) const ATTN_TILE_TOKENS: usize = 16;
 pub(super) const ATTN_TILE_MAX_HEAD_DIM: usize = 256;
+/// The fewest tokens the batch's runs must average for tiled attention (decode batches, a token
+/// a sequence, keep a block per token).
+pub(super) const ATTN_TILE_MIN_RUN: usize = 4;
 /// Bytes of freed activation buffers kept for reuse.
 pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
 
