@@ -96,6 +96,145 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
     }
 }
 
+// Attention split over positions (flash-decoding): one block per (query head, token, split),
+// split z taking positions first + z·chunk .. + chunk of the token's window (those past its own
+// position none). A block keeps its query head in registers (lane l: dimensions l + 32i), its
+// warps take ATTN_SPLIT_ROWS positions at a time each (every key and value row read whole by one
+// warp, a warp's rows' loads issued together), ATTN_SPLIT_SUB positions' scores at once in shared
+// memory with a running maximum and sum; the warps' weighted sums of values are then added in
+// warp order. With one split (gridDim.z == 1) it writes the head's output; with several, each
+// block writes (maximum, sum, hd unnormalized sums) to `part` (row ((t · n_heads + head) · splits
+// + z), hd + 2 floats; a split with no positions: sum 0) for `attention_merge`. The order of every
+// sum is fixed, so the result does not depend on scheduling.
+#define ATTN_SPLIT_SUB 128
+#define ATTN_SPLIT_ROWS 4
+#define ATTN_SPLIT_WARPS 4
+#define ATTN_SPLIT_LANE_DIMS (ATTN_MAX_HEAD_DIM / 32)
+
+extern "C" __global__ void attention_split(const float* q, const TokenKv* info, int layer, int n_heads,
+                                           int n_kv_heads, int hd, float scale, int window, int chunk, float* part,
+                                           float* out) {
+    __shared__ float sc[ATTN_SPLIT_SUB];
+    __shared__ float sums[ATTN_SPLIT_WARPS][ATTN_MAX_HEAD_DIM];
+    int head = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    TokenKv ti = info[t];
+    int qd = n_heads * hd, kvd = n_kv_heads * hd;
+    int pos = (int)ti.pos;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int lo = first + split * chunk, hi = min(lo + chunk, pos + 1);
+    int kvh = head / (n_heads / n_kv_heads);
+    const float* K = (const float*)ti.k + (u64)layer * ti.cap * kvd + (u64)kvh * hd;
+    const float* V = (const float*)ti.v + (u64)layer * ti.cap * kvd + (u64)kvh * hd;
+    const float* qh = q + (u64)t * qd + (u64)head * hd;
+    float qr[ATTN_SPLIT_LANE_DIMS], acc[ATTN_SPLIT_LANE_DIMS];
+#pragma unroll
+    for (int i = 0; i < ATTN_SPLIT_LANE_DIMS; i++) {
+        int d = lane + 32 * i;
+        qr[i] = d < hd ? qh[d] : 0.f;
+        acc[i] = 0.f;
+    }
+    float m = -3.402823466e38f, l = 0.f;
+    for (int c0 = lo; c0 < hi; c0 += ATTN_SPLIT_SUB) {
+        int c1 = min(c0 + ATTN_SPLIT_SUB, hi);
+        float mw = -3.402823466e38f;
+        // Scores: warp w takes rows c0 + w + ATTN_SPLIT_WARPS · (r + ATTN_SPLIT_ROWS · k).
+        for (int j0 = c0 + warp; j0 < c1; j0 += ATTN_SPLIT_WARPS * ATTN_SPLIT_ROWS) {
+            float s[ATTN_SPLIT_ROWS];
+#pragma unroll
+            for (int r = 0; r < ATTN_SPLIT_ROWS; r++) {
+                int j = j0 + r * ATTN_SPLIT_WARPS;
+                s[r] = 0.f;
+                if (j < c1) {
+                    const float* kj = K + (u64)j * kvd;
+#pragma unroll
+                    for (int i = 0; i < ATTN_SPLIT_LANE_DIMS; i++) {
+                        int d = lane + 32 * i;
+                        if (d < hd) s[r] += qr[i] * kj[d];
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < ATTN_SPLIT_ROWS; r++) {
+                int j = j0 + r * ATTN_SPLIT_WARPS;
+                float v = warp_sum(s[r]) * scale;  // every lane has it
+                if (j < c1) {
+                    if (lane == 0) sc[j - c0] = v;
+                    mw = fmaxf(mw, v);
+                }
+            }
+        }
+        // (block_max's barrier also makes the scores written above visible to the whole block.)
+        float m_new = fmaxf(m, block_max(mw));
+        float alpha = expf(m - m_new);
+        float ps = 0.f;
+        for (int j = threadIdx.x; j < c1 - c0; j += blockDim.x) {
+            float e = expf(sc[j] - m_new);
+            sc[j] = e;
+            ps += e;
+        }
+        ps = block_sum(ps);  // its barriers make the weights visible
+        l = l * alpha + ps;
+        m = m_new;
+#pragma unroll
+        for (int i = 0; i < ATTN_SPLIT_LANE_DIMS; i++) acc[i] *= alpha;
+#pragma unroll 4
+        for (int j = c0 + warp; j < c1; j += ATTN_SPLIT_WARPS) {
+            float p = sc[j - c0];
+            const float* vj = V + (u64)j * kvd;
+#pragma unroll
+            for (int i = 0; i < ATTN_SPLIT_LANE_DIMS; i++) {
+                int d = lane + 32 * i;
+                if (d < hd) acc[i] += p * vj[d];
+            }
+        }
+        __syncthreads();  // the weights are read before the next positions' scores
+    }
+#pragma unroll
+    for (int i = 0; i < ATTN_SPLIT_LANE_DIMS; i++) {
+        int d = lane + 32 * i;
+        if (d < hd) sums[warp][d] = acc[i];
+    }
+    __syncthreads();
+    float* dst = splits == 1 ? out + (u64)t * qd + (u64)head * hd
+                             : part + (((u64)t * n_heads + head) * splits + split) * (hd + 2) + 2;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < ATTN_SPLIT_WARPS; w++) s += sums[w][d];
+        dst[d] = splits == 1 ? s / l : s;
+    }
+    if (splits > 1 && threadIdx.x == 0) {
+        dst[-2] = m;
+        dst[-1] = l;
+    }
+}
+
+// The splits of `attention_split` into each head's output: one block per (query head, token);
+// out = sum_z sums_z · e^(m_z − M) / sum_z l_z · e^(m_z − M), M the largest m_z of the splits that
+// had positions, each sum in split order.
+extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, float* out) {
+    int head = blockIdx.x, t = blockIdx.y;
+    const float* pr = part + ((u64)t * n_heads + head) * splits * (hd + 2);
+    float mx = -3.402823466e38f;
+    for (int z = 0; z < splits; z++)
+        if (pr[z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, pr[z * (hd + 2)]);
+    float total = 0.f;
+    for (int z = 0; z < splits; z++) {
+        float lz = pr[z * (hd + 2) + 1];
+        if (lz > 0.f) total += lz * expf(pr[z * (hd + 2)] - mx);
+    }
+    float* o = out + ((u64)t * n_heads + head) * hd;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float s = 0.f;
+        for (int z = 0; z < splits; z++) {
+            const float* pz = pr + z * (hd + 2);
+            if (pz[1] > 0.f) s += pz[2 + d] * expf(pz[0] - mx);
+        }
+        o[d] = s / total;
+    }
+}
+
 // Flash-style attention for runs of one sequence's consecutive tokens (a prompt, a draft): one
 // block per (query head, tile of up to ATTN_TILE_Q tokens) takes the tile's keys ATTN_TILE_K
 // positions at a time into shared memory once for all its tokens, with a running maximum and sum

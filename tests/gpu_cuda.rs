@@ -64,10 +64,11 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 39] = [
+    let checks: [(&str, Check); 40] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
+        ("attention_split", attention_split),
         ("fused_q8_blocks", fused_q8_blocks),
         ("argmax_rows", argmax_rows),
         ("top_k_rows", top_k_rows),
@@ -499,23 +500,6 @@ fn attention_tiles(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
-    let was = dev.attn_tiles();
-    let r = attention_tiles_in(dev, report);
-    dev.set_attn_tiles(was);
-    r
-}
-
-fn attention_tiles_in(
-    dev: &Arc<CudaDevice>,
-    report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    use gatestream::backend::AttnShape;
-    let base = load(&common::stories_dir(), Arc::new(CpuBackend::new(0)))?
-        .config
-        .clone();
-    let cpu = CpuBackend::new(0);
-    let mut rng = Rng(31);
-    let (mut worst_blocks, mut worst_cpu) = (0f64, 0f64);
     // (sequence, position) of the cached tokens, then of the batch's.
     let hist: Vec<(usize, usize)> = (0..40).map(|p| (0, p)).chain((0..50).map(|p| (1, p))).collect();
     let batch: Vec<(usize, usize)> = (40..77)
@@ -523,13 +507,89 @@ fn attention_tiles_in(
         .chain([(1, 50)])
         .chain((0..21).map(|p| (2, p)))
         .collect();
-    for (n_heads, n_kv_heads, head_dim, window) in [
+    let shapes = [
         (4usize, 2usize, 64usize, None),
         (2, 1, 128, Some(20)),
         (3, 3, 80, None),
         (2, 2, 256, None),
         (8, 4, 8, Some(5)),
-    ] {
+    ];
+    let (vs_blocks, vs_cpu) = attention_against_blocks(dev, &hist, &batch, 96, &shapes, (true, false), "tiles")?;
+    report.insert("attention_tiles_max_rel_err".into(), vs_blocks.max(vs_cpu).into());
+    let msg = format!(
+        "  attention in tiles of 16 tokens: max relative error {vs_blocks:.2e} against a block per token, \
+         {vs_cpu:.2e} against the CPU (three sequences in one batch, heads of 8/64/80/128/256, windows 5 and 20)"
+    );
+    if vs_blocks > 1e-5 || vs_cpu > 1e-5 {
+        return Err(format!("{msg}: over 1e-5"));
+    }
+    Ok(msg)
+}
+
+/// Decode attention split over positions (`attention_split`, then `attention_merge` where a head
+/// has several splits) against a block per token and head (`attention`) and the CPU, within 1e-5
+/// of each output row's largest value: one batch of decode tokens after 700, 130, 63 and 0 cached
+/// positions and a run of 5 tokens after 200 (the tiles off), so that splits run full, part full
+/// and empty; heads of 8 to 512 values, 1 to 16 splits of 64 to 512 positions (several of a
+/// block's 128-position score chunks), grouped-query ratios 1 to 4, windows of 100 and 300.
+fn attention_split(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let hist: Vec<(usize, usize)> = [(0, 700), (1, 130), (2, 63), (4, 200)]
+        .iter()
+        .flat_map(|&(s, n)| (0..n).map(move |p| (s, p)))
+        .collect();
+    let batch: Vec<(usize, usize)> = [(0, 700), (1, 130), (2, 63), (3, 0)]
+        .into_iter()
+        .chain((200..205).map(|p| (4, p)))
+        .collect();
+    // (heads, key heads, head size, window): 8, 2, 4, 16 and 1 splits of 9 tokens' heads.
+    let shapes = [
+        (2usize, 1usize, 128usize, None),
+        (8, 2, 64, None),
+        (4, 4, 80, Some(100)),
+        (1, 1, 512, None),
+        (32, 8, 8, Some(300)),
+    ];
+    let (vs_blocks, vs_cpu) = attention_against_blocks(dev, &hist, &batch, 1024, &shapes, (false, true), "splits")?;
+    report.insert("attention_split_max_rel_err".into(), vs_blocks.max(vs_cpu).into());
+    let msg = format!(
+        "  decode attention split over positions: max relative error {vs_blocks:.2e} against a block per token, \
+         {vs_cpu:.2e} against the CPU (nine tokens of five sequences, 0 to 700 cached, heads of 8 to 512, \
+         1 to 16 splits, windows 100 and 300)"
+    );
+    if vs_blocks > 1e-5 || vs_cpu > 1e-5 {
+        return Err(format!("{msg}: over 1e-5"));
+    }
+    Ok(msg)
+}
+
+/// Attention of `batch` (sequence, position) tokens over caches of `capacity` positions holding
+/// `hist`, on random keys, values and queries, for each (heads, key heads, head size, window) of
+/// `shapes`: with `(tiles, split)` on against both off (a block per token and head) and against
+/// the CPU. Returns the worst relative error of each comparison; an error where the two device
+/// paths agree to the bit (`what` not run?) or the device failed. The switches are restored.
+fn attention_against_blocks(
+    dev: &Arc<CudaDevice>,
+    hist: &[(usize, usize)],
+    batch: &[(usize, usize)],
+    capacity: usize,
+    shapes: &[(usize, usize, usize, Option<usize>)],
+    (tiles, split): (bool, bool),
+    what: &str,
+) -> Result<(f64, f64), String> {
+    use gatestream::backend::AttnShape;
+    let base = load(&common::stories_dir(), Arc::new(CpuBackend::new(0)))?
+        .config
+        .clone();
+    let cpu = CpuBackend::new(0);
+    let sequences = batch.iter().chain(hist).map(|t| t.0 + 1).max().unwrap_or(0);
+    let was = (dev.attn_tiles(), dev.attn_split());
+    let mut rng = Rng(31);
+    let (mut worst_blocks, mut worst_cpu) = (0f64, 0f64);
+    let mut outcome = Ok(());
+    for &(n_heads, n_kv_heads, head_dim, window) in shapes {
         let mut cfg = base.clone();
         cfg.n_layers = 1;
         cfg.n_heads = n_heads;
@@ -549,9 +609,9 @@ fn attention_tiles_in(
             window,
         };
         let run = |d: &dyn Device| -> Vec<f32> {
-            let mut caches: Vec<KvCache> = (0..3).map(|_| KvCache::new(&cfg, 96)).collect();
+            let mut caches: Vec<KvCache> = (0..sequences).map(|_| KvCache::new(&cfg, capacity)).collect();
             let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-            for (toks, k, v) in [(&hist, &hk, &hv), (&batch, &bk, &bv)] {
+            for (toks, k, v) in [(hist, &hk, &hv), (batch, &bk, &bv)] {
                 let pos: Vec<usize> = toks.iter().map(|t| t.1).collect();
                 let seq: Vec<usize> = toks.iter().map(|t| t.0).collect();
                 let (ka, va) = (
@@ -565,35 +625,33 @@ fn attention_tiles_in(
             let qa = d.upload(batch.len(), n_heads * head_dim, q.clone());
             d.download(d.attention(&qa, &pos, &seq, &refs, shape))
         };
-        dev.set_attn_tiles(true);
-        let tiled = run(dev.as_ref());
+        dev.set_attn_tiles(tiles);
+        dev.set_attn_split(split);
+        let tried = run(dev.as_ref());
         dev.set_attn_tiles(false);
+        dev.set_attn_split(false);
         let blocks = run(dev.as_ref());
         let on_cpu = run(&cpu);
         if let Some(e) = dev.take_error() {
-            return Err(format!("attention, heads of {head_dim}: {e}"));
+            outcome = Err(format!("attention, heads of {head_dim}: {e}"));
+            break;
         }
         let width = n_heads * head_dim;
         for t in 0..batch.len() {
             let row = |v: &[f32]| v[t * width..(t + 1) * width].to_vec();
-            worst_blocks = worst_blocks.max(rel_err(&row(&tiled), &row(&blocks)));
-            worst_cpu = worst_cpu.max(rel_err(&row(&tiled), &row(&on_cpu)));
+            worst_blocks = worst_blocks.max(rel_err(&row(&tried), &row(&blocks)));
+            worst_cpu = worst_cpu.max(rel_err(&row(&tried), &row(&on_cpu)));
         }
-        if tiled == blocks {
-            return Err(format!(
-                "attention, heads of {head_dim}: the tiles gave a block per token's sums to the bit (not run?)"
+        if tried == blocks {
+            outcome = Err(format!(
+                "attention, heads of {head_dim}: the {what} gave a block per token's sums to the bit (not run?)"
             ));
+            break;
         }
     }
-    report.insert("attention_tiles_max_rel_err".into(), worst_blocks.max(worst_cpu).into());
-    let msg = format!(
-        "  attention in tiles of 16 tokens: max relative error {worst_blocks:.2e} against a block per token, \
-         {worst_cpu:.2e} against the CPU (three sequences in one batch, heads of 8/64/80/128/256, windows 5 and 20)"
-    );
-    if worst_blocks > 1e-5 || worst_cpu > 1e-5 {
-        return Err(format!("{msg}: over 1e-5"));
-    }
-    Ok(msg)
+    dev.set_attn_tiles(was.0);
+    dev.set_attn_split(was.1);
+    outcome.map(|()| (worst_blocks, worst_cpu))
 }
 
 /// The device's greedy tokens (`Device::argmax_rows`) against the host's

@@ -2,7 +2,7 @@
 """gatestream's CUDA device beside llama.cpp's CUDA backend, on the same GGUF and GPU, in one run.
 
     tools/gpu-carry.sh && cp -r ../shared/peer/cuda gpupeer     # here (both folders git-excluded)
-    python3 tools/gpu-compare.py [--cases decode,prefill,batched,served] [--pairs 2]
+    python3 tools/gpu-compare.py [--cases decode,prefill,depth,batched,served] [--pairs 2]
                                  [--shape qwen2.5-1.5b] [--deadline 240] [--json FILE]
                                                                 # there; carry ["gpucarry", "gpupeer"]
 
@@ -16,6 +16,8 @@ is gatestream faster; each line gives both medians and the median of the per-pai
            128 --ignore-eos --json` from a 6-token prompt (decode_tok_per_s)
   prefill  llama-bench -ngl 99 -p 512 -n 0 (pp512) vs `run --max-tokens 1` on a 511-character
            prompt, 512 tokens with BOS (prefill_tok_per_s)
+  depth    decode after a prompt: llama-bench -ngl 99 -p 0 -n 128 -d 512 (tg128 at depth 512) vs
+           `run --max-tokens 128 --ignore-eos` after the 512-token prompt (decode_tok_per_s)
   batched  N sequences at once, each a 128-token prompt and 128 generated tokens:
            llama-batched-bench -npp 128 -ntg 128 -npl 1,8,32,64 (generated tokens over its whole
            time, prompts included; its decode-only S_TG beside it) vs `gatestream serve --parallel
@@ -28,6 +30,9 @@ is gatestream faster; each line gives both medians and the median of the per-pai
   int8     (not a llama.cpp row) gatestream's batched decode at 2, 4 and 8 sequences (as in
            `batched`) with batches of Q4_K/Q6_K products as integers (GATESTREAM_CUDA_INT8_TOKENS=8,
            the default) and on the tensor cores (=1): the crossover; one run each
+  split    (not a llama.cpp row) gatestream's decode at depth 512 (as in `depth`) with attention
+           split over positions (GATESTREAM_CUDA_ATTN_SPLIT=1, the default) and a block per head
+           (=0), A B A B
   profile  (not timed against anything) per-kernel GPU time of that prefill under `ncu --metrics
            gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt
 
@@ -85,18 +90,18 @@ def row(case, ours, theirs, ratios, note=""):
     log(f"ROW {case}: gatestream {r['gatestream']} llama.cpp {r['llama.cpp']} ratio {r['ratio']} ({r['pairs']}) {note}")
 
 
-def llama_bench(a, ll, env, gguf, p, n, name):
+def llama_bench(a, ll, env, gguf, p, n, name, depth=0):
     rc, out = run([ll / "llama-bench", "-m", gguf, "-ngl", a.ngl, "-p", p, "-n", n, "-r", 2, "-t", a.threads,
-                   "-o", "json"], name, env=env)
+                   "-o", "json"] + (["-d", depth] if depth else []), name, env=env)
     try:
         return float(json.loads(out)[0]["avg_ts"])
     except Exception:
         return None
 
 
-def ours_run(a, gguf, prompt, tokens, name, field):
+def ours_run(a, gguf, prompt, tokens, name, field, env=None):
     rc, out = run([a.gatestream, "run", "--device", a.device, "--model", gguf, "--threads", a.threads,
-                   "--prompt", prompt, "--max-tokens", tokens, "--ignore-eos", "--json"], name)
+                   "--prompt", prompt, "--max-tokens", tokens, "--ignore-eos", "--json"], name, env=env)
     try:
         d = json.loads(out)
         return float(d[field]), d
@@ -173,7 +178,7 @@ def profile(a, gguf, prompt):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="decode,prefill,batched,served,mma,int8,profile")
+    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,int8,split,profile")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
     ap.add_argument("--model", help="a GGUF to use instead of making one")
@@ -246,6 +251,11 @@ def main():
         paired(a, "prefill pp512 (tok/s)", a.pairs, ours,
                lambda i: llama_bench(a, ll, env, gguf, 512, 0, f"prefill-ll-{i}"))
         ROWS[-1]["note"] += f" gatestream's prompt: {sorted(set(tokens))} tokens"
+    deep = letters[:512 - extra]
+    if "depth" in cases and not late(a):
+        paired(a, "decode tg128 at depth 512 (tok/s)", a.pairs,
+               lambda i: ours_run(a, gguf, deep, 128, f"depth-gs-{i}", "decode_tok_per_s")[0],
+               lambda i: llama_bench(a, ll, env, gguf, 0, 128, f"depth-ll-{i}", depth=512))
     widths = [int(w) for w in a.widths.split(",")]
     par = max(widths + [int(c) for c in a.served.split(",")])
     gs_serve = (f"{g} serve --device {a.device} --model {gguf} --port {{port}} --parallel {par} --ctx-size 512 "
@@ -311,6 +321,12 @@ def main():
             base = lf["tok_per_s"] if lf and not lf.get("errors") else None
             row(f"batched {w}, integer / tensor cores", [mine] if mine else [], [base] if base else [],
                 [mine / base] if mine and base else [], "gatestream alone: the llama.cpp column is INT8_TOKENS=1")
+    if "split" in cases and not late(a):
+        def depth_with(v, i):
+            return ours_run(a, gguf, deep, 128, f"split{v}-{i}", "decode_tok_per_s",
+                            env=dict(os.environ, GATESTREAM_CUDA_ATTN_SPLIT=v))[0]
+        paired(a, "decode at depth 512, split / a block a head", a.pairs, lambda i: depth_with("1", i),
+               lambda i: depth_with("0", i), "gatestream alone: the llama.cpp column is ATTN_SPLIT=0")
     if "profile" in cases and not late(a):
         profile(a, gguf, letters[:512 - extra])
 

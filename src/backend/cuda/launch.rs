@@ -221,6 +221,14 @@ kernels! {
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
         scores: Ptr, max_len: I32, out: Ptr,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
+    /// The same split over positions (`grid.z` splits of `chunk`): the output itself with one
+    /// split, else each split's maximum, sum and sums into `part` for `attention_merge`.
+    attention_split(
+        q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
+        chunk: I32, part: Opt, out: Ptr,
+    ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && chunk > 0;
+    /// The splits of `attention_split` into each head's output.
+    attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, out: Ptr) if splits > 1;
     /// The same for the tiles of runs of a sequence's tokens (`tiles`: (first, count) pairs).
     attention_tiles(
         q: Ptr, info: Ptr, tiles: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,

@@ -86,6 +86,8 @@ pub struct CudaDevice {
     mmq: std::sync::atomic::AtomicBool,
     /// Whether a prompt's attention runs in tiles of tokens (see [`ATTN_TILES_ENV`]).
     attn_tiles: std::sync::atomic::AtomicBool,
+    /// Whether decode attention is split over positions (see [`ATTN_SPLIT_ENV`]).
+    attn_split: std::sync::atomic::AtomicBool,
     /// Whether an integer product has been launched (before one, no blocks are made ahead).
     int8_seen: std::sync::atomic::AtomicBool,
     /// Whether a kernel has been launched since the last copy to the host (which then waits
@@ -128,6 +130,7 @@ impl CudaDevice {
             int8_tokens,
             mmq,
             attn_tiles,
+            attn_split,
             ..
         } = *opts;
         ensure_driver(opts.libcuda.as_deref())?;
@@ -227,6 +230,7 @@ impl CudaDevice {
             int8_tokens: std::sync::atomic::AtomicUsize::new(int8_tokens),
             mmq: std::sync::atomic::AtomicBool::new(mmq),
             attn_tiles: std::sync::atomic::AtomicBool::new(attn_tiles),
+            attn_split: std::sync::atomic::AtomicBool::new(attn_split),
             int8_seen: std::sync::atomic::AtomicBool::new(false),
             launched: std::sync::atomic::AtomicBool::new(false),
         };
@@ -358,6 +362,16 @@ impl CudaDevice {
 
     pub fn attn_tiles(&self) -> bool {
         self.attn_tiles.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets whether decode attention is split over positions from now on (see
+    /// [`ATTN_SPLIT_ENV`]).
+    pub fn set_attn_split(&self, on: bool) {
+        self.attn_split.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn attn_split(&self) -> bool {
+        self.attn_split.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether `x · w` runs on the tensor cores: several tokens, a block-quantized type (float
@@ -722,6 +736,7 @@ mod tests {
         assert_eq!(defined("ATTN_MAX_HEAD_DIM"), ATTN_MAX_HEAD_DIM);
         assert_eq!(defined("ATTN_TILE_Q"), ATTN_TILE_TOKENS);
         assert_eq!(defined("ATTN_TILE_MAX_HD"), ATTN_TILE_MAX_HEAD_DIM);
+        assert_eq!(defined("ATTN_SPLIT_WARPS"), ATTN_SPLIT_WARPS);
         assert_eq!(defined("NORM_PER_THREAD"), NORM_PER_THREAD);
         assert_eq!(defined("Q8K_BLOCK_BYTES"), Q8K_BLOCK_BYTES);
         assert_eq!(defined("I8F_MAX_BLOCKS"), I8F_MAX_BLOCKS);
@@ -756,6 +771,32 @@ mod tests {
             });
             assert!(direct || by_macro || int8, "{name} is not in kernels/");
         }
+    }
+
+    /// Split attention: powers of two, at most ~256 blocks, splits of at least 64 positions,
+    /// always at least one; the switch parsed by name.
+    #[test]
+    fn attention_splits_fill_the_target_without_short_splits() {
+        // One decode token of a 12-head model: 8 splits of 32 would be under 64 positions.
+        assert_eq!(attention_splits(256, 12), 4);
+        assert_eq!(attention_splits(1024, 12), 16);
+        assert_eq!(attention_splits(32768, 12), 16);
+        // Eight sequences: 96 rows, two splits; 64 sequences: 768 rows, none.
+        assert_eq!(attention_splits(1024, 96), 2);
+        assert_eq!(attention_splits(1024, 768), 1);
+        assert_eq!(attention_splits(256, 1), 4);
+        assert_eq!(attention_splits(1 << 20, 1), 256);
+        for (len, rows) in [(256, 0), (256, 1000), (512, 3), (4096, 7)] {
+            let z = attention_splits(len, rows);
+            assert!(z.is_power_of_two() && len.is_multiple_of(z));
+            assert!(z == 1 || (len / z >= ATTN_SPLIT_MIN_POSITIONS && z * rows <= ATTN_SPLIT_TARGET_BLOCKS));
+        }
+        assert!(attn_split_asked(None).unwrap());
+        assert!(!attn_split_asked(Some("0")).unwrap());
+        assert!(attn_split_asked(Some("2"))
+            .unwrap_err()
+            .to_string()
+            .contains(ATTN_SPLIT_ENV));
     }
 
     /// Tiles are runs of one sequence at consecutive positions, at most 16 tokens, in order.

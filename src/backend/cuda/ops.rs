@@ -439,8 +439,8 @@ impl Device for CudaDevice {
                 return out;
             }
         }
-        // Score rows (their length is only a stride to the kernel) sized by powers of two, so a
-        // decode step's buffers and parameters repeat for a CUDA graph.
+        // Score rows (their length is only a stride to the kernel) and split attention's splits
+        // sized by powers of two, so a decode step's buffers and parameters repeat for a CUDA graph.
         let max_len = attention_row(
             positions
                 .iter()
@@ -448,12 +448,44 @@ impl Device for CudaDevice {
                 .max()
                 .unwrap_or(1),
         );
-        let scores = self.act(q.rows * shape.n_heads, max_len);
         let cfg = LaunchConfig {
             grid_dim: (shape.n_heads as u32, q.rows as u32, 1),
             block_dim: (ATTENTION_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
+        if self.attn_split() {
+            let splits = attention_splits(max_len, q.rows * shape.n_heads);
+            let part = (splits > 1).then(|| self.act(q.rows * shape.n_heads * splits, shape.head_dim + 2));
+            self.k().attention_split(
+                LaunchConfig {
+                    grid_dim: (shape.n_heads as u32, q.rows as u32, splits as u32),
+                    ..cfg
+                },
+                self.buf(q),
+                info,
+                shape.layer,
+                shape.n_heads,
+                shape.n_kv_heads,
+                shape.head_dim,
+                shape.scale,
+                shape.window.unwrap_or(0),
+                max_len / splits,
+                part.as_ref().map_or(0, |p| self.buf(p)),
+                self.buf(&out),
+            );
+            if let Some(part) = part {
+                self.k().attention_merge(
+                    cfg,
+                    self.buf(&part),
+                    shape.n_heads,
+                    shape.head_dim,
+                    splits,
+                    self.buf(&out),
+                );
+            }
+            return out;
+        }
+        let scores = self.act(q.rows * shape.n_heads, max_len);
         self.k().attention(
             cfg,
             self.buf(q),

@@ -61,6 +61,24 @@ pub fn attn_tiles_asked(value: Option<&str>) -> Result<bool> {
     )
 }
 
+/// `GATESTREAM_CUDA_ATTN_SPLIT`: `1` (or `on`, the default) computes the attention of tokens that
+/// take no tiles (decode steps, a token a sequence) split over their positions
+/// (`attention_split` in kernels/attention.cu, flash-decoding: up to about 256 blocks of at least
+/// 64 positions each, a head's query in registers, a key or value row read whole by a warp; then
+/// `attention_merge` where a head has several splits); `0` (`off`): a block per token and head over
+/// all its positions (`attention`).
+pub const ATTN_SPLIT_ENV: &str = "GATESTREAM_CUDA_ATTN_SPLIT";
+
+/// Whether [`ATTN_SPLIT_ENV`] asks for split attention (`value`: the variable's value).
+pub fn attn_split_asked(value: Option<&str>) -> Result<bool> {
+    switch_asked(
+        ATTN_SPLIT_ENV,
+        value,
+        "decode attention split over positions",
+        "a block per token and head",
+    )
+}
+
 /// Whether [`MMA_ENV`] asks for the tensor-core products (`value`: the variable's value).
 pub fn mma_asked(value: Option<&str>) -> Result<bool> {
     switch_asked(
@@ -238,6 +256,8 @@ pub struct CudaOptions {
     pub mmq: bool,
     /// Whether a prompt's attention runs in tiles of tokens ([`ATTN_TILES_ENV`]).
     pub attn_tiles: bool,
+    /// Whether decode attention is split over positions ([`ATTN_SPLIT_ENV`]).
+    pub attn_split: bool,
 }
 
 impl CudaOptions {
@@ -266,6 +286,7 @@ impl CudaOptions {
             int8_tokens: int8_tokens_asked(var(INT8_TOKENS_ENV).as_deref())?,
             mmq: mmq_asked(var(MMQ_ENV).as_deref())?,
             attn_tiles: attn_tiles_asked(var(ATTN_TILES_ENV).as_deref())?,
+            attn_split: attn_split_asked(var(ATTN_SPLIT_ENV).as_deref())?,
         })
     }
 }

@@ -10,8 +10,9 @@ pub(super) const ELEMENTWISE_THREADS: u32 = 256;
 pub(super) const MATMUL_WARPS: u32 = 8;
 /// Tokens per matmul block (`MM_TOKENS` in kernels/quant.cu).
 pub(super) const MATMUL_TOKENS: usize = 8;
-/// Threads per block of attention and of the partial sums of `accumulate_rows`.
-pub(super) const ATTENTION_THREADS: u32 = 128;
+/// Threads per block of attention (the warps of split attention, [`ATTN_SPLIT_WARPS`]).
+pub(super) const ATTENTION_THREADS: u32 = 32 * ATTN_SPLIT_WARPS as u32;
+/// Threads per block of the partial sums of `accumulate_rows`.
 pub(super) const ACCUMULATE_THREADS: u32 = 64;
 /// Threads of the block that finds one row's argmax (a vocabulary of ~150k logits: ~150 each).
 pub(super) const ARGMAX_THREADS: u32 = 1024;
@@ -27,6 +28,16 @@ pub(super) const ATTN_TILE_MAX_HEAD_DIM: usize = 256;
 /// The fewest tokens the batch's runs must average for tiled attention (decode batches, a token
 /// a sequence, keep a block per token).
 pub(super) const ATTN_TILE_MIN_RUN: usize = 4;
+/// Warps of a split-attention block (`ATTN_SPLIT_WARPS`: its blocks have [`ATTENTION_THREADS`]
+/// threads).
+pub(super) const ATTN_SPLIT_WARPS: usize = 4;
+/// The fewest positions a block of split attention is given (a split of fewer would cost more in
+/// its launch and merge than it saves).
+pub(super) const ATTN_SPLIT_MIN_POSITIONS: usize = 64;
+/// The blocks split attention aims for: about two a multiprocessor of an H100 (132). A constant,
+/// not the device's count, so that a launch's geometry depends only on the batch and its
+/// context (and repeats for a CUDA graph).
+pub(super) const ATTN_SPLIT_TARGET_BLOCKS: usize = 256;
 /// Bytes of freed activation buffers kept for reuse.
 pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
 
@@ -49,7 +60,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 24] = [
+pub(super) const OPS: [&str; 26] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -73,6 +84,8 @@ pub(super) const OPS: [&str; 24] = [
     "rope_norm_kv",
     "kv_write",
     "attention",
+    "attention_split",
+    "attention_merge",
     "attention_tiles",
 ];
 
@@ -117,6 +130,17 @@ pub fn attention_tiles(positions: &[usize], seq_of_token: &[usize]) -> Vec<(usiz
         }
     }
     tiles
+}
+
+/// How many splits of its positions split attention gives each (query head, token) of a batch
+/// of `rows` such pairs whose score rows are `max_len` long (a power of two, [`attention_row`]):
+/// the largest power of two that keeps the blocks within [`ATTN_SPLIT_TARGET_BLOCKS`] and each
+/// split at least [`ATTN_SPLIT_MIN_POSITIONS`] long, at least 1. A split takes `max_len / splits`
+/// positions.
+pub fn attention_splits(max_len: usize, rows: usize) -> usize {
+    let want = ATTN_SPLIT_TARGET_BLOCKS / rows.max(1);
+    let most = want.min(max_len / ATTN_SPLIT_MIN_POSITIONS).max(1);
+    1 << most.ilog2()
 }
 
 /// One thread per element of a row of `width`, one row of blocks per row.
