@@ -379,9 +379,11 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
 #pragma unroll
             for (int jj = 0; jj < 2; jj++) {
                 int j = 2 * du + jj;
+                u32 words[8];
+                ld_words(b + 16 + 32 * j, words);
 #pragma unroll
                 for (int w = 0; w < 8; w++) {
-                    u32 v = ld32(b + 16 + 32 * j + 4 * w);
+                    u32 v = words[w];
                     wrow[16 * j + w] = v & 0x0f0f0f0fu;
                     wrow[16 * j + 8 + w] = (v >> 4) & 0x0f0f0f0fu;
                 }
@@ -403,9 +405,13 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
             const u8* b = row + 210 * (u64)sb;
             const u8* ql = b + 64 * du;
             const u8* qh = b + 128 + 32 * du;
+            u32 l0w[8], l1w[8], hw[8];
+            ld_words(ql, l0w);
+            ld_words(ql + 32, l1w);
+            ld_words(qh, hw);
 #pragma unroll
             for (int w = 0; w < 8; w++) {
-                u32 l0 = ld32(ql + 4 * w), l1 = ld32(ql + 32 + 4 * w), h = ld32(qh + 4 * w);
+                u32 l0 = l0w[w], l1 = l1w[w], h = hw[w];
                 wrow[32 * du + w] = (l0 & 0x0f0f0f0fu) | ((h & 0x03030303u) << 4);
                 wrow[32 * du + 8 + w] = (l1 & 0x0f0f0f0fu) | (((h >> 2) & 0x03030303u) << 4);
                 wrow[32 * du + 16 + w] = ((l0 >> 4) & 0x0f0f0f0fu) | (((h >> 4) & 0x03030303u) << 4);

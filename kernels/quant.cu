@@ -40,6 +40,31 @@ __device__ __forceinline__ u32 ld32(const u8* p) {
     return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
 }
 
+// The N little-endian words at p (bytes p .. p + 4N, none past them), in as few loads as p's
+// alignment allows: 16-byte loads at a multiple of 16 (N a multiple of 4), words at a multiple
+// of 4, half-words at a multiple of 2, else bytes — the same values as ld32 at p + 4i. Block
+// types whose blocks are not a multiple of 4 bytes (Q6_K's 210) have blocks at every alignment
+// 2 apart; byte loads would take four load instructions a word.
+template <int N> __device__ __forceinline__ void ld_words(const u8* p, u32 (&w)[N]) {
+    u64 a = (u64)p;
+    if (N % 4 == 0 && (a & 15) == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 4; i++) {
+            uint4 v = ((const uint4*)p)[i];
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    } else if ((a & 3) == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i++) w[i] = ((const u32*)p)[i];
+    } else if ((a & 1) == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i++) w[i] = (u32)((const u16*)p)[2 * i] | ((u32)((const u16*)p)[2 * i + 1] << 16);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i++) w[i] = ld32(p + 4 * i);
+    }
+}
+
 // Six-bit scale and min of sub-block j of a Q4_K/Q5_K super-block (ggml's get_scale_min_k4).
 __device__ __forceinline__ void k_scale_min(int j, const u8* q, float* sc, float* m) {
     if (j < 4) {
@@ -461,14 +486,7 @@ __device__ __forceinline__ int sum8_lanes(int v) {
 // 16h..16h+15 of sub-blocks 2g and 2g+1, g = k / 2, h = k % 2, low and high nibbles), loaded
 // once for every token (q4_k_i8_dot).
 __device__ __forceinline__ void q4_k_i8_load(const u8* b, int k, u32 (&w)[4]) {
-    const u8* qs = b + 16 + 16 * k;
-    if ((((u64)b) & 15) == 0) {
-        uint4 v = *(const uint4*)qs;
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++) w[i] = ld32(qs + 4 * i);
-    }
+    ld_words(b + 16 + 16 * k, w);
 }
 
 // Lane k's share, with one token's Q8_K block `a`, of sum_s(sc[s] * sum(q * y)) in *qy and of
@@ -496,13 +514,9 @@ __device__ __forceinline__ void q4_k_i8_dot(const u8* b, const u32 (&w)[4], cons
 __device__ __forceinline__ void q6_k_i8_load(const u8* b, int k, u32 (&l0w)[2], u32 (&l1w)[2], u32 (&hw)[2]) {
     int half = k >> 2, l0 = 8 * (k & 3);
     const u8* ql = b + 64 * half + l0;
-    const u8* qh = b + 128 + 32 * half + l0;
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        l0w[j] = ld32(ql + 4 * j);
-        l1w[j] = ld32(ql + 32 + 4 * j);
-        hw[j] = ld32(qh + 4 * j);
-    }
+    ld_words(ql, l0w);
+    ld_words(ql + 32, l1w);
+    ld_words(b + 128 + 32 * half + l0, hw);
 }
 
 // Lane k's share with one token's Q8_K block `a`. The quants are taken as stored (0..63) and
