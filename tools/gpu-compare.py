@@ -34,7 +34,8 @@ is gatestream faster; each line gives both medians and the median of the per-pai
            split over positions (GATESTREAM_CUDA_ATTN_SPLIT=1, the default) and a block per head
            (=0), A B A B
   profile  (not timed against anything) per-kernel GPU time of that prefill under `ncu --metrics
-           gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt
+           gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt, and of 16
+           decode steps after a 6-token prompt (each kernel's time a step) into OUT/profile-decode.txt
 
 Settings: --gatestream (default gpucarry/gatestream, else target/release/gatestream), --llama
 (llama.cpp's binaries; default: unpacked from gpupeer/ by its setup.sh into /tmp/llb), --device
@@ -149,16 +150,17 @@ def serve_bench(a, cmd, label, conc, per_client, tokens, prompt_file, name):
     return levels
 
 
-def profile(a, gguf, prompt):
-    """Per-kernel GPU time of one prefill under ncu, summed by kernel name into OUT/profile.txt."""
+def profile(a, gguf, prompt, tokens=1, what="prefill", name="profile"):
+    """Per-kernel GPU time of one `run` under ncu (a prefill: `tokens` 1; decode: a short prompt
+    and `tokens` steps, each kernel's time also a step), summed by kernel name into OUT/NAME.txt."""
     import csv
     import shutil
     if not shutil.which("ncu"):
-        log("profile: no ncu on this machine; skipped")
+        log(f"{name}: no ncu on this machine; skipped")
         return
     rc, out = run(["ncu", "--clock-control", "none", "--csv", "--metrics", "gpu__time_duration.sum",
                    a.gatestream, "run", "--device", a.device, "--model", gguf, "--prompt", prompt,
-                   "--max-tokens", 1], "profile-ncu", timeout=120)
+                   "--max-tokens", tokens, "--ignore-eos"], f"{name}-ncu", timeout=150)
     tot, cnt = {}, {}
     rows = csv.DictReader([l for l in out.splitlines() if l.startswith('"')])
     for r in rows:
@@ -169,11 +171,14 @@ def profile(a, gguf, prompt):
         tot[k] = tot.get(k, 0) + float(r["Metric Value"].replace(",", "")) * unit
         cnt[k] = cnt.get(k, 0) + 1
     total = sum(tot.values()) or 1
-    lines = [f"prefill of {len(prompt)}-letter prompt: {total / 1e3:.2f} ms of kernel time over {sum(cnt.values())} launches (ncu upper bounds)"]
+    steps = max(tokens - 1, 1)
+    lines = [f"{what} ({len(prompt)}-letter prompt, {tokens} tokens): {total / 1e3:.2f} ms of kernel time over "
+             f"{sum(cnt.values())} launches (ncu upper bounds)" + ("" if tokens == 1 else f"; per step: / {steps}")]
     lines += [f"  {k:32s} {cnt[k]:6d} launches {v / 1e3:9.3f} ms {100 * v / total:5.1f}%"
-              for k, v in sorted(tot.items(), key=lambda x: -x[1])[:16]]
-    (OUT / "profile.txt").write_text("\n".join(lines) + "\n")
-    log("profile: " + lines[0])
+              + ("" if tokens == 1 else f" {v / steps:9.1f} us a step")
+              for k, v in sorted(tot.items(), key=lambda x: -x[1])[:20]]
+    (OUT / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    log(f"{name}: " + lines[0])
 
 
 def main():
@@ -329,14 +334,16 @@ def main():
                lambda i: depth_with("0", i), "gatestream alone: the llama.cpp column is ATTN_SPLIT=0")
     if "profile" in cases and not late(a):
         profile(a, gguf, letters[:512 - extra])
+        profile(a, gguf, "The capital of France is", 17, "decode", "profile-decode")
 
     (Path(a.json) if a.json else OUT / "compare.json").write_text(json.dumps(
         {"model": str(gguf), "device": a.device, "ngl": a.ngl, "rows": ROWS}, indent=1))
     print(f"\n{'case':<36} {'gatestream':>11} {'llama.cpp':>10} {'ratio':>6}  pairs / note")
     for r in ROWS:
         print(f"{r['case']:<36} {r['gatestream']:>11} {r['llama.cpp']:>10} {r['ratio']:>6}  {r['pairs']} {r['note']}")
-    if (OUT / "profile.txt").exists():
-        print("\n" + (OUT / "profile.txt").read_text(), end="")
+    for f in ("profile.txt", "profile-decode.txt"):
+        if (OUT / f).exists():
+            print("\n" + (OUT / f).read_text(), end="")
     if a.device != "cuda":
         print(f"(--device {a.device}: no figure above is a GPU's)")
 
