@@ -425,22 +425,47 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
 // The same blocks as integers, for the integer dot products (matvec_i8_* in quant.cu): per block
 // of 256, Q8K_BLOCK_BYTES bytes — the scale d (f32, 0 for a block of zeros), the sums of each 16
 // quants (i16), the quants (i8). Lane `lane` of the warp that writes block `ob` from the 256
-// values at `xb` (which every lane of the warp sees).
+// values at `xb` (which every lane of the warp sees) takes values 8·lane .. 8·lane + 7 (two
+// 16-byte loads where xb allows), so a group of 16 quants is two lanes' (one exchange for its
+// sum) and its quants two words; the block's largest magnitude and the lowest index holding it
+// are found over the warp as q8_k_iscale finds them (a maximum and a minimum: the same in any
+// order), so the bytes are those act_q8_k's values stand for.
 __device__ void q8_k_block(const float* xb, u8* ob, int lane) {
     float v[8];
-    float iscale = q8_k_iscale(xb, lane, v);
-    i8* qs = (i8*)(ob + Q8K_QS);
-    short* bs = (short*)(ob + Q8K_BSUMS);
+    const float* p = xb + 8 * lane;
+    if ((((u64)xb) & 15) == 0) {
+        float4 a = ((const float4*)p)[0], c = ((const float4*)p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = p[i];
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    int first = 256;
+#pragma unroll
+    for (int i = 7; i >= 0; i--) {
+        if (fabsf(v[i]) == amax) first = 8 * lane + i;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    float iscale = amax == 0.f || first >= 256 ? 0.f : -127.f / xb[first];
+    u32 w[2] = {0u, 0u};
+    int sum = 0;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         int q = q8_k_quant(iscale, v[i]);
-        qs[lane + 32 * i] = (i8)q;
-        // Values lane + 32i: lanes 0..15 are group 2i, lanes 16..31 group 2i + 1.
-        int sum = q;
-#pragma unroll
-        for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        if ((lane & 15) == 0) bs[2 * i + (lane >> 4)] = (short)sum;
+        sum += q;
+        w[i >> 2] |= (u32)(u8)(i8)q << (8 * (i & 3));
     }
+    u32* qs = (u32*)(ob + Q8K_QS);
+    qs[2 * lane] = w[0];
+    qs[2 * lane + 1] = w[1];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if ((lane & 1) == 0) ((short*)(ob + Q8K_BSUMS))[lane >> 1] = (short)sum;
     if (lane == 0) *(float*)ob = iscale == 0.f ? 0.f : 1.f / iscale;
 }
 
