@@ -423,7 +423,7 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
                 wd[dr][0] = ldf16(b + 208);
             }
         }
-        // The tokens' blocks (73 words: the scale, 8 words of sums, 64 of quants): a warp a token
+        // The tokens' blocks (76 words: the scale, 8 words of sums, 3 unused, 64 of quants): a warp a token
         // at a time, a word a lane.
 #pragma unroll 4
         for (int i = 0; i < MMA_BN / 4; i++) {

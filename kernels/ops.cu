@@ -482,11 +482,11 @@ extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) 
 // input again (at most I8F_MAX_BLOCKS blocks of 256: wider inputs take act_q8_k_blocks).
 #define I8F_MAX_BLOCKS 48
 #define MATVEC_I8F_KERNEL(t, TY)                                                                                \
-    extern "C" __global__ void matvec_i8f_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,    \
-                                              int cols, const float* X, int n, const float* bias, int wpr,      \
-                                              float* Y) {                                                       \
-        __shared__ int xq_words[I8F_MAX_BLOCKS * Q8K_BLOCK_BYTES / 4];                                         \
-        u8* xq = (u8*)xq_words;                                                                                \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8f_##t(const u8* W, u64 row_stride, int rows_out,         \
+                                                            const u32* row_ids, int cols, const float* X, int n, \
+                                                            const float* bias, int wpr, float* Y) {              \
+        __shared__ uint4 xq_vec[I8F_MAX_BLOCKS * Q8K_BLOCK_BYTES / 16];                                        \
+        u8* xq = (u8*)xq_vec;                                                                                  \
         for (int b = threadIdx.y; b < cols / 256; b += blockDim.y)                                             \
             q8_k_block(X + (u64)b * 256, xq + b * Q8K_BLOCK_BYTES, threadIdx.x);                               \
         __syncthreads();                                                                                       \

@@ -34,7 +34,11 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
 #endif
 }
 
-__device__ __forceinline__ u16 ld16(const u8* p) { return (u16)p[0] | ((u16)p[1] << 8); }
+// Two little-endian bytes at p: one half-word load where p is even (every f16 field of the block
+// types), else two byte loads.
+__device__ __forceinline__ u16 ld16(const u8* p) {
+    return (((u64)p) & 1) == 0 ? *(const u16*)p : (u16)((u16)p[0] | ((u16)p[1] << 8));
+}
 __device__ __forceinline__ float ldf16(const u8* p) { return f16_to_f32(ld16(p)); }
 __device__ __forceinline__ u32 ld32(const u8* p) {
     return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
@@ -459,10 +463,13 @@ QUANT_KERNELS(q6_k, TY_Q6_K)
 // `dp4a`. Each super-block's integer sums are exact and its value is the CPU's expression
 // (src/quant/scalar.rs) to the last bit; only the order in which super-blocks are added differs.
 
-// Bytes of one activation block: d (f32), bsums (16 x i16), quants (256 x i8).
-#define Q8K_BLOCK_BYTES 292
+// Bytes of one activation block: d (f32), bsums (16 x i16), 12 bytes unused, quants (256 x i8):
+// a multiple of 16 bytes with the quants 16 bytes in, so that where the blocks start at a
+// multiple of 16 (device allocations, `matvec_i8f`'s shared copy) a lane reads its quants in
+// 16- or 8-byte loads.
+#define Q8K_BLOCK_BYTES 304
 #define Q8K_BSUMS 4
-#define Q8K_QS 36
+#define Q8K_QS 48
 
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
 #ifdef GATESTREAM_HOST_EMULATION
@@ -482,65 +489,87 @@ __device__ __forceinline__ int sum8_lanes(int v) {
 // reads each weight super-block once and multiplies it with every token's block.
 #define I8N_MAX 8
 
-// A Q4_K super-block's part for lane k (0..7) of its group of 8: 16 bytes of quants (values
-// 16h..16h+15 of sub-blocks 2g and 2g+1, g = k / 2, h = k % 2, low and high nibbles), loaded
-// once for every token (q4_k_i8_dot).
-__device__ __forceinline__ void q4_k_i8_load(const u8* b, int k, u32 (&w)[4]) {
-    ld_words(b + 16 + 16 * k, w);
-}
-
-// Lane k's share, with one token's Q8_K block `a`, of sum_s(sc[s] * sum(q * y)) in *qy and of
-// sum_s(m[s] * sum(y)) in *my (the sub-blocks' six-bit scales and mins read from b).
-__device__ __forceinline__ void q4_k_i8_dot(const u8* b, const u32 (&w)[4], const u8* a, int k, int* qy, int* my) {
-    int g = k >> 1, h = k & 1;
-    const int* lo = (const int*)(a + Q8K_QS + 32 * (2 * g) + 16 * h);
-    const int* hi = (const int*)(a + Q8K_QS + 32 * (2 * g + 1) + 16 * h);
-    int slo = 0, shi = 0;
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        slo = dp4a((int)(w[i] & 0x0f0f0f0fu), lo[i], slo);
-        shi = dp4a((int)((w[i] >> 4) & 0x0f0f0f0fu), hi[i], shi);
-    }
+// A Q4_K super-block's part for lane k (0..7) of its group of 8, loaded once for every token
+// (q4_k_i8_dot): 16 bytes of quants (values 16h..16h+15 of sub-blocks 2g and 2g+1, g = k / 2,
+// h = k % 2, low and high nibbles), those two sub-blocks' six-bit scales and mins, and for lane
+// 0, d and dmin.
+struct Q4kLane {
+    u32 w[4];
+    int sc0, m0, sc1, m1;
+    float d, dmin;
+};
+__device__ __forceinline__ void q4_k_i8_load(const u8* b, int k, Q4kLane& l) {
+    ld_words(b + 16 + 16 * k, l.w);
+    int g = k >> 1;
     float sc0, m0, sc1, m1;
     k_scale_min(2 * g, b + 4, &sc0, &m0);
     k_scale_min(2 * g + 1, b + 4, &sc1, &m1);
-    const short* bs = (const short*)(a + Q8K_BSUMS);
-    *qy = (int)sc0 * slo + (int)sc1 * shi;
-    *my = (int)m0 * (int)bs[4 * g + h] + (int)m1 * (int)bs[4 * g + 2 + h];
+    l.sc0 = (int)sc0, l.m0 = (int)m0, l.sc1 = (int)sc1, l.m1 = (int)m1;
+    if (k == 0) {  // (the lane that adds the super-block's value)
+        l.d = ldf16(b);
+        l.dmin = ldf16(b + 2);
+    }
 }
 
-// A Q6_K super-block's part for lane k (0..7): half k / 4, positions l0..l0+7 (l0 = 8 * (k % 4))
-// of its four quarters, loaded once for every token (q6_k_i8_dot).
-__device__ __forceinline__ void q6_k_i8_load(const u8* b, int k, u32 (&l0w)[2], u32 (&l1w)[2], u32 (&hw)[2]) {
+// Lane k's share, with one token's Q8_K block `a`, of sum_s(sc[s] * sum(q * y)) in *qy and of
+// sum_s(m[s] * sum(y)) in *my.
+__device__ __forceinline__ void q4_k_i8_dot(const Q4kLane& l, const u8* a, int k, int* qy, int* my) {
+    int g = k >> 1, h = k & 1;
+    uint4 lo4 = *(const uint4*)(a + Q8K_QS + 32 * (2 * g) + 16 * h);
+    uint4 hi4 = *(const uint4*)(a + Q8K_QS + 32 * (2 * g + 1) + 16 * h);
+    const u32 lo[4] = {lo4.x, lo4.y, lo4.z, lo4.w}, hi[4] = {hi4.x, hi4.y, hi4.z, hi4.w};
+    int slo = 0, shi = 0;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        slo = dp4a((int)(l.w[i] & 0x0f0f0f0fu), (int)lo[i], slo);
+        shi = dp4a((int)((l.w[i] >> 4) & 0x0f0f0f0fu), (int)hi[i], shi);
+    }
+    const short* bs = (const short*)(a + Q8K_BSUMS);
+    *qy = l.sc0 * slo + l.sc1 * shi;
+    *my = l.m0 * (int)bs[4 * g + h] + l.m1 * (int)bs[4 * g + 2 + h];
+}
+
+// A Q6_K super-block's part for lane k (0..7), loaded once for every token (q6_k_i8_dot): half
+// k / 4, positions l0..l0+7 (l0 = 8 * (k % 4)) of its four quarters, the scales of the groups
+// of 16 they lie in, and for lane 0, d.
+struct Q6kLane {
+    u32 l0w[2], l1w[2], hw[2];
+    int sc[4];
+    float d;
+};
+__device__ __forceinline__ void q6_k_i8_load(const u8* b, int k, Q6kLane& l) {
     int half = k >> 2, l0 = 8 * (k & 3);
     const u8* ql = b + 64 * half + l0;
-    ld_words(ql, l0w);
-    ld_words(ql + 32, l1w);
-    ld_words(b + 128 + 32 * half + l0, hw);
+    ld_words(ql, l.l0w);
+    ld_words(ql + 32, l.l1w);
+    ld_words(b + 128 + 32 * half + l0, l.hw);
+    const i8* scales = (const i8*)(b + 192) + 8 * half;
+#pragma unroll
+    for (int q = 0; q < 4; q++) l.sc[q] = (int)scales[2 * q + (l0 >> 4)];
+    if (k == 0) l.d = ldf16(b + 208);  // (the lane that adds the super-block's value)
 }
 
 // Lane k's share with one token's Q8_K block `a`. The quants are taken as stored (0..63) and
 // 32 * sum(y) is subtracted per group of 16, as the CPU does; the lane starting a group
 // subtracts for the whole group.
-__device__ __forceinline__ int q6_k_i8_dot(const u8* b, const u32 (&l0w)[2], const u32 (&l1w)[2], const u32 (&hw)[2],
-                                           const u8* a, int k) {
+__device__ __forceinline__ int q6_k_i8_dot(const Q6kLane& l, const u8* a, int k) {
     int half = k >> 2, l0 = 8 * (k & 3);
-    const i8* scales = (const i8*)(b + 192) + 8 * half;
     const short* bs = (const short*)(a + Q8K_BSUMS);
     int total = 0;
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         int qy = 0;
+        uint2 y2 = *(const uint2*)(a + Q8K_QS + 128 * half + 32 * q + l0);
+        const u32 y[2] = {y2.x, y2.y};
 #pragma unroll
         for (int j = 0; j < 2; j++) {
-            u32 low = ((q & 1) ? l1w[j] : l0w[j]) >> (4 * (q >> 1));
-            u32 v = (low & 0x0f0f0f0fu) | (((hw[j] >> (2 * q)) & 0x03030303u) << 4);
-            const int* y = (const int*)(a + Q8K_QS + 128 * half + 32 * q + l0 + 4 * j);
-            qy = dp4a((int)v, *y, qy);
+            u32 low = ((q & 1) ? l.l1w[j] : l.l0w[j]) >> (4 * (q >> 1));
+            u32 v = (low & 0x0f0f0f0fu) | (((l.hw[j] >> (2 * q)) & 0x03030303u) << 4);
+            qy = dp4a((int)v, (int)y[j], qy);
         }
         int grp = 8 * half + 2 * q + (l0 >> 4);
         if ((l0 & 15) == 0) qy -= 32 * (int)bs[grp];
-        total += (int)scales[2 * q + (l0 >> 4)] * qy;
+        total += l.sc[q] * qy;
     }
     return total;
 }
@@ -548,10 +577,10 @@ __device__ __forceinline__ int q6_k_i8_dot(const u8* b, const u32 (&l0w)[2], con
 // One row's integer products with n tokens (n <= NMAX) as Q8_K blocks (Xq: token t's blocks
 // from t * nsb on), the share of warp `part` of the `wpr` warps that take the row: each group of
 // 8 lanes takes a super-block (4 per warp at a time: super-blocks 4·part + group, then every
-// 4·wpr on), loads its part of the weights once, reduces each token's integer sums, and its
-// first lane adds each token's super-block value; acc[t] is the warp's sum for token t on every
-// lane. A token's sums and their order do not depend on n: one token in a batch gets what it
-// gets alone.
+// 4·wpr on), loads its part of the weights and scales once, reduces each token's integer sums,
+// and its first lane adds each token's super-block value; acc[t] is the warp's sum for token t
+// on every lane. A token's sums and their order do not depend on n: one token in a batch gets
+// what it gets alone.
 template <int TY, int NMAX>
 __device__ void i8_row_parts(const u8* row, int nsb, const u8* Xq, int n, int part, int wpr, float (&acc)[NMAX]) {
     int lane = threadIdx.x, grp = lane >> 3, k = lane & 7;
@@ -562,35 +591,33 @@ __device__ void i8_row_parts(const u8* row, int nsb, const u8* Xq, int n, int pa
         bool valid = sb < nsb;  // every lane reduces (the shuffles need the whole warp)
         int at = valid ? sb : 0;
         if (TY == TY_Q4_K) {
-            const u8* b = row + 144 * (u64)at;
-            u32 w[4];
-            if (valid) q4_k_i8_load(b, k, w);
+            Q4kLane l;
+            if (valid) q4_k_i8_load(row + 144 * (u64)at, k, l);
 #pragma unroll
             for (int t = 0; t < NMAX; t++) {
                 if (t >= n) break;  // the same for the whole warp
                 const u8* a = Xq + ((u64)t * nsb + at) * Q8K_BLOCK_BYTES;
                 float d8 = *(const float*)a;
                 int qy = 0, my = 0;
-                if (valid) q4_k_i8_dot(b, w, a, k, &qy, &my);
+                if (valid) q4_k_i8_dot(l, a, k, &qy, &my);
                 qy = sum8_lanes(qy);
                 my = sum8_lanes(my);
                 if (valid && k == 0) {
-                    float d = ldf16(b) * d8, dmin = ldf16(b + 2) * d8;
+                    float d = l.d * d8, dmin = l.dmin * d8;
                     acc[t] += d * (float)qy - dmin * (float)my;
                 }
             }
         } else {
-            const u8* b = row + 210 * (u64)at;
-            u32 l0w[2], l1w[2], hw[2];
-            if (valid) q6_k_i8_load(b, k, l0w, l1w, hw);
+            Q6kLane l;
+            if (valid) q6_k_i8_load(row + 210 * (u64)at, k, l);
 #pragma unroll
             for (int t = 0; t < NMAX; t++) {
                 if (t >= n) break;
                 const u8* a = Xq + ((u64)t * nsb + at) * Q8K_BLOCK_BYTES;
                 float d8 = *(const float*)a;
-                int s = valid ? q6_k_i8_dot(b, l0w, l1w, hw, a, k) : 0;
+                int s = valid ? q6_k_i8_dot(l, a, k) : 0;
                 s = sum8_lanes(s);
-                if (valid && k == 0) acc[t] += ldf16(b + 208) * d8 * (float)s;
+                if (valid && k == 0) acc[t] += l.d * d8 * (float)s;
             }
         }
     }

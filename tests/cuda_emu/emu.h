@@ -21,6 +21,9 @@
 struct dim3 {
     unsigned x, y, z;
 };
+struct uint2 {
+    unsigned x, y;
+};
 struct uint4 {
     unsigned x, y, z, w;
 };

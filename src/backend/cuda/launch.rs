@@ -260,18 +260,19 @@ kernels! {
     /// token after token, each weight super-block read once for all (`matvec_i8n`).
     product_i8 ["matvec_i8", "matvec_i8f", "matvec_i8n"] <ty> (
         w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
-    ) if (1..=I8N_MAX).contains(&n);
+    ) if (1..=I8N_MAX).contains(&n) && x.is_multiple_of(16);
     /// `y = x · w[row_ids]` for `n` tokens as integer tiles on the tensor cores, `x` as Q8_K
     /// blocks, token after token (in `grid.z` parts as `accumulate`'s).
     mmq<ty>(w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr)
         if cols.is_multiple_of(256) && n > 0;
-    /// Up to three products of one Q8_K input in one launch (absent ones all 0).
+    /// Up to three products of one Q8_K input in one launch (absent ones all 0). Q8_K blocks
+    /// start at a multiple of 16 bytes (the kernels read a lane's quants 16 bytes at a time).
     matvec_i8x3<ty>(
         xq: Ptr, cols: I32, wpr: I32, nb0: I32, nb01: I32,
         w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
         w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
         w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
-    );
+    ) if xq.is_multiple_of(16);
 }
 
 #[cfg(test)]

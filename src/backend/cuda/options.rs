@@ -134,7 +134,7 @@ pub const INT8_TYPES: [GgmlType; 2] = [GgmlType::Q4_K, GgmlType::Q6_K];
 /// super-block once for all of them).
 pub const I8N_MAX: usize = 8;
 /// Bytes of one Q8_K activation block for the integer products (`Q8K_BLOCK_BYTES`).
-pub(super) const Q8K_BLOCK_BYTES: usize = 292;
+pub(super) const Q8K_BLOCK_BYTES: usize = 304;
 /// The widest input (in blocks of 256) `matvec_i8f_*` quantizes itself (`I8F_MAX_BLOCKS`).
 pub(super) const I8F_MAX_BLOCKS: usize = 48;
 
