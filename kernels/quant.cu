@@ -592,6 +592,7 @@ __device__ void i8_row_parts(const u8* row, int nsb, const u8* Xq, int n, int pa
         int at = valid ? sb : 0;
         if (TY == TY_Q4_K) {
             Q4kLane l;
+            l.d = l.dmin = 0.f;  // (set by the load for lane 0 only)
             if (valid) q4_k_i8_load(row + 144 * (u64)at, k, l);
 #pragma unroll
             for (int t = 0; t < NMAX; t++) {
@@ -609,6 +610,7 @@ __device__ void i8_row_parts(const u8* row, int nsb, const u8* Xq, int n, int pa
             }
         } else {
             Q6kLane l;
+            l.d = 0.f;  // (set by the load for lane 0 only)
             if (valid) q6_k_i8_load(row + 210 * (u64)at, k, l);
 #pragma unroll
             for (int t = 0; t < NMAX; t++) {
