@@ -48,7 +48,7 @@ pub fn mmq_asked(value: Option<&str>) -> Result<bool> {
 /// sequence's consecutive tokens (prompts: runs of at least `ATTN_TILE_MIN_RUN` on average, heads of
 /// at most 256 values) a tile of 16 tokens a block (`attention_tiles` in kernels/attention.cu:
 /// each chunk of keys and values read once for the tile, the softmax kept running); `0` (`off`):
-/// a block per token and head (`attention`), as for decode steps.
+/// as a decode step's tokens ([`ATTN_SPLIT_ENV`]).
 pub const ATTN_TILES_ENV: &str = "GATESTREAM_CUDA_ATTN_TILES";
 
 /// Whether [`ATTN_TILES_ENV`] asks for tiled attention (`value`: the variable's value).
@@ -57,7 +57,7 @@ pub fn attn_tiles_asked(value: Option<&str>) -> Result<bool> {
         ATTN_TILES_ENV,
         value,
         "a prompt's attention 16 tokens a block",
-        "a block per token and head",
+        "as a decode step's tokens",
     )
 }
 
