@@ -211,26 +211,28 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
 }
 
 // The splits of `attention_split` into each head's output: one block per (query head, token);
-// out = sum_z sums_z · e^(m_z − M) / sum_z l_z · e^(m_z − M), M the largest m_z of the splits that
-// had positions, each sum in split order.
+// out = sum_z sums_z · w_z / sum_z l_z · w_z, w_z = e^(m_z − M) (0 for a split without positions),
+// M the largest m_z of the splits that had positions; each split's weight computed once, every
+// sum in split order. At most ATTN_SPLIT_MAX splits.
+#define ATTN_SPLIT_MAX 256
+
 extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, float* out) {
+    __shared__ float wz[ATTN_SPLIT_MAX];
     int head = blockIdx.x, t = blockIdx.y;
     const float* pr = part + ((u64)t * n_heads + head) * splits * (hd + 2);
     float mx = -3.402823466e38f;
     for (int z = 0; z < splits; z++)
         if (pr[z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, pr[z * (hd + 2)]);
+    for (int z = threadIdx.x; z < splits; z += blockDim.x)
+        wz[z] = pr[z * (hd + 2) + 1] > 0.f ? expf(pr[z * (hd + 2)] - mx) : 0.f;
+    __syncthreads();
     float total = 0.f;
-    for (int z = 0; z < splits; z++) {
-        float lz = pr[z * (hd + 2) + 1];
-        if (lz > 0.f) total += lz * expf(pr[z * (hd + 2)] - mx);
-    }
+    for (int z = 0; z < splits; z++) total += pr[z * (hd + 2) + 1] * wz[z];
     float* o = out + ((u64)t * n_heads + head) * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
-        for (int z = 0; z < splits; z++) {
-            const float* pz = pr + z * (hd + 2);
-            if (pz[1] > 0.f) s += pz[2 + d] * expf(pz[0] - mx);
-        }
+        for (int z = 0; z < splits; z++)
+            if (wz[z] > 0.f) s += pr[z * (hd + 2) + 2 + d] * wz[z];
         o[d] = s / total;
     }
 }

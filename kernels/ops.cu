@@ -384,22 +384,29 @@ extern "C" __global__ void act_q8_32(const float* x, float* y, u64 blocks) {
 
 // Q8_K blocks of 256 (K-quant weights): the scale carries the sign of the first element of
 // largest magnitude (iscale = -127 / max), quants rounded half to even (rintf) and capped at 127;
-// a block of zeros stays zero. Lane `lane` of the block's warp loads values lane + 32i into v[]
-// and gets iscale (0 for a block of zeros).
-__device__ float q8_k_iscale(const float* xb, int lane, float* v) {
+// a block of zeros stays zero. Lane `lane` of the block's warp loads values 8·lane .. 8·lane + 7
+// into v[] (two 16-byte loads where xb allows) and gets iscale (0 for a block of zeros). The
+// largest magnitude and the lowest index holding it are a maximum and a minimum over the warp,
+// the same whichever lane holds which values.
+__device__ float q8_k_iscale(const float* xb, int lane, float (&v)[8]) {
+    const float* p = xb + 8 * lane;
+    if ((((u64)xb) & 15) == 0) {
+        float4 a = ((const float4*)p)[0], c = ((const float4*)p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = p[i];
+    }
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        v[i] = xb[lane + 32 * i];
-        amax = fmaxf(amax, fabsf(v[i]));
-    }
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     // The lowest index holding that magnitude (this lane's first, then the warp's least).
     int first = 256;
 #pragma unroll
     for (int i = 7; i >= 0; i--) {
-        if (fabsf(v[i]) == amax) first = lane + 32 * i;
+        if (fabsf(v[i]) == amax) first = 8 * lane + i;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
@@ -419,40 +426,18 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
     float iscale = q8_k_iscale(x + b * 256, lane, v);
     float d = iscale == 0.f ? 0.f : 1.f / iscale;
 #pragma unroll
-    for (int i = 0; i < 8; i++) y[b * 256 + lane + 32 * i] = (float)q8_k_quant(iscale, v[i]) * d;
+    for (int i = 0; i < 8; i++) y[b * 256 + 8 * lane + i] = (float)q8_k_quant(iscale, v[i]) * d;
 }
 
 // The same blocks as integers, for the integer dot products (matvec_i8_* in quant.cu): per block
 // of 256, Q8K_BLOCK_BYTES bytes — the scale d (f32, 0 for a block of zeros), the sums of each 16
 // quants (i16), the quants (i8). Lane `lane` of the warp that writes block `ob` from the 256
-// values at `xb` (which every lane of the warp sees) takes values 8·lane .. 8·lane + 7 (two
-// 16-byte loads where xb allows), so a group of 16 quants is two lanes' (one exchange for its
-// sum) and its quants two words; the block's largest magnitude and the lowest index holding it
-// are found over the warp as q8_k_iscale finds them (a maximum and a minimum: the same in any
-// order), so the bytes are those act_q8_k's values stand for.
+// values at `xb` (which every lane of the warp sees) holds values 8·lane .. 8·lane + 7
+// (q8_k_iscale), so a group of 16 quants is two lanes' (one exchange for its sum) and its quants
+// two words.
 __device__ void q8_k_block(const float* xb, u8* ob, int lane) {
     float v[8];
-    const float* p = xb + 8 * lane;
-    if ((((u64)xb) & 15) == 0) {
-        float4 a = ((const float4*)p)[0], c = ((const float4*)p)[1];
-        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = p[i];
-    }
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int first = 256;
-#pragma unroll
-    for (int i = 7; i >= 0; i--) {
-        if (fabsf(v[i]) == amax) first = 8 * lane + i;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    float iscale = amax == 0.f || first >= 256 ? 0.f : -127.f / xb[first];
+    float iscale = q8_k_iscale(xb, lane, v);
     u32 w[2] = {0u, 0u};
     int sum = 0;
 #pragma unroll

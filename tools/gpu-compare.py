@@ -238,6 +238,9 @@ def main():
     _, d = ours_run(a, gguf, letters[:511], 1, "warm-gatestream", "prefill_tok_per_s")
     extra = (d or {}).get("prompt_tokens", 512) - 511
     log(f"a 511-letter prompt is {511 + extra} tokens")
+    p512 = letters[:512 - extra]  # 512 tokens in both engines (prefill, depth, mma, split, profile)
+    pf = OUT / "prompt128.txt"  # 128 tokens (batched, int8)
+    pf.write_text(letters[1000:1128 - extra])
     llama_bench(a, ll, env, gguf, 16, 4, "warm-llama")
 
     if "decode" in cases:
@@ -245,21 +248,19 @@ def main():
                lambda i: ours_run(a, gguf, "The capital of France is", 128, f"decode-gs-{i}", "decode_tok_per_s")[0],
                lambda i: llama_bench(a, ll, env, gguf, 0, 128, f"decode-ll-{i}"))
     if "prefill" in cases:
-        prompt = letters[:512 - extra]
         tokens = []
 
         def ours(i):
-            v, d = ours_run(a, gguf, prompt, 1, f"prefill-gs-{i}", "prefill_tok_per_s")
+            v, d = ours_run(a, gguf, p512, 1, f"prefill-gs-{i}", "prefill_tok_per_s")
             if d:
                 tokens.append(d.get("prompt_tokens"))
             return v
         paired(a, "prefill pp512 (tok/s)", a.pairs, ours,
                lambda i: llama_bench(a, ll, env, gguf, 512, 0, f"prefill-ll-{i}"))
         ROWS[-1]["note"] += f" gatestream's prompt: {sorted(set(tokens))} tokens"
-    deep = letters[:512 - extra]
     if "depth" in cases and not late(a):
         paired(a, "decode tg128 at depth 512 (tok/s)", a.pairs,
-               lambda i: ours_run(a, gguf, deep, 128, f"depth-gs-{i}", "decode_tok_per_s")[0],
+               lambda i: ours_run(a, gguf, p512, 128, f"depth-gs-{i}", "decode_tok_per_s")[0],
                lambda i: llama_bench(a, ll, env, gguf, 0, 128, f"depth-ll-{i}", depth=512))
     widths = [int(w) for w in a.widths.split(",")]
     par = max(widths + [int(c) for c in a.served.split(",")])
@@ -268,8 +269,6 @@ def main():
     ll_serve = (f"{ll}/llama-server -m {gguf} -ngl {a.ngl} -np {par} -c {512 * par} -t {a.threads} "
                 f"--host 127.0.0.1 --port {{port}}")
     if "batched" in cases and not late(a):
-        pf = OUT / "prompt128.txt"
-        pf.write_text(letters[1000:1128 - extra])  # 128 tokens
         rc, out = run([ll / "llama-batched-bench", "-m", gguf, "-ngl", a.ngl, "-c", 256 * max(widths), "-b", 2048,
                        "-ub", 512, "-npp", 128, "-ntg", 128, "-npl", a.widths, "-t", a.threads,
                        "--output-format", "jsonl"], "batched-ll", timeout=240, env=env)
@@ -306,18 +305,11 @@ def main():
 
     if "mma" in cases and not late(a):
         def prefill_with(m, i):
-            env = dict(os.environ, GATESTREAM_CUDA_MMQ=m)
-            rc, out = run([a.gatestream, "run", "--device", a.device, "--model", gguf, "--threads", a.threads,
-                           "--prompt", letters[:512 - extra], "--max-tokens", 1, "--json"], f"mmq{m}-{i}", env=env)
-            try:
-                return float(json.loads(out)["prefill_tok_per_s"])
-            except Exception:
-                return None
+            return ours_run(a, gguf, p512, 1, f"mmq{m}-{i}", "prefill_tok_per_s",
+                            env=dict(os.environ, GATESTREAM_CUDA_MMQ=m))[0]
         paired(a, "prefill, integer tiles / f16 pairs", a.pairs, lambda i: prefill_with("1", i),
                lambda i: prefill_with("0", i), "gatestream alone: the llama.cpp column is MMQ=0")
     if "int8" in cases and not late(a):
-        pf = OUT / "prompt128.txt"
-        pf.write_text(letters[1000:1128 - extra])  # 128 tokens
         on = serve_bench(a, gs_serve, "int8 8", "2,4,8", 1, 128, pf, "int8-8")
         off = serve_bench(a, "env GATESTREAM_CUDA_INT8_TOKENS=1 " + gs_serve, "int8 1", "2,4,8", 1, 128, pf, "int8-1")
         for w in (2, 4, 8):
@@ -328,12 +320,12 @@ def main():
                 [mine / base] if mine and base else [], "gatestream alone: the llama.cpp column is INT8_TOKENS=1")
     if "split" in cases and not late(a):
         def depth_with(v, i):
-            return ours_run(a, gguf, deep, 128, f"split{v}-{i}", "decode_tok_per_s",
+            return ours_run(a, gguf, p512, 128, f"split{v}-{i}", "decode_tok_per_s",
                             env=dict(os.environ, GATESTREAM_CUDA_ATTN_SPLIT=v))[0]
         paired(a, "decode at depth 512, split / a block a head", a.pairs, lambda i: depth_with("1", i),
                lambda i: depth_with("0", i), "gatestream alone: the llama.cpp column is ATTN_SPLIT=0")
     if "profile" in cases and not late(a):
-        profile(a, gguf, letters[:512 - extra])
+        profile(a, gguf, p512)
         profile(a, gguf, "The capital of France is", 17, "decode", "profile-decode")
 
     (Path(a.json) if a.json else OUT / "compare.json").write_text(json.dumps(

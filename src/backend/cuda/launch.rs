@@ -228,7 +228,8 @@ kernels! {
         chunk: I32, part: Opt, out: Ptr,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && chunk > 0;
     /// The splits of `attention_split` into each head's output.
-    attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, out: Ptr) if splits > 1;
+    attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, out: Ptr)
+        if splits > 1 && splits <= ATTN_SPLIT_TARGET_BLOCKS;
     /// The same for the tiles of runs of a sequence's tokens (`tiles`: (first, count) pairs).
     attention_tiles(
         q: Ptr, info: Ptr, tiles: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,

@@ -676,14 +676,7 @@ impl CudaDevice {
             tstride,
             w.rows,
         );
-        let len = n * w.cols;
-        self.k().accumulate_reduce(
-            elementwise_cfg(len),
-            self.buf(&partial),
-            parts,
-            len as u64,
-            self.buf_mut(out),
-        );
+        self.reduce_parts(Some(partial), out);
     }
 }
 
@@ -737,6 +730,7 @@ mod tests {
         assert_eq!(defined("ATTN_TILE_Q"), ATTN_TILE_TOKENS);
         assert_eq!(defined("ATTN_TILE_MAX_HD"), ATTN_TILE_MAX_HEAD_DIM);
         assert_eq!(defined("ATTN_SPLIT_WARPS"), ATTN_SPLIT_WARPS);
+        assert_eq!(defined("ATTN_SPLIT_MAX"), ATTN_SPLIT_TARGET_BLOCKS);
         assert_eq!(defined("NORM_PER_THREAD"), NORM_PER_THREAD);
         assert_eq!(defined("Q8K_BLOCK_BYTES"), Q8K_BLOCK_BYTES);
         assert_eq!(defined("I8F_MAX_BLOCKS"), I8F_MAX_BLOCKS);

@@ -721,7 +721,7 @@ impl CudaDevice {
         }
         let Some(wd) = self.weight(w) else { return out };
         let cfg = mmq_cfg(rows_out, n, w.cols);
-        let (out, partial) = self.parts_target(out, cfg.grid_dim.2 as usize);
+        let (mut out, partial) = self.parts_target(out, cfg.grid_dim.2 as usize);
         let idx = rows.map_or(0, |r| self.indices(r));
         self.k().mmq(
             w.ty,
@@ -735,7 +735,7 @@ impl CudaDevice {
             n,
             self.buf(partial.as_ref().unwrap_or(&out)),
         );
-        self.reduce_parts(partial, &out);
+        self.reduce_parts(partial, &mut out);
         out
     }
 
@@ -750,8 +750,9 @@ impl CudaDevice {
         }
     }
 
-    /// Adds the parts' sums `partial` (from [`Self::parts_target`]) onto `out`, in order.
-    fn reduce_parts(&self, partial: Option<Act>, out: &Act) {
+    /// Adds the parts' sums `partial` (`parts` × `out`'s rows: from [`Self::parts_target`], or
+    /// `accumulate_rows`'s partitions) onto `out`, in order.
+    pub(super) fn reduce_parts(&self, partial: Option<Act>, out: &mut Act) {
         if let Some(partial) = partial {
             let len = out.rows * out.width;
             let parts = partial.rows / out.rows;
@@ -760,7 +761,7 @@ impl CudaDevice {
                 self.buf(&partial),
                 parts,
                 len as u64,
-                self.buf(out),
+                self.buf_mut(out),
             );
         }
     }
@@ -895,7 +896,7 @@ impl CudaDevice {
             x.rows,
             target,
         );
-        self.reduce_parts(partial, &out);
+        self.reduce_parts(partial, &mut out);
         out
     }
 }
