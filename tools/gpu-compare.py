@@ -303,12 +303,17 @@ def main():
             row(f"served C={c} (tok/s)", [mine] if mine else [], [theirs] if theirs else [],
                 [mine / theirs] if mine and theirs else [], note)
 
+    def switch_ab(case, var, tokens, field):
+        """gatestream alone on the 512-token prompt, GATESTREAM_CUDA_{var} 1 (its default) against
+        0, A B A B: the llama.cpp column is the 0 run."""
+        def with_value(v, i):
+            return ours_run(a, gguf, p512, tokens, f"{var.lower()}{v}-{i}", field,
+                            env=dict(os.environ, **{f"GATESTREAM_CUDA_{var}": v}))[0]
+        paired(a, case, a.pairs, lambda i: with_value("1", i), lambda i: with_value("0", i),
+               f"gatestream alone: the llama.cpp column is {var}=0")
+
     if "mma" in cases and not late(a):
-        def prefill_with(m, i):
-            return ours_run(a, gguf, p512, 1, f"mmq{m}-{i}", "prefill_tok_per_s",
-                            env=dict(os.environ, GATESTREAM_CUDA_MMQ=m))[0]
-        paired(a, "prefill, integer tiles / f16 pairs", a.pairs, lambda i: prefill_with("1", i),
-               lambda i: prefill_with("0", i), "gatestream alone: the llama.cpp column is MMQ=0")
+        switch_ab("prefill, integer tiles / f16 pairs", "MMQ", 1, "prefill_tok_per_s")
     if "int8" in cases and not late(a):
         on = serve_bench(a, gs_serve, "int8 8", "2,4,8", 1, 128, pf, "int8-8")
         off = serve_bench(a, "env GATESTREAM_CUDA_INT8_TOKENS=1 " + gs_serve, "int8 1", "2,4,8", 1, 128, pf, "int8-1")
@@ -319,11 +324,7 @@ def main():
             row(f"batched {w}, integer / tensor cores", [mine] if mine else [], [base] if base else [],
                 [mine / base] if mine and base else [], "gatestream alone: the llama.cpp column is INT8_TOKENS=1")
     if "split" in cases and not late(a):
-        def depth_with(v, i):
-            return ours_run(a, gguf, p512, 128, f"split{v}-{i}", "decode_tok_per_s",
-                            env=dict(os.environ, GATESTREAM_CUDA_ATTN_SPLIT=v))[0]
-        paired(a, "decode at depth 512, split / a block a head", a.pairs, lambda i: depth_with("1", i),
-               lambda i: depth_with("0", i), "gatestream alone: the llama.cpp column is ATTN_SPLIT=0")
+        switch_ab("decode at depth 512, split / a block a head", "ATTN_SPLIT", 128, "decode_tok_per_s")
     if "profile" in cases and not late(a):
         profile(a, gguf, p512)
         profile(a, gguf, "The capital of France is", 17, "decode", "profile-decode")
