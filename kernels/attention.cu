@@ -104,16 +104,20 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
 // memory with a running maximum and sum; the warps' weighted sums of values are then added in
 // warp order. With one split (gridDim.z == 1) it writes the head's output; with several, each
 // block writes (maximum, sum, hd unnormalized sums) to `part` (row ((t · n_heads + head) · splits
-// + z), hd + 2 floats; a split with no positions: sum 0) for `attention_merge`. The order of every
-// sum is fixed, so the result does not depend on scheduling.
+// + z), hd + 2 floats; a split with no positions: sum 0) for `attention_merge` — or, given
+// `done` (a zeroed counter per (head, token)), the last of a head's splits to finish merges them
+// itself (`merge_splits`, `last_arrival`): the same output without the merge's launch. The order
+// of every sum is fixed, so the result does not depend on scheduling.
 #define ATTN_SPLIT_SUB 128
 #define ATTN_SPLIT_ROWS 4
 #define ATTN_SPLIT_WARPS 4
 #define ATTN_SPLIT_LANE_DIMS (ATTN_MAX_HEAD_DIM / 32)
 
+__device__ void merge_splits(const float* pr, int hd, int splits, float* o);
+
 extern "C" __global__ void attention_split(const float* q, const TokenKv* info, int layer, int n_heads,
                                            int n_kv_heads, int hd, float scale, int window, int chunk, float* part,
-                                           float* out) {
+                                           u32* done, float* out) {
     __shared__ float sc[ATTN_SPLIT_SUB];
     __shared__ float sums[ATTN_SPLIT_WARPS][ATTN_MAX_HEAD_DIM];
     int head = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -208,6 +212,10 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
         dst[-2] = m;
         dst[-1] = l;
     }
+    // With `done`, the last of a (head, token)'s splits to finish merges them.
+    u64 row = (u64)t * n_heads + head;
+    if (splits > 1 && done && last_arrival(done + row, splits))
+        merge_splits(part + row * splits * (hd + 2), hd, splits, out + row * hd);
 }
 
 // The splits of `attention_split` into each head's output: one block per (query head, token);
@@ -216,25 +224,31 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
 // sum in split order. At most ATTN_SPLIT_MAX splits.
 #define ATTN_SPLIT_MAX 256
 
-extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, float* out) {
+// Splits `pr` (splits × (m, l, hd sums)) into one head's output `o`, by a block.
+__device__ void merge_splits(const float* pr, int hd, int splits, float* o) {
     __shared__ float wz[ATTN_SPLIT_MAX];
-    int head = blockIdx.x, t = blockIdx.y;
-    const float* pr = part + ((u64)t * n_heads + head) * splits * (hd + 2);
     float mx = -3.402823466e38f;
     for (int z = 0; z < splits; z++)
-        if (pr[z * (hd + 2) + 1] > 0.f) mx = fmaxf(mx, pr[z * (hd + 2)]);
-    for (int z = threadIdx.x; z < splits; z += blockDim.x)
-        wz[z] = pr[z * (hd + 2) + 1] > 0.f ? expf(pr[z * (hd + 2)] - mx) : 0.f;
+        if (__ldcg(pr + z * (hd + 2) + 1) > 0.f) mx = fmaxf(mx, __ldcg(pr + z * (hd + 2)));
+    for (int z = threadIdx.x; z < splits; z += blockDim.x) {
+        float l = __ldcg(pr + z * (hd + 2) + 1);
+        wz[z] = l > 0.f ? expf(__ldcg(pr + z * (hd + 2)) - mx) : 0.f;
+    }
     __syncthreads();
     float total = 0.f;
-    for (int z = 0; z < splits; z++) total += pr[z * (hd + 2) + 1] * wz[z];
-    float* o = out + ((u64)t * n_heads + head) * hd;
+    for (int z = 0; z < splits; z++) total += __ldcg(pr + z * (hd + 2) + 1) * wz[z];
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
         for (int z = 0; z < splits; z++)
-            if (wz[z] > 0.f) s += pr[z * (hd + 2) + 2 + d] * wz[z];
+            if (wz[z] > 0.f) s += __ldcg(pr + z * (hd + 2) + 2 + d) * wz[z];
         o[d] = s / total;
     }
+}
+
+// One block per (query head, token).
+extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, float* out) {
+    u64 row = (u64)blockIdx.y * n_heads + blockIdx.x;
+    merge_splits(part + row * splits * (hd + 2), hd, splits, out + row * hd);
 }
 
 // Flash-style attention for runs of one sequence's consecutive tokens (a prompt, a draft): one

@@ -21,66 +21,92 @@ template <typename T, typename Op> __device__ T block_reduce(T v, Op op) {
     __shared__ T part[32];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int tid = threadIdx.x + blockDim.x * threadIdx.y;  // (blocks of one or two dimensions)
+    int lane = tid & 31, warp = tid >> 5;
     __syncthreads();
     if (lane == 0) part[warp] = v;
     __syncthreads();
-    int warps = blockDim.x >> 5;
+    int warps = (blockDim.x * blockDim.y) >> 5;
     T r = part[0];
     for (int i = 1; i < warps; i++) r = op(r, part[i]);
     return r;
+}
+
+// Whether the calling block is the last of `expected` blocks to arrive at `*counter` (each
+// arriving once, every thread of it, after its writes): that block then sees the others' writes
+// (read past the L1 cache: `__ldcg`), and the counter is back at 0 for the next launch. A launch
+// that fuses a following step's work into its last block instead of a launch of its own (the
+// counter zeroed once at allocation; the launches that share it run one after another).
+__device__ bool last_arrival(u32* counter, u32 expected) {
+    __shared__ int last;
+    __threadfence();  // this thread's writes reach the device before its block arrives
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(counter, 1u) == expected - 1;
+        if (last) atomicExch(counter, 0u);
+    }
+    __syncthreads();
+    return last;
 }
 
 __device__ float block_sum(float v) { return block_reduce(v, ReduceSum()); }
 __device__ float block_max(float v) { return block_reduce(v, ReduceMax()); }
 __device__ int block_min(int v) { return block_reduce(v, ReduceMin()); }
 
-// Values each thread of a norm's block keeps in registers (the rest of a wider row is read
-// twice, as a loop): a row's loads are all issued before the reduction waits on any.
-#define NORM_PER_THREAD 4
-
-// One row: x += a first when `a` is given (ADD), then y = x / rms(x) * w; y may be x.
+// A row's RMSNorm as a block of `vt` threads computes it (`vt` a multiple of 32, at most 1024:
+// `norm_threads` on the host), whatever block runs it: virtual thread v takes values v, v + vt,
+// ... in order; the sum of their squares is reduced within each virtual warp by the exchanges of
+// `block_reduce` and then over the virtual warps in order; so every block, of any shape, that
+// runs a row with the same `vt` gets the same bits. The running block's threads (linear index,
+// whole warps) take virtual threads tid, tid + threads, ...: with `vt` threads, one each.
+// ADD: x += a first (a read past the L1 cache: it may have been written by other blocks of this
+// kernel, `last_arrival`); then y = x / rms(x) * w; y may be x.
 template <bool ADD>
-__device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, int width, float eps) {
-    float v[NORM_PER_THREAD], wv[NORM_PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < NORM_PER_THREAD; j++) {
-        int i = threadIdx.x + j * blockDim.x;
-        v[j] = 0.f;
-        wv[j] = 0.f;
-        if (i < width) {
-            v[j] = ADD ? xr[i] + ar[i] : xr[i];
-            wv[j] = w[i];
+__device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, int width, float eps, int vt) {
+    __shared__ float part[32];
+    int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
+    __syncthreads();  // (`part` may be in use by an earlier reduction)
+    for (int v = tid; v < vt; v += threads) {  // the same rounds for a whole warp
+        float ss = 0.f;
+#pragma unroll 4
+        for (int i = v; i < width; i += vt) {
+            float t = ADD ? xr[i] + __ldcg(ar + i) : xr[i];
+            ss += t * t;
         }
-    }
-    float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < NORM_PER_THREAD; j++) ss += v[j] * v[j];
-    for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < width; i += blockDim.x) {
-        float t = ADD ? xr[i] + ar[i] : xr[i];
-        if (ADD) xr[i] = t;
-        ss += t * t;
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((tid & 31) == 0) part[v >> 5] = ss;
     }
-    ss = block_sum(ss);
-    float scale = rsqrtf(ss / (float)width + eps);
-#pragma unroll
-    for (int j = 0; j < NORM_PER_THREAD; j++) {
-        int i = threadIdx.x + j * blockDim.x;
-        if (i < width) {
-            if (ADD) xr[i] = v[j];
-            yr[i] = v[j] * scale * wv[j];
+    __syncthreads();
+    float total = part[0];
+    for (int i = 1; i < vt >> 5; i++) total += part[i];
+    float scale = rsqrtf(total / (float)width + eps);
+    for (int v = tid; v < vt; v += threads)
+#pragma unroll 4
+        for (int i = v; i < width; i += vt) {
+            float t = ADD ? xr[i] + __ldcg(ar + i) : xr[i];
+            if (ADD) xr[i] = t;
+            yr[i] = t * scale * w[i];
         }
-    }
-    for (int i = threadIdx.x + NORM_PER_THREAD * blockDim.x; i < width; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
 }
 
-__device__ void norm_row_q8_k(const float* yr, u8* q8, int width);
+__device__ void q8_k_block(const float* xb, u8* ob, int lane);
+
+// The Q8_K blocks of a norm's output row `yr` (`width` a multiple of 256) into `q8`, by the
+// norm's block once every thread has written its values: warp w takes blocks w, w + warps, ...
+// The same bytes `act_q8_k_blocks` makes of that row.
+__device__ void norm_row_q8_k(const float* yr, u8* q8, int width) {
+    __syncthreads();
+    int tid = threadIdx.x + blockDim.x * threadIdx.y;
+    int warps = (blockDim.x * blockDim.y) >> 5, lane = tid & 31;
+    for (int b = tid >> 5; b < width / 256; b += warps) q8_k_block(yr + b * 256, q8 + (u64)b * Q8K_BLOCK_BYTES, lane);
+}
 
 // y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x. With `q8` (not null; width
 // a multiple of 256), y's rows as Q8_K blocks there too (`norm_row_q8_k`).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps, u8* q8) {
     u64 off = (u64)blockIdx.x * width;
-    norm_row<false>((float*)x + off, 0, w, y + off, width, eps);
+    norm_row<false>((float*)x + off, 0, w, y + off, width, eps, blockDim.x);
     if (q8) norm_row_q8_k(y + off, q8 + (u64)blockIdx.x * (width / 256) * Q8K_BLOCK_BYTES, width);
 }
 
@@ -88,7 +114,7 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
 // the same values. One block per row; `q8` as in `rms_norm`.
 extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w, float* y, int width, float eps, u8* q8) {
     u64 off = (u64)blockIdx.x * width;
-    norm_row<true>(x + off, a + off, w, y + off, width, eps);
+    norm_row<true>(x + off, a + off, w, y + off, width, eps, blockDim.x);
     if (q8) norm_row_q8_k(y + off, q8 + (u64)blockIdx.x * (width / 256) * Q8K_BLOCK_BYTES, width);
 }
 
@@ -466,40 +492,63 @@ extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) 
 // then take their rows as matvec_i8_* does (n is 1). One launch instead of two; every block quantizes the
 // input again (at most I8F_MAX_BLOCKS blocks of 256: wider inputs take act_q8_k_blocks).
 #define I8F_MAX_BLOCKS 48
-#define MATVEC_I8F_KERNEL(t, TY)                                                                                \
+template <int TY>
+__device__ void matvec_i8f_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols,
+                                const float* X, const float* bias, int wpr, float* Y) {
+    __shared__ uint4 xq_vec[I8F_MAX_BLOCKS * Q8K_BLOCK_BYTES / 16];
+    u8* xq = (u8*)xq_vec;
+    for (int b = threadIdx.y; b < cols / 256; b += blockDim.y)
+        q8_k_block(X + (u64)b * 256, xq + b * Q8K_BLOCK_BYTES, threadIdx.x);
+    __syncthreads();
+    matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, xq, 1, bias, wpr, Y, blockIdx.x);
+}
+
+// After a one-token product Y of `width` rows, its launch's last block (`last_arrival` at
+// `done`) does what `add_rms_norm` of one row in `vt` threads does — res += Y, out = res /
+// rms(res) * nw, and out's Q8_K blocks at `q8` unless null — the same bytes, without a launch of
+// its own (the residual add and norm after a layer's attention output and FFN down products).
+__device__ void then_add_rms_norm(const float* Y, int width, float* res, const float* nw, float* out, float eps,
+                                  u8* q8, int vt, u32* done) {
+    if (!last_arrival(done, gridDim.x)) return;
+    norm_row<true>(res, Y, nw, out, width, eps, vt);
+    if (q8) norm_row_q8_k(out, q8, width);
+}
+
+// matvec_i8f_*: as described above; matvec_i8_norm_* and matvec_i8f_norm_*: matvec_i8_* and
+// matvec_i8f_*, then `then_add_rms_norm`.
+#define MATVEC_I8F_KERNELS(t, TY)                                                                               \
     extern "C" __global__ void I8_ONE_BOUNDS matvec_i8f_##t(const u8* W, u64 row_stride, int rows_out,         \
                                                             const u32* row_ids, int cols, const float* X, int n, \
                                                             const float* bias, int wpr, float* Y) {              \
-        __shared__ uint4 xq_vec[I8F_MAX_BLOCKS * Q8K_BLOCK_BYTES / 16];                                        \
-        u8* xq = (u8*)xq_vec;                                                                                  \
-        for (int b = threadIdx.y; b < cols / 256; b += blockDim.y)                                             \
-            q8_k_block(X + (u64)b * 256, xq + b * Q8K_BLOCK_BYTES, threadIdx.x);                               \
-        __syncthreads();                                                                                       \
-        matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, xq, 1, bias, wpr, Y, blockIdx.x);       \
+        matvec_i8f_body<TY>(W, row_stride, rows_out, row_ids, cols, X, bias, wpr, Y);                           \
+    }                                                                                                           \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8_norm_##t(                                                \
+        const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u8* Xq, int n,           \
+        const float* bias, int wpr, float* Y, float* res, const float* nw, float* out, float eps, u8* q8, int vt, \
+        u32* done) {                                                                                            \
+        matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, Xq, 1, bias, wpr, Y, blockIdx.x);       \
+        then_add_rms_norm(Y, rows_out, res, nw, out, eps, q8, vt, done);                                        \
+    }                                                                                                           \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8f_norm_##t(                                               \
+        const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const float* X, int n,         \
+        const float* bias, int wpr, float* Y, float* res, const float* nw, float* out, float eps, u8* q8, int vt, \
+        u32* done) {                                                                                            \
+        matvec_i8f_body<TY>(W, row_stride, rows_out, row_ids, cols, X, bias, wpr, Y);                           \
+        then_add_rms_norm(Y, rows_out, res, nw, out, eps, q8, vt, done);                                        \
     }
-MATVEC_I8F_KERNEL(q4_k, TY_Q4_K)
-MATVEC_I8F_KERNEL(q6_k, TY_Q6_K)
-#undef MATVEC_I8F_KERNEL
+MATVEC_I8F_KERNELS(q4_k, TY_Q4_K)
+MATVEC_I8F_KERNELS(q6_k, TY_Q6_K)
+#undef MATVEC_I8F_KERNELS
 
-// The Q8_K blocks of a norm's output row `yr` (`width` a multiple of 256) into `q8`, by the
-// norm's block once every thread has written its values: warp w takes blocks w, w + warps, ...
-// The same bytes `act_q8_k_blocks` makes of that row.
-__device__ void norm_row_q8_k(const float* yr, u8* q8, int width) {
-    __syncthreads();
-    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
-    for (int b = threadIdx.x >> 5; b < width / 256; b += warps) q8_k_block(yr + b * 256, q8 + (u64)b * Q8K_BLOCK_BYTES, lane);
-}
 
-// `activate_mul` on 256-value blocks, each then written as a Q8_K block to `out` (the same
-// values and bytes as `activate_mul` then `act_q8_k_blocks`): one thread block of 256 per Q8_K
-// block, a value a thread, so that an FFN's 35 blocks keep 35 multiprocessors busy rather than
-// 35 warps (H100, Qwen2.5-1.5B's 8960 values, ncu: 11.0 µs a launch with a warp a block, 3.6 µs so).
-extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f, u8* out, u64 blocks) {
+// `activate_mul` of Q8_K block `b` (256 values) of `up` and `gate`, then written as that Q8_K
+// block to `out`, by a block of 256 threads (one or two dimensions), a value a thread: the same
+// values and bytes as `activate_mul` then `act_q8_k_blocks`. `gate` and `up` are read past the
+// L1 cache (other blocks of the launch may have written them: `last_arrival`).
+__device__ void activate_mul_q8_k_block(float* up, const float* gate, int f, u8* out, u64 b) {
     __shared__ float vals[256];
-    u64 b = blockIdx.x;
-    if (b >= blocks) return;
-    int t = threadIdx.x, lane = t & 31;
-    float x = up[b * 256 + t] * act_fn(gate[b * 256 + t], f);
+    int t = threadIdx.x + blockDim.x * threadIdx.y, lane = t & 31;
+    float x = __ldcg(up + b * 256 + t) * act_fn(__ldcg(gate + b * 256 + t), f);
     up[b * 256 + t] = x;
     vals[t] = x;
     // The block's largest magnitude, then the lowest index holding it (as q8_k_iscale).
@@ -516,3 +565,33 @@ extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f
     if ((lane & 15) == 0) ((short*)(ob + Q8K_BSUMS))[t >> 4] = (short)sum;
     if (t == 0) *(float*)ob = iscale == 0.f ? 0.f : 1.f / iscale;
 }
+
+// One thread block of 256 per Q8_K block, so that an FFN's 35 blocks keep 35 multiprocessors
+// busy rather than 35 warps (H100, Qwen2.5-1.5B's 8960 values, ncu: 11.0 µs a launch with a warp
+// a block, 3.6 µs so).
+extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f, u8* out, u64 blocks) {
+    if (blockIdx.x >= blocks) return;
+    activate_mul_q8_k_block(up, gate, f, out, blockIdx.x);
+}
+
+// The gate and up products of one token (`matvec_i8x3_*` with two weights of `r0` rows, a
+// multiple of 256), then the gated activation and its Q8_K blocks (`activate_mul_q8_k`) without
+// a launch of its own: the product blocks that write rows of Q8_K block q count at done[q] (256
+// / rows-a-block of each weight's), and the last of them makes that block
+// (`activate_mul_q8_k_block`). A launch's blocks of 8 warps.
+#define MATVEC_I8X3_ACT_KERNEL(t, TY)                                                                        \
+    extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_act_##t(                                            \
+        const u8* Xq, int cols, int wpr, int nb0, int nb01, const u8* W0, u64 s0, int r0, const float* b0,   \
+        float* y0, const u8* W1, u64 s1, int r1, const float* b1, float* y1, const u8* W2, u64 s2, int r2,   \
+        const float* b2, float* y2, int f, u8* out, u32* done) {                                             \
+        int b = blockIdx.x, up = b >= nb0;                                                                   \
+        if (!up)                                                                                             \
+            matvec_i8_rows<TY, 1>(W0, s0, r0, 0, cols, Xq, 1, b0, wpr, y0, b);                               \
+        else                                                                                                 \
+            matvec_i8_rows<TY, 1>(W1, s1, r1, 0, cols, Xq, 1, b1, wpr, y1, b - nb0);                         \
+        int rows = blockDim.y / wpr, q = (up ? b - nb0 : b) * rows / 256;                                    \
+        if (last_arrival(done + q, 2 * (256 / rows))) activate_mul_q8_k_block(y1, y0, f, out, q);           \
+    }
+MATVEC_I8X3_ACT_KERNEL(q4_k, TY_Q4_K)
+MATVEC_I8X3_ACT_KERNEL(q6_k, TY_Q6_K)
+#undef MATVEC_I8X3_ACT_KERNEL

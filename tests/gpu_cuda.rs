@@ -64,12 +64,13 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 40] = [
+    let checks: [(&str, Check); 41] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
         ("attention_split", attention_split),
         ("fused_q8_blocks", fused_q8_blocks),
+        ("fused_last_blocks", fused_last_blocks),
         ("argmax_rows", argmax_rows),
         ("top_k_rows", top_k_rows),
         ("stories260k_cuda_vs_cpu", stories260k),
@@ -568,7 +569,9 @@ fn attention_split(
 /// Attention of `batch` (sequence, position) tokens over caches of `capacity` positions holding
 /// `hist`, on random keys, values and queries, for each (heads, key heads, head size, window) of
 /// `shapes`: with `(tiles, split)` on against both off (a block per token and head) and against
-/// the CPU. Returns the worst relative error of each comparison; an error where the two device
+/// the CPU; with `split`, fused launches on and off (the last split of a head merging, or
+/// `attention_merge`) must agree to the bit, and some head must have been merged by its last
+/// split. Returns the worst relative error of each comparison; an error where the two device
 /// paths agree to the bit (`what` not run?) or the device failed. The switches are restored.
 fn attention_against_blocks(
     dev: &Arc<CudaDevice>,
@@ -589,6 +592,7 @@ fn attention_against_blocks(
     let mut rng = Rng(31);
     let (mut worst_blocks, mut worst_cpu) = (0f64, 0f64);
     let mut outcome = Ok(());
+    let mut fused_any = false;
     for &(n_heads, n_kv_heads, head_dim, window) in shapes {
         let mut cfg = base.clone();
         cfg.n_layers = 1;
@@ -627,7 +631,23 @@ fn attention_against_blocks(
         };
         dev.set_attn_tiles(tiles);
         dev.set_attn_split(split);
+        let fused_before = dev.last_block_fusions();
         let tried = run(dev.as_ref());
+        if split {
+            // The last split of each head merging (fused launches, the default) against
+            // `attention_merge` launched after the splits: the same bits.
+            fused_any |= dev.last_block_fusions() > fused_before;
+            let was_fuse = dev.fuse();
+            dev.set_fuse(!was_fuse);
+            let other = run(dev.as_ref());
+            dev.set_fuse(was_fuse);
+            if other != tried {
+                outcome = Err(format!(
+                    "attention, heads of {head_dim}: split attention merged by its last split differs from attention_merge's"
+                ));
+                break;
+            }
+        }
         dev.set_attn_tiles(false);
         dev.set_attn_split(false);
         let blocks = run(dev.as_ref());
@@ -651,6 +671,9 @@ fn attention_against_blocks(
     }
     dev.set_attn_tiles(was.0);
     dev.set_attn_split(was.1);
+    if outcome.is_ok() && split && !fused_any {
+        outcome = Err("split attention: no head's splits were merged by the last of them (fused launches)".into());
+    }
     outcome.map(|()| (worst_blocks, worst_cpu))
 }
 
@@ -1775,13 +1798,174 @@ fn graphs_replay(
     Ok(msg)
 }
 
+/// Work a one-token integer product's last blocks take on (`GATESTREAM_CUDA_FUSE`, graphs on:
+/// the launches are recorded) against the launches apart (fused launches off), bit for bit, each
+/// fusion counted and none with graphs off (nothing recorded to fuse):
+/// - the residual add and RMSNorm after a product (the residual, the norm's output and a product
+///   of that output, which reads the norm's Q8_K blocks): Q4_K and Q6_K rows, an input with
+///   blocks (`matvec_i8`: an RMSNorm's output) and without (`matvec_i8f`: values uploaded),
+///   outputs of 256 to 8192 values (norms of 64 to 1024 threads, up to 8 values a thread, run by
+///   a block of 256);
+/// - the gated activation after a gate and up product in one launch (up, the activation, and a
+///   product of it through its Q8_K blocks): 256 to 8960 rows of 1 to 64 super-blocks (rows of
+///   1 to 8 warps, so 8 to 1 rows a block), SiLU and GELU.
+fn fused_last_blocks(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let (was_fuse, was_graphs, was_a) = (dev.fuse(), dev.graphs(), dev.activations());
+    dev.set_activations(Activations::Auto);
+    let r = fused_last_blocks_in(dev, report);
+    dev.set_fuse(was_fuse);
+    dev.set_graphs(was_graphs);
+    dev.set_activations(was_a);
+    r
+}
+
+fn fused_last_blocks_in(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::config::FfnActivation;
+    let mut rng = Rng(41);
+    let eps = 1e-6f32;
+    let mut cases = 0usize;
+    for ty in INT8_TYPES {
+        for (width, cols) in [(256usize, 512usize), (1536, 256), (4096, 768), (8192, 256)] {
+            let w = quantized(ty, width, cols, &mut rng);
+            let next = quantized(ty, 24, width, &mut rng);
+            let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
+            let nw: Vec<f32> = (0..width).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
+            let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+            let res0: Vec<f32> = (0..width).map(|_| 4.0 * rng.normalish()).collect();
+            for blocks in [true, false] {
+                /// The residual, the norm's output, the next product, the fusions.
+                type Got = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
+                // (fuse, graphs)
+                let run = |fuse: bool, graphs: bool| -> Result<Got, String> {
+                    dev.set_fuse(fuse);
+                    dev.set_graphs(graphs);
+                    // (An integer product first: norms make blocks once one has run.)
+                    let warm = dev.upload(1, cols, x.clone());
+                    drop(dev.matmul(&[&w], &warm));
+                    let xin = dev.upload(1, cols, x.clone());
+                    let mut res = dev.upload(1, width, res0.clone());
+                    let f0 = dev.last_block_fusions();
+                    let xin = if blocks { dev.rms_norm(&xin, &gain, eps) } else { xin };
+                    let y = dev.matmul(&[&w], &xin).remove(0);
+                    let out = dev.add_rms_norm(&mut res, &y, &nw, eps);
+                    let p = dev.matmul(&[&next], &out).remove(0);
+                    let got = (dev.download(res), dev.download(out), dev.download(p));
+                    if let Some(e) = dev.take_error() {
+                        return Err(format!("{ty:?}, {width} rows: {e}"));
+                    }
+                    Ok((got.0, got.1, got.2, dev.last_block_fusions() - f0))
+                };
+                // (Fused first: its buffers then hold other values, so a norm that ran before
+                // every block had written its rows would not read this product's by chance.)
+                let fused = run(true, true)?;
+                let apart = run(false, true)?;
+                let direct = run(true, false)?;
+                let what = format!(
+                    "{ty:?}, {width} rows of {cols}, input {}",
+                    if blocks { "with blocks" } else { "as values" }
+                );
+                if fused.3 != 1 || apart.3 != 0 || direct.3 != 0 {
+                    return Err(format!(
+                        "{what}: {} / {} / {} last-block fusions fused / apart / graphs off (1 / 0 / 0 expected)",
+                        fused.3, apart.3, direct.3
+                    ));
+                }
+                for (name, a, b, c) in [
+                    ("residual", &apart.0, &fused.0, &direct.0),
+                    ("norm output", &apart.1, &fused.1, &direct.1),
+                    ("product of the norm output", &apart.2, &fused.2, &direct.2),
+                ] {
+                    if a != b || a != c {
+                        return Err(format!(
+                            "{what}: the {name} fused differs from the launches apart (max |d| {:e})",
+                            max_abs_diff(a.iter().copied(), b.iter().copied())
+                        ));
+                    }
+                }
+                cases += 1;
+            }
+        }
+    }
+    let mut act_cases = 0usize;
+    for ty in INT8_TYPES {
+        for (rows, super_blocks, f) in [
+            (256usize, 1usize, FfnActivation::Silu),
+            (8960, 6, FfnActivation::Silu),
+            (1024, 16, FfnActivation::GeluTanh),
+            (512, 64, FfnActivation::Silu),
+        ] {
+            let cols = 256 * super_blocks;
+            let (gate, up) = (quantized(ty, rows, cols, &mut rng), quantized(ty, rows, cols, &mut rng));
+            let down = quantized(ty, 24, rows, &mut rng);
+            let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
+            let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+            // (fuse, graphs) -> activation, up's product, the down product, fusions.
+            let run = |fuse: bool, graphs: bool| -> Result<(Vec<f32>, Vec<f32>, u64), String> {
+                dev.set_fuse(fuse);
+                dev.set_graphs(graphs);
+                let warm = dev.upload(1, cols, x.clone());
+                drop(dev.matmul(&[&gate], &warm));
+                let xin = dev.upload(1, cols, x.clone());
+                let f0 = dev.last_block_fusions();
+                let xn = dev.rms_norm(&xin, &gain, eps);
+                let mut gu = dev.matmul(&[&gate, &up], &xn);
+                let (mut u, mut g) = (gu.remove(1), gu.remove(0));
+                dev.activate_mul(&mut u, &mut g, f);
+                let d = dev.matmul(&[&down], &u).remove(0);
+                let got = (dev.download(u), dev.download(d));
+                if let Some(e) = dev.take_error() {
+                    return Err(format!("{ty:?}, gate and up of {rows} rows: {e}"));
+                }
+                Ok((got.0, got.1, dev.last_block_fusions() - f0))
+            };
+            let fused = run(true, true)?;
+            let apart = run(false, true)?;
+            let direct = run(true, false)?;
+            let what = format!("{ty:?}, gate and up of {rows} rows of {cols}, {f:?}");
+            if fused.2 != 1 || apart.2 != 0 || direct.2 != 0 {
+                return Err(format!(
+                    "{what}: {} / {} / {} last-block fusions fused / apart / graphs off (1 / 0 / 0 expected)",
+                    fused.2, apart.2, direct.2
+                ));
+            }
+            for (name, a, b, c) in [
+                ("activation", &apart.0, &fused.0, &direct.0),
+                ("product of the activation", &apart.1, &fused.1, &direct.1),
+            ] {
+                if a != b || a != c {
+                    return Err(format!(
+                        "{what}: the {name} fused differs from the launches apart (max |d| {:e})",
+                        max_abs_diff(a.iter().copied(), b.iter().copied())
+                    ));
+                }
+            }
+            act_cases += 1;
+        }
+    }
+    report.insert("fused_norms_cases".into(), cases.into());
+    report.insert("fused_activation_cases".into(), act_cases.into());
+    Ok(format!(
+        "  residual add and norm in a product's last block: {cases} cases (Q4_K, Q6_K; input with and without blocks; \
+         outputs of 256/1536/4096/8192) bit-identical to the launches apart, each fused once\n  \
+         gated activation in the last blocks of its gate and up product: {act_cases} cases (Q4_K, Q6_K; 256 to 8960 rows \
+         of 1 to 64 super-blocks; SiLU, GELU) bit-identical to the launches apart, each fused once"
+    ))
+}
+
 /// Fused launches (`GATESTREAM_CUDA_FUSE`, in the default activation mode) against each
 /// operation in a launch of its own, on the model at `path` with graphs on (which count the
 /// launches): 32 greedy steps and a 64-token pass must give bit-identical logits (the same bytes
 /// reach the same kernels), and each pass must launch exactly as many operations fewer as
 /// were fused: per layer RoPE with the KV write, and per one-token row one quantization for each
 /// input whose next products include an integer one (the attention and FFN norms' outputs, the
-/// gated activation, the final norm; of a prompt only its last row's final norm) — and the speed
+/// gated activation, the final norm; of a prompt only its last row's final norm), and per
+/// decode step the last blocks' fusions (`fused_last_blocks`, split attention's merge) — and the speed
 /// of both.
 fn fused_same(
     dev: &Arc<CudaDevice>,
@@ -1813,33 +1997,60 @@ fn fused_same(
             + usize::from(int8(&[down]));
     }
     let layers = m.weights.layers.len();
-    /// Each step's logits, the pass's nll, operations launched in the steps, decode tok/s.
-    type Run = (Vec<Vec<f32>>, f64, u64, u64, f64);
+    // A decode step's last blocks doing the next launch's work: the residual add and norm after
+    // each one-token integer product of the attention output (every layer) and of the FFN down
+    // rows (each layer's but the last: the final norm follows an add), the gated activation
+    // after the gate and up products, and split attention's merge where a step's heads take
+    // more than one split (its positions are under 256).
+    let down_int8 = |l: &gatestream::model::weights::LayerWeights| -> Result<bool, String> {
+        let f = l.dense("fused norms").map_err(|e| e.to_string())?;
+        Ok(match &f.down {
+            FfnDown::Rows(w) | FfnDown::Columns(w) => int8(&[w]),
+        })
+    };
+    let mut last_blocks_per_step = usize::from(
+        gatestream::backend::cuda::attention_splits(gatestream::backend::cuda::attention_row(1), m.config.n_heads) > 1,
+    ) * layers;
+    for (i, l) in m.weights.layers.iter().enumerate() {
+        last_blocks_per_step += usize::from(int8(&[&l.attn.wo]));
+        if i + 1 < layers {
+            last_blocks_per_step += usize::from(down_int8(l)?);
+        }
+        // The gated activation after the gate and up products in one launch.
+        let f = l.dense("fused activations").map_err(|e| e.to_string())?;
+        last_blocks_per_step +=
+            usize::from(int8(&[&f.gate]) && f.gate.ty == f.up.ty && f.gate.rows == f.up.rows && f.gate.rows % 256 == 0);
+    }
+    /// Each step's logits, the pass's nll, operations launched in the steps, segments left,
+    /// decode tok/s, last-block fusions in the steps.
+    type Run = (Vec<Vec<f32>>, f64, u64, u64, f64, u64);
     let run = |on: bool| -> Result<Run, String> {
         dev.set_fuse(on);
-        let c0 = dev.graph_counters();
+        let (c0, f0) = (dev.graph_counters(), dev.last_block_fusions());
         let logits = greedy_logits(&m, &prompt, STEPS)?;
-        let c1 = dev.graph_counters();
+        let (c1, f1) = (dev.graph_counters(), dev.last_block_fusions());
         let nll = nll(&m, &window)?;
         let rate = decode_rate(&m, None, speed_steps(dev, 64))?;
         let ops = c1.graph_ops + c1.direct_ops - c0.graph_ops - c0.direct_ops;
-        Ok((logits, nll, ops, c1.left_recording - c0.left_recording, rate))
+        Ok((logits, nll, ops, c1.left_recording - c0.left_recording, rate, f1 - f0))
     };
     let off = run(false);
     let on = run(true);
     dev.set_fuse(was_fuse);
     dev.set_graphs(was_graphs);
     dev.set_activations(was_a);
-    let ((l_off, nll_off, ops_off, left_off, rate_off), (l_on, nll_on, ops_on, left_on, rate_on)) = (off?, on?);
+    let ((l_off, nll_off, ops_off, left_off, rate_off, last_off), (l_on, nll_on, ops_on, left_on, rate_on, last_on)) =
+        (off?, on?);
     let differing = l_off.iter().zip(&l_on).filter(|(a, b)| a != b).count();
     let worst = max_abs_diff(l_off.iter().flatten().copied(), l_on.iter().flatten().copied());
     // And RoPE with the KV write in every layer of every pass; the prompt's pass normalizes
     // only its last row before the output product.
-    let expected = (STEPS * (saved_per_step + layers) + output_int8 + layers) as u64;
+    let expected = (STEPS * (saved_per_step + layers + last_blocks_per_step) + output_int8 + layers) as u64;
     let msg = format!(
         "  {key}: {STEPS} greedy steps with launches fused vs not: {differing}/{} logit rows differ (max |d| {worst:e}); 64-token pass nll \
          {nll_on:.6} vs {nll_off:.6}; {ops_on} vs {ops_off} operations ({} fewer; {saved_per_step} input \
-         blocks a step and {layers} RoPE launches a pass expected, {expected} in all); decode {rate_on:.1} tok/s fused, {rate_off:.1} not ({:.2}x)",
+         blocks a step, {last_blocks_per_step} last-block fusions a step ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
+         decode {rate_on:.1} tok/s fused, {rate_off:.1} not ({:.2}x)",
         l_off.len(),
         ops_off as i64 - ops_on as i64,
         rate_on / rate_off
@@ -1848,12 +2059,15 @@ fn fused_same(
         key.into(),
         serde_json::json!({"differing_rows": differing, "max_abs_diff": worst, "nll_fused": nll_on, "nll_unfused": nll_off,
             "ops_fused": ops_on, "ops_unfused": ops_off, "input_blocks_per_step_expected": saved_per_step, "expected_fewer": expected,
-            "tok_s_fused": rate_on, "tok_s_unfused": rate_off}),
+            "tok_s_fused": rate_on, "tok_s_unfused": rate_off, "last_block_fusions": last_on,
+            "last_block_fusions_expected": STEPS * last_blocks_per_step}),
     );
     if differing > 0
         || nll_on != nll_off
         || saved_per_step == 0
         || ops_off.checked_sub(ops_on) != Some(expected)
+        || last_on != (STEPS * last_blocks_per_step) as u64
+        || last_off != 0
         || left_off + left_on > 0
     {
         return Err(msg);

@@ -33,6 +33,9 @@ is gatestream faster; each line gives both medians and the median of the per-pai
   split    (not a llama.cpp row) gatestream's decode at depth 512 (as in `depth`) with attention
            split over positions (GATESTREAM_CUDA_ATTN_SPLIT=1, the default) and a block per head
            (=0), A B A B
+  fuse     (not a llama.cpp row) the same decode with launches fused (GATESTREAM_CUDA_FUSE=1, the
+           default: norms, activations, merges in the last blocks of the launch before) and each
+           in a launch of its own (=0), A B A B
   profile  (not timed against anything) per-kernel GPU time of that prefill under `ncu --metrics
            gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt, and of 16
            decode steps after a 6-token prompt (each kernel's time a step) into OUT/profile-decode.txt
@@ -183,7 +186,7 @@ def profile(a, gguf, prompt, tokens=1, what="prefill", name="profile"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,int8,split,profile")
+    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,int8,split,fuse,profile")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
     ap.add_argument("--model", help="a GGUF to use instead of making one")
@@ -325,6 +328,8 @@ def main():
                 [mine / base] if mine and base else [], "gatestream alone: the llama.cpp column is INT8_TOKENS=1")
     if "split" in cases and not late(a):
         switch_ab("decode at depth 512, split / a block a head", "ATTN_SPLIT", 128, "decode_tok_per_s")
+    if "fuse" in cases and not late(a):
+        switch_ab("decode at depth 512, fused / not", "FUSE", 128, "decode_tok_per_s")
     if "profile" in cases and not late(a):
         profile(a, gguf, p512)
         profile(a, gguf, "The capital of France is", 17, "decode", "profile-decode")

@@ -1,7 +1,7 @@
 // A stand-in for the NVIDIA driver library (libcuda.so.1) that runs gatestream's kernels on the
 // CPU: the subset of the driver API that cudarc and src/backend/cuda call, over host memory,
-// with kernels/*.cu compiled for the host (emu.h) and run block by block, each GPU thread a
-// fiber. Work queued on a stream runs in order but as late as the program allows — when
+// with kernels/*.cu compiled for the host (emu.h) and run block by block in a scrambled order,
+// each GPU thread a fiber. Work queued on a stream runs in order but as late as the program allows — when
 // something waits for it (a synchronize, an event, a copy to pageable memory) — so a missing
 // wait shows as wrong values rather than passing by luck (see "Queued work"); an event's time is
 // the host clock when its point in the stream was reached. Stream capture records a stream's
@@ -21,6 +21,8 @@
 // is returned by the next wait, and every one after (sticky, as on a GPU).
 //
 // Build: tests/cuda_emu/build.sh DIR (gives DIR/libcuda.so.1; point GATESTREAM_LIBCUDA at it).
+//
+// GSEMU_TRACE=1 prints each kernel as it runs (name, grid, block) to stderr: a step's launches.
 //
 // GSEMU_SKIP_KERNELS=1 skips every kernel (launches, captured or not, do nothing; copies and
 // memsets still run): what is left of a run's time is the host's own work — gatestream's and
@@ -251,48 +253,60 @@ static bool run_grid() {
             fibers[i].stack = m;
         }
     }
-    for (unsigned bz = 0; bz < grid_dim.z; bz++)
-        for (unsigned by = 0; by < grid_dim.y; by++)
-            for (unsigned bx = 0; bx < grid_dim.x; bx++) {
-                block_idx = dim3{bx, by, bz};
-                live_block = n;
-                for (int w = 0; w < 32; w++) live_warp[w] = std::max(0, std::min(32, n - 32 * w));
-                for (int k = 0; k < 2; k++) {
-                    bar_arrivals[k] = Arrivals{~0u, 0};
-                    for (int w = 0; w < 32; w++) shfl_arrivals[w][k] = Arrivals{~0u, 0};
-                }
-                for (int i = 0; i < n; i++) {
-                    Fiber& f = fibers[i];
-                    f.tid = dim3{(unsigned)i % block_dim.x, ((unsigned)i / block_dim.x) % block_dim.y,
-                                 (unsigned)i / (block_dim.x * block_dim.y)};
-                    f.linear = i;
-                    f.lane = i & 31;
-                    f.warp = i >> 5;
-                    f.done = false;
-                    f.bar = 0;
-                    f.shfl = 0;
-                    f.wait = 0;
-                    // Tops staggered so that the threads' frames do not all fall in the same cache sets.
-                    f.sp = fresh_stack((char*)f.stack + STACK_BYTES + PAGE - (size_t)(i % 61) * 208, fiber_entry);
-                }
-                while (live_block > 0) {
-                    bool resumed = false;
-                    for (int i = 0; i < n; i++) {
-                        if (fibers[i].done || !may_go(fibers[i])) continue;
-                        resumed = true;
-                        current = &fibers[i];
-                        gsemu_switch(&sched_sp, fibers[i].sp);
-                    }
-                    if (!resumed) {
-                        fail("deadlock in block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
-                             std::to_string(bz) + "): " + std::to_string(live_block) +
-                             " threads wait at a barrier or shuffle the others never reach");
-                        current = nullptr;
-                        return false;
-                    }
-                }
-                current = nullptr;
+    // Blocks run one after another in a scrambled order (block i of the grid's linear order
+    // runs (i * stride + start) mod blocks-th, stride prime to the count), as a GPU gives no
+    // order: a kernel whose result depends on which block runs first or last shows it.
+    unsigned long long blocks = (unsigned long long)grid_dim.x * grid_dim.y * grid_dim.z;
+    unsigned long long stride = 1;
+    for (unsigned long long c : {7919ull, 104729ull, 1299709ull})
+        if (blocks % c != 0) {  // (c prime)
+            stride = c;
+            break;
+        }
+    unsigned long long start = blocks * 5 / 7;
+    for (unsigned long long step = 0; step < blocks; step++) {
+        unsigned long long b = (step * stride + start) % blocks;
+        unsigned bx = (unsigned)(b % grid_dim.x), by = (unsigned)(b / grid_dim.x % grid_dim.y),
+                 bz = (unsigned)(b / grid_dim.x / grid_dim.y);
+        block_idx = dim3{bx, by, bz};
+        live_block = n;
+        for (int w = 0; w < 32; w++) live_warp[w] = std::max(0, std::min(32, n - 32 * w));
+        for (int k = 0; k < 2; k++) {
+            bar_arrivals[k] = Arrivals{~0u, 0};
+            for (int w = 0; w < 32; w++) shfl_arrivals[w][k] = Arrivals{~0u, 0};
+        }
+        for (int i = 0; i < n; i++) {
+            Fiber& f = fibers[i];
+            f.tid = dim3{(unsigned)i % block_dim.x, ((unsigned)i / block_dim.x) % block_dim.y,
+                         (unsigned)i / (block_dim.x * block_dim.y)};
+            f.linear = i;
+            f.lane = i & 31;
+            f.warp = i >> 5;
+            f.done = false;
+            f.bar = 0;
+            f.shfl = 0;
+            f.wait = 0;
+            // Tops staggered so that the threads' frames do not all fall in the same cache sets.
+            f.sp = fresh_stack((char*)f.stack + STACK_BYTES + PAGE - (size_t)(i % 61) * 208, fiber_entry);
+        }
+        while (live_block > 0) {
+            bool resumed = false;
+            for (int i = 0; i < n; i++) {
+                if (fibers[i].done || !may_go(fibers[i])) continue;
+                resumed = true;
+                current = &fibers[i];
+                gsemu_switch(&sched_sp, fibers[i].sp);
             }
+            if (!resumed) {
+                fail("deadlock in block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
+                     std::to_string(bz) + "): " + std::to_string(live_block) +
+                     " threads wait at a barrier or shuffle the others never reach");
+                current = nullptr;
+                return false;
+            }
+        }
+        current = nullptr;
+    }
     return launch_error.empty();
 }
 
@@ -344,7 +358,9 @@ static const Kernel KERNELS[] = {
             K(activate) K(softcap) K(select_rows) K(scatter_cols) K(gather_cols) K(rope_norm) K(rope_norm_kv) K(kv_write)
                 K(attention) K(attention_split) K(attention_merge) K(attention_tiles) K(act_q8_k_blocks) K(matvec_i8_q4_k) K(matvec_i8_q6_k)
                     K(matvec_i8x3_q4_k) K(matvec_i8x3_q6_k) K(matvec_i8f_q4_k) K(matvec_i8f_q6_k) K(matvec_i8n_q4_k)
-                    K(matvec_i8n_q6_k) K(mmq_q4_k) K(mmq_q6_k) K(act_f16_rows)};
+                    K(matvec_i8n_q6_k) K(mmq_q4_k) K(mmq_q6_k) K(act_f16_rows) K(matvec_i8_norm_q4_k)
+                        K(matvec_i8_norm_q6_k) K(matvec_i8f_norm_q4_k) K(matvec_i8f_norm_q6_k) K(matvec_i8x3_act_q4_k)
+                            K(matvec_i8x3_act_q6_k)};
 #undef K
 #undef TYPED
 
@@ -661,6 +677,11 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
         const char* v = std::getenv("GSEMU_SKIP_KERNELS");
         return v && std::strcmp(v, "1") == 0;
     }();
+    static const bool trace = [] {
+        const char* v = std::getenv("GSEMU_TRACE");
+        return v && std::strcmp(v, "1") == 0;
+    }();
+    if (trace) std::fprintf(stderr, "cuda_emu: launch %s grid %u,%u,%u block %u,%u,%u\n", k->name, gx, gy, gz, bx, by, bz);
     if (skip) {
         // Greedy tokens and candidates still come back (token 0 for every row; ids 0 to k - 1,
         // values 0), so a greedy or sampled run goes on.

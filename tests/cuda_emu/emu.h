@@ -232,6 +232,14 @@ inline unsigned atomicAdd(unsigned* a, unsigned v) {
     *a = old + v;
     return old;
 }
+inline unsigned atomicExch(unsigned* a, unsigned v) {
+    unsigned old = *a;
+    *a = v;
+    return old;
+}
+// One host thread runs every block, so memory is always coherent.
+inline void __threadfence() {}
+template <typename T> inline T __ldcg(const T* p) { return *p; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 using std::max;
 using std::min;

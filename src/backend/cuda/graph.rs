@@ -211,6 +211,15 @@ impl Graphs {
         self.split > 0 && self.ops.len() >= self.split
     }
 
+    /// The operation recorded last, taken back (not to be launched) when it is a launch that
+    /// `wanted` accepts: what a launch that does its work and more (a fused one) replaces.
+    pub fn take_last_launch(&mut self, wanted: impl FnOnce(&'static str, &[Arg]) -> bool) -> Option<Op> {
+        match self.ops.last() {
+            Some(Op::Launch { name, args, .. }) if self.recording() && wanted(name, args) => self.ops.pop(),
+            _ => None,
+        }
+    }
+
     /// Holds `x` until the recorded operations are launched.
     pub fn keep(&mut self, x: Box<dyn Any + Send + Sync>) {
         self.keep.push(x);

@@ -222,10 +222,11 @@ kernels! {
         scores: Ptr, max_len: I32, out: Ptr,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
     /// The same split over positions (`grid.z` splits of `chunk`): the output itself with one
-    /// split, else each split's maximum, sum and sums into `part` for `attention_merge`.
+    /// split, else each split's maximum, sum and sums into `part` for `attention_merge` — or,
+    /// given `done` (zeroed counters, one per query head and token), merged by the last split.
     attention_split(
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
-        chunk: I32, part: Opt, out: Ptr,
+        chunk: I32, part: Opt, done: Opt, out: Ptr,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && chunk > 0;
     /// The splits of `attention_split` into each head's output.
     attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, out: Ptr)
@@ -262,6 +263,13 @@ kernels! {
     product_i8 ["matvec_i8", "matvec_i8f", "matvec_i8n"] <ty> (
         w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
     ) if (1..=I8N_MAX).contains(&n) && x.is_multiple_of(16);
+    /// A one-token `product_i8` (`matvec_i8`, `matvec_i8f`), then in its last block what
+    /// `add_rms_norm` of its output in `vt` threads does: `res += y`, `out` = RMSNorm of `res`
+    /// with `nw` (and `q8` unless 0); `done` a zeroed counter.
+    product_i8_norm ["matvec_i8_norm", "matvec_i8f_norm"] <ty> (
+        w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
+        res: Ptr, nw: Ptr, out: Ptr, eps: F32, q8: Opt, vt: I32, done: Ptr,
+    ) if n == 1 && x.is_multiple_of(16) && vt.is_multiple_of(32) && (32..=1024).contains(&vt);
     /// `y = x · w[row_ids]` for `n` tokens as integer tiles on the tensor cores, `x` as Q8_K
     /// blocks, token after token (in `grid.z` parts as `accumulate`'s).
     mmq<ty>(w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr)
@@ -274,6 +282,16 @@ kernels! {
         w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
         w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
     ) if xq.is_multiple_of(16);
+    /// `matvec_i8x3` of a gate (`w0`) and an up (`w1`) weight of `r0` rows (a multiple of 256),
+    /// then `activate_mul_q8_k` of their outputs (`f`; the Q8_K blocks into `out`) by the last
+    /// of each 256 rows' blocks; `done`: zeroed counters, one per 256 rows.
+    matvec_i8x3_act<ty>(
+        xq: Ptr, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        w1: Ptr, s1: U64, r1: I32, b1: Opt, y1: Ptr,
+        w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
+        f: I32, out: Ptr, done: Ptr,
+    ) if xq.is_multiple_of(16) && r0.is_multiple_of(256) && r1 == r0 && w2 == 0;
 }
 
 #[cfg(test)]

@@ -93,6 +93,10 @@ pub struct CudaDevice {
     /// Whether a kernel has been launched since the last copy to the host (which then waits
     /// for it: `LinkCounters::host_waits`).
     launched: std::sync::atomic::AtomicBool,
+    /// The launch counters ([`CudaDevice::counters`]), made at first use.
+    counters: Mutex<Option<CudaSlice<u32>>>,
+    /// Launches that took on the next one's work in their last block (see [`FUSE_ENV`]).
+    last_block_fusions: std::sync::atomic::AtomicU64,
 }
 
 impl CudaDevice {
@@ -233,6 +237,8 @@ impl CudaDevice {
             attn_split: std::sync::atomic::AtomicBool::new(attn_split),
             int8_seen: std::sync::atomic::AtomicBool::new(false),
             launched: std::sync::atomic::AtomicBool::new(false),
+            counters: Mutex::new(None),
+            last_block_fusions: std::sync::atomic::AtomicU64::new(0),
         };
         dev.set_graphs(graphs);
         dev.set_graph_split(graph_split)?;
@@ -323,6 +329,32 @@ impl CudaDevice {
                 .act_q8_k_blocks(cfg, self.buf(x), self.buf(&out), blocks as u64);
         }
         (Int8Input::Blocks(self.buf(&out)), Some(out))
+    }
+
+    /// The device address of `n` launch counters (`last_arrival` in kernels/ops.cu: a kernel
+    /// whose last block to finish takes on the next step's work counts its blocks there and sets
+    /// each counter back to zero; the launches that use them run one after another on the
+    /// device's stream), zeroed when first made; 0 (none) past [`COUNTER_WORDS`] or when they
+    /// could not be made.
+    fn counters(&self, n: usize) -> u64 {
+        if n == 0 || n > COUNTER_WORDS {
+            return 0;
+        }
+        let mut c = self.counters.lock().expect("counters");
+        if c.is_none() {
+            // (Zeroed on the stream, before any launch recorded from now on runs.)
+            *c = self.check(
+                "allocating launch counters",
+                self.stream.alloc_zeros::<u32>(COUNTER_WORDS),
+            );
+        }
+        c.as_ref().map_or(0, |s| self.raw(s))
+    }
+
+    /// Launches so far whose last block did the next launch's work (a residual add and norm
+    /// after a one-token integer product, split attention's merge; see [`FUSE_ENV`]).
+    pub fn last_block_fusions(&self) -> u64 {
+        self.last_block_fusions.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets whether the launches from now on are fused (see [`FUSE_ENV`]).
@@ -594,7 +626,8 @@ impl CudaDevice {
                 return;
             }
             g.record(graph::Op::launch(name, ty, &cfg, args));
-            if g.split_due() {
+            // (Not between a one-token integer product and what may fuse into it next.)
+            if g.split_due() && !matches!(name, "matvec_i8" | "matvec_i8f" | "matvec_i8x3") {
                 self.launch_part(g);
             }
             return;
@@ -688,6 +721,18 @@ enum Arg {
     F32(f32),
 }
 
+impl Arg {
+    /// The value as a launcher takes it again: a pointer or count, an `int` (non-negative where
+    /// a launcher reads it back), a float's bits.
+    fn bits(self) -> u64 {
+        match self {
+            Arg::U64(v) => v,
+            Arg::I32(v) => v as u64,
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
+}
+
 /// `activate`'s code for an activation (ACT_* in kernels/ops.cu).
 fn activation_code(f: FfnActivation) -> usize {
     match f {
@@ -731,7 +776,6 @@ mod tests {
         assert_eq!(defined("ATTN_TILE_MAX_HD"), ATTN_TILE_MAX_HEAD_DIM);
         assert_eq!(defined("ATTN_SPLIT_WARPS"), ATTN_SPLIT_WARPS);
         assert_eq!(defined("ATTN_SPLIT_MAX"), ATTN_SPLIT_TARGET_BLOCKS);
-        assert_eq!(defined("NORM_PER_THREAD"), NORM_PER_THREAD);
         assert_eq!(defined("Q8K_BLOCK_BYTES"), Q8K_BLOCK_BYTES);
         assert_eq!(defined("I8F_MAX_BLOCKS"), I8F_MAX_BLOCKS);
         assert_eq!(defined("I8N_MAX"), I8N_MAX);
@@ -750,12 +794,16 @@ mod tests {
                 && src.contains(&format!("void {kind}_##NAME("))
                 && (src.contains(&format!("QUANT_KERNELS({suffix},"))
                     || src.contains(&format!("MMA_KERNEL({suffix},")));
-            // The integer products come from the MATVEC_I8_KERNELS and MATVEC_I8F_KERNEL macros.
+            // The integer products come from the MATVEC_I8_KERNELS, MATVEC_I8F_KERNELS and
+            // MATVEC_I8X3_ACT_KERNEL macros.
             let int8 = [
                 ("matvec_i8x3", "MATVEC_I8_KERNELS"),
                 ("matvec_i8n", "MATVEC_I8_KERNELS"),
                 ("mmq", "MMQ_KERNEL"),
-                ("matvec_i8f", "MATVEC_I8F_KERNEL"),
+                ("matvec_i8f", "MATVEC_I8F_KERNELS"),
+                ("matvec_i8_norm", "MATVEC_I8F_KERNELS"),
+                ("matvec_i8f_norm", "MATVEC_I8F_KERNELS"),
+                ("matvec_i8x3_act", "MATVEC_I8X3_ACT_KERNEL"),
                 ("matvec_i8", "MATVEC_I8_KERNELS"),
             ]
             .iter()

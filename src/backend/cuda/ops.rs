@@ -143,6 +143,10 @@ impl Device for CudaDevice {
         let (u, g) = (self.buf_mut(up), self.buf(gate));
         if let Some(blocks) = self.fused_blocks(up.rows, up.width) {
             let n = up.width / 256;
+            if self.activation_after_products(g, u, activation_code(f), blocks.ptr, n) {
+                Self::attach_blocks(up, Some(blocks));
+                return;
+            }
             let cfg = LaunchConfig {
                 grid_dim: (n as u32, 1, 1),
                 block_dim: (256, 1, 1),
@@ -176,6 +180,13 @@ impl Device for CudaDevice {
         let wp = self.vector(w);
         let cfg = norm_cfg(x.rows, x.width);
         let blocks = self.fused_blocks(x.rows, x.width);
+        if x.rows == 1 && self.fuse() {
+            let (res, a, y) = (self.buf_mut(x), self.buf(y), self.buf(&out));
+            if self.norm_after_product(a, res, wp, y, x.width, eps, Self::blocks_ptr(&blocks)) {
+                Self::attach_blocks(&mut out, blocks);
+                return out;
+            }
+        }
         self.k().add_rms_norm(
             cfg,
             self.buf_mut(x),
@@ -456,6 +467,12 @@ impl Device for CudaDevice {
         if self.attn_split() {
             let splits = attention_splits(max_len, q.rows * shape.n_heads);
             let part = (splits > 1).then(|| self.act(q.rows * shape.n_heads * splits, shape.head_dim + 2));
+            // Fused, the last split of each head merges (no launch of `attention_merge`).
+            let done = if splits > 1 && self.fuse() {
+                self.counters(q.rows * shape.n_heads)
+            } else {
+                0
+            };
             self.k().attention_split(
                 LaunchConfig {
                     grid_dim: (shape.n_heads as u32, q.rows as u32, splits as u32),
@@ -471,9 +488,14 @@ impl Device for CudaDevice {
                 shape.window.unwrap_or(0),
                 max_len / splits,
                 part.as_ref().map_or(0, |p| self.buf(p)),
+                done,
                 self.buf(&out),
             );
-            if let Some(part) = part {
+            if done != 0 {
+                self.last_block_fusions
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            if let Some(part) = part.filter(|_| done == 0) {
                 self.k().attention_merge(
                     cfg,
                     self.buf(&part),
@@ -655,6 +677,138 @@ impl CudaDevice {
             out[i] = Some(o);
         }
         out.into_iter().map(|o| o.expect("every product made")).collect()
+    }
+
+    /// `activate_mul_q8_k` of one token's `gate` and `up` (`n` Q8_K blocks into `out`) in the
+    /// last blocks of the products that wrote them, when those are one launch of two integer
+    /// products (`matvec_i8x3`: gate, then up) and the operation recorded last (see
+    /// [`FUSE_ENV`]): it is taken back and recorded again as `matvec_i8x3_act`. False (nothing
+    /// done) otherwise.
+    fn activation_after_products(&self, gate: u64, up: u64, f: usize, out: u64, n: usize) -> bool {
+        let done = self.counters(n);
+        if done == 0 {
+            return false;
+        }
+        // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
+        // for each of three weights.
+        let rows = Arg::I32(i32::try_from(256 * n).unwrap_or(-1));
+        let product = self.graphs.lock().expect("graphs").take_last_launch(|name, args| {
+            let same = |i: usize, v: Arg| args.get(i).is_some_and(|a| a.bits() == v.bits());
+            name == "matvec_i8x3"
+                && same(9, Arg::U64(gate))
+                && same(14, Arg::U64(up))
+                && same(15, Arg::U64(0))
+                && same(7, rows)
+                && same(12, rows)
+        });
+        let Some(graph::Op::Launch {
+            ty: Some(ty),
+            grid,
+            block,
+            args,
+            ..
+        }) = product
+        else {
+            return false;
+        };
+        let w = |i: usize| args[i].bits();
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        self.k().matvec_i8x3_act(
+            ty,
+            cfg,
+            w(0),
+            w(1) as usize,
+            w(2) as usize,
+            w(3) as usize,
+            w(4) as usize,
+            w(5),
+            w(6),
+            w(7) as usize,
+            w(8),
+            w(9),
+            w(10),
+            w(11),
+            w(12) as usize,
+            w(13),
+            w(14),
+            w(15),
+            w(16),
+            w(17) as usize,
+            w(18),
+            w(19),
+            f,
+            out,
+            done,
+        );
+        self.last_block_fusions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// `add_rms_norm` of one row (`res += a`, then `y` and its blocks `q8`) in the last block of
+    /// the product that wrote `a`, when that product is a one-token integer product and the
+    /// operation recorded last (see [`FUSE_ENV`]): it is taken back and recorded again with the
+    /// norm after it (`matvec_i8_norm`, `matvec_i8f_norm`). False (nothing done) otherwise.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_after_product(&self, a: u64, res: u64, w: u64, y: u64, width: usize, eps: f32, q8: u64) -> bool {
+        let done = self.counters(1);
+        if done == 0 {
+            return false;
+        }
+        // The product's parameters (`product_i8`'s launcher): its output is the tenth.
+        let product = self.graphs.lock().expect("graphs").take_last_launch(|name, args| {
+            matches!(name, "matvec_i8" | "matvec_i8f") && args.get(9).is_some_and(|p| p.bits() == Arg::U64(a).bits())
+        });
+        let Some(graph::Op::Launch {
+            name,
+            ty: Some(ty),
+            grid,
+            block,
+            args,
+        }) = product
+        else {
+            return false;
+        };
+        let word = |i: usize| args[i].bits();
+        let fused = if name == "matvec_i8" {
+            "matvec_i8_norm"
+        } else {
+            "matvec_i8f_norm"
+        };
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        self.k().product_i8_norm(
+            fused,
+            ty,
+            cfg,
+            word(0),
+            word(1),
+            word(2) as usize,
+            word(3),
+            word(4) as usize,
+            word(5),
+            word(6) as usize,
+            word(7),
+            word(8) as usize,
+            word(9),
+            res,
+            w,
+            y,
+            eps,
+            q8,
+            norm_threads(width) as usize,
+            done,
+        );
+        self.last_block_fusions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
     }
 
     /// `x · w[rows]` (all rows when `None`; + `bias` when given) for `n` tokens `x` given as

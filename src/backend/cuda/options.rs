@@ -12,10 +12,13 @@ use super::*;
 /// (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8) take as input, so one-token products of Q4_K and
 /// Q6_K rows after them need no quantization launch of their own; RoPE writes the keys and
 /// values into the KV cache; a lone integer product whose input has no blocks (attention's
-/// output) quantizes that input itself, in each thread block's shared memory (five launches fewer
-/// a layer on Qwen2.5). The same bytes as the launches they replace. `0` (`off`): each in a
-/// launch of its own. Blocks are made only for one-token rows of a multiple of 256 values, once
-/// an integer product has run.
+/// output) quantizes that input itself, in each thread block's shared memory; the last thread
+/// block of a one-token integer product whose output the residual add and RMSNorm take next
+/// (recorded launches: graphs on) does that add and norm itself, and the last of split
+/// attention's blocks for a head merges the head's splits (eight launches fewer a layer on
+/// Qwen2.5). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
+/// own. Blocks are made only for one-token rows of a multiple of 256 values, once an integer
+/// product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
 /// `GATESTREAM_CUDA_MMA`: `1` (or `on`, the default) multiplies several tokens at once (prompts,

@@ -38,6 +38,10 @@ pub(super) const ATTN_SPLIT_MIN_POSITIONS: usize = 64;
 /// not the device's count, so that a launch's geometry depends only on the batch and its
 /// context (and repeats for a CUDA graph).
 pub(super) const ATTN_SPLIT_TARGET_BLOCKS: usize = 256;
+/// u32 launch counters a device keeps (`last_arrival` in kernels/ops.cu): a fused merge of
+/// split attention takes one per (query head, token), a fused norm one, a fused gated
+/// activation one per 256 values.
+pub const COUNTER_WORDS: usize = 1 << 16;
 /// Bytes of freed activation buffers kept for reuse.
 pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
 
@@ -99,8 +103,17 @@ pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
         .iter()
         .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
     let int8 = INT8_TYPES.iter().flat_map(|&ty| {
-        ["matvec_i8", "matvec_i8x3", "matvec_i8f", "matvec_i8n", "mmq"]
-            .map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
+        [
+            "matvec_i8",
+            "matvec_i8x3",
+            "matvec_i8f",
+            "matvec_i8n",
+            "mmq",
+            "matvec_i8_norm",
+            "matvec_i8f_norm",
+            "matvec_i8x3_act",
+        ]
+        .map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
     });
     typed
         .chain(int8)
@@ -244,12 +257,14 @@ pub fn i8_blocks(rows: &[usize], wpr: usize) -> Vec<u32> {
 }
 
 /// Threads of a norm's block (`rms_norm`, `add_rms_norm`: one block per row): enough for each
-/// to hold [`NORM_PER_THREAD`] values of the row in registers, whole warps, at most 1024.
+/// to take [`NORM_PER_THREAD`] values of the row, whole warps, at most 1024. A norm fused into
+/// the last block of a product (`then_add_rms_norm`) runs as this many virtual threads, so it
+/// sums in the same order.
 pub fn norm_threads(width: usize) -> u32 {
     (width.div_ceil(NORM_PER_THREAD).next_multiple_of(32)).clamp(32, 1024) as u32
 }
 
-/// Values of a row each thread of a norm's block holds (`NORM_PER_THREAD` in kernels/ops.cu).
+/// Values of a row each thread of a norm's block takes.
 pub(super) const NORM_PER_THREAD: usize = 4;
 
 /// A norm's launch: one block of [`norm_threads`] per row.
