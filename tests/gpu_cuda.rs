@@ -1329,15 +1329,19 @@ fn kernels_of_each_type(
             return Err(format!("{}\n{ty:?}: error {max:.2e} > 1e-4", lines.join("\n")));
         }
     }
-    // Integer products as the attention and FFN launch them: up to three weights of a type in
-    // one launch with biases added, and rows wide enough to be shared by 2, 4 and 8 warps.
-    for ty in INT8_TYPES {
+    // Integer products as the attention and FFN launch them: up to three weights in one launch
+    // (of a type, or of Q4_K and Q6_K mixed: `matvec_i8x3_mixed`) with biases added, and rows
+    // wide enough to be shared by 2, 4 and 8 warps.
+    use GgmlType::{Q4_K, Q6_K};
+    for tys in [[Q4_K; 3], [Q6_K; 3], [Q4_K, Q4_K, Q6_K], [Q6_K, Q4_K, Q6_K]] {
+        let ty = tys[0];
         let mut max = 0f64;
         for super_blocks in [5usize, 8, 16, 35] {
             let cols = 256 * super_blocks;
             let ws: Vec<Weight> = [45usize, 7, 19]
                 .iter()
-                .map(|&r| quantized(ty, r, cols, &mut rng))
+                .zip(tys)
+                .map(|(&r, t)| quantized(t, r, cols, &mut rng))
                 .collect();
             let biases: Vec<Vec<f32>> = ws
                 .iter()
@@ -1351,11 +1355,17 @@ fn kernels_of_each_type(
             dev.set_activations(Activations::Int8);
             let refs: Vec<&Weight> = ws.iter().collect();
             let with_bias = [Some(&biases[0][..]), None, Some(&biases[2][..])];
-            let grouped: Vec<Vec<f32>> = dev
-                .matmul_bias(&refs, &with_bias, &xa)
-                .into_iter()
-                .map(|a| dev.download(a))
-                .collect();
+            let c0 = dev.graph_counters();
+            let grouped: Vec<gatestream::backend::Act> = dev.matmul_bias(&refs, &with_bias, &xa);
+            let c1 = dev.graph_counters();
+            // (Recorded with graphs on: the input's blocks, then one launch for the three.)
+            let ops = c1.graph_ops + c1.direct_ops - c0.graph_ops - c0.direct_ops;
+            if dev.graphs() && ops != 2 {
+                return Err(format!(
+                    "{tys:?}, {cols} columns: three weights took {ops} operations, not 2 (blocks, one launch)"
+                ));
+            }
+            let grouped: Vec<Vec<f32>> = grouped.into_iter().map(|a| dev.download(a)).collect();
             let pair: Vec<Vec<f32>> = dev
                 .matmul(&refs[..2], &xa)
                 .into_iter()
@@ -1384,21 +1394,26 @@ fn kernels_of_each_type(
                     .collect();
                 if grouped[i] != alone_b || (i < 2 && pair[i] != alone[i]) {
                     return Err(format!(
-                        "{ty:?}, {cols} columns: weight {i} of a grouped launch differs from its own launch"
+                        "{tys:?}, {cols} columns: weight {i} of a grouped launch differs from its own launch"
                     ));
                 }
             }
         }
         if let Some(e) = dev.take_error() {
-            return Err(format!("{ty:?} grouped: {e}"));
+            return Err(format!("{tys:?} grouped: {e}"));
         }
         worst = worst.max(max);
+        let what = if tys.iter().all(|&t| t == ty) {
+            format!("{ty:?}")
+        } else {
+            format!("{tys:?}")
+        };
         lines.push(format!(
-            "  {ty:?} as integers, three weights a launch with biases, rows of 5/8/16/35 super-blocks \
+            "  {what} as integers, three weights a launch with biases, rows of 5/8/16/35 super-blocks \
              (1/2/4/8 warps a row): max relative error {max:.2e}; each output bit-identical to its weight launched alone"
         ));
         if max > 1e-4 {
-            return Err(format!("{}\n{ty:?} grouped: error {max:.2e} > 1e-4", lines.join("\n")));
+            return Err(format!("{}\n{tys:?} grouped: error {max:.2e} > 1e-4", lines.join("\n")));
         }
     }
     report.insert("kernels_worst_relative_error".into(), worst.into());
@@ -1998,10 +2013,10 @@ fn fused_same(
     }
     let layers = m.weights.layers.len();
     // A decode step's last blocks doing the next launch's work: the residual add and norm after
-    // each one-token integer product of the attention output (every layer) and of the FFN down
-    // rows (each layer's but the last: the final norm follows an add), the gated activation
-    // after the gate and up products, and split attention's merge where a step's heads take
-    // more than one split (its positions are under 256).
+    // each one-token integer product of the attention output and of the FFN down rows (the last
+    // layer's: with the final norm), the gated activation after the gate and up products, and
+    // split attention's merge where a step's heads take more than one split (its positions are
+    // under 256).
     let down_int8 = |l: &gatestream::model::weights::LayerWeights| -> Result<bool, String> {
         let f = l.dense("fused norms").map_err(|e| e.to_string())?;
         Ok(match &f.down {
@@ -2011,11 +2026,8 @@ fn fused_same(
     let mut last_blocks_per_step = usize::from(
         gatestream::backend::cuda::attention_splits(gatestream::backend::cuda::attention_row(1), m.config.n_heads) > 1,
     ) * layers;
-    for (i, l) in m.weights.layers.iter().enumerate() {
-        last_blocks_per_step += usize::from(int8(&[&l.attn.wo]));
-        if i + 1 < layers {
-            last_blocks_per_step += usize::from(down_int8(l)?);
-        }
+    for l in &m.weights.layers {
+        last_blocks_per_step += usize::from(int8(&[&l.attn.wo])) + usize::from(down_int8(l)?);
         // The gated activation after the gate and up products in one launch.
         let f = l.dense("fused activations").map_err(|e| e.to_string())?;
         last_blocks_per_step +=

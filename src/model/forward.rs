@@ -516,15 +516,23 @@ impl Model {
             residual = Some(self.ffn_block(l, layer, &mut x, o, hooks)?);
         }
         // Each block's output is added to the residual stream where the next block normalizes
-        // it (one operation on a GPU); the last one here.
-        if let Some(d) = residual {
-            dev.add(&mut x, &d);
-        }
-        let mut xo = dev.select_rows(&x, &batch.logit_rows);
+        // it (one operation on a GPU); the last one here, with the final norm where every row's
+        // logits are wanted (a decode step), else before the rows are picked.
         if batch.logit_rows.is_empty() {
             return Ok(PassOut::empty(want));
         }
-        dev.rms_norm_in_place(&mut xo, &self.weights.output_norm, cfg.rms_eps);
+        let every_row = batch.logit_rows.len() == x.rows && batch.logit_rows.iter().enumerate().all(|(i, &r)| r == i);
+        let xo = match residual {
+            Some(d) if every_row => dev.add_rms_norm(&mut x, &d, &self.weights.output_norm, cfg.rms_eps),
+            residual => {
+                if let Some(d) = residual {
+                    dev.add(&mut x, &d);
+                }
+                let mut xo = dev.select_rows(&x, &batch.logit_rows);
+                dev.rms_norm_in_place(&mut xo, &self.weights.output_norm, cfg.rms_eps);
+                xo
+            }
+        };
         let out_w = hooks.stream.and_then(|s| s.output()).unwrap_or(&self.weights.output);
         let mut logits = dev.matmul(&[out_w], &xo).remove(0);
         if let Some(cap) = cfg.final_logit_softcap {

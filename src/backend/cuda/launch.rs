@@ -282,6 +282,14 @@ kernels! {
         w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
         w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
     ) if xq.is_multiple_of(16);
+    /// `matvec_i8x3` for weights of different types (`t0`, `t1`, `t2`: their codes,
+    /// `i8_type_code`).
+    matvec_i8x3_mixed(
+        xq: Ptr, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        t1: I32, w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
+        t2: I32, w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
+    ) if xq.is_multiple_of(16);
     /// `matvec_i8x3` of a gate (`w0`) and an up (`w1`) weight of `r0` rows (a multiple of 256),
     /// then `activate_mul_q8_k` of their outputs (`f`; the Q8_K blocks into `out`) by the last
     /// of each 256 rows' blocks; `done`: zeroed counters, one per 256 rows.

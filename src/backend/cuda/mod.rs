@@ -777,6 +777,12 @@ mod tests {
         assert_eq!(defined("ATTN_SPLIT_WARPS"), ATTN_SPLIT_WARPS);
         assert_eq!(defined("ATTN_SPLIT_MAX"), ATTN_SPLIT_TARGET_BLOCKS);
         assert_eq!(defined("Q8K_BLOCK_BYTES"), Q8K_BLOCK_BYTES);
+        for ty in INT8_TYPES {
+            assert_eq!(
+                defined(&format!("TY_{}", type_suffix(ty).to_uppercase())),
+                i8_type_code(ty)
+            );
+        }
         assert_eq!(defined("I8F_MAX_BLOCKS"), I8F_MAX_BLOCKS);
         assert_eq!(defined("I8N_MAX"), I8N_MAX);
         assert_eq!(defined("ACT_SILU"), activation_code(FfnActivation::Silu));

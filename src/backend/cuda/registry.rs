@@ -45,6 +45,16 @@ pub const COUNTER_WORDS: usize = 1 << 16;
 /// Bytes of freed activation buffers kept for reuse.
 pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
 
+/// A weight type's code in kernels/quant.cu (`TY_Q4_K`, `TY_Q6_K`: `matvec_i8x3_mixed` takes each
+/// weight's), for the types with integer products.
+pub(super) fn i8_type_code(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q4_K => 7,
+        GgmlType::Q6_K => 9,
+        other => panic!("{other:?} has no integer products"),
+    }
+}
+
 /// The kernel name suffix of a weight type.
 pub fn type_suffix(ty: GgmlType) -> &'static str {
     match ty {
@@ -64,7 +74,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 26] = [
+pub(super) const OPS: [&str; 27] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -91,6 +101,7 @@ pub(super) const OPS: [&str; 26] = [
     "attention_split",
     "attention_merge",
     "attention_tiles",
+    "matvec_i8x3_mixed",
 ];
 
 /// A kernel: a name, and the weight type for the per-type families (looked up per launch
