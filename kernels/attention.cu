@@ -20,15 +20,15 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const TokenK
     ((float*)ti.v)[at] = v[(u64)t * kvd + c];
 }
 
-// `rope_norm`, then `kv_write` of its keys and `v`, in one launch (the same values): blocks past
-// the query and key heads copy the value heads (as many as the key heads) into the cache; each
-// key head is copied there once rotated. positions[t] is token t's position in `info`.
-extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_norm, float* k, int k_width,
-                                        const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
-                                        int style, float eps, const float* v, const TokenKv* info, int layer) {
-    int q_heads = q_width / hd, kv_heads = k_width / hd, t = blockIdx.y, h = blockIdx.x;
+// Block `h` of `rope_norm_kv` for token t, run by a block of at least `vt` threads
+// (`rope_head`).
+__device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q_norm, float* k, int k_width,
+                             const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
+                             int style, float eps, const float* v, const TokenKv* info, int layer, int vt) {
+    int q_heads = q_width / hd, kv_heads = k_width / hd;
+    int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
     if (h < q_heads) {
-        rope_head(q + (u64)t * q_width + (u64)h * hd, q_norm, hd, positions[t], base, pos_scale, style, eps);
+        rope_head(q + (u64)t * q_width + (u64)h * hd, q_norm, hd, positions[t], base, pos_scale, style, eps, vt);
         return;
     }
     TokenKv ti = info[t];
@@ -36,14 +36,50 @@ extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_no
     if (h < q_heads + kv_heads) {
         int head = h - q_heads;
         float* kh = k + (u64)t * k_width + (u64)head * hd;
-        rope_head(kh, k_norm, hd, positions[t], base, pos_scale, style, eps);
+        rope_head(kh, k_norm, hd, positions[t], base, pos_scale, style, eps, vt);
         __syncthreads();
-        for (int j = threadIdx.x; j < hd; j += blockDim.x) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
+        for (int j = tid; j < hd; j += threads) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
         return;
     }
     int head = h - q_heads - kv_heads;
     const float* vh = v + (u64)t * k_width + (u64)head * hd;
-    for (int j = threadIdx.x; j < hd; j += blockDim.x) ((float*)ti.v)[at + (u64)head * hd + j] = vh[j];
+    for (int j = tid; j < hd; j += threads) ((float*)ti.v)[at + (u64)head * hd + j] = __ldcg(vh + j);
+}
+
+// `rope_norm`, then `kv_write` of its keys and `v`, in one launch (the same values): blocks past
+// the query and key heads copy the value heads (as many as the key heads) into the cache; each
+// key head is copied there once rotated. positions[t] is token t's position in `info`.
+extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_norm, float* k, int k_width,
+                                        const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
+                                        int style, float eps, const float* v, const TokenKv* info, int layer) {
+    rope_kv_head(blockIdx.x, blockIdx.y, q, q_width, q_norm, k, k_width, k_norm, hd, positions, base, pos_scale,
+                 style, eps, v, info, layer, blockDim.x);
+}
+
+// One token's Q, K and V products in one launch (`matvec_i8x3_mixed`: `t0` .. `t2` each weight's
+// type), then `rope_norm_kv` of their outputs without a launch of its own: the product blocks
+// writing a head's rows (a block's rows never straddle two heads: hd a multiple of them) count at
+// done[h] (h as `rope_norm_kv`'s block: query heads, key heads, value heads), and the last of
+// them does that head (`rope_kv_head` as a block of `vt` = rope_threads(hd) threads would).
+extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_rope_kv(
+    const u8* Xq, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0, int r0, const float* b0,
+    float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
+    const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
+    float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
+    int b = blockIdx.x, rows = blockDim.y / wpr, h;
+    if (b < nb0) {
+        matvec_i8_rows_of(t0, W0, s0, r0, cols, Xq, b0, wpr, y0, b);
+        h = b * rows / hd;
+    } else if (b < nb01) {
+        matvec_i8_rows_of(t1, W1, s1, r1, cols, Xq, b1, wpr, y1, b - nb0);
+        h = r0 / hd + (b - nb0) * rows / hd;
+    } else {
+        matvec_i8_rows_of(t2, W2, s2, r2, cols, Xq, b2, wpr, y2, b - nb01);
+        h = r0 / hd + r1 / hd + (b - nb01) * rows / hd;
+    }
+    if (last_arrival(done + h, hd / rows))
+        rope_kv_head(h, 0, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info, layer,
+                     vt);
 }
 
 // One block per (query head, token): scores over the token's cached positions

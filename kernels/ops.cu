@@ -43,7 +43,10 @@ __device__ bool last_arrival(u32* counter, u32 expected) {
     __syncthreads();
     if (threadIdx.x == 0 && threadIdx.y == 0) {
         last = atomicAdd(counter, 1u) == expected - 1;
-        if (last) atomicExch(counter, 0u);
+        if (last) {
+            __threadfence();  // (acquire: the others' writes before their arrivals are seen)
+            atomicExch(counter, 0u);
+        }
     }
     __syncthreads();
     return last;
@@ -350,18 +353,26 @@ extern "C" __global__ void top_k_rows(const float* x, int width, const u32* bann
 }
 
 // Per-head RMSNorm (when `norm` is given), then RoPE at `position`, of the head at `v` (hd wide),
-// by a block of hd/2 threads rounded up to a warp, every one of which calls it. Angles in f64
-// as on the CPU (ops::rope_table). style 0: adjacent pairs, 1: halves.
+// as a block of `vt` threads (hd/2 rounded up to a warp: `rope_threads`) computes it; every thread
+// of the running block (one or two dimensions, at least `vt` threads) calls it, those past `vt`
+// adding nothing to the norm's sum (so it is the same sum). Angles in f64 as on the CPU
+// (ops::rope_table). style 0: adjacent pairs, 1: halves. `v` is read past the L1 cache (other
+// blocks of a launch may have written it: `last_arrival`).
 __device__ void rope_head(float* v, const float* norm, int hd, u32 position, float base, float pos_scale, int style,
-                          float eps) {
+                          float eps, int vt) {
     int half = hd / 2;
-    int i = threadIdx.x;
+    int i = threadIdx.x + blockDim.x * threadIdx.y;
     if (norm) {
         float ss = 0.f;
-        for (int j = i; j < hd; j += blockDim.x) ss += v[j] * v[j];
+        if (i < vt)
+            for (int j = i; j < hd; j += vt) {
+                float x = __ldcg(v + j);
+                ss += x * x;
+            }
         ss = block_sum(ss);
         float scale = rsqrtf(ss / (float)hd + eps);
-        for (int j = i; j < hd; j += blockDim.x) v[j] = v[j] * scale * norm[j];
+        if (i < vt)
+            for (int j = i; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
         __syncthreads();
     }
     if (i >= half) return;
@@ -370,7 +381,7 @@ __device__ void rope_head(float* v, const float* norm, int hd, u32 position, flo
     float c = (float)cos(theta), s = (float)sin(theta);
     int a = style == 0 ? 2 * i : i;
     int b = style == 0 ? 2 * i + 1 : i + half;
-    float x0 = v[a], x1 = v[b];
+    float x0 = __ldcg(v + a), x1 = __ldcg(v + b);
     v[a] = x0 * c - x1 * s;
     v[b] = x0 * s + x1 * c;
 }
@@ -385,7 +396,7 @@ extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm,
     bool is_q = (int)blockIdx.x < q_heads;
     int head = is_q ? blockIdx.x : blockIdx.x - q_heads;
     float* v = is_q ? q + (u64)t * q_width + (u64)head * hd : k + (u64)t * k_width + (u64)head * hd;
-    rope_head(v, is_q ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps);
+    rope_head(v, is_q ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps, blockDim.x);
 }
 
 // The activations the CPU's quantized products see (src/quant/prepare.rs,

@@ -290,6 +290,18 @@ kernels! {
         t1: I32, w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
         t2: I32, w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
     ) if xq.is_multiple_of(16);
+    /// `matvec_i8x3_mixed` of a token's Q, K and V weights, then `rope_norm_kv` of their
+    /// outputs (as a block of `vt` threads) by the last block of each head's rows; `done`: zeroed
+    /// counters, one per query, key and value head.
+    matvec_i8x3_rope_kv(
+        xq: Ptr, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        t1: I32, w1: Ptr, s1: U64, r1: I32, b1: Opt, y1: Ptr,
+        t2: I32, w2: Ptr, s2: U64, r2: I32, b2: Opt, y2: Ptr,
+        q_norm: Opt, k_norm: Opt, hd: I32, positions: Ptr, base: F32, pos_scale: F32, style: I32, eps: F32,
+        info: Ptr, layer: I32, vt: I32, done: Ptr,
+    ) if xq.is_multiple_of(16) && hd > 0 && hd.is_multiple_of(2) && r0.is_multiple_of(hd) && r1 == r2
+        && r1.is_multiple_of(hd) && vt.is_multiple_of(32) && vt <= 256;
     /// `matvec_i8x3` of a gate (`w0`) and an up (`w1`) weight of `r0` rows (a multiple of 256),
     /// then `activate_mul_q8_k` of their outputs (`f`; the Q8_K blocks into `out`) by the last
     /// of each 256 rows' blocks; `done`: zeroed counters, one per 256 rows.

@@ -627,7 +627,7 @@ impl CudaDevice {
             }
             g.record(graph::Op::launch(name, ty, &cfg, args));
             // (Not between a one-token integer product and what may fuse into it next.)
-            if g.split_due() && !matches!(name, "matvec_i8" | "matvec_i8f" | "matvec_i8x3") {
+            if g.split_due() && !matches!(name, "matvec_i8" | "matvec_i8f" | "matvec_i8x3" | "matvec_i8x3_mixed") {
                 self.launch_part(g);
             }
             return;

@@ -581,6 +581,23 @@ impl CudaDevice {
         };
         let (qp, kp) = (self.buf_mut(q), self.buf_mut(k));
         let (qw, kw, base, pos_scale) = (q.width, k.width, shape.base, shape.pos_scale);
+        if let Some((v, info, layer)) = kv.filter(|_| positions.len() == 1 && self.fuse()) {
+            let rope = RopeArgs {
+                q_norm: qn,
+                k_norm: kn,
+                hd,
+                positions: pp,
+                base,
+                pos_scale,
+                style,
+                eps,
+                info,
+                layer,
+            };
+            if self.rope_after_products([qp, kp, self.buf(v)], [qw, kw], rope) {
+                return;
+            }
+        }
         match kv {
             Some((v, info, layer)) => self.k().rope_norm_kv(
                 cfg,
@@ -675,6 +692,106 @@ impl CudaDevice {
             out[i] = Some(o);
         }
         out.into_iter().map(|o| o.expect("every product made")).collect()
+    }
+
+    /// `rope_norm_kv` of one token's query, key and value rows `qkv` (widths `widths` of the
+    /// first two) in the last blocks of the product that wrote them, when that is one launch of
+    /// the three integer products (`matvec_i8x3`, `matvec_i8x3_mixed`) and the operation recorded
+    /// last (see [`FUSE_ENV`]): it is taken back and recorded again as `matvec_i8x3_rope_kv`.
+    /// False (nothing done) otherwise.
+    fn rope_after_products(&self, qkv: [u64; 3], widths: [usize; 2], r: RopeArgs) -> bool {
+        let vt = rope_threads(r.hd) as usize;
+        let heads = (widths[0] + 2 * widths[1]) / r.hd.max(1);
+        let done = self.counters(heads);
+        if done == 0 || vt > 32 * MATMUL_WARPS as usize {
+            return false;
+        }
+        // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
+        // for each of three weights; `matvec_i8x3_mixed` has each weight's type before its w.
+        let is = |args: &[Arg], i: usize, v: u64| args.get(i).is_some_and(|a| a.bits() == v);
+        let product = self.graphs.lock().expect("graphs").take_last_launch(|name, args| {
+            let step = match name {
+                "matvec_i8x3" => 5,
+                "matvec_i8x3_mixed" => 6,
+                _ => return false,
+            };
+            let wpr = args.get(2).map_or(0, |a| a.bits()) as usize;
+            let rows = MATMUL_WARPS as usize / wpr.max(1);
+            wpr > 0
+                && r.hd.is_multiple_of(rows)
+                && (0..3).all(|i| is(args, 4 + step * (i + 1), qkv[i]))
+                && is(args, 4 + step - 2, widths[0] as u64)
+                && is(args, 4 + 2 * step - 2, widths[1] as u64)
+        });
+        let Some(graph::Op::Launch {
+            name,
+            ty,
+            grid,
+            block,
+            args,
+        }) = product
+        else {
+            return false;
+        };
+        // As `matvec_i8x3_mixed`'s: each weight's type before its parameters.
+        let words: Vec<u64> = if name == "matvec_i8x3" {
+            let code = i8_type_code(ty.expect("a typed launch")) as u64;
+            let mut w: Vec<u64> = args[..5].iter().map(|a| a.bits()).collect();
+            for seg in args[5..].chunks(5) {
+                w.push(code);
+                w.extend(seg.iter().map(|a| a.bits()));
+            }
+            w
+        } else {
+            args.iter().map(|a| a.bits()).collect()
+        };
+        let w = |i: usize| words[i];
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        self.k().matvec_i8x3_rope_kv(
+            cfg,
+            w(0),
+            w(1) as usize,
+            w(2) as usize,
+            w(3) as usize,
+            w(4) as usize,
+            w(5) as usize,
+            w(6),
+            w(7),
+            w(8) as usize,
+            w(9),
+            w(10),
+            w(11) as usize,
+            w(12),
+            w(13),
+            w(14) as usize,
+            w(15),
+            w(16),
+            w(17) as usize,
+            w(18),
+            w(19),
+            w(20) as usize,
+            w(21),
+            w(22),
+            r.q_norm,
+            r.k_norm,
+            r.hd,
+            r.positions,
+            r.base,
+            r.pos_scale,
+            r.style,
+            r.eps,
+            r.info,
+            r.layer,
+            vt,
+            done,
+        );
+        self.last_block_fusions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
     }
 
     /// `activate_mul_q8_k` of one token's `gate` and `up` (`n` Q8_K blocks into `out`) in the
@@ -1078,4 +1195,21 @@ impl CudaDevice {
         self.reduce_parts(partial, &mut out);
         out
     }
+}
+
+/// What `rope_norm_kv` takes besides its rows (see [`CudaDevice::launch_rope`]): the norms (0:
+/// none), the head size, the positions' device list, the rotation, the KV cache's token words and
+/// layer.
+#[derive(Clone, Copy)]
+struct RopeArgs {
+    q_norm: u64,
+    k_norm: u64,
+    hd: usize,
+    positions: u64,
+    base: f32,
+    pos_scale: f32,
+    style: usize,
+    eps: f32,
+    info: u64,
+    layer: usize,
 }

@@ -40,7 +40,7 @@ pub(super) const ATTN_SPLIT_MIN_POSITIONS: usize = 64;
 pub(super) const ATTN_SPLIT_TARGET_BLOCKS: usize = 256;
 /// u32 launch counters a device keeps (`last_arrival` in kernels/ops.cu): a fused merge of
 /// split attention takes one per (query head, token), a fused norm one, a fused gated
-/// activation one per 256 values.
+/// activation one per 256 values, a fused RoPE one per query, key and value head.
 pub const COUNTER_WORDS: usize = 1 << 16;
 /// Bytes of freed activation buffers kept for reuse.
 pub(super) const POOL_BYTES_MAX: usize = 1 << 30;
@@ -74,7 +74,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 27] = [
+pub(super) const OPS: [&str; 28] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -102,6 +102,7 @@ pub(super) const OPS: [&str; 27] = [
     "attention_merge",
     "attention_tiles",
     "matvec_i8x3_mixed",
+    "matvec_i8x3_rope_kv",
 ];
 
 /// A kernel: a name, and the weight type for the per-type families (looked up per launch
