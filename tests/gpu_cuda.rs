@@ -1860,12 +1860,12 @@ fn fused_last_blocks_in(
             let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
             let res0: Vec<f32> = (0..width).map(|_| 4.0 * rng.normalish()).collect();
             for blocks in [true, false] {
-                /// The residual, the norm's output, the next product, the fusions.
-                type Got = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
-                // (fuse, graphs)
-                let run = |fuse: bool, graphs: bool| -> Result<Got, String> {
-                    dev.set_fuse(fuse);
-                    dev.set_graphs(graphs);
+                let what = format!(
+                    "{ty:?}, {width} rows of {cols}, input {}",
+                    if blocks { "with blocks" } else { "as values" }
+                );
+                let names = ["residual", "norm output", "product of the norm output"];
+                fused_against_apart(dev, &what, &names, || {
                     // (An integer product first: norms make blocks once one has run.)
                     let warm = dev.upload(1, cols, x.clone());
                     drop(dev.matmul(&[&w], &warm));
@@ -1876,39 +1876,9 @@ fn fused_last_blocks_in(
                     let y = dev.matmul(&[&w], &xin).remove(0);
                     let out = dev.add_rms_norm(&mut res, &y, &nw, eps);
                     let p = dev.matmul(&[&next], &out).remove(0);
-                    let got = (dev.download(res), dev.download(out), dev.download(p));
-                    if let Some(e) = dev.take_error() {
-                        return Err(format!("{ty:?}, {width} rows: {e}"));
-                    }
-                    Ok((got.0, got.1, got.2, dev.last_block_fusions() - f0))
-                };
-                // (Fused first: its buffers then hold other values, so a norm that ran before
-                // every block had written its rows would not read this product's by chance.)
-                let fused = run(true, true)?;
-                let apart = run(false, true)?;
-                let direct = run(true, false)?;
-                let what = format!(
-                    "{ty:?}, {width} rows of {cols}, input {}",
-                    if blocks { "with blocks" } else { "as values" }
-                );
-                if fused.3 != 1 || apart.3 != 0 || direct.3 != 0 {
-                    return Err(format!(
-                        "{what}: {} / {} / {} last-block fusions fused / apart / graphs off (1 / 0 / 0 expected)",
-                        fused.3, apart.3, direct.3
-                    ));
-                }
-                for (name, a, b, c) in [
-                    ("residual", &apart.0, &fused.0, &direct.0),
-                    ("norm output", &apart.1, &fused.1, &direct.1),
-                    ("product of the norm output", &apart.2, &fused.2, &direct.2),
-                ] {
-                    if a != b || a != c {
-                        return Err(format!(
-                            "{what}: the {name} fused differs from the launches apart (max |d| {:e})",
-                            max_abs_diff(a.iter().copied(), b.iter().copied())
-                        ));
-                    }
-                }
+                    let got = vec![dev.download(res), dev.download(out), dev.download(p)];
+                    Ok((got, dev.last_block_fusions() - f0))
+                })?;
                 cases += 1;
             }
         }
@@ -1926,10 +1896,8 @@ fn fused_last_blocks_in(
             let down = quantized(ty, 24, rows, &mut rng);
             let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
             let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
-            // (fuse, graphs) -> activation, up's product, the down product, fusions.
-            let run = |fuse: bool, graphs: bool| -> Result<(Vec<f32>, Vec<f32>, u64), String> {
-                dev.set_fuse(fuse);
-                dev.set_graphs(graphs);
+            let what = format!("{ty:?}, gate and up of {rows} rows of {cols}, {f:?}");
+            fused_against_apart(dev, &what, &["activation", "product of the activation"], || {
                 let warm = dev.upload(1, cols, x.clone());
                 drop(dev.matmul(&[&gate], &warm));
                 let xin = dev.upload(1, cols, x.clone());
@@ -1939,33 +1907,9 @@ fn fused_last_blocks_in(
                 let (mut u, mut g) = (gu.remove(1), gu.remove(0));
                 dev.activate_mul(&mut u, &mut g, f);
                 let d = dev.matmul(&[&down], &u).remove(0);
-                let got = (dev.download(u), dev.download(d));
-                if let Some(e) = dev.take_error() {
-                    return Err(format!("{ty:?}, gate and up of {rows} rows: {e}"));
-                }
-                Ok((got.0, got.1, dev.last_block_fusions() - f0))
-            };
-            let fused = run(true, true)?;
-            let apart = run(false, true)?;
-            let direct = run(true, false)?;
-            let what = format!("{ty:?}, gate and up of {rows} rows of {cols}, {f:?}");
-            if fused.2 != 1 || apart.2 != 0 || direct.2 != 0 {
-                return Err(format!(
-                    "{what}: {} / {} / {} last-block fusions fused / apart / graphs off (1 / 0 / 0 expected)",
-                    fused.2, apart.2, direct.2
-                ));
-            }
-            for (name, a, b, c) in [
-                ("activation", &apart.0, &fused.0, &direct.0),
-                ("product of the activation", &apart.1, &fused.1, &direct.1),
-            ] {
-                if a != b || a != c {
-                    return Err(format!(
-                        "{what}: the {name} fused differs from the launches apart (max |d| {:e})",
-                        max_abs_diff(a.iter().copied(), b.iter().copied())
-                    ));
-                }
-            }
+                let got = vec![dev.download(u), dev.download(d)];
+                Ok((got, dev.last_block_fusions() - f0))
+            })?;
             act_cases += 1;
         }
     }
@@ -2018,11 +1962,9 @@ fn fused_last_blocks_in(
             scale: 1.0 / (hd as f32).sqrt(),
             window: None,
         };
-        /// The rotated queries and keys, and attention over the cache.
-        type Got = (Vec<f32>, Vec<f32>, Vec<f32>, u64);
-        let run = |fuse: bool, graphs: bool| -> Result<Got, String> {
-            dev.set_fuse(fuse);
-            dev.set_graphs(graphs);
+        let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}");
+        let names = ["queries", "keys", "attention over the cache"];
+        fused_against_apart(dev, &what, &names, || {
             let warm = dev.upload(1, cols, x.clone());
             drop(dev.matmul(&[&wq], &warm));
             let mut cache = KvCache::new(&cfg, 16);
@@ -2042,36 +1984,11 @@ fn fused_last_blocks_in(
                 &mut caches,
                 (rope, norms.0, norms.1, eps),
             );
+            // (Counted before attention, whose split may be merged by a last block too.)
             let fused = dev.last_block_fusions() - f0;
             let out = dev.attention(&q, &[7], &[0], &caches, attn);
-            let got = (dev.download(q), dev.download(k), dev.download(out));
-            if let Some(e) = dev.take_error() {
-                return Err(format!("{tys:?}, heads of {hd}: {e}"));
-            }
-            Ok((got.0, got.1, got.2, fused))
-        };
-        let fused = run(true, true)?;
-        let apart = run(false, true)?;
-        let direct = run(true, false)?;
-        let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}");
-        if fused.3 != 1 || apart.3 != 0 || direct.3 != 0 {
-            return Err(format!(
-                "{what}: {} / {} / {} last-block fusions fused / apart / graphs off (1 / 0 / 0 expected)",
-                fused.3, apart.3, direct.3
-            ));
-        }
-        for (name, a, b, c) in [
-            ("queries", &apart.0, &fused.0, &direct.0),
-            ("keys", &apart.1, &fused.1, &direct.1),
-            ("attention over the cache", &apart.2, &fused.2, &direct.2),
-        ] {
-            if a != b || a != c {
-                return Err(format!(
-                    "{what}: the {name} fused differ from the launches apart (max |d| {:e})",
-                    max_abs_diff(a.iter().copied(), b.iter().copied())
-                ));
-            }
-        }
+            Ok((vec![dev.download(q), dev.download(k), dev.download(out)], fused))
+        })?;
         rope_cases += 1;
     }
     report.insert("fused_norms_cases".into(), cases.into());
@@ -2086,6 +2003,46 @@ fn fused_last_blocks_in(
          heads of 64/128/256, grouped and not; per-head norms and not; both pair styles) bit-identical to the launches \
          apart (queries, keys, attention over the cache), each fused once"
     ))
+}
+
+/// One piece of `fused_last_blocks`' work (`run`: its outputs, named `names`, and the last-block
+/// fusions it made) run three ways: launches fused with graphs on — first, so that its buffers
+/// then hold other values and a last block that ran before every block had written its rows
+/// would not read the right ones by chance — fused launches off, and graphs off. The same outputs
+/// all three ways; one fusion with graphs on, none otherwise.
+fn fused_against_apart(
+    dev: &Arc<CudaDevice>,
+    what: &str,
+    names: &[&str],
+    run: impl Fn() -> Result<(Vec<Vec<f32>>, u64), String>,
+) -> Result<(), String> {
+    let mut ways = Vec::new();
+    for (fuse, graphs) in [(true, true), (false, true), (true, false)] {
+        dev.set_fuse(fuse);
+        dev.set_graphs(graphs);
+        let got = run()?;
+        if let Some(e) = dev.take_error() {
+            return Err(format!("{what}: {e}"));
+        }
+        ways.push(got);
+    }
+    let [(fused, n_fused), (apart, n_apart), (direct, n_direct)] = &ways[..] else {
+        unreachable!("three ways")
+    };
+    if (*n_fused, *n_apart, *n_direct) != (1, 0, 0) {
+        return Err(format!(
+            "{what}: {n_fused} / {n_apart} / {n_direct} last-block fusions fused / apart / graphs off (1 / 0 / 0 expected)"
+        ));
+    }
+    for (i, name) in names.iter().enumerate() {
+        if apart[i] != fused[i] || apart[i] != direct[i] {
+            return Err(format!(
+                "{what}: the {name} fused differ from the launches apart (max |d| {:e})",
+                max_abs_diff(apart[i].iter().copied(), fused[i].iter().copied())
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Fused launches (`GATESTREAM_CUDA_FUSE`, in the default activation mode) against each

@@ -492,8 +492,7 @@ impl Device for CudaDevice {
                 self.buf(&out),
             );
             if done != 0 {
-                self.last_block_fusions
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.fused_into_last_blocks();
             }
             if let Some(part) = part.filter(|_| done == 0) {
                 self.k().attention_merge(
@@ -694,6 +693,38 @@ impl CudaDevice {
         out.into_iter().map(|o| o.expect("every product made")).collect()
     }
 
+    /// The launch recorded last, taken back (not to be launched) when `wanted` accepts its
+    /// kernel and parameters (see [`FUSE_ENV`]): its name, weight type, geometry and parameters
+    /// as a launcher takes them again ([`Arg::bits`]).
+    fn take_back(
+        &self,
+        wanted: impl FnOnce(&'static str, &[Arg]) -> bool,
+    ) -> Option<(&'static str, Option<GgmlType>, LaunchConfig, Vec<u64>)> {
+        let op = self.graphs.lock().expect("graphs").take_last_launch(wanted)?;
+        let graph::Op::Launch {
+            name,
+            ty,
+            grid,
+            block,
+            args,
+        } = op
+        else {
+            return None;
+        };
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: block,
+            shared_mem_bytes: 0,
+        };
+        Some((name, ty, cfg, args.iter().map(|a| a.bits()).collect()))
+    }
+
+    /// Counts a launch whose last blocks took on the next one's work.
+    fn fused_into_last_blocks(&self) {
+        self.last_block_fusions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// `rope_norm_kv` of one token's query, key and value rows `qkv` (widths `widths` of the
     /// first two) in the last blocks of the product that wrote them, when that is one launch of
     /// the three integer products (`matvec_i8x3`, `matvec_i8x3_mixed`) and the operation recorded
@@ -709,7 +740,7 @@ impl CudaDevice {
         // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
         // for each of three weights; `matvec_i8x3_mixed` has each weight's type before its w.
         let is = |args: &[Arg], i: usize, v: u64| args.get(i).is_some_and(|a| a.bits() == v);
-        let product = self.graphs.lock().expect("graphs").take_last_launch(|name, args| {
+        let Some((name, ty, cfg, args)) = self.take_back(|name, args| {
             let step = match name {
                 "matvec_i8x3" => 5,
                 "matvec_i8x3_mixed" => 6,
@@ -722,35 +753,22 @@ impl CudaDevice {
                 && (0..3).all(|i| is(args, 4 + step * (i + 1), qkv[i]))
                 && is(args, 4 + step - 2, widths[0] as u64)
                 && is(args, 4 + 2 * step - 2, widths[1] as u64)
-        });
-        let Some(graph::Op::Launch {
-            name,
-            ty,
-            grid,
-            block,
-            args,
-        }) = product
-        else {
+        }) else {
             return false;
         };
         // As `matvec_i8x3_mixed`'s: each weight's type before its parameters.
         let words: Vec<u64> = if name == "matvec_i8x3" {
             let code = i8_type_code(ty.expect("a typed launch")) as u64;
-            let mut w: Vec<u64> = args[..5].iter().map(|a| a.bits()).collect();
+            let mut w = args[..5].to_vec();
             for seg in args[5..].chunks(5) {
                 w.push(code);
-                w.extend(seg.iter().map(|a| a.bits()));
+                w.extend(seg);
             }
             w
         } else {
-            args.iter().map(|a| a.bits()).collect()
+            args
         };
         let w = |i: usize| words[i];
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
         self.k().matvec_i8x3_rope_kv(
             cfg,
             w(0),
@@ -789,8 +807,7 @@ impl CudaDevice {
             vt,
             done,
         );
-        self.last_block_fusions
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.fused_into_last_blocks();
         true
     }
 
@@ -807,7 +824,7 @@ impl CudaDevice {
         // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
         // for each of three weights.
         let rows = Arg::I32(i32::try_from(256 * n).unwrap_or(-1));
-        let product = self.graphs.lock().expect("graphs").take_last_launch(|name, args| {
+        let Some((_, Some(ty), cfg, args)) = self.take_back(|name, args| {
             let same = |i: usize, v: Arg| args.get(i).is_some_and(|a| a.bits() == v.bits());
             name == "matvec_i8x3"
                 && same(9, Arg::U64(gate))
@@ -815,23 +832,10 @@ impl CudaDevice {
                 && same(15, Arg::U64(0))
                 && same(7, rows)
                 && same(12, rows)
-        });
-        let Some(graph::Op::Launch {
-            ty: Some(ty),
-            grid,
-            block,
-            args,
-            ..
-        }) = product
-        else {
+        }) else {
             return false;
         };
-        let w = |i: usize| args[i].bits();
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: 0,
-        };
+        let w = |i: usize| args[i];
         self.k().matvec_i8x3_act(
             ty,
             cfg,
@@ -859,8 +863,7 @@ impl CudaDevice {
             out,
             done,
         );
-        self.last_block_fusions
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.fused_into_last_blocks();
         true
     }
 
@@ -875,29 +878,16 @@ impl CudaDevice {
             return false;
         }
         // The product's parameters (`product_i8`'s launcher): its output is the tenth.
-        let product = self.graphs.lock().expect("graphs").take_last_launch(|name, args| {
+        let Some((name, Some(ty), cfg, args)) = self.take_back(|name, args| {
             matches!(name, "matvec_i8" | "matvec_i8f") && args.get(9).is_some_and(|p| p.bits() == Arg::U64(a).bits())
-        });
-        let Some(graph::Op::Launch {
-            name,
-            ty: Some(ty),
-            grid,
-            block,
-            args,
-        }) = product
-        else {
+        }) else {
             return false;
         };
-        let word = |i: usize| args[i].bits();
+        let word = |i: usize| args[i];
         let fused = if name == "matvec_i8" {
             "matvec_i8_norm"
         } else {
             "matvec_i8f_norm"
-        };
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: block,
-            shared_mem_bytes: 0,
         };
         self.k().product_i8_norm(
             fused,
@@ -921,8 +911,7 @@ impl CudaDevice {
             norm_threads(width) as usize,
             done,
         );
-        self.last_block_fusions
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.fused_into_last_blocks();
         true
     }
 
