@@ -1050,8 +1050,8 @@ fn top_k_rows(
 /// The integer products' input blocks a norm or gated activation writes beside its output
 /// (`GATESTREAM_CUDA_FUSE`) against blocks made from the same values uploaded afresh: a Q4_K
 /// product of each producer's output equal bit for bit, and after each operation that writes
-/// an activation in place, the product of the new values (the old blocks dropped). The device's
-/// modes restored after.
+/// an activation in place, the product of the new values (the old blocks dropped): for a token,
+/// a batch of 3 (integer batches) and of 13 (integer tiles). The device's modes restored after.
 fn fused_q8_blocks(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
@@ -1079,83 +1079,87 @@ fn fused_blocks_follow_writes(
     let w = quantized(GgmlType::Q4_K, 40, COLS, &mut Rng(12));
     let neurons = quantized(GgmlType::F32, 24, COLS, &mut Rng(13));
     let (norm, norm2, bias) = (values(COLS), values(COLS), values(COLS));
-    let up_values = values(COLS);
-    let gate_values = values(COLS);
-    let acts_values = values(24);
-    let x = dev.upload(1, COLS, values(COLS));
-    let product = |a: &Act| dev.download(dev.matmul(&[&w], a).remove(0));
-    // An integer product first: blocks are made ahead only once one has run.
-    product(&x);
     let mut checked = Vec::new();
     let mut failures = Vec::new();
-    // `blocks`: whether `a` should carry blocks (made with it) or not (written since).
-    let mut check = |what: &str, a: &Act, blocks: bool| {
-        if dev.has_input_blocks(a) != blocks {
-            failures.push(format!(
-                "{what}: input blocks {}",
-                if blocks { "missing" } else { "kept" }
-            ));
-        }
-        let got = product(a);
-        let fresh = dev.upload(1, COLS, dev.to_host(a).into_owned());
-        let want = product(&fresh);
-        let differ = got
-            .iter()
-            .zip(&want)
-            .filter(|(g, w)| g.to_bits() != w.to_bits())
-            .count();
-        if differ > 0 {
-            failures.push(format!("{what}: {differ} of {} outputs differ", want.len()));
-        }
-        checked.push(what.to_string());
-    };
-    let normed = || dev.rms_norm(&x, &norm, EPS);
-    check("rms_norm", &normed(), true);
-    let mut y = normed();
-    dev.add(&mut y, &x);
-    check("add after rms_norm", &y, false);
-    let mut y = normed();
-    dev.mul(&mut y, &x);
-    check("mul after rms_norm", &y, false);
-    let mut y = normed();
-    dev.add_bias(&mut y, &bias);
-    check("add_bias after rms_norm", &y, false);
-    let mut y = normed();
-    dev.activate(&mut y, FfnActivation::GeluTanh);
-    check("activate after rms_norm", &y, false);
-    let mut y = normed();
-    dev.softcap(&mut y, 0.5);
-    check("softcap after rms_norm", &y, false);
-    let mut y = normed();
-    dev.rms_norm_in_place(&mut y, &norm2, EPS);
-    check("rms_norm_in_place after rms_norm", &y, true);
-    let mut residual = normed();
-    let out = dev.add_rms_norm(&mut residual, &x, &norm2, EPS);
-    check("add_rms_norm", &out, true);
-    check("add_rms_norm's residual after rms_norm", &residual, false);
-    let mut up = dev.upload(1, COLS, up_values.clone());
-    let mut gate = dev.upload(1, COLS, gate_values.clone());
-    dev.activate_mul(&mut up, &mut gate, FfnActivation::Silu);
-    check("activate_mul", &up, true);
-    dev.add(&mut up, &x);
-    check("add after activate_mul", &up, false);
-    let mut up = normed();
-    dev.activate_mul(&mut up, &mut gate, FfnActivation::GeluTanh);
-    check("activate_mul after rms_norm", &up, true);
-    let mut out = normed();
-    let acts = dev.upload(1, 24, acts_values);
-    dev.accumulate_rows(&neurons, None, &acts, &mut out);
-    check("accumulate_rows after rms_norm", &out, false);
-    let (mut q, mut k) = (normed(), normed());
-    let shape = RopeShape {
-        head_dim: 128,
-        base: 10000.0,
-        pos_scale: 1.0,
-        style: RopeStyle::HalfSplit,
-    };
-    dev.rope_qk(&mut q, &mut k, &[5], shape, None, None, EPS);
-    check("rope_qk (queries) after rms_norm", &q, false);
-    check("rope_qk (keys) after rms_norm", &k, false);
+    // A token (one-token products), a batch of 3 (integer batches) and of 13 (integer tiles).
+    for rows in [1usize, 3, 13] {
+        let up_values = values(rows * COLS);
+        let gate_values = values(rows * COLS);
+        let acts_values = values(rows * 24);
+        let x = dev.upload(rows, COLS, values(rows * COLS));
+        let product = |a: &Act| dev.download(dev.matmul(&[&w], a).remove(0));
+        // An integer product first: blocks are made ahead only once one has run.
+        product(&x);
+        // `blocks`: whether `a` should carry blocks (made with it) or not (written since).
+        let mut check = |what: &str, a: &Act, blocks: bool| {
+            if dev.has_input_blocks(a) != blocks {
+                failures.push(format!(
+                    "{what}: input blocks {}",
+                    if blocks { "missing" } else { "kept" }
+                ));
+            }
+            let got = product(a);
+            let fresh = dev.upload(a.rows, COLS, dev.to_host(a).into_owned());
+            let want = product(&fresh);
+            let differ = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() != w.to_bits())
+                .count();
+            if differ > 0 {
+                failures.push(format!("{what}: {differ} of {} outputs differ", want.len()));
+            }
+            checked.push(format!("{what}, {rows} row{}", if rows == 1 { "" } else { "s" }));
+        };
+        let normed = || dev.rms_norm(&x, &norm, EPS);
+        check("rms_norm", &normed(), true);
+        let mut y = normed();
+        dev.add(&mut y, &x);
+        check("add after rms_norm", &y, false);
+        let mut y = normed();
+        dev.mul(&mut y, &x);
+        check("mul after rms_norm", &y, false);
+        let mut y = normed();
+        dev.add_bias(&mut y, &bias);
+        check("add_bias after rms_norm", &y, false);
+        let mut y = normed();
+        dev.activate(&mut y, FfnActivation::GeluTanh);
+        check("activate after rms_norm", &y, false);
+        let mut y = normed();
+        dev.softcap(&mut y, 0.5);
+        check("softcap after rms_norm", &y, false);
+        let mut y = normed();
+        dev.rms_norm_in_place(&mut y, &norm2, EPS);
+        check("rms_norm_in_place after rms_norm", &y, true);
+        let mut residual = normed();
+        let out = dev.add_rms_norm(&mut residual, &x, &norm2, EPS);
+        check("add_rms_norm", &out, true);
+        check("add_rms_norm's residual after rms_norm", &residual, false);
+        let mut up = dev.upload(rows, COLS, up_values.clone());
+        let mut gate = dev.upload(rows, COLS, gate_values.clone());
+        dev.activate_mul(&mut up, &mut gate, FfnActivation::Silu);
+        check("activate_mul", &up, true);
+        dev.add(&mut up, &x);
+        check("add after activate_mul", &up, false);
+        let mut up = normed();
+        dev.activate_mul(&mut up, &mut gate, FfnActivation::GeluTanh);
+        check("activate_mul after rms_norm", &up, true);
+        let mut out = normed();
+        let acts = dev.upload(rows, 24, acts_values);
+        dev.accumulate_rows(&neurons, None, &acts, &mut out);
+        check("accumulate_rows after rms_norm", &out, false);
+        let (mut q, mut k) = (normed(), normed());
+        let shape = RopeShape {
+            head_dim: 128,
+            base: 10000.0,
+            pos_scale: 1.0,
+            style: RopeStyle::HalfSplit,
+        };
+        let positions: Vec<usize> = (5..5 + rows).collect();
+        dev.rope_qk(&mut q, &mut k, &positions, shape, None, None, EPS);
+        check("rope_qk (queries) after rms_norm", &q, false);
+        check("rope_qk (keys) after rms_norm", &k, false);
+    }
     if let Some(e) = dev.take_error() {
         failures.push(format!("the device: {e}"));
     }
@@ -2051,7 +2055,8 @@ fn fused_against_apart(
 /// reach the same kernels), and each pass must launch exactly as many operations fewer as
 /// were fused: per layer RoPE with the KV write, and per one-token row one quantization for each
 /// input whose next products include an integer one (the attention and FFN norms' outputs, the
-/// gated activation, the final norm; of a prompt only its last row's final norm), and per
+/// gated activation, the final norm; of a prompt each row's norms and activation, and only its
+/// last row's final norm), and per
 /// decode step the last blocks' fusions (`fused_last_blocks`, split attention's merge) — and the speed
 /// of both.
 fn fused_same(
@@ -2072,16 +2077,20 @@ fn fused_same(
     let int8 = |ws: &[&Weight]| ws.iter().any(|w| INT8_TYPES.contains(&w.ty) && w.cols % 256 == 0);
     let output_int8 = usize::from(int8(&[&m.weights.output]));
     let mut saved_per_step = output_int8;
+    // The prompt's pass (6 tokens: integer batches) saves the same for the norms' and the gated
+    // activation's outputs (its attention output is quantized in a launch of its own either way).
+    let mut saved_prompt = 0;
     for l in &m.weights.layers {
         let f = l.dense("fused blocks").map_err(|e| e.to_string())?;
         let down = match &f.down {
             FfnDown::Rows(w) | FfnDown::Columns(w) => w,
         };
-        // (The attention output's product quantizes its own input: one launch saved.)
-        saved_per_step += usize::from(int8(&[&l.attn.wq, &l.attn.wk, &l.attn.wv]))
-            + usize::from(int8(&[&l.attn.wo]))
+        let batch = usize::from(int8(&[&l.attn.wq, &l.attn.wk, &l.attn.wv]))
             + usize::from(int8(&[&f.gate, &f.up]))
             + usize::from(int8(&[down]));
+        saved_prompt += batch;
+        // (The attention output's product quantizes its own input: one launch saved.)
+        saved_per_step += batch + usize::from(int8(&[&l.attn.wo]));
     }
     let layers = m.weights.layers.len();
     // A decode step's last blocks doing the next launch's work: the residual add and norm after
@@ -2136,11 +2145,12 @@ fn fused_same(
     let worst = max_abs_diff(l_off.iter().flatten().copied(), l_on.iter().flatten().copied());
     // And RoPE with the KV write in every layer of every pass; the prompt's pass normalizes
     // only its last row before the output product.
-    let expected = (STEPS * (saved_per_step + layers + last_blocks_per_step) + output_int8 + layers) as u64;
+    let expected =
+        (STEPS * (saved_per_step + layers + last_blocks_per_step) + output_int8 + layers + saved_prompt) as u64;
     let msg = format!(
         "  {key}: {STEPS} greedy steps with launches fused vs not: {differing}/{} logit rows differ (max |d| {worst:e}); 64-token pass nll \
          {nll_on:.6} vs {nll_off:.6}; {ops_on} vs {ops_off} operations ({} fewer; {saved_per_step} input \
-         blocks a step, {last_blocks_per_step} last-block fusions a step ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
+         blocks a step and {saved_prompt} in the prompt's pass, {last_blocks_per_step} last-block fusions a step ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
          decode {rate_on:.1} tok/s fused, {rate_off:.1} not ({:.2}x)",
         l_off.len(),
         ops_off as i64 - ops_on as i64,

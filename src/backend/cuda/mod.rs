@@ -435,12 +435,12 @@ impl CudaDevice {
     /// the integer products may take it (see [`FUSE_ENV`]); `None` otherwise.
     fn fused_blocks(&self, rows: usize, width: usize) -> Option<DevBuf> {
         let yes = self.fuse()
-            && rows == 1
+            && rows > 0
             && width > 0
             && width.is_multiple_of(256)
             && matches!(self.activations(), Activations::Int8 | Activations::Auto)
             && self.int8_seen.load(std::sync::atomic::Ordering::Relaxed);
-        yes.then(|| self.alloc(width / 256 * Q8K_BLOCK_BYTES / 4))
+        yes.then(|| self.alloc(rows * width / 256 * Q8K_BLOCK_BYTES / 4))
     }
 
     /// Gives `a` the blocks its values were just written as (by the launch that wrote them).

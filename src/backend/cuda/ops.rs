@@ -142,8 +142,8 @@ impl Device for CudaDevice {
         }
         let (u, g) = (self.buf_mut(up), self.buf(gate));
         if let Some(blocks) = self.fused_blocks(up.rows, up.width) {
-            let n = up.width / 256;
-            if self.activation_after_products(g, u, activation_code(f), blocks.ptr, n) {
+            let n = up.rows * up.width / 256;
+            if up.rows == 1 && self.activation_after_products(g, u, activation_code(f), blocks.ptr, n) {
                 Self::attach_blocks(up, Some(blocks));
                 return;
             }

@@ -18,8 +18,8 @@ use super::*;
 /// output and down products, the gated activation after the gate and up products — and the last
 /// of split attention's blocks for a head merges the head's splits (a Qwen2.5 layer: 5 launches,
 /// 15 without). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
-/// own. Blocks are made only for one-token rows of a multiple of 256 values, once an integer
-/// product has run.
+/// own. Blocks are made for rows of a multiple of 256 values (a token's or a batch's, which the
+/// integer batches and tiles take too), once an integer product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
 /// `GATESTREAM_CUDA_MMA`: `1` (or `on`, the default) multiplies several tokens at once (prompts,
