@@ -707,6 +707,30 @@ __device__ void matvec_i8_rows_of(int ty, const u8* W, u64 row_stride, int rows_
         matvec_i8_rows<TY_Q6_K, 1>(W, row_stride, rows_out, 0, cols, Xq, 1, bias, wpr, Y, lb);
 }
 
+// `matvec_i8_rows` of n tokens (n <= I8N_MAX) for a weight of type `ty`, as `matvec_i8_rows_of`.
+__device__ void matvec_i8n_rows_of(int ty, const u8* W, u64 row_stride, int rows_out, int cols, const u8* Xq, int n,
+                                   const float* bias, int wpr, float* Y, int lb) {
+    if (ty == TY_Q4_K)
+        matvec_i8_rows<TY_Q4_K, I8N_MAX>(W, row_stride, rows_out, 0, cols, Xq, n, bias, wpr, Y, lb);
+    else
+        matvec_i8_rows<TY_Q6_K, I8N_MAX>(W, row_stride, rows_out, 0, cols, Xq, n, bias, wpr, Y, lb);
+}
+
+// Up to three weights' products with the same n tokens (n <= I8N_MAX; `matvec_i8n_*`'s sums) in
+// one launch, each weight's type `t0` .. `t2` (Q, K and V; gate and up of a batch).
+extern "C" __global__ void matvec_i8nx3(const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0,
+                                        const u8* W0, u64 s0, int r0, const float* b0, float* y0, int t1,
+                                        const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2,
+                                        const u8* W2, u64 s2, int r2, const float* b2, float* y2) {
+    int b = blockIdx.x;
+    if (b < nb0)
+        matvec_i8n_rows_of(t0, W0, s0, r0, cols, Xq, n, b0, wpr, y0, b);
+    else if (b < nb01)
+        matvec_i8n_rows_of(t1, W1, s1, r1, cols, Xq, n, b1, wpr, y1, b - nb0);
+    else
+        matvec_i8n_rows_of(t2, W2, s2, r2, cols, Xq, n, b2, wpr, y2, b - nb01);
+}
+
 // `matvec_i8x3_*` for weights of different types (Q, K and V where V is Q6_K and the others
 // Q4_K, as in llama.cpp's Q4_K_M mix): each weight's type `t0`, `t1`, `t2` (TY_Q4_K, TY_Q6_K);
 // the same sums as each weight's own kernel.

@@ -1462,6 +1462,13 @@ fn int8_batches_in(
                 .map(|&r| quantized(ty, r, cols, &mut rng))
                 .collect();
             let refs: Vec<&Weight> = ws.iter().collect();
+            // And a weight of the other type in the same launch.
+            let other = if ty == GgmlType::Q4_K {
+                GgmlType::Q6_K
+            } else {
+                GgmlType::Q4_K
+            };
+            let mixed_w = quantized(other, 11, cols, &mut rng);
             let deq = dequantized(&ws[0]);
             let bias: Vec<f32> = (0..rows).map(|_| rng.normalish()).collect();
             let subset: Vec<u32> = vec![rows as u32 - 1, 3, 64.min(rows as u32 - 2), 0, 29];
@@ -1471,7 +1478,18 @@ fn int8_batches_in(
                 let full = dev.download(dev.matmul(&[&ws[0]], &xa).remove(0));
                 let biased = dev.download(dev.matmul_bias(&[&ws[0]], &[Some(&bias[..])], &xa).remove(0));
                 let part = dev.download(dev.matmul_rows(&ws[0], &subset, &xa));
-                let three = download_all(dev.matmul(&refs, &xa));
+                let c0 = dev.graph_counters();
+                let three = dev.matmul(&refs, &xa);
+                let c1 = dev.graph_counters();
+                // (Recorded with graphs on: the input's blocks, then one launch for the three.)
+                let ops = c1.graph_ops + c1.direct_ops - c0.graph_ops - c0.direct_ops;
+                if dev.graphs() && ops != 2 {
+                    return Err(format!(
+                        "{ty:?}, {cols} columns, {n} tokens: three weights took {ops} operations, not 2 (blocks, one launch)"
+                    ));
+                }
+                let three = download_all(three);
+                let mixed = download_all(dev.matmul(&[&ws[0], &mixed_w], &xa));
                 for t in 0..n {
                     let xt = &x[t * cols..(t + 1) * cols];
                     let one = dev.upload(1, cols, xt.to_vec());
@@ -1479,11 +1497,14 @@ fn int8_batches_in(
                     let alone_part = dev.download(dev.matmul_rows(&ws[0], &subset, &one));
                     let alone_biased = dev.download(dev.matmul_bias(&[&ws[0]], &[Some(&bias[..])], &one).remove(0));
                     let alone_three = download_all(dev.matmul(&refs, &one));
+                    let alone_other = dev.download(dev.matmul(&[&mixed_w], &one).remove(0));
                     let row = |v: &[f32], width: usize| v[t * width..(t + 1) * width].to_vec();
                     let same = row(&full, rows) == alone
                         && row(&biased, rows) == alone_biased
                         && row(&part, subset.len()) == alone_part
-                        && (0..3).all(|i| row(&three[i], ws[i].rows) == alone_three[i]);
+                        && (0..3).all(|i| row(&three[i], ws[i].rows) == alone_three[i])
+                        && row(&mixed[0], rows) == alone
+                        && row(&mixed[1], mixed_w.rows) == alone_other;
                     if !same {
                         return Err(format!(
                             "{ty:?}, {cols} columns, {n} tokens: token {t} of the batch differs from the token multiplied alone"
@@ -1523,7 +1544,8 @@ fn int8_batches_in(
             }
         }
         let line = format!(
-            "  {ty:?} batches of 2-8 tokens as integers (rows of 5/16/65 super-blocks, biases, row subsets, three weights): \
+            "  {ty:?} batches of 2-8 tokens as integers (rows of 5/16/65 super-blocks, biases, row subsets, three weights \
+             and a weight of the other type in one launch): \
              every token bit-identical to it alone; max relative error {max:.2e} against f64 on its 8-bit activations"
         );
         type_verdict(dev, &mut lines, &mut worst, max, 1e-4, line)?;

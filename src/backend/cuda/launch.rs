@@ -290,6 +290,14 @@ kernels! {
         t1: I32, w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
         t2: I32, w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
     ) if xq.is_multiple_of(16);
+    /// Up to three weights' products with `n` tokens as Q8_K blocks (`matvec_i8n`'s sums) in one
+    /// launch, each weight's type code `t0` .. `t2`.
+    matvec_i8nx3(
+        xq: Ptr, n: I32, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        t1: I32, w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
+        t2: I32, w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
+    ) if xq.is_multiple_of(16) && (1..=I8N_MAX).contains(&n);
     /// `matvec_i8x3_mixed` of a token's Q, K and V weights, then `rope_norm_kv` of their
     /// outputs (as a block of `vt` threads) by the last block of each head's rows; `done`: zeroed
     /// counters, one per query, key and value head.

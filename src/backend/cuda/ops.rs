@@ -644,10 +644,9 @@ impl CudaDevice {
         let int8 = on(IntegerPath::Dots);
         if !int8.is_empty() {
             let (xq, _made) = self.int8_input(x, int8.len() == 1);
-            // One token: up to three weights a launch, of one type or not (Q4_K_M's Q and K
-            // with a Q6_K V); a batch: a launch a weight, each reading its rows once for every
-            // token.
-            for group in int8.chunks(if x.rows == 1 { 3 } else { 1 }) {
+            // Up to three weights a launch, of one type or not (Q4_K_M's Q and K with a Q6_K
+            // V), each reading its rows once for every token.
+            for group in int8.chunks(3) {
                 let items: Vec<(&Weight, Option<&[f32]>)> = group.iter().map(|&i| (ws[i], bias(i))).collect();
                 for (&i, o) in group.iter().zip(self.products_i8(&items, xq, x.rows)) {
                     out[i] = Some(o);
@@ -1024,20 +1023,20 @@ impl CudaDevice {
         }
     }
 
-    /// Several weights of one integer-product type (at most three, the same columns) times the
-    /// same one-token input in one launch (`matvec_i8x3_*`); one alone (of `n` tokens) as
+    /// Several weights with integer products (at most three, the same columns) times the same
+    /// input of `n` tokens in one launch: one token by `matvec_i8x3_*` (`matvec_i8x3_mixed` for
+    /// weights of different types), a batch by `matvec_i8nx3`; one weight alone as
     /// [`Self::product_i8`].
     pub(super) fn products_i8(&self, items: &[(&Weight, Option<&[f32]>)], input: Int8Input, n: usize) -> Vec<Act> {
         if let [(w, b)] = items {
             return vec![self.product_i8(w, None, *b, input, n)];
         }
-        assert_eq!(n, 1, "several weights a launch take one token");
         let Int8Input::Blocks(xq) = input else {
             unreachable!("several products take the input as blocks")
         };
         assert!(items.len() <= 3 && items.windows(2).all(|p| p[0].0.cols == p[1].0.cols));
         let mixed = items.windows(2).any(|p| p[0].0.ty != p[1].0.ty);
-        let outs: Vec<Act> = items.iter().map(|(w, _)| self.act(1, w.rows)).collect();
+        let outs: Vec<Act> = items.iter().map(|(w, _)| self.act(n, w.rows)).collect();
         // Each weight's device copy (a streamed weight's lives only as long as this) is kept
         // until the launch.
         let mut segs = Vec::new();
@@ -1072,8 +1071,39 @@ impl CudaDevice {
             block_dim: (32, MATMUL_WARPS, 1),
             shared_mem_bytes: 0,
         };
+        let code = |i: usize| items.get(i).map_or(0, |(w, _)| i8_type_code(w.ty));
+        if n > 1 {
+            self.k().matvec_i8nx3(
+                cfg,
+                xq,
+                n,
+                cols,
+                wpr,
+                nb[0] as usize,
+                (nb[0] + nb[1]) as usize,
+                code(0),
+                s0.0,
+                s0.1,
+                s0.2,
+                s0.3,
+                s0.4,
+                code(1),
+                s1.0,
+                s1.1,
+                s1.2,
+                s1.3,
+                s1.4,
+                code(2),
+                s2.0,
+                s2.1,
+                s2.2,
+                s2.3,
+                s2.4,
+            );
+            drop(on_device);
+            return outs;
+        }
         if mixed {
-            let code = |i: usize| items.get(i).map_or(0, |(w, _)| i8_type_code(w.ty));
             self.k().matvec_i8x3_mixed(
                 cfg,
                 xq,

@@ -74,7 +74,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 28] = [
+pub(super) const OPS: [&str; 29] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -103,6 +103,7 @@ pub(super) const OPS: [&str; 28] = [
     "attention_tiles",
     "matvec_i8x3_mixed",
     "matvec_i8x3_rope_kv",
+    "matvec_i8nx3",
 ];
 
 /// A kernel: a name, and the weight type for the per-type families (looked up per launch
