@@ -351,8 +351,9 @@ impl CudaDevice {
         c.as_ref().map_or(0, |s| self.raw(s))
     }
 
-    /// Launches so far whose last block did the next launch's work (a residual add and norm
-    /// after a one-token integer product, split attention's merge; see [`FUSE_ENV`]).
+    /// Launches so far whose last blocks did the next launch's work (RoPE, a residual add and
+    /// norm, or the gated activation after one-token integer products; split attention's merge;
+    /// see [`FUSE_ENV`]).
     pub fn last_block_fusions(&self) -> u64 {
         self.last_block_fusions.load(std::sync::atomic::Ordering::Relaxed)
     }
