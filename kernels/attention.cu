@@ -143,7 +143,10 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
 // + z), hd + 2 floats; a split with no positions: sum 0) for `attention_merge` — or, given
 // `done` (a zeroed counter per (head, token)), the last of a head's splits to finish merges them
 // itself (`merge_splits`, `last_arrival`): the same output without the merge's launch. The order
-// of every sum is fixed, so the result does not depend on scheduling.
+// of every sum is fixed, so the result does not depend on scheduling. Given `q8` too (one split,
+// or `done`), each token's output is written as its Q8_K blocks there as well (the bytes
+// `act_q8_k_blocks` makes, which the output product takes as its input): the block writing the
+// last head of a group of whole Q8_K blocks (`head_q8_k_blocks`) makes that group's blocks.
 #define ATTN_SPLIT_SUB 128
 #define ATTN_SPLIT_ROWS 4
 #define ATTN_SPLIT_WARPS 4
@@ -151,9 +154,23 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
 
 __device__ void merge_splits(const float* pr, int hd, int splits, float* o);
 
+// After the block has written head `head` (`hd` values) of a token's output row `orow`: the heads
+// of whole Q8_K blocks group together (256 / hd heads a group when hd divides 256, else each head
+// of a multiple of 256 its own), each group counting its written heads at q8done[group]; the
+// block writing a group's last head makes the group's Q8_K blocks (a warp a block) into the
+// token's blocks `q8row`, reading the other heads past the L1 cache.
+__device__ void head_q8_k_blocks(const float* orow, int head, int hd, u8* q8row, u32* q8done) {
+    int per = hd < 256 ? 256 / hd : 1, g = head / per;
+    if (!last_arrival(q8done + g, per)) return;
+    int first = g * per * hd / 256, blocks = per * hd / 256;
+    int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int b = first + (threadIdx.x >> 5); b < first + blocks; b += warps)
+        q8_k_block<true>(orow + (u64)b * 256, q8row + (u64)b * Q8K_BLOCK_BYTES, lane);
+}
+
 extern "C" __global__ void attention_split(const float* q, const TokenKv* info, int layer, int n_heads,
                                            int n_kv_heads, int hd, float scale, int window, int chunk, float* part,
-                                           u32* done, float* out) {
+                                           u32* done, float* out, u8* q8, u32* q8done) {
     __shared__ float sc[ATTN_SPLIT_SUB];
     __shared__ float sums[ATTN_SPLIT_WARPS][ATTN_MAX_HEAD_DIM];
     int head = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -250,8 +267,16 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
     }
     // With `done`, the last of a (head, token)'s splits to finish merges them.
     u64 row = (u64)t * n_heads + head;
-    if (splits > 1 && done && last_arrival(done + row, splits))
+    bool wrote = splits == 1;
+    if (splits > 1 && done && last_arrival(done + row, splits)) {
         merge_splits(part + row * splits * (hd + 2), hd, splits, out + row * hd);
+        wrote = true;
+    }
+    if (q8 && wrote) {
+        int groups = qd / (hd < 256 ? 256 : hd);
+        head_q8_k_blocks(out + (u64)t * qd, head, hd, q8 + (u64)t * (qd / 256) * Q8K_BLOCK_BYTES,
+                         q8done + (u64)t * groups);
+    }
 }
 
 // The splits of `attention_split` into each head's output: one block per (query head, token);

@@ -93,7 +93,7 @@ __device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, 
         }
 }
 
-__device__ void q8_k_block(const float* xb, u8* ob, int lane);
+template <bool CG = false> __device__ void q8_k_block(const float* xb, u8* ob, int lane);
 
 // The Q8_K blocks of a norm's output row `yr` (`width` a multiple of 256) into `q8`, by the
 // norm's block once every thread has written its values: warp w takes blocks w, w + warps, ...
@@ -424,15 +424,18 @@ extern "C" __global__ void act_q8_32(const float* x, float* y, u64 blocks) {
 // a block of zeros stays zero. Lane `lane` of the block's warp loads values 8·lane .. 8·lane + 7
 // into v[] (two 16-byte loads where xb allows) and gets iscale (0 for a block of zeros). The
 // largest magnitude and the lowest index holding it are a maximum and a minimum over the warp,
-// the same whichever lane holds which values.
-__device__ float q8_k_iscale(const float* xb, int lane, float (&v)[8]) {
+// the same whichever lane holds which values. CG: the values are read past the L1 cache (other
+// blocks of the launch may have written them: `last_arrival`).
+template <bool CG> __device__ __forceinline__ float ld_f(const float* p) { return CG ? __ldcg(p) : *p; }
+template <bool CG> __device__ __forceinline__ float4 ld_f4(const float4* p) { return CG ? __ldcg(p) : *p; }
+template <bool CG = false> __device__ float q8_k_iscale(const float* xb, int lane, float (&v)[8]) {
     const float* p = xb + 8 * lane;
     if ((((u64)xb) & 15) == 0) {
-        float4 a = ((const float4*)p)[0], c = ((const float4*)p)[1];
+        float4 a = ld_f4<CG>((const float4*)p), c = ld_f4<CG>((const float4*)p + 1);
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
     } else {
 #pragma unroll
-        for (int i = 0; i < 8; i++) v[i] = p[i];
+        for (int i = 0; i < 8; i++) v[i] = ld_f<CG>(p + i);
     }
     float amax = 0.f;
 #pragma unroll
@@ -447,7 +450,7 @@ __device__ float q8_k_iscale(const float* xb, int lane, float (&v)[8]) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-    return amax == 0.f || first >= 256 ? 0.f : -127.f / xb[first];
+    return amax == 0.f || first >= 256 ? 0.f : -127.f / ld_f<CG>(xb + first);
 }
 
 __device__ __forceinline__ int q8_k_quant(float iscale, float v) {
@@ -472,9 +475,9 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
 // values at `xb` (which every lane of the warp sees) holds values 8·lane .. 8·lane + 7
 // (q8_k_iscale), so a group of 16 quants is two lanes' (one exchange for its sum) and its quants
 // two words.
-__device__ void q8_k_block(const float* xb, u8* ob, int lane) {
+template <bool CG> __device__ void q8_k_block(const float* xb, u8* ob, int lane) {
     float v[8];
-    float iscale = q8_k_iscale(xb, lane, v);
+    float iscale = q8_k_iscale<CG>(xb, lane, v);
     u32 w[2] = {0u, 0u};
     int sum = 0;
 #pragma unroll

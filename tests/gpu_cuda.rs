@@ -558,7 +558,8 @@ fn attention_split(
     let msg = format!(
         "  decode attention split over positions: max relative error {vs_blocks:.2e} against a block per token, \
          {vs_cpu:.2e} against the CPU (nine tokens of five sequences, 0 to 700 cached, heads of 8 to 512, \
-         1 to 16 splits, windows 100 and 300)"
+         1 to 16 splits, windows 100 and 300); fused, its output's Q8_K blocks (heads of 8, 64, 128 and 512) \
+         the same input to an integer product as its values"
     );
     if vs_blocks > 1e-5 || vs_cpu > 1e-5 {
         return Err(format!("{msg}: over 1e-5"));
@@ -612,7 +613,8 @@ fn attention_against_blocks(
             scale: 1.0 / (head_dim as f32).sqrt(),
             window,
         };
-        let run = |d: &dyn Device| -> Vec<f32> {
+        // The attention of `batch` on `d`, given to `f` while its caches live.
+        let run_with = |d: &dyn Device, f: &mut dyn FnMut(gatestream::backend::Act)| {
             let mut caches: Vec<KvCache> = (0..sequences).map(|_| KvCache::new(&cfg, capacity)).collect();
             let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
             for (toks, k, v) in [(hist, &hk, &hv), (batch, &bk, &bv)] {
@@ -627,7 +629,12 @@ fn attention_against_blocks(
             let pos: Vec<usize> = batch.iter().map(|t| t.1).collect();
             let seq: Vec<usize> = batch.iter().map(|t| t.0).collect();
             let qa = d.upload(batch.len(), n_heads * head_dim, q.clone());
-            d.download(d.attention(&qa, &pos, &seq, &refs, shape))
+            f(d.attention(&qa, &pos, &seq, &refs, shape))
+        };
+        let run = |d: &dyn Device| -> Vec<f32> {
+            let mut out = Vec::new();
+            run_with(d, &mut |a| out = d.download(a));
+            out
         };
         dev.set_attn_tiles(tiles);
         dev.set_attn_split(split);
@@ -645,6 +652,10 @@ fn attention_against_blocks(
                 outcome = Err(format!(
                     "attention, heads of {head_dim}: split attention merged by its last split differs from attention_merge's"
                 ));
+                break;
+            }
+            if let Err(e) = attention_q8_blocks(dev, n_heads, head_dim, &|f| run_with(dev.as_ref(), f)) {
+                outcome = Err(e);
                 break;
             }
         }
@@ -675,6 +686,63 @@ fn attention_against_blocks(
         outcome = Err("split attention: no head's splits were merged by the last of them (fused launches)".into());
     }
     outcome.map(|()| (worst_blocks, worst_cpu))
+}
+
+/// Split attention's output (run by `run`, fused launches and 8-bit activations on) carries
+/// its Q8_K blocks where its `n_heads` heads of `head_dim` fill whole blocks
+/// (`attention_q8_groups`), and not otherwise; a Q4_K product of it (its blocks the input) equals
+/// the product of its values uploaded afresh, bit for bit. The device's modes restored after.
+fn attention_q8_blocks(
+    dev: &Arc<CudaDevice>,
+    n_heads: usize,
+    head_dim: usize,
+    run: &dyn Fn(&mut dyn FnMut(gatestream::backend::Act)),
+) -> Result<(), String> {
+    let width = n_heads * head_dim;
+    let (was_a, was_f) = (dev.activations(), dev.fuse());
+    dev.set_activations(Activations::Auto);
+    dev.set_fuse(true);
+    let want_blocks = gatestream::backend::cuda::attention_q8_groups(n_heads, head_dim).is_some();
+    let w = width
+        .is_multiple_of(256)
+        .then(|| quantized(GgmlType::Q4_K, 37, width, &mut Rng(41)));
+    // (An integer product first: blocks are made ahead only once one has run.)
+    if let Some(w) = &w {
+        drop(dev.download(dev.matmul(&[w], &dev.upload(1, width, vec![0.5; width])).remove(0)));
+    }
+    let mut outcome = Ok(());
+    run(&mut |out| {
+        if dev.has_input_blocks(&out) != want_blocks {
+            outcome = Err(format!(
+                "split attention, {n_heads} heads of {head_dim}: output blocks {}",
+                if want_blocks { "missing" } else { "made" }
+            ));
+            return;
+        }
+        if let Some(w) = &w {
+            let fresh = dev.upload(out.rows, width, dev.to_host(&out).into_owned());
+            let got = dev.download(dev.matmul(&[w], &out).remove(0));
+            let want = dev.download(dev.matmul(&[w], &fresh).remove(0));
+            let differ = got
+                .iter()
+                .zip(&want)
+                .filter(|(g, w)| g.to_bits() != w.to_bits())
+                .count();
+            if differ > 0 {
+                outcome = Err(format!(
+                    "split attention, {n_heads} heads of {head_dim}: a Q4_K product of its output blocks differs \
+                     from the product of its values in {differ} of {} outputs",
+                    want.len()
+                ));
+            }
+        }
+    });
+    dev.set_activations(was_a);
+    dev.set_fuse(was_f);
+    if let Some(e) = dev.take_error() {
+        return Err(format!("split attention's blocks: {e}"));
+    }
+    outcome
 }
 
 /// The device's greedy tokens (`Device::argmax_rows`) against the host's
@@ -2129,6 +2197,11 @@ fn fused_same(
     let mut last_blocks_per_step = usize::from(
         gatestream::backend::cuda::attention_splits(gatestream::backend::cuda::attention_row(1), m.config.n_heads) > 1,
     ) * layers;
+    // Split attention's output written as Q8_K blocks too, where its heads fill whole blocks: a
+    // fusion, not a launch fewer (unfused, the output product quantizes its input itself).
+    let attention_blocks_per_step =
+        usize::from(gatestream::backend::cuda::attention_q8_groups(m.config.n_heads, m.config.head_dim).is_some())
+            * layers;
     let all_int8 = |ws: &[&Weight]| ws.iter().all(|w| int8(&[w])) && ws.windows(2).all(|p| p[0].cols == p[1].cols);
     let hd = m.config.head_dim;
     for l in &m.weights.layers {
@@ -2172,7 +2245,7 @@ fn fused_same(
     let msg = format!(
         "  {key}: {STEPS} greedy steps with launches fused vs not: {differing}/{} logit rows differ (max |d| {worst:e}); 64-token pass nll \
          {nll_on:.6} vs {nll_off:.6}; {ops_on} vs {ops_off} operations ({} fewer; {saved_per_step} input \
-         blocks a step and {saved_prompt} in the prompt's pass, {last_blocks_per_step} last-block fusions a step ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
+         blocks a step and {saved_prompt} in the prompt's pass, {last_blocks_per_step} last-block fusions a step saving a launch and {attention_blocks_per_step} making attention's output blocks ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
          decode {rate_on:.1} tok/s fused, {rate_off:.1} not ({:.2}x)",
         l_off.len(),
         ops_off as i64 - ops_on as i64,
@@ -2183,13 +2256,13 @@ fn fused_same(
         serde_json::json!({"differing_rows": differing, "max_abs_diff": worst, "nll_fused": nll_on, "nll_unfused": nll_off,
             "ops_fused": ops_on, "ops_unfused": ops_off, "input_blocks_per_step_expected": saved_per_step, "expected_fewer": expected,
             "tok_s_fused": rate_on, "tok_s_unfused": rate_off, "last_block_fusions": last_on,
-            "last_block_fusions_expected": STEPS * last_blocks_per_step}),
+            "last_block_fusions_expected": STEPS * (last_blocks_per_step + attention_blocks_per_step)}),
     );
     if differing > 0
         || nll_on != nll_off
         || saved_per_step == 0
         || ops_off.checked_sub(ops_on) != Some(expected)
-        || last_on != (STEPS * last_blocks_per_step) as u64
+        || last_on != (STEPS * (last_blocks_per_step + attention_blocks_per_step)) as u64
         || last_off != 0
         || left_off + left_on > 0
     {

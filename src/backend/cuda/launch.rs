@@ -223,11 +223,14 @@ kernels! {
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
     /// The same split over positions (`grid.z` splits of `chunk`): the output itself with one
     /// split, else each split's maximum, sum and sums into `part` for `attention_merge` — or,
-    /// given `done` (zeroed counters, one per query head and token), merged by the last split.
+    /// given `done` (zeroed counters, one per query head and token), merged by the last split;
+    /// given `q8` (one split or `done`; zeroed counters `q8done`, one per token and group of
+    /// heads filling whole Q8_K blocks), the output's Q8_K blocks there too.
     attention_split(
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
-        chunk: I32, part: Opt, done: Opt, out: Ptr,
-    ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && chunk > 0;
+        chunk: I32, part: Opt, done: Opt, out: Ptr, q8: Opt, q8done: Opt,
+    ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && chunk > 0
+        && (q8 == 0 || (q8done != 0 && attention_q8_groups(n_heads, hd).is_some()));
     /// The splits of `attention_split` into each head's output.
     attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, out: Ptr)
         if splits > 1 && splits <= ATTN_SPLIT_TARGET_BLOCKS;

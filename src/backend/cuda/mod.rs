@@ -352,8 +352,8 @@ impl CudaDevice {
     }
 
     /// Launches so far whose last blocks did the next launch's work (RoPE, a residual add and
-    /// norm, or the gated activation after one-token integer products; split attention's merge;
-    /// see [`FUSE_ENV`]).
+    /// norm, or the gated activation after one-token integer products; split attention's merge,
+    /// and its output's Q8_K blocks, each counted; see [`FUSE_ENV`]).
     pub fn last_block_fusions(&self) -> u64 {
         self.last_block_fusions.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -821,6 +821,22 @@ mod tests {
             });
             assert!(direct || by_macro || int8, "{name} is not in kernels/");
         }
+    }
+
+    /// Split attention's Q8_K blocks of its output: groups of heads that fill whole blocks.
+    #[test]
+    fn attention_q8_groups_cover_whole_blocks_only() {
+        // (heads, head size) → groups of heads filling whole Q8_K blocks
+        assert_eq!(attention_q8_groups(12, 128), Some(6));
+        assert_eq!(attention_q8_groups(8, 64), Some(2));
+        assert_eq!(attention_q8_groups(32, 8), Some(1));
+        assert_eq!(attention_q8_groups(1, 512), Some(1));
+        assert_eq!(attention_q8_groups(4, 256), Some(4));
+        assert_eq!(attention_q8_groups(4, 80), None);
+        assert_eq!(attention_q8_groups(8, 96), None);
+        assert_eq!(attention_q8_groups(3, 128), None);
+        assert_eq!(attention_q8_groups(0, 128), None);
+        assert_eq!(attention_q8_groups(4, 0), None);
     }
 
     /// Split attention: powers of two, at most ~256 blocks, splits of at least 64 positions,

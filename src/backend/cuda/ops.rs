@@ -412,7 +412,7 @@ impl Device for CudaDevice {
         caches: &[&mut KvCache],
         shape: AttnShape,
     ) -> Act {
-        let out = self.act(q.rows, q.width);
+        let mut out = self.act(q.rows, q.width);
         if positions.is_empty() {
             return out;
         }
@@ -467,12 +467,24 @@ impl Device for CudaDevice {
         if self.attn_split() {
             let splits = attention_splits(max_len, q.rows * shape.n_heads);
             let part = (splits > 1).then(|| self.act(q.rows * shape.n_heads * splits, shape.head_dim + 2));
-            // Fused, the last split of each head merges (no launch of `attention_merge`).
+            // Fused, the last split of each head merges (no launch of `attention_merge`), and
+            // the output's Q8_K blocks for the integer product after it come with it.
+            let heads = q.rows * shape.n_heads;
             let done = if splits > 1 && self.fuse() {
-                self.counters(q.rows * shape.n_heads)
+                self.counters(heads)
             } else {
                 0
             };
+            let groups = attention_q8_groups(shape.n_heads, shape.head_dim).map(|g| q.rows * g);
+            let mut blocks = None;
+            let mut q8done = 0;
+            if let Some(groups) = groups.filter(|_| splits == 1 || done != 0) {
+                // (after the merges' counters, when there are any)
+                let before = if done != 0 { heads } else { 0 };
+                let base = self.counters(before + groups);
+                blocks = self.fused_blocks(q.rows, q.width).filter(|_| base != 0);
+                q8done = base + 4 * before as u64;
+            }
             self.k().attention_split(
                 LaunchConfig {
                     grid_dim: (shape.n_heads as u32, q.rows as u32, splits as u32),
@@ -490,9 +502,15 @@ impl Device for CudaDevice {
                 part.as_ref().map_or(0, |p| self.buf(p)),
                 done,
                 self.buf(&out),
+                Self::blocks_ptr(&blocks),
+                if blocks.is_some() { q8done } else { 0 },
             );
             if done != 0 {
                 self.fused_into_last_blocks();
+            }
+            if blocks.is_some() {
+                self.fused_into_last_blocks();
+                Self::attach_blocks(&mut out, blocks);
             }
             if let Some(part) = part.filter(|_| done == 0) {
                 self.k().attention_merge(

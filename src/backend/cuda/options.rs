@@ -11,13 +11,14 @@ use super::*;
 /// activation write, beside their f32 output, the Q8_K blocks the integer products
 /// (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8) take as input, so one-token products of Q4_K and
 /// Q6_K rows after them need no quantization launch of their own; RoPE writes the keys and
-/// values into the KV cache; a lone integer product whose input has no blocks (attention's
-/// output) quantizes that input itself, in each thread block's shared memory; and with launches
-/// recorded (graphs on), a one-token integer product's last blocks do what comes next — RoPE and
-/// the KV write after the Q, K and V products, the residual add and RMSNorm after the attention
-/// output and down products, the gated activation after the gate and up products — and the last
-/// of split attention's blocks for a head merges the head's splits (a Qwen2.5 layer: 5 launches,
-/// 15 without). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
+/// values into the KV cache; split attention writes its output's Q8_K blocks too (the block
+/// finishing the last head of each 256 values makes them), and a lone integer product whose
+/// input has no blocks quantizes that input itself, in each thread block's shared memory; and
+/// with launches recorded (graphs on), a one-token integer product's last blocks do what comes
+/// next — RoPE and the KV write after the Q, K and V products, the residual add and RMSNorm after
+/// the attention output and down products, the gated activation after the gate and up products —
+/// and the last of split attention's blocks for a head merges the head's splits (a Qwen2.5 layer:
+/// 5 launches, 15 without). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
 /// own. Blocks are made for rows of a multiple of 256 values (a token's or a batch's, which the
 /// integer batches and tiles take too), once an integer product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";

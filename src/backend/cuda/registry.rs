@@ -169,6 +169,21 @@ pub fn attention_splits(max_len: usize, rows: usize) -> usize {
     1 << most.ilog2()
 }
 
+/// The groups of query heads (`n_heads` of `hd` values) whose outputs fill whole Q8_K blocks,
+/// which split attention writes as blocks too (`head_q8_k_blocks` in kernels/attention.cu):
+/// `256 / hd` heads a group where `hd` divides 256, each head its own where 256 divides `hd`;
+/// `None` for other heads, or rows not of whole blocks.
+pub fn attention_q8_groups(n_heads: usize, hd: usize) -> Option<usize> {
+    let width = n_heads * hd;
+    let per = match hd {
+        0 => return None,
+        h if 256 % h == 0 => 256 / h,
+        h if h % 256 == 0 => 1,
+        _ => return None,
+    };
+    (n_heads > 0 && width.is_multiple_of(256) && n_heads.is_multiple_of(per)).then_some(n_heads / per)
+}
+
 /// One thread per element of a row of `width`, one row of blocks per row.
 pub(super) fn rows_cfg(width: usize, rows: usize) -> LaunchConfig {
     LaunchConfig {
