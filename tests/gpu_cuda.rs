@@ -64,11 +64,12 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 41] = [
+    let checks: [(&str, Check); 42] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
         ("attention_split", attention_split),
+        ("i8_geometry", i8_geometry),
         ("fused_q8_blocks", fused_q8_blocks),
         ("fused_last_blocks", fused_last_blocks),
         ("argmax_rows", argmax_rows),
@@ -688,6 +689,204 @@ fn attention_against_blocks(
     outcome.map(|()| (worst_blocks, worst_cpu))
 }
 
+/// One-token integer products of the Qwen2.5-1.5B shapes in Q4_K_M's types (Q, K and V in one
+/// launch, the attention output, gate and up in one launch, the down rows as Q6_K and as Q4_K, the
+/// output matrix) with each warps per row (`GATESTREAM_CUDA_I8_WPR`: by the row, then 1, 2, 4 and
+/// 8): every choice within 1e-5 of the default's outputs, the default's own choice its bits and
+/// any other not (it ran); and each product's time in a graph of many, its weights cycling
+/// through copies larger than the L2 cache (as a decode step's are never in it), as weight bytes
+/// a second beside the device's copy bandwidth. On the emulated driver: 2048 output rows, one copy,
+/// and no time that means anything.
+fn i8_geometry(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let was = (dev.activations(), dev.graphs(), dev.fuse(), dev.graph_split());
+    dev.set_activations(Activations::Auto);
+    dev.set_graphs(true);
+    dev.set_fuse(true);
+    // (A graph of the whole recording: nothing launches before the timed download.)
+    dev.set_graph_split(0).map_err(|e| e.to_string())?;
+    let r = i8_geometry_in(dev, report);
+    dev.set_activations(was.0);
+    dev.set_graphs(was.1);
+    dev.set_fuse(was.2);
+    dev.set_graph_split(was.3).map_err(|e| e.to_string())?;
+    dev.set_i8_wpr(0).map_err(|e| e.to_string())?;
+    r
+}
+
+fn i8_geometry_in(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use GgmlType::{Q4_K, Q6_K};
+    const H: usize = 1536;
+    const F: usize = 8960;
+    let emu = emulated(dev);
+    let vocab = if emu { 2048 } else { 151_936 };
+    // Weights cycled through: at least 256 MB of copies (an H100's or H200's L2 is 50 MB).
+    const SPAN: usize = 256 << 20;
+    // (name, the weights of one launch as (type, rows), input width)
+    type Product = (&'static str, Vec<(GgmlType, usize)>, usize);
+    let shapes: [Product; 6] = [
+        ("q/k/v", vec![(Q4_K, H), (Q4_K, 256), (Q6_K, 256)], H),
+        ("attention output", vec![(Q4_K, H)], H),
+        ("gate/up", vec![(Q4_K, F), (Q4_K, F)], H),
+        ("down (Q6_K)", vec![(Q6_K, H)], F),
+        ("down (Q4_K)", vec![(Q4_K, H)], F),
+        ("output", vec![(Q6_K, vocab)], H),
+    ];
+    // Rows quantized once and repeated (the values do not change the time).
+    let tiled = |ty: GgmlType, rows: usize, cols: usize, seed: u64| -> Weight {
+        let pattern = quantized(ty, 16, cols, &mut Rng(seed));
+        let (bytes, row_bytes) = (pattern.span().expect("in memory").0, ty.row_bytes(cols).unwrap());
+        let mut all = Vec::with_capacity(rows * row_bytes);
+        for r in 0..rows {
+            all.extend_from_slice(&bytes[(r % 16) * row_bytes..(r % 16 + 1) * row_bytes]);
+        }
+        Weight::owned(&format!("geometry.{ty:?}"), ty, rows, cols, all).unwrap()
+    };
+    let bw = dev.copy_bandwidth(1 << 30).map_err(|e| e.to_string())?;
+    let mut lines = Vec::new();
+    let mut failures = Vec::new();
+    let mut json = Vec::new();
+    for (si, (name, ws, cols)) in shapes.iter().enumerate() {
+        let bytes: usize = ws.iter().map(|&(ty, rows)| rows * ty.row_bytes(*cols).unwrap()).sum();
+        let copies = if emu { 1 } else { SPAN.div_ceil(bytes).clamp(2, 256) };
+        let first: Vec<Weight> = ws
+            .iter()
+            .enumerate()
+            .map(|(i, &(ty, rows))| tiled(ty, rows, *cols, 100 + 10 * si as u64 + i as u64))
+            .collect();
+        let set: Vec<Vec<Weight>> = (0..copies)
+            .map(|_| {
+                first
+                    .iter()
+                    .map(|w| Weight::owned(&w.name, w.ty, w.rows, w.cols, w.span().unwrap().0.to_vec()).unwrap())
+                    .collect()
+            })
+            .collect();
+        // The input as a norm's output, with its Q8_K blocks (after an integer product has run).
+        let mut rng = Rng(7 + si as u64);
+        let values: Vec<f32> = (0..*cols).map(|_| rng.normalish()).collect();
+        drop(
+            dev.download(
+                dev.matmul(
+                    &[&set[0][0]],
+                    &dev.rms_norm(&dev.upload(1, *cols, values.clone()), &vec![1.0; *cols], 1e-6),
+                )
+                .remove(0),
+            ),
+        );
+        let x = dev.rms_norm(&dev.upload(1, *cols, values), &vec![1.0; *cols], 1e-6);
+        if !dev.has_input_blocks(&x) {
+            failures.push(format!("{name}: the input has no Q8_K blocks"));
+        }
+        // Seconds a product (the best round of several: the first launched one by one, the next
+        // captured, then graphs), and the first copy's outputs.
+        let reps = if emu { 1 } else { copies.max(64) };
+        let rounds = if emu { 2 } else { 6 };
+        let run = |wpr: usize| -> Result<(f64, Vec<Vec<f32>>), String> {
+            dev.set_i8_wpr(wpr).map_err(|e| e.to_string())?;
+            let mut best = f64::INFINITY;
+            let mut outs = Vec::new();
+            for round in 0..rounds {
+                let mut last = Vec::new();
+                for i in 0..reps {
+                    let ws: Vec<&Weight> = set[i % copies].iter().collect();
+                    last = dev.matmul(&ws, &x);
+                    if i == 0 && round == 0 {
+                        outs = last.drain(..).map(|a| dev.download(a)).collect();
+                        last = dev.matmul(&ws, &x);
+                    }
+                }
+                let t = Instant::now();
+                let got: Vec<Vec<f32>> = last.into_iter().map(|a| dev.download(a)).collect();
+                let secs = t.elapsed().as_secs_f64() / reps as f64;
+                if round > 0 {
+                    best = best.min(secs);
+                }
+                drop(got);
+            }
+            if let Some(e) = dev.take_error() {
+                return Err(format!("{name}, {wpr} warps a row: {e}"));
+            }
+            Ok((best, outs))
+        };
+        let (t_auto, base) = run(0)?;
+        let auto = dev.i8_wpr(*cols);
+        let mut timed = vec![(0usize, t_auto)];
+        for wpr in [1usize, 2, 4, 8] {
+            let (t, outs) = run(wpr)?;
+            timed.push((wpr, t));
+            let same = outs
+                .iter()
+                .zip(&base)
+                .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            let worst = outs.iter().zip(&base).map(|(a, b)| rel_err(a, b)).fold(0f64, f64::max);
+            if wpr == auto && !same {
+                failures.push(format!(
+                    "{name}: {wpr} warps a row (the default's choice) differs from the default"
+                ));
+            }
+            if wpr != auto && same {
+                failures.push(format!(
+                    "{name}: {wpr} warps a row gave the default's ({auto}) bits (not run?)"
+                ));
+            }
+            if worst > 1e-5 {
+                failures.push(format!(
+                    "{name}: {wpr} warps a row {worst:.1e} from the default's outputs"
+                ));
+            }
+        }
+        let types: Vec<String> = ws.iter().map(|(ty, rows)| format!("{ty:?} {rows}")).collect();
+        lines.push(format!(
+            "    {name} ({} × {cols}; {:.1} MB, {copies} copies): {}",
+            types.join(" + "),
+            bytes as f64 / 1e6,
+            timed
+                .iter()
+                .map(|&(w, t)| format!(
+                    "{} {:.1} us {:.0} GB/s",
+                    if w == 0 {
+                        format!("auto ({auto})")
+                    } else {
+                        w.to_string()
+                    },
+                    t * 1e6,
+                    bytes as f64 / t / 1e9
+                ))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        json.push(serde_json::json!({"product": name, "bytes": bytes, "copies": copies, "auto_wpr": auto,
+            "seconds_by_wpr": timed.iter().map(|&(w, t)| serde_json::json!({"wpr": w, "seconds": t, "bytes_per_s": bytes as f64 / t})).collect::<Vec<_>>()}));
+    }
+    report.insert(
+        "i8_geometry".into(),
+        serde_json::json!({"copy_bandwidth_bytes_s": bw, "products": json, "failures": failures}),
+    );
+    let msg =
+        format!(
+        "  i8 geometry: one-token integer products by warps per row (each within 1e-5 of the default's, the default's \
+         choice its bits); time a product in a graph, weights cycling through copies past the L2 cache; device copy \
+         bandwidth {:.0} GB/s (read + write){}\n{}",
+        bw / 1e9,
+        if emu { "; EMULATED: no time here means anything" } else { "" },
+        lines.join("\n")
+    );
+    if failures.is_empty() {
+        Ok(msg)
+    } else {
+        Err(format!("{msg}\n  FAILED: {}", failures.join("; ")))
+    }
+}
+
+/// What takes a device's output while what it was computed from lives.
+type ActSink<'a> = dyn FnMut(gatestream::backend::Act) + 'a;
+
 /// Split attention's output (run by `run`, fused launches and 8-bit activations on) carries
 /// its Q8_K blocks where its `n_heads` heads of `head_dim` fill whole blocks
 /// (`attention_q8_groups`), and not otherwise; a Q4_K product of it (its blocks the input) equals
@@ -696,7 +895,7 @@ fn attention_q8_blocks(
     dev: &Arc<CudaDevice>,
     n_heads: usize,
     head_dim: usize,
-    run: &dyn Fn(&mut dyn FnMut(gatestream::backend::Act)),
+    run: &dyn Fn(&mut ActSink),
 ) -> Result<(), String> {
     let width = n_heads * head_dim;
     let (was_a, was_f) = (dev.activations(), dev.fuse());

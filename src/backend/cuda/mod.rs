@@ -72,6 +72,8 @@ pub struct CudaDevice {
     activations: std::sync::atomic::AtomicU8,
     /// Rows per warp of one-token products (see [`MATVEC_ROWS_ENV`]).
     matvec_rows: std::sync::atomic::AtomicUsize,
+    /// Warps per row of the integer products, 0 for by the row (see [`I8_WPR_ENV`]).
+    i8_wpr: std::sync::atomic::AtomicUsize,
     /// Weight copies from the host (see [`HostLink::link`]).
     link: Arc<Mutex<super::LinkCounters>>,
     /// Recorded launches and CUDA graphs (see [`GRAPHS_ENV`]).
@@ -132,6 +134,7 @@ impl CudaDevice {
             fuse,
             mma,
             int8_tokens,
+            i8_wpr,
             mmq,
             attn_tiles,
             attn_split,
@@ -227,6 +230,7 @@ impl CudaDevice {
             id,
             activations: std::sync::atomic::AtomicU8::new(activations as u8),
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
+            i8_wpr: std::sync::atomic::AtomicUsize::new(i8_wpr),
             link,
             graphs: Mutex::new(graph::Graphs::default()),
             fuse: std::sync::atomic::AtomicBool::new(fuse),
@@ -467,6 +471,23 @@ impl CudaDevice {
 
     pub fn matvec_rows(&self) -> usize {
         self.matvec_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets the warps per row of the integer products launched from now on (see
+    /// [`I8_WPR_ENV`]): 1, 2, 4 or 8, or 0 for by the row's length (the default).
+    pub fn set_i8_wpr(&self, wpr: usize) -> Result<()> {
+        let n = i8_wpr_asked(Some(&wpr.to_string()).filter(|_| wpr != 0).map(|s| s.as_str()))?;
+        self.i8_wpr.store(n, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The warps per row the integer products of rows of `cols` values take (see
+    /// [`I8_WPR_ENV`]).
+    pub fn i8_wpr(&self, cols: usize) -> usize {
+        match self.i8_wpr.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => i8_warps_per_row(cols),
+            n => n,
+        }
     }
 
     /// Whether products with `ty` weights take the CPU's 8-bit activations (in this mode).
@@ -897,6 +918,13 @@ mod tests {
         for bad in ["0", "9", "many"] {
             let e = int8_tokens_asked(Some(bad)).unwrap_err().to_string();
             assert!(e.contains(INT8_TOKENS_ENV) && e.contains("1 to 8"), "{e}");
+        }
+        assert_eq!(i8_wpr_asked(None).unwrap(), 0);
+        assert_eq!(i8_wpr_asked(Some("auto")).unwrap(), 0);
+        assert_eq!(i8_wpr_asked(Some(" 8")).unwrap(), 8);
+        for bad in ["0", "3", "16", "wide"] {
+            let e = i8_wpr_asked(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains(I8_WPR_ENV) && e.contains("1, 2, 4 or 8"), "{e}");
         }
         assert_eq!(matvec_rows_asked(None).unwrap(), 1);
         assert_eq!(matvec_rows_asked(Some(" 4")).unwrap(), 4);

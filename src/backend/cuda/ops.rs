@@ -952,7 +952,7 @@ impl CudaDevice {
         let Some(wd) = self.weight(w) else { return out };
         let idx = rows.map_or(0, |r| self.indices(r));
         let bp = bias.map_or(0, |b| self.vector(b));
-        let wpr = i8_warps_per_row(w.cols);
+        let wpr = self.i8_wpr(w.cols);
         let cfg = LaunchConfig {
             grid_dim: (i8_blocks(&[rows_out], wpr)[0].max(1), 1, 1),
             block_dim: (32, MATMUL_WARPS, 1),
@@ -1070,7 +1070,7 @@ impl CudaDevice {
             on_device.push(wd);
         }
         let (ty, cols) = (items[0].0.ty, items[0].0.cols);
-        let wpr = i8_warps_per_row(cols);
+        let wpr = self.i8_wpr(cols);
         let mut rows: Vec<usize> = segs.iter().map(|s| s.2).collect();
         rows.resize(3, 0);
         let nb = i8_blocks(&rows, wpr);

@@ -206,6 +206,28 @@ pub fn matvec_rows_asked(value: Option<&str>) -> Result<usize> {
     }
 }
 
+/// `GATESTREAM_CUDA_I8_WPR`: warps per weight row of the integer products (`matvec_i8*`), 1, 2, 4
+/// or 8 (of a block's 8) for every such product, instead of the default (`auto`:
+/// [`i8_warps_per_row`], the most, at most 8, that leave each warp's 4 lane groups 2 super-blocks
+/// or more of the row: 1 for 1536 columns, 8 for 8960). Each choice sums a row's super-blocks in
+/// another order (within rounding of each other); for timing the products' geometry (the GPU
+/// suite's `i8_geometry`).
+pub const I8_WPR_ENV: &str = "GATESTREAM_CUDA_I8_WPR";
+
+/// The warps per row [`I8_WPR_ENV`] asks for: 0 for `auto` (`value`: the variable's value).
+pub fn i8_wpr_asked(value: Option<&str>) -> Result<usize> {
+    match value.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(0),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n @ (1 | 2 | 4 | 8)) => Ok(n),
+            _ => Err(Error::Invalid(format!(
+                "{I8_WPR_ENV}={v}: expected auto (the default: by the row's length), 1, 2, 4 or 8 warps per row of \
+                 the integer products"
+            ))),
+        },
+    }
+}
+
 /// `GATESTREAM_CUDA_INT8_TOKENS`: the most tokens (1 to 8, the default 8) whose products of
 /// Q4_K and Q6_K rows run as integers (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8): a batch of
 /// up to that many tokens — a short prompt's piece, sequences decoding together — reads each
@@ -257,6 +279,8 @@ pub struct CudaOptions {
     pub mma: bool,
     /// The most tokens whose Q4_K and Q6_K products run as integers ([`INT8_TOKENS_ENV`]).
     pub int8_tokens: usize,
+    /// Warps per row of the integer products, 0 for by the row ([`I8_WPR_ENV`]).
+    pub i8_wpr: usize,
     /// Whether wider batches of Q4_K and Q6_K rows run as integer tiles ([`MMQ_ENV`]).
     pub mmq: bool,
     /// Whether a prompt's attention runs in tiles of tokens ([`ATTN_TILES_ENV`]).
@@ -289,6 +313,7 @@ impl CudaOptions {
             fuse: fuse_asked(var(FUSE_ENV).as_deref())?,
             mma: mma_asked(var(MMA_ENV).as_deref())?,
             int8_tokens: int8_tokens_asked(var(INT8_TOKENS_ENV).as_deref())?,
+            i8_wpr: i8_wpr_asked(var(I8_WPR_ENV).as_deref())?,
             mmq: mmq_asked(var(MMQ_ENV).as_deref())?,
             attn_tiles: attn_tiles_asked(var(ATTN_TILES_ENV).as_deref())?,
             attn_split: attn_split_asked(var(ATTN_SPLIT_ENV).as_deref())?,
