@@ -5,12 +5,25 @@ use super::*;
 
 /// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each.
 pub(super) struct DevKv {
-    pub(super) _k: CudaSlice<f32>,
-    pub(super) _v: CudaSlice<f32>,
+    pub(super) slices: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
     pub(super) k: u64,
     pub(super) v: u64,
     pub(super) shape: (usize, usize, usize),
     pub(super) device: usize,
+    pub(super) pool: Arc<Pool>,
+}
+
+impl Drop for DevKv {
+    /// A cache dropped while launches are recorded (graphs on) may still be read by them: its
+    /// memory waits with the pool's held buffers until they are launched (see `graph`).
+    fn drop(&mut self) {
+        if let Some((k, v)) = self.slices.take() {
+            if let Some(held) = self.pool.held.lock().expect("pool").as_mut() {
+                held.push(k);
+                held.push(v);
+            }
+        }
+    }
 }
 
 impl CudaDevice {
@@ -47,12 +60,12 @@ impl CudaDevice {
         if let (Some(k), Some(v)) = (k, v) {
             let (kp, vp) = (self.raw(&k), self.raw(&v));
             cache.device = Some(Box::new(DevKv {
-                _k: k,
-                _v: v,
+                slices: Some((k, v)),
                 k: kp,
                 v: vp,
                 shape,
                 device: self.id,
+                pool: self.pool.clone(),
             }));
         }
     }
