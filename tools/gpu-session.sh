@@ -13,6 +13,7 @@
 #      attention_tiles        GATESTREAM_CUDA_ATTN_TILES=0
 #      attention_split        GATESTREAM_CUDA_ATTN_SPLIT=0
 #      fused_* (any)          GATESTREAM_CUDA_FUSE=0
+#      small_qwen2_pdl        gpu-compare's pdl case left out (GATESTREAM_CUDA_PDL is off by default)
 #    A failed small_qwen2* or qwen_shaped* check is reported, not mapped: read suite.txt.
 # 2. `tools/gpu-compare.py --cases CASES --deadline DEADLINE` (default all its cases, 225 s: no case
 #    starts later), killed at COMPARE_S (default 270 s).
@@ -52,12 +53,15 @@ failed int8_batches && off+=(GATESTREAM_CUDA_INT8_TOKENS=1)
 failed attention_tiles && off+=(GATESTREAM_CUDA_ATTN_TILES=0)
 failed attention_split && off+=(GATESTREAM_CUDA_ATTN_SPLIT=0)
 { failed fused_ || failed small_qwen2_fused; } && off+=(GATESTREAM_CUDA_FUSE=0)
+# (GATESTREAM_CUDA_PDL is off unless asked; a failed small_qwen2_pdl leaves gpu-compare's pdl
+# case out.)
+failed small_qwen2_pdl && CASES=$(echo "${CASES:-decode,prefill,depth,batched,served,mma,int8,split,fuse,pdl,profile}" | sed 's/,pdl//; s/^pdl,//')
 log "turned off for the comparison: ${off[*]:-nothing}"
 
 # 2. The comparison.
 compare=${COMPARE:-python3 tools/gpu-compare.py}
 # shellcheck disable=SC2086
-env "${off[@]}" OUT="$OUT/compare" timeout "${COMPARE_S:-270}" $compare --cases "${CASES:-decode,prefill,depth,batched,served,mma,int8,split,fuse,profile}" \
+env "${off[@]}" OUT="$OUT/compare" timeout "${COMPARE_S:-270}" $compare --cases "${CASES:-decode,prefill,depth,batched,served,mma,int8,split,fuse,pdl,profile}" \
     --deadline "${DEADLINE:-225}" > "$OUT/compare.txt" 2>&1
 log "gpu-compare: exit $? (log: compare.txt, rows: compare/compare.json)"
 
