@@ -345,11 +345,106 @@ __device__ __forceinline__ u32 f16_twice(int v) {
     return h | (h << 16);
 }
 
+// A thread's half super-block of weight bytes for the integer tiles, as loaded (mmq_load): the
+// quants (Q4_K: bytes 32j..32j+31 of the quants for j = 2du, 2du + 1; Q6_K: ql bytes 64du..64du+63
+// and qh bytes 32du..32du+31) and, for the thread of half 0, the block's scales and d (Q4_K: the
+// first 16 bytes, d, dmin and the 12 scale bytes; Q6_K: the 16 scale bytes, and d).
+template <int TY> struct MmqRaw {
+    u32 q[TY == TY_Q4_K ? 16 : 24];
+    u32 h[4];
+    u16 d;
+};
+
+template <int N, int AT, int M> __device__ __forceinline__ void ld_words_at(const u8* p, u32 (&w)[M]) {
+    u32 t[N];
+    ld_words(p, t);
+#pragma unroll
+    for (int i = 0; i < N; i++) w[AT + i] = t[i];
+}
+
+// Byte i of four little-endian words.
+__device__ __forceinline__ u32 word_byte(const u32 (&w)[4], int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xffu; }
+
+template <int TY> __device__ __forceinline__ void mmq_load(const u8* row, int sb, int du, MmqRaw<TY>& r) {
+    if (TY == TY_Q4_K) {
+        const u8* b = row + 144 * (u64)sb;
+        ld_words_at<8, 0>(b + 16 + 32 * (2 * du), r.q);
+        ld_words_at<8, 8>(b + 16 + 32 * (2 * du + 1), r.q);
+        if (du == 0) ld_words(b, r.h);
+    } else {
+        const u8* b = row + 210 * (u64)sb;
+        const u8* ql = b + 64 * du;
+        ld_words_at<8, 0>(ql, r.q);
+        ld_words_at<8, 8>(ql + 32, r.q);
+        ld_words_at<8, 16>(b + 128 + 32 * du, r.q);
+        if (du == 0) {
+            ld_words(b + 192, r.h);
+            r.d = ld16(b + 208);
+        }
+    }
+}
+
+// `r` into the tile's shared rows: the quants as bytes of values (Q4_K 0..15, Q6_K 0..63) into
+// `wrow`, and for half 0 the scales (and mins) into `sc` and d (and dmin) into `d`.
+template <int TY>
+__device__ __forceinline__ void mmq_unpack(const MmqRaw<TY>& r, int du, u32* wrow, int* sc, float* d) {
+    if (TY == TY_Q4_K) {
+        // Bytes 32j..32j+31 of the quants: sub-block 2j in the low nibbles, 2j + 1 in the high.
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++) {
+            int j = 2 * du + jj;
+#pragma unroll
+            for (int w = 0; w < 8; w++) {
+                u32 v = r.q[8 * jj + w];
+                wrow[16 * j + w] = v & 0x0f0f0f0fu;
+                wrow[16 * j + 8 + w] = (v >> 4) & 0x0f0f0f0fu;
+            }
+        }
+        if (du == 0) {
+            // ggml's get_scale_min_k4 on the 12 scale bytes (bytes 4..15 of the block).
+#pragma unroll
+            for (int s = 0; s < 8; s++) {
+                u32 q = word_byte(r.h, 4 + s), q4 = word_byte(r.h, 8 + s);
+                if (s < 4) {
+                    sc[s] = (int)(q & 63);
+                    sc[8 + s] = (int)(q4 & 63);
+                } else {
+                    u32 lo = word_byte(r.h, 4 + s - 4), hi = word_byte(r.h, 4 + s);
+                    sc[s] = (int)((q4 & 0x0f) | ((lo >> 6) << 4));
+                    sc[8 + s] = (int)((q4 >> 4) | ((hi >> 6) << 4));
+                }
+            }
+            d[0] = f16_to_f32((u16)(r.h[0] & 0xffffu));
+            d[1] = f16_to_f32((u16)(r.h[0] >> 16));
+        }
+    } else {
+        // Half du (values 128du..128du+127): quarter k from the low (k even) or high nibbles of
+        // ql (bytes 32 (k % 2) on) and bits 2k, 2k + 1 of qh.
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            u32 l0 = r.q[w], l1 = r.q[8 + w], h = r.q[16 + w];
+            wrow[32 * du + w] = (l0 & 0x0f0f0f0fu) | ((h & 0x03030303u) << 4);
+            wrow[32 * du + 8 + w] = (l1 & 0x0f0f0f0fu) | (((h >> 2) & 0x03030303u) << 4);
+            wrow[32 * du + 16 + w] = ((l0 >> 4) & 0x0f0f0f0fu) | (((h >> 4) & 0x03030303u) << 4);
+            wrow[32 * du + 24 + w] = ((l1 >> 4) & 0x0f0f0f0fu) | (((h >> 6) & 0x03030303u) << 4);
+        }
+        if (du == 0) {
+#pragma unroll
+            for (int s = 0; s < 16; s++) sc[s] = (int)(i8)(u8)word_byte(r.h, s);
+            d[0] = f16_to_f32(r.d);
+        }
+    }
+}
+
 // grid = (ceil(rows_out / MMA_BM), ceil(n / MMA_BN), parts), MMA_THREADS threads; cols a multiple
 // of 256. Xq: token t's Q8_K blocks from t * (cols / 256) on. With parts > 1 block z sums its
 // share of the super-blocks into Y + z * n * rows_out, and `accumulate_reduce` adds the parts in
-// order onto zeros (as mma_body's).
-template <int TY>
+// order onto zeros (as mma_body's). PF: each thread's weight bytes for the next super-block are
+// loaded into registers (`MmqRaw`) before the tile's products of this one, so their latency is
+// spent while the tensor cores work (`mmq_*`, GATESTREAM_CUDA_MMQ_PREFETCH=1: NVRTC 12.9, sm_90,
+// 180 / 169 registers, 2 blocks a multiprocessor); without, loaded where they are unpacked
+// (`mmq_plain_*`, the default: 134 / 140, 3 blocks). The same values either way.
+template <int TY, bool PF>
 __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u8* Xq, int n,
                          float* Y) {
     __shared__ u32 ws[MMA_BM * MMQ_ROW_WORDS];
@@ -373,58 +468,12 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
     Y += (u64)blockIdx.z * n * rows_out;
     float acc[2][4][4];
     zero_tiles(acc);
-    for (int sb = blockIdx.z * per; sb < sb_end; sb++) {
-        u32* wrow = ws + dr * MMQ_ROW_WORDS;
-        if (TY == TY_Q4_K) {
-            // Bytes 32j..32j+31 of the quants: sub-block 2j in the low nibbles, 2j + 1 in the high.
-            const u8* b = row + 144 * (u64)sb;
-#pragma unroll
-            for (int jj = 0; jj < 2; jj++) {
-                int j = 2 * du + jj;
-                u32 words[8];
-                ld_words(b + 16 + 32 * j, words);
-#pragma unroll
-                for (int w = 0; w < 8; w++) {
-                    u32 v = words[w];
-                    wrow[16 * j + w] = v & 0x0f0f0f0fu;
-                    wrow[16 * j + 8 + w] = (v >> 4) & 0x0f0f0f0fu;
-                }
-            }
-            if (du == 0) {
-#pragma unroll
-                for (int s = 0; s < 8; s++) {
-                    float sc, m;
-                    k_scale_min(s, b + 4, &sc, &m);
-                    wsc[dr][s] = (int)sc;
-                    wsc[dr][8 + s] = (int)m;
-                }
-                wd[dr][0] = ldf16(b);
-                wd[dr][1] = ldf16(b + 2);
-            }
-        } else {
-            // Half du (values 128du..128du+127): quarter k from the low (k even) or high nibbles of
-            // ql (bytes 32 (k % 2) on) and bits 2k, 2k + 1 of qh.
-            const u8* b = row + 210 * (u64)sb;
-            const u8* ql = b + 64 * du;
-            const u8* qh = b + 128 + 32 * du;
-            u32 l0w[8], l1w[8], hw[8];
-            ld_words(ql, l0w);
-            ld_words(ql + 32, l1w);
-            ld_words(qh, hw);
-#pragma unroll
-            for (int w = 0; w < 8; w++) {
-                u32 l0 = l0w[w], l1 = l1w[w], h = hw[w];
-                wrow[32 * du + w] = (l0 & 0x0f0f0f0fu) | ((h & 0x03030303u) << 4);
-                wrow[32 * du + 8 + w] = (l1 & 0x0f0f0f0fu) | (((h >> 2) & 0x03030303u) << 4);
-                wrow[32 * du + 16 + w] = ((l0 >> 4) & 0x0f0f0f0fu) | (((h >> 4) & 0x03030303u) << 4);
-                wrow[32 * du + 24 + w] = ((l1 >> 4) & 0x0f0f0f0fu) | (((h >> 6) & 0x03030303u) << 4);
-            }
-            if (du == 0) {
-#pragma unroll
-                for (int s = 0; s < 16; s++) wsc[dr][s] = (int)(i8)b[192 + s];
-                wd[dr][0] = ldf16(b + 208);
-            }
-        }
+    int sb0 = (int)blockIdx.z * per;
+    MmqRaw<TY> raw;
+    if (PF && sb0 < sb_end) mmq_load(row, sb0, du, raw);
+    for (int sb = sb0; sb < sb_end; sb++) {
+        if (!PF) mmq_load(row, sb, du, raw);
+        mmq_unpack(raw, du, ws + dr * MMQ_ROW_WORDS, wsc[dr], wd[dr]);
         // The tokens' blocks (76 words: the scale, 8 words of sums, 3 unused, 64 of quants): a warp a token
         // at a time, a word a lane.
 #pragma unroll 4
@@ -438,6 +487,8 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
             if (lane == 16) xd[tt] = in ? *(const float*)blk : 0.f;
         }
         __syncthreads();
+        // (The unpacked tile is in shared memory: the registers take the next super-block.)
+        if (PF && sb + 1 < sb_end) mmq_load(row, sb + 1, du, raw);
         int qy[2][4][4];
         zero_int_tiles(qy);
         if (TY == TY_Q4_K) {
@@ -531,11 +582,16 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
     store_tiles(acc, Y, m0 + wm, n0 + wn, rows_out, n, nullptr, 1.f);
 }
 
-#define MMQ_KERNEL(t, TY)                                                                             \
-    extern "C" __global__ void mmq_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
-                                       int cols, const u8* Xq, int n, float* Y) {                     \
-        grid_dep();                                                                                   \
-        mmq_body<TY>(W, row_stride, rows_out, row_ids, cols, Xq, n, Y);                               \
+#define MMQ_KERNEL(t, TY)                                                                                   \
+    extern "C" __global__ void mmq_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,       \
+                                       int cols, const u8* Xq, int n, float* Y) {                           \
+        grid_dep();                                                                                         \
+        mmq_body<TY, true>(W, row_stride, rows_out, row_ids, cols, Xq, n, Y);                               \
+    }                                                                                                       \
+    extern "C" __global__ void mmq_plain_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
+                                             int cols, const u8* Xq, int n, float* Y) {                     \
+        grid_dep();                                                                                         \
+        mmq_body<TY, false>(W, row_stride, rows_out, row_ids, cols, Xq, n, Y);                              \
     }
 
 MMQ_KERNEL(q4_k, TY_Q4_K)

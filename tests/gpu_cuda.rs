@@ -382,6 +382,19 @@ fn mmq_products_in(
                         "{ty:?}, {n} tokens: the integer tiles gave what the f16 pairs give"
                     ));
                 }
+                // The tiles that load each super-block where they unpack it (`mmq_plain_*`) against
+                // those that load the next one ahead (the default): the same bits, and the row
+                // subset's too.
+                let was = dev.mmq_prefetch();
+                dev.set_mmq_prefetch(!was);
+                let other = dev.download(dev.matmul(&[&ws[0]], &xa).remove(0));
+                let other_part = dev.download(dev.matmul_rows(&ws[0], &subset, &xa));
+                dev.set_mmq_prefetch(was);
+                if other != plain || other_part != part {
+                    return Err(format!(
+                        "{ty:?}, {n} tokens: the integer tiles loading ahead and not differ"
+                    ));
+                }
                 for t in 0..n {
                     let mut p = PreparedInput::new();
                     p.prepare(&x[t * cols..(t + 1) * cols], ty);
@@ -409,7 +422,7 @@ fn mmq_products_in(
             }
         }
         let line = format!(
-            "  {ty:?} as integer tiles: max relative error {max:.2e} against f64 on its 8-bit activations (n=9/13/70, rows, three weights, split in parts)"
+            "  {ty:?} as integer tiles: max relative error {max:.2e} against f64 on its 8-bit activations (n=9/13/70, rows, three weights, split in parts); loading ahead and not bit-identical"
         );
         type_verdict(dev, &mut lines, &mut worst, max, 1e-6, line)?;
     }

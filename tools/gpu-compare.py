@@ -27,6 +27,9 @@ is gatestream faster; each line gives both medians and the median of the per-pai
            (tools/serve-bench.py: C clients, 2 requests each, 64 tokens, short prompts), C = 1/8/32
   mma      (not a llama.cpp row) gatestream's own prefill of the 512-token prompt with Q4_K/Q6_K
            batches as integer tiles (the default) and as f16 pairs (GATESTREAM_CUDA_MMQ=0), A B A B
+  prefetch (not a llama.cpp row) the same prefill with the integer tiles loading the next
+           super-block's weights while they multiply (GATESTREAM_CUDA_MMQ_PREFETCH=1) and where
+           they unpack them (=0, the default), A B A B
   int8     (not a llama.cpp row) gatestream's batched decode at 2, 4 and 8 sequences (as in
            `batched`) with batches of Q4_K/Q6_K products as integers (GATESTREAM_CUDA_INT8_TOKENS=8,
            the default) and on the tensor cores (=1): the crossover; one run each
@@ -189,7 +192,7 @@ def profile(a, gguf, prompt, tokens=1, what="prefill", name="profile"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,int8,split,fuse,pdl,profile")
+    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,pdl,profile")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
     ap.add_argument("--model", help="a GGUF to use instead of making one")
@@ -320,6 +323,8 @@ def main():
 
     if "mma" in cases and not late(a):
         switch_ab("prefill, integer tiles / f16 pairs", "MMQ", 1, "prefill_tok_per_s")
+    if "prefetch" in cases and not late(a):
+        switch_ab("prefill, tiles loading ahead / not", "MMQ_PREFETCH", 1, "prefill_tok_per_s")
     if "int8" in cases and not late(a):
         on = serve_bench(a, gs_serve, "int8 8", "2,4,8", 1, 128, pf, "int8-8")
         off = serve_bench(a, "env GATESTREAM_CUDA_INT8_TOKENS=1 " + gs_serve, "int8 1", "2,4,8", 1, 128, pf, "int8-1")

@@ -55,13 +55,13 @@ failed attention_split && off+=(GATESTREAM_CUDA_ATTN_SPLIT=0)
 { failed fused_ || failed small_qwen2_fused; } && off+=(GATESTREAM_CUDA_FUSE=0)
 # (GATESTREAM_CUDA_PDL is off unless asked; a failed small_qwen2_pdl leaves gpu-compare's pdl
 # case out.)
-failed small_qwen2_pdl && CASES=$(echo "${CASES:-decode,prefill,depth,batched,served,mma,int8,split,fuse,pdl,profile}" | sed 's/,pdl//; s/^pdl,//')
+failed small_qwen2_pdl && CASES=$(echo "${CASES:-decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,pdl,profile}" | sed 's/,pdl//; s/^pdl,//')
 log "turned off for the comparison: ${off[*]:-nothing}"
 
 # 2. The comparison.
 compare=${COMPARE:-python3 tools/gpu-compare.py}
 # shellcheck disable=SC2086
-env "${off[@]}" OUT="$OUT/compare" timeout "${COMPARE_S:-270}" $compare --cases "${CASES:-decode,prefill,depth,batched,served,mma,int8,split,fuse,pdl,profile}" \
+env "${off[@]}" OUT="$OUT/compare" timeout "${COMPARE_S:-270}" $compare --cases "${CASES:-decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,pdl,profile}" \
     --deadline "${DEADLINE:-225}" > "$OUT/compare.txt" 2>&1
 log "gpu-compare: exit $? (log: compare.txt, rows: compare/compare.json)"
 

@@ -274,8 +274,9 @@ kernels! {
         res: Ptr, nw: Ptr, out: Ptr, eps: F32, q8: Opt, vt: I32, done: Ptr,
     ) if n == 1 && x.is_multiple_of(16) && vt.is_multiple_of(32) && (32..=1024).contains(&vt);
     /// `y = x · w[row_ids]` for `n` tokens as integer tiles on the tensor cores, `x` as Q8_K
-    /// blocks, token after token (in `grid.z` parts as `accumulate`'s).
-    mmq<ty>(w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr)
+    /// blocks, token after token (in `grid.z` parts as `accumulate`'s); `mmq` loads the next
+    /// super-block's weights while it multiplies, `mmq_plain` when it unpacks them.
+    mmq ["mmq", "mmq_plain"] <ty> (w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, y: Ptr)
         if cols.is_multiple_of(256) && n > 0;
     /// Up to three products of one Q8_K input in one launch (absent ones all 0). Q8_K blocks
     /// start at a multiple of 16 bytes (the kernels read a lane's quants 16 bytes at a time).

@@ -76,6 +76,8 @@ pub struct CudaDevice {
     i8_wpr: std::sync::atomic::AtomicUsize,
     /// Whether kernels launch as programmatic dependents (see [`PDL_ENV`]).
     pdl: std::sync::atomic::AtomicBool,
+    /// Whether the integer tiles load the next super-block ahead (see [`MMQ_PREFETCH_ENV`]).
+    mmq_prefetch: std::sync::atomic::AtomicBool,
     /// Kernels launched as programmatic dependents so far.
     pdl_launches: std::sync::atomic::AtomicU64,
     /// Weight copies from the host (see [`HostLink::link`]).
@@ -140,6 +142,7 @@ impl CudaDevice {
             int8_tokens,
             i8_wpr,
             pdl,
+            mmq_prefetch,
             mmq,
             attn_tiles,
             attn_split,
@@ -237,6 +240,7 @@ impl CudaDevice {
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
             i8_wpr: std::sync::atomic::AtomicUsize::new(i8_wpr),
             pdl: std::sync::atomic::AtomicBool::new(pdl),
+            mmq_prefetch: std::sync::atomic::AtomicBool::new(mmq_prefetch),
             pdl_launches: std::sync::atomic::AtomicU64::new(0),
             link,
             graphs: Mutex::new(graph::Graphs::default()),
@@ -478,6 +482,16 @@ impl CudaDevice {
 
     pub fn matvec_rows(&self) -> usize {
         self.matvec_rows.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Sets whether the integer tiles launched from now on load the next super-block ahead (see
+    /// [`MMQ_PREFETCH_ENV`]).
+    pub fn set_mmq_prefetch(&self, on: bool) {
+        self.mmq_prefetch.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn mmq_prefetch(&self) -> bool {
+        self.mmq_prefetch.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Sets whether kernels launched from now on are programmatic dependents (see [`PDL_ENV`]).
@@ -901,6 +915,7 @@ mod tests {
             let int8 = [
                 ("matvec_i8x3", "MATVEC_I8_KERNELS"),
                 ("matvec_i8n", "MATVEC_I8_KERNELS"),
+                ("mmq_plain", "MMQ_KERNEL"),
                 ("mmq", "MMQ_KERNEL"),
                 ("matvec_i8f", "MATVEC_I8F_KERNELS"),
                 ("matvec_i8_norm", "MATVEC_I8F_KERNELS"),
@@ -1000,6 +1015,11 @@ mod tests {
         assert!(attn_tiles_asked(None).unwrap());
         assert!(!attn_tiles_asked(Some("off")).unwrap());
         assert!(!mmq_asked(Some("0")).unwrap());
+        assert!(!mmq_prefetch_asked(None).unwrap() && mmq_prefetch_asked(Some("on")).unwrap());
+        assert!(mmq_prefetch_asked(Some("2"))
+            .unwrap_err()
+            .to_string()
+            .contains(MMQ_PREFETCH_ENV));
         assert!(mmq_asked(Some("f16")).unwrap_err().to_string().contains(MMQ_ENV));
     }
 

@@ -999,6 +999,7 @@ impl CudaDevice {
         let (mut out, partial) = self.parts_target(out, cfg.grid_dim.2 as usize);
         let idx = rows.map_or(0, |r| self.indices(r));
         self.k().mmq(
+            if self.mmq_prefetch() { "mmq" } else { "mmq_plain" },
             w.ty,
             cfg,
             wd.ptr,

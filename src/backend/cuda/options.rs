@@ -171,6 +171,18 @@ pub(crate) fn switch_asked(name: &str, value: Option<&str>, on: &str, off: &str)
     }
 }
 
+/// A switch that is off unless asked for: `0`/`off`/unset false, `1`/`on` true; `off` and `on`
+/// say what each means, for the error.
+pub(crate) fn switch_off_asked(name: &str, value: Option<&str>, off: &str, on: &str) -> Result<bool> {
+    match value.map(str::trim) {
+        None | Some("") | Some("0") | Some("off") => Ok(false),
+        Some("1") | Some("on") => Ok(true),
+        Some(other) => Err(Error::Invalid(format!(
+            "{name}={other}: expected 0 or off (the default: {off}), or 1 or on ({on})"
+        ))),
+    }
+}
+
 /// What [`ACTIVATIONS_ENV`] asks for (`value`: the variable's value).
 pub fn activations_asked(value: Option<&str>) -> Result<Activations> {
     match value.map(str::trim) {
@@ -206,6 +218,24 @@ pub fn matvec_rows_asked(value: Option<&str>) -> Result<usize> {
     }
 }
 
+/// `GATESTREAM_CUDA_MMQ_PREFETCH`: `1` (or `on`) has the integer tiles ([`MMQ_ENV`]: `mmq_*`)
+/// load each thread's weight bytes of the next super-block into registers before multiplying the
+/// tile's current one, so that the loads' latency passes while the tensor cores work — at the
+/// cost of registers (sm_90: 180 against 134 for Q4_K, 2 blocks a multiprocessor instead of 3);
+/// `0` (`off`, the default while neither has been timed on a GPU: `mmq_plain_*`) loads them where
+/// they are unpacked. The same values either way.
+pub const MMQ_PREFETCH_ENV: &str = "GATESTREAM_CUDA_MMQ_PREFETCH";
+
+/// Whether [`MMQ_PREFETCH_ENV`] asks for the loads ahead (`value`: the variable's value).
+pub fn mmq_prefetch_asked(value: Option<&str>) -> Result<bool> {
+    switch_off_asked(
+        MMQ_PREFETCH_ENV,
+        value,
+        "each super-block's weights loaded where the integer tiles unpack them",
+        "the next super-block's weights loaded while the tiles multiply",
+    )
+}
+
 /// `GATESTREAM_CUDA_PDL`: `1` (or `on`) launches every kernel as a programmatic dependent of
 /// the kernel before it on the stream (`cuLaunchKernelEx` with programmatic stream
 /// serialization; in a CUDA graph, programmatic edges): on sm_90 and later a kernel's blocks may
@@ -218,15 +248,13 @@ pub const PDL_ENV: &str = "GATESTREAM_CUDA_PDL";
 
 /// Whether [`PDL_ENV`] asks for programmatic dependent launches (`value`: the variable's value).
 pub fn pdl_asked(value: Option<&str>) -> Result<bool> {
-    match value.map(str::trim) {
-        None | Some("") | Some("0") | Some("off") => Ok(false),
-        Some("1") | Some("on") => Ok(true),
-        Some(other) => Err(Error::Invalid(format!(
-            "{PDL_ENV}={other}: expected 0 or off (the default: each kernel launched after the one before it \
-             ends), or 1 or on (programmatic dependent launches: a kernel's blocks scheduled while the one before \
-             it finishes, waiting for it first)"
-        ))),
-    }
+    switch_off_asked(
+        PDL_ENV,
+        value,
+        "each kernel launched after the one before it ends",
+        "programmatic dependent launches: a kernel's blocks scheduled while the one before it finishes, \
+         waiting for it first",
+    )
 }
 
 /// `GATESTREAM_CUDA_I8_WPR`: warps per weight row of the integer products (`matvec_i8*`), 1, 2, 4
@@ -306,6 +334,8 @@ pub struct CudaOptions {
     pub i8_wpr: usize,
     /// Whether kernels launch as programmatic dependents ([`PDL_ENV`]).
     pub pdl: bool,
+    /// Whether the integer tiles load the next super-block ahead ([`MMQ_PREFETCH_ENV`]).
+    pub mmq_prefetch: bool,
     /// Whether wider batches of Q4_K and Q6_K rows run as integer tiles ([`MMQ_ENV`]).
     pub mmq: bool,
     /// Whether a prompt's attention runs in tiles of tokens ([`ATTN_TILES_ENV`]).
@@ -340,6 +370,7 @@ impl CudaOptions {
             int8_tokens: int8_tokens_asked(var(INT8_TOKENS_ENV).as_deref())?,
             i8_wpr: i8_wpr_asked(var(I8_WPR_ENV).as_deref())?,
             pdl: pdl_asked(var(PDL_ENV).as_deref())?,
+            mmq_prefetch: mmq_prefetch_asked(var(MMQ_PREFETCH_ENV).as_deref())?,
             mmq: mmq_asked(var(MMQ_ENV).as_deref())?,
             attn_tiles: attn_tiles_asked(var(ATTN_TILES_ENV).as_deref())?,
             attn_split: attn_split_asked(var(ATTN_SPLIT_ENV).as_deref())?,

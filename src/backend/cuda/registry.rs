@@ -122,6 +122,7 @@ pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
             "matvec_i8f",
             "matvec_i8n",
             "mmq",
+            "mmq_plain",
             "matvec_i8_norm",
             "matvec_i8f_norm",
             "matvec_i8x3_act",
