@@ -275,6 +275,11 @@ fn dequantized(w: &Weight) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// How many of `a`'s values differ from `b`'s in their bits.
+fn bits_differ(a: &[f32], b: &[f32]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
+}
+
 /// Max |a - b| over max |b|.
 fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
@@ -834,10 +839,7 @@ fn i8_geometry_in(
         for wpr in [1usize, 2, 4, 8] {
             let (t, outs) = run(wpr)?;
             timed.push((wpr, t));
-            let same = outs
-                .iter()
-                .zip(&base)
-                .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            let same = outs.iter().zip(&base).all(|(a, b)| bits_differ(a, b) == 0);
             let worst = outs.iter().zip(&base).map(|(a, b)| rel_err(a, b)).fold(0f64, f64::max);
             if wpr == auto && !same {
                 failures.push(format!(
@@ -936,11 +938,7 @@ fn attention_q8_blocks(
             let fresh = dev.upload(out.rows, width, dev.to_host(&out).into_owned());
             let got = dev.download(dev.matmul(&[w], &out).remove(0));
             let want = dev.download(dev.matmul(&[w], &fresh).remove(0));
-            let differ = got
-                .iter()
-                .zip(&want)
-                .filter(|(g, w)| g.to_bits() != w.to_bits())
-                .count();
+            let differ = bits_differ(&got, &want);
             if differ > 0 {
                 outcome = Err(format!(
                     "split attention, {n_heads} heads of {head_dim}: a Q4_K product of its output blocks differs \
@@ -1382,11 +1380,7 @@ fn fused_blocks_follow_writes(
             let got = product(a);
             let fresh = dev.upload(a.rows, COLS, dev.to_host(a).into_owned());
             let want = product(&fresh);
-            let differ = got
-                .iter()
-                .zip(&want)
-                .filter(|(g, w)| g.to_bits() != w.to_bits())
-                .count();
+            let differ = bits_differ(&got, &want);
             if differ > 0 {
                 failures.push(format!("{what}: {differ} of {} outputs differ", want.len()));
             }
