@@ -95,6 +95,37 @@ __device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, 
 
 template <bool CG = false> __device__ void q8_k_block(const float* xb, u8* ob, int lane);
 
+// `norm_row<true>` of one row by one warp (lane `lane`), the same bits: lane l takes virtual
+// thread 32k + l of each virtual warp k in turn, each warp's sum reduced by the same exchanges,
+// the virtual warps' sums added in order; then the row's Q8_K blocks (`q8` unless null) by the
+// same warp. `ar` is read past the L1 cache (other blocks may have written it: `last_arrival`).
+__device__ void add_norm_row_warp(float* xr, const float* ar, const float* w, float* yr, int width, float eps,
+                                  u8* q8, int vt, int lane) {
+    float total = 0.f;
+    for (int k = 0; k < vt >> 5; k++) {
+        float ss = 0.f;
+#pragma unroll 4
+        for (int i = 32 * k + lane; i < width; i += vt) {
+            float t = xr[i] + __ldcg(ar + i);
+            ss += t * t;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        total = k == 0 ? ss : total + ss;
+    }
+    float scale = rsqrtf(total / (float)width + eps);
+    for (int k = 0; k < vt >> 5; k++)
+#pragma unroll 4
+        for (int i = 32 * k + lane; i < width; i += vt) {
+            float t = xr[i] + __ldcg(ar + i);
+            xr[i] = t;
+            yr[i] = t * scale * w[i];
+        }
+    __syncwarp();  // (the row's values, each lane's, before the blocks read them)
+    if (q8)
+        for (int b = 0; b < width / 256; b++) q8_k_block(yr + b * 256, q8 + (u64)b * Q8K_BLOCK_BYTES, lane);
+}
+
 // The Q8_K blocks of a norm's output row `yr` (`width` a multiple of 256) into `q8`, by the
 // norm's block once every thread has written its values: warp w takes blocks w, w + warps, ...
 // The same bytes `act_q8_k_blocks` makes of that row.
@@ -545,8 +576,21 @@ __device__ void then_add_rms_norm(const float* Y, int width, float* res, const f
     if (q8) norm_row_q8_k(out, q8, width);
 }
 
+// After a product Y of `n` tokens (n at most the block's warps), its launch's last block does
+// what `add_rms_norm` of those n rows does, warp t row t (`add_norm_row_warp`): the same bytes.
+__device__ void then_add_rms_norm_rows(const float* Y, int width, int n, float* res, const float* nw, float* out,
+                                       float eps, u8* q8, int vt, u32* done) {
+    if (!last_arrival(done, gridDim.x)) return;
+    int t = (threadIdx.x + blockDim.x * threadIdx.y) >> 5, lane = threadIdx.x & 31;
+    if (t >= n) return;
+    u64 off = (u64)t * width;
+    add_norm_row_warp(res + off, Y + off, nw, out + off, width, eps,
+                      q8 ? q8 + (u64)t * (width / 256) * Q8K_BLOCK_BYTES : nullptr, vt, lane);
+}
+
 // matvec_i8f_*: as described above; matvec_i8_norm_* and matvec_i8f_norm_*: matvec_i8_* and
-// matvec_i8f_*, then `then_add_rms_norm`.
+// matvec_i8f_*, then `then_add_rms_norm`; matvec_i8n_norm_*: matvec_i8n_*, then
+// `then_add_rms_norm_rows` (a batch of up to 8 tokens).
 #define MATVEC_I8F_KERNELS(t, TY)                                                                               \
     extern "C" __global__ void I8_ONE_BOUNDS matvec_i8f_##t(const u8* W, u64 row_stride, int rows_out,         \
                                                             const u32* row_ids, int cols, const float* X, int n, \
@@ -569,6 +613,14 @@ __device__ void then_add_rms_norm(const float* Y, int width, float* res, const f
         grid_dep();                                                                                             \
         matvec_i8f_body<TY>(W, row_stride, rows_out, row_ids, cols, X, bias, wpr, Y);                           \
         then_add_rms_norm(Y, rows_out, res, nw, out, eps, q8, vt, done);                                        \
+    }                                                                                                           \
+    extern "C" __global__ void matvec_i8n_norm_##t(                                                             \
+        const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u8* Xq, int n,           \
+        const float* bias, int wpr, float* Y, float* res, const float* nw, float* out, float eps, u8* q8, int vt, \
+        u32* done) {                                                                                            \
+        grid_dep();                                                                                             \
+        matvec_i8_rows<TY, I8N_MAX>(W, row_stride, rows_out, row_ids, cols, Xq, n, bias, wpr, Y, blockIdx.x);   \
+        then_add_rms_norm_rows(Y, rows_out, n, res, nw, out, eps, q8, vt, done);                                \
     }
 MATVEC_I8F_KERNELS(q4_k, TY_Q4_K)
 MATVEC_I8F_KERNELS(q6_k, TY_Q6_K)
@@ -631,3 +683,33 @@ extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f
 MATVEC_I8X3_ACT_KERNEL(q4_k, TY_Q4_K)
 MATVEC_I8X3_ACT_KERNEL(q6_k, TY_Q6_K)
 #undef MATVEC_I8X3_ACT_KERNEL
+
+// The gate and up products of n tokens (`matvec_i8nx3` with two weights of `r0` rows, a
+// multiple of 256; each weight's type `t0`, `t1`), then the gated activation of each token and
+// its Q8_K blocks without a launch of their own: as `matvec_i8x3_act_*`, the last of the blocks
+// writing rows of Q8_K block q makes block q of every token, warp t token t (up to 8): the
+// activated values written back to `y1`, then their Q8_K block (`q8_k_block`: as
+// `act_q8_k_blocks` makes it of those values, and `activate_mul_q8_k` too). `out`: token t's
+// blocks from t · (r0 / 256) on.
+extern "C" __global__ void matvec_i8nx3_act(const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0,
+                                            const u8* W0, u64 s0, int r0, const float* b0, float* y0, int t1,
+                                            const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2,
+                                            const u8* W2, u64 s2, int r2, const float* b2, float* y2, int f, u8* out,
+                                            u32* done) {
+    grid_dep();
+    int b = blockIdx.x, up = b >= nb0;
+    if (!up)
+        matvec_i8n_rows_of(t0, W0, s0, r0, cols, Xq, n, b0, wpr, y0, b);
+    else
+        matvec_i8n_rows_of(t1, W1, s1, r1, cols, Xq, n, b1, wpr, y1, b - nb0);
+    int rows = blockDim.y / wpr, q = (up ? b - nb0 : b) * rows / 256;
+    if (!last_arrival(done + q, 2 * (256 / rows))) return;
+    int t = (threadIdx.x + blockDim.x * threadIdx.y) >> 5, lane = threadIdx.x & 31;
+    if (t >= n) return;
+    float* u = y1 + (u64)t * r1 + (u64)q * 256;
+    const float* g = y0 + (u64)t * r0 + (u64)q * 256;
+#pragma unroll
+    for (int i = 0; i < 8; i++) u[lane + 32 * i] = __ldcg(u + lane + 32 * i) * act_fn(__ldcg(g + lane + 32 * i), f);
+    __syncwarp();
+    q8_k_block(u, out + ((u64)t * (r0 / 256) + q) * Q8K_BLOCK_BYTES, lane);
+}

@@ -2152,6 +2152,7 @@ fn fused_last_blocks_in(
     let mut rng = Rng(41);
     let eps = 1e-6f32;
     let mut cases = 0usize;
+    let mut batch_cases = 0usize;
     for ty in INT8_TYPES {
         for (width, cols) in [(256usize, 512usize), (1536, 256), (4096, 768), (8192, 256)] {
             let w = quantized(ty, width, cols, &mut rng);
@@ -2183,25 +2184,54 @@ fn fused_last_blocks_in(
                 cases += 1;
             }
         }
+        // Batches of 3 and 8 tokens (integer batches: the norm of each row by a warp of the last
+        // block).
+        for (width, cols, n) in [(1536usize, 256usize, 3usize), (4096, 768, 8), (256, 512, 8)] {
+            let w = quantized(ty, width, cols, &mut rng);
+            let next = quantized(ty, 24, width, &mut rng);
+            let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
+            let nw: Vec<f32> = (0..width).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+            let res0: Vec<f32> = (0..n * width).map(|_| 4.0 * rng.normalish()).collect();
+            let what = format!("{ty:?}, {width} rows of {cols}, {n} tokens");
+            let names = ["residual", "norm output", "product of the norm output"];
+            fused_against_apart(dev, &what, &names, || {
+                let warm = dev.upload(1, cols, x[..cols].to_vec());
+                drop(dev.matmul(&[&w], &warm));
+                let xin = dev.upload(n, cols, x.clone());
+                let mut res = dev.upload(n, width, res0.clone());
+                let f0 = dev.last_block_fusions();
+                let xin = dev.rms_norm(&xin, &gain, eps);
+                let y = dev.matmul(&[&w], &xin).remove(0);
+                let out = dev.add_rms_norm(&mut res, &y, &nw, eps);
+                let p = dev.matmul(&[&next], &out).remove(0);
+                let got = vec![dev.download(res), dev.download(out), dev.download(p)];
+                Ok((got, dev.last_block_fusions() - f0))
+            })?;
+            batch_cases += 1;
+        }
     }
     let mut act_cases = 0usize;
     for ty in INT8_TYPES {
-        for (rows, super_blocks, f) in [
-            (256usize, 1usize, FfnActivation::Silu),
-            (8960, 6, FfnActivation::Silu),
-            (1024, 16, FfnActivation::GeluTanh),
-            (512, 64, FfnActivation::Silu),
+        // (rows, super-blocks a row, activation, tokens: one, or a batch of integer products)
+        for (rows, super_blocks, f, n) in [
+            (256usize, 1usize, FfnActivation::Silu, 1usize),
+            (8960, 6, FfnActivation::Silu, 1),
+            (1024, 16, FfnActivation::GeluTanh, 1),
+            (512, 64, FfnActivation::Silu, 1),
+            (8960, 6, FfnActivation::Silu, 8),
+            (1024, 16, FfnActivation::GeluTanh, 3),
         ] {
             let cols = 256 * super_blocks;
             let (gate, up) = (quantized(ty, rows, cols, &mut rng), quantized(ty, rows, cols, &mut rng));
             let down = quantized(ty, 24, rows, &mut rng);
             let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
-            let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
-            let what = format!("{ty:?}, gate and up of {rows} rows of {cols}, {f:?}");
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+            let what = format!("{ty:?}, gate and up of {rows} rows of {cols}, {f:?}, {n} tokens");
             fused_against_apart(dev, &what, &["activation", "product of the activation"], || {
-                let warm = dev.upload(1, cols, x.clone());
+                let warm = dev.upload(1, cols, x[..cols].to_vec());
                 drop(dev.matmul(&[&gate], &warm));
-                let xin = dev.upload(1, cols, x.clone());
+                let xin = dev.upload(n, cols, x.clone());
                 let f0 = dev.last_block_fusions();
                 let xn = dev.rms_norm(&xin, &gain, eps);
                 let mut gu = dev.matmul(&[&gate, &up], &xn);
@@ -2293,13 +2323,16 @@ fn fused_last_blocks_in(
         rope_cases += 1;
     }
     report.insert("fused_norms_cases".into(), cases.into());
+    report.insert("fused_batch_norms_cases".into(), batch_cases.into());
     report.insert("fused_activation_cases".into(), act_cases.into());
     report.insert("fused_rope_cases".into(), rope_cases.into());
     Ok(format!(
         "  residual add and norm in a product's last block: {cases} cases (Q4_K, Q6_K; input with and without blocks; \
-         outputs of 256/1536/4096/8192) bit-identical to the launches apart, each fused once\n  \
+         outputs of 256/1536/4096/8192) and {batch_cases} of batches (3 and 8 tokens, a warp a row) bit-identical to the \
+         launches apart, each fused once\n  \
          gated activation in the last blocks of its gate and up product: {act_cases} cases (Q4_K, Q6_K; 256 to 8960 rows \
-         of 1 to 64 super-blocks; SiLU, GELU) bit-identical to the launches apart, each fused once\n  \
+         of 1 to 64 super-blocks; SiLU, GELU; a token, batches of 3 and 8) bit-identical to the launches apart, each \
+         fused once\n  \
          RoPE and the KV write in the last blocks of the Q, K and V products: {rope_cases} cases (types mixed and not; \
          heads of 64/128/256, grouped and not; per-head norms and not; both pair styles) bit-identical to the launches \
          apart (queries, keys, attention over the cache), each fused once"
@@ -2411,6 +2444,16 @@ fn fused_same(
             * layers;
     let all_int8 = |ws: &[&Weight]| ws.iter().all(|w| int8(&[w])) && ws.windows(2).all(|p| p[0].cols == p[1].cols);
     let hd = m.config.head_dim;
+    // The prompt's pass (6 tokens: integer batches) fuses too: the norm after each layer's
+    // attention output product and after its down product (not the last layer's, whose output
+    // goes on alone: only the prompt's last row is normed), and the gated activation.
+    let mut prompt_last_blocks = 0;
+    for (i, l) in m.weights.layers.iter().enumerate() {
+        let f = l.dense("fused activations").map_err(|e| e.to_string())?;
+        prompt_last_blocks += usize::from(int8(&[&l.attn.wo]))
+            + usize::from(down_int8(l)? && i + 1 < layers)
+            + usize::from(all_int8(&[&f.gate, &f.up]) && f.gate.rows == f.up.rows && f.gate.rows % 256 == 0);
+    }
     for l in &m.weights.layers {
         last_blocks_per_step += usize::from(int8(&[&l.attn.wo])) + usize::from(down_int8(l)?);
         // RoPE and the KV write after the Q, K and V products in one launch, whose blocks' rows
@@ -2447,12 +2490,16 @@ fn fused_same(
     let worst = max_abs_diff(l_off.iter().flatten().copied(), l_on.iter().flatten().copied());
     // And RoPE with the KV write in every layer of every pass; the prompt's pass normalizes
     // only its last row before the output product.
-    let expected =
-        (STEPS * (saved_per_step + layers + last_blocks_per_step) + output_int8 + layers + saved_prompt) as u64;
+    let expected = (STEPS * (saved_per_step + layers + last_blocks_per_step)
+        + output_int8
+        + layers
+        + saved_prompt
+        + prompt_last_blocks) as u64;
+    let fusions_expected = STEPS * (last_blocks_per_step + attention_blocks_per_step) + prompt_last_blocks;
     let msg = format!(
         "  {key}: {STEPS} greedy steps with launches fused vs not: {differing}/{} logit rows differ (max |d| {worst:e}); 64-token pass nll \
          {nll_on:.6} vs {nll_off:.6}; {ops_on} vs {ops_off} operations ({} fewer; {saved_per_step} input \
-         blocks a step and {saved_prompt} in the prompt's pass, {last_blocks_per_step} last-block fusions a step saving a launch and {attention_blocks_per_step} making attention's output blocks ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
+         blocks a step and {saved_prompt} in the prompt's pass, {last_blocks_per_step} last-block fusions a step saving a launch and {attention_blocks_per_step} making attention's output blocks, {prompt_last_blocks} in the prompt's pass ({last_on} done, {last_off} unfused) and {layers} RoPE launches a pass expected, {expected} in all); \
          decode {rate_on:.1} tok/s fused, {rate_off:.1} not ({:.2}x)",
         l_off.len(),
         ops_off as i64 - ops_on as i64,
@@ -2463,13 +2510,13 @@ fn fused_same(
         serde_json::json!({"differing_rows": differing, "max_abs_diff": worst, "nll_fused": nll_on, "nll_unfused": nll_off,
             "ops_fused": ops_on, "ops_unfused": ops_off, "input_blocks_per_step_expected": saved_per_step, "expected_fewer": expected,
             "tok_s_fused": rate_on, "tok_s_unfused": rate_off, "last_block_fusions": last_on,
-            "last_block_fusions_expected": STEPS * (last_blocks_per_step + attention_blocks_per_step)}),
+            "last_block_fusions_expected": fusions_expected}),
     );
     if differing > 0
         || nll_on != nll_off
         || saved_per_step == 0
         || ops_off.checked_sub(ops_on) != Some(expected)
-        || last_on != (STEPS * (last_blocks_per_step + attention_blocks_per_step)) as u64
+        || last_on != fusions_expected as u64
         || last_off != 0
         || left_off + left_on > 0
     {

@@ -49,7 +49,8 @@ pub fn graphs_asked(value: Option<&str>) -> Result<bool> {
 /// `GATESTREAM_CUDA_GRAPH_SPLIT`: `N` (at least [`MIN_GRAPH_OPS`]) launches a segment's
 /// recording every `N` operations — each part a graph of its own once repeated — so the GPU runs
 /// the first parts while the host records the rest of the step; `0` records the whole segment
-/// before launching it. A part that would end on a one-token integer product takes the next
+/// before launching it. A part that would end on an integer product of a token or a batch
+/// (`matvec_i8*`) takes the next
 /// operation too (which may fuse into it: [`super::FUSE_ENV`]). The same kernels on the same
 /// buffers either way. Default [`DEFAULT_GRAPH_SPLIT`].
 pub const GRAPH_SPLIT_ENV: &str = "GATESTREAM_CUDA_GRAPH_SPLIT";

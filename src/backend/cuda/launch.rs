@@ -273,6 +273,13 @@ kernels! {
         w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
         res: Ptr, nw: Ptr, out: Ptr, eps: F32, q8: Opt, vt: I32, done: Ptr,
     ) if n == 1 && x.is_multiple_of(16) && vt.is_multiple_of(32) && (32..=1024).contains(&vt);
+    /// `matvec_i8n` of `n` tokens (at most a block's warps), then what `add_rms_norm` of its `n`
+    /// output rows does, by its last block (warp t row t); `done` a zeroed counter.
+    matvec_i8n_norm<ty>(
+        w: Ptr, row_stride: U64, rows_out: I32, row_ids: Opt, cols: I32, x: Ptr, n: I32, bias: Opt, wpr: I32, y: Ptr,
+        res: Ptr, nw: Ptr, out: Ptr, eps: F32, q8: Opt, vt: I32, done: Ptr,
+    ) if (1..=I8N_MAX.min(MATMUL_WARPS as usize)).contains(&n) && x.is_multiple_of(16) && vt.is_multiple_of(32)
+        && (32..=1024).contains(&vt);
     /// `y = x · w[row_ids]` for `n` tokens as integer tiles on the tensor cores, `x` as Q8_K
     /// blocks, token after token (in `grid.z` parts as `accumulate`'s); `mmq` loads the next
     /// super-block's weights while it multiplies, `mmq_plain` when it unpacks them.
@@ -302,6 +309,17 @@ kernels! {
         t1: I32, w1: Opt, s1: U64, r1: I32, b1: Opt, y1: Opt,
         t2: I32, w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
     ) if xq.is_multiple_of(16) && (1..=I8N_MAX).contains(&n);
+    /// `matvec_i8nx3` of `n` tokens' gate (`w0`) and up (`w1`) products of `r0` rows (a multiple
+    /// of 256), then each token's `activate_mul_q8_k` (`f`; Q8_K blocks into `out`) by the last
+    /// of each 256 rows' blocks (warp t token t); `done`: zeroed counters, one per 256 rows.
+    matvec_i8nx3_act(
+        xq: Ptr, n: I32, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        t1: I32, w1: Ptr, s1: U64, r1: I32, b1: Opt, y1: Ptr,
+        t2: I32, w2: Opt, s2: U64, r2: I32, b2: Opt, y2: Opt,
+        f: I32, out: Ptr, done: Ptr,
+    ) if xq.is_multiple_of(16) && (1..=I8N_MAX.min(MATMUL_WARPS as usize)).contains(&n) && r0.is_multiple_of(256)
+        && r1 == r0 && w2 == 0;
     /// `matvec_i8x3_mixed` of a token's Q, K and V weights, then `rope_norm_kv` of their
     /// outputs (as a block of `vt` threads) by the last block of each head's rows; `done`: zeroed
     /// counters, one per query, key and value head.

@@ -685,7 +685,12 @@ impl CudaDevice {
             }
             g.record(graph::Op::launch(name, ty, &cfg, args));
             // (Not between a one-token integer product and what may fuse into it next.)
-            if g.split_due() && !matches!(name, "matvec_i8" | "matvec_i8f" | "matvec_i8x3" | "matvec_i8x3_mixed") {
+            if g.split_due()
+                && !matches!(
+                    name,
+                    "matvec_i8" | "matvec_i8f" | "matvec_i8x3" | "matvec_i8x3_mixed" | "matvec_i8n" | "matvec_i8nx3"
+                )
+            {
                 self.launch_part(g);
             }
             return;
@@ -920,6 +925,7 @@ mod tests {
                 ("matvec_i8f", "MATVEC_I8F_KERNELS"),
                 ("matvec_i8_norm", "MATVEC_I8F_KERNELS"),
                 ("matvec_i8f_norm", "MATVEC_I8F_KERNELS"),
+                ("matvec_i8n_norm", "MATVEC_I8F_KERNELS"),
                 ("matvec_i8x3_act", "MATVEC_I8X3_ACT_KERNEL"),
                 ("matvec_i8", "MATVEC_I8_KERNELS"),
             ]

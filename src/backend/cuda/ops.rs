@@ -143,7 +143,9 @@ impl Device for CudaDevice {
         let (u, g) = (self.buf_mut(up), self.buf(gate));
         if let Some(blocks) = self.fused_blocks(up.rows, up.width) {
             let n = up.rows * up.width / 256;
-            if up.rows == 1 && self.activation_after_products(g, u, activation_code(f), blocks.ptr, n) {
+            if up.rows <= I8N_MAX.min(MATMUL_WARPS as usize)
+                && self.activation_after_products(g, u, activation_code(f), blocks.ptr, up.width / 256, up.rows)
+            {
                 Self::attach_blocks(up, Some(blocks));
                 return;
             }
@@ -180,9 +182,9 @@ impl Device for CudaDevice {
         let wp = self.vector(w);
         let cfg = norm_cfg(x.rows, x.width);
         let blocks = self.fused_blocks(x.rows, x.width);
-        if x.rows == 1 && self.fuse() {
+        if x.rows <= I8N_MAX.min(MATMUL_WARPS as usize) && self.fuse() {
             let (res, a, y) = (self.buf_mut(x), self.buf(y), self.buf(&out));
-            if self.norm_after_product(a, res, wp, y, x.width, eps, Self::blocks_ptr(&blocks)) {
+            if self.norm_after_product(a, res, wp, y, (x.rows, x.width), eps, Self::blocks_ptr(&blocks)) {
                 Self::attach_blocks(&mut out, blocks);
                 return out;
             }
@@ -828,15 +830,18 @@ impl CudaDevice {
         true
     }
 
-    /// `activate_mul_q8_k` of one token's `gate` and `up` (`n` Q8_K blocks into `out`) in the
-    /// last blocks of the products that wrote them, when those are one launch of two integer
-    /// products (`matvec_i8x3`: gate, then up) and the operation recorded last (see
-    /// [`FUSE_ENV`]): it is taken back and recorded again as `matvec_i8x3_act`. False (nothing
-    /// done) otherwise.
-    fn activation_after_products(&self, gate: u64, up: u64, f: usize, out: u64, n: usize) -> bool {
+    /// `activate_mul_q8_k` of `tokens` tokens' `gate` and `up` (`n` Q8_K blocks a token into
+    /// `out`) in the last blocks of the products that wrote them, when those are one launch of
+    /// two integer products (gate, then up: `matvec_i8x3` for a token, `matvec_i8nx3` for a
+    /// batch) and the operation recorded last (see [`FUSE_ENV`]): it is taken back and recorded
+    /// again as `matvec_i8x3_act` / `matvec_i8nx3_act`. False (nothing done) otherwise.
+    fn activation_after_products(&self, gate: u64, up: u64, f: usize, out: u64, n: usize, tokens: usize) -> bool {
         let done = self.counters(n);
         if done == 0 {
             return false;
+        }
+        if tokens > 1 {
+            return self.batch_activation_after_products(gate, up, f, out, n, tokens, done);
         }
         // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
         // for each of three weights.
@@ -884,23 +889,121 @@ impl CudaDevice {
         true
     }
 
-    /// `add_rms_norm` of one row (`res += a`, then `y` and its blocks `q8`) in the last block of
-    /// the product that wrote `a`, when that product is a one-token integer product and the
-    /// operation recorded last (see [`FUSE_ENV`]): it is taken back and recorded again with the
-    /// norm after it (`matvec_i8_norm`, `matvec_i8f_norm`). False (nothing done) otherwise.
+    /// The batch form of [`Self::activation_after_products`]: `matvec_i8nx3` of `tokens` tokens
+    /// taken back and recorded again as `matvec_i8nx3_act`.
     #[allow(clippy::too_many_arguments)]
-    fn norm_after_product(&self, a: u64, res: u64, w: u64, y: u64, width: usize, eps: f32, q8: u64) -> bool {
+    fn batch_activation_after_products(
+        &self,
+        gate: u64,
+        up: u64,
+        f: usize,
+        out: u64,
+        n: usize,
+        tokens: usize,
+        done: u64,
+    ) -> bool {
+        // `matvec_i8nx3`'s parameters: xq, n, cols, wpr, nb0, nb01, then (type, w, stride, rows,
+        // bias, y) for each of three weights.
+        let rows = Arg::I32(i32::try_from(256 * n).unwrap_or(-1));
+        let Some((_, None, cfg, args)) = self.take_back(|name, args| {
+            let same = |i: usize, v: Arg| args.get(i).is_some_and(|a| a.bits() == v.bits());
+            name == "matvec_i8nx3"
+                && same(1, Arg::I32(tokens as i32))
+                && same(11, Arg::U64(gate))
+                && same(17, Arg::U64(up))
+                && same(19, Arg::U64(0))
+                && same(9, rows)
+                && same(15, rows)
+        }) else {
+            return false;
+        };
+        let w = |i: usize| args[i];
+        self.k().matvec_i8nx3_act(
+            cfg,
+            w(0),
+            w(1) as usize,
+            w(2) as usize,
+            w(3) as usize,
+            w(4) as usize,
+            w(5) as usize,
+            w(6) as usize,
+            w(7),
+            w(8),
+            w(9) as usize,
+            w(10),
+            w(11),
+            w(12) as usize,
+            w(13),
+            w(14),
+            w(15) as usize,
+            w(16),
+            w(17),
+            w(18) as usize,
+            w(19),
+            w(20),
+            w(21) as usize,
+            w(22),
+            w(23),
+            f,
+            out,
+            done,
+        );
+        self.fused_into_last_blocks();
+        true
+    }
+
+    /// `add_rms_norm` of `rows.0` rows of `rows.1` (`res += a`, then `y` and its blocks `q8`) in
+    /// the last block of the product that wrote `a`, when that product is an integer product of
+    /// those rows (one token, or a batch of up to a block's warps) and the operation recorded last
+    /// (see [`FUSE_ENV`]): it is taken back and recorded again with the norm after it
+    /// (`matvec_i8_norm`, `matvec_i8f_norm`, `matvec_i8n_norm`). False (nothing done) otherwise.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_after_product(&self, a: u64, res: u64, w: u64, y: u64, rows: (usize, usize), eps: f32, q8: u64) -> bool {
+        let (n, width) = rows;
         let done = self.counters(1);
         if done == 0 {
             return false;
         }
-        // The product's parameters (`product_i8`'s launcher): its output is the tenth.
+        // The product's parameters (`product_i8`'s launcher): its tokens are the seventh, its
+        // output the tenth.
         let Some((name, Some(ty), cfg, args)) = self.take_back(|name, args| {
-            matches!(name, "matvec_i8" | "matvec_i8f") && args.get(9).is_some_and(|p| p.bits() == Arg::U64(a).bits())
+            let kernel = if n == 1 {
+                matches!(name, "matvec_i8" | "matvec_i8f")
+            } else {
+                name == "matvec_i8n"
+            };
+            kernel
+                && args.get(6).is_some_and(|p| p.bits() == Arg::I32(n as i32).bits())
+                && args.get(9).is_some_and(|p| p.bits() == Arg::U64(a).bits())
         }) else {
             return false;
         };
         let word = |i: usize| args[i];
+        if name == "matvec_i8n" {
+            self.k().matvec_i8n_norm(
+                ty,
+                cfg,
+                word(0),
+                word(1),
+                word(2) as usize,
+                word(3),
+                word(4) as usize,
+                word(5),
+                word(6) as usize,
+                word(7),
+                word(8) as usize,
+                word(9),
+                res,
+                w,
+                y,
+                eps,
+                q8,
+                norm_threads(width) as usize,
+                done,
+            );
+            self.fused_into_last_blocks();
+            return true;
+        }
         let fused = if name == "matvec_i8" {
             "matvec_i8_norm"
         } else {

@@ -74,7 +74,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 29] = [
+pub(super) const OPS: [&str; 30] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -104,6 +104,7 @@ pub(super) const OPS: [&str; 29] = [
     "matvec_i8x3_mixed",
     "matvec_i8x3_rope_kv",
     "matvec_i8nx3",
+    "matvec_i8nx3_act",
 ];
 
 /// A kernel: a name, and the weight type for the per-type families (looked up per launch
@@ -125,6 +126,7 @@ pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
             "mmq_plain",
             "matvec_i8_norm",
             "matvec_i8f_norm",
+            "matvec_i8n_norm",
             "matvec_i8x3_act",
         ]
         .map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty))))
