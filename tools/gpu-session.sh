@@ -6,7 +6,7 @@
 #   tools/gpu-carry.sh && rm -rf gpupeer && cp -r ../shared/peer/cuda gpupeer   # here
 #   bash tools/gpu-session.sh                 # there; carry ["gpucarry", "gpupeer"]
 #
-# 1. Checks (the GPU suite, `gpucarry/gpu_cuda`), at most CHECK_S seconds (default 150):
+# 1. Checks (the GPU suite, `gpucarry/gpu_cuda`), at most CHECK_S seconds (default 180):
 #    CHECKS (default below). A failed check turns its path off for the comparison:
 #      kernels_per_type       GATESTREAM_CUDA_MMQ=0 (batches as f16 pairs, not integer tiles)
 #      int8_batches           GATESTREAM_CUDA_INT8_TOKENS=1 (batches of 2-8 on the tensor cores)
@@ -15,8 +15,8 @@
 #      fused_* (any)          GATESTREAM_CUDA_FUSE=0
 #      small_qwen2_pdl        gpu-compare's pdl case left out (GATESTREAM_CUDA_PDL is off by default)
 #    A failed small_qwen2* or qwen_shaped* check is reported, not mapped: read suite.txt.
-# 2. `tools/gpu-compare.py --cases CASES --deadline DEADLINE` (default all its cases, 225 s: no case
-#    starts later), killed at COMPARE_S (default 270 s).
+# 2. `tools/gpu-compare.py --cases CASES --deadline DEADLINE` (default all its cases, 205 s: no case
+#    starts later), killed at COMPARE_S (default 250 s).
 # 3. The table: each check's verdict, what was turned off, gpu-compare's rows, and the decode
 #    speeds the suite printed.
 #
@@ -42,9 +42,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
 
 # 1. The checks.
 # shellcheck disable=SC2086
-GATESTREAM_GPU_REPORT="$OUT/report.json" timeout "${CHECK_S:-150}" "$SUITE" $CHECKS > "$OUT/suite.txt" 2>&1
+GATESTREAM_GPU_REPORT="$OUT/report.json" timeout "${CHECK_S:-180}" "$SUITE" $CHECKS > "$OUT/suite.txt" 2>&1
 suite_rc=$?
-log "suite: exit $suite_rc ($( [ $suite_rc = 124 ] && echo "stopped at ${CHECK_S:-150} s: the checks after the last line of suite.txt did not run" || echo done))"
+log "suite: exit $suite_rc ($( [ $suite_rc = 124 ] && echo "stopped at ${CHECK_S:-180} s: the checks after the last line of suite.txt did not run" || echo done))"
 verdicts=$(sed -n 's/^gpu_cuda: \([a-z0-9_]*\) \.\.\. \(ok\|FAILED\).*/\1 \2/p' "$OUT/suite.txt")
 failed() { echo "$verdicts" | grep -q "^$1.* FAILED$"; }
 off=()
@@ -61,8 +61,8 @@ log "turned off for the comparison: ${off[*]:-nothing}"
 # 2. The comparison.
 compare=${COMPARE:-python3 tools/gpu-compare.py}
 # shellcheck disable=SC2086
-env "${off[@]}" OUT="$OUT/compare" timeout "${COMPARE_S:-270}" $compare --cases "${CASES:-decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,pdl,profile}" \
-    --deadline "${DEADLINE:-225}" > "$OUT/compare.txt" 2>&1
+env "${off[@]}" OUT="$OUT/compare" timeout "${COMPARE_S:-250}" $compare --cases "${CASES:-decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,pdl,profile}" \
+    --deadline "${DEADLINE:-205}" > "$OUT/compare.txt" 2>&1
 log "gpu-compare: exit $? (log: compare.txt, rows: compare/compare.json)"
 
 # 3. The table, last.
