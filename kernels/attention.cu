@@ -58,6 +58,93 @@ extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_no
                  style, eps, v, info, layer, blockDim.x);
 }
 
+// `rope_head` by one warp (lane `lane`), the same values: lane l takes virtual threads 32k + l
+// of the `vt` the head's block would have (the per-head norm's sum reduced within each virtual
+// warp by the same exchanges, the virtual warps' sums added in order), then pairs l, l + 32, ...
+__device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position, float base, float pos_scale,
+                               int style, float eps, int vt, int lane) {
+    int half = hd / 2;
+    if (norm) {
+        float total = 0.f;
+        for (int k = 0; k < vt >> 5; k++) {
+            float ss = 0.f;
+            for (int j = 32 * k + lane; j < hd; j += vt) {
+                float x = __ldcg(v + j);
+                ss += x * x;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            total = k == 0 ? ss : total + ss;
+        }
+        float scale = rsqrtf(total / (float)hd + eps);
+        for (int k = 0; k < vt >> 5; k++)
+            for (int j = 32 * k + lane; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
+        __syncwarp();
+    }
+    for (int i = lane; i < half; i += 32) {
+        double p = (double)position / (double)pos_scale;
+        double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
+        float c = (float)cos(theta), s = (float)sin(theta);
+        int a = style == 0 ? 2 * i : i;
+        int b = style == 0 ? 2 * i + 1 : i + half;
+        float x0 = __ldcg(v + a), x1 = __ldcg(v + b);
+        v[a] = x0 * c - x1 * s;
+        v[b] = x0 * s + x1 * c;
+    }
+    __syncwarp();
+}
+
+// `rope_kv_head` of head h for token t by one warp (`rope_head_warp`): the same values.
+__device__ void rope_kv_head_warp(int h, int t, float* q, int q_width, const float* q_norm, float* k, int k_width,
+                                  const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
+                                  int style, float eps, const float* v, const TokenKv* info, int layer, int vt,
+                                  int lane) {
+    int q_heads = q_width / hd, kv_heads = k_width / hd;
+    if (h < q_heads) {
+        rope_head_warp(q + (u64)t * q_width + (u64)h * hd, q_norm, hd, positions[t], base, pos_scale, style, eps, vt,
+                       lane);
+        return;
+    }
+    TokenKv ti = info[t];
+    u64 at = ((u64)layer * ti.cap + ti.pos) * k_width;
+    if (h < q_heads + kv_heads) {
+        int head = h - q_heads;
+        float* kh = k + (u64)t * k_width + (u64)head * hd;
+        rope_head_warp(kh, k_norm, hd, positions[t], base, pos_scale, style, eps, vt, lane);
+        for (int j = lane; j < hd; j += 32) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
+        return;
+    }
+    int head = h - q_heads - kv_heads;
+    const float* vh = v + (u64)t * k_width + (u64)head * hd;
+    for (int j = lane; j < hd; j += 32) ((float*)ti.v)[at + (u64)head * hd + j] = __ldcg(vh + j);
+}
+
+// `matvec_i8x3_rope_kv` for a batch of n tokens (`matvec_i8nx3`'s products; n up to the block's
+// warps): the last block writing a head's rows does that head of every token, warp t token t.
+extern "C" __global__ void matvec_i8nx3_rope_kv(
+    const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0, int r0, const float* b0,
+    float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
+    const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
+    float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
+    grid_dep();
+    int b = blockIdx.x, rows = blockDim.y / wpr, h;
+    if (b < nb0) {
+        matvec_i8n_rows_of(t0, W0, s0, r0, cols, Xq, n, b0, wpr, y0, b);
+        h = b * rows / hd;
+    } else if (b < nb01) {
+        matvec_i8n_rows_of(t1, W1, s1, r1, cols, Xq, n, b1, wpr, y1, b - nb0);
+        h = r0 / hd + (b - nb0) * rows / hd;
+    } else {
+        matvec_i8n_rows_of(t2, W2, s2, r2, cols, Xq, n, b2, wpr, y2, b - nb01);
+        h = r0 / hd + r1 / hd + (b - nb01) * rows / hd;
+    }
+    if (!last_arrival(done + h, hd / rows)) return;
+    int t = (threadIdx.x + blockDim.x * threadIdx.y) >> 5;
+    if (t < n)
+        rope_kv_head_warp(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info,
+                          layer, vt, threadIdx.x & 31);
+}
+
 // One token's Q, K and V products in one launch (`matvec_i8x3_mixed`: `t0` .. `t2` each weight's
 // type), then `rope_norm_kv` of their outputs without a launch of its own: the product blocks
 // writing a head's rows (a block's rows never straddle two heads: hd a multiple of them) count at

@@ -2250,7 +2250,8 @@ fn fused_last_blocks_in(
     let base_cfg = load(&common::stories_dir(), Arc::new(CpuBackend::new(0)))?
         .config
         .clone();
-    for (tys, n_heads, n_kv_heads, hd, cols, norms, style) in [
+    // (..., tokens: one, or a batch of integer products at consecutive positions)
+    for (tys, n_heads, n_kv_heads, hd, cols, norms, style, n) in [
         (
             [Q4_K, Q4_K, Q6_K],
             12usize,
@@ -2259,9 +2260,12 @@ fn fused_last_blocks_in(
             1536usize,
             false,
             RopeStyle::HalfSplit,
+            1usize,
         ),
-        ([Q4_K, Q4_K, Q4_K], 8, 8, 64, 512, true, RopeStyle::AdjacentPairs),
-        ([Q6_K, Q6_K, Q6_K], 4, 2, 256, 4096, true, RopeStyle::HalfSplit),
+        ([Q4_K, Q4_K, Q4_K], 8, 8, 64, 512, true, RopeStyle::AdjacentPairs, 1),
+        ([Q6_K, Q6_K, Q6_K], 4, 2, 256, 4096, true, RopeStyle::HalfSplit, 1),
+        ([Q4_K, Q4_K, Q6_K], 12, 2, 128, 1536, false, RopeStyle::HalfSplit, 8),
+        ([Q4_K, Q6_K, Q4_K], 2, 1, 256, 768, true, RopeStyle::AdjacentPairs, 3),
     ] {
         let (wq, wk, wv) = (
             quantized(tys[0], n_heads * hd, cols, &mut rng),
@@ -2273,7 +2277,7 @@ fn fused_last_blocks_in(
             (0..hd).map(|_| 1.0 + 0.1 * rng.normalish()).collect(),
         );
         let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
-        let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
         let mut cfg = base_cfg.clone();
         cfg.n_layers = 2;
         cfg.n_heads = n_heads;
@@ -2293,13 +2297,15 @@ fn fused_last_blocks_in(
             scale: 1.0 / (hd as f32).sqrt(),
             window: None,
         };
-        let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}");
+        let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}, {n} tokens");
         let names = ["queries", "keys", "attention over the cache"];
+        let positions: Vec<usize> = (7..7 + n).collect();
+        let seqs = vec![0usize; n];
         fused_against_apart(dev, &what, &names, || {
-            let warm = dev.upload(1, cols, x.clone());
+            let warm = dev.upload(1, cols, x[..cols].to_vec());
             drop(dev.matmul(&[&wq], &warm));
             let mut cache = KvCache::new(&cfg, 16);
-            let xin = dev.upload(1, cols, x.clone());
+            let xin = dev.upload(n, cols, x.clone());
             let f0 = dev.last_block_fusions();
             let xn = dev.rms_norm(&xin, &gain, eps);
             let mut qkv = dev.matmul(&[&wq, &wk, &wv], &xn);
@@ -2311,13 +2317,13 @@ fn fused_last_blocks_in(
                 &mut q,
                 &mut k,
                 &v,
-                (&[7], &[0]),
+                (&positions, &seqs),
                 &mut caches,
                 (rope, norms.0, norms.1, eps),
             );
             // (Counted before attention, whose split may be merged by a last block too.)
             let fused = dev.last_block_fusions() - f0;
-            let out = dev.attention(&q, &[7], &[0], &caches, attn);
+            let out = dev.attention(&q, &positions, &seqs, &caches, attn);
             Ok((vec![dev.download(q), dev.download(k), dev.download(out)], fused))
         })?;
         rope_cases += 1;
@@ -2334,8 +2340,8 @@ fn fused_last_blocks_in(
          of 1 to 64 super-blocks; SiLU, GELU; a token, batches of 3 and 8) bit-identical to the launches apart, each \
          fused once\n  \
          RoPE and the KV write in the last blocks of the Q, K and V products: {rope_cases} cases (types mixed and not; \
-         heads of 64/128/256, grouped and not; per-head norms and not; both pair styles) bit-identical to the launches \
-         apart (queries, keys, attention over the cache), each fused once"
+         heads of 64/128/256, grouped and not; per-head norms and not; both pair styles; a token, batches of 3 and 8) \
+         bit-identical to the launches apart (queries, keys, attention over the cache), each fused once"
     ))
 }
 
@@ -2444,15 +2450,18 @@ fn fused_same(
             * layers;
     let all_int8 = |ws: &[&Weight]| ws.iter().all(|w| int8(&[w])) && ws.windows(2).all(|p| p[0].cols == p[1].cols);
     let hd = m.config.head_dim;
-    // The prompt's pass (6 tokens: integer batches) fuses too: the norm after each layer's
-    // attention output product and after its down product (not the last layer's, whose output
-    // goes on alone: only the prompt's last row is normed), and the gated activation.
+    // The prompt's pass (6 tokens: integer batches) fuses too: RoPE and the KV write after the
+    // Q, K and V products, the norm after each layer's attention output product and after its
+    // down product (not the last layer's, whose output goes on alone: only the prompt's last row
+    // is normed), and the gated activation.
     let mut prompt_last_blocks = 0;
     for (i, l) in m.weights.layers.iter().enumerate() {
         let f = l.dense("fused activations").map_err(|e| e.to_string())?;
+        let rows = 8 / gatestream::backend::cuda::i8_warps_per_row(l.attn.wq.cols);
         prompt_last_blocks += usize::from(int8(&[&l.attn.wo]))
             + usize::from(down_int8(l)? && i + 1 < layers)
-            + usize::from(all_int8(&[&f.gate, &f.up]) && f.gate.rows == f.up.rows && f.gate.rows % 256 == 0);
+            + usize::from(all_int8(&[&f.gate, &f.up]) && f.gate.rows == f.up.rows && f.gate.rows % 256 == 0)
+            + usize::from(all_int8(&[&l.attn.wq, &l.attn.wk, &l.attn.wv]) && hd % rows == 0 && hd / 2 <= 256);
     }
     for l in &m.weights.layers {
         last_blocks_per_step += usize::from(int8(&[&l.attn.wo])) + usize::from(down_int8(l)?);

@@ -373,7 +373,7 @@ static const Kernel KERNELS[] = {
             K(activate) K(softcap) K(select_rows) K(scatter_cols) K(gather_cols) K(rope_norm) K(rope_norm_kv) K(kv_write)
                 K(attention) K(attention_split) K(attention_merge) K(attention_tiles) K(act_q8_k_blocks) K(matvec_i8_q4_k) K(matvec_i8_q6_k)
                     K(matvec_i8x3_q4_k) K(matvec_i8x3_q6_k) K(matvec_i8f_q4_k) K(matvec_i8f_q6_k) K(matvec_i8n_q4_k)
-                    K(matvec_i8n_q6_k) K(mmq_q4_k) K(mmq_q6_k) K(mmq_plain_q4_k) K(mmq_plain_q6_k) K(matvec_i8n_norm_q4_k) K(matvec_i8n_norm_q6_k) K(matvec_i8nx3_act) K(act_f16_rows) K(matvec_i8_norm_q4_k)
+                    K(matvec_i8n_q6_k) K(mmq_q4_k) K(mmq_q6_k) K(mmq_plain_q4_k) K(mmq_plain_q6_k) K(matvec_i8n_norm_q4_k) K(matvec_i8n_norm_q6_k) K(matvec_i8nx3_act) K(matvec_i8nx3_rope_kv) K(act_f16_rows) K(matvec_i8_norm_q4_k)
                         K(matvec_i8_norm_q6_k) K(matvec_i8f_norm_q4_k) K(matvec_i8f_norm_q6_k) K(matvec_i8x3_act_q4_k)
                             K(matvec_i8x3_act_q6_k) K(matvec_i8x3_mixed) K(matvec_i8x3_rope_kv) K(matvec_i8nx3)};
 #undef K

@@ -320,6 +320,18 @@ kernels! {
         f: I32, out: Ptr, done: Ptr,
     ) if xq.is_multiple_of(16) && (1..=I8N_MAX.min(MATMUL_WARPS as usize)).contains(&n) && r0.is_multiple_of(256)
         && r1 == r0 && w2 == 0;
+    /// `matvec_i8nx3` of `n` tokens' Q, K and V weights, then `rope_norm_kv` of their outputs
+    /// by the last block of each head's rows (warp t token t, as a block of `vt` threads);
+    /// `done`: zeroed counters, one per query, key and value head.
+    matvec_i8nx3_rope_kv(
+        xq: Ptr, n: I32, cols: I32, wpr: I32, nb0: I32, nb01: I32,
+        t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
+        t1: I32, w1: Ptr, s1: U64, r1: I32, b1: Opt, y1: Ptr,
+        t2: I32, w2: Ptr, s2: U64, r2: I32, b2: Opt, y2: Ptr,
+        q_norm: Opt, k_norm: Opt, hd: I32, positions: Ptr, base: F32, pos_scale: F32, style: I32, eps: F32,
+        info: Ptr, layer: I32, vt: I32, done: Ptr,
+    ) if xq.is_multiple_of(16) && (1..=I8N_MAX.min(MATMUL_WARPS as usize)).contains(&n) && hd > 0
+        && hd.is_multiple_of(2) && r0.is_multiple_of(hd) && r1 == r2 && r1.is_multiple_of(hd) && vt.is_multiple_of(32);
     /// `matvec_i8x3_mixed` of a token's Q, K and V weights, then `rope_norm_kv` of their
     /// outputs (as a block of `vt` threads) by the last block of each head's rows; `done`: zeroed
     /// counters, one per query, key and value head.

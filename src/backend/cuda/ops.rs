@@ -600,7 +600,9 @@ impl CudaDevice {
         };
         let (qp, kp) = (self.buf_mut(q), self.buf_mut(k));
         let (qw, kw, base, pos_scale) = (q.width, k.width, shape.base, shape.pos_scale);
-        if let Some((v, info, layer)) = kv.filter(|_| positions.len() == 1 && self.fuse()) {
+        if let Some((v, info, layer)) =
+            kv.filter(|_| positions.len() <= I8N_MAX.min(MATMUL_WARPS as usize) && self.fuse())
+        {
             let rope = RopeArgs {
                 q_norm: qn,
                 k_norm: kn,
@@ -613,7 +615,7 @@ impl CudaDevice {
                 info,
                 layer,
             };
-            if self.rope_after_products([qp, kp, self.buf(v)], [qw, kw], rope) {
+            if self.rope_after_products([qp, kp, self.buf(v)], [qw, kw], positions.len(), rope) {
                 return;
             }
         }
@@ -749,12 +751,15 @@ impl CudaDevice {
     /// the three integer products (`matvec_i8x3`, `matvec_i8x3_mixed`) and the operation recorded
     /// last (see [`FUSE_ENV`]): it is taken back and recorded again as `matvec_i8x3_rope_kv`.
     /// False (nothing done) otherwise.
-    fn rope_after_products(&self, qkv: [u64; 3], widths: [usize; 2], r: RopeArgs) -> bool {
+    fn rope_after_products(&self, qkv: [u64; 3], widths: [usize; 2], tokens: usize, r: RopeArgs) -> bool {
         let vt = rope_threads(r.hd) as usize;
         let heads = (widths[0] + 2 * widths[1]) / r.hd.max(1);
         let done = self.counters(heads);
         if done == 0 || vt > 32 * MATMUL_WARPS as usize {
             return false;
+        }
+        if tokens > 1 {
+            return self.batch_rope_after_products(qkv, widths, tokens, r, vt, done);
         }
         // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
         // for each of three weights; `matvec_i8x3_mixed` has each weight's type before its w.
@@ -813,6 +818,77 @@ impl CudaDevice {
             w(20) as usize,
             w(21),
             w(22),
+            r.q_norm,
+            r.k_norm,
+            r.hd,
+            r.positions,
+            r.base,
+            r.pos_scale,
+            r.style,
+            r.eps,
+            r.info,
+            r.layer,
+            vt,
+            done,
+        );
+        self.fused_into_last_blocks();
+        true
+    }
+
+    /// The batch form of [`Self::rope_after_products`]: `matvec_i8nx3` of `tokens` tokens' Q, K
+    /// and V taken back and recorded again as `matvec_i8nx3_rope_kv`.
+    fn batch_rope_after_products(
+        &self,
+        qkv: [u64; 3],
+        widths: [usize; 2],
+        tokens: usize,
+        r: RopeArgs,
+        vt: usize,
+        done: u64,
+    ) -> bool {
+        // `matvec_i8nx3`'s parameters: xq, n, cols, wpr, nb0, nb01, then (type, w, stride, rows,
+        // bias, y) for each of three weights.
+        let is = |args: &[Arg], i: usize, v: u64| args.get(i).is_some_and(|a| a.bits() == v);
+        let Some((_, None, cfg, args)) = self.take_back(|name, args| {
+            let wpr = args.get(3).map_or(0, |a| a.bits()) as usize;
+            let rows = MATMUL_WARPS as usize / wpr.max(1);
+            name == "matvec_i8nx3"
+                && wpr > 0
+                && r.hd.is_multiple_of(rows)
+                && is(args, 1, Arg::I32(tokens as i32).bits())
+                && (0..3).all(|i| is(args, 11 + 6 * i, qkv[i]))
+                && is(args, 9, Arg::I32(widths[0] as i32).bits())
+                && is(args, 15, Arg::I32(widths[1] as i32).bits())
+        }) else {
+            return false;
+        };
+        let w = |i: usize| args[i];
+        self.k().matvec_i8nx3_rope_kv(
+            cfg,
+            w(0),
+            w(1) as usize,
+            w(2) as usize,
+            w(3) as usize,
+            w(4) as usize,
+            w(5) as usize,
+            w(6) as usize,
+            w(7),
+            w(8),
+            w(9) as usize,
+            w(10),
+            w(11),
+            w(12) as usize,
+            w(13),
+            w(14),
+            w(15) as usize,
+            w(16),
+            w(17),
+            w(18) as usize,
+            w(19),
+            w(20),
+            w(21) as usize,
+            w(22),
+            w(23),
             r.q_norm,
             r.k_norm,
             r.hd,

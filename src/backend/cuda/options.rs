@@ -18,8 +18,8 @@ use super::*;
 /// next — RoPE and the KV write after the Q, K and V products, the residual add and RMSNorm after
 /// the attention output and down products, the gated activation after the gate and up products —
 /// and the last of split attention's blocks for a head merges the head's splits (a Qwen2.5 layer:
-/// 5 launches, 15 without); so do a batch's (2 to 8 tokens, `matvec_i8n*`) for the norms and the
-/// gated activation, a warp of the last block a token (6 launches a layer). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
+/// 5 launches, 15 without); so do a batch's (2 to 8 tokens, `matvec_i8n*`: RoPE, the norms and
+/// the gated activation, a warp of the last block a token; 5 launches a layer too). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
 /// own. Blocks are made for rows of a multiple of 256 values (a token's or a batch's, which the
 /// integer batches and tiles take too), once an integer product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";

@@ -74,7 +74,7 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
 /// The per-type kernel families (`{family}_{type}` in kernels/quant.cu).
 pub(super) const TYPED: [&str; 7] = ["matmul", "matvec", "matvec2", "matvec4", "embed", "accumulate", "mma"];
 /// The kernels that are not per type.
-pub(super) const OPS: [&str; 30] = [
+pub(super) const OPS: [&str; 31] = [
     "accumulate_reduce",
     "act_f16_rows",
     "argmax_rows",
@@ -105,6 +105,7 @@ pub(super) const OPS: [&str; 30] = [
     "matvec_i8x3_rope_kv",
     "matvec_i8nx3",
     "matvec_i8nx3_act",
+    "matvec_i8nx3_rope_kv",
 ];
 
 /// A kernel: a name, and the weight type for the per-type families (looked up per launch
