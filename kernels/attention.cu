@@ -58,24 +58,13 @@ extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_no
                  style, eps, v, info, layer, blockDim.x);
 }
 
-// `rope_head` by one warp (lane `lane`), the same values: lane l takes virtual threads 32k + l
-// of the `vt` the head's block would have (the per-head norm's sum reduced within each virtual
-// warp by the same exchanges, the virtual warps' sums added in order), then pairs l, l + 32, ...
+// `rope_head` by one warp (lane `lane`), the same values: the per-head norm's sum as the head's
+// block of `vt` threads sums it (`warp_vt_sum_sq`), then pairs lane, lane + 32, ...
 __device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position, float base, float pos_scale,
                                int style, float eps, int vt, int lane) {
     int half = hd / 2;
     if (norm) {
-        float total = 0.f;
-        for (int k = 0; k < vt >> 5; k++) {
-            float ss = 0.f;
-            for (int j = 32 * k + lane; j < hd; j += vt) {
-                float x = __ldcg(v + j);
-                ss += x * x;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            total = k == 0 ? ss : total + ss;
-        }
+        float total = warp_vt_sum_sq(hd, vt, lane, [&](int j) { return __ldcg(v + j); });
         float scale = rsqrtf(total / (float)hd + eps);
         for (int k = 0; k < vt >> 5; k++)
             for (int j = 32 * k + lane; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];

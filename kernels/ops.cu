@@ -95,24 +95,32 @@ __device__ void norm_row(float* xr, const float* ar, const float* w, float* yr, 
 
 template <bool CG = false> __device__ void q8_k_block(const float* xb, u8* ob, int lane);
 
-// `norm_row<true>` of one row by one warp (lane `lane`), the same bits: lane l takes virtual
-// thread 32k + l of each virtual warp k in turn, each warp's sum reduced by the same exchanges,
-// the virtual warps' sums added in order; then the row's Q8_K blocks (`q8` unless null) by the
-// same warp. `ar` is read past the L1 cache (other blocks may have written it: `last_arrival`).
-__device__ void add_norm_row_warp(float* xr, const float* ar, const float* w, float* yr, int width, float eps,
-                                  u8* q8, int vt, int lane) {
+// The sum of value(i)² over i < len as a block of `vt` threads sums it (`norm_row`, and
+// `rope_head`'s per-head norm: thread v takes i = v, v + vt, ... in order, each warp's sum is
+// reduced by `block_reduce`'s exchanges, the warps' sums added in order), by one warp (lane
+// `lane`): lane l plays virtual thread 32k + l of each virtual warp k in turn. The same bits.
+template <typename F> __device__ __forceinline__ float warp_vt_sum_sq(int len, int vt, int lane, F value) {
     float total = 0.f;
     for (int k = 0; k < vt >> 5; k++) {
         float ss = 0.f;
 #pragma unroll 4
-        for (int i = 32 * k + lane; i < width; i += vt) {
-            float t = xr[i] + __ldcg(ar + i);
+        for (int i = 32 * k + lane; i < len; i += vt) {
+            float t = value(i);
             ss += t * t;
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
         total = k == 0 ? ss : total + ss;
     }
+    return total;
+}
+
+// `norm_row<true>` of one row by one warp (lane `lane`), the same bits (`warp_vt_sum_sq`); then
+// the row's Q8_K blocks (`q8` unless null) by the same warp. `ar` is read past the L1 cache
+// (other blocks may have written it: `last_arrival`).
+__device__ void add_norm_row_warp(float* xr, const float* ar, const float* w, float* yr, int width, float eps,
+                                  u8* q8, int vt, int lane) {
+    float total = warp_vt_sum_sq(width, vt, lane, [&](int i) { return xr[i] + __ldcg(ar + i); });
     float scale = rsqrtf(total / (float)width + eps);
     for (int k = 0; k < vt >> 5; k++)
 #pragma unroll 4

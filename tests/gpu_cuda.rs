@@ -2153,62 +2153,47 @@ fn fused_last_blocks_in(
     let eps = 1e-6f32;
     let mut cases = 0usize;
     let mut batch_cases = 0usize;
+    // (output rows, input columns, tokens, whether the input comes with its blocks): a token's
+    // product (`matvec_i8` / `matvec_i8f`), and batches of 3 and 8 (integer batches: the norm
+    // of each row by a warp of the last block).
+    let mut norm_cases: Vec<(usize, usize, usize, bool)> =
+        [(256usize, 512usize), (1536, 256), (4096, 768), (8192, 256)]
+            .iter()
+            .flat_map(|&(w, c)| [(w, c, 1, true), (w, c, 1, false)])
+            .collect();
+    norm_cases.extend([(1536, 256, 3, true), (4096, 768, 8, true), (256, 512, 8, true)]);
     for ty in INT8_TYPES {
-        for (width, cols) in [(256usize, 512usize), (1536, 256), (4096, 768), (8192, 256)] {
-            let w = quantized(ty, width, cols, &mut rng);
-            let next = quantized(ty, 24, width, &mut rng);
-            let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
-            let nw: Vec<f32> = (0..width).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
-            let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
-            let res0: Vec<f32> = (0..width).map(|_| 4.0 * rng.normalish()).collect();
-            for blocks in [true, false] {
-                let what = format!(
-                    "{ty:?}, {width} rows of {cols}, input {}",
-                    if blocks { "with blocks" } else { "as values" }
-                );
-                let names = ["residual", "norm output", "product of the norm output"];
-                fused_against_apart(dev, &what, &names, || {
-                    // (An integer product first: norms make blocks once one has run.)
-                    let warm = dev.upload(1, cols, x.clone());
-                    drop(dev.matmul(&[&w], &warm));
-                    let xin = dev.upload(1, cols, x.clone());
-                    let mut res = dev.upload(1, width, res0.clone());
-                    let f0 = dev.last_block_fusions();
-                    let xin = if blocks { dev.rms_norm(&xin, &gain, eps) } else { xin };
-                    let y = dev.matmul(&[&w], &xin).remove(0);
-                    let out = dev.add_rms_norm(&mut res, &y, &nw, eps);
-                    let p = dev.matmul(&[&next], &out).remove(0);
-                    let got = vec![dev.download(res), dev.download(out), dev.download(p)];
-                    Ok((got, dev.last_block_fusions() - f0))
-                })?;
-                cases += 1;
-            }
-        }
-        // Batches of 3 and 8 tokens (integer batches: the norm of each row by a warp of the last
-        // block).
-        for (width, cols, n) in [(1536usize, 256usize, 3usize), (4096, 768, 8), (256, 512, 8)] {
+        for &(width, cols, n, blocks) in &norm_cases {
             let w = quantized(ty, width, cols, &mut rng);
             let next = quantized(ty, 24, width, &mut rng);
             let gain: Vec<f32> = (0..cols).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
             let nw: Vec<f32> = (0..width).map(|_| 1.0 + 0.1 * rng.normalish()).collect();
             let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
             let res0: Vec<f32> = (0..n * width).map(|_| 4.0 * rng.normalish()).collect();
-            let what = format!("{ty:?}, {width} rows of {cols}, {n} tokens");
+            let what = format!(
+                "{ty:?}, {width} rows of {cols}, {n} token(s), input {}",
+                if blocks { "with blocks" } else { "as values" }
+            );
             let names = ["residual", "norm output", "product of the norm output"];
             fused_against_apart(dev, &what, &names, || {
+                // (An integer product first: norms make blocks once one has run.)
                 let warm = dev.upload(1, cols, x[..cols].to_vec());
                 drop(dev.matmul(&[&w], &warm));
                 let xin = dev.upload(n, cols, x.clone());
                 let mut res = dev.upload(n, width, res0.clone());
                 let f0 = dev.last_block_fusions();
-                let xin = dev.rms_norm(&xin, &gain, eps);
+                let xin = if blocks { dev.rms_norm(&xin, &gain, eps) } else { xin };
                 let y = dev.matmul(&[&w], &xin).remove(0);
                 let out = dev.add_rms_norm(&mut res, &y, &nw, eps);
                 let p = dev.matmul(&[&next], &out).remove(0);
                 let got = vec![dev.download(res), dev.download(out), dev.download(p)];
                 Ok((got, dev.last_block_fusions() - f0))
             })?;
-            batch_cases += 1;
+            if n == 1 {
+                cases += 1;
+            } else {
+                batch_cases += 1;
+            }
         }
     }
     let mut act_cases = 0usize;
