@@ -70,16 +70,7 @@ __device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position
             for (int j = 32 * k + lane; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
         __syncwarp();
     }
-    for (int i = lane; i < half; i += 32) {
-        double p = (double)position / (double)pos_scale;
-        double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
-        float c = (float)cos(theta), s = (float)sin(theta);
-        int a = style == 0 ? 2 * i : i;
-        int b = style == 0 ? 2 * i + 1 : i + half;
-        float x0 = __ldcg(v + a), x1 = __ldcg(v + b);
-        v[a] = x0 * c - x1 * s;
-        v[b] = x0 * s + x1 * c;
-    }
+    for (int i = lane; i < half; i += 32) rope_pair(v, i, hd, position, base, pos_scale, style);
     __syncwarp();
 }
 

@@ -404,6 +404,22 @@ extern "C" __global__ void top_k_rows(const float* x, int width, const u32* bann
     o[1] = bits;
 }
 
+// Pair i of the head at `v` (hd wide) rotated to `position`: angles in f64 as on the CPU
+// (ops::rope_table); style 0: adjacent pairs, 1: halves. Read past the L1 cache (other blocks or
+// threads may have written the head).
+__device__ __forceinline__ void rope_pair(float* v, int i, int hd, u32 position, float base, float pos_scale,
+                                          int style) {
+    int half = hd / 2;
+    double p = (double)position / (double)pos_scale;
+    double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
+    float c = (float)cos(theta), s = (float)sin(theta);
+    int a = style == 0 ? 2 * i : i;
+    int b = style == 0 ? 2 * i + 1 : i + half;
+    float x0 = __ldcg(v + a), x1 = __ldcg(v + b);
+    v[a] = x0 * c - x1 * s;
+    v[b] = x0 * s + x1 * c;
+}
+
 // Per-head RMSNorm (when `norm` is given), then RoPE at `position`, of the head at `v` (hd wide),
 // as a block of `vt` threads (hd/2 rounded up to a warp: `rope_threads`) computes it; every thread
 // of the running block (one or two dimensions, at least `vt` threads) calls it, those past `vt`
@@ -427,15 +443,7 @@ __device__ void rope_head(float* v, const float* norm, int hd, u32 position, flo
             for (int j = i; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
         __syncthreads();
     }
-    if (i >= half) return;
-    double p = (double)position / (double)pos_scale;
-    double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
-    float c = (float)cos(theta), s = (float)sin(theta);
-    int a = style == 0 ? 2 * i : i;
-    int b = style == 0 ? 2 * i + 1 : i + half;
-    float x0 = __ldcg(v + a), x1 = __ldcg(v + b);
-    v[a] = x0 * c - x1 * s;
-    v[b] = x0 * s + x1 * c;
+    if (i < half) rope_pair(v, i, hd, position, base, pos_scale, style);
 }
 
 // `rope_head` of the query heads (q, rows of q_width) and then the key heads (k, rows of
