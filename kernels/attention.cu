@@ -22,14 +22,22 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const TokenK
 }
 
 // Block `h` of `rope_norm_kv` for token t, run by a block of at least `vt` threads
-// (`rope_head`).
+// (`rope_head`); WARP: by one warp of a block, as that block would (`rope_head_warp`).
+template <bool WARP = false>
 __device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q_norm, float* k, int k_width,
                              const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
                              int style, float eps, const float* v, const TokenKv* info, int layer, int vt) {
     int q_heads = q_width / hd, kv_heads = k_width / hd;
-    int tid = threadIdx.x + blockDim.x * threadIdx.y, threads = blockDim.x * blockDim.y;
+    int tid = WARP ? threadIdx.x & 31 : threadIdx.x + blockDim.x * threadIdx.y;
+    int threads = WARP ? 32 : blockDim.x * blockDim.y;
+    auto rope = [&](float* head) {
+        if (WARP)
+            rope_head_warp(head, h < q_heads ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps, vt, tid);
+        else
+            rope_head(head, h < q_heads ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps, vt);
+    };
     if (h < q_heads) {
-        rope_head(q + (u64)t * q_width + (u64)h * hd, q_norm, hd, positions[t], base, pos_scale, style, eps, vt);
+        rope(q + (u64)t * q_width + (u64)h * hd);
         return;
     }
     TokenKv ti = info[t];
@@ -37,8 +45,8 @@ __device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q
     if (h < q_heads + kv_heads) {
         int head = h - q_heads;
         float* kh = k + (u64)t * k_width + (u64)head * hd;
-        rope_head(kh, k_norm, hd, positions[t], base, pos_scale, style, eps, vt);
-        __syncthreads();
+        rope(kh);
+        if (!WARP) __syncthreads();  // (rope_head_warp ends with its warp's barrier)
         for (int j = tid; j < hd; j += threads) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
         return;
     }
@@ -56,47 +64,6 @@ extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_no
     grid_dep();
     rope_kv_head(blockIdx.x, blockIdx.y, q, q_width, q_norm, k, k_width, k_norm, hd, positions, base, pos_scale,
                  style, eps, v, info, layer, blockDim.x);
-}
-
-// `rope_head` by one warp (lane `lane`), the same values: the per-head norm's sum as the head's
-// block of `vt` threads sums it (`warp_vt_sum_sq`), then pairs lane, lane + 32, ...
-__device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position, float base, float pos_scale,
-                               int style, float eps, int vt, int lane) {
-    int half = hd / 2;
-    if (norm) {
-        float total = warp_vt_sum_sq(hd, vt, lane, [&](int j) { return __ldcg(v + j); });
-        float scale = rsqrtf(total / (float)hd + eps);
-        for (int k = 0; k < vt >> 5; k++)
-            for (int j = 32 * k + lane; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
-        __syncwarp();
-    }
-    for (int i = lane; i < half; i += 32) rope_pair(v, i, hd, position, base, pos_scale, style);
-    __syncwarp();
-}
-
-// `rope_kv_head` of head h for token t by one warp (`rope_head_warp`): the same values.
-__device__ void rope_kv_head_warp(int h, int t, float* q, int q_width, const float* q_norm, float* k, int k_width,
-                                  const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
-                                  int style, float eps, const float* v, const TokenKv* info, int layer, int vt,
-                                  int lane) {
-    int q_heads = q_width / hd, kv_heads = k_width / hd;
-    if (h < q_heads) {
-        rope_head_warp(q + (u64)t * q_width + (u64)h * hd, q_norm, hd, positions[t], base, pos_scale, style, eps, vt,
-                       lane);
-        return;
-    }
-    TokenKv ti = info[t];
-    u64 at = ((u64)layer * ti.cap + ti.pos) * k_width;
-    if (h < q_heads + kv_heads) {
-        int head = h - q_heads;
-        float* kh = k + (u64)t * k_width + (u64)head * hd;
-        rope_head_warp(kh, k_norm, hd, positions[t], base, pos_scale, style, eps, vt, lane);
-        for (int j = lane; j < hd; j += 32) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
-        return;
-    }
-    int head = h - q_heads - kv_heads;
-    const float* vh = v + (u64)t * k_width + (u64)head * hd;
-    for (int j = lane; j < hd; j += 32) ((float*)ti.v)[at + (u64)head * hd + j] = __ldcg(vh + j);
 }
 
 // `matvec_i8x3_rope_kv` for a batch of n tokens (`matvec_i8nx3`'s products; n up to the block's
@@ -121,8 +88,8 @@ extern "C" __global__ void matvec_i8nx3_rope_kv(
     if (!last_arrival(done + h, hd / rows)) return;
     int t = (threadIdx.x + blockDim.x * threadIdx.y) >> 5;
     if (t < n)
-        rope_kv_head_warp(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info,
-                          layer, vt, threadIdx.x & 31);
+        rope_kv_head<true>(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info,
+                           layer, vt);
 }
 
 // One token's Q, K and V products in one launch (`matvec_i8x3_mixed`: `t0` .. `t2` each weight's

@@ -446,6 +446,22 @@ __device__ void rope_head(float* v, const float* norm, int hd, u32 position, flo
     if (i < half) rope_pair(v, i, hd, position, base, pos_scale, style);
 }
 
+// `rope_head` by one warp (lane `lane`), the same values: the per-head norm's sum as the head's
+// block of `vt` threads sums it (`warp_vt_sum_sq`), then pairs lane, lane + 32, ...
+__device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position, float base, float pos_scale,
+                               int style, float eps, int vt, int lane) {
+    int half = hd / 2;
+    if (norm) {
+        float total = warp_vt_sum_sq(hd, vt, lane, [&](int j) { return __ldcg(v + j); });
+        float scale = rsqrtf(total / (float)hd + eps);
+        for (int k = 0; k < vt >> 5; k++)
+            for (int j = 32 * k + lane; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
+        __syncwarp();
+    }
+    for (int i = lane; i < half; i += 32) rope_pair(v, i, hd, position, base, pos_scale, style);
+    __syncwarp();
+}
+
 // `rope_head` of the query heads (q, rows of q_width) and then the key heads (k, rows of
 // k_width) at positions[t]: one launch for both. One block per (head, token): blockIdx.x below
 // q_width / hd is a query head, the rest key heads.

@@ -163,11 +163,21 @@ pub(super) enum Int8Input {
 /// An on/off variable (`name`, its value `value`): `1` or `on` (or unset, or empty: the default)
 /// is on, `0` or `off` off; anything else is refused, saying what each means.
 pub(crate) fn switch_asked(name: &str, value: Option<&str>, on: &str, off: &str) -> Result<bool> {
+    switch_with_default(name, value, true, on, off)
+}
+
+/// A switch's value: `1`/`on` true, `0`/`off` false, unset or empty `default`; `on` and `off`
+/// say what each means, for the error (the default named first).
+fn switch_with_default(name: &str, value: Option<&str>, default: bool, on: &str, off: &str) -> Result<bool> {
     match value.map(str::trim) {
+        None | Some("") => Ok(default),
+        Some("1") | Some("on") => Ok(true),
         Some("0") | Some("off") => Ok(false),
-        None | Some("") | Some("1") | Some("on") => Ok(true),
-        Some(other) => Err(Error::Invalid(format!(
+        Some(other) if default => Err(Error::Invalid(format!(
             "{name}={other}: expected 1 or on (the default: {on}), or 0 or off ({off})"
+        ))),
+        Some(other) => Err(Error::Invalid(format!(
+            "{name}={other}: expected 0 or off (the default: {off}), or 1 or on ({on})"
         ))),
     }
 }
@@ -175,13 +185,7 @@ pub(crate) fn switch_asked(name: &str, value: Option<&str>, on: &str, off: &str)
 /// A switch that is off unless asked for: `0`/`off`/unset false, `1`/`on` true; `off` and `on`
 /// say what each means, for the error.
 pub(crate) fn switch_off_asked(name: &str, value: Option<&str>, off: &str, on: &str) -> Result<bool> {
-    match value.map(str::trim) {
-        None | Some("") | Some("0") | Some("off") => Ok(false),
-        Some("1") | Some("on") => Ok(true),
-        Some(other) => Err(Error::Invalid(format!(
-            "{name}={other}: expected 0 or off (the default: {off}), or 1 or on ({on})"
-        ))),
-    }
+    switch_with_default(name, value, false, on, off)
 }
 
 /// What [`ACTIVATIONS_ENV`] asks for (`value`: the variable's value).
