@@ -66,57 +66,61 @@ extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_no
                  style, eps, v, info, layer, blockDim.x);
 }
 
-// `matvec_i8x3_rope_kv` for a batch of n tokens (`matvec_i8nx3`'s products; n up to the block's
-// warps): the last block writing a head's rows does that head of every token, warp t token t.
+// The Q, K and V products of n tokens (BATCH: `matvec_i8nx3`'s, n up to the block's warps; else
+// one token's, `matvec_i8x3_mixed`'s; `t0` .. `t2` each weight's type), then `rope_norm_kv` of
+// their outputs without a launch of its own: the product blocks writing a head's rows (a
+// block's rows never straddle two heads: hd a multiple of them) count at done[h] (h as
+// `rope_norm_kv`'s block: query heads, key heads, value heads), and the last of them does that
+// head as a block of `vt` = rope_threads(hd) threads would (`rope_kv_head`; a batch's warp t
+// token t).
+template <bool BATCH>
+__device__ void qkv_rope_kv(const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0,
+                            int r0, const float* b0, float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1,
+                            float* y1, int t2, const u8* W2, u64 s2, int r2, const float* b2, float* y2,
+                            const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
+                            float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
+    auto rows_of = [&](int ty, const u8* W, u64 s, int r, const float* bias, float* y, int lb) {
+        if (BATCH)
+            matvec_i8n_rows_of(ty, W, s, r, cols, Xq, n, bias, wpr, y, lb);
+        else
+            matvec_i8_rows_of(ty, W, s, r, cols, Xq, bias, wpr, y, lb);
+    };
+    int b = blockIdx.x, rows = blockDim.y / wpr, h;
+    if (b < nb0) {
+        rows_of(t0, W0, s0, r0, b0, y0, b);
+        h = b * rows / hd;
+    } else if (b < nb01) {
+        rows_of(t1, W1, s1, r1, b1, y1, b - nb0);
+        h = r0 / hd + (b - nb0) * rows / hd;
+    } else {
+        rows_of(t2, W2, s2, r2, b2, y2, b - nb01);
+        h = r0 / hd + r1 / hd + (b - nb01) * rows / hd;
+    }
+    if (!last_arrival(done + h, hd / rows)) return;
+    int t = BATCH ? (threadIdx.x + blockDim.x * threadIdx.y) >> 5 : 0;
+    if (t < n)
+        rope_kv_head<BATCH>(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info,
+                            layer, vt);
+}
+
 extern "C" __global__ void matvec_i8nx3_rope_kv(
     const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0, int r0, const float* b0,
     float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
     const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
     float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
     grid_dep();
-    int b = blockIdx.x, rows = blockDim.y / wpr, h;
-    if (b < nb0) {
-        matvec_i8n_rows_of(t0, W0, s0, r0, cols, Xq, n, b0, wpr, y0, b);
-        h = b * rows / hd;
-    } else if (b < nb01) {
-        matvec_i8n_rows_of(t1, W1, s1, r1, cols, Xq, n, b1, wpr, y1, b - nb0);
-        h = r0 / hd + (b - nb0) * rows / hd;
-    } else {
-        matvec_i8n_rows_of(t2, W2, s2, r2, cols, Xq, n, b2, wpr, y2, b - nb01);
-        h = r0 / hd + r1 / hd + (b - nb01) * rows / hd;
-    }
-    if (!last_arrival(done + h, hd / rows)) return;
-    int t = (threadIdx.x + blockDim.x * threadIdx.y) >> 5;
-    if (t < n)
-        rope_kv_head<true>(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info,
-                           layer, vt);
+    qkv_rope_kv<true>(Xq, n, cols, wpr, nb0, nb01, t0, W0, s0, r0, b0, y0, t1, W1, s1, r1, b1, y1, t2, W2, s2, r2, b2,
+                      y2, q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer, vt, done);
 }
 
-// One token's Q, K and V products in one launch (`matvec_i8x3_mixed`: `t0` .. `t2` each weight's
-// type), then `rope_norm_kv` of their outputs without a launch of its own: the product blocks
-// writing a head's rows (a block's rows never straddle two heads: hd a multiple of them) count at
-// done[h] (h as `rope_norm_kv`'s block: query heads, key heads, value heads), and the last of
-// them does that head (`rope_kv_head` as a block of `vt` = rope_threads(hd) threads would).
 extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_rope_kv(
     const u8* Xq, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0, int r0, const float* b0,
     float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
     const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
     float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
     grid_dep();
-    int b = blockIdx.x, rows = blockDim.y / wpr, h;
-    if (b < nb0) {
-        matvec_i8_rows_of(t0, W0, s0, r0, cols, Xq, b0, wpr, y0, b);
-        h = b * rows / hd;
-    } else if (b < nb01) {
-        matvec_i8_rows_of(t1, W1, s1, r1, cols, Xq, b1, wpr, y1, b - nb0);
-        h = r0 / hd + (b - nb0) * rows / hd;
-    } else {
-        matvec_i8_rows_of(t2, W2, s2, r2, cols, Xq, b2, wpr, y2, b - nb01);
-        h = r0 / hd + r1 / hd + (b - nb01) * rows / hd;
-    }
-    if (last_arrival(done + h, hd / rows))
-        rope_kv_head(h, 0, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info, layer,
-                     vt);
+    qkv_rope_kv<false>(Xq, 1, cols, wpr, nb0, nb01, t0, W0, s0, r0, b0, y0, t1, W1, s1, r1, b1, y1, t2, W2, s2, r2, b2,
+                       y2, q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer, vt, done);
 }
 
 // One block per (query head, token): scores over the token's cached positions
