@@ -48,7 +48,8 @@ is gatestream faster; each line gives both medians and the median of the per-pai
 
 Settings: --gatestream (default gpucarry/gatestream, else target/release/gatestream), --llama
 (llama.cpp's binaries; default: unpacked from gpupeer/ by its setup.sh into /tmp/llb), --device
-(cuda; host-standin runs it here on the CPU stand-in, with llama.cpp's CPU build and --ngl 0:
+(cuda; a dry run here: --device cpu --ngl 0 --llama ~/.cache/gatestream/llama.cpp/bin, llama.cpp's
+CPU build from ../shared/peer/llama-cpp.sh build: every case runs, the switches do nothing, and
 nothing it prints is a GPU's figure), --deadline (seconds after which no further case starts).
 Logs and results under $OUT (default /tmp/gpu-compare); the table is printed last.
 """

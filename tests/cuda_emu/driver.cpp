@@ -103,6 +103,8 @@ static const size_t STACK_BYTES = 256 << 10;
 static const size_t PAGE = 4096;
 static std::vector<Fiber> fibers;  // the block's threads, by linear id
 static int block_threads = 0;
+static int thread_dir = 1;                 // the order a block's threads take turns in: 1 or -1
+static unsigned long long grids_run = 0;   // launches run so far
 static int live_block = 0;                 // threads of the block that have not exited
 static int live_warp[32];                  // the same per warp
 // Arrivals at a barrier or exchange of generation `gen` (threads are at most one apart, so two
@@ -187,14 +189,14 @@ static bool may_go(const Fiber& f) {
 }
 
 // The current thread stops (it waits, or it is done): the next thread after it, in linear
-// order, that may go is resumed directly (one switch, not two through the scheduler); when none
+// order (or before it: `thread_dir`), that may go is resumed directly (one switch, not two through the scheduler); when none
 // may, the scheduler is (the block is done, or deadlocked). Any order of running threads between
 // barriers and exchanges is one a GPU may take.
 static void switch_on() {
     Fiber* f = current;
     int n = block_threads;
-    for (int k = 1, i = f->linear + 1; k < n; k++, i++) {
-        if (i >= n) i -= n;
+    for (int k = 1; k < n; k++) {
+        int i = ((f->linear + k * thread_dir) % n + n) % n;
         Fiber& g = fibers[i];
         if (g.done || !may_go(g)) continue;
         current = &g;
@@ -295,9 +297,15 @@ static bool run_grid() {
             // Tops staggered so that the threads' frames do not all fall in the same cache sets.
             f.sp = fresh_stack((char*)f.stack + STACK_BYTES + PAGE - (size_t)(i % 61) * 208, fiber_entry);
         }
+        // Between barriers and exchanges a block's threads run in turn, by linear index up in
+        // one block and down in the next (and a one-block grid's, launch by launch): a thread
+        // reading what another writes without a barrier between (a race on a GPU) reads it
+        // unwritten in one of the two orders.
+        thread_dir = (step + grids_run) % 2 == 0 ? 1 : -1;
         while (live_block > 0) {
             bool resumed = false;
-            for (int i = 0; i < n; i++) {
+            for (int j = 0; j < n; j++) {
+                int i = thread_dir > 0 ? j : n - 1 - j;
                 if (fibers[i].done || !may_go(fibers[i])) continue;
                 resumed = true;
                 current = &fibers[i];
@@ -322,6 +330,7 @@ static bool run_grid() {
                 return false;
             }
     }
+    grids_run++;
     return launch_error.empty();
 }
 

@@ -21,13 +21,15 @@
 struct dim3 {
     unsigned x, y, z;
 };
-struct uint2 {
+// The vector types with CUDA's alignment (8 and 16 bytes), so a build with the alignment
+// sanitizer (build.sh --asan) stops at a vector load from an address a GPU would fault on.
+struct alignas(8) uint2 {
     unsigned x, y;
 };
-struct uint4 {
+struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
-struct float4 {
+struct alignas(16) float4 {
     float x, y, z, w;
 };
 
