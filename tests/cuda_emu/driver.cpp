@@ -19,9 +19,11 @@
 // thread captures a stream (thread-local mode), any other call from it but a launch or memset
 // on that stream is refused and spoils the capture, as is work another thread puts on the
 // capturing stream — stricter than the driver, which also captures copies and event records.
-// Kernel memory accesses are not bounds-checked (build with --asan for that). A deadlock (a
-// barrier or shuffle some live thread never reaches) fails the launch; a failure of queued work
-// is returned by the next wait, and every one after (sticky, as on a GPU).
+// Kernel memory accesses are not bounds-checked (build with --asan for that, which checks their
+// alignment too). A deadlock (a barrier or shuffle some live thread never reaches) fails the
+// launch, and so do a block's threads meeting at different barriers (a divergent
+// `__syncthreads`); a failure of queued work is returned by the next wait, and every one after
+// (sticky, as on a GPU).
 //
 // Build: tests/cuda_emu/build.sh DIR (gives DIR/libcuda.so.1; point GATESTREAM_LIBCUDA at it).
 //
@@ -123,6 +125,12 @@ struct Arrivals {
 };
 static Arrivals bar_arrivals[2];
 static Arrivals shfl_arrivals[32][2];
+// The source line of the first thread's arrival at each barrier of a generation: every other
+// thread must arrive at the same one (a `__syncthreads` in code the block's threads do not all
+// run alike may hang a GPU, CUDA's guide says; here it would pair up with another). (Lanes of a
+// warp at different `__shfl_xor_sync`s with every lane in the mask are defined from sm_70 on,
+// as pairing by arrival, which is what `shfl_xor` does.)
+static int bar_site[2];
 static unsigned warp_slot[32][2][32];    // exchanged values: [warp][generation parity][lane]
 static std::string launch_error;
 static void* sched_sp = nullptr;
@@ -217,9 +225,18 @@ static void fiber_entry() {
     __builtin_trap();  // never resumed
 }
 
-void sync_threads() {
+static std::string where_block() {
+    return "block (" + std::to_string(block_idx.x) + ", " + std::to_string(block_idx.y) + ", " +
+           std::to_string(block_idx.z) + ")";
+}
+
+void sync_threads(int line) {
     Fiber* f = current;
     unsigned g = f->bar++;
+    if (bar_arrivals[g & 1].gen != g) bar_site[g & 1] = line;
+    else if (bar_site[g & 1] != line)
+        fail("threads of " + where_block() + " met at different __syncthreads (lines " + std::to_string(bar_site[g & 1]) +
+             " and " + std::to_string(line) + ", thread " + std::to_string(f->linear) + "): a barrier in divergent code");
     bar_arrivals[g & 1].arrive(g);
     f->wait = 1;
     if (!may_go(*f)) yield();  // resumed once everyone has arrived

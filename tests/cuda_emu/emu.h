@@ -50,7 +50,8 @@ struct Fiber {
 extern Fiber* current;
 extern dim3 grid_dim, block_dim, block_idx;
 
-void sync_threads();
+// A block barrier from source line `line` (a block's threads must meet at the same one).
+void sync_threads(int line);
 unsigned shfl_xor(unsigned bits, int lane_mask);
 
 // A kernel's wait for the kernel before it (griddepcontrol; see grid_dep in kernels/quant.cu):
@@ -205,7 +206,9 @@ inline void mma_s8_tiles(int* d, const uint32_t* a, const uint32_t* b, int live,
 #define blockDim (gsemu::block_dim)
 #define gridDim (gsemu::grid_dim)
 
-inline void __syncthreads() { gsemu::sync_threads(); }
+// (The barrier carries its source line: `sync_threads` checks that a block's threads meet at the
+// same one.)
+#define __syncthreads() ::gsemu::sync_threads(__LINE__)
 
 inline float __shfl_xor_sync(unsigned, float v, int m) {
     unsigned b;
