@@ -127,9 +127,8 @@ static Arrivals bar_arrivals[2];
 static Arrivals shfl_arrivals[32][2];
 // The source line of the first thread's arrival at each barrier of a generation: every other
 // thread must arrive at the same one (a `__syncthreads` in code the block's threads do not all
-// run alike may hang a GPU, CUDA's guide says; here it would pair up with another). (Lanes of a
-// warp at different `__shfl_xor_sync`s with every lane in the mask are defined from sm_70 on,
-// as pairing by arrival, which is what `shfl_xor` does.)
+// run alike may hang a GPU, CUDA's guide says; here it would pair up with another). Warp
+// exchanges are not held to one line: from sm_70 on, lanes pair up by arrival, as `shfl_xor` does.
 static int bar_site[2];
 static unsigned warp_slot[32][2][32];    // exchanged values: [warp][generation parity][lane]
 static std::string launch_error;
@@ -196,15 +195,16 @@ static bool may_go(const Fiber& f) {
     return true;
 }
 
-// The current thread stops (it waits, or it is done): the next thread after it, in linear
-// order (or before it: `thread_dir`), that may go is resumed directly (one switch, not two through the scheduler); when none
+// The current thread stops (it waits, or it is done): the next thread after it in `thread_dir`'s
+// order that may go is resumed directly (one switch, not two through the scheduler); when none
 // may, the scheduler is (the block is done, or deadlocked). Any order of running threads between
 // barriers and exchanges is one a GPU may take.
 static void switch_on() {
     Fiber* f = current;
     int n = block_threads;
-    for (int k = 1; k < n; k++) {
-        int i = ((f->linear + k * thread_dir) % n + n) % n;
+    for (int k = 1, i = f->linear + thread_dir; k < n; k++, i += thread_dir) {
+        if (i >= n) i = 0;
+        if (i < 0) i = n - 1;
         Fiber& g = fibers[i];
         if (g.done || !may_go(g)) continue;
         current = &g;
@@ -329,8 +329,7 @@ static bool run_grid() {
                 gsemu_switch(&sched_sp, fibers[i].sp);
             }
             if (!resumed) {
-                fail("deadlock in block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
-                     std::to_string(bz) + "): " + std::to_string(live_block) +
+                fail("deadlock in " + where_block() + ": " + std::to_string(live_block) +
                      " threads wait at a barrier or shuffle the others never reach");
                 current = nullptr;
                 return false;
@@ -341,9 +340,8 @@ static bool run_grid() {
         // wait for it (grid_dep) before touching memory.
         for (int i = 0; i < n && need_dep; i++)
             if (!fibers[i].dep) {
-                fail("launched as a programmatic dependent, but thread " + std::to_string(i) + " of block (" +
-                     std::to_string(bx) + ", " + std::to_string(by) + ", " + std::to_string(bz) +
-                     ") never waited for the kernel before it (grid_dep)");
+                fail("launched as a programmatic dependent, but thread " + std::to_string(i) + " of " +
+                     where_block() + " never waited for the kernel before it (grid_dep)");
                 return false;
             }
     }

@@ -5,7 +5,9 @@
 //! the kernel takes for granted: a grid of at least one block, every pointer the kernel reads
 //! or writes non-null (those it may take as 0, "none", are declared `Opt`), every `int` within
 //! an `i32` (a wrapped count would read the wrong memory), and each kernel's own conditions
-//! (`if`). A test holds every list to the signatures in the source.
+//! (`if`). A test holds every list to the signatures in the source. A recorded launch taken back
+//! and launched again as a kernel that does more (`relaunch`: its parameters, then the others')
+//! goes through the same launcher, its count checked when it runs.
 
 use super::*;
 
@@ -125,8 +127,7 @@ macro_rules! weight_type {
     };
 }
 
-/// The kernels a launcher launches: its own name, or those of its family (the test's table).
-#[allow(unused_macros)]
+/// The kernels a launcher launches: its own name, or those of its family.
 macro_rules! names {
     ($launcher:ident) => { &[stringify!($launcher)] };
     ($launcher:ident [$($alt:literal),+]) => { &[$($alt),+] };
@@ -165,6 +166,24 @@ macro_rules! kernels {
                     self.0.launch(name, weight_type, cfg, &[$(arg::$kind(name, stringify!($arg), $arg)),*]);
                 }
             )*
+
+            /// Launches kernel `name` (weight type `ty` for a per-type one) with `words`, its
+            /// parameters as [`Arg::bits`] gives them back (a launch taken back, and the
+            /// parameters a kernel that does more takes after its own), through its launcher: the
+            /// count, the kinds and the conditions are checked as at first.
+            pub(super) fn relaunch(&self, name: &'static str, ty: Option<GgmlType>, cfg: LaunchConfig, words: &[u64]) {
+                $(
+                    if names!($launcher $([$($alt),+])?).contains(&name) {
+                        let count = [$(stringify!($arg)),*].len();
+                        assert_eq!(words.len(), count, "{name}: {} parameters for its {count}", words.len());
+                        let mut word = words.iter().copied();
+                        $(let $arg = from_word!($kind, word.next().unwrap_or_default());)*
+                        self.$launcher($(family_arg!(name; $($alt)+),)? $(typed_arg!(ty; $typed),)? cfg, $($arg),*);
+                        return;
+                    }
+                )*
+                panic!("{name}: no launcher of that kernel");
+            }
         }
     };
 }
@@ -172,6 +191,37 @@ macro_rules! kernels {
 /// A family launcher's `kernel` parameter: one of its names.
 macro_rules! kernel_name {
     ($($alt:literal),+) => { &'static str };
+}
+
+/// A parameter of kind `$kind` from its word ([`Arg::bits`]), as its launcher takes it.
+macro_rules! from_word {
+    (Ptr, $w:expr) => {
+        $w
+    };
+    (Opt, $w:expr) => {
+        $w
+    };
+    (U64, $w:expr) => {
+        $w
+    };
+    (I32, $w:expr) => {
+        $w as usize
+    };
+    (F32, $w:expr) => {
+        f32::from_bits($w as u32)
+    };
+}
+
+/// `relaunch`'s first arguments to a family's launcher (`$name`) or a per-type one (`$ty`).
+macro_rules! family_arg {
+    ($name:expr; $($alt:literal)+) => {
+        $name
+    };
+}
+macro_rules! typed_arg {
+    ($ty:expr; $typed:ident) => {
+        $ty.expect("a per-type kernel's weight type")
+    };
 }
 
 kernels! {

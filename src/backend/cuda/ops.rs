@@ -781,7 +781,7 @@ impl CudaDevice {
             return false;
         };
         // As `matvec_i8x3_mixed`'s: each weight's type before its parameters.
-        let words: Vec<u64> = if name == "matvec_i8x3" {
+        let mut words: Vec<u64> = if name == "matvec_i8x3" {
             let code = i8_type_code(ty.expect("a typed launch")) as u64;
             let mut w = args[..5].to_vec();
             for seg in args[5..].chunks(5) {
@@ -792,45 +792,8 @@ impl CudaDevice {
         } else {
             args
         };
-        let w = |i: usize| words[i];
-        self.k().matvec_i8x3_rope_kv(
-            cfg,
-            w(0),
-            w(1) as usize,
-            w(2) as usize,
-            w(3) as usize,
-            w(4) as usize,
-            w(5) as usize,
-            w(6),
-            w(7),
-            w(8) as usize,
-            w(9),
-            w(10),
-            w(11) as usize,
-            w(12),
-            w(13),
-            w(14) as usize,
-            w(15),
-            w(16),
-            w(17) as usize,
-            w(18),
-            w(19),
-            w(20) as usize,
-            w(21),
-            w(22),
-            r.q_norm,
-            r.k_norm,
-            r.hd,
-            r.positions,
-            r.base,
-            r.pos_scale,
-            r.style,
-            r.eps,
-            r.info,
-            r.layer,
-            vt,
-            done,
-        );
+        words.extend(r.words(vt, done));
+        self.k().relaunch("matvec_i8x3_rope_kv", None, cfg, &words);
         self.fused_into_last_blocks();
         true
     }
@@ -862,46 +825,9 @@ impl CudaDevice {
         }) else {
             return false;
         };
-        let w = |i: usize| args[i];
-        self.k().matvec_i8nx3_rope_kv(
-            cfg,
-            w(0),
-            w(1) as usize,
-            w(2) as usize,
-            w(3) as usize,
-            w(4) as usize,
-            w(5) as usize,
-            w(6) as usize,
-            w(7),
-            w(8),
-            w(9) as usize,
-            w(10),
-            w(11),
-            w(12) as usize,
-            w(13),
-            w(14),
-            w(15) as usize,
-            w(16),
-            w(17),
-            w(18) as usize,
-            w(19),
-            w(20),
-            w(21) as usize,
-            w(22),
-            w(23),
-            r.q_norm,
-            r.k_norm,
-            r.hd,
-            r.positions,
-            r.base,
-            r.pos_scale,
-            r.style,
-            r.eps,
-            r.info,
-            r.layer,
-            vt,
-            done,
-        );
+        let mut words = args;
+        words.extend(r.words(vt, done));
+        self.k().relaunch("matvec_i8nx3_rope_kv", None, cfg, &words);
         self.fused_into_last_blocks();
         true
     }
@@ -933,34 +859,9 @@ impl CudaDevice {
         }) else {
             return false;
         };
-        let w = |i: usize| args[i];
-        self.k().matvec_i8x3_act(
-            ty,
-            cfg,
-            w(0),
-            w(1) as usize,
-            w(2) as usize,
-            w(3) as usize,
-            w(4) as usize,
-            w(5),
-            w(6),
-            w(7) as usize,
-            w(8),
-            w(9),
-            w(10),
-            w(11),
-            w(12) as usize,
-            w(13),
-            w(14),
-            w(15),
-            w(16),
-            w(17) as usize,
-            w(18),
-            w(19),
-            f,
-            out,
-            done,
-        );
+        let mut words = args;
+        words.extend([f as u64, out, done]);
+        self.k().relaunch("matvec_i8x3_act", Some(ty), cfg, &words);
         self.fused_into_last_blocks();
         true
     }
@@ -993,37 +894,9 @@ impl CudaDevice {
         }) else {
             return false;
         };
-        let w = |i: usize| args[i];
-        self.k().matvec_i8nx3_act(
-            cfg,
-            w(0),
-            w(1) as usize,
-            w(2) as usize,
-            w(3) as usize,
-            w(4) as usize,
-            w(5) as usize,
-            w(6) as usize,
-            w(7),
-            w(8),
-            w(9) as usize,
-            w(10),
-            w(11),
-            w(12) as usize,
-            w(13),
-            w(14),
-            w(15) as usize,
-            w(16),
-            w(17),
-            w(18) as usize,
-            w(19),
-            w(20),
-            w(21) as usize,
-            w(22),
-            w(23),
-            f,
-            out,
-            done,
-        );
+        let mut words = args;
+        words.extend([f as u64, out, done]);
+        self.k().relaunch("matvec_i8nx3_act", None, cfg, &words);
         self.fused_into_last_blocks();
         true
     }
@@ -1054,59 +927,22 @@ impl CudaDevice {
         }) else {
             return false;
         };
-        let word = |i: usize| args[i];
-        if name == "matvec_i8n" {
-            self.k().matvec_i8n_norm(
-                ty,
-                cfg,
-                word(0),
-                word(1),
-                word(2) as usize,
-                word(3),
-                word(4) as usize,
-                word(5),
-                word(6) as usize,
-                word(7),
-                word(8) as usize,
-                word(9),
-                res,
-                w,
-                y,
-                eps,
-                q8,
-                norm_threads(width) as usize,
-                done,
-            );
-            self.fused_into_last_blocks();
-            return true;
-        }
-        let fused = if name == "matvec_i8" {
-            "matvec_i8_norm"
-        } else {
-            "matvec_i8f_norm"
+        let fused = match name {
+            "matvec_i8n" => "matvec_i8n_norm",
+            "matvec_i8" => "matvec_i8_norm",
+            _ => "matvec_i8f_norm",
         };
-        self.k().product_i8_norm(
-            fused,
-            ty,
-            cfg,
-            word(0),
-            word(1),
-            word(2) as usize,
-            word(3),
-            word(4) as usize,
-            word(5),
-            word(6) as usize,
-            word(7),
-            word(8) as usize,
-            word(9),
+        let mut words = args;
+        words.extend([
             res,
             w,
             y,
-            eps,
+            u64::from(eps.to_bits()),
             q8,
-            norm_threads(width) as usize,
+            u64::from(norm_threads(width)),
             done,
-        );
+        ]);
+        self.k().relaunch(fused, Some(ty), cfg, &words);
         self.fused_into_last_blocks();
         true
     }
@@ -1429,4 +1265,27 @@ struct RopeArgs {
     eps: f32,
     info: u64,
     layer: usize,
+}
+
+impl RopeArgs {
+    /// The parameters a product with RoPE in its last blocks takes after the product's own
+    /// (`matvec_i8x3_rope_kv`, `matvec_i8nx3_rope_kv`), as [`Arg::bits`] gives them: these, the
+    /// virtual thread count `vt` and the counters `done`.
+    fn words(&self, vt: usize, done: u64) -> [u64; 12] {
+        let f = |v: f32| u64::from(v.to_bits());
+        [
+            self.q_norm,
+            self.k_norm,
+            self.hd as u64,
+            self.positions,
+            f(self.base),
+            f(self.pos_scale),
+            self.style as u64,
+            f(self.eps),
+            self.info,
+            self.layer as u64,
+            vt as u64,
+            done,
+        ]
+    }
 }
