@@ -2618,7 +2618,7 @@ fn cpu_vs_cuda(path: &std::path::Path, dev: &Arc<CudaDevice>, text: &str) -> Res
 
 /// The first `chars` characters of wikitext-2's test text.
 fn wiki_text(chars: usize) -> Result<String, String> {
-    let text = std::fs::read_to_string(common::shared_dir().join("data/wikitext-2/wiki.test.raw"))
+    let text = std::fs::read_to_string(common::data_dir().join("wikitext-2/wiki.test.raw"))
         .map_err(|e| e.to_string())?;
     Ok(text.chars().take(chars).collect())
 }

@@ -38,7 +38,7 @@ fn load(p: &Path) -> Model {
 }
 
 fn wikitext() -> PathBuf {
-    shared_dir().join("data/wikitext-2/wiki.test.raw")
+    data_dir().join("wikitext-2/wiki.test.raw")
 }
 
 #[test]

@@ -107,7 +107,7 @@ fn smollm2_perplexity_matches_llama_cpp() {
     use gatestream::perplexity::{perplexity, PerplexityOptions};
     let path = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
     let model = Model::load(&path, &LoadOptions::default()).unwrap();
-    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let r = perplexity(
         &model,
         &text,
@@ -134,7 +134,7 @@ fn smollm2_perplexity_matches_llama_cpp() {
 fn a_window_split_in_halves_equals_one_pass() {
     let smollm2 = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
     let model = Model::load(&smollm2, &LoadOptions::default()).unwrap();
-    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let ids = model.tokenizer.encode(&text[..20_000], true).unwrap();
     let window = &ids[..256];
     let mut c1 = KvCache::new(&model.config, 256);

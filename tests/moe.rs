@@ -308,7 +308,7 @@ fn eval_measures_masks_inside_experts_and_fewer_experts() {
     let tmp = tempfile::tempdir().unwrap();
     let path = make(tmp.path(), &spec(Arch::Qwen2Moe, GgmlType::Q8_0, true), "m.gguf");
     let model = load(&path);
-    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let opts = EvalOptions {
         ctx: 64,
         windows: 2,

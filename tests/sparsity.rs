@@ -20,7 +20,7 @@ fn stories() -> Model {
 }
 
 fn text() -> String {
-    std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap()
+    std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap()
 }
 
 /// `eval` options for stories260K: 2 windows of 128 tokens, the given grid, nothing else.
@@ -265,7 +265,7 @@ fn smollm2_still_says_paris_with_the_frontier_configuration() {
     let tmp = tempfile::tempdir().unwrap();
     let gst = tmp.path().join("smollm2.gst");
     let opts = ReformatOptions {
-        calibrate_text: Some(shared_dir().join("data/wikitext-2/wiki.test.raw")),
+        calibrate_text: Some(data_dir().join("wikitext-2/wiki.test.raw")),
         ..ReformatOptions::default()
     };
     reformat(&path, &gst, &opts, &mut |_, _, _| {}).unwrap();

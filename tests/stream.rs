@@ -1024,7 +1024,7 @@ fn perplexity_streams_and_equals_the_in_ram_model_in_the_same_batches() {
     use gatestream::perplexity::{perplexity_with, PerplexityOptions};
     let tmp = tempfile::tempdir().unwrap();
     let p = convert(&stories_dir(), tmp.path(), "split.gst", FfnLayout::Split);
-    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let text = &text[..20_000];
     let opts = PerplexityOptions { ctx: 64, windows: 2 };
     fn batches(stream: Option<&Streamer>, batch_tokens_max: usize) -> Passes<'_> {
@@ -1059,7 +1059,7 @@ fn eval_streams_and_equals_the_in_ram_model_in_the_same_batches() {
     use gatestream::model::forward::Passes;
     let tmp = tempfile::tempdir().unwrap();
     let p = convert(&stories_dir(), tmp.path(), "split.gst", FfnLayout::Split);
-    let text = std::fs::read_to_string(shared_dir().join("data/wikitext-2/wiki.test.raw")).unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let text = &text[..60_000];
     let opts = EvalOptions {
         ctx: 64,

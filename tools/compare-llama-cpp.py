@@ -12,15 +12,15 @@ Cases, each on the same GGUF, 2 threads, release build:
   ppl      perplexity, wikitext-2 test, ctx 512, the first --windows windows: llama-perplexity vs
            `gatestream perplexity` (a quality check: the two should agree closely)
   capped   decode of 64 tokens under a memory cap (cgroup, page cache dropped first, via
-           ../shared/peer/llama-cpp.sh capped): llama-completion -nr (weights left in the mmap'd
+           tools/llama-cpp.sh capped): llama-completion -nr (weights left in the mmap'd
            file) vs `gatestream run --ram-budget B` on the model's .gst (written by `gatestream
            reformat` into --work if missing); each cap is CAP:BUDGET (the budget leaves the
            process's own ~75-100 MB inside the cap)
 
 Timings alternate A B A B (--pairs pairs) so drift on this noisy machine hits both sides; each
 line prints both medians and the median of the per-pair ratios (gatestream / llama.cpp for
-speeds: above 1 is gatestream faster). Needs llama.cpp built (`../shared/peer/llama-cpp.sh
-build`; this script builds it when missing) and the models (`../shared/models/fetch.sh all`).
+speeds: above 1 is gatestream faster). Needs llama.cpp built (`tools/llama-cpp.sh
+build`; this script builds it when missing) and the models (`tools/fetch-models.sh all`).
 """
 
 import argparse
@@ -34,11 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("GATESTREAM_SHARED", ROOT.parent / "shared"))
-PEER = SHARED / "peer/llama-cpp.sh"
+PEER = ROOT / "tools/llama-cpp.sh"
 MODELS_DIR = Path(os.environ.get("GATESTREAM_MODELS", Path.home() / ".cache/gatestream/models"))
 PEER_BIN = Path(os.environ.get("GATESTREAM_PEER", Path.home() / ".cache/gatestream/llama.cpp")) / "bin"
-WIKI = SHARED / "data/wikitext-2/wiki.test.raw"
+WIKI = ROOT / "data/wikitext-2/wiki.test.raw"
 
 MODELS = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -150,13 +149,13 @@ def main():
     skip = set(filter(None, a.skip.split(",")))
 
     if not (PEER_BIN / "llama-bench").exists():
-        print("building llama.cpp with ../shared/peer/llama-cpp.sh build (once; minutes)...", file=sys.stderr)
+        print("building llama.cpp with tools/llama-cpp.sh build (once; minutes)...", file=sys.stderr)
         sh(["bash", PEER, "build"])
     gs = gatestream_bin()
     models = {k: MODELS_DIR / MODELS[k] for k in a.models.split(",")}
     for k, p in models.items():
         if not p.exists():
-            sys.exit(f"{p} is missing: run ../shared/models/fetch.sh {k}")
+            sys.exit(f"{p} is missing: run tools/fetch-models.sh {k}")
     version = sh([PEER_BIN / "llama-completion", "--version"])[1].strip().splitlines()[0]
     commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT)[0].strip()
     print(f"gatestream {commit} vs llama.cpp ({version}); 2 threads; {a.pairs} A/B pairs per timed case; "

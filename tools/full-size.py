@@ -13,7 +13,7 @@ real one), so speeds, bytes and memory are real and quality figures mean nothing
 Cases (2 threads, release builds, A B A B for --pairs pairs; ratio = gatestream / llama.cpp):
   ram      decode in RAM, --tokens tokens: `run --model GGUF` vs llama-bench -p 0 -n N
   prefill  a 64-token prompt in RAM: `run --max-tokens 1` vs llama-bench -p 64 -n 0
-  under each cap (cgroup memory limit, page cache dropped, ../shared/peer/llama-cpp.sh capped),
+  under each cap (cgroup memory limit, page cache dropped, tools/llama-cpp.sh capped),
   against llama-completion -nr (weights left in the mmap'd GGUF: its best setting under a cap):
   dense    `run --model ROWS.gst --ram-budget B`
   gate     `run --model BUNDLED.gst --ram-budget B --mode sparse --sparsity 0.5 --criterion gate`
@@ -39,8 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("GATESTREAM_SHARED", ROOT.parent / "shared"))
-PEER = SHARED / "peer/llama-cpp.sh"
+PEER = ROOT / "tools/llama-cpp.sh"
 PEER_BIN = Path(os.environ.get("GATESTREAM_PEER", Path.home() / ".cache/gatestream/llama.cpp")) / "bin"
 PROMPT = "The capital of France is"
 REPETITIVE = "one two three four five six seven eight nine ten. " * 6

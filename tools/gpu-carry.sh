@@ -1,9 +1,9 @@
 #!/bin/bash
 # Prepares what a lent GPU machine needs to run the GPU suite (that machine has the driver, nvcc
 # and NVRTC, but no Rust toolchain and no registry): the release binary and the GPU suite built
-# here with `--features cuda`, stripped, with stories260K and a 300 kB wikitext excerpt from
-# ../shared, and `run.sh`, into DIR (default gpucarry; added to .git/info/exclude, so it travels
-# with the working tree only when named in the device tool's `carry`).
+# here with `--features cuda`, stripped, and `run.sh`, into DIR (default gpucarry; added to
+# .git/info/exclude, so it travels with the working tree only when named in the device tool's
+# `carry`). The test data (`data/`) travels with the working tree itself.
 #
 #   tools/gpu-carry.sh [DIR]
 #
@@ -13,8 +13,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-gpucarry}
-shared=../shared
-[ -d "$shared/data/stories260K" ] || { echo "gpu-carry: $shared/data/stories260K not found" >&2; exit 1; }
 exclude="$(git rev-parse --git-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 grep -qx "$dir/" "$exclude" 2>/dev/null || echo "$dir/" >> "$exclude"
@@ -27,20 +25,17 @@ for line in sys.stdin:
         print(m["executable"])')
 [ -x "$suite" ] || { echo "gpu-carry: the GPU suite did not build" >&2; exit 1; }
 rm -rf "$dir"
-mkdir -p "$dir/shared/data/wikitext-2"
+mkdir -p "$dir"
 cp target/release/gatestream "$suite" "$dir/"
 mv "$dir/$(basename "$suite")" "$dir/gpu_cuda"
 strip "$dir/gatestream" "$dir/gpu_cuda"
-cp -r "$shared/data/stories260K" "$dir/shared/data/"
-head -c 300000 "$shared/data/wikitext-2/wiki.test.raw" > "$dir/shared/data/wikitext-2/wiki.test.raw"
 git rev-parse HEAD > "$dir/BUILT_FROM"
 git status --short >> "$dir/BUILT_FROM"
 cat > "$dir/run.sh" <<EOF
 #!/bin/bash
 # The GPU suite on the GPU machine (see tools/gpu-carry.sh); arguments: checks to run (all when none).
-# The suite reads ../shared from the repository root's parent, as /work/shared here (linked
-# to the carried copy where there is none: the GPU machine).
-[ -e /work/shared ] || { mkdir -p /work && ln -s "\$PWD/$dir/shared" /work/shared; }
+# The suite reads the test data from the working tree's data/ (run from the repository root).
+export GATESTREAM_DATA="\$PWD/data"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 GATESTREAM_GPU_REPORT="\$OUT/report.json" timeout 570 "$dir/gpu_cuda" "\$@" > "\$OUT/suite.txt" 2>&1
 echo "suite rc \$?"

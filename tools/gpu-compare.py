@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """gatestream's CUDA device beside llama.cpp's CUDA backend, on the same GGUF and GPU, in one run.
 
-    tools/gpu-carry.sh && cp -r ../shared/peer/cuda gpupeer     # here (both folders git-excluded)
+    tools/gpu-carry.sh && tools/llama-cpp.sh build-cuda gpupeer   # here (both folders git-excluded)
     python3 tools/gpu-compare.py [--cases decode,prefill,depth,batched,served] [--pairs 2]
                                  [--shape qwen2.5-1.5b] [--deadline 240] [--json FILE]
                                                                 # there; carry ["gpucarry", "gpupeer"]
@@ -49,7 +49,7 @@ is gatestream faster; each line gives both medians and the median of the per-pai
 Settings: --gatestream (default gpucarry/gatestream, else target/release/gatestream), --llama
 (llama.cpp's binaries; default: unpacked from gpupeer/ by its setup.sh into /tmp/llb), --device
 (cuda; a dry run here: --device cpu --ngl 0 --llama ~/.cache/gatestream/llama.cpp/bin, llama.cpp's
-CPU build from ../shared/peer/llama-cpp.sh build: every case runs, the switches do nothing, and
+CPU build from tools/llama-cpp.sh build: every case runs, the switches do nothing, and
 nothing it prints is a GPU's figure), --deadline (seconds after which no further case starts).
 Logs and results under $OUT (default /tmp/gpu-compare); the table is printed last.
 """
@@ -218,7 +218,7 @@ def main():
     else:
         setup = ROOT / "gpupeer/setup.sh"
         if not setup.exists():
-            sys.exit("no llama.cpp: give --llama DIR, or copy ../shared/peer/cuda to gpupeer/")
+            sys.exit("no llama.cpp: give --llama DIR, or build gpupeer/ with tools/llama-cpp.sh build-cuda")
         line = subprocess.run(["bash", setup], capture_output=True, text=True).stdout.strip()
         if line.startswith("export LD_LIBRARY_PATH="):
             env["LD_LIBRARY_PATH"] = line.split("=", 1)[1].replace("${LD_LIBRARY_PATH:-}", env.get("LD_LIBRARY_PATH", ""))

@@ -7,7 +7,7 @@
 # Models are made on the machine (`gatestream make-model`, random weights of real shapes: their
 # speeds are real, their text is not). Logs and JSON under $OUT; the table is printed last.
 #
-#   tools/gpu-carry.sh && cp -r ../shared/peer/cuda gpupeer   # here (gpupeer: git-excluded)
+#   tools/gpu-carry.sh && tools/llama-cpp.sh build-cuda gpupeer   # here (gpupeer: git-excluded)
 #   bash tools/gpu-hybrid.sh [SETS]          # there; carry ["gpucarry", "gpupeer"]
 #
 # SETS (default: "qwen40 qwen70 moe big"): qwen40 / qwen70: Qwen2.5-1.5B-shaped at --vram-budget
@@ -32,8 +32,7 @@ START=$SECONDS
 late() { [ $((SECONDS - START)) -ge "${DEADLINE:-420}" ]; }
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt" >&2; }
 [ -x "$G" ] || { log "no gatestream binary at $G (tools/gpu-carry.sh builds it)"; exit 1; }
-text=gpucarry/shared/data/wikitext-2/wiki.test.raw
-[ -f "$text" ] || text=../shared/data/wikitext-2/wiki.test.raw
+text=data/wikitext-2/wiki.test.raw
 PROMPT=$(head -c "${PROMPT_CHARS:-420}" "$text" | tr -d '\000')
 if [ -z "${LLAMA_BIN:-}" ] && [ -f gpupeer/setup.sh ]; then
     eval "$(bash gpupeer/setup.sh)"

@@ -3,7 +3,7 @@
 # checks of the kernels that have not yet run on a GPU, then `tools/gpu-compare.py` beside
 # llama.cpp's CUDA build with whatever failed turned off, then one table. Logs under $OUT.
 #
-#   tools/gpu-carry.sh && rm -rf gpupeer && cp -r ../shared/peer/cuda gpupeer   # here
+#   tools/gpu-carry.sh && tools/llama-cpp.sh build-cuda gpupeer   # here
 #   bash tools/gpu-session.sh                 # there; carry ["gpucarry", "gpupeer"]
 #
 # 1. Checks (the GPU suite, `gpucarry/gpu_cuda`), at most CHECK_S seconds (default 180):
@@ -36,9 +36,8 @@ CHECKS=${CHECKS:-kernels_per_type int8_batches attention_tiles attention_split f
 [ -x "$SUITE" ] || { log "no GPU suite at $SUITE (tools/gpu-carry.sh builds gpucarry/)"; exit 1; }
 [ -f gpucarry/BUILT_FROM ] && log "gpucarry built from $(head -1 gpucarry/BUILT_FROM)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/session.txt"
-# The suite reads ../shared from the repository root's parent, as /work/shared (linked to the
-# carried copy where there is none: the GPU machine; as gpucarry/run.sh does).
-[ -e /work/shared ] || { mkdir -p /work && ln -s "$PWD/gpucarry/shared" /work/shared; }
+# The suite reads the test data from the working tree's data/.
+export GATESTREAM_DATA="$PWD/data"
 
 # 1. The checks.
 # shellcheck disable=SC2086

@@ -11,7 +11,7 @@ concurrency level runs C clients at once, each sending its requests one after th
 (distinct short prompts, greedy, POST /v1/completions): total generated tokens (the responses'
 usage) over wall time, disk bytes read (/proc/diskstats, the whole machine's) per generated
 token, and for gatestream its own /metrics disk bytes and mean batch width. The server's
-resident memory (VmRSS) is sampled every 0.2 s. Run it under `../shared/peer/llama-cpp.sh capped
+resident memory (VmRSS) is sampled every 0.2 s. Run it under `tools/llama-cpp.sh capped
 LIMIT` to measure under a memory cap (the client is then inside the cap too: ~20 MB).
 Standard library only.
 """

@@ -378,7 +378,7 @@ impl Mix {
 mod tests {
     use super::*;
 
-    /// The types llama.cpp gave the real Qwen2.5-Coder-1.5B Q4_K_M file in ../shared/models:
+    /// The types llama.cpp gave the real Qwen2.5-Coder-1.5B Q4_K_M file fetched by tools/fetch-models.sh:
     /// Q6_K output, Q4_K embedding (untied there), Q6_K attn_v and ffn_down on 14 of 28 layers
     /// (use_more_bits), Q4_K elsewhere. llama.cpp counts layers in the order the file lists them,
     /// which for that file was lexicographic (blk.0, blk.1, blk.10, …), so it picked other layers

@@ -25,7 +25,7 @@ use crate::tensor::Weight;
 /// Where the tokenizer comes from.
 #[derive(Clone, Debug)]
 pub enum TokenizerChoice {
-    /// A GGUF file's tokenizer (a real one: `../shared/models`); its vocabulary is padded with
+    /// A GGUF file's tokenizer (a real one: `tools/fetch-models.sh`); its vocabulary is padded with
     /// unused `[PAD<id>]` tokens up to the shape's vocabulary, or, when it has more tokens than
     /// the shape, sets the vocabulary.
     From(PathBuf),

@@ -10,21 +10,32 @@ use gatestream::gguf::write::{gguf_bytes, TensorOut};
 use gatestream::gguf::MetaValue;
 use gatestream::safetensors::SafetensorsModel;
 
-pub fn shared_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared")
+/// The repository's test data (`data/`): `GATESTREAM_DATA` when set, else `data/` in the checkout
+/// this was built from, else `data/` under the working directory (a lent GPU machine runs the
+/// suite binary from a copy of the working tree at another path).
+pub fn data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("GATESTREAM_DATA") {
+        return PathBuf::from(d);
+    }
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("data");
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("data")
+    }
 }
 
 pub fn stories_dir() -> PathBuf {
-    let d = shared_dir().join("data/stories260K");
+    let d = data_dir().join("stories260K");
     assert!(
         d.join("model.safetensors").exists(),
-        "missing {}: the tests need ../shared/data beside the checkout",
+        "missing {}: the repository's data/ folder (or GATESTREAM_DATA) holds it",
         d.display()
     );
     d
 }
 
-/// A real model fetched by ../shared/models/fetch.sh; fails (never skips) when it is absent.
+/// A real model fetched by tools/fetch-models.sh; fails (never skips) when it is absent.
 pub fn model_file(name: &str, fetch_name: &str) -> PathBuf {
     let dir = std::env::var_os("GATESTREAM_MODELS")
         .map(PathBuf::from)
@@ -32,7 +43,7 @@ pub fn model_file(name: &str, fetch_name: &str) -> PathBuf {
     let p = dir.join(name);
     assert!(
         p.exists(),
-        "{} is missing: run ../shared/models/fetch.sh {fetch_name} first (CI does)",
+        "{} is missing: run tools/fetch-models.sh {fetch_name} first (CI does)",
         p.display()
     );
     p

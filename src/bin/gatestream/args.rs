@@ -24,7 +24,7 @@ pub(crate) struct Cli {
 #[derive(clap::Args, Clone)]
 pub(crate) struct ModelArgs {
     /// Model: a .gguf file, or a Hugging Face folder (config.json, model.safetensors, tokenizer.json).
-    /// Default: SmolLM2-135M-Instruct as fetched by ../shared/models/fetch.sh smollm2.
+    /// Default: SmolLM2-135M-Instruct as fetched by tools/fetch-models.sh smollm2.
     #[arg(long, short)]
     pub(crate) model: Option<PathBuf>,
     /// Worker threads (0 = one per core; at most 1024).
@@ -210,7 +210,7 @@ pub(crate) enum Command {
     Perplexity {
         #[command(flatten)]
         model: ModelArgs,
-        /// Text file to score (e.g. ../shared/data/wikitext-2/wiki.test.raw).
+        /// Text file to score (e.g. data/wikitext-2/wiki.test.raw).
         #[arg(long)]
         text: PathBuf,
         /// Window length in tokens.
@@ -306,7 +306,7 @@ pub(crate) enum Command {
         /// A GGUF whose tokenizer to take (its vocabulary padded with unused tokens up to the
         /// shape's), or `synthetic` (made-up pieces and bytes, for exact small vocabularies).
         /// Default: Qwen2.5-Coder-1.5B's for the Qwen shapes, SmolLM2's for the others (as
-        /// ../shared/models/fetch.sh fetches them).
+        /// tools/fetch-models.sh fetches them).
         #[arg(long)]
         tokenizer: Option<String>,
         /// Custom shapes: llama, qwen2, qwen3moe or olmoe.
@@ -349,7 +349,7 @@ pub(crate) enum Command {
     /// reads the result too, so it can serve as the reference.
     MakeMoe {
         /// Dense source: a llama-architecture .gguf (default: SmolLM2-135M-Instruct, as fetched by
-        /// ../shared/models/fetch.sh smollm2).
+        /// tools/fetch-models.sh smollm2).
         #[arg(long, short)]
         model: Option<PathBuf>,
         /// The .gguf to write (through a temporary file renamed when complete).
@@ -391,7 +391,7 @@ pub(crate) enum Command {
     Eval {
         #[command(flatten)]
         model: ModelArgs,
-        /// Text file (e.g. ../shared/data/wikitext-2/wiki.test.raw); windows come from its start,
+        /// Text file (e.g. data/wikitext-2/wiki.test.raw); windows come from its start,
         /// threshold calibration from its end.
         #[arg(long)]
         text: PathBuf,
@@ -498,7 +498,7 @@ pub(crate) enum Command {
         /// routing trace).
         #[arg(long)]
         trace: Vec<PathBuf>,
-        /// Text for the built-in traces (default: ../shared/data/wikitext-2/wiki.test.raw).
+        /// Text for the built-in traces (default: data/wikitext-2/wiki.test.raw).
         #[arg(long)]
         text: Option<PathBuf>,
         /// Tokens of --text each built-in trace covers.
@@ -574,7 +574,7 @@ pub(crate) enum Command {
         /// The .gst file to calibrate (rewritten in place).
         #[arg(long, short)]
         model: PathBuf,
-        /// Calibration text, e.g. ../shared/data/wikitext-2/wiki.test.raw.
+        /// Calibration text, e.g. data/wikitext-2/wiki.test.raw.
         #[arg(long)]
         text: PathBuf,
         /// Tokens of text, taken from its end.

@@ -97,7 +97,7 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
     // Built-in traces over the start of --text: routing traces of a mixture of experts,
     // else one trace of neurons per --sparsity.
     if (moe.is_some() && routes.is_empty()) || (moe.is_none() && traces.is_empty()) {
-        let text = text.unwrap_or_else(|| PathBuf::from("../shared/data/wikitext-2/wiki.test.raw"));
+        let text = text.unwrap_or_else(|| PathBuf::from("data/wikitext-2/wiki.test.raw"));
         let body = std::fs::read_to_string(&text)
             .with_context(|| format!("reading {} (give --text or --trace)", text.display()))?;
         let rt = open_plain(&model, Arc::new(CpuBackend::new(0)), 0, None, IoArg::Pread, 0, None)?;

@@ -294,7 +294,7 @@ fn default_model() -> anyhow::Result<PathBuf> {
     let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !path.exists() {
         anyhow::bail!(
-            "no --model given and the default model {} is not there; fetch it with ../shared/models/fetch.sh smollm2",
+            "no --model given and the default model {} is not there; fetch it with tools/fetch-models.sh smollm2 (in the repository)",
             path.display()
         );
     }

@@ -31,7 +31,7 @@ impl From<DownArg> for DownType {
     }
 }
 
-/// Where `../shared/models/fetch.sh` puts its models (`GATESTREAM_MODELS`, else under HOME).
+/// Where `tools/fetch-models.sh` puts its models (`GATESTREAM_MODELS`, else under HOME).
 pub(crate) fn models_dir() -> anyhow::Result<PathBuf> {
     std::env::var_os("GATESTREAM_MODELS")
         .map(PathBuf::from)
@@ -127,7 +127,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             if !path.exists() {
                 anyhow::bail!(
                     "the default tokenizer for --shape {} is {}'s, and {} is not there: fetch it with \
-                     ../shared/models/fetch.sh all, or give --tokenizer GGUF (or synthetic)",
+                     tools/fetch-models.sh all, or give --tokenizer GGUF (or synthetic)",
                     shape.name,
                     file,
                     path.display()

@@ -13,11 +13,9 @@ fn models_dir() -> PathBuf {
 }
 
 fn data_dir() -> PathBuf {
-    let beside = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data");
-    if beside.is_dir() {
-        beside
-    } else {
-        PathBuf::from("/work/shared/data")
+    match std::env::var_os("GATESTREAM_DATA") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("data"),
     }
 }
 
@@ -26,7 +24,7 @@ fn model_path(fetch_name: &str, file: &str) -> PathBuf {
     let path = models_dir().join(file);
     assert!(
         path.is_file(),
-        "{} is missing: run `../shared/models/fetch.sh {fetch_name}` (or set GATESTREAM_MODELS)",
+        "{} is missing: run `tools/fetch-models.sh {fetch_name}` (or set GATESTREAM_MODELS)",
         path.display()
     );
     path
