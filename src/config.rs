@@ -12,6 +12,8 @@ pub enum Arch {
     /// Llama family; with `llama.expert_count`, Mixtral-style experts.
     Llama,
     Qwen2,
+    /// Qwen3 (dense): per-head QK-norm before RoPE, no Q/K/V biases.
+    Qwen3,
     Gemma3,
     /// Qwen1.5-MoE / Qwen2-MoE: routed experts plus a shared expert behind a sigmoid gate.
     Qwen2Moe,
@@ -48,6 +50,7 @@ impl Arch {
         match name {
             "llama" | "mistral" => Ok(Arch::Llama),
             "qwen2" => Ok(Arch::Qwen2),
+            "qwen3" => Ok(Arch::Qwen3),
             "gemma3" | "gemma3_text" => Ok(Arch::Gemma3),
             "qwen2moe" => Ok(Arch::Qwen2Moe),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
@@ -71,6 +74,7 @@ impl Arch {
         match self {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Qwen3Moe => "qwen3moe",
@@ -116,6 +120,11 @@ pub struct ModelConfig {
     pub rope_theta_local: f32,
     /// Linear RoPE scaling factor of global layers (positions are divided by it).
     pub rope_scale_global: f32,
+    /// Per-frequency divisors of the rotation angles (`head_dim / 2` of them): Llama 3.1+'s
+    /// `rope_freqs` (Hugging Face `rope_scaling.rope_type = "llama3"`); pair i turns by
+    /// `pos * base^(-2i/d) / factors[i]`. None: all 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_freq_factors: Option<Vec<f32>>,
     pub rope_style: RopeStyle,
     pub activation: FfnActivation,
     /// Sliding-window attention span for local layers; `None` means every layer is global.
@@ -214,6 +223,21 @@ impl ModelConfig {
         if floats.iter().any(|f| !f.is_finite() || *f <= 0.0) {
             return bad(format!("non-finite or non-positive value among {floats:?}"));
         }
+        if let Some(f) = &self.rope_freq_factors {
+            if f.len() != self.head_dim / 2 {
+                return bad(format!(
+                    "{} RoPE frequency factors for heads of {} (need head_dim / 2 = {})",
+                    f.len(),
+                    self.head_dim,
+                    self.head_dim / 2
+                ));
+            }
+            if let Some(x) = f.iter().find(|x| !x.is_finite() || **x <= 0.0) {
+                return bad(format!(
+                    "a RoPE frequency factor is {x} (each must be finite and positive)"
+                ));
+            }
+        }
         Ok(self)
     }
 
@@ -247,11 +271,9 @@ impl ModelConfig {
         let n_kv_heads = opt_int("attention.head_count_kv").unwrap_or(n_heads);
         let head_dim = opt_int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let gemma = arch == Arch::Gemma3;
-        let rope_scale_global = match g.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            Some("linear") => opt_f("rope.scaling.factor").unwrap_or(1.0),
-            _ => 1.0,
-        };
+        let rope_scale_global = rope_scaling_from_gguf(g, arch_name)?;
         let rope_theta = opt_f("rope.freq_base").unwrap_or(10000.0);
+        let rope_freq_factors = rope_freqs_from_gguf(g)?;
         let moe = Self::moe_from_gguf(arch, &opt_int, &int)?;
         // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
         let ffn = match (&moe, arch) {
@@ -275,6 +297,7 @@ impl ModelConfig {
             rope_theta,
             rope_theta_local: if gemma { 10000.0 } else { rope_theta },
             rope_scale_global,
+            rope_freq_factors,
             rope_style: if arch == Arch::Llama {
                 RopeStyle::AdjacentPairs
             } else {
@@ -293,7 +316,7 @@ impl ModelConfig {
             sliding_pattern: 6,
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
-            qk_norm: gemma || arch == Arch::Qwen3Moe,
+            qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             post_norms: gemma,
             attn_bias: arch == Arch::Qwen2,
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
@@ -363,12 +386,7 @@ impl ModelConfig {
         let n_heads = int("num_attention_heads")?;
         let head_dim = opt_int("head_dim").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let rope_theta = opt_f("rope_theta").unwrap_or(10000.0);
-        let rope_scale_global = v
-            .get("rope_scaling")
-            .filter(|s| s.get("rope_type").and_then(|t| t.as_str()) == Some("linear"))
-            .and_then(|s| s.get("factor"))
-            .and_then(|f| f.as_f64())
-            .unwrap_or(1.0) as f32;
+        let (rope_scale_global, rope_freq_factors) = rope_scaling_from_hf(path, v, head_dim, rope_theta)?;
         let cfg = ModelConfig {
             arch,
             hidden,
@@ -387,6 +405,7 @@ impl ModelConfig {
                 rope_theta
             },
             rope_scale_global,
+            rope_freq_factors,
             rope_style: RopeStyle::HalfSplit,
             activation: if gemma {
                 FfnActivation::GeluTanh
@@ -397,7 +416,7 @@ impl ModelConfig {
             sliding_pattern: opt_int("sliding_window_pattern").unwrap_or(6),
             attn_scale: 1.0 / opt_f("query_pre_attn_scalar").unwrap_or(head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
-            qk_norm: gemma,
+            qk_norm: gemma || arch == Arch::Qwen3,
             post_norms: gemma,
             attn_bias: arch == Arch::Qwen2,
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
@@ -405,5 +424,135 @@ impl ModelConfig {
             moe: None,
         };
         cfg.validate(path)
+    }
+}
+
+/// The tensor Llama 3.1+ GGUF files carry their RoPE frequency factors in.
+pub const ROPE_FREQS_TENSOR: &str = "rope_freqs.weight";
+
+/// `{arch}.rope.scaling.type`: absent or `none` (1), `linear` (positions divided by
+/// `rope.scaling.factor`); any other kind changes the rotation in a way not computed here, so
+/// the file is refused rather than run as if it were absent.
+fn rope_scaling_from_gguf(g: &GgufFile, arch_name: &str) -> Result<f32> {
+    let key = format!("{arch_name}.rope.scaling.type");
+    let factor = g
+        .get(&format!("{arch_name}.rope.scaling.factor"))
+        .and_then(|v| v.as_f64())
+        .map(|f| f as f32);
+    match g.get(&key).map(|v| v.as_str()) {
+        None | Some(Some("none")) => Ok(1.0),
+        Some(Some("linear")) => Ok(factor.unwrap_or(1.0)),
+        Some(Some(other)) => Err(Error::Config {
+            path: g.path.clone(),
+            what: format!(
+                "metadata {key} = \"{other}\": RoPE scaling of this kind is not computed by gatestream \
+                 (it reads none, linear and Llama 3's frequency factors); running without it would compute \
+                 another model"
+            ),
+        }),
+        Some(None) => Err(Error::Config {
+            path: g.path.clone(),
+            what: format!("metadata {key} is not a string"),
+        }),
+    }
+}
+
+/// Llama 3.1+'s per-frequency RoPE divisors, from the `rope_freqs.weight` tensor (F32).
+fn rope_freqs_from_gguf(g: &GgufFile) -> Result<Option<Vec<f32>>> {
+    let Some(t) = g.tensor(ROPE_FREQS_TENSOR) else {
+        return Ok(None);
+    };
+    if t.ty != Some(crate::quant::GgmlType::F32) || t.dims.len() != 1 {
+        return Err(Error::Config {
+            path: g.path.clone(),
+            what: format!(
+                "{ROPE_FREQS_TENSOR} at offset {} is ggml type {} with dims {:?}; expected one F32 row",
+                t.offset_bytes, t.type_id, t.dims
+            ),
+        });
+    }
+    let bytes = g.tensor_bytes(t);
+    Ok(Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    ))
+}
+
+/// Llama 3's frequency factors as its Hugging Face configuration defines them (and llama.cpp's
+/// converter writes them into `rope_freqs`): frequencies whose wavelength exceeds the original
+/// context over `low_freq_factor` are divided by `factor`, those shorter than the original
+/// context over `high_freq_factor` are kept, and those between are interpolated smoothly.
+pub fn llama3_rope_factors(
+    head_dim: usize,
+    base: f32,
+    factor: f32,
+    low_freq_factor: f32,
+    high_freq_factor: f32,
+    original_context: f32,
+) -> Vec<f32> {
+    let low_wavelen = original_context / low_freq_factor;
+    let high_wavelen = original_context / high_freq_factor;
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / (base as f64).powf(2.0 * i as f64 / head_dim as f64);
+            let wavelen = (2.0 * std::f64::consts::PI / freq) as f32;
+            if wavelen < high_wavelen {
+                1.0
+            } else if wavelen > low_wavelen {
+                factor
+            } else {
+                let smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                1.0 / ((1.0 - smooth) / factor + smooth)
+            }
+        })
+        .collect()
+}
+
+/// `rope_scaling` of a Hugging Face config: absent, `default` or null (1, no factors), `linear`
+/// (positions divided by `factor`), `llama3` (frequency factors); anything else is refused.
+fn rope_scaling_from_hf(
+    path: &Path,
+    v: &serde_json::Value,
+    head_dim: usize,
+    base: f32,
+) -> Result<(f32, Option<Vec<f32>>)> {
+    let Some(s) = v.get("rope_scaling").filter(|s| !s.is_null()) else {
+        return Ok((1.0, None));
+    };
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
+    let num = |k: &str| s.get(k).and_then(|f| f.as_f64()).map(|f| f as f32);
+    let need = |k: &str| {
+        num(k).ok_or_else(|| Error::Config {
+            path: path.to_path_buf(),
+            what: format!("rope_scaling of type {kind} lacks a number `{k}`"),
+        })
+    };
+    match kind {
+        "default" => Ok((1.0, None)),
+        "linear" => Ok((num("factor").unwrap_or(1.0), None)),
+        "llama3" => Ok((
+            1.0,
+            Some(llama3_rope_factors(
+                head_dim,
+                base,
+                need("factor")?,
+                need("low_freq_factor")?,
+                need("high_freq_factor")?,
+                need("original_max_position_embeddings")?,
+            )),
+        )),
+        other => Err(Error::Config {
+            path: path.to_path_buf(),
+            what: format!(
+                "rope_scaling.rope_type \"{other}\" is not computed by gatestream (it reads default, linear \
+                 and llama3); running without it would compute another model"
+            ),
+        }),
     }
 }

@@ -45,9 +45,24 @@ pub enum Error {
         found: Vec<usize>,
     },
 
+    /// A tensor in the file that the architecture's computation does not read. Running without
+    /// it would compute another model than the file describes, so the file is refused.
     #[error(
-        "{path}: architecture `{arch}`{what} is not supported; supported: llama (with experts: Mixtral), qwen2, \
-         gemma3, qwen2moe, qwen3moe, olmoe"
+        "{path}: tensor `{tensor}` (at byte offset {offset_bytes}) is not read by gatestream's `{arch}` model, and it \
+         is not one known to leave the output unchanged: running without it would compute another model than \
+         llama.cpp does, so the file is refused. If this architecture's files carry it, gatestream does not \
+         support that variant yet"
+    )]
+    UnusedTensor {
+        path: PathBuf,
+        tensor: String,
+        arch: String,
+        offset_bytes: u64,
+    },
+
+    #[error(
+        "{path}: architecture `{arch}`{what} is not supported; supported: llama (with experts: Mixtral; with \
+         Llama 3.1+ RoPE factors), qwen2, qwen3, gemma3, qwen2moe, qwen3moe, olmoe"
     )]
     UnsupportedArchitecture {
         path: PathBuf,

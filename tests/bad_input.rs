@@ -100,6 +100,49 @@ fn unsupported_architecture_is_named() {
     assert!(message(&e).contains("gpt-neox"), "{}", message(&e));
 }
 
+/// A tensor the architecture's computation does not read refuses the file, naming the tensor
+/// (a Llama file with gpt-oss's attention sinks is another model, not this one).
+#[test]
+fn a_tensor_nothing_reads_refuses_the_file() {
+    let e = load_bytes(&stories_gguf(Breakage::ExtraTensor)).err().unwrap();
+    assert!(matches!(e, Error::UnusedTensor { .. }), "{e:?}");
+    let m = message(&e);
+    assert!(
+        m.contains("blk.0.attn_sinks.weight") && m.contains("`llama`") && m.contains("offset"),
+        "{m}"
+    );
+}
+
+/// A RoPE scaling kind that is not computed refuses the file, naming the key and the kind.
+#[test]
+fn yarn_rope_scaling_is_refused_by_name() {
+    let e = load_bytes(&stories_gguf(Breakage::YarnScaling)).err().unwrap();
+    assert!(matches!(e, Error::Config { .. }), "{e:?}");
+    let m = message(&e);
+    assert!(m.contains("llama.rope.scaling.type") && m.contains("yarn"), "{m}");
+}
+
+/// RoPE frequency factors of the wrong count, or not finite, are refused.
+#[test]
+fn bad_rope_frequency_factors_are_refused() {
+    // stories260K's heads are 8 wide: 4 factors.
+    let m = message(
+        &load_bytes(&stories_gguf_with(Breakage::None, Some(&[1.0; 3])))
+            .err()
+            .unwrap(),
+    );
+    assert!(
+        m.contains("3 RoPE frequency factors") && m.contains("head_dim / 2 = 4"),
+        "{m}"
+    );
+    let m = message(
+        &load_bytes(&stories_gguf_with(Breakage::None, Some(&[1.0, f32::NAN, 1.0, 1.0])))
+            .err()
+            .unwrap(),
+    );
+    assert!(m.contains("RoPE frequency factor is NaN"), "{m}");
+}
+
 #[test]
 fn missing_tokenizer_is_an_error() {
     let e = load_bytes(&stories_gguf(Breakage::NoTokenizer)).err().unwrap();

@@ -1429,6 +1429,7 @@ fn fused_blocks_follow_writes(
             base: 10000.0,
             pos_scale: 1.0,
             style: RopeStyle::HalfSplit,
+            factors: None,
         };
         let positions: Vec<usize> = (5..5 + rows).collect();
         dev.rope_qk(&mut q, &mut k, &positions, shape, None, None, EPS);
@@ -2273,6 +2274,7 @@ fn fused_last_blocks_in(
             base: 10000.0,
             pos_scale: 1.0,
             style,
+            factors: None,
         };
         let attn = AttnShape {
             layer: 1,
@@ -2618,8 +2620,8 @@ fn cpu_vs_cuda(path: &std::path::Path, dev: &Arc<CudaDevice>, text: &str) -> Res
 
 /// The first `chars` characters of wikitext-2's test text.
 fn wiki_text(chars: usize) -> Result<String, String> {
-    let text = std::fs::read_to_string(common::data_dir().join("wikitext-2/wiki.test.raw"))
-        .map_err(|e| e.to_string())?;
+    let text =
+        std::fs::read_to_string(common::data_dir().join("wikitext-2/wiki.test.raw")).map_err(|e| e.to_string())?;
     Ok(text.chars().take(chars).collect())
 }
 
@@ -2815,6 +2817,7 @@ fn qwen_shaped_gguf(dir: &std::path::Path, shape: &Shape, residual_gain: f32, as
             rms_eps: 1e-6,
             tied: false,
             experts: None,
+            rope_factors: None,
         },
         mix: Mix::Q4KM,
         dequantize: as_f32,

@@ -561,6 +561,7 @@ fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) 
         rms_eps: 1e-6,
         tied: false,
         experts,
+        rope_factors: None,
     }
 }
 
@@ -587,23 +588,28 @@ fn make_model_writes_the_gst_reformat_makes_of_the_gguf_it_writes() {
     use gatestream::synth::{MakeSpec, Mix, OutputFormat, TokenizerChoice};
     let tmp = tempfile::tempdir().unwrap();
     let text = "Once upon a time";
-    for (arch, experts, mix) in [
-        (Arch::Llama, None, Mix::Q4KM),
-        (Arch::Qwen2, None, Mix::Q6K),
-        (Arch::Llama, Some((8, 2)), Mix::Q4KM),
-        (Arch::Qwen3Moe, Some((6, 2)), Mix::Q8_0),
-        (Arch::Olmoe, Some((4, 2)), Mix::Q4KM),
+    for (arch, experts, mix, rope_factors) in [
+        (Arch::Llama, None, Mix::Q4KM, None),
+        (Arch::Llama, None, Mix::Q6K, Some([8.0, 1.0, 4.0, 64.0])),
+        (Arch::Qwen2, None, Mix::Q6K, None),
+        (Arch::Qwen3, None, Mix::Q8_0, None),
+        (Arch::Llama, Some((8, 2)), Mix::Q4KM, None),
+        (Arch::Qwen3Moe, Some((6, 2)), Mix::Q8_0, None),
+        (Arch::Olmoe, Some((4, 2)), Mix::Q4KM, None),
     ] {
         let spec = MakeSpec {
-            shape: small_shape(arch, experts),
+            shape: gatestream::synth::Shape {
+                rope_factors,
+                ..small_shape(arch, experts)
+            },
             mix,
             dequantize: false,
             tokenizer: TokenizerChoice::Synthetic,
             seed: 3,
             residual_gain: 0.1,
         };
-        let what = format!("{arch:?} {experts:?} {mix:?}");
-        let base = format!("{}-{}", arch.name(), experts.is_some());
+        let what = format!("{arch:?} {experts:?} {mix:?} {rope_factors:?}");
+        let base = format!("{}-{}-{}", arch.name(), experts.is_some(), rope_factors.is_some());
         let gguf = make_model(tmp.path(), &format!("{base}.gguf"), &spec, OutputFormat::Gguf);
         let in_ram = logits(&load(&gguf), text);
         assert!(in_ram.iter().all(|v| v.is_finite()), "{what}");

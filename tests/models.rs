@@ -235,3 +235,228 @@ fn two_models_share_one_device() {
     assert!(pa.starts_with(" Paris"), "{pa:?}");
     assert!(pb.starts_with(", there was a little girl"), "{pb:?}");
 }
+
+/// Llama 3's RoPE frequency factors by Llama-3.1's rule and figures (factor 8, low and high
+/// frequency factors 1 and 4) for an original context of 512 (Llama 3.1's is 8192: at SmolLM2's
+/// base and 512-token windows those factors touch only angles that hardly turn there, so the
+/// check would barely see them), for heads of `head_dim` at `base`.
+fn llama31_factors(head_dim: usize, base: f32) -> Vec<f32> {
+    gatestream::config::llama3_rope_factors(head_dim, base, 8.0, 1.0, 4.0, 512.0)
+}
+
+/// Factors of 1 change nothing, bit for bit; factors all equal to f are linear scaling by f.
+#[test]
+fn rope_factors_of_one_change_nothing_and_equal_factors_scale_linearly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let load = |name: &str, bytes: Vec<u8>| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, bytes).unwrap();
+        Model::load(&p, &LoadOptions::default()).unwrap()
+    };
+    let plain = load("plain.gguf", stories_gguf(Breakage::None));
+    let ones = load("ones.gguf", stories_gguf_with(Breakage::None, Some(&[1.0; 4])));
+    let fours = load("fours.gguf", stories_gguf_with(Breakage::None, Some(&[4.0; 4])));
+    assert!(ones.config.rope_freq_factors.is_some());
+    let prompt: Vec<u32> = (0..40).map(|i| 1 + (i * 37) % 500).collect();
+    let logits = |m: &Model| {
+        let mut c = KvCache::new(&m.config, prompt.len());
+        m.forward(&prompt, &mut c, Logits::From(0)).unwrap()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let (a, b, c) = (logits(&plain), logits(&ones), logits(&fours));
+    assert!(bits(&a) == bits(&b), "factors of 1 changed the logits");
+    // The same model with linear scaling 4 in its config.
+    let mut linear = load("plain2.gguf", stories_gguf(Breakage::None));
+    linear.config.rope_scale_global = 4.0;
+    let d = logits(&linear);
+    let worst = c.iter().zip(&d).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-4, "factors of 4 vs linear scaling 4: {worst}");
+    let moved = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(moved > 1e-2, "factors of 4 left the logits as they were ({moved})");
+}
+
+/// SmolLM2 with Llama-3.1-style frequency factors added (`rope_freqs.weight`): gatestream's
+/// perplexity equals llama.cpp's on the same file, and the factors matter (the model without
+/// them scores otherwise).
+#[test]
+fn smollm2_with_llama31_rope_factors_matches_llama_cpp() {
+    use gatestream::gguf::MetaValue;
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    let src = model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2");
+    let factors = llama31_factors(64, 100000.0);
+    let bytes = gguf_edited(
+        &src,
+        vec![(
+            "general.name".into(),
+            MetaValue::Str("SmolLM2 with Llama 3.1 RoPE factors".into()),
+        )],
+        vec![("rope_freqs.weight".into(), vec![32], 0, f32_bytes(&factors))],
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var_os("GATESTREAM_KEEP").map(std::path::PathBuf::from);
+    let path = dir
+        .unwrap_or_else(|| tmp.path().to_path_buf())
+        .join("smollm2-rope-freqs.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 4 };
+    let with = perplexity(
+        &Model::load(&path, &LoadOptions::default()).unwrap(),
+        &text,
+        &opts,
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    let without = perplexity(
+        &Model::load(&src, &LoadOptions::default()).unwrap(),
+        &text,
+        &opts,
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the file this test writes
+    // (GATESTREAM_KEEP=DIR keeps it), printed this as its final estimate.
+    let llama_cpp = LLAMA_CPP_SMOLLM2_ROPE_FREQS;
+    let rel = (with.perplexity - llama_cpp).abs() / llama_cpp;
+    assert!(
+        rel < 0.005,
+        "with factors: perplexity {} vs llama.cpp {llama_cpp} ({:.2}% apart); without: {}",
+        with.perplexity,
+        rel * 100.0,
+        without.perplexity
+    );
+    assert!(
+        (with.perplexity - without.perplexity).abs() / without.perplexity > 0.05,
+        "the factors hardly matter: {} with, {} without",
+        with.perplexity,
+        without.perplexity
+    );
+}
+const LLAMA_CPP_SMOLLM2_ROPE_FREQS: f64 = 30.7384;
+
+/// stories260K (F32 weights, so no quantized activations blur the comparison) with Llama-3.1-
+/// style factors for its 8-wide heads: perplexity within 0.1% of llama.cpp's on the same file,
+/// and the plain file's too.
+#[test]
+fn stories260k_with_rope_factors_matches_llama_cpp() {
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from);
+    let factors = gatestream::config::llama3_rope_factors(8, 10000.0, 8.0, 1.0, 4.0, 64.0);
+    assert!(factors.contains(&8.0) && factors.contains(&1.0), "{factors:?}");
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 4 };
+    let mut got = Vec::new();
+    for (name, bytes) in [
+        ("stories-plain.gguf", stories_gguf(Breakage::None)),
+        (
+            "stories-rope-freqs.gguf",
+            stories_gguf_with(Breakage::None, Some(&factors)),
+        ),
+    ] {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        let m = Model::load(&p, &LoadOptions::default()).unwrap();
+        got.push(perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity);
+    }
+    // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the two files this test writes
+    // (GATESTREAM_KEEP=DIR keeps them): its final estimates.
+    for (ours, theirs) in got.iter().zip(LLAMA_CPP_STORIES_PLAIN_AND_ROPE_FREQS) {
+        let rel = (ours - theirs).abs() / theirs;
+        assert!(
+            rel < 0.001,
+            "perplexity {ours} vs llama.cpp {theirs} ({:.3}% apart); all: {got:?}",
+            rel * 100.0
+        );
+    }
+    assert!(
+        (got[1] - got[0]).abs() / got[0] > 0.01,
+        "the factors hardly matter: {got:?}"
+    );
+}
+const LLAMA_CPP_STORIES_PLAIN_AND_ROPE_FREQS: [f64; 2] = [120.0237, 168.8881];
+
+/// A small random Qwen3 (dense: per-head QK-norm, no biases, half-split RoPE) as `make-model`
+/// writes it, in F32 (no quantized activations blur the comparison), with SmolLM2's tokenizer:
+/// perplexity within 0.1% of llama.cpp's on the same file. (Random weights give a large
+/// perplexity; both must compute the same one.)
+#[test]
+fn small_qwen3_matches_llama_cpp() {
+    use gatestream::config::Arch;
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from);
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "custom".into(),
+            arch: Arch::Qwen3,
+            hidden: 256,
+            ffn: 512,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 128,
+            vocab: 0,
+            context_len: 4096,
+            rope_theta: 1e6,
+            rms_eps: 1e-6,
+            tied: false,
+            experts: None,
+            rope_factors: None,
+        },
+        mix: Mix::Q8_0,
+        dequantize: true,
+        tokenizer: TokenizerChoice::From(model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")),
+        seed: 5,
+        residual_gain: 1.0,
+    };
+    let made = tmp.path().join("made.gguf");
+    write_model(&spec, &made, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    // Random weights give nearly flat logits (a perplexity near the vocabulary's size, which
+    // hardly depends on anything): the output norm scaled by 8 makes them peaked.
+    let norm = gatestream::gguf::GgufFile::open(&made).unwrap();
+    let t = norm.tensor("output_norm.weight").unwrap();
+    let scaled: Vec<f32> = norm
+        .tensor_bytes(t)
+        .chunks_exact(4)
+        .map(|c| 8.0 * f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let path = dir.join("qwen3-small-f32.gguf");
+    let edited = gguf_edited(
+        &made,
+        vec![],
+        vec![("output_norm.weight".into(), t.dims.clone(), 0, f32_bytes(&scaled))],
+    );
+    std::fs::write(&path, edited).unwrap();
+    let m = Model::load(&path, &LoadOptions::default()).unwrap();
+    assert!(m.config.qk_norm && !m.config.attn_bias && m.config.head_dim == 128);
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 4 };
+    let r = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap();
+    // The figure is sensitive to what makes Qwen3 Qwen3: without the QK-norm it differs.
+    let mut plain = Model::load(&path, &LoadOptions::default()).unwrap();
+    plain.config.qk_norm = false;
+    plain
+        .weights
+        .layers
+        .iter_mut()
+        .for_each(|l| (l.q_norm, l.k_norm) = (None, None));
+    let without = perplexity(&plain, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+    assert!(
+        (without - r.perplexity).abs() / r.perplexity > 0.01,
+        "QK-norm hardly matters: {} with, {without} without",
+        r.perplexity
+    );
+    // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the file this test writes
+    // (GATESTREAM_KEEP=DIR keeps it): its final estimate.
+    let llama_cpp = LLAMA_CPP_SMALL_QWEN3;
+    let rel = (r.perplexity - llama_cpp).abs() / llama_cpp;
+    assert!(
+        rel < 0.001,
+        "perplexity {} vs llama.cpp {llama_cpp} ({:.3}% apart)",
+        r.perplexity,
+        rel * 100.0
+    );
+}
+const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;

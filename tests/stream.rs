@@ -1205,7 +1205,8 @@ fn a_gpu_budget_keeps_hot_neurons_on_the_device_and_streams_only_the_rest() {
 }
 
 /// Models written by `make-model` stream at half their size: a dense model in the `rows` layout
-/// (its FFN matrices kept or read whole), the same in the split layout, and a mixture of experts
+/// (its FFN matrices kept or read whole), the same in the split layout, a Qwen3 (QK-norm) in the
+/// rows layout, a Llama with Llama 3.1's RoPE frequency factors in the split layout, and a mixture of experts
 /// (its read buffers once took more than the budget). Streamed logits equal the in-RAM model's
 /// bit for bit with every reader, from the minimum budget to everything resident; in the rows
 /// layout the prefetch buffers are sized by what the plan streams, and a second read-ahead
@@ -1231,6 +1232,7 @@ fn make_model_models_stream_at_half_their_size() {
         rms_eps: 1e-6,
         tied: false,
         experts,
+        rope_factors: None,
     };
     let make = |name: &str, shape: Shape, layout: FfnLayout| {
         let spec = MakeSpec {
@@ -1256,6 +1258,21 @@ fn make_model_models_stream_at_half_their_size() {
         ),
         (
             make("split.gst", shape(Arch::Llama, 2048, 12, None), FfnLayout::Split),
+            FfnLayout::Split,
+        ),
+        (
+            make("qwen3-rows.gst", shape(Arch::Qwen3, 2048, 12, None), FfnLayout::Rows),
+            FfnLayout::Rows,
+        ),
+        (
+            make(
+                "llama31-split.gst",
+                Shape {
+                    rope_factors: Some([8.0, 1.0, 4.0, 128.0]),
+                    ..shape(Arch::Llama, 2048, 12, None)
+                },
+                FfnLayout::Split,
+            ),
             FfnLayout::Split,
         ),
         (

@@ -495,7 +495,7 @@ impl Device for CpuBackend {
         let (qv, kv) = (host_mut(q), host_mut(k));
         let mut table = Vec::with_capacity(hd / 2);
         for (t, &pos) in positions.iter().enumerate() {
-            rope_table(pos, hd, shape.base, shape.pos_scale, &mut table);
+            rope_table(pos, hd, shape.base, shape.pos_scale, shape.factors, &mut table);
             for (row, norm) in [
                 (&mut qv[t * qd..(t + 1) * qd], q_norm),
                 (&mut kv[t * kd..(t + 1) * kd], k_norm),

@@ -398,11 +398,14 @@ pub struct AttnShape {
 
 /// RoPE's parameters for one layer.
 #[derive(Clone, Copy, Debug)]
-pub struct RopeShape {
+pub struct RopeShape<'a> {
     pub head_dim: usize,
     pub base: f32,
     pub pos_scale: f32,
     pub style: RopeStyle,
+    /// Per-frequency divisors of the angles (`head_dim / 2`; Llama 3.1+), or None (all 1). A
+    /// device that cannot apply them says so in [`Device::rope_freq_factors`].
+    pub factors: Option<&'a [f32]>,
 }
 
 /// The most candidates a row of [`Device::top_k_rows`] (a pass's `Want::Top`) may ask for: a
@@ -477,6 +480,11 @@ pub trait HostLink: Send + Sync {
 /// tokens are the rows. Every device is also a [`HostLink`].
 pub trait Device: HostLink {
     fn name(&self) -> String;
+    /// Whether [`Device::rope_qk`] applies [`RopeShape::factors`] (Llama 3.1+'s frequency
+    /// factors); a model that has them is refused at load on a device that does not.
+    fn rope_freq_factors(&self) -> bool {
+        true
+    }
     /// Runs `f` where the device's work starts cheapest (the CPU device: on its own threads).
     fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>);
     /// The first error an operation met since the last call (a device whose operations can

@@ -227,12 +227,23 @@ pub fn rope(x: &mut [f32], pos: usize, base: f32, pos_scale: f32, style: RopeSty
     }
 }
 
-/// Precomputed cos/sin for one position (shared by every head of a token).
-pub fn rope_table(pos: usize, head_dim: usize, base: f32, pos_scale: f32, out: &mut Vec<(f32, f32)>) {
+/// Precomputed cos/sin for one position (shared by every head of a token); `factors` divide
+/// each pair's angle (Llama 3.1+'s frequency factors).
+pub fn rope_table(
+    pos: usize,
+    head_dim: usize,
+    base: f32,
+    pos_scale: f32,
+    factors: Option<&[f32]>,
+    out: &mut Vec<(f32, f32)>,
+) {
     out.clear();
     let p = pos as f64 / pos_scale as f64;
     for i in 0..head_dim / 2 {
-        let theta = p * (base as f64).powf(-2.0 * i as f64 / head_dim as f64);
+        let mut theta = p * (base as f64).powf(-2.0 * i as f64 / head_dim as f64);
+        if let Some(f) = factors {
+            theta /= f[i] as f64;
+        }
         out.push((theta.cos() as f32, theta.sin() as f32));
     }
 }
@@ -308,10 +319,37 @@ mod tests {
             assert!((a[i + d / 2] - perm[2 * i + 1]).abs() < 1e-6);
         }
         let mut table = Vec::new();
-        rope_table(7, d, 10000.0, 1.0, &mut table);
+        rope_table(7, d, 10000.0, 1.0, None, &mut table);
         let mut b = x.clone();
         rope_apply(&mut b, &table, RopeStyle::HalfSplit);
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn rope_factors_divide_each_pairs_angle() {
+        // Every factor f: positions divided by f (linear scaling), bit for bit.
+        let (d, pos) = (16, 1234);
+        let (mut scaled, mut factored) = (Vec::new(), Vec::new());
+        rope_table(pos, d, 500000.0, 8.0, None, &mut scaled);
+        rope_table(pos, d, 500000.0, 1.0, Some(&[8.0; 8]), &mut factored);
+        for (a, b) in scaled.iter().zip(&factored) {
+            assert!((a.0 - b.0).abs() < 1e-6 && (a.1 - b.1).abs() < 1e-6, "{a:?} vs {b:?}");
+        }
+        // Each pair by its own factor: pair 3's angle divided by 5, the others untouched.
+        let mut f = [1.0f32; 8];
+        f[3] = 5.0;
+        let (mut plain, mut one) = (Vec::new(), Vec::new());
+        rope_table(pos, d, 500000.0, 1.0, None, &mut plain);
+        rope_table(pos, d, 500000.0, 1.0, Some(&f), &mut one);
+        for i in 0..8 {
+            if i == 3 {
+                let theta = pos as f64 * 500000f64.powf(-2.0 * 3.0 / d as f64) / 5.0;
+                assert_eq!(one[i], (theta.cos() as f32, theta.sin() as f32));
+                assert_ne!(one[i], plain[i]);
+            } else {
+                assert_eq!(one[i], plain[i]);
+            }
+        }
     }
 
     #[test]

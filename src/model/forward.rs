@@ -589,6 +589,7 @@ impl Model {
             base,
             pos_scale,
             style: cfg.rope_style,
+            factors: cfg.rope_freq_factors.as_deref(),
         };
         let (q_norm, k_norm) = match (&w.q_norm, &w.k_norm) {
             // OLMoE: over the whole projection, before RoPE.

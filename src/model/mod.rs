@@ -178,6 +178,14 @@ impl Model {
             }
             moe.n_used = k;
         }
+        if src.config.rope_freq_factors.is_some() && !device.rope_freq_factors() {
+            return Err(Error::Invalid(format!(
+                "{}: this model's RoPE has per-frequency factors (Llama 3.1+: `rope_freqs.weight`), which the {} \
+                 device does not apply yet; run it with --device cpu",
+                path.display(),
+                device.name()
+            )));
+        }
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if opts.placement == Placement::OnDisk {

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::{Arch, ModelConfig};
+use crate::config::{Arch, ModelConfig, ROPE_FREQS_TENSOR};
 use crate::error::{Error, Result};
 use crate::gguf::{self, GgufFile};
 use crate::gstfile::GstFile;
@@ -191,6 +191,48 @@ impl TensorSource {
                 )
             })
             .collect())
+    }
+}
+
+/// Tensors a GGUF file may hold that leave the output unchanged, so loading ignores them: none so
+/// far. (Every other tensor is read by the architecture's computation, or consumed into its
+/// config — `rope_freqs.weight` — or the file is refused.)
+pub const IGNORED_TENSORS: &[&str] = &[];
+
+/// A [`TensorSource`] that records the names of the tensors read from it (a probe with `has`
+/// reads nothing), so the loader can tell which of a file's tensors it left unread.
+pub struct Taking<'a> {
+    source: &'a TensorSource,
+    taken: std::cell::RefCell<std::collections::HashSet<String>>,
+}
+
+impl<'a> Taking<'a> {
+    fn new(source: &'a TensorSource) -> Self {
+        Taking {
+            source,
+            taken: Default::default(),
+        }
+    }
+    fn take(&self, name: &str) {
+        self.taken.borrow_mut().insert(name.to_string());
+    }
+    fn has(&self, name: &str) -> bool {
+        self.source.has(name)
+    }
+    fn missing(&self, name: &str, arch: Arch) -> Error {
+        self.source.missing(name, arch)
+    }
+    fn matrix(&self, name: &str, rows: usize, cols: usize, arch: Arch) -> Result<Weight> {
+        self.take(name);
+        self.source.matrix(name, rows, cols, arch)
+    }
+    fn vector(&self, name: &str, len: usize, arch: Arch) -> Result<Vec<f32>> {
+        self.take(name);
+        self.source.vector(name, len, arch)
+    }
+    fn experts(&self, name: &str, n: usize, rows: usize, cols: usize, arch: Arch) -> Result<Vec<Weight>> {
+        self.take(name);
+        self.source.experts(name, n, rows, cols, arch)
     }
 }
 
@@ -382,11 +424,37 @@ impl ModelWeights {
         }
     }
 
-    pub fn load(src: &TensorSource, cfg: &ModelConfig) -> Result<ModelWeights> {
+    /// The weights `cfg` needs from `source`. A GGUF file holding a tensor the computation does
+    /// not read (and none of [`IGNORED_TENSORS`]) is refused ([`Error::UnusedTensor`]).
+    pub fn load(source: &TensorSource, cfg: &ModelConfig) -> Result<ModelWeights> {
+        let src = &Taking::new(source);
+        let weights = Self::load_from(src, cfg)?;
+        if let TensorSource::Gguf(g) = source {
+            let taken = src.taken.borrow();
+            let by_config = |name: &str| name == ROPE_FREQS_TENSOR && cfg.rope_freq_factors.is_some();
+            if let Some(t) = g.tensors.iter().find(|t| {
+                !taken.contains(&t.name) && !by_config(&t.name) && !IGNORED_TENSORS.contains(&t.name.as_str())
+            }) {
+                return Err(Error::UnusedTensor {
+                    path: g.path.clone(),
+                    tensor: t.name.clone(),
+                    arch: g
+                        .get("general.architecture")
+                        .and_then(|v| v.as_str())
+                        .unwrap_or(cfg.arch.name())
+                        .into(),
+                    offset_bytes: t.offset_bytes,
+                });
+            }
+        }
+        Ok(weights)
+    }
+
+    fn load_from(src: &Taking, cfg: &ModelConfig) -> Result<ModelWeights> {
         let names = Names {
-            gguf: !matches!(src, TensorSource::Safetensors { .. }),
+            gguf: !matches!(src.source, TensorSource::Safetensors { .. }),
         };
-        let neuron_major = matches!(src, TensorSource::Gst(_));
+        let neuron_major = matches!(src.source, TensorSource::Gst(_));
         let arch = cfg.arch;
         // Hugging Face Gemma checkpoints store norm weights as w with the model using (1 + w);
         // GGUF files already hold 1 + w.

@@ -28,15 +28,22 @@ pub struct Shape {
     pub tied: bool,
     /// Mixture of experts: (experts per layer, experts each token uses).
     pub experts: Option<(usize, usize)>,
+    /// Llama 3's RoPE frequency factors (written as `rope_freqs.weight`), by Llama 3.1's rule:
+    /// `[factor, low_freq_factor, high_freq_factor, original context]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_factors: Option<[f32; 4]>,
 }
 
 /// The named shapes, as `--shape` spells them.
 pub const SHAPE_NAMES: &[&str] = &[
     "llama3-8b",
+    "llama3.1-8b",
     "llama3-70b",
     "qwen2.5-1.5b",
     "qwen2.5-7b",
     "qwen2.5-32b",
+    "qwen3-8b",
+    "qwen3-32b",
     "mixtral-8x7b",
     "qwen3-30b-a3b",
     "olmoe-1b-7b",
@@ -45,6 +52,16 @@ pub const SHAPE_NAMES: &[&str] = &[
 impl Shape {
     /// A named shape (the dimensions of the released model's config).
     pub fn named(name: &str) -> Result<Shape> {
+        if name == "llama3.1-8b" {
+            // Llama 3's dimensions, a 128K context and the RoPE frequency factors of its config
+            // (factor 8, low and high frequency factors 1 and 4, original context 8192).
+            return Ok(Shape {
+                name: name.into(),
+                context_len: 131_072,
+                rope_factors: Some([8.0, 1.0, 4.0, 8192.0]),
+                ..Shape::named("llama3-8b")?
+            });
+        }
         #[allow(clippy::type_complexity)]
         let (
             arch,
@@ -150,6 +167,36 @@ impl Shape {
                 false,
                 None,
             ),
+            "qwen3-8b" => (
+                Arch::Qwen3,
+                4096,
+                12288,
+                36,
+                32,
+                8,
+                128,
+                151_936,
+                40960,
+                1e6,
+                1e-6,
+                false,
+                None,
+            ),
+            "qwen3-32b" => (
+                Arch::Qwen3,
+                5120,
+                25600,
+                64,
+                64,
+                8,
+                128,
+                151_936,
+                40960,
+                1e6,
+                1e-6,
+                false,
+                None,
+            ),
             "mixtral-8x7b" => (
                 Arch::Llama,
                 4096,
@@ -217,7 +264,14 @@ impl Shape {
             rms_eps,
             tied,
             experts,
+            rope_factors: None,
         })
+    }
+
+    /// The RoPE frequency factors written as `rope_freqs.weight`, if the shape has them.
+    pub fn rope_freq_factors(&self) -> Option<Vec<f32>> {
+        self.rope_factors
+            .map(|[f, lo, hi, ctx]| crate::config::llama3_rope_factors(self.head_dim, self.rope_theta, f, lo, hi, ctx))
     }
 
     /// Checks what the writers and llama.cpp need: heads dividing evenly, experts only in the
@@ -256,8 +310,10 @@ impl Shape {
             ));
         }
         match (self.arch, self.experts) {
-            (Arch::Llama, _) | (Arch::Qwen2, None) => {}
-            (Arch::Qwen2, Some(_)) => return bad("qwen2 has no experts (qwen3moe and olmoe do)".into()),
+            (Arch::Llama, _) | (Arch::Qwen2 | Arch::Qwen3, None) => {}
+            (Arch::Qwen2 | Arch::Qwen3, Some(_)) => {
+                return bad(format!("{} has no experts (qwen3moe and olmoe do)", self.arch.name()))
+            }
             (Arch::Qwen3Moe | Arch::Olmoe, None) => return bad(format!("{} needs --experts", self.arch.name())),
             (Arch::Qwen3Moe | Arch::Olmoe, Some(_)) => {}
             (a, _) => return bad(format!("{} is not an architecture make-model writes", a.name())),
@@ -265,6 +321,14 @@ impl Shape {
         if let Some((e, k)) = self.experts {
             if k == 0 || k > e || e > 256 {
                 return bad(format!("{e} experts with {k} used: need 1 <= used <= experts <= 256"));
+            }
+        }
+        if let Some([f, lo, hi, ctx]) = self.rope_factors {
+            if !([f, lo, ctx].iter().all(|x| x.is_finite() && *x > 0.0) && hi.is_finite() && hi > lo) {
+                return bad(format!(
+                    "RoPE factors [{f}, {lo}, {hi}, {ctx}]: need a positive factor and original context and \
+                     0 < low < high frequency factors"
+                ));
             }
         }
         if self.arch == Arch::Olmoe && self.kv_heads != self.heads {

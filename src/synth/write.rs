@@ -97,6 +97,12 @@ enum Fill {
         gain: f32,
         n: usize,
     },
+    /// Llama 3's RoPE frequency factors for heads of twice the length at `base`:
+    /// `[factor, low_freq_factor, high_freq_factor, original context]`.
+    RopeFactors {
+        base: f32,
+        rule: [f32; 4],
+    },
 }
 
 /// One tensor of the file.
@@ -132,6 +138,17 @@ impl Planned {
             Fill::Norm => Ok(f32_bytes(&random_norm(cols, s))),
             Fill::Bias => Ok(f32_bytes(&random_bias(cols, s))),
             Fill::Router => Ok(f32_bytes(&random_router(self.rows(), cols, s))),
+            Fill::RopeFactors {
+                base,
+                rule: [f, lo, hi, ctx],
+            } => Ok(f32_bytes(&crate::config::llama3_rope_factors(
+                2 * cols,
+                base,
+                f,
+                lo,
+                hi,
+                ctx,
+            ))),
             Fill::Matrix { gen, gain } => {
                 let b = random_matrix(gen, self.rows(), cols, gain, s)?;
                 Ok(if dequantize {
@@ -184,6 +201,16 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
     if !s.tied {
         globals.push(matrix("output.weight".into(), Role::Output, 0, vocab, h, 1.0));
     }
+    if let Some(rule) = s.rope_factors {
+        globals.push(vector(
+            crate::config::ROPE_FREQS_TENSOR.into(),
+            s.head_dim / 2,
+            Fill::RopeFactors {
+                base: s.rope_theta,
+                rule,
+            },
+        ));
+    }
     let mut all = vec![globals];
     let g = spec.residual_gain;
     for l in 0..s.layers {
@@ -201,7 +228,7 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                 t.push(vector(n("attn_k.bias"), kv, Fill::Bias));
                 t.push(vector(n("attn_v.bias"), kv, Fill::Bias));
             }
-            Arch::Qwen3Moe => {
+            Arch::Qwen3 | Arch::Qwen3Moe => {
                 t.push(vector(n("attn_q_norm.weight"), s.head_dim, Fill::Norm));
                 t.push(vector(n("attn_k_norm.weight"), s.head_dim, Fill::Norm));
             }
@@ -492,7 +519,10 @@ pub fn write_model(
     spec.shape.check()?;
     let meta = metadata(spec, &vocab_tokens);
     let meta_refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let config = config_of(&meta_refs, vocab, out)?;
+    let mut config = config_of(&meta_refs, vocab, out)?;
+    // (A tensor, not metadata, in the GGUF.)
+    config.rope_freq_factors = spec.shape.rope_freq_factors();
+    let config = config.validate(out)?;
     let planned = plan(spec, vocab);
     let all: Vec<&Planned> = planned.iter().flatten().collect();
     let total: u64 = all.iter().map(|p| p.len_bytes()).sum();
@@ -623,7 +653,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             .to_string();
         let bytes = made(p)?;
         match p.fill {
-            Fill::Norm | Fill::Bias => vectors.push((short, floats(&bytes))),
+            Fill::Norm | Fill::Bias | Fill::RopeFactors { .. } => vectors.push((short, floats(&bytes))),
             Fill::Router | Fill::Matrix { .. } => {
                 matrices.push((short, Weight::owned(&p.name, p.ty, p.rows(), p.cols(), bytes)?))
             }

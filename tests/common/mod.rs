@@ -77,11 +77,22 @@ pub enum Breakage {
     UnknownArch,
     /// No tokenizer.ggml.* keys.
     NoTokenizer,
+    /// An extra tensor `blk.0.attn_sinks.weight` (gpt-oss's attention sinks) that the llama
+    /// computation does not read.
+    ExtraTensor,
+    /// `llama.rope.scaling.type = "yarn"`, a RoPE scaling not computed.
+    YarnScaling,
 }
 
 /// stories260K as GGUF bytes, as llama.cpp's converter would write it (F32, llama arch, Q/K rows
 /// permuted for adjacent-pair RoPE), optionally broken.
 pub fn stories_gguf(breakage: Breakage) -> Vec<u8> {
+    stories_gguf_with(breakage, None)
+}
+
+/// [`stories_gguf`] with `rope_freqs.weight` holding `rope_factors` when given (as Llama 3.1+
+/// files carry their RoPE frequency factors).
+pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Vec<u8> {
     let dir = stories_dir();
     let st = SafetensorsModel::open_dir(&dir).unwrap();
     let (hidden, n_heads, n_kv, head_dim, layers, ffn) = (64u64, 8usize, 4usize, 8usize, 5, 172u64);
@@ -122,6 +133,12 @@ pub fn stories_gguf(breakage: Breakage) -> Vec<u8> {
         ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
         ("llama.rope.freq_base", MetaValue::F32(10000.0)),
     ];
+    if breakage == Breakage::YarnScaling {
+        meta.extend([
+            ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
+            ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
+        ]);
+    }
     if breakage != Breakage::NoTokenizer {
         meta.extend([
             ("tokenizer.ggml.model", MetaValue::Str("llama".into())),
@@ -187,7 +204,53 @@ pub fn stories_gguf(breakage: Breakage) -> Vec<u8> {
         }
         owned.push((g, dims, type_id, bytes));
     }
+    if breakage == Breakage::ExtraTensor {
+        owned.push((
+            "blk.0.attn_sinks.weight".into(),
+            vec![n_heads as u64],
+            0,
+            vec![0; n_heads * 4],
+        ));
+    }
+    if let Some(f) = rope_factors {
+        owned.push(("rope_freqs.weight".into(), vec![f.len() as u64], 0, f32_bytes(f)));
+    }
     gguf_of(&meta, &owned)
+}
+
+pub fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A copy of the GGUF file `src` with `meta` keys set (added or replaced) and `tensors` (name,
+/// GGUF dims, ggml type id, bytes) in place of its own of the same name, or added after them.
+pub fn gguf_edited(
+    src: &Path,
+    meta: Vec<(String, MetaValue)>,
+    tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
+) -> Vec<u8> {
+    let g = gatestream::gguf::GgufFile::open(src).unwrap();
+    let mut keys: Vec<(String, MetaValue)> = g
+        .metadata
+        .iter()
+        .filter(|(k, _)| !meta.iter().any(|(m, _)| m == *k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    keys.sort_by(|a, b| a.0.cmp(&b.0));
+    keys.extend(meta);
+    let meta_refs: Vec<(&str, MetaValue)> = keys.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let mut owned: Vec<(String, Vec<u64>, u32, Vec<u8>)> = g
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.dims.clone(), t.type_id, g.tensor_bytes(t).to_vec()))
+        .collect();
+    for t in tensors {
+        match owned.iter_mut().find(|o| o.0 == t.0) {
+            Some(o) => *o = t,
+            None => owned.push(t),
+        }
+    }
+    gguf_of(&meta_refs, &owned)
 }
 
 /// GGUF bytes of `meta` and tensors given as (name, GGUF dims, ggml type id, bytes).

@@ -4,6 +4,10 @@
 use super::*;
 
 impl Device for CudaDevice {
+    fn rope_freq_factors(&self) -> bool {
+        // (The RoPE kernels compute each angle from the base alone.)
+        false
+    }
     fn name(&self) -> String {
         self.label.clone()
     }

@@ -309,7 +309,7 @@ pub(crate) enum Command {
         /// tools/fetch-models.sh fetches them).
         #[arg(long)]
         tokenizer: Option<String>,
-        /// Custom shapes: llama, qwen2, qwen3moe or olmoe.
+        /// Custom shapes: llama, qwen2, qwen3, qwen3moe or olmoe.
         #[arg(long, value_enum, default_value_t = MakeArchArg::Llama)]
         arch: MakeArchArg,
         #[arg(long)]
@@ -334,6 +334,10 @@ pub(crate) enum Command {
         experts: Option<usize>,
         #[arg(long)]
         experts_used: Option<usize>,
+        /// Custom shapes: Llama 3's RoPE frequency factors (`rope_freqs.weight`) by Llama 3.1's
+        /// rule, as FACTOR,LOW,HIGH,CONTEXT (Llama 3.1's own: 8,1,4,8192).
+        #[arg(long, value_name = "FACTOR,LOW,HIGH,CONTEXT")]
+        rope_factors: Option<String>,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Replace OUTPUT if it exists.
@@ -622,6 +626,7 @@ pub(crate) enum ModelFormatArg {
 pub(crate) enum MakeArchArg {
     Llama,
     Qwen2,
+    Qwen3,
     Qwen3moe,
     Olmoe,
 }

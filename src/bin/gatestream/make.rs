@@ -58,6 +58,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         vocab,
         experts,
         experts_used,
+        rope_factors,
         seed,
         force,
         json,
@@ -76,12 +77,27 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         experts,
         experts_used,
     ];
+    let rope_factors = match rope_factors.as_deref() {
+        None => None,
+        Some(text) => {
+            let v: Vec<f32> = text
+                .split(',')
+                .map(|x| x.trim().parse::<f32>())
+                .collect::<Result<_, _>>()
+                .map_err(|_| anyhow::anyhow!("--rope-factors {text}: give four numbers, FACTOR,LOW,HIGH,CONTEXT"))?;
+            let rule: [f32; 4] = v
+                .try_into()
+                .map_err(|_| anyhow::anyhow!("--rope-factors {text}: give four numbers, FACTOR,LOW,HIGH,CONTEXT"))?;
+            Some(rule)
+        }
+    };
     let shape = if shape == "custom" {
         let need = |v: Option<usize>, flag: &str| v.ok_or_else(|| anyhow::anyhow!("--shape custom needs {flag}"));
         let (hidden, heads) = (need(hidden, "--hidden")?, need(heads, "--heads")?);
         let arch = match arch {
             MakeArchArg::Llama => Arch::Llama,
             MakeArchArg::Qwen2 => Arch::Qwen2,
+            MakeArchArg::Qwen3 => Arch::Qwen3,
             MakeArchArg::Qwen3moe => Arch::Qwen3Moe,
             MakeArchArg::Olmoe => Arch::Olmoe,
         };
@@ -105,12 +121,13 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
                 (Some(e), Some(k)) => Some((e, k)),
                 _ => anyhow::bail!("give --experts and --experts-used together"),
             },
+            rope_factors,
         }
     } else {
-        if custom_flags.iter().any(|f| f.is_some()) {
+        if custom_flags.iter().any(|f| f.is_some()) || rope_factors.is_some() {
             anyhow::bail!(
                 "--shape {shape} sets every dimension; --hidden, --ffn, --layers, --heads, --kv-heads, --head-dim, \
-                 --vocab and --experts go with --shape custom"
+                 --vocab, --experts and --rope-factors go with --shape custom"
             );
         }
         Shape::named(&shape)?
@@ -120,7 +137,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         Some(path) => TokenizerChoice::From(PathBuf::from(path)),
         None => {
             let file = match shape.arch {
-                Arch::Qwen2 | Arch::Qwen3Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 _ => "SmolLM2-135M-Instruct.Q4_1.gguf",
             };
             let path = models_dir()?.join(file);

@@ -34,6 +34,7 @@ pub(super) fn config() -> ModelConfig {
         rope_theta: 10000.0,
         rope_theta_local: 10000.0,
         rope_scale_global: 1.0,
+        rope_freq_factors: None,
         rope_style: RopeStyle::AdjacentPairs,
         activation: FfnActivation::Silu,
         sliding_window: None,
