@@ -116,6 +116,16 @@ pub struct GgufFile {
     pub map: Arc<memmap2::Mmap>,
 }
 
+/// Whether `path` is a file starting with GGUF's magic.
+pub fn is_gguf(path: &Path) -> bool {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
 impl GgufFile {
     pub fn open(path: &Path) -> Result<GgufFile> {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;

@@ -169,8 +169,25 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Runtime> {
     open_on(path, opts, Arc::new(CpuBackend::new(opts.threads)))
 }
 
+/// Refuses what a streamed file cannot give before anything is loaded: a neuron-sparse mask
+/// streams only the kept neurons' rows, which a GGUF (its FFN stored by rows, read whole) does
+/// not lay out; the message gives the command that makes a `.gst` that does.
+pub fn check_streamed_mask(path: &Path, streamed: bool, sparse: bool) -> Result<()> {
+    if streamed && sparse && crate::gguf::is_gguf(path) {
+        return Err(Error::Invalid(format!(
+            "{}: a neuron-sparse mask streams only the kept neurons' rows, which needs the FFN stored neuron-major, \
+             as a .gst holds it; this GGUF stores it by rows (streamed whole). Make one with `gatestream reformat {} \
+             MODEL.gst` (a second copy of the weights), or stream the GGUF dense (no --sparsity, --mode dense)",
+            path.display(),
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
 /// As `open`, computing on `device` (shared with other runtimes: one device, one thread pool).
 pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Result<Runtime> {
+    check_streamed_mask(path, opts.stream.is_some(), opts.sparse.is_some())?;
     let placement = if opts.stream.is_some() {
         Placement::OnDisk
     } else {

@@ -431,4 +431,35 @@ fn command_line_mistakes_are_messages() {
         !out.status.success() && err.contains("is the folder there and writable"),
         "{err}"
     );
+    // A neuron-sparse mask asked of a streamed GGUF: refused before anything runs, with the
+    // command that makes a .gst (in sparse mode and in compare mode, whose dense run comes first).
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = write_temp(tmp.path(), "m.gguf", &stories_gguf(Breakage::None));
+    for mode in ["sparse", "compare"] {
+        let out = std::process::Command::new(bin)
+            .args([
+                "run",
+                "--ram-budget",
+                "1G",
+                "--max-tokens",
+                "2",
+                "--mode",
+                mode,
+                "--model",
+            ])
+            .arg(&gguf)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{mode}: {err}");
+        assert!(
+            err.contains("gatestream reformat") && err.contains("neuron-major"),
+            "{mode}: {err}"
+        );
+        assert!(
+            !err.contains("tok/s") && said.trim().is_empty(),
+            "{mode}: ran before refusing: {err}"
+        );
+    }
 }

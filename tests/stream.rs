@@ -492,14 +492,13 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
         .unwrap()
         .to_string();
     assert!(e.contains("too small") && e.contains(&min.to_string()), "{e}");
-    // A GGUF cannot stream.
-    let gguf = write_temp(tmp.path(), "m.gguf", &stories_gguf(Breakage::None));
-    let m = load(&gguf);
+    // A Hugging Face folder cannot stream (a GGUF can: a_gguf_streams_directly_...).
+    let m = load(&stories_dir());
     let e = Streamer::open(&m, &options(1 << 30, ReadEngine::Pread, CachePolicy::Pinned))
         .err()
         .unwrap()
         .to_string();
-    assert!(e.contains("reformat"), "{e}");
+    assert!(e.contains("reformat") && e.contains("GGUF file or a .gst file"), "{e}");
 }
 
 /// A device with memory of its own fed by the stream — the host stand-in
@@ -1552,4 +1551,90 @@ fn the_hybrid_executor_says_why_it_cannot_run() {
     let w = s.enable_hybrid(&m, HybridMode::Auto, 1).unwrap().expect("a warning");
     assert!(w.contains("--hybrid auto: off") && w.contains("--ffn-layout"), "{w}");
     assert!(s.hybrid_plan().is_none());
+}
+
+/// A GGUF streams as downloaded, with no `.gst` made first: dense (FFN matrices kept or read
+/// whole, as the `rows` layout does) from the real SmolLM2 (Q4_1, tied embeddings, GGUF tensors
+/// aligned to 32 bytes, not the disk's blocks) and from make-model's Llama (Q4_K_M mix) and
+/// Qwen3. Logits equal the in-RAM model's bit for bit with every reader from the minimum budget
+/// to everything resident, and each budget reads what the `rows` `.gst` made from the same GGUF
+/// reads (the same plan); nothing is written.
+#[test]
+fn a_gguf_streams_directly_like_the_in_ram_model_and_the_rows_gst() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "The capital of France is";
+    let make = |name: &str, arch: Arch| {
+        let spec = MakeSpec {
+            shape: Shape {
+                name: "custom".into(),
+                arch,
+                hidden: 512,
+                ffn: 2048,
+                layers: 12,
+                heads: 8,
+                kv_heads: 2,
+                head_dim: 64,
+                vocab: 1024,
+                context_len: 512,
+                rope_theta: 10000.0,
+                rms_eps: 1e-6,
+                tied: false,
+                experts: None,
+                rope_factors: None,
+            },
+            mix: Mix::Q4KM,
+            dequantize: false,
+            tokenizer: TokenizerChoice::Synthetic,
+            seed: 7,
+            residual_gain: 0.1,
+        };
+        let out = tmp.path().join(name);
+        gatestream::synth::write_model(&spec, &out, &OutputFormat::Gguf, false, &mut |_, _| {}).unwrap();
+        out
+    };
+    let ggufs = [
+        model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
+        make("llama.gguf", Arch::Llama),
+        make("qwen3.gguf", Arch::Qwen3),
+    ];
+    for gguf in &ggufs {
+        let rows = convert(gguf, tmp.path(), "rows.gst", FfnLayout::Rows);
+        let reference = run(&load(gguf), None, None, text, 4);
+        let file_bytes = std::fs::metadata(gguf).unwrap().len();
+        let (m, g) = (load_on_disk(gguf), load_on_disk(&rows));
+        let min = budget_in_refusal(
+            &Streamer::open(&m, &dense_options(0, ReadEngine::Pread))
+                .err()
+                .unwrap()
+                .to_string(),
+        );
+        for budget in [min, min + (file_bytes - min.min(file_bytes)) / 2, 2 * file_bytes] {
+            for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+                let s = Streamer::open(&m, &dense_options(budget, engine)).unwrap();
+                let got = run(&m, Some(&s), None, text, 4);
+                assert!(
+                    got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} at budget {budget} with {engine:?} differs from in RAM",
+                    gguf.display()
+                );
+                assert!(s.residency.resident_bytes() <= budget, "{:?}", s.residency);
+                let from_gst = Streamer::open(&g, &dense_options(budget, engine)).unwrap();
+                let got_gst = run(&g, Some(&from_gst), None, text, 4);
+                assert!(got_gst.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()));
+                let (c, d) = (s.counters(), from_gst.counters());
+                assert_eq!(
+                    (c.dense_needed_bytes, c.ffn_needed_bytes),
+                    (d.dense_needed_bytes, d.ffn_needed_bytes),
+                    "{} at budget {budget} with {engine:?}: the GGUF and the rows .gst read differently",
+                    gguf.display()
+                );
+                if budget == min {
+                    assert!(c.dense_needed_bytes > 0, "{c:?}");
+                }
+            }
+        }
+        std::fs::remove_file(&rows).unwrap();
+    }
 }

@@ -61,11 +61,12 @@ impl Streamer {
         let link: &dyn crate::backend::HostLink = model.device.as_ref();
         let not_gst = || {
             Error::Invalid(format!(
-                "{}: streaming reads a .gst file (neuron-major FFN); convert with `gatestream reformat`",
+                "{}: streaming reads a GGUF file or a .gst file (a Hugging Face folder is read in RAM); convert it \
+                 with `gatestream reformat`",
                 model.path.display()
             ))
         };
-        if !crate::gstfile::is_gst(&model.path) {
+        if !crate::gstfile::is_gst(&model.path) && !crate::gguf::is_gguf(&model.path) {
             return Err(not_gst());
         }
         if let Some(v) = opts.vram_budget_bytes {

@@ -100,6 +100,11 @@ pub(crate) fn run(c: Command) -> anyhow::Result<()> {
                 ..model.clone()
             };
             let mask = experts.is_none().then_some(&asked);
+            gatestream::runtime::check_streamed_mask(
+                &model_path(&model)?,
+                stream_ask(&stream, &model_path(&model)?)?.is_some(),
+                mask.is_some(),
+            )?;
             // One device (one thread pool) serves both runs.
             let dense = generate_one(&device, &own, None, &stream, None, draft, &prompt, &opts, &mut |_| {})?;
             // Give the first run's memory back before the second measures its peak.
