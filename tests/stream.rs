@@ -1638,3 +1638,114 @@ fn a_gguf_streams_directly_like_the_in_ram_model_and_the_rows_gst() {
         std::fs::remove_file(&rows).unwrap();
     }
 }
+
+/// A mixture-of-experts GGUF streams directly: expert e of a layer is slice e of each of its
+/// three expert tensors (three ranges, whole tensors apart), read by route into the expert
+/// cache. Qwen3-MoE, Mixtral-style llama and OLMoE from make-model: logits bit-identical to the
+/// in-RAM model with every reader, cache policy and lookahead, from the minimum budget to every
+/// expert cached; each budget reads as many expert bytes as the `.gst` made from the same GGUF
+/// (whose experts are one section each).
+#[test]
+fn a_mixture_of_experts_gguf_streams_directly_like_the_in_ram_model() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a cat";
+    let make = |name: &str, arch: Arch, experts: (usize, usize)| {
+        let spec = MakeSpec {
+            shape: Shape {
+                name: "custom".into(),
+                arch,
+                hidden: 256,
+                ffn: 256,
+                layers: 4,
+                heads: 4,
+                kv_heads: if arch == Arch::Olmoe { 4 } else { 2 },
+                head_dim: 64,
+                vocab: 512,
+                context_len: 512,
+                rope_theta: 10000.0,
+                rms_eps: 1e-6,
+                tied: false,
+                experts: Some(experts),
+                rope_factors: None,
+            },
+            mix: Mix::Q4KM,
+            dequantize: false,
+            tokenizer: TokenizerChoice::Synthetic,
+            seed: 9,
+            residual_gain: 0.1,
+        };
+        let out = tmp.path().join(name);
+        gatestream::synth::write_model(&spec, &out, &OutputFormat::Gguf, false, &mut |_, _| {}).unwrap();
+        out
+    };
+    for gguf in [
+        make("qwen3moe.gguf", Arch::Qwen3Moe, (8, 2)),
+        make("mixtral.gguf", Arch::Llama, (8, 2)),
+        make("olmoe.gguf", Arch::Olmoe, (6, 3)),
+    ] {
+        let gst = convert(&gguf, tmp.path(), "experts.gst", FfnLayout::Split);
+        let reference = run(&load(&gguf), None, None, text, 4);
+        let (m, g) = (load_on_disk(&gguf), load_on_disk(&gst));
+        let opts = |budget: u64, engine, cache, lookahead| StreamOptions {
+            lookahead,
+            ..options(budget, engine, cache)
+        };
+        let file_bytes = std::fs::metadata(&gguf).unwrap().len();
+        let mut compared = 0;
+        for (cache, lookahead) in [
+            (CachePolicy::Lru, Lookahead::Off),
+            (CachePolicy::Frequency, Lookahead::FromGates),
+        ] {
+            for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+                // The least budget that opens (a refusal names the least its own check needs;
+                // one with that budget may meet the next check).
+                let min_of = |m: &Model| {
+                    let mut b = 0;
+                    for _ in 0..4 {
+                        match Streamer::open(m, &opts(b, engine, cache, lookahead)) {
+                            Ok(_) => return b,
+                            Err(e) => b = budget_in_refusal(&e.to_string()),
+                        }
+                    }
+                    panic!("no budget opens {}", m.path.display())
+                };
+                // (The .gst's minimum may be larger: its readers' buffers are sized by its
+                // sections. A few experts' room over it: the minimum itself moves by a few
+                // pages from one open to the next, with what the readers could register.)
+                let min = min_of(&m).max(min_of(&g)) + (256 << 10);
+                for budget in [min, min + file_bytes / 4, min + 2 * file_bytes] {
+                    let what = format!(
+                        "{} at budget {budget} with {engine:?} {cache:?} {lookahead:?}",
+                        gguf.display()
+                    );
+                    let s = Streamer::open(&m, &opts(budget, engine, cache, lookahead)).unwrap();
+                    let got = run(&m, Some(&s), None, text, 4);
+                    assert!(
+                        got.len() == reference.len()
+                            && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: differs from in RAM"
+                    );
+                    let from_gst = Streamer::open(&g, &opts(budget, engine, cache, lookahead)).unwrap();
+                    run(&g, Some(&from_gst), None, text, 4);
+                    let (c, d) = (s.counters(), from_gst.counters());
+                    let slots = |s: &Streamer| s.experts.as_ref().map(|e| e.cache_slots);
+                    assert!(c.ffn_needed_bytes > 0, "{what}: {c:?}");
+                    if slots(&s) != slots(&from_gst) {
+                        continue;
+                    }
+                    assert_eq!(
+                        (c.ffn_needed_bytes, c.cache_hits, c.cache_lookups),
+                        (d.ffn_needed_bytes, d.cache_hits, d.cache_lookups),
+                        "{what}: the GGUF and the .gst read experts differently"
+                    );
+                    compared += 1;
+                }
+            }
+        }
+        // (All but the smallest budgets give both the same cache.)
+        assert!(compared >= 12, "{}: {compared} of 18 compared", gguf.display());
+        std::fs::remove_file(&gst).unwrap();
+    }
+}

@@ -221,6 +221,26 @@ pub fn lay_in_phase(v: &mut Vec<u8>, offset: u64, len: usize) -> usize {
     at
 }
 
+/// Lays `v` out for `pieces` read in place (each at its file offset's phase, as
+/// [`in_phase_starts`] places them; sized at its largest so a reused buffer is not reallocated)
+/// and returns where each piece starts. One piece: as [`lay_in_phase`].
+pub fn lay_pieces_in_phase(v: &mut Vec<u8>, pieces: &[Range]) -> Vec<usize> {
+    if let [one] = pieces {
+        return vec![lay_in_phase(v, one.offset_bytes, one.len_bytes)];
+    }
+    let need = in_phase_len_max(pieces, &[]);
+    if v.capacity() < need {
+        *v = Vec::with_capacity(need);
+        // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
+        let spare = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), need) };
+        advise_huge_pages(spare);
+    }
+    let (starts, end) = in_phase_starts(v.as_ptr() as usize, pieces, &[]);
+    v.clear();
+    v.resize(end, 0);
+    starts
+}
+
 /// Reads `len` bytes at `offset` into a new buffer laid out in phase ([`lay_in_phase`]), in
 /// requests of at most [`READ_VEC_PIECE_BYTES`]: io_uring reads their whole blocks in place (no
 /// reader buffer, no copy). Returns the buffer and where the bytes start in it.

@@ -30,30 +30,38 @@ use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights};
 use crate::quant::GgmlType;
 use crate::tensor::Weight;
 
-/// One matrix's place inside an expert's section.
+/// One matrix's place inside an expert's pieces: `offset` bytes into piece `piece`.
 #[derive(Clone, Debug)]
 struct MatrixAt {
     name: String,
     ty: GgmlType,
     rows: usize,
     cols: usize,
+    piece: usize,
     offset: usize,
     stride: usize,
 }
 
-/// Where an expert lies in the file, and its three matrices inside that range.
+/// Where an expert lies in the file — one range (a `.gst` expert's section: gate, up and down
+/// rows together) or one per matrix (a GGUF's expert `e` is slice `e` of each of three 3-D
+/// tensors, far apart) — and its three matrices inside those ranges.
 #[derive(Clone, Debug)]
 pub(crate) struct ExpertPart {
-    offset_bytes: u64,
+    pieces: Vec<Range>,
     len_bytes: usize,
     gate: MatrixAt,
     up: MatrixAt,
-    /// Down as rows `[hidden, ffn]` (`.gst` experts keep the checkpoint's layout).
+    /// Down as rows `[hidden, ffn]` (`.gst` and GGUF experts keep the checkpoint's layout).
     down: MatrixAt,
 }
 
+/// Matrices closer than this in the file are read as one range (the bytes between read
+/// through): a `.gst` expert's three are adjacent, a GGUF's are whole tensors apart.
+const PIECE_GAP_MAX: u64 = 64 << 10;
+
 impl ExpertPart {
-    /// From a `.gst` expert's views (one section: gate, up and down rows, docs/FORMAT.md).
+    /// From an expert's views: a `.gst` expert's section (docs/FORMAT.md), or a GGUF expert's
+    /// slices of the three expert tensors.
     pub(crate) fn of(f: &FfnWeights) -> Result<ExpertPart> {
         let FfnDown::Rows(down) = &f.down else {
             return Err(Error::Invalid(format!(
@@ -68,36 +76,79 @@ impl ExpertPart {
             Ok((o, o + w.extent_bytes() as u64))
         };
         let spans = [place(&f.gate)?, place(&f.up)?, place(down)?];
-        let start = spans.iter().map(|s| s.0).min().unwrap_or(0);
-        let end = spans.iter().map(|s| s.1).max().unwrap_or(0);
-        let at = |w: &Weight, o: u64| MatrixAt {
+        // Ranges: the spans in file order, those within PIECE_GAP_MAX of the one before joined.
+        let mut order = [0usize, 1, 2];
+        order.sort_by_key(|&i| spans[i].0);
+        let mut pieces: Vec<(u64, u64)> = Vec::with_capacity(3);
+        let mut piece_of = [0usize; 3];
+        for &i in &order {
+            let (start, end) = spans[i];
+            match pieces.last_mut() {
+                Some(last) if start <= last.1.saturating_add(PIECE_GAP_MAX) => last.1 = last.1.max(end),
+                _ => pieces.push((start, end)),
+            }
+            piece_of[i] = pieces.len() - 1;
+        }
+        let at = |w: &Weight, i: usize| MatrixAt {
             name: w.name.clone(),
             ty: w.ty,
             rows: w.rows,
             cols: w.cols,
-            offset: (o - start) as usize,
+            piece: piece_of[i],
+            offset: (spans[i].0 - pieces[piece_of[i]].0) as usize,
             stride: w.row_stride_bytes,
         };
+        let (gate, up, down) = (at(&f.gate, 0), at(&f.up, 1), at(down, 2));
+        let pieces: Vec<Range> = pieces
+            .iter()
+            .map(|&(start, end)| Range::new(start, (end - start) as usize))
+            .collect();
         Ok(ExpertPart {
-            offset_bytes: start,
-            len_bytes: (end - start) as usize,
-            gate: at(&f.gate, spans[0].0),
-            up: at(&f.up, spans[1].0),
-            down: at(down, spans[2].0),
+            len_bytes: pieces.iter().map(|r| r.len_bytes).sum(),
+            pieces,
+            gate,
+            up,
+            down,
         })
     }
 
-    /// Bytes of the expert's section.
+    /// Bytes the expert's ranges hold.
     pub(crate) fn len_bytes(&self) -> usize {
         self.len_bytes
     }
 
-    /// The expert as weights over its bytes, which start at `at` in `bytes`.
-    fn weights(&self, bytes: &Arc<Vec<u8>>, at: usize) -> Result<FfnWeights> {
+    /// The file ranges the expert is read from, in file order.
+    pub(crate) fn pieces(&self) -> &[Range] {
+        &self.pieces
+    }
+
+    /// Where each piece starts in a buffer that holds them back to back from its start.
+    fn packed_starts(&self) -> Vec<usize> {
+        let mut at = 0;
+        self.pieces
+            .iter()
+            .map(|r| {
+                let s = at;
+                at += r.len_bytes;
+                s
+            })
+            .collect()
+    }
+
+    /// The expert as weights over its bytes: piece i starts at `starts[i]` in `bytes`.
+    fn weights(&self, bytes: &Arc<Vec<u8>>, starts: &[usize]) -> Result<FfnWeights> {
         // A cache slot, refilled with another expert when evicted.
         let w = |m: &MatrixAt| {
-            Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, bytes.clone(), at + m.offset, m.stride)
-                .map(Weight::volatile)
+            Weight::shared_strided(
+                &m.name,
+                m.ty,
+                m.rows,
+                m.cols,
+                bytes.clone(),
+                starts[m.piece] + m.offset,
+                m.stride,
+            )
+            .map(Weight::volatile)
         };
         Ok(FfnWeights {
             gate: w(&self.gate)?,
@@ -109,8 +160,9 @@ impl ExpertPart {
 
 struct Entry {
     bytes: Arc<Vec<u8>>,
-    /// Where the expert's bytes start in `bytes` (read in place: at its file offset's phase).
-    at: usize,
+    /// Where each of the expert's pieces starts in `bytes` (read in place: each at its file
+    /// offset's phase; read ahead: back to back).
+    starts: Vec<usize>,
     last_used: u64,
 }
 
@@ -153,7 +205,7 @@ impl ExpertCache {
     fn insert(
         &mut self,
         key: (usize, usize),
-        (bytes, at): (Arc<Vec<u8>>, usize),
+        (bytes, starts): (Arc<Vec<u8>>, Vec<usize>),
         step: u64,
         keep: &[(usize, usize)],
     ) -> Option<Vec<u8>> {
@@ -163,7 +215,7 @@ impl ExpertCache {
                 key,
                 Entry {
                     bytes,
-                    at,
+                    starts,
                     last_used: step,
                 },
             );
@@ -300,8 +352,8 @@ impl ExpertStream {
             }
             done.result?;
             let key = (job.layer, job.expert);
-            // (Read ahead packed: the expert's bytes start at the buffer's first byte.)
-            if let Some(v) = st.cache.insert(key, (Arc::new(done.buf), 0), step, &keys) {
+            // (Read ahead packed: the expert's pieces back to back from the buffer's first byte.)
+            if let Some(v) = st.cache.insert(key, (Arc::new(done.buf), done.starts), step, &keys) {
                 st.spare.push(v);
             }
             landed.push(key);
@@ -325,7 +377,7 @@ impl ExpertStream {
             match st.cache.entries.get_mut(k) {
                 Some(entry) => {
                     entry.last_used = step;
-                    let w = self.parts[l][e].weights(&entry.bytes, entry.at)?;
+                    let w = self.parts[l][e].weights(&entry.bytes, &entry.starts)?;
                     if !landed.contains(k) {
                         hits += 1;
                     }
@@ -341,34 +393,40 @@ impl ExpertStream {
         // of reads.
         let per_round = st.cache.slots.max(1);
         for round in misses.chunks(per_round) {
-            let mut bufs: Vec<(Vec<u8>, usize)> = Vec::with_capacity(round.len());
-            for &e in round {
+            let mut bufs: Vec<(Vec<u8>, Vec<usize>)> = Vec::with_capacity(round.len());
+            // Every expert's pieces, and whose piece each is (expert i of the round, piece k).
+            let (mut ranges, mut owner) = (Vec::new(), Vec::new());
+            for (i, &e) in round.iter().enumerate() {
                 let mut v = match st.spare.pop() {
                     Some(v) => v,
                     None => st.cache.make_room(&[]).unwrap_or_default(),
                 };
                 let p = &self.parts[l][e];
-                let at = crate::io::lay_in_phase(&mut v, p.offset_bytes, p.len_bytes);
-                bufs.push((v, at));
+                let starts = crate::io::lay_pieces_in_phase(&mut v, p.pieces());
+                bufs.push((v, starts));
+                for (k, r) in p.pieces().iter().enumerate() {
+                    ranges.push(*r);
+                    owner.push((i, k));
+                }
             }
-            let ranges: Vec<Range> = round
-                .iter()
-                .map(|&e| Range::new(self.parts[l][e].offset_bytes, self.parts[l][e].len_bytes))
-                .collect();
             let (chunks, place) = super::prefetch::cut(&ranges, max_read_bytes);
             let mut left = vec![0usize; round.len()];
-            place.iter().for_each(|&(i, _)| left[i] += 1);
+            place.iter().for_each(|&(j, _)| left[owner[j].0] += 1);
             // Where each chunk lands (derived once: the buffers are not touched again until
             // their last chunk is in).
             let dests: Vec<*mut u8> = place
                 .iter()
-                // SAFETY (pointer arithmetic): the chunk lies inside its expert's bytes, which
-                // lie inside the buffer from `at` (sized by `in_phase`).
-                .map(|&(i, o)| unsafe { bufs[i].0.as_mut_ptr().add(bufs[i].1 + o) })
+                .map(|&(j, o)| {
+                    let (i, k) = owner[j];
+                    // SAFETY (pointer arithmetic): the chunk lies inside piece k of its expert,
+                    // which lies inside the buffer from `starts[k]` (sized by
+                    // `lay_pieces_in_phase`).
+                    unsafe { bufs[i].0.as_mut_ptr().add(bufs[i].1[k] + o) }
+                })
                 .collect();
             let t0 = Instant::now();
             let mut compute_ns = 0u64;
-            let mut ready: Vec<Option<(Arc<Vec<u8>>, usize)>> = vec![None; round.len()];
+            let mut ready: Vec<Option<(Arc<Vec<u8>>, Vec<usize>)>> = vec![None; round.len()];
             let mut first_err: Option<Error> = None;
             let mut issued = 0usize;
             let mut next = |_idle: bool| -> Option<crate::io::StreamReq> {
@@ -383,7 +441,7 @@ impl ExpertStream {
                 })
             };
             let mut done = |tag: u64, result: Result<()>| {
-                let i = place[tag as usize].0;
+                let i = owner[place[tag as usize].0].0;
                 if let Err(e) = result {
                     first_err.get_or_insert(e);
                     return;
@@ -393,13 +451,13 @@ impl ExpertStream {
                     return;
                 }
                 let t = Instant::now();
-                let (b, at) = std::mem::take(&mut bufs[i]);
+                let (b, starts) = std::mem::take(&mut bufs[i]);
                 let b = Arc::new(b);
                 let e = round[i];
-                if let Err(err) = self.parts[l][e].weights(&b, at).and_then(|w| compute(e, &w)) {
+                if let Err(err) = self.parts[l][e].weights(&b, &starts).and_then(|w| compute(e, &w)) {
                     first_err = Some(err);
                 }
-                ready[i] = Some((b, at));
+                ready[i] = Some((b, starts));
                 compute_ns += t.elapsed().as_nanos() as u64;
             };
             // SAFETY: each chunk's destination lies in its expert's buffer, which stays where it
@@ -446,13 +504,8 @@ impl ExpertStream {
             }
             let p = &self.parts[layer][e];
             let buf = st.spare.pop().unwrap_or_default();
-            // Packed: the expert cache's views start at the buffer's first byte.
-            prefetcher.submit(
-                e,
-                vec![Range::new(p.offset_bytes, p.len_bytes)],
-                buf,
-                super::prefetch::Placement::Packed,
-            )?;
+            // Packed: the expert's pieces back to back from the buffer's first byte.
+            prefetcher.submit(e, p.pieces().to_vec(), buf, super::prefetch::Placement::Packed)?;
             st.ahead.push_back(AheadJob { layer, expert: e });
             counters.ahead_neurons += 1;
             counters.ahead_bytes += p.len_bytes as u64;
@@ -473,8 +526,11 @@ impl ExpertStream {
             .first()
             .and_then(|p| p.first())
             .ok_or_else(|| Error::Invalid("a mixture-of-experts stream without experts".into()))?;
-        let bytes = reader.read_vec(part.offset_bytes, part.len_bytes)?;
-        part.weights(&Arc::new(bytes), 0)
+        let mut bytes = Vec::with_capacity(part.len_bytes);
+        for r in part.pieces() {
+            bytes.extend(reader.read_vec(r.offset_bytes, r.len_bytes)?);
+        }
+        part.weights(&Arc::new(bytes), &part.packed_starts())
     }
 
     /// Experts held now (tests, reports).
