@@ -16,6 +16,7 @@ pub mod io;
 pub mod kv;
 pub mod model;
 pub mod perplexity;
+pub mod placement;
 pub mod plot;
 pub mod quant;
 pub mod reformat;

@@ -131,6 +131,8 @@ pub struct Outcome {
     /// The neurons every token used, or for a mixture of experts the experts each token was
     /// routed to (when asked to record).
     pub trace: Option<AnyTrace>,
+    /// What automatic placement chose, when it chose (the caller sets it).
+    pub placement: Option<crate::placement::Decision>,
 }
 
 /// A server slot's context: `ctx`, or when 0 the model's trained context capped at
@@ -435,6 +437,7 @@ impl Runtime {
             sparsity,
             stream,
             trace,
+            placement: None,
         })
     }
 }

@@ -1749,3 +1749,106 @@ fn a_mixture_of_experts_gguf_streams_directly_like_the_in_ram_model() {
         std::fs::remove_file(&gst).unwrap();
     }
 }
+
+/// A memory cgroup of its own (v1's memory controller or v2's), removed when dropped; for the
+/// tests that run the binary under a memory cap. Fails, never skips, where none can be made
+/// (this machine and CI are root on a kernel with one).
+struct MemoryCgroup {
+    dir: PathBuf,
+    procs: PathBuf,
+}
+
+impl MemoryCgroup {
+    fn new(limit_bytes: u64) -> MemoryCgroup {
+        let own = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+        let name = format!("gatestream-test-{}", std::process::id());
+        for line in own.lines() {
+            let mut f = line.splitn(3, ':');
+            let (_, controllers, rel) = (f.next().unwrap(), f.next().unwrap(), f.next().unwrap());
+            let (base, limit_file) = if controllers.split(',').any(|c| c == "memory") {
+                (
+                    Path::new("/sys/fs/cgroup/memory").to_path_buf(),
+                    "memory.limit_in_bytes",
+                )
+            } else if controllers.is_empty() && Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+                (Path::new("/sys/fs/cgroup").to_path_buf(), "memory.max")
+            } else {
+                continue;
+            };
+            let dir = base.join(rel.trim_start_matches('/')).join(&name);
+            if std::fs::create_dir_all(&dir).is_ok()
+                && std::fs::write(dir.join(limit_file), limit_bytes.to_string()).is_ok()
+            {
+                return MemoryCgroup {
+                    procs: dir.join("cgroup.procs"),
+                    dir,
+                };
+            }
+            let _ = std::fs::remove_dir(&dir);
+        }
+        panic!("no memory cgroup could be made here (root and a cgroup memory controller are needed): {own}");
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// `run` with no budget flag under a memory cap smaller than the model: automatic placement
+/// reads the cgroup's limit, streams the GGUF instead of mapping it whole, stays within the cap
+/// (no OOM kill) and says what it chose, in its output and its JSON; the same model with room
+/// runs in RAM. (Qwen2.5-Coder-1.5B, 1.12 GB, under a 700 MiB cap.)
+#[test]
+fn run_with_no_budget_streams_under_a_cgroup_cap_instead_of_being_killed() {
+    let qwen = model_file("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen1.5b");
+    let bin = env!("CARGO_BIN_EXE_gatestream");
+    let cap: u64 = 700 << 20;
+    let cg = MemoryCgroup::new(cap);
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo $$ > '{}' && exec \"$@\"", cg.procs.display()))
+        .arg("sh")
+        .arg(bin)
+        .args([
+            "run",
+            "--max-tokens",
+            "4",
+            "--json",
+            "--prompt",
+            "def fib(n):",
+            "--model",
+        ])
+        .arg(&qwen)
+        .env_remove("GATESTREAM_MEMORY_LIMIT")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "exit {:?} under a {cap}-byte cap: {err}",
+        out.status
+    );
+    assert!(
+        err.contains("placement: streamed from disk") && err.contains("cgroup"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["placement"]["placed"]["kind"], "streamed", "{v}");
+    assert_eq!(v["placement"]["memory"]["limit_bytes"].as_u64(), Some(cap), "{v}");
+    let rss = v["stream"]["peak_rss_bytes"].as_u64().unwrap();
+    assert!(rss < cap, "peak RSS {rss} over the {cap}-byte cap");
+    assert!(v["stream"]["disk_bytes_per_token"].as_f64().unwrap() > 1e8, "{v}");
+    drop(cg);
+    // With room (an override well above the model): in RAM, no stream.
+    let out = std::process::Command::new(bin)
+        .args(["run", "--max-tokens", "2", "--json", "--model"])
+        .arg(&qwen)
+        .env("GATESTREAM_MEMORY_LIMIT", (8u64 << 30).to_string())
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["placement"]["placed"]["kind"], "in_ram", "{v}");
+    assert!(v["stream"].is_null(), "{v}");
+}

@@ -158,6 +158,9 @@ impl ExpertPart {
     }
 }
 
+/// An expert's bytes and where each of its pieces starts in them.
+type Slot = (Arc<Vec<u8>>, Vec<usize>);
+
 struct Entry {
     bytes: Arc<Vec<u8>>,
     /// Where each of the expert's pieces starts in `bytes` (read in place: each at its file
@@ -205,7 +208,7 @@ impl ExpertCache {
     fn insert(
         &mut self,
         key: (usize, usize),
-        (bytes, starts): (Arc<Vec<u8>>, Vec<usize>),
+        (bytes, starts): Slot,
         step: u64,
         keep: &[(usize, usize)],
     ) -> Option<Vec<u8>> {
@@ -426,7 +429,7 @@ impl ExpertStream {
                 .collect();
             let t0 = Instant::now();
             let mut compute_ns = 0u64;
-            let mut ready: Vec<Option<(Arc<Vec<u8>>, Vec<usize>)>> = vec![None; round.len()];
+            let mut ready: Vec<Option<Slot>> = vec![None; round.len()];
             let mut first_err: Option<Error> = None;
             let mut issued = 0usize;
             let mut next = |_idle: bool| -> Option<crate::io::StreamReq> {

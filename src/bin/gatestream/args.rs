@@ -845,13 +845,17 @@ impl Command {
 /// How `run` streams.
 #[derive(clap::Args)]
 pub(crate) struct StreamArgs {
-    /// Stream a .gst model from disk under this RAM budget: bytes (700M, 1.5G, 512MiB) or a
-    /// share of the file (40%). Resident, in this order while the budget lasts: the output
-    /// matrix and norms (required), attention, gate matrices, a neuron cache; everything else
+    /// Stream the model (a GGUF as downloaded, or a .gst) from disk under this RAM budget: bytes
+    /// (700M, 1.5G, 512MiB) or a share of the file (40%); `auto` (the default) or `off`.
+    /// Resident, in this order while the budget lasts: the output matrix and norms (required),
+    /// attention, gate matrices, a neuron cache (a GGUF's FFN matrices whole); everything else
     /// is read per token. A mixture-of-experts model keeps everything but its routed experts
     /// resident and gives the rest of the budget to a cache of whole experts; each layer reads
     /// only the experts its tokens were routed to that the cache lacks. Refused, with the
-    /// minimum, when too small. Without it the model is memory-mapped and computed in RAM.
+    /// minimum, when too small. auto: the model runs in RAM (memory-mapped) when it, its
+    /// context and 256 MiB fit in what this process may use (the tighter of its cgroup's
+    /// memory limit and MemAvailable; GATESTREAM_MEMORY_LIMIT=bytes overrides), else streams
+    /// under that less a tenth (at least 128 MiB); the choice is printed and in --json (`placement`). off: in RAM.
     #[arg(long)]
     pub(crate) ram_budget: Option<String>,
     /// With --device cuda: the GPU memory the model may use, as --ram-budget's sizes (40% is a
@@ -955,9 +959,10 @@ fn read_bytes_arg(s: &str) -> Result<usize, String> {
 }
 
 impl StreamArgs {
-    /// Whether the model streams (through host RAM from disk, or from host RAM to a GPU).
+    /// Whether a flag asks the model to stream (through host RAM from disk, or from host RAM
+    /// to a GPU); automatic placement may choose to stream too (`auto_placement`).
     pub(crate) fn streams(&self) -> bool {
-        self.ram_budget.is_some() || self.vram_budget.is_some()
+        matches!(self.ram_budget.as_deref(), Some(b) if b != "off" && b != "auto") || self.vram_budget.is_some()
     }
 }
 

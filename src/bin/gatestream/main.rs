@@ -121,7 +121,10 @@ fn generate_one(
 ) -> anyhow::Result<Outcome> {
     gatestream::stream::reset_peak_rss();
     let path = model_path(args)?;
-    let stream_ask = stream_ask(stream, &path)?;
+    let (stream_ask, placement) = stream_ask(stream, &path, prompt.len() + opts.max_tokens + 1)?;
+    if let Some(d) = &placement {
+        eprintln!("{}", d.describe());
+    }
     let t = std::time::Instant::now();
     let rt = gatestream::runtime::open_on(
         &path,
@@ -138,18 +141,28 @@ fn generate_one(
             experts_used: args.experts_used,
         },
         device.clone(),
-    )?;
+    )
+    .map_err(|e| match &placement {
+        Some(d) if d.placed != gatestream::placement::Placed::InRam => anyhow::Error::new(e).context(format!(
+            "automatic placement streamed the model under what this process may use ({} {} bytes, less a \
+             reserve): that is below what it needs; give it more memory, or --ram-budget with the minimum below \
+             if the limit allows",
+            d.memory.source, d.memory.limit_bytes
+        )),
+        _ => e.into(),
+    })?;
     let mut rt = rt;
     if let Some((p, max)) = draft {
         rt.attach_draft(p, max)?;
     }
     describe(&rt, t.elapsed().as_secs_f64());
     let ids = rt.model.prompt_ids(prompt, opts.chat)?;
-    let outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
+    let mut outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
         if !e.text.is_empty() {
             on_text(e.text)
         }
     })?;
+    outcome.placement = placement;
     if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
         t.write(path)?;
         eprintln!("\ntrace: {} written to {}", t.summary(), path.display());
@@ -157,44 +170,89 @@ fn generate_one(
     Ok(outcome)
 }
 
-/// What `--ram-budget`, `--vram-budget` and the other streaming flags ask for (None: in RAM).
-fn stream_ask(stream: &StreamArgs, path: &std::path::Path) -> anyhow::Result<Option<StreamAsk>> {
-    if !stream.streams() {
+/// Automatic placement (`--ram-budget` absent or `auto`): in RAM or streamed, from the memory
+/// this process may use and the model's size with a context of `context_positions` (its KV
+/// cache and a batch's activations). None: an explicit budget (or `off`), a folder (read in
+/// RAM), or no memory figure to be had.
+fn auto_placement(
+    stream: &StreamArgs,
+    path: &std::path::Path,
+    context_positions: usize,
+) -> anyhow::Result<Option<gatestream::placement::Decision>> {
+    if !matches!(stream.ram_budget.as_deref(), None | Some("auto")) || path.is_dir() {
         return Ok(None);
     }
+    let Some(memory) = gatestream::placement::host_memory() else {
+        return Ok(None);
+    };
+    let model_bytes = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    let cfg = gatestream::model::open_source(path)?.config;
+    let positions = context_positions.min(cfg.context_len.max(1));
+    let context_bytes = gatestream::kv::KvCache::bytes_for(&cfg, positions)
+        + 512 * gatestream::stream::activation_bytes_per_token(&cfg);
+    Ok(Some(gatestream::placement::decide(model_bytes, context_bytes, &memory)))
+}
+
+/// What `--ram-budget`, `--vram-budget` and the other streaming flags ask for (None: in RAM),
+/// and what automatic placement chose when no budget was given (`context_positions`: the KV
+/// cache's positions, for its share).
+fn stream_ask(
+    stream: &StreamArgs,
+    path: &std::path::Path,
+    context_positions: usize,
+) -> anyhow::Result<(Option<StreamAsk>, Option<gatestream::placement::Decision>)> {
+    use gatestream::placement::Placed;
+    let decision = auto_placement(stream, path, context_positions)?;
+    let budget = match (stream.ram_budget.as_deref(), &decision) {
+        (Some("off"), _) => None,
+        (Some(b), _) if b != "auto" => Some(parse_budget(b, std::fs::metadata(path)?.len())?),
+        (
+            _,
+            Some(gatestream::placement::Decision {
+                placed: Placed::Streamed { budget_bytes },
+                ..
+            }),
+        ) => Some(*budget_bytes),
+        _ => None,
+    };
+    if budget.is_none() && stream.vram_budget.is_none() {
+        return Ok((None, decision));
+    }
     let file_bytes = std::fs::metadata(path)?.len();
-    Ok(Some(StreamAsk {
-        budget_bytes: match &stream.ram_budget {
-            Some(b) => parse_budget(b, file_bytes)?,
+    Ok((
+        Some(StreamAsk {
             // Only a GPU budget: the whole model in host RAM, streamed from there.
-            None => gatestream::stream::RAM_UNLIMITED,
-        },
-        vram_budget_bytes: match &stream.vram_budget {
-            Some(v) => Some(parse_budget_for("--vram-budget", v, file_bytes)?),
-            None => None,
-        },
-        prefetch_buffers: stream.read_ahead as usize + 1,
-        prefetch_read_bytes: stream.read_bytes.unwrap_or(0),
-        engine: engine_of(stream.io),
-        reader: ReaderOptions {
-            queue_depth: stream.queue_depth,
-            ..ReaderOptions::default()
-        },
-        cache: stream.cache.map(|c| match c {
-            CacheArg::Lru => CachePolicy::Lru,
-            CacheArg::Pinned => CachePolicy::Pinned,
-            CacheArg::Frequency => CachePolicy::Frequency,
+            budget_bytes: budget.unwrap_or(gatestream::stream::RAM_UNLIMITED),
+            vram_budget_bytes: match &stream.vram_budget {
+                Some(v) => Some(parse_budget_for("--vram-budget", v, file_bytes)?),
+                None => None,
+            },
+            prefetch_buffers: stream.read_ahead as usize + 1,
+            prefetch_read_bytes: stream.read_bytes.unwrap_or(0),
+            engine: engine_of(stream.io),
+            reader: ReaderOptions {
+                queue_depth: stream.queue_depth,
+                ..ReaderOptions::default()
+            },
+            cache: stream.cache.map(|c| match c {
+                CacheArg::Lru => CachePolicy::Lru,
+                CacheArg::Pinned => CachePolicy::Pinned,
+                CacheArg::Frequency => CachePolicy::Frequency,
+            }),
+            priority: match stream.residency {
+                ResidencyArg::GateFirst => Priority::GateFirst,
+                ResidencyArg::CacheFirst => Priority::CacheFirst,
+            },
+            merge_gap_bytes: stream.merge_gap_bytes,
+            cost: cost_source(&stream.cost_model)?,
+            lookahead: stream.lookahead,
+            batch_tokens_max: 0,
+            hybrid: stream.hybrid.mode(),
         }),
-        priority: match stream.residency {
-            ResidencyArg::GateFirst => Priority::GateFirst,
-            ResidencyArg::CacheFirst => Priority::CacheFirst,
-        },
-        merge_gap_bytes: stream.merge_gap_bytes,
-        cost: cost_source(&stream.cost_model)?,
-        lookahead: stream.lookahead,
-        batch_tokens_max: 0,
-        hybrid: stream.hybrid.mode(),
-    }))
+        decision,
+    ))
 }
 
 /// Says what was loaded (`load_s`: seconds since opening began), what the stream keeps and
@@ -417,9 +475,25 @@ fn tune_allocator() {
     }
 }
 
+/// Whether automatic placement will stream `cmd`'s model (decided again, with the run's own
+/// context, when it opens).
+fn placement_streams(cmd: &Command) -> bool {
+    let (Command::Run { model, stream, .. } | Command::Serve { model, stream, .. }) = cmd else {
+        return false;
+    };
+    let Ok(path) = model_path(model) else { return false };
+    matches!(
+        auto_placement(stream, &path, 0),
+        Ok(Some(gatestream::placement::Decision {
+            placed: gatestream::placement::Placed::Streamed { .. },
+            ..
+        }))
+    )
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if !cli.command.streams() {
+    if !cli.command.streams() && !placement_streams(&cli.command) {
         tune_allocator();
     }
     match run(cli) {

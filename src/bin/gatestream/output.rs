@@ -116,6 +116,7 @@ impl Report for Outcome {
         let mut v = serde_json::to_value(&self.generation)?;
         v["sparsity"] = self.sparsity.clone().unwrap_or(serde_json::Value::Null);
         v["stream"] = serde_json::to_value(&self.stream)?;
+        v["placement"] = serde_json::to_value(&self.placement)?;
         Ok(v)
     }
 

@@ -44,11 +44,20 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
     }
     let path = model_path(&model)?;
     let device = device_of(&model)?;
-    let streaming = stream.streams();
+    let slot_ctx = if ctx_size == 0 {
+        gatestream::runtime::SLOT_CONTEXT_DEFAULT
+    } else {
+        ctx_size
+    };
+    let (stream_opts, placement) = stream_ask(&stream, &path, slot_ctx.saturating_mul(parallel.max(1)))?;
+    if let Some(d) = &placement {
+        eprintln!("{}", d.describe());
+    }
+    let streaming = stream_opts.is_some();
     let sparse = (mode == ModeArg::Sparse || !streaming).then(|| sparse.ask());
     let opts = OpenOptions {
         threads: model.threads,
-        stream: stream_ask(&stream, &path)?,
+        stream: stream_opts,
         sparse,
         // Streaming, the budget counts every slot's KV cache.
         kv_positions: KvPositions::Sequences {

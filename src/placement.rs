@@ -1,0 +1,282 @@
+//! Automatic placement: what this process may use of the host's memory (its cgroup's limit and
+//! the kernel's MemAvailable, the smaller), and from that and the model's size, whether the model
+//! runs in RAM or streams from disk under a budget. `run` and `serve` take it when no
+//! `--ram-budget` is given (or `--ram-budget auto`); any explicit budget overrides it.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+/// The memory this process may use, and where the figure comes from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HostMemory {
+    pub limit_bytes: u64,
+    /// "cgroup memory.max", "cgroup memory.limit_in_bytes", "MemAvailable" or
+    /// "GATESTREAM_MEMORY_LIMIT" (an override, for tests and for users who know better).
+    pub source: String,
+}
+
+/// Reads the limit: `GATESTREAM_MEMORY_LIMIT` (bytes) when set; else the smaller of the
+/// tightest memory limit of this process's cgroup and its ancestors (v2 `memory.max`, v1
+/// `memory.limit_in_bytes`) and `/proc/meminfo`'s MemAvailable. None when none can be read.
+pub fn host_memory() -> Option<HostMemory> {
+    if let Some(v) = std::env::var_os("GATESTREAM_MEMORY_LIMIT") {
+        let b = v.to_str().and_then(|s| s.trim().parse::<u64>().ok())?;
+        return Some(HostMemory {
+            limit_bytes: b,
+            source: "GATESTREAM_MEMORY_LIMIT".into(),
+        });
+    }
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|c| cgroup_limit(&c, Path::new("/sys/fs/cgroup")));
+    let available = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| meminfo_available(&m))
+        .map(|b| HostMemory {
+            limit_bytes: b,
+            source: "MemAvailable".into(),
+        });
+    match (cgroup, available) {
+        (Some(c), Some(a)) => Some(if c.limit_bytes <= a.limit_bytes { c } else { a }),
+        (c, a) => c.or(a),
+    }
+}
+
+/// MemAvailable from `/proc/meminfo`'s text, in bytes.
+pub fn meminfo_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The tightest memory limit over the cgroup named in `/proc/self/cgroup`'s text and its
+/// ancestors, under the cgroup file system mounted at `root` (v2's unified hierarchy, or v1's
+/// `memory` controller at `root/memory`). "max" and v1's near-2^63 "no limit" count as none.
+pub fn cgroup_limit(proc_self_cgroup: &str, root: &Path) -> Option<HostMemory> {
+    let read = |p: &Path| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    let walk = |base: &Path, rel: &str, file: &str| -> Option<u64> {
+        let mut best: Option<u64> = None;
+        let mut dir = base.join(rel.trim_start_matches('/'));
+        loop {
+            if let Some(v) = read(&dir.join(file)) {
+                // v1 writes "no limit" as the largest page-aligned i64.
+                if let Ok(b) = v.parse::<u64>() {
+                    if b < (1u64 << 62) {
+                        best = Some(best.map_or(b, |x| x.min(b)));
+                    }
+                }
+            }
+            if dir == base || !dir.pop() || !dir.starts_with(base) {
+                break;
+            }
+        }
+        best
+    };
+    for line in proc_self_cgroup.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, rel) = (f.next()?, f.next()?, f.next()?);
+        if controllers.is_empty() {
+            // v2: "0::/path".
+            if let Some(b) = walk(root, rel, "memory.max") {
+                return Some(HostMemory {
+                    limit_bytes: b,
+                    source: "cgroup memory.max".into(),
+                });
+            }
+        } else if controllers.split(',').any(|c| c == "memory") {
+            if let Some(b) = walk(&root.join("memory"), rel, "memory.limit_in_bytes") {
+                return Some(HostMemory {
+                    limit_bytes: b,
+                    source: "cgroup memory.limit_in_bytes".into(),
+                });
+            }
+        }
+    }
+    None
+}
+
+/// Memory a run needs besides the weights and its KV cache (the binary, the tokenizer, the
+/// allocator's slack, a batch's activations), counted before the model is kept in RAM.
+pub const RUN_OVERHEAD_BYTES: u64 = 256 << 20;
+
+/// Where the model runs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Placed {
+    /// Memory-mapped and computed in RAM: the model, its KV cache and the overhead fit.
+    InRam,
+    /// Streamed from disk under this budget.
+    Streamed { budget_bytes: u64 },
+}
+
+/// What automatic placement chose, and from what.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    pub placed: Placed,
+    pub memory: HostMemory,
+    pub model_bytes: u64,
+    pub context_bytes: u64,
+}
+
+/// The choice for a model of `model_bytes` whose KV cache and activations take `context_bytes`,
+/// with `memory` to use: in RAM when the model, its context and [`RUN_OVERHEAD_BYTES`] fit;
+/// otherwise streamed under the memory less a tenth (at least 128 MiB, at most 1 GiB: what the
+/// process holds outside the budget — the binary, the tokenizer, the allocator's slack). The
+/// streamer itself refuses a budget below the model's minimum, naming it.
+pub fn decide(model_bytes: u64, context_bytes: u64, memory: &HostMemory) -> Decision {
+    let need = model_bytes
+        .saturating_add(context_bytes)
+        .saturating_add(RUN_OVERHEAD_BYTES);
+    let placed = if need <= memory.limit_bytes {
+        Placed::InRam
+    } else {
+        let reserve = (memory.limit_bytes / 10).clamp(128 << 20, 1 << 30);
+        Placed::Streamed {
+            budget_bytes: memory.limit_bytes.saturating_sub(reserve),
+        }
+    };
+    Decision {
+        placed,
+        memory: memory.clone(),
+        model_bytes,
+        context_bytes,
+    }
+}
+
+impl Decision {
+    /// One line for the user: what was chosen and why.
+    pub fn describe(&self) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        let mem = format!("{} {:.2} GB", self.memory.source, gb(self.memory.limit_bytes));
+        match self.placed {
+            Placed::InRam => format!(
+                "placement: in RAM ({mem}; the model {:.2} GB, its context {:.2} GB and {:.2} GB overhead fit); \
+                 --ram-budget streams instead",
+                gb(self.model_bytes),
+                gb(self.context_bytes),
+                gb(RUN_OVERHEAD_BYTES)
+            ),
+            Placed::Streamed { budget_bytes } => format!(
+                "placement: streamed from disk under a {:.2} GB budget ({mem}; the model {:.2} GB and its context \
+                 {:.2} GB do not fit); --ram-budget overrides",
+                gb(budget_bytes),
+                gb(self.model_bytes),
+                gb(self.context_bytes)
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mem(limit: u64) -> HostMemory {
+        HostMemory {
+            limit_bytes: limit,
+            source: "test".into(),
+        }
+    }
+
+    const G: u64 = 1_000_000_000;
+    const M: u64 = 1_000_000;
+
+    /// The decision table: limits × model sizes → in RAM or streamed, and the budget.
+    #[test]
+    fn the_decision_table() {
+        let rows: [(u64, u64, u64, Placed); 7] = [
+            // (limit, model, context) → choice
+            (24 * G, 98 * M, 10 * M, Placed::InRam),
+            (24 * G, 4_920 * M, 130 * M, Placed::InRam),
+            (
+                2 * G,
+                4_920 * M,
+                130 * M,
+                Placed::Streamed {
+                    budget_bytes: 2 * G - 200 * M,
+                },
+            ),
+            (
+                3 * G,
+                4_920 * M,
+                130 * M,
+                Placed::Streamed {
+                    budget_bytes: 3 * G - 300 * M,
+                },
+            ),
+            (
+                6 * G,
+                18_600 * M,
+                200 * M,
+                Placed::Streamed {
+                    budget_bytes: 6 * G - 600 * M,
+                },
+            ),
+            // A tenth is at least 128 MiB and at most 1 GiB.
+            (
+                400 * M,
+                500 * M,
+                0,
+                Placed::Streamed {
+                    budget_bytes: 400 * M - (128 << 20),
+                },
+            ),
+            (
+                64 * G,
+                70 * G,
+                0,
+                Placed::Streamed {
+                    budget_bytes: 64 * G - (1 << 30),
+                },
+            ),
+        ];
+        for (limit, model, ctx, want) in rows {
+            let d = decide(model, ctx, &mem(limit));
+            assert_eq!(d.placed, want, "limit {limit}, model {model}, context {ctx}");
+        }
+        // The model just fits with its context and the overhead; one byte more streams.
+        let limit = 1000 * M;
+        let fits = limit - RUN_OVERHEAD_BYTES - 50 * M;
+        assert_eq!(decide(fits, 50 * M, &mem(limit)).placed, Placed::InRam);
+        assert!(matches!(
+            decide(fits + 1, 50 * M, &mem(limit)).placed,
+            Placed::Streamed { .. }
+        ));
+    }
+
+    #[test]
+    fn meminfo_and_cgroup_files_are_read() {
+        let m = "MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(meminfo_available(m), Some(20_000_000 * 1024));
+        assert_eq!(meminfo_available("MemTotal: 5 kB\n"), None);
+        let root = tempfile::tempdir().unwrap();
+        // v1: the memory controller's hierarchy; the tighter of a cgroup and its parent.
+        let v1 = root.path().join("memory/parent/child");
+        std::fs::create_dir_all(&v1).unwrap();
+        std::fs::write(
+            root.path().join("memory/memory.limit_in_bytes"),
+            "9223372036854771712\n",
+        )
+        .unwrap();
+        std::fs::write(root.path().join("memory/parent/memory.limit_in_bytes"), "3000000000\n").unwrap();
+        std::fs::write(v1.join("memory.limit_in_bytes"), "2000000000\n").unwrap();
+        let l = cgroup_limit("4:cpu,cpuacct:/x\n3:memory:/parent/child\n", root.path()).unwrap();
+        assert_eq!(
+            (l.limit_bytes, l.source.as_str()),
+            (2_000_000_000, "cgroup memory.limit_in_bytes")
+        );
+        std::fs::write(v1.join("memory.limit_in_bytes"), "9223372036854771712\n").unwrap();
+        let l = cgroup_limit("3:memory:/parent/child\n", root.path()).unwrap();
+        assert_eq!(l.limit_bytes, 3_000_000_000, "the parent's limit holds");
+        // v2: "max" is no limit.
+        let v2 = root.path().join("a/b");
+        std::fs::create_dir_all(&v2).unwrap();
+        std::fs::write(v2.join("memory.max"), "max\n").unwrap();
+        std::fs::write(root.path().join("a/memory.max"), "6442450944\n").unwrap();
+        let l = cgroup_limit("0::/a/b\n", root.path()).unwrap();
+        assert_eq!((l.limit_bytes, l.source.as_str()), (6_442_450_944, "cgroup memory.max"));
+        std::fs::write(root.path().join("a/memory.max"), "max\n").unwrap();
+        assert_eq!(cgroup_limit("0::/a/b\n", root.path()), None);
+    }
+}
