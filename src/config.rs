@@ -271,6 +271,7 @@ impl ModelConfig {
         let n_kv_heads = opt_int("attention.head_count_kv").unwrap_or(n_heads);
         let head_dim = opt_int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let gemma = arch == Arch::Gemma3;
+        refuse_unread_math_keys(g, arch_name, head_dim)?;
         let rope_scale_global = rope_scaling_from_gguf(g, arch_name)?;
         let rope_theta = opt_f("rope.freq_base").unwrap_or(10000.0);
         let rope_freq_factors = rope_freqs_from_gguf(g)?;
@@ -555,4 +556,57 @@ fn rope_scaling_from_hf(
             ),
         }),
     }
+}
+
+/// Metadata keys that change what llama.cpp computes and that gatestream does not read, each with
+/// the value that leaves the computation as gatestream's (None: any value changes it). A file
+/// setting one otherwise is refused, naming the key, rather than computed as another model.
+const UNREAD_MATH_KEYS: &[(&str, Option<f64>)] = &[
+    ("expert_weights_scale", Some(1.0)),
+    ("expert_weights_norm", None),
+    ("expert_gating_func", Some(1.0)),
+    ("expert_group_count", Some(1.0)),
+    ("leading_dense_block_count", Some(0.0)),
+    ("attention.q_lora_rank", None),
+    ("attention.kv_lora_rank", None),
+    ("attention.scale", None),
+    ("embedding_scale", Some(1.0)),
+    ("residual_scale", Some(1.0)),
+    ("logit_scale", Some(1.0)),
+    ("attention.clamp_kqv", None),
+    ("rope.scaling.yarn_log_multiplier", None),
+];
+
+/// Refuses a file whose metadata asks for computation gatestream does not do: a key of
+/// [`UNREAD_MATH_KEYS`] at another value, or RoPE over part of a head
+/// (`rope.dimension_count` below the head size).
+fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, head_dim: usize) -> Result<()> {
+    let refuse = |key: String, what: String| {
+        Err(Error::Config {
+            path: g.path.clone(),
+            what: format!(
+                "metadata {key} = {what}: gatestream does not compute what it asks for (running without it would \
+                 compute another model than llama.cpp does)"
+            ),
+        })
+    };
+    for (k, neutral) in UNREAD_MATH_KEYS {
+        let key = format!("{arch_name}.{k}");
+        if let Some(v) = g.get(&key) {
+            let same = match (neutral, v.as_f64().or_else(|| v.as_bool().map(|b| b as u8 as f64))) {
+                (Some(n), Some(x)) => (x - n).abs() < 1e-9,
+                _ => false,
+            };
+            if !same {
+                return refuse(key, format!("{v:?}"));
+            }
+        }
+    }
+    let key = format!("{arch_name}.rope.dimension_count");
+    if let Some(n) = g.get(&key).and_then(|v| v.as_u64()) {
+        if n as usize != head_dim {
+            return refuse(key, format!("{n} (RoPE over {n} of a head's {head_dim} dimensions)"));
+        }
+    }
+    Ok(())
 }

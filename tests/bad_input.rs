@@ -122,6 +122,17 @@ fn yarn_rope_scaling_is_refused_by_name() {
     assert!(m.contains("llama.rope.scaling.type") && m.contains("yarn"), "{m}");
 }
 
+/// Metadata asking for computation not done — RoPE over part of a head — is refused naming the
+/// key.
+#[test]
+fn partial_rope_is_refused_by_key() {
+    let m = message(&load_bytes(&stories_gguf(Breakage::PartialRope)).err().unwrap());
+    assert!(
+        m.contains("llama.rope.dimension_count") && m.contains("4 of a head's 8"),
+        "{m}"
+    );
+}
+
 /// RoPE frequency factors of the wrong count, or not finite, are refused.
 #[test]
 fn bad_rope_frequency_factors_are_refused() {

@@ -82,6 +82,8 @@ pub enum Breakage {
     ExtraTensor,
     /// `llama.rope.scaling.type = "yarn"`, a RoPE scaling not computed.
     YarnScaling,
+    /// `llama.rope.dimension_count = 4`: RoPE over half of each 8-wide head (not computed).
+    PartialRope,
 }
 
 /// stories260K as GGUF bytes, as llama.cpp's converter would write it (F32, llama arch, Q/K rows
@@ -133,6 +135,9 @@ pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Ve
         ("llama.attention.layer_norm_rms_epsilon", MetaValue::F32(1e-5)),
         ("llama.rope.freq_base", MetaValue::F32(10000.0)),
     ];
+    if breakage == Breakage::PartialRope {
+        meta.push(("llama.rope.dimension_count", MetaValue::U32(4)));
+    }
     if breakage == Breakage::YarnScaling {
         meta.extend([
             ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
