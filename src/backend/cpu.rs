@@ -119,6 +119,7 @@ struct OutPtr<T>(*mut T);
 // SAFETY: workers write through it only at indices no other worker touches (disjoint row
 // chunks), and the owning slice outlives the parallel scope that uses it.
 unsafe impl<T> Send for OutPtr<T> {}
+// SAFETY: as for `Send`: shared references only write disjoint indices.
 unsafe impl<T> Sync for OutPtr<T> {}
 
 impl Backend for CpuBackend {

@@ -111,6 +111,7 @@ fn dio_align_bytes(file: &File) -> usize {
     // SAFETY: statx writes at most one `struct statx` into `st`, which lives for the call; the
     // empty path with AT_EMPTY_PATH names the descriptor `file` keeps open.
     let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: as above: `st` is writable for one `struct statx`, the descriptor is open.
     let rc = unsafe {
         libc::statx(
             file.as_raw_fd(),

@@ -316,7 +316,7 @@ impl Ring {
         let offset = e.span.dev_offset_bytes + e.pos as u64;
         let sqe = match (e.dest, e.big.as_mut()) {
             (Some(dest), _) => {
-                // SAFETY (pointer arithmetic): pos + len <= dev_len_bytes = the destination's
+                // SAFETY: (pointer arithmetic) pos + len <= dev_len_bytes = the destination's
                 // length (an `Into` range is whole blocks, so it is not widened).
                 let ptr = unsafe { dest.0.add(e.pos) };
                 // Caller memory inside a registered entry is read as a fixed buffer.
@@ -337,7 +337,7 @@ impl Ring {
                 }
             }
             (None, Some(big)) => {
-                // SAFETY (pointer arithmetic): pos + len <= dev_len_bytes <= the buffer's length,
+                // SAFETY: (pointer arithmetic) pos + len <= dev_len_bytes <= the buffer's length,
                 // so the pointer stays inside the allocation.
                 let ptr = unsafe { big.as_mut_ptr().add(e.pos) };
                 opcode::Read::new(types::Fd(fd), ptr, len as u32).offset(offset).build()
@@ -567,9 +567,10 @@ impl UringReader {
                 jobs.push(match into {
                     true => {
                         in_place_bytes += range.len_bytes as u64;
-                        // SAFETY (pointer arithmetic): at < end <= len, inside request i's buffer.
                         Job::Into {
                             range,
+                            // SAFETY: (pointer arithmetic) at < end <= len, inside request i's
+                            // buffer.
                             dest: DestPtr(unsafe { bases[i].add(at) }),
                         }
                     }
@@ -761,9 +762,10 @@ impl UringReader {
             .map(|(at, end, into)| {
                 let range = Range::new(offset + at as u64, end - at);
                 let job = match into {
-                    // SAFETY (pointer arithmetic): at < end <= len, inside the request's memory.
                     true => Job::Into {
                         range,
+                        // SAFETY: (pointer arithmetic) at < end <= len, inside the request's
+                        // memory.
                         dest: DestPtr(unsafe { base.add(at) }),
                     },
                     false => Job::Lend(range),

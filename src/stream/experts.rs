@@ -421,7 +421,7 @@ impl ExpertStream {
                 .iter()
                 .map(|&(j, o)| {
                     let (i, k) = owner[j];
-                    // SAFETY (pointer arithmetic): the chunk lies inside piece k of its expert,
+                    // SAFETY: (pointer arithmetic) the chunk lies inside piece k of its expert,
                     // which lies inside the buffer from `starts[k]` (sized by
                     // `lay_pieces_in_phase`).
                     unsafe { bufs[i].0.as_mut_ptr().add(bufs[i].1[k] + o) }

@@ -162,7 +162,7 @@ fn serve(reader: &dyn Reader, jobs: Receiver<Job>, done_tx: Sender<Done>, chunk_
                 return Some(StreamReq {
                     offset_bytes: range.offset_bytes,
                     len_bytes: range.len_bytes,
-                    // SAFETY (pointer arithmetic): the chunk lies inside the job's buffer (laid
+                    // SAFETY: (pointer arithmetic) the chunk lies inside the job's buffer (laid
                     // out for its ranges, which the chunks split).
                     dest: unsafe { a.job.buf.as_mut_ptr().add(at) },
                     tag,

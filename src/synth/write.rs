@@ -467,6 +467,7 @@ fn check_room(out: &Path, bytes: u64) -> Result<()> {
             .map_err(|_| Error::Invalid(format!("{}: a path with a NUL byte", dir.display())))?;
         // SAFETY: `c` is a NUL-terminated path and `st` a zeroed statvfs the call fills.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: as above: a NUL-terminated path, and `st` writable for one statvfs.
         if unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0 {
             let free = st.f_bavail as u64 * st.f_frsize as u64;
             if free < bytes + bytes / 100 {

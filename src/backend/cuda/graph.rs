@@ -173,9 +173,11 @@ pub struct GraphCounters {
     pub left_recording: u64,
 }
 
-/// An instantiated graph. SAFETY of Send/Sync: used only under the device's `graphs` lock.
+/// An instantiated graph.
 struct Exec(CudaGraph);
+// SAFETY: used only under the device's `graphs` lock, so one thread at a time touches it.
 unsafe impl Send for Exec {}
+// SAFETY: as for `Send`: every use holds the `graphs` lock.
 unsafe impl Sync for Exec {}
 
 /// The recording and the graphs of one device.

@@ -141,8 +141,8 @@ impl Nvrtc {
             .collect();
         let opt_ptrs: Vec<*const c_char> = opts.iter().map(|o| o.as_ptr()).collect();
         let mut prog: Program = std::ptr::null_mut();
-        // SAFETY: every pointer is a live NUL-terminated string; no headers are passed.
         check(
+            // SAFETY: every pointer is a live NUL-terminated string; no headers are passed.
             unsafe {
                 create(
                     &mut prog,

@@ -57,6 +57,8 @@ struct Slot {
 // the slot is the only one that writes it, and the copy engine reads it only between a copy's
 // launch and `copies_done`, which the pool waits for before handing the slot out again.
 unsafe impl Send for Slot {}
+// SAFETY: as for `Send`: one holder writes the slot; the copy engine reads it only while the
+// pool waits.
 unsafe impl Sync for Slot {}
 
 impl Drop for Slot {
@@ -333,7 +335,7 @@ impl Upload for CudaUpload {
             return;
         }
         let s = self.slot.as_mut().expect("an upload holds its slot until dropped");
-        // SAFETY (of the slice): `start..end` lies inside the host buffer (checked above). The
+        // SAFETY: (of the slice) `start..end` lies inside the host buffer (checked above). The
         // staging writes each range once, before sending it, and the pool waits for the slot's
         // copies before handing it out again: the bytes stay untouched until the copy is done.
         let src = unsafe { std::slice::from_raw_parts(s.host.add(start), end - start) };
@@ -559,6 +561,7 @@ struct Unpin {
 // SAFETY: only the range's address is kept (as a number); unregistering is a driver call that
 // any thread may make with the context bound.
 unsafe impl Send for Unpin {}
+// SAFETY: as for `Send`: nothing but the address (a number) is shared.
 unsafe impl Sync for Unpin {}
 
 impl Drop for Unpin {
