@@ -16,12 +16,12 @@ pub struct HostMemory {
     pub source: String,
 }
 
-/// Reads the limit: `GATESTREAM_MEMORY_LIMIT` (bytes) when set; else the smaller of the
-/// tightest memory limit of this process's cgroup and its ancestors (v2 `memory.max`, v1
-/// `memory.limit_in_bytes`) and `/proc/meminfo`'s MemAvailable. None when none can be read.
-pub fn host_memory() -> Option<HostMemory> {
-    if let Some(v) = std::env::var_os("GATESTREAM_MEMORY_LIMIT") {
-        let b = v.to_str().and_then(|s| s.trim().parse::<u64>().ok())?;
+/// Reads the limit: `given` (the binary's `GATESTREAM_MEMORY_LIMIT`, in bytes) when set; else
+/// the smaller of the tightest memory limit of this process's cgroup and its ancestors (v2
+/// `memory.max`, v1 `memory.limit_in_bytes`) and `/proc/meminfo`'s MemAvailable. None when none
+/// can be read.
+pub fn host_memory(given: Option<u64>) -> Option<HostMemory> {
+    if let Some(b) = given {
         return Some(HostMemory {
             limit_bytes: b,
             source: "GATESTREAM_MEMORY_LIMIT".into(),

@@ -2,7 +2,7 @@
 """gatestream beside llama.cpp on a full-size model shape, on this machine, in one run.
 
     tools/full-size.py [--shape llama3-8b] [--work DIR] [--pairs 3] [--tokens 8]
-                       [--caps 2G:1.8G,3G:2.7G] [--cases ram,prefill,dense,gate,exact,lookup,draft]
+                       [--caps 2G:1.8G,3G:2.7G] [--cases ram,prefill,dense,gguf,auto,gate,exact,lookup,draft]
                        [--json FILE]
 
 The model is synthetic (`gatestream make-model`: random weights in the shape and type mix of the
@@ -16,6 +16,9 @@ Cases (2 threads, release builds, A B A B for --pairs pairs; ratio = gatestream 
   under each cap (cgroup memory limit, page cache dropped, tools/llama-cpp.sh capped),
   against llama-completion -nr (weights left in the mmap'd GGUF: its best setting under a cap):
   dense    `run --model ROWS.gst --ram-budget B`
+  gguf     `run --model GGUF --ram-budget B`: the downloaded file streamed directly (no .gst)
+  auto     `run --model GGUF` with no budget flag: automatic placement under the cap (the budget it
+           chose is printed as auto_budget_MB)
   gate     `run --model BUNDLED.gst --ram-budget B --mode sparse --sparsity 0.5 --criterion gate`
   exact    the same with --criterion exact
   lookup   `--lookup 8` on a repetitive prompt (the same prompt for llama.cpp)
@@ -76,7 +79,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--caps", default="2G:1.8G,3G:2.7G", help="CAP:BUDGET pairs")
-    ap.add_argument("--cases", default="ram,prefill,dense,gate,exact,lookup,draft")
+    ap.add_argument("--cases", default="ram,prefill,dense,gguf,auto,gate,exact,lookup,draft")
     ap.add_argument("--json")
     a = ap.parse_args()
     cases = set(a.cases.split(","))
@@ -141,10 +144,11 @@ def main():
         line("prefill", "-", gv, lv, {"prompt_tokens": d["prompt_tokens"]})
     for cap_budget in a.caps.split(","):
         cap, budget = cap_budget.split(":")
-        for case in ["dense", "gate", "exact", "lookup", "draft"]:
+        for case in ["dense", "gguf", "auto", "gate", "exact", "lookup", "draft"]:
             if case not in cases:
                 continue
-            model = bundled if case in ("gate", "exact") else rows
+            model = bundled if case in ("gate", "exact") else gguf if case in ("gguf", "auto") else rows
+            budget_args = [] if case == "auto" else ["--ram-budget", budget]
             prompt = REPETITIVE if case == "lookup" else PROMPT
             extra_args = {"gate": ["--mode", "sparse", "--sparsity", "0.5", "--criterion", "gate"],
                           "exact": ["--mode", "sparse", "--sparsity", "0.5", "--criterion", "exact"],
@@ -154,16 +158,20 @@ def main():
                 curve = work / "curve.json"
                 sh([gs, "bench", "--model", gguf, "--device-only", "--quick", "--json", curve])
                 seq = json.loads(curve.read_text())["best_sequential_gb_per_s"]
-                out, _, f = capped(cap, [gs, "run", "--model", model, "--ram-budget", budget, "--max-tokens", n,
+                out, _, f = capped(cap, [gs, "run", "--model", model, *budget_args, "--max-tokens", n,
                                          "--ignore-eos", "--prompt", prompt, "--json", *extra_args])
                 d = json.loads(out)
                 s = d["stream"]
+                if s is None:
+                    sys.exit(f"{case} under {cap}: the model ran in RAM (placement {d.get('placement')})")
                 gv.append(d["decode_tok_per_s"])
                 gbs = s["disk_bytes_per_token"] * s["decode_tok_per_s"] / 1e9
                 figs.append({"GB_per_tok": s["disk_bytes_per_token"] / 1e9, "GB_per_s": gbs, "device_GB_per_s": seq,
                              "of_device": gbs / seq if seq else 0, "ttft_s": d["prefill_s"],
                              "peak_rss_MB": s["peak_rss_bytes"] / 1e6, "budget_MB": s["ram_budget_bytes"] / 1e6,
                              "tokens_per_pass": (d.get("speculative") or {}).get("tokens_per_pass", 1.0)})
+                if case == "auto":
+                    figs[-1]["auto_budget_MB"] = d["placement"]["placed"]["budget_bytes"] / 1e6
                 _, err, f = capped(cap, [PEER_BIN / "llama-completion", "-m", gguf, "-p", prompt, "-n", n, "-t", "2",
                                          "-c", "512", "--temp", "0", "-s", "1", "--ignore-eos", "-no-cnv", "-nr"])
                 tok, ttft = llama_eval(err)

@@ -182,7 +182,15 @@ fn auto_placement(
     if !matches!(stream.ram_budget.as_deref(), None | Some("auto")) || path.is_dir() {
         return Ok(None);
     }
-    let Some(memory) = gatestream::placement::host_memory() else {
+    let given = match std::env::var("GATESTREAM_MEMORY_LIMIT") {
+        Ok(v) => Some(
+            v.trim()
+                .parse::<u64>()
+                .map_err(|_| anyhow::anyhow!("GATESTREAM_MEMORY_LIMIT={v:?}: give a number of bytes"))?,
+        ),
+        Err(_) => None,
+    };
+    let Some(memory) = gatestream::placement::host_memory(given) else {
         return Ok(None);
     };
     let model_bytes = std::fs::metadata(path)
