@@ -1203,20 +1203,15 @@ fn a_gpu_budget_keeps_hot_neurons_on_the_device_and_streams_only_the_rest() {
     }
 }
 
-/// Models written by `make-model` stream at half their size: a dense model in the `rows` layout
-/// (its FFN matrices kept or read whole), the same in the split layout, a Qwen3 (QK-norm) in the
-/// rows layout, a Llama with Llama 3.1's RoPE frequency factors in the split layout, and a mixture of experts
-/// (its read buffers once took more than the budget). Streamed logits equal the in-RAM model's
-/// bit for bit with every reader, from the minimum budget to everything resident; in the rows
-/// layout the prefetch buffers are sized by what the plan streams, and a second read-ahead
-/// buffer, bigger reads and smaller ones change no logit.
-#[test]
-fn make_model_models_stream_at_half_their_size() {
-    use gatestream::config::Arch;
-    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
-    let tmp = tempfile::tempdir().unwrap();
-    let text = "Once upon a time, there was a cat";
-    let shape = |arch, ffn, layers, experts| Shape {
+/// A small custom shape for `make-model` (hidden 512, 8 heads sharing 2 KV heads of 64, a
+/// 1024-token synthetic vocabulary): `ffn` wide (each expert's, with `experts`), `layers` deep.
+fn small_shape(
+    arch: gatestream::config::Arch,
+    ffn: usize,
+    layers: usize,
+    experts: Option<(usize, usize)>,
+) -> gatestream::synth::Shape {
+    gatestream::synth::Shape {
         name: "custom".into(),
         arch,
         hidden: 512,
@@ -1232,7 +1227,23 @@ fn make_model_models_stream_at_half_their_size() {
         tied: false,
         experts,
         rope_factors: None,
-    };
+    }
+}
+
+/// Models written by `make-model` stream at half their size: a dense model in the `rows` layout
+/// (its FFN matrices kept or read whole), the same in the split layout, a Qwen3 (QK-norm) in the
+/// rows layout, a Llama with Llama 3.1's RoPE frequency factors in the split layout, and a mixture of experts
+/// (its read buffers once took more than the budget). Streamed logits equal the in-RAM model's
+/// bit for bit with every reader, from the minimum budget to everything resident; in the rows
+/// layout the prefetch buffers are sized by what the plan streams, and a second read-ahead
+/// buffer, bigger reads and smaller ones change no logit.
+#[test]
+fn make_model_models_stream_at_half_their_size() {
+    use gatestream::config::Arch;
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a cat";
+    let shape = small_shape;
     let make = |name: &str, shape: Shape, layout: FfnLayout| {
         let spec = MakeSpec {
             shape,
@@ -1562,28 +1573,12 @@ fn the_hybrid_executor_says_why_it_cannot_run() {
 #[test]
 fn a_gguf_streams_directly_like_the_in_ram_model_and_the_rows_gst() {
     use gatestream::config::Arch;
-    use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    use gatestream::synth::{MakeSpec, Mix, OutputFormat, TokenizerChoice};
     let tmp = tempfile::tempdir().unwrap();
     let text = "The capital of France is";
     let make = |name: &str, arch: Arch| {
         let spec = MakeSpec {
-            shape: Shape {
-                name: "custom".into(),
-                arch,
-                hidden: 512,
-                ffn: 2048,
-                layers: 12,
-                heads: 8,
-                kv_heads: 2,
-                head_dim: 64,
-                vocab: 1024,
-                context_len: 512,
-                rope_theta: 10000.0,
-                rms_eps: 1e-6,
-                tied: false,
-                experts: None,
-                rope_factors: None,
-            },
+            shape: small_shape(arch, 2048, 12, None),
             mix: Mix::Q4KM,
             dequantize: false,
             tokenizer: TokenizerChoice::Synthetic,
