@@ -72,7 +72,12 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
     let e = load_bytes(&stories_gguf(Breakage::UnsupportedType)).err().unwrap();
     assert!(matches!(e, Error::UnsupportedTensorType { .. }), "{e:?}");
     let m = message(&e);
-    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("Q2_K"), "{m}");
+    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("IQ2_XXS"), "{m}");
+    assert!(m.contains("ggml type id 16"), "{m}");
+    // The list of supported types names every one, the newer ones included.
+    for name in ["Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K"] {
+        assert!(m.contains(name), "{name} missing from {m}");
+    }
 }
 
 #[test]

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gatestream::backend::cpu::CpuBackend;
-use gatestream::backend::cuda::{Activations, CudaDevice, CudaOptions, INT8_TYPES, MAP_HOST_ENV};
+use gatestream::backend::cuda::{Activations, CudaDevice, CudaOptions, CUDA_TYPES, INT8_TYPES, MAP_HOST_ENV};
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, HostLink, LinkCounters};
 use gatestream::config::Arch;
@@ -450,7 +450,7 @@ fn mma_products(
     let mut rng = Rng(11);
     let mut lines = Vec::new();
     let mut worst = 0f64;
-    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_elems() > 1) {
+    for ty in CUDA_TYPES.into_iter().filter(|t| t.block_elems() > 1) {
         let mut max = 0f64;
         let narrow = if ty.block_elems() == 256 { 1280 } else { 1312 };
         for (rows, cols, widths) in [(130, narrow, &[2usize, 13, 70][..]), (70, 2048, &[13][..])] {
@@ -1468,7 +1468,7 @@ fn kernels_of_each_type(
     let mut rng = Rng(7);
     let mut lines = Vec::new();
     let mut worst = 0f64;
-    for ty in GgmlType::ALL {
+    for ty in CUDA_TYPES {
         // More 32-value units than a warp has lanes (each lane takes several, every lane one).
         let cols = if ty.block_elems() == 256 { 1280 } else { 1312 };
         let rows = 45;

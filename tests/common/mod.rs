@@ -67,7 +67,7 @@ pub fn read_llama2c_vocab(path: &Path) -> Vec<(Vec<u8>, f32)> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Breakage {
     None,
-    /// Give `blk.0.ffn_up.weight` ggml type 10 (Q2_K), which gatestream does not compute on.
+    /// Give `blk.0.ffn_up.weight` ggml type 16 (IQ2_XXS), which gatestream does not compute on.
     UnsupportedType,
     /// Leave out `blk.1.ffn_down.weight`.
     MissingTensor,
@@ -196,7 +196,7 @@ pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Ve
         }
         let mut type_id = 0;
         if breakage == Breakage::UnsupportedType && g == "blk.0.ffn_up.weight" {
-            type_id = 10;
+            type_id = 16;
         }
         if breakage == Breakage::WrongShape && g == "blk.0.ffn_gate.weight" {
             // Same bytes, claimed as [ffn/2, hidden*2]: the element count still matches the data.

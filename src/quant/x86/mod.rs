@@ -243,7 +243,18 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
             }
         };
     }
+    // Types without SIMD kernels: the scalar reference, row by row.
+    macro_rules! each_row_scalar {
+        () => {
+            for (row, dst) in rows.chunks_exact(row_bytes).zip(out.iter_mut()) {
+                *dst = super::scalar::dot_row(ty, row, x);
+            }
+        };
+    }
     match ty {
+        GgmlType::Q5_1 | GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::MXFP4 => {
+            each_row_scalar!()
+        }
         GgmlType::F32 => each_row!(float::dot_f32),
         GgmlType::F16 => each_row!(float::dot_f16),
         GgmlType::BF16 => each_row!(float::dot_bf16),
@@ -452,7 +463,11 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         };
     }
     match ty {
+        // Float weights, and the types whose rows go through the scalar reference.
         GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => per_token!(),
+        GgmlType::Q5_1 | GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::MXFP4 => {
+            per_token!()
+        }
         GgmlType::Q4_0 if D::WIDE => lanes32!(exact32::Q4_0),
         GgmlType::Q4_0 => tiled!(legacy::dot_q4_0),
         GgmlType::Q4_1 => tiled!(legacy::dot_q4_1),
