@@ -4,8 +4,8 @@
 
 use super::layout::{
     e8m0_half, iq4_xs_scale, k_scale_min, q2_k_quant, q3_k_quant, q3_k_scale, read_f16, FP4_VALUES, IQ4_VALUES,
-    IQ4_XS_QS_OFFSET, Q2_K_D_OFFSET, Q2_K_QS_OFFSET, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET,
-    Q5_K_QS_OFFSET, Q6_K_D_OFFSET, Q6_K_QH_OFFSET, Q6_K_SCALES_OFFSET, QK_K, QK_LEGACY,
+    IQ4_XS_QS_OFFSET, Q2_K_D_OFFSET, Q2_K_QS_OFFSET, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET, Q5_K_QS_OFFSET,
+    Q6_K_D_OFFSET, Q6_K_QH_OFFSET, Q6_K_SCALES_OFFSET, QK_K, QK_LEGACY,
 };
 use super::{bf16_to_f32, f16_to_f32, GgmlType};
 

@@ -135,12 +135,9 @@ impl GgmlType {
             | GgmlType::Q8_0
             | GgmlType::IQ4_NL
             | GgmlType::MXFP4 => layout::QK_LEGACY,
-            GgmlType::Q2_K
-            | GgmlType::Q3_K
-            | GgmlType::Q4_K
-            | GgmlType::Q5_K
-            | GgmlType::Q6_K
-            | GgmlType::IQ4_XS => layout::QK_K,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
+                layout::QK_K
+            }
         }
     }
 
@@ -403,7 +400,14 @@ mod tests {
         for (ty, elems, bytes) in sizes {
             assert_eq!((ty.block_elems(), ty.block_bytes()), (elems, bytes), "{ty:?}");
         }
-        let ids = [(7, "Q5_1"), (10, "Q2_K"), (11, "Q3_K"), (20, "IQ4_NL"), (23, "IQ4_XS"), (39, "MXFP4")];
+        let ids = [
+            (7, "Q5_1"),
+            (10, "Q2_K"),
+            (11, "Q3_K"),
+            (20, "IQ4_NL"),
+            (23, "IQ4_XS"),
+            (39, "MXFP4"),
+        ];
         for (id, name) in ids {
             assert_eq!(GgmlType::from_ggml_id(id).map(GgmlType::name), Some(name));
         }

@@ -30,12 +30,9 @@ impl ActivationFormat {
             | GgmlType::Q8_0
             | GgmlType::IQ4_NL
             | GgmlType::MXFP4 => ActivationFormat::Q8Blocks32,
-            GgmlType::Q2_K
-            | GgmlType::Q3_K
-            | GgmlType::Q4_K
-            | GgmlType::Q5_K
-            | GgmlType::Q6_K
-            | GgmlType::IQ4_XS => ActivationFormat::Q8K,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
+                ActivationFormat::Q8K
+            }
         }
     }
 }

@@ -5,8 +5,8 @@
 
 use super::layout::{
     e8m0_half, iq4_xs_scale, q2_k_quant, q3_k_quant, q3_k_scale, read_f16, unpack_k_scales, FP4_VALUES, IQ4_VALUES,
-    IQ4_XS_QS_OFFSET, Q2_K_D_OFFSET, Q2_K_QS_OFFSET, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET,
-    Q5_K_QS_OFFSET, Q6_K_D_OFFSET, Q6_K_QH_OFFSET, Q6_K_SCALES_OFFSET, QK_K, QK_LEGACY,
+    IQ4_XS_QS_OFFSET, Q2_K_D_OFFSET, Q2_K_QS_OFFSET, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET, Q5_K_QS_OFFSET,
+    Q6_K_D_OFFSET, Q6_K_QH_OFFSET, Q6_K_SCALES_OFFSET, QK_K, QK_LEGACY,
 };
 use super::prepare::ActivationFormat;
 use super::{bf16_to_f32, f16_to_f32, GgmlType, PreparedInput};
@@ -15,12 +15,6 @@ use super::{bf16_to_f32, f16_to_f32, GgmlType, PreparedInput};
 /// `x.len()` elements or `x` was prepared for an incompatible weight type.
 pub fn vec_dot_scalar(ty: GgmlType, row: &[u8], x: &PreparedInput) -> f32 {
     super::check_rows(ty, row, x, 1);
-    dot_row(ty, row, x)
-}
-
-/// [`vec_dot_scalar`] without the length checks, for callers that made them once for many rows
-/// (the SIMD families' rows of types they have no kernels for).
-pub(super) fn dot_row(ty: GgmlType, row: &[u8], x: &PreparedInput) -> f32 {
     debug_assert_eq!(
         ActivationFormat::for_weights(ty),
         ActivationFormat::for_weights(x.weight_type())
