@@ -7,8 +7,8 @@
 //! from the once-cached answer to "which SIMD kernels does this CPU run".
 //!
 //! Dot products follow llama.cpp: the activation vector is quantized once per matvec into a
-//! [`PreparedInput`] (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256
-//! for the K-quants, plain `f32` for float weights), and each row is then an integer dot product
+//! [`PreparedInput`] (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL and MXFP4
+//! weights, Q8_K blocks of 256 for the K-quants and IQ4_XS, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
 //! same integer dot per block and differs only in float arithmetic (the order of the summation;
 //! the wide K-quant kernels close each block's exact integers in scalar float), and the tests
