@@ -22,7 +22,7 @@ pub enum Error {
     },
 
     /// A tensor element type this build cannot compute on.
-    #[error("{path}: tensor `{tensor}` has type {type_name} (ggml type id {type_id}), which gatestream does not support; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K. Re-quantize the model to one of these")]
+    #[error("{path}: tensor `{tensor}` has type {type_name} (ggml type id {type_id}), which gatestream does not support; supported: {supported}. Re-quantize the model to one of these", supported = crate::quant::supported_type_names())]
     UnsupportedTensorType {
         path: PathBuf,
         tensor: String,

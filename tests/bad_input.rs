@@ -72,7 +72,49 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
     let e = load_bytes(&stories_gguf(Breakage::UnsupportedType)).err().unwrap();
     assert!(matches!(e, Error::UnsupportedTensorType { .. }), "{e:?}");
     let m = message(&e);
-    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("Q2_K"), "{m}");
+    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("IQ2_XXS"), "{m}");
+    assert!(m.contains("ggml type id 16"), "{m}");
+    // The list of supported types names every one, the newer ones included.
+    for name in ["Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K"] {
+        assert!(m.contains(name), "{name} missing from {m}");
+    }
+}
+
+/// A tensor of a type the CPU computes and the CUDA device does not (Q5_1) loads on the CPU and
+/// runs: a batch's logits equal the token-by-token ones (the tiled products against one-token
+/// ones) and stay near the all-F32 model's (the Q5_1 rounding of one matrix).
+#[test]
+fn cpu_only_type_loads_and_runs_on_the_cpu() {
+    use gatestream::kv::KvCache;
+    use gatestream::model::batch::Logits;
+    let model = load_bytes(&stories_gguf(Breakage::CpuOnlyType)).unwrap();
+    let f32_model = load_bytes(&stories_gguf(Breakage::None)).unwrap();
+    let ids = model
+        .tokenizer
+        .encode("Once upon a time, there was a little cat", true)
+        .unwrap();
+    assert!(ids.len() > 8, "more than one tile of tokens");
+    let v = model.config.vocab;
+    let run = |m: &Model| {
+        let mut c = KvCache::new(&m.config, ids.len());
+        m.forward(&ids, &mut c, Logits::From(0)).unwrap()
+    };
+    let (batched, plain) = (run(&model), run(&f32_model));
+    let mut c = KvCache::new(&model.config, ids.len());
+    let mut worst = 0f32;
+    for (i, &t) in ids.iter().enumerate() {
+        let one = model.forward(&[t], &mut c, Logits::Last).unwrap();
+        let row = &batched[i * v..(i + 1) * v];
+        let d = one.iter().zip(row).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(d < 1e-3, "position {i}: batch and one-token logits differ by {d}");
+        let f = &plain[i * v..(i + 1) * v];
+        worst = worst.max(row.iter().zip(f).fold(0f32, |m, (a, b)| m.max((a - b).abs())));
+    }
+    let spread = plain.iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(
+        worst > 0.0 && worst < 0.05 * spread,
+        "Q5_1 vs F32: {worst} (logits up to {spread})"
+    );
 }
 
 #[test]

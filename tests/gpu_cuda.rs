@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gatestream::backend::cpu::CpuBackend;
-use gatestream::backend::cuda::{Activations, CudaDevice, CudaOptions, INT8_TYPES, MAP_HOST_ENV};
+use gatestream::backend::cuda::{Activations, CudaDevice, CudaOptions, CUDA_TYPES, INT8_TYPES, MAP_HOST_ENV};
 use gatestream::backend::ops::log_sum_exp;
 use gatestream::backend::{Device, HostLink, LinkCounters};
 use gatestream::config::Arch;
@@ -64,7 +64,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 43] = [
+    let checks: [(&str, Check); 44] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
@@ -185,6 +185,8 @@ fn main() {
         }),
         ("qwen_shaped_vram_budget", qwen_vram),
         ("qwen_shaped_vram_budget_70", qwen_vram_hot),
+        // Last: it leaves (and takes back) an error on the device.
+        ("cpu_only_types_refused", cpu_only_types_refused),
     ];
     // Arguments (not flags): run the checks whose names contain one of them.
     let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
@@ -253,6 +255,52 @@ impl Rng {
     fn normalish(&mut self) -> f32 {
         (0..4).map(|_| self.unit()).sum::<f32>() - 2.0
     }
+}
+
+/// A model holding a type the device has no kernels for (stories260K with a Q5_1 `ffn_up`) is
+/// refused at load, naming the tensor and its type; a weight of each such type handed to a
+/// product directly fails the operation with the same words (no launch of a missing kernel).
+fn cpu_only_types_refused(
+    dev: &Arc<CudaDevice>,
+    _report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = tmp.path().join("q5_1-up.gguf");
+    std::fs::write(&path, common::stories_gguf(common::Breakage::CpuOnlyType)).map_err(|e| e.to_string())?;
+    let device: Arc<dyn Device> = dev.clone();
+    let m = match Model::load_on(&path, &LoadOptions::default(), device) {
+        Ok(_) => return Err("a model with a Q5_1 tensor loaded on the CUDA device".into()),
+        Err(e) => e.to_string(),
+    };
+    if !(m.contains("blk.0.ffn_up.weight")
+        && m.contains("Q5_1 is computed on the CPU only")
+        && m.contains("--device cpu"))
+    {
+        return Err(format!(
+            "the refusal does not name the tensor, its type and the way out: {m}"
+        ));
+    }
+    let mut refused = Vec::new();
+    for ty in GgmlType::ALL.into_iter().filter(|ty| !CUDA_TYPES.contains(ty)) {
+        let cols = 256;
+        let bytes = vec![0u8; 2 * ty.row_bytes(cols).unwrap()];
+        let w = Weight::owned(&format!("test.{ty:?}"), ty, 2, cols, bytes).unwrap();
+        let x = dev.upload(1, cols, vec![0.5; cols]);
+        drop(dev.matmul(&[&w], &x));
+        let e = dev
+            .take_error()
+            .ok_or_else(|| format!("{ty:?}: a product ran on the device"))?
+            .to_string();
+        let want = format!("{}: {} is computed on the CPU only", w.name, ty.name());
+        if !e.contains(&want) {
+            return Err(format!("{ty:?}: {e}"));
+        }
+        refused.push(ty.name());
+    }
+    Ok(format!(
+        "refused at load: {m}\nrefused in products: {}",
+        refused.join(", ")
+    ))
 }
 
 fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Weight {
@@ -450,7 +498,7 @@ fn mma_products(
     let mut rng = Rng(11);
     let mut lines = Vec::new();
     let mut worst = 0f64;
-    for ty in GgmlType::ALL.into_iter().filter(|t| t.block_elems() > 1) {
+    for ty in CUDA_TYPES.into_iter().filter(|t| t.block_elems() > 1) {
         let mut max = 0f64;
         let narrow = if ty.block_elems() == 256 { 1280 } else { 1312 };
         for (rows, cols, widths) in [(130, narrow, &[2usize, 13, 70][..]), (70, 2048, &[13][..])] {
@@ -1468,7 +1516,7 @@ fn kernels_of_each_type(
     let mut rng = Rng(7);
     let mut lines = Vec::new();
     let mut worst = 0f64;
-    for ty in GgmlType::ALL {
+    for ty in CUDA_TYPES {
         // More 32-value units than a warp has lanes (each lane takes several, every lane one).
         let cols = if ty.block_elems() == 256 { 1280 } else { 1312 };
         let rows = 45;

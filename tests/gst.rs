@@ -834,3 +834,39 @@ fn verify_reads_large_sections_and_finds_a_flipped_byte() {
     assert!(e.contains("`blk.0.ffn_up.weight` checksum mismatch"), "{e}");
     assert!(e.contains(&up.offset_bytes.to_string()), "{e}");
 }
+
+/// A type gatestream reads but did not write into the source (stories260K with its layer-0 up
+/// rows in Q5_1): every layout keeps those rows as stored, Q5_1, and computes the source's
+/// logits: bit for bit in the rows layout, to summation order with down columns kept as the
+/// source's (F32), to their rounding with Q8_0 down columns.
+#[test]
+fn cpu_only_type_rows_are_kept_in_every_layout() {
+    use gatestream::quant::GgmlType;
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = write_temp(tmp.path(), "q5_1-up.gguf", &stories_gguf(Breakage::CpuOnlyType));
+    let text = "Once upon a time, there was a cat";
+    let reference = logits(&load(&gguf), text);
+    let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let variants = [
+        (FfnLayout::Rows, DownType::Q8_0, 0.0),
+        (FfnLayout::Split, DownType::Same, 1e-5),
+        (FfnLayout::Bundled, DownType::Q8_0, 2e-2),
+    ];
+    for (ffn_layout, down_type, tol) in variants {
+        let opts = ReformatOptions {
+            ffn_layout,
+            down_type,
+            ..Default::default()
+        };
+        let path = convert(&gguf, tmp.path(), &format!("{ffn_layout:?}.gst"), &opts);
+        let g = GstFile::open(&path).unwrap();
+        let up = g.index.tensors.iter().find(|t| t.name == "blk.0.ffn_up.weight");
+        let up = up.unwrap_or_else(|| panic!("{ffn_layout:?}: no view of blk.0.ffn_up.weight"));
+        assert_eq!(up.dtype, GgmlType::Q5_1, "{ffn_layout:?}");
+        let d = max_abs_diff(&logits(&load(&path), text), &reference) / scale;
+        assert!(
+            d <= tol,
+            "{ffn_layout:?}: logits differ from the source by {d} of the largest"
+        );
+    }
+}

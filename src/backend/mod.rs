@@ -485,6 +485,11 @@ pub trait Device: HostLink {
     fn rope_freq_factors(&self) -> bool {
         true
     }
+    /// Whether the device multiplies weights of `ty`; a model holding a matrix of another type
+    /// is refused at load on it (the CPU device computes every [`crate::quant::GgmlType`]).
+    fn computes_type(&self, _ty: crate::quant::GgmlType) -> bool {
+        true
+    }
     /// Runs `f` where the device's work starts cheapest (the CPU device: on its own threads).
     fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>);
     /// The first error an operation met since the last call (a device whose operations can

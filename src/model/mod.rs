@@ -188,6 +188,16 @@ impl Model {
         }
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
+        if let Some(w) = weights.matrices().into_iter().find(|w| !device.computes_type(w.ty)) {
+            return Err(Error::Invalid(format!(
+                "{}: tensor `{}` has type {ty}: {ty} is computed on the CPU only (the {} device has no kernels \
+                 for it); run it with --device cpu",
+                path.display(),
+                w.name,
+                device.name(),
+                ty = w.ty.name(),
+            )));
+        }
         if opts.placement == Placement::OnDisk {
             weights.leave_on_disk();
         }

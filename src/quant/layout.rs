@@ -7,10 +7,16 @@
 //! | Q4_0 | 32 | 18 | `d: f16` @0, `qs: [u8; 16]` @2 | `(q - 8) * d` |
 //! | Q4_1 | 32 | 20 | `d: f16` @0, `m: f16` @2, `qs: [u8; 16]` @4 | `q * d + m` |
 //! | Q5_0 | 32 | 22 | `d: f16` @0, `qh: u32` @2, `qs: [u8; 16]` @6 | `(q - 16) * d` |
+//! | Q5_1 | 32 | 24 | `d: f16` @0, `m: f16` @2, `qh: u32` @4, `qs: [u8; 16]` @8 | `q * d + m` |
 //! | Q8_0 | 32 | 34 | `d: f16` @0, `qs: [i8; 32]` @2 | `q * d` |
+//! | IQ4_NL | 32 | 18 | `d: f16` @0, `qs: [u8; 16]` @2 | `d * IQ4_VALUES[q]` |
+//! | MXFP4 | 32 | 17 | `e: u8` (E8M0) @0, `qs: [u8; 16]` @1 | `2^(e - 128) * FP4_VALUES[q]` |
+//! | Q2_K | 256 | 84 | `scales: [u8; 16]` @0, `qs: [u8; 64]` @16, `d: f16` @80, `dmin: f16` @82 | `d * (sc[g] & 15) * q - dmin * (sc[g] >> 4)` |
+//! | Q3_K | 256 | 110 | `hmask: [u8; 32]` @0, `qs: [u8; 64]` @32, `scales: [u8; 12]` @96, `d: f16` @108 | `d * (sc[g] - 32) * (q - 4)` |
 //! | Q4_K | 256 | 144 | `d: f16` @0, `dmin: f16` @2, `scales: [u8; 12]` @4, `qs: [u8; 128]` @16 | `d * sc[s] * q - dmin * m[s]` |
 //! | Q5_K | 256 | 176 | as Q4_K, then `qh: [u8; 32]` @16, `qs: [u8; 128]` @48 | as Q4_K with 5-bit `q` |
 //! | Q6_K | 256 | 210 | `ql: [u8; 128]` @0, `qh: [u8; 64]` @128, `scales: [i8; 16]` @192, `d: f16` @208 | `d * sc[e / 16] * (q - 32)` |
+//! | IQ4_XS | 256 | 136 | `d: f16` @0, `scales_h: u16` @2, `scales_l: [u8; 4]` @4, `qs: [u8; 128]` @8 | `d * (sc[s] - 32) * IQ4_VALUES[q]` |
 //!
 //! Nibble order of the 32-element types: byte `j` of `qs` holds element `j` in its low nibble and
 //! element `j + 16` in its high nibble. Q5_0's fifth bit of element `e` is bit `e` of `qh`.
@@ -24,6 +30,21 @@
 //! `+96` take their low four bits from the low nibble of `ql[64h + l]`, low nibble of
 //! `ql[64h + 32 + l]`, high nibble of `ql[64h + l]`, high nibble of `ql[64h + 32 + l]`, and their
 //! top two bits from bits 0-1, 2-3, 4-5, 6-7 of `qh[32h + l]`.
+//!
+//! Q5_1 stores its quants as Q5_0 does. IQ4_NL and MXFP4 pack their 4-bit indices as Q4_0 does;
+//! the index selects a value of a fixed table ([`IQ4_VALUES`], [`FP4_VALUES`]). MXFP4's scale
+//! is a bare power of two (E8M0, [`e8m0_half`]).
+//!
+//! Q2_K and Q3_K order (two halves of 128, each four quarters of 32): element `e = 128h + 32j +
+//! l` (`l < 32`) takes its two low bits from bits `2j..2j + 2` of `qs[32h + l]`; the group of
+//! 16 is `g = e / 16`. Q2_K's `scales[g]` holds the group's 4-bit scale (low nibble) and 4-bit
+//! min (high nibble). Q3_K's third bit of element `e` is bit `e / 32` of `hmask[e % 32]`; the
+//! element's 3-bit quant `q` ([`q3_k_quant`]) stands for `q - 4`, and the sixteen 6-bit scales
+//! are packed as [`q3_k_scale`] reads them.
+//!
+//! IQ4_XS (eight sub-blocks of 32): sub-block `s` reads its 16 index bytes at `qs[16s..]` in the
+//! Q4_0 nibble order; its 6-bit scale is nibble `s % 2` of `scales_l[s / 2]` (low 4 bits) with
+//! bits `2s..2s + 2` of `scales_h` on top.
 
 /// Elements per block of the 32-element ("legacy") quant types.
 pub(crate) const QK_LEGACY: usize = 32;
@@ -37,6 +58,74 @@ pub(crate) const Q8_0_BLOCK_BYTES: usize = 34;
 pub(crate) const Q4_K_BLOCK_BYTES: usize = 144;
 pub(crate) const Q5_K_BLOCK_BYTES: usize = 176;
 pub(crate) const Q6_K_BLOCK_BYTES: usize = 210;
+pub(crate) const Q5_1_BLOCK_BYTES: usize = 24;
+pub(crate) const Q2_K_BLOCK_BYTES: usize = 84;
+pub(crate) const Q3_K_BLOCK_BYTES: usize = 110;
+pub(crate) const IQ4_NL_BLOCK_BYTES: usize = 18;
+pub(crate) const IQ4_XS_BLOCK_BYTES: usize = 136;
+pub(crate) const MXFP4_BLOCK_BYTES: usize = 17;
+
+/// Byte offsets of Q2_K's `qs`, `d` and `dmin`.
+pub(crate) const Q2_K_QS_OFFSET: usize = 16;
+pub(crate) const Q2_K_D_OFFSET: usize = 80;
+/// Byte offsets of Q3_K's `qs`, `scales` and `d` (`hmask` is at 0).
+pub(crate) const Q3_K_QS_OFFSET: usize = 32;
+pub(crate) const Q3_K_SCALES_OFFSET: usize = 96;
+pub(crate) const Q3_K_D_OFFSET: usize = 108;
+/// Byte offset of IQ4_XS's `qs`.
+pub(crate) const IQ4_XS_QS_OFFSET: usize = 8;
+
+/// The sixteen values a 4-bit IQ4_NL / IQ4_XS index stands for (ggml's `kvalues_iq4nl`), in
+/// units of the block scale.
+pub(crate) const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// The sixteen FP4 (E2M1) values of an MXFP4 index, doubled so they are integers (ggml's
+/// `kvalues_mxfp4`): bit 3 is the sign, bits 0..3 the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+pub(crate) const FP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half of the E8M0 scale `e` (`2^(e - 127) / 2 = 2^(e - 128)`), which multiplies the doubled
+/// [`FP4_VALUES`]: exact for every `e`, `2^-128` and `2^-127` being f32 subnormals. (ggml
+/// treats 255 as a number too, 2^127, rather than NaN.)
+#[inline]
+pub(crate) fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(u32::from(e - 1) << 23)
+    }
+}
+
+/// Q3_K's signed scale of group `g` (0..16): the 6-bit value minus 32, its low four bits from
+/// nibble `g / 8` of `packed[g % 8]` and its top two from bits `2 (g / 4)..` of `packed[8 + g %
+/// 4]` (ggml's `kmask` shuffle in `dequantize_row_q3_K`).
+#[inline]
+pub(crate) fn q3_k_scale(g: usize, packed: &[u8]) -> i8 {
+    let low = (packed[g % 8] >> (4 * (g / 8))) & 0x0f;
+    let high = (packed[8 + g % 4] >> (2 * (g / 4))) & 3;
+    (low | (high << 4)) as i8 - 32
+}
+
+/// Q3_K's unsigned quant of element `e` (0..8): the two low bits from `qs`, plus 4 if its
+/// `hmask` bit is set; the element's value is `(q - 4) * scale` (ggml subtracts 4 when the bit
+/// is clear, the same thing).
+#[inline]
+pub(crate) fn q3_k_quant(e: usize, hmask: &[u8], qs: &[u8]) -> u8 {
+    let low = (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+    let high = (hmask[e % 32] >> (e / 32)) & 1;
+    low | (high << 2)
+}
+
+/// Q2_K's two-bit quant of element `e` (the same bit positions as Q3_K's low bits).
+#[inline]
+pub(crate) fn q2_k_quant(e: usize, qs: &[u8]) -> u8 {
+    (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3
+}
+
+/// IQ4_XS's 6-bit scale of sub-block `s` (0..8), before subtracting 32.
+#[inline]
+pub(crate) fn iq4_xs_scale(s: usize, scales_h: u16, scales_l: &[u8]) -> u8 {
+    ((scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) | ((((scales_h >> (2 * s)) & 3) as u8) << 4)
+}
 
 /// Byte offset of Q5_K's `qs` (after d, dmin, scales and qh).
 pub(crate) const Q5_K_QS_OFFSET: usize = 48;

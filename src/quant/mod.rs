@@ -7,8 +7,8 @@
 //! from the once-cached answer to "which SIMD kernels does this CPU run".
 //!
 //! Dot products follow llama.cpp: the activation vector is quantized once per matvec into a
-//! [`PreparedInput`] (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q8_0 weights, Q8_K blocks of 256
-//! for the K-quants, plain `f32` for float weights), and each row is then an integer dot product
+//! [`PreparedInput`] (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL and MXFP4
+//! weights, Q8_K blocks of 256 for the K-quants and IQ4_XS, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
 //! same integer dot per block and differs only in float arithmetic (the order of the summation;
 //! the wide K-quant kernels close each block's exact integers in scalar float), and the tests
@@ -58,25 +58,37 @@ pub enum GgmlType {
     Q4_0,
     Q4_1,
     Q5_0,
+    Q5_1,
     Q8_0,
+    Q2_K,
+    Q3_K,
     Q4_K,
     Q5_K,
     Q6_K,
+    IQ4_NL,
+    IQ4_XS,
+    MXFP4,
 }
 
 impl GgmlType {
     /// Every supported type, in GGUF id order (handy for tests and for error messages).
-    pub const ALL: [GgmlType; 10] = [
+    pub const ALL: [GgmlType; 16] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
+        GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q2_K,
+        GgmlType::Q3_K,
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ4_XS,
         GgmlType::BF16,
+        GgmlType::MXFP4,
     ];
 
     /// The supported type with GGUF/ggml type id `id`, or `None` (unknown or unsupported).
@@ -92,11 +104,17 @@ impl GgmlType {
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
             GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
             GgmlType::Q8_0 => 8,
+            GgmlType::Q2_K => 10,
+            GgmlType::Q3_K => 11,
             GgmlType::Q4_K => 12,
             GgmlType::Q5_K => 13,
             GgmlType::Q6_K => 14,
+            GgmlType::IQ4_NL => 20,
+            GgmlType::IQ4_XS => 23,
             GgmlType::BF16 => 30,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -105,12 +123,21 @@ impl GgmlType {
         ggml_type_name(self.ggml_id()).expect("every supported type has a ggml name")
     }
 
-    /// Elements per block: 1 for float types, 32 for the legacy quants, 256 for K-quants.
+    /// Elements per block: 1 for float types, 32 for the legacy quants, IQ4_NL and MXFP4, 256
+    /// for the K-quants and IQ4_XS.
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => layout::QK_LEGACY,
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => layout::QK_K,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4_NL
+            | GgmlType::MXFP4 => layout::QK_LEGACY,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
+                layout::QK_K
+            }
         }
     }
 
@@ -122,10 +149,16 @@ impl GgmlType {
             GgmlType::Q4_0 => layout::Q4_0_BLOCK_BYTES,
             GgmlType::Q4_1 => layout::Q4_1_BLOCK_BYTES,
             GgmlType::Q5_0 => layout::Q5_0_BLOCK_BYTES,
+            GgmlType::Q5_1 => layout::Q5_1_BLOCK_BYTES,
             GgmlType::Q8_0 => layout::Q8_0_BLOCK_BYTES,
+            GgmlType::Q2_K => layout::Q2_K_BLOCK_BYTES,
+            GgmlType::Q3_K => layout::Q3_K_BLOCK_BYTES,
             GgmlType::Q4_K => layout::Q4_K_BLOCK_BYTES,
             GgmlType::Q5_K => layout::Q5_K_BLOCK_BYTES,
             GgmlType::Q6_K => layout::Q6_K_BLOCK_BYTES,
+            GgmlType::IQ4_NL => layout::IQ4_NL_BLOCK_BYTES,
+            GgmlType::IQ4_XS => layout::IQ4_XS_BLOCK_BYTES,
+            GgmlType::MXFP4 => layout::MXFP4_BLOCK_BYTES,
         }
     }
 
@@ -137,6 +170,11 @@ impl GgmlType {
         }
         (n_elems / self.block_elems()).checked_mul(self.block_bytes())
     }
+}
+
+/// The names of every supported type, comma-separated in GGUF id order (for error messages).
+pub fn supported_type_names() -> String {
+    GgmlType::ALL.map(GgmlType::name).join(", ")
 }
 
 /// ggml's name for any type id, including ones this engine cannot compute with, so that errors
@@ -352,12 +390,32 @@ mod tests {
             (GgmlType::Q4_K, 256, 144),
             (GgmlType::Q5_K, 256, 176),
             (GgmlType::Q6_K, 256, 210),
+            (GgmlType::Q5_1, 32, 24),
+            (GgmlType::Q2_K, 256, 84),
+            (GgmlType::Q3_K, 256, 110),
+            (GgmlType::IQ4_NL, 32, 18),
+            (GgmlType::IQ4_XS, 256, 136),
+            (GgmlType::MXFP4, 32, 17),
         ];
         for (ty, elems, bytes) in sizes {
             assert_eq!((ty.block_elems(), ty.block_bytes()), (elems, bytes), "{ty:?}");
         }
-        assert_eq!(GgmlType::from_ggml_id(7), None);
-        assert_eq!(ggml_type_name(7), Some("Q5_1"));
+        let ids = [
+            (7, "Q5_1"),
+            (10, "Q2_K"),
+            (11, "Q3_K"),
+            (20, "IQ4_NL"),
+            (23, "IQ4_XS"),
+            (39, "MXFP4"),
+        ];
+        for (id, name) in ids {
+            assert_eq!(GgmlType::from_ggml_id(id).map(GgmlType::name), Some(name));
+        }
+        // Still unsupported: the grid types, ternary types, Q8_1/Q8_K.
+        for id in [9, 15, 16, 17, 18, 19, 21, 22, 29, 34, 35] {
+            assert_eq!(GgmlType::from_ggml_id(id), None, "{id}");
+        }
+        assert_eq!(ggml_type_name(16), Some("IQ2_XXS"));
         assert_eq!(ggml_type_name(4), None);
         assert_eq!(GgmlType::Q4_K.row_bytes(1536), Some(6 * 144));
         assert_eq!(GgmlType::Q4_K.row_bytes(100), None);

@@ -11,9 +11,11 @@ use super::GgmlType;
 pub(crate) enum ActivationFormat {
     /// Plain `f32` (F32/F16/BF16 weights).
     F32,
-    /// Blocks of 32: `f32` scale, 32 `i8`, `i32` sum of the quants (Q4_0/Q4_1/Q5_0/Q8_0).
+    /// Blocks of 32: `f32` scale, 32 `i8`, `i32` sum of the quants (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0,
+    /// IQ4_NL, MXFP4).
     Q8Blocks32,
-    /// Q8_K blocks of 256: `f32` scale, 256 `i8`, sums per 16 and per 32 quants (K-quants).
+    /// Q8_K blocks of 256: `f32` scale, 256 `i8`, sums per 16 and per 32 quants (K-quants,
+    /// IQ4_XS).
     Q8K,
 }
 
@@ -21,8 +23,16 @@ impl ActivationFormat {
     pub(crate) fn for_weights(ty: GgmlType) -> ActivationFormat {
         match ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ActivationFormat::F32,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => ActivationFormat::Q8Blocks32,
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => ActivationFormat::Q8K,
+            GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q8_0
+            | GgmlType::IQ4_NL
+            | GgmlType::MXFP4 => ActivationFormat::Q8Blocks32,
+            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
+                ActivationFormat::Q8K
+            }
         }
     }
 }

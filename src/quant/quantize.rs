@@ -1,5 +1,5 @@
 //! Quantization of weight rows into the block layouts of [`super::layout`]. The 32-element types
-//! follow ggml's `quantize_row_*_ref` exactly; the K-quants use a simpler (min/max per sub-block,
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) follow ggml's `quantize_row_*_ref` exactly; the K-quants use a simpler (min/max per sub-block,
 //! no error search) but layout-exact scheme, good enough for tests and for converting small
 //! models, not a replacement for llama.cpp's `llama-quantize`.
 
@@ -44,6 +44,9 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
             }
         }
         GgmlType::Q6_K => blocks.zip(x.chunks_exact(QK_K)).for_each(|(d, v)| q6_k(v, d)),
+        GgmlType::Q5_1 => blocks.zip(x.chunks_exact(QK_LEGACY)).for_each(|(d, v)| q5_1(v, d)),
+        // Read and computed with, not written: llama-quantize makes these.
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::MXFP4 => return false,
     }
     true
 }
@@ -112,6 +115,25 @@ fn q5_0(x: &[f32], out: &mut [u8]) {
         qh |= u32::from(hi >> 4) << (j + 16);
     }
     out[2..6].copy_from_slice(&qh.to_le_bytes());
+}
+
+fn q5_1(x: &[f32], out: &mut [u8]) {
+    let min = x.iter().copied().fold(f32::MAX, f32::min);
+    let max = x.iter().copied().fold(-f32::MAX, f32::max);
+    let d = (max - min) / 31.0;
+    let id = inverse_or_zero(d);
+    out[..2].copy_from_slice(&f16_bytes(d));
+    out[2..4].copy_from_slice(&f16_bytes(min));
+    let mut qh = 0u32;
+    for j in 0..16 {
+        // ggml truncates after adding 0.5 (the values are non-negative).
+        let lo = (((x[j] - min) * id + 0.5) as u8).min(31);
+        let hi = (((x[j + 16] - min) * id + 0.5) as u8).min(31);
+        out[8 + j] = (lo & 0x0f) | ((hi & 0x0f) << 4);
+        qh |= u32::from(lo >> 4) << j;
+        qh |= u32::from(hi >> 4) << (j + 16);
+    }
+    out[4..8].copy_from_slice(&qh.to_le_bytes());
 }
 
 fn q8_0(x: &[f32], out: &mut [u8]) {
@@ -197,6 +219,21 @@ mod tests {
     use super::super::{dequantize_row, GgmlType};
     use super::*;
 
+    /// The types [`quantize_row`] writes.
+    const WRITABLE: [GgmlType; 11] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+    ];
+
     /// Quantize then dequantize: the error of each element is bounded by the type's step size,
     /// measured here relative to the row's largest magnitude.
     #[test]
@@ -210,6 +247,7 @@ mod tests {
             (GgmlType::Q4_0, 1.0 / 8.0),
             (GgmlType::Q4_1, 1.0 / 15.0),
             (GgmlType::Q5_0, 1.0 / 16.0),
+            (GgmlType::Q5_1, 1.0 / 31.0),
             (GgmlType::Q4_K, 2.0 / 15.0),
             (GgmlType::Q5_K, 2.0 / 31.0),
             (GgmlType::Q6_K, 2.0 / 32.0),
@@ -236,6 +274,10 @@ mod tests {
         for ty in GgmlType::ALL {
             let x = vec![0.0f32; 256];
             let mut row = vec![0xa5u8; ty.row_bytes(256).unwrap()];
+            if !WRITABLE.contains(&ty) {
+                assert!(!quantize_row(ty, &x, &mut row), "{ty:?}");
+                continue;
+            }
             assert!(quantize_row(ty, &x, &mut row));
             let mut y = vec![1.0f32; 256];
             dequantize_row(ty, &row, &mut y);

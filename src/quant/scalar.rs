@@ -4,7 +4,9 @@
 //! with these up to the order of the float summation.
 
 use super::layout::{
-    read_f16, unpack_k_scales, Q5_K_QS_OFFSET, Q6_K_D_OFFSET, Q6_K_QH_OFFSET, Q6_K_SCALES_OFFSET, QK_K, QK_LEGACY,
+    e8m0_half, iq4_xs_scale, q2_k_quant, q3_k_quant, q3_k_scale, read_f16, unpack_k_scales, FP4_VALUES, IQ4_VALUES,
+    IQ4_XS_QS_OFFSET, Q2_K_D_OFFSET, Q2_K_QS_OFFSET, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET, Q5_K_QS_OFFSET,
+    Q6_K_D_OFFSET, Q6_K_QH_OFFSET, Q6_K_SCALES_OFFSET, QK_K, QK_LEGACY,
 };
 use super::prepare::ActivationFormat;
 use super::{bf16_to_f32, f16_to_f32, GgmlType, PreparedInput};
@@ -31,7 +33,13 @@ pub fn vec_dot_scalar(ty: GgmlType, row: &[u8], x: &PreparedInput) -> f32 {
             .zip(&x.values_f32)
             .map(|(w, &v)| bf16_to_f32(u16::from_le_bytes([w[0], w[1]])) * v)
             .sum(),
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+        GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q8_0
+        | GgmlType::IQ4_NL
+        | GgmlType::MXFP4 => {
             let mut sum = 0.0f32;
             for (b, block) in blocks.enumerate() {
                 let quants = &x.quants[QK_LEGACY * b..QK_LEGACY * (b + 1)];
@@ -49,12 +57,25 @@ pub fn vec_dot_scalar(ty: GgmlType, row: &[u8], x: &PreparedInput) -> f32 {
             }
             sum
         }
-        GgmlType::Q6_K => {
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q6_K => {
+            let block_dot = match ty {
+                GgmlType::Q2_K => q2_k_block_dot,
+                GgmlType::Q3_K => q3_k_block_dot,
+                _ => q6_k_block_dot,
+            };
             let mut sum = 0.0f32;
             for (b, block) in blocks.enumerate() {
                 let quants = &x.quants[QK_K * b..QK_K * (b + 1)];
                 let sums_16 = &x.sums_16[16 * b..16 * (b + 1)];
-                sum += q6_k_block_dot(block, quants, x.block_scales[b], sums_16);
+                sum += block_dot(block, quants, x.block_scales[b], sums_16);
+            }
+            sum
+        }
+        GgmlType::IQ4_XS => {
+            let mut sum = 0.0f32;
+            for (b, block) in blocks.enumerate() {
+                let quants = &x.quants[QK_K * b..QK_K * (b + 1)];
+                sum += iq4_xs_block_dot(block, quants, x.block_scales[b]);
             }
             sum
         }
@@ -66,6 +87,11 @@ pub fn vec_dot_scalar(ty: GgmlType, row: &[u8], x: &PreparedInput) -> f32 {
 /// kernels do it too: `sum((q - k) * y) = sum(q * y) - k * sum(y)`. Q4_1's min term uses the
 /// prepared `y_scale * y_sum` (ggml's `s` of `block_q8_1`).
 fn legacy_block_dot(ty: GgmlType, block: &[u8], y: &[i8], y_scale: f32, y_sum: i32, y_scaled_sum: f32) -> f32 {
+    if ty == GgmlType::MXFP4 {
+        // No f16 scale: a power of two times the doubled FP4 values (ggml's order of products).
+        let qy = table_dot(&FP4_VALUES, &block[1..17], y);
+        return y_scale * e8m0_half(block[0]) * qy as f32;
+    }
     let d = read_f16(block, 0) * y_scale;
     match ty {
         GgmlType::Q4_0 => {
@@ -78,14 +104,13 @@ fn legacy_block_dot(ty: GgmlType, block: &[u8], y: &[i8], y_scale: f32, y_sum: i
         }
         GgmlType::Q5_0 => {
             let qh = u32::from_le_bytes(block[2..6].try_into().unwrap());
-            let mut qy = 0i32;
-            for (j, &byte) in block[6..22].iter().enumerate() {
-                let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
-                let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
-                qy += lo as i32 * i32::from(y[j]) + hi as i32 * i32::from(y[j + 16]);
-            }
-            d * (qy - 16 * y_sum) as f32
+            d * (five_bit_dot(qh, &block[6..22], y) - 16 * y_sum) as f32
         }
+        GgmlType::Q5_1 => {
+            let qh = u32::from_le_bytes(block[4..8].try_into().unwrap());
+            d * five_bit_dot(qh, &block[8..24], y) as f32 + read_f16(block, 2) * y_scaled_sum
+        }
+        GgmlType::IQ4_NL => d * table_dot(&IQ4_VALUES, &block[2..18], y) as f32,
         GgmlType::Q8_0 => {
             let qy: i32 = block[2..34]
                 .iter()
@@ -104,6 +129,83 @@ fn nibble_dot(qs: &[u8], y: &[i8]) -> i32 {
         .enumerate()
         .map(|(j, &byte)| i32::from(byte & 0x0f) * i32::from(y[j]) + i32::from(byte >> 4) * i32::from(y[j + 16]))
         .sum()
+}
+
+/// `sum(q * y)` over 32 elements of unsigned 5-bit quants: Q5_0/Q5_1 nibbles, fifth bit `e`
+/// of `qh`.
+fn five_bit_dot(qh: u32, qs: &[u8], y: &[i8]) -> i32 {
+    let mut qy = 0i32;
+    for (j, &byte) in qs.iter().enumerate() {
+        let lo = (byte & 0x0f) as u32 | (((qh >> j) & 1) << 4);
+        let hi = (byte >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+        qy += lo as i32 * i32::from(y[j]) + hi as i32 * i32::from(y[j + 16]);
+    }
+    qy
+}
+
+/// `sum(table[q] * y)` over 32 elements whose 4-bit indices are packed low-then-high.
+fn table_dot(table: &[i8; 16], qs: &[u8], y: &[i8]) -> i32 {
+    qs.iter()
+        .enumerate()
+        .map(|(j, &byte)| {
+            let lo = i32::from(table[usize::from(byte & 0x0f)]);
+            let hi = i32::from(table[usize::from(byte >> 4)]);
+            lo * i32::from(y[j]) + hi * i32::from(y[j + 16])
+        })
+        .sum()
+}
+
+/// One Q2_K super-block: `d * sum_g(sc[g] * sum(q * y)) - dmin * sum_g(m[g] * sum(y))` over the
+/// 16 groups of 16, with `sc[g]`, `m[g]` the nibbles of `scales[g]`.
+fn q2_k_block_dot(block: &[u8], y: &[i8], y_scale: f32, sums_16: &[i16]) -> f32 {
+    let d = read_f16(block, Q2_K_D_OFFSET) * y_scale;
+    let dmin = read_f16(block, Q2_K_D_OFFSET + 2) * y_scale;
+    let qs = &block[Q2_K_QS_OFFSET..Q2_K_D_OFFSET];
+    let mut group_qy = [0i32; 16];
+    for (e, &v) in y.iter().enumerate() {
+        group_qy[e / 16] += i32::from(q2_k_quant(e, qs)) * i32::from(v);
+    }
+    let mut scaled_qy = 0i32;
+    let mut scaled_mins = 0i32;
+    for g in 0..16 {
+        scaled_qy += i32::from(block[g] & 0x0f) * group_qy[g];
+        scaled_mins += i32::from(block[g] >> 4) * i32::from(sums_16[g]);
+    }
+    d * scaled_qy as f32 - dmin * scaled_mins as f32
+}
+
+/// One Q3_K super-block: `d * sum_g(sc[g] * (sum(q * y) - 4 * sum(y)))` over the 16 groups of
+/// 16, `q` the unsigned 3-bit quant and `sc[g]` the signed scale.
+fn q3_k_block_dot(block: &[u8], y: &[i8], y_scale: f32, sums_16: &[i16]) -> f32 {
+    let d = read_f16(block, Q3_K_D_OFFSET) * y_scale;
+    let hmask = &block[..Q3_K_QS_OFFSET];
+    let qs = &block[Q3_K_QS_OFFSET..Q3_K_SCALES_OFFSET];
+    let packed = &block[Q3_K_SCALES_OFFSET..Q3_K_D_OFFSET];
+    let mut group_qy = [0i32; 16];
+    for (e, &v) in y.iter().enumerate() {
+        group_qy[e / 16] += i32::from(q3_k_quant(e, hmask, qs)) * i32::from(v);
+    }
+    let total: i32 = (0..16)
+        .map(|g| i32::from(q3_k_scale(g, packed)) * (group_qy[g] - 4 * i32::from(sums_16[g])))
+        .sum();
+    d * total as f32
+}
+
+/// One IQ4_XS super-block: `d * sum_s((sc[s] - 32) * sum(IQ4_VALUES[q] * y))` over the eight
+/// sub-blocks of 32.
+fn iq4_xs_block_dot(block: &[u8], y: &[i8], y_scale: f32) -> f32 {
+    let d = read_f16(block, 0) * y_scale;
+    let scales_h = u16::from_le_bytes([block[2], block[3]]);
+    let total: i32 = block[IQ4_XS_QS_OFFSET..]
+        .chunks_exact(16)
+        .zip(y.chunks_exact(32))
+        .enumerate()
+        .map(|(s, (qs, y))| {
+            let scale = i32::from(iq4_xs_scale(s, scales_h, &block[4..8])) - 32;
+            scale * table_dot(&IQ4_VALUES, qs, y)
+        })
+        .sum();
+    d * total as f32
 }
 
 /// One Q4_K/Q5_K super-block: `d * sum_s(sc[s] * sum(q * y)) - dmin * sum_s(m[s] * sum(y))`.

@@ -61,12 +61,12 @@ pub(crate) fn random_row(rng: &mut Rng, ty: GgmlType, n_elems: usize) -> Vec<u8>
                 chunk.copy_from_slice(&half::bf16::from_f32(rng.normal()).to_bits().to_le_bytes());
             }
         }
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => {
             for block in row.chunks_exact_mut(ty.block_bytes()) {
                 block[..2].copy_from_slice(&scale(rng));
             }
         }
-        GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
             for block in row.chunks_exact_mut(ty.block_bytes()) {
                 block[..2].copy_from_slice(&scale(rng));
                 block[2..4].copy_from_slice(&scale(rng));
@@ -75,6 +75,23 @@ pub(crate) fn random_row(rng: &mut Rng, ty: GgmlType, n_elems: usize) -> Vec<u8>
         GgmlType::Q6_K => {
             for block in row.chunks_exact_mut(ty.block_bytes()) {
                 block[208..210].copy_from_slice(&scale(rng));
+            }
+        }
+        GgmlType::Q2_K => {
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                block[80..82].copy_from_slice(&scale(rng));
+                block[82..84].copy_from_slice(&scale(rng));
+            }
+        }
+        GgmlType::Q3_K => {
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                block[108..110].copy_from_slice(&scale(rng));
+            }
+        }
+        GgmlType::MXFP4 => {
+            // E8M0 exponents 118..126: scales 2^-10 to 2^-2, as modest as the f16 ones.
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                block[0] = 118 + (rng.next_u32() % 9) as u8;
             }
         }
     }

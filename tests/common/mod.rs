@@ -67,8 +67,11 @@ pub fn read_llama2c_vocab(path: &Path) -> Vec<(Vec<u8>, f32)> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Breakage {
     None,
-    /// Give `blk.0.ffn_up.weight` ggml type 10 (Q2_K), which gatestream does not compute on.
+    /// Give `blk.0.ffn_up.weight` ggml type 16 (IQ2_XXS), which gatestream does not compute on.
     UnsupportedType,
+    /// Store `blk.0.ffn_up.weight` as Q5_1 (ggml type 7): a type the CPU computes and the CUDA
+    /// device refuses.
+    CpuOnlyType,
     /// Leave out `blk.1.ffn_down.weight`.
     MissingTensor,
     /// Swap the dimensions of `blk.0.attn_q.weight`'s neighbour: make ffn_gate [hidden, ffn+1].
@@ -201,7 +204,17 @@ pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Ve
         }
         let mut type_id = 0;
         if breakage == Breakage::UnsupportedType && g == "blk.0.ffn_up.weight" {
-            type_id = 10;
+            type_id = 16;
+        }
+        if breakage == Breakage::CpuOnlyType && g == "blk.0.ffn_up.weight" {
+            let ty = gatestream::quant::GgmlType::Q5_1;
+            let x: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let mut q = vec![0u8; ty.row_bytes(x.len()).unwrap()];
+            assert!(gatestream::quant::quantize_row(ty, &x, &mut q));
+            (type_id, bytes) = (ty.ggml_id(), q);
         }
         if breakage == Breakage::WrongShape && g == "blk.0.ffn_gate.weight" {
             // Same bytes, claimed as [ffn/2, hidden*2]: the element count still matches the data.

@@ -8,6 +8,9 @@ impl Device for CudaDevice {
         // (The RoPE kernels compute each angle from the base alone.)
         false
     }
+    fn computes_type(&self, ty: crate::quant::GgmlType) -> bool {
+        computes_type(ty)
+    }
     fn name(&self) -> String {
         self.label.clone()
     }

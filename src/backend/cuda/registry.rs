@@ -55,7 +55,36 @@ pub(super) fn i8_type_code(ty: GgmlType) -> usize {
     }
 }
 
-/// The kernel name suffix of a weight type.
+/// The weight types the device has kernels for (kernels/quant.cu); a model holding another is
+/// refused at load ([`computes_type`]), its types computed on the CPU only.
+pub const CUDA_TYPES: [GgmlType; 10] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::BF16,
+];
+
+/// Whether the device has kernels for weights of `ty`.
+pub fn computes_type(ty: GgmlType) -> bool {
+    CUDA_TYPES.contains(&ty)
+}
+
+/// The message for a weight of a type the device has no kernels for.
+pub(super) fn cpu_only_message(tensor: &str, ty: GgmlType) -> String {
+    format!(
+        "{tensor}: {} is computed on the CPU only (the CUDA device has kernels for {}); run with --device cpu",
+        ty.name(),
+        CUDA_TYPES.map(GgmlType::name).join(", ")
+    )
+}
+
+/// The kernel name suffix of a weight type (types without kernels have one too, unused).
 pub fn type_suffix(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::F32 => "f32",
@@ -68,6 +97,12 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
         GgmlType::Q4_K => "q4_k",
         GgmlType::Q5_K => "q5_k",
         GgmlType::Q6_K => "q6_k",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::IQ4_NL => "iq4_nl",
+        GgmlType::IQ4_XS => "iq4_xs",
+        GgmlType::MXFP4 => "mxfp4",
     }
 }
 
@@ -114,7 +149,7 @@ pub(super) type KernelKey = (&'static str, Option<GgmlType>);
 
 /// Every kernel the device launches, with its name in the module.
 pub(super) fn kernel_keys() -> Vec<(KernelKey, String)> {
-    let typed = GgmlType::ALL
+    let typed = CUDA_TYPES
         .iter()
         .flat_map(|&ty| TYPED.map(|k| ((k, Some(ty)), format!("{k}_{}", type_suffix(ty)))));
     let int8 = INT8_TYPES.iter().flat_map(|&ty| {

@@ -8,6 +8,11 @@ use crate::tensor::Home;
 impl CudaDevice {
     /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
     pub(super) fn weight(&self, w: &Weight) -> Option<OnDevice> {
+        if !computes_type(w.ty) {
+            // Refused at load (`Device::computes_type`); this guards the direct callers.
+            self.fail(cpu_only_message(&w.name, w.ty));
+            return None;
+        }
         let Some((bytes, keep)) = w.span() else {
             self.fail(format!(
                 "{}: its bytes are on disk, not read into memory by the stream (a bug: streamed weights reach the \

@@ -22,6 +22,7 @@ mod exact32;
 mod float;
 mod kquants;
 mod legacy;
+mod lowbit;
 mod wide;
 
 use std::arch::x86_64::*;
@@ -259,6 +260,12 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q5_K => each_row_tile1!(kquants::dot_q5_k::<D, 1>),
         GgmlType::Q6_K if D::WIDE => each_row!(wide::dot_q6_k),
         GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
+        GgmlType::Q5_1 => each_row_tile1!(lowbit::dot_q5_1::<D, 1>),
+        GgmlType::Q2_K => each_row_tile1!(lowbit::dot_q2_k::<D, 1>),
+        GgmlType::Q3_K => each_row_tile1!(lowbit::dot_q3_k::<D, 1>),
+        GgmlType::IQ4_NL => each_row_tile1!(lowbit::dot_iq4_nl::<D, 1>),
+        GgmlType::IQ4_XS => each_row_tile1!(lowbit::dot_iq4_xs::<D, 1>),
+        GgmlType::MXFP4 => each_row_tile1!(lowbit::dot_mxfp4::<D, 1>),
     }
 }
 
@@ -465,6 +472,12 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
         GgmlType::Q6_K if D::WIDE => lanes_k!(q6_k_lanes, dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
+        GgmlType::Q5_1 => tiled!(lowbit::dot_q5_1),
+        GgmlType::Q2_K => tiled!(lowbit::dot_q2_k),
+        GgmlType::Q3_K => tiled!(lowbit::dot_q3_k),
+        GgmlType::IQ4_NL => tiled!(lowbit::dot_iq4_nl),
+        GgmlType::IQ4_XS => tiled!(lowbit::dot_iq4_xs),
+        GgmlType::MXFP4 => tiled!(lowbit::dot_mxfp4),
     }
 }
 
@@ -569,6 +582,59 @@ mod tests {
         }
     }
 
+    /// With every weight scale 1 and activations that quantize to themselves (integers, one
+    /// of 127 per block so the activation scale is ±1), every product, block sum and float
+    /// partial sum is an integer below 2^24: exact in any order. Each family's per-block
+    /// integers must then give the scalar reference's result bit for bit.
+    #[test]
+    fn integer_blocks_equal_scalar_bit_for_bit() {
+        let mut rng = Rng::new(77);
+        let one = 0x3c00u16.to_le_bytes();
+        for ty in GgmlType::ALL.into_iter().filter(|ty| ty.block_elems() > 1) {
+            let n_elems = 512;
+            let n_rows = 4;
+            let mut rows: Vec<u8> = (0..n_rows).flat_map(|_| random_row(&mut rng, ty, n_elems)).collect();
+            for block in rows.chunks_exact_mut(ty.block_bytes()) {
+                let scale_fields: &[usize] = match ty {
+                    GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+                    GgmlType::Q2_K => &[80, 82],
+                    GgmlType::Q3_K => &[108],
+                    GgmlType::Q6_K => &[208],
+                    GgmlType::MXFP4 => &[],
+                    _ => &[0],
+                };
+                for &at in scale_fields {
+                    block[at..at + 2].copy_from_slice(&one);
+                }
+                if ty == GgmlType::MXFP4 {
+                    block[0] = 128; // 2^(128 - 128)
+                }
+            }
+            let x: Vec<f32> = (0..n_elems)
+                .map(|i| {
+                    if i % 32 == 5 {
+                        127.0
+                    } else {
+                        (rng.next_u32() % 7) as f32 - 3.0
+                    }
+                })
+                .collect();
+            let mut prepared = PreparedInput::new();
+            prepared.prepare(&x, ty);
+            assert!(prepared.block_scales.iter().all(|s| s.abs() == 1.0), "{ty:?}");
+            let row_bytes = ty.row_bytes(n_elems).unwrap();
+            let reference: Vec<f32> = rows
+                .chunks_exact(row_bytes)
+                .map(|row| vec_dot_scalar(ty, row, &prepared))
+                .collect();
+            for family in KernelFamily::available() {
+                let mut out = vec![f32::NAN; n_rows];
+                family.vec_dot_rows(ty, &rows, &prepared, &mut out);
+                assert_eq!(out, reference, "{family:?} {ty:?}");
+            }
+        }
+    }
+
     /// Saturation edge: the largest weight quants against activations of ±127 everywhere.
     #[test]
     fn extreme_quants_do_not_saturate() {
@@ -579,6 +645,12 @@ mod tests {
             GgmlType::Q4_K,
             GgmlType::Q5_K,
             GgmlType::Q6_K,
+            GgmlType::Q5_1,
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::IQ4_NL,
+            GgmlType::IQ4_XS,
+            GgmlType::MXFP4,
         ] {
             for fill in [0x00u8, 0x7f, 0x80, 0xff] {
                 let n_elems = 512;
@@ -587,6 +659,16 @@ mod tests {
                     let one = 0x3c00u16.to_le_bytes();
                     match ty {
                         GgmlType::Q6_K => block[208..210].copy_from_slice(&one),
+                        GgmlType::Q2_K => {
+                            block[80..82].copy_from_slice(&one);
+                            block[82..84].copy_from_slice(&one);
+                        }
+                        GgmlType::Q3_K => block[108..110].copy_from_slice(&one),
+                        GgmlType::MXFP4 => block[0] = 127,
+                        GgmlType::Q5_1 => {
+                            block[..2].copy_from_slice(&one);
+                            block[2..4].copy_from_slice(&one);
+                        }
                         GgmlType::Q4_1 | GgmlType::Q4_K | GgmlType::Q5_K => {
                             block[..2].copy_from_slice(&one);
                             block[2..4].copy_from_slice(&one);
