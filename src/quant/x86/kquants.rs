@@ -22,14 +22,14 @@ const Q6_K_BYTES: usize = 210;
 
 /// The 32 activations starting at element `e` of the input.
 #[inline(always)]
-unsafe fn load_y(x: &PreparedInput, e: usize) -> __m256i {
+pub(super) unsafe fn load_y(x: &PreparedInput, e: usize) -> __m256i {
     _mm256_loadu_si256(x.quants.as_ptr().add(e) as *const __m256i)
 }
 
 /// An i16 scale vector: `lo` for the low 128 bits (elements 0..16 of a 32-byte vector), `hi` for
 /// the high 128 bits.
 #[inline(always)]
-unsafe fn scales_i16(lo: i16, hi: i16) -> __m256i {
+pub(super) unsafe fn scales_i16(lo: i16, hi: i16) -> __m256i {
     _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
 }
 

@@ -20,24 +20,13 @@ use super::super::layout::{
     Q3_K_BLOCK_BYTES, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET,
 };
 use super::super::PreparedInput;
+use super::kquants::{load_y, scales_i16};
 use super::legacy::unpack_nibbles;
 use super::{prefetch_block, read_f16, sum_blocks, ByteDot};
 
 const Q5_1_BYTES: usize = 24;
 const IQ4_NL_BYTES: usize = 18;
 const MXFP4_BYTES: usize = 17;
-
-/// The 32 activations starting at element `e` of the input.
-#[inline(always)]
-unsafe fn load_y(x: &PreparedInput, e: usize) -> __m256i {
-    _mm256_loadu_si256(x.quants.as_ptr().add(e) as *const __m256i)
-}
-
-/// An i16 scale vector: `lo` for elements 0..16 of a 32-byte vector, `hi` for 16..32.
-#[inline(always)]
-unsafe fn scales_i16(lo: i16, hi: i16) -> __m256i {
-    _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo))
-}
 
 /// A 16-entry signed byte table in both 128-bit halves, for `vpshufb` lookups.
 #[inline(always)]
