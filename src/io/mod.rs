@@ -206,28 +206,14 @@ pub const READ_VEC_PIECE_BYTES: usize = 4 << 20;
 /// [`ALIGN_BYTES`]. A buffer too small is replaced by one whose memory is advised into huge
 /// pages before it is first touched ([`advise_huge_pages`]).
 pub fn lay_in_phase(v: &mut Vec<u8>, offset: u64, len: usize) -> usize {
-    let a = ALIGN_BYTES;
-    let need = len + a;
-    if v.capacity() < need {
-        *v = Vec::with_capacity(need);
-        // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
-        let spare = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), need) };
-        advise_huge_pages(spare);
-    }
-    let addr = v.as_ptr() as usize;
-    let at = ((offset % a as u64) as usize + a - addr % a) % a;
-    v.clear();
-    v.resize(at + len, 0);
-    at
+    lay_pieces_in_phase(v, &[Range::new(offset, len)])[0]
 }
 
-/// Lays `v` out for `pieces` read in place (each at its file offset's phase, as
-/// [`in_phase_starts`] places them; sized at its largest so a reused buffer is not reallocated)
-/// and returns where each piece starts. One piece: as [`lay_in_phase`].
+/// Lays `v` out for `pieces` read in place, each at its file offset's phase (as
+/// [`in_phase_starts`] places them), and returns where each starts. A buffer too small for the
+/// largest layout is replaced by one whose memory is advised into huge pages before it is first
+/// touched ([`advise_huge_pages`]), so a reused buffer is not reallocated.
 pub fn lay_pieces_in_phase(v: &mut Vec<u8>, pieces: &[Range]) -> Vec<usize> {
-    if let [one] = pieces {
-        return vec![lay_in_phase(v, one.offset_bytes, one.len_bytes)];
-    }
     let need = in_phase_len_max(pieces, &[]);
     if v.capacity() < need {
         *v = Vec::with_capacity(need);

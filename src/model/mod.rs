@@ -125,6 +125,16 @@ pub fn open_source(path: &Path) -> Result<Source> {
 /// GGUF fuzz target starts here with bytes parsed in memory.)
 pub fn gguf_source(g: GgufFile) -> Result<Source> {
     let tokenizer = TokenizerSpec::Gguf { vocab: gguf_vocab(&g)? };
+    let config = gguf_config(&g)?;
+    Ok(Source {
+        tensors: TensorSource::Gguf(g),
+        config,
+        tokenizer,
+    })
+}
+
+/// A GGUF's config, its vocabulary the embedding's rows (authoritative).
+fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
     let embd = g.tensor("token_embd.weight").ok_or_else(|| Error::MissingTensor {
         path: g.path.clone(),
         tensor: "token_embd.weight".into(),
@@ -135,12 +145,19 @@ pub fn gguf_source(g: GgufFile) -> Result<Source> {
             .into(),
     })?;
     let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
-    let config = ModelConfig::from_gguf(&g, vocab)?;
-    Ok(Source {
-        tensors: TensorSource::Gguf(g),
-        config,
-        tokenizer,
-    })
+    ModelConfig::from_gguf(g, vocab)
+}
+
+/// Only the config of the model at `path` (a .gst's index, a GGUF's metadata, a folder's
+/// config.json): what sizing decisions need, without building its tokenizer.
+pub fn open_config(path: &Path) -> Result<ModelConfig> {
+    if crate::gstfile::is_gst(path) {
+        return GstFile::open(path)?.index.config.clone().validate(path);
+    }
+    if crate::gguf::is_gguf(path) {
+        return gguf_config(&GgufFile::open(path)?);
+    }
+    Ok(open_source(path)?.config)
 }
 
 impl Model {

@@ -20,19 +20,13 @@ pub(crate) enum ActivationFormat {
 }
 
 impl ActivationFormat {
+    /// The activations' blocks span the weights' blocks: float weights take plain f32, blocks
+    /// of 32 take blocks of 32, super-blocks of 256 take Q8_K.
     pub(crate) fn for_weights(ty: GgmlType) -> ActivationFormat {
-        match ty {
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => ActivationFormat::F32,
-            GgmlType::Q4_0
-            | GgmlType::Q4_1
-            | GgmlType::Q5_0
-            | GgmlType::Q5_1
-            | GgmlType::Q8_0
-            | GgmlType::IQ4_NL
-            | GgmlType::MXFP4 => ActivationFormat::Q8Blocks32,
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
-                ActivationFormat::Q8K
-            }
+        match ty.block_elems() {
+            1 => ActivationFormat::F32,
+            super::layout::QK_LEGACY => ActivationFormat::Q8Blocks32,
+            _ => ActivationFormat::Q8K,
         }
     }
 }

@@ -196,7 +196,7 @@ fn auto_placement(
     let model_bytes = std::fs::metadata(path)
         .with_context(|| format!("reading {}", path.display()))?
         .len();
-    let cfg = gatestream::model::open_source(path)?.config;
+    let cfg = gatestream::model::open_config(path)?;
     let positions = context_positions.min(cfg.context_len.max(1));
     let context_bytes = gatestream::kv::KvCache::bytes_for(&cfg, positions)
         + 512 * gatestream::stream::activation_bytes_per_token(&cfg);
