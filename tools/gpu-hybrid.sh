@@ -11,7 +11,10 @@
 #   bash tools/gpu-hybrid.sh [SETS]          # there; carry ["gpucarry", "gpupeer"]
 #
 # SETS (default: "qwen40 qwen70 moe big"): qwen40 / qwen70: Qwen2.5-1.5B-shaped at --vram-budget
-# 40% / 70%; moe: Qwen3-30B-A3B-shaped at 25%; big: Qwen2.5-32B-shaped at 25%. Settings by
+# 40% / 70%; moe: Qwen3-30B-A3B-shaped at 25%; big: Qwen2.5-32B-shaped at 25%; dense:SHAPE:PCT and
+# moe:SHAPE:PCT any shape at any share. A mixture of experts gets two llama.cpp rows: every layer's
+# experts on the CPU, and --n-cpu-moe N holding what the budget holds on the GPU (N from the GGUF's
+# tensor sizes). Models already in MODELS are used as they are; KEEP=1 leaves them there. Settings by
 # environment: GATESTREAM (binary), GPU_DEVICE (cuda; host-standin runs the script here, with no
 # GPU and nothing it prints a GPU's figure), LLAMA_BIN (llama.cpp's binaries; default /tmp/llb
 # from gpupeer/setup.sh), MODELS (where models are written; default /tmp/gsm), TOKENS (32),
@@ -51,11 +54,15 @@ rows="$OUT/rows.tsv"
 : > "$rows"
 
 make() { # SHAPE -> $M/SHAPE.gguf and $M/SHAPE.gst (split layout for dense, experts' sections for MoE)
-    local shape=$1
-    # (the synthetic tokenizer: the GPU machine has no real model to take one from)
-    [ -s "$M/$shape.gguf" ] || "$G" make-model "$M/$shape.gguf" --shape "$shape" --tokenizer synthetic --force >> "$OUT/make.txt" 2>&1 || return 1
-    [ -s "$M/$shape.gst" ] || "$G" reformat "$M/$shape.gguf" "$M/$shape.gst" --ffn-layout split --force >> "$OUT/make.txt" 2>&1 || return 1
+    local shape=$1 f
+    # (the synthetic tokenizer: the GPU machine has no real model to take one from; make-model
+    # writes the .gst itself, in parallel, rather than reformat copying the GGUF)
+    for f in gguf gst; do
+        [ -s "$M/$shape.$f" ] || "$G" make-model "$M/$shape.$f" --shape "$shape" --tokenizer synthetic --force >> "$OUT/make.txt" 2>&1 || return 1
+    done
 }
+
+drop() { [ "${KEEP:-0}" = 1 ] || rm -f "$M/$1".gguf "$M/$1".gst; }
 
 ours() { # LABEL MODEL.gst VRAM HYBRID
     local label=$1 f="$OUT/$1.json"
@@ -106,6 +113,37 @@ EOF
 
 layers_of() { "$G" inspect "$1" --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["config"]["n_layers"])'; }
 
+# (GGUF -> "EXPERT_BYTES TOTAL_BYTES LAYERS", read from its tensor infos: what --n-cpu-moe moves)
+gguf_sizes() { python3 - "$1" <<'EOF'
+import os, struct, sys
+f = open(sys.argv[1], "rb")
+rd = lambda t: struct.unpack("<" + t, f.read(struct.calcsize("<" + t)))[0]
+s = lambda: f.read(rd("Q")).decode()
+W = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+def val(t):
+    if t == 8:
+        return s()
+    if t == 9:
+        et, n = rd("I"), rd("Q")
+        return [val(et) for _ in range(n)]
+    return rd(W[t])
+assert f.read(4) == b"GGUF"
+rd("I"); nt = rd("Q"); nkv = rd("Q")
+align, layers = 32, 0
+for _ in range(nkv):
+    k = s(); v = val(rd("I"))
+    align = v if k == "general.alignment" else align
+    layers = v if k.endswith(".block_count") else layers
+infos = []
+for _ in range(nt):
+    name = s(); nd = rd("I"); [rd("Q") for _ in range(nd)]; rd("I"); infos.append((rd("Q"), name))
+end = os.path.getsize(sys.argv[1]) - (f.tell() + align - 1) // align * align
+infos.sort()
+sz = [((infos[i + 1][0] if i + 1 < len(infos) else end) - o, n) for i, (o, n) in enumerate(infos)]
+print(sum(b for b, n in sz if "_exps" in n), sum(b for b, _ in sz), layers)
+EOF
+}
+
 dense_set() { # NAME SHAPE FRACTION_PERCENT
     local name=$1 shape=$2 pct=$3
     make "$shape" || { log "$name: make-model failed (see make.txt)"; return; }
@@ -120,24 +158,33 @@ dense_set() { # NAME SHAPE FRACTION_PERCENT
     theirs "$name-llama-ngl$ngl" "$M/$shape.gguf" -ngl "$ngl"
 }
 
+moe_set() { # NAME SHAPE FRACTION_PERCENT
+    local name=$1 shape=$2 pct=$3 h
+    late && return
+    make "$shape" || { log "$name: make-model failed (see make.txt)"; drop "$shape"; return; }
+    for h in gpu-stream auto cpu-cold; do
+        log "$name: gatestream --hybrid $h"
+        ours "$name-$h" "$M/$shape.gst" "$pct%" "$h"
+    done
+    local exps total n same
+    read -r exps total n < <(gguf_sizes "$M/$shape.gguf")
+    # (the layers whose experts fit on the GPU beside everything else in PCT of the model)
+    same=$(python3 -c "e,t,n,p=$exps,$total,$n,$pct; k=int(max(0,t*p/100-(t-e))/(e/n)); print(n-min(n,k))")
+    log "$name: llama.cpp -ngl 99 --n-cpu-moe $n (all experts on the CPU) and $same (the budget's GPU memory)"
+    theirs "$name-llama-ncmoe$n" "$M/$shape.gguf" -ngl 99 -ncmoe "$n"
+    [ "$same" != "$n" ] && theirs "$name-llama-ncmoe$same" "$M/$shape.gguf" -ngl 99 -ncmoe "$same"
+    drop "$shape"
+}
+
 for set in $SETS; do
     case $set in
+        dense:*:*) IFS=: read -r _ shape pct <<< "$set"; dense_set "${shape}-$pct" "$shape" "$pct" ;;
+        moe:*:*) IFS=: read -r _ shape pct <<< "$set"; moe_set "${shape}-$pct" "$shape" "$pct" ;;
         qwen40) dense_set qwen40 qwen2.5-1.5b 40 ;;
         qwen70) dense_set qwen70 qwen2.5-1.5b 70 ;;
         # (a 32B GGUF and its .gst take 40 GB of the machine's 64: removed after their runs)
-        big) late || dense_set big qwen2.5-32b 25; rm -f "$M"/qwen2.5-32b.* ;;
-        moe)
-            late && continue
-            make qwen3-30b-a3b || { log "moe: make-model failed"; continue; }
-            for h in gpu-stream auto cpu-cold; do
-                log "moe: gatestream --hybrid $h"
-                ours "moe-$h" "$M/qwen3-30b-a3b.gst" 25% "$h"
-            done
-            n=$(layers_of "$M/qwen3-30b-a3b.gst")
-            log "moe: llama.cpp -ngl 99 --n-cpu-moe $n"
-            theirs moe-llama-ncmoe "$M/qwen3-30b-a3b.gguf" -ngl 99 -ncmoe "$n"
-            rm -f "$M"/qwen3-30b-a3b.*
-            ;;
+        big) late || dense_set big qwen2.5-32b 25; drop qwen2.5-32b ;;
+        moe) moe_set moe qwen3-30b-a3b 25 ;;
         *) log "unknown set $set" ;;
     esac
 done
