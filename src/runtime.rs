@@ -63,7 +63,7 @@ pub struct StreamAsk {
     pub cost: CostSource,
     /// Read the next layer's predicted neurons ahead (sparse only).
     pub lookahead: bool,
-    /// The most tokens per pass (prefill batches); 0 = [`crate::stream::STREAM_BATCH_TOKENS`].
+    /// The most tokens per pass (prefill batches); 0 = [`crate::stream::default_batch_tokens`].
     pub batch_tokens_max: usize,
     /// A GPU's memory budget ([`StreamOptions::vram_budget_bytes`]).
     pub vram_budget_bytes: Option<u64>,
@@ -283,7 +283,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                         n => n,
                     },
                     batch_tokens_max: if ask.batch_tokens_max == 0 {
-                        crate::stream::STREAM_BATCH_TOKENS
+                        crate::stream::default_batch_tokens(ask.budget_bytes, ask.vram_budget_bytes)
                     } else {
                         ask.batch_tokens_max
                     },

@@ -2821,6 +2821,13 @@ fn moe_hybrid(
         if mode == HybridMode::CpuCold && cpu == 0 {
             return Err(format!("{}\n  the CPU computed no expert", lines.join("\n")));
         }
+        // What the device copies (the routed experts, with gpu-stream) comes from page-locked
+        // memory: the expert cache's buffers are locked as they are made.
+        let pinned = l.pinned_bytes as f64 / l.volatile_bytes.max(1) as f64;
+        lines.push(format!("    {:.1}% of the copied bytes from page-locked memory", pinned * 100.0));
+        if l.volatile_bytes > 0 && pinned < 0.999 {
+            return Err(format!("{}\n  copies from pageable memory", lines.join("\n")));
+        }
         rows.insert(
             mode.name().into(),
             serde_json::json!({"mismatched_steps": mis, "max_dlogit_of_range": w, "decode_tok_s": rate,

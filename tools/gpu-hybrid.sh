@@ -14,7 +14,9 @@
 # 40% / 70%; moe: Qwen3-30B-A3B-shaped at 25%; big: Qwen2.5-32B-shaped at 25%; dense:SHAPE:PCT and
 # moe:SHAPE:PCT any shape at any share. A mixture of experts gets two llama.cpp rows: every layer's
 # experts on the CPU, and --n-cpu-moe N holding what the budget holds on the GPU (N from the GGUF's
-# tensor sizes). Models already in MODELS are used as they are; KEEP=1 leaves them there. Settings by
+# tensor sizes). Models already in MODELS are used as they are; KEEP=1 leaves them there. MODES
+# (default "gpu-stream auto cpu-cold"): the --hybrid values run; LLAMA_ROWS=0 leaves llama.cpp's
+# rows out (and its GGUFs unwritten). Settings by
 # environment: GATESTREAM (binary), GPU_DEVICE (cuda; host-standin runs the script here, with no
 # GPU and nothing it prints a GPU's figure), LLAMA_BIN (llama.cpp's binaries; default /tmp/llb
 # from gpupeer/setup.sh), MODELS (where models are written; default /tmp/gsm), TOKENS (32),
@@ -57,7 +59,9 @@ make() { # SHAPE -> $M/SHAPE.gguf and $M/SHAPE.gst (split layout for dense, expe
     local shape=$1 f
     # (the synthetic tokenizer: the GPU machine has no real model to take one from; make-model
     # writes the .gst itself, in parallel, rather than reformat copying the GGUF)
-    for f in gguf gst; do
+    local formats=(gguf gst)
+    [ "${LLAMA_ROWS:-1}" = 0 ] && formats=(gst)
+    for f in "${formats[@]}"; do
         [ -s "$M/$shape.$f" ] || "$G" make-model "$M/$shape.$f" --shape "$shape" --tokenizer synthetic --force >> "$OUT/make.txt" 2>&1 || return 1
     done
 }
@@ -147,13 +151,14 @@ EOF
 dense_set() { # NAME SHAPE FRACTION_PERCENT
     local name=$1 shape=$2 pct=$3
     make "$shape" || { log "$name: make-model failed (see make.txt)"; return; }
-    for h in gpu-stream auto cpu-cold; do
+    for h in ${MODES:-gpu-stream auto cpu-cold}; do
         log "$name: gatestream --hybrid $h"
         ours "$name-$h" "$M/$shape.gst" "$pct%" "$h"
     done
     local n ngl
     n=$(layers_of "$M/$shape.gst")
     ngl=$(( (n * pct + 50) / 100 ))
+    [ "${LLAMA_ROWS:-1}" = 0 ] && return
     log "$name: llama.cpp -ngl $ngl of $n"
     theirs "$name-llama-ngl$ngl" "$M/$shape.gguf" -ngl "$ngl"
 }
@@ -162,11 +167,12 @@ moe_set() { # NAME SHAPE FRACTION_PERCENT
     local name=$1 shape=$2 pct=$3 h
     late && return
     make "$shape" || { log "$name: make-model failed (see make.txt)"; drop "$shape"; return; }
-    for h in gpu-stream auto cpu-cold; do
+    for h in ${MODES:-gpu-stream auto cpu-cold}; do
         log "$name: gatestream --hybrid $h"
         ours "$name-$h" "$M/$shape.gst" "$pct%" "$h"
     done
     local exps total n same
+    [ "${LLAMA_ROWS:-1}" = 0 ] && { drop "$shape"; return; }
     read -r exps total n < <(gguf_sizes "$M/$shape.gguf")
     # (the layers whose experts fit on the GPU beside everything else in PCT of the model)
     same=$(python3 -c "e,t,n,p=$exps,$total,$n,$pct; k=int(max(0,t*p/100-(t-e))/(e/n)); print(n-min(n,k))")

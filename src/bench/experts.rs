@@ -119,6 +119,7 @@ fn replay(
             cache_slots: slots,
             lookahead: false,
             n_used: trace.header.n_used,
+            link: None,
         },
     )?;
     if e.engine == "mmap" {

@@ -174,6 +174,9 @@ struct ExpertCache {
     policy: CachePolicy,
     slots: usize,
     entries: HashMap<(usize, usize), Entry>,
+    /// Evicted buffers something else still held (a weight over them): kept, not freed, until
+    /// they can be reused (a buffer the device page-locked is never freed while locked).
+    retired: Vec<Arc<Vec<u8>>>,
     /// Routing counts of every expert ever routed to (kept after eviction: the frequency
     /// policy ranks by how often an expert is wanted, not by how long it stayed).
     uses: HashMap<(usize, usize), u64>,
@@ -198,8 +201,9 @@ impl ExpertCache {
         while self.entries.len() >= self.slots {
             let Some(k) = self.victim(keep) else { break };
             let e = self.entries.remove(&k).expect("victim present");
-            if let Ok(v) = Arc::try_unwrap(e.bytes) {
-                spare = Some(v);
+            match Arc::try_unwrap(e.bytes) {
+                Ok(v) => spare = Some(v),
+                Err(held) => self.retired.push(held),
             }
         }
         spare
@@ -240,6 +244,17 @@ struct ExpertState {
     spare: Vec<Vec<u8>>,
 }
 
+/// The page-locks of the expert buffers, on a device with memory of its own: it copies each
+/// routed expert from its buffer at every use, and from page-locked memory at the link's pinned
+/// speed (several times the pageable rate). Every buffer is then made at `buf_bytes` (the largest
+/// expert laid out in phase), so it is never reallocated, locked once when made, and unlocked
+/// just before it is freed ([`ExpertStream::release`]).
+struct Pins {
+    link: Option<Arc<dyn crate::backend::HostLink>>,
+    buf_bytes: usize,
+    locks: HashMap<usize, crate::backend::PinnedHost>,
+}
+
 /// The expert half of a [`super::Streamer`] opened on a mixture-of-experts model.
 pub struct ExpertStream {
     pub(crate) parts: Vec<Vec<ExpertPart>>,
@@ -251,6 +266,9 @@ pub struct ExpertStream {
     pub lookahead: bool,
     /// The most experts read ahead per layer (the experts a token uses).
     pub ahead_max: usize,
+    /// Declared before `state`, so dropped first: every lock is released before the buffers
+    /// it covers are freed.
+    pins: Mutex<Pins>,
     state: Mutex<ExpertState>,
 }
 
@@ -260,6 +278,9 @@ pub struct ExpertPlan {
     pub cache_slots: usize,
     pub lookahead: bool,
     pub n_used: usize,
+    /// A device with memory of its own, which page-locks the expert buffers it copies from
+    /// (`None`: a device computing in host memory).
+    pub link: Option<Arc<dyn crate::backend::HostLink>>,
 }
 
 impl ExpertStream {
@@ -294,6 +315,12 @@ impl ExpertStream {
             });
         }
         let expert_bytes = parts.iter().flatten().map(|p| p.len_bytes as u64).max().unwrap_or(0);
+        let buf_bytes = parts
+            .iter()
+            .flatten()
+            .map(|p| crate::io::in_phase_len_max(p.pieces(), &[]))
+            .max()
+            .unwrap_or(0);
         Ok(ExpertStream {
             parts,
             routers,
@@ -303,11 +330,17 @@ impl ExpertStream {
             expert_bytes,
             lookahead: plan.lookahead,
             ahead_max: plan.n_used,
+            pins: Mutex::new(Pins {
+                link: plan.link,
+                buf_bytes,
+                locks: HashMap::new(),
+            }),
             state: Mutex::new(ExpertState {
                 cache: ExpertCache {
                     policy: plan.policy,
                     slots: plan.cache_slots,
                     entries: HashMap::new(),
+                    retired: Vec::new(),
                     uses: HashMap::new(),
                 },
                 step: 0,
@@ -315,6 +348,48 @@ impl ExpertStream {
                 spare: Vec::new(),
             }),
         })
+    }
+
+    /// A buffer for an expert's bytes: a spare one, an evicted one, or a new one (on a device
+    /// that copies from host memory: made at its largest and page-locked).
+    fn take_buf(&self, st: &mut ExpertState, evict: bool) -> Vec<u8> {
+        if let Some(v) = st.spare.pop() {
+            return v;
+        }
+        if evict {
+            if let Some(v) = st.cache.make_room(&[]) {
+                return v;
+            }
+        }
+        let mut pins = self.pins.lock().expect("expert pins");
+        let Some(link) = pins.link.clone() else {
+            return Vec::new();
+        };
+        let mut v = Vec::with_capacity(pins.buf_bytes);
+        // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
+        crate::io::advise_huge_pages(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), pins.buf_bytes) });
+        v.resize(pins.buf_bytes, 0);
+        if let Some(lock) = link.pin_host(&v, true) {
+            pins.locks.insert(v.as_ptr() as usize, lock);
+        }
+        v
+    }
+
+    /// Frees a buffer, its page-lock released first.
+    fn release(&self, v: Vec<u8>) {
+        let lock = self
+            .pins
+            .lock()
+            .expect("expert pins")
+            .locks
+            .remove(&(v.as_ptr() as usize));
+        drop(lock);
+        drop(v);
+    }
+
+    /// Gives buffers back to the spares (after a failed read: nothing is freed while locked).
+    fn give_back(st: &mut ExpertState, bufs: impl IntoIterator<Item = Vec<u8>>) {
+        st.spare.extend(bufs.into_iter().filter(|v| v.capacity() > 0));
     }
 
     /// Runs `compute` on each of layer `l`'s experts `ids` (distinct): first those in the cache
@@ -332,6 +407,13 @@ impl ExpertStream {
     ) -> Result<()> {
         let mut st = self.state.lock().expect("expert state");
         let st = &mut *st;
+        // Evicted buffers nothing holds any longer become spares.
+        for held in std::mem::take(&mut st.cache.retired) {
+            match Arc::try_unwrap(held) {
+                Ok(v) => st.spare.push(v),
+                Err(held) => st.cache.retired.push(held),
+            }
+        }
         st.step += 1;
         let step = st.step;
         let keys: Vec<(usize, usize)> = ids.iter().map(|&e| (l, e)).collect();
@@ -353,7 +435,10 @@ impl ExpertStream {
                 st.spare.push(done.buf);
                 continue;
             }
-            done.result?;
+            if let Err(e) = done.result {
+                st.spare.push(done.buf);
+                return Err(e);
+            }
             let key = (job.layer, job.expert);
             // (Read ahead packed: the expert's pieces back to back from the buffer's first byte.)
             if let Some(v) = st.cache.insert(key, (Arc::new(done.buf), done.starts), step, &keys) {
@@ -400,10 +485,7 @@ impl ExpertStream {
             // Every expert's pieces, and whose piece each is (expert i of the round, piece k).
             let (mut ranges, mut owner) = (Vec::new(), Vec::new());
             for (i, &e) in round.iter().enumerate() {
-                let mut v = match st.spare.pop() {
-                    Some(v) => v,
-                    None => st.cache.make_room(&[]).unwrap_or_default(),
-                };
+                let mut v = self.take_buf(st, true);
                 let p = &self.parts[l][e];
                 let starts = crate::io::lay_pieces_in_phase(&mut v, p.pieces());
                 bufs.push((v, starts));
@@ -466,8 +548,11 @@ impl ExpertStream {
             // SAFETY: each chunk's destination lies in its expert's buffer, which stays where it
             // is (not touched, moved out of `bufs` only once its last chunk has landed, freed
             // only after this call) until every chunk has reported to `done`.
-            unsafe { reader.read_stream(&mut next, &mut done) }?;
-            if let Some(e) = first_err {
+            let read = unsafe { reader.read_stream(&mut next, &mut done) };
+            if let Some(e) = read.err().or(first_err) {
+                // Every buffer back to the spares, those computed on too (when nothing holds them).
+                let landed = ready.into_iter().flatten().filter_map(|(b, _)| Arc::try_unwrap(b).ok());
+                Self::give_back(st, bufs.into_iter().map(|(v, _)| v).chain(landed));
                 return Err(e);
             }
             let wait = (t0.elapsed().as_nanos() as u64).saturating_sub(compute_ns);
@@ -486,7 +571,12 @@ impl ExpertStream {
             }
         }
         // Spare buffers for the lookahead's next reads; the rest go back to the allocator.
-        st.spare.truncate(if self.lookahead { self.ahead_max } else { 0 });
+        let keep = if self.lookahead { self.ahead_max } else { 0 };
+        if st.spare.len() > keep {
+            for v in st.spare.split_off(keep) {
+                self.release(v);
+            }
+        }
         Ok(())
     }
 
@@ -506,7 +596,7 @@ impl ExpertStream {
                 continue;
             }
             let p = &self.parts[layer][e];
-            let buf = st.spare.pop().unwrap_or_default();
+            let buf = self.take_buf(&mut st, false);
             // Packed: the expert's pieces back to back from the buffer's first byte.
             prefetcher.submit(e, p.pieces().to_vec(), buf, super::prefetch::Placement::Packed)?;
             st.ahead.push_back(AheadJob { layer, expert: e });
@@ -654,6 +744,10 @@ impl super::Streamer {
                 cache_slots: slots,
                 lookahead,
                 n_used: moe.n_used,
+                link: match model.device.host_memory() {
+                    true => None,
+                    false => Some(model.device.clone()),
+                },
             },
         )?;
         let mut resident_attn = Vec::with_capacity(cfg.n_layers);

@@ -98,6 +98,18 @@ pub const RAM_UNLIMITED: u64 = u64::MAX;
 /// still serves 32 tokens per read.
 pub const STREAM_BATCH_TOKENS: usize = 32;
 
+/// The default [`StreamOptions::batch_tokens_max`] for a stream with no RAM budget of its own
+/// that serves a GPU under `--vram-budget`: the weights it does not keep cross the link once per
+/// pass, so a prompt's passes are as wide as the in-memory model's
+/// ([`crate::model::generate::PREFILL_BATCH_TOKENS`]); their activations live in the GPU's
+/// budget, which the device's plan counts.
+pub fn default_batch_tokens(budget_bytes: u64, vram_budget_bytes: Option<u64>) -> usize {
+    match (budget_bytes, vram_budget_bytes) {
+        (RAM_UNLIMITED, Some(_)) => crate::model::generate::PREFILL_BATCH_TOKENS,
+        _ => STREAM_BATCH_TOKENS,
+    }
+}
+
 /// Bytes of one token's activations in a pass: the hidden state and its norm, q/k/v, the
 /// attention output, and the FFN's gate, up, hidden and staged activations (f32).
 pub fn activation_bytes_per_token(cfg: &crate::config::ModelConfig) -> u64 {

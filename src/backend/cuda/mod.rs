@@ -233,7 +233,7 @@ impl CudaDevice {
             pool: Arc::new(Pool::default()),
             error,
             uploads: Arc::new(uploads),
-            pinned: Arc::new(Mutex::new(Vec::new())),
+            pinned: Arc::new(Mutex::new(Default::default())),
             map_host: std::sync::atomic::AtomicBool::new(map_host),
             id,
             activations: std::sync::atomic::AtomicU8::new(activations as u8),

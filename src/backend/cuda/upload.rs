@@ -495,8 +495,10 @@ pub(crate) struct Pinned {
     mapped: Option<u64>,
 }
 
-/// The host ranges this device page-locked.
-pub(crate) type PinnedRanges = Arc<Mutex<Vec<Pinned>>>;
+/// The host ranges this device page-locked, by start address (ranges never overlap: the driver
+/// refuses to register memory twice). A mixture of experts registers each expert buffer of its
+/// cache, thousands of ranges, looked up at every copy.
+pub(crate) type PinnedRanges = Arc<Mutex<std::collections::BTreeMap<usize, Pinned>>>;
 
 /// Page-locks `bytes` for copies (see `HostLink::pin_host`), and maps them into the device's
 /// address space when `map` (`HostLink::map_host`); `None` if the driver refuses.
@@ -543,7 +545,7 @@ pub(crate) fn pin_host(
         refilled,
         mapped,
     };
-    ranges.lock().expect("pinned ranges").push(range);
+    ranges.lock().expect("pinned ranges").insert(range.start, range);
     Some(crate::backend::PinnedHost(Box::new(Unpin {
         ctx: ctx.clone(),
         ranges: ranges.clone(),
@@ -566,7 +568,12 @@ unsafe impl Sync for Unpin {}
 
 impl Drop for Unpin {
     fn drop(&mut self) {
-        self.ranges.lock().expect("pinned ranges").retain(|&r| r != self.range);
+        {
+            let mut ranges = self.ranges.lock().expect("pinned ranges");
+            if ranges.get(&self.range.start) == Some(&self.range) {
+                ranges.remove(&self.range.start);
+            }
+        }
         let _ = self.ctx.bind_to_thread();
         // Copies from a range that is not refilled may still be in flight (`copy_pinned` does
         // not wait for them), and kernels may read a mapped one: the device finishes its work
@@ -588,9 +595,10 @@ fn range_of(ranges: &PinnedRanges, bytes: &[u8]) -> Option<Pinned> {
     ranges
         .lock()
         .expect("pinned ranges")
-        .iter()
-        .find(|r| r.start <= lo && hi <= r.start + r.len)
-        .copied()
+        .range(..=lo)
+        .next_back()
+        .map(|(_, r)| *r)
+        .filter(|r| r.start <= lo && hi <= r.start + r.len)
 }
 
 /// Whether `bytes` lie inside one of `ranges`: `Some(refilled)` if so.
@@ -624,20 +632,25 @@ mod tests {
     #[test]
     fn a_mapped_range_gives_device_addresses_inside_it_only() {
         let bytes = [0u8; 64];
-        let ranges: PinnedRanges = Arc::new(Mutex::new(vec![
-            Pinned {
-                start: bytes.as_ptr() as usize,
-                len: 32,
-                refilled: false,
-                mapped: Some(0x7000),
-            },
-            Pinned {
-                start: bytes.as_ptr() as usize + 32,
-                len: 32,
-                refilled: true,
-                mapped: None,
-            },
-        ]));
+        let ranges: PinnedRanges = Arc::new(Mutex::new(
+            [
+                Pinned {
+                    start: bytes.as_ptr() as usize,
+                    len: 32,
+                    refilled: false,
+                    mapped: Some(0x7000),
+                },
+                Pinned {
+                    start: bytes.as_ptr() as usize + 32,
+                    len: 32,
+                    refilled: true,
+                    mapped: None,
+                },
+            ]
+            .into_iter()
+            .map(|r| (r.start, r))
+            .collect(),
+        ));
         assert_eq!(mapped_address(&ranges, &bytes[8..16]), Some(0x7008));
         assert_eq!(pinned_range(&ranges, &bytes[8..16]), Some(false));
         // Pinned but not mapped; and across the two ranges.
