@@ -73,6 +73,10 @@ pub struct Weight {
     /// layer's read buffer): a device with memory of its own copies them at each use and never
     /// keeps a copy by address, which could outlive the bytes it was made of.
     volatile: bool,
+    /// What a volatile weight's bytes are, where the stream can name them (a routed expert:
+    /// its stream and its place in the file): the same key always holds the same bytes, so a
+    /// device may keep a copy by it ([`Weight::keyed`]).
+    content: Option<(u64, u64)>,
 }
 
 impl Weight {
@@ -173,6 +177,7 @@ impl Weight {
             storage,
             offset_bytes,
             volatile: false,
+            content: None,
         })
     }
 
@@ -225,6 +230,7 @@ impl Weight {
             storage: Storage::Mapped(map),
             offset_bytes,
             volatile: false,
+            content: None,
         }
     }
 
@@ -280,6 +286,19 @@ impl Weight {
 
     pub fn is_volatile(&self) -> bool {
         self.volatile
+    }
+
+    /// A volatile weight whose bytes are always those of `(source, at)` — `source` a stream's
+    /// own id, `at` the weight's place in its file — whatever buffer holds them now: a device
+    /// may keep a copy by that key (a GPU's copies of routed experts).
+    pub fn keyed(mut self, source: u64, at: u64) -> Weight {
+        self.content = Some((source, at));
+        self
+    }
+
+    /// The key of [`Weight::keyed`], if any.
+    pub fn content_key(&self) -> Option<(u64, u64)> {
+        self.content
     }
 
     /// Whether the bytes are this process's own memory (not a map of a file, not staged by a

@@ -226,6 +226,9 @@ pub struct LinkCounters {
     /// Activations copied to the device ([`Device::upload`]): a prompt's embeddings, the hybrid
     /// executor's partial FFN outputs, a mask's edited activations.
     pub activation_bytes: u64,
+    /// Volatile weights' bytes a use found in the device's own kept copies
+    /// ([`HostLink::keep_keyed`]): routed experts not copied again.
+    pub kept_bytes: u64,
 }
 
 impl LinkCounters {
@@ -240,6 +243,7 @@ impl LinkCounters {
             to_host_bytes: self.to_host_bytes - o.to_host_bytes,
             host_waits: self.host_waits - o.host_waits,
             activation_bytes: self.activation_bytes - o.activation_bytes,
+            kept_bytes: self.kept_bytes - o.kept_bytes,
         }
     }
 }
@@ -449,6 +453,11 @@ pub trait HostLink: Send + Sync {
     fn pin_host(&self, _bytes: &[u8], _refilled: bool) -> Option<PinnedHost> {
         None
     }
+    /// Lets a device with memory of its own keep copies of keyed volatile weights
+    /// ([`crate::tensor::Weight::keyed`]: routed experts) in up to `bytes` of its memory, the
+    /// least recently used replaced, so a use that finds one copies nothing (a GPU budget's
+    /// room left after the plan). Nothing for a device computing in host memory.
+    fn keep_keyed(&self, _bytes: u64) {}
     /// Page-locks host memory as `pin_host` does and maps it into the device's address space,
     /// so that besides copies at pinned speed, the device's kernels can read weights over it in
     /// place, across the link, without a copy ([`HostLink::in_place`]): the stream's neuron cache,

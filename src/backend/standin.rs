@@ -440,6 +440,8 @@ impl HostLink for HostStandIn {
             // It computes at each call: nothing is left to wait for.
             host_waits: 0,
             activation_bytes: self.uploaded_bytes.load(Ordering::Relaxed),
+            // It keeps no copies of keyed weights.
+            kept_bytes: 0,
         })
     }
 }

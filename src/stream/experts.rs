@@ -30,9 +30,11 @@ use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights};
 use crate::quant::GgmlType;
 use crate::tensor::Weight;
 
-/// One matrix's place inside an expert's pieces: `offset` bytes into piece `piece`.
+/// One matrix's place inside an expert's pieces: `offset` bytes into piece `piece`; `at` its
+/// place in the file.
 #[derive(Clone, Debug)]
 struct MatrixAt {
+    at: u64,
     name: String,
     ty: GgmlType,
     rows: usize,
@@ -90,6 +92,7 @@ impl ExpertPart {
             piece_of[i] = pieces.len() - 1;
         }
         let at = |w: &Weight, i: usize| MatrixAt {
+            at: spans[i].0,
             name: w.name.clone(),
             ty: w.ty,
             rows: w.rows,
@@ -135,8 +138,9 @@ impl ExpertPart {
             .collect()
     }
 
-    /// The expert as weights over its bytes: piece i starts at `starts[i]` in `bytes`.
-    fn weights(&self, bytes: &Arc<Vec<u8>>, starts: &[usize]) -> Result<FfnWeights> {
+    /// The expert as weights over its bytes: piece i starts at `starts[i]` in `bytes`; keyed
+    /// by `source` (the stream's id) and their places in the file, so a device may keep copies.
+    fn weights(&self, bytes: &Arc<Vec<u8>>, starts: &[usize], source: u64) -> Result<FfnWeights> {
         // A cache slot, refilled with another expert when evicted.
         let w = |m: &MatrixAt| {
             Weight::shared_strided(
@@ -148,7 +152,7 @@ impl ExpertPart {
                 starts[m.piece] + m.offset,
                 m.stride,
             )
-            .map(Weight::volatile)
+            .map(|w| w.volatile().keyed(source, m.at))
         };
         Ok(FfnWeights {
             gate: w(&self.gate)?,
@@ -266,6 +270,9 @@ pub struct ExpertStream {
     pub lookahead: bool,
     /// The most experts read ahead per layer (the experts a token uses).
     pub ahead_max: usize,
+    /// This stream's own id, in its experts' content keys ([`Weight::keyed`]): another stream
+    /// on the same device (a draft model's) never shares a key.
+    id: u64,
     /// Declared before `state`, so dropped first: every lock is released before the buffers
     /// it covers are freed.
     pins: Mutex<Pins>,
@@ -330,6 +337,10 @@ impl ExpertStream {
             expert_bytes,
             lookahead: plan.lookahead,
             ahead_max: plan.n_used,
+            id: {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            },
             pins: Mutex::new(Pins {
                 link: plan.link,
                 buf_bytes,
@@ -465,7 +476,7 @@ impl ExpertStream {
             match st.cache.entries.get_mut(k) {
                 Some(entry) => {
                     entry.last_used = step;
-                    let w = self.parts[l][e].weights(&entry.bytes, &entry.starts)?;
+                    let w = self.parts[l][e].weights(&entry.bytes, &entry.starts, self.id)?;
                     if !landed.contains(k) {
                         hits += 1;
                     }
@@ -539,7 +550,10 @@ impl ExpertStream {
                 let (b, starts) = std::mem::take(&mut bufs[i]);
                 let b = Arc::new(b);
                 let e = round[i];
-                if let Err(err) = self.parts[l][e].weights(&b, &starts).and_then(|w| compute(e, &w)) {
+                if let Err(err) = self.parts[l][e]
+                    .weights(&b, &starts, self.id)
+                    .and_then(|w| compute(e, &w))
+                {
                     first_err = Some(err);
                 }
                 ready[i] = Some((b, starts));
@@ -623,7 +637,7 @@ impl ExpertStream {
         for r in part.pieces() {
             bytes.extend(reader.read_vec(r.offset_bytes, r.len_bytes)?);
         }
-        part.weights(&Arc::new(bytes), &part.packed_starts())
+        part.weights(&Arc::new(bytes), &part.packed_starts(), self.id)
     }
 
     /// Experts held now (tests, reports).
@@ -796,7 +810,7 @@ impl super::Streamer {
         // A GPU budget: the plan of a dense model's (see `ModelSizes::plan_device`), with each
         // layer's router and shared expert in the place of its gate (always resident on the
         // host here) and the routed experts' bytes per token in the place of its FFN rows.
-        let device_plan = match opts.vram_budget_bytes {
+        let mut device_plan = match opts.vram_budget_bytes {
             Some(v) => {
                 let sizes = super::residency::ModelSizes {
                     n_layers: n,
@@ -820,7 +834,10 @@ impl super::Streamer {
             }
             None => None,
         };
-        if let Some(plan) = &device_plan {
+        if let Some(plan) = device_plan.as_mut() {
+            // The room the plan leaves keeps copies of the routed experts the device is sent.
+            plan.kept_bytes = plan.budget_bytes.saturating_sub(plan.resident_bytes());
+            model.device.keep_keyed(plan.kept_bytes);
             // What the plan does not keep on the device is copied at each use.
             if !plan.output_resident {
                 output = output.volatile();

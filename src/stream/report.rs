@@ -198,6 +198,8 @@ pub struct LinkReport {
     /// Activation bytes per token copied to the device (the hybrid executor's partial outputs
     /// among them).
     pub activation_bytes_per_token: f64,
+    /// Routed experts' bytes per token the device found in its own kept copies (not copied).
+    pub kept_bytes_per_token: f64,
 }
 
 /// Expert streaming per decoded token (see [`super::experts`]).
@@ -309,6 +311,7 @@ impl StreamReport {
                 to_host_bytes_per_token: l.to_host_bytes as f64 / steps,
                 host_waits_per_token: l.host_waits as f64 / steps,
                 activation_bytes_per_token: l.activation_bytes as f64 / steps,
+                kept_bytes_per_token: l.kept_bytes as f64 / steps,
             }),
             hybrid: s.hybrid_plan().map(|p| HybridReport {
                 plan: p.clone(),

@@ -376,6 +376,9 @@ pub struct DeviceResidency {
     /// What a dense decode step copies to the device under this plan: every weight not
     /// resident there, the FFN rows of every neuron but the hot ones included.
     pub copied_bytes_per_token: u64,
+    /// A mixture of experts: the room the plan leaves, where the device keeps copies of the
+    /// routed experts it was sent, the least recently used replaced (0 for a dense model).
+    pub kept_bytes: u64,
 }
 
 impl ModelSizes {
@@ -466,6 +469,7 @@ impl ModelSizes {
             gate_resident,
             hot_neurons,
             hot_bytes,
+            kept_bytes: 0,
         })
     }
 }
@@ -473,7 +477,12 @@ impl ModelSizes {
 impl DeviceResidency {
     /// Bytes of the device's memory the plan uses.
     pub fn resident_bytes(&self) -> u64 {
-        self.required_bytes + self.output_bytes + self.attention_bytes + self.gate_bytes + self.hot_bytes
+        self.required_bytes
+            + self.output_bytes
+            + self.attention_bytes
+            + self.gate_bytes
+            + self.hot_bytes
+            + self.kept_bytes
     }
 }
 

@@ -76,6 +76,10 @@ impl HostLink for CudaDevice {
         Some(*self.link.lock().expect("link counters"))
     }
 
+    fn keep_keyed(&self, bytes: u64) {
+        self.keep_keyed_bytes(bytes);
+    }
+
     fn pin_host(&self, bytes: &[u8], refilled: bool) -> Option<PinnedHost> {
         self.leave_recording();
         upload::pin_host(&self.ctx, &self.pinned, bytes, refilled, false)

@@ -64,6 +64,8 @@ pub struct CudaDevice {
     uploads: Arc<upload::Uploads>,
     /// Host ranges page-locked for the stream (`HostLink::pin_host`, `map_host`).
     pinned: upload::PinnedRanges,
+    /// Copies of keyed volatile weights (routed experts) kept here (`HostLink::keep_keyed`).
+    kept: Mutex<weights::Kept>,
     /// Whether `map_host` maps (see [`upload::MAP_HOST_ENV`]).
     map_host: std::sync::atomic::AtomicBool,
     /// Which KV buffers are this device's (several devices may live in one process).
@@ -234,6 +236,7 @@ impl CudaDevice {
             error,
             uploads: Arc::new(uploads),
             pinned: Arc::new(Mutex::new(Default::default())),
+            kept: Mutex::new(Default::default()),
             map_host: std::sync::atomic::AtomicBool::new(map_host),
             id,
             activations: std::sync::atomic::AtomicU8::new(activations as u8),

@@ -5,7 +5,87 @@
 use super::*;
 use crate::tensor::Home;
 
+/// A kept copy's key: the weight's content key ([`Weight::keyed`]) and its length.
+type KeptKey = (u64, u64, usize);
+
+/// The device's copies of keyed volatile weights (routed experts), within `cap` bytes, the
+/// least recently used replaced (see [`crate::backend::HostLink::keep_keyed`]).
+#[derive(Default)]
+pub(super) struct Kept {
+    cap: u64,
+    used: u64,
+    tick: u64,
+    /// Each copy, its device address and its last use.
+    copies: std::collections::HashMap<KeptKey, (CudaSlice<u8>, u64, u64)>,
+    /// Last use -> key, oldest first.
+    order: std::collections::BTreeMap<u64, KeptKey>,
+}
+
 impl CudaDevice {
+    /// Lets the device keep copies of keyed volatile weights in up to `bytes` of its memory
+    /// (fewer: the oldest copies go now).
+    pub(super) fn keep_keyed_bytes(&self, bytes: u64) {
+        let mut k = self.kept.lock().expect("kept copies");
+        k.cap = bytes;
+        self.evict_kept(&mut k, 0);
+    }
+
+    /// Frees the oldest copies until `need` more bytes fit (in stream order: launches queued
+    /// before, which may read them, run first; recorded ones are issued first).
+    fn evict_kept(&self, k: &mut Kept, need: u64) {
+        while k.used + need > k.cap {
+            let Some((_, key)) = k.order.pop_first() else { break };
+            if let Some((buf, _, _)) = k.copies.remove(&key) {
+                k.used -= key.2 as u64;
+                self.keep_until_launched(Box::new(buf));
+            }
+        }
+    }
+
+    /// The device address of a kept copy of `key`, marked as just used.
+    fn kept_copy(&self, key: KeptKey) -> Option<u64> {
+        let mut guard = self.kept.lock().expect("kept copies");
+        let k = &mut *guard;
+        k.tick += 1;
+        let tick = k.tick;
+        let (_, ptr, last) = k.copies.get_mut(&key)?;
+        let ptr = *ptr;
+        k.order.remove(last);
+        *last = tick;
+        k.order.insert(tick, key);
+        Some(ptr)
+    }
+
+    /// Keeps a copy of the `key.2` bytes at device address `from` (a use's copy, about to be
+    /// read), copied on the compute stream, where room is made for it.
+    fn keep_copy(&self, key: KeptKey, from: u64) {
+        let mut guard = self.kept.lock().expect("kept copies");
+        let k = &mut *guard;
+        let len = key.2 as u64;
+        if len == 0 || len > k.cap || k.copies.contains_key(&key) {
+            return;
+        }
+        self.evict_kept(k, len);
+        let Some(buf) = self.check(
+            "keeping a copy of a routed expert",
+            self.stream.alloc_zeros::<u8>(key.2),
+        ) else {
+            return;
+        };
+        let to = self.raw(&buf);
+        // SAFETY: both ranges are device memory of `key.2` bytes: `buf` just allocated, `from`
+        // the use's copy, which its holder keeps until after the launches queued on this stream
+        // (this copy among them) have read it.
+        let copied = unsafe { cudarc::driver::result::memcpy_dtod_async(to, from, key.2, self.stream.cu_stream()) };
+        if self.check("keeping a copy of a routed expert", copied).is_none() {
+            return;
+        }
+        k.tick += 1;
+        k.order.insert(k.tick, key);
+        k.copies.insert(key, (buf, to, k.tick));
+        k.used += len;
+    }
+
     /// A device copy of a weight's bytes (copied on first use), by the address of row 0.
     pub(super) fn weight(&self, w: &Weight) -> Option<OnDevice> {
         if !computes_type(w.ty) {
@@ -65,6 +145,19 @@ impl CudaDevice {
             }
             None => {}
         }
+        // A keyed volatile weight (a routed expert) the device kept a copy of: nothing to copy.
+        let key = match (w.is_volatile(), w.content_key()) {
+            (true, Some((source, at))) => Some((source, at, bytes.len())),
+            _ => None,
+        };
+        if let Some(ptr) = key.and_then(|k| self.kept_copy(k)) {
+            self.link.lock().expect("link counters").kept_bytes += bytes.len() as u64;
+            return Some(OnDevice {
+                ptr,
+                _transient: None,
+                _staged: None,
+            });
+        }
         let pinned = match w.is_volatile() && !bytes.is_empty() {
             true => upload::pinned_range(&self.pinned, bytes),
             false => None,
@@ -74,11 +167,16 @@ impl CudaDevice {
             // keep): copied on the copy stream, the host waiting for the copy only where the
             // stream may refill the buffer.
             return match upload::copy_pinned(&self.uploads, bytes, refilled) {
-                Ok((ptr, holder)) => Some(OnDevice {
-                    ptr,
-                    _transient: None,
-                    _staged: Some(holder),
-                }),
+                Ok((ptr, holder)) => {
+                    if let Some(k) = key {
+                        self.keep_copy(k, ptr);
+                    }
+                    Some(OnDevice {
+                        ptr,
+                        _transient: None,
+                        _staged: Some(holder),
+                    })
+                }
                 Err(msg) => {
                     self.fail(format!("{}: {msg}", w.name));
                     None

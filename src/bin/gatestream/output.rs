@@ -187,6 +187,13 @@ impl Report for Outcome {
                         _ => String::new(),
                     },
                     match &r.device_plan {
+                        Some(d) if d.kept_bytes > 0 => format!(
+                            "; device budget {:.1} MB, {:.1} MB of it keeping copies of routed experts, {:.1} MB/token \
+                             of experts found there (not copied)",
+                            mb(d.budget_bytes as f64),
+                            mb(d.kept_bytes as f64),
+                            mb(k.kept_bytes_per_token)
+                        ),
                         Some(d) => format!(
                             "; device budget {:.1} MB, {:.1} MB resident ({:.1} MB of it hot neurons, {:.1} MB/token \
                              computed from them), {:.1} MB/token planned for dense",
