@@ -657,7 +657,10 @@ fn attention_against_blocks(
         .clone();
     let cpu = CpuBackend::new(0);
     let sequences = batch.iter().chain(hist).map(|t| t.0 + 1).max().unwrap_or(0);
-    let was = (dev.attn_tiles(), dev.attn_split());
+    // (Fused launches on, whatever the default: the split's merge by its last block is checked
+    // against the merge in a launch of its own.)
+    let was = (dev.attn_tiles(), dev.attn_split(), dev.fuse());
+    dev.set_fuse(true);
     let mut rng = Rng(31);
     let (mut worst_blocks, mut worst_cpu) = (0f64, 0f64);
     let mut outcome = Ok(());
@@ -709,13 +712,12 @@ fn attention_against_blocks(
         let fused_before = dev.last_block_fusions();
         let tried = run(dev.as_ref());
         if split {
-            // The last split of each head merging (fused launches, the default) against
-            // `attention_merge` launched after the splits: the same bits.
+            // The last split of each head merging (fused launches) against `attention_merge`
+            // launched after the splits: the same bits.
             fused_any |= dev.last_block_fusions() > fused_before;
-            let was_fuse = dev.fuse();
-            dev.set_fuse(!was_fuse);
+            dev.set_fuse(false);
             let other = run(dev.as_ref());
-            dev.set_fuse(was_fuse);
+            dev.set_fuse(true);
             if other != tried {
                 outcome = Err(format!(
                     "attention, heads of {head_dim}: split attention merged by its last split differs from attention_merge's"
@@ -750,6 +752,7 @@ fn attention_against_blocks(
     }
     dev.set_attn_tiles(was.0);
     dev.set_attn_split(was.1);
+    dev.set_fuse(was.2);
     if outcome.is_ok() && split && !fused_any {
         outcome = Err("split attention: no head's splits were merged by the last of them (fused launches)".into());
     }
@@ -2842,7 +2845,10 @@ fn moe_hybrid(
                 s.device_plan.as_ref().map_or(0, |d| d.kept_bytes) as f64 / 1e6
             ));
             if l.kept_bytes == 0 {
-                return Err(format!("{}\n  no expert was found in the device's kept copies", lines.join("\n")));
+                return Err(format!(
+                    "{}\n  no expert was found in the device's kept copies",
+                    lines.join("\n")
+                ));
             }
         }
         rows.insert(
@@ -3219,13 +3225,13 @@ fn qwen_speed(
         (2, rate_with(Activations::F32, false, 2)?),
         (4, rate_with(Activations::F32, false, 4)?),
     ];
-    // The defaults without the fused input blocks (GATESTREAM_CUDA_FUSE=0), and with the
-    // recording launched every N operations (GATESTREAM_CUDA_GRAPH_SPLIT=N).
+    // The defaults with launches fused (GATESTREAM_CUDA_FUSE=1), and with the recording
+    // launched every N operations (GATESTREAM_CUDA_GRAPH_SPLIT=N).
     let was_fuse = dev.fuse();
-    dev.set_fuse(false);
-    let unfused = rate_with(Activations::Auto, true, 1);
+    dev.set_fuse(true);
+    let fused = rate_with(Activations::Auto, true, 1);
     dev.set_fuse(was_fuse);
-    let unfused = unfused?;
+    let fused = fused?;
     // Graphs in parts of N operations (0: whole steps), the default's restored after each.
     let default_split = dev.graph_split();
     let mut by_split = Vec::new();
@@ -3245,7 +3251,7 @@ fn qwen_speed(
          in parts of {default_split} operations, the greedy token found on the GPU; {logits_rate:.1} with the logits copied to the host instead; \
          {gpu_auto_no_graphs:.1} without graphs; f32 activations {gpu_f32_rate:.1}, {gpu_f32_graphs:.1} with graphs; \
          8-bit activations {gpu_q8_rate:.1}; int8 everywhere {gpu_int8_rate:.1}; f32 with 2 rows per warp {:.1}, with 4 {:.1}; \
-         the defaults without fused input blocks {unfused:.1}, with graphs launched every N operations (0: whole steps) {}; \
+         the defaults with launches fused {fused:.1}, with graphs launched every N operations (0: whole steps) {}; \
          no graphs unless said), cpu ({} threads) {cpu_rate:.2} tok/s ({:.1}x); \
          {:.0} MB read per token; device copy bandwidth {:.0} GB/s (read + write) -> bound {bound:.0} tok/s; \
          cuda at {:.0}% of the bound",
@@ -3264,7 +3270,7 @@ fn qwen_speed(
     );
     report.insert(
         "qwen_shaped_decode".into(),
-        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_logits_to_host_tok_s": logits_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_unfused_tok_s": unfused, "cuda_graph_split_tok_s": by_split, "default_graph_split": default_split, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
+        serde_json::json!({"cuda_tok_s": gpu_rate, "cuda_logits_to_host_tok_s": logits_rate, "cuda_default_no_graphs_tok_s": gpu_auto_no_graphs, "cuda_f32_tok_s": gpu_f32_rate, "cuda_f32_graphs_tok_s": gpu_f32_graphs, "cuda_matvec_rows_f32_tok_s": by_rows, "cuda_q8_activations_tok_s": gpu_q8_rate, "cuda_int8_tok_s": gpu_int8_rate, "cuda_fused_tok_s": fused, "cuda_graph_split_tok_s": by_split, "default_graph_split": default_split, "cpu_tok_s": cpu_rate, "bytes_per_token": per_token, "copy_bandwidth_bytes_s": bw, "bound_tok_s": bound}),
     );
     Ok(msg)
 }

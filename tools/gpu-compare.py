@@ -36,9 +36,9 @@ is gatestream faster; each line gives both medians and the median of the per-pai
   split    (not a llama.cpp row) gatestream's decode at depth 512 (as in `depth`) with attention
            split over positions (GATESTREAM_CUDA_ATTN_SPLIT=1, the default) and a block per head
            (=0), A B A B
-  fuse     (not a llama.cpp row) the same decode with launches fused (GATESTREAM_CUDA_FUSE=1, the
-           default: norms, activations, merges in the last blocks of the launch before) and each
-           in a launch of its own (=0), A B A B
+  fuse     (not a llama.cpp row) the same decode with launches fused (GATESTREAM_CUDA_FUSE=1:
+           norms, activations, merges in the last blocks of the launch before) and each in a
+           launch of its own (=0, the default), A B A B
   pdl      (not a llama.cpp row) the same decode with every kernel launched as a programmatic
            dependent of the one before (GATESTREAM_CUDA_PDL=1: its blocks scheduled while that one
            finishes) and plainly (=0, the default), A B A B

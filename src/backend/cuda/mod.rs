@@ -1068,12 +1068,12 @@ mod tests {
     }
 
     #[test]
-    fn fused_input_blocks_are_on_unless_turned_off() {
-        assert!(fuse_asked(None).unwrap());
+    fn fused_launches_are_off_unless_asked_for() {
+        assert!(!fuse_asked(None).unwrap());
         assert!(fuse_asked(Some("on")).unwrap());
         assert!(!fuse_asked(Some(" 0")).unwrap());
         let e = fuse_asked(Some("no")).unwrap_err().to_string();
-        assert!(e.contains("GATESTREAM_CUDA_FUSE=no") && e.contains("or 0"), "{e}");
+        assert!(e.contains("GATESTREAM_CUDA_FUSE=no") && e.contains("or 1"), "{e}");
     }
 
     #[test]

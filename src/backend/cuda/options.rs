@@ -6,7 +6,7 @@
 
 use super::*;
 
-/// `GATESTREAM_CUDA_FUSE`: `1` (or `on`, the default) fuses launches of a decode step that
+/// `GATESTREAM_CUDA_FUSE`: `1` (or `on`) fuses launches of a decode step that
 /// follow each other: RMSNorm (with or without the residual add before it) and the gated
 /// activation write, beside their f32 output, the Q8_K blocks the integer products
 /// (`GATESTREAM_CUDA_ACTIVATIONS` auto or int8) take as input, so one-token products of Q4_K and
@@ -19,9 +19,11 @@ use super::*;
 /// the attention output and down products, the gated activation after the gate and up products —
 /// and the last of split attention's blocks for a head merges the head's splits (a Qwen2.5 layer:
 /// 5 launches, 15 without); so do a batch's (2 to 8 tokens, `matvec_i8n*`: RoPE, the norms and
-/// the gated activation, a warp of the last block a token; 5 launches a layer too). The same bytes as the launches they replace. `0` (`off`): each in a launch of its
-/// own. Blocks are made for rows of a multiple of 256 values (a token's or a batch's, which the
-/// integer batches and tiles take too), once an integer product has run.
+/// the gated activation, a warp of the last block a token; 5 launches a layer too). The same bytes as the launches they replace. `0` (`off`, the
+/// default): each in a launch of its own — on an H200 a Qwen2.5-1.5B-shaped decode step ran 10%
+/// faster so (docs/RESULTS.md section 4). Blocks are made for rows of a multiple of 256 values
+/// (a token's or a batch's, which the integer batches and tiles take too), once an integer
+/// product has run.
 pub const FUSE_ENV: &str = "GATESTREAM_CUDA_FUSE";
 
 /// `GATESTREAM_CUDA_MMA`: `1` (or `on`, the default) multiplies several tokens at once (prompts,
@@ -97,11 +99,11 @@ pub fn mma_asked(value: Option<&str>) -> Result<bool> {
 
 /// Whether [`FUSE_ENV`] asks for fused launches (`value`: the variable's value).
 pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
-    switch_asked(
+    switch_off_asked(
         FUSE_ENV,
         value,
-        "norms and activations write the integer products' input blocks, RoPE the KV cache",
         "each in a launch of its own",
+        "norms and activations write the integer products' input blocks, RoPE the KV cache",
     )
 }
 
