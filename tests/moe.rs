@@ -892,18 +892,67 @@ fn streamed_experts_feed_a_device_with_memory_of_its_own() {
             );
             // What the plan does not keep of the resident weights (attention; each layer's
             // router, with its shared expert's three matrices where there is one) is copied from
-            // page-locked memory: one locked range each, and those copies are page-locked bytes.
+            // page-locked memory: one locked range each; and so are the routed experts, from the
+            // expert cache's buffers, each locked once when made. Every copied byte is
+            // page-locked.
             let shared = usize::from(matches!(arch, Arch::Qwen2Moe));
             let unkept = 4 * plan.attention_resident.iter().filter(|&&k| !k).count()
                 + (1 + 3 * shared) * plan.gate_resident.iter().filter(|&&k| !k).count();
-            assert_eq!(dev.pinned_ranges(), unkept, "{arch:?}: {plan:?}");
+            let buffers = s.experts.as_ref().unwrap().locked_buffers();
+            assert!(buffers > 0, "{arch:?}: no expert buffer was locked");
+            assert_eq!(dev.pinned_ranges(), unkept + buffers, "{arch:?}: {plan:?}");
             assert!(
-                step.pinned_bytes > 0 && step.pinned_bytes < step.volatile_bytes,
+                step.pinned_bytes > 0 && step.pinned_bytes == step.volatile_bytes,
                 "{arch:?}: {step:?}"
             );
             drop(s);
             assert_eq!(dev.pinned_ranges(), 0, "{arch:?}: the locks go with the stream");
         }
+    }
+}
+
+/// A GPU budget's stream with no RAM budget of its own holds the whole model in host RAM: every
+/// expert is read into the cache at open (not on a prompt's first passes), and a prompt then
+/// reads nothing from the file; the same logits as in RAM, bit for bit.
+#[test]
+fn a_gpu_budget_without_a_ram_budget_reads_every_expert_at_open() {
+    use gatestream::backend::standin::HostStandIn;
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a little dog";
+    for arch in ARCHS {
+        let gst = random_gst(tmp.path(), arch);
+        let reference = prompt_then_greedy(&load(&gst), None, None, text, 4);
+        let opts = |v: u64| StreamOptions {
+            vram_budget_bytes: Some(v),
+            ..stream_options(
+                gatestream::stream::RAM_UNLIMITED,
+                ReadEngine::Uring,
+                CachePolicy::Lru,
+                false,
+            )
+        };
+        let m = Model::load_on(&gst, &on_disk(), Arc::new(HostStandIn::new(0))).unwrap();
+        let e = Streamer::open(&m, &opts(0)).err().expect("refused").to_string();
+        let vram = budget_in_refusal(&e) + std::fs::metadata(&gst).unwrap().len() / 8;
+        let s = Streamer::open(&m, &opts(vram)).unwrap();
+        let x = s.experts.as_ref().unwrap();
+        assert_eq!(x.cached(), x.experts_total(), "{arch:?}: experts held at open");
+        let before = s.counters();
+        let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+        assert!(
+            got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{arch:?}: differs from in RAM"
+        );
+        let c = s.counters();
+        assert_eq!(
+            c.ffn_reads, before.ffn_reads,
+            "{arch:?}: experts read after open: {c:?}"
+        );
+        assert_eq!(
+            c.cache_hits - before.cache_hits,
+            c.cache_lookups - before.cache_lookups,
+            "{arch:?}: {c:?}"
+        );
     }
 }
 

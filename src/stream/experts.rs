@@ -640,6 +640,11 @@ impl ExpertStream {
         part.weights(&Arc::new(bytes), &part.packed_starts(), self.id)
     }
 
+    /// Expert buffers the device page-locked (tests).
+    pub fn locked_buffers(&self) -> usize {
+        self.pins.lock().expect("expert pins").locks.len()
+    }
+
     /// Experts held now (tests, reports).
     pub fn cached(&self) -> usize {
         self.state.lock().expect("expert state").cache.entries.len()
@@ -877,9 +882,27 @@ impl super::Streamer {
                     [&f.gate, &f.up, down]
                 })),
         );
+        let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
+        // Without a RAM budget of its own (a GPU budget's stream, the model held in host RAM)
+        // every expert fits the cache: all are read now, a layer's in one pipeline of reads, as
+        // a dense model's rows are held at open, rather than on a prompt's first passes.
+        if opts.budget_bytes == super::RAM_UNLIMITED && slots >= total_experts {
+            let mut c = super::report::Counters::default();
+            let ids: Vec<usize> = (0..moe.n_experts).collect();
+            for l in 0..n {
+                experts.run(
+                    l,
+                    &ids,
+                    fg.as_ref(),
+                    &prefetcher,
+                    max_read_bytes as usize,
+                    &mut c,
+                    &mut |_, _| Ok(()),
+                )?;
+            }
+        }
         fg.reset_stats();
         bg.reset_stats();
-        let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
         Ok(super::Streamer {
             batch_tokens_max: opts.batch_tokens_max.max(1),
             kv_positions: opts.kv_positions,
