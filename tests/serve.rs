@@ -1,8 +1,10 @@
 //! `gatestream serve` run as a user runs it (the binary, on a free port of 127.0.0.1), spoken to
 //! over plain HTTP/1.1: OpenAI's endpoints, server-sent events, stop strings, errors, a full
 //! queue, a client that goes away, SIGTERM; and eight concurrent greedy requests, each of which
-//! must give exactly the text it gives when run alone in this process. The official `openai`
-//! Python client is tested against the same server by `tests/openai_client.py` (`.ci/run`).
+//! must give exactly the text it gives when run alone in this process; the chat page at `/`
+//! (served, or off with `--no-webui`) and the figures `/stats` gives it, in RAM and streamed.
+//! The official `openai` Python client is tested against the same server by
+//! `tests/openai_client.py`, and the chat page in a real browser by `tests/webui.py` (`.ci/run`).
 
 mod common;
 
@@ -94,6 +96,12 @@ impl Server {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn stats(&self) -> Value {
+        let (status, _, text) = self.get("/stats");
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str(&text).unwrap()
     }
 
     fn metric(&self, name: &str) -> f64 {
@@ -241,6 +249,52 @@ fn serve_speaks_openai_and_batched_requests_equal_each_alone() {
         chunks[chunks.len() - 2]["choices"][0]["finish_reason"],
         whole["choices"][0]["finish_reason"]
     );
+
+    // The chat page, and the figures /stats gives it: each reply's, found by its response's id.
+    let (status, head, page) = s.get("/");
+    assert_eq!(status, 200);
+    let head = head.to_ascii_lowercase();
+    assert!(head.contains("content-type: text/html; charset=utf-8"), "{head}");
+    assert!(
+        head.contains("content-security-policy: default-src 'none'; script-src 'nonce-"),
+        "{head}"
+    );
+    assert!(page.contains("<title>gatestream</title>") && page.contains("/v1/chat/completions"));
+    assert!(!page.contains("__CSP_NONCE__"), "the nonce was not filled in");
+    let st = s.stats();
+    assert_eq!(st["ready"], true);
+    assert_eq!(st["streaming"], false);
+    assert!(st["ram_budget_bytes"].is_null() && st["disk_bytes_per_s"].is_null() && st["cache"].is_null());
+    assert_eq!(st["parallel"], 8);
+    assert_eq!(st["ctx"], 512);
+    assert_eq!(
+        st["generated_tokens_total"].as_f64().unwrap(),
+        s.metric("generated_tokens_total")
+    );
+    assert!(st["rss_bytes"].as_u64().unwrap() > 50 << 20, "{st}");
+    let replies = st["replies"].as_array().unwrap();
+    // The eight completions, then the chat whole and streamed.
+    assert_eq!(replies.len(), 10, "{st}");
+    for (r, id) in [(&whole, &whole["id"]), (&whole, &chunks[0]["id"])] {
+        let f = replies
+            .iter()
+            .find(|f| &f["id"] == id)
+            .unwrap_or_else(|| panic!("no {id} in {st}"));
+        assert_eq!(f["completion_tokens"], r["usage"]["completion_tokens"], "{f}");
+        assert_eq!(f["prompt_tokens"], r["usage"]["prompt_tokens"], "{f}");
+        assert_eq!(f["finish"], "stop_token", "{f}");
+        assert!(f["tok_per_s"].as_f64().unwrap() > 0.0, "{f}");
+        assert_eq!(f["disk_bytes_per_token"], 0.0, "{f}");
+        assert!(f["cache_hit_rate"].is_null(), "{f}");
+        // Alone: one sequence in each of its steps.
+        assert_eq!(f["batch_width_mean"], 1.0, "{f}");
+    }
+    // The batched completions shared their steps.
+    let widest = replies
+        .iter()
+        .map(|f| f["batch_width_mean"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(widest > 1.5, "{st}");
 
     // A conversation with a system message and an earlier assistant turn: the chat template's
     // text, as `run --chat` would encode it for the same turns.
@@ -553,4 +607,48 @@ fn a_model_that_fails_to_load_ends_the_server() {
         stderr.contains("--parallel 40") && stderr.contains("32 tokens"),
         "{stderr}"
     );
+}
+
+/// `--no-webui`: `/` is 404, the API and `/stats` unchanged. Streamed under a RAM budget, `/stats`
+/// has the stream's figures: its budget, the disk's bandwidth, disk bytes per token and the read
+/// rate of each reply.
+#[test]
+fn no_webui_turns_the_page_off_and_stats_show_the_stream() {
+    let s = Server::start(&[
+        "--no-webui",
+        "--ram-budget",
+        "64M",
+        "--parallel",
+        "1",
+        "--ctx-size",
+        "256",
+    ]);
+    let (status, _, body) = s.get("/");
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("not_found"), "{body}");
+    let (status, r) = s.post(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{r}");
+    assert!(r["choices"][0]["text"].as_str().unwrap().contains("Paris"), "{r}");
+    let st = s.stats();
+    assert_eq!(st["streaming"], true, "{st}");
+    assert_eq!(st["ram_budget_bytes"], 64_000_000, "{st}");
+    assert!(st["disk_bytes_per_s"].as_f64().unwrap() > 0.0, "{st}");
+    // Dense streaming of a GGUF keeps whole matrices, no neuron cache.
+    assert!(st["cache"].is_null(), "{st}");
+    assert_eq!(st["cache_lookups_total"], 0, "{st}");
+    let disk = st["disk_bytes_total"].as_f64().unwrap();
+    assert!(disk > 0.0, "{st}");
+    assert_eq!(disk, s.metric("disk_bytes_total"));
+    let f = &st["replies"][0];
+    assert_eq!(f["id"], r["id"], "{st}");
+    assert_eq!(f["completion_tokens"], 6, "{f}");
+    assert_eq!(f["finish"], "max_tokens", "{f}");
+    // Dense streaming reads what is not resident once a pass: about that many bytes a token, and
+    // no more than the whole run read.
+    let per_token = f["disk_bytes_per_token"].as_f64().unwrap();
+    assert!(per_token > 1e6 && per_token * 5.0 <= disk, "{f} of {disk}");
+    assert!(f["read_bytes_per_s"].as_f64().unwrap() > 0.0, "{f}");
 }

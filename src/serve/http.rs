@@ -1,10 +1,12 @@
 //! The routes: OpenAI's `/v1/models`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE),
-//! the seeds' `/v1/infer`, llama-server's `/tokenize`, `/detokenize`, `/health`, and `/metrics`.
+//! the seeds' `/v1/infer`, llama-server's `/tokenize`, `/detokenize`, `/health`, `/metrics`,
+//! `/stats` (the figures the chat page shows, as JSON), and the chat page at `/` (unless
+//! `--no-webui`).
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -24,7 +26,11 @@ use crate::engine::Request;
 use crate::model::generate::Finish;
 
 pub(crate) async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> crate::Result<()> {
-    let app = Router::new()
+    let mut app = Router::new();
+    if state.opts.webui {
+        app = app.route("/", get(|| async { super::webui::page() }));
+    }
+    let app = app
         .route("/health", get(health))
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
@@ -33,6 +39,7 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/metrics", get(metrics))
+        .route("/stats", get(stats))
         .fallback(|| async {
             error(
                 ApiError {
@@ -142,6 +149,7 @@ fn submit(
     l: &Loaded,
     mode: Mode,
     req: Request,
+    id: String,
 ) -> Result<(UnboundedReceiver<Out>, Ticket), ApiError> {
     if mode == Mode::Sparse && !l.sparse {
         return Err(ApiError::invalid(
@@ -164,6 +172,8 @@ fn submit(
             mode,
             request: req,
             out: tx,
+            id,
+            at: Instant::now(),
         }))
         .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
     Ok((rx, ticket))
@@ -474,8 +484,8 @@ async fn generate(
     let mut req = api::request(sampling, ids, default_max, logprobs, top_logprobs, any_seed(st))?;
     req.lookup = st.opts.lookup;
     let prompt_tokens = req.prompt_ids.len();
-    let (rx, ticket) = submit(st, &l, mode, req)?;
-    let reply = Reply::new(st, kind, l, prompt_tokens, logprobs, sampling.include_usage());
+    let reply = Reply::new(st, kind, l.clone(), prompt_tokens, logprobs, sampling.include_usage());
+    let (rx, ticket) = submit(st, &l, mode, req, reply.id.clone())?;
     answer(reply, rx, ticket, sampling.stream()).await
 }
 
@@ -583,7 +593,8 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
     for &m in &modes {
         let mut req = api::request(&sampling, ids.clone(), 0, false, b.top, 0)?;
         req.lookup = st.opts.lookup;
-        pending.push((m, submit(st, &l, m, req)?));
+        let id = format!("infer-{}", st.next_id.fetch_add(1, Ordering::Relaxed));
+        pending.push((m, submit(st, &l, m, req, id)?));
     }
     let tokenizer = &l.rt.model.tokenizer;
     let piece = |t: u32| String::from_utf8_lossy(tokenizer.piece(t).unwrap_or_default()).into_owned();
@@ -670,7 +681,7 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let admitted = st.admitted.load(Ordering::Relaxed) as f64;
     // One row per metric: name, type, help, value.
     #[rustfmt::skip]
-    let rows: [(&str, &str, &str, f64); 18] = [
+    let rows: [(&str, &str, &str, f64); 20] = [
         ("requests_total", "counter", "Requests accepted.", get(&m.requests) as f64),
         ("requests_rejected_total", "counter", "Requests answered 503 because the queue was full.", get(&m.rejected) as f64),
         ("requests_finished_total", "counter", "Requests that ended (at a stop, a limit, or cancelled).", get(&m.finished) as f64),
@@ -689,6 +700,8 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         ("admitted", "gauge", "Requests queued or running.", admitted),
         ("draft_tokens_total", "counter", "Draft tokens verified (--lookup or --draft).", get(&m.drafted) as f64),
         ("draft_tokens_accepted_total", "counter", "Draft tokens kept.", get(&m.accepted) as f64),
+        ("cache_lookups_total", "counter", "Streamed FFN neurons (or routed experts) the passes needed (0 in RAM).", get(&m.cache_lookups) as f64),
+        ("cache_hits_total", "counter", "Of those, the ones the neuron (expert) cache served.", get(&m.cache_hits) as f64),
     ];
     let s: String = rows
         .iter()
@@ -697,4 +710,51 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         })
         .collect();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s).into_response()
+}
+
+/// `/stats`: what the chat page shows beside the chat, as one JSON object. Counters since start
+/// (a client takes differences between two reads for rates now), gauges, the stream's budget and
+/// the disk's bandwidth its plan assumes, and the last requests that ended ([`super::ReplyFigures`]).
+async fn stats(State(st): State<Arc<AppState>>) -> Response {
+    let m = &st.metrics;
+    let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let steps = get(&m.steps);
+    let loaded = st.loaded().ok();
+    let stream = loaded.as_ref().and_then(|l| l.rt.stream.as_ref());
+    let replies: Vec<super::ReplyFigures> = m.replies.lock().expect("replies").iter().cloned().collect();
+    Json(json!({
+        "model": st.opts.model_id,
+        "ready": loaded.is_some(),
+        "streaming": stream.is_some(),
+        // What the stream's cache holds: a mixture of experts' routed experts, or FFN neurons;
+        // null in RAM and where the stream keeps no cache (dense streaming of a GGUF).
+        "cache": stream.and_then(|s| if s.experts.is_some() {
+            Some("experts")
+        } else {
+            s.residency.cache_neurons.iter().any(|&n| n > 0).then_some("neurons")
+        }),
+        "parallel": st.opts.parallel,
+        "ctx": loaded.as_ref().map(|l| l.ctx),
+        "running": get(&m.running),
+        "queue_depth": get(&m.queued),
+        "batch_width": get(&m.batch_width),
+        "batch_width_mean": get(&m.step_sequences) as f64 / steps.max(1) as f64,
+        "requests_total": get(&m.requests),
+        "requests_cancelled_total": get(&m.cancelled),
+        "prompt_tokens_total": get(&m.prompt_tokens),
+        "generated_tokens_total": get(&m.generated_tokens),
+        "steps_total": steps,
+        "step_seconds_total": get(&m.step_ns) as f64 / 1e9,
+        "disk_bytes_total": get(&m.disk_bytes),
+        // The sequential bandwidth the stream's plan uses: probed at start-up, this machine's
+        // default, or --cost-model's.
+        "disk_bytes_per_s": stream.map(|s| s.cost.bytes_per_us * 1e6),
+        "cache_lookups_total": get(&m.cache_lookups),
+        "cache_hits_total": get(&m.cache_hits),
+        "rss_bytes": crate::stream::rss_bytes(),
+        "peak_rss_bytes": crate::stream::peak_rss_bytes(),
+        "ram_budget_bytes": stream.map(|s| s.residency.budget_bytes),
+        "replies": replies,
+    }))
+    .into_response()
 }

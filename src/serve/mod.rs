@@ -2,8 +2,9 @@
 //! batching, so every sequence decoding in a step shares each byte the step streams from disk.
 //!
 //! Owns: the HTTP surface (`http`: routes, SSE, errors in OpenAI's shape, limits, metrics), the
-//! request bodies and their checks (`api`), and the engine thread (`worker`) that admits
-//! requests, steps the engines and hands tokens to each request's channel. Does not own the
+//! request bodies and their checks (`api`), the chat page at `/` (`webui`), and the engine
+//! thread (`worker`) that admits requests, steps the engines and hands tokens to each request's
+//! channel. Does not own the
 //! model's assembly (the caller opens the [`Runtime`]: the binary, as for `run`), generation
 //! (`engine`) or sampling rules (`sampler`).
 //!
@@ -14,11 +15,13 @@
 
 pub mod api;
 mod http;
+mod webui;
 mod worker;
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -50,6 +53,8 @@ pub struct ServeOptions {
     pub shutdown_grace: Duration,
     /// Draft tokens per request and step by prompt lookup (0 = off).
     pub lookup: usize,
+    /// Whether `GET /` serves the chat page (`--no-webui` turns it off; the API is the same).
+    pub webui: bool,
 }
 
 /// What `/metrics` reports (Prometheus text format).
@@ -76,6 +81,55 @@ pub struct Metrics {
     /// Prompt-lookup draft tokens verified and kept.
     pub drafted: AtomicU64,
     pub accepted: AtomicU64,
+    /// Streaming: the FFN neurons (or a mixture of experts' routed experts) the passes needed,
+    /// and how many the cache served (0 in RAM).
+    pub cache_lookups: AtomicU64,
+    pub cache_hits: AtomicU64,
+    /// The last [`REPLIES_KEPT`] requests that ended, oldest first (`/stats`).
+    pub replies: Mutex<VecDeque<ReplyFigures>>,
+}
+
+/// How many ended requests `/stats` lists.
+pub const REPLIES_KEPT: usize = 32;
+
+/// One ended request's figures (`/stats`; the chat page shows its own reply's). Its decode steps
+/// are the steps it took part in after its first token (the prompt's passes left out).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReplyFigures {
+    /// The response's `id` (`chatcmpl-…`, `cmpl-…`; `infer-…` for `/v1/infer`).
+    pub id: String,
+    /// How it ended (`stop_token`, `max_tokens`, `context_full`, `cancelled`, `stop_string`).
+    pub finish: &'static str,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Seconds waiting for a slot, in the prompt's passes, and from then to the end.
+    pub queued_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Tokens sampled in decode passes, and their rate (`decode_tokens / decode_s`).
+    pub decode_tokens: usize,
+    pub tok_per_s: f64,
+    /// Disk bytes of its decode steps, each step's bytes shared equally among the requests in
+    /// it, per decode token (0 in RAM).
+    pub disk_bytes_per_token: f64,
+    /// All the bytes its decode steps read over their time: the read rate while it decoded.
+    pub read_bytes_per_s: f64,
+    /// Of the neurons (experts) its decode steps needed, the share the cache served; `None`
+    /// where nothing was looked up (in RAM).
+    pub cache_hit_rate: Option<f64>,
+    /// Sequences per decode step, averaged over its steps.
+    pub batch_width_mean: f64,
+}
+
+impl Metrics {
+    /// Keeps `r` among the last [`REPLIES_KEPT`].
+    pub(crate) fn record_reply(&self, r: ReplyFigures) {
+        let mut q = self.replies.lock().expect("replies");
+        if q.len() == REPLIES_KEPT {
+            q.pop_front();
+        }
+        q.push_back(r);
+    }
 }
 
 /// The model, once loaded.

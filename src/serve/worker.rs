@@ -11,8 +11,8 @@ use crossbeam_channel::Receiver;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::Mode;
-use super::Metrics;
-use crate::engine::{Engine, Event, Request, RequestId};
+use super::{Metrics, ReplyFigures};
+use crate::engine::{Engine, Event, Request, RequestId, RequestStats};
 use crate::error::{Error, Result};
 use crate::model::generate::Finish;
 use crate::runtime::Runtime;
@@ -30,6 +30,10 @@ pub(crate) struct Submission {
     pub mode: Mode,
     pub request: Request,
     pub out: UnboundedSender<Out>,
+    /// The response's id, for the request's figures ([`ReplyFigures`]).
+    pub id: String,
+    /// When the HTTP side handed it over (its time in the queue starts here).
+    pub at: Instant,
 }
 
 /// What a request's channel carries.
@@ -59,6 +63,47 @@ struct Client {
     completion_tokens: usize,
     disk_bytes: f64,
     cancelled: bool,
+    id: String,
+    prompt_tokens: usize,
+    queued_s: f64,
+    /// Whether it had a token before the step now running (a decode step for it).
+    decoding: bool,
+    /// Its decode steps: how many, sequences in them, their seconds, all the bytes they read,
+    /// its share of those bytes, the cache's lookups and hits in them.
+    decode: DecodeSteps,
+}
+
+#[derive(Default)]
+struct DecodeSteps {
+    steps: u64,
+    sequences: u64,
+    seconds: f64,
+    bytes: u64,
+    share: f64,
+    lookups: u64,
+    hits: u64,
+}
+
+impl Client {
+    fn figures(&self, finish: Finish, stats: &RequestStats) -> ReplyFigures {
+        let d = &self.decode;
+        let per_s = |x: f64, s: f64| if s > 0.0 { x / s } else { 0.0 };
+        ReplyFigures {
+            id: self.id.clone(),
+            finish: finish.name(),
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            queued_s: self.queued_s,
+            prefill_s: stats.prefill_s,
+            decode_s: stats.decode_s,
+            decode_tokens: stats.decode_tokens,
+            tok_per_s: per_s(stats.decode_tokens as f64, stats.decode_s),
+            disk_bytes_per_token: d.share / stats.decode_tokens.max(1) as f64,
+            read_bytes_per_s: per_s(d.bytes as f64, d.seconds),
+            cache_hit_rate: (d.lookups > 0).then(|| d.hits as f64 / d.lookups as f64),
+            batch_width_mean: d.sequences as f64 / d.steps.max(1) as f64,
+        }
+    }
 }
 
 /// Engine settings from the command line.
@@ -71,6 +116,15 @@ pub(crate) struct Limits {
 
 fn disk_bytes(rt: &Runtime) -> u64 {
     rt.stream.as_ref().map_or(0, |s| s.read_stats().bytes_device)
+}
+
+/// The stream's cache lookups and hits so far ((0, 0) in RAM). Read between steps: no pass holds
+/// the stream's state then.
+fn cache_counts(rt: &Runtime) -> (u64, u64) {
+    rt.stream.as_ref().map_or((0, 0), |s| {
+        let c = s.counters();
+        (c.cache_lookups, c.cache_hits)
+    })
 }
 
 /// Builds the engines, calls `ready`, then runs until `Quit` or until every sender is gone.
@@ -181,6 +235,11 @@ pub(crate) fn run(
                             completion_tokens: 0,
                             disk_bytes: 0.0,
                             cancelled: false,
+                            id: s.id,
+                            prompt_tokens,
+                            queued_s: s.at.elapsed().as_secs_f64(),
+                            decoding: false,
+                            decode: DecodeSteps::default(),
                         },
                     );
                 }
@@ -198,6 +257,10 @@ pub(crate) fn run(
                 continue;
             }
             let bytes0 = disk_bytes(rt);
+            let cache0 = cache_counts(rt);
+            for (_, c) in clients.iter_mut().filter(|((ce, _), _)| *ce == e) {
+                c.decoding = c.completion_tokens > 0;
+            }
             let drafts0 = engine.drafts();
             let t = Instant::now();
             let stepped = engine.step();
@@ -207,14 +270,27 @@ pub(crate) fn run(
             metrics.steps.fetch_add(1, Ordering::Relaxed);
             metrics.step_sequences.fetch_add(members as u64, Ordering::Relaxed);
             metrics.batch_width.store(members as u64, Ordering::Relaxed);
-            metrics
-                .step_ns
-                .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let seconds = t.elapsed();
+            metrics.step_ns.fetch_add(seconds.as_nanos() as u64, Ordering::Relaxed);
             let read = disk_bytes(rt) - bytes0;
             metrics.disk_bytes.fetch_add(read, Ordering::Relaxed);
+            let cache1 = cache_counts(rt);
+            let (lookups, hits) = (cache1.0 - cache0.0, cache1.1 - cache0.1);
+            metrics.cache_lookups.fetch_add(lookups, Ordering::Relaxed);
+            metrics.cache_hits.fetch_add(hits, Ordering::Relaxed);
             let share = read as f64 / members as f64;
             for (_, c) in clients.iter_mut().filter(|((ce, _), _)| *ce == e) {
                 c.disk_bytes += share;
+                if c.decoding {
+                    let d = &mut c.decode;
+                    d.steps += 1;
+                    d.sequences += members as u64;
+                    d.seconds += seconds.as_secs_f64();
+                    d.bytes += read;
+                    d.share += share;
+                    d.lookups += lookups;
+                    d.hits += hits;
+                }
             }
             match stepped {
                 Ok(events) => {
@@ -272,10 +348,14 @@ fn route(ev: Event, e: usize, clients: &mut HashMap<(usize, RequestId), Client>,
             }
         }
         Event::Finished {
-            request, finish, text, ..
+            request,
+            finish,
+            text,
+            stats,
         } => {
             if let Some(c) = clients.remove(&(e, request)) {
                 metrics.finished.fetch_add(1, Ordering::Relaxed);
+                metrics.record_reply(c.figures(finish, &stats));
                 let _ = c.out.send(Out::Done {
                     finish,
                     text,

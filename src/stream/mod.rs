@@ -29,7 +29,9 @@ pub mod report;
 pub mod residency;
 mod rows;
 
-pub use report::{peak_rss_bytes, release_free_memory, reset_peak_rss, Counters, LookaheadReport, StreamReport};
+pub use report::{
+    peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes, Counters, LookaheadReport, StreamReport,
+};
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

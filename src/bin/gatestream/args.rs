@@ -139,7 +139,8 @@ pub(crate) enum Command {
     /// sequence in the step. Endpoints: GET /v1/models, POST /v1/completions and
     /// /v1/chat/completions (JSON, or server-sent events with "stream": true), POST /v1/infer
     /// (next-token predictions and a greedy continuation: dense, sparse or compare), POST
-    /// /tokenize and /detokenize, GET /health (503 while loading), GET /metrics (Prometheus).
+    /// /tokenize and /detokenize, GET /health (503 while loading), GET /metrics (Prometheus),
+    /// GET /stats (the live figures as JSON), and GET / a chat page (unless --no-webui).
     /// SIGINT / SIGTERM stop accepting connections and let requests in flight finish.
     Serve {
         #[command(flatten)]
@@ -200,6 +201,13 @@ pub(crate) enum Command {
         /// cancelled (they end with what they generated).
         #[arg(long, default_value_t = 10.0)]
         shutdown_grace: f64,
+        /// Do not serve the chat page at GET / (answered 404 then); the API, /metrics and
+        /// /stats are unchanged. The page (embedded in the binary, it fetches nothing from
+        /// elsewhere) chats through /v1/chat/completions, streamed, and shows beside the chat
+        /// what the last reply cost: tok/s, disk bytes per token, read rate beside the disk's,
+        /// cache hit rate, batch width, queue depth, resident memory against the budget.
+        #[arg(long)]
+        no_webui: bool,
         #[command(flatten)]
         stream: StreamArgs,
     },

@@ -19,6 +19,7 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
         draft,
         draft_max,
         shutdown_grace,
+        no_webui,
         stream,
     } = c
     else {
@@ -86,6 +87,7 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
         model_id,
         shutdown_grace: std::time::Duration::from_secs_f64(shutdown_grace),
         lookup,
+        webui: !no_webui,
     };
     let load = Box::new(move || {
         gatestream::stream::reset_peak_rss();
@@ -108,6 +110,9 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
     });
     gatestream::serve::serve(serve_opts, load, &mut |addr| {
         eprintln!("listening on http://{addr} (the model loads meanwhile: /health answers 503 until ready)");
+        if !no_webui {
+            eprintln!("chat page: http://{addr}/ (--no-webui turns it off)");
+        }
     })?;
     Ok(())
 }
