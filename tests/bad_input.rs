@@ -516,3 +516,31 @@ fn command_line_mistakes_are_messages() {
         );
     }
 }
+
+/// `run -h` fits a screen (one line a flag, grouped under headings); `--help` keeps every flag
+/// with its long text, the flags `-h` leaves out among them.
+#[test]
+fn run_short_help_fits_a_screen_and_long_help_keeps_every_flag() {
+    let help = |flag: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+            .args(["run", flag])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "run {flag}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (short, long) = (help("-h"), help("--help"));
+    assert!(short.lines().count() <= 50, "run -h is {} lines:\n{short}", short.lines().count());
+    for heading in ["Model and device:", "Generation:", "Sparsity:", "Streaming and GPU:"] {
+        assert!(short.contains(heading), "{heading} missing from run -h");
+    }
+    for flag in ["--ram-budget", "--vram-budget", "--mode", "--temperature", "--device"] {
+        assert!(short.contains(flag), "{flag} missing from run -h");
+    }
+    // Left out of -h, kept in --help with the long text.
+    for flag in ["--merge-gap-bytes", "--cost-model", "--read-bytes", "--queue-depth"] {
+        assert!(!short.contains(flag), "{flag} in run -h");
+        assert!(long.contains(flag), "{flag} missing from run --help");
+    }
+    assert!(long.contains("GATESTREAM_MEMORY_LIMIT"), "--ram-budget's long text missing from --help");
+}

@@ -23,26 +23,34 @@ pub(crate) struct Cli {
 
 #[derive(clap::Args, Clone)]
 pub(crate) struct ModelArgs {
+    /// Model file (.gguf, .gst) or Hugging Face folder.
+    ///
     /// Model: a .gguf file, or a Hugging Face folder (config.json, model.safetensors, tokenizer.json).
     /// Default: SmolLM2-135M-Instruct as fetched by tools/fetch-models.sh smollm2.
-    #[arg(long, short)]
+    #[arg(help_heading = "Model and device", long, short)]
     pub(crate) model: Option<PathBuf>,
+    /// Worker threads (0 = one per core).
+    ///
     /// Worker threads (0 = one per core; at most 1024).
-    #[arg(long, default_value_t = 0, value_parser = threads_arg)]
+    #[arg(help_heading = "Model and device", long, default_value_t = 0, value_parser = threads_arg)]
     pub(crate) threads: usize,
+    /// Where to compute: cpu, cuda or auto.
+    ///
     /// Where to compute: cpu; cuda (an NVIDIA GPU, the model in its memory, or streamed to it
     /// with --ram-budget / --vram-budget; needs a build
     /// with `--features cuda`, the NVIDIA driver, and NVRTC, found on the library path or through
     /// GATESTREAM_NVRTC=/path/to/libnvrtc.so); auto (cuda when a GPU is found, else the CPU with a
     /// one-line notice).
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    #[arg(help_heading = "Model and device", long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub(crate) device: DeviceArg,
+    /// Experts a token is routed to (mixture of experts).
+    ///
     /// Mixture-of-experts models: route each token to this many experts instead of the model's
     /// own count (fewer: less compute and, streamed, fewer bytes read per token, at a quality
     /// cost `perplexity` measures; `run --mode compare` sets it against the model's own count;
     /// for `eval` it becomes the model's own count, and `eval --experts` measures others).
     /// Refused for dense models.
-    #[arg(long)]
+    #[arg(help_heading = "Model and device", long)]
     pub(crate) experts_used: Option<usize>,
 }
 
@@ -65,37 +73,49 @@ pub(crate) enum Command {
         #[command(flatten)]
         model: ModelArgs,
         /// The prompt text.
-        #[arg(long, short, default_value = "The capital of France is")]
+        #[arg(help_heading = "Generation", long, short, default_value = "The capital of France is")]
         prompt: String,
+        /// Most tokens to generate.
+        ///
         /// Most tokens to generate (stops earlier at the model's end-of-sequence token).
-        #[arg(long, default_value_t = 32)]
+        #[arg(help_heading = "Generation", long, default_value_t = 32)]
         max_tokens: usize,
+        /// Context in tokens, prompt + generated (0 = the model's).
+        ///
         /// The context in tokens (prompt + generated), as llama.cpp's -c; 0 = the model's trained
         /// context. A prompt that does not fit is refused before any work, naming both counts;
         /// generation stops when the context is full (finish `context_full`). The KV cache (and,
         /// with --ram-budget, its share of the budget) holds only what the run can use: prompt +
         /// --max-tokens, at most this.
-        #[arg(long, short = 'c', default_value_t = 0)]
+        #[arg(help_heading = "Generation", long, short = 'c', default_value_t = 0)]
         ctx_size: usize,
         /// Sampling temperature; 0 = greedy (deterministic).
-        #[arg(long, default_value_t = 0.0)]
+        #[arg(help_heading = "Generation", long, default_value_t = 0.0)]
         temperature: f32,
+        /// Sample among the k likeliest tokens (0 = all).
+        ///
         /// Sample among the k most likely tokens only (0 = no limit). Ignored when greedy.
-        #[arg(long, default_value_t = 40)]
+        #[arg(help_heading = "Generation", long, default_value_t = 40)]
         top_k: usize,
+        /// Sample from the likeliest tokens whose probability reaches p.
+        ///
         /// Sample from the smallest set of tokens whose probability reaches p. Ignored when greedy.
-        #[arg(long, default_value_t = 0.95)]
+        #[arg(help_heading = "Generation", long, default_value_t = 0.95)]
         top_p: f32,
         /// Random seed for sampling.
-        #[arg(long, default_value_t = 0)]
+        #[arg(help_heading = "Generation", long, default_value_t = 0)]
         seed: u64,
         /// Wrap the prompt in the model's chat template (instruct models).
-        #[arg(long)]
+        #[arg(help_heading = "Generation", long)]
         chat: bool,
+        /// With --json: each generated token's log-probability.
+        ///
         /// With --json: each generated token's log-probability under the model (`logprobs`; a
         /// softmax over the vocabulary per token, so off by default).
-        #[arg(long)]
+        #[arg(help_heading = "Generation", long)]
         logprobs: bool,
+        /// Draft this many tokens a pass by prompt lookup (0 = off).
+        ///
         /// Speculative decoding by prompt lookup: draft up to this many tokens per pass from the
         /// context itself (what followed the latest earlier occurrence of its last 4, 3 or 2
         /// tokens) and verify them all in one pass (at most a pass's tokens: 32 when streaming);
@@ -104,34 +124,42 @@ pub(crate) enum Command {
         /// from the same distribution, though not the same tokens for a seed. Pays where
         /// passes are expensive and text repeats (editing code under --ram-budget: every byte
         /// read serves the whole draft). 0 = off. Figures in `speculative` with --json.
-        #[arg(long, default_value_t = 0)]
+        #[arg(help_heading = "Generation", long, default_value_t = 0)]
         lookup: usize,
+        /// Never stop at the end-of-sequence token.
+        ///
         /// Never stop at the model's end-of-sequence tokens: they are never sampled (their logits
         /// set to -inf, as llama.cpp's --ignore-eos does), so generation goes on to --max-tokens
         /// or a full context. For continuations of a fixed length, to compare or to time.
-        #[arg(long)]
+        #[arg(help_heading = "Generation", long)]
         ignore_eos: bool,
+        /// A draft model for speculative decoding.
+        ///
         /// Speculative decoding with a draft model: a small model sharing this model's
         /// vocabulary (refused otherwise), memory-mapped in RAM (outside --ram-budget), continues
         /// the text greedily for up to --draft-max tokens per pass and this model verifies them
         /// in one pass, as --lookup's drafts are (greedy output unchanged, sampling exact).
         /// Pays where this model's passes are expensive (streamed) and the draft often agrees.
-        #[arg(long, conflicts_with = "lookup")]
+        #[arg(help_heading = "Generation", long, conflicts_with = "lookup")]
         draft: Option<PathBuf>,
         /// The most tokens the draft model proposes per pass.
-        #[arg(long, default_value_t = 4, requires = "draft")]
+        #[arg(help_heading = "Generation", long, default_value_t = 4, requires = "draft")]
         draft_max: usize,
+        /// dense, sparse (masked FFN) or compare (both).
+        ///
         /// dense: every FFN neuron; sparse: only the neurons the mask keeps (with --ram-budget,
         /// only those are read from disk); compare: both, one after the other, side by side, with
         /// agreement and (when streaming) the bytes each read.
-        #[arg(long, value_enum, default_value_t = ModeArg::Dense)]
+        #[arg(help_heading = "Sparsity", long, value_enum, default_value_t = ModeArg::Dense)]
         mode: ModeArg,
         #[command(flatten)]
         sparse: SparseArgs,
         #[command(flatten)]
         stream: StreamArgs,
+        /// Print one JSON object at the end instead of stats.
+        ///
         /// Print one JSON object with the text, token ids and speeds at the end instead of stats.
-        #[arg(long)]
+        #[arg(help_heading = "Generation", long)]
         json: bool,
     },
     /// An OpenAI-compatible HTTP server with continuous batching: up to --parallel requests
@@ -813,19 +841,25 @@ pub(crate) fn criterion_of(c: CriterionArg) -> Criterion {
 /// The mask of sparse mode (`run`, `serve`).
 #[derive(clap::Args)]
 pub(crate) struct SparseArgs {
+    /// Share of FFN neurons dropped per layer.
+    ///
     /// Share of FFN neurons dropped per layer in sparse mode. Without --sparsity, --strategy
     /// and --criterion, a .gst file's recommendation (stored by `eval --store` or
     /// `recommend`) is used, else topk / exact / 0.3.
-    #[arg(long)]
+    #[arg(help_heading = "Sparsity", long)]
     pub(crate) sparsity: Option<f32>,
+    /// Mask strategy: topk, threshold or union.
+    ///
     /// Mask strategy in sparse mode: topk (per token), threshold (per-layer thresholds stored
     /// by calibration in a .gst file), union (the prompt's choices reused while decoding; `run`
     /// only: a server decodes several requests at once).
-    #[arg(long, value_enum)]
+    #[arg(help_heading = "Sparsity", long, value_enum)]
     pub(crate) strategy: Option<StrategyArg>,
+    /// How neurons are scored: gate, exact, candidates, sketch.
+    ///
     /// How neurons are scored in sparse mode: gate |act(g)|, exact |act(g)·up|, candidates,
     /// sketch (see `gatestream eval --help`).
-    #[arg(long, value_enum)]
+    #[arg(help_heading = "Sparsity", long, value_enum)]
     pub(crate) criterion: Option<CriterionArg>,
 }
 
@@ -853,6 +887,8 @@ impl Command {
 /// How `run` streams.
 #[derive(clap::Args)]
 pub(crate) struct StreamArgs {
+    /// Stream from disk under this RAM budget (700M, 40%, auto, off).
+    ///
     /// Stream the model (a GGUF as downloaded, or a .gst) from disk under this RAM budget: bytes
     /// (700M, 1.5G, 512MiB) or a share of the file (40%); `auto` (the default) or `off`.
     /// Resident, in this order while the budget lasts: the output matrix and norms (required),
@@ -864,8 +900,10 @@ pub(crate) struct StreamArgs {
     /// context and 256 MiB fit in what this process may use (the tighter of its cgroup's
     /// memory limit and MemAvailable; GATESTREAM_MEMORY_LIMIT=bytes overrides), else streams
     /// under that less a tenth (at least 128 MiB); the choice is printed and in --json (`placement`). off: in RAM.
-    #[arg(long)]
+    #[arg(help_heading = "Streaming and GPU", long)]
     pub(crate) ram_budget: Option<String>,
+    /// With --device cuda: the GPU memory the model may use.
+    ///
     /// With --device cuda: the GPU memory the model may use, as --ram-budget's sizes (40% is a
     /// share of the file). Required on the GPU: norms, the KV cache and one batch's
     /// activations, room for one layer's weights copied for one use; then, while the budget
@@ -882,8 +920,10 @@ pub(crate) struct StreamArgs {
     /// in place, across the link (GATESTREAM_CUDA_MAP_HOST=0: staged and copied instead); with
     /// it, from disk as --ram-budget plans. Refused, with the minimum, when too small, and for
     /// the CPU device. Without it the GPU keeps every weight the host holds.
-    #[arg(long)]
+    #[arg(help_heading = "Streaming and GPU", long)]
     pub(crate) vram_budget: Option<String>,
+    /// Where what the GPU does not keep computes.
+    ///
     /// With --vram-budget: where the weights the GPU does not keep are computed. cpu-cold: by
     /// the CPU, where they lie in host memory (with --ram-budget, as they are read), while the
     /// GPU computes attention and what it keeps; only activations cross the link. A dense model:
@@ -896,45 +936,70 @@ pub(crate) struct StreamArgs {
     /// CPU's time for a layer's share at 1 and 8 tokens, the link's pinned copy rate) gives each
     /// pass width to the faster side and is printed: decode and narrow batches on the CPU when
     /// it beats the link, wide prompt batches on the GPU (auto says why where it cannot run).
-    #[arg(long, value_enum, default_value_t = HybridArg::Auto)]
+    #[arg(help_heading = "Streaming and GPU", long, value_enum, default_value_t = HybridArg::Auto)]
     pub(crate) hybrid: HybridArg,
+    /// Reader when streaming: uring, pread or mmap.
+    ///
     /// Reader when streaming: uring (io_uring, O_DIRECT, registered buffers; falls back to
     /// pread with a warning), pread (thread pool, O_DIRECT), mmap (page cache: the walk path).
-    #[arg(long, value_enum, default_value_t = IoArg::Uring)]
+    #[arg(help_heading = "Streaming and GPU", long, value_enum, default_value_t = IoArg::Uring)]
     pub(crate) io: IoArg,
     /// Reads in flight at once when streaming.
-    #[arg(long, default_value_t = 64)]
+    #[arg(
+        help_heading = "Streaming and GPU",
+        hide_short_help = true,
+        long,
+        default_value_t = 64
+    )]
     pub(crate) queue_depth: usize,
+    /// Neuron or expert cache policy when streaming.
+    ///
     /// Neuron cache when streaming: lru (recently used neurons, replaced as others are read;
     /// default in sparse mode) or pinned (the file's first neurons — the hot prefix of a
     /// hot-first file — never replaced; default in dense mode). For a mixture-of-experts model
     /// the cache holds whole experts: lru (default) or frequency (the expert routed to least
     /// often since start goes first, the least recently used among equals).
-    #[arg(long, value_enum)]
+    #[arg(help_heading = "Streaming and GPU", long, value_enum)]
     pub(crate) cache: Option<CacheArg>,
+    /// What the budget keeps first after attention.
+    ///
     /// After attention, what the budget keeps first: gate-first (gate matrices, then the
     /// neuron cache) or cache-first (the neuron cache, then gates). Dense streaming saves the
     /// same bytes either way; sparse streaming usually gains from cache-first, since cached
     /// neurons spare scattered reads and a streamed gate is one sequential read.
-    #[arg(long, value_enum, default_value_t = ResidencyArg::CacheFirst)]
+    #[arg(help_heading = "Streaming and GPU", hide_short_help = true, long, value_enum, default_value_t = ResidencyArg::CacheFirst)]
     pub(crate) residency: ResidencyArg,
+    /// Read through gaps between needed rows shorter than this.
+    ///
     /// The read planner reads through gaps between needed rows shorter than this, rather
     /// than issuing another request. Default: the cost model's per-request time x bandwidth
     /// (printed at start-up; ~10–55 KB on this machine's virtio disk); 0 reads only needed rows.
-    #[arg(long)]
+    #[arg(help_heading = "Streaming and GPU", hide_short_help = true, long)]
     pub(crate) merge_gap_bytes: Option<u64>,
+    /// The read planner's cost model.
+    ///
     /// The read planner's cost model: probe (measure per-request cost and bandwidth on the
     /// model file at start-up: 1024 random 4 KiB reads in batches of 256, twice, and 32 MiB
     /// sequential; ~0.1 s), default (13 µs per request at 1.5 GB/s: the development machine's
     /// virtio disk, conservatively; docs/DESIGN.md), or a `gatestream bench --json` report (its device
     /// baseline: sequential 1 MiB bandwidth and the time per 4 KiB random read at QD 64).
-    #[arg(long, default_value = "probe", value_name = "probe|default|BENCH.json")]
+    #[arg(
+        help_heading = "Streaming and GPU",
+        hide_short_help = true,
+        long,
+        default_value = "probe",
+        value_name = "probe|default|BENCH.json"
+    )]
     pub(crate) cost_model: String,
+    /// Save the neurons or experts each token used, for bench.
+    ///
     /// Save which FFN neurons every token used, per layer (prompt and generated tokens), for
     /// `gatestream bench --trace FILE`; a mixture-of-experts model saves which experts each
     /// token was routed to (a routing trace). In compare mode the second run's.
-    #[arg(long)]
+    #[arg(help_heading = "Streaming and GPU", hide_short_help = true, long)]
     pub(crate) record_trace: Option<PathBuf>,
+    /// Read the next layer's predicted neurons or experts ahead.
+    ///
     /// Sparse streaming: while a layer computes, predict the next layer's neurons (its
     /// resident gate applied to this layer's FFN input) and read them on a third reader, so
     /// the next layer reads only what the prediction missed. Costs two more layers of FFN
@@ -943,17 +1008,21 @@ pub(crate) struct StreamArgs {
     /// Mixture of experts (decoding): the next layer's router applied to this layer's FFN
     /// input picks the experts to read ahead on the prefetch thread; costs two tokens' worth
     /// of experts in the budget and one router product per layer.
-    #[arg(long)]
+    #[arg(help_heading = "Streaming and GPU", long)]
     pub(crate) lookahead: bool,
+    /// Layers read ahead while one computes.
+    ///
     /// Layers whose streamed weights are read ahead while one computes (each one more
     /// prefetch buffer of the largest layer's streamed bytes in the budget). With 2 or more
     /// the reads of one layer start while the last reads of the one before are still in
     /// flight, so the disk never waits between layers.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    #[arg(help_heading = "Streaming and GPU", long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     pub(crate) read_ahead: u16,
+    /// Bytes of each prefetch read (default 1 MiB).
+    ///
     /// Bytes of each read the prefetch thread issues (whole blocks land straight in its
     /// buffers, so reads are not bounded by the reader's slots); default 1 MiB.
-    #[arg(long, value_parser = read_bytes_arg)]
+    #[arg(help_heading = "Streaming and GPU", hide_short_help = true, long, value_parser = read_bytes_arg)]
     pub(crate) read_bytes: Option<usize>,
 }
 
