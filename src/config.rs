@@ -272,9 +272,22 @@ impl ModelConfig {
         let head_dim = opt_int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let gemma = arch == Arch::Gemma3;
         refuse_unread_math_keys(g, arch_name, head_dim)?;
-        let rope_scale_global = rope_scaling_from_gguf(g, arch_name)?;
+        let (rope_scale_global, yarn) = rope_scaling_from_gguf(g, arch_name, opt_int("context_length"))?;
         let rope_theta = opt_f("rope.freq_base").unwrap_or(10000.0);
-        let rope_freq_factors = rope_freqs_from_gguf(g)?;
+        let rope_freq_factors = match (rope_freqs_from_gguf(g)?, &yarn) {
+            (Some(_), Some(_)) => {
+                return Err(Error::Config {
+                    path: g.path.clone(),
+                    what: format!(
+                        "{ROPE_FREQS_TENSOR} and YaRN RoPE scaling ({arch_name}.rope.scaling.type = yarn) together: \
+                         gatestream computes one or the other"
+                    ),
+                })
+            }
+            (Some(f), None) => Some(f),
+            (None, Some(y)) => Some(y.factors(head_dim, rope_theta)),
+            (None, None) => None,
+        };
         let moe = Self::moe_from_gguf(arch, &opt_int, &int)?;
         // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
         let ffn = match (&moe, arch) {
@@ -315,7 +328,8 @@ impl ModelConfig {
                 None
             },
             sliding_pattern: 6,
-            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            // (YaRN scales q and k by its magnitude factor: q·k by its square)
+            attn_scale: yarn.as_ref().map_or(1.0, |y| y.mscale().powi(2)) / (head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             post_norms: gemma,
@@ -387,7 +401,7 @@ impl ModelConfig {
         let n_heads = int("num_attention_heads")?;
         let head_dim = opt_int("head_dim").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let rope_theta = opt_f("rope_theta").unwrap_or(10000.0);
-        let (rope_scale_global, rope_freq_factors) = rope_scaling_from_hf(path, v, head_dim, rope_theta)?;
+        let (rope_scale_global, rope_freq_factors, qk_scale) = rope_scaling_from_hf(path, v, head_dim, rope_theta)?;
         let cfg = ModelConfig {
             arch,
             hidden,
@@ -415,7 +429,7 @@ impl ModelConfig {
             },
             sliding_window: if gemma { opt_int("sliding_window") } else { None },
             sliding_pattern: opt_int("sliding_window_pattern").unwrap_or(6),
-            attn_scale: 1.0 / opt_f("query_pre_attn_scalar").unwrap_or(head_dim as f32).sqrt(),
+            attn_scale: qk_scale / opt_f("query_pre_attn_scalar").unwrap_or(head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             qk_norm: gemma || arch == Arch::Qwen3,
             post_norms: gemma,
@@ -431,23 +445,90 @@ impl ModelConfig {
 /// The tensor Llama 3.1+ GGUF files carry their RoPE frequency factors in.
 pub const ROPE_FREQS_TENSOR: &str = "rope_freqs.weight";
 
+/// YaRN RoPE scaling (`rope.scaling.type = yarn`; Hugging Face `rope_type = "yarn"`), as
+/// llama.cpp computes it: pair i turns by `pos · base^(-2i/d) · (s·(1 - r_i) + r_i)` with
+/// `s = 1 / factor` and `r_i` a ramp from 1 (pairs that turn more than `beta_fast` times in the
+/// original context: kept) to 0 (fewer than `beta_slow` times: interpolated by `s`); q and k are
+/// scaled by `attn_factor · (1 + 0.1 ln factor)` (so q·k by its square).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    pub factor: f32,
+    pub original_context: f32,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    pub attn_factor: f32,
+}
+
+impl Yarn {
+    /// The rotation's per-pair divisors (as [`ModelConfig::rope_freq_factors`]) for heads of
+    /// `head_dim` at `base`, in f32 as ggml's `rope_yarn` computes them.
+    pub fn factors(&self, head_dim: usize, base: f32) -> Vec<f32> {
+        let n = head_dim as f32;
+        // The pair index whose wavelength fits `turns` times in the original context.
+        let dim =
+            |turns: f32| n * (self.original_context / (turns * 2.0 * std::f32::consts::PI)).ln() / (2.0 * base.ln());
+        let low = dim(self.beta_fast).floor().max(0.0);
+        let high = dim(self.beta_slow).ceil().min(n - 1.0);
+        let s = 1.0 / self.factor;
+        (0..head_dim / 2)
+            .map(|i| {
+                let y = (i as f32 - low) / (high - low).max(0.001);
+                let ramp = 1.0 - y.clamp(0.0, 1.0);
+                1.0 / (s * (1.0 - ramp) + ramp)
+            })
+            .collect()
+    }
+
+    /// The magnitude q and k are scaled by.
+    pub fn mscale(&self) -> f32 {
+        self.attn_factor * (1.0 + 0.1 * self.factor.ln())
+    }
+}
+
 /// `{arch}.rope.scaling.type`: absent or `none` (1), `linear` (positions divided by
-/// `rope.scaling.factor`); any other kind changes the rotation in a way not computed here, so
-/// the file is refused rather than run as if it were absent.
-fn rope_scaling_from_gguf(g: &GgufFile, arch_name: &str) -> Result<f32> {
+/// `rope.scaling.factor`), `yarn` (`rope.scaling.factor`, `rope.scaling.original_context_length`
+/// (else `context`), `rope.scaling.attn_factor` (else 1); llama.cpp's ramp bounds 32 and 1);
+/// any other kind changes the rotation in a way not computed here, so the file is refused
+/// rather than run as if it were absent.
+fn rope_scaling_from_gguf(g: &GgufFile, arch_name: &str, context: Option<usize>) -> Result<(f32, Option<Yarn>)> {
     let key = format!("{arch_name}.rope.scaling.type");
-    let factor = g
-        .get(&format!("{arch_name}.rope.scaling.factor"))
-        .and_then(|v| v.as_f64())
-        .map(|f| f as f32);
+    let num = |k: &str| {
+        g.get(&format!("{arch_name}.rope.scaling.{k}"))
+            .and_then(|v| v.as_f64())
+            .map(|f| f as f32)
+    };
+    let factor = num("factor");
     match g.get(&key).map(|v| v.as_str()) {
-        None | Some(Some("none")) => Ok(1.0),
-        Some(Some("linear")) => Ok(factor.unwrap_or(1.0)),
+        None | Some(Some("none")) => Ok((1.0, None)),
+        Some(Some("linear")) => Ok((factor.unwrap_or(1.0), None)),
+        Some(Some("yarn")) => {
+            let original_context = num("original_context_length").or(context.map(|c| c as f32));
+            match (factor, original_context) {
+                (Some(factor), Some(original_context)) if factor >= 1.0 && original_context > 0.0 => Ok((
+                    1.0,
+                    Some(Yarn {
+                        factor,
+                        original_context,
+                        beta_fast: 32.0,
+                        beta_slow: 1.0,
+                        attn_factor: num("attn_factor").unwrap_or(1.0),
+                    }),
+                )),
+                _ => Err(Error::Config {
+                    path: g.path.clone(),
+                    what: format!(
+                        "metadata {key} = \"yarn\" needs {arch_name}.rope.scaling.factor (at least 1) and an original \
+                         context ({arch_name}.rope.scaling.original_context_length or context_length); found {factor:?} \
+                         and {original_context:?}"
+                    ),
+                }),
+            }
+        }
         Some(Some(other)) => Err(Error::Config {
             path: g.path.clone(),
             what: format!(
                 "metadata {key} = \"{other}\": RoPE scaling of this kind is not computed by gatestream \
-                 (it reads none, linear and Llama 3's frequency factors); running without it would compute \
+                 (it reads none, linear, yarn and Llama 3's frequency factors); running without it would compute \
                  another model"
             ),
         }),
@@ -512,15 +593,18 @@ pub fn llama3_rope_factors(
 }
 
 /// `rope_scaling` of a Hugging Face config: absent, `default` or null (1, no factors), `linear`
-/// (positions divided by `factor`), `llama3` (frequency factors); anything else is refused.
+/// (positions divided by `factor`), `llama3` (frequency factors), `yarn` ([`Yarn`]: `factor`,
+/// `original_max_position_embeddings`, optional `beta_fast`, `beta_slow` and
+/// `attention_factor`); anything else is refused. Returns the linear scale, the factors and what
+/// q·k is multiplied by (YaRN's magnitude squared; else 1).
 fn rope_scaling_from_hf(
     path: &Path,
     v: &serde_json::Value,
     head_dim: usize,
     base: f32,
-) -> Result<(f32, Option<Vec<f32>>)> {
+) -> Result<(f32, Option<Vec<f32>>, f32)> {
     let Some(s) = v.get("rope_scaling").filter(|s| !s.is_null()) else {
-        return Ok((1.0, None));
+        return Ok((1.0, None, 1.0));
     };
     let kind = s
         .get("rope_type")
@@ -535,8 +619,36 @@ fn rope_scaling_from_hf(
         })
     };
     match kind {
-        "default" => Ok((1.0, None)),
-        "linear" => Ok((num("factor").unwrap_or(1.0), None)),
+        "default" => Ok((1.0, None, 1.0)),
+        "linear" => Ok((num("factor").unwrap_or(1.0), None, 1.0)),
+        "yarn" => {
+            // DeepSeek's magnitude terms and unrounded ramp bounds change what is computed.
+            for k in ["mscale", "mscale_all_dim"] {
+                if s.get(k).is_some_and(|m| !m.is_null()) {
+                    return Err(Error::Config {
+                        path: path.to_path_buf(),
+                        what: format!("rope_scaling of type yarn with `{k}`: not computed by gatestream"),
+                    });
+                }
+            }
+            if s.get("truncate").and_then(|t| t.as_bool()) == Some(false) {
+                return Err(Error::Config {
+                    path: path.to_path_buf(),
+                    what: "rope_scaling of type yarn with `truncate: false`: not computed by gatestream".into(),
+                });
+            }
+            let factor = need("factor")?;
+            let y = Yarn {
+                factor,
+                original_context: need("original_max_position_embeddings")?,
+                beta_fast: num("beta_fast").unwrap_or(32.0),
+                beta_slow: num("beta_slow").unwrap_or(1.0),
+                attn_factor: 1.0,
+            };
+            // `attention_factor`, where given, is the whole magnitude (Hugging Face's rule).
+            let m = num("attention_factor").unwrap_or(y.mscale());
+            Ok((1.0, Some(y.factors(head_dim, base)), m * m))
+        }
         "llama3" => Ok((
             1.0,
             Some(llama3_rope_factors(
@@ -547,12 +659,13 @@ fn rope_scaling_from_hf(
                 need("high_freq_factor")?,
                 need("original_max_position_embeddings")?,
             )),
+            1.0,
         )),
         other => Err(Error::Config {
             path: path.to_path_buf(),
             what: format!(
-                "rope_scaling.rope_type \"{other}\" is not computed by gatestream (it reads default, linear \
-                 and llama3); running without it would compute another model"
+                "rope_scaling.rope_type \"{other}\" is not computed by gatestream (it reads default, linear, \
+                 llama3 and yarn); running without it would compute another model"
             ),
         }),
     }
@@ -575,6 +688,8 @@ const UNREAD_MATH_KEYS: &[(&str, Option<f64>)] = &[
     ("logit_scale", Some(1.0)),
     ("attention.clamp_kqv", None),
     ("rope.scaling.yarn_log_multiplier", None),
+    ("rope.scaling.yarn_beta_fast", Some(32.0)),
+    ("rope.scaling.yarn_beta_slow", Some(1.0)),
 ];
 
 /// Refuses a file whose metadata asks for computation gatestream does not do: a key of
@@ -609,4 +724,37 @@ fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, head_dim: usize) -> Re
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Hugging Face `rope_scaling` of type yarn gives the factors and q·k scale a GGUF's YaRN
+    /// keys give (the magnitude 1 + 0.1 ln factor, squared), its ramp keeps the fast pairs and
+    /// divides the slow ones by the factor; DeepSeek's magnitude terms are refused.
+    #[test]
+    fn hugging_face_yarn_is_read_as_gguf_yarn() {
+        let v: serde_json::Value = serde_json::json!({"rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}});
+        let (linear, factors, qk) = rope_scaling_from_hf(Path::new("c.json"), &v, 64, 100000.0).unwrap();
+        let y = Yarn {
+            factor: 4.0,
+            original_context: 512.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attn_factor: 1.0,
+        };
+        let f = factors.unwrap();
+        assert_eq!(linear, 1.0);
+        assert_eq!(f, y.factors(64, 100000.0));
+        assert_eq!(f[0], 1.0, "{f:?}");
+        assert_eq!(*f.last().unwrap(), 4.0, "{f:?}");
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+        assert!((qk - (1.0 + 0.1 * 4f32.ln()).powi(2)).abs() < 1e-6, "{qk}");
+        let v = serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 0.707}});
+        let e = rope_scaling_from_hf(Path::new("c.json"), &v, 64, 100000.0).unwrap_err().to_string();
+        assert!(e.contains("mscale"), "{e}");
+    }
 }

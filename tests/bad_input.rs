@@ -157,11 +157,11 @@ fn a_tensor_nothing_reads_refuses_the_file() {
 
 /// A RoPE scaling kind that is not computed refuses the file, naming the key and the kind.
 #[test]
-fn yarn_rope_scaling_is_refused_by_name() {
-    let e = load_bytes(&stories_gguf(Breakage::YarnScaling)).err().unwrap();
+fn an_unknown_rope_scaling_is_refused_by_name() {
+    let e = load_bytes(&stories_gguf(Breakage::UnknownScaling)).err().unwrap();
     assert!(matches!(e, Error::Config { .. }), "{e:?}");
     let m = message(&e);
-    assert!(m.contains("llama.rope.scaling.type") && m.contains("yarn"), "{m}");
+    assert!(m.contains("llama.rope.scaling.type") && m.contains("longrope"), "{m}");
 }
 
 /// Metadata asking for computation not done — RoPE over part of a head — is refused naming the
@@ -530,7 +530,11 @@ fn run_short_help_fits_a_screen_and_long_help_keeps_every_flag() {
         String::from_utf8(out.stdout).unwrap()
     };
     let (short, long) = (help("-h"), help("--help"));
-    assert!(short.lines().count() <= 50, "run -h is {} lines:\n{short}", short.lines().count());
+    assert!(
+        short.lines().count() <= 50,
+        "run -h is {} lines:\n{short}",
+        short.lines().count()
+    );
     for heading in ["Model and device:", "Generation:", "Sparsity:", "Streaming and GPU:"] {
         assert!(short.contains(heading), "{heading} missing from run -h");
     }
@@ -542,5 +546,8 @@ fn run_short_help_fits_a_screen_and_long_help_keeps_every_flag() {
         assert!(!short.contains(flag), "{flag} in run -h");
         assert!(long.contains(flag), "{flag} missing from run --help");
     }
-    assert!(long.contains("GATESTREAM_MEMORY_LIMIT"), "--ram-budget's long text missing from --help");
+    assert!(
+        long.contains("GATESTREAM_MEMORY_LIMIT"),
+        "--ram-budget's long text missing from --help"
+    );
 }

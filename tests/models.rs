@@ -376,6 +376,79 @@ fn stories260k_with_rope_factors_matches_llama_cpp() {
 }
 const LLAMA_CPP_STORIES_PLAIN_AND_ROPE_FREQS: [f64; 2] = [120.0237, 168.8881];
 
+/// YaRN RoPE scaling written into a file's metadata (`rope.scaling.type = yarn`, factor 4, an
+/// original context of `orig`): the model as `src`, but rotating as YaRN does.
+fn with_yarn(src: &std::path::Path, dst: &std::path::Path, orig: u32) {
+    use gatestream::gguf::MetaValue;
+    let bytes = gguf_edited(
+        src,
+        vec![
+            ("llama.rope.scaling.type".into(), MetaValue::Str("yarn".into())),
+            ("llama.rope.scaling.factor".into(), MetaValue::F32(4.0)),
+            (
+                "llama.rope.scaling.original_context_length".into(),
+                MetaValue::U32(orig),
+            ),
+        ],
+        vec![],
+    );
+    std::fs::write(dst, bytes).unwrap();
+}
+
+/// YaRN (factor 4) on stories260K (F32, 8-wide heads, an original context of 64) and on SmolLM2
+/// (64-wide heads, 512): perplexity within 0.1% / 0.5% of llama.cpp's on the same files, and
+/// YaRN matters (the plain files score otherwise: section 1's SmolLM2 figure, and the plain
+/// stories file above).
+#[test]
+fn yarn_rope_scaling_matches_llama_cpp() {
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from);
+    let plain = dir.join("stories-plain-for-yarn.gguf");
+    std::fs::write(&plain, stories_gguf(Breakage::None)).unwrap();
+    let stories = dir.join("stories-yarn.gguf");
+    with_yarn(&plain, &stories, 64);
+    let smollm2 = dir.join("smollm2-yarn.gguf");
+    with_yarn(&model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"), &smollm2, 512);
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 4 };
+    let m = Model::load(&stories, &LoadOptions::default()).unwrap();
+    assert!(m.config.rope_freq_factors.is_some(), "YaRN read as no scaling");
+    // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the files this test writes
+    // (GATESTREAM_KEEP=DIR keeps them): its final estimates.
+    for (path, theirs, bar, plain) in [
+        (
+            &stories,
+            LLAMA_CPP_STORIES_SMOLLM2_YARN[0],
+            0.001,
+            LLAMA_CPP_STORIES_PLAIN_AND_ROPE_FREQS[0],
+        ),
+        (
+            &smollm2,
+            LLAMA_CPP_STORIES_SMOLLM2_YARN[1],
+            0.005,
+            LLAMA_CPP_SMOLLM2_PLAIN,
+        ),
+    ] {
+        let m = Model::load(path, &LoadOptions::default()).unwrap();
+        let ours = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+        let rel = (ours - theirs).abs() / theirs;
+        assert!(
+            rel < bar,
+            "{}: perplexity {ours} vs llama.cpp {theirs} ({:.3}% apart)",
+            path.display(),
+            rel * 100.0
+        );
+        assert!(
+            (ours - plain).abs() / plain > 0.01,
+            "{}: YaRN hardly matters: {ours} vs {plain}",
+            path.display()
+        );
+    }
+}
+const LLAMA_CPP_STORIES_SMOLLM2_YARN: [f64; 2] = [137.8090, 24.0006];
+const LLAMA_CPP_SMOLLM2_PLAIN: f64 = 22.1792;
+
 /// A small random Qwen3 (dense: per-head QK-norm, no biases, half-split RoPE) as `make-model`
 /// writes it, in F32 (no quantized activations blur the comparison), with SmolLM2's tokenizer:
 /// perplexity within 0.1% of llama.cpp's on the same file. (Random weights give a large

@@ -83,8 +83,8 @@ pub enum Breakage {
     /// An extra tensor `blk.0.attn_sinks.weight` (gpt-oss's attention sinks) that the llama
     /// computation does not read.
     ExtraTensor,
-    /// `llama.rope.scaling.type = "yarn"`, a RoPE scaling not computed.
-    YarnScaling,
+    /// `llama.rope.scaling.type = "longrope"`, a RoPE scaling not computed.
+    UnknownScaling,
     /// `llama.rope.dimension_count = 4`: RoPE over half of each 8-wide head (not computed).
     PartialRope,
 }
@@ -141,9 +141,9 @@ pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Ve
     if breakage == Breakage::PartialRope {
         meta.push(("llama.rope.dimension_count", MetaValue::U32(4)));
     }
-    if breakage == Breakage::YarnScaling {
+    if breakage == Breakage::UnknownScaling {
         meta.extend([
-            ("llama.rope.scaling.type", MetaValue::Str("yarn".into())),
+            ("llama.rope.scaling.type", MetaValue::Str("longrope".into())),
             ("llama.rope.scaling.factor", MetaValue::F32(4.0)),
         ]);
     }
