@@ -197,8 +197,8 @@ impl Model {
         }
         if src.config.rope_freq_factors.is_some() && !device.rope_freq_factors() {
             return Err(Error::Invalid(format!(
-                "{}: this model's RoPE has per-frequency factors (Llama 3.1+: `rope_freqs.weight`), which the {} \
-                 device does not apply yet; run it with --device cpu",
+                "{}: this model's RoPE has per-frequency factors (Llama 3.1+'s `rope_freqs.weight`, or YaRN \
+                 scaling), which the {} device does not apply yet; run it with --device cpu",
                 path.display(),
                 device.name()
             )));
