@@ -551,3 +551,48 @@ fn run_short_help_fits_a_screen_and_long_help_keeps_every_flag() {
         "--ram-budget's long text missing from --help"
     );
 }
+
+/// The byte position of tensor `name`'s data offset field in a GGUF's header (after its name,
+/// dimension count, dimensions and type).
+fn offset_field(bytes: &[u8], name: &str) -> usize {
+    let mut key = (name.len() as u64).to_le_bytes().to_vec();
+    key.extend_from_slice(name.as_bytes());
+    let at = bytes.windows(key.len()).position(|w| w == key).expect("tensor info") + key.len();
+    let n_dims = u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+    at + 4 + 8 * n_dims + 4
+}
+
+/// A tensor whose data offset is not a multiple of the file's alignment, or whose data runs past
+/// the end of the file, is refused when loaded and when streamed (`--ram-budget`), naming the
+/// file, the tensor and the header offset, never read from the wrong place.
+#[test]
+fn unaligned_and_overrunning_tensors_are_refused_loaded_and_streamed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = stories_gguf(Breakage::None);
+    let at = offset_field(&bytes, "blk.0.attn_q.weight");
+    let offset = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap());
+    let mut unaligned = bytes.clone();
+    unaligned[at..at + 8].copy_from_slice(&(offset + 16).to_le_bytes());
+    let mut overrun = bytes.clone();
+    overrun[at..at + 8].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
+    for (name, b, want) in [
+        ("unaligned.gguf", &unaligned, "not aligned to 32"),
+        ("overrun.gguf", &overrun, "runs past the end of the file"),
+    ] {
+        let p = write_temp(tmp.path(), name, b);
+        let e = Model::load(&p, &LoadOptions::default()).err().expect("refused");
+        let m = message(&e);
+        assert!(m.contains(name) && m.contains("blk.0.attn_q.weight") && m.contains(want), "{m}");
+        assert!(m.contains("byte offset"), "{m}");
+        // Streamed: refused the same way, before anything runs.
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+            .args(["run", "--model"])
+            .arg(&p)
+            .args(["--ram-budget", "600K", "--max-tokens", "1"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want) && err.contains(name), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
