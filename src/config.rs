@@ -754,7 +754,9 @@ mod tests {
         assert!((qk - (1.0 + 0.1 * 4f32.ln()).powi(2)).abs() < 1e-6, "{qk}");
         let v = serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
             "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 0.707}});
-        let e = rope_scaling_from_hf(Path::new("c.json"), &v, 64, 100000.0).unwrap_err().to_string();
+        let e = rope_scaling_from_hf(Path::new("c.json"), &v, 64, 100000.0)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("mscale"), "{e}");
     }
 }

@@ -19,6 +19,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod modes;
 pub mod ops;
 pub mod pick;
 pub mod standin;

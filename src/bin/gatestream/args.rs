@@ -52,6 +52,25 @@ pub(crate) struct ModelArgs {
     /// Refused for dense models.
     #[arg(help_heading = "Model and device", long)]
     pub(crate) experts_used: Option<usize>,
+    /// A CUDA device mode, KEY=VALUE (repeatable); `--cuda-opt help` lists them.
+    ///
+    /// Over GATESTREAM_CUDA_OPTS (KEY=VALUE,KEY=VALUE) and each mode's own variable
+    /// (GATESTREAM_CUDA_<KEY>); `--cuda-opt help` prints every mode with its values and default.
+    #[arg(help_heading = "Model and device", long = "cuda-opt", value_name = "KEY=VALUE")]
+    pub(crate) cuda_opt: Vec<String>,
+}
+
+impl Command {
+    /// The `--cuda-opt` items of a command that opens a device.
+    pub(crate) fn cuda_opts(&self) -> &[String] {
+        match self {
+            Command::Run { model, .. }
+            | Command::Serve { model, .. }
+            | Command::Perplexity { model, .. }
+            | Command::Eval { model, .. } => &model.cuda_opt,
+            _ => &[],
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

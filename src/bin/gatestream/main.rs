@@ -369,19 +369,23 @@ fn default_model() -> anyhow::Result<PathBuf> {
 
 /// The device `--device` names (a notice on stderr when `auto` falls back to the CPU).
 fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
-    open_named_device(args.device, args.threads)
+    open_named_device(args.device, args.threads, &args.cuda_opt)
 }
 
-/// Opens the device `arg` names with `threads` CPU threads, printing `auto`'s fallback notice.
-fn open_named_device(arg: DeviceArg, threads: usize) -> anyhow::Result<Arc<dyn Device>> {
+/// Opens the device `arg` names with `threads` CPU threads and the CUDA modes `cuda_opt`
+/// (`--cuda-opt`), printing `auto`'s fallback notice.
+fn open_named_device(arg: DeviceArg, threads: usize, cuda_opt: &[String]) -> anyhow::Result<Arc<dyn Device>> {
     let kind = match arg {
         DeviceArg::Cpu => gatestream::backend::DeviceKind::Cpu,
         DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
         DeviceArg::Auto => gatestream::backend::DeviceKind::Auto,
         DeviceArg::HostStandin => gatestream::backend::DeviceKind::HostStandIn,
     };
-    // The CUDA device's settings (where its libraries are, its modes) come from the environment.
-    let (device, notice) = gatestream::backend::open_device(kind, threads, &|name| std::env::var(name).ok())?;
+    // The CUDA device's settings: where its libraries are, from the environment; its modes from
+    // --cuda-opt, GATESTREAM_CUDA_OPTS and their own variables.
+    let env = |name: &str| std::env::var(name).ok();
+    let var = gatestream::backend::modes::with_opts(cuda_opt, &env)?;
+    let (device, notice) = gatestream::backend::open_device(kind, threads, &var)?;
     if let Some(n) = notice {
         eprintln!("{n}");
     }
@@ -501,6 +505,10 @@ fn placement_streams(cmd: &Command) -> bool {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if cli.command.cuda_opts().iter().any(|o| o == "help") {
+        print!("{}", gatestream::backend::modes::help());
+        return ExitCode::SUCCESS;
+    }
     if !cli.command.streams() && !placement_streams(&cli.command) {
         tune_allocator();
     }
