@@ -9,7 +9,7 @@
 #   tools/gpu-carry.sh && cp -r ../shared/peer/cuda gpupeer    # here (or tools/llama-cpp.sh build-cuda gpupeer)
 #   OUT=/tmp/gs PACK=$OUT/logs.tgz bash tools/gpu-session.sh   # there; carry ["gpucarry", "gpupeer"]
 #
-# PARTS (default "checks compare hybrid disk"), in this order:
+# PARTS (default "checks compare hybrid"; add "disk" to measure the machine's disk), in this order:
 # 0. While the checks run, the hybrid's and the disk's models are written in the background
 #    (`make-model`, niced: DENSE_SHAPE, default qwen2.5-7b; MOE_SHAPE, default qwen3-30b-a3b; each
 #    as a GGUF and a split .gst under MODELS, default /tmp/gsm), MoE only where the disk has room.
@@ -22,7 +22,7 @@
 #      small_qwen2_pdl        gpu-compare's pdl case left out (GATESTREAM_CUDA_PDL is off by default)
 #    A failed small_qwen2* or qwen_shaped* check is reported, not mapped: read suite.txt.
 # 2. compare: `tools/gpu-compare.py --cases CASES --deadline DEADLINE` (default CASES
-#    decode,prefill,depth,batched,served,mma; DEADLINE 95 s: no case starts later), killed where the
+#    decode,prefill,depth,batched,served,profile; DEADLINE 95 s: no case starts later), killed where the
 #    hybrid's and the disk's parts (220 s) would not fit.
 # 3. hybrid: `tools/gpu-hybrid.sh dense:DENSE_SHAPE:25 moe:MOE_SHAPE:25 dense:DENSE_SHAPE:50`, no
 #    run starting after HYBRID_S seconds (default 130), killed where the disk's part would not fit.
@@ -49,7 +49,7 @@ log() { echo "[$(date +%T) +$((SECONDS - START))s] $*" | tee -a "$OUT/session.tx
 TOTAL=${TOTAL_S:-540}
 # (seconds left before TOTAL_S, less $1 kept for the parts after)
 left() { local l=$((TOTAL - (SECONDS - START) - ${1:-0})); echo $((l > 1 ? l : 1)); }
-PARTS=${PARTS:-checks compare hybrid disk}
+PARTS=${PARTS:-checks compare hybrid}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 SUITE=${SUITE:-gpucarry/gpu_cuda}
 G=${GATESTREAM:-gpucarry/gatestream}
@@ -59,7 +59,7 @@ export MODELS=$M
 DENSE=${DENSE_SHAPE:-qwen2.5-7b}
 MOE=${MOE_SHAPE:-qwen3-30b-a3b}
 DEV=${GPU_DEVICE:-cuda}
-CHECKS=${CHECKS:-kernels_per_type int8_batches attention_tiles attention_split fused_q8_blocks fused_last_blocks i8_geometry small_qwen2 qwen_shaped_cuda_vs_cpu qwen_shaped_decode_speed}
+CHECKS=${CHECKS:-moe_qwen2moe_hybrid kernels_per_type int8_batches attention_tiles attention_split fused_last_blocks small_qwen2 qwen_shaped_cuda_vs_cpu qwen_shaped_decode_speed}
 [ -x "$G" ] || { log "no gatestream binary at $G (tools/gpu-carry.sh builds gpucarry/)"; exit 1; }
 [ -f gpucarry/BUILT_FROM ] && log "gpucarry built from $(head -1 gpucarry/BUILT_FROM)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/session.txt"
@@ -108,7 +108,7 @@ failed kernels_per_type && off+=(GATESTREAM_CUDA_MMQ=0)
 failed int8_batches && off+=(GATESTREAM_CUDA_INT8_TOKENS=1)
 failed attention_tiles && off+=(GATESTREAM_CUDA_ATTN_TILES=0)
 failed attention_split && off+=(GATESTREAM_CUDA_ATTN_SPLIT=0)
-CASES=${CASES:-decode,prefill,depth,batched,served,mma}
+CASES=${CASES:-decode,prefill,depth,batched,served,profile}
 failed small_qwen2_pdl && CASES=$(echo "$CASES" | sed 's/,pdl//; s/^pdl,//')
 log "turned off for what follows: ${off[*]:-nothing}"
 for kv in "${off[@]}"; do export "${kv?}"; done
