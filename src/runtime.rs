@@ -249,47 +249,58 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
                 }
             };
             let sparse = mask.is_some();
-            let s = Streamer::open(
-                &model,
-                &StreamOptions {
-                    budget_bytes: ask.budget_bytes,
-                    engine: ask.engine,
-                    reader: ask.reader.clone(),
-                    // Unasked: hot neurons pinned for a dense model, recency for a mask or an
-                    // expert cache (pinned means nothing to experts, and asking for it warns).
-                    cache: ask.cache.unwrap_or(if sparse || model.config.moe.is_some() {
-                        CachePolicy::Lru
-                    } else {
-                        CachePolicy::Pinned
-                    }),
-                    priority: ask.priority,
-                    prefetch_ffn: !sparse,
-                    merge_gap_bytes: ask.merge_gap_bytes,
-                    cost: ask.cost.clone(),
-                    lookahead: match &mask {
-                        Some(m) if ask.lookahead => Lookahead::for_mask(up_set_reads_input(m.strategy, m.criterion)),
-                        // Experts are predicted from the next layer's router (always resident).
-                        None if ask.lookahead && model.config.moe.is_some() => Lookahead::FromGates,
-                        _ => Lookahead::Off,
+            let open = |batch_tokens_max: usize| {
+                Streamer::open(
+                    &model,
+                    &StreamOptions {
+                        budget_bytes: ask.budget_bytes,
+                        engine: ask.engine,
+                        reader: ask.reader.clone(),
+                        // Unasked: hot neurons pinned for a dense model, recency for a mask or an
+                        // expert cache (pinned means nothing to experts, and asking for it warns).
+                        cache: ask.cache.unwrap_or(if sparse || model.config.moe.is_some() {
+                            CachePolicy::Lru
+                        } else {
+                            CachePolicy::Pinned
+                        }),
+                        priority: ask.priority,
+                        prefetch_ffn: !sparse,
+                        merge_gap_bytes: ask.merge_gap_bytes,
+                        cost: ask.cost.clone(),
+                        lookahead: match &mask {
+                            Some(m) if ask.lookahead => {
+                                Lookahead::for_mask(up_set_reads_input(m.strategy, m.criterion))
+                            }
+                            // Experts are predicted from the next layer's router (always resident).
+                            None if ask.lookahead && model.config.moe.is_some() => Lookahead::FromGates,
+                            _ => Lookahead::Off,
+                        },
+                        kv_positions,
+                        vram_budget_bytes: ask.vram_budget_bytes,
+                        prefetch_buffers: match ask.prefetch_buffers {
+                            0 => crate::stream::PREFETCH_BUFFERS,
+                            n => n,
+                        },
+                        prefetch_read_bytes: match ask.prefetch_read_bytes {
+                            0 => crate::stream::PREFETCH_READ_BYTES,
+                            n => n,
+                        },
+                        batch_tokens_max,
                     },
-                    kv_positions,
-                    vram_budget_bytes: ask.vram_budget_bytes,
-                    prefetch_buffers: match ask.prefetch_buffers {
-                        0 => crate::stream::PREFETCH_BUFFERS,
-                        n => n,
-                    },
-                    prefetch_read_bytes: match ask.prefetch_read_bytes {
-                        0 => crate::stream::PREFETCH_READ_BYTES,
-                        n => n,
-                    },
-                    batch_tokens_max: if ask.batch_tokens_max == 0 {
-                        crate::stream::default_batch_tokens(ask.budget_bytes, ask.vram_budget_bytes)
-                    } else {
-                        ask.batch_tokens_max
-                    },
-                },
-            )?;
-            let mut s = s;
+                )
+            };
+            // Unasked, a GPU budget's stream without a RAM budget prefills in wide passes (no
+            // wider than the context), or in the streaming default where the budget holds no
+            // wide pass's activations.
+            let wide = crate::stream::default_batch_tokens(ask.budget_bytes, ask.vram_budget_bytes)
+                .min(kv_positions.max(crate::stream::STREAM_BATCH_TOKENS));
+            let mut s = match ask.batch_tokens_max {
+                0 if wide > crate::stream::STREAM_BATCH_TOKENS => {
+                    open(wide).or_else(|_| open(crate::stream::STREAM_BATCH_TOKENS))?
+                }
+                0 => open(crate::stream::STREAM_BATCH_TOKENS)?,
+                n => open(n)?,
+            };
             warnings.extend(s.warnings.iter().cloned());
             if let Some(w) = s.enable_hybrid(&model, ask.hybrid, opts.threads)? {
                 warnings.push(w);
