@@ -582,7 +582,10 @@ fn unaligned_and_overrunning_tensors_are_refused_loaded_and_streamed() {
         let p = write_temp(tmp.path(), name, b);
         let e = Model::load(&p, &LoadOptions::default()).err().expect("refused");
         let m = message(&e);
-        assert!(m.contains(name) && m.contains("blk.0.attn_q.weight") && m.contains(want), "{m}");
+        assert!(
+            m.contains(name) && m.contains("blk.0.attn_q.weight") && m.contains(want),
+            "{m}"
+        );
         assert!(m.contains("byte offset"), "{m}");
         // Streamed: refused the same way, before anything runs.
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
@@ -592,7 +595,10 @@ fn unaligned_and_overrunning_tensors_are_refused_loaded_and_streamed() {
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(want) && err.contains(name), "{err}");
+        assert!(
+            !out.status.success() && err.contains(want) && err.contains(name),
+            "{err}"
+        );
         assert!(!err.contains("panicked"), "{err}");
     }
 }
