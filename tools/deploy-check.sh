@@ -3,7 +3,7 @@
 # load through the router with the official OpenAI client, one replica killed mid-load, the other
 # stopped with SIGTERM while it serves.
 #
-#   tools/deploy-check.sh [--build] [--out DIR]
+#   tools/deploy-check.sh [--build] [--throughput-only] [--out DIR]
 #
 # Steps (everything on 127.0.0.1, every load bounded in count and time):
 #   1. the image (IMAGE, default localhost/gatestream:cpu): built from the repository's
@@ -32,12 +32,14 @@ cd "$(dirname "$0")/.."
 repo=$PWD
 
 build=0
+only_throughput=0
 out=""
 while [ $# -gt 0 ]; do
     case $1 in
         --build) build=1 ;;
+        --throughput-only) only_throughput=1 ;;  # steps 1-3
         --out) out=$2; shift ;;
-        *) echo "usage: $0 [--build] [--out DIR]" >&2; exit 2 ;;
+        *) echo "usage: $0 [--build] [--throughput-only] [--out DIR]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -165,6 +167,8 @@ for k, r in (("one", one), ("two", two)):
 print(f"  replica cores used: one {c['one'][0]:.2f}, two {c['two'][0]:.2f} (machine busy {c['one'][2]:.2f} and "
       f"{c['two'][2]:.2f}); tokens per replica CPU-second: one {c['one'][1]:.1f}, two {c['two'][1]:.1f}")
 EOF
+
+[ $only_throughput = 1 ] && { log "report: $out/report.txt"; exit 0; }
 
 # --- 4. one replica killed mid-load ---
 log ""
