@@ -295,9 +295,13 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
             let wide = crate::stream::default_batch_tokens(ask.budget_bytes, ask.vram_budget_bytes)
                 .min(kv_positions.max(crate::stream::STREAM_BATCH_TOKENS));
             let mut s = match ask.batch_tokens_max {
-                0 if wide > crate::stream::STREAM_BATCH_TOKENS => {
-                    open(wide).or_else(|_| open(crate::stream::STREAM_BATCH_TOKENS))?
-                }
+                // (Only the GPU budget's refusal, made before anything is read, is tried again.)
+                0 if wide > crate::stream::STREAM_BATCH_TOKENS => match open(wide) {
+                    Err(Error::Invalid(m)) if m.starts_with("--vram-budget") => {
+                        open(crate::stream::STREAM_BATCH_TOKENS)?
+                    }
+                    r => r?,
+                },
                 0 => open(crate::stream::STREAM_BATCH_TOKENS)?,
                 n => open(n)?,
             };

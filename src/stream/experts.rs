@@ -386,16 +386,13 @@ impl ExpertStream {
         v
     }
 
-    /// Frees a buffer, its page-lock released first.
+    /// Frees a buffer: its page-lock is released here, the buffer when the call returns.
     fn release(&self, v: Vec<u8>) {
-        let lock = self
-            .pins
+        self.pins
             .lock()
             .expect("expert pins")
             .locks
             .remove(&(v.as_ptr() as usize));
-        drop(lock);
-        drop(v);
     }
 
     /// Gives buffers back to the spares (after a failed read: nothing is freed while locked).

@@ -60,19 +60,6 @@ pub(crate) struct ModelArgs {
     pub(crate) cuda_opt: Vec<String>,
 }
 
-impl Command {
-    /// The `--cuda-opt` items of a command that opens a device.
-    pub(crate) fn cuda_opts(&self) -> &[String] {
-        match self {
-            Command::Run { model, .. }
-            | Command::Serve { model, .. }
-            | Command::Perplexity { model, .. }
-            | Command::Eval { model, .. } => &model.cuda_opt,
-            _ => &[],
-        }
-    }
-}
-
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum DeviceArg {
     Cpu,
@@ -893,6 +880,17 @@ impl SparseArgs {
 }
 
 impl Command {
+    /// The `--cuda-opt` items of a command that opens a device.
+    pub(crate) fn cuda_opts(&self) -> &[String] {
+        match self {
+            Command::Run { model, .. }
+            | Command::Serve { model, .. }
+            | Command::Perplexity { model, .. }
+            | Command::Eval { model, .. } => &model.cuda_opt,
+            _ => &[],
+        }
+    }
+
     /// Whether the command streams a model under a RAM budget (`--ram-budget`).
     pub(crate) fn streams(&self) -> bool {
         match self {
