@@ -21,12 +21,14 @@ pub enum Arch {
     Qwen3Moe,
     /// OLMoE: QK-norm over the whole projection, routed experts only.
     Olmoe,
+    /// DeepSeek-V2/V3, Kimi-K2: multi-head latent attention ([`Mla`]), shared experts, leading
+    /// dense layers.
+    Deepseek2,
 }
 
 /// Mixture-of-experts architectures llama.cpp knows that gatestream does not run, with why.
 const MOE_REFUSED: &[(&str, &str)] = &[
     ("deepseek", "DeepSeek MoE (grouped expert gating)"),
-    ("deepseek2", "DeepSeek-V2/V3 (multi-head latent attention, MLA)"),
     ("deepseek32", "DeepSeek-V3.2 (MLA with sparse attention)"),
     ("dbrx", "DBRX (clamped QKV, LayerNorm)"),
     ("grok", "Grok (soft-capped attention, GELU experts)"),
@@ -55,6 +57,7 @@ impl Arch {
             "qwen2moe" => Ok(Arch::Qwen2Moe),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "olmoe" => Ok(Arch::Olmoe),
+            "deepseek2" => Ok(Arch::Deepseek2),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 arch: other.to_string(),
@@ -79,6 +82,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Olmoe => "olmoe",
+            Arch::Deepseek2 => "deepseek2",
         }
     }
 }
@@ -146,6 +150,38 @@ pub struct ModelConfig {
     /// Routed experts in place of the dense FFN (every layer); `ffn` is then an expert's width.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention (DeepSeek-V2/V3): the cache holds one compressed latent and
+    /// one rotated key part per position, shared by every head. The attention is computed in
+    /// the latent space: `n_kv_heads` is 1 and `head_dim` is `kv_lora_rank + qk_rope` (what a
+    /// query and a cached key are after absorbing the key up-projection into the query).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mla: Option<Mla>,
+}
+
+/// The dimensions of multi-head latent attention. Per token, `q` is `heads × (qk_nope + qk_rope)`
+/// (projected directly, or through a `q_lora_rank` bottleneck with its own norm); the latent is
+/// `kv_lora_rank` wide (normalized) plus a `qk_rope`-wide key part rotated once for all heads.
+/// A head's key is `k_b[h] · latent` and its value `v_b[h] · latent` (`v_head` wide); both
+/// products are folded into the query and the output instead of being expanded per position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Mla {
+    /// 0: the query is projected from the input directly (DeepSeek-V2-Lite).
+    pub q_lora_rank: usize,
+    pub kv_lora_rank: usize,
+    pub qk_nope: usize,
+    pub qk_rope: usize,
+    pub v_head: usize,
+}
+
+impl Mla {
+    /// A head's query width before absorption (`attn_q` rows per head).
+    pub fn q_head(&self) -> usize {
+        self.qk_nope + self.qk_rope
+    }
+    /// What the cache holds per position and layer: the latent and the rotated key part.
+    pub fn latent(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope
+    }
 }
 
 /// A mixture-of-experts FFN: per token the router's softmax picks the `n_used` most likely of
@@ -168,6 +204,11 @@ impl ModelConfig {
     }
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+    /// The dimensions of a head RoPE turns (all of them, but for latent attention's rotated key
+    /// part).
+    pub fn rope_dims(&self) -> usize {
+        self.mla.map_or(self.head_dim, |m| m.qk_rope)
     }
     pub fn layer_is_local(&self, layer: usize) -> bool {
         self.sliding_window.is_some() && !(layer + 1).is_multiple_of(self.sliding_pattern)
@@ -201,6 +242,17 @@ impl ModelConfig {
                 ));
             }
         }
+        if let Some(m) = &self.mla {
+            let sane = |x: usize| x > 0 && x <= 1 << 14;
+            if !(sane(m.kv_lora_rank) && sane(m.qk_nope) && sane(m.qk_rope) && sane(m.v_head))
+                || m.q_lora_rank > 1 << 16
+                || !m.qk_rope.is_multiple_of(2)
+                || self.head_dim != m.latent()
+                || self.n_kv_heads != 1
+            {
+                return bad(format!("inconsistent latent attention dimensions {m:?} in {self:?}"));
+            }
+        }
         if self.sliding_pattern == 0 {
             return bad("sliding window pattern 0".into());
         }
@@ -224,12 +276,12 @@ impl ModelConfig {
             return bad(format!("non-finite or non-positive value among {floats:?}"));
         }
         if let Some(f) = &self.rope_freq_factors {
-            if f.len() != self.head_dim / 2 {
+            if f.len() != self.rope_dims() / 2 {
                 return bad(format!(
-                    "{} RoPE frequency factors for heads of {} (need head_dim / 2 = {})",
+                    "{} RoPE frequency factors for {} rotated dimensions (need {})",
                     f.len(),
-                    self.head_dim,
-                    self.head_dim / 2
+                    self.rope_dims(),
+                    self.rope_dims() / 2
                 ));
             }
             if let Some(x) = f.iter().find(|x| !x.is_finite() || **x <= 0.0) {
@@ -271,8 +323,32 @@ impl ModelConfig {
         let n_kv_heads = opt_int("attention.head_count_kv").unwrap_or(n_heads);
         let head_dim = opt_int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let gemma = arch == Arch::Gemma3;
-        refuse_unread_math_keys(g, arch_name, head_dim)?;
+        let mla = match arch {
+            Arch::Deepseek2 => Some(mla_from_gguf(g, arch_name, head_dim, &opt_int, &int)?),
+            _ => None,
+        };
+        let rope_dims = mla.map_or(head_dim, |m| m.qk_rope);
+        let (read_keys, n_kv_heads): (&[&str], usize) = match mla {
+            Some(_) => (DEEPSEEK2_KEYS, 1),
+            None => (&[], n_kv_heads),
+        };
+        refuse_unread_math_keys(g, arch_name, rope_dims, read_keys)?;
         let (rope_scale_global, yarn) = rope_scaling_from_gguf(g, arch_name, opt_int("context_length"))?;
+        let yarn_log_mul = opt_f("rope.scaling.yarn_log_multiplier").filter(|&m| m != 0.0);
+        if let (Some(m), Some(y)) = (&mla, &yarn) {
+            if y.attn_factor != 1.0 {
+                return Err(Error::Config {
+                    path: path.clone(),
+                    what: format!(
+                        "{arch_name}.rope.scaling.attn_factor = {}: with latent attention (RoPE over {} of a \
+                         head's {} query dimensions) only 1 is computed",
+                        y.attn_factor,
+                        m.qk_rope,
+                        m.q_head()
+                    ),
+                });
+            }
+        }
         let rope_theta = opt_f("rope.freq_base").unwrap_or(10000.0);
         let rope_freq_factors = match (rope_freqs_from_gguf(g)?, &yarn) {
             (Some(_), Some(_)) => {
@@ -285,10 +361,13 @@ impl ModelConfig {
                 })
             }
             (Some(f), None) => Some(f),
-            (None, Some(y)) => Some(y.factors(head_dim, rope_theta)),
+            (None, Some(y)) => Some(y.factors(rope_dims, rope_theta)),
             (None, None) => None,
         };
-        let moe = Self::moe_from_gguf(arch, &opt_int, &int)?;
+        let moe = match arch {
+            Arch::Deepseek2 => deepseek2_moe_from_gguf(g, arch_name, &opt_int, &int)?,
+            _ => Self::moe_from_gguf(arch, &opt_int, &int)?,
+        };
         // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
         let ffn = match (&moe, arch) {
             (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe) => match opt_int("expert_feed_forward_length") {
@@ -312,7 +391,7 @@ impl ModelConfig {
             rope_theta_local: if gemma { 10000.0 } else { rope_theta },
             rope_scale_global,
             rope_freq_factors,
-            rope_style: if arch == Arch::Llama {
+            rope_style: if matches!(arch, Arch::Llama | Arch::Deepseek2) {
                 RopeStyle::AdjacentPairs
             } else {
                 RopeStyle::HalfSplit
@@ -329,7 +408,12 @@ impl ModelConfig {
             },
             sliding_pattern: 6,
             // (YaRN scales q and k by its magnitude factor: q·k by its square)
-            attn_scale: yarn.as_ref().map_or(1.0, |y| y.mscale().powi(2)) / (head_dim as f32).sqrt(),
+            // (DeepSeek's YaRN: a magnitude of its own, `1 + 0.1 · yarn_log_multiplier · ln factor`,
+            // as llama.cpp computes it; the scores are over a head's query width before absorption.)
+            attn_scale: yarn.as_ref().map_or(1.0, |y| match (yarn_log_mul, mla) {
+                (Some(m), Some(_)) => (1.0 + 0.1 * m * y.factor.ln()).powi(2),
+                _ => y.mscale().powi(2),
+            }) / (mla.map_or(head_dim, |m| m.q_head()) as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             post_norms: gemma,
@@ -337,6 +421,7 @@ impl ModelConfig {
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
             qk_norm_whole: arch == Arch::Olmoe,
             moe,
+            mla,
         };
         cfg.validate(path)
     }
@@ -437,6 +522,7 @@ impl ModelConfig {
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
             qk_norm_whole: false,
             moe: None,
+            mla: None,
         };
         cfg.validate(path)
     }
@@ -692,10 +778,90 @@ const UNREAD_MATH_KEYS: &[(&str, Option<f64>)] = &[
     ("rope.scaling.yarn_beta_slow", Some(1.0)),
 ];
 
+/// The keys of [`UNREAD_MATH_KEYS`] a `deepseek2` file's config reads ([`mla_from_gguf`],
+/// [`deepseek2_moe_from_gguf`]).
+const DEEPSEEK2_KEYS: &[&str] = &[
+    "attention.q_lora_rank",
+    "attention.kv_lora_rank",
+    "leading_dense_block_count",
+    "rope.scaling.yarn_log_multiplier",
+];
+
+/// Latent attention's dimensions from a `deepseek2` file: `attention.kv_lora_rank`,
+/// `attention.q_lora_rank` (absent or 0: no query bottleneck), `rope.dimension_count` (the
+/// rotated part), `attention.key_length_mla` and `value_length_mla` (a head's query and value
+/// widths). `attention.key_length` is the cached width, latent plus rotated part. Files from
+/// converters before llama.cpp split `attn_kv_b` (no `key_length_mla`) are refused.
+fn mla_from_gguf(
+    g: &GgufFile,
+    arch_name: &str,
+    key_length: usize,
+    opt_int: &dyn Fn(&str) -> Option<usize>,
+    int: &dyn Fn(&str) -> Result<usize>,
+) -> Result<Mla> {
+    let bad = |what: String| Error::Config {
+        path: g.path.clone(),
+        what,
+    };
+    let (Some(k_mla), Some(v_mla)) = (
+        opt_int("attention.key_length_mla"),
+        opt_int("attention.value_length_mla"),
+    ) else {
+        return Err(bad(format!(
+            "{arch_name}.attention.key_length_mla is missing: this file keeps the keys' and values' up-projection \
+             in one tensor (attn_kv_b), as converters before llama.cpp's split of it wrote; convert the model again \
+             with a current convert_hf_to_gguf.py"
+        )));
+    };
+    let kv_lora_rank = int("attention.kv_lora_rank")?;
+    let qk_rope = int("rope.dimension_count")?;
+    let m = Mla {
+        q_lora_rank: opt_int("attention.q_lora_rank").unwrap_or(0),
+        kv_lora_rank,
+        qk_nope: k_mla.checked_sub(qk_rope).filter(|&n| n > 0).ok_or_else(|| {
+            bad(format!(
+                "key_length_mla {k_mla} is not above the rotated part {qk_rope}"
+            ))
+        })?,
+        qk_rope,
+        v_head: v_mla,
+    };
+    if key_length != m.latent() {
+        return Err(bad(format!(
+            "{arch_name}.attention.key_length = {key_length}: latent attention caches kv_lora_rank + \
+             rope.dimension_count = {} per position",
+            m.latent()
+        )));
+    }
+    Ok(m)
+}
+
+/// A `deepseek2` file's FFNs: dense in every layer (`leading_dense_block_count` = the layer
+/// count) or experts after the leading dense layers.
+fn deepseek2_moe_from_gguf(
+    g: &GgufFile,
+    arch_name: &str,
+    opt_int: &dyn Fn(&str) -> Option<usize>,
+    int: &dyn Fn(&str) -> Result<usize>,
+) -> Result<Option<MoeConfig>> {
+    let layers = int("block_count")?;
+    let dense = opt_int("leading_dense_block_count").unwrap_or(0);
+    if dense >= layers {
+        return Ok(None);
+    }
+    Err(Error::Config {
+        path: g.path.clone(),
+        what: format!(
+            "{arch_name}: {} of {layers} layers hold experts; DeepSeek's expert layers are not computed yet",
+            layers - dense
+        ),
+    })
+}
+
 /// Refuses a file whose metadata asks for computation gatestream does not do: a key of
 /// [`UNREAD_MATH_KEYS`] at another value, or RoPE over part of a head
 /// (`rope.dimension_count` below the head size).
-fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, head_dim: usize) -> Result<()> {
+fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, rope_dims: usize, read: &[&str]) -> Result<()> {
     let refuse = |key: String, what: String| {
         Err(Error::Config {
             path: g.path.clone(),
@@ -705,7 +871,7 @@ fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, head_dim: usize) -> Re
             ),
         })
     };
-    for (k, neutral) in UNREAD_MATH_KEYS {
+    for (k, neutral) in UNREAD_MATH_KEYS.iter().filter(|(k, _)| !read.contains(k)) {
         let key = format!("{arch_name}.{k}");
         if let Some(v) = g.get(&key) {
             let same = match (neutral, v.as_f64().or_else(|| v.as_bool().map(|b| b as u8 as f64))) {
@@ -719,8 +885,8 @@ fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, head_dim: usize) -> Re
     }
     let key = format!("{arch_name}.rope.dimension_count");
     if let Some(n) = g.get(&key).and_then(|v| v.as_u64()) {
-        if n as usize != head_dim {
-            return refuse(key, format!("{n} (RoPE over {n} of a head's {head_dim} dimensions)"));
+        if n as usize != rope_dims {
+            return refuse(key, format!("{n} (RoPE over {n} of a head's {rope_dims} dimensions)"));
         }
     }
     Ok(())

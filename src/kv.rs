@@ -7,7 +7,10 @@
 
 use crate::config::ModelConfig;
 
-/// Keys and values of every layer for positions `0..len`, f32, `[pos][kv_dim]` per layer.
+/// Keys and values of every layer for positions `0..len`, f32, `[pos][kv_dim]` per layer. With
+/// latent attention ([`ModelConfig::mla`]) a position's key is the latent and its rotated part,
+/// and its value the latent, the key's first `kv_lora_rank` numbers: `v` is empty and attention
+/// reads values from `k`.
 pub struct KvCache {
     pub(crate) k: Vec<Vec<f32>>,
     pub(crate) v: Vec<Vec<f32>>,
@@ -24,9 +27,10 @@ impl KvCache {
     pub fn new(cfg: &ModelConfig, capacity: usize) -> KvCache {
         let kv_dim = cfg.kv_dim();
         let per_layer = capacity * kv_dim;
+        let v_len = if cfg.mla.is_some() { 0 } else { per_layer };
         KvCache {
             k: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
-            v: (0..cfg.n_layers).map(|_| vec![0.0; per_layer]).collect(),
+            v: (0..cfg.n_layers).map(|_| vec![0.0; v_len]).collect(),
             kv_dim,
             capacity,
             len: 0,
@@ -36,7 +40,8 @@ impl KvCache {
 
     /// Bytes a cache of `capacity` positions holds for this model.
     pub fn bytes_for(cfg: &ModelConfig, capacity: usize) -> u64 {
-        (2 * cfg.n_layers as u64)
+        let tensors = if cfg.mla.is_some() { 1 } else { 2 };
+        (tensors * cfg.n_layers as u64)
             .saturating_mul(capacity as u64)
             .saturating_mul(cfg.kv_dim() as u64 * 4)
     }
@@ -51,7 +56,17 @@ impl KvCache {
     }
 
     pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.capacity * self.kv_dim * 4
+        let tensors = self.k.len() + self.v.iter().filter(|v| !v.is_empty()).count();
+        4 * tensors * self.capacity * self.kv_dim
+    }
+
+    /// Layer `l`'s values: its own, or (latent attention) the keys, whose first numbers they are.
+    pub(crate) fn values(&self, l: usize) -> &[f32] {
+        if self.v[l].is_empty() {
+            &self.k[l]
+        } else {
+            &self.v[l]
+        }
     }
 }
 

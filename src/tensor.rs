@@ -316,6 +316,33 @@ impl Weight {
         &self.storage()[start..start + self.row_bytes]
     }
 
+    /// Rows `start..start + rows` as a matrix of their own (the same bytes).
+    pub fn rows_view(&self, start: usize, rows: usize) -> Weight {
+        assert!(
+            start + rows <= self.rows,
+            "{}: rows {start}+{rows} of {}",
+            self.name,
+            self.rows
+        );
+        Weight {
+            rows,
+            offset_bytes: self.offset_bytes + start * self.row_stride_bytes,
+            ..self.clone()
+        }
+    }
+
+    /// This matrix and the `n - 1` that follow it in its storage as one (`n · rows` rows): the
+    /// matrices of a three-dimensional tensor, packed, this one the first. The caller has checked
+    /// that the tensor lies inside the storage (a GGUF file's tensors are, at open).
+    pub fn stacked_with(self, name: &str, n: usize) -> Weight {
+        debug_assert!(self.is_contiguous());
+        Weight {
+            name: name.into(),
+            rows: n * self.rows,
+            ..self
+        }
+    }
+
     /// Rows `[start, end)` as one contiguous byte slice; only for contiguous weights.
     pub fn rows_bytes(&self, start: usize, end: usize) -> &[u8] {
         assert!(self.is_contiguous(), "{}: strided rows are not one slice", self.name);

@@ -2896,6 +2896,7 @@ fn qwen_shaped_gguf(dir: &std::path::Path, shape: &Shape, residual_gain: f32, as
             tied: false,
             experts: None,
             rope_factors: None,
+            mla: None,
         },
         mix: Mix::Q4KM,
         dequantize: as_f32,

@@ -562,6 +562,7 @@ fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) 
         tied: false,
         experts,
         rope_factors: None,
+        mla: None,
     }
 }
 

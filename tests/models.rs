@@ -449,45 +449,23 @@ fn yarn_rope_scaling_matches_llama_cpp() {
 const LLAMA_CPP_STORIES_SMOLLM2_YARN: [f64; 2] = [137.8090, 24.0006];
 const LLAMA_CPP_SMOLLM2_PLAIN: f64 = 22.1792;
 
-/// A small random Qwen3 (dense: per-head QK-norm, no biases, half-split RoPE) as `make-model`
-/// writes it, in F32 (no quantized activations blur the comparison), with SmolLM2's tokenizer:
-/// perplexity within 0.1% of llama.cpp's on the same file. (Random weights give a large
-/// perplexity; both must compute the same one.)
-#[test]
-fn small_qwen3_matches_llama_cpp() {
-    use gatestream::config::Arch;
-    use gatestream::perplexity::{perplexity, PerplexityOptions};
-    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from);
+/// A small random model of `shape` as `make-model` writes it, in F32 (no quantized activations
+/// blur a comparison), with SmolLM2's tokenizer, its output norm scaled by 8: random weights give
+/// nearly flat logits (a perplexity near the vocabulary's size, which hardly depends on
+/// anything), and the scaled norm makes them peaked. Written to `dir/name`.
+fn small_f32_model(shape: gatestream::synth::Shape, dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, TokenizerChoice};
     let spec = MakeSpec {
-        shape: Shape {
-            name: "custom".into(),
-            arch: Arch::Qwen3,
-            hidden: 256,
-            ffn: 512,
-            layers: 3,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 128,
-            vocab: 0,
-            context_len: 4096,
-            rope_theta: 1e6,
-            rms_eps: 1e-6,
-            tied: false,
-            experts: None,
-            rope_factors: None,
-        },
+        shape,
         mix: Mix::Q8_0,
         dequantize: true,
         tokenizer: TokenizerChoice::From(model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")),
         seed: 5,
         residual_gain: 1.0,
     };
+    let tmp = tempfile::tempdir().unwrap();
     let made = tmp.path().join("made.gguf");
     write_model(&spec, &made, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
-    // Random weights give nearly flat logits (a perplexity near the vocabulary's size, which
-    // hardly depends on anything): the output norm scaled by 8 makes them peaked.
     let norm = gatestream::gguf::GgufFile::open(&made).unwrap();
     let t = norm.tensor("output_norm.weight").unwrap();
     let scaled: Vec<f32> = norm
@@ -495,13 +473,49 @@ fn small_qwen3_matches_llama_cpp() {
         .chunks_exact(4)
         .map(|c| 8.0 * f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    let path = dir.join("qwen3-small-f32.gguf");
+    let path = dir.join(name);
     let edited = gguf_edited(
         &made,
         vec![],
         vec![("output_norm.weight".into(), t.dims.clone(), 0, f32_bytes(&scaled))],
     );
     std::fs::write(&path, edited).unwrap();
+    path
+}
+
+/// Where a test writes the files it compares with llama.cpp: `GATESTREAM_KEEP=DIR` keeps them.
+fn kept_dir(tmp: &tempfile::TempDir) -> std::path::PathBuf {
+    std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from)
+}
+
+/// A small random Qwen3 (dense: per-head QK-norm, no biases, half-split RoPE), F32
+/// ([`small_f32_model`]): perplexity within 0.1% of llama.cpp's on the same file. (Random weights
+/// give a large perplexity; both must compute the same one.)
+#[test]
+fn small_qwen3_matches_llama_cpp() {
+    use gatestream::config::Arch;
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::synth::Shape;
+    let tmp = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        name: "custom".into(),
+        arch: Arch::Qwen3,
+        hidden: 256,
+        ffn: 512,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 128,
+        vocab: 0,
+        context_len: 4096,
+        rope_theta: 1e6,
+        rms_eps: 1e-6,
+        tied: false,
+        experts: None,
+        rope_factors: None,
+        mla: None,
+    };
+    let path = small_f32_model(shape, &kept_dir(&tmp), "qwen3-small-f32.gguf");
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
     assert!(m.config.qk_norm && !m.config.attn_bias && m.config.head_dim == 128);
     let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
@@ -533,3 +547,93 @@ fn small_qwen3_matches_llama_cpp() {
     );
 }
 const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
+
+/// Small random DeepSeek-V2/V3-style models (multi-head latent attention; dense FFNs in every
+/// layer, `leading_dense_block_count` = the layer count), F32 ([`small_f32_model`]): one with
+/// the query bottleneck (V3, `attn_q_a`/`attn_q_b`), one without (V2-Lite, `attn_q`). Perplexity
+/// within 0.1% of llama.cpp's on the same files; greedy tokens agree where the margin is clear;
+/// the cache holds one latent per position and layer (not expanded keys and values); and the
+/// latent's norm matters (the figure changes without it).
+#[test]
+fn small_deepseek2_latent_attention_matches_llama_cpp() {
+    use gatestream::config::{Arch, Mla};
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::synth::Shape;
+    let tmp = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 4 };
+    for (q_lora_rank, name, llama_cpp) in [
+        (64, "deepseek2-q-lora-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[0]),
+        (0, "deepseek2-lite-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[1]),
+    ] {
+        let mla = Mla {
+            q_lora_rank,
+            kv_lora_rank: 128,
+            qk_nope: 64,
+            qk_rope: 32,
+            v_head: 64,
+        };
+        let shape = Shape {
+            name: "custom".into(),
+            arch: Arch::Deepseek2,
+            hidden: 256,
+            ffn: 512,
+            layers: 3,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: mla.latent(),
+            vocab: 0,
+            context_len: 4096,
+            rope_theta: 10000.0,
+            rms_eps: 1e-6,
+            tied: false,
+            experts: None,
+            rope_factors: None,
+            mla: Some(mla),
+        };
+        let path = small_f32_model(shape, &kept_dir(&tmp), name);
+        let m = Model::load(&path, &LoadOptions::default()).unwrap();
+        assert_eq!(m.config.mla, Some(mla));
+        assert_eq!((m.config.n_kv_heads, m.config.head_dim), (1, 160));
+        // One latent and rotated part per position and layer: 160 floats, not the
+        // 4 heads × (96 + 64) an expanded cache would hold for keys and values.
+        assert_eq!(KvCache::bytes_for(&m.config, 10), 3 * 10 * 160 * 4);
+        assert_eq!(
+            KvCache::new(&m.config, 10).bytes() as u64,
+            KvCache::bytes_for(&m.config, 10)
+        );
+        let r = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap();
+        let rel = (r.perplexity - llama_cpp).abs() / llama_cpp;
+        assert!(
+            rel < 0.001,
+            "{name}: perplexity {} vs llama.cpp {llama_cpp} ({:.3}% apart)",
+            r.perplexity,
+            rel * 100.0
+        );
+        let mut plain = Model::load(&path, &LoadOptions::default()).unwrap();
+        for l in &mut plain.weights.layers {
+            l.attn.mla.as_mut().unwrap().kv_a_norm.iter_mut().for_each(|w| *w = 1.0);
+        }
+        let without = perplexity(&plain, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+        assert!(
+            (without - r.perplexity).abs() / r.perplexity > 0.01,
+            "{name}: the latent's norm hardly matters: {} with, {without} without",
+            r.perplexity
+        );
+        // A prompt decoded at once equals the same tokens one at a time (the cache written and
+        // read per position).
+        let prompt = m.tokenizer.encode("The capital of France is", true).unwrap();
+        let mut cache = KvCache::new(&m.config, 64);
+        let whole = m.forward(&prompt, &mut cache, Logits::Last).unwrap();
+        let mut cache = KvCache::new(&m.config, 64);
+        let mut last = Vec::new();
+        for &t in &prompt {
+            last = m.forward(&[t], &mut cache, Logits::Last).unwrap();
+        }
+        let d = whole.iter().zip(&last).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-3, "{name}: prompt at once vs one at a time: {d}");
+    }
+}
+// llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the files this test writes
+// (GATESTREAM_KEEP=DIR keeps them): its final estimates.
+const LLAMA_CPP_SMALL_DEEPSEEK2: [f64; 2] = [3052659.1363, 3053318.3280];

@@ -1227,6 +1227,7 @@ fn small_shape(
         tied: false,
         experts,
         rope_factors: None,
+        mla: None,
     }
 }
 
@@ -1664,6 +1665,7 @@ fn a_mixture_of_experts_gguf_streams_directly_like_the_in_ram_model() {
                 tied: false,
                 experts: Some(experts),
                 rope_factors: None,
+                mla: None,
             },
             mix: Mix::Q4KM,
             dequantize: false,

@@ -525,7 +525,10 @@ impl Device for CpuBackend {
         for (t, (&pos, &s)) in positions.iter().zip(seq_of_token).enumerate() {
             let c = &mut caches[s];
             c.k[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(&k[t * kvd..(t + 1) * kvd]);
-            c.v[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+            // (Latent attention: the values are the keys' first numbers; nothing more to write.)
+            if !c.v[layer].is_empty() {
+                c.v[layer][pos * kvd..(pos + 1) * kvd].copy_from_slice(&v[t * kvd..(t + 1) * kvd]);
+            }
         }
     }
 
@@ -554,7 +557,7 @@ impl Device for CpuBackend {
                     attend(
                         qh,
                         &c.k[l],
-                        &c.v[l],
+                        c.values(l),
                         kvd,
                         (head / group) * hd,
                         first..pos + 1,

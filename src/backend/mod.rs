@@ -495,6 +495,12 @@ pub trait Device: HostLink {
     fn rope_freq_factors(&self) -> bool {
         true
     }
+    /// Whether the device's attention reads a cache without values of its own (latent
+    /// attention's values are the keys' first numbers: [`crate::kv::KvCache`]); a model with
+    /// latent attention is refused at load on a device that does not.
+    fn latent_attention(&self) -> bool {
+        true
+    }
     /// Whether the device multiplies weights of `ty`; a model holding a matrix of another type
     /// is refused at load on it (the CPU device computes every [`crate::quant::GgmlType`]).
     fn computes_type(&self, _ty: crate::quant::GgmlType) -> bool {

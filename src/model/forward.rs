@@ -32,13 +32,70 @@ pub struct FfnHooks<'a> {
     pub cancel: Option<&'a std::sync::atomic::AtomicBool>,
 }
 
-/// The attention matrices of one layer.
+/// The attention matrices of one layer (latent attention: see [`MlaWeights`] for what each is).
 #[derive(Clone)]
 pub struct AttnWeights {
     pub wq: Weight,
     pub wk: Weight,
     pub wv: Weight,
     pub wo: Weight,
+    pub mla: Option<Box<MlaWeights>>,
+}
+
+/// Latent attention's own weights ([`crate::config::Mla`]); in its [`AttnWeights`], `wq` is the
+/// query (after `q_a` and its norm where there is a bottleneck), `wk` the latent and rotated
+/// key part (`attn_kv_a_mqa`), `wv` the heads' value up-projections stacked
+/// (`[heads · v_head, kv_lora_rank]`) and `wo` the output.
+#[derive(Clone)]
+pub struct MlaWeights {
+    /// The query bottleneck (`attn_q_a`) and its norm.
+    pub q_a: Option<Weight>,
+    pub q_a_norm: Option<Vec<f32>>,
+    /// The latent's norm (`attn_kv_a_norm`).
+    pub kv_a_norm: Vec<f32>,
+    /// The heads' key up-projections stacked, `[heads · kv_lora_rank, qk_nope]` (`attn_k_b`):
+    /// head h's rows absorb its query's unrotated part into the latent space.
+    pub k_b: Weight,
+}
+
+impl AttnWeights {
+    /// Every matrix (latent attention's own too).
+    pub fn matrices(&self) -> Vec<&Weight> {
+        let mut out = vec![&self.wq, &self.wk, &self.wv, &self.wo];
+        if let Some(m) = &self.mla {
+            out.extend(m.q_a.iter().chain([&m.k_b]));
+        }
+        out
+    }
+
+    /// The same, to change.
+    pub fn matrices_mut(&mut self) -> Vec<&mut Weight> {
+        let mut out = vec![&mut self.wq, &mut self.wk, &mut self.wv, &mut self.wo];
+        if let Some(m) = &mut self.mla {
+            let MlaWeights { q_a, k_b, .. } = &mut **m;
+            out.extend(q_a.iter_mut().chain([k_b]));
+        }
+        out
+    }
+
+    /// The same matrices each passed through `f` (a stream's loading).
+    pub fn try_map(&self, f: &mut dyn FnMut(&Weight) -> Result<Weight>) -> Result<AttnWeights> {
+        Ok(AttnWeights {
+            wq: f(&self.wq)?,
+            wk: f(&self.wk)?,
+            wv: f(&self.wv)?,
+            wo: f(&self.wo)?,
+            mla: match &self.mla {
+                None => None,
+                Some(m) => Some(Box::new(MlaWeights {
+                    q_a: m.q_a.as_ref().map(&mut *f).transpose()?,
+                    q_a_norm: m.q_a_norm.clone(),
+                    kv_a_norm: m.kv_a_norm.clone(),
+                    k_b: f(&m.k_b)?,
+                })),
+            },
+        })
+    }
 }
 
 /// Rows handed over where they are in memory: `(neuron, bytes)` each.
@@ -573,6 +630,9 @@ impl Model {
             Some(p) => dev.add_rms_norm(x, &p, &w.attn_norm, cfg.rms_eps),
             None => dev.rms_norm(x, &w.attn_norm, cfg.rms_eps),
         };
+        if let (Some(m), Some(mw)) = (&cfg.mla, &a.mla) {
+            return self.latent_attention(l, a, (m, mw), &xn, batch, caches);
+        }
         // Q, K and V usually share a type: the input is prepared once for them (and on a GPU
         // they may be one launch, their biases added as each output is written).
         let biases = [&w.bq, &w.bk, &w.bv].map(|b| b.as_deref());

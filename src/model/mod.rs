@@ -8,6 +8,7 @@ pub mod draft;
 pub mod ffn;
 pub mod forward;
 pub mod generate;
+mod mla;
 pub mod sampler;
 pub mod tokenizer;
 pub mod weights;
@@ -200,6 +201,15 @@ impl Model {
                 "{}: this model's RoPE has per-frequency factors (Llama 3.1+'s `rope_freqs.weight`, or YaRN \
                  scaling), which the {} device does not apply yet; run it with --device cpu",
                 path.display(),
+                device.name()
+            )));
+        }
+        if src.config.mla.is_some() && !device.latent_attention() {
+            return Err(Error::Invalid(format!(
+                "{}: this model has multi-head latent attention ({}), which the {} device does not compute \
+                 yet; run it with --device cpu",
+                path.display(),
+                src.config.arch.name(),
                 device.name()
             )));
         }

@@ -8,7 +8,7 @@ use crate::config::{Arch, ModelConfig, ROPE_FREQS_TENSOR};
 use crate::error::{Error, Result};
 use crate::gguf::{self, GgufFile};
 use crate::gstfile::GstFile;
-use crate::model::forward::AttnWeights;
+use crate::model::forward::{AttnWeights, MlaWeights};
 use crate::safetensors::SafetensorsModel;
 use crate::tensor::Weight;
 
@@ -155,6 +155,14 @@ impl TensorSource {
         self.shape(name).is_some()
     }
 
+    /// A GGUF three-dimensional tensor of `n` matrices `[rows, cols]` (dims `[cols, rows, n]`)
+    /// as one matrix `[n · rows, cols]`: matrix i is rows `i·rows..(i+1)·rows`
+    /// ([`Weight::rows_view`]).
+    pub fn stacked(&self, name: &str, n: usize, rows: usize, cols: usize, arch: Arch) -> Result<Weight> {
+        let mut parts = self.experts(name, n, rows, cols, arch)?;
+        Ok(parts.swap_remove(0).stacked_with(name, n))
+    }
+
     /// The `n` matrices `[rows, cols]` of a GGUF three-dimensional expert tensor (dims
     /// `[cols, rows, n]`, the expert outermost): each expert's rows are contiguous, so each is a
     /// view at its own offset.
@@ -230,10 +238,59 @@ impl<'a> Taking<'a> {
         self.take(name);
         self.source.vector(name, len, arch)
     }
+    fn stacked(&self, name: &str, n: usize, rows: usize, cols: usize, arch: Arch) -> Result<Weight> {
+        self.take(name);
+        self.source.stacked(name, n, rows, cols, arch)
+    }
     fn experts(&self, name: &str, n: usize, rows: usize, cols: usize, arch: Arch) -> Result<Vec<Weight>> {
         self.take(name);
         self.source.experts(name, n, rows, cols, arch)
     }
+}
+
+/// Latent attention's matrices ([`crate::config::Mla`]) in [`AttnWeights`]: `wq` the query
+/// (`attn_q`, or `attn_q_b` after `attn_q_a` and its norm), `wk` the latent and rotated key part
+/// (`attn_kv_a_mqa`), `wv` every head's value up-projection stacked (`attn_v_b`,
+/// `[heads · v_head, kv_lora_rank]`), `wo` the output.
+fn latent_attention(
+    src: &Taking,
+    cfg: &ModelConfig,
+    m: &crate::config::Mla,
+    n: &dyn Fn(&str) -> String,
+) -> Result<AttnWeights> {
+    let (arch, h, heads) = (cfg.arch, cfg.hidden, cfg.n_heads);
+    let q = heads * m.q_head();
+    if src.has(&n("attn_kv_b.weight")) {
+        return Err(Error::Invalid(format!(
+            "{}: `{}`: this file keeps the keys' and values' up-projection in one tensor, as converters \
+             before llama.cpp's split of it wrote; convert the model again with a current convert_hf_to_gguf.py",
+            src.source.path().display(),
+            n("attn_kv_b.weight")
+        )));
+    }
+    let (wq, q_a) = match m.q_lora_rank {
+        0 => (src.matrix(&n("attn_q.weight"), q, h, arch)?, None),
+        r => (
+            src.matrix(&n("attn_q_b.weight"), q, r, arch)?,
+            Some(src.matrix(&n("attn_q_a.weight"), r, h, arch)?),
+        ),
+    };
+    let q_a_norm = match m.q_lora_rank {
+        0 => None,
+        r => Some(src.vector(&n("attn_q_a_norm.weight"), r, arch)?),
+    };
+    Ok(AttnWeights {
+        wq,
+        wk: src.matrix(&n("attn_kv_a_mqa.weight"), m.latent(), h, arch)?,
+        wv: src.stacked(&n("attn_v_b.weight"), heads, m.v_head, m.kv_lora_rank, arch)?,
+        wo: src.matrix(&n("attn_output.weight"), h, heads * m.v_head, arch)?,
+        mla: Some(Box::new(MlaWeights {
+            q_a,
+            q_a_norm,
+            kv_a_norm: src.vector(&n("attn_kv_a_norm.weight"), m.kv_lora_rank, arch)?,
+            k_b: src.stacked(&n("attn_k_b.weight"), heads, m.kv_lora_rank, m.qk_nope, arch)?,
+        })),
+    })
 }
 
 /// The FFN down projection in one of its two storage orders.
@@ -385,8 +442,12 @@ macro_rules! every_matrix {
         let w = $w;
         let mut out = vec![& $($m)? w.token_embd, & $($m)? w.output];
         for l in & $($m)? w.layers {
-            let AttnWeights { wq, wk, wv, wo, .. } = & $($m)? l.attn;
+            let AttnWeights { wq, wk, wv, wo, mla } = & $($m)? l.attn;
             out.extend([wq, wk, wv, wo]);
+            if let Some(m) = mla {
+                let MlaWeights { q_a, k_b, .. } = & $($m)? **m;
+                out.extend(q_a.into_iter().chain([k_b]));
+            }
             let ffns: Vec<& $($m)? FfnWeights> = match & $($m)? l.ffn {
                 LayerFfn::Dense(f) => vec![f],
                 LayerFfn::Experts(e) => {
@@ -485,14 +546,19 @@ impl ModelWeights {
                     Ok(None)
                 }
             };
-            layers.push(LayerWeights {
-                attn_norm: norm(&n("attn_norm.weight"), h)?,
-                attn: AttnWeights {
+            let attn = match cfg.mla {
+                None => AttnWeights {
                     wq: src.matrix(&n("attn_q.weight"), q, h, arch)?,
                     wk: src.matrix(&n("attn_k.weight"), kv, h, arch)?,
                     wv: src.matrix(&n("attn_v.weight"), kv, h, arch)?,
                     wo: src.matrix(&n("attn_output.weight"), h, q, arch)?,
+                    mla: None,
                 },
+                Some(m) => latent_attention(src, cfg, &m, &n)?,
+            };
+            layers.push(LayerWeights {
+                attn_norm: norm(&n("attn_norm.weight"), h)?,
+                attn,
                 bq: opt_vec("attn_q.bias", q)?,
                 bk: opt_vec("attn_k.bias", kv)?,
                 bv: opt_vec("attn_v.bias", kv)?,

@@ -92,6 +92,13 @@ impl GstBuilder {
     /// Layer `l`, its FFN neurons in `order` (the identity unless hot-first).
     pub fn layer(&mut self, l: usize, lw: &LayerWeights, order: &[u32]) -> Result<()> {
         let n = |what: &str| format!("blk.{l}.{what}");
+        if lw.attn.mla.is_some() {
+            return Err(Error::Invalid(
+                "a .gst does not hold latent attention (DeepSeek-V2/V3) yet: stream the GGUF itself \
+                 (`run --model FILE.gguf --ram-budget SIZE`), which reads it without a second copy"
+                    .into(),
+            ));
+        }
         self.vector(&n("attn_norm.weight"), &lw.attn_norm)?;
         self.matrix(&n("attn_q.weight"), &lw.attn.wq)?;
         self.matrix(&n("attn_k.weight"), &lw.attn.wk)?;

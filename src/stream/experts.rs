@@ -659,7 +659,6 @@ impl super::Streamer {
         mut warnings: Vec<String>,
     ) -> Result<super::Streamer> {
         use super::residency::Residency;
-        use crate::model::forward::AttnWeights;
         use crate::model::weights::LayerFfn;
         let super::Readers { fg, bg, ahead: _ } = readers;
         let cfg = model.config.clone();
@@ -678,7 +677,7 @@ impl super::Streamer {
         let mut vector_bytes = w.output_norm.len() as u64 * 4;
         for lw in &w.layers {
             let a = &lw.attn;
-            let attn = [&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|m| span(m)).sum::<u64>();
+            let attn = a.matrices().iter().map(|m| span(m)).sum::<u64>();
             attention_bytes += attn;
             attention_by_layer.push(attn);
             let LayerFfn::Experts(e) = &lw.ffn else {
@@ -769,12 +768,7 @@ impl super::Streamer {
         let mut resident_attn = Vec::with_capacity(cfg.n_layers);
         for lw in &w.layers {
             let a = &lw.attn;
-            resident_attn.push(Some(AttnWeights {
-                wq: load(&a.wq)?,
-                wk: load(&a.wk)?,
-                wv: load(&a.wv)?,
-                wo: load(&a.wo)?,
-            }));
+            resident_attn.push(Some(a.try_map(&mut |w| load(w))?));
         }
         let mut output = load(&w.output)?;
         let embedding = if tied {
@@ -846,7 +840,7 @@ impl super::Streamer {
             }
             for (l, attn) in resident_attn.iter_mut().enumerate() {
                 if let (false, Some(a)) = (plan.attention_resident[l], attn.as_mut()) {
-                    for m in [&mut a.wq, &mut a.wk, &mut a.wv, &mut a.wo] {
+                    for m in a.matrices_mut() {
                         *m = m.clone().volatile();
                     }
                 }

@@ -786,7 +786,7 @@ fn pin_unkept<'a>(
     if link.host_memory() {
         return Vec::new();
     }
-    let attn = attn.iter().flatten().flat_map(|a| [&a.wq, &a.wk, &a.wv, &a.wo]);
+    let attn = attn.iter().flatten().flat_map(|a| a.matrices());
     std::iter::once(output)
         .chain(attn)
         .chain(more)

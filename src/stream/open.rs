@@ -15,7 +15,6 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::io::{open_reader, ReadEngine, Reader};
-use crate::model::forward::AttnWeights;
 use crate::model::weights::FfnDown;
 use crate::model::Model;
 use crate::tensor::Weight;
@@ -124,7 +123,7 @@ impl Streamer {
             let a = &l.attn;
             sizes
                 .attention_bytes
-                .push([&a.wq, &a.wk, &a.wv, &a.wo].iter().map(|w| w.len_bytes() as u64).sum());
+                .push(a.matrices().iter().map(|w| w.len_bytes() as u64).sum());
             sizes.gate_bytes.push(ffn_w.gate.len_bytes() as u64);
             let (up_bytes, down_bytes) = (ffn_w.up.len_bytes() as u64, down.len_bytes() as u64);
             sizes.neuron_bytes.push(match rows_layout {
@@ -288,12 +287,13 @@ impl Streamer {
             let attn_kept = device_plan.as_ref().is_none_or(|d| d.attention_resident[l]);
             let gate_kept = device_plan.as_ref().is_none_or(|d| d.gate_resident[l]);
             if residency.attention_resident[l] {
-                resident_attn.push(Some(AttnWeights {
-                    wq: on_device(load(&a.wq)?, attn_kept),
-                    wk: on_device(load(&a.wk)?, attn_kept),
-                    wv: on_device(load(&a.wv)?, attn_kept),
-                    wo: on_device(load(&a.wo)?, attn_kept),
-                }));
+                resident_attn.push(Some(a.try_map(&mut |w| Ok(on_device(load(w)?, attn_kept)))?));
+            } else if a.mla.is_some() {
+                return Err(Error::Invalid(format!(
+                    "{}: latent attention is kept in memory when streaming, and this budget leaves no room for \
+                     layer {l}'s; give a larger --ram-budget",
+                    model.path.display()
+                )));
             } else {
                 resident_attn.push(None);
                 layers[l].attn = Some([Part::of(&a.wq)?, Part::of(&a.wk)?, Part::of(&a.wv)?, Part::of(&a.wo)?]);

@@ -393,6 +393,7 @@ impl LayerStream for Streamer {
                 wk: Streamer::view(&st, k, 1)?,
                 wv: Streamer::view(&st, v, 2)?,
                 wo: Streamer::view(&st, o, 3)?,
+                mla: None,
             }))),
         }
     }

@@ -32,6 +32,10 @@ pub struct Shape {
     /// `[factor, low_freq_factor, high_freq_factor, original context]`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rope_factors: Option<[f32; 4]>,
+    /// Multi-head latent attention (`deepseek2`): `kv_heads` is then 1 and `head_dim` the
+    /// latent's width plus the rotated key part ([`crate::config::Mla::latent`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mla: Option<crate::config::Mla>,
 }
 
 /// The named shapes, as `--shape` spells them.
@@ -265,6 +269,7 @@ impl Shape {
             tied,
             experts,
             rope_factors: None,
+            mla: None,
         })
     }
 
@@ -316,6 +321,10 @@ impl Shape {
             }
             (Arch::Qwen3Moe | Arch::Olmoe, None) => return bad(format!("{} needs --experts", self.arch.name())),
             (Arch::Qwen3Moe | Arch::Olmoe, Some(_)) => {}
+            (Arch::Deepseek2, None) => {}
+            (Arch::Deepseek2, Some(_)) => {
+                return bad("deepseek2's experts are not written yet: give a dense shape".into())
+            }
             (a, _) => return bad(format!("{} is not an architecture make-model writes", a.name())),
         }
         if let Some((e, k)) = self.experts {
@@ -330,6 +339,27 @@ impl Shape {
                      0 < low < high frequency factors"
                 ));
             }
+        }
+        match (self.arch, self.mla) {
+            (Arch::Deepseek2, Some(m)) => {
+                if self.kv_heads != 1 || self.head_dim != m.latent() || !m.qk_rope.is_multiple_of(2) {
+                    return bad(format!(
+                        "latent attention {m:?} caches one head of kv_lora_rank + qk_rope = {} (kv_heads 1, \
+                         head_dim {}); qk_rope even",
+                        m.latent(),
+                        m.latent()
+                    ));
+                }
+                if [m.kv_lora_rank, m.qk_nope, m.v_head, m.q_lora_rank]
+                    .iter()
+                    .any(|d| !d.is_multiple_of(32))
+                {
+                    return bad(format!("latent attention {m:?}: its widths must be multiples of 32"));
+                }
+            }
+            (Arch::Deepseek2, None) => return bad("deepseek2 needs latent attention dimensions".into()),
+            (a, Some(_)) => return bad(format!("{} has no latent attention", a.name())),
+            _ => {}
         }
         if self.arch == Arch::Olmoe && self.kv_heads != self.heads {
             return bad(format!(

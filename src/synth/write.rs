@@ -204,7 +204,7 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
     if let Some(rule) = s.rope_factors {
         globals.push(vector(
             crate::config::ROPE_FREQS_TENSOR.into(),
-            s.head_dim / 2,
+            s.mla.map_or(s.head_dim, |m| m.qk_rope) / 2,
             Fill::RopeFactors {
                 base: s.rope_theta,
                 rule,
@@ -215,13 +215,54 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
     let g = spec.residual_gain;
     for l in 0..s.layers {
         let n = |what: &str| format!("blk.{l}.{what}");
-        let mut t = vec![
-            vector(n("attn_norm.weight"), h, Fill::Norm),
-            matrix(n("attn_q.weight"), Role::AttnQ, l, q, h, 1.0),
-            matrix(n("attn_k.weight"), Role::AttnK, l, kv, h, 1.0),
-            matrix(n("attn_v.weight"), Role::AttnV, l, kv, h, 1.0),
-            matrix(n("attn_output.weight"), Role::AttnOutput, l, h, q, g),
-        ];
+        let mut t = vec![vector(n("attn_norm.weight"), h, Fill::Norm)];
+        match s.mla {
+            None => t.extend([
+                matrix(n("attn_q.weight"), Role::AttnQ, l, q, h, 1.0),
+                matrix(n("attn_k.weight"), Role::AttnK, l, kv, h, 1.0),
+                matrix(n("attn_v.weight"), Role::AttnV, l, kv, h, 1.0),
+                matrix(n("attn_output.weight"), Role::AttnOutput, l, h, q, g),
+            ]),
+            Some(m) => {
+                // Latent attention as llama.cpp's converter writes it (`attn_kv_b` split into the
+                // heads' key and value up-projections).
+                let q = s.heads * m.q_head();
+                match m.q_lora_rank {
+                    0 => t.push(matrix(n("attn_q.weight"), Role::AttnQ, l, q, h, 1.0)),
+                    r => t.extend([
+                        matrix(n("attn_q_a.weight"), Role::AttnQ, l, r, h, 1.0),
+                        vector(n("attn_q_a_norm.weight"), r, Fill::Norm),
+                        matrix(n("attn_q_b.weight"), Role::AttnQ, l, q, r, 1.0),
+                    ]),
+                }
+                t.push(matrix(n("attn_kv_a_mqa.weight"), Role::AttnK, l, m.latent(), h, 1.0));
+                t.push(vector(n("attn_kv_a_norm.weight"), m.kv_lora_rank, Fill::Norm));
+                for (what, role, rows, cols) in [
+                    ("attn_k_b.weight", Role::AttnK, m.kv_lora_rank, m.qk_nope),
+                    ("attn_v_b.weight", Role::AttnV, m.v_head, m.kv_lora_rank),
+                ] {
+                    let gen = spec.mix.matrix_type(s, role, l, cols);
+                    t.push(Planned {
+                        name: n(what),
+                        shape: vec![s.heads, rows, cols],
+                        ty: stored(gen),
+                        fill: Fill::Experts {
+                            gen,
+                            gain: 1.0,
+                            n: s.heads,
+                        },
+                    });
+                }
+                t.push(matrix(
+                    n("attn_output.weight"),
+                    Role::AttnOutput,
+                    l,
+                    h,
+                    s.heads * m.v_head,
+                    g,
+                ));
+            }
+        }
         match s.arch {
             Arch::Qwen2 => {
                 t.push(vector(n("attn_q.bias"), q, Fill::Bias));
@@ -374,12 +415,32 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
         ("attention.head_count", u(s.heads)),
         ("attention.head_count_kv", u(s.kv_heads)),
         ("attention.key_length", u(s.head_dim)),
-        ("attention.value_length", u(s.head_dim)),
+        (
+            "attention.value_length",
+            u(s.mla.map_or(s.head_dim, |m| m.kv_lora_rank)),
+        ),
         ("attention.layer_norm_rms_epsilon", MetaValue::F32(s.rms_eps)),
         ("rope.freq_base", MetaValue::F32(s.rope_theta)),
         ("vocab_size", u(vocab.tokens.len())),
     ] {
         m.push((format!("{a}.{key}"), v));
+    }
+    if let Some(mla) = s.mla {
+        // (llama.cpp reads the expert keys of a deepseek2 file whether or not it has experts.)
+        for (key, v) in [
+            ("attention.kv_lora_rank", mla.kv_lora_rank),
+            // (0: no query bottleneck. llama.cpp needs the key unless the layer count is one of
+            // V2-Lite's.)
+            ("attention.q_lora_rank", mla.q_lora_rank),
+            ("attention.key_length_mla", mla.q_head()),
+            ("attention.value_length_mla", mla.v_head),
+            ("rope.dimension_count", mla.qk_rope),
+            ("leading_dense_block_count", s.layers),
+            ("expert_feed_forward_length", s.ffn),
+            ("expert_shared_count", 1),
+        ] {
+            m.push((format!("{a}.{key}"), u(v)));
+        }
     }
     if let Some((e, k)) = s.experts {
         m.push((format!("{a}.expert_count"), u(e)));
@@ -678,6 +739,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         wk: matrix("attn_k.weight")?,
         wv: matrix("attn_v.weight")?,
         wo: matrix("attn_output.weight")?,
+        mla: None,
     };
     let ffn = if experts.is_empty() {
         LayerFfn::Dense(FfnWeights {

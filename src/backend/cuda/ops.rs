@@ -8,6 +8,10 @@ impl Device for CudaDevice {
         // (The RoPE kernels compute each angle from the base alone.)
         false
     }
+    fn latent_attention(&self) -> bool {
+        // (The attention kernels read values from a cache of their own.)
+        false
+    }
     fn computes_type(&self, ty: crate::quant::GgmlType) -> bool {
         computes_type(ty)
     }

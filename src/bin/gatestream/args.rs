@@ -351,7 +351,7 @@ pub(crate) enum Command {
         /// tools/fetch-models.sh fetches them).
         #[arg(long)]
         tokenizer: Option<String>,
-        /// Custom shapes: llama, qwen2, qwen3, qwen3moe or olmoe.
+        /// Custom shapes: llama, qwen2, qwen3, qwen3moe, olmoe or deepseek2 (with --mla).
         #[arg(long, value_enum, default_value_t = MakeArchArg::Llama)]
         arch: MakeArchArg,
         #[arg(long)]
@@ -380,6 +380,11 @@ pub(crate) enum Command {
         /// rule, as FACTOR,LOW,HIGH,CONTEXT (Llama 3.1's own: 8,1,4,8192).
         #[arg(long, value_name = "FACTOR,LOW,HIGH,CONTEXT")]
         rope_factors: Option<String>,
+        /// Custom deepseek2 shapes: multi-head latent attention's widths, as
+        /// Q_LORA,KV_LORA,QK_NOPE,QK_ROPE,V_HEAD (DeepSeek-V3's: 1536,512,128,64,128; Q_LORA 0:
+        /// no query bottleneck, as V2-Lite). --kv-heads and --head-dim follow from them.
+        #[arg(long, value_name = "Q_LORA,KV_LORA,QK_NOPE,QK_ROPE,V_HEAD")]
+        mla: Option<String>,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Replace OUTPUT if it exists.
@@ -671,6 +676,7 @@ pub(crate) enum MakeArchArg {
     Qwen3,
     Qwen3moe,
     Olmoe,
+    Deepseek2,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

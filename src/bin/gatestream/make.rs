@@ -59,6 +59,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         experts,
         experts_used,
         rope_factors,
+        mla,
         seed,
         force,
         json,
@@ -100,7 +101,37 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             MakeArchArg::Qwen3 => Arch::Qwen3,
             MakeArchArg::Qwen3moe => Arch::Qwen3Moe,
             MakeArchArg::Olmoe => Arch::Olmoe,
+            MakeArchArg::Deepseek2 => Arch::Deepseek2,
         };
+        let mla = match (arch, mla.as_deref()) {
+            (Arch::Deepseek2, Some(text)) => {
+                let bad = || anyhow::anyhow!("--mla {text}: give five numbers, Q_LORA,KV_LORA,QK_NOPE,QK_ROPE,V_HEAD");
+                let v: Vec<usize> = text
+                    .split(',')
+                    .map(|x| x.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| bad())?;
+                let [q_lora_rank, kv_lora_rank, qk_nope, qk_rope, v_head]: [usize; 5] =
+                    v.try_into().map_err(|_| bad())?;
+                Some(gatestream::config::Mla {
+                    q_lora_rank,
+                    kv_lora_rank,
+                    qk_nope,
+                    qk_rope,
+                    v_head,
+                })
+            }
+            (Arch::Deepseek2, None) => {
+                anyhow::bail!("--arch deepseek2 needs --mla Q_LORA,KV_LORA,QK_NOPE,QK_ROPE,V_HEAD")
+            }
+            (_, Some(_)) => anyhow::bail!("--mla goes with --arch deepseek2"),
+            (_, None) => None,
+        };
+        if mla.is_some() && (kv_heads.is_some() || head_dim.is_some()) {
+            anyhow::bail!(
+                "with --mla, the cache has one head of KV_LORA + QK_ROPE: leave out --kv-heads and --head-dim"
+            );
+        }
         Shape {
             name: "custom".into(),
             arch,
@@ -108,8 +139,14 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             ffn: need(ffn, "--ffn")?,
             layers: need(layers, "--layers")?,
             heads,
-            kv_heads: need(kv_heads, "--kv-heads")?,
-            head_dim: head_dim.unwrap_or(hidden / heads.max(1)),
+            kv_heads: match mla {
+                Some(_) => 1,
+                None => need(kv_heads, "--kv-heads")?,
+            },
+            head_dim: match mla {
+                Some(m) => m.latent(),
+                None => head_dim.unwrap_or(hidden / heads.max(1)),
+            },
             // 0: the tokenizer's (a vocabulary padded to 0 tokens is the tokenizer's own).
             vocab: vocab.unwrap_or(0),
             context_len: 4096,
@@ -122,9 +159,10 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
                 _ => anyhow::bail!("give --experts and --experts-used together"),
             },
             rope_factors,
+            mla,
         }
     } else {
-        if custom_flags.iter().any(|f| f.is_some()) || rope_factors.is_some() {
+        if custom_flags.iter().any(|f| f.is_some()) || rope_factors.is_some() || mla.is_some() {
             anyhow::bail!(
                 "--shape {shape} sets every dimension; --hidden, --ffn, --layers, --heads, --kv-heads, --head-dim, \
                  --vocab, --experts and --rope-factors go with --shape custom"
