@@ -408,10 +408,11 @@ impl ModelConfig {
             },
             sliding_pattern: 6,
             // (YaRN scales q and k by its magnitude factor: q·k by its square)
-            // (DeepSeek's YaRN: a magnitude of its own, `1 + 0.1 · yarn_log_multiplier · ln factor`,
-            // as llama.cpp computes it; the scores are over a head's query width before absorption.)
+            // (DeepSeek's YaRN: a magnitude of its own, `1 + 0.1 · mscale_all_dim · ln factor`,
+            // the file holding 0.1 · mscale_all_dim as `yarn_log_multiplier`, as llama.cpp reads
+            // it; the scores are over a head's query width before absorption.)
             attn_scale: yarn.as_ref().map_or(1.0, |y| match (yarn_log_mul, mla) {
-                (Some(m), Some(_)) => (1.0 + 0.1 * m * y.factor.ln()).powi(2),
+                (Some(m), Some(_)) => (1.0 + m * y.factor.ln()).powi(2),
                 _ => y.mscale().powi(2),
             }) / (mla.map_or(head_dim, |m| m.q_head()) as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },

@@ -557,6 +557,7 @@ const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
 #[test]
 fn small_deepseek2_latent_attention_matches_llama_cpp() {
     use gatestream::config::{Arch, Mla};
+    use gatestream::gguf::MetaValue;
     use gatestream::perplexity::{perplexity, PerplexityOptions};
     use gatestream::synth::Shape;
     let tmp = tempfile::tempdir().unwrap();
@@ -633,7 +634,44 @@ fn small_deepseek2_latent_attention_matches_llama_cpp() {
         let d = whole.iter().zip(&last).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         assert!(d < 1e-3, "{name}: prompt at once vs one at a time: {d}");
     }
+    // DeepSeek-V2-Lite's YaRN (factor 40, `yarn_log_multiplier` 0.0707: its config's
+    // mscale_all_dim 0.707) over an original context of 64, on the second file.
+    let lite = kept_dir(&tmp).join("deepseek2-lite-f32.gguf");
+    let yarn = kept_dir(&tmp).join("deepseek2-lite-yarn-f32.gguf");
+    let bytes = gguf_edited(
+        &lite,
+        vec![
+            ("deepseek2.rope.scaling.type".into(), MetaValue::Str("yarn".into())),
+            ("deepseek2.rope.scaling.factor".into(), MetaValue::F32(40.0)),
+            (
+                "deepseek2.rope.scaling.original_context_length".into(),
+                MetaValue::U32(64),
+            ),
+            (
+                "deepseek2.rope.scaling.yarn_log_multiplier".into(),
+                MetaValue::F32(0.0707),
+            ),
+        ],
+        vec![],
+    );
+    std::fs::write(&yarn, bytes).unwrap();
+    let m = Model::load(&yarn, &LoadOptions::default()).unwrap();
+    assert_eq!(m.config.rope_freq_factors.as_ref().map(Vec::len), Some(16));
+    let ours = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+    let theirs = LLAMA_CPP_SMALL_DEEPSEEK2[2];
+    let rel = (ours - theirs).abs() / theirs;
+    assert!(
+        rel < 0.001,
+        "YaRN: perplexity {ours} vs llama.cpp {theirs} ({:.3}% apart)",
+        rel * 100.0
+    );
+    // (0.9% apart: 40 times the distance to llama.cpp's figure.)
+    assert!(
+        (ours - LLAMA_CPP_SMALL_DEEPSEEK2[1]).abs() / ours > 0.005,
+        "YaRN hardly matters: {ours} with, {} without",
+        LLAMA_CPP_SMALL_DEEPSEEK2[1]
+    );
 }
 // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the files this test writes
 // (GATESTREAM_KEEP=DIR keeps them): its final estimates.
-const LLAMA_CPP_SMALL_DEEPSEEK2: [f64; 2] = [3052659.1363, 3053318.3280];
+const LLAMA_CPP_SMALL_DEEPSEEK2: [f64; 3] = [3052659.1363, 3053318.3280, 3026395.9793];
