@@ -164,8 +164,8 @@ fn an_unknown_rope_scaling_is_refused_by_name() {
     assert!(m.contains("llama.rope.scaling.type") && m.contains("longrope"), "{m}");
 }
 
-/// Metadata asking for computation not done — RoPE over part of a head — is refused naming the
-/// key.
+/// RoPE over part of a head in a llama file (which llama.cpp refuses too: "invalid n_rot") is
+/// refused naming the key; glm4moe's partial RoPE is computed (tests/models.rs).
 #[test]
 fn partial_rope_is_refused_by_key() {
     let m = message(&load_bytes(&stories_gguf(Breakage::PartialRope)).err().unwrap());

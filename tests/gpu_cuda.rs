@@ -1477,6 +1477,7 @@ fn fused_blocks_follow_writes(
         let (mut q, mut k) = (normed(), normed());
         let shape = RopeShape {
             head_dim: 128,
+            rope_dims: 128,
             base: 10000.0,
             pos_scale: 1.0,
             style: RopeStyle::HalfSplit,
@@ -2322,6 +2323,7 @@ fn fused_last_blocks_in(
         cfg.head_dim = hd;
         let rope = RopeShape {
             head_dim: hd,
+            rope_dims: hd,
             base: 10000.0,
             pos_scale: 1.0,
             style,

@@ -137,23 +137,40 @@ fn naive_moe_keeping(model: &Model, l: usize, x: &[f32], n: usize, keep: Option<
         let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
         let all: Vec<Vec<f64>> = e.experts.iter().map(|f| ffn_f64_keeping(f, &xt, keep)).collect();
         let logits: Vec<f64> = router.iter().map(|r| dot(r, &xt)).collect();
-        let max = logits.iter().cloned().fold(f64::MIN, f64::max);
-        let z: f64 = logits.iter().map(|v| (v - max).exp()).sum();
-        let p: Vec<f64> = logits.iter().map(|v| (v - max).exp() / z).collect();
+        // Scores: softmax, or each logit's sigmoid (GLM-4.5).
+        let p: Vec<f64> = match moe.gating {
+            gatestream::config::Gating::Softmax => {
+                let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = logits.iter().map(|v| (v - max).exp()).sum();
+                logits.iter().map(|v| (v - max).exp() / z).collect()
+            }
+            gatestream::config::Gating::Sigmoid => logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+        };
+        // The score bias chooses; the scores weigh.
+        let bias = e.score_bias.clone().unwrap_or_else(|| vec![0.0; moe.n_experts]);
+        let choose: Vec<f64> = p.iter().zip(&bias).map(|(a, b)| a + *b as f64).collect();
         let mut order: Vec<usize> = (0..moe.n_experts).collect();
-        order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap());
+        order.sort_by(|&a, &b| choose[b].partial_cmp(&choose[a]).unwrap());
         let chosen = &order[..moe.n_used];
         used.extend_from_slice(chosen);
         let sum: f64 = chosen.iter().map(|&i| p[i]).sum();
         let mut y = vec![0f64; h];
         for &i in chosen {
-            let w = if moe.normalize { p[i] / sum } else { p[i] };
+            let w = if moe.normalize { p[i] / sum } else { p[i] } * moe.routed_scale as f64;
             y.iter_mut().zip(&all[i]).for_each(|(a, b)| *a += w * b);
         }
-        if let Some((shared, gate)) = &e.shared {
-            let g: f64 = gate.iter().zip(&xt).map(|(a, b)| *a as f64 * b).sum();
-            let s = ffn_f64(shared, &xt);
-            y.iter_mut().zip(&s).for_each(|(a, b)| *a += b / (1.0 + (-g).exp()));
+        match &e.shared {
+            Some((shared, Some(gate))) => {
+                let g: f64 = gate.iter().zip(&xt).map(|(a, b)| *a as f64 * b).sum();
+                let s = ffn_f64(shared, &xt);
+                y.iter_mut().zip(&s).for_each(|(a, b)| *a += b / (1.0 + (-g).exp()));
+            }
+            // Not gated (GLM-4.5): added as it is.
+            Some((shared, None)) => {
+                let s = ffn_f64(shared, &xt);
+                y.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
+            }
+            None => {}
         }
         out.extend(y);
     }
@@ -523,21 +540,36 @@ fn topk_masks_run_inside_each_routed_expert() {
 
 #[test]
 fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
-    let mut moe = gatestream::config::MoeConfig {
-        n_experts: 4,
-        n_used: 2,
-        normalize: false,
-        shared_ffn: 0,
-    };
+    use gatestream::model::ffn::route;
+    let mut moe = gatestream::config::MoeConfig::softmax(4, 2, false);
     let logits = [0.0f32, 2.0, 1.0, 2.0];
     let z: f32 = logits.iter().map(|v| v.exp()).sum();
-    let r = gatestream::model::ffn::route(&logits, &moe);
+    let r = route(&logits, &moe, None);
     // Ties go to the lower index; weights are the softmax's.
     assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3]);
     assert!((r[0].1 - 2f32.exp() / z).abs() < 1e-6 && (r[1].1 - 2f32.exp() / z).abs() < 1e-6);
     moe.normalize = true;
-    let r = gatestream::model::ffn::route(&logits, &moe);
+    let r = route(&logits, &moe, None);
     assert!((r[0].1 - 0.5).abs() < 1e-6 && (r[1].1 - 0.5).abs() < 1e-6, "{r:?}");
+    // Sigmoid scores; a score bias chooses (expert 2 over 3) but does not weigh; the scale
+    // multiplies the renormalized weights.
+    moe.gating = gatestream::config::Gating::Sigmoid;
+    moe.routed_scale = 2.5;
+    let s = |v: f32| 1.0 / (1.0 + (-v).exp());
+    let r = route(&logits, &moe, Some(&[0.0, 0.0, 0.5, 0.0]));
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [2, 1], "{r:?}");
+    let sum = s(1.0) + s(2.0);
+    assert!((r[0].1 - 2.5 * s(1.0) / sum).abs() < 1e-6, "{r:?}");
+    assert!((r[1].1 - 2.5 * s(2.0) / sum).abs() < 1e-6, "{r:?}");
+    // Grouped: experts {0, 1} and {2, 3}, one group used: group {0, 1} scores 0 + 2 and
+    // {2, 3} 1 + 2 by the logits' sigmoids, so the choice is made within {2, 3}.
+    moe.n_groups = 2;
+    moe.groups_used = 1;
+    moe.routed_scale = 1.0;
+    let r = route(&[0.0, 2.0, 1.0, 2.0], &moe, None);
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [3, 2], "{r:?}");
+    let r = route(&[0.5, 2.5, 0.0, 1.2], &moe, None);
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 0], "{r:?}");
 }
 
 /// Identical experts (no perturbation) whose weights sum to one are the dense FFN: the upcycled

@@ -706,6 +706,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         );
         LayerFfn::Experts(Box::new(ExpertWeights {
             router,
+            score_bias: None,
             experts: gate
                 .into_iter()
                 .zip(up)

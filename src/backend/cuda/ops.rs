@@ -8,6 +8,10 @@ impl Device for CudaDevice {
         // (The RoPE kernels compute each angle from the base alone.)
         false
     }
+    fn rope_partial(&self) -> bool {
+        // (The RoPE kernels rotate whole heads.)
+        false
+    }
     fn computes_type(&self, ty: crate::quant::GgmlType) -> bool {
         computes_type(ty)
     }

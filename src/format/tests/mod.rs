@@ -47,6 +47,9 @@ pub(super) fn config() -> ModelConfig {
         final_logit_softcap: None,
         qk_norm_whole: false,
         moe: None,
+        // (0: the whole head.)
+        rope_dim: 0,
+        nextn_layers: 0,
     }
 }
 
