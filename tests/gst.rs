@@ -562,6 +562,8 @@ fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) 
         tied: false,
         experts,
         rope_factors: None,
+        rope_dim: None,
+        routing: None,
     }
 }
 

@@ -477,6 +477,8 @@ fn small_qwen3_matches_llama_cpp() {
             tied: false,
             experts: None,
             rope_factors: None,
+            rope_dim: None,
+            routing: None,
         },
         mix: Mix::Q8_0,
         dequantize: true,

@@ -1227,6 +1227,8 @@ fn small_shape(
         tied: false,
         experts,
         rope_factors: None,
+        rope_dim: None,
+        routing: None,
     }
 }
 
@@ -1664,6 +1666,8 @@ fn a_mixture_of_experts_gguf_streams_directly_like_the_in_ram_model() {
                 tied: false,
                 experts: Some(experts),
                 rope_factors: None,
+                rope_dim: None,
+                routing: None,
             },
             mix: Mix::Q4KM,
             dequantize: false,

@@ -85,6 +85,9 @@ pub struct MakeReport {
 enum Fill {
     Norm,
     Bias,
+    /// An expert score bias: 0.3 N(0,1), about the spread of the experts' sigmoid scores, so
+    /// it changes which experts are chosen.
+    ScoreBias,
     Router,
     /// A matrix of `gen` type (the mix's; stored as F32 when dequantized) at `gain`.
     Matrix {
@@ -137,6 +140,9 @@ impl Planned {
         match self.fill {
             Fill::Norm => Ok(f32_bytes(&random_norm(cols, s))),
             Fill::Bias => Ok(f32_bytes(&random_bias(cols, s))),
+            Fill::ScoreBias => Ok(f32_bytes(
+                &random_bias(cols, s).iter().map(|b| 3.0 * b).collect::<Vec<_>>(),
+            )),
             Fill::Router => Ok(f32_bytes(&random_router(self.rows(), cols, s))),
             Fill::RopeFactors {
                 base,
@@ -223,7 +229,7 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
             matrix(n("attn_output.weight"), Role::AttnOutput, l, h, q, g),
         ];
         match s.arch {
-            Arch::Qwen2 => {
+            Arch::Qwen2 | Arch::Glm4Moe => {
                 t.push(vector(n("attn_q.bias"), q, Fill::Bias));
                 t.push(vector(n("attn_k.bias"), kv, Fill::Bias));
                 t.push(vector(n("attn_v.bias"), kv, Fill::Bias));
@@ -238,9 +244,21 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
             }
             _ => {}
         }
-        t.push(vector(n("ffn_norm.weight"), h, Fill::Norm));
-        match s.experts {
+        // GLM's GGUF names its pre-FFN norm `post_attention_norm`.
+        let ffn_norm = if s.arch == Arch::Glm4Moe {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        t.push(vector(n(ffn_norm), h, Fill::Norm));
+        let routing = s.routing.as_ref();
+        let experts = s.experts.filter(|_| routing.is_none_or(|r| l >= r.leading_dense));
+        match experts {
             None => {
+                let f = match routing {
+                    Some(r) => r.dense_ffn,
+                    None => f,
+                };
                 t.push(matrix(n("ffn_gate.weight"), Role::FfnGate, l, f, h, 1.0));
                 t.push(matrix(n("ffn_up.weight"), Role::FfnUp, l, f, h, 1.0));
                 t.push(matrix(n("ffn_down.weight"), Role::FfnDown, l, h, f, g));
@@ -252,6 +270,9 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                     ty: GgmlType::F32,
                     fill: Fill::Router,
                 });
+                if routing.is_some_and(|r| r.score_bias) {
+                    t.push(vector(n("exp_probs_b.bias"), e, Fill::ScoreBias));
+                }
                 for (what, role, rows, cols, gain) in [
                     ("ffn_gate_exps.weight", Role::FfnGate, f, h, 1.0),
                     ("ffn_up_exps.weight", Role::FfnUp, f, h, 1.0),
@@ -264,6 +285,12 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                         ty: stored(gen),
                         fill: Fill::Experts { gen, gain, n: e },
                     });
+                }
+                if let Some(r) = routing.filter(|r| r.shared_experts > 0) {
+                    let sf = r.shared_experts * f;
+                    t.push(matrix(n("ffn_gate_shexp.weight"), Role::FfnGate, l, sf, h, 1.0));
+                    t.push(matrix(n("ffn_up_shexp.weight"), Role::FfnUp, l, sf, h, 1.0));
+                    t.push(matrix(n("ffn_down_shexp.weight"), Role::FfnDown, l, h, sf, g));
                 }
             }
         }
@@ -361,9 +388,11 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
         ),
         ("general.quantization_version".into(), MetaValue::U32(2)),
     ];
-    let ffn_key = match (s.arch, s.experts) {
-        // Qwen's MoE files give the dense width beside the experts' own.
-        (Arch::Qwen3Moe, Some((_, k))) => s.ffn * k,
+    let ffn_key = match (s.arch, s.experts, &s.routing) {
+        // Qwen's MoE files give the dense width beside the experts' own; GLM's, its leading
+        // dense layers' width.
+        (_, _, Some(r)) if r.leading_dense > 0 => r.dense_ffn,
+        (Arch::Qwen3Moe | Arch::Glm4Moe, Some((_, k)), _) => s.ffn * k,
         _ => s.ffn,
     };
     for (key, v) in [
@@ -384,9 +413,23 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
     if let Some((e, k)) = s.experts {
         m.push((format!("{a}.expert_count"), u(e)));
         m.push((format!("{a}.expert_used_count"), u(k)));
-        if s.arch == Arch::Qwen3Moe {
+        if matches!(s.arch, Arch::Qwen3Moe | Arch::Glm4Moe) {
             m.push((format!("{a}.expert_feed_forward_length"), u(s.ffn)));
         }
+    }
+    if let Some(d) = s.rope_dim {
+        m.push((format!("{a}.rope.dimension_count"), u(d)));
+    }
+    if let Some(r) = &s.routing {
+        // As llama.cpp's converter writes GLM-4.5's (gating function 2: sigmoid).
+        m.push((format!("{a}.expert_shared_count"), u(r.shared_experts)));
+        m.push((format!("{a}.leading_dense_block_count"), u(r.leading_dense)));
+        m.push((
+            format!("{a}.expert_gating_func"),
+            MetaValue::U32(if r.sigmoid { 2 } else { 1 }),
+        ));
+        m.push((format!("{a}.expert_weights_scale"), MetaValue::F32(r.routed_scale)));
+        m.push((format!("{a}.expert_weights_norm"), MetaValue::Bool(r.normalize)));
     }
     m.extend(crate::model::gguf_vocab_metadata(vocab));
     m
@@ -590,6 +633,9 @@ pub fn write_model(
                 &output_norm,
             )?;
             drop((token_embd, output));
+            if config.moe.is_some() {
+                b.mixture_of_experts();
+            }
             let identity: Vec<u32> = (0..spec.shape.ffn as u32).collect();
             for (l, tensors) in planned[1..].iter().enumerate() {
                 let lw = layer_weights(tensors, &mut made)?;
@@ -654,7 +700,9 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             .to_string();
         let bytes = made(p)?;
         match p.fill {
-            Fill::Norm | Fill::Bias | Fill::RopeFactors { .. } => vectors.push((short, floats(&bytes))),
+            Fill::Norm | Fill::Bias | Fill::ScoreBias | Fill::RopeFactors { .. } => {
+                vectors.push((short, floats(&bytes)))
+            }
             Fill::Router | Fill::Matrix { .. } => {
                 matrices.push((short, Weight::owned(&p.name, p.ty, p.rows(), p.cols(), bytes)?))
             }
@@ -663,7 +711,10 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
     }
     let mut vector = |k: &str| vectors.iter().position(|v| v.0 == k).map(|i| vectors.swap_remove(i).1);
     let attn_norm = vector("attn_norm.weight").expect("planned");
-    let ffn_norm = vector("ffn_norm.weight").expect("planned");
+    let ffn_norm = vector("ffn_norm.weight")
+        .or_else(|| vector("post_attention_norm.weight"))
+        .expect("planned");
+    let score_bias = vector("exp_probs_b.bias");
     let (bq, bk, bv) = (vector("attn_q.bias"), vector("attn_k.bias"), vector("attn_v.bias"));
     let (q_norm, k_norm) = (vector("attn_q_norm.weight"), vector("attn_k_norm.weight"));
     let mut matrix = |k: &str| {
@@ -704,9 +755,20 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             views("ffn_up_exps.weight")?,
             views("ffn_down_exps.weight")?,
         );
+        let shared = match matrix("ffn_gate_shexp.weight") {
+            Ok(gate) => Some((
+                FfnWeights {
+                    gate,
+                    up: matrix("ffn_up_shexp.weight")?,
+                    down: FfnDown::Rows(matrix("ffn_down_shexp.weight")?),
+                },
+                None,
+            )),
+            Err(_) => None,
+        };
         LayerFfn::Experts(Box::new(ExpertWeights {
             router,
-            score_bias: None,
+            score_bias,
             experts: gate
                 .into_iter()
                 .zip(up)
@@ -717,7 +779,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
                     down: FfnDown::Rows(down),
                 })
                 .collect(),
-            shared: None,
+            shared,
         }))
     };
     Ok(LayerWeights {
@@ -733,4 +795,63 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         ffn,
         post_ffn_norm: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GLM-4.5-Air's shape as `make-model` would write it (not written: 70 GB): the header's
+    /// keys read back as the configuration llama.cpp reads (46 layers, the first dense of 10944,
+    /// 128 experts of 1408 with 8 used, one shared expert, sigmoid routing with a score bias,
+    /// renormalized, half of each head rotated), and the tensors' count and sizes: 106.9 billion
+    /// parameters (the released model's 106B without its NextN layer), 70.4 GB in Q4_K_M.
+    #[test]
+    fn glm_4_5_air_header_and_sizes() {
+        let spec = MakeSpec {
+            shape: Shape::named("glm-4.5-air").unwrap(),
+            mix: Mix::Q4KM,
+            dequantize: false,
+            tokenizer: TokenizerChoice::Synthetic,
+            seed: 1,
+            residual_gain: 1.0,
+        };
+        let vocab = synthetic_vocab(spec.shape.vocab);
+        let meta = metadata(&spec, &vocab);
+        let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let c = config_of(&refs, 151_552, Path::new("glm-4.5-air.gguf")).unwrap();
+        let m = c.moe.clone().unwrap();
+        assert_eq!((c.arch, c.n_layers, c.hidden, c.ffn), (Arch::Glm4Moe, 46, 4096, 1408));
+        assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims()), (96, 8, 128, 64));
+        assert_eq!(
+            (m.n_experts, m.n_used, m.shared_ffn, m.shared_gated),
+            (128, 8, 1408, false)
+        );
+        assert_eq!((m.leading_dense, m.dense_ffn), (1, 10944));
+        assert_eq!(m.gating, crate::config::Gating::Sigmoid);
+        assert!(m.score_bias && m.normalize && m.routed_scale == 1.0 && !c.qk_norm);
+        let planned = plan(&spec, 151_552);
+        let all: Vec<&Planned> = planned.iter().flatten().collect();
+        let params: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
+        let bytes: u64 = all.iter().map(|p| p.len_bytes()).sum();
+        assert!((106.5e9..107.5e9).contains(&(params as f64)), "{params} parameters");
+        assert!((69e9..72e9).contains(&(bytes as f64)), "{bytes} bytes");
+        let names: Vec<&str> = planned[1].iter().map(|p| p.name.as_str()).collect();
+        assert!(names.contains(&"blk.0.ffn_down.weight") && !names.iter().any(|n| n.contains("exps")));
+        let layer1: Vec<&str> = planned[2].iter().map(|p| p.name.as_str()).collect();
+        for n in [
+            "exp_probs_b.bias",
+            "ffn_gate_shexp.weight",
+            "post_attention_norm.weight",
+            "attn_q.bias",
+        ] {
+            assert!(layer1.contains(&format!("blk.1.{n}").as_str()), "{n}: {layer1:?}");
+        }
+        // The experts' down (1408 columns: not whole 256-value blocks) falls back to Q5_0.
+        let down = planned[12]
+            .iter()
+            .find(|p| p.name.ends_with("ffn_down_exps.weight"))
+            .unwrap();
+        assert_eq!((down.shape.clone(), down.ty), (vec![128, 4096, 1408], GgmlType::Q5_0));
+    }
 }

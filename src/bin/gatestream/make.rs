@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use gatestream::config::Arch;
 use gatestream::format::FfnLayout;
 use gatestream::reformat::{DownType, ReformatOptions};
-use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+use gatestream::synth::{MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
 
 use crate::args::{Command, DownArg, LayoutArg, MakeArchArg, MixArg, ModelFormatArg};
 use crate::output::Progress;
@@ -58,6 +58,10 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         vocab,
         experts,
         experts_used,
+        leading_dense,
+        dense_ffn,
+        shared_experts,
+        rope_dim,
         rope_factors,
         seed,
         force,
@@ -76,6 +80,10 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         vocab,
         experts,
         experts_used,
+        leading_dense,
+        dense_ffn,
+        shared_experts,
+        rope_dim,
     ];
     let rope_factors = match rope_factors.as_deref() {
         None => None,
@@ -100,16 +108,23 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             MakeArchArg::Qwen3 => Arch::Qwen3,
             MakeArchArg::Qwen3moe => Arch::Qwen3Moe,
             MakeArchArg::Olmoe => Arch::Olmoe,
+            MakeArchArg::Glm4moe => Arch::Glm4Moe,
         };
+        let glm = arch == Arch::Glm4Moe;
+        let ffn = need(ffn, "--ffn")?;
+        let head_dim = head_dim.unwrap_or(hidden / heads.max(1));
+        if !glm && (leading_dense.is_some() || dense_ffn.is_some() || shared_experts.is_some()) {
+            anyhow::bail!("--leading-dense, --dense-ffn and --shared-experts go with --arch glm4moe");
+        }
         Shape {
             name: "custom".into(),
             arch,
             hidden,
-            ffn: need(ffn, "--ffn")?,
+            ffn,
             layers: need(layers, "--layers")?,
             heads,
             kv_heads: need(kv_heads, "--kv-heads")?,
-            head_dim: head_dim.unwrap_or(hidden / heads.max(1)),
+            head_dim,
             // 0: the tokenizer's (a vocabulary padded to 0 tokens is the tokenizer's own).
             vocab: vocab.unwrap_or(0),
             context_len: 4096,
@@ -122,12 +137,23 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
                 _ => anyhow::bail!("give --experts and --experts-used together"),
             },
             rope_factors,
+            rope_dim: rope_dim.or(glm.then_some(head_dim / 2)),
+            routing: glm.then(|| RoutingShape {
+                leading_dense: leading_dense.unwrap_or(1),
+                dense_ffn: dense_ffn.unwrap_or(4 * ffn),
+                shared_experts: shared_experts.unwrap_or(1),
+                sigmoid: true,
+                score_bias: true,
+                normalize: true,
+                routed_scale: 1.0,
+            }),
         }
     } else {
         if custom_flags.iter().any(|f| f.is_some()) || rope_factors.is_some() {
             anyhow::bail!(
                 "--shape {shape} sets every dimension; --hidden, --ffn, --layers, --heads, --kv-heads, --head-dim, \
-                 --vocab, --experts and --rope-factors go with --shape custom"
+                 --vocab, --experts, --leading-dense, --dense-ffn, --shared-experts, --rope-dim and --rope-factors go \
+                 with --shape custom"
             );
         }
         Shape::named(&shape)?
@@ -137,7 +163,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         Some(path) => TokenizerChoice::From(PathBuf::from(path)),
         None => {
             let file = match shape.arch {
-                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 _ => "SmolLM2-135M-Instruct.Q4_1.gguf",
             };
             let path = models_dir()?.join(file);
