@@ -540,7 +540,8 @@ const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
 /// score bias that changes the choice, renormalized, a shared expert not gated, half of each head
 /// rotated, Q/K/V biases) as `make-model` writes it, in F32, with SmolLM2's tokenizer and the
 /// output norm scaled by 8 (as `small_qwen3_matches_llama_cpp`): perplexity within 0.1% of
-/// llama.cpp's on the same file; zeroing the score bias or rotating whole heads changes it.
+/// llama.cpp's on the same file; zeroing the score bias or rotating whole heads changes it; 16
+/// greedy tokens are llama.cpp's.
 #[test]
 fn small_glm4moe_matches_llama_cpp() {
     use gatestream::config::Arch;
@@ -634,5 +635,11 @@ fn small_glm4moe_matches_llama_cpp() {
         r.perplexity,
         rel * 100.0
     );
+    // Greedy, 16 tokens: llama.cpp's `llama-completion -p "Once upon a time" -n 16 --temp 0
+    // -no-cnv` on the same file continued with this text (a random model's: it repeats).
+    let g = m.generate("Once upon a time", &greedy(16), &mut |_| {}).unwrap();
+    assert_eq!(g.text, LLAMA_CPP_SMALL_GLM4MOE_GREEDY);
 }
 const LLAMA_CPP_SMALL_GLM4MOE: f64 = 2956572.8416;
+const LLAMA_CPP_SMALL_GLM4MOE_GREEDY: &str = "primarily lax lax Magnetic Magnetic Magnetic poisons Magnetic poisons \
+                                              Magnetic poisons Magnetic poisons poisons Magnetic poisons";
