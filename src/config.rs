@@ -24,6 +24,10 @@ pub enum Arch {
     /// DeepSeek-V2/V3, Kimi-K2: multi-head latent attention ([`Mla`]), shared experts, leading
     /// dense layers.
     Deepseek2,
+    /// GLM-4.5 / 4.5-Air / 4.6: sigmoid routing with an expert score bias, a shared expert not
+    /// gated, leading dense layers, partial RoPE, Q/K/V biases, optional QK-norm, and NextN
+    /// (multi-token prediction) layers at the end that normal inference does not run.
+    Glm4Moe,
 }
 
 /// Mixture-of-experts architectures llama.cpp knows that gatestream does not run, with why.
@@ -42,7 +46,6 @@ const MOE_REFUSED: &[(&str, &str)] = &[
     ),
     ("bailingmoe", "Ling / Bailing MoE"),
     ("ernie4_5-moe", "ERNIE 4.5 MoE"),
-    ("glm4moe", "GLM-4.5 (sigmoid routing with expert bias)"),
     ("hunyuan-moe", "Hunyuan MoE"),
     ("qwen3next", "Qwen3-Next (linear attention)"),
 ];
@@ -58,6 +61,7 @@ impl Arch {
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "olmoe" => Ok(Arch::Olmoe),
             "deepseek2" => Ok(Arch::Deepseek2),
+            "glm4moe" => Ok(Arch::Glm4Moe),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 arch: other.to_string(),
@@ -71,7 +75,7 @@ impl Arch {
     }
     /// The architectures whose FFNs are always experts (llama has them only with `expert_count`).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe)
+        matches!(self, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -83,6 +87,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Olmoe => "olmoe",
             Arch::Deepseek2 => "deepseek2",
+            Arch::Glm4Moe => "glm4moe",
         }
     }
 }
@@ -147,9 +152,20 @@ pub struct ModelConfig {
     /// OLMoE: Q and K are RMS-normalized over the whole projection (not per head) before RoPE.
     #[serde(default)]
     pub qk_norm_whole: bool,
-    /// Routed experts in place of the dense FFN (every layer); `ffn` is then an expert's width.
+    /// Routed experts in place of the dense FFN (every layer past `leading_dense`); `ffn` is
+    /// then an expert's width.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// Dimensions of a head RoPE rotates (the first ones; the rest pass through): `head_dim`
+    /// unless the file's `rope.dimension_count` is less (GLM-4.5 rotates half). Half-split pairs
+    /// pair dimension i with i + rope_dim/2, and the angles use rope_dim as the head's size.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rope_dim: usize,
+    /// NextN / multi-token-prediction layers the file holds after the `n_layers` layers
+    /// (`nextn_predict_layers`): llama.cpp does not run them in normal inference, and neither
+    /// does gatestream; their tensors are ignored.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub nextn_layers: usize,
     /// Multi-head latent attention (DeepSeek-V2/V3): the cache holds one compressed latent and
     /// one rotated key part per position, shared by every head. The attention is computed in
     /// the latent space: `n_kv_heads` is 1 and `head_dim` is `kv_lora_rank + qk_rope` (what a
@@ -184,18 +200,101 @@ impl Mla {
     }
 }
 
-/// A mixture-of-experts FFN: per token the router's softmax picks the `n_used` most likely of
-/// `n_experts` experts, whose outputs are summed weighted by their probabilities — renormalized
-/// to sum to one where the architecture does so (llama.cpp's `norm_w`).
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// How the router's logits become expert scores (llama.cpp's `expert_gating_func`: 1 softmax,
+/// 2 sigmoid).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Gating {
+    /// Softmax over all experts (Mixtral, Qwen-MoE, OLMoE).
+    #[default]
+    Softmax,
+    /// Each expert's logit through a sigmoid on its own (GLM-4.5, DeepSeek-V3).
+    Sigmoid,
+}
+
+/// A mixture-of-experts FFN: per token the router's logits give each expert a score
+/// ([`Gating`]); the `n_used` best — by score plus the per-expert bias `exp_probs_b` where the
+/// file has one (`score_bias`; the bias only chooses, it does not weigh), and only among the
+/// `groups_used` best of `n_groups` groups where grouped — are run, their outputs summed weighted
+/// by their scores, renormalized to sum to one (`normalize`, llama.cpp's `norm_w`) and then
+/// multiplied by `routed_scale`. Shared experts (`shared_ffn` neurons in all) run on every token,
+/// behind a sigmoid gate (Qwen2-MoE) or added as they are (GLM-4.5, DeepSeek). The first
+/// `leading_dense` layers have a dense FFN of `dense_ffn` neurons instead of experts.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MoeConfig {
     pub n_experts: usize,
     pub n_used: usize,
     /// Whether the chosen experts' weights are divided by their sum.
     pub normalize: bool,
-    /// Neurons of the shared expert every token also runs (Qwen2-MoE; its output is scaled by
-    /// sigmoid of a learned projection of the input); 0: none.
+    /// Neurons of the shared expert(s) every token also runs (all shared experts as one FFN);
+    /// 0: none.
     pub shared_ffn: usize,
+    /// Whether the shared expert's output is scaled by sigmoid of a learned projection of the
+    /// input (`ffn_gate_inp_shexp`, Qwen2-MoE); otherwise it is added unscaled.
+    #[serde(default = "yes")]
+    pub shared_gated: bool,
+    #[serde(default)]
+    pub gating: Gating,
+    /// A per-expert bias (`blk.L.exp_probs_b.bias`) added to the scores to choose experts.
+    #[serde(default)]
+    pub score_bias: bool,
+    /// Grouped top-k: experts in `n_groups` equal groups, each group scored by the sum of its
+    /// two best (biased) scores, experts chosen only from the `groups_used` best groups.
+    /// `n_groups <= 1`: not grouped.
+    #[serde(default)]
+    pub n_groups: usize,
+    #[serde(default)]
+    pub groups_used: usize,
+    /// The chosen experts' weights are multiplied by this (after normalizing).
+    #[serde(default = "one")]
+    pub routed_scale: f32,
+    /// The first layers with a dense FFN instead of experts, and its width.
+    #[serde(default)]
+    pub leading_dense: usize,
+    #[serde(default)]
+    pub dense_ffn: usize,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+impl MoeConfig {
+    /// A plain top-k softmax router (Mixtral, Qwen-MoE, OLMoE): no bias, no groups, scale 1,
+    /// every layer of experts, no shared expert.
+    pub fn softmax(n_experts: usize, n_used: usize, normalize: bool) -> MoeConfig {
+        MoeConfig {
+            n_experts,
+            n_used,
+            normalize,
+            shared_ffn: 0,
+            shared_gated: false,
+            gating: Gating::Softmax,
+            score_bias: false,
+            n_groups: 0,
+            groups_used: 0,
+            routed_scale: 1.0,
+            leading_dense: 0,
+            dense_ffn: 0,
+        }
+    }
+
+    /// Whether layer `l` has experts (else a dense FFN of `dense_ffn` neurons).
+    pub fn layer_has_experts(&self, l: usize) -> bool {
+        l >= self.leading_dense
+    }
+
+    /// Whether routing is grouped.
+    pub fn grouped(&self) -> bool {
+        self.n_groups > 1
+    }
 }
 
 impl ModelConfig {
@@ -205,10 +304,33 @@ impl ModelConfig {
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
     }
-    /// The dimensions of a head RoPE turns (all of them, but for latent attention's rotated key
-    /// part).
+    /// The dimensions RoPE rotates (`rope_dim`, or the whole head where unset: older `.gst`
+    /// files).
     pub fn rope_dims(&self) -> usize {
-        self.mla.map_or(self.head_dim, |m| m.qk_rope)
+        if self.rope_dim == 0 {
+            self.head_dim
+        } else {
+            self.rope_dim
+        }
+    }
+    /// Whether layer `l` has experts.
+    pub fn layer_has_experts(&self, l: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.layer_has_experts(l))
+    }
+    /// The FFN width of layer `l`: a dense layer's (the leading dense layers of a mixture of
+    /// experts have their own), or an expert's.
+    pub fn layer_ffn(&self, l: usize) -> usize {
+        match &self.moe {
+            Some(m) if !m.layer_has_experts(l) => m.dense_ffn,
+            _ => self.ffn,
+        }
+    }
+    /// The layers with experts.
+    pub fn expert_layers(&self) -> usize {
+        match &self.moe {
+            Some(m) => self.n_layers.saturating_sub(m.leading_dense),
+            None => 0,
+        }
     }
     pub fn layer_is_local(&self, layer: usize) -> bool {
         self.sliding_window.is_some() && !(layer + 1).is_multiple_of(self.sliding_pattern)
@@ -241,6 +363,34 @@ impl ModelConfig {
                     m.n_experts, m.n_used
                 ));
             }
+            if m.grouped()
+                && (!m.n_experts.is_multiple_of(m.n_groups)
+                    || m.groups_used == 0
+                    || m.groups_used > m.n_groups
+                    || m.n_used > m.groups_used * (m.n_experts / m.n_groups))
+            {
+                return bad(format!(
+                    "{} experts in {} groups, {} groups used, {} experts used: the groups must divide the experts \
+                     and the used groups hold at least the used experts",
+                    m.n_experts, m.n_groups, m.groups_used, m.n_used
+                ));
+            }
+            if m.leading_dense > self.n_layers || (m.leading_dense > 0 && !(1..=1 << 20).contains(&m.dense_ffn)) {
+                return bad(format!(
+                    "{} leading dense layers of width {} in a model of {} layers",
+                    m.leading_dense, m.dense_ffn, self.n_layers
+                ));
+            }
+            if !(m.routed_scale.is_finite() && m.routed_scale > 0.0) {
+                return bad(format!("routed experts' scale {} (must be positive)", m.routed_scale));
+            }
+        }
+        if self.rope_dims() > self.head_dim || !self.rope_dims().is_multiple_of(2) || self.nextn_layers > 1024 {
+            return bad(format!(
+                "RoPE over {} dimensions of heads of {} (need an even count up to the head's)",
+                self.rope_dims(),
+                self.head_dim
+            ));
         }
         if let Some(m) = &self.mla {
             let sane = |x: usize| x > 0 && x <= 1 << 14;
@@ -277,12 +427,20 @@ impl ModelConfig {
         }
         if let Some(f) = &self.rope_freq_factors {
             if f.len() != self.rope_dims() / 2 {
-                return bad(format!(
-                    "{} RoPE frequency factors for {} rotated dimensions (need {})",
-                    f.len(),
-                    self.rope_dims(),
-                    self.rope_dims() / 2
-                ));
+                return bad(match self.rope_dims() == self.head_dim {
+                    true => format!(
+                        "{} RoPE frequency factors for heads of {} (need head_dim / 2 = {})",
+                        f.len(),
+                        self.head_dim,
+                        self.head_dim / 2
+                    ),
+                    false => format!(
+                        "{} RoPE frequency factors for {} rotated dimensions (need half as many: {})",
+                        f.len(),
+                        self.rope_dims(),
+                        self.rope_dims() / 2
+                    ),
+                });
             }
             if let Some(x) = f.iter().find(|x| !x.is_finite() || **x <= 0.0) {
                 return bad(format!(
@@ -327,12 +485,8 @@ impl ModelConfig {
             Arch::Deepseek2 => Some(mla_from_gguf(g, arch_name, head_dim, &opt_int, &int)?),
             _ => None,
         };
-        let rope_dims = mla.map_or(head_dim, |m| m.qk_rope);
-        let (read_keys, n_kv_heads): (&[&str], usize) = match mla {
-            Some(_) => (DEEPSEEK2_KEYS, 1),
-            None => (&[], n_kv_heads),
-        };
-        refuse_unread_math_keys(g, arch_name, rope_dims, read_keys)?;
+        let n_kv_heads = if mla.is_some() { 1 } else { n_kv_heads };
+        refuse_unread_math_keys(g, arch_name)?;
         let (rope_scale_global, yarn) = rope_scaling_from_gguf(g, arch_name, opt_int("context_length"))?;
         let yarn_log_mul = opt_f("rope.scaling.yarn_log_multiplier").filter(|&m| m != 0.0);
         if let (Some(m), Some(y)) = (&mla, &yarn) {
@@ -361,26 +515,60 @@ impl ModelConfig {
                 })
             }
             (Some(f), None) => Some(f),
-            (None, Some(y)) => Some(y.factors(rope_dims, rope_theta)),
+            (None, Some(y)) => Some(y.factors(opt_int("rope.dimension_count").unwrap_or(head_dim), rope_theta)),
             (None, None) => None,
         };
-        let moe = match arch {
-            Arch::Deepseek2 => deepseek2_moe_from_gguf(g, arch_name, &opt_int, &int)?,
-            _ => Self::moe_from_gguf(arch, &opt_int, &int)?,
-        };
-        // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
+        let moe = Self::moe_from_gguf(g, arch, &opt_int, &int)?;
+        // An expert's width: the MoE files name it apart from the dense width they also carry
+        // (which GLM's leading dense layers have); without it, llama.cpp's n_ff / n_used.
         let ffn = match (&moe, arch) {
-            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe) => match opt_int("expert_feed_forward_length") {
-                Some(w) => w,
-                None => int("feed_forward_length")? / m.n_used.max(1),
-            },
+            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::Deepseek2) => {
+                match opt_int("expert_feed_forward_length") {
+                    Some(w) => w,
+                    None => int("feed_forward_length")? / m.n_used.max(1),
+                }
+            }
             _ => int("feed_forward_length")?,
         };
+        let moe = moe.map(|m| match arch {
+            // GLM's and DeepSeek's shared experts are `expert_shared_count` experts' width together.
+            Arch::Glm4Moe | Arch::Deepseek2 => MoeConfig {
+                shared_ffn: m.shared_ffn * ffn,
+                ..m
+            },
+            _ => m,
+        });
+        // NextN layers follow the model's own in `block_count`; llama.cpp runs only the others.
+        let nextn_layers = opt_int("nextn_predict_layers").unwrap_or(0);
+        let n_layers = int("block_count")?
+            .checked_sub(nextn_layers)
+            .ok_or_else(|| Error::Config {
+                path: path.clone(),
+                what: format!(
+                    "{} = {nextn_layers} exceeds the block count",
+                    key("nextn_predict_layers")
+                ),
+            })?;
+        let rope_dim = opt_int("rope.dimension_count").unwrap_or(head_dim);
+        if arch == Arch::Llama && rope_dim != head_dim {
+            // (llama.cpp refuses it too: "invalid n_rot".)
+            return Err(Error::Config {
+                path: path.clone(),
+                what: format!(
+                    "metadata {} = {rope_dim}: RoPE over {rope_dim} of a head's {head_dim} dimensions, and a llama \
+                     model rotates whole heads",
+                    key("rope.dimension_count")
+                ),
+            });
+        }
+        let glm = arch == Arch::Glm4Moe;
+        // GLM-4.5's QK-norm and Q/K/V biases are optional in llama.cpp: present or not per file.
+        let has = |t: &str| g.tensor(&format!("blk.0.{t}")).is_some();
         let cfg = ModelConfig {
             arch,
             hidden,
             ffn,
-            n_layers: int("block_count")?,
+            n_layers,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -416,13 +604,15 @@ impl ModelConfig {
                 _ => y.mscale().powi(2),
             }) / (mla.map_or(head_dim, |m| m.q_head()) as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
-            qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
+            qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) || (glm && has("attn_q_norm.weight")),
             post_norms: gemma,
-            attn_bias: arch == Arch::Qwen2,
+            attn_bias: arch == Arch::Qwen2 || (glm && has("attn_q.bias")),
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
             qk_norm_whole: arch == Arch::Olmoe,
             moe,
             mla,
+            rope_dim,
+            nextn_layers,
         };
         cfg.validate(path)
     }
@@ -430,31 +620,86 @@ impl ModelConfig {
     /// The experts' configuration as llama.cpp reads it: `{arch}.expert_count` and
     /// `expert_used_count` (both required by the MoE architectures, optional for llama),
     /// renormalization per architecture (Mixtral and Qwen3-MoE renormalize, Qwen2-MoE and OLMoE
-    /// do not), Qwen2-MoE's shared expert width (`expert_shared_feed_forward_length`, else the
-    /// dense width).
+    /// do not, GLM-4.5 as `expert_weights_norm` says), grouped routing where
+    /// `expert_group_count` exceeds one (any architecture, as llama.cpp's `build_moe_ffn`), and
+    /// per architecture: Qwen2-MoE's gated shared expert (`expert_shared_feed_forward_length`,
+    /// else the dense width); GLM-4.5's sigmoid gating (`expert_gating_func`, absent: sigmoid),
+    /// score bias, `expert_weights_scale`, ungated shared experts (`expert_shared_count` of them:
+    /// the caller multiplies by the expert width) and `leading_dense_block_count` dense layers of
+    /// `feed_forward_length`.
     fn moe_from_gguf(
+        g: &GgufFile,
         arch: Arch,
         opt_int: &dyn Fn(&str) -> Option<usize>,
         int: &dyn Fn(&str) -> Result<usize>,
     ) -> Result<Option<MoeConfig>> {
         if !arch.is_moe() && (arch != Arch::Llama || opt_int("expert_count").unwrap_or(0) == 0) {
-            return Ok(None);
+            // (DeepSeek's files have experts after their leading dense layers, if any layer has.)
+            let dense_only = opt_int("expert_count").unwrap_or(0) == 0
+                || opt_int("leading_dense_block_count").unwrap_or(0) >= int("block_count")?;
+            if arch != Arch::Deepseek2 || dense_only {
+                return Ok(None);
+            }
         }
+        let arch_name = arch.name();
         let n_experts = int("expert_count")?;
         let n_used = int("expert_used_count")?;
-        let shared_ffn = match arch {
-            Arch::Qwen2Moe => match opt_int("expert_shared_feed_forward_length") {
-                Some(w) => w,
-                None => int("feed_forward_length")?,
-            },
-            _ => 0,
-        };
-        Ok(Some(MoeConfig {
-            n_experts,
-            n_used,
-            normalize: matches!(arch, Arch::Llama | Arch::Qwen3Moe),
-            shared_ffn,
-        }))
+        let mut m = MoeConfig::softmax(n_experts, n_used, matches!(arch, Arch::Llama | Arch::Qwen3Moe));
+        m.n_groups = opt_int("expert_group_count").unwrap_or(0);
+        m.groups_used = opt_int("expert_group_used_count").unwrap_or(0);
+        match arch {
+            Arch::Qwen2Moe => {
+                m.shared_ffn = match opt_int("expert_shared_feed_forward_length") {
+                    Some(w) => w,
+                    None => int("feed_forward_length")?,
+                };
+                m.shared_gated = true;
+            }
+            Arch::Glm4Moe | Arch::Deepseek2 => {
+                let key = |k: &str| format!("{arch_name}.{k}");
+                // (Unset: GLM's sigmoid; DeepSeek-V2's softmax, as llama.cpp reads files from
+                // before the key.)
+                m.gating = match opt_int("expert_gating_func").unwrap_or(0) {
+                    0 if arch == Arch::Deepseek2 => Gating::Softmax,
+                    0 | 2 => Gating::Sigmoid,
+                    1 => Gating::Softmax,
+                    other => {
+                        return Err(Error::Config {
+                            path: g.path.clone(),
+                            what: format!(
+                                "metadata {} = {other}: gatestream computes gating functions 1 (softmax) and 2 \
+                                 (sigmoid)",
+                                key("expert_gating_func")
+                            ),
+                        })
+                    }
+                };
+                m.normalize = g
+                    .get(&key("expert_weights_norm"))
+                    .and_then(|v| v.as_bool())
+                    .unwrap_or(false);
+                let scale = g
+                    .get(&key("expert_weights_scale"))
+                    .and_then(|v| v.as_f64())
+                    .unwrap_or(0.0) as f32;
+                // llama.cpp scales only by a value other than 0 (absent) and 1.
+                m.routed_scale = if scale == 0.0 { 1.0 } else { scale };
+                // GLM's files always have the score bias; DeepSeek's from V3 on.
+                m.score_bias = arch == Arch::Glm4Moe || {
+                    let first = opt_int("leading_dense_block_count").unwrap_or(0);
+                    g.tensor(&format!("blk.{first}.exp_probs_b.bias")).is_some()
+                };
+                // Counted in experts here; the caller makes it neurons (times the expert width).
+                m.shared_ffn = int("expert_shared_count")?;
+                m.shared_gated = false;
+                m.leading_dense = opt_int("leading_dense_block_count").unwrap_or(0);
+                if m.leading_dense > 0 {
+                    m.dense_ffn = int("feed_forward_length")?;
+                }
+            }
+            _ => {}
+        }
+        Ok(Some(m))
     }
 
     /// From a Hugging Face `config.json`.
@@ -524,6 +769,8 @@ impl ModelConfig {
             qk_norm_whole: false,
             moe: None,
             mla: None,
+            rope_dim: head_dim,
+            nextn_layers: 0,
         };
         cfg.validate(path)
     }
@@ -765,7 +1012,6 @@ const UNREAD_MATH_KEYS: &[(&str, Option<f64>)] = &[
     ("expert_weights_scale", Some(1.0)),
     ("expert_weights_norm", None),
     ("expert_gating_func", Some(1.0)),
-    ("expert_group_count", Some(1.0)),
     ("leading_dense_block_count", Some(0.0)),
     ("attention.q_lora_rank", None),
     ("attention.kv_lora_rank", None),
@@ -779,14 +1025,28 @@ const UNREAD_MATH_KEYS: &[(&str, Option<f64>)] = &[
     ("rope.scaling.yarn_beta_slow", Some(1.0)),
 ];
 
-/// The keys of [`UNREAD_MATH_KEYS`] a `deepseek2` file's config reads ([`mla_from_gguf`],
-/// [`deepseek2_moe_from_gguf`]).
-const DEEPSEEK2_KEYS: &[&str] = &[
-    "attention.q_lora_rank",
-    "attention.kv_lora_rank",
-    "leading_dense_block_count",
-    "rope.scaling.yarn_log_multiplier",
-];
+/// The keys of [`UNREAD_MATH_KEYS`] an architecture does read (so any value is computed).
+fn read_math_keys(arch: Arch) -> &'static [&'static str] {
+    match arch {
+        Arch::Glm4Moe => &[
+            "expert_weights_scale",
+            "expert_weights_norm",
+            "expert_gating_func",
+            "leading_dense_block_count",
+        ],
+        Arch::Deepseek2 => &[
+            "expert_weights_scale",
+            "expert_weights_norm",
+            "expert_gating_func",
+            "expert_group_count",
+            "leading_dense_block_count",
+            "attention.q_lora_rank",
+            "attention.kv_lora_rank",
+            "rope.scaling.yarn_log_multiplier",
+        ],
+        _ => &[],
+    }
+}
 
 /// Latent attention's dimensions from a `deepseek2` file: `attention.kv_lora_rank`,
 /// `attention.q_lora_rank` (absent or 0: no query bottleneck), `rope.dimension_count` (the
@@ -837,32 +1097,10 @@ fn mla_from_gguf(
     Ok(m)
 }
 
-/// A `deepseek2` file's FFNs: dense in every layer (`leading_dense_block_count` = the layer
-/// count) or experts after the leading dense layers.
-fn deepseek2_moe_from_gguf(
-    g: &GgufFile,
-    arch_name: &str,
-    opt_int: &dyn Fn(&str) -> Option<usize>,
-    int: &dyn Fn(&str) -> Result<usize>,
-) -> Result<Option<MoeConfig>> {
-    let layers = int("block_count")?;
-    let dense = opt_int("leading_dense_block_count").unwrap_or(0);
-    if dense >= layers {
-        return Ok(None);
-    }
-    Err(Error::Config {
-        path: g.path.clone(),
-        what: format!(
-            "{arch_name}: {} of {layers} layers hold experts; DeepSeek's expert layers are not computed yet",
-            layers - dense
-        ),
-    })
-}
-
 /// Refuses a file whose metadata asks for computation gatestream does not do: a key of
-/// [`UNREAD_MATH_KEYS`] at another value, or RoPE over part of a head
-/// (`rope.dimension_count` below the head size).
-fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, rope_dims: usize, read: &[&str]) -> Result<()> {
+/// [`UNREAD_MATH_KEYS`] the architecture does not read at another value, or multi-section RoPE
+/// (`rope.dimension_sections`, which llama.cpp's GLM-4 reads for its vision models).
+fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str) -> Result<()> {
     let refuse = |key: String, what: String| {
         Err(Error::Config {
             path: g.path.clone(),
@@ -872,7 +1110,11 @@ fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, rope_dims: usize, read
             ),
         })
     };
-    for (k, neutral) in UNREAD_MATH_KEYS.iter().filter(|(k, _)| !read.contains(k)) {
+    let read = Arch::parse(&g.path, arch_name).map(read_math_keys).unwrap_or(&[]);
+    for (k, neutral) in UNREAD_MATH_KEYS {
+        if read.contains(k) {
+            continue;
+        }
         let key = format!("{arch_name}.{k}");
         if let Some(v) = g.get(&key) {
             let same = match (neutral, v.as_f64().or_else(|| v.as_bool().map(|b| b as u8 as f64))) {
@@ -884,10 +1126,14 @@ fn refuse_unread_math_keys(g: &GgufFile, arch_name: &str, rope_dims: usize, read
             }
         }
     }
-    let key = format!("{arch_name}.rope.dimension_count");
-    if let Some(n) = g.get(&key).and_then(|v| v.as_u64()) {
-        if n as usize != rope_dims {
-            return refuse(key, format!("{n} (RoPE over {n} of a head's {rope_dims} dimensions)"));
+    let key = format!("{arch_name}.rope.dimension_sections");
+    if let Some(v) = g.get(&key) {
+        let sections: Vec<u64> = v
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+            .unwrap_or_default();
+        if sections.len() < 2 || sections[0] > 0 && sections[1] > 0 {
+            return refuse(key, format!("{v:?} (multi-section RoPE)"));
         }
     }
     Ok(())

@@ -296,11 +296,20 @@ struct FfnBytes {
 impl FfnBytes {
     fn of(model: &Model) -> crate::error::Result<FfnBytes> {
         use crate::model::weights::{FfnDown, LayerFfn};
-        let (ffn, fixed, own_used) = match &model.weights.layers[0].ffn {
+        // (A mixture of experts: its first layer of experts, past any leading dense ones.)
+        let layers = &model.weights.layers;
+        let first = layers
+            .iter()
+            .find(|l| matches!(l.ffn, LayerFfn::Experts(_)))
+            .unwrap_or(&layers[0]);
+        let (ffn, fixed, own_used) = match &first.ffn {
             LayerFfn::Dense(f) => (f, 0, 1),
             LayerFfn::Experts(e) => {
-                let shared = e.shared.as_ref().map_or(0, |(f, _)| {
-                    f.gate.len_bytes() + f.up.len_bytes() + f.down.weight().len_bytes() + f.gate.cols * 4
+                let shared = e.shared.as_ref().map_or(0, |(f, g)| {
+                    f.gate.len_bytes()
+                        + f.up.len_bytes()
+                        + f.down.weight().len_bytes()
+                        + g.as_ref().map_or(0, |g| g.len() * 4)
                 });
                 let used = model.config.moe.as_ref().map_or(1, |m| m.n_used);
                 (&e.experts[0], e.router.len_bytes() + shared, used)

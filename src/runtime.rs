@@ -409,7 +409,10 @@ impl Runtime {
         let (neurons, routes) = match (record_trace, &c.moe) {
             (false, _) => (None, None),
             (true, None) => (Some(TraceRecorder::new(mask, c.n_layers, c.hidden, c.ffn)), None),
-            (true, Some(moe)) => (None, Some(RouteRecorder::new(mask, c.n_layers, moe.n_experts))),
+            (true, Some(moe)) => (
+                None,
+                Some(RouteRecorder::new(mask, c.n_layers, moe.n_experts, moe.leading_dense)),
+            ),
         };
         let mask = match (&neurons, &routes) {
             (Some(r), _) => Some(r as &dyn PromptAwareMask),

@@ -164,8 +164,8 @@ fn an_unknown_rope_scaling_is_refused_by_name() {
     assert!(m.contains("llama.rope.scaling.type") && m.contains("longrope"), "{m}");
 }
 
-/// Metadata asking for computation not done — RoPE over part of a head — is refused naming the
-/// key.
+/// RoPE over part of a head in a llama file (which llama.cpp refuses too: "invalid n_rot") is
+/// refused naming the key; glm4moe's partial RoPE is computed (tests/models.rs).
 #[test]
 fn partial_rope_is_refused_by_key() {
     let m = message(&load_bytes(&stories_gguf(Breakage::PartialRope)).err().unwrap());
@@ -601,4 +601,72 @@ fn unaligned_and_overrunning_tensors_are_refused_loaded_and_streamed() {
         );
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+/// A glm4moe file without a layer's expert score bias (`exp_probs_b`, which GLM-4.5 routes by)
+/// is refused naming the tensor and the architecture, not run without it; an unknown gating
+/// function is refused naming its key.
+#[test]
+fn glm4moe_without_its_score_bias_is_refused_by_name() {
+    use gatestream::config::Arch;
+    use gatestream::gguf::MetaValue;
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "custom".into(),
+            arch: Arch::Glm4Moe,
+            hidden: 64,
+            ffn: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 300,
+            context_len: 256,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+            tied: false,
+            experts: Some((4, 2)),
+            rope_factors: None,
+            rope_dim: Some(8),
+            mla: None,
+            routing: Some(RoutingShape {
+                leading_dense: 1,
+                dense_ffn: 128,
+                shared_experts: 1,
+                sigmoid: true,
+                score_bias: true,
+                normalize: true,
+                routed_scale: 1.0,
+                groups: None,
+            }),
+        },
+        mix: Mix::Q8_0,
+        dequantize: false,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 3,
+        residual_gain: 1.0,
+    };
+    let good = tmp.path().join("glm.gguf");
+    write_model(&spec, &good, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    assert!(Model::load(&good, &LoadOptions::default()).is_ok());
+    let g = gatestream::gguf::GgufFile::open(&good).unwrap();
+    let meta: Vec<(&str, MetaValue)> = g.metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = g
+        .tensors
+        .iter()
+        .filter(|t| t.name != "blk.1.exp_probs_b.bias")
+        .map(|t| (t.name.clone(), t.dims.clone(), t.type_id, g.tensor_bytes(t).to_vec()))
+        .collect();
+    let e = load_bytes(&gguf_of(&meta, &tensors)).err().expect("refused");
+    let m = message(&e);
+    assert!(m.contains("blk.1.exp_probs_b.bias") && m.contains("glm4moe"), "{m}");
+    let bad = gguf_edited(
+        &good,
+        vec![("glm4moe.expert_gating_func".into(), MetaValue::U32(4))],
+        vec![],
+    );
+    let m = message(&load_bytes(&bad).err().expect("refused"));
+    assert!(m.contains("glm4moe.expert_gating_func"), "{m}");
 }

@@ -64,7 +64,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 44] = [
+    let checks: [(&str, Check); 45] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
@@ -185,6 +185,7 @@ fn main() {
         }),
         ("qwen_shaped_vram_budget", qwen_vram),
         ("qwen_shaped_vram_budget_70", qwen_vram_hot),
+        ("glm4moe_refused", glm4moe_refused),
         // Last: it leaves (and takes back) an error on the device.
         ("cpu_only_types_refused", cpu_only_types_refused),
     ];
@@ -255,6 +256,65 @@ impl Rng {
     fn normalish(&mut self) -> f32 {
         (0..4).map(|_| self.unit()).sum::<f32>() - 2.0
     }
+}
+
+/// A glm4moe model (GLM-4.5: half of each head rotated) is refused at load by the CUDA device,
+/// whose RoPE rotates whole heads, naming the architecture and what is missing.
+fn glm4moe_refused(
+    dev: &Arc<CudaDevice>,
+    _report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = tmp.path().join("glm4moe.gguf");
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "custom".into(),
+            arch: Arch::Glm4Moe,
+            hidden: 64,
+            ffn: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 300,
+            context_len: 256,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+            tied: false,
+            experts: Some((4, 2)),
+            rope_factors: None,
+            rope_dim: Some(8),
+            mla: None,
+            routing: Some(RoutingShape {
+                leading_dense: 1,
+                dense_ffn: 128,
+                shared_experts: 1,
+                sigmoid: true,
+                score_bias: true,
+                normalize: true,
+                routed_scale: 1.0,
+                groups: None,
+            }),
+        },
+        mix: Mix::Q8_0,
+        dequantize: false,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 3,
+        residual_gain: 1.0,
+    };
+    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    let device: Arc<dyn Device> = dev.clone();
+    let m = match Model::load_on(&path, &LoadOptions::default(), device) {
+        Ok(_) => return Err("a glm4moe model (partial RoPE) loaded on the CUDA device".into()),
+        Err(e) => e.to_string(),
+    };
+    if !(m.contains("glm4moe") && m.contains("partial RoPE") && m.contains("--device cpu")) {
+        return Err(format!(
+            "the refusal does not name the architecture and what is missing: {m}"
+        ));
+    }
+    Ok(format!("refused at load: {m}"))
 }
 
 /// A model holding a type the device has no kernels for (stories260K with a Q5_1 `ffn_up`) is
@@ -1477,6 +1537,7 @@ fn fused_blocks_follow_writes(
         let (mut q, mut k) = (normed(), normed());
         let shape = RopeShape {
             head_dim: 128,
+            rope_dims: 128,
             base: 10000.0,
             pos_scale: 1.0,
             style: RopeStyle::HalfSplit,
@@ -2322,6 +2383,7 @@ fn fused_last_blocks_in(
         cfg.head_dim = hd;
         let rope = RopeShape {
             head_dim: hd,
+            rope_dims: hd,
             base: 10000.0,
             pos_scale: 1.0,
             style,
@@ -2897,6 +2959,8 @@ fn qwen_shaped_gguf(dir: &std::path::Path, shape: &Shape, residual_gain: f32, as
             experts: None,
             rope_factors: None,
             mla: None,
+            rope_dim: None,
+            routing: None,
         },
         mix: Mix::Q4KM,
         dequantize: as_f32,

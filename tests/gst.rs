@@ -563,6 +563,8 @@ fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) 
         experts,
         rope_factors: None,
         mla: None,
+        rope_dim: None,
+        routing: None,
     }
 }
 

@@ -514,6 +514,8 @@ fn small_qwen3_matches_llama_cpp() {
         experts: None,
         rope_factors: None,
         mla: None,
+        rope_dim: None,
+        routing: None,
     };
     let path = small_f32_model(shape, &kept_dir(&tmp), "qwen3-small-f32.gguf");
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
@@ -556,16 +558,40 @@ const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
 /// latent's norm matters (the figure changes without it).
 #[test]
 fn small_deepseek2_latent_attention_matches_llama_cpp() {
-    use gatestream::config::{Arch, Mla};
+    use gatestream::config::{Arch, Gating, Mla};
     use gatestream::gguf::MetaValue;
     use gatestream::perplexity::{perplexity, PerplexityOptions};
-    use gatestream::synth::Shape;
+    use gatestream::synth::{RoutingShape, Shape};
     let tmp = tempfile::tempdir().unwrap();
     let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let opts = PerplexityOptions { ctx: 512, windows: 4 };
-    for (q_lora_rank, name, llama_cpp) in [
-        (64, "deepseek2-q-lora-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[0]),
-        (0, "deepseek2-lite-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[1]),
+    // V3's routing: sigmoid scores with a bias, 4 groups of which 2 are used, renormalized,
+    // scaled by 2.5, a shared expert, the first layer dense.
+    let v3 = RoutingShape {
+        leading_dense: 1,
+        dense_ffn: 512,
+        shared_experts: 1,
+        sigmoid: true,
+        score_bias: true,
+        normalize: true,
+        routed_scale: 2.5,
+        groups: Some((4, 2)),
+    };
+    // V2-Lite's: softmax, no bias or groups, not renormalized, two shared experts.
+    let v2 = RoutingShape {
+        sigmoid: false,
+        score_bias: false,
+        normalize: false,
+        routed_scale: 1.0,
+        groups: None,
+        shared_experts: 2,
+        ..v3.clone()
+    };
+    for (q_lora_rank, routing, name, llama_cpp) in [
+        (64, None, "deepseek2-q-lora-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[0]),
+        (0, None, "deepseek2-lite-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[1]),
+        (64, Some(v3), "deepseek2-v3-moe-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[3]),
+        (0, Some(v2), "deepseek2-v2-moe-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[4]),
     ] {
         let mla = Mla {
             q_lora_rank,
@@ -578,7 +604,7 @@ fn small_deepseek2_latent_attention_matches_llama_cpp() {
             name: "custom".into(),
             arch: Arch::Deepseek2,
             hidden: 256,
-            ffn: 512,
+            ffn: if routing.is_some() { 128 } else { 512 },
             layers: 3,
             heads: 4,
             kv_heads: 1,
@@ -588,13 +614,31 @@ fn small_deepseek2_latent_attention_matches_llama_cpp() {
             rope_theta: 10000.0,
             rms_eps: 1e-6,
             tied: false,
-            experts: None,
+            experts: routing.as_ref().map(|_| (8, 2)),
             rope_factors: None,
+            rope_dim: None,
+            routing: routing.clone(),
             mla: Some(mla),
         };
         let path = small_f32_model(shape, &kept_dir(&tmp), name);
         let m = Model::load(&path, &LoadOptions::default()).unwrap();
         assert_eq!(m.config.mla, Some(mla));
+        if let Some(r) = &routing {
+            let moe = m.config.moe.as_ref().expect("experts");
+            assert_eq!(
+                (
+                    moe.gating == Gating::Sigmoid,
+                    moe.score_bias,
+                    moe.normalize,
+                    moe.routed_scale
+                ),
+                (r.sigmoid, r.score_bias, r.normalize, r.routed_scale)
+            );
+            assert_eq!(
+                (moe.n_groups > 1, moe.leading_dense, moe.shared_ffn),
+                (r.groups.is_some(), 1, r.shared_experts * 128)
+            );
+        }
         assert_eq!((m.config.n_kv_heads, m.config.head_dim), (1, 160));
         // One latent and rotated part per position and layer: 160 floats, not the
         // 4 heads × (96 + 64) an expanded cache would hold for keys and values.
@@ -674,4 +718,113 @@ fn small_deepseek2_latent_attention_matches_llama_cpp() {
 }
 // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the files this test writes
 // (GATESTREAM_KEEP=DIR keeps them): its final estimates.
-const LLAMA_CPP_SMALL_DEEPSEEK2: [f64; 3] = [3052659.1363, 3053318.3280, 3026395.9793];
+const LLAMA_CPP_SMALL_DEEPSEEK2: [f64; 5] = [3052659.1363, 3053318.3280, 3026395.9793, 3100532.4927, 2896171.7203];
+/// A small random glm4moe (GLM-4.5's computation: its first layer dense, sigmoid routing with a
+/// score bias that changes the choice, renormalized, a shared expert not gated, half of each head
+/// rotated, Q/K/V biases) as `make-model` writes it, in F32, with SmolLM2's tokenizer and the
+/// output norm scaled by 8 (as `small_qwen3_matches_llama_cpp`): perplexity within 0.1% of
+/// llama.cpp's on the same file; zeroing the score bias or rotating whole heads changes it; 16
+/// greedy tokens are llama.cpp's.
+#[test]
+fn small_glm4moe_matches_llama_cpp() {
+    use gatestream::config::Arch;
+    use gatestream::model::weights::LayerFfn;
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from);
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "custom".into(),
+            arch: Arch::Glm4Moe,
+            hidden: 256,
+            ffn: 128,
+            layers: 3,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            vocab: 0,
+            context_len: 4096,
+            rope_theta: 1e6,
+            rms_eps: 1e-5,
+            tied: false,
+            experts: Some((8, 2)),
+            rope_factors: None,
+            mla: None,
+            rope_dim: Some(32),
+            routing: Some(RoutingShape {
+                leading_dense: 1,
+                dense_ffn: 512,
+                shared_experts: 1,
+                sigmoid: true,
+                score_bias: true,
+                normalize: true,
+                routed_scale: 1.0,
+                groups: None,
+            }),
+        },
+        mix: Mix::Q8_0,
+        dequantize: true,
+        tokenizer: TokenizerChoice::From(model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")),
+        seed: 5,
+        residual_gain: 1.0,
+    };
+    let made = tmp.path().join("made.gguf");
+    write_model(&spec, &made, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    let norm = gatestream::gguf::GgufFile::open(&made).unwrap();
+    let t = norm.tensor("output_norm.weight").unwrap();
+    let scaled: Vec<f32> = norm
+        .tensor_bytes(t)
+        .chunks_exact(4)
+        .map(|c| 8.0 * f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let path = dir.join("glm4moe-small-f32.gguf");
+    let edited = gguf_edited(
+        &made,
+        vec![],
+        vec![("output_norm.weight".into(), t.dims.clone(), 0, f32_bytes(&scaled))],
+    );
+    std::fs::write(&path, edited).unwrap();
+    let m = Model::load(&path, &LoadOptions::default()).unwrap();
+    let moe = m.config.moe.as_ref().unwrap();
+    assert!(m.config.attn_bias && m.config.rope_dims() == 32 && moe.leading_dense == 1 && moe.score_bias);
+    assert!(matches!(m.weights.layers[0].ffn, LayerFfn::Dense(_)));
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 4 };
+    let r = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap();
+    // The figure depends on what makes the model GLM: the score bias and partial RoPE.
+    let mut no_bias = Model::load(&path, &LoadOptions::default()).unwrap();
+    for l in &mut no_bias.weights.layers {
+        if let LayerFfn::Experts(e) = &mut l.ffn {
+            e.score_bias.as_mut().unwrap().fill(0.0);
+        }
+    }
+    let mut whole = Model::load(&path, &LoadOptions::default()).unwrap();
+    whole.config.rope_dim = 64;
+    for (what, other) in [("the score bias", no_bias), ("partial RoPE", whole)] {
+        let p = perplexity(&other, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+        eprintln!("glm4moe perplexity {:.4}; without {what}: {p:.4}", r.perplexity);
+        assert!(
+            (p - r.perplexity).abs() / r.perplexity > 0.001,
+            "{what} hardly matters: {} with, {p} without",
+            r.perplexity
+        );
+    }
+    // llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 4` on the file this test writes
+    // (GATESTREAM_KEEP=DIR keeps it): its final estimate.
+    let llama_cpp = LLAMA_CPP_SMALL_GLM4MOE;
+    let rel = (r.perplexity - llama_cpp).abs() / llama_cpp;
+    assert!(
+        rel < 0.001,
+        "perplexity {} vs llama.cpp {llama_cpp} ({:.3}% apart)",
+        r.perplexity,
+        rel * 100.0
+    );
+    // Greedy, 16 tokens: llama.cpp's `llama-completion -p "Once upon a time" -n 16 --temp 0
+    // -no-cnv` on the same file continued with this text (a random model's: it repeats).
+    let g = m.generate("Once upon a time", &greedy(16), &mut |_| {}).unwrap();
+    assert_eq!(g.text, LLAMA_CPP_SMALL_GLM4MOE_GREEDY);
+}
+const LLAMA_CPP_SMALL_GLM4MOE: f64 = 2956572.8416;
+const LLAMA_CPP_SMALL_GLM4MOE_GREEDY: &str = "primarily lax lax Magnetic Magnetic Magnetic poisons Magnetic poisons \
+                                              Magnetic poisons Magnetic poisons poisons Magnetic poisons";

@@ -56,15 +56,69 @@ fn make(dir: &Path, spec: &MoeSpec, name: &str) -> PathBuf {
     out
 }
 
-/// A random F32 model of each architecture (6 experts, 2 used) written into `dir`.
+/// A random F32 model of each architecture (6 experts, 2 used) written into `dir`; glm4moe's
+/// by `make-model` ([`glm_file`]).
 fn random_f32_models(dir: &Path) -> Vec<(Arch, PathBuf)> {
-    ARCHS
+    let mut all: Vec<(Arch, PathBuf)> = ARCHS
         .iter()
         .map(|&arch| {
             let path = make(dir, &spec(arch, GgmlType::F32, true), &format!("{}.gguf", arch.name()));
             (arch, path)
         })
-        .collect()
+        .collect();
+    all.push((Arch::Glm4Moe, glm_file(dir, "glm4moe.gguf", 2, true)));
+    all
+}
+
+/// A small glm4moe shape (`make-model --arch glm4moe --shape custom`): hidden 64, 2 layers
+/// (the first dense, of width 128), 6 experts of 64 with `used` per token, one shared expert,
+/// sigmoid scores with a score bias, renormalized; heads of 16 of which 8 rotate; Q/K/V biases.
+fn glm_shape(used: usize) -> gatestream::synth::Shape {
+    gatestream::synth::Shape {
+        name: "custom".into(),
+        arch: Arch::Glm4Moe,
+        hidden: 64,
+        ffn: 64,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        vocab: 512,
+        context_len: 256,
+        rope_theta: 10000.0,
+        rms_eps: 1e-5,
+        tied: false,
+        experts: Some((6, used)),
+        rope_factors: None,
+        rope_dim: Some(8),
+        mla: None,
+        routing: Some(gatestream::synth::RoutingShape {
+            leading_dense: 1,
+            dense_ffn: 128,
+            shared_experts: 1,
+            sigmoid: true,
+            score_bias: true,
+            normalize: true,
+            routed_scale: 1.0,
+            groups: None,
+        }),
+    }
+}
+
+/// [`glm_shape`] written by `make-model` as a GGUF (F32 where `f32`, else Q8_0) into `dir`.
+fn glm_file(dir: &Path, name: &str, used: usize, f32: bool) -> PathBuf {
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, TokenizerChoice};
+    let spec = MakeSpec {
+        shape: glm_shape(used),
+        mix: Mix::Q8_0,
+        dequantize: f32,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 11,
+        residual_gain: 1.0,
+    };
+    let out = dir.join(name);
+    write_model(&spec, &out, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    out
 }
 
 fn load(path: &Path) -> Model {
@@ -137,23 +191,40 @@ fn naive_moe_keeping(model: &Model, l: usize, x: &[f32], n: usize, keep: Option<
         let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
         let all: Vec<Vec<f64>> = e.experts.iter().map(|f| ffn_f64_keeping(f, &xt, keep)).collect();
         let logits: Vec<f64> = router.iter().map(|r| dot(r, &xt)).collect();
-        let max = logits.iter().cloned().fold(f64::MIN, f64::max);
-        let z: f64 = logits.iter().map(|v| (v - max).exp()).sum();
-        let p: Vec<f64> = logits.iter().map(|v| (v - max).exp() / z).collect();
+        // Scores: softmax, or each logit's sigmoid (GLM-4.5).
+        let p: Vec<f64> = match moe.gating {
+            gatestream::config::Gating::Softmax => {
+                let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = logits.iter().map(|v| (v - max).exp()).sum();
+                logits.iter().map(|v| (v - max).exp() / z).collect()
+            }
+            gatestream::config::Gating::Sigmoid => logits.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+        };
+        // The score bias chooses; the scores weigh.
+        let bias = e.score_bias.clone().unwrap_or_else(|| vec![0.0; moe.n_experts]);
+        let choose: Vec<f64> = p.iter().zip(&bias).map(|(a, b)| a + *b as f64).collect();
         let mut order: Vec<usize> = (0..moe.n_experts).collect();
-        order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap());
+        order.sort_by(|&a, &b| choose[b].partial_cmp(&choose[a]).unwrap());
         let chosen = &order[..moe.n_used];
         used.extend_from_slice(chosen);
         let sum: f64 = chosen.iter().map(|&i| p[i]).sum();
         let mut y = vec![0f64; h];
         for &i in chosen {
-            let w = if moe.normalize { p[i] / sum } else { p[i] };
+            let w = if moe.normalize { p[i] / sum } else { p[i] } * moe.routed_scale as f64;
             y.iter_mut().zip(&all[i]).for_each(|(a, b)| *a += w * b);
         }
-        if let Some((shared, gate)) = &e.shared {
-            let g: f64 = gate.iter().zip(&xt).map(|(a, b)| *a as f64 * b).sum();
-            let s = ffn_f64(shared, &xt);
-            y.iter_mut().zip(&s).for_each(|(a, b)| *a += b / (1.0 + (-g).exp()));
+        match &e.shared {
+            Some((shared, Some(gate))) => {
+                let g: f64 = gate.iter().zip(&xt).map(|(a, b)| *a as f64 * b).sum();
+                let s = ffn_f64(shared, &xt);
+                y.iter_mut().zip(&s).for_each(|(a, b)| *a += b / (1.0 + (-g).exp()));
+            }
+            // Not gated (GLM-4.5): added as it is.
+            Some((shared, None)) => {
+                let s = ffn_f64(shared, &xt);
+                y.iter_mut().zip(&s).for_each(|(a, b)| *a += b);
+            }
+            None => {}
         }
         out.extend(y);
     }
@@ -183,8 +254,24 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
         let model = load(&path);
         let moe = model.config.moe.clone().unwrap();
         assert_eq!((moe.n_experts, moe.n_used), (6, 2), "{arch:?}");
-        assert_eq!(moe.normalize, matches!(arch, Arch::Llama | Arch::Qwen3Moe), "{arch:?}");
-        assert_eq!(moe.shared_ffn > 0, arch == Arch::Qwen2Moe, "{arch:?}");
+        let glm = arch == Arch::Glm4Moe;
+        assert_eq!(
+            moe.normalize,
+            matches!(arch, Arch::Llama | Arch::Qwen3Moe | Arch::Glm4Moe),
+            "{arch:?}"
+        );
+        assert_eq!(
+            moe.shared_ffn > 0,
+            matches!(arch, Arch::Qwen2Moe | Arch::Glm4Moe),
+            "{arch:?}"
+        );
+        assert_eq!(moe.shared_gated, arch == Arch::Qwen2Moe, "{arch:?}");
+        assert_eq!((moe.score_bias, moe.leading_dense), (glm, glm as usize), "{arch:?}");
+        if glm {
+            assert_eq!(moe.gating, gatestream::config::Gating::Sigmoid);
+            assert_eq!((moe.dense_ffn, model.config.rope_dims()), (128, 8));
+            assert!(model.config.attn_bias && !model.config.qk_norm);
+        }
         let (h, n) = (model.config.hidden, 9);
         // Inputs of unit RMS, different per token so tokens route differently.
         let x: Vec<f32> = (0..n * h)
@@ -193,14 +280,22 @@ fn every_architecture_matches_the_naive_all_experts_reference() {
         let mut experts_used = std::collections::BTreeSet::new();
         for l in 0..model.config.n_layers {
             let w = &model.weights.layers[l];
-            let LayerFfn::Experts(_) = &w.ffn else {
-                panic!("{arch:?}: layer {l} is dense")
-            };
             let got = model.device.download(
                 model
                     .ffn(l, w, &model.device.upload(n, h, x.clone()), &FfnHooks::dense())
                     .unwrap(),
             );
+            let dense = &w.ffn;
+            if let LayerFfn::Dense(f) = dense {
+                // GLM's leading dense layer: a plain FFN of its own width.
+                assert!(l < moe.leading_dense, "{arch:?}: layer {l} is dense");
+                assert_eq!(f.gate.rows, moe.dense_ffn);
+                let want: Vec<f64> = (0..n)
+                    .flat_map(|t| ffn_f64(f, &x[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect::<Vec<_>>()))
+                    .collect();
+                assert_near_reference(&got, &want, &format!("{arch:?} dense layer {l}"));
+                continue;
+            }
             let (want, used) = naive_moe(&model, l, &x, n);
             experts_used.extend(used);
             let scale = assert_near_reference(&got, &want, &format!("{arch:?} layer {l}"));
@@ -255,10 +350,12 @@ fn experts_used_routes_each_token_to_that_many_experts() {
         let x: Vec<f32> = (0..n * h)
             .map(|i| ((i * 7919 % 613) as f32 / 306.5 - 1.0) * 1.7)
             .collect();
+        // The first layer of experts (GLM's first layer is dense).
+        let l0 = own.config.moe.as_ref().unwrap().leading_dense;
         let ffn = |m: &Model| {
-            let w = &m.weights.layers[0];
+            let w = &m.weights.layers[l0];
             m.device.download(
-                m.ffn(0, w, &m.device.upload(n, h, x.clone()), &FfnHooks::dense())
+                m.ffn(l0, w, &m.device.upload(n, h, x.clone()), &FfnHooks::dense())
                     .unwrap(),
             )
         };
@@ -268,7 +365,7 @@ fn experts_used_routes_each_token_to_that_many_experts() {
             let m = with(Some(k)).unwrap();
             assert_eq!(m.config.moe.as_ref().unwrap().n_used, k);
             let got = ffn(&m);
-            let (want, used) = naive_moe(&m, 0, &x, n);
+            let (want, used) = naive_moe(&m, l0, &x, n);
             assert_eq!(used.len(), n * k, "{arch:?} K={k}: experts per token");
             assert_near_reference(&got, &want, &format!("{arch:?} K={k}"));
             assert_ne!(
@@ -523,21 +620,36 @@ fn topk_masks_run_inside_each_routed_expert() {
 
 #[test]
 fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
-    let mut moe = gatestream::config::MoeConfig {
-        n_experts: 4,
-        n_used: 2,
-        normalize: false,
-        shared_ffn: 0,
-    };
+    use gatestream::model::ffn::route;
+    let mut moe = gatestream::config::MoeConfig::softmax(4, 2, false);
     let logits = [0.0f32, 2.0, 1.0, 2.0];
     let z: f32 = logits.iter().map(|v| v.exp()).sum();
-    let r = gatestream::model::ffn::route(&logits, &moe);
+    let r = route(&logits, &moe, None);
     // Ties go to the lower index; weights are the softmax's.
     assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 3]);
     assert!((r[0].1 - 2f32.exp() / z).abs() < 1e-6 && (r[1].1 - 2f32.exp() / z).abs() < 1e-6);
     moe.normalize = true;
-    let r = gatestream::model::ffn::route(&logits, &moe);
+    let r = route(&logits, &moe, None);
     assert!((r[0].1 - 0.5).abs() < 1e-6 && (r[1].1 - 0.5).abs() < 1e-6, "{r:?}");
+    // Sigmoid scores; a score bias chooses (expert 2 over 3) but does not weigh; the scale
+    // multiplies the renormalized weights.
+    moe.gating = gatestream::config::Gating::Sigmoid;
+    moe.routed_scale = 2.5;
+    let s = |v: f32| 1.0 / (1.0 + (-v).exp());
+    let r = route(&logits, &moe, Some(&[0.0, 0.0, 0.5, 0.0]));
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [2, 1], "{r:?}");
+    let sum = s(1.0) + s(2.0);
+    assert!((r[0].1 - 2.5 * s(1.0) / sum).abs() < 1e-6, "{r:?}");
+    assert!((r[1].1 - 2.5 * s(2.0) / sum).abs() < 1e-6, "{r:?}");
+    // Grouped: experts {0, 1} and {2, 3}, one group used: group {0, 1} scores 0 + 2 and
+    // {2, 3} 1 + 2 by the logits' sigmoids, so the choice is made within {2, 3}.
+    moe.n_groups = 2;
+    moe.groups_used = 1;
+    moe.routed_scale = 1.0;
+    let r = route(&[0.0, 2.0, 1.0, 2.0], &moe, None);
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [3, 2], "{r:?}");
+    let r = route(&[0.5, 2.5, 0.0, 1.2], &moe, None);
+    assert_eq!(r.iter().map(|x| x.0).collect::<Vec<_>>(), [1, 0], "{r:?}");
 }
 
 /// Identical experts (no perturbation) whose weights sum to one are the dense FFN: the upcycled
@@ -1304,4 +1416,357 @@ fn unsupported_and_malformed_moe_files_are_refused_by_name() {
         e.contains("blk.1.ffn_up_exps.weight") && e.contains("[6, 64, 64]"),
         "{e}"
     );
+}
+
+/// glm4moe (its first layer dense, a shared expert not gated, sigmoid routing with a score bias):
+/// streamed from its GGUF and from the `.gst` `reformat` makes of it (experts in their own
+/// sections, the dense layer's FFN as stored), under budgets from one expert's room to every
+/// expert, with each reader and with and without lookahead, the logits of a prompt and four
+/// greedy steps are bit-identical to the GGUF's in RAM (and the `.gst` in RAM to the GGUF).
+#[test]
+fn glm4moe_streams_from_its_gguf_and_gst_as_in_ram() {
+    let tmp = tempfile::tempdir().unwrap();
+    // (Few tokens: the synthetic tokenizer gives one per byte, and a pass holds at most 32.)
+    let text = "Once upon a time";
+    // Three experts per token: the order their outputs are added in shows in the rounding.
+    let gguf = glm_file(tmp.path(), "glm.gguf", 3, true);
+    let gst = tmp.path().join("glm.gst");
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    let reference = prompt_then_greedy(&load(&gguf), None, None, text, 4);
+    let from_gst = prompt_then_greedy(&load(&gst), None, None, text, 4);
+    assert!(
+        from_gst.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the .gst in RAM differs from the GGUF"
+    );
+    for path in [&gguf, &gst] {
+        let m = Model::load(path, &on_disk()).unwrap();
+        assert!(matches!(m.weights.layers[0].ffn, LayerFfn::Dense(_)));
+        let experts = (m.config.expert_layers() * m.config.moe.as_ref().unwrap().n_experts) as u64;
+        assert_eq!(experts, 6);
+        for lookahead in [false, true] {
+            let min = min_budget(path, lookahead);
+            let s = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, lookahead)).unwrap();
+            let x = s.experts.as_ref().unwrap();
+            assert_eq!(x.cache_slots, 1, "the minimum holds one expert");
+            let expert_bytes = x.expert_bytes;
+            for (b, budget) in [min, min + 2 * expert_bytes, min + experts * expert_bytes]
+                .into_iter()
+                .enumerate()
+            {
+                for engine in [ReadEngine::Pread, ReadEngine::Uring, ReadEngine::Mmap] {
+                    let what = format!("{} budget {b} {engine:?} lookahead {lookahead}", path.display());
+                    let s = Streamer::open(&m, &stream_options(budget, engine, CachePolicy::Lru, lookahead)).unwrap();
+                    let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+                    assert!(
+                        got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: streamed logits differ from in RAM"
+                    );
+                    let c = s.counters();
+                    assert!(c.cache_lookups > 0 && c.ffn_reads > 0, "{what}: {c:?}");
+                    if b == 2 {
+                        assert!(c.ffn_reads + c.ahead_neurons <= experts, "{what}: {c:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A small DeepSeek-V3-style model (`make-model --arch deepseek2`: latent attention with a query
+/// bottleneck; the first layer dense; 8 experts in 4 groups of which 2 are used, sigmoid scores
+/// with a bias, renormalized, scaled by 2.5; a shared expert), F32 where `f32`, else Q8_0.
+fn deepseek2_file(dir: &Path, name: &str, f32: bool) -> PathBuf {
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let mla = gatestream::config::Mla {
+        q_lora_rank: 32,
+        kv_lora_rank: 64,
+        qk_nope: 32,
+        qk_rope: 16,
+        v_head: 32,
+    };
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "custom".into(),
+            arch: Arch::Deepseek2,
+            hidden: 64,
+            ffn: 64,
+            layers: 3,
+            heads: 4,
+            kv_heads: 1,
+            head_dim: mla.latent(),
+            vocab: 512,
+            context_len: 256,
+            rope_theta: 10000.0,
+            rms_eps: 1e-6,
+            tied: false,
+            experts: Some((8, 3)),
+            rope_factors: None,
+            rope_dim: None,
+            routing: Some(RoutingShape {
+                leading_dense: 1,
+                dense_ffn: 128,
+                shared_experts: 1,
+                sigmoid: true,
+                score_bias: true,
+                normalize: true,
+                routed_scale: 2.5,
+                groups: Some((4, 2)),
+            }),
+            mla: Some(mla),
+        },
+        mix: Mix::Q8_0,
+        dequantize: f32,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 13,
+        residual_gain: 1.0,
+    };
+    let out = dir.join(name);
+    write_model(&spec, &out, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    out
+}
+
+/// deepseek2 (latent attention resident, routed experts read by route) streamed from its GGUF
+/// under budgets from one expert's room to every expert, with each reader, with and without
+/// lookahead, F32 and Q8_0: the logits of a prompt and four greedy steps are bit-identical to
+/// the GGUF's in RAM. A `.gst` is refused (it does not hold latent attention), naming what to do.
+#[test]
+fn deepseek2_streams_from_its_gguf_as_in_ram() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time";
+    for f32 in [true, false] {
+        let gguf = deepseek2_file(tmp.path(), &format!("ds-{f32}.gguf"), f32);
+        let reference = prompt_then_greedy(&load(&gguf), None, None, text, 4);
+        let m = Model::load(&gguf, &on_disk()).unwrap();
+        assert!(m.config.mla.is_some() && matches!(m.weights.layers[0].ffn, LayerFfn::Dense(_)));
+        let experts = (m.config.expert_layers() * m.config.moe.as_ref().unwrap().n_experts) as u64;
+        assert_eq!(experts, 16);
+        for lookahead in [false, true] {
+            let min = min_budget(&gguf, lookahead);
+            let s = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, lookahead)).unwrap();
+            let expert_bytes = s.experts.as_ref().unwrap().expert_bytes;
+            for budget in [min, min + 3 * expert_bytes, min + experts * expert_bytes] {
+                for engine in [ReadEngine::Pread, ReadEngine::Uring, ReadEngine::Mmap] {
+                    let what = format!("f32 {f32} budget {budget} {engine:?} lookahead {lookahead}");
+                    let s = Streamer::open(&m, &stream_options(budget, engine, CachePolicy::Lru, lookahead)).unwrap();
+                    let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+                    assert!(
+                        got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: streamed logits differ from in RAM"
+                    );
+                    let c = s.counters();
+                    assert!(c.cache_lookups > 0 && c.ffn_reads > 0, "{what}: {c:?}");
+                }
+            }
+        }
+    }
+    let gguf = tmp.path().join("ds-true.gguf");
+    let e = gatestream::reformat::reformat(
+        &gguf,
+        &tmp.path().join("ds.gst"),
+        &Default::default(),
+        &mut |_, _, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("latent attention") && e.contains("--ram-budget"), "{e}");
+}
+
+/// What makes glm4moe GLM changes its output: the score bias (zeroed, other experts are
+/// chosen), partial RoPE (rotating the whole head) and the shared expert (gated instead) each
+/// change the logits.
+#[test]
+fn glm4moe_features_change_the_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    // (Few tokens: the synthetic tokenizer gives one per byte, and a pass holds at most 32.)
+    let text = "Once upon a time";
+    let path = glm_file(tmp.path(), "glm.gguf", 2, true);
+    let reference = prompt_then_greedy(&load(&path), None, None, text, 2);
+    let mut no_bias = load(&path);
+    for l in &mut no_bias.weights.layers {
+        if let LayerFfn::Experts(e) = &mut l.ffn {
+            e.score_bias.as_mut().unwrap().fill(0.0);
+        }
+    }
+    assert_ne!(prompt_then_greedy(&no_bias, None, None, text, 2), reference, "bias");
+    let mut whole = load(&path);
+    whole.config.rope_dim = whole.config.head_dim;
+    assert_ne!(
+        prompt_then_greedy(&whole, None, None, text, 2),
+        reference,
+        "partial RoPE"
+    );
+    let mut scaled = load(&path);
+    scaled.config.moe.as_mut().unwrap().routed_scale = 2.0;
+    assert_ne!(
+        prompt_then_greedy(&scaled, None, None, text, 2),
+        reference,
+        "routed scale"
+    );
+}
+
+/// GLM-4.5's NextN (multi-token prediction) layer — a whole layer's tensors plus `nextn.*` after
+/// the model's own, counted in `block_count` and named by `nextn_predict_layers` — is not run
+/// (llama.cpp's model pass skips it) and does not trip the refusal of unread tensors: the logits
+/// are the file's without it. Without `nextn_predict_layers` the `nextn.*` tensors are refused.
+#[test]
+fn glm4moe_nextn_layers_are_not_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    // (Few tokens: the synthetic tokenizer gives one per byte, and a pass holds at most 32.)
+    let text = "Once upon a time";
+    let path = glm_file(tmp.path(), "glm.gguf", 2, true);
+    let reference = prompt_then_greedy(&load(&path), None, None, text, 2);
+    let g = gatestream::gguf::GgufFile::open(&path).unwrap();
+    let h = 64u64;
+    // Layer 1's tensors as layer 2's, and the NextN ones.
+    let mut extra: Vec<(String, Vec<u64>, u32, Vec<u8>)> = g
+        .tensors
+        .iter()
+        .filter_map(|t| {
+            let rest = t.name.strip_prefix("blk.1.")?;
+            Some((
+                format!("blk.2.{rest}"),
+                t.dims.clone(),
+                t.type_id,
+                g.tensor_bytes(t).to_vec(),
+            ))
+        })
+        .collect();
+    let f32_t = |name: &str, dims: Vec<u64>| {
+        let n: u64 = dims.iter().product();
+        (name.to_string(), dims, 0u32, f32_bytes(&vec![0.01; n as usize]))
+    };
+    extra.push(f32_t("blk.2.nextn.eh_proj.weight", vec![2 * h, h]));
+    extra.push(f32_t("blk.2.nextn.enorm.weight", vec![h]));
+    extra.push(f32_t("blk.2.nextn.hnorm.weight", vec![h]));
+    extra.push(f32_t("blk.2.nextn.shared_head_norm.weight", vec![h]));
+    let meta = vec![
+        ("glm4moe.block_count".to_string(), MetaValue::U32(3)),
+        ("glm4moe.nextn_predict_layers".to_string(), MetaValue::U32(1)),
+    ];
+    let with = write_temp(tmp.path(), "nextn.gguf", &gguf_edited(&path, meta, extra.clone()));
+    let m = load(&with);
+    assert_eq!((m.config.n_layers, m.config.nextn_layers), (2, 1));
+    let got = prompt_then_greedy(&m, None, None, text, 2);
+    assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()));
+    // Streamed, too (the NextN experts are not the stream's).
+    let od = Model::load(&with, &on_disk()).unwrap();
+    let s = Streamer::open(
+        &od,
+        &stream_options(1 << 30, ReadEngine::Pread, CachePolicy::Lru, false),
+    )
+    .unwrap();
+    assert_eq!(s.experts.as_ref().unwrap().experts_total(), 6);
+    let got = prompt_then_greedy(&od, Some(&s), None, text, 2);
+    assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()));
+    let meta = vec![("glm4moe.block_count".to_string(), MetaValue::U32(3))];
+    let e = load_err(&write_temp(tmp.path(), "no-key.gguf", &gguf_edited(&path, meta, extra)));
+    assert!(e.contains("nextn"), "{e}");
+}
+
+/// A device whose RoPE rotates whole heads (the CUDA device's; here the host stand-in told so)
+/// refuses glm4moe at load, naming the architecture and what it lacks, rather than computing
+/// another model; the stand-in that rotates part of a head runs it as the CPU does.
+#[test]
+fn glm4moe_is_refused_by_a_device_without_partial_rope() {
+    use gatestream::backend::standin::HostStandIn;
+    let tmp = tempfile::tempdir().unwrap();
+    let path = glm_file(tmp.path(), "glm.gguf", 2, true);
+    let e = Model::load_on(
+        &path,
+        &LoadOptions::default(),
+        Arc::new(HostStandIn::new(1).with_whole_head_rope()),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains("glm4moe") && e.contains("partial RoPE") && e.contains("--device cpu"),
+        "{e}"
+    );
+    let text = "Once upon a time";
+    let on = Model::load_on(&path, &LoadOptions::default(), Arc::new(HostStandIn::new(1))).unwrap();
+    assert_eq!(
+        prompt_then_greedy(&on, None, None, text, 2),
+        prompt_then_greedy(&load(&path), None, None, text, 2)
+    );
+}
+
+/// A routing trace of glm4moe (recorded by the streamed runtime) leaves its leading dense layer's
+/// records empty (and writes no bytes for them), reads back equal, and `bench` replays it: the
+/// one layer of experts routes 2 a token, and a cache of every expert reads each at most once.
+#[test]
+fn glm4moe_routing_traces_skip_the_dense_layer() {
+    use gatestream::bench::experts::{bench_experts, ExpertBenchOptions};
+    use gatestream::bench::trace::AnyTrace;
+    use gatestream::bench::{BenchOptions, EngineConfig};
+    use gatestream::runtime::{KvPositions, OpenOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = glm_file(tmp.path(), "glm.gguf", 2, false);
+    let gst = tmp.path().join("glm.gst");
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    let rt = gatestream::runtime::open(
+        &gst,
+        &OpenOptions {
+            threads: 1,
+            stream: Some(pread_stream(1 << 30, 1)),
+            sparse: None,
+            kv_positions: KvPositions::Exactly(32),
+            experts_used: None,
+        },
+    )
+    .unwrap();
+    let out = rt.generate(&[1], &greedy(8), true, None, &mut |_| {}).unwrap();
+    let Some(AnyTrace::Routes(trace)) = out.trace else {
+        panic!("no routing trace")
+    };
+    let h = &trace.header;
+    assert_eq!((h.n_layers, h.leading_dense, h.n_experts, h.n_used), (2, 1, 6, 2));
+    assert_eq!(h.tokens, out.generation.tokens.len());
+    assert!(trace.records.iter().all(|t| t[0].is_empty() && t[1].len() == 2));
+    let path = tmp.path().join("routes.trace");
+    AnyTrace::Routes(trace.clone()).write(&path).unwrap();
+    let AnyTrace::Routes(back) = AnyTrace::read(&path).unwrap() else {
+        panic!("read back as another kind")
+    };
+    assert_eq!(back, trace);
+    let bench = BenchOptions {
+        engines: vec![EngineConfig {
+            engine: "pread",
+            queue_depth: 8,
+            fixed_buffers: false,
+        }],
+        tokens: usize::MAX,
+        gate_streamed: false,
+        cache_neurons: 0,
+        baseline_sizes: vec![4096],
+        baseline_random_reads: 16,
+        baseline_seq_bytes: 1 << 20,
+        merge_gap_bytes: None,
+        token_batches: false,
+    };
+    let x = ExpertBenchOptions {
+        cache_experts: vec![0, 6],
+        policies: vec![CachePolicy::Lru],
+    };
+    let r = bench_experts(&gst, &[back], &bench, &x, &mut |_, _, _| {}).unwrap();
+    assert_eq!(r.passes.len(), 2);
+    for p in &r.passes {
+        assert_eq!(p.experts_routed_per_token, 2.0, "{p:?}");
+    }
+    let all = &r.passes[1];
+    assert!(all.experts_read_per_token * h.tokens as f64 <= 6.0, "{all:?}");
+    let e = bench_experts(
+        &gst,
+        &[trace],
+        &bench,
+        &ExpertBenchOptions {
+            cache_experts: vec![7],
+            policies: vec![CachePolicy::Lru],
+        },
+        &mut |_, _, _| {},
+    )
+    .err()
+    .expect("more than every expert")
+    .to_string();
+    assert!(e.contains("6 experts"), "{e}");
 }

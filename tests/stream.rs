@@ -1228,6 +1228,8 @@ fn small_shape(
         experts,
         rope_factors: None,
         mla: None,
+        rope_dim: None,
+        routing: None,
     }
 }
 
@@ -1666,6 +1668,8 @@ fn a_mixture_of_experts_gguf_streams_directly_like_the_in_ram_model() {
                 experts: Some(experts),
                 rope_factors: None,
                 mla: None,
+                rope_dim: None,
+                routing: None,
             },
             mix: Mix::Q4KM,
             dequantize: false,

@@ -493,10 +493,12 @@ impl Device for CpuBackend {
         eps: f32,
     ) {
         let (qd, kd, hd) = (q.width, k.width, shape.head_dim);
+        // Partial RoPE: the first `rd` dimensions rotate (their own size in the angles).
+        let rd = shape.rope_dims.min(hd);
         let (qv, kv) = (host_mut(q), host_mut(k));
-        let mut table = Vec::with_capacity(hd / 2);
+        let mut table = Vec::with_capacity(rd / 2);
         for (t, &pos) in positions.iter().enumerate() {
-            rope_table(pos, hd, shape.base, shape.pos_scale, shape.factors, &mut table);
+            rope_table(pos, rd, shape.base, shape.pos_scale, shape.factors, &mut table);
             for (row, norm) in [
                 (&mut qv[t * qd..(t + 1) * qd], q_norm),
                 (&mut kv[t * kd..(t + 1) * kd], k_norm),
@@ -505,7 +507,7 @@ impl Device for CpuBackend {
                     if let Some(n) = norm {
                         rms_norm(head, n, eps);
                     }
-                    rope_apply(head, &table, shape.style);
+                    rope_apply(&mut head[..rd], &table, shape.style);
                 }
             }
         }

@@ -405,6 +405,10 @@ pub struct AttnShape {
 #[derive(Clone, Copy, Debug)]
 pub struct RopeShape<'a> {
     pub head_dim: usize,
+    /// The leading dimensions of each head that rotate (`head_dim`, or fewer: partial RoPE,
+    /// whose angles take `rope_dims` as the head's size and whose other dimensions pass
+    /// through). A device that cannot says so in [`Device::rope_partial`].
+    pub rope_dims: usize,
     pub base: f32,
     pub pos_scale: f32,
     pub style: RopeStyle,
@@ -499,6 +503,12 @@ pub trait Device: HostLink {
     /// attention's values are the keys' first numbers: [`crate::kv::KvCache`]); a model with
     /// latent attention is refused at load on a device that does not.
     fn latent_attention(&self) -> bool {
+        true
+    }
+    /// Whether [`Device::rope_qk`] rotates only [`RopeShape::rope_dims`] of each head when that
+    /// is fewer than its size; a model with partial RoPE is refused at load on a device that
+    /// does not.
+    fn rope_partial(&self) -> bool {
         true
     }
     /// Whether the device multiplies weights of `ty`; a model holding a matrix of another type

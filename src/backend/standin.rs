@@ -89,6 +89,9 @@ pub struct HostStandIn {
     volatile_uses: Mutex<HashMap<String, u64>>,
     /// Uses of weights read in place from mapped memory (`in_place`), by weight name.
     in_place_uses: Mutex<HashMap<String, u64>>,
+    /// Whether it says it rotates part of a head ([`Device::rope_partial`]; the CUDA device's
+    /// RoPE rotates whole heads).
+    rope_partial: bool,
 }
 
 impl HostStandIn {
@@ -110,7 +113,15 @@ impl HostStandIn {
             uploaded_bytes: AtomicU64::new(0),
             volatile_uses: Mutex::new(HashMap::new()),
             in_place_uses: Mutex::new(HashMap::new()),
+            rope_partial: true,
         }
+    }
+
+    /// A stand-in whose RoPE rotates whole heads only, as the CUDA device's: a model with
+    /// partial RoPE is refused at load on it.
+    pub fn with_whole_head_rope(mut self) -> HostStandIn {
+        self.rope_partial = false;
+        self
     }
 
     /// How many times weights whose name contains `part` were used as volatile ones — copied at
@@ -456,6 +467,9 @@ impl Device for HostStandIn {
     }
     fn name(&self) -> String {
         format!("host stand-in for a device ({})", Device::name(&self.cpu))
+    }
+    fn rope_partial(&self) -> bool {
+        self.rope_partial
     }
     fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
         self.cpu.run(f)

@@ -75,14 +75,18 @@ fn expert_parts(path: &Path) -> Result<(Model, Vec<Vec<ExpertPart>>)> {
         },
     )?;
     let mut parts = Vec::with_capacity(model.config.n_layers);
-    for (l, lw) in model.weights.layers.iter().enumerate() {
-        let LayerFfn::Experts(e) = &lw.ffn else {
-            return Err(Error::Invalid(format!(
-                "{}: layer {l} has a dense FFN; routing traces replay mixture-of-experts files",
-                path.display()
-            )));
-        };
-        parts.push(e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>()?);
+    if model.config.moe.is_none() {
+        return Err(Error::Invalid(format!(
+            "{}: a dense model; routing traces replay mixture-of-experts files",
+            path.display()
+        )));
+    }
+    for lw in &model.weights.layers {
+        parts.push(match &lw.ffn {
+            LayerFfn::Experts(e) => e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>()?,
+            // A leading dense layer: no experts (its trace routes none).
+            LayerFfn::Dense(_) => Vec::new(),
+        });
     }
     Ok((model, parts))
 }
@@ -100,15 +104,7 @@ fn replay(
     slots: usize,
     baseline: &super::Baseline,
 ) -> Result<ExpertPass> {
-    let layers: Vec<&crate::model::weights::ExpertWeights> = model
-        .weights
-        .layers
-        .iter()
-        .filter_map(|lw| match &lw.ffn {
-            LayerFfn::Experts(x) => Some(&**x),
-            LayerFfn::Dense(_) => None,
-        })
-        .collect();
+    let layers: Vec<&LayerFfn> = model.weights.layers.iter().map(|lw| &lw.ffn).collect();
     // Routers and shared experts stay views of the file: the replay never computes.
     let xs = ExpertStream::new(
         &layers,
@@ -220,11 +216,12 @@ pub fn bench_experts(
             return Err(Error::Invalid(format!("routing trace of {} holds no tokens", h.model)));
         }
     }
-    let total_experts = model.config.n_layers * moe.n_experts;
+    let total_experts = model.config.expert_layers() * moe.n_experts;
     if let Some(&n) = x.cache_experts.iter().find(|&&n| n > total_experts) {
         return Err(Error::Invalid(format!(
-            "--cache-experts {n}: the model has {total_experts} experts ({} layers x {})",
-            model.config.n_layers, moe.n_experts
+            "--cache-experts {n}: the model has {total_experts} experts ({} layers of experts x {})",
+            model.config.expert_layers(),
+            moe.n_experts
         )));
     }
     let mut runs: Vec<(CachePolicy, usize)> = Vec::new();

@@ -243,6 +243,14 @@ pub struct RouteHeader {
     pub tokens: usize,
     /// `dense`, or the neuron mask that ran inside the experts (for people).
     pub mask: String,
+    /// The model's leading dense layers (GLM-4.5), which route nothing: their records are
+    /// empty (no bytes in the file).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub leading_dense: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// Which experts each token was routed to, per layer: what a mixture-of-experts model's
@@ -269,11 +277,16 @@ impl RouteTrace {
         let h = &header;
         let want = h
             .tokens
-            .checked_mul(h.n_layers)
+            .checked_mul(h.n_layers.saturating_sub(h.leading_dense))
             .and_then(|r| r.checked_mul(h.n_used))
             .and_then(|r| r.checked_mul(2))
             .and_then(|b| b.checked_add(16 + hlen as usize));
-        if h.n_layers == 0 || h.n_used == 0 || h.n_used > h.n_experts || h.n_experts > 1 << 16 {
+        if h.n_layers == 0
+            || h.n_used == 0
+            || h.n_used > h.n_experts
+            || h.n_experts > 1 << 16
+            || h.leading_dense >= h.n_layers
+        {
             return Err(bad(
                 16,
                 format!(
@@ -298,9 +311,9 @@ impl RouteTrace {
         let mut records = Vec::with_capacity(h.tokens);
         for _ in 0..h.tokens {
             let mut layers = Vec::with_capacity(h.n_layers);
-            for _ in 0..h.n_layers {
+            for l in 0..h.n_layers {
                 let mut ids = Vec::with_capacity(h.n_used);
-                for _ in 0..h.n_used {
+                for _ in 0..if l < h.leading_dense { 0 } else { h.n_used } {
                     let e = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
                     if e as usize >= h.n_experts {
                         return Err(bad(at, format!("expert {e} of a model with {}", h.n_experts)));
@@ -333,6 +346,7 @@ pub struct RouteRecorder<'a> {
     inner: Option<&'a dyn PromptAwareMask>,
     n_layers: usize,
     n_experts: usize,
+    leading_dense: usize,
     /// Per layer: tokens recorded so far.
     next_token: Mutex<Vec<usize>>,
     /// Experts per token seen (the routing's; every layer the same).
@@ -341,12 +355,20 @@ pub struct RouteRecorder<'a> {
 }
 
 impl<'a> RouteRecorder<'a> {
-    pub fn new(inner: Option<&'a dyn PromptAwareMask>, n_layers: usize, n_experts: usize) -> Self {
+    /// For a model of `n_layers` layers whose first `leading_dense` have no experts.
+    pub fn new(
+        inner: Option<&'a dyn PromptAwareMask>,
+        n_layers: usize,
+        n_experts: usize,
+        leading_dense: usize,
+    ) -> Self {
         RouteRecorder {
             inner,
             n_layers,
             n_experts,
-            next_token: Mutex::new(vec![0; n_layers]),
+            leading_dense,
+            // (The dense layers' tokens are counted as the experts' come.)
+            next_token: Mutex::new(vec![0; n_layers - leading_dense.min(n_layers)]),
             n_used: Mutex::new(0),
             routes: Mutex::new(BTreeMap::new()),
         }
@@ -364,9 +386,17 @@ impl<'a> RouteRecorder<'a> {
                 n_used: *self.n_used.lock().expect("trace lock"),
                 tokens,
                 mask: mask.into(),
+                leading_dense: self.leading_dense,
             },
             records: (0..tokens)
-                .map(|t| (0..self.n_layers).map(|l| routes[&(t, l)].clone()).collect())
+                .map(|t| {
+                    (0..self.n_layers)
+                        .map(|l| match l < self.leading_dense {
+                            true => Vec::new(),
+                            false => routes[&(t, l)].clone(),
+                        })
+                        .collect()
+                })
                 .collect(),
         }
     }
@@ -405,8 +435,9 @@ impl FfnMask for RouteRecorder<'_> {
         let n = routes.len() / n_used.max(1);
         let first = {
             let mut next = self.next_token.lock().expect("trace lock");
-            let first = next[layer];
-            next[layer] += n;
+            let at = &mut next[layer - self.leading_dense];
+            let first = *at;
+            *at += n;
             first
         };
         *self.n_used.lock().expect("trace lock") = n_used;
@@ -446,7 +477,7 @@ pub fn record_routes(
     if ids.is_empty() {
         return Err(Error::Invalid("a trace needs at least one token".into()));
     }
-    let rec = RouteRecorder::new(None, c.n_layers, moe.n_experts);
+    let rec = RouteRecorder::new(None, c.n_layers, moe.n_experts, moe.leading_dense);
     let mut cache = crate::kv::KvCache::new(c, ids.len());
     model.forward_in_batches(
         ids,
@@ -546,8 +577,9 @@ impl FfnMask for TraceRecorder<'_> {
         }
         let first = {
             let mut next = self.next_token.lock().expect("trace lock");
-            let first = next[layer];
-            next[layer] += n;
+            let at = &mut next[layer];
+            let first = *at;
+            *at += n;
             first
         };
         let mut uses = self.uses.lock().expect("trace lock");
@@ -665,6 +697,7 @@ mod tests {
                 n_used: 3,
                 tokens: 2,
                 mask: "dense".into(),
+                leading_dense: 0,
             },
             records: vec![
                 vec![vec![299, 0, 7], vec![1, 2, 3]],

@@ -30,7 +30,7 @@ use rayon::prelude::*;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Act, Device, Upload};
-use crate::config::{FfnActivation, MoeConfig};
+use crate::config::{FfnActivation, Gating, MoeConfig};
 use crate::error::Error;
 use crate::error::Result;
 use crate::model::forward::{ColdRows, FfnHooks, FfnMask, LayerStream};
@@ -44,10 +44,21 @@ impl Model {
     pub fn ffn(&self, l: usize, w: &LayerWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         match (&w.ffn, &self.config.moe) {
             // A stream that hands the whole FFN over (the `rows` layout): as in RAM, on its views.
-            (LayerFfn::Dense(f), _) => match hooks.stream.map(|s| s.ffn_weights(l)).transpose()?.flatten() {
-                Some(streamed) => self.ffn_dense(l, &streamed, xn, hooks),
-                None => self.ffn_dense(l, f, xn, hooks),
-            },
+            (LayerFfn::Dense(f), _) => {
+                // A leading dense layer of a mixture of experts runs every neuron, as its shared
+                // expert does: masks and traces are of the routed experts.
+                let lead = FfnHooks {
+                    observe: None,
+                    mask: None,
+                    stream: hooks.stream,
+                    cancel: hooks.cancel,
+                };
+                let hooks = if self.config.moe.is_some() { &lead } else { hooks };
+                match hooks.stream.map(|s| s.ffn_weights(l)).transpose()?.flatten() {
+                    Some(streamed) => self.ffn_dense(l, &streamed, xn, hooks),
+                    None => self.ffn_dense(l, f, xn, hooks),
+                }
+            }
             (LayerFfn::Experts(e), Some(moe)) => self.ffn_experts(l, e, moe, xn, hooks),
             (LayerFfn::Experts(_), None) => Err(Error::Invalid(format!(
                 "{}: layer {l} has experts but the configuration none",
@@ -90,14 +101,14 @@ impl Model {
             n_used: used,
             ..moe.clone()
         };
-        let (router, shared) = match &stream {
-            Some((_, x)) => (x.router, x.shared),
-            None => (&e.router, e.shared.as_ref()),
+        let (router, shared, bias) = match &stream {
+            Some((_, x)) => (x.router, x.shared, x.score_bias),
+            None => (&e.router, e.shared.as_ref(), e.score_bias.as_deref()),
         };
         let dev = &*self.device;
         let h = self.config.hidden;
         let logits = dev.matmul(&[router], xn).remove(0);
-        let routes = route(&dev.to_host(&logits), moe);
+        let routes = route(&dev.to_host(&logits), moe, bias);
         if let Some(m) = mask {
             m.routed(l, moe.n_used, &routes);
         }
@@ -111,10 +122,13 @@ impl Model {
         // Lookahead (decoding): the next layer's router on this layer's input carried over to
         // the next layer's norm picks the experts to read while this layer computes.
         if let (Some((s, _)), 1) = (&stream, n) {
-            if let Some((next, router_next)) = s.expert_lookahead(l) {
+            if let Some((next, router_next, bias_next)) = s.expert_lookahead(l) {
                 let x = self.carried_to_next_norm(l, next, &dev.to_host(xn));
                 let predicted = dev.matmul(&[router_next], &dev.upload(1, h, x)).remove(0);
-                let ids: Vec<usize> = route(&dev.to_host(&predicted), moe).iter().map(|r| r.0).collect();
+                let ids: Vec<usize> = route(&dev.to_host(&predicted), moe, bias_next)
+                    .iter()
+                    .map(|r| r.0)
+                    .collect();
                 s.read_experts_ahead(next, &ids)?;
             }
         }
@@ -190,16 +204,21 @@ impl Model {
         for (ex, y) in &outputs {
             dev.add_rows_scaled(&mut out, y, &groups[*ex].0, &groups[*ex].1);
         }
-        if let (Some((_, gate)), Some(y)) = (shared, shared_y) {
-            let x = xh.get_or_insert_with(|| dev.to_host(xn).into_owned());
-            let scales: Vec<f32> = x
-                .chunks_exact(h)
-                .map(|row| {
-                    let g: f32 = row.iter().zip(gate).map(|(a, b)| a * b).sum();
-                    1.0 / (1.0 + (-g).exp())
-                })
-                .collect();
-            dev.add_rows_scaled(&mut out, &y, &(0..n).collect::<Vec<_>>(), &scales);
+        match (shared, shared_y) {
+            (Some((_, Some(gate))), Some(y)) => {
+                let x = xh.get_or_insert_with(|| dev.to_host(xn).into_owned());
+                let scales: Vec<f32> = x
+                    .chunks_exact(h)
+                    .map(|row| {
+                        let g: f32 = row.iter().zip(gate).map(|(a, b)| a * b).sum();
+                        1.0 / (1.0 + (-g).exp())
+                    })
+                    .collect();
+                dev.add_rows_scaled(&mut out, &y, &(0..n).collect::<Vec<_>>(), &scales);
+            }
+            // Not gated (GLM-4.5): the routed experts' sum plus the shared expert's output.
+            (Some((_, None)), Some(y)) => dev.add(&mut out, &y),
+            _ => {}
         }
         Ok(out)
     }
@@ -961,23 +980,72 @@ impl<'a> Staging<'a> {
 }
 
 /// Per token, the experts chosen from the router's logits `[n, n_experts]`: `n_used` entries
-/// `(expert, weight)` each, most likely first (see [`Model::ffn_experts`]).
-pub fn route(logits: &[f32], moe: &MoeConfig) -> Vec<(usize, f32)> {
-    let mut out = Vec::with_capacity(logits.len() / moe.n_experts.max(1) * moe.n_used);
-    let mut order: Vec<usize> = Vec::with_capacity(moe.n_experts);
-    for row in logits.chunks_exact(moe.n_experts) {
+/// `(expert, weight)` each, best first, as llama.cpp's `build_moe_ffn` computes them in f32:
+/// scores by the gating function (softmax over the row, or each logit's sigmoid); `bias` (the
+/// score bias, `exp_probs_b`) added to the scores for choosing only; grouped routing keeps the
+/// `groups_used` groups whose two best biased scores sum highest (others out of the choice); the
+/// `n_used` highest (ties to the lower index) chosen; their unbiased scores are the weights,
+/// renormalized (sum clamped to 2^-14) where the model says so, then times `routed_scale`.
+pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Vec<(usize, f32)> {
+    let ne = moe.n_experts;
+    let mut out = Vec::with_capacity(logits.len() / ne.max(1) * moe.n_used);
+    let mut order: Vec<usize> = Vec::with_capacity(ne);
+    let mut select = vec![0f32; ne];
+    for row in logits.chunks_exact(ne) {
         let mut probs = row.to_vec();
-        crate::backend::ops::softmax(&mut probs);
+        match moe.gating {
+            Gating::Softmax => crate::backend::ops::softmax(&mut probs),
+            Gating::Sigmoid => probs.iter_mut().for_each(|p| *p = 1.0 / (1.0 + (-*p).exp())),
+        }
+        select.copy_from_slice(&probs);
+        if let Some(b) = bias {
+            select.iter_mut().zip(b).for_each(|(s, b)| *s += b);
+        }
+        if moe.grouped() {
+            let per = ne / moe.n_groups;
+            let group_score = |g: usize| {
+                let s = &select[g * per..(g + 1) * per];
+                let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &v in s {
+                    if v > a {
+                        (a, b) = (v, a);
+                    } else if v > b {
+                        b = v;
+                    }
+                }
+                if per < 2 {
+                    a
+                } else {
+                    a + b
+                }
+            };
+            let scores: Vec<f32> = (0..moe.n_groups).map(group_score).collect();
+            let mut groups: Vec<usize> = (0..moe.n_groups).collect();
+            groups.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+            for &g in &groups[moe.groups_used..] {
+                select[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+            }
+        }
         order.clear();
-        order.extend(0..moe.n_experts);
-        order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+        order.extend(0..ne);
+        order.sort_by(|&a, &b| select[b].total_cmp(&select[a]).then(a.cmp(&b)));
         let chosen = &order[..moe.n_used];
-        let scale = if moe.normalize {
+        let norm = if moe.normalize {
             1.0 / chosen.iter().map(|&e| probs[e]).sum::<f32>().max(6.103_515_6e-5)
         } else {
             1.0
         };
-        out.extend(chosen.iter().map(|&e| (e, probs[e] * scale)));
+        out.extend(chosen.iter().map(|&e| {
+            let w = if moe.normalize { probs[e] * norm } else { probs[e] };
+            (
+                e,
+                if moe.routed_scale != 1.0 {
+                    w * moe.routed_scale
+                } else {
+                    w
+                },
+            )
+        }));
     }
     out
 }

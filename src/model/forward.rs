@@ -257,9 +257,9 @@ pub trait LayerStream: Sync {
     fn experts(&self, l: usize, _ids: &[usize], _compute: &mut ExpertCompute<'_>) -> Result<()> {
         Err(no_rows(l))
     }
-    /// Where a lookahead from layer `l`'s FFN input goes: the next layer and its router;
-    /// `None`: no lookahead.
-    fn expert_lookahead(&self, _l: usize) -> Option<(usize, &Weight)> {
+    /// Where a lookahead from layer `l`'s FFN input goes: the next layer, its router and its
+    /// score bias; `None`: no lookahead (or the next layer has no experts).
+    fn expert_lookahead(&self, _l: usize) -> Option<(usize, &Weight, Option<&[f32]>)> {
         None
     }
     /// Reads the experts `ids` predicted for `layer` ahead.
@@ -282,7 +282,8 @@ pub struct ColdRows<'a> {
 /// What a stream holds of a mixture-of-experts layer (see [`LayerStream::expert_layer`]).
 pub struct ExpertLayer<'a> {
     pub router: &'a Weight,
-    pub shared: Option<&'a (crate::model::weights::FfnWeights, Vec<f32>)>,
+    pub score_bias: Option<&'a [f32]>,
+    pub shared: Option<&'a (crate::model::weights::FfnWeights, Option<Vec<f32>>)>,
 }
 
 /// Computes one expert (its index, its weights).
@@ -646,6 +647,7 @@ impl Model {
         };
         let rope = RopeShape {
             head_dim: cfg.head_dim,
+            rope_dims: cfg.rope_dims(),
             base,
             pos_scale,
             style: cfg.rope_style,

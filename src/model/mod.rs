@@ -213,6 +213,17 @@ impl Model {
                 device.name()
             )));
         }
+        if src.config.rope_dims() < src.config.head_dim && !device.rope_partial() {
+            return Err(Error::Invalid(format!(
+                "{}: this {} model rotates {} of each head's {} dimensions (partial RoPE), which the {} device does \
+                 not compute yet (its RoPE rotates whole heads); run it with --device cpu",
+                path.display(),
+                src.config.arch.name(),
+                src.config.rope_dims(),
+                src.config.head_dim,
+                device.name()
+            )));
+        }
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if let Some(w) = weights.matrices().into_iter().find(|w| !device.computes_type(w.ty)) {

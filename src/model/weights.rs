@@ -202,10 +202,26 @@ impl TensorSource {
     }
 }
 
-/// Tensors a GGUF file may hold that leave the output unchanged, so loading ignores them: none so
-/// far. (Every other tensor is read by the architecture's computation, or consumed into its
-/// config — `rope_freqs.weight` — or the file is refused.)
+/// Tensors a GGUF file may hold that leave the output unchanged, so loading ignores them: none by
+/// name so far. (Every other tensor is read by the architecture's computation, or consumed into
+/// its config — `rope_freqs.weight` — or is one of [`ignored_by_config`]'s, or the file is
+/// refused.)
 pub const IGNORED_TENSORS: &[&str] = &[];
+
+/// Tensors a GGUF file holds that its configuration says are not run, so loading ignores them:
+/// every tensor of the NextN / multi-token-prediction layers (`blk.L.*` for L from `n_layers`
+/// on, `nextn_predict_layers` of them: GLM-4.5's `blk.46.*` — a whole layer's attention and
+/// experts plus `nextn.eh_proj`, `nextn.enorm`, `nextn.hnorm`, `nextn.embed_tokens`,
+/// `nextn.shared_head_head`, `nextn.shared_head_norm`), which llama.cpp loads only for its
+/// speculative MTP decoding and never runs in the model's own pass.
+pub fn ignored_by_config(cfg: &ModelConfig, name: &str) -> bool {
+    cfg.nextn_layers > 0
+        && name
+            .strip_prefix("blk.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(l, _)| l.parse::<usize>().ok())
+            .is_some_and(|l| l >= cfg.n_layers && l < cfg.n_layers + cfg.nextn_layers)
+}
 
 /// A [`TensorSource`] that records the names of the tensors read from it (a probe with `has`
 /// reads nothing), so the loader can tell which of a file's tensors it left unread.
@@ -321,11 +337,23 @@ pub struct FfnWeights {
 pub struct ExpertWeights {
     /// `[n_experts, hidden]`: the router's logits are `router · x`.
     pub router: Weight,
+    /// `[n_experts]`: added to the experts' scores to choose them (`exp_probs_b`; GLM-4.5,
+    /// DeepSeek-V3), not to weigh them.
+    pub score_bias: Option<Vec<f32>>,
     /// Each expert's FFN, `[expert_ffn, hidden]` gate and up, `[hidden, expert_ffn]` down.
     pub experts: Vec<FfnWeights>,
-    /// Qwen2-MoE's shared expert and its gate vector `[hidden]`: every token adds
-    /// `sigmoid(gate · x) · ffn(x)`.
-    pub shared: Option<(FfnWeights, Vec<f32>)>,
+    /// The shared expert(s), with Qwen2-MoE's gate vector `[hidden]` where gated: every token
+    /// adds `sigmoid(gate · x) · ffn(x)`, or `ffn(x)` without a gate (GLM-4.5).
+    pub shared: Option<(FfnWeights, Option<Vec<f32>>)>,
+}
+
+impl ExpertWeights {
+    /// Bytes of the f32 vectors (score bias, shared gate), which a stream keeps resident.
+    pub fn vector_bytes(&self) -> u64 {
+        let bias = self.score_bias.as_ref().map_or(0, |b| b.len());
+        let gate = self.shared.as_ref().and_then(|s| s.1.as_ref()).map_or(0, |g| g.len());
+        4 * (bias + gate) as u64
+    }
 }
 
 /// A layer's FFN: dense, or experts (boxed; the dense variant is the common one and is never moved
@@ -451,7 +479,7 @@ macro_rules! every_matrix {
             let ffns: Vec<& $($m)? FfnWeights> = match & $($m)? l.ffn {
                 LayerFfn::Dense(f) => vec![f],
                 LayerFfn::Experts(e) => {
-                    let ExpertWeights { router, experts, shared } = & $($m)? **e;
+                    let ExpertWeights { router, experts, shared, .. } = & $($m)? **e;
                     out.push(router);
                     experts.into_iter().chain(shared.into_iter().map(|(f, _)| f)).collect()
                 }
@@ -492,7 +520,9 @@ impl ModelWeights {
         let weights = Self::load_from(src, cfg)?;
         if let TensorSource::Gguf(g) = source {
             let taken = src.taken.borrow();
-            let by_config = |name: &str| name == ROPE_FREQS_TENSOR && cfg.rope_freq_factors.is_some();
+            let by_config = |name: &str| {
+                (name == ROPE_FREQS_TENSOR && cfg.rope_freq_factors.is_some()) || ignored_by_config(cfg, name)
+            };
             if let Some(t) = g.tensors.iter().find(|t| {
                 !taken.contains(&t.name) && !by_config(&t.name) && !IGNORED_TENSORS.contains(&t.name.as_str())
             }) {
@@ -525,7 +555,13 @@ impl ModelWeights {
             v.iter_mut().for_each(|x| *x += norm_offset);
             Ok(v)
         };
-        let (h, q, kv, f) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.ffn);
+        let (h, q, kv) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        // GLM's pre-FFN norm is `post_attention_norm` in its GGUF files (`.gst` files name every
+        // architecture's `ffn_norm`).
+        let ffn_norm_name = match (arch, src.source) {
+            (Arch::Glm4Moe, TensorSource::Gguf(_)) => "post_attention_norm.weight",
+            _ => "ffn_norm.weight",
+        };
         let qk_norm = cfg.qk_norm || cfg.qk_norm_whole;
         let qk_norm_len = |per_head: usize, whole: usize| if cfg.qk_norm_whole { whole } else { per_head };
         let mut layers = Vec::with_capacity(cfg.n_layers);
@@ -565,20 +601,20 @@ impl ModelWeights {
                 q_norm: need_norm("attn_q_norm.weight", qk_norm_len(cfg.head_dim, q), qk_norm)?,
                 k_norm: need_norm("attn_k_norm.weight", qk_norm_len(cfg.head_dim, kv), qk_norm)?,
                 post_attn_norm: need_norm("post_attention_norm.weight", h, cfg.post_norms)?,
-                ffn_norm: norm(&n("ffn_norm.weight"), h)?,
-                ffn: match &cfg.moe {
+                ffn_norm: norm(&n(ffn_norm_name), h)?,
+                ffn: match cfg.moe.as_ref().filter(|m| m.layer_has_experts(l)) {
                     None => LayerFfn::Dense(FfnWeights {
-                        gate: src.matrix(&n("ffn_gate.weight"), f, h, arch)?,
-                        up: src.matrix(&n("ffn_up.weight"), f, h, arch)?,
+                        gate: src.matrix(&n("ffn_gate.weight"), cfg.layer_ffn(l), h, arch)?,
+                        up: src.matrix(&n("ffn_up.weight"), cfg.layer_ffn(l), h, arch)?,
                         // A `.gst` holds down columns unless its layout is `rows` (down as stored).
                         down: if neuron_major && !src.has(&n("ffn_down.weight")) {
-                            FfnDown::Columns(src.matrix(&n("ffn_down_t.weight"), f, h, arch)?)
+                            FfnDown::Columns(src.matrix(&n("ffn_down_t.weight"), cfg.layer_ffn(l), h, arch)?)
                         } else {
-                            FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, f, arch)?)
+                            FfnDown::Rows(src.matrix(&n("ffn_down.weight"), h, cfg.layer_ffn(l), arch)?)
                         },
                     }),
                     Some(m) => {
-                        let e = m.n_experts;
+                        let (e, f) = (m.n_experts, cfg.ffn);
                         let experts = if neuron_major {
                             // `.gst`: each expert in its own section (gate, up, down rows).
                             (0..e)
@@ -615,11 +651,18 @@ impl ModelWeights {
                                     up: src.matrix(&n("ffn_up_shexp.weight"), s, h, arch)?,
                                     down: FfnDown::Rows(src.matrix(&n("ffn_down_shexp.weight"), h, s, arch)?),
                                 },
-                                src.vector(&n("ffn_gate_inp_shexp.weight"), h, arch)?,
+                                match m.shared_gated {
+                                    true => Some(src.vector(&n("ffn_gate_inp_shexp.weight"), h, arch)?),
+                                    false => None,
+                                },
                             )),
                         };
                         LayerFfn::Experts(Box::new(ExpertWeights {
                             router: src.matrix(&n("ffn_gate_inp.weight"), e, h, arch)?,
+                            score_bias: match m.score_bias {
+                                true => Some(src.vector(&n("exp_probs_b.bias"), e, arch)?),
+                                false => None,
+                            },
                             experts,
                             shared,
                         }))

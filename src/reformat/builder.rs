@@ -29,6 +29,9 @@ pub struct GstBuilder {
     down_err: Vec<f32>,
     /// The down type the layout records (layer 0's).
     layout_down_type: Option<GgmlType>,
+    /// A mixture of experts: its leading dense layers' FFNs are written as the experts are,
+    /// one section each with down as stored ([`GstBuilder::mixture_of_experts`]).
+    experts: bool,
 }
 
 /// What was written.
@@ -59,7 +62,15 @@ impl GstBuilder {
             to: opts.matrix_type,
             down_err: Vec::new(),
             layout_down_type: None,
+            experts: false,
         })
+    }
+
+    /// The model is a mixture of experts: a dense layer's FFN (GLM-4.5's leading dense layers)
+    /// goes in one section `blk.L.ffn` (gate, up, down rows as stored), as its experts do, so the
+    /// expert stream reads it as the model stores it.
+    pub fn mixture_of_experts(&mut self) {
+        self.experts = true;
     }
 
     fn matrix(&mut self, name: &str, m: &Weight) -> Result<()> {
@@ -104,6 +115,11 @@ impl GstBuilder {
         self.matrix(&n("attn_k.weight"), &lw.attn.wk)?;
         self.matrix(&n("attn_v.weight"), &lw.attn.wv)?;
         self.matrix(&n("attn_output.weight"), &lw.attn.wo)?;
+        if let LayerFfn::Experts(e) = &lw.ffn {
+            if let Some(b) = &e.score_bias {
+                self.vector(&n("exp_probs_b.bias"), b)?;
+            }
+        }
         for (what, v) in [
             ("attn_q.bias", &lw.bq),
             ("attn_k.bias", &lw.bk),
@@ -119,6 +135,17 @@ impl GstBuilder {
         }
         self.vector(&n("ffn_norm.weight"), &lw.ffn_norm)?;
         let ffn_w = match &lw.ffn {
+            LayerFfn::Dense(f) if self.experts => {
+                let names = [n("ffn_gate.weight"), n("ffn_up.weight"), n("ffn_down.weight")];
+                self.layout_down_type.get_or_insert(f.down.weight().ty);
+                return super::write_ffn_section(
+                    &mut self.w,
+                    &n("ffn"),
+                    names.each_ref().map(|s| s.as_str()),
+                    f,
+                    self.to,
+                );
+            }
             LayerFfn::Dense(f) => f,
             LayerFfn::Experts(e) => {
                 // Experts keep their down matrices as stored.

@@ -202,7 +202,7 @@ fn down_columns(down: &Weight, order: &[u32], ty: GgmlType) -> Result<(Vec<u8>, 
 /// One FFN as one section `section`: its gate rows `[ffn x hidden]`, up rows `[ffn x hidden]`
 /// and down rows `[hidden x ffn]`, each as stored (or converted to `to`), so the whole FFN is one
 /// contiguous read and its bytes are the checkpoint's. Views `names` = gate, up, down.
-fn write_ffn_section(
+pub(super) fn write_ffn_section(
     w: &mut GstWriter,
     section: &str,
     names: [&str; 3],
@@ -256,13 +256,15 @@ fn write_experts(w: &mut GstWriter, l: usize, e: &ExpertWeights, to: Option<Ggml
             n("ffn_down_shexp.weight"),
         ];
         write_ffn_section(w, &n("ffn_shexp"), names.each_ref().map(|s| s.as_str()), f, to)?;
-        w.matrix(
-            &n("ffn_gate_inp_shexp.weight"),
-            GgmlType::F32,
-            1,
-            gate.len(),
-            &f32_bytes(gate),
-        )?;
+        if let Some(gate) = gate {
+            w.matrix(
+                &n("ffn_gate_inp_shexp.weight"),
+                GgmlType::F32,
+                1,
+                gate.len(),
+                &f32_bytes(gate),
+            )?;
+        }
     }
     Ok(())
 }
@@ -464,6 +466,9 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
 
     let weights = ModelWeights::load(&src.tensors, &cfg)?;
     let mut b = GstBuilder::create(output, opts)?;
+    if cfg.moe.is_some() {
+        b.mixture_of_experts();
+    }
     let tied = weights.output.name == weights.token_embd.name;
     b.globals(
         &src.tokenizer,

@@ -26,7 +26,7 @@ use super::prefetch::Prefetcher;
 use super::report::Counters;
 use crate::error::{Error, Result};
 use crate::io::{Range, Reader};
-use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights};
+use crate::model::weights::{FfnDown, FfnWeights, LayerFfn};
 use crate::quant::GgmlType;
 use crate::tensor::Weight;
 
@@ -162,6 +162,9 @@ impl ExpertPart {
     }
 }
 
+/// A shared expert and its gate vector, where gated.
+pub(crate) type SharedExpert = (FfnWeights, Option<Vec<f32>>);
+
 /// An expert's bytes and where each of its pieces starts in them.
 type Slot = (Arc<Vec<u8>>, Vec<usize>);
 
@@ -259,11 +262,16 @@ struct Pins {
     locks: HashMap<usize, crate::backend::PinnedHost>,
 }
 
-/// The expert half of a [`super::Streamer`] opened on a mixture-of-experts model.
+/// The expert half of a [`super::Streamer`] opened on a mixture-of-experts model. Per layer:
+/// the experts' places (none in a leading dense layer), and what stays resident — the router and
+/// score bias, the shared expert, or a leading dense layer's whole FFN.
 pub struct ExpertStream {
     pub(crate) parts: Vec<Vec<ExpertPart>>,
-    pub(crate) routers: Vec<Weight>,
-    pub(crate) shared: Vec<Option<(FfnWeights, Vec<f32>)>>,
+    pub(crate) routers: Vec<Option<Weight>>,
+    pub(crate) score_bias: Vec<Option<Vec<f32>>>,
+    pub(crate) shared: Vec<Option<SharedExpert>>,
+    /// The leading dense layers' FFNs (GLM-4.5's first layer), resident like a shared expert.
+    pub(crate) dense: Vec<Option<FfnWeights>>,
     pub policy: CachePolicy,
     pub cache_slots: usize,
     pub expert_bytes: u64,
@@ -291,35 +299,47 @@ pub struct ExpertPlan {
 }
 
 impl ExpertStream {
-    /// Resident routers and shared experts loaded with `load`; the experts' places `parts`
-    /// (per layer, from [`ExpertPart::of`]). The cache starts empty.
+    /// Resident routers, score biases, shared experts and leading dense FFNs loaded with
+    /// `load`, from each layer's FFN; the experts' places `parts` (per layer, from
+    /// [`ExpertPart::of`]; none for a dense layer). The cache starts empty.
     pub(crate) fn new(
-        layers: &[&ExpertWeights],
+        layers: &[&LayerFfn],
         parts: Vec<Vec<ExpertPart>>,
         load: &dyn Fn(&Weight) -> Result<Weight>,
         plan: ExpertPlan,
     ) -> Result<ExpertStream> {
-        let mut routers = Vec::with_capacity(layers.len());
-        let mut shared = Vec::with_capacity(layers.len());
-        for e in layers {
-            routers.push(load(&e.router)?);
-            shared.push(match &e.shared {
-                None => None,
-                Some((f, g)) => {
-                    let down = match &f.down {
-                        FfnDown::Columns(d) => FfnDown::Columns(load(d)?),
-                        FfnDown::Rows(d) => FfnDown::Rows(load(d)?),
-                    };
-                    Some((
-                        FfnWeights {
-                            gate: load(&f.gate)?,
-                            up: load(&f.up)?,
-                            down,
-                        },
-                        g.clone(),
-                    ))
+        let ffn = |f: &FfnWeights| -> Result<FfnWeights> {
+            let down = match &f.down {
+                FfnDown::Columns(d) => FfnDown::Columns(load(d)?),
+                FfnDown::Rows(d) => FfnDown::Rows(load(d)?),
+            };
+            Ok(FfnWeights {
+                gate: load(&f.gate)?,
+                up: load(&f.up)?,
+                down,
+            })
+        };
+        let n = layers.len();
+        let (mut routers, mut score_bias) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut shared, mut dense) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for lf in layers {
+            match lf {
+                LayerFfn::Experts(e) => {
+                    routers.push(Some(load(&e.router)?));
+                    score_bias.push(e.score_bias.clone());
+                    shared.push(match &e.shared {
+                        None => None,
+                        Some((f, g)) => Some((ffn(f)?, g.clone())),
+                    });
+                    dense.push(None);
                 }
-            });
+                LayerFfn::Dense(f) => {
+                    routers.push(None);
+                    score_bias.push(None);
+                    shared.push(None);
+                    dense.push(Some(ffn(f)?));
+                }
+            }
         }
         let expert_bytes = parts.iter().flatten().map(|p| p.len_bytes as u64).max().unwrap_or(0);
         let buf_bytes = parts
@@ -331,7 +351,9 @@ impl ExpertStream {
         Ok(ExpertStream {
             parts,
             routers,
+            score_bias,
             shared,
+            dense,
             policy: plan.policy,
             cache_slots: plan.cache_slots,
             expert_bytes,
@@ -622,13 +644,13 @@ impl ExpertStream {
         self.parts.iter().map(Vec::len).sum()
     }
 
-    /// Layer 0's expert 0 read into memory (the hybrid executor's cost model times the CPU on
+    /// The first expert layer's expert 0 read into memory (the hybrid executor's cost model times the CPU on
     /// it); not cached, but counted with the reader's reads.
     pub(crate) fn probe_expert(&self, reader: &dyn Reader) -> Result<FfnWeights> {
         let part = self
             .parts
-            .first()
-            .and_then(|p| p.first())
+            .iter()
+            .find_map(|p| p.first())
             .ok_or_else(|| Error::Invalid("a mixture-of-experts stream without experts".into()))?;
         let mut bytes = Vec::with_capacity(part.len_bytes);
         for r in part.pieces() {
@@ -680,24 +702,27 @@ impl super::Streamer {
             let attn = a.matrices().iter().map(|m| span(m)).sum::<u64>();
             attention_bytes += attn;
             attention_by_layer.push(attn);
-            let LayerFfn::Experts(e) = &lw.ffn else {
-                return Err(Error::Invalid(
-                    "internal: a dense layer in a mixture-of-experts model".into(),
-                ));
+            let ffn_span = |f: &FfnWeights| span(&f.gate) + span(&f.up) + span(f.down.weight());
+            // A leading dense layer's FFN stays resident in the place of the router and shared
+            // expert (GLM-4.5-Air's one is under 2% of the model).
+            let router = match &lw.ffn {
+                LayerFfn::Experts(e) => {
+                    vector_bytes += e.vector_bytes();
+                    span(&e.router) + e.shared.as_ref().map_or(0, |(f, _)| ffn_span(f))
+                }
+                LayerFfn::Dense(f) => ffn_span(f),
             };
-            let mut router = span(&e.router);
-            if let Some((f, g)) = &e.shared {
-                router += span(&f.gate) + span(&f.up) + span(f.down.weight());
-                vector_bytes += g.len() as u64 * 4;
-            }
             router_by_layer.push(router);
             vector_bytes += lw.vector_bytes();
-            layers.push(&**e);
+            layers.push(&lw.ffn);
         }
         let required_bytes = span(&w.output) + vector_bytes + router_by_layer.iter().sum::<u64>();
         let parts = layers
             .iter()
-            .map(|e| e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>())
+            .map(|lf| match lf {
+                LayerFfn::Experts(e) => e.experts.iter().map(ExpertPart::of).collect::<Result<Vec<_>>>(),
+                LayerFfn::Dense(_) => Ok(Vec::new()),
+            })
             .collect::<Result<Vec<_>>>()?;
         let expert_bytes = parts.iter().flatten().map(|p| p.len_bytes as u64).max().unwrap_or(0);
         let context_bytes = crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
@@ -713,7 +738,7 @@ impl super::Streamer {
                 0
             };
         let fixed = required_bytes + attention_bytes + context_bytes + working_bytes;
-        let total_experts = cfg.n_layers * moe.n_experts;
+        let total_experts = cfg.expert_layers() * moe.n_experts;
         let slots = (opts.budget_bytes.saturating_sub(fixed) / expert_bytes.max(1)).min(total_experts as u64) as usize;
         if slots == 0 {
             let mb = |b: u64| b as f64 / 1e6;
@@ -846,8 +871,11 @@ impl super::Streamer {
                 }
             }
             for l in (0..n).filter(|&l| !plan.gate_resident[l]) {
-                experts.routers[l] = experts.routers[l].clone().volatile();
-                if let Some((f, _)) = experts.shared[l].as_mut() {
+                if let Some(r) = experts.routers[l].as_mut() {
+                    *r = r.clone().volatile();
+                }
+                let dense = experts.dense[l].as_mut();
+                for f in experts.shared[l].as_mut().map(|(f, _)| f).into_iter().chain(dense) {
                     f.gate = f.gate.clone().volatile();
                     f.up = f.up.clone().volatile();
                     f.down = match &f.down {
@@ -863,15 +891,15 @@ impl super::Streamer {
             model.device.as_ref(),
             &output,
             &resident_attn,
-            experts
-                .routers
-                .iter()
-                .chain(experts.shared.iter().flatten().flat_map(|(f, _)| {
-                    let down = match &f.down {
-                        FfnDown::Rows(d) | FfnDown::Columns(d) => d,
-                    };
-                    [&f.gate, &f.up, down]
-                })),
+            experts.routers.iter().flatten().chain(
+                experts
+                    .shared
+                    .iter()
+                    .flatten()
+                    .map(|(f, _)| f)
+                    .chain(experts.dense.iter().flatten())
+                    .flat_map(|f| [&f.gate, &f.up, f.down.weight()]),
+            ),
         );
         let prefetcher = Prefetcher::start(bg.clone(), max_read_bytes as usize)?;
         // Without a RAM budget of its own (a GPU budget's stream, the model held in host RAM)
@@ -880,7 +908,7 @@ impl super::Streamer {
         if opts.budget_bytes == super::RAM_UNLIMITED && slots >= total_experts {
             let mut c = super::report::Counters::default();
             let ids: Vec<usize> = (0..moe.n_experts).collect();
-            for l in 0..n {
+            for l in (0..n).filter(|&l| cfg.layer_has_experts(l)) {
                 experts.run(
                     l,
                     &ids,
@@ -904,7 +932,7 @@ impl super::Streamer {
             direct_io,
             warnings,
             // Without a cache, every routed expert of every layer is read per token.
-            dense_bytes_per_token: n as u64 * moe.n_used as u64 * expert_bytes,
+            dense_bytes_per_token: cfg.expert_layers() as u64 * moe.n_used as u64 * expert_bytes,
             fg,
             bg,
             prefetcher,

@@ -407,7 +407,8 @@ impl LayerStream for Streamer {
     fn expert_layer(&self, l: usize) -> Option<ExpertLayer<'_>> {
         let x = self.experts.as_ref()?;
         Some(ExpertLayer {
-            router: x.routers.get(l)?,
+            router: x.routers.get(l)?.as_ref()?,
+            score_bias: x.score_bias.get(l)?.as_deref(),
             shared: x.shared.get(l)?.as_ref(),
         })
     }
@@ -430,10 +431,11 @@ impl LayerStream for Streamer {
         )
     }
 
-    fn expert_lookahead(&self, l: usize) -> Option<(usize, &Weight)> {
+    fn expert_lookahead(&self, l: usize) -> Option<(usize, &Weight, Option<&[f32]>)> {
         let x = self.experts.as_ref().filter(|x| x.lookahead)?;
         let next = l + 1;
-        x.routers.get(next).map(|r| (next, r))
+        let router = x.routers.get(next)?.as_ref()?;
+        Some((next, router, x.score_bias[next].as_deref()))
     }
 
     fn read_experts_ahead(&self, layer: usize, ids: &[usize]) -> Result<()> {
@@ -472,6 +474,17 @@ impl LayerStream for Streamer {
     /// The `rows` layout: the layer's gate, up and down matrices, each resident or a view of
     /// the layer's prefetch buffer.
     fn ffn_weights(&self, l: usize) -> Result<Option<FfnWeights>> {
+        // A leading dense layer of a mixture of experts: its resident FFN.
+        if let Some(f) = self.experts.as_ref().and_then(|x| x.dense.get(l)?.as_ref()) {
+            return Ok(Some(FfnWeights {
+                gate: f.gate.clone(),
+                up: f.up.clone(),
+                down: match &f.down {
+                    FfnDown::Rows(d) => FfnDown::Rows(d.clone()),
+                    FfnDown::Columns(d) => FfnDown::Columns(d.clone()),
+                },
+            }));
+        }
         let Some((up_kept, down_kept)) = self.resident_ffn.get(l) else {
             return Ok(None);
         };

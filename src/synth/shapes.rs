@@ -32,10 +32,40 @@ pub struct Shape {
     /// `[factor, low_freq_factor, high_freq_factor, original context]`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rope_factors: Option<[f32; 4]>,
+    /// Partial RoPE: the leading dimensions of each head that rotate (`rope.dimension_count`);
+    /// `None`: the whole head.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_dim: Option<usize>,
+    /// Routing beyond a top-k softmax, shared experts and leading dense layers (glm4moe: needed).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub routing: Option<RoutingShape>,
     /// Multi-head latent attention (`deepseek2`): `kv_heads` is then 1 and `head_dim` the
     /// latent's width plus the rotated key part ([`crate::config::Mla::latent`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mla: Option<crate::config::Mla>,
+}
+
+/// A mixture of experts' routing and layers beyond Mixtral's (GLM-4.5, DeepSeek-V3): what
+/// `make-model` writes as the `expert_*` and `leading_dense_block_count` keys and tensors.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct RoutingShape {
+    /// The first layers have a dense FFN of `dense_ffn` neurons instead of experts.
+    pub leading_dense: usize,
+    pub dense_ffn: usize,
+    /// Shared experts (not gated), each of the experts' width, run by every token.
+    pub shared_experts: usize,
+    /// Sigmoid gating (else softmax).
+    pub sigmoid: bool,
+    /// A per-expert score bias `exp_probs_b` that chooses (does not weigh) experts.
+    pub score_bias: bool,
+    /// The chosen experts' weights renormalized to sum to one.
+    pub normalize: bool,
+    /// The chosen experts' weights multiplied by this.
+    pub routed_scale: f32,
+    /// Grouped top-k (DeepSeek-V3): experts in this many groups, chosen from this many of
+    /// them (`expert_group_count`, `expert_group_used_count`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub groups: Option<(usize, usize)>,
 }
 
 /// The named shapes, as `--shape` spells them.
@@ -51,7 +81,125 @@ pub const SHAPE_NAMES: &[&str] = &[
     "mixtral-8x7b",
     "qwen3-30b-a3b",
     "olmoe-1b-7b",
+    "glm-4.5-air",
+    "deepseek-v2-lite",
+    "deepseek-v3",
+    "kimi-k2",
 ];
+
+/// The DeepSeek-V2/V3 shapes (`deepseek2`: latent attention, shared experts, leading dense
+/// layers), from their config.json files. Their YaRN RoPE scaling (factor 40, or 32 for Kimi-K2)
+/// is not written: it changes no size and no read.
+fn deepseek_shape(name: &str) -> Option<Shape> {
+    use crate::config::Mla;
+    // (name, hidden, layers, heads, q_lora, experts, used, expert width, first dense, dense
+    // width, shared, sigmoid+bias, normalize, scale, groups, vocab, rope base, context)
+    #[allow(clippy::type_complexity)]
+    let (
+        hidden,
+        layers,
+        heads,
+        q_lora_rank,
+        experts,
+        used,
+        ffn,
+        dense,
+        dense_ffn,
+        shared,
+        v3,
+        normalize,
+        scale,
+        groups,
+        vocab,
+        rope_theta,
+        context_len,
+    ): (
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        bool,
+        bool,
+        f32,
+        Option<(usize, usize)>,
+        usize,
+        f32,
+        usize,
+    ) = match name {
+        // deepseek-ai/DeepSeek-V2-Lite: softmax routing, no score bias, weights not renormalized.
+        "deepseek-v2-lite" => (
+            2048, 27, 16, 0, 64, 6, 1408, 1, 10944, 2, false, false, 1.0, None, 102_400, 10000.0, 163_840,
+        ),
+        // deepseek-ai/DeepSeek-V3 (and R1): sigmoid scores with a bias, 8 groups of which 4 are
+        // used, scale 2.5.
+        "deepseek-v3" => (
+            7168,
+            61,
+            128,
+            1536,
+            256,
+            8,
+            2048,
+            3,
+            18432,
+            1,
+            true,
+            true,
+            2.5,
+            Some((8, 4)),
+            129_280,
+            10000.0,
+            163_840,
+        ),
+        // moonshotai/Kimi-K2-Instruct: V3's layout with 384 experts, 64 heads, one dense layer.
+        "kimi-k2" => (
+            7168, 61, 64, 1536, 384, 8, 2048, 1, 18432, 1, true, true, 2.827, None, 163_840, 50000.0, 131_072,
+        ),
+        _ => return None,
+    };
+    let mla = Mla {
+        q_lora_rank,
+        kv_lora_rank: 512,
+        qk_nope: 128,
+        qk_rope: 64,
+        v_head: 128,
+    };
+    Some(Shape {
+        name: name.into(),
+        arch: Arch::Deepseek2,
+        hidden,
+        ffn,
+        layers,
+        heads,
+        kv_heads: 1,
+        head_dim: mla.latent(),
+        vocab,
+        context_len,
+        rope_theta,
+        rms_eps: 1e-6,
+        tied: false,
+        experts: Some((experts, used)),
+        rope_factors: None,
+        rope_dim: None,
+        routing: Some(RoutingShape {
+            leading_dense: dense,
+            dense_ffn,
+            shared_experts: shared,
+            sigmoid: v3,
+            score_bias: v3,
+            normalize,
+            routed_scale: scale,
+            groups,
+        }),
+        mla: Some(mla),
+    })
+}
 
 impl Shape {
     /// A named shape (the dimensions of the released model's config).
@@ -65,6 +213,45 @@ impl Shape {
                 rope_factors: Some([8.0, 1.0, 4.0, 8192.0]),
                 ..Shape::named("llama3-8b")?
             });
+        }
+        if name == "glm-4.5-air" {
+            // zai-org/GLM-4.5-Air's config.json: 46 layers (the first dense, of width 10944),
+            // 128 experts of 1408 (8 per token, sigmoid scores with a bias, renormalized, scale
+            // 1.0) and one shared expert, 96 heads of 128 over 8 KV heads with Q/K/V biases and
+            // no QK-norm, half of each head rotated (partial_rotary_factor 0.5), rope base 1e6.
+            // (Its NextN layer, which inference does not run, is not written.)
+            return Ok(Shape {
+                name: name.into(),
+                arch: Arch::Glm4Moe,
+                hidden: 4096,
+                ffn: 1408,
+                layers: 46,
+                heads: 96,
+                kv_heads: 8,
+                head_dim: 128,
+                vocab: 151_552,
+                context_len: 131_072,
+                rope_theta: 1e6,
+                rms_eps: 1e-5,
+                tied: false,
+                experts: Some((128, 8)),
+                rope_factors: None,
+                rope_dim: Some(64),
+                routing: Some(RoutingShape {
+                    leading_dense: 1,
+                    dense_ffn: 10944,
+                    shared_experts: 1,
+                    sigmoid: true,
+                    score_bias: true,
+                    normalize: true,
+                    routed_scale: 1.0,
+                    groups: None,
+                }),
+                mla: None,
+            });
+        }
+        if let Some(s) = deepseek_shape(name) {
+            return Ok(s);
         }
         #[allow(clippy::type_complexity)]
         let (
@@ -270,6 +457,8 @@ impl Shape {
             experts,
             rope_factors: None,
             mla: None,
+            rope_dim: None,
+            routing: None,
         })
     }
 
@@ -314,22 +503,62 @@ impl Shape {
                 self.hidden, self.ffn
             ));
         }
+        match (self.arch, self.experts, &self.routing) {
+            (Arch::Glm4Moe, Some(_), Some(_)) => {}
+            (Arch::Glm4Moe, _, _) => {
+                return bad("glm4moe needs --experts and its routing (leading dense layers, shared experts)".into())
+            }
+            (Arch::Deepseek2, Some(_), Some(_)) | (Arch::Deepseek2, None, None) => {}
+            (Arch::Deepseek2, _, _) => {
+                return bad("deepseek2's experts need their routing (leading dense layers, shared experts)".into())
+            }
+            (_, _, Some(_)) => {
+                return bad(format!(
+                    "{} routes by a top-k softmax (no score bias, leading dense layers or shared experts here)",
+                    self.arch.name()
+                ))
+            }
+            _ => {}
+        }
+        if let Some(r) = &self.routing {
+            if r.leading_dense >= self.layers
+                || (r.leading_dense > 0 && !r.dense_ffn.is_multiple_of(32))
+                || r.dense_ffn > 1 << 20
+                || r.shared_experts > 64
+                || !(r.routed_scale.is_finite() && r.routed_scale > 0.0)
+                || r.groups.is_some_and(|(n, used)| {
+                    let e = self.experts.map_or(0, |x| x.0);
+                    n == 0 || used == 0 || used > n || !e.is_multiple_of(n)
+                })
+            {
+                return bad(format!(
+                    "routing {r:?}: need fewer leading dense layers than layers (some have experts), a dense width \
+                     that is a multiple of 32, at most 64 shared experts and a positive scale"
+                ));
+            }
+        }
+        if let Some(d) = self.rope_dim {
+            if d == 0 || d > self.head_dim || !d.is_multiple_of(2) {
+                return bad(format!(
+                    "RoPE over {d} of {} dimensions: need an even count up to the head's",
+                    self.head_dim
+                ));
+            }
+        }
         match (self.arch, self.experts) {
+            (Arch::Glm4Moe, _) => {}
             (Arch::Llama, _) | (Arch::Qwen2 | Arch::Qwen3, None) => {}
             (Arch::Qwen2 | Arch::Qwen3, Some(_)) => {
                 return bad(format!("{} has no experts (qwen3moe and olmoe do)", self.arch.name()))
             }
             (Arch::Qwen3Moe | Arch::Olmoe, None) => return bad(format!("{} needs --experts", self.arch.name())),
             (Arch::Qwen3Moe | Arch::Olmoe, Some(_)) => {}
-            (Arch::Deepseek2, None) => {}
-            (Arch::Deepseek2, Some(_)) => {
-                return bad("deepseek2's experts are not written yet: give a dense shape".into())
-            }
+            (Arch::Deepseek2, _) => {}
             (a, _) => return bad(format!("{} is not an architecture make-model writes", a.name())),
         }
         if let Some((e, k)) = self.experts {
-            if k == 0 || k > e || e > 256 {
-                return bad(format!("{e} experts with {k} used: need 1 <= used <= experts <= 256"));
+            if k == 0 || k > e || e > 1024 {
+                return bad(format!("{e} experts with {k} used: need 1 <= used <= experts <= 1024"));
             }
         }
         if let Some([f, lo, hi, ctx]) = self.rope_factors {
@@ -526,5 +755,25 @@ mod tests {
             Shape::named(name).unwrap().check().unwrap();
         }
         assert!(Shape::named("llama3-9b").is_err());
+    }
+
+    /// GLM-4.5-Air's Q4_K_M mix as llama.cpp's quantizer assigns it: experts of 1408 columns
+    /// (not whole 256-value blocks) fall back (down: Q5_0 or, on the use_more_bits layers,
+    /// Q8_0), the dense layer and the 4096-column matrices keep Q4_K / Q6_K.
+    #[test]
+    fn glm_4_5_air_types() {
+        let s = Shape::named("glm-4.5-air").unwrap();
+        let m = Mix::Q4KM;
+        assert_eq!(m.matrix_type(&s, Role::FfnGate, 1, 4096), GgmlType::Q4_K);
+        assert_eq!(m.matrix_type(&s, Role::FfnDown, 0, 10944), GgmlType::Q8_0);
+        assert_eq!(m.matrix_type(&s, Role::FfnDown, 0, 1408), GgmlType::Q8_0);
+        assert_eq!(m.matrix_type(&s, Role::FfnDown, 11, 1408), GgmlType::Q5_0);
+        assert_eq!(m.matrix_type(&s, Role::FfnDown, 10, 1408), GgmlType::Q8_0);
+        assert_eq!(m.matrix_type(&s, Role::AttnV, 0, 4096), GgmlType::Q6_K);
+        assert_eq!(m.matrix_type(&s, Role::AttnK, 10, 4096), GgmlType::Q4_K);
+        assert_eq!(m.matrix_type(&s, Role::Output, 0, 4096), GgmlType::Q6_K);
+        let mut bad = s.clone();
+        bad.routing = None;
+        assert!(bad.check().is_err());
     }
 }

@@ -39,6 +39,11 @@ pub enum TokenizerChoice {
 #[derive(Clone, Debug)]
 pub enum OutputFormat {
     Gguf,
+    /// A GGUF whose header is written and whose tensor data is a hole of its length (a sparse
+    /// file reading as zeros, taking no disk room): what the planner, the expert cache and the
+    /// loader make of a model too large for this disk (DeepSeek-V3), not a model to run for its
+    /// output or its speed.
+    GgufHeaderOnly,
     /// A `.gst` with these options (the FFN layout, down's type…; no calibration).
     Gst(ReformatOptions),
 }
@@ -85,6 +90,9 @@ pub struct MakeReport {
 enum Fill {
     Norm,
     Bias,
+    /// An expert score bias: 0.3 N(0,1), about the spread of the experts' sigmoid scores, so
+    /// it changes which experts are chosen.
+    ScoreBias,
     Router,
     /// A matrix of `gen` type (the mix's; stored as F32 when dequantized) at `gain`.
     Matrix {
@@ -137,6 +145,9 @@ impl Planned {
         match self.fill {
             Fill::Norm => Ok(f32_bytes(&random_norm(cols, s))),
             Fill::Bias => Ok(f32_bytes(&random_bias(cols, s))),
+            Fill::ScoreBias => Ok(f32_bytes(
+                &random_bias(cols, s).iter().map(|b| 3.0 * b).collect::<Vec<_>>(),
+            )),
             Fill::Router => Ok(f32_bytes(&random_router(self.rows(), cols, s))),
             Fill::RopeFactors {
                 base,
@@ -264,7 +275,7 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
             }
         }
         match s.arch {
-            Arch::Qwen2 => {
+            Arch::Qwen2 | Arch::Glm4Moe => {
                 t.push(vector(n("attn_q.bias"), q, Fill::Bias));
                 t.push(vector(n("attn_k.bias"), kv, Fill::Bias));
                 t.push(vector(n("attn_v.bias"), kv, Fill::Bias));
@@ -279,9 +290,21 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
             }
             _ => {}
         }
-        t.push(vector(n("ffn_norm.weight"), h, Fill::Norm));
-        match s.experts {
+        // GLM's GGUF names its pre-FFN norm `post_attention_norm`.
+        let ffn_norm = if s.arch == Arch::Glm4Moe {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        t.push(vector(n(ffn_norm), h, Fill::Norm));
+        let routing = s.routing.as_ref();
+        let experts = s.experts.filter(|_| routing.is_none_or(|r| l >= r.leading_dense));
+        match experts {
             None => {
+                let f = match routing {
+                    Some(r) => r.dense_ffn,
+                    None => f,
+                };
                 t.push(matrix(n("ffn_gate.weight"), Role::FfnGate, l, f, h, 1.0));
                 t.push(matrix(n("ffn_up.weight"), Role::FfnUp, l, f, h, 1.0));
                 t.push(matrix(n("ffn_down.weight"), Role::FfnDown, l, h, f, g));
@@ -293,6 +316,9 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                     ty: GgmlType::F32,
                     fill: Fill::Router,
                 });
+                if routing.is_some_and(|r| r.score_bias) {
+                    t.push(vector(n("exp_probs_b.bias"), e, Fill::ScoreBias));
+                }
                 for (what, role, rows, cols, gain) in [
                     ("ffn_gate_exps.weight", Role::FfnGate, f, h, 1.0),
                     ("ffn_up_exps.weight", Role::FfnUp, f, h, 1.0),
@@ -305,6 +331,12 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                         ty: stored(gen),
                         fill: Fill::Experts { gen, gain, n: e },
                     });
+                }
+                if let Some(r) = routing.filter(|r| r.shared_experts > 0) {
+                    let sf = r.shared_experts * f;
+                    t.push(matrix(n("ffn_gate_shexp.weight"), Role::FfnGate, l, sf, h, 1.0));
+                    t.push(matrix(n("ffn_up_shexp.weight"), Role::FfnUp, l, sf, h, 1.0));
+                    t.push(matrix(n("ffn_down_shexp.weight"), Role::FfnDown, l, h, sf, g));
                 }
             }
         }
@@ -402,9 +434,11 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
         ),
         ("general.quantization_version".into(), MetaValue::U32(2)),
     ];
-    let ffn_key = match (s.arch, s.experts) {
-        // Qwen's MoE files give the dense width beside the experts' own.
-        (Arch::Qwen3Moe, Some((_, k))) => s.ffn * k,
+    let ffn_key = match (s.arch, s.experts, &s.routing) {
+        // Qwen's MoE files give the dense width beside the experts' own; GLM's, its leading
+        // dense layers' width.
+        (_, _, Some(r)) if r.leading_dense > 0 => r.dense_ffn,
+        (Arch::Qwen3Moe | Arch::Glm4Moe, Some((_, k)), _) => s.ffn * k,
         _ => s.ffn,
     };
     for (key, v) in [
@@ -435,18 +469,43 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
             ("attention.key_length_mla", mla.q_head()),
             ("attention.value_length_mla", mla.v_head),
             ("rope.dimension_count", mla.qk_rope),
-            ("leading_dense_block_count", s.layers),
-            ("expert_feed_forward_length", s.ffn),
-            ("expert_shared_count", 1),
         ] {
             m.push((format!("{a}.{key}"), u(v)));
+        }
+        if s.routing.is_none() {
+            // Dense in every layer.
+            for (key, v) in [
+                ("leading_dense_block_count", s.layers),
+                ("expert_feed_forward_length", s.ffn),
+                ("expert_shared_count", 1),
+            ] {
+                m.push((format!("{a}.{key}"), u(v)));
+            }
         }
     }
     if let Some((e, k)) = s.experts {
         m.push((format!("{a}.expert_count"), u(e)));
         m.push((format!("{a}.expert_used_count"), u(k)));
-        if s.arch == Arch::Qwen3Moe {
+        if matches!(s.arch, Arch::Qwen3Moe | Arch::Glm4Moe | Arch::Deepseek2) {
             m.push((format!("{a}.expert_feed_forward_length"), u(s.ffn)));
+        }
+    }
+    if let Some(d) = s.rope_dim {
+        m.push((format!("{a}.rope.dimension_count"), u(d)));
+    }
+    if let Some(r) = &s.routing {
+        // As llama.cpp's converter writes GLM-4.5's (gating function 2: sigmoid).
+        m.push((format!("{a}.expert_shared_count"), u(r.shared_experts)));
+        m.push((format!("{a}.leading_dense_block_count"), u(r.leading_dense)));
+        m.push((
+            format!("{a}.expert_gating_func"),
+            MetaValue::U32(if r.sigmoid { 2 } else { 1 }),
+        ));
+        m.push((format!("{a}.expert_weights_scale"), MetaValue::F32(r.routed_scale)));
+        m.push((format!("{a}.expert_weights_norm"), MetaValue::Bool(r.normalize)));
+        if let Some((n, used)) = r.groups {
+            m.push((format!("{a}.expert_group_count"), u(n)));
+            m.push((format!("{a}.expert_group_used_count"), u(used)));
         }
     }
     m.extend(crate::model::gguf_vocab_metadata(vocab));
@@ -497,6 +556,14 @@ impl Partial {
     fn write(&mut self, bytes: &[u8]) -> Result<()> {
         let f = self.file.as_mut().expect("open until finished");
         f.write_all(bytes).map_err(|e| Error::io(&self.tmp, e))
+    }
+
+    /// Ends the file at `len` bytes without writing what lies past what was written (a hole).
+    fn finish_sparse(mut self, len: u64) -> Result<()> {
+        let f = self.file.take().expect("open until finished");
+        let f = f.into_inner().map_err(|e| Error::io(&self.tmp, e.into_error()))?;
+        f.set_len(len).map_err(|e| Error::io(&self.tmp, e))?;
+        std::fs::rename(&self.tmp, &self.target).map_err(|e| Error::io(&self.target, e))
     }
 
     fn finish(mut self) -> Result<()> {
@@ -589,10 +656,12 @@ pub fn write_model(
     let all: Vec<&Planned> = planned.iter().flatten().collect();
     let total: u64 = all.iter().map(|p| p.len_bytes()).sum();
     let parameters: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
-    check_room(out, total)?;
+    if !matches!(format, OutputFormat::GgufHeaderOnly) {
+        check_room(out, total)?;
+    }
     let mut done = 0u64;
     let (format_name, file_bytes) = match format {
-        OutputFormat::Gguf => {
+        OutputFormat::Gguf | OutputFormat::GgufHeaderOnly => {
             let dims: Vec<Vec<u64>> = all.iter().map(|p| p.dims()).collect();
             let infos: Vec<TensorInfoOut> = all
                 .iter()
@@ -607,18 +676,27 @@ pub fn write_model(
             let (header, offsets) = gguf_header(&meta_refs, &infos);
             let mut file = Partial::create(out)?;
             file.write(&header)?;
-            let mut at = 0u64;
-            for (p, &off) in all.iter().zip(&offsets) {
-                file.write(&vec![0u8; (off - at) as usize])?;
-                let b = p.bytes(spec.seed, spec.dequantize)?;
-                debug_assert_eq!(b.len() as u64, p.len_bytes());
-                file.write(&b)?;
-                at = off + b.len() as u64;
-                done += b.len() as u64;
-                progress(done, total);
+            if matches!(format, OutputFormat::GgufHeaderOnly) {
+                let end = header.len() as u64
+                    + offsets
+                        .last()
+                        .map_or(0, |o| o + all.last().map_or(0, |p| p.len_bytes()));
+                file.finish_sparse(end)?;
+                ("gguf header only (its data a hole)", end)
+            } else {
+                let mut at = 0u64;
+                for (p, &off) in all.iter().zip(&offsets) {
+                    file.write(&vec![0u8; (off - at) as usize])?;
+                    let b = p.bytes(spec.seed, spec.dequantize)?;
+                    debug_assert_eq!(b.len() as u64, p.len_bytes());
+                    file.write(&b)?;
+                    at = off + b.len() as u64;
+                    done += b.len() as u64;
+                    progress(done, total);
+                }
+                file.finish()?;
+                ("gguf", header.len() as u64 + at)
             }
-            file.finish()?;
-            ("gguf", header.len() as u64 + at)
         }
         OutputFormat::Gst(opts) => {
             let mut b = GstBuilder::create(out, &ReformatOptions { force, ..opts.clone() })?;
@@ -651,6 +729,9 @@ pub fn write_model(
                 &output_norm,
             )?;
             drop((token_embd, output));
+            if config.moe.is_some() {
+                b.mixture_of_experts();
+            }
             let identity: Vec<u32> = (0..spec.shape.ffn as u32).collect();
             for (l, tensors) in planned[1..].iter().enumerate() {
                 let lw = layer_weights(tensors, &mut made)?;
@@ -715,7 +796,9 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             .to_string();
         let bytes = made(p)?;
         match p.fill {
-            Fill::Norm | Fill::Bias | Fill::RopeFactors { .. } => vectors.push((short, floats(&bytes))),
+            Fill::Norm | Fill::Bias | Fill::ScoreBias | Fill::RopeFactors { .. } => {
+                vectors.push((short, floats(&bytes)))
+            }
             Fill::Router | Fill::Matrix { .. } => {
                 matrices.push((short, Weight::owned(&p.name, p.ty, p.rows(), p.cols(), bytes)?))
             }
@@ -724,7 +807,10 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
     }
     let mut vector = |k: &str| vectors.iter().position(|v| v.0 == k).map(|i| vectors.swap_remove(i).1);
     let attn_norm = vector("attn_norm.weight").expect("planned");
-    let ffn_norm = vector("ffn_norm.weight").expect("planned");
+    let ffn_norm = vector("ffn_norm.weight")
+        .or_else(|| vector("post_attention_norm.weight"))
+        .expect("planned");
+    let score_bias = vector("exp_probs_b.bias");
     let (bq, bk, bv) = (vector("attn_q.bias"), vector("attn_k.bias"), vector("attn_v.bias"));
     let (q_norm, k_norm) = (vector("attn_q_norm.weight"), vector("attn_k_norm.weight"));
     let mut matrix = |k: &str| {
@@ -766,8 +852,20 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             views("ffn_up_exps.weight")?,
             views("ffn_down_exps.weight")?,
         );
+        let shared = match matrix("ffn_gate_shexp.weight") {
+            Ok(gate) => Some((
+                FfnWeights {
+                    gate,
+                    up: matrix("ffn_up_shexp.weight")?,
+                    down: FfnDown::Rows(matrix("ffn_down_shexp.weight")?),
+                },
+                None,
+            )),
+            Err(_) => None,
+        };
         LayerFfn::Experts(Box::new(ExpertWeights {
             router,
+            score_bias,
             experts: gate
                 .into_iter()
                 .zip(up)
@@ -778,7 +876,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
                     down: FfnDown::Rows(down),
                 })
                 .collect(),
-            shared: None,
+            shared,
         }))
     };
     Ok(LayerWeights {
@@ -794,4 +892,63 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         ffn,
         post_ffn_norm: None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GLM-4.5-Air's shape as `make-model` would write it (not written: 70 GB): the header's
+    /// keys read back as the configuration llama.cpp reads (46 layers, the first dense of 10944,
+    /// 128 experts of 1408 with 8 used, one shared expert, sigmoid routing with a score bias,
+    /// renormalized, half of each head rotated), and the tensors' count and sizes: 106.9 billion
+    /// parameters (the released model's 106B without its NextN layer), 70.4 GB in Q4_K_M.
+    #[test]
+    fn glm_4_5_air_header_and_sizes() {
+        let spec = MakeSpec {
+            shape: Shape::named("glm-4.5-air").unwrap(),
+            mix: Mix::Q4KM,
+            dequantize: false,
+            tokenizer: TokenizerChoice::Synthetic,
+            seed: 1,
+            residual_gain: 1.0,
+        };
+        let vocab = synthetic_vocab(spec.shape.vocab);
+        let meta = metadata(&spec, &vocab);
+        let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let c = config_of(&refs, 151_552, Path::new("glm-4.5-air.gguf")).unwrap();
+        let m = c.moe.clone().unwrap();
+        assert_eq!((c.arch, c.n_layers, c.hidden, c.ffn), (Arch::Glm4Moe, 46, 4096, 1408));
+        assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims()), (96, 8, 128, 64));
+        assert_eq!(
+            (m.n_experts, m.n_used, m.shared_ffn, m.shared_gated),
+            (128, 8, 1408, false)
+        );
+        assert_eq!((m.leading_dense, m.dense_ffn), (1, 10944));
+        assert_eq!(m.gating, crate::config::Gating::Sigmoid);
+        assert!(m.score_bias && m.normalize && m.routed_scale == 1.0 && !c.qk_norm);
+        let planned = plan(&spec, 151_552);
+        let all: Vec<&Planned> = planned.iter().flatten().collect();
+        let params: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
+        let bytes: u64 = all.iter().map(|p| p.len_bytes()).sum();
+        assert!((106.5e9..107.5e9).contains(&(params as f64)), "{params} parameters");
+        assert!((69e9..72e9).contains(&(bytes as f64)), "{bytes} bytes");
+        let names: Vec<&str> = planned[1].iter().map(|p| p.name.as_str()).collect();
+        assert!(names.contains(&"blk.0.ffn_down.weight") && !names.iter().any(|n| n.contains("exps")));
+        let layer1: Vec<&str> = planned[2].iter().map(|p| p.name.as_str()).collect();
+        for n in [
+            "exp_probs_b.bias",
+            "ffn_gate_shexp.weight",
+            "post_attention_norm.weight",
+            "attn_q.bias",
+        ] {
+            assert!(layer1.contains(&format!("blk.1.{n}").as_str()), "{n}: {layer1:?}");
+        }
+        // The experts' down (1408 columns: not whole 256-value blocks) falls back to Q5_0.
+        let down = planned[12]
+            .iter()
+            .find(|p| p.name.ends_with("ffn_down_exps.weight"))
+            .unwrap();
+        assert_eq!((down.shape.clone(), down.ty), (vec![128, 4096, 1408], GgmlType::Q5_0));
+    }
 }

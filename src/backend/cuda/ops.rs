@@ -12,6 +12,10 @@ impl Device for CudaDevice {
         // (The attention kernels read values from a cache of their own.)
         false
     }
+    fn rope_partial(&self) -> bool {
+        // (The RoPE kernels rotate whole heads.)
+        false
+    }
     fn computes_type(&self, ty: crate::quant::GgmlType) -> bool {
         computes_type(ty)
     }

@@ -318,7 +318,8 @@ pub(crate) enum Command {
         json: bool,
     },
     /// Write a model of a real architecture's shape with random weights — Llama-3-8B/70B,
-    /// Qwen2.5-1.5B/7B/32B, Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B, or custom dimensions —
+    /// Qwen2.5-1.5B/7B/32B, Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B, GLM-4.5-Air, or custom
+    /// dimensions —
     /// in the type mix llama.cpp's quantizer gives it (Q4_K_M, Q6_K or Q8_0), with a real
     /// tokenizer, as a GGUF llama.cpp loads or as a .gst directly (a tensor at a time: memory
     /// stays at about one layer). Random weights make quality figures (perplexity, agreement,
@@ -351,7 +352,10 @@ pub(crate) enum Command {
         /// tools/fetch-models.sh fetches them).
         #[arg(long)]
         tokenizer: Option<String>,
-        /// Custom shapes: llama, qwen2, qwen3, qwen3moe, olmoe or deepseek2 (with --mla).
+        /// Custom shapes: llama, qwen2, qwen3, qwen3moe, olmoe, glm4moe (GLM-4.5: sigmoid
+        /// routing with a score bias, renormalized; a shared expert; leading dense layers;
+        /// half of each head rotated; Q/K/V biases) or deepseek2 (latent attention: --mla; with
+        /// --experts, routed as glm4moe, without its biases and partial RoPE).
         #[arg(long, value_enum, default_value_t = MakeArchArg::Llama)]
         arch: MakeArchArg,
         #[arg(long)]
@@ -376,6 +380,19 @@ pub(crate) enum Command {
         experts: Option<usize>,
         #[arg(long)]
         experts_used: Option<usize>,
+        /// Custom glm4moe shapes: the first layers with a dense FFN (default 1).
+        #[arg(long)]
+        leading_dense: Option<usize>,
+        /// Custom glm4moe shapes: the leading dense layers' FFN width (default 4 x --ffn).
+        #[arg(long)]
+        dense_ffn: Option<usize>,
+        /// Custom glm4moe shapes: shared experts, of the experts' width (default 1).
+        #[arg(long)]
+        shared_experts: Option<usize>,
+        /// Custom shapes: the leading dimensions of each head RoPE rotates (glm4moe default:
+        /// half the head).
+        #[arg(long)]
+        rope_dim: Option<usize>,
         /// Custom shapes: Llama 3's RoPE frequency factors (`rope_freqs.weight`) by Llama 3.1's
         /// rule, as FACTOR,LOW,HIGH,CONTEXT (Llama 3.1's own: 8,1,4,8192).
         #[arg(long, value_name = "FACTOR,LOW,HIGH,CONTEXT")]
@@ -385,6 +402,12 @@ pub(crate) enum Command {
         /// no query bottleneck, as V2-Lite). --kv-heads and --head-dim follow from them.
         #[arg(long, value_name = "Q_LORA,KV_LORA,QK_NOPE,QK_ROPE,V_HEAD")]
         mla: Option<String>,
+        /// Write the GGUF's header and leave its tensor data a hole (a sparse file reading as
+        /// zeros, taking no disk room): for a model too large for this disk (DeepSeek-V3,
+        /// Kimi-K2), what `run --ram-budget` plans and reads for it. Its output and speed mean
+        /// nothing.
+        #[arg(long)]
+        header_only: bool,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// Replace OUTPUT if it exists.
@@ -677,6 +700,7 @@ pub(crate) enum MakeArchArg {
     Qwen3moe,
     Olmoe,
     Deepseek2,
+    Glm4moe,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

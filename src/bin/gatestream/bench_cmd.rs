@@ -74,7 +74,7 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
     };
     let moe = gatestream::gstfile::GstFile::open(&model)
         .ok()
-        .and_then(|g| g.index.config.moe.clone().map(|m| (m, g.index.config.n_layers)));
+        .and_then(|g| g.index.config.moe.clone().map(|m| (m, g.index.config.expert_layers())));
     let mut traces = Vec::new();
     let mut routes = Vec::new();
     for p in &trace {

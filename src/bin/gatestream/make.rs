@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use gatestream::config::Arch;
 use gatestream::format::FfnLayout;
 use gatestream::reformat::{DownType, ReformatOptions};
-use gatestream::synth::{MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+use gatestream::synth::{MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
 
 use crate::args::{Command, DownArg, LayoutArg, MakeArchArg, MixArg, ModelFormatArg};
 use crate::output::Progress;
@@ -58,8 +58,13 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         vocab,
         experts,
         experts_used,
+        leading_dense,
+        dense_ffn,
+        shared_experts,
+        rope_dim,
         rope_factors,
         mla,
+        header_only,
         seed,
         force,
         json,
@@ -77,6 +82,10 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         vocab,
         experts,
         experts_used,
+        leading_dense,
+        dense_ffn,
+        shared_experts,
+        rope_dim,
     ];
     let rope_factors = match rope_factors.as_deref() {
         None => None,
@@ -102,6 +111,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             MakeArchArg::Qwen3moe => Arch::Qwen3Moe,
             MakeArchArg::Olmoe => Arch::Olmoe,
             MakeArchArg::Deepseek2 => Arch::Deepseek2,
+            MakeArchArg::Glm4moe => Arch::Glm4Moe,
         };
         let mla = match (arch, mla.as_deref()) {
             (Arch::Deepseek2, Some(text)) => {
@@ -132,11 +142,21 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
                 "with --mla, the cache has one head of KV_LORA + QK_ROPE: leave out --kv-heads and --head-dim"
             );
         }
+        let glm = arch == Arch::Glm4Moe;
+        // (DeepSeek's experts route as GLM's do.)
+        let routed = glm || (arch == Arch::Deepseek2 && experts.is_some());
+        let ffn = need(ffn, "--ffn")?;
+        let head_dim = head_dim.unwrap_or(hidden / heads.max(1));
+        if !routed && (leading_dense.is_some() || dense_ffn.is_some() || shared_experts.is_some()) {
+            anyhow::bail!(
+                "--leading-dense, --dense-ffn and --shared-experts go with --arch glm4moe, or deepseek2 with --experts"
+            );
+        }
         Shape {
             name: "custom".into(),
             arch,
             hidden,
-            ffn: need(ffn, "--ffn")?,
+            ffn,
             layers: need(layers, "--layers")?,
             heads,
             kv_heads: match mla {
@@ -145,7 +165,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             },
             head_dim: match mla {
                 Some(m) => m.latent(),
-                None => head_dim.unwrap_or(hidden / heads.max(1)),
+                None => head_dim,
             },
             // 0: the tokenizer's (a vocabulary padded to 0 tokens is the tokenizer's own).
             vocab: vocab.unwrap_or(0),
@@ -160,12 +180,24 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             },
             rope_factors,
             mla,
+            rope_dim: rope_dim.or(glm.then_some(head_dim / 2)),
+            routing: routed.then(|| RoutingShape {
+                leading_dense: leading_dense.unwrap_or(1),
+                dense_ffn: dense_ffn.unwrap_or(4 * ffn),
+                shared_experts: shared_experts.unwrap_or(1),
+                sigmoid: true,
+                score_bias: true,
+                normalize: true,
+                routed_scale: 1.0,
+                groups: None,
+            }),
         }
     } else {
         if custom_flags.iter().any(|f| f.is_some()) || rope_factors.is_some() || mla.is_some() {
             anyhow::bail!(
                 "--shape {shape} sets every dimension; --hidden, --ffn, --layers, --heads, --kv-heads, --head-dim, \
-                 --vocab, --experts and --rope-factors go with --shape custom"
+                 --vocab, --experts, --leading-dense, --dense-ffn, --shared-experts, --rope-dim and --rope-factors go \
+                 with --shape custom"
             );
         }
         Shape::named(&shape)?
@@ -175,7 +207,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         Some(path) => TokenizerChoice::From(PathBuf::from(path)),
         None => {
             let file = match shape.arch {
-                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Glm4Moe => "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 _ => "SmolLM2-135M-Instruct.Q4_1.gguf",
             };
             let path = models_dir()?.join(file);
@@ -207,6 +239,8 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         },
     };
     let format = match format {
+        OutputFormat::Gguf if header_only => OutputFormat::GgufHeaderOnly,
+        OutputFormat::Gst(_) if header_only => anyhow::bail!("--header-only writes a GGUF"),
         OutputFormat::Gst(o) => OutputFormat::Gst(ReformatOptions {
             ffn_layout: ffn_layout.into(),
             down_type: down_type.into(),

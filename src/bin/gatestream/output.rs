@@ -264,17 +264,23 @@ pub(crate) fn print_loaded(model: &Model, seconds: f64) {
     let c = &model.config;
     let ffn = match &c.moe {
         None => format!("ffn {}", c.ffn),
-        Some(m) => format!(
-            "{} experts of ffn {}, {} per token{}",
-            m.n_experts,
-            c.ffn,
-            m.n_used,
-            if m.shared_ffn > 0 {
-                format!(", a shared expert of ffn {}", m.shared_ffn)
+        Some(m) => {
+            format!(
+                "{} experts of ffn {}, {} per token{}",
+                m.n_experts,
+                c.ffn,
+                m.n_used,
+                if m.shared_ffn > 0 {
+                    format!(", a shared expert of ffn {}", m.shared_ffn)
+                } else {
+                    String::new()
+                }
+            ) + &if m.leading_dense > 0 {
+                format!(" (the first {} layers dense, ffn {})", m.leading_dense, m.dense_ffn)
             } else {
                 String::new()
             }
-        ),
+        }
     };
     eprintln!(
         "loaded {} ({}, {} layers, hidden {}, {ffn}, vocab {}) in {seconds:.2} s on {}",

@@ -451,12 +451,7 @@ fn parse_with_index_bytes_of(change: impl FnOnce(&mut Index)) -> Result<(Header,
 
 #[test]
 fn rejects_experts_in_an_index_older_than_version_3() {
-    let moe = crate::config::MoeConfig {
-        n_experts: 4,
-        n_used: 2,
-        normalize: true,
-        shared_ffn: 0,
-    };
+    let moe = crate::config::MoeConfig::softmax(4, 2, true);
     let (mut index, planned, image) = sample();
     index.format_version = 2;
     index.config.moe = Some(moe.clone());

@@ -48,6 +48,9 @@ pub(super) fn config() -> ModelConfig {
         qk_norm_whole: false,
         moe: None,
         mla: None,
+        // (0: the whole head.)
+        rope_dim: 0,
+        nextn_layers: 0,
     }
 }
 
