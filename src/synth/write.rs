@@ -513,14 +513,19 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
 }
 
 /// The configuration a reader makes of `meta` (a GGUF of no tensors parsed in memory), so a
-/// `.gst` written directly says what its GGUF would.
-fn config_of(meta: &[(&str, MetaValue)], vocab: usize, out: &Path) -> Result<ModelConfig> {
+/// `.gst` written directly says what its GGUF would; what a reader learns from the tensors
+/// themselves (DeepSeek's score bias) from `shape`.
+fn config_of(meta: &[(&str, MetaValue)], vocab: usize, out: &Path, shape: &Shape) -> Result<ModelConfig> {
     let (bytes, _) = gguf_header(meta, &[]);
     let mut map = memmap2::MmapMut::map_anon(bytes.len()).map_err(|e| Error::io(out, e))?;
     map.copy_from_slice(&bytes);
     let map = map.make_read_only().map_err(|e| Error::io(out, e))?;
     let g = GgufFile::parse(out, Arc::new(map))?;
-    ModelConfig::from_gguf(&g, vocab)
+    let mut c = ModelConfig::from_gguf(&g, vocab)?;
+    if let (Some(m), Some(r)) = (c.moe.as_mut(), &shape.routing) {
+        m.score_bias = r.score_bias;
+    }
+    Ok(c)
 }
 
 /// A file being written under a temporary name in the target's folder, renamed when complete,
@@ -648,7 +653,7 @@ pub fn write_model(
     spec.shape.check()?;
     let meta = metadata(spec, &vocab_tokens);
     let meta_refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-    let mut config = config_of(&meta_refs, vocab, out)?;
+    let mut config = config_of(&meta_refs, vocab, out, &spec.shape)?;
     // (A tensor, not metadata, in the GGUF.)
     config.rope_freq_factors = spec.shape.rope_freq_factors();
     let config = config.validate(out)?;
@@ -903,6 +908,50 @@ mod tests {
     /// 128 experts of 1408 with 8 used, one shared expert, sigmoid routing with a score bias,
     /// renormalized, half of each head rotated), and the tensors' count and sizes: 106.9 billion
     /// parameters (the released model's 106B without its NextN layer), 70.4 GB in Q4_K_M.
+    /// The DeepSeek shapes' headers read back as their models (latent attention's widths, the
+    /// routing), with their released parameter counts: DeepSeek-V2-Lite 15.7B, DeepSeek-V3 671B,
+    /// Kimi-K2 1.03T (no NextN layers written).
+    #[test]
+    fn deepseek_shapes_header_and_sizes() {
+        for (name, params_b, layers, q_lora, experts, groups) in [
+            ("deepseek-v2-lite", 15.7, 27, 0, 64, 0),
+            ("deepseek-v3", 671.0, 61, 1536, 256, 8),
+            ("kimi-k2", 1026.0, 61, 1536, 384, 0),
+        ] {
+            let spec = MakeSpec {
+                shape: Shape::named(name).unwrap(),
+                mix: Mix::Q4KM,
+                dequantize: false,
+                tokenizer: TokenizerChoice::Synthetic,
+                seed: 1,
+                residual_gain: 1.0,
+            };
+            let vocab = synthetic_vocab(spec.shape.vocab);
+            let meta = metadata(&spec, &vocab);
+            let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            let c = config_of(&refs, spec.shape.vocab, Path::new("ds.gguf"), &spec.shape).unwrap();
+            let (mla, m) = (c.mla.unwrap(), c.moe.clone().unwrap());
+            assert_eq!(
+                (c.arch, c.n_layers, c.n_kv_heads, c.head_dim),
+                (Arch::Deepseek2, layers, 1, 576)
+            );
+            assert_eq!(
+                (mla.q_lora_rank, mla.kv_lora_rank, mla.q_head(), mla.v_head),
+                (q_lora, 512, 192, 128)
+            );
+            assert_eq!((m.n_experts, m.n_groups, m.shared_gated), (experts, groups, false));
+            assert_eq!(m.score_bias, name != "deepseek-v2-lite", "{name}");
+            let planned = plan(&spec, spec.shape.vocab);
+            let params: u64 = planned
+                .iter()
+                .flatten()
+                .map(|p| p.shape.iter().product::<usize>() as u64)
+                .sum();
+            let rel = (params as f64 / 1e9 - params_b).abs() / params_b;
+            assert!(rel < 0.01, "{name}: {params} parameters");
+        }
+    }
+
     #[test]
     fn glm_4_5_air_header_and_sizes() {
         let spec = MakeSpec {
@@ -916,7 +965,7 @@ mod tests {
         let vocab = synthetic_vocab(spec.shape.vocab);
         let meta = metadata(&spec, &vocab);
         let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-        let c = config_of(&refs, 151_552, Path::new("glm-4.5-air.gguf")).unwrap();
+        let c = config_of(&refs, 151_552, Path::new("glm-4.5-air.gguf"), &spec.shape).unwrap();
         let m = c.moe.clone().unwrap();
         assert_eq!((c.arch, c.n_layers, c.hidden, c.ffn), (Arch::Glm4Moe, 46, 4096, 1408));
         assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dims()), (96, 8, 128, 64));
