@@ -2,7 +2,7 @@
 //!
 //! A model's `chat_template` is Jinja; gatestream needs one thing from it: a conversation (system,
 //! user and assistant turns) followed by the opened assistant turn. This module identifies the template's family from
-//! its text (ChatML, Gemma, Llama-3, Llama-2/Mistral), reads the few literals that vary inside a
+//! its text (ChatML, Gemma, Llama-3, Llama-2/Mistral, DeepSeek), reads the few literals that vary inside a
 //! family (a default system message, spacing, whether content is trimmed), and writes exactly what
 //! the Jinja would for that one case. BOS is never written here: `Tokenizer::encode` adds it. An
 //! unrecognised template is an error naming the families supported; nothing is guessed.
@@ -20,7 +20,14 @@ pub enum ChatFamily {
     Llama3 { default_system: Option<String> },
     /// `[INST] ... [/INST]` (Llama-2, Mistral).
     Inst { spaced: bool, trim: bool },
+    /// DeepSeek-V3 / R1: the system message right after BOS, `<｜User｜>...`, an answer
+    /// `<｜Assistant｜>...<｜end▁of▁sentence｜>`; DeepSeek-V2 (`v3: false`): `User: ...\n\n`,
+    /// `Assistant: ...<｜end▁of▁sentence｜>`, the system message and `\n\n` first.
+    DeepSeek { v3: bool },
 }
+
+/// DeepSeek's end of an assistant turn (its EOS).
+const DEEPSEEK_EOS: &str = "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>";
 
 impl ChatFamily {
     /// The family of a Jinja chat template, or `None` if it is none of the supported ones.
@@ -35,6 +42,10 @@ impl ChatFamily {
             Some(ChatFamily::Llama3 {
                 default_system: llama31_system(template),
             })
+        } else if template.contains("<\u{ff5c}Assistant\u{ff5c}>") {
+            Some(ChatFamily::DeepSeek { v3: true })
+        } else if template.contains("'User: '") && template.contains("'Assistant:'") {
+            Some(ChatFamily::DeepSeek { v3: false })
         } else if template.contains("[INST]") {
             Some(ChatFamily::Inst {
                 spaced: template.contains("[INST] "),
@@ -101,6 +112,29 @@ impl ChatFamily {
                 }
                 s.push_str("<|start_header_id|>assistant<|end_header_id|>\n\n");
             }
+            ChatFamily::DeepSeek { v3 } => {
+                if let Some(system) = system {
+                    s.push_str(system);
+                    if !v3 {
+                        s.push_str("\n\n");
+                    }
+                }
+                for (role, content) in turns {
+                    match (role, v3) {
+                        (Role::Assistant, true) => {
+                            s.push_str(&format!("<\u{ff5c}Assistant\u{ff5c}>{content}{DEEPSEEK_EOS}"))
+                        }
+                        (Role::Assistant, false) => s.push_str(&format!("Assistant: {content}{DEEPSEEK_EOS}")),
+                        (_, true) => s.push_str(&format!("<\u{ff5c}User\u{ff5c}>{content}")),
+                        (_, false) => s.push_str(&format!("User: {content}\n\n")),
+                    }
+                }
+                s.push_str(if *v3 {
+                    "<\u{ff5c}Assistant\u{ff5c}>"
+                } else {
+                    "Assistant:"
+                });
+            }
             ChatFamily::Inst { spaced, trim } => {
                 // The system message opens the first user turn; an assistant turn is closed by
                 // EOS (`</s>`, as Llama-2 and Mistral spell it).
@@ -162,7 +196,8 @@ pub fn render_user_turn(template: &str, user: &str) -> Result<String, String> {
 pub fn render(template: &str, messages: &[(Role, &str)]) -> Result<String, String> {
     ChatFamily::detect(template).map(|f| f.render(messages)).ok_or_else(|| {
         "chat template not recognised: supported families are ChatML (<|im_start|>), Gemma \
-         (<start_of_turn>), Llama-3 (<|start_header_id|>) and Llama-2/Mistral ([INST]); pass the \
+         (<start_of_turn>), Llama-3 (<|start_header_id|>), Llama-2/Mistral ([INST]) and DeepSeek-V2/V3 \
+         (User: / <\u{ff5c}User\u{ff5c}>); pass the \
          prompt as plain text instead"
             .to_owned()
     })
@@ -297,6 +332,35 @@ mod tests {
         assert!(chatml
             .render(&conv[1..])
             .starts_with("<|im_start|>system\nYou are helpful.<|im_end|>"));
+    }
+
+    /// DeepSeek-V3's template (its tool branches left out) and DeepSeek-V2-Lite-Chat's, as
+    /// their tokenizer_config.json files write them.
+    #[test]
+    fn deepseek_templates() {
+        let v3 = "{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}\
+                  {{'<\u{ff5c}User\u{ff5c}>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' %}\
+                  {{'<\u{ff5c}Assistant\u{ff5c}>' + message['content'] + '<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>'}}\
+                  {%- endif %}{%- endfor %}{% if add_generation_prompt %}{{'<\u{ff5c}Assistant\u{ff5c}>'}}{% endif %}";
+        let v2 = "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ 'User: ' + \
+                  message['content'] + '\n\n' }}{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + \
+                  message['content'] + eos_token }}{% elif message['role'] == 'system' %}{{ message['content'] + \
+                  '\n\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}";
+        let conv = [
+            (Role::System, "Be brief."),
+            (Role::User, "Hi"),
+            (Role::Assistant, "Hello."),
+            (Role::User, "Bye"),
+        ];
+        assert_eq!(
+            render(v3, &conv).unwrap(),
+            "Be brief.<\u{ff5c}User\u{ff5c}>Hi<\u{ff5c}Assistant\u{ff5c}>Hello.<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>\
+             <\u{ff5c}User\u{ff5c}>Bye<\u{ff5c}Assistant\u{ff5c}>"
+        );
+        assert_eq!(
+            render(v2, &conv).unwrap(),
+            "Be brief.\n\nUser: Hi\n\nAssistant: Hello.<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>User: Bye\n\nAssistant:"
+        );
     }
 
     #[test]
