@@ -21,6 +21,9 @@ pub enum Arch {
     Qwen3Moe,
     /// OLMoE: QK-norm over the whole projection, routed experts only.
     Olmoe,
+    /// gpt-oss (llama.cpp's `LLM_ARCH_OPENAI_MOE`): attention sinks, Q/K/V/O biases, alternating
+    /// sliding-window and full attention, routed experts with biases and a clamped SwiGLU.
+    GptOss,
 }
 
 /// Mixture-of-experts architectures llama.cpp knows that gatestream does not run, with why.
@@ -32,7 +35,6 @@ const MOE_REFUSED: &[(&str, &str)] = &[
     ("grok", "Grok (soft-capped attention, GELU experts)"),
     ("phimoe", "Phi-3.5-MoE (LayerNorm, sparsemixer routing)"),
     ("arctic", "Snowflake Arctic (dense residual FFN beside the experts)"),
-    ("gpt-oss", "gpt-oss (attention sinks, clamped SwiGLU experts)"),
     ("granitemoe", "Granite MoE (scaled residuals and logits)"),
     (
         "llama4",
@@ -55,6 +57,7 @@ impl Arch {
             "qwen2moe" => Ok(Arch::Qwen2Moe),
             "qwen3moe" => Ok(Arch::Qwen3Moe),
             "olmoe" => Ok(Arch::Olmoe),
+            "gpt-oss" => Ok(Arch::GptOss),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 arch: other.to_string(),
@@ -68,7 +71,7 @@ impl Arch {
     }
     /// The architectures whose FFNs are always experts (llama has them only with `expert_count`).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe)
+        matches!(self, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::GptOss)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -79,6 +82,7 @@ impl Arch {
             Arch::Qwen2Moe => "qwen2moe",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Olmoe => "olmoe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 }
@@ -146,6 +150,10 @@ pub struct ModelConfig {
     /// Routed experts in place of the dense FFN (every layer); `ffn` is then an expert's width.
     #[serde(default)]
     pub moe: Option<MoeConfig>,
+    /// gpt-oss: each head's softmax has one more logit (`blk.N.attn_sinks`, one per head) that
+    /// takes probability mass and adds no value; the attention output has a bias too.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attn_sinks: bool,
 }
 
 /// A mixture-of-experts FFN: per token the router's softmax picks the `n_used` most likely of
@@ -160,6 +168,15 @@ pub struct MoeConfig {
     /// Neurons of the shared expert every token also runs (Qwen2-MoE; its output is scaled by
     /// sigmoid of a learned projection of the input); 0: none.
     pub shared_ffn: usize,
+    /// gpt-oss routing (llama.cpp's `SOFTMAX_WEIGHT` gating): the router's logits (plus its
+    /// bias, `ffn_gate_inp.bias`) pick the `n_used` largest, and the weights are the softmax over
+    /// those chosen logits only. False: softmax over all experts, then the largest.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub softmax_after_topk: bool,
+    /// gpt-oss experts: biases on gate, up and down (`ffn_{gate,up,down}_exps.bias`) and the
+    /// clamped SwiGLU ([`crate::model::ffn::swiglu_oai`], llama.cpp's `SWIGLU_OAI_MOE`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub oai_experts: bool,
 }
 
 impl ModelConfig {
@@ -271,6 +288,7 @@ impl ModelConfig {
         let n_kv_heads = opt_int("attention.head_count_kv").unwrap_or(n_heads);
         let head_dim = opt_int("attention.key_length").unwrap_or(hidden.checked_div(n_heads).unwrap_or(0));
         let gemma = arch == Arch::Gemma3;
+        let gpt_oss = arch == Arch::GptOss;
         refuse_unread_math_keys(g, arch_name, head_dim)?;
         let (rope_scale_global, yarn) = rope_scaling_from_gguf(g, arch_name, opt_int("context_length"))?;
         let rope_theta = opt_f("rope.freq_base").unwrap_or(10000.0);
@@ -291,7 +309,7 @@ impl ModelConfig {
         let moe = Self::moe_from_gguf(arch, &opt_int, &int)?;
         // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
         let ffn = match (&moe, arch) {
-            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe) => match opt_int("expert_feed_forward_length") {
+            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::GptOss) => match opt_int("expert_feed_forward_length") {
                 Some(w) => w,
                 None => int("feed_forward_length")? / m.n_used.max(1),
             },
@@ -309,7 +327,11 @@ impl ModelConfig {
             context_len: opt_int("context_length").unwrap_or(2048),
             rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             rope_theta,
-            rope_theta_local: if gemma { 10000.0 } else { rope_theta },
+            rope_theta_local: match () {
+                _ if gemma => 10000.0,
+                _ if gpt_oss => opt_f("rope.freq_base_swa").unwrap_or(rope_theta),
+                _ => rope_theta,
+            },
             rope_scale_global,
             rope_freq_factors,
             rope_style: if arch == Arch::Llama {
@@ -322,21 +344,29 @@ impl ModelConfig {
             } else {
                 FfnActivation::Silu
             },
-            sliding_window: if gemma {
+            sliding_window: if gpt_oss {
+                Some(int("attention.sliding_window")?)
+            } else if gemma {
                 opt_int("attention.sliding_window")
             } else {
                 None
             },
-            sliding_pattern: 6,
+            // gpt-oss: llama.cpp's `load_swa_pattern(ml, 2)`, even layers local, odd ones full.
+            sliding_pattern: if gpt_oss {
+                sliding_pattern_from_gguf(g, arch_name, 2)?
+            } else {
+                6
+            },
             // (YaRN scales q and k by its magnitude factor: q·k by its square)
             attn_scale: yarn.as_ref().map_or(1.0, |y| y.mscale().powi(2)) / (head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             post_norms: gemma,
-            attn_bias: arch == Arch::Qwen2,
+            attn_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss),
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
             qk_norm_whole: arch == Arch::Olmoe,
             moe,
+            attn_sinks: gpt_oss,
         };
         cfg.validate(path)
     }
@@ -368,6 +398,8 @@ impl ModelConfig {
             n_used,
             normalize: matches!(arch, Arch::Llama | Arch::Qwen3Moe),
             shared_ffn,
+            softmax_after_topk: arch == Arch::GptOss,
+            oai_experts: arch == Arch::GptOss,
         }))
     }
 
@@ -437,8 +469,29 @@ impl ModelConfig {
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
             qk_norm_whole: false,
             moe: None,
+            attn_sinks: false,
         };
         cfg.validate(path)
+    }
+}
+
+/// `{arch}.attention.sliding_window_pattern` as llama.cpp's `load_swa_pattern` reads it (with
+/// `default` when absent): an integer n makes layer l local unless `(l + 1) % n == 0`. The
+/// per-layer array form is refused: gatestream's pattern is periodic.
+fn sliding_pattern_from_gguf(g: &GgufFile, arch_name: &str, default: usize) -> Result<usize> {
+    let key = format!("{arch_name}.attention.sliding_window_pattern");
+    match g.get(&key) {
+        None => Ok(default),
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => Ok(n as usize),
+            _ => Err(Error::Config {
+                path: g.path.clone(),
+                what: format!(
+                    "metadata {key} = {v:?}: gatestream reads a positive integer period here (every n-th layer \
+                     full), not a per-layer list"
+                ),
+            }),
+        },
     }
 }
 

@@ -528,6 +528,8 @@ fn route_takes_the_most_likely_and_renormalizes_only_where_told() {
         n_used: 2,
         normalize: false,
         shared_ffn: 0,
+        softmax_after_topk: false,
+        oai_experts: false,
     };
     let logits = [0.0f32, 2.0, 1.0, 2.0];
     let z: f32 = logits.iter().map(|v| v.exp()).sum();

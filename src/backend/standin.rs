@@ -454,6 +454,9 @@ impl Device for HostStandIn {
             .take()
             .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
     }
+    fn attention_sinks(&self) -> bool {
+        self.cpu.attention_sinks()
+    }
     fn name(&self) -> String {
         format!("host stand-in for a device ({})", Device::name(&self.cpu))
     }
@@ -579,7 +582,7 @@ impl Device for HostStandIn {
         positions: &[usize],
         seq_of_token: &[usize],
         caches: &[&mut KvCache],
-        shape: AttnShape,
+        shape: AttnShape<'_>,
     ) -> Act {
         self.cpu.attention(q, positions, seq_of_token, caches, shape)
     }

@@ -203,6 +203,16 @@ impl Model {
                 device.name()
             )));
         }
+        if src.config.attn_sinks && !device.attention_sinks() {
+            return Err(Error::Invalid(format!(
+                "{}: this {} model's attention has sinks (`blk.N.attn_sinks`, an extra logit in each head's \
+                 softmax), which the {} device does not compute yet (nor the clamped SwiGLU experts of the \
+                 architecture); run it with --device cpu",
+                path.display(),
+                src.config.arch.name(),
+                device.name()
+            )));
+        }
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if let Some(w) = weights.matrices().into_iter().find(|w| !device.computes_type(w.ty)) {

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::shapes::{Mix, Role, Shape};
-use super::tensors::{dequantized_bytes, f32_bytes, name_seed, random_bias, random_matrix, random_norm, random_router};
+use super::tensors::{
+    dequantized_bytes, f32_bytes, name_seed, random_bias, random_matrix, random_norm, random_router, random_sinks,
+};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::SourceInfo;
@@ -17,7 +19,7 @@ use crate::gguf::write::{gguf_header, TensorInfoOut};
 use crate::gguf::{GgufFile, MetaValue};
 use crate::model::forward::AttnWeights;
 use crate::model::tokenizer::{GgufVocab, TokenizerSpec};
-use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
+use crate::model::weights::{ExpertBiases, ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
 use crate::quant::GgmlType;
 use crate::reformat::{GstBuilder, ReformatOptions};
 use crate::tensor::Weight;
@@ -84,7 +86,10 @@ pub struct MakeReport {
 #[derive(Clone, Copy, Debug)]
 enum Fill {
     Norm,
+    /// Biases (a vector, or `[experts, width]` for experts' biases).
     Bias,
+    /// gpt-oss's attention sinks, one logit per head.
+    Sinks,
     Router,
     /// A matrix of `gen` type (the mix's; stored as F32 when dequantized) at `gain`.
     Matrix {
@@ -136,7 +141,8 @@ impl Planned {
         let cols = self.cols();
         match self.fill {
             Fill::Norm => Ok(f32_bytes(&random_norm(cols, s))),
-            Fill::Bias => Ok(f32_bytes(&random_bias(cols, s))),
+            Fill::Bias => Ok(f32_bytes(&random_bias(self.rows() * cols, s))),
+            Fill::Sinks => Ok(f32_bytes(&random_sinks(cols, s))),
             Fill::Router => Ok(f32_bytes(&random_router(self.rows(), cols, s))),
             Fill::RopeFactors {
                 base,
@@ -236,9 +242,22 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                 t.push(vector(n("attn_q_norm.weight"), q, Fill::Norm));
                 t.push(vector(n("attn_k_norm.weight"), kv, Fill::Norm));
             }
+            Arch::GptOss => {
+                t.push(vector(n("attn_q.bias"), q, Fill::Bias));
+                t.push(vector(n("attn_k.bias"), kv, Fill::Bias));
+                t.push(vector(n("attn_v.bias"), kv, Fill::Bias));
+                t.push(vector(n("attn_output.bias"), h, Fill::Bias));
+                t.push(vector(n("attn_sinks.weight"), s.heads, Fill::Sinks));
+            }
             _ => {}
         }
-        t.push(vector(n("ffn_norm.weight"), h, Fill::Norm));
+        // (gpt-oss's GGUF names the FFN's norm `post_attention_norm`.)
+        let ffn_norm = if s.arch == Arch::GptOss {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        t.push(vector(n(ffn_norm), h, Fill::Norm));
         match s.experts {
             None => {
                 t.push(matrix(n("ffn_gate.weight"), Role::FfnGate, l, f, h, 1.0));
@@ -264,6 +283,23 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                         ty: stored(gen),
                         fill: Fill::Experts { gen, gain, n: e },
                     });
+                }
+                if s.arch == Arch::GptOss {
+                    // The router's and each expert's biases, `[experts, width]` (GGUF dims
+                    // `{width, experts}`, as llama.cpp's loader asks).
+                    t.push(vector(n("ffn_gate_inp.bias"), e, Fill::Bias));
+                    for (what, width) in [
+                        ("ffn_gate_exps.bias", f),
+                        ("ffn_up_exps.bias", f),
+                        ("ffn_down_exps.bias", h),
+                    ] {
+                        t.push(Planned {
+                            name: n(what),
+                            shape: vec![e, width],
+                            ty: GgmlType::F32,
+                            fill: Fill::Bias,
+                        });
+                    }
                 }
             }
         }
@@ -384,9 +420,20 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
     if let Some((e, k)) = s.experts {
         m.push((format!("{a}.expert_count"), u(e)));
         m.push((format!("{a}.expert_used_count"), u(k)));
-        if s.arch == Arch::Qwen3Moe {
+        if matches!(s.arch, Arch::Qwen3Moe | Arch::GptOss) {
             m.push((format!("{a}.expert_feed_forward_length"), u(s.ffn)));
         }
+    }
+    if s.arch == Arch::GptOss {
+        // As convert_hf_to_gguf.py writes the released configs'.
+        let (factor, original) = super::shapes::GPT_OSS_YARN;
+        m.push((
+            format!("{a}.attention.sliding_window"),
+            u(super::shapes::GPT_OSS_SLIDING_WINDOW),
+        ));
+        m.push((format!("{a}.rope.scaling.type"), MetaValue::Str("yarn".into())));
+        m.push((format!("{a}.rope.scaling.factor"), MetaValue::F32(factor)));
+        m.push((format!("{a}.rope.scaling.original_context_length"), u(original)));
     }
     m.extend(crate::model::gguf_vocab_metadata(vocab));
     m
@@ -654,7 +701,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             .to_string();
         let bytes = made(p)?;
         match p.fill {
-            Fill::Norm | Fill::Bias | Fill::RopeFactors { .. } => vectors.push((short, floats(&bytes))),
+            Fill::Norm | Fill::Bias | Fill::Sinks | Fill::RopeFactors { .. } => vectors.push((short, floats(&bytes))),
             Fill::Router | Fill::Matrix { .. } => {
                 matrices.push((short, Weight::owned(&p.name, p.ty, p.rows(), p.cols(), bytes)?))
             }
@@ -663,8 +710,17 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
     }
     let mut vector = |k: &str| vectors.iter().position(|v| v.0 == k).map(|i| vectors.swap_remove(i).1);
     let attn_norm = vector("attn_norm.weight").expect("planned");
-    let ffn_norm = vector("ffn_norm.weight").expect("planned");
+    let ffn_norm = vector("ffn_norm.weight")
+        .or_else(|| vector("post_attention_norm.weight"))
+        .expect("planned");
     let (bq, bk, bv) = (vector("attn_q.bias"), vector("attn_k.bias"), vector("attn_v.bias"));
+    let (bo, attn_sinks) = (vector("attn_output.bias"), vector("attn_sinks.weight"));
+    let expert_biases = vector("ffn_gate_inp.bias").map(|router| ExpertBiases {
+        router,
+        gate: vector("ffn_gate_exps.bias").expect("planned"),
+        up: vector("ffn_up_exps.bias").expect("planned"),
+        down: vector("ffn_down_exps.bias").expect("planned"),
+    });
     let (q_norm, k_norm) = (vector("attn_q_norm.weight"), vector("attn_k_norm.weight"));
     let mut matrix = |k: &str| {
         matrices
@@ -717,6 +773,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
                 })
                 .collect(),
             shared: None,
+            biases: expert_biases,
         }))
     };
     Ok(LayerWeights {
@@ -725,6 +782,8 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         bq,
         bk,
         bv,
+        bo,
+        attn_sinks,
         q_norm,
         k_norm,
         post_attn_norm: None,

@@ -456,6 +456,8 @@ fn rejects_experts_in_an_index_older_than_version_3() {
         n_used: 2,
         normalize: true,
         shared_ffn: 0,
+        softmax_after_topk: false,
+        oai_experts: false,
     };
     let (mut index, planned, image) = sample();
     index.format_version = 2;

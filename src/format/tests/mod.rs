@@ -47,6 +47,7 @@ pub(super) fn config() -> ModelConfig {
         final_logit_softcap: None,
         qk_norm_whole: false,
         moe: None,
+        attn_sinks: false,
     }
 }
 
