@@ -250,16 +250,14 @@ fn write_experts(w: &mut GstWriter, l: usize, e: &ExpertWeights, to: Option<Ggml
         )?;
     }
     if let Some(b) = &e.biases {
-        // gpt-oss: resident vectors, each `[experts, width]` as the GGUF holds them.
-        let experts = e.experts.len();
+        // gpt-oss: resident vectors (each expert's slice in expert order), one F32 row each.
         for (what, v) in [
             ("ffn_gate_inp.bias", &b.router),
             ("ffn_gate_exps.bias", &b.gate),
             ("ffn_up_exps.bias", &b.up),
             ("ffn_down_exps.bias", &b.down),
         ] {
-            let rows = if what == "ffn_gate_inp.bias" { 1 } else { experts };
-            w.matrix(&n(what), GgmlType::F32, rows, v.len() / rows, &f32_bytes(v))?;
+            w.matrix(&n(what), GgmlType::F32, 1, v.len(), &f32_bytes(v))?;
         }
     }
     if let Some((f, gate)) = &e.shared {
