@@ -792,3 +792,94 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         post_ffn_norm: None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The gpt-oss shapes as planned (nothing written): the released models' parameter counts
+    /// (20.91B and 116.83B, as llama.cpp reports them), MXFP4 experts and Q8_0 elsewhere with
+    /// F32 vectors and router (about 12.1 and 63.4 GB of tensors), llama.cpp's tensor names and
+    /// dims (biases `{width, experts}`, sinks per head, the FFN norm as `post_attention_norm`),
+    /// and a header read back as the configuration gatestream runs (window 128 on even layers,
+    /// YaRN, top-4 of 32 or 128 experts with gpt-oss routing).
+    #[test]
+    fn gpt_oss_shapes_plan_the_released_sizes_and_header() {
+        for (name, layers, experts, bytes, params) in [
+            ("gpt-oss-20b", 24, 32, 12_096_558_336u64, 20_914_757_184u64),
+            ("gpt-oss-120b", 36, 128, 63_374_323_968, 116_829_156_672),
+        ] {
+            let shape = Shape::named(name).unwrap();
+            shape.check().unwrap();
+            assert_eq!((shape.layers, shape.experts), (layers, Some((experts, 4))));
+            let spec = MakeSpec {
+                shape,
+                mix: Mix::Mxfp4Moe,
+                dequantize: false,
+                tokenizer: TokenizerChoice::Synthetic,
+                seed: 1,
+                residual_gain: 0.1,
+            };
+            let planned = plan(&spec, 201_088);
+            let all: Vec<&Planned> = planned.iter().flatten().collect();
+            assert_eq!(all.iter().map(|p| p.len_bytes()).sum::<u64>(), bytes, "{name}");
+            let count: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
+            assert_eq!(count, params, "{name}");
+            let find = |n: &str| {
+                *all.iter()
+                    .find(|p| p.name == n)
+                    .unwrap_or_else(|| panic!("{name}: no {n}"))
+            };
+            for t in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+                let p = find(&format!("blk.3.{t}.weight"));
+                assert_eq!(
+                    (p.ty, p.dims()),
+                    (GgmlType::MXFP4, vec![2880, 2880, experts as u64]),
+                    "{t}"
+                );
+                let b = find(&format!("blk.3.{t}.bias"));
+                assert_eq!((b.ty, b.dims()), (GgmlType::F32, vec![2880, experts as u64]), "{t}");
+            }
+            for (t, dims) in [
+                ("token_embd.weight", vec![2880, 201_088]),
+                ("output.weight", vec![2880, 201_088]),
+                ("blk.0.attn_q.weight", vec![2880, 4096]),
+                ("blk.0.attn_k.weight", vec![2880, 512]),
+                ("blk.0.attn_output.weight", vec![4096, 2880]),
+            ] {
+                assert_eq!((find(t).ty, find(t).dims()), (GgmlType::Q8_0, dims), "{t}");
+            }
+            for (t, dims) in [
+                ("blk.0.attn_sinks.weight", vec![64]),
+                ("blk.0.attn_output.bias", vec![2880]),
+                ("blk.0.attn_q.bias", vec![4096]),
+                ("blk.0.post_attention_norm.weight", vec![2880]),
+                ("blk.0.ffn_gate_inp.weight", vec![2880, experts as u64]),
+                ("blk.0.ffn_gate_inp.bias", vec![experts as u64]),
+            ] {
+                assert_eq!((find(t).ty, find(t).dims()), (GgmlType::F32, dims), "{t}");
+            }
+            let vocab = synthetic_vocab(201_088);
+            let meta = metadata(&spec, &vocab);
+            let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            let c = config_of(&refs, 201_088, Path::new("gpt-oss.gguf")).unwrap();
+            assert_eq!(
+                (c.arch, c.n_layers, c.hidden, c.ffn),
+                (Arch::GptOss, layers, 2880, 2880)
+            );
+            assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim()), (64, 8, 64, 4096));
+            assert_eq!((c.sliding_window, c.sliding_pattern), (Some(128), 2));
+            assert!(c.layer_is_local(0) && !c.layer_is_local(1));
+            assert!(c.attn_sinks && c.attn_bias && c.rope_freq_factors.is_some());
+            assert_eq!((c.rope_theta, c.context_len), (150_000.0, 131_072));
+            // YaRN factor 32: q·k scaled by (1 + 0.1 ln 32)^2 / sqrt(64).
+            assert!((c.attn_scale - (1.0 + 0.1 * 32f32.ln()).powi(2) / 8.0).abs() < 1e-6);
+            let m = c.moe.unwrap();
+            assert_eq!((m.n_experts, m.n_used, m.normalize), (experts, 4, false));
+            assert!(m.softmax_after_topk && m.oai_experts);
+            assert!(meta
+                .iter()
+                .any(|(k, v)| k == "general.file_type" && *v == MetaValue::U32(38)));
+        }
+    }
+}
