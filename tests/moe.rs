@@ -1493,6 +1493,7 @@ fn gpt_oss_matches_the_naive_all_experts_reference() {
 /// lookahead (which routes the next layer with its router bias).
 #[test]
 fn gpt_oss_streams_from_gguf_and_gst_like_in_ram() {
+    use gatestream::backend::standin::HostStandIn;
     use gatestream::synth::Mix;
     let tmp = tempfile::tempdir().unwrap();
     let text = "Once upon a time";
@@ -1505,6 +1506,26 @@ fn gpt_oss_streams_from_gguf_and_gst_like_in_ram() {
     assert!(
         same(&prompt_then_greedy(&load(&gst), None, None, text, 4)),
         "the .gst in RAM differs from the GGUF"
+    );
+    // A device with memory of its own (the host stand-in, whose attention is the CPU's)
+    // computes it alike; one that does not compute sinks (as the CUDA device) refuses it at
+    // load, naming the architecture and what it lacks.
+    let standin = Model::load_on(&gguf, &LoadOptions::default(), Arc::new(HostStandIn::new(0))).unwrap();
+    assert!(
+        same(&prompt_then_greedy(&standin, None, None, text, 4)),
+        "on the host stand-in"
+    );
+    let e = Model::load_on(
+        &gguf,
+        &LoadOptions::default(),
+        Arc::new(HostStandIn::new(0).without_attention_sinks()),
+    )
+    .err()
+    .expect("refused")
+    .to_string();
+    assert!(
+        e.contains("gpt-oss") && e.contains("attention sinks") && e.contains("--device cpu"),
+        "{e}"
     );
     for path in [&gguf, &gst] {
         let m = Model::load(path, &on_disk()).unwrap();

@@ -68,6 +68,9 @@ pub struct HostStandIn {
     /// The first protocol error since the last `take_error`.
     error: Arc<Mutex<Option<String>>>,
     chunk_bytes: usize,
+    /// Whether attention computes sinks (as the CPU; `without_attention_sinks`: as the CUDA
+    /// device, which refuses such models at load).
+    sinks: bool,
     /// Host ranges page-locked for copies (`pin_host`, `map_host`): (start address, length,
     /// whether mapped for reads in place).
     pinned: Arc<Mutex<Vec<(usize, usize, bool)>>>,
@@ -100,6 +103,7 @@ impl HostStandIn {
             uploads: Arc::new(Mutex::new(UploadCounters::default())),
             error: Arc::new(Mutex::new(None)),
             chunk_bytes: super::UPLOAD_CHUNK_BYTES,
+            sinks: true,
             pinned: Arc::new(Mutex::new(Vec::new())),
             pinned_copied: AtomicU64::new(0),
             resident: Mutex::new(HashMap::new()),
@@ -137,6 +141,13 @@ impl HostStandIn {
     /// Staged rows sent in chunks of `bytes` (so that a small model's layer spans several).
     pub fn with_upload_chunk_bytes(mut self, bytes: usize) -> HostStandIn {
         self.chunk_bytes = bytes.max(1);
+        self
+    }
+
+    /// Says it does not compute attention sinks ([`Device::attention_sinks`]), as the CUDA
+    /// device: a model with them is refused at load.
+    pub fn without_attention_sinks(mut self) -> HostStandIn {
+        self.sinks = false;
         self
     }
 
@@ -455,7 +466,7 @@ impl Device for HostStandIn {
             .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
     }
     fn attention_sinks(&self) -> bool {
-        self.cpu.attention_sinks()
+        self.sinks && self.cpu.attention_sinks()
     }
     fn name(&self) -> String {
         format!("host stand-in for a device ({})", Device::name(&self.cpu))

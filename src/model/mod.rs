@@ -195,21 +195,21 @@ impl Model {
             }
             moe.n_used = k;
         }
+        if src.config.attn_sinks && !device.attention_sinks() {
+            return Err(Error::Invalid(format!(
+                "{}: a {} model: its attention sinks (`blk.N.attn_sinks`, an extra logit in each head's \
+                 softmax) are not computed by the {} device yet (nor its YaRN RoPE or MXFP4 experts); run \
+                 it with --device cpu",
+                path.display(),
+                src.config.arch.name(),
+                device.name()
+            )));
+        }
         if src.config.rope_freq_factors.is_some() && !device.rope_freq_factors() {
             return Err(Error::Invalid(format!(
                 "{}: this model's RoPE has per-frequency factors (Llama 3.1+'s `rope_freqs.weight`, or YaRN \
                  scaling), which the {} device does not apply yet; run it with --device cpu",
                 path.display(),
-                device.name()
-            )));
-        }
-        if src.config.attn_sinks && !device.attention_sinks() {
-            return Err(Error::Invalid(format!(
-                "{}: this {} model's attention has sinks (`blk.N.attn_sinks`, an extra logit in each head's \
-                 softmax), which the {} device does not compute yet (nor the clamped SwiGLU experts of the \
-                 architecture); run it with --device cpu",
-                path.display(),
-                src.config.arch.name(),
                 device.name()
             )));
         }
