@@ -625,6 +625,10 @@ fn small_gpt_oss_matches_llama_cpp() {
         assert!(moe.softmax_after_topk && moe.oai_experts && !moe.normalize);
         let r = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap();
         let rel = (r.perplexity - llama_cpp).abs() / llama_cpp;
+        eprintln!(
+            "small gpt-oss, mxfp4 experts {mxfp4}: perplexity {} (llama.cpp {llama_cpp})",
+            r.perplexity
+        );
         assert!(
             rel < 0.001,
             "mxfp4 experts {mxfp4}: perplexity {} vs llama.cpp {llama_cpp} ({:.3}% apart)",
@@ -650,6 +654,10 @@ fn small_gpt_oss_matches_llama_cpp() {
         no_window.config.sliding_window = None;
         for (what, other) in [("sinks", no_sinks), ("the sliding window", no_window)] {
             let without = perplexity(&other, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+            eprintln!(
+                "small gpt-oss: perplexity {} with {what}, {without} without",
+                r.perplexity
+            );
             assert!(
                 (without - r.perplexity).abs() / r.perplexity > 0.01,
                 "{what} hardly matter: {} with, {without} without",
