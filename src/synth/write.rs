@@ -568,8 +568,10 @@ pub fn write_model(
     let meta = metadata(spec, &vocab_tokens);
     let meta_refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     let mut config = config_of(&meta_refs, vocab, out)?;
-    // (A tensor, not metadata, in the GGUF.)
-    config.rope_freq_factors = spec.shape.rope_freq_factors();
+    // (A tensor, not metadata, in the GGUF; YaRN's factors, gpt-oss's, come from the metadata.)
+    if let Some(f) = spec.shape.rope_freq_factors() {
+        config.rope_freq_factors = Some(f);
+    }
     let config = config.validate(out)?;
     let planned = plan(spec, vocab);
     let all: Vec<&Planned> = planned.iter().flatten().collect();
