@@ -1310,7 +1310,7 @@ fn unsupported_and_malformed_moe_files_are_refused_by_name() {
 
 /// A small random gpt-oss from `make-model` (2 layers, 4 heads of 32 over a width of 64, 2 KV
 /// heads, 6 experts of 64, 3 used; biases, sinks, YaRN) in `mix` (F32 when `dequantize`), with a
-/// synthetic byte-level vocabulary.
+/// synthetic byte-level vocabulary; a `.gst` (written directly) when `name` ends so, else a GGUF.
 fn gpt_oss_model(dir: &Path, name: &str, mix: gatestream::synth::Mix, dequantize: bool) -> PathBuf {
     use gatestream::synth::{write_model, MakeSpec, OutputFormat, Shape, TokenizerChoice};
     let spec = MakeSpec {
@@ -1338,7 +1338,11 @@ fn gpt_oss_model(dir: &Path, name: &str, mix: gatestream::synth::Mix, dequantize
         residual_gain: 1.0,
     };
     let out = dir.join(name);
-    write_model(&spec, &out, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    let format = match name.ends_with(".gst") {
+        true => OutputFormat::Gst(Default::default()),
+        false => OutputFormat::Gguf,
+    };
+    write_model(&spec, &out, &format, true, &mut |_, _| {}).unwrap();
     out
 }
 
@@ -1487,7 +1491,8 @@ fn gpt_oss_matches_the_naive_all_experts_reference() {
 }
 
 /// gpt-oss streamed under a RAM budget, from its GGUF (each expert three slices of the 3-D
-/// tensors, read by route; its biases resident) and from the `.gst` `reformat` makes of it,
+/// tensors, read by route; its biases resident), from the `.gst` `reformat` makes of it and
+/// from the one `make-model` writes directly,
 /// with MXFP4 experts: the logits of a prompt and four greedy steps are bit-identical to the
 /// in-RAM model's, from the least budget that opens to every expert cached, with and without
 /// lookahead (which routes the next layer with its router bias).
@@ -1506,6 +1511,12 @@ fn gpt_oss_streams_from_gguf_and_gst_like_in_ram() {
     assert!(
         same(&prompt_then_greedy(&load(&gst), None, None, text, 4)),
         "the .gst in RAM differs from the GGUF"
+    );
+    // make-model's `.gst` written directly is the file `reformat` makes of its GGUF.
+    let direct = gpt_oss_model(tmp.path(), "direct.gst", Mix::Mxfp4Moe, false);
+    assert!(
+        same(&prompt_then_greedy(&load(&direct), None, None, text, 4)),
+        "make-model's .gst differs"
     );
     // A device with memory of its own (the host stand-in, whose attention is the CPU's)
     // computes it alike; one that does not compute sinks (as the CUDA device) refuses it at
@@ -1527,7 +1538,7 @@ fn gpt_oss_streams_from_gguf_and_gst_like_in_ram() {
         e.contains("gpt-oss") && e.contains("attention sinks") && e.contains("--device cpu"),
         "{e}"
     );
-    for path in [&gguf, &gst] {
+    for path in [&gguf, &gst, &direct] {
         let m = Model::load(path, &on_disk()).unwrap();
         let all_experts = std::fs::metadata(path).unwrap().len();
         for lookahead in [false, true] {
