@@ -306,6 +306,18 @@ impl ModelConfig {
             (None, Some(y)) => Some(y.factors(head_dim, rope_theta)),
             (None, None) => None,
         };
+        // gpt-oss's sliding-window layers may have a RoPE base of their own (llama.cpp reads
+        // `rope.freq_base_swa`); the frequency factors (YaRN's) are computed for one base.
+        let rope_theta_swa = opt_f("rope.freq_base_swa").unwrap_or(rope_theta);
+        if gpt_oss && rope_theta_swa != rope_theta && rope_freq_factors.is_some() {
+            return Err(Error::Config {
+                path: path.clone(),
+                what: format!(
+                    "metadata {arch_name}.rope.freq_base_swa = {rope_theta_swa} beside rope.freq_base = {rope_theta} \
+                     with YaRN: gatestream computes the RoPE factors for one base"
+                ),
+            });
+        }
         let moe = Self::moe_from_gguf(arch, &opt_int, &int)?;
         // An expert's width: Qwen's MoE files name it apart from the dense width they also carry.
         let ffn = match (&moe, arch) {
@@ -329,7 +341,7 @@ impl ModelConfig {
             rope_theta,
             rope_theta_local: match () {
                 _ if gemma => 10000.0,
-                _ if gpt_oss => opt_f("rope.freq_base_swa").unwrap_or(rope_theta),
+                _ if gpt_oss => rope_theta_swa,
                 _ => rope_theta,
             },
             rope_scale_global,
