@@ -28,6 +28,9 @@ pub enum Arch {
     /// gated, leading dense layers, partial RoPE, Q/K/V biases, optional QK-norm, and NextN
     /// (multi-token prediction) layers at the end that normal inference does not run.
     Glm4Moe,
+    /// gpt-oss (llama.cpp's `LLM_ARCH_OPENAI_MOE`): attention sinks, Q/K/V/O biases, alternating
+    /// sliding-window and full attention, routed experts with biases and a clamped SwiGLU.
+    GptOss,
 }
 
 /// Mixture-of-experts architectures llama.cpp knows that gatestream does not run, with why.
@@ -38,7 +41,6 @@ const MOE_REFUSED: &[(&str, &str)] = &[
     ("grok", "Grok (soft-capped attention, GELU experts)"),
     ("phimoe", "Phi-3.5-MoE (LayerNorm, sparsemixer routing)"),
     ("arctic", "Snowflake Arctic (dense residual FFN beside the experts)"),
-    ("gpt-oss", "gpt-oss (attention sinks, clamped SwiGLU experts)"),
     ("granitemoe", "Granite MoE (scaled residuals and logits)"),
     (
         "llama4",
@@ -62,6 +64,7 @@ impl Arch {
             "olmoe" => Ok(Arch::Olmoe),
             "deepseek2" => Ok(Arch::Deepseek2),
             "glm4moe" => Ok(Arch::Glm4Moe),
+            "gpt-oss" => Ok(Arch::GptOss),
             other => Err(Error::UnsupportedArchitecture {
                 path: path.to_path_buf(),
                 arch: other.to_string(),
@@ -75,7 +78,10 @@ impl Arch {
     }
     /// The architectures whose FFNs are always experts (llama has them only with `expert_count`).
     pub fn is_moe(self) -> bool {
-        matches!(self, Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe)
+        matches!(
+            self,
+            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe | Arch::GptOss
+        )
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -88,6 +94,7 @@ impl Arch {
             Arch::Olmoe => "olmoe",
             Arch::Deepseek2 => "deepseek2",
             Arch::Glm4Moe => "glm4moe",
+            Arch::GptOss => "gpt-oss",
         }
     }
 }
@@ -172,6 +179,10 @@ pub struct ModelConfig {
     /// query and a cached key are after absorbing the key up-projection into the query).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mla: Option<Mla>,
+    /// gpt-oss: each head's softmax has one more logit (`blk.N.attn_sinks`, one per head) that
+    /// takes probability mass and adds no value; the attention output has a bias too.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attn_sinks: bool,
 }
 
 /// The dimensions of multi-head latent attention. Per token, `q` is `heads × (qk_nope + qk_rope)`
@@ -256,6 +267,15 @@ pub struct MoeConfig {
     pub leading_dense: usize,
     #[serde(default)]
     pub dense_ffn: usize,
+    /// gpt-oss routing (llama.cpp's `SOFTMAX_WEIGHT` gating): the router's logits (plus its
+    /// bias, `ffn_gate_inp.bias`) pick the `n_used` largest, and the weights are the softmax over
+    /// those chosen logits only. False: softmax over all experts, then the largest.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub softmax_after_topk: bool,
+    /// gpt-oss experts: biases on gate, up and down (`ffn_{gate,up,down}_exps.bias`) and the
+    /// clamped SwiGLU ([`crate::model::ffn::swiglu_oai`], llama.cpp's `SWIGLU_OAI_MOE`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub oai_experts: bool,
 }
 
 fn yes() -> bool {
@@ -283,6 +303,8 @@ impl MoeConfig {
             routed_scale: 1.0,
             leading_dense: 0,
             dense_ffn: 0,
+            softmax_after_topk: false,
+            oai_experts: false,
         }
     }
 
@@ -486,6 +508,7 @@ impl ModelConfig {
             _ => None,
         };
         let n_kv_heads = if mla.is_some() { 1 } else { n_kv_heads };
+        let gpt_oss = arch == Arch::GptOss;
         refuse_unread_math_keys(g, arch_name)?;
         let (rope_scale_global, yarn) = rope_scaling_from_gguf(g, arch_name, opt_int("context_length"))?;
         let yarn_log_mul = opt_f("rope.scaling.yarn_log_multiplier").filter(|&m| m != 0.0);
@@ -518,11 +541,23 @@ impl ModelConfig {
             (None, Some(y)) => Some(y.factors(opt_int("rope.dimension_count").unwrap_or(head_dim), rope_theta)),
             (None, None) => None,
         };
+        // gpt-oss's sliding-window layers may have a RoPE base of their own (llama.cpp reads
+        // `rope.freq_base_swa`); the frequency factors (YaRN's) are computed for one base.
+        let rope_theta_swa = opt_f("rope.freq_base_swa").unwrap_or(rope_theta);
+        if gpt_oss && rope_theta_swa != rope_theta && rope_freq_factors.is_some() {
+            return Err(Error::Config {
+                path: path.clone(),
+                what: format!(
+                    "metadata {arch_name}.rope.freq_base_swa = {rope_theta_swa} beside rope.freq_base = {rope_theta} \
+                     with YaRN: gatestream computes the RoPE factors for one base"
+                ),
+            });
+        }
         let moe = Self::moe_from_gguf(g, arch, &opt_int, &int)?;
         // An expert's width: the MoE files name it apart from the dense width they also carry
         // (which GLM's leading dense layers have); without it, llama.cpp's n_ff / n_used.
         let ffn = match (&moe, arch) {
-            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::Deepseek2) => {
+            (Some(m), Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Glm4Moe | Arch::Deepseek2 | Arch::GptOss) => {
                 match opt_int("expert_feed_forward_length") {
                     Some(w) => w,
                     None => int("feed_forward_length")? / m.n_used.max(1),
@@ -576,7 +611,11 @@ impl ModelConfig {
             context_len: opt_int("context_length").unwrap_or(2048),
             rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
             rope_theta,
-            rope_theta_local: if gemma { 10000.0 } else { rope_theta },
+            rope_theta_local: match () {
+                _ if gemma => 10000.0,
+                _ if gpt_oss => rope_theta_swa,
+                _ => rope_theta,
+            },
             rope_scale_global,
             rope_freq_factors,
             rope_style: if matches!(arch, Arch::Llama | Arch::Deepseek2) {
@@ -589,12 +628,19 @@ impl ModelConfig {
             } else {
                 FfnActivation::Silu
             },
-            sliding_window: if gemma {
+            sliding_window: if gpt_oss {
+                Some(int("attention.sliding_window")?)
+            } else if gemma {
                 opt_int("attention.sliding_window")
             } else {
                 None
             },
-            sliding_pattern: 6,
+            // gpt-oss: llama.cpp's `load_swa_pattern(ml, 2)`, even layers local, odd ones full.
+            sliding_pattern: if gpt_oss {
+                sliding_pattern_from_gguf(g, arch_name, 2)?
+            } else {
+                6
+            },
             // (YaRN scales q and k by its magnitude factor: q·k by its square)
             // (DeepSeek's YaRN: a magnitude of its own, `1 + 0.1 · mscale_all_dim · ln factor`,
             // the file holding 0.1 · mscale_all_dim as `yarn_log_multiplier`, as llama.cpp reads
@@ -606,13 +652,14 @@ impl ModelConfig {
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
             qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) || (glm && has("attn_q_norm.weight")),
             post_norms: gemma,
-            attn_bias: arch == Arch::Qwen2 || (glm && has("attn_q.bias")),
+            attn_bias: matches!(arch, Arch::Qwen2 | Arch::GptOss) || (glm && has("attn_q.bias")),
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
             qk_norm_whole: arch == Arch::Olmoe,
             moe,
             mla,
             rope_dim,
             nextn_layers,
+            attn_sinks: gpt_oss,
         };
         cfg.validate(path)
     }
@@ -647,6 +694,9 @@ impl ModelConfig {
         let mut m = MoeConfig::softmax(n_experts, n_used, matches!(arch, Arch::Llama | Arch::Qwen3Moe));
         m.n_groups = opt_int("expert_group_count").unwrap_or(0);
         m.groups_used = opt_int("expert_group_used_count").unwrap_or(0);
+        // gpt-oss: the softmax over the chosen logits; biased experts with the clamped SwiGLU.
+        m.softmax_after_topk = arch == Arch::GptOss;
+        m.oai_experts = arch == Arch::GptOss;
         match arch {
             Arch::Qwen2Moe => {
                 m.shared_ffn = match opt_int("expert_shared_feed_forward_length") {
@@ -771,8 +821,29 @@ impl ModelConfig {
             mla: None,
             rope_dim: head_dim,
             nextn_layers: 0,
+            attn_sinks: false,
         };
         cfg.validate(path)
+    }
+}
+
+/// `{arch}.attention.sliding_window_pattern` as llama.cpp's `load_swa_pattern` reads it (with
+/// `default` when absent): an integer n makes layer l local unless `(l + 1) % n == 0`. The
+/// per-layer array form is refused: gatestream's pattern is periodic.
+fn sliding_pattern_from_gguf(g: &GgufFile, arch_name: &str, default: usize) -> Result<usize> {
+    let key = format!("{arch_name}.attention.sliding_window_pattern");
+    match g.get(&key) {
+        None => Ok(default),
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= 1 => Ok(n as usize),
+            _ => Err(Error::Config {
+                path: g.path.clone(),
+                what: format!(
+                    "metadata {key} = {v:?}: gatestream reads a positive integer period here (every n-th layer \
+                     full), not a per-layer list"
+                ),
+            }),
+        },
     }
 }
 

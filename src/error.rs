@@ -62,7 +62,7 @@ pub enum Error {
 
     #[error(
         "{path}: architecture `{arch}`{what} is not supported; supported: llama (with experts: Mixtral; with \
-         Llama 3.1+ RoPE factors), qwen2, qwen3, gemma3, qwen2moe, qwen3moe, olmoe"
+         Llama 3.1+ RoPE factors), qwen2, qwen3, gemma3, qwen2moe, qwen3moe, olmoe, gpt-oss, glm4moe, deepseek2"
     )]
     UnsupportedArchitecture {
         path: PathBuf,

@@ -670,3 +670,55 @@ fn glm4moe_without_its_score_bias_is_refused_by_name() {
     let m = message(&load_bytes(&bad).err().expect("refused"));
     assert!(m.contains("glm4moe.expert_gating_func"), "{m}");
 }
+
+/// A gpt-oss file without a layer's attention sinks is refused naming the tensor (the sinks
+/// change every head's softmax: running without them would compute another model).
+#[test]
+fn gpt_oss_without_attention_sinks_is_refused_naming_the_tensor() {
+    use gatestream::config::Arch;
+    use gatestream::gguf::MetaValue;
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "custom".into(),
+            arch: Arch::GptOss,
+            hidden: 64,
+            ffn: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 32,
+            vocab: 300,
+            context_len: 512,
+            rope_theta: 150_000.0,
+            rms_eps: 1e-5,
+            tied: false,
+            experts: Some((4, 2)),
+            rope_factors: None,
+            rope_dim: None,
+            routing: None,
+            mla: None,
+        },
+        mix: Mix::Mxfp4Moe,
+        dequantize: false,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 1,
+        residual_gain: 1.0,
+    };
+    let good = tmp.path().join("good.gguf");
+    write_model(&spec, &good, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
+    assert!(Model::load(&good, &LoadOptions::default()).is_ok());
+    let g = gatestream::gguf::GgufFile::open(&good).unwrap();
+    let meta: Vec<(&str, MetaValue)> = g.metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)> = g
+        .tensors
+        .iter()
+        .filter(|t| t.name != "blk.1.attn_sinks.weight")
+        .map(|t| (t.name.clone(), t.dims.clone(), t.type_id, g.tensor_bytes(t).to_vec()))
+        .collect();
+    let e = load_bytes(&gguf_of(&meta, &tensors)).err().unwrap();
+    assert!(matches!(e, Error::MissingTensor { .. }), "{e:?}");
+    let m = message(&e);
+    assert!(m.contains("blk.1.attn_sinks.weight") && m.contains("gpt-oss"), "{m}");
+}

@@ -743,6 +743,7 @@ fn attention_against_blocks(
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             window,
+            sinks: None,
         };
         // The attention of `batch` on `d`, given to `f` while its caches live.
         let run_with = |d: &dyn Device, f: &mut dyn FnMut(gatestream::backend::Act)| {
@@ -2396,6 +2397,7 @@ fn fused_last_blocks_in(
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             window: None,
+            sinks: None,
         };
         let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}, {n} tokens");
         let names = ["queries", "keys", "attention over the cache"];

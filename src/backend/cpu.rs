@@ -317,6 +317,9 @@ fn host_mut(a: &mut Act) -> &mut [f32] {
 impl super::HostLink for CpuBackend {}
 
 impl Device for CpuBackend {
+    fn attention_sinks(&self) -> bool {
+        true
+    }
     fn name(&self) -> String {
         Backend::name(self)
     }
@@ -540,7 +543,7 @@ impl Device for CpuBackend {
         positions: &[usize],
         seq_of_token: &[usize],
         caches: &[&mut KvCache],
-        shape: AttnShape,
+        shape: AttnShape<'_>,
     ) -> Act {
         let (qd, hd, l) = (q.width, shape.head_dim, shape.layer);
         let kvd = shape.n_kv_heads * hd;
@@ -564,6 +567,7 @@ impl Device for CpuBackend {
                         (head / group) * hd,
                         first..pos + 1,
                         shape.scale,
+                        shape.sinks.map(|s| s[head]),
                         scores,
                         out,
                     );

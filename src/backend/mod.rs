@@ -391,7 +391,7 @@ impl Upload for HostUpload {
 
 /// How a layer's attention reads its cache.
 #[derive(Clone, Copy, Debug)]
-pub struct AttnShape {
+pub struct AttnShape<'a> {
     pub layer: usize,
     pub n_heads: usize,
     pub n_kv_heads: usize,
@@ -399,6 +399,10 @@ pub struct AttnShape {
     pub scale: f32,
     /// Sliding window (local layers): positions before `pos + 1 - window` are not attended.
     pub window: Option<usize>,
+    /// Attention sinks (gpt-oss), one logit per query head: each head's softmax has this extra
+    /// logit (not scaled), which takes probability mass and adds no value. A device that does
+    /// not compute them says so in [`Device::attention_sinks`].
+    pub sinks: Option<&'a [f32]>,
 }
 
 /// RoPE's parameters for one layer.
@@ -510,6 +514,11 @@ pub trait Device: HostLink {
     /// does not.
     fn rope_partial(&self) -> bool {
         true
+    }
+    /// Whether [`Device::attention`] computes [`AttnShape::sinks`] (gpt-oss); a model that has
+    /// them is refused at load on a device that does not.
+    fn attention_sinks(&self) -> bool {
+        false
     }
     /// Whether the device multiplies weights of `ty`; a model holding a matrix of another type
     /// is refused at load on it (the CPU device computes every [`crate::quant::GgmlType`]).
@@ -696,6 +705,6 @@ pub trait Device: HostLink {
         positions: &[usize],
         seq_of_token: &[usize],
         caches: &[&mut KvCache],
-        shape: AttnShape,
+        shape: AttnShape<'_>,
     ) -> Act;
 }

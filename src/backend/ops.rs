@@ -44,6 +44,8 @@ fn dot_f32_x4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
 /// Scaled dot-product attention of one query head over cached positions `positions`:
 /// `out = sum_j softmax_j(scale * q·k_j) * v_j`, where position j's key for this head is
 /// `keys[j * stride + offset..][..q.len()]` (values likewise). `scores` is scratch space.
+/// `sink`: an attention sink's logit (gpt-oss), one more term of the softmax's sum with no value
+/// (ggml's `soft_max` with sinks): the probabilities then sum to less than one.
 #[allow(clippy::too_many_arguments)] // the cache layout is spelled out rather than bundled in a type for one caller
 pub fn attend(
     q: &[f32],
@@ -53,6 +55,7 @@ pub fn attend(
     offset: usize,
     positions: std::ops::Range<usize>,
     scale: f32,
+    sink: Option<f32>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -62,11 +65,11 @@ pub fn attend(
         static AVX2: OnceLock<bool> = OnceLock::new();
         if *AVX2.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             // SAFETY: the CPU has AVX2 and FMA (checked above), all the function enables.
-            unsafe { attend_avx2(q, keys, values, stride, offset, positions, scale, scores, out) };
+            unsafe { attend_avx2(q, keys, values, stride, offset, positions, scale, sink, scores, out) };
             return;
         }
     }
-    attend_body(q, keys, values, stride, offset, positions, scale, scores, out);
+    attend_body(q, keys, values, stride, offset, positions, scale, sink, scores, out);
 }
 
 /// `attend` with AVX2/FMA: explicit vector kernels for head sizes that are a multiple of 8 (every
@@ -88,12 +91,13 @@ unsafe fn attend_avx2(
     offset: usize,
     positions: std::ops::Range<usize>,
     scale: f32,
+    sink: Option<f32>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let d = q.len();
     if !d.is_multiple_of(8) || d == 0 {
-        attend_body(q, keys, values, stride, offset, positions, scale, scores, out);
+        attend_body(q, keys, values, stride, offset, positions, scale, sink, scores, out);
         return;
     }
     assert_eq!(out.len(), d, "one head's output");
@@ -129,7 +133,7 @@ unsafe fn attend_avx2(
         }
         scores.push(lane_sum(acc) * scale);
     }
-    softmax(scores);
+    softmax_sink(scores, sink);
     // out = sum_j p_j v_j, 64 (or the last 8..56) values at a time held in registers.
     let value = |j: usize| values.as_ptr().add(j * stride + offset);
     let mut c0 = 0;
@@ -168,6 +172,7 @@ fn attend_body(
     offset: usize,
     positions: std::ops::Range<usize>,
     scale: f32,
+    sink: Option<f32>,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
@@ -183,7 +188,7 @@ fn attend_body(
     for j in j..positions.end {
         scores.push(dot_f32(q, key(j)) * scale);
     }
-    softmax(scores);
+    softmax_sink(scores, sink);
     out.fill(0.0);
     for (j, &p) in positions.zip(scores.iter()) {
         axpy(p, &values[j * stride + offset..j * stride + offset + d], out);
@@ -259,6 +264,25 @@ pub fn rope_apply(x: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
         x[a] = x0 * cos - x1 * sin;
         x[b] = x0 * sin + x1 * cos;
     }
+}
+
+/// In-place softmax with an optional sink: `sink`'s logit joins the maximum and the sum (as in
+/// ggml's `soft_max` with sinks) but gets no probability of its own, so the others sum to less
+/// than one.
+#[inline(always)]
+pub fn softmax_sink(x: &mut [f32], sink: Option<f32>) {
+    let Some(sink) = sink else {
+        return softmax(x);
+    };
+    let max = x.iter().copied().fold(sink, f32::max);
+    let mut sum = 0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    sum += (sink - max).exp();
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// In-place softmax.
@@ -359,7 +383,18 @@ mod tests {
         let keys: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.13).sin()).collect();
         let values: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.29).cos()).collect();
         let (mut scores, mut out) = (Vec::new(), vec![0f32; d]);
-        attend(&q, &keys, &values, stride, offset, 2..n, 0.5, &mut scores, &mut out);
+        attend(
+            &q,
+            &keys,
+            &values,
+            stride,
+            offset,
+            2..n,
+            0.5,
+            None,
+            &mut scores,
+            &mut out,
+        );
         let mut w: Vec<f32> = (2..n)
             .map(|j| (0..d).map(|i| q[i] * keys[j * stride + offset + i]).sum::<f32>() * 0.5)
             .collect();
@@ -367,6 +402,50 @@ mod tests {
         for i in 0..d {
             let want: f32 = (2..n).zip(&w).map(|(j, p)| p * values[j * stride + offset + i]).sum();
             assert!((out[i] - want).abs() < 1e-5, "{i}: {} vs {want}", out[i]);
+        }
+    }
+
+    /// An attention sink is one more logit in the softmax with no value: the output is the plain
+    /// attention's times `sum / (sum + exp(sink))` (both kernels), a very negative sink changes
+    /// nothing, and a large one drives the output to zero.
+    #[test]
+    fn attention_sink_takes_mass_and_adds_no_value() {
+        for d in [12, 64] {
+            let (n, stride, offset) = (9, 2 * d, d / 2);
+            let q: Vec<f32> = (0..d).map(|i| (i as f32 * 0.7).cos()).collect();
+            let keys: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.13).sin()).collect();
+            let values: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.29).cos()).collect();
+            let mut scores = Vec::new();
+            let run = |sink: Option<f32>, scores: &mut Vec<f32>| {
+                let mut out = vec![0f32; d];
+                attend(&q, &keys, &values, stride, offset, 1..n, 0.3, sink, scores, &mut out);
+                out
+            };
+            let plain = run(None, &mut scores);
+            let logits: Vec<f64> = (1..n)
+                .map(|j| {
+                    (0..d)
+                        .map(|i| q[i] as f64 * keys[j * stride + offset + i] as f64)
+                        .sum::<f64>()
+                        * 0.3
+                })
+                .collect();
+            let sum: f64 = logits.iter().map(|l| l.exp()).sum();
+            for sink in [-0.5f32, 0.0, 1.5] {
+                let with = run(Some(sink), &mut scores);
+                let kept = sum / (sum + (sink as f64).exp());
+                for i in 0..d {
+                    let want = plain[i] as f64 * kept;
+                    assert!(
+                        (with[i] as f64 - want).abs() < 1e-5,
+                        "d {d} sink {sink} [{i}]: {} vs {want}",
+                        with[i]
+                    );
+                }
+                assert_ne!(with, plain);
+            }
+            assert_eq!(run(Some(-1e4), &mut scores), plain);
+            assert!(run(Some(80.0), &mut scores).iter().all(|v| v.abs() < 1e-20));
         }
     }
 
@@ -381,7 +460,18 @@ mod tests {
             let keys: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.13).sin()).collect();
             let values: Vec<f32> = (0..n * stride).map(|i| (i as f32 * 0.29).cos()).collect();
             let (mut scores, mut out) = (Vec::new(), vec![f32::NAN; d]);
-            attend(&q, &keys, &values, stride, offset, first..n, 0.1, &mut scores, &mut out);
+            attend(
+                &q,
+                &keys,
+                &values,
+                stride,
+                offset,
+                first..n,
+                0.1,
+                None,
+                &mut scores,
+                &mut out,
+            );
             let mut plain = vec![f32::NAN; d];
             attend_body(
                 &q,
@@ -391,6 +481,7 @@ mod tests {
                 offset,
                 first..n,
                 0.1,
+                None,
                 &mut scores,
                 &mut plain,
             );

@@ -68,6 +68,9 @@ pub struct HostStandIn {
     /// The first protocol error since the last `take_error`.
     error: Arc<Mutex<Option<String>>>,
     chunk_bytes: usize,
+    /// Whether attention computes sinks (as the CPU; `without_attention_sinks`: as the CUDA
+    /// device, which refuses such models at load).
+    sinks: bool,
     /// Host ranges page-locked for copies (`pin_host`, `map_host`): (start address, length,
     /// whether mapped for reads in place).
     pinned: Arc<Mutex<Vec<(usize, usize, bool)>>>,
@@ -103,6 +106,7 @@ impl HostStandIn {
             uploads: Arc::new(Mutex::new(UploadCounters::default())),
             error: Arc::new(Mutex::new(None)),
             chunk_bytes: super::UPLOAD_CHUNK_BYTES,
+            sinks: true,
             pinned: Arc::new(Mutex::new(Vec::new())),
             pinned_copied: AtomicU64::new(0),
             resident: Mutex::new(HashMap::new()),
@@ -148,6 +152,13 @@ impl HostStandIn {
     /// Staged rows sent in chunks of `bytes` (so that a small model's layer spans several).
     pub fn with_upload_chunk_bytes(mut self, bytes: usize) -> HostStandIn {
         self.chunk_bytes = bytes.max(1);
+        self
+    }
+
+    /// Says it does not compute attention sinks ([`Device::attention_sinks`]), as the CUDA
+    /// device: a model with them is refused at load.
+    pub fn without_attention_sinks(mut self) -> HostStandIn {
+        self.sinks = false;
         self
     }
 
@@ -465,6 +476,9 @@ impl Device for HostStandIn {
             .take()
             .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
     }
+    fn attention_sinks(&self) -> bool {
+        self.sinks && self.cpu.attention_sinks()
+    }
     fn name(&self) -> String {
         format!("host stand-in for a device ({})", Device::name(&self.cpu))
     }
@@ -593,7 +607,7 @@ impl Device for HostStandIn {
         positions: &[usize],
         seq_of_token: &[usize],
         caches: &[&mut KvCache],
-        shape: AttnShape,
+        shape: AttnShape<'_>,
     ) -> Act {
         self.cpu.attention(q, positions, seq_of_token, caches, shape)
     }

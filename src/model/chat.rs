@@ -24,6 +24,11 @@ pub enum ChatFamily {
     /// `<｜Assistant｜>...<｜end▁of▁sentence｜>`; DeepSeek-V2 (`v3: false`): `User: ...\n\n`,
     /// `Assistant: ...<｜end▁of▁sentence｜>`, the system message and `\n\n` first.
     DeepSeek { v3: bool },
+    /// gpt-oss's Harmony format as llama.cpp renders it (`LLM_CHAT_TEMPLATE_OPENAI_MOE`):
+    /// `<|start|>role<|message|>...<|end|>` (an assistant turn closed by `<|return|>`), then
+    /// `<|start|>assistant`; the model writes its channel (`<|channel|>analysis` or `final`)
+    /// itself, and its answer is what follows `<|channel|>final<|message|>` ([`harmony_final`]).
+    Harmony,
 }
 
 /// DeepSeek's end of an assistant turn (its EOS).
@@ -32,7 +37,9 @@ const DEEPSEEK_EOS: &str = "<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>";
 impl ChatFamily {
     /// The family of a Jinja chat template, or `None` if it is none of the supported ones.
     pub fn detect(template: &str) -> Option<ChatFamily> {
-        if template.contains("<|im_start|>") {
+        if template.contains("<|start|>") && template.contains("<|channel|>") {
+            Some(ChatFamily::Harmony)
+        } else if template.contains("<|im_start|>") {
             Some(ChatFamily::ChatMl {
                 default_system: chatml_default_system(template),
             })
@@ -135,6 +142,17 @@ impl ChatFamily {
                     "Assistant:"
                 });
             }
+            ChatFamily::Harmony => {
+                for (role, content) in messages {
+                    let close = if *role == Role::Assistant {
+                        "<|return|>"
+                    } else {
+                        "<|end|>"
+                    };
+                    s.push_str(&format!("<|start|>{}<|message|>{content}{close}", role.name()));
+                }
+                s.push_str("<|start|>assistant");
+            }
             ChatFamily::Inst { spaced, trim } => {
                 // The system message opens the first user turn; an assistant turn is closed by
                 // EOS (`</s>`, as Llama-2 and Mistral spell it).
@@ -156,6 +174,25 @@ impl ChatFamily {
             }
         }
         s
+    }
+}
+
+/// The answer in a Harmony (gpt-oss) reply: what follows its last `<|channel|>final<|message|>`,
+/// up to an `<|end|>` or `<|return|>` if one follows; the reply as it is when it has no final
+/// channel (a reply cut short in its analysis, or another model's).
+pub fn harmony_final(reply: &str) -> &str {
+    const FINAL: &str = "<|channel|>final<|message|>";
+    match reply.rfind(FINAL) {
+        None => reply,
+        Some(at) => {
+            let answer = &reply[at + FINAL.len()..];
+            let end = ["<|end|>", "<|return|>"]
+                .iter()
+                .filter_map(|t| answer.find(t))
+                .min()
+                .unwrap_or(answer.len());
+            &answer[..end]
+        }
     }
 }
 
@@ -196,8 +233,8 @@ pub fn render_user_turn(template: &str, user: &str) -> Result<String, String> {
 pub fn render(template: &str, messages: &[(Role, &str)]) -> Result<String, String> {
     ChatFamily::detect(template).map(|f| f.render(messages)).ok_or_else(|| {
         "chat template not recognised: supported families are ChatML (<|im_start|>), Gemma \
-         (<start_of_turn>), Llama-3 (<|start_header_id|>), Llama-2/Mistral ([INST]) and DeepSeek-V2/V3 \
-         (User: / <\u{ff5c}User\u{ff5c}>); pass the \
+         (<start_of_turn>), Llama-3 (<|start_header_id|>), Llama-2/Mistral ([INST]), DeepSeek-V2/V3 \
+         (User: / <\u{ff5c}User\u{ff5c}>) and gpt-oss's Harmony (<|start|> … <|channel|>); pass the \
          prompt as plain text instead"
             .to_owned()
     })
@@ -361,6 +398,35 @@ mod tests {
             render(v2, &conv).unwrap(),
             "Be brief.\n\nUser: Hi\n\nAssistant: Hello.<\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}>User: Bye\n\nAssistant:"
         );
+    }
+
+    /// gpt-oss: the Harmony turns as llama.cpp's `OPENAI_MOE` template writes them (the
+    /// published template, abridged to the markers its detection reads), and the answer taken
+    /// from the final channel of a reply.
+    #[test]
+    fn harmony_renders_as_llama_cpp_and_the_final_channel_is_the_answer() {
+        let t = "{#- gpt-oss -#}{{- '<|start|>system<|message|>' }}{%- for message in loop_messages -%}                 {{- '<|start|>' + message.role + '<|channel|>final<|message|>' + message.content + '<|end|>' }}                 {%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}";
+        assert_eq!(ChatFamily::detect(t), Some(ChatFamily::Harmony));
+        assert_eq!(
+            render_user_turn(t, "Hi").unwrap(),
+            "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+        );
+        let conv = [
+            (Role::System, "Be brief."),
+            (Role::User, "Hi"),
+            (Role::Assistant, "Hello."),
+            (Role::User, "Bye"),
+        ];
+        assert_eq!(
+            render(t, &conv).unwrap(),
+            "<|start|>system<|message|>Be brief.<|end|><|start|>user<|message|>Hi<|end|>\
+             <|start|>assistant<|message|>Hello.<|return|><|start|>user<|message|>Bye<|end|><|start|>assistant"
+        );
+        let reply = "<|channel|>analysis<|message|>The user says hi.<|end|><|start|>assistant\
+                     <|channel|>final<|message|>Hello!<|return|>";
+        assert_eq!(harmony_final(reply), "Hello!");
+        assert_eq!(harmony_final("<|channel|>final<|message|>Hi there"), "Hi there");
+        assert_eq!(harmony_final("plain text"), "plain text");
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl Model {
         let dev = &*self.device;
         let h = self.config.hidden;
         let logits = dev.matmul(&[router], xn).remove(0);
-        let routes = route(&dev.to_host(&logits), moe, bias);
+        let routes = route(&with_router_bias(dev.to_host(&logits), e), moe, bias);
         if let Some(m) = mask {
             m.routed(l, moe.n_used, &routes);
         }
@@ -125,10 +125,11 @@ impl Model {
             if let Some((next, router_next, bias_next)) = s.expert_lookahead(l) {
                 let x = self.carried_to_next_norm(l, next, &dev.to_host(xn));
                 let predicted = dev.matmul(&[router_next], &dev.upload(1, h, x)).remove(0);
-                let ids: Vec<usize> = route(&dev.to_host(&predicted), moe, bias_next)
-                    .iter()
-                    .map(|r| r.0)
-                    .collect();
+                let predicted = match &self.weights.layers[next].ffn {
+                    LayerFfn::Experts(e_next) => with_router_bias(dev.to_host(&predicted), e_next),
+                    LayerFfn::Dense(_) => dev.to_host(&predicted),
+                };
+                let ids: Vec<usize> = route(&predicted, moe, bias_next).iter().map(|r| r.0).collect();
                 s.read_experts_ahead(next, &ids)?;
             }
         }
@@ -138,7 +139,7 @@ impl Model {
         // them (host memory), unless a neuron mask runs inside them; the device computes the
         // shared expert meanwhile (launched first), and gets each expert's output rows.
         let on_cpu = match (&stream, mask.filter(|m| m.masks_neurons())) {
-            (Some((s, _)), None) if !dev.host_memory() => s.host_cpu(n).map(|cpu| (*s, cpu)),
+            (Some((s, _)), None) if !dev.host_memory() && !moe.oai_experts => s.host_cpu(n).map(|cpu| (*s, cpu)),
             _ => None,
         };
         let shared_y = match shared {
@@ -183,7 +184,26 @@ impl Model {
                 return Ok(());
             }
             let picked = (tokens.len() < n).then(|| dev.select_rows(xn, tokens));
-            outputs.push((ex, self.ffn_dense(l, w, picked.as_ref().unwrap_or(xn), &masked)?));
+            let x = picked.as_ref().unwrap_or(xn);
+            let y = match e.biases.as_ref().filter(|_| moe.oai_experts) {
+                Some(b) if masked.mask.is_none() => self.ffn_oai_expert(w, b.of(ex), x),
+                Some(_) => {
+                    return Err(Error::Invalid(format!(
+                        "{}: neuron masks do not run inside {} experts (biased, clamped SwiGLU) yet; run it \
+                         with --mode dense",
+                        self.path.display(),
+                        self.config.arch.name()
+                    )))
+                }
+                None if moe.oai_experts => {
+                    return Err(Error::Invalid(format!(
+                        "{}: layer {l} has no expert biases (`ffn_gate_exps.bias`…), which its configuration needs",
+                        self.path.display()
+                    )))
+                }
+                None => self.ffn_dense(l, w, x, &masked)?,
+            };
+            outputs.push((ex, y));
             Ok(())
         };
         match &stream {
@@ -221,6 +241,29 @@ impl Model {
             _ => {}
         }
         Ok(out)
+    }
+
+    /// A gpt-oss expert on `xn` `[n, hidden]`: `down · swiglu_oai(gate·x + b_g, up·x + b_u) + b_d`
+    /// (llama.cpp's `build_moe_ffn` with `LLM_FFN_SWIGLU_OAI_MOE`): the activation on the host
+    /// (a borrow on the CPU device).
+    fn ffn_oai_expert(&self, w: &FfnWeights, b: [&[f32]; 3], xn: &Act) -> Act {
+        let dev = &*self.device;
+        let mut gu = dev.matmul_bias(&[&w.gate, &w.up], &[Some(b[0]), Some(b[1])], xn);
+        let (up, gate) = (gu.pop().expect("up"), gu.pop().expect("gate"));
+        let act: Vec<f32> = {
+            let (g, u) = (dev.to_host(&gate), dev.to_host(&up));
+            g.iter().zip(u.iter()).map(|(&g, &u)| swiglu_oai(g, u)).collect()
+        };
+        let act = dev.upload(xn.rows, w.gate.rows, act);
+        match &w.down {
+            FfnDown::Rows(down) => dev.matmul_bias(&[down], &[Some(b[2])], &act).remove(0),
+            FfnDown::Columns(down_t) => {
+                let mut d = dev.zeros(xn.rows, down_t.cols);
+                dev.accumulate_rows(down_t, None, &act, &mut d);
+                dev.add_bias(&mut d, b[2]);
+                d
+            }
+        }
     }
 
     /// A dense FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
@@ -979,19 +1022,57 @@ impl<'a> Staging<'a> {
     }
 }
 
+/// gpt-oss's clamped SwiGLU of one neuron (ggml's `swiglu_oai` with llama.cpp's alpha 1.702
+/// and limit 7): the gate clamped above at 7, up to ±7, `g · sigmoid(1.702 g) · (u + 1)`, in
+/// ggml's operation order.
+#[inline]
+pub fn swiglu_oai(gate: f32, up: f32) -> f32 {
+    const ALPHA: f32 = 1.702;
+    const LIMIT: f32 = 7.0;
+    let x = gate.min(LIMIT);
+    let y = up.clamp(-LIMIT, LIMIT);
+    x / (1.0 + (ALPHA * -x).exp()) * (y + 1.0)
+}
+
+/// The router's logits `[n, n_experts]` with the layer's router bias added (gpt-oss's
+/// `ffn_gate_inp.bias`); as they are without one.
+fn with_router_bias<'a>(logits: std::borrow::Cow<'a, [f32]>, e: &ExpertWeights) -> std::borrow::Cow<'a, [f32]> {
+    match &e.biases {
+        None => logits,
+        Some(b) => {
+            let mut l = logits.into_owned();
+            for row in l.chunks_exact_mut(b.router.len()) {
+                row.iter_mut().zip(&b.router).for_each(|(v, b)| *v += b);
+            }
+            l.into()
+        }
+    }
+}
+
 /// Per token, the experts chosen from the router's logits `[n, n_experts]`: `n_used` entries
 /// `(expert, weight)` each, best first, as llama.cpp's `build_moe_ffn` computes them in f32:
 /// scores by the gating function (softmax over the row, or each logit's sigmoid); `bias` (the
 /// score bias, `exp_probs_b`) added to the scores for choosing only; grouped routing keeps the
 /// `groups_used` groups whose two best biased scores sum highest (others out of the choice); the
 /// `n_used` highest (ties to the lower index) chosen; their unbiased scores are the weights,
-/// renormalized (sum clamped to 2^-14) where the model says so, then times `routed_scale`.
+/// renormalized (sum clamped to 2^-14) where the model says so, then times `routed_scale`. With
+/// [`MoeConfig::softmax_after_topk`] (gpt-oss) the largest logits are chosen and weighted by the
+/// softmax over them alone.
 pub fn route(logits: &[f32], moe: &MoeConfig, bias: Option<&[f32]>) -> Vec<(usize, f32)> {
     let ne = moe.n_experts;
     let mut out = Vec::with_capacity(logits.len() / ne.max(1) * moe.n_used);
     let mut order: Vec<usize> = Vec::with_capacity(ne);
     let mut select = vec![0f32; ne];
     for row in logits.chunks_exact(ne) {
+        if moe.softmax_after_topk {
+            order.clear();
+            order.extend(0..ne);
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            let mut w: Vec<f32> = order[..moe.n_used].iter().map(|&e| row[e]).collect();
+            crate::backend::ops::softmax(&mut w);
+            out.extend(order[..moe.n_used].iter().copied().zip(w));
+            continue;
+        }
         let mut probs = row.to_vec();
         match moe.gating {
             Gating::Softmax => crate::backend::ops::softmax(&mut probs),

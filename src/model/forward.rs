@@ -678,9 +678,10 @@ impl Model {
             head_dim: cfg.head_dim,
             scale: cfg.attn_scale,
             window: if local { cfg.sliding_window } else { None },
+            sinks: w.attn_sinks.as_deref(),
         };
         let attn = dev.attention(&q, &batch.positions, &batch.seq_of_token, caches, shape);
-        let mut o = dev.matmul(&[&a.wo], &attn).remove(0);
+        let mut o = dev.matmul_bias(&[&a.wo], &[w.bo.as_deref()], &attn).remove(0);
         if let Some(pn) = &w.post_attn_norm {
             dev.rms_norm_in_place(&mut o, pn, cfg.rms_eps);
         }

@@ -92,6 +92,7 @@ impl Model {
             head_dim: lat,
             scale: cfg.attn_scale,
             window: None,
+            sinks: None,
         };
         let attn = dev.download(dev.attention(
             &dev.upload(n, heads * lat, q_abs),

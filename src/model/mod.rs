@@ -196,6 +196,16 @@ impl Model {
             }
             moe.n_used = k;
         }
+        if src.config.attn_sinks && !device.attention_sinks() {
+            return Err(Error::Invalid(format!(
+                "{}: a {} model: its attention sinks (`blk.N.attn_sinks`, an extra logit in each head's \
+                 softmax) are not computed by the {} device yet (nor its YaRN RoPE or MXFP4 experts); run \
+                 it with --device cpu",
+                path.display(),
+                src.config.arch.name(),
+                device.name()
+            )));
+        }
         if src.config.rope_freq_factors.is_some() && !device.rope_freq_factors() {
             return Err(Error::Invalid(format!(
                 "{}: this model's RoPE has per-frequency factors (Llama 3.1+'s `rope_freqs.weight`, or YaRN \

@@ -345,10 +345,41 @@ pub struct ExpertWeights {
     /// The shared expert(s), with Qwen2-MoE's gate vector `[hidden]` where gated: every token
     /// adds `sigmoid(gate · x) · ffn(x)`, or `ffn(x)` without a gate (GLM-4.5).
     pub shared: Option<(FfnWeights, Option<Vec<f32>>)>,
+    /// gpt-oss: the router's and the experts' biases ([`crate::config::MoeConfig::oai_experts`]),
+    /// kept resident (in RAM and streamed alike: a few MB a layer).
+    pub biases: Option<ExpertBiases>,
+}
+
+/// The biases of a gpt-oss expert layer, each expert's slice in expert order.
+pub struct ExpertBiases {
+    /// `[n_experts]`, added to the router's logits (`ffn_gate_inp.bias`).
+    pub router: Vec<f32>,
+    /// `[n_experts, expert_ffn]` (`ffn_gate_exps.bias`, `ffn_up_exps.bias`).
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    /// `[n_experts, hidden]` (`ffn_down_exps.bias`).
+    pub down: Vec<f32>,
+}
+
+impl ExpertBiases {
+    /// Expert `e`'s gate, up and down biases.
+    pub fn of(&self, e: usize) -> [&[f32]; 3] {
+        let (f, h) = (self.gate.len() / self.router.len(), self.down.len() / self.router.len());
+        [
+            &self.gate[e * f..(e + 1) * f],
+            &self.up[e * f..(e + 1) * f],
+            &self.down[e * h..(e + 1) * h],
+        ]
+    }
+
+    fn len(&self) -> usize {
+        self.router.len() + self.gate.len() + self.up.len() + self.down.len()
+    }
 }
 
 impl ExpertWeights {
-    /// Bytes of the f32 vectors (score bias, shared gate), which a stream keeps resident.
+    /// Bytes of the f32 vectors (score bias, shared gate), which a stream keeps resident
+    /// (gpt-oss's biases are counted in [`LayerWeights::vector_bytes`]).
     pub fn vector_bytes(&self) -> u64 {
         let bias = self.score_bias.as_ref().map_or(0, |b| b.len());
         let gate = self.shared.as_ref().and_then(|s| s.1.as_ref()).map_or(0, |g| g.len());
@@ -373,6 +404,11 @@ pub struct LayerWeights {
     pub bq: Option<Vec<f32>>, // [n_heads*head_dim] (qwen2)
     pub bk: Option<Vec<f32>>, // [n_kv_heads*head_dim]
     pub bv: Option<Vec<f32>>, // [n_kv_heads*head_dim]
+    /// The attention output's bias `[hidden]` (gpt-oss).
+    pub bo: Option<Vec<f32>>,
+    /// One attention-sink logit per query head `[n_heads]` (gpt-oss; see
+    /// [`crate::backend::AttnShape::sinks`]).
+    pub attn_sinks: Option<Vec<f32>>,
     /// `[head_dim]` per head (gemma3, qwen3moe), or `[n_heads*head_dim]` over the whole
     /// projection (olmoe, `qk_norm_whole`).
     pub q_norm: Option<Vec<f32>>,
@@ -395,7 +431,18 @@ impl LayerWeights {
             + opt(&self.q_norm)
             + opt(&self.k_norm)
             + opt(&self.post_attn_norm)
-            + opt(&self.post_ffn_norm)) as u64
+            + opt(&self.post_ffn_norm)
+            + opt(&self.bo)
+            + opt(&self.attn_sinks)
+            + self
+                .attn
+                .mla
+                .as_ref()
+                .map_or(0, |m| m.kv_a_norm.len() + opt(&m.q_a_norm))
+            + match &self.ffn {
+                LayerFfn::Experts(e) => e.biases.as_ref().map_or(0, |b| b.len()),
+                LayerFfn::Dense(_) => 0,
+            }) as u64
     }
 
     /// The dense FFN, or an error naming `what` (a path that does not read experts yet).
@@ -598,10 +645,24 @@ impl ModelWeights {
                 bq: opt_vec("attn_q.bias", q)?,
                 bk: opt_vec("attn_k.bias", kv)?,
                 bv: opt_vec("attn_v.bias", kv)?,
+                bo: match cfg.attn_sinks {
+                    true => Some(src.vector(&n("attn_output.bias"), h, arch)?),
+                    false => None,
+                },
+                attn_sinks: match cfg.attn_sinks {
+                    true => Some(src.vector(&n("attn_sinks.weight"), cfg.n_heads, arch)?),
+                    false => None,
+                },
                 q_norm: need_norm("attn_q_norm.weight", qk_norm_len(cfg.head_dim, q), qk_norm)?,
                 k_norm: need_norm("attn_k_norm.weight", qk_norm_len(cfg.head_dim, kv), qk_norm)?,
                 post_attn_norm: need_norm("post_attention_norm.weight", h, cfg.post_norms)?,
-                ffn_norm: norm(&n(ffn_norm_name), h)?,
+                // gpt-oss's GGUF names the FFN's norm `post_attention_norm` (a `.gst` writes
+                // every model's as `ffn_norm`).
+                ffn_norm: match arch {
+                    Arch::GptOss if !neuron_major => norm(&n("post_attention_norm.weight"), h)?,
+                    _ => norm(&n(ffn_norm_name), h)?,
+                },
+
                 ffn: match cfg.moe.as_ref().filter(|m| m.layer_has_experts(l)) {
                     None => LayerFfn::Dense(FfnWeights {
                         gate: src.matrix(&n("ffn_gate.weight"), cfg.layer_ffn(l), h, arch)?,
@@ -657,6 +718,15 @@ impl ModelWeights {
                                 },
                             )),
                         };
+                        let biases = match m.oai_experts {
+                            true => Some(ExpertBiases {
+                                router: src.vector(&n("ffn_gate_inp.bias"), e, arch)?,
+                                gate: src.vector(&n("ffn_gate_exps.bias"), e * f, arch)?,
+                                up: src.vector(&n("ffn_up_exps.bias"), e * f, arch)?,
+                                down: src.vector(&n("ffn_down_exps.bias"), e * h, arch)?,
+                            }),
+                            false => None,
+                        };
                         LayerFfn::Experts(Box::new(ExpertWeights {
                             router: src.matrix(&n("ffn_gate_inp.weight"), e, h, arch)?,
                             score_bias: match m.score_bias {
@@ -665,13 +735,24 @@ impl ModelWeights {
                             },
                             experts,
                             shared,
+                            biases,
                         }))
                     }
                 },
                 post_ffn_norm: need_norm("post_ffw_norm.weight", h, cfg.post_norms)?,
             });
-            if cfg.attn_bias && layers[l].bq.is_none() {
-                return Err(src.missing(&n("attn_q.bias"), arch));
+            if cfg.attn_bias {
+                let lw = &layers[l];
+                for (b, what) in [
+                    (&lw.bq, "attn_q.bias"),
+                    (&lw.bk, "attn_k.bias"),
+                    (&lw.bv, "attn_v.bias"),
+                ] {
+                    // (Qwen2 files carry all three or none: the first missing is named.)
+                    if b.is_none() && (arch == Arch::GptOss || what == "attn_q.bias") {
+                        return Err(src.missing(&n(what), arch));
+                    }
+                }
             }
         }
         let token_embd = src.matrix(names.global("embd"), cfg.vocab, h, arch)?;

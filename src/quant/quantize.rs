@@ -3,7 +3,7 @@
 //! no error search) but layout-exact scheme, good enough for tests and for converting small
 //! models, not a replacement for llama.cpp's `llama-quantize`.
 
-use super::layout::{pack_k_scales, Q5_K_QS_OFFSET, QK_K, QK_LEGACY};
+use super::layout::{e8m0_half, pack_k_scales, FP4_VALUES, Q5_K_QS_OFFSET, QK_K, QK_LEGACY};
 use super::GgmlType;
 
 /// Quantizes `x` into `out` as one row of `ty`; returns `false` (leaving `out` unspecified) if
@@ -45,8 +45,9 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
         }
         GgmlType::Q6_K => blocks.zip(x.chunks_exact(QK_K)).for_each(|(d, v)| q6_k(v, d)),
         GgmlType::Q5_1 => blocks.zip(x.chunks_exact(QK_LEGACY)).for_each(|(d, v)| q5_1(v, d)),
+        GgmlType::MXFP4 => blocks.zip(x.chunks_exact(QK_LEGACY)).for_each(|(d, v)| mxfp4(v, d)),
         // Read and computed with, not written: llama-quantize makes these.
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::MXFP4 => return false,
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS => return false,
     }
     true
 }
@@ -73,6 +74,37 @@ fn inverse_or_zero(d: f32) -> f32 {
         1.0 / d
     } else {
         0.0
+    }
+}
+
+/// MXFP4 as ggml's `quantize_row_mxfp4_ref`: the shared E8M0 exponent `e = floor(log2(amax)) -
+/// 2 + 127` (so 4 · 2^(e-127) ≤ amax: the largest FP4 magnitude, 6, covers up to 1.5 · 2^floor;
+/// larger values clamp to it), each value the nearest of the sixteen FP4 codes times half the
+/// scale ([`e8m0_half`], the codes being doubled), the first of equally near ones; all-zero
+/// blocks get e = 0. Layout: `e`, then element j in the low nibble of byte j and element j + 16
+/// in its high nibble.
+fn mxfp4(x: &[f32], out: &mut [u8]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    // (ggml casts the float to u8; clamped here where that cast would wrap.)
+    let e = if amax > 0.0 {
+        (amax.log2().floor() - 2.0 + 127.0).clamp(0.0, 255.0) as u8
+    } else {
+        0
+    };
+    let d = e8m0_half(e);
+    let best = |v: f32| {
+        let mut best = (0usize, (f32::from(FP4_VALUES[0]) * d - v).abs());
+        for (i, &q) in FP4_VALUES.iter().enumerate().skip(1) {
+            let err = (f32::from(q) * d - v).abs();
+            if err < best.1 {
+                best = (i, err);
+            }
+        }
+        best.0 as u8
+    };
+    out[0] = e;
+    for j in 0..16 {
+        out[1 + j] = best(x[j]) | (best(x[j + 16]) << 4);
     }
 }
 
@@ -220,7 +252,7 @@ mod tests {
     use super::*;
 
     /// The types [`quantize_row`] writes.
-    const WRITABLE: [GgmlType; 11] = [
+    const WRITABLE: [GgmlType; 12] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
@@ -232,7 +264,79 @@ mod tests {
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::MXFP4,
     ];
+
+    /// MXFP4 blocks made by hand, as ggml's `quantize_row_mxfp4_ref` makes them: the largest
+    /// magnitude 5 gives e = floor(log2 5) - 2 + 127 = 127 (values on the FP4 grid 0, ±0.5 … ±6
+    /// times 2^0), each value the nearest code, ties to the first (5 → 4, 0.25 → 0), 7 and more
+    /// clamped to 6; element j in the low nibble of byte j, j + 16 in the high one.
+    #[test]
+    fn mxfp4_blocks_made_by_hand() {
+        let mut x = [0f32; 32];
+        x[0] = 5.0; // between 4 (code 6) and 6 (code 7): the first, 4
+        x[1] = -1.4; // -1.5: code 8 + 3
+        x[2] = 0.25; // between 0 and 0.5: 0
+        x[3] = 2.6; // 3: code 5
+        x[16] = -0.5; // code 9
+        x[17] = 0.75; // between 0.5 and 1: 0.5, code 1
+        let mut b = [0u8; 17];
+        assert!(quantize_row(GgmlType::MXFP4, &x, &mut b));
+        assert_eq!(b[0], 127);
+        assert_eq!(b[1], 6 | (9 << 4));
+        assert_eq!(b[2], 11 | (1 << 4));
+        assert_eq!(b[3], 0);
+        assert_eq!(b[4], 5);
+        assert!(b[5..].iter().all(|&q| q == 0));
+        let mut y = [0f32; 32];
+        dequantize_row(GgmlType::MXFP4, &b, &mut y);
+        assert_eq!(&y[..4], &[4.0, -1.5, 0.0, 3.0]);
+        assert_eq!(&y[16..18], &[-0.5, 0.5]);
+        // A block whose largest value is 7.9: e = 127 still (floor(log2 7.9) = 2), 7.9 clamps to 6.
+        let mut x = [0.1f32; 32];
+        x[5] = 7.9;
+        assert!(quantize_row(GgmlType::MXFP4, &x, &mut b));
+        dequantize_row(GgmlType::MXFP4, &b, &mut y);
+        assert_eq!((b[0], y[5], y[0]), (127, 6.0, 0.0));
+        // A smaller scale: amax 0.02 gives e = floor(-5.64) - 2 + 127 = 119, steps of 2^-9.
+        let x: Vec<f32> = (0..32).map(|i| (i as f32 - 16.0) * 0.00125).collect();
+        assert!(quantize_row(GgmlType::MXFP4, &x, &mut b));
+        assert_eq!(b[0], 119);
+    }
+
+    /// MXFP4 round trip on normal values: each value becomes the nearest of its block's sixteen
+    /// (the dequantized codes under its scale), so no code is nearer; the error stays within half
+    /// the block's largest magnitude (values past 1.5·2^floor(log2 amax) clamp) and is small on
+    /// the whole (relative RMS under 15%: 4-bit floats under a power-of-two scale).
+    #[test]
+    fn mxfp4_round_trip_is_nearest_and_small() {
+        let mut rng = Rng::new(4);
+        let x: Vec<f32> = (0..4096).map(|_| rng.normal() * 0.02).collect();
+        let mut row = vec![0u8; GgmlType::MXFP4.row_bytes(x.len()).unwrap()];
+        assert!(quantize_row(GgmlType::MXFP4, &x, &mut row));
+        let mut y = vec![0f32; x.len()];
+        dequantize_row(GgmlType::MXFP4, &row, &mut y);
+        let (mut se, mut sx) = (0f64, 0f64);
+        for (b, block) in row.chunks_exact(17).enumerate() {
+            let d = e8m0_half(block[0]);
+            let xs = &x[32 * b..32 * (b + 1)];
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, &v) in xs.iter().enumerate() {
+                let got = y[32 * b + i];
+                let err = (got - v).abs();
+                let nearest = FP4_VALUES
+                    .iter()
+                    .map(|&q| (f32::from(q) * d - v).abs())
+                    .fold(f32::MAX, f32::min);
+                assert_eq!(err, nearest, "block {b} [{i}]: {v} -> {got}");
+                assert!(err <= 0.5 * amax, "block {b} [{i}]: {v} -> {got}");
+                se += (err as f64).powi(2);
+                sx += (v as f64).powi(2);
+            }
+        }
+        let rel = (se / sx).sqrt();
+        assert!(rel < 0.15 && rel > 0.01, "relative RMS error {rel}");
+    }
 
     /// Quantize then dequantize: the error of each element is bounded by the type's step size,
     /// measured here relative to the row's largest magnitude.

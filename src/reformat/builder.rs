@@ -124,6 +124,8 @@ impl GstBuilder {
             ("attn_q.bias", &lw.bq),
             ("attn_k.bias", &lw.bk),
             ("attn_v.bias", &lw.bv),
+            ("attn_output.bias", &lw.bo),
+            ("attn_sinks.weight", &lw.attn_sinks),
             ("attn_q_norm.weight", &lw.q_norm),
             ("attn_k_norm.weight", &lw.k_norm),
             ("post_attention_norm.weight", &lw.post_attn_norm),

@@ -249,6 +249,17 @@ fn write_experts(w: &mut GstWriter, l: usize, e: &ExpertWeights, to: Option<Ggml
             to,
         )?;
     }
+    if let Some(b) = &e.biases {
+        // gpt-oss: resident vectors (each expert's slice in expert order), one F32 row each.
+        for (what, v) in [
+            ("ffn_gate_inp.bias", &b.router),
+            ("ffn_gate_exps.bias", &b.gate),
+            ("ffn_up_exps.bias", &b.up),
+            ("ffn_down_exps.bias", &b.down),
+        ] {
+            w.matrix(&n(what), GgmlType::F32, 1, v.len(), &f32_bytes(v))?;
+        }
+    }
     if let Some((f, gate)) = &e.shared {
         let names = [
             n("ffn_gate_shexp.weight"),

@@ -330,7 +330,10 @@ impl Reply {
         let logprobs = self.logprobs_json(&g.tokens, &g.logprobs, 0);
         let choice = match self.kind {
             Kind::Completion => json!({"index": 0, "text": g.text, "logprobs": logprobs, "finish_reason": finish}),
-            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": g.text},
+            // A gpt-oss (Harmony) reply: the answer is its final channel; the analysis before it
+            // is left out (a reply without one is given whole).
+            Kind::Chat => json!({"index": 0, "message": {"role": "assistant",
+                                 "content": crate::model::chat::harmony_final(&g.text)},
                                  "logprobs": logprobs, "finish_reason": finish}),
         };
         json!({"id": self.id, "object": self.object(false), "created": self.created, "model": self.model,

@@ -185,6 +185,13 @@ pub fn write_moe(
             arch.name()
         )));
     }
+    if arch == Arch::GptOss {
+        return Err(Error::Invalid(
+            "make-moe does not write gpt-oss (its sinks, biases and clamped experts are not in a dense \
+             model to upcycle); `make-model --arch gpt-oss --shape custom` writes one"
+                .into(),
+        ));
+    }
     if spec.used == 0 || spec.used > spec.experts || spec.experts > 256 {
         return Err(Error::Invalid(format!(
             "{} experts with {} used per token: need 1 <= used <= experts <= 256",

@@ -85,6 +85,8 @@ pub const SHAPE_NAMES: &[&str] = &[
     "deepseek-v2-lite",
     "deepseek-v3",
     "kimi-k2",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
 ];
 
 /// The DeepSeek-V2/V3 shapes (`deepseek2`: latent attention, shared experts, leading dense
@@ -200,6 +202,12 @@ fn deepseek_shape(name: &str) -> Option<Shape> {
         mla: Some(mla),
     })
 }
+
+/// gpt-oss's attention window on its local layers, and its YaRN RoPE scaling (factor, original
+/// context), as the released configs give them; `make-model` writes every gpt-oss shape with
+/// them.
+pub const GPT_OSS_SLIDING_WINDOW: usize = 128;
+pub const GPT_OSS_YARN: (f32, usize) = (32.0, 4096);
 
 impl Shape {
     /// A named shape (the dimensions of the released model's config).
@@ -433,6 +441,26 @@ impl Shape {
                 false,
                 Some((64, 8)),
             ),
+            // openai/gpt-oss-20b and -120b: 2880 wide, 64 query heads of 64 (q_dim 4096 ≠
+            // hidden), 8 KV heads, experts 2880 wide, o200k_harmony's 201088 tokens.
+            "gpt-oss-20b" | "gpt-oss-120b" => {
+                let big = name == "gpt-oss-120b";
+                (
+                    Arch::GptOss,
+                    2880,
+                    2880,
+                    if big { 36 } else { 24 },
+                    64,
+                    8,
+                    64,
+                    201_088,
+                    131_072,
+                    150_000.0,
+                    1e-5,
+                    false,
+                    Some((if big { 128 } else { 32 }, 4)),
+                )
+            }
             other => {
                 return Err(Error::Invalid(format!(
                     "--shape {other}: not a shape this build knows; give one of {} or `custom` with its dimensions",
@@ -551,8 +579,10 @@ impl Shape {
             (Arch::Qwen2 | Arch::Qwen3, Some(_)) => {
                 return bad(format!("{} has no experts (qwen3moe and olmoe do)", self.arch.name()))
             }
-            (Arch::Qwen3Moe | Arch::Olmoe, None) => return bad(format!("{} needs --experts", self.arch.name())),
-            (Arch::Qwen3Moe | Arch::Olmoe, Some(_)) => {}
+            (Arch::Qwen3Moe | Arch::Olmoe | Arch::GptOss, None) => {
+                return bad(format!("{} needs --experts", self.arch.name()))
+            }
+            (Arch::Qwen3Moe | Arch::Olmoe | Arch::GptOss, Some(_)) => {}
             (Arch::Deepseek2, _) => {}
             (a, _) => return bad(format!("{} is not an architecture make-model writes", a.name())),
         }
@@ -621,6 +651,9 @@ pub enum Mix {
     Q6K,
     /// `Q8_0` everywhere.
     Q8_0,
+    /// `MXFP4_MOE` (how gpt-oss is published): MXFP4 experts, Q8_0 for every other matrix
+    /// (the embedding and output included).
+    Mxfp4Moe,
 }
 
 /// What a matrix is, for the type rules.
@@ -643,6 +676,7 @@ impl Mix {
             Mix::Q4KM => "Q4_K_M",
             Mix::Q6K => "Q6_K",
             Mix::Q8_0 => "Q8_0",
+            Mix::Mxfp4Moe => "MXFP4_MOE",
         }
     }
 
@@ -652,6 +686,7 @@ impl Mix {
             Mix::Q4KM => 15,
             Mix::Q6K => 18,
             Mix::Q8_0 => 7,
+            Mix::Mxfp4Moe => 38,
         }
     }
 
@@ -665,6 +700,11 @@ impl Mix {
             Mix::Q4KM => GgmlType::Q4_K,
             Mix::Q6K => GgmlType::Q6_K,
             Mix::Q8_0 => GgmlType::Q8_0,
+            // llama-quant.cpp: three-dimensional (expert) tensors MXFP4, the rest Q8_0.
+            Mix::Mxfp4Moe => {
+                let expert = shape.experts.is_some() && matches!(role, Role::FfnGate | Role::FfnUp | Role::FfnDown);
+                return if expert { GgmlType::MXFP4 } else { GgmlType::Q8_0 };
+            }
         };
         let output_like = role == Role::Output || (role == Role::TokenEmbd && shape.tied);
         let ty = match role {
@@ -754,6 +794,24 @@ mod tests {
         for name in SHAPE_NAMES {
             Shape::named(name).unwrap().check().unwrap();
         }
+        let oss = Shape::named("gpt-oss-20b").unwrap();
+        let x = Mix::Mxfp4Moe;
+        for role in [Role::FfnGate, Role::FfnUp, Role::FfnDown] {
+            assert_eq!(x.matrix_type(&oss, role, 3, 2880), GgmlType::MXFP4);
+        }
+        for role in [
+            Role::TokenEmbd,
+            Role::Output,
+            Role::AttnQ,
+            Role::AttnK,
+            Role::AttnV,
+            Role::AttnOutput,
+        ] {
+            assert_eq!(x.matrix_type(&oss, role, 3, 2880), GgmlType::Q8_0);
+        }
+        // A dense model has no expert tensors: everything Q8_0.
+        let dense = Shape::named("llama3-8b").unwrap();
+        assert_eq!(x.matrix_type(&dense, Role::FfnUp, 0, 4096), GgmlType::Q8_0);
         assert!(Shape::named("llama3-9b").is_err());
     }
 

@@ -83,6 +83,15 @@ fn random_block(ty: GgmlType, gain: f32, rng: &mut Rng, out: &mut [u8]) {
             out[0..2].copy_from_slice(&f16(d));
             fill_random(rng, &mut out[2..22]);
         }
+        GgmlType::MXFP4 => {
+            // An E8M0 scale e, 32 random FP4 codes (doubled values 0..12, mean square 34.25):
+            // value = 2^(e - 128)·code. The scale is a power of two: the block's is the one
+            // that gives the target spread or half it (mean square 0.625 of the larger's).
+            let top = (0.02 * gain / (0.625f32 * 34.25).sqrt()).log2().round() as i32;
+            let e = (top + 128 - (rng.unit() < 0.5) as i32).clamp(0, 254);
+            out[0] = e as u8;
+            fill_random(rng, &mut out[1..17]);
+        }
         _ => unreachable!("random_block is only called for the types random_matrix accepts"),
     }
 }
@@ -92,10 +101,10 @@ fn random_block(ty: GgmlType, gain: f32, rng: &mut Rng, out: &mut [u8]) {
 pub fn random_matrix(ty: GgmlType, rows: usize, cols: usize, gain: f32, seed: u64) -> Result<Vec<u8>> {
     if !matches!(
         ty,
-        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::Q5_0
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q8_0 | GgmlType::Q5_0 | GgmlType::MXFP4
     ) {
         return Err(Error::Invalid(format!(
-            "random weights are made as Q5_0, Q8_0, Q4_K, Q5_K or Q6_K blocks, not {}",
+            "random weights are made as Q5_0, Q8_0, Q4_K, Q5_K, Q6_K or MXFP4 blocks, not {}",
             ty.name()
         )));
     }
@@ -129,6 +138,13 @@ pub fn random_norm(len: usize, seed: u64) -> Vec<f32> {
 pub fn random_bias(len: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng(seed);
     (0..len).map(|_| 0.1 * rng.normal()).collect()
+}
+
+/// gpt-oss's attention sinks, one logit per head: about 3 (3 + 1.5·N(0,1)), so each takes a
+/// share of its head's probability comparable to a window's positions' (they matter).
+pub fn random_sinks(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng(seed);
+    (0..len).map(|_| 3.0 + 1.5 * rng.normal()).collect()
 }
 
 /// A router `[experts, hidden]`: logits of standard deviation ~3 for a unit-RMS input (the
@@ -167,6 +183,7 @@ mod tests {
             GgmlType::Q6_K,
             GgmlType::Q8_0,
             GgmlType::Q5_0,
+            GgmlType::MXFP4,
         ] {
             let (rows, cols) = (130, 512);
             let a = random_matrix(ty, rows, cols, 1.0, 7).unwrap();

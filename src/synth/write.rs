@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::shapes::{Mix, Role, Shape};
-use super::tensors::{dequantized_bytes, f32_bytes, name_seed, random_bias, random_matrix, random_norm, random_router};
+use super::tensors::{
+    dequantized_bytes, f32_bytes, name_seed, random_bias, random_matrix, random_norm, random_router, random_sinks,
+};
 use crate::config::{Arch, ModelConfig};
 use crate::error::{Error, Result};
 use crate::format::SourceInfo;
@@ -17,7 +19,7 @@ use crate::gguf::write::{gguf_header, TensorInfoOut};
 use crate::gguf::{GgufFile, MetaValue};
 use crate::model::forward::AttnWeights;
 use crate::model::tokenizer::{GgufVocab, TokenizerSpec};
-use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
+use crate::model::weights::{ExpertBiases, ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
 use crate::quant::GgmlType;
 use crate::reformat::{GstBuilder, ReformatOptions};
 use crate::tensor::Weight;
@@ -89,10 +91,13 @@ pub struct MakeReport {
 #[derive(Clone, Copy, Debug)]
 enum Fill {
     Norm,
+    /// Biases (a vector, or `[experts, width]` for experts' biases).
     Bias,
     /// An expert score bias: 0.3 N(0,1), about the spread of the experts' sigmoid scores, so
     /// it changes which experts are chosen.
     ScoreBias,
+    /// gpt-oss's attention sinks, one logit per head.
+    Sinks,
     Router,
     /// A matrix of `gen` type (the mix's; stored as F32 when dequantized) at `gain`.
     Matrix {
@@ -144,10 +149,11 @@ impl Planned {
         let cols = self.cols();
         match self.fill {
             Fill::Norm => Ok(f32_bytes(&random_norm(cols, s))),
-            Fill::Bias => Ok(f32_bytes(&random_bias(cols, s))),
+            Fill::Bias => Ok(f32_bytes(&random_bias(self.rows() * cols, s))),
             Fill::ScoreBias => Ok(f32_bytes(
                 &random_bias(cols, s).iter().map(|b| 3.0 * b).collect::<Vec<_>>(),
             )),
+            Fill::Sinks => Ok(f32_bytes(&random_sinks(cols, s))),
             Fill::Router => Ok(f32_bytes(&random_router(self.rows(), cols, s))),
             Fill::RopeFactors {
                 base,
@@ -288,10 +294,17 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                 t.push(vector(n("attn_q_norm.weight"), q, Fill::Norm));
                 t.push(vector(n("attn_k_norm.weight"), kv, Fill::Norm));
             }
+            Arch::GptOss => {
+                t.push(vector(n("attn_q.bias"), q, Fill::Bias));
+                t.push(vector(n("attn_k.bias"), kv, Fill::Bias));
+                t.push(vector(n("attn_v.bias"), kv, Fill::Bias));
+                t.push(vector(n("attn_output.bias"), h, Fill::Bias));
+                t.push(vector(n("attn_sinks.weight"), s.heads, Fill::Sinks));
+            }
             _ => {}
         }
-        // GLM's GGUF names its pre-FFN norm `post_attention_norm`.
-        let ffn_norm = if s.arch == Arch::Glm4Moe {
+        // GLM's and gpt-oss's GGUFs name the pre-FFN norm `post_attention_norm`.
+        let ffn_norm = if matches!(s.arch, Arch::Glm4Moe | Arch::GptOss) {
             "post_attention_norm.weight"
         } else {
             "ffn_norm.weight"
@@ -337,6 +350,23 @@ fn plan(spec: &MakeSpec, vocab: usize) -> Vec<Vec<Planned>> {
                     t.push(matrix(n("ffn_gate_shexp.weight"), Role::FfnGate, l, sf, h, 1.0));
                     t.push(matrix(n("ffn_up_shexp.weight"), Role::FfnUp, l, sf, h, 1.0));
                     t.push(matrix(n("ffn_down_shexp.weight"), Role::FfnDown, l, h, sf, g));
+                }
+                if s.arch == Arch::GptOss {
+                    // The router's and each expert's biases, `[experts, width]` (GGUF dims
+                    // `{width, experts}`, as llama.cpp's loader asks).
+                    t.push(vector(n("ffn_gate_inp.bias"), e, Fill::Bias));
+                    for (what, width) in [
+                        ("ffn_gate_exps.bias", f),
+                        ("ffn_up_exps.bias", f),
+                        ("ffn_down_exps.bias", h),
+                    ] {
+                        t.push(Planned {
+                            name: n(what),
+                            shape: vec![e, width],
+                            ty: GgmlType::F32,
+                            fill: Fill::Bias,
+                        });
+                    }
                 }
             }
         }
@@ -486,7 +516,7 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
     if let Some((e, k)) = s.experts {
         m.push((format!("{a}.expert_count"), u(e)));
         m.push((format!("{a}.expert_used_count"), u(k)));
-        if matches!(s.arch, Arch::Qwen3Moe | Arch::Glm4Moe | Arch::Deepseek2) {
+        if matches!(s.arch, Arch::Qwen3Moe | Arch::Glm4Moe | Arch::Deepseek2 | Arch::GptOss) {
             m.push((format!("{a}.expert_feed_forward_length"), u(s.ffn)));
         }
     }
@@ -507,6 +537,17 @@ fn metadata(spec: &MakeSpec, vocab: &GgufVocab) -> Vec<(String, MetaValue)> {
             m.push((format!("{a}.expert_group_count"), u(n)));
             m.push((format!("{a}.expert_group_used_count"), u(used)));
         }
+    }
+    if s.arch == Arch::GptOss {
+        // As convert_hf_to_gguf.py writes the released configs'.
+        let (factor, original) = super::shapes::GPT_OSS_YARN;
+        m.push((
+            format!("{a}.attention.sliding_window"),
+            u(super::shapes::GPT_OSS_SLIDING_WINDOW),
+        ));
+        m.push((format!("{a}.rope.scaling.type"), MetaValue::Str("yarn".into())));
+        m.push((format!("{a}.rope.scaling.factor"), MetaValue::F32(factor)));
+        m.push((format!("{a}.rope.scaling.original_context_length"), u(original)));
     }
     m.extend(crate::model::gguf_vocab_metadata(vocab));
     m
@@ -654,8 +695,10 @@ pub fn write_model(
     let meta = metadata(spec, &vocab_tokens);
     let meta_refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
     let mut config = config_of(&meta_refs, vocab, out, &spec.shape)?;
-    // (A tensor, not metadata, in the GGUF.)
-    config.rope_freq_factors = spec.shape.rope_freq_factors();
+    // (A tensor, not metadata, in the GGUF; YaRN's factors, gpt-oss's, come from the metadata.)
+    if let Some(f) = spec.shape.rope_freq_factors() {
+        config.rope_freq_factors = Some(f);
+    }
     let config = config.validate(out)?;
     let planned = plan(spec, vocab);
     let all: Vec<&Planned> = planned.iter().flatten().collect();
@@ -801,7 +844,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             .to_string();
         let bytes = made(p)?;
         match p.fill {
-            Fill::Norm | Fill::Bias | Fill::ScoreBias | Fill::RopeFactors { .. } => {
+            Fill::Norm | Fill::Bias | Fill::ScoreBias | Fill::Sinks | Fill::RopeFactors { .. } => {
                 vectors.push((short, floats(&bytes)))
             }
             Fill::Router | Fill::Matrix { .. } => {
@@ -817,6 +860,13 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         .expect("planned");
     let score_bias = vector("exp_probs_b.bias");
     let (bq, bk, bv) = (vector("attn_q.bias"), vector("attn_k.bias"), vector("attn_v.bias"));
+    let (bo, attn_sinks) = (vector("attn_output.bias"), vector("attn_sinks.weight"));
+    let expert_biases = vector("ffn_gate_inp.bias").map(|router| ExpertBiases {
+        router,
+        gate: vector("ffn_gate_exps.bias").expect("planned"),
+        up: vector("ffn_up_exps.bias").expect("planned"),
+        down: vector("ffn_down_exps.bias").expect("planned"),
+    });
     let (q_norm, k_norm) = (vector("attn_q_norm.weight"), vector("attn_k_norm.weight"));
     let mut matrix = |k: &str| {
         matrices
@@ -882,6 +932,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
                 })
                 .collect(),
             shared,
+            biases: expert_biases,
         }))
     };
     Ok(LayerWeights {
@@ -890,6 +941,8 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
         bq,
         bk,
         bv,
+        bo,
+        attn_sinks,
         q_norm,
         k_norm,
         post_attn_norm: None,
@@ -903,11 +956,6 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
 mod tests {
     use super::*;
 
-    /// GLM-4.5-Air's shape as `make-model` would write it (not written: 70 GB): the header's
-    /// keys read back as the configuration llama.cpp reads (46 layers, the first dense of 10944,
-    /// 128 experts of 1408 with 8 used, one shared expert, sigmoid routing with a score bias,
-    /// renormalized, half of each head rotated), and the tensors' count and sizes: 106.9 billion
-    /// parameters (the released model's 106B without its NextN layer), 70.4 GB in Q4_K_M.
     /// The DeepSeek shapes' headers read back as their models (latent attention's widths, the
     /// routing), with their released parameter counts: DeepSeek-V2-Lite 15.7B, DeepSeek-V3 671B,
     /// Kimi-K2 1.03T (no NextN layers written).
@@ -952,6 +1000,11 @@ mod tests {
         }
     }
 
+    /// GLM-4.5-Air's shape as `make-model` would write it (not written: 70 GB): the header's
+    /// keys read back as the configuration llama.cpp reads (46 layers, the first dense of 10944,
+    /// 128 experts of 1408 with 8 used, one shared expert, sigmoid routing with a score bias,
+    /// renormalized, half of each head rotated), and the tensors' count and sizes: 106.9 billion
+    /// parameters (the released model's 106B without its NextN layer), 70.4 GB in Q4_K_M.
     #[test]
     fn glm_4_5_air_header_and_sizes() {
         let spec = MakeSpec {
@@ -999,5 +1052,91 @@ mod tests {
             .find(|p| p.name.ends_with("ffn_down_exps.weight"))
             .unwrap();
         assert_eq!((down.shape.clone(), down.ty), (vec![128, 4096, 1408], GgmlType::Q5_0));
+    }
+
+    /// The gpt-oss shapes as planned (nothing written): the released models' parameter counts
+    /// (20.91B and 116.83B, as llama.cpp reports them), MXFP4 experts and Q8_0 elsewhere with
+    /// F32 vectors and router (about 12.1 and 63.4 GB of tensors), llama.cpp's tensor names and
+    /// dims (biases `{width, experts}`, sinks per head, the FFN norm as `post_attention_norm`),
+    /// and a header read back as the configuration gatestream runs (window 128 on even layers,
+    /// YaRN, top-4 of 32 or 128 experts with gpt-oss routing).
+    #[test]
+    fn gpt_oss_shapes_plan_the_released_sizes_and_header() {
+        for (name, layers, experts, bytes, params) in [
+            ("gpt-oss-20b", 24, 32, 12_096_558_336u64, 20_914_757_184u64),
+            ("gpt-oss-120b", 36, 128, 63_374_323_968, 116_829_156_672),
+        ] {
+            let shape = Shape::named(name).unwrap();
+            shape.check().unwrap();
+            assert_eq!((shape.layers, shape.experts), (layers, Some((experts, 4))));
+            let spec = MakeSpec {
+                shape,
+                mix: Mix::Mxfp4Moe,
+                dequantize: false,
+                tokenizer: TokenizerChoice::Synthetic,
+                seed: 1,
+                residual_gain: 0.1,
+            };
+            let planned = plan(&spec, 201_088);
+            let all: Vec<&Planned> = planned.iter().flatten().collect();
+            assert_eq!(all.iter().map(|p| p.len_bytes()).sum::<u64>(), bytes, "{name}");
+            let count: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
+            assert_eq!(count, params, "{name}");
+            let find = |n: &str| {
+                *all.iter()
+                    .find(|p| p.name == n)
+                    .unwrap_or_else(|| panic!("{name}: no {n}"))
+            };
+            for t in ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"] {
+                let p = find(&format!("blk.3.{t}.weight"));
+                assert_eq!(
+                    (p.ty, p.dims()),
+                    (GgmlType::MXFP4, vec![2880, 2880, experts as u64]),
+                    "{t}"
+                );
+                let b = find(&format!("blk.3.{t}.bias"));
+                assert_eq!((b.ty, b.dims()), (GgmlType::F32, vec![2880, experts as u64]), "{t}");
+            }
+            for (t, dims) in [
+                ("token_embd.weight", vec![2880, 201_088]),
+                ("output.weight", vec![2880, 201_088]),
+                ("blk.0.attn_q.weight", vec![2880, 4096]),
+                ("blk.0.attn_k.weight", vec![2880, 512]),
+                ("blk.0.attn_output.weight", vec![4096, 2880]),
+            ] {
+                assert_eq!((find(t).ty, find(t).dims()), (GgmlType::Q8_0, dims), "{t}");
+            }
+            for (t, dims) in [
+                ("blk.0.attn_sinks.weight", vec![64]),
+                ("blk.0.attn_output.bias", vec![2880]),
+                ("blk.0.attn_q.bias", vec![4096]),
+                ("blk.0.post_attention_norm.weight", vec![2880]),
+                ("blk.0.ffn_gate_inp.weight", vec![2880, experts as u64]),
+                ("blk.0.ffn_gate_inp.bias", vec![experts as u64]),
+            ] {
+                assert_eq!((find(t).ty, find(t).dims()), (GgmlType::F32, dims), "{t}");
+            }
+            let vocab = synthetic_vocab(201_088);
+            let meta = metadata(&spec, &vocab);
+            let refs: Vec<(&str, MetaValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            let c = config_of(&refs, 201_088, Path::new("gpt-oss.gguf"), &spec.shape).unwrap();
+            assert_eq!(
+                (c.arch, c.n_layers, c.hidden, c.ffn),
+                (Arch::GptOss, layers, 2880, 2880)
+            );
+            assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim()), (64, 8, 64, 4096));
+            assert_eq!((c.sliding_window, c.sliding_pattern), (Some(128), 2));
+            assert!(c.layer_is_local(0) && !c.layer_is_local(1));
+            assert!(c.attn_sinks && c.attn_bias && c.rope_freq_factors.is_some());
+            assert_eq!((c.rope_theta, c.context_len), (150_000.0, 131_072));
+            // YaRN factor 32: q·k scaled by (1 + 0.1 ln 32)^2 / sqrt(64).
+            assert!((c.attn_scale - (1.0 + 0.1 * 32f32.ln()).powi(2) / 8.0).abs() < 1e-6);
+            let m = c.moe.unwrap();
+            assert_eq!((m.n_experts, m.n_used, m.normalize), (experts, 4, false));
+            assert!(m.softmax_after_topk && m.oai_experts);
+            assert!(meta
+                .iter()
+                .any(|(k, v)| k == "general.file_type" && *v == MetaValue::U32(38)));
+        }
     }
 }

@@ -427,7 +427,7 @@ impl Device for CudaDevice {
         positions: &[usize],
         seq_of_token: &[usize],
         caches: &[&mut KvCache],
-        shape: AttnShape,
+        shape: AttnShape<'_>,
     ) -> Act {
         let mut out = self.act(q.rows, q.width);
         if positions.is_empty() {

@@ -318,9 +318,9 @@ pub(crate) enum Command {
         json: bool,
     },
     /// Write a model of a real architecture's shape with random weights — Llama-3-8B/70B,
-    /// Qwen2.5-1.5B/7B/32B, Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B, GLM-4.5-Air, or custom
-    /// dimensions —
-    /// in the type mix llama.cpp's quantizer gives it (Q4_K_M, Q6_K or Q8_0), with a real
+    /// Qwen2.5-1.5B/7B/32B, Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B, GLM-4.5-Air,
+    /// DeepSeek-V2-Lite/V3, Kimi-K2, gpt-oss-20b/120b, or custom dimensions — in the type mix
+    /// llama.cpp's quantizer gives it (Q4_K_M, Q6_K, Q8_0 or MXFP4_MOE), with a real
     /// tokenizer, as a GGUF llama.cpp loads or as a .gst directly (a tensor at a time: memory
     /// stays at about one layer). Random weights make quality figures (perplexity, agreement,
     /// draft acceptance) meaningless; their bytes, shapes and types are real, so speeds, bytes
@@ -334,9 +334,10 @@ pub(crate) enum Command {
         #[arg(long)]
         shape: String,
         /// The type mix: q4_k_m (llama.cpp's Q4_K_M rules: Q6_K output and some attn_v/ffn_down),
-        /// q6_k or q8_0.
-        #[arg(long, value_enum, default_value_t = MixArg::Q4KM)]
-        mix: MixArg,
+        /// q6_k, q8_0 or mxfp4_moe (MXFP4 experts, Q8_0 elsewhere: how gpt-oss is published;
+        /// the default for the gpt-oss shapes).
+        #[arg(long, value_enum)]
+        mix: Option<MixArg>,
         /// gguf or gst (default: from OUTPUT's extension).
         #[arg(long, value_enum)]
         format: Option<ModelFormatArg>,
@@ -354,8 +355,9 @@ pub(crate) enum Command {
         tokenizer: Option<String>,
         /// Custom shapes: llama, qwen2, qwen3, qwen3moe, olmoe, glm4moe (GLM-4.5: sigmoid
         /// routing with a score bias, renormalized; a shared expert; leading dense layers;
-        /// half of each head rotated; Q/K/V biases) or deepseek2 (latent attention: --mla; with
-        /// --experts, routed as glm4moe, without its biases and partial RoPE).
+        /// half of each head rotated; Q/K/V biases), deepseek2 (latent attention: --mla; with
+        /// --experts, routed as glm4moe, without its biases and partial RoPE) or gpt-oss (sliding
+        /// window 128 on even layers, YaRN factor 32 from 4096, as the released models).
         #[arg(long, value_enum, default_value_t = MakeArchArg::Llama)]
         arch: MakeArchArg,
         #[arg(long)]
@@ -684,6 +686,8 @@ pub(crate) enum MixArg {
     Q6K,
     #[value(name = "q8_0")]
     Q8_0,
+    #[value(name = "mxfp4_moe")]
+    Mxfp4Moe,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -701,6 +705,8 @@ pub(crate) enum MakeArchArg {
     Olmoe,
     Deepseek2,
     Glm4moe,
+    #[value(name = "gpt-oss")]
+    GptOss,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -112,6 +112,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             MakeArchArg::Olmoe => Arch::Olmoe,
             MakeArchArg::Deepseek2 => Arch::Deepseek2,
             MakeArchArg::Glm4moe => Arch::Glm4Moe,
+            MakeArchArg::GptOss => Arch::GptOss,
         };
         let mla = match (arch, mla.as_deref()) {
             (Arch::Deepseek2, Some(text)) => {
@@ -170,8 +171,12 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
             // 0: the tokenizer's (a vocabulary padded to 0 tokens is the tokenizer's own).
             vocab: vocab.unwrap_or(0),
             context_len: 4096,
-            rope_theta: if arch == Arch::Llama { 10000.0 } else { 1e6 },
-            rms_eps: 1e-6,
+            rope_theta: match arch {
+                Arch::Llama => 10000.0,
+                Arch::GptOss => 150_000.0,
+                _ => 1e6,
+            },
+            rms_eps: if arch == Arch::GptOss { 1e-5 } else { 1e-6 },
             tied: false,
             experts: match (experts, experts_used) {
                 (None, None) => None,
@@ -248,13 +253,16 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         }),
         f => f,
     };
+    let mix = match mix {
+        None if shape.arch == Arch::GptOss => Mix::Mxfp4Moe,
+        None | Some(MixArg::Q4KM) => Mix::Q4KM,
+        Some(MixArg::Q6K) => Mix::Q6K,
+        Some(MixArg::Q8_0) => Mix::Q8_0,
+        Some(MixArg::Mxfp4Moe) => Mix::Mxfp4Moe,
+    };
     let spec = MakeSpec {
         shape,
-        mix: match mix {
-            MixArg::Q4KM => Mix::Q4KM,
-            MixArg::Q6K => Mix::Q6K,
-            MixArg::Q8_0 => Mix::Q8_0,
-        },
+        mix,
         dequantize: false,
         tokenizer,
         seed,

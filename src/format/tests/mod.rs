@@ -51,6 +51,7 @@ pub(super) fn config() -> ModelConfig {
         // (0: the whole head.)
         rope_dim: 0,
         nextn_layers: 0,
+        attn_sinks: false,
     }
 }
 

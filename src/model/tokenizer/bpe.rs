@@ -25,10 +25,15 @@ pub(super) enum PreTokenizer {
     Gpt2Digits,
     Qwen2,
     Llama3,
+    /// `LLAMA_VOCAB_PRE_TYPE_GPT4O` (o200k: gpt-oss's `gpt-4o`, `llama4`).
+    Gpt4o,
 }
 
 const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// o200k's split as its tokenizer.json gives it (llama.cpp rewrites the case-insensitive
+/// contractions for std::regex; fancy-regex reads the original).
+const GPT4O_REGEX: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 impl PreTokenizer {
@@ -49,12 +54,13 @@ impl PreTokenizer {
                 "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
                 | "jina-v5-nano",
             ) => PreTokenizer::Llama3,
+            Some("gpt-4o" | "llama4") => PreTokenizer::Gpt4o,
             Some(other) => {
                 return Err(tok_err(
                     path,
                     format!(
                         "tokenizer.ggml.pre `{other}` is not supported; supported: default, gpt-2, \
-                         smollm, starcoder, qwen2, llama-bpe and their aliases"
+                         smollm, starcoder, qwen2, llama-bpe, gpt-4o and their aliases"
                     ),
                 ))
             }
@@ -69,6 +75,7 @@ impl PreTokenizer {
             PreTokenizer::Gpt2Digits => &[r"\p{N}", GPT2_REGEX],
             PreTokenizer::Qwen2 => &[QWEN2_REGEX],
             PreTokenizer::Llama3 => &[LLAMA3_REGEX],
+            PreTokenizer::Gpt4o => &[GPT4O_REGEX],
         }
     }
 

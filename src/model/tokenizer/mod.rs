@@ -157,6 +157,9 @@ const STOP_TOKEN_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
+    // o200k_harmony (gpt-oss): the end of a reply, and of a tool call.
+    "<|return|>",
+    "<|call|>",
     "<end_of_turn>",
     "<|endoftext|>",
     "</s>",
@@ -275,6 +278,19 @@ impl Tokenizer {
             if STOP_TOKEN_TEXTS.contains(&text.as_str()) {
                 kinds[id] = TokenKind::Control;
                 stop_ids.push(id as u32);
+            }
+        }
+        // As llama.cpp: with o200k_harmony's `<|return|>` and `<|call|>`, `<|end|>` closes a
+        // message (the analysis before the answer), not the reply, and is shown as text; its
+        // `<|channel|>`, `<|message|>`, `<|start|>` and `<|constrain|>` are shown too.
+        let id_of = |text: &str| v.tokens.iter().position(|t| t == text);
+        if let (Some(_), Some(_), Some(end)) = (id_of("<|return|>"), id_of("<|call|>"), id_of("<|end|>")) {
+            stop_ids.retain(|&id| id as usize != end);
+            kinds[end] = TokenKind::UserDefined;
+            for text in ["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"] {
+                if let Some(id) = id_of(text) {
+                    kinds[id] = TokenKind::UserDefined;
+                }
             }
         }
         stop_ids.sort_unstable();

@@ -413,3 +413,80 @@ fn bad_input_is_an_error() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(matches!(truncated, Err(Error::Malformed { .. })), "{truncated:?}");
 }
+
+/// o200k_harmony's (gpt-oss's) markers on SmolLM2's vocabulary (in place of seven of its control
+/// tokens): `<|return|>` and `<|call|>` stop generation, `<|end|>` then does not (as llama.cpp:
+/// it closes the analysis message, not the reply) and shows in the text with `<|channel|>`,
+/// `<|message|>` and `<|start|>`, so a reply's final channel can be found
+/// ([`crate::model::chat::harmony_final`]).
+#[test]
+fn harmony_markers_stop_and_show_as_llama_cpp() {
+    let path = model_path("smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mut v = read_gguf_vocab(&path);
+    let markers = [
+        "<|return|>",
+        "<|call|>",
+        "<|end|>",
+        "<|channel|>",
+        "<|message|>",
+        "<|start|>",
+        "<|constrain|>",
+    ];
+    for (i, m) in markers.iter().enumerate() {
+        v.tokens[3 + i] = m.to_string();
+    }
+    let tok = Tokenizer::from_gguf(&path, &v).unwrap();
+    assert!(tok.is_stop(3) && tok.is_stop(4), "<|return|> and <|call|> stop");
+    assert!(!tok.is_stop(5), "<|end|> does not stop beside <|return|> and <|call|>");
+    let reply = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi<|return|>";
+    let ids = tok.encode(reply, false).unwrap();
+    for id in [3, 5, 6, 7, 8] {
+        assert!(ids.contains(&id), "marker {id} parsed in {ids:?}");
+    }
+    let text = tok.decode(&ids).unwrap();
+    assert_eq!(
+        text,
+        "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi"
+    );
+    assert_eq!(crate::model::chat::harmony_final(&text), "Hi");
+    // Without `<|call|>`, `<|end|>` keeps stopping (another family's end of turn).
+    let mut v = read_gguf_vocab(&path);
+    v.tokens[3] = "<|return|>".into();
+    v.tokens[5] = "<|end|>".into();
+    let tok = Tokenizer::from_gguf(&path, &v).unwrap();
+    assert!(tok.is_stop(3) && tok.is_stop(5));
+}
+
+/// gpt-oss's `gpt-4o` pre-tokenizer (o200k's split): words with their case pattern and
+/// contraction, numbers in threes, punctuation runs with trailing newlines or slashes,
+/// newline runs.
+#[test]
+fn gpt4o_pre_tokenizer_splits_as_o200k() {
+    let path = Path::new("gpt4o.gguf");
+    let pre = PreTokenizer::from_gguf_pre(path, Some("gpt-4o")).unwrap();
+    let tokens: Vec<String> = ["a", "b"].iter().map(|s| s.to_string()).collect();
+    let tok = byte_level_bpe(path, &tokens, &[], pre).unwrap();
+    use tokenizers::tokenizer::PreTokenizer as _;
+    let mut pieces = tokenizers::PreTokenizedString::from("Hello World's HTTPServer 12345 a/b!!\n\n c");
+    tok.get_pre_tokenizer().unwrap().pre_tokenize(&mut pieces).unwrap();
+    let got: Vec<String> = pieces
+        .get_splits(tokenizers::OffsetReferential::Original, tokenizers::OffsetType::Byte)
+        .iter()
+        .map(|(p, _, _)| p.replace('\u{120}', " ").replace('\u{10a}', "\n"))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            "Hello",
+            " World's",
+            " HTTPServer",
+            " ",
+            "123",
+            "45",
+            " a",
+            "/b",
+            "!!\n\n",
+            " c"
+        ]
+    );
+}
