@@ -1589,3 +1589,82 @@ fn glm4moe_is_refused_by_a_device_without_partial_rope() {
         prompt_then_greedy(&load(&path), None, None, text, 2)
     );
 }
+
+/// A routing trace of glm4moe (recorded by the streamed runtime) leaves its leading dense layer's
+/// records empty (and writes no bytes for them), reads back equal, and `bench` replays it: the
+/// one layer of experts routes 2 a token, and a cache of every expert reads each at most once.
+#[test]
+fn glm4moe_routing_traces_skip_the_dense_layer() {
+    use gatestream::bench::experts::{bench_experts, ExpertBenchOptions};
+    use gatestream::bench::trace::AnyTrace;
+    use gatestream::bench::{BenchOptions, EngineConfig};
+    use gatestream::runtime::{KvPositions, OpenOptions};
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = glm_file(tmp.path(), "glm.gguf", 2, false);
+    let gst = tmp.path().join("glm.gst");
+    gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).unwrap();
+    let rt = gatestream::runtime::open(
+        &gst,
+        &OpenOptions {
+            threads: 1,
+            stream: Some(pread_stream(1 << 30, 1)),
+            sparse: None,
+            kv_positions: KvPositions::Exactly(32),
+            experts_used: None,
+        },
+    )
+    .unwrap();
+    let out = rt.generate(&[1], &greedy(8), true, None, &mut |_| {}).unwrap();
+    let Some(AnyTrace::Routes(trace)) = out.trace else {
+        panic!("no routing trace")
+    };
+    let h = &trace.header;
+    assert_eq!((h.n_layers, h.leading_dense, h.n_experts, h.n_used), (2, 1, 6, 2));
+    assert_eq!(h.tokens, out.generation.tokens.len());
+    assert!(trace.records.iter().all(|t| t[0].is_empty() && t[1].len() == 2));
+    let path = tmp.path().join("routes.trace");
+    AnyTrace::Routes(trace.clone()).write(&path).unwrap();
+    let AnyTrace::Routes(back) = AnyTrace::read(&path).unwrap() else {
+        panic!("read back as another kind")
+    };
+    assert_eq!(back, trace);
+    let bench = BenchOptions {
+        engines: vec![EngineConfig {
+            engine: "pread",
+            queue_depth: 8,
+            fixed_buffers: false,
+        }],
+        tokens: usize::MAX,
+        gate_streamed: false,
+        cache_neurons: 0,
+        baseline_sizes: vec![4096],
+        baseline_random_reads: 16,
+        baseline_seq_bytes: 1 << 20,
+        merge_gap_bytes: None,
+        token_batches: false,
+    };
+    let x = ExpertBenchOptions {
+        cache_experts: vec![0, 6],
+        policies: vec![CachePolicy::Lru],
+    };
+    let r = bench_experts(&gst, &[back], &bench, &x, &mut |_, _, _| {}).unwrap();
+    assert_eq!(r.passes.len(), 2);
+    for p in &r.passes {
+        assert_eq!(p.experts_routed_per_token, 2.0, "{p:?}");
+    }
+    let all = &r.passes[1];
+    assert!(all.experts_read_per_token * h.tokens as f64 <= 6.0, "{all:?}");
+    let e = bench_experts(
+        &gst,
+        &[trace],
+        &bench,
+        &ExpertBenchOptions {
+            cache_experts: vec![7],
+            policies: vec![CachePolicy::Lru],
+        },
+        &mut |_, _, _| {},
+    )
+    .expect_err("more than every expert")
+    .to_string();
+    assert!(e.contains("6 experts"), "{e}");
+}
