@@ -541,7 +541,8 @@ const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
 /// rotated, Q/K/V biases) as `make-model` writes it, in F32, with SmolLM2's tokenizer and the
 /// output norm scaled by 8 (as `small_qwen3_matches_llama_cpp`): perplexity within 0.1% of
 /// llama.cpp's on the same file; zeroing the score bias or rotating whole heads changes it; 16
-/// greedy tokens are llama.cpp's; with QK-norm added (GLM-4.5's 355B has it) llama.cpp's too.
+/// greedy tokens are llama.cpp's; with QK-norm added (GLM-4.5's 355B has it), and with grouped
+/// top-k (DeepSeek-V3's routing), llama.cpp's too.
 #[test]
 fn small_glm4moe_matches_llama_cpp() {
     use gatestream::config::Arch;
@@ -673,7 +674,33 @@ fn small_glm4moe_matches_llama_cpp() {
         rel < 0.001,
         "with QK-norm {p} vs llama.cpp {LLAMA_CPP_SMALL_GLM4MOE_QK_NORM}"
     );
+    // Grouped top-k (DeepSeek-V3's; llama.cpp applies it to any architecture whose file sets
+    // `expert_group_count`): the 8 experts in 4 groups of 2, the best 2 groups chosen from.
+    use gatestream::gguf::MetaValue;
+    let grouped_path = dir.join("glm4moe-small-grouped-f32.gguf");
+    let meta = vec![
+        ("glm4moe.expert_group_count".to_string(), MetaValue::U32(4)),
+        ("glm4moe.expert_group_used_count".to_string(), MetaValue::U32(2)),
+    ];
+    std::fs::write(&grouped_path, gguf_edited(&path, meta, vec![])).unwrap();
+    let grouped = Model::load(&grouped_path, &LoadOptions::default()).unwrap();
+    let gm = grouped.config.moe.as_ref().unwrap();
+    assert_eq!((gm.n_groups, gm.groups_used), (4, 2));
+    let p = perplexity(&grouped, &text, &opts, &mut |_, _, _| {})
+        .unwrap()
+        .perplexity;
+    eprintln!("glm4moe grouped: perplexity {p:.4}");
+    assert!(
+        (p - r.perplexity).abs() / r.perplexity > 0.001,
+        "grouping hardly matters: {p}"
+    );
+    let rel = (p - LLAMA_CPP_SMALL_GLM4MOE_GROUPED).abs() / LLAMA_CPP_SMALL_GLM4MOE_GROUPED;
+    assert!(
+        rel < 0.001,
+        "grouped {p} vs llama.cpp {LLAMA_CPP_SMALL_GLM4MOE_GROUPED}"
+    );
 }
+const LLAMA_CPP_SMALL_GLM4MOE_GROUPED: f64 = 2939186.6733;
 const LLAMA_CPP_SMALL_GLM4MOE_QK_NORM: f64 = 2879653.7289;
 const LLAMA_CPP_SMALL_GLM4MOE: f64 = 2956572.8416;
 const LLAMA_CPP_SMALL_GLM4MOE_GREEDY: &str = "primarily lax lax Magnetic Magnetic Magnetic poisons Magnetic poisons \
