@@ -288,9 +288,14 @@ struct FfnBytes {
     up_row: f64,
     down_col: f64,
     ffn: usize,
+    /// Layers of this FFN (a mixture of experts: its layers of experts).
     n_layers: usize,
     /// FFNs run per layer and token: 1, or the model's own experts per token.
     own_used: usize,
+    /// A mixture of experts' leading dense layers (GLM-4.5): their count, and their FFNs' bytes
+    /// per token (every neuron; masks run inside the routed experts only).
+    lead: usize,
+    lead_bytes: f64,
 }
 
 impl FfnBytes {
@@ -315,6 +320,16 @@ impl FfnBytes {
                 (&e.experts[0], e.router.len_bytes() + shared, used)
             }
         };
+        let lead = model.config.moe.as_ref().map_or(0, |m| m.leading_dense);
+        let lead_bytes: f64 = layers[..lead]
+            .iter()
+            .filter_map(|l| match &l.ffn {
+                LayerFfn::Dense(f) => {
+                    Some((f.gate.len_bytes() + f.up.len_bytes() + f.down.weight().len_bytes()) as f64)
+                }
+                LayerFfn::Experts(_) => None,
+            })
+            .sum();
         let down = ffn.down.weight();
         let down_col = match &ffn.down {
             FfnDown::Columns(w) => w.row_bytes,
@@ -326,8 +341,10 @@ impl FfnBytes {
             up_row: ffn.up.row_bytes as f64,
             down_col: down_col as f64,
             ffn: ffn.gate.rows,
-            n_layers: model.config.n_layers,
+            n_layers: model.config.n_layers - lead,
             own_used,
+            lead,
+            lead_bytes,
         })
     }
 
@@ -338,24 +355,27 @@ impl FfnBytes {
     /// Every neuron of `used` FFNs per layer and token (`None`: the model's own count).
     fn every_neuron(&self, used: Option<usize>) -> f64 {
         let k = used.unwrap_or(self.own_used) as f64;
-        self.n_layers as f64
-            * (self.fixed_layer + k * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col)))
+        self.lead_bytes
+            + self.n_layers as f64
+                * (self.fixed_layer + k * (self.gate_layer + self.ffn as f64 * (self.up_row + self.down_col)))
     }
 
     /// With per-layer mean up rows and sparsity per FFN run, `used` FFNs per layer and token
     /// (`None`: the model's own count).
     fn sparse(&self, up_rows: &[f32], achieved: &[f32], used: Option<usize>) -> f64 {
         let k = used.unwrap_or(self.own_used) as f64;
-        up_rows
-            .iter()
-            .zip(achieved)
-            .map(|(&u, &s)| {
-                self.fixed_layer
-                    + k * (self.gate_layer
-                        + u as f64 * self.up_row
-                        + (1.0 - s as f64) * self.ffn as f64 * self.down_col)
-            })
-            .sum()
+        self.lead_bytes
+            + up_rows
+                .iter()
+                .zip(achieved)
+                .skip(self.lead)
+                .map(|(&u, &s)| {
+                    self.fixed_layer
+                        + k * (self.gate_layer
+                            + u as f64 * self.up_row
+                            + (1.0 - s as f64) * self.ffn as f64 * self.down_col)
+                })
+                .sum::<f64>()
     }
 }
 
@@ -864,7 +884,9 @@ pub fn eval_with(
             ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
             top1_agreement: acc.agree as f64 / acc.count as f64,
             mean_kl: acc.kl / acc.count as f64,
-            achieved_sparsity_mean: achieved.iter().sum::<f32>() / achieved.len() as f32,
+            // (Over the layers masks run in: a mixture of experts' leading dense layers run whole.)
+            achieved_sparsity_mean: achieved[bytes.lead..].iter().sum::<f32>()
+                / achieved.len().saturating_sub(bytes.lead).max(1) as f32,
             achieved_sparsity_per_layer: achieved,
             ffn_bytes_per_token: b,
             ffn_bytes_rel_dense: b / dense_bytes,

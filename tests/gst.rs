@@ -563,8 +563,18 @@ fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) 
         experts,
         rope_factors: None,
         mla: None,
-        rope_dim: None,
-        routing: None,
+        // glm4moe: half of each head rotated, the first layer dense, a shared expert.
+        rope_dim: (arch == gatestream::config::Arch::Glm4Moe).then_some(32),
+        routing: (arch == gatestream::config::Arch::Glm4Moe).then_some(gatestream::synth::RoutingShape {
+            leading_dense: 1,
+            dense_ffn: 512,
+            shared_experts: 1,
+            sigmoid: true,
+            score_bias: true,
+            normalize: true,
+            routed_scale: 1.0,
+            groups: None,
+        }),
     }
 }
 
@@ -599,6 +609,7 @@ fn make_model_writes_the_gst_reformat_makes_of_the_gguf_it_writes() {
         (Arch::Llama, Some((8, 2)), Mix::Q4KM, None),
         (Arch::Qwen3Moe, Some((6, 2)), Mix::Q8_0, None),
         (Arch::Olmoe, Some((4, 2)), Mix::Q4KM, None),
+        (Arch::Glm4Moe, Some((4, 2)), Mix::Q4KM, None),
     ] {
         let spec = MakeSpec {
             shape: gatestream::synth::Shape {

@@ -724,7 +724,8 @@ const LLAMA_CPP_SMALL_DEEPSEEK2: [f64; 5] = [3052659.1363, 3053318.3280, 3026395
 /// rotated, Q/K/V biases) as `make-model` writes it, in F32, with SmolLM2's tokenizer and the
 /// output norm scaled by 8 (as `small_qwen3_matches_llama_cpp`): perplexity within 0.1% of
 /// llama.cpp's on the same file; zeroing the score bias or rotating whole heads changes it; 16
-/// greedy tokens are llama.cpp's.
+/// greedy tokens are llama.cpp's; with QK-norm added (GLM-4.5's 355B has it), and with grouped
+/// top-k (DeepSeek-V3's routing), llama.cpp's too.
 #[test]
 fn small_glm4moe_matches_llama_cpp() {
     use gatestream::config::Arch;
@@ -824,7 +825,68 @@ fn small_glm4moe_matches_llama_cpp() {
     // -no-cnv` on the same file continued with this text (a random model's: it repeats).
     let g = m.generate("Once upon a time", &greedy(16), &mut |_| {}).unwrap();
     assert_eq!(g.text, LLAMA_CPP_SMALL_GLM4MOE_GREEDY);
+    // GLM-4.5 (355B) has QK-norm: per-head `attn_q_norm` / `attn_k_norm` before RoPE, optional in
+    // llama.cpp. The same file with them added: llama.cpp's perplexity too, and not the figure
+    // without them.
+    let hd = 64;
+    let norms: Vec<(String, Vec<u64>, u32, Vec<u8>)> = (0..3)
+        .flat_map(|l| {
+            ["q", "k"].into_iter().map(move |w| {
+                let v: Vec<f32> = (0..hd)
+                    .map(|i| 1.0 + 0.5 * ((i * 7 + l * 3 + w.len()) as f32 * 0.37).sin())
+                    .collect();
+                (
+                    format!("blk.{l}.attn_{w}_norm.weight"),
+                    vec![hd as u64],
+                    0,
+                    f32_bytes(&v),
+                )
+            })
+        })
+        .collect();
+    let qk_path = dir.join("glm4moe-small-qk-norm-f32.gguf");
+    std::fs::write(&qk_path, gguf_edited(&path, vec![], norms)).unwrap();
+    let qk = Model::load(&qk_path, &LoadOptions::default()).unwrap();
+    assert!(qk.config.qk_norm && qk.weights.layers[2].k_norm.is_some());
+    let p = perplexity(&qk, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+    eprintln!("glm4moe with QK-norm: perplexity {p:.4}");
+    assert!(
+        (p - r.perplexity).abs() / r.perplexity > 0.001,
+        "QK-norm hardly matters: {p}"
+    );
+    let rel = (p - LLAMA_CPP_SMALL_GLM4MOE_QK_NORM).abs() / LLAMA_CPP_SMALL_GLM4MOE_QK_NORM;
+    assert!(
+        rel < 0.001,
+        "with QK-norm {p} vs llama.cpp {LLAMA_CPP_SMALL_GLM4MOE_QK_NORM}"
+    );
+    // Grouped top-k (DeepSeek-V3's; llama.cpp applies it to any architecture whose file sets
+    // `expert_group_count`): the 8 experts in 4 groups of 2, the best 2 groups chosen from.
+    use gatestream::gguf::MetaValue;
+    let grouped_path = dir.join("glm4moe-small-grouped-f32.gguf");
+    let meta = vec![
+        ("glm4moe.expert_group_count".to_string(), MetaValue::U32(4)),
+        ("glm4moe.expert_group_used_count".to_string(), MetaValue::U32(2)),
+    ];
+    std::fs::write(&grouped_path, gguf_edited(&path, meta, vec![])).unwrap();
+    let grouped = Model::load(&grouped_path, &LoadOptions::default()).unwrap();
+    let gm = grouped.config.moe.as_ref().unwrap();
+    assert_eq!((gm.n_groups, gm.groups_used), (4, 2));
+    let p = perplexity(&grouped, &text, &opts, &mut |_, _, _| {})
+        .unwrap()
+        .perplexity;
+    eprintln!("glm4moe grouped: perplexity {p:.4}");
+    assert!(
+        (p - r.perplexity).abs() / r.perplexity > 0.001,
+        "grouping hardly matters: {p}"
+    );
+    let rel = (p - LLAMA_CPP_SMALL_GLM4MOE_GROUPED).abs() / LLAMA_CPP_SMALL_GLM4MOE_GROUPED;
+    assert!(
+        rel < 0.001,
+        "grouped {p} vs llama.cpp {LLAMA_CPP_SMALL_GLM4MOE_GROUPED}"
+    );
 }
+const LLAMA_CPP_SMALL_GLM4MOE_GROUPED: f64 = 2939186.6733;
+const LLAMA_CPP_SMALL_GLM4MOE_QK_NORM: f64 = 2879653.7289;
 const LLAMA_CPP_SMALL_GLM4MOE: f64 = 2956572.8416;
 const LLAMA_CPP_SMALL_GLM4MOE_GREEDY: &str = "primarily lax lax Magnetic Magnetic Magnetic poisons Magnetic poisons \
                                               Magnetic poisons Magnetic poisons poisons Magnetic poisons";

@@ -1765,8 +1765,7 @@ fn glm4moe_routing_traces_skip_the_dense_layer() {
         },
         &mut |_, _, _| {},
     )
-    .err()
-    .expect("more than every expert")
+    .expect_err("more than every expert")
     .to_string();
     assert!(e.contains("6 experts"), "{e}");
 }
@@ -2024,4 +2023,44 @@ fn gpt_oss_streams_from_gguf_and_gst_like_in_ram() {
             }
         }
     }
+}
+
+/// `eval` on glm4moe: the dense row is `perplexity`'s; masks run inside the routed experts (the
+/// leading dense layer whole), so the achieved sparsity is the experts' and the FFN bytes count
+/// the dense layer in full.
+#[test]
+fn eval_on_glm4moe_masks_the_routed_experts_only() {
+    use gatestream::eval::{eval, EvalOptions};
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::sparsity::{Criterion, Strategy};
+    let tmp = tempfile::tempdir().unwrap();
+    let path = glm_file(tmp.path(), "glm.gguf", 2, false);
+    let model = load(&path);
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = EvalOptions {
+        ctx: 64,
+        windows: 2,
+        sparsities: vec![0.0, 0.5],
+        strategies: vec![Strategy::TopK],
+        criteria: vec![Criterion::Exact],
+        calibrate_tokens: 0,
+        max_ppl_increase_pct: 1e9,
+        per_layer_tokens: 0,
+        checkpoint: None,
+        windows_this_run: None,
+        jitter_seeds: 0,
+        experts: Some(vec![]),
+    };
+    let r = eval(&model, &text, "wiki", &opts, &mut |_, _, _| {}).unwrap().unwrap();
+    let rows = &r.rows;
+    let o = PerplexityOptions { ctx: 64, windows: 2 };
+    assert_eq!(
+        rows[0].perplexity,
+        perplexity(&model, &text, &o, &mut |_, _, _| {}).unwrap().perplexity
+    );
+    let masked = rows.iter().find(|x| x.strategy.is_some()).unwrap();
+    assert_eq!(masked.achieved_sparsity_mean, 0.5, "{masked:?}");
+    assert!(masked.perplexity != rows[0].perplexity, "{masked:?}");
+    let rel = masked.ffn_bytes_rel_dense;
+    assert!(rel > 0.5 && rel < 1.0, "{masked:?}");
 }

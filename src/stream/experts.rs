@@ -1,7 +1,7 @@
 //! Streaming a mixture-of-experts `.gst` model: everything but the routed experts stays
-//! resident (attention, routers, shared experts, norms, the output matrix), and each layer reads
-//! only the experts its tokens were routed to, each one contiguous section
-//! (`blk.L.ffn_exps.E`, docs/FORMAT.md). An expert cache holds whole experts within the budget,
+//! resident (attention, routers, shared experts, leading dense layers' FFNs, norms, the output
+//! matrix), and each layer reads only the experts its tokens were routed to, each one contiguous
+//! section (`blk.L.ffn_exps.E`, docs/FORMAT.md). An expert cache holds whole experts within the budget,
 //! replaced by least recent use (`lru`) or by how often each expert was routed to
 //! (`frequency`: the least-routed goes first, the least recent among equals). Lookahead (decode
 //! only): at layer l the next layer's router is applied to layer l's FFN input carried over to
@@ -744,7 +744,7 @@ impl super::Streamer {
             let mb = |b: u64| b as f64 / 1e6;
             return Err(Error::Invalid(format!(
                 "{}: --ram-budget {} is too small for this mixture-of-experts model: at least {} ({:.1} MB) is \
-                 needed for resident attention {:.1} MB, routers, shared experts, norms and output {:.1} MB, KV cache \
+                 needed for resident attention {:.1} MB, routers, shared experts, dense FFNs, norms and output {:.1} MB, KV cache \
                  and batch {:.1} MB, read buffers {:.1} MB, and room for one {:.1} MB expert",
                 model.path.display(),
                 opts.budget_bytes,

@@ -699,9 +699,15 @@ pub fn write_model(
     if let Some(f) = spec.shape.rope_freq_factors() {
         config.rope_freq_factors = Some(f);
     }
-    let config = config.validate(out)?;
     let planned = plan(spec, vocab);
     let all: Vec<&Planned> = planned.iter().flatten().collect();
+    if config.arch == Arch::Glm4Moe {
+        // (A GGUF's reader sees these optional tensors; the header alone does not.)
+        let has = |n: &str| all.iter().any(|p| p.name == n);
+        config.attn_bias = has("blk.0.attn_q.bias");
+        config.qk_norm = has("blk.0.attn_q_norm.weight");
+    }
+    let config = config.validate(out)?;
     let total: u64 = all.iter().map(|p| p.len_bytes()).sum();
     let parameters: u64 = all.iter().map(|p| p.shape.iter().product::<usize>() as u64).sum();
     if !matches!(format, OutputFormat::GgufHeaderOnly) {

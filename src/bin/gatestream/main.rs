@@ -287,7 +287,7 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
         if let Some(x) = &s.experts {
             eprintln!(
                 "streaming under {:.1} MB ({:.2} s to load what is resident): attention {:.1} MB, routers, shared \
-                 experts, norms and output {:.1} MB, buffers {:.1} MB, KV cache + batch {:.1} MB, {} expert cache of \
+                 experts, dense FFNs, norms and output {:.1} MB, buffers {:.1} MB, KV cache + batch {:.1} MB, {} expert cache of \
                  {} of {} experts ({:.1} MB){}",
                 mb(r.budget_bytes),
                 rt.stream_open_s,
