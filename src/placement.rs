@@ -1,7 +1,10 @@
 //! Automatic placement: what this process may use of the host's memory (its cgroup's limit and
 //! the kernel's MemAvailable, the smaller), and from that and the model's size, whether the model
-//! runs in RAM or streams from disk under a budget. `run` and `serve` take it when no
-//! `--ram-budget` is given (or `--ram-budget auto`); any explicit budget overrides it.
+//! runs in RAM or streams from disk under a budget; on a GPU, from its free memory, whether it
+//! holds the whole model or a budget of it (the rest copied across the link at each use). `run`
+//! and `serve` take it when no `--ram-budget` is given (or `--ram-budget auto`), the GPU's part
+//! when no `--vram-budget` is given either (or `--vram-budget auto`); any explicit budget
+//! overrides it.
 
 use std::path::Path;
 
@@ -117,6 +120,57 @@ pub struct Decision {
     pub memory: HostMemory,
     pub model_bytes: u64,
     pub context_bytes: u64,
+    /// On a GPU: what it holds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuDecision>,
+}
+
+/// What a GPU holds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum GpuPlaced {
+    /// Every weight the host holds (the whole model, or the resident part of a streamed one).
+    Whole,
+    /// What this budget holds (`--vram-budget`); the rest is copied across the link at each use.
+    Budget { budget_bytes: u64 },
+}
+
+/// The GPU's part of automatic placement, and from what.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GpuDecision {
+    pub placed: GpuPlaced,
+    /// The device's free memory when the run started.
+    pub free_bytes: u64,
+    /// What the GPU would hold without a budget: the model, or the host's budget when it streams.
+    pub weights_bytes: u64,
+}
+
+/// Device memory a run needs besides the weights, its KV cache and activations (the math
+/// libraries' workspaces, recorded graphs, the context itself): a twentieth of what is free, at
+/// least 256 MiB and at most 2 GiB.
+pub fn gpu_reserve_bytes(free_bytes: u64) -> u64 {
+    (free_bytes / 20).clamp(256 << 20, 2 << 30)
+}
+
+/// The GPU's choice, with `free_bytes` free, for weights of `weights_bytes` (the model, or the
+/// host's budget when it streams) and a context of `context_bytes`: the whole model when it,
+/// the context and [`gpu_reserve_bytes`] fit; otherwise a budget of what is free less the
+/// reserve (the streamer counts the context inside it, and refuses a budget below its minimum,
+/// naming it).
+pub fn decide_gpu(weights_bytes: u64, context_bytes: u64, free_bytes: u64) -> GpuDecision {
+    let reserve = gpu_reserve_bytes(free_bytes);
+    let placed = if weights_bytes.saturating_add(context_bytes).saturating_add(reserve) <= free_bytes {
+        GpuPlaced::Whole
+    } else {
+        GpuPlaced::Budget {
+            budget_bytes: free_bytes.saturating_sub(reserve),
+        }
+    };
+    GpuDecision {
+        placed,
+        free_bytes,
+        weights_bytes,
+    }
 }
 
 /// The choice for a model of `model_bytes` whose KV cache and activations take `context_bytes`,
@@ -141,6 +195,7 @@ pub fn decide(model_bytes: u64, context_bytes: u64, memory: &HostMemory) -> Deci
         memory: memory.clone(),
         model_bytes,
         context_bytes,
+        gpu: None,
     }
 }
 
@@ -148,8 +203,25 @@ impl Decision {
     /// One line for the user: what was chosen and why.
     pub fn describe(&self) -> String {
         let gb = |b: u64| b as f64 / 1e9;
+        let gpu = match &self.gpu {
+            None => String::new(),
+            Some(g) => match g.placed {
+                GpuPlaced::Whole => format!(
+                    "; the GPU holds it ({:.2} GB of weights; {:.2} GB free)",
+                    gb(g.weights_bytes),
+                    gb(g.free_bytes)
+                ),
+                GpuPlaced::Budget { budget_bytes } => format!(
+                    "; the GPU holds a {:.2} GB budget of its {:.2} GB ({:.2} GB free), the rest copied at each use \
+                     (--vram-budget overrides)",
+                    gb(budget_bytes),
+                    gb(g.weights_bytes),
+                    gb(g.free_bytes)
+                ),
+            },
+        };
         let mem = format!("{} {:.2} GB", self.memory.source, gb(self.memory.limit_bytes));
-        match self.placed {
+        let host = match self.placed {
             Placed::InRam => format!(
                 "placement: in RAM ({mem}; the model {:.2} GB, its context {:.2} GB and {:.2} GB overhead fit); \
                  --ram-budget streams instead",
@@ -164,7 +236,8 @@ impl Decision {
                 gb(self.model_bytes),
                 gb(self.context_bytes)
             ),
-        }
+        };
+        host + &gpu
     }
 }
 
@@ -243,6 +316,65 @@ mod tests {
             decide(fits + 1, 50 * M, &mem(limit)).placed,
             Placed::Streamed { .. }
         ));
+    }
+
+    /// The GPU's table: free memory × weights → the whole model or a budget, and the reserve's
+    /// bounds.
+    #[test]
+    fn the_gpu_decision_table() {
+        const GI: u64 = 1 << 30;
+        let rows: [(u64, u64, u64, GpuPlaced); 5] = [
+            // (free, weights, context) → choice
+            (80 * G, 4_920 * M, 130 * M, GpuPlaced::Whole),
+            (
+                8 * G,
+                18_600 * M,
+                200 * M,
+                GpuPlaced::Budget {
+                    budget_bytes: 8 * G - 400 * M,
+                },
+            ),
+            (140 * G, 63 * G, 2 * G, GpuPlaced::Whole),
+            // A twentieth is at least 256 MiB and at most 2 GiB.
+            (
+                2 * G,
+                4_920 * M,
+                130 * M,
+                GpuPlaced::Budget {
+                    budget_bytes: 2 * G - (256 << 20),
+                },
+            ),
+            (
+                140 * G,
+                200 * G,
+                0,
+                GpuPlaced::Budget {
+                    budget_bytes: 140 * G - 2 * GI,
+                },
+            ),
+        ];
+        for (free, weights, ctx, want) in rows {
+            assert_eq!(
+                decide_gpu(weights, ctx, free).placed,
+                want,
+                "free {free}, weights {weights}, context {ctx}"
+            );
+        }
+        // Just fits; one byte more takes a budget.
+        let free = 10 * G;
+        let fits = free - gpu_reserve_bytes(free) - 50 * M;
+        assert_eq!(decide_gpu(fits, 50 * M, free).placed, GpuPlaced::Whole);
+        assert!(matches!(
+            decide_gpu(fits + 1, 50 * M, free).placed,
+            GpuPlaced::Budget { .. }
+        ));
+        let mut d = decide(5 * G, 0, &mem(24 * G));
+        d.gpu = Some(decide_gpu(5 * G, 0, 2 * G));
+        assert!(
+            d.describe().contains("the GPU holds a 1.73 GB budget of its 5.00 GB"),
+            "{}",
+            d.describe()
+        );
     }
 
     #[test]

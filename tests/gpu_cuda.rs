@@ -125,6 +125,7 @@ fn main() {
                 Budget::AboveMinimum,
             )
         }),
+        ("stories260k_auto_vram_budget", auto_vram_budget),
         ("moe_llama_cuda_vs_cpu", |d, r| moe(d, r, Arch::Llama)),
         ("moe_qwen2moe_cuda_vs_cpu", |d, r| moe(d, r, Arch::Qwen2Moe)),
         ("moe_qwen3moe_cuda_vs_cpu", |d, r| moe(d, r, Arch::Qwen3Moe)),
@@ -3591,6 +3592,81 @@ fn stories_gst_path() -> Result<std::path::PathBuf, String> {
         Ok(gst)
     })
     .clone()
+}
+
+/// Automatic placement on the GPU (`run --device cuda`, no budget flag): with its free memory
+/// the device holds the whole model; on the emulated driver given a memory that cannot
+/// (`GATESTREAM_EMU_MEMORY`: the reserve plus 60% of the file), it chooses a budget of what is
+/// free less the reserve, says so in `placement.gpu`, and generates the CPU's greedy text.
+fn auto_vram_budget(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let gguf = stories_gst_path()?.with_file_name("stories.gguf");
+    let file = std::fs::metadata(&gguf).map_err(|e| e.to_string())?.len();
+    let run = |device: &str, memory: Option<u64>| -> Result<serde_json::Value, String> {
+        let mut c = std::process::Command::new(gatestream_binary());
+        c.args([
+            "run",
+            "--device",
+            device,
+            "--max-tokens",
+            "12",
+            "--json",
+            "--prompt",
+            "Once upon a time",
+            "-m",
+        ])
+        .arg(&gguf);
+        if let Some(m) = memory {
+            c.env("GATESTREAM_EMU_MEMORY", m.to_string());
+        }
+        let out = c.output().map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!(
+                "run --device {device}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        serde_json::from_slice(&out.stdout).map_err(|e| format!("run --device {device}: {e}"))
+    };
+    let cpu = run("cpu", None)?;
+    let whole = run("cuda", None)?;
+    let kind = |v: &serde_json::Value| v["placement"]["gpu"]["placed"]["kind"].as_str().map(str::to_string);
+    if kind(&whole).as_deref() != Some("whole") {
+        return Err(format!(
+            "with the device's free memory: placement {}",
+            whole["placement"]
+        ));
+    }
+    let mut msg = format!("whole model: {}", whole["placement"]["gpu"]);
+    let mut texts = vec![("whole", whole["text"].clone())];
+    if emulated(dev) {
+        let memory = gatestream::placement::gpu_reserve_bytes(0) + file * 6 / 10;
+        let budget = run("cuda", Some(memory))?;
+        if kind(&budget).as_deref() != Some("budget") {
+            return Err(format!("with {memory} bytes: placement {}", budget["placement"]));
+        }
+        msg += &format!("; with {memory} bytes: {}", budget["placement"]["gpu"]);
+        texts.push(("budget", budget["text"].clone()));
+    }
+    for (what, text) in &texts {
+        if *text != cpu["text"] {
+            return Err(format!("{what}: {text} vs the CPU's {}", cpu["text"]));
+        }
+    }
+    report.insert("stories260k_auto_vram_budget".into(), msg.clone().into());
+    Ok(msg)
+}
+
+/// The `gatestream` binary: cargo's build of it, or (the suite carried to a GPU machine by
+/// tools/gpu-carry.sh) the one beside this suite.
+fn gatestream_binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gatestream"));
+    match std::env::current_exe() {
+        Ok(me) if !built.exists() => me.with_file_name("gatestream"),
+        _ => built,
+    }
 }
 
 /// `--vram-budget 40%` (the GPU streaming issue's figures): the Qwen-shaped `.gst` held in host

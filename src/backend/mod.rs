@@ -435,6 +435,11 @@ pub trait HostLink: Send + Sync {
     fn host_memory(&self) -> bool {
         true
     }
+    /// Bytes of the device's own memory free now (a device with memory of its own; `None` for
+    /// the CPU device, or where it cannot be read): what automatic placement fits a model into.
+    fn memory_free(&self) -> Option<u64> {
+        None
+    }
     /// What the device copied from the host so far (a device with memory of its own; `None`
     /// for the CPU device, which reads weights in place).
     fn link(&self) -> Option<LinkCounters> {

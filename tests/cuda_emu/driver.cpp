@@ -416,7 +416,16 @@ static size_t allocated = 0;
 static std::map<uintptr_t, size_t> registered;  // page-locked host ranges (registered)
 static std::map<uintptr_t, size_t> mapped;      // of those, mapped for kernels (DEVICEMAP)
 static std::map<void*, size_t> host_allocs;     // page-locked host memory (allocated)
-static const size_t TOTAL_MEM = 16ull << 30;
+// The emulated device's memory: 16 GiB, or GATESTREAM_EMU_MEMORY bytes (tests of what a run does
+// on a device too small for its model).
+static size_t total_mem() {
+    static const size_t total = [] {
+        const char* v = std::getenv("GATESTREAM_EMU_MEMORY");
+        return v ? (size_t)std::strtoull(v, nullptr, 10) : (16ull << 30);
+    }();
+    return total;
+}
+#define TOTAL_MEM total_mem()
 
 struct Module {
     std::vector<char> image;

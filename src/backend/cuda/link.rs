@@ -60,6 +60,9 @@ impl HostLink for CudaDevice {
     fn host_memory(&self) -> bool {
         false
     }
+    fn memory_free(&self) -> Option<u64> {
+        self.ctx.mem_get_info().ok().map(|(free, _)| free as u64)
+    }
 
     fn keep_resident(&self, ws: &[&Weight]) {
         for w in ws.iter().filter(|w| !w.is_volatile() && w.span().is_some()) {

@@ -955,7 +955,7 @@ pub(crate) struct StreamArgs {
     /// under that less a tenth (at least 128 MiB); the choice is printed and in --json (`placement`). off: in RAM.
     #[arg(help_heading = "Streaming and GPU", long)]
     pub(crate) ram_budget: Option<String>,
-    /// With --device cuda: the GPU memory the model may use.
+    /// With --device cuda: the GPU memory the model may use (auto: what fits its free memory).
     ///
     /// With --device cuda: the GPU memory the model may use, as --ram-budget's sizes (40% is a
     /// share of the file). Required on the GPU: norms, the KV cache and one batch's
@@ -972,7 +972,10 @@ pub(crate) struct StreamArgs {
     /// dense steps copy each layer's rows, sparse decode steps' products read only the kept rows,
     /// in place, across the link (GATESTREAM_CUDA_MAP_HOST=0: staged and copied instead); with
     /// it, from disk as --ram-budget plans. Refused, with the minimum, when too small, and for
-    /// the CPU device. Without it the GPU keeps every weight the host holds.
+    /// the CPU device. auto (or absent, with automatic host placement): the GPU holds every
+    /// weight the host holds when they, the context and a reserve (a twentieth of its free
+    /// memory, 256 MiB to 2 GiB) fit in its free memory, else a budget of its free memory less
+    /// the reserve; the choice is printed and in --json (`placement.gpu`).
     #[arg(help_heading = "Streaming and GPU", long)]
     pub(crate) vram_budget: Option<String>,
     /// Where what the GPU does not keep computes.
@@ -1092,7 +1095,8 @@ impl StreamArgs {
     /// Whether a flag asks the model to stream (through host RAM from disk, or from host RAM
     /// to a GPU); automatic placement may choose to stream too (`auto_placement`).
     pub(crate) fn streams(&self) -> bool {
-        matches!(self.ram_budget.as_deref(), Some(b) if b != "off" && b != "auto") || self.vram_budget.is_some()
+        matches!(self.ram_budget.as_deref(), Some(b) if b != "off" && b != "auto")
+            || matches!(self.vram_budget.as_deref(), Some(v) if v != "auto")
     }
 }
 

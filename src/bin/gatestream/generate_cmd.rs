@@ -102,9 +102,14 @@ pub(crate) fn run(c: Command) -> anyhow::Result<()> {
             let mask = experts.is_none().then_some(&asked);
             gatestream::runtime::check_streamed_mask(
                 &model_path(&model)?,
-                stream_ask(&stream, &model_path(&model)?, prompt.len() + opts.max_tokens + 1)?
-                    .0
-                    .is_some(),
+                stream_ask(
+                    &stream,
+                    &model_path(&model)?,
+                    prompt.len() + opts.max_tokens + 1,
+                    &*device,
+                )?
+                .0
+                .is_some(),
                 mask.is_some(),
             )?;
             // One device (one thread pool) serves both runs.

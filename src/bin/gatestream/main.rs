@@ -121,7 +121,7 @@ fn generate_one(
 ) -> anyhow::Result<Outcome> {
     gatestream::stream::reset_peak_rss();
     let path = model_path(args)?;
-    let (stream_ask, placement) = stream_ask(stream, &path, prompt.len() + opts.max_tokens + 1)?;
+    let (stream_ask, placement) = stream_ask(stream, &path, prompt.len() + opts.max_tokens + 1, &**device)?;
     if let Some(d) = &placement {
         eprintln!("{}", d.describe());
     }
@@ -172,12 +172,14 @@ fn generate_one(
 
 /// Automatic placement (`--ram-budget` absent or `auto`): in RAM or streamed, from the memory
 /// this process may use and the model's size with a context of `context_positions` (its KV
-/// cache and a batch's activations). None: an explicit budget (or `off`), a folder (read in
-/// RAM), or no memory figure to be had.
+/// cache and a batch's activations); on a GPU (`device` with memory of its own, `--vram-budget`
+/// absent or `auto`), whether it holds the whole model or a budget of it, from its free memory.
+/// None: an explicit budget (or `off`), a folder (read in RAM), or no memory figure to be had.
 fn auto_placement(
     stream: &StreamArgs,
     path: &std::path::Path,
     context_positions: usize,
+    device: Option<&dyn Device>,
 ) -> anyhow::Result<Option<gatestream::placement::Decision>> {
     if !matches!(stream.ram_budget.as_deref(), None | Some("auto")) || path.is_dir() {
         return Ok(None);
@@ -200,7 +202,18 @@ fn auto_placement(
     let positions = context_positions.min(cfg.context_len.max(1));
     let context_bytes = gatestream::kv::KvCache::bytes_for(&cfg, positions)
         + 512 * gatestream::stream::activation_bytes_per_token(&cfg);
-    Ok(Some(gatestream::placement::decide(model_bytes, context_bytes, &memory)))
+    let mut d = gatestream::placement::decide(model_bytes, context_bytes, &memory);
+    let gpu = device.filter(|d| !d.host_memory());
+    if let (Some(gpu), None | Some("auto")) = (gpu, stream.vram_budget.as_deref()) {
+        if let Some(free) = gpu.memory_free() {
+            let weights = match d.placed {
+                gatestream::placement::Placed::InRam => model_bytes,
+                gatestream::placement::Placed::Streamed { budget_bytes } => budget_bytes.min(model_bytes),
+            };
+            d.gpu = Some(gatestream::placement::decide_gpu(weights, context_bytes, free));
+        }
+    }
+    Ok(Some(d))
 }
 
 /// What `--ram-budget`, `--vram-budget` and the other streaming flags ask for (None: in RAM),
@@ -210,9 +223,17 @@ fn stream_ask(
     stream: &StreamArgs,
     path: &std::path::Path,
     context_positions: usize,
+    device: &dyn Device,
 ) -> anyhow::Result<(Option<StreamAsk>, Option<gatestream::placement::Decision>)> {
-    use gatestream::placement::Placed;
-    let decision = auto_placement(stream, path, context_positions)?;
+    use gatestream::placement::{GpuPlaced, Placed};
+    let decision = auto_placement(stream, path, context_positions, Some(device))?;
+    let auto_vram = match decision.as_ref().and_then(|d| d.gpu.as_ref()) {
+        Some(gatestream::placement::GpuDecision {
+            placed: GpuPlaced::Budget { budget_bytes },
+            ..
+        }) => Some(*budget_bytes),
+        _ => None,
+    };
     let budget = match (stream.ram_budget.as_deref(), &decision) {
         (Some("off"), _) => None,
         (Some(b), _) if b != "auto" => Some(parse_budget(b, std::fs::metadata(path)?.len())?),
@@ -225,7 +246,8 @@ fn stream_ask(
         ) => Some(*budget_bytes),
         _ => None,
     };
-    if budget.is_none() && stream.vram_budget.is_none() {
+    let explicit_vram = stream.vram_budget.as_deref().filter(|v| *v != "auto");
+    if budget.is_none() && explicit_vram.is_none() && auto_vram.is_none() {
         return Ok((None, decision));
     }
     let file_bytes = std::fs::metadata(path)?.len();
@@ -233,9 +255,9 @@ fn stream_ask(
         Some(StreamAsk {
             // Only a GPU budget: the whole model in host RAM, streamed from there.
             budget_bytes: budget.unwrap_or(gatestream::stream::RAM_UNLIMITED),
-            vram_budget_bytes: match &stream.vram_budget {
+            vram_budget_bytes: match explicit_vram {
                 Some(v) => Some(parse_budget_for("--vram-budget", v, file_bytes)?),
-                None => None,
+                None => auto_vram,
             },
             prefetch_buffers: stream.read_ahead as usize + 1,
             prefetch_read_bytes: stream.read_bytes.unwrap_or(0),
@@ -495,7 +517,7 @@ fn placement_streams(cmd: &Command) -> bool {
     };
     let Ok(path) = model_path(model) else { return false };
     matches!(
-        auto_placement(stream, &path, 0),
+        auto_placement(stream, &path, 0, None),
         Ok(Some(gatestream::placement::Decision {
             placed: gatestream::placement::Placed::Streamed { .. },
             ..

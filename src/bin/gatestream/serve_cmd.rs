@@ -50,7 +50,7 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
     } else {
         ctx_size
     };
-    let (stream_opts, placement) = stream_ask(&stream, &path, slot_ctx.saturating_mul(parallel.max(1)))?;
+    let (stream_opts, placement) = stream_ask(&stream, &path, slot_ctx.saturating_mul(parallel.max(1)), &*device)?;
     if let Some(d) = &placement {
         eprintln!("{}", d.describe());
     }
