@@ -64,7 +64,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 45] = [
+    let checks: [(&str, Check); 46] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
