@@ -251,11 +251,11 @@ struct ExpertState {
     spare: Vec<Vec<u8>>,
 }
 
-/// The page-locks of the expert buffers, on a device with memory of its own: it copies each
-/// routed expert from its buffer at every use, and from page-locked memory at the link's pinned
-/// speed (several times the pageable rate). Every buffer is then made at `buf_bytes` (the largest
-/// expert laid out in phase), so it is never reallocated, locked once when made, and unlocked
-/// just before it is freed ([`ExpertStream::release`]).
+/// The size of the expert buffers, and their page-locks on a device with memory of its own: it
+/// copies each routed expert from its buffer at every use, and from page-locked memory at the
+/// link's pinned speed (several times the pageable rate). Every buffer is made at `buf_bytes`
+/// (the largest expert laid out in phase), so it is never reallocated, locked once when made
+/// (on such a device), and unlocked just before it is freed ([`ExpertStream::release`]).
 struct Pins {
     link: Option<Arc<dyn crate::backend::HostLink>>,
     buf_bytes: usize,
@@ -395,12 +395,16 @@ impl ExpertStream {
             }
         }
         let mut pins = self.pins.lock().expect("expert pins");
-        let Some(link) = pins.link.clone() else {
-            return Vec::new();
-        };
+        // Made at the largest expert's size, so any expert fits it and it is never reallocated:
+        // experts of other sizes (other layers' types) would otherwise free and allocate
+        // buffers of several sizes, and the allocator's holes between them grow the process
+        // past its budget (1.5 GB on GLM-4.5-Air's shape under a 7 GB budget).
         let mut v = Vec::with_capacity(pins.buf_bytes);
         // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
         crate::io::advise_huge_pages(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), pins.buf_bytes) });
+        let Some(link) = pins.link.clone() else {
+            return v;
+        };
         v.resize(pins.buf_bytes, 0);
         if let Some(lock) = link.pin_host(&v, true) {
             pins.locks.insert(v.as_ptr() as usize, lock);
