@@ -565,16 +565,7 @@ fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) 
         mla: None,
         // glm4moe: half of each head rotated, the first layer dense, a shared expert.
         rope_dim: (arch == gatestream::config::Arch::Glm4Moe).then_some(32),
-        routing: (arch == gatestream::config::Arch::Glm4Moe).then_some(gatestream::synth::RoutingShape {
-            leading_dense: 1,
-            dense_ffn: 512,
-            shared_experts: 1,
-            sigmoid: true,
-            score_bias: true,
-            normalize: true,
-            routed_scale: 1.0,
-            groups: None,
-        }),
+        routing: (arch == gatestream::config::Arch::Glm4Moe).then_some(gatestream::synth::RoutingShape::glm(512)),
     }
 }
 

@@ -8,12 +8,13 @@
 //! The products run on the model's device; the per-head gathers, norms and RoPE on the host.
 
 use crate::backend::ops::{rms_norm, rope_apply, rope_table};
-use crate::backend::{Act, AttnShape};
+use crate::backend::{Act, AttnShape, Device};
 use crate::config::Mla;
 use crate::kv::KvCache;
 use crate::model::batch::Batch;
 use crate::model::forward::{AttnWeights, MlaWeights};
 use crate::model::Model;
+use crate::tensor::Weight;
 
 impl Model {
     /// The attention block's output for the normalized input `xn` (see the module docs).
@@ -66,21 +67,20 @@ impl Model {
             }
         }
         // Each head's unrotated query part into the latent space: k_b[h]ᵀ q_nope is the product
-        // with head h's `kv_lora_rank` rows of `[qk_nope]`, i.e. q_nope against each row.
+        // with head h's `kv_lora_rank` rows of `[qk_nope]`, i.e. q_nope against each row; the
+        // rotated part follows it.
         let mut q_abs = vec![0f32; n * heads * lat];
-        for h in 0..heads {
-            let nope: Vec<f32> = (0..n)
-                .flat_map(|t| &q[(t * heads + h) * qh..(t * heads + h) * qh + m.qk_nope])
-                .copied()
-                .collect();
-            let k_b = mw.k_b.rows_view(h * m.kv_lora_rank, m.kv_lora_rank);
-            let out = dev.download(dev.matmul(&[&k_b], &dev.upload(n, m.qk_nope, nope)).remove(0));
-            for t in 0..n {
-                let at = (t * heads + h) * lat;
-                q_abs[at..at + m.kv_lora_rank].copy_from_slice(&out[t * m.kv_lora_rank..(t + 1) * m.kv_lora_rank]);
-                q_abs[at + m.kv_lora_rank..at + lat]
-                    .copy_from_slice(&q[(t * heads + h) * qh + m.qk_nope..(t * heads + h + 1) * qh]);
-            }
+        per_head(
+            dev,
+            &mw.k_b,
+            m.kv_lora_rank,
+            (&q, qh, m.qk_nope),
+            (&mut q_abs, lat),
+            n,
+            heads,
+        );
+        for (row, q_row) in q_abs.chunks_exact_mut(lat).zip(q.chunks_exact(qh)) {
+            row[m.kv_lora_rank..].copy_from_slice(&q_row[m.qk_nope..]);
         }
         let k = dev.upload(n, lat, kv);
         // (The values are the keys' first `kv_lora_rank` numbers: the cache keeps them once.)
@@ -103,19 +103,44 @@ impl Model {
         ));
         // Each head's latent output through its value up-projection, then the output matrix.
         let mut heads_out = vec![0f32; n * heads * m.v_head];
-        for h in 0..heads {
-            let latent: Vec<f32> = (0..n)
-                .flat_map(|t| &attn[(t * heads + h) * lat..(t * heads + h) * lat + m.kv_lora_rank])
-                .copied()
-                .collect();
-            let v_b = a.wv.rows_view(h * m.v_head, m.v_head);
-            let out = dev.download(dev.matmul(&[&v_b], &dev.upload(n, m.kv_lora_rank, latent)).remove(0));
-            for t in 0..n {
-                let at = (t * heads + h) * m.v_head;
-                heads_out[at..at + m.v_head].copy_from_slice(&out[t * m.v_head..(t + 1) * m.v_head]);
-            }
-        }
+        per_head(
+            dev,
+            &a.wv,
+            m.v_head,
+            (&attn, lat, m.kv_lora_rank),
+            (&mut heads_out, m.v_head),
+            n,
+            heads,
+        );
         dev.matmul(&[&a.wo], &dev.upload(n, heads * m.v_head, heads_out))
             .remove(0)
+    }
+}
+
+/// For each head h of `n` tokens: `w`'s rows `h·out..(h+1)·out` (head h's matrix of the stacked
+/// tensor) times the first `width` numbers of each token's head h in `src` (`stride` a head),
+/// written to the start of the token's head h in `dst` (`dst_stride` a head).
+fn per_head(
+    dev: &dyn Device,
+    w: &Weight,
+    out: usize,
+    (src, stride, width): (&[f32], usize, usize),
+    (dst, dst_stride): (&mut [f32], usize),
+    n: usize,
+    heads: usize,
+) {
+    for h in 0..heads {
+        let input: Vec<f32> = (0..n)
+            .flat_map(|t| &src[(t * heads + h) * stride..(t * heads + h) * stride + width])
+            .copied()
+            .collect();
+        let got = dev.download(
+            dev.matmul(&[&w.rows_view(h * out, out)], &dev.upload(n, width, input))
+                .remove(0),
+        );
+        for (t, row) in got.chunks_exact(out).enumerate() {
+            let at = (t * heads + h) * dst_stride;
+            dst[at..at + out].copy_from_slice(row);
+        }
     }
 }

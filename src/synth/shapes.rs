@@ -68,6 +68,23 @@ pub struct RoutingShape {
     pub groups: Option<(usize, usize)>,
 }
 
+impl RoutingShape {
+    /// GLM-4.5's routing: the first layer dense (of `dense_ffn` neurons), one shared expert,
+    /// sigmoid scores with a score bias, renormalized, scale 1, not grouped.
+    pub fn glm(dense_ffn: usize) -> RoutingShape {
+        RoutingShape {
+            leading_dense: 1,
+            dense_ffn,
+            shared_experts: 1,
+            sigmoid: true,
+            score_bias: true,
+            normalize: true,
+            routed_scale: 1.0,
+            groups: None,
+        }
+    }
+}
+
 /// The named shapes, as `--shape` spells them.
 pub const SHAPE_NAMES: &[&str] = &[
     "llama3-8b",
@@ -245,16 +262,7 @@ impl Shape {
                 experts: Some((128, 8)),
                 rope_factors: None,
                 rope_dim: Some(64),
-                routing: Some(RoutingShape {
-                    leading_dense: 1,
-                    dense_ffn: 10944,
-                    shared_experts: 1,
-                    sigmoid: true,
-                    score_bias: true,
-                    normalize: true,
-                    routed_scale: 1.0,
-                    groups: None,
-                }),
+                routing: Some(RoutingShape::glm(10944)),
                 mla: None,
             });
         }
