@@ -466,21 +466,22 @@ fn small_f32_model(shape: gatestream::synth::Shape, dir: &std::path::Path, name:
     let tmp = tempfile::tempdir().unwrap();
     let made = tmp.path().join("made.gguf");
     write_model(&spec, &made, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
-    let norm = gatestream::gguf::GgufFile::open(&made).unwrap();
-    let t = norm.tensor("output_norm.weight").unwrap();
-    let scaled: Vec<f32> = norm
+    let path = dir.join(name);
+    let edited = gguf_edited(&made, vec![], vec![output_norm_times_8(&made)]);
+    std::fs::write(&path, edited).unwrap();
+    path
+}
+
+/// The F32 `output_norm.weight` of the GGUF `made`, times 8, as a tensor for [`gguf_edited`].
+fn output_norm_times_8(made: &std::path::Path) -> (String, Vec<u64>, u32, Vec<u8>) {
+    let g = gatestream::gguf::GgufFile::open(made).unwrap();
+    let t = g.tensor("output_norm.weight").unwrap();
+    let scaled: Vec<f32> = g
         .tensor_bytes(t)
         .chunks_exact(4)
         .map(|c| 8.0 * f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    let path = dir.join(name);
-    let edited = gguf_edited(
-        &made,
-        vec![],
-        vec![("output_norm.weight".into(), t.dims.clone(), 0, f32_bytes(&scaled))],
-    );
-    std::fs::write(&path, edited).unwrap();
-    path
+    ("output_norm.weight".into(), t.dims.clone(), 0, f32_bytes(&scaled))
 }
 
 /// Where a test writes the files it compares with llama.cpp: `GATESTREAM_KEEP=DIR` keeps them.
@@ -731,52 +732,30 @@ fn small_glm4moe_matches_llama_cpp() {
     use gatestream::config::Arch;
     use gatestream::model::weights::LayerFfn;
     use gatestream::perplexity::{perplexity, PerplexityOptions};
-    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    use gatestream::synth::{RoutingShape, Shape};
     let tmp = tempfile::tempdir().unwrap();
-    let dir = std::env::var_os("GATESTREAM_KEEP").map_or_else(|| tmp.path().to_path_buf(), std::path::PathBuf::from);
-    let spec = MakeSpec {
-        shape: Shape {
-            name: "custom".into(),
-            arch: Arch::Glm4Moe,
-            hidden: 256,
-            ffn: 128,
-            layers: 3,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 64,
-            vocab: 0,
-            context_len: 4096,
-            rope_theta: 1e6,
-            rms_eps: 1e-5,
-            tied: false,
-            experts: Some((8, 2)),
-            rope_factors: None,
-            mla: None,
-            rope_dim: Some(32),
-            routing: Some(RoutingShape::glm(512)),
-        },
-        mix: Mix::Q8_0,
-        dequantize: true,
-        tokenizer: TokenizerChoice::From(model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")),
-        seed: 5,
-        residual_gain: 1.0,
+    let dir = kept_dir(&tmp);
+    let shape = Shape {
+        name: "custom".into(),
+        arch: Arch::Glm4Moe,
+        hidden: 256,
+        ffn: 128,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 0,
+        context_len: 4096,
+        rope_theta: 1e6,
+        rms_eps: 1e-5,
+        tied: false,
+        experts: Some((8, 2)),
+        rope_factors: None,
+        mla: None,
+        rope_dim: Some(32),
+        routing: Some(RoutingShape::glm(512)),
     };
-    let made = tmp.path().join("made.gguf");
-    write_model(&spec, &made, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
-    let norm = gatestream::gguf::GgufFile::open(&made).unwrap();
-    let t = norm.tensor("output_norm.weight").unwrap();
-    let scaled: Vec<f32> = norm
-        .tensor_bytes(t)
-        .chunks_exact(4)
-        .map(|c| 8.0 * f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let path = dir.join("glm4moe-small-f32.gguf");
-    let edited = gguf_edited(
-        &made,
-        vec![],
-        vec![("output_norm.weight".into(), t.dims.clone(), 0, f32_bytes(&scaled))],
-    );
-    std::fs::write(&path, edited).unwrap();
+    let path = small_f32_model(shape, &dir, "glm4moe-small-f32.gguf");
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
     let moe = m.config.moe.as_ref().unwrap();
     assert!(m.config.attn_bias && m.config.rope_dims() == 32 && moe.leading_dense == 1 && moe.score_bias);
@@ -922,14 +901,7 @@ fn small_gpt_oss(dir: &std::path::Path, mxfp4_experts: bool) -> std::path::PathB
     let tmp = tempfile::tempdir().unwrap();
     let made = tmp.path().join("made.gguf");
     write_model(&spec, &made, &OutputFormat::Gguf, true, &mut |_, _| {}).unwrap();
-    let g = gatestream::gguf::GgufFile::open(&made).unwrap();
-    let t = g.tensor("output_norm.weight").unwrap();
-    let scaled: Vec<f32> = g
-        .tensor_bytes(t)
-        .chunks_exact(4)
-        .map(|c| 8.0 * f32::from_le_bytes(c.try_into().unwrap()))
-        .collect();
-    let mut replaced = vec![("output_norm.weight".to_string(), t.dims.clone(), 0, f32_bytes(&scaled))];
+    let mut replaced = vec![output_norm_times_8(&made)];
     if mxfp4_experts {
         // The same seed's MXFP4 expert tensors in place of their F32 decoding.
         let q = tmp.path().join("q.gguf");
