@@ -2,7 +2,7 @@
 //!
 //! A model's `chat_template` is Jinja; gatestream needs one thing from it: a conversation (system,
 //! user and assistant turns) followed by the opened assistant turn. This module identifies the template's family from
-//! its text (ChatML, Gemma, Llama-3, Llama-2/Mistral, DeepSeek), reads the few literals that vary inside a
+//! its text (ChatML, Gemma, Llama-3, Llama-2/Mistral, DeepSeek, GLM-4, gpt-oss's Harmony), reads the few literals that vary inside a
 //! family (a default system message, spacing, whether content is trimmed), and writes exactly what
 //! the Jinja would for that one case. BOS is never written here: `Tokenizer::encode` adds it. An
 //! unrecognised template is an error naming the families supported; nothing is guessed.
@@ -29,6 +29,10 @@ pub enum ChatFamily {
     /// `<|start|>assistant`; the model writes its channel (`<|channel|>analysis` or `final`)
     /// itself, and its answer is what follows `<|channel|>final<|message|>` ([`harmony_final`]).
     Harmony,
+    /// GLM-4 / GLM-4.5 as llama.cpp renders them (`LLM_CHAT_TEMPLATE_CHATGLM_4`, recognised by
+    /// `[gMASK]<sop>`): `[gMASK]<sop>`, then `<|role|>\ncontent` per message, then
+    /// `<|assistant|>\n`. (GLM-4.5 may open its answer with a `<think>…</think>` block.)
+    Glm4,
 }
 
 /// DeepSeek's end of an assistant turn (its EOS).
@@ -45,6 +49,8 @@ impl ChatFamily {
             })
         } else if template.contains("<start_of_turn>") {
             Some(ChatFamily::Gemma)
+        } else if template.contains("[gMASK]<sop>") {
+            Some(ChatFamily::Glm4)
         } else if template.contains("<|start_header_id|>") {
             Some(ChatFamily::Llama3 {
                 default_system: llama31_system(template),
@@ -153,6 +159,13 @@ impl ChatFamily {
                 }
                 s.push_str("<|start|>assistant");
             }
+            ChatFamily::Glm4 => {
+                s.push_str("[gMASK]<sop>");
+                for (role, content) in messages {
+                    s.push_str(&format!("<|{}|>\n{content}", role.name()));
+                }
+                s.push_str("<|assistant|>\n");
+            }
             ChatFamily::Inst { spaced, trim } => {
                 // The system message opens the first user turn; an assistant turn is closed by
                 // EOS (`</s>`, as Llama-2 and Mistral spell it).
@@ -196,6 +209,108 @@ pub fn harmony_final(reply: &str) -> &str {
     }
 }
 
+/// A Harmony (gpt-oss) reply split as it is written ([`HarmonySplit::push`]): the text of
+/// its analysis channel (the reasoning) and of its final channel (the answer) in this piece.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HarmonyPiece {
+    pub reasoning: String,
+    pub answer: String,
+}
+
+/// Splits a Harmony reply, given a piece at a time as it is generated, into its reasoning (the
+/// `analysis` channel, and any channel but `final`) and its answer (the `final` channel), leaving
+/// out the markers between messages (`<|channel|>NAME<|message|>`, `<|end|>`,
+/// `<|start|>assistant`, `<|return|>`, `<|call|>`). Text that may be the start of a marker is
+/// held back until the next piece decides it. Over a whole reply the answer is
+/// [`harmony_final`]'s when the reply has one final message.
+#[derive(Debug, Default)]
+pub struct HarmonySplit {
+    held: String,
+    /// In a message's body: whether it is the final channel's. `None`: in a header, before
+    /// `<|message|>`.
+    body: Option<bool>,
+}
+
+/// The markers that end a Harmony message's body.
+const HARMONY_ENDS: [&str; 5] = ["<|end|>", "<|return|>", "<|call|>", "<|start|>", "<|channel|>"];
+
+impl HarmonySplit {
+    pub fn new() -> HarmonySplit {
+        HarmonySplit::default()
+    }
+
+    pub fn push(&mut self, text: &str) -> HarmonyPiece {
+        self.held.push_str(text);
+        let mut out = HarmonyPiece::default();
+        loop {
+            match self.body {
+                None => {
+                    const MESSAGE: &str = "<|message|>";
+                    let Some(at) = self.held.find(MESSAGE) else { break };
+                    let header = &self.held[..at];
+                    let channel = header
+                        .rfind("<|channel|>")
+                        .map(|c| &header[c + "<|channel|>".len()..])
+                        .unwrap_or("");
+                    self.body = Some(channel.trim_start().starts_with("final"));
+                    self.held.drain(..at + MESSAGE.len());
+                }
+                Some(is_final) => {
+                    let end = HARMONY_ENDS
+                        .iter()
+                        .filter_map(|m| self.held.find(m).map(|at| (at, *m)))
+                        .min();
+                    let keep_from = match end {
+                        Some((at, _)) => at,
+                        // Hold back a tail that may be a marker's beginning.
+                        None => self
+                            .held
+                            .rfind('<')
+                            .filter(|&lt| HARMONY_ENDS.iter().any(|m| m.starts_with(&self.held[lt..])))
+                            .unwrap_or(self.held.len()),
+                    };
+                    let dest = if is_final { &mut out.answer } else { &mut out.reasoning };
+                    dest.push_str(&self.held[..keep_from]);
+                    self.held.drain(..keep_from);
+                    match end {
+                        Some((_, m)) => {
+                            // A message's end marker goes; `<|start|>` and `<|channel|>` open
+                            // the next header.
+                            if matches!(m, "<|end|>" | "<|return|>" | "<|call|>") {
+                                self.held.drain(..m.len());
+                            }
+                            self.body = None;
+                        }
+                        None => break,
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The end of the reply: what was held back, given to the message it was in (a reply with
+    /// no Harmony message at all is given whole, as its answer).
+    pub fn finish(&mut self) -> HarmonyPiece {
+        let held = std::mem::take(&mut self.held);
+        match self.body {
+            Some(false) => HarmonyPiece {
+                reasoning: held,
+                answer: String::new(),
+            },
+            Some(true) => HarmonyPiece {
+                reasoning: String::new(),
+                answer: held,
+            },
+            None if held.contains("<|") => HarmonyPiece::default(),
+            None => HarmonyPiece {
+                reasoning: String::new(),
+                answer: held,
+            },
+        }
+    }
+}
+
 /// Who wrote a chat message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -234,8 +349,8 @@ pub fn render(template: &str, messages: &[(Role, &str)]) -> Result<String, Strin
     ChatFamily::detect(template).map(|f| f.render(messages)).ok_or_else(|| {
         "chat template not recognised: supported families are ChatML (<|im_start|>), Gemma \
          (<start_of_turn>), Llama-3 (<|start_header_id|>), Llama-2/Mistral ([INST]), DeepSeek-V2/V3 \
-         (User: / <\u{ff5c}User\u{ff5c}>) and gpt-oss's Harmony (<|start|> … <|channel|>); pass the \
-         prompt as plain text instead"
+         (User: / <\u{ff5c}User\u{ff5c}>), GLM-4/4.5 ([gMASK]<sop>) and gpt-oss's Harmony (<|start|> … \
+         <|channel|>); pass the prompt as plain text instead"
             .to_owned()
     })
 }
@@ -427,6 +542,57 @@ mod tests {
         assert_eq!(harmony_final(reply), "Hello!");
         assert_eq!(harmony_final("<|channel|>final<|message|>Hi there"), "Hi there");
         assert_eq!(harmony_final("plain text"), "plain text");
+    }
+
+    /// A Harmony reply given a few characters at a time, markers split across pieces: the
+    /// reasoning and the answer come out apart, without markers, and the answer is
+    /// `harmony_final`'s; a reply without Harmony markers is its own answer.
+    #[test]
+    fn harmony_replies_split_into_reasoning_and_answer_as_they_are_written() {
+        let reply = "<|channel|>analysis<|message|>The user says hi. 2<3.<|end|><|start|>assistant\
+                     <|channel|>final<|message|>Hello <b>there</b>!<|return|>";
+        for step in [1, 2, 3, 5, 7, 64] {
+            let mut split = HarmonySplit::new();
+            let (mut reasoning, mut answer) = (String::new(), String::new());
+            let chars: Vec<char> = reply.chars().collect();
+            for piece in chars.chunks(step) {
+                let p = split.push(&piece.iter().collect::<String>());
+                reasoning.push_str(&p.reasoning);
+                answer.push_str(&p.answer);
+            }
+            let p = split.finish();
+            reasoning.push_str(&p.reasoning);
+            answer.push_str(&p.answer);
+            assert_eq!(reasoning, "The user says hi. 2<3.", "pieces of {step}");
+            assert_eq!(answer, "Hello <b>there</b>!", "pieces of {step}");
+            assert_eq!(answer, harmony_final(reply));
+        }
+        // Cut short in the analysis: what was written is reasoning; no answer.
+        let mut split = HarmonySplit::new();
+        let p = split.push("<|channel|>analysis<|message|>Thinking <|");
+        assert_eq!((p.reasoning.as_str(), p.answer.as_str()), ("Thinking ", ""));
+        assert_eq!(split.finish().reasoning, "<|");
+        let mut plain = HarmonySplit::new();
+        assert_eq!(plain.push("no markers").answer, "");
+        assert_eq!(plain.finish().answer, "no markers");
+    }
+
+    /// GLM-4 / GLM-4.5: llama.cpp's `CHATGLM_4` rendering, recognised by `[gMASK]<sop>`.
+    #[test]
+    fn glm4_renders_as_llama_cpp() {
+        let t = "[gMASK]<sop>{%- for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{%- endfor %}\
+                 {%- if add_generation_prompt %}<|assistant|>\n{% endif %}";
+        assert_eq!(ChatFamily::detect(t), Some(ChatFamily::Glm4));
+        let conv = [
+            (Role::System, "Be brief."),
+            (Role::User, "Hi"),
+            (Role::Assistant, "Hello."),
+            (Role::User, "Bye"),
+        ];
+        assert_eq!(
+            render(t, &conv).unwrap(),
+            "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi<|assistant|>\nHello.<|user|>\nBye<|assistant|>\n"
+        );
     }
 
     #[test]

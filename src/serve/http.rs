@@ -23,6 +23,7 @@ use super::api::{self, ApiError, Mode};
 use super::worker::{Command, Out, Submission};
 use super::{AppState, Loaded, Ticket};
 use crate::engine::Request;
+use crate::model::chat::{HarmonyPiece, HarmonySplit};
 use crate::model::generate::Finish;
 
 pub(crate) async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState>) -> crate::Result<()> {
@@ -197,6 +198,9 @@ struct Reply {
     /// Completions' legacy log-probabilities, chat's, or none.
     logprobs: bool,
     include_usage: bool,
+    /// A chat reply of a gpt-oss (Harmony) model: its analysis channel is given as
+    /// `reasoning_content`, its final channel as `content`, the markers left out.
+    harmony: bool,
 }
 
 /// One token's ln p and its most likely alternatives.
@@ -230,6 +234,7 @@ impl Reply {
         };
         Reply {
             kind,
+            harmony: kind == Kind::Chat && loaded.rt.model.tokenizer.chat_is_harmony(),
             id: format!("{prefix}-{n}-{:x}", any_seed(st)),
             created: now_s(),
             model: st.opts.model_id.clone(),
@@ -324,21 +329,59 @@ impl Reply {
         }
     }
 
+    /// A streamed chat chunk of a Harmony reply: the piece's reasoning and answer (an empty
+    /// `content` when it has neither), `finish` on the last.
+    fn harmony_chunk(&self, p: HarmonyPiece, logprobs: Value, finish: Option<Finish>) -> Value {
+        json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": harmony_delta(&p, finish.is_some()), "logprobs": logprobs,
+                         "finish_reason": finish.map(api::finish_reason)}]})
+    }
+
     /// The whole (non-streamed) response.
     fn whole(&self, g: &Gathered) -> Value {
         let finish = g.finish.map(api::finish_reason);
         let logprobs = self.logprobs_json(&g.tokens, &g.logprobs, 0);
         let choice = match self.kind {
             Kind::Completion => json!({"index": 0, "text": g.text, "logprobs": logprobs, "finish_reason": finish}),
-            // A gpt-oss (Harmony) reply: the answer is its final channel; the analysis before it
-            // is left out (a reply without one is given whole).
-            Kind::Chat => json!({"index": 0, "message": {"role": "assistant",
-                                 "content": crate::model::chat::harmony_final(&g.text)},
+            // A gpt-oss (Harmony) reply: the answer is its final channel, the analysis before it
+            // its reasoning.
+            Kind::Chat if self.harmony => {
+                json!({"index": 0, "message": harmony_message(&g.text), "logprobs": logprobs, "finish_reason": finish})
+            }
+            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": g.text},
                                  "logprobs": logprobs, "finish_reason": finish}),
         };
         json!({"id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
                "choices": [choice], "usage": self.usage(g.completion_tokens)})
     }
+}
+
+/// A whole Harmony (gpt-oss) reply as a chat message: its final channel as `content`, its
+/// analysis as `reasoning_content` (llama-server's field; absent when there is none).
+fn harmony_message(text: &str) -> Value {
+    let mut split = HarmonySplit::new();
+    let (mut p, rest) = (split.push(text), split.finish());
+    p.reasoning.push_str(&rest.reasoning);
+    p.answer.push_str(&rest.answer);
+    let mut message = json!({"role": "assistant", "content": p.answer});
+    if !p.reasoning.is_empty() {
+        message["reasoning_content"] = json!(p.reasoning);
+    }
+    message
+}
+
+/// A streamed piece of a Harmony reply as a chat delta: `reasoning_content` and `content` where
+/// the piece has them (an empty `content` when it has neither, but on the `last` chunk, which
+/// may be empty).
+fn harmony_delta(p: &HarmonyPiece, last: bool) -> Value {
+    let mut delta = serde_json::Map::new();
+    if !p.reasoning.is_empty() {
+        delta.insert("reasoning_content".into(), json!(p.reasoning));
+    }
+    if !p.answer.is_empty() || (p.reasoning.is_empty() && !last) {
+        delta.insert("content".into(), json!(p.answer));
+    }
+    Value::Object(delta)
 }
 
 /// Waits for a generation's end, gathering it.
@@ -395,13 +438,13 @@ async fn answer(
         Done,
         End,
     }
-    let state = (reply, rx, ticket, At::Opening, 0usize);
-    let events = futures_util::stream::unfold(state, |(reply, mut rx, ticket, at, offset)| async move {
+    let state = (reply, rx, ticket, At::Opening, 0usize, HarmonySplit::new());
+    let events = futures_util::stream::unfold(state, |(reply, mut rx, ticket, at, offset, mut split)| async move {
         let data = |v: Value| Ok::<_, Infallible>(SseEvent::default().data(v.to_string()));
         match at {
             At::Opening if reply.kind == Kind::Chat => {
                 let ev = data(reply.chunk(None, Value::Null, None));
-                Some((ev, (reply, rx, ticket, At::Tokens, offset)))
+                Some((ev, (reply, rx, ticket, At::Tokens, offset, split)))
             }
             At::Opening | At::Tokens => match rx.recv().await {
                 Some(Out::Token {
@@ -411,9 +454,12 @@ async fn answer(
                     top,
                 }) => {
                     let lp = reply.logprobs_json(&[token], &[(logprob, top)], offset);
-                    let ev = data(reply.chunk(Some(&text), lp, None));
+                    let ev = match reply.harmony {
+                        true => data(reply.harmony_chunk(split.push(&text), lp, None)),
+                        false => data(reply.chunk(Some(&text), lp, None)),
+                    };
                     let offset = offset + reply.piece(token).0.len();
-                    Some((ev, (reply, rx, ticket, At::Tokens, offset)))
+                    Some((ev, (reply, rx, ticket, At::Tokens, offset, split)))
                 }
                 Some(Out::Done {
                     finish,
@@ -422,31 +468,40 @@ async fn answer(
                     ..
                 }) => {
                     // The finish chunk carries the text held back to the end, if any.
-                    let last = reply.chunk(Some(&text), Value::Null, Some(finish));
+                    let last = match reply.harmony {
+                        true => {
+                            let mut p = split.push(&text);
+                            let rest = split.finish();
+                            p.reasoning.push_str(&rest.reasoning);
+                            p.answer.push_str(&rest.answer);
+                            reply.harmony_chunk(p, Value::Null, Some(finish))
+                        }
+                        false => reply.chunk(Some(&text), Value::Null, Some(finish)),
+                    };
                     let next = if reply.include_usage {
                         At::Usage(completion_tokens)
                     } else {
                         At::Done
                     };
-                    Some((data(last), (reply, rx, ticket, next, offset)))
+                    Some((data(last), (reply, rx, ticket, next, offset, split)))
                 }
                 Some(Out::Failed(msg)) => {
                     let ev = data(ApiError::server(format!("generation failed: {msg}")).body());
-                    Some((ev, (reply, rx, ticket, At::Done, offset)))
+                    Some((ev, (reply, rx, ticket, At::Done, offset, split)))
                 }
                 None => {
                     let ev = data(ApiError::unavailable("the server is shutting down").body());
-                    Some((ev, (reply, rx, ticket, At::Done, offset)))
+                    Some((ev, (reply, rx, ticket, At::Done, offset, split)))
                 }
             },
             At::Usage(n) => {
                 let v = json!({"id": reply.id, "object": reply.object(true), "created": reply.created, "model": reply.model,
                                "choices": [], "usage": reply.usage(n)});
-                Some((data(v), (reply, rx, ticket, At::Done, offset)))
+                Some((data(v), (reply, rx, ticket, At::Done, offset, split)))
             }
             At::Done => {
                 let ev = Ok(SseEvent::default().data("[DONE]"));
-                Some((ev, (reply, rx, ticket, At::End, offset)))
+                Some((ev, (reply, rx, ticket, At::End, offset, split)))
             }
             At::End => None,
         }
@@ -760,4 +815,52 @@ async fn stats(State(st): State<Arc<AppState>>) -> Response {
         "replies": replies,
     }))
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gpt-oss reply, whole and streamed token by token: the answer as `content`, the analysis
+    /// as `reasoning_content`, no Harmony markers in either; the deltas add up to the message.
+    #[test]
+    fn harmony_replies_give_their_answer_as_content_and_their_analysis_as_reasoning() {
+        let tokens = [
+            "<|channel|>",
+            "analysis",
+            "<|message|>",
+            "Say",
+            " hi.",
+            "<|end|>",
+            "<|start|>",
+            "assistant",
+            "<|channel|>",
+            "final",
+            "<|message|>",
+            "Hi",
+            "!",
+        ];
+        let whole = harmony_message(&tokens.concat());
+        assert_eq!(
+            whole,
+            json!({"role": "assistant", "content": "Hi!", "reasoning_content": "Say hi."})
+        );
+        let mut split = HarmonySplit::new();
+        let (mut reasoning, mut content) = (String::new(), String::new());
+        for t in tokens {
+            let d = harmony_delta(&split.push(t), false);
+            assert!(
+                d.get("content").is_some() || d.get("reasoning_content").is_some(),
+                "{d}"
+            );
+            reasoning.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+            content.push_str(d["content"].as_str().unwrap_or(""));
+        }
+        assert_eq!(harmony_delta(&split.finish(), true), json!({}));
+        assert_eq!((reasoning.as_str(), content.as_str()), ("Say hi.", "Hi!"));
+        assert_eq!(
+            harmony_message("no channels"),
+            json!({"role": "assistant", "content": "no channels"})
+        );
+    }
 }

@@ -525,6 +525,13 @@ impl Tokenizer {
         self.chat_template.is_some()
     }
 
+    /// Whether the model's chat template is gpt-oss's Harmony format, whose replies carry their
+    /// reasoning and their answer in channels ([`super::chat::HarmonySplit`]).
+    pub fn chat_is_harmony(&self) -> bool {
+        self.chat_template.as_deref().and_then(super::chat::ChatFamily::detect)
+            == Some(super::chat::ChatFamily::Harmony)
+    }
+
     /// A single-turn user prompt rendered with the model's chat template, the assistant turn
     /// opened, ready for `encode(.., true)` (BOS is not written into the text).
     pub fn apply_chat_template(&self, user_prompt: &str) -> Result<String> {
