@@ -123,6 +123,64 @@ pub struct Decision {
     /// On a GPU: what it holds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuDecision>,
+    /// What streaming it should give, once the stream is open ([`Expected`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expected: Option<Expected>,
+}
+
+/// The most a streamed model can decode: what a token reads from disk, at the rate the disk
+/// gave just now. Compute and the link add to a token's time, and a mixture of experts' cache
+/// hits take from its reads, so this bounds the speed from the disk's side only.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Expected {
+    /// What a token reads under the plan (a mixture of experts: every routed expert read).
+    pub bytes_per_token: u64,
+    /// Whether that counts every routed expert read, none found in the expert cache.
+    pub experts_all_read: bool,
+    /// The disk's rate for large reads, measured at open.
+    pub disk_bytes_per_s: f64,
+    /// Whether those reads bypassed the page cache (otherwise the rate may be memory's).
+    pub direct_io: bool,
+    /// `disk_bytes_per_s / bytes_per_token` (None: nothing is read a token).
+    pub tok_per_s_max: Option<f64>,
+}
+
+impl Expected {
+    pub fn new(bytes_per_token: u64, experts_all_read: bool, disk_bytes_per_s: f64, direct_io: bool) -> Expected {
+        Expected {
+            bytes_per_token,
+            experts_all_read,
+            disk_bytes_per_s,
+            direct_io,
+            tok_per_s_max: (bytes_per_token > 0).then(|| disk_bytes_per_s / bytes_per_token as f64),
+        }
+    }
+
+    /// One line for the user.
+    pub fn describe(&self) -> String {
+        let bound = match self.bytes_per_token {
+            0 => "nothing is read from disk a token".to_string(),
+            b => format!(
+                "at most {:.2} tok/s from the disk: {:.1} MB read a token{} at the {:.2} GB/s it gave now",
+                self.tok_per_s_max.unwrap_or(0.0),
+                b as f64 / 1e6,
+                if self.experts_all_read {
+                    " if every routed expert is read (expert cache hits read less)"
+                } else {
+                    ""
+                },
+                self.disk_bytes_per_s / 1e9
+            ),
+        };
+        format!(
+            "expected: {bound}{}",
+            if self.direct_io {
+                ""
+            } else {
+                " (through the page cache: the rate may be memory's)"
+            }
+        )
+    }
 }
 
 /// What a GPU holds.
@@ -196,6 +254,7 @@ pub fn decide(model_bytes: u64, context_bytes: u64, memory: &HostMemory) -> Deci
         model_bytes,
         context_bytes,
         gpu: None,
+        expected: None,
     }
 }
 
@@ -320,6 +379,25 @@ mod tests {
 
     /// The GPU's table: free memory × weights → the whole model or a budget, and the reserve's
     /// bounds.
+    #[test]
+    fn the_expected_speed_is_the_disks_rate_over_a_tokens_reads() {
+        let e = Expected::new(3_000_000_000, false, 2.2e9, true);
+        assert!((e.tok_per_s_max.unwrap() - 2.2 / 3.0).abs() < 1e-12);
+        assert_eq!(
+            e.describe(),
+            "expected: at most 0.73 tok/s from the disk: 3000.0 MB read a token at the 2.20 GB/s it gave now"
+        );
+        let moe = Expected::new(55_000_000, true, 2.0e9, false).describe();
+        assert!(
+            moe.contains("36.36 tok/s") && moe.contains("every routed expert") && moe.contains("page cache"),
+            "{moe}"
+        );
+        assert_eq!(
+            Expected::new(0, false, 2.0e9, true).describe(),
+            "expected: nothing is read from disk a token"
+        );
+    }
+
     #[test]
     fn the_gpu_decision_table() {
         const GI: u64 = 1 << 30;

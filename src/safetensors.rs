@@ -96,6 +96,18 @@ impl SafetensorsModel {
         Ok(model)
     }
 
+    /// The shards as one byte space ([`crate::io::place_parts`]): what a stream reads, and
+    /// where each shard starts in it.
+    pub fn parts(&self) -> Vec<crate::io::FilePart> {
+        let files: Vec<(PathBuf, u64)> = self
+            .paths
+            .iter()
+            .zip(&self.maps)
+            .map(|(p, m)| (p.clone(), m.len() as u64))
+            .collect();
+        crate::io::place_parts(&files)
+    }
+
     pub fn bytes(&self, t: &StTensor) -> &[u8] {
         &self.maps[t.file][t.offset_bytes..t.offset_bytes + t.len_bytes]
     }

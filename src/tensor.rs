@@ -195,15 +195,18 @@ impl Weight {
         !matches!(self.storage, Storage::OnDisk)
     }
 
-    /// The same matrix with its bytes left on disk: only its place in the file is kept. The
-    /// streaming path reads such weights through its readers; reading their rows directly is a
-    /// bug, caught before a pass by [`Weight::in_memory`] checks.
-    pub fn on_disk(&self) -> Weight {
+    /// The same matrix with its bytes left on disk: only its place is kept, its offset in the
+    /// file moved by `base_bytes` (where the file starts in the byte space a stream reads: 0 but
+    /// for a model's later shards). The streaming path reads such weights through its readers;
+    /// reading their rows directly is a bug, caught before a pass by [`Weight::in_memory`] checks.
+    pub fn on_disk(&self, base_bytes: u64) -> Weight {
         match self.storage {
-            Storage::Mapped(_) | Storage::OnDisk => Weight {
+            Storage::Mapped(_) => Weight {
                 storage: Storage::OnDisk,
+                offset_bytes: self.offset_bytes + base_bytes as usize,
                 ..self.clone()
             },
+            Storage::OnDisk => self.clone(),
             Storage::Owned(_) | Storage::Staged(_) => self.clone(),
         }
     }

@@ -492,13 +492,6 @@ fn a_budget_too_small_is_refused_with_the_minimum() {
         .unwrap()
         .to_string();
     assert!(e.contains("too small") && e.contains(&min.to_string()), "{e}");
-    // A Hugging Face folder cannot stream (a GGUF can: a_gguf_streams_directly_...).
-    let m = load(&stories_dir());
-    let e = Streamer::open(&m, &options(1 << 30, ReadEngine::Pread, CachePolicy::Pinned))
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("reformat") && e.contains("GGUF file or a .gst file"), "{e}");
 }
 
 /// A device with memory of its own fed by the stream — the host stand-in
@@ -1637,6 +1630,107 @@ fn a_gguf_streams_directly_like_the_in_ram_model_and_the_rows_gst() {
     }
 }
 
+/// `src`'s tensors written again as a Hugging Face folder of `shards` safetensors files with
+/// their index (each header padded by `pad` spaces, so the data starts at another phase of the
+/// disk's block in each file), beside its config and tokenizer.
+fn shard_safetensors(src: &Path, dest: &Path, shards: usize, pad: usize) {
+    use gatestream::safetensors::SafetensorsModel;
+    std::fs::create_dir_all(dest).unwrap();
+    for f in std::fs::read_dir(src).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_none_or(|e| e != "safetensors") {
+            std::fs::copy(&f, dest.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let m = SafetensorsModel::open_dir(src).unwrap();
+    let mut tensors: Vec<_> = m.tensors.values().collect();
+    tensors.sort_by_key(|t| (t.file, t.offset_bytes));
+    let per = tensors.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (i, chunk) in tensors.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
+        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+        for t in chunk {
+            let dtype = match t.ty {
+                gatestream::quant::GgmlType::F32 => "F32",
+                gatestream::quant::GgmlType::F16 => "F16",
+                _ => "BF16",
+            };
+            let begin = data.len();
+            data.extend_from_slice(m.bytes(t));
+            header.insert(
+                t.name.clone(),
+                serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [begin, data.len()]}),
+            );
+            weight_map.insert(t.name.clone(), file.clone().into());
+        }
+        let mut h = serde_json::to_vec(&header).unwrap();
+        h.resize(h.len() + pad * (i + 1), b' ');
+        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(h);
+        bytes.extend(data);
+        std::fs::write(dest.join(&file), bytes).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dest.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}
+
+/// A Hugging Face folder streams directly, one file or several: its shards are one byte space
+/// (each at its place, a MiB multiple, so offsets keep their phase), each range read from the
+/// shard holding it. Logits bit-identical to the in-RAM model's with every reader, from the
+/// minimum budget to everything resident; the sharded copy (headers of other lengths, so each
+/// shard's data starts at another phase) reads what the single file does.
+#[test]
+fn a_safetensors_folder_streams_directly_like_the_in_ram_model_one_file_or_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sharded = tmp.path().join("sharded");
+    shard_safetensors(&stories_dir(), &sharded, 3, 1001);
+    assert_eq!(
+        gatestream::model::model_bytes(&sharded).unwrap(),
+        std::fs::read_dir(&sharded)
+            .unwrap()
+            .map(|f| f.unwrap().path())
+            .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+            .map(|f| std::fs::metadata(f).unwrap().len())
+            .sum::<u64>()
+    );
+    let text = "Once upon a time, there was a cat";
+    let reference = run(&load(&stories_dir()), None, None, text, 4);
+    let mut read = Vec::new();
+    for dir in [stories_dir(), sharded.clone()] {
+        let m = load_on_disk(&dir);
+        assert_eq!(m.parts.len(), if dir == sharded { 3 } else { 1 }, "{:?}", m.parts);
+        let model_bytes = gatestream::model::model_bytes(&dir).unwrap();
+        let min = budget_in_refusal(
+            &Streamer::open(&m, &dense_options(0, ReadEngine::Pread))
+                .err()
+                .unwrap()
+                .to_string(),
+        );
+        for budget in [min, min + model_bytes / 2, min + 2 * model_bytes] {
+            for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+                let s = Streamer::open(&m, &dense_options(budget, engine)).unwrap();
+                let got = run(&m, Some(&s), None, text, 4);
+                assert!(
+                    got.len() == reference.len() && got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} at budget {budget} with {engine:?} differs from in RAM",
+                    dir.display()
+                );
+                assert!(s.residency.resident_bytes() <= budget, "{:?}", s.residency);
+                let c = s.counters();
+                match budget == min {
+                    true => assert!(c.dense_needed_bytes > 0, "{c:?}"),
+                    false if budget > min + model_bytes => assert_eq!(c.dense_needed_bytes, 0, "{c:?}"),
+                    false => {}
+                }
+                read.push((engine, c.dense_needed_bytes, c.ffn_needed_bytes));
+            }
+        }
+    }
+    let (one, shards) = read.split_at(read.len() / 2);
+    assert_eq!(one, shards, "the sharded folder reads what the single file does");
+}
+
 /// A mixture-of-experts GGUF streams directly: expert e of a layer is slice e of each of its
 /// three expert tensors (three ranges, whole tensors apart), read by route into the expert
 /// cache. Qwen3-MoE, Mixtral-style llama and OLMoE from make-model: logits bit-identical to the
@@ -1852,4 +1946,65 @@ fn run_with_no_budget_streams_under_a_cgroup_cap_instead_of_being_killed() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["placement"]["placed"]["kind"], "in_ram", "{v}");
     assert!(v["stream"].is_null(), "{v}");
+}
+
+/// A Hugging Face folder is placed like a file: with no budget flag and less memory than the
+/// folder's files and the run's overhead, `run` streams it (the sharded copy too), with the
+/// in-RAM run's text, and says what it should give (the disk's rate over a token's reads); with
+/// room, it runs in RAM.
+#[test]
+fn run_with_no_budget_places_a_safetensors_folder_like_a_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sharded = tmp.path().join("sharded");
+    shard_safetensors(&stories_dir(), &sharded, 2, 7);
+    let bin = env!("CARGO_BIN_EXE_gatestream");
+    let run = |dir: &Path, limit: u64| -> serde_json::Value {
+        let out = std::process::Command::new(bin)
+            .args([
+                "run",
+                "--max-tokens",
+                "12",
+                "--json",
+                "--prompt",
+                "Once upon a time",
+                "--model",
+            ])
+            .arg(dir)
+            .env("GATESTREAM_MEMORY_LIMIT", limit.to_string())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let in_ram = run(&stories_dir(), 8 << 30);
+    assert_eq!(in_ram["placement"]["placed"]["kind"], "in_ram", "{in_ram}");
+    assert!(in_ram["text"].as_str().is_some_and(|t| t.len() > 10), "{in_ram}");
+    for dir in [stories_dir(), sharded] {
+        // (Automatic placement keeps a 128 MiB reserve: 2 MB left, near the minimum.)
+        let v = run(&dir, (128 << 20) + 2_000_000);
+        assert_eq!(v["placement"]["placed"]["kind"], "streamed", "{v}");
+        assert_eq!(
+            v["placement"]["model_bytes"].as_u64(),
+            Some(gatestream::model::model_bytes(&dir).unwrap()),
+            "{v}"
+        );
+        assert!(v["stream"]["disk_bytes_per_token"].as_f64().is_some(), "{v}");
+        assert_eq!(v["text"], in_ram["text"], "{}", dir.display());
+        // What it should give: the planned bytes a token at the disk's rate measured at open.
+        let e = &v["placement"]["expected"];
+        let (bytes, rate) = (
+            e["bytes_per_token"].as_u64().unwrap(),
+            e["disk_bytes_per_s"].as_f64().unwrap(),
+        );
+        assert_eq!(
+            Some(bytes as f64),
+            v["stream"]["dense_disk_bytes_per_token"].as_f64(),
+            "{v}"
+        );
+        assert!(
+            rate > 0.0 && (e["tok_per_s_max"].as_f64().unwrap() - rate / bytes as f64).abs() < 1e-6,
+            "{e}"
+        );
+        assert_eq!(e["experts_all_read"], false, "{e}");
+    }
 }

@@ -28,6 +28,8 @@
 //! - [`MmapReader`]: page cache, zero-copy ([`MmapReader::slice`]), `MADV_RANDOM`. Serves ranges in
 //!   order on the caller's thread (a page fault blocks), so it overlaps nothing.
 //! - [`SimReader`]: a device with injected latency, short reads and EIO.
+//! - [`PartsReader`]: several files (a model's shards) as one byte space, each range read by the
+//!   reader of the file holding it.
 //!
 //! [`open_reader`] picks an engine by policy and falls back (with warnings returned to the caller)
 //! when io_uring or O_DIRECT is unavailable.
@@ -35,6 +37,7 @@
 mod buf;
 mod file;
 mod mmap;
+mod parts;
 mod pread;
 mod sim;
 mod stats;
@@ -46,6 +49,7 @@ mod uring;
 pub use buf::{advise_huge_pages, AlignedBuf, BufferPool, ALIGN_BYTES};
 pub use file::DirectIo;
 pub use mmap::MmapReader;
+pub use parts::{measure_read_rate, open_parts_reader, place_parts, FilePart, PartsReader, PART_ALIGN_BYTES};
 pub use pread::{PreadOptions, PreadReader};
 pub use sim::{ShortReads, SimFaults, SimReader};
 pub use stats::ReadStats;

@@ -28,6 +28,9 @@ use weights::{ModelWeights, TensorSource};
 
 pub struct Model {
     pub path: PathBuf,
+    /// The files its weights are in, each at its place in one byte space (one file, or a Hugging
+    /// Face folder's shards): what a stream reads. Weights left on disk have offsets in it.
+    pub parts: Vec<crate::io::FilePart>,
     pub config: ModelConfig,
     pub weights: ModelWeights,
     pub tokenizer: Tokenizer,
@@ -149,6 +152,19 @@ fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
     ModelConfig::from_gguf(g, vocab)
 }
 
+/// The bytes of the model at `path`: the file's length, or the sum of a Hugging Face folder's
+/// safetensors files (what placement and `--ram-budget` percentages size against).
+pub fn model_bytes(path: &Path) -> Result<u64> {
+    if path.is_dir() {
+        return Ok(SafetensorsModel::open_dir(path)?
+            .parts()
+            .iter()
+            .map(|p| p.len_bytes)
+            .sum());
+    }
+    Ok(std::fs::metadata(path).map_err(|e| Error::io(path, e))?.len())
+}
+
 /// Only the config of the model at `path` (a .gst's index, a GGUF's metadata, a folder's
 /// config.json): what sizing decisions need, without building its tokenizer.
 pub fn open_config(path: &Path) -> Result<ModelConfig> {
@@ -247,9 +263,10 @@ impl Model {
             )));
         }
         if opts.placement == Placement::OnDisk {
-            weights.leave_on_disk();
+            weights.leave_on_disk(&src.tensors);
         }
         Ok(Model {
+            parts: src.tensors.parts(),
             placement: opts.placement,
             path: path.to_path_buf(),
             config: src.config,

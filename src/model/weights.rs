@@ -155,6 +155,35 @@ impl TensorSource {
         self.shape(name).is_some()
     }
 
+    /// The files a stream reads, each at its place in one byte space: the file itself, or a
+    /// Hugging Face folder's shards one after another ([`crate::io::place_parts`]); a matrix
+    /// left on disk ([`ModelWeights::leave_on_disk`]) has its offset in that space.
+    pub fn parts(&self) -> Vec<crate::io::FilePart> {
+        let one = |path: &Path, len: usize| {
+            vec![crate::io::FilePart {
+                path: path.to_path_buf(),
+                base_bytes: 0,
+                len_bytes: len as u64,
+            }]
+        };
+        match self {
+            TensorSource::Gguf(g) => one(&g.path, g.map.len()),
+            TensorSource::Gst(g) => one(&g.path, g.map.len()),
+            TensorSource::Safetensors { model, .. } => model.parts(),
+        }
+    }
+
+    /// Where matrix `name`'s file starts in [`TensorSource::parts`]' byte space (0 but for a
+    /// Hugging Face folder's later shards).
+    fn base_of(&self, name: &str) -> u64 {
+        match self {
+            TensorSource::Safetensors { model, .. } => {
+                model.tensors.get(name).map_or(0, |t| model.parts()[t.file].base_bytes)
+            }
+            _ => 0,
+        }
+    }
+
     /// A GGUF three-dimensional tensor of `n` matrices `[rows, cols]` (dims `[cols, rows, n]`)
     /// as one matrix `[n · rows, cols]`: matrix i is rows `i·rows..(i+1)·rows`
     /// ([`Weight::rows_view`]).
@@ -553,10 +582,11 @@ impl ModelWeights {
         every_matrix!(self, mut)
     }
 
-    /// Drops every matrix's view of the file, keeping only where it is ([`Weight::on_disk`]).
-    pub fn leave_on_disk(&mut self) {
+    /// Drops every matrix's view of the file, keeping only where it is in `src`'s byte space
+    /// ([`TensorSource::parts`], [`Weight::on_disk`]).
+    pub fn leave_on_disk(&mut self, src: &TensorSource) {
         for w in self.matrices_mut() {
-            *w = w.on_disk();
+            *w = w.on_disk(src.base_of(&w.name));
         }
     }
 

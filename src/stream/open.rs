@@ -14,7 +14,7 @@ use super::{
     Streamer,
 };
 use crate::error::{Error, Result};
-use crate::io::{open_reader, ReadEngine, Reader};
+use crate::io::{open_parts_reader, ReadEngine, Reader};
 use crate::model::weights::FfnDown;
 use crate::model::Model;
 use crate::tensor::Weight;
@@ -32,7 +32,7 @@ impl Streamer {
         // Two readers: one for the compute thread's FFN reads, one for the prefetch thread.
         let roles = reader_roles(opts, model.config.moe.is_some(), section_max_bytes(model));
         let open = |o: &crate::io::ReaderOptions| -> Result<(Arc<dyn Reader>, bool, Vec<String>)> {
-            let o = open_reader(&model.path, opts.engine, o)?;
+            let o = open_parts_reader(&model.path, &model.parts, opts.engine, o)?;
             Ok((Arc::from(o.reader), o.direct_io_active, o.warnings))
         };
         let (fg, direct_io, mut warnings) = open(&roles.fg)?;
@@ -60,12 +60,12 @@ impl Streamer {
         let link: &dyn crate::backend::HostLink = model.device.as_ref();
         let not_gst = || {
             Error::Invalid(format!(
-                "{}: streaming reads a GGUF file or a .gst file (a Hugging Face folder is read in RAM); convert it \
+                "{}: streaming reads a GGUF file, a Hugging Face folder's safetensors or a .gst file; convert it \
                  with `gatestream reformat`",
                 model.path.display()
             ))
         };
-        if !crate::gstfile::is_gst(&model.path) && !crate::gguf::is_gguf(&model.path) {
+        if !model.path.is_dir() && !crate::gstfile::is_gst(&model.path) && !crate::gguf::is_gguf(&model.path) {
             return Err(not_gst());
         }
         if let Some(v) = opts.vram_budget_bytes {
@@ -232,29 +232,35 @@ impl Streamer {
         // Page-cache engines keep resident weights as views of a map of the file (the walk
         // path); the others copy them into memory once, bypassing the page cache where O_DIRECT
         // is on. Either way the streamer owns them: the model is not changed.
-        let map = match opts.engine {
-            ReadEngine::Mmap => {
-                let f = std::fs::File::open(&model.path).map_err(|e| Error::io(&model.path, e))?;
-                // SAFETY: the file is opened read-only and the map is only read; like every map of
-                // a model file here, it assumes the file is not truncated while the process runs
-                // (the same assumption `gguf`, `safetensors` and `gstfile` make for theirs).
-                Some(Arc::new(
-                    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&model.path, e))?,
-                ))
-            }
-            _ => None,
+        // (One map per file of the model, each at its place.)
+        let maps = match opts.engine {
+            ReadEngine::Mmap => model
+                .parts
+                .iter()
+                .map(|p| {
+                    let f = std::fs::File::open(&p.path).map_err(|e| Error::io(&p.path, e))?;
+                    // SAFETY: the file is opened read-only and the map is only read; like every
+                    // map of a model file here, it assumes the file is not truncated while the
+                    // process runs (the same assumption `gguf`, `safetensors` and `gstfile` make
+                    // for theirs).
+                    let m = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(&p.path, e))?;
+                    Ok((p, Arc::new(m)))
+                })
+                .collect::<Result<Vec<_>>>()?,
+            _ => Vec::new(),
         };
         let load = |w: &Weight| -> Result<Weight> {
             let offset = w
                 .file_offset()
                 .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
-            match &map {
-                Some(m) => {
-                    let end = offset as usize + w.len_bytes();
+            match maps.iter().rev().find(|(p, _)| p.base_bytes <= offset) {
+                Some((p, m)) => {
+                    let at = (offset - p.base_bytes) as usize;
+                    let end = at + w.len_bytes();
                     if end > m.len() {
                         return Err(Error::Invalid(format!(
                             "{}: {} ends at byte {end}, past the end of the file ({} bytes)",
-                            model.path.display(),
+                            p.path.display(),
                             w.name,
                             m.len()
                         )));
@@ -265,7 +271,7 @@ impl Streamer {
                         w.rows,
                         w.cols,
                         m.clone(),
-                        offset as usize,
+                        at,
                         w.row_stride_bytes,
                     ))
                 }

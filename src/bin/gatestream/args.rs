@@ -942,8 +942,9 @@ impl Command {
 pub(crate) struct StreamArgs {
     /// Stream from disk under this RAM budget (700M, 40%, auto, off).
     ///
-    /// Stream the model (a GGUF as downloaded, or a .gst) from disk under this RAM budget: bytes
-    /// (700M, 1.5G, 512MiB) or a share of the file (40%); `auto` (the default) or `off`.
+    /// Stream the model (a GGUF or a Hugging Face folder as downloaded, or a .gst) from disk
+    /// under this RAM budget: bytes (700M, 1.5G, 512MiB) or a share of the model (40%); `auto`
+    /// (the default) or `off`.
     /// Resident, in this order while the budget lasts: the output matrix and norms (required),
     /// attention, gate matrices, a neuron cache (a GGUF's FFN matrices whole); everything else
     /// is read per token. A mixture-of-experts model keeps everything but its routed experts
@@ -952,7 +953,9 @@ pub(crate) struct StreamArgs {
     /// minimum, when too small. auto: the model runs in RAM (memory-mapped) when it, its
     /// context and 256 MiB fit in what this process may use (the tighter of its cgroup's
     /// memory limit and MemAvailable; GATESTREAM_MEMORY_LIMIT=bytes overrides), else streams
-    /// under that less a tenth (at least 128 MiB); the choice is printed and in --json (`placement`). off: in RAM.
+    /// under that less a tenth (at least 128 MiB); the choice is printed and in --json
+    /// (`placement`), and a streamed run's expected speed (the disk's rate, measured at open,
+    /// over a token's reads: `expected: …`, `placement.expected`). off: in RAM.
     #[arg(help_heading = "Streaming and GPU", long)]
     pub(crate) ram_budget: Option<String>,
     /// With --device cuda: the GPU memory the model may use (auto: what fits its free memory).

@@ -155,14 +155,35 @@ fn generate_one(
     if let Some((p, max)) = draft {
         rt.attach_draft(p, max)?;
     }
-    describe(&rt, t.elapsed().as_secs_f64());
+    let expected = describe(&rt, t.elapsed().as_secs_f64());
     let ids = rt.model.prompt_ids(prompt, opts.chat)?;
-    let mut outcome = rt.generate(&ids, opts, record_trace.is_some(), Some(&INTERRUPTED), &mut |e| {
-        if !e.text.is_empty() {
-            on_text(e.text)
+    // A gpt-oss chat reply: its reasoning (the analysis channel) goes to stderr as it is
+    // written, its answer (the final channel) to `on_text`, the Harmony markers to neither.
+    let mut harmony =
+        (opts.chat && rt.model.tokenizer.chat_is_harmony()).then(gatestream::model::chat::HarmonySplit::new);
+    let emit = |p: gatestream::model::chat::HarmonyPiece, on_text: &mut dyn FnMut(&str)| {
+        if !p.reasoning.is_empty() {
+            eprint!("{}", p.reasoning);
         }
-    })?;
-    outcome.placement = placement;
+        if !p.answer.is_empty() {
+            on_text(&p.answer)
+        }
+    };
+    let mut outcome = rt.generate(
+        &ids,
+        opts,
+        record_trace.is_some(),
+        Some(&INTERRUPTED),
+        &mut |e| match harmony.as_mut() {
+            _ if e.text.is_empty() => {}
+            Some(split) => emit(split.push(e.text), on_text),
+            None => on_text(e.text),
+        },
+    )?;
+    if let Some(split) = harmony.as_mut() {
+        emit(split.finish(), on_text);
+    }
+    outcome.placement = placement.map(|d| gatestream::placement::Decision { expected, ..d });
     if let (Some(t), Some(path)) = (&outcome.trace, record_trace) {
         t.write(path)?;
         eprintln!("\ntrace: {} written to {}", t.summary(), path.display());
@@ -174,14 +195,14 @@ fn generate_one(
 /// this process may use and the model's size with a context of `context_positions` (its KV
 /// cache and a batch's activations); on a GPU (`device` with memory of its own, `--vram-budget`
 /// absent or `auto`), whether it holds the whole model or a budget of it, from its free memory.
-/// None: an explicit budget (or `off`), a folder (read in RAM), or no memory figure to be had.
+/// None: an explicit budget (or `off`), or no memory figure to be had.
 fn auto_placement(
     stream: &StreamArgs,
     path: &std::path::Path,
     context_positions: usize,
     device: Option<&dyn Device>,
 ) -> anyhow::Result<Option<gatestream::placement::Decision>> {
-    if !matches!(stream.ram_budget.as_deref(), None | Some("auto")) || path.is_dir() {
+    if !matches!(stream.ram_budget.as_deref(), None | Some("auto")) {
         return Ok(None);
     }
     let given = match std::env::var("GATESTREAM_MEMORY_LIMIT") {
@@ -195,9 +216,7 @@ fn auto_placement(
     let Some(memory) = gatestream::placement::host_memory(given) else {
         return Ok(None);
     };
-    let model_bytes = std::fs::metadata(path)
-        .with_context(|| format!("reading {}", path.display()))?
-        .len();
+    let model_bytes = gatestream::model::model_bytes(path)?;
     let cfg = gatestream::model::open_config(path)?;
     let positions = context_positions.min(cfg.context_len.max(1));
     let context_bytes = gatestream::kv::KvCache::bytes_for(&cfg, positions)
@@ -236,7 +255,7 @@ fn stream_ask(
     };
     let budget = match (stream.ram_budget.as_deref(), &decision) {
         (Some("off"), _) => None,
-        (Some(b), _) if b != "auto" => Some(parse_budget(b, std::fs::metadata(path)?.len())?),
+        (Some(b), _) if b != "auto" => Some(parse_budget(b, gatestream::model::model_bytes(path)?)?),
         (
             _,
             Some(gatestream::placement::Decision {
@@ -250,7 +269,7 @@ fn stream_ask(
     if budget.is_none() && explicit_vram.is_none() && auto_vram.is_none() {
         return Ok((None, decision));
     }
-    let file_bytes = std::fs::metadata(path)?.len();
+    let file_bytes = gatestream::model::model_bytes(path)?;
     Ok((
         Some(StreamAsk {
             // Only a GPU budget: the whole model in host RAM, streamed from there.
@@ -286,8 +305,8 @@ fn stream_ask(
 }
 
 /// Says what was loaded (`load_s`: seconds since opening began), what the stream keeps and
-/// reads, and the mask.
-fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
+/// reads, what it should give (measured now: [`expected`]), and the mask.
+fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) -> Option<gatestream::placement::Expected> {
     print_loaded(&rt.model, load_s - rt.stream_open_s);
     for w in &rt.warnings {
         eprintln!("warning: {w}");
@@ -372,6 +391,25 @@ fn describe(rt: &gatestream::runtime::Runtime, load_s: f64) {
             }
         );
     }
+    expected(rt)
+}
+
+/// What streaming `rt` should give from the disk's side ([`gatestream::placement::Expected`]):
+/// the disk's rate measured now (32 MiB of large reads), beside what a token reads; printed.
+/// None in RAM, or where the disk cannot be read for it (a warning says why).
+fn expected(rt: &gatestream::runtime::Runtime) -> Option<gatestream::placement::Expected> {
+    let s = rt.stream.as_ref()?;
+    match gatestream::io::measure_read_rate(&rt.model.path, &rt.model.parts, 32 << 20) {
+        Ok((rate, direct_io)) => {
+            let e = gatestream::placement::Expected::new(s.dense_bytes_per_token, s.experts.is_some(), rate, direct_io);
+            eprintln!("{}", e.describe());
+            Some(e)
+        }
+        Err(e) => {
+            eprintln!("warning: the disk's rate could not be measured for the expected speed: {e}");
+            None
+        }
+    }
 }
 
 fn default_model() -> anyhow::Result<PathBuf> {
@@ -450,7 +488,7 @@ fn open_plain(
     let stream = match ram_budget {
         None => None,
         Some(b) => Some(StreamAsk {
-            budget_bytes: parse_budget(b, std::fs::metadata(path)?.len())?,
+            budget_bytes: parse_budget(b, gatestream::model::model_bytes(path)?)?,
             engine: engine_of(io),
             reader: ReaderOptions::default(),
             cache: None,

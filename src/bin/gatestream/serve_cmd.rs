@@ -96,7 +96,7 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
         if let Some(d) = &draft {
             rt.attach_draft(d, draft_max)?;
         }
-        describe(&rt, t.elapsed().as_secs_f64());
+        let _ = describe(&rt, t.elapsed().as_secs_f64());
         let ctx = gatestream::runtime::slot_context(&rt.model, ctx_size);
         eprintln!(
             "ready: {parallel} sequences at once, {ctx} tokens of context each, {}",
