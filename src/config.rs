@@ -770,13 +770,71 @@ impl ModelConfig {
             .get("model_type")
             .and_then(|x| x.as_str())
             .ok_or_else(|| bad("missing `model_type`".into()))?;
-        let arch = Arch::parse(path, model_type)?;
-        if arch.is_moe() || v.get("num_local_experts").is_some() {
+        // The mixtures of experts read from a folder, by the names their GGUFs give them.
+        let hf_moe = matches!(model_type, "qwen3_moe" | "qwen2_moe" | "olmoe" | "mixtral");
+        // The mixtures whose GGUFs run and whose folders are not read.
+        let gguf_only = matches!(
+            model_type,
+            "glm4_moe" | "deepseek_v2" | "deepseek_v3" | "kimi_k2" | "gpt_oss"
+        );
+        if gguf_only {
             return Err(bad(format!(
-                "`{model_type}` is a mixture-of-experts model; gatestream reads experts from GGUF files only \
-                 (convert it with llama.cpp's convert_hf_to_gguf.py)"
+                "`{model_type}` is a mixture-of-experts model whose Hugging Face folder gatestream does not read \
+                 (it reads qwen3_moe, qwen2_moe, olmoe and mixtral folders); its GGUF runs: convert it with \
+                 llama.cpp's convert_hf_to_gguf.py"
             )));
         }
+        let arch = Arch::parse(
+            path,
+            match model_type {
+                "qwen3_moe" => "qwen3moe",
+                "qwen2_moe" => "qwen2moe",
+                "mixtral" => "llama",
+                t => t,
+            },
+        )?;
+        if !hf_moe && (arch.is_moe() || v.get("num_local_experts").is_some()) {
+            return Err(bad(format!(
+                "`{model_type}` is a mixture-of-experts model whose Hugging Face folder gatestream does not read \
+                 (it reads qwen3_moe, qwen2_moe, olmoe and mixtral folders, and every architecture's GGUF: \
+                 convert it with llama.cpp's convert_hf_to_gguf.py)"
+            )));
+        }
+        let moe = match hf_moe {
+            false => None,
+            true => {
+                let n_experts = opt_int("num_experts")
+                    .or_else(|| opt_int("num_local_experts"))
+                    .ok_or_else(|| bad("missing integer `num_experts` (or `num_local_experts`)".into()))?;
+                // As llama.cpp per architecture: Mixtral and Qwen3-MoE renormalize the chosen
+                // experts' weights, Qwen2-MoE and OLMoE do not (`norm_topk_prob` where given).
+                let normalize = v
+                    .get("norm_topk_prob")
+                    .and_then(|x| x.as_bool())
+                    .unwrap_or(matches!(model_type, "qwen3_moe" | "mixtral"));
+                let mut m = MoeConfig::softmax(n_experts, int("num_experts_per_tok")?, normalize);
+                if model_type == "qwen2_moe" {
+                    m.shared_ffn = int("shared_expert_intermediate_size")?;
+                    m.shared_gated = true;
+                }
+                let dense_layers = v
+                    .get("mlp_only_layers")
+                    .and_then(|x| x.as_array())
+                    .is_some_and(|a| !a.is_empty());
+                if opt_int("decoder_sparse_step").unwrap_or(1) != 1 || dense_layers {
+                    return Err(bad(
+                        "`decoder_sparse_step` other than 1 or `mlp_only_layers`: gatestream runs experts in every \
+                         layer of this architecture"
+                            .into(),
+                    ));
+                }
+                Some(m)
+            }
+        };
+        let ffn_key = match model_type {
+            "qwen3_moe" | "qwen2_moe" => "moe_intermediate_size",
+            _ => "intermediate_size",
+        };
         let gemma = arch == Arch::Gemma3;
         let hidden = int("hidden_size")?;
         let n_heads = int("num_attention_heads")?;
@@ -786,7 +844,7 @@ impl ModelConfig {
         let cfg = ModelConfig {
             arch,
             hidden,
-            ffn: int("intermediate_size")?,
+            ffn: int(ffn_key)?,
             n_layers: int("num_hidden_layers")?,
             n_heads,
             n_kv_heads: opt_int("num_key_value_heads").unwrap_or(n_heads),
@@ -812,12 +870,12 @@ impl ModelConfig {
             sliding_pattern: opt_int("sliding_window_pattern").unwrap_or(6),
             attn_scale: qk_scale / opt_f("query_pre_attn_scalar").unwrap_or(head_dim as f32).sqrt(),
             embed_scale: if gemma { (hidden as f32).sqrt() } else { 1.0 },
-            qk_norm: gemma || arch == Arch::Qwen3,
+            qk_norm: gemma || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             post_norms: gemma,
             attn_bias: arch == Arch::Qwen2,
             final_logit_softcap: opt_f("final_logit_softcapping").filter(|&c| c > 0.0),
-            qk_norm_whole: false,
-            moe: None,
+            qk_norm_whole: arch == Arch::Olmoe,
+            moe,
             mla: None,
             rope_dim: head_dim,
             nextn_layers: 0,

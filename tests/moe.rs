@@ -2066,3 +2066,231 @@ fn eval_on_glm4moe_masks_the_routed_experts_only() {
     let rel = masked.ffn_bytes_rel_dense;
     assert!(rel > 0.5 && rel < 1.0, "{masked:?}");
 }
+
+/// `gguf` (an F32 mixture of experts of `arch` written by `write_moe` from stories260K) as the
+/// Hugging Face folder its checkpoint would be: config.json of its `model_type`, every tensor
+/// under its Hugging Face name (each expert's own three, Q/K rows un-permuted for Mixtral's
+/// half-split RoPE) in `shards` safetensors files with their index, and stories260K's llama2.c
+/// tokenizer.
+fn moe_as_hf_folder(gguf: &Path, arch: Arch, dest: &Path, shards: usize) {
+    let g = gatestream::gguf::GgufFile::open(gguf).unwrap();
+    let cfg = load(gguf).config;
+    let moe = cfg.moe.clone().unwrap();
+    std::fs::create_dir_all(dest).unwrap();
+    std::fs::copy(stories_dir().join("tok512.bin"), dest.join("tok512.bin")).unwrap();
+    let mixtral = arch == Arch::Llama;
+    let (block, [eg, eu, ed]) = match mixtral {
+        true => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        false => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+    };
+    let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for t in &g.tensors {
+        let bytes = g.map[t.offset_bytes as usize..(t.offset_bytes + t.len_bytes) as usize].to_vec();
+        let shape: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
+        assert_eq!(t.type_id, 0, "{}: F32 only", t.name);
+        let global = match t.name.as_str() {
+            "token_embd.weight" => Some("model.embed_tokens.weight"),
+            "output.weight" => Some("lm_head.weight"),
+            "output_norm.weight" => Some("model.norm.weight"),
+            _ => None,
+        };
+        if let Some(h) = global {
+            out.push((h.into(), shape, bytes));
+            continue;
+        }
+        let rest = t.name.strip_prefix("blk.").unwrap();
+        let (l, what) = rest.split_once('.').unwrap();
+        let layer = |h: &str| format!("model.layers.{l}.{h}");
+        // Rows of each head back in half-split order (the GGUF's are pair-interleaved).
+        let unpermute = |bytes: Vec<u8>, heads: usize| -> Vec<u8> {
+            let row = shape[1] * 4;
+            let hd = shape[0] / heads;
+            let mut to = bytes.clone();
+            for head in 0..heads {
+                for i in 0..hd / 2 {
+                    for j in 0..2 {
+                        let (permuted, original) = (head * hd + 2 * i + j, head * hd + j * hd / 2 + i);
+                        to[original * row..(original + 1) * row]
+                            .copy_from_slice(&bytes[permuted * row..(permuted + 1) * row]);
+                    }
+                }
+            }
+            to
+        };
+        match what {
+            "ffn_gate_exps.weight" | "ffn_up_exps.weight" | "ffn_down_exps.weight" => {
+                let m = match what {
+                    "ffn_gate_exps.weight" => eg,
+                    "ffn_up_exps.weight" => eu,
+                    _ => ed,
+                };
+                let each = bytes.len() / moe.n_experts;
+                for e in 0..moe.n_experts {
+                    out.push((
+                        layer(&format!("{block}.experts.{e}.{m}.weight")),
+                        shape[1..].to_vec(),
+                        bytes[e * each..(e + 1) * each].to_vec(),
+                    ));
+                }
+            }
+            _ => {
+                let (h, bytes, shape) = match what {
+                    "attn_norm.weight" => ("input_layernorm.weight", bytes, shape),
+                    "attn_q.weight" if mixtral => ("self_attn.q_proj.weight", unpermute(bytes, cfg.n_heads), shape),
+                    "attn_k.weight" if mixtral => ("self_attn.k_proj.weight", unpermute(bytes, cfg.n_kv_heads), shape),
+                    "attn_q.weight" => ("self_attn.q_proj.weight", bytes, shape),
+                    "attn_k.weight" => ("self_attn.k_proj.weight", bytes, shape),
+                    "attn_v.weight" => ("self_attn.v_proj.weight", bytes, shape),
+                    "attn_output.weight" => ("self_attn.o_proj.weight", bytes, shape),
+                    "attn_q.bias" => ("self_attn.q_proj.bias", bytes, shape),
+                    "attn_k.bias" => ("self_attn.k_proj.bias", bytes, shape),
+                    "attn_v.bias" => ("self_attn.v_proj.bias", bytes, shape),
+                    "attn_q_norm.weight" => ("self_attn.q_norm.weight", bytes, shape),
+                    "attn_k_norm.weight" => ("self_attn.k_norm.weight", bytes, shape),
+                    "ffn_norm.weight" => ("post_attention_layernorm.weight", bytes, shape),
+                    "ffn_gate_inp.weight" if mixtral => ("block_sparse_moe.gate.weight", bytes, shape),
+                    "ffn_gate_inp.weight" => ("mlp.gate.weight", bytes, shape),
+                    "ffn_gate_shexp.weight" => ("mlp.shared_expert.gate_proj.weight", bytes, shape),
+                    "ffn_up_shexp.weight" => ("mlp.shared_expert.up_proj.weight", bytes, shape),
+                    "ffn_down_shexp.weight" => ("mlp.shared_expert.down_proj.weight", bytes, shape),
+                    "ffn_gate_inp_shexp.weight" => ("mlp.shared_expert_gate.weight", bytes, vec![1, shape[0]]),
+                    other => panic!("{}: no Hugging Face name for {other}", gguf.display()),
+                };
+                out.push((layer(h), shape, bytes));
+            }
+        }
+    }
+    let per = out.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (i, chunk) in out.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
+        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+        for (name, shape, bytes) in chunk {
+            let begin = data.len();
+            data.extend_from_slice(bytes);
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [begin, data.len()]}),
+            );
+            weight_map.insert(name.clone(), file.clone().into());
+        }
+        let mut h = serde_json::to_vec(&header).unwrap();
+        h.resize(h.len().div_ceil(8) * 8 + 8 * i, b' ');
+        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(h);
+        bytes.extend(data);
+        std::fs::write(dest.join(&file), bytes).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dest.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let mut config = serde_json::json!({
+        "model_type": match arch {
+            Arch::Llama => "mixtral",
+            Arch::Qwen2Moe => "qwen2_moe",
+            Arch::Qwen3Moe => "qwen3_moe",
+            _ => "olmoe",
+        },
+        "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab,
+        "max_position_embeddings": cfg.context_len,
+        "rms_norm_eps": cfg.rms_eps,
+        "rope_theta": cfg.rope_theta,
+        "num_experts_per_tok": moe.n_used,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    });
+    let c = config.as_object_mut().unwrap();
+    match arch {
+        Arch::Llama => {
+            c.insert("num_local_experts".into(), moe.n_experts.into());
+            c.insert("intermediate_size".into(), cfg.ffn.into());
+        }
+        Arch::Olmoe => {
+            c.insert("num_experts".into(), moe.n_experts.into());
+            c.insert("intermediate_size".into(), cfg.ffn.into());
+        }
+        _ => {
+            c.insert("num_experts".into(), moe.n_experts.into());
+            c.insert("moe_intermediate_size".into(), cfg.ffn.into());
+            // (The dense width these checkpoints also name, unused by their experts.)
+            c.insert("intermediate_size".into(), (4 * cfg.ffn).into());
+            if arch == Arch::Qwen2Moe {
+                c.insert("shared_expert_intermediate_size".into(), moe.shared_ffn.into());
+            }
+        }
+    }
+    std::fs::write(dest.join("config.json"), config.to_string()).unwrap();
+}
+
+/// A mixture of experts from its Hugging Face folder (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; each
+/// expert's own tensors, in three shards): in RAM it computes what its GGUF does, and streamed
+/// (experts read by route into the cache, from whichever shard holds each matrix) its logits are
+/// bit-identical to the folder's in RAM, with every reader, from one expert's room to every
+/// expert cached.
+#[test]
+fn a_mixture_of_experts_streams_from_its_hugging_face_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = "Once upon a time, there was a little dog";
+    for arch in ARCHS {
+        let gguf = make(
+            tmp.path(),
+            &spec(arch, GgmlType::F32, true),
+            &format!("{}.gguf", arch.name()),
+        );
+        let dir = tmp.path().join(format!("{}-hf", arch.name()));
+        moe_as_hf_folder(&gguf, arch, &dir, 3);
+        let (from_gguf, hf) = (load(&gguf), load(&dir));
+        assert_eq!(hf.config.moe, from_gguf.config.moe, "{arch:?}");
+        assert_eq!(
+            hf.tokenizer.encode(text, true).unwrap(),
+            from_gguf.tokenizer.encode(text, true).unwrap()
+        );
+        let want = prompt_then_greedy(&from_gguf, None, None, text, 4);
+        let in_ram = prompt_then_greedy(&hf, None, None, text, 4);
+        let worst = want
+            .iter()
+            .zip(&in_ram)
+            .map(|(a, b)| (a - b).abs() / a.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert!(
+            in_ram.len() == want.len() && worst < 1e-4,
+            "{arch:?}: folder vs GGUF {worst}"
+        );
+        let m = Model::load(&dir, &on_disk()).unwrap();
+        assert_eq!(m.parts.len(), 3);
+        let min = budget_in_refusal(
+            &Streamer::open(&m, &stream_options(0, ReadEngine::Pread, CachePolicy::Lru, false))
+                .err()
+                .unwrap()
+                .to_string(),
+        );
+        let model_bytes = gatestream::model::model_bytes(&dir).unwrap();
+        for budget in [min, min + model_bytes / 3, min + 2 * model_bytes] {
+            for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
+                let s = Streamer::open(&m, &stream_options(budget, engine, CachePolicy::Lru, false)).unwrap();
+                let got = prompt_then_greedy(&m, Some(&s), None, text, 4);
+                assert!(
+                    got.len() == in_ram.len() && got.iter().zip(&in_ram).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{arch:?} at budget {budget} with {engine:?}: streamed differs from the folder in RAM"
+                );
+                let c = s.counters();
+                assert!(c.cache_lookups > 0, "{arch:?}: {c:?}");
+                if budget == min {
+                    assert!(c.ffn_needed_bytes > 0, "{arch:?}: {c:?}");
+                }
+            }
+        }
+    }
+    // A mixture whose GGUF runs and whose folder is not read says so, and what to do.
+    let dir = tmp.path().join("qwen3moe-hf");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["model_type"] = "deepseek_v3".into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let e = Model::load(&dir, &LoadOptions::default()).err().unwrap().to_string();
+    assert!(e.contains("deepseek_v3") && e.contains("convert_hf_to_gguf"), "{e}");
+}

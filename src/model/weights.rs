@@ -534,9 +534,31 @@ impl Names {
             ("ffn_gate.weight", _) => "mlp.gate_proj.weight",
             ("ffn_up.weight", _) => "mlp.up_proj.weight",
             ("ffn_down.weight", _) => "mlp.down_proj.weight",
+            // Mixtral's router, then every other mixture's (Qwen-MoE, OLMoE).
+            ("ffn_gate_inp.weight", Arch::Llama) => "block_sparse_moe.gate.weight",
+            ("ffn_gate_inp.weight", _) => "mlp.gate.weight",
+            ("ffn_gate_inp_shexp.weight", _) => "mlp.shared_expert_gate.weight",
+            ("ffn_gate_shexp.weight", _) => "mlp.shared_expert.gate_proj.weight",
+            ("ffn_up_shexp.weight", _) => "mlp.shared_expert.up_proj.weight",
+            ("ffn_down_shexp.weight", _) => "mlp.shared_expert.down_proj.weight",
             _ => unreachable!("unknown layer tensor {what}"),
         };
         format!("model.layers.{l}.{hf}")
+    }
+
+    /// Expert `e`'s gate, up and down matrices of layer `l` in a Hugging Face folder (each
+    /// expert's own tensors: Mixtral's `w1`, `w3`, `w2`; the others' `gate_proj`, `up_proj`,
+    /// `down_proj`).
+    fn hf_expert(l: usize, e: usize, arch: Arch) -> [String; 3] {
+        let [gate, up, down] = match arch {
+            Arch::Llama => ["w1", "w3", "w2"],
+            _ => ["gate_proj", "up_proj", "down_proj"],
+        };
+        let block = match arch {
+            Arch::Llama => "block_sparse_moe",
+            _ => "mlp",
+        };
+        [gate, up, down].map(|m| format!("model.layers.{l}.{block}.experts.{e}.{m}.weight"))
     }
 }
 
@@ -719,6 +741,17 @@ impl ModelWeights {
                                             f,
                                             arch,
                                         )?),
+                                    })
+                                })
+                                .collect::<Result<Vec<_>>>()?
+                        } else if !names.gguf {
+                            (0..e)
+                                .map(|i| {
+                                    let [gate, up, down] = Names::hf_expert(l, i, arch);
+                                    Ok(FfnWeights {
+                                        gate: src.matrix(&gate, f, h, arch)?,
+                                        up: src.matrix(&up, f, h, arch)?,
+                                        down: FfnDown::Rows(src.matrix(&down, h, f, arch)?),
                                     })
                                 })
                                 .collect::<Result<Vec<_>>>()?
