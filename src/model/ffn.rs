@@ -25,6 +25,10 @@
 //! Everything else streams through the staged path (a set the cache holds in consecutive slots,
 //! such as a dense step's, handed over as a view of the cache rather than gathered),
 //! bit-identical to the in-RAM model when every neuron is kept.
+//!
+//! Which of these a pass takes — in RAM, hybrid, decode on the host, in place, staged — is one
+//! decision, [`ffn_path`], made from the stream, the mask and the device (its doc is the table);
+//! each path is a function of its own, the in-RAM and streamed ones sharing phases 2 to 4.
 
 use rayon::prelude::*;
 
@@ -38,6 +42,78 @@ use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerW
 use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
 use crate::tensor::Weight;
+
+/// The ways a dense FFN's pass runs, [`ffn_path`]'s choice (see the module docs for each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FfnPath {
+    /// Every matrix in memory: gate and up from one prepared input ([`Model::ffn_in_ram`]).
+    InRam,
+    /// The hybrid executor: the device computes the rows it keeps, the host's CPU the cold rows
+    /// where the stream holds them ([`Model::ffn_hybrid`]).
+    Hybrid,
+    /// A masked, streamed decode step on the CPU device: each row computed where it lands
+    /// ([`Model::ffn_decode_streamed`]).
+    DecodeOnHost,
+    /// A masked, streamed decode step on a device with memory of its own: its products read the
+    /// step's rows in place where the stream holds the layer in memory the device mapped, else
+    /// the rows are staged ([`LayerStream::rows_in_place`]).
+    InPlace,
+    /// Any other streamed pass: the rows staged for the device's products (a dense step's as a
+    /// view of the cache or the prefetch buffer where they lie in order).
+    Staged,
+}
+
+/// A mask's properties the path depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MaskFacts {
+    /// It decides from the input and the gate alone ([`FfnMask::decides_from_input`]).
+    pub from_input: bool,
+    /// It decides before up is computed ([`FfnMask::decides_before_up`]).
+    pub before_up: bool,
+}
+
+/// What [`ffn_path`] decides from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FfnFacts {
+    /// A stream hands this FFN's weights over.
+    pub streamed: bool,
+    /// The device computes in host memory (the CPU device).
+    pub host_memory: bool,
+    /// Tokens in the pass.
+    pub tokens: usize,
+    pub mask: Option<MaskFacts>,
+    /// An observer watches the activations (calibration, traces).
+    pub observed: bool,
+    /// The stream gives this pass's cold rows to the host's CPU (the hybrid executor plans
+    /// them for a pass of this width), `true` when it holds them in host memory (not only
+    /// staged).
+    pub cold: Option<bool>,
+}
+
+/// The path of a dense FFN's pass. In order, the first row that holds:
+///
+/// | streamed | device | mask | observer | cold rows on the host | path |
+/// |---|---|---|---|---|---|
+/// | no | any | any | any | any | `InRam` |
+/// | yes | own memory | none, or one token deciding from the input before up | none | planned (held, where a mask runs) | `Hybrid` |
+/// | yes | host memory | one token | any | any | `DecodeOnHost` |
+/// | yes | own memory | one token | any | any | `InPlace` |
+/// | yes | any | otherwise | any | any | `Staged` |
+pub(crate) fn ffn_path(f: &FfnFacts) -> FfnPath {
+    if !f.streamed {
+        return FfnPath::InRam;
+    }
+    let hybrid_mask = f.mask.is_none_or(|m| f.tokens == 1 && m.from_input && m.before_up);
+    let cold = f.cold.is_some_and(|held| held || f.mask.is_none());
+    if !f.host_memory && !f.observed && hybrid_mask && cold {
+        return FfnPath::Hybrid;
+    }
+    match (f.mask.is_some() && f.tokens == 1, f.host_memory) {
+        (true, true) => FfnPath::DecodeOnHost,
+        (true, false) => FfnPath::InPlace,
+        (false, _) => FfnPath::Staged,
+    }
+}
 
 impl Model {
     /// Layer `l`'s FFN on the normalized input `xn` `[n, hidden]`, before any post-FFN norm.
@@ -267,67 +343,96 @@ impl Model {
     }
 
     /// A dense FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
-    /// `[n, hidden]`.
+    /// `[n, hidden]`, by the path [`ffn_path`] chooses from the stream, the mask and the device.
     pub(crate) fn ffn_dense(&self, l: usize, w: &FfnWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
+        let stream = hooks.stream.filter(|s| s.streams_ffn());
+        let cold = stream.and_then(|s| s.cold_on_host(l, xn.rows));
+        let facts = FfnFacts {
+            streamed: stream.is_some(),
+            host_memory: self.device.host_memory(),
+            tokens: xn.rows,
+            mask: hooks.mask.map(|m| MaskFacts {
+                from_input: m.decides_from_input(),
+                before_up: m.decides_before_up(),
+            }),
+            observed: hooks.observe.is_some(),
+            cold: cold.as_ref().map(|c| c.rows.is_some()),
+        };
+        match (ffn_path(&facts), stream) {
+            (FfnPath::InRam, _) | (_, None) => self.ffn_in_ram(l, w, xn, hooks),
+            (path, Some(s)) => self.ffn_streamed(l, w, xn, hooks, s, path, cold),
+        }
+    }
+
+    /// [`FfnPath::InRam`]: gate and up from one prepared input, then phases 3 and 4 (act(gate)·up
+    /// in one operation when no mask and no observer is there).
+    fn ffn_in_ram(&self, l: usize, w: &FfnWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
+        let dev = &*self.device;
+        let mut gu = dev.matmul(&[&w.gate, &w.up], xn);
+        let up = gu.pop().expect("up");
+        let mut gate = gu.pop().expect("gate");
+        let plain = hooks.mask.is_none() && hooks.observe.is_none();
+        if !plain {
+            dev.activate(&mut gate, self.config.activation);
+        }
+        self.ffn_phases(l, w, xn, gate, Some(up), None, FfnPath::InRam, hooks)
+    }
+
+    /// The streamed paths after phase 1 (the gate, resident or handed over, activated):
+    /// [`FfnPath::Hybrid`], [`FfnPath::DecodeOnHost`], and phases 2 to 4 for
+    /// [`FfnPath::InPlace`] and [`FfnPath::Staged`].
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_streamed(
+        &self,
+        l: usize,
+        w: &FfnWeights,
+        xn: &Act,
+        hooks: &FfnHooks,
+        s: &dyn LayerStream,
+        path: FfnPath,
+        cold: Option<ColdRows>,
+    ) -> Result<Act> {
+        let dev = &*self.device;
+        let streamed_gate = s.gate(l)?;
+        let mut gate = dev.matmul(&[streamed_gate.as_deref().unwrap_or(&w.gate)], xn).remove(0);
+        dev.activate(&mut gate, self.config.activation);
+        drop(streamed_gate);
+        match (path, hooks.mask) {
+            (FfnPath::Hybrid, mask) => {
+                let cold =
+                    cold.ok_or_else(|| Error::Invalid(format!("layer {l}: the hybrid path without cold rows")))?;
+                self.ffn_hybrid(l, xn, &gate, mask, s, cold)
+            }
+            (FfnPath::DecodeOnHost, Some(mask)) => {
+                let d = self.ffn_decode_streamed(l, w, &dev.to_host(xn), &dev.to_host(&gate), mask, hooks, s)?;
+                Ok(dev.upload(1, self.config.hidden, d))
+            }
+            _ => self.ffn_phases(l, w, xn, gate, None, Some(s), path, hooks),
+        }
+    }
+
+    /// Phases 2 to 4 (see the module docs) after phase 1's activated gate (or, in RAM with no
+    /// mask and no observer, the gate's product and `up_with_gate`, for phase 3's one
+    /// operation): in RAM, or streamed by [`FfnPath::InPlace`] or [`FfnPath::Staged`].
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_phases(
+        &self,
+        l: usize,
+        w: &FfnWeights,
+        xn: &Act,
+        mut gate: Act,
+        up_with_gate: Option<Act>,
+        stream: Option<&dyn LayerStream>,
+        path: FfnPath,
+        hooks: &FfnHooks,
+    ) -> Result<Act> {
         let cfg = &self.config;
         let dev = &*self.device;
-        // The width of this FFN (an expert's, or a shared expert's, may differ from `cfg.ffn`).
-        let (h, f) = (cfg.hidden, w.gate.rows);
-        let n = xn.rows;
-        let stream = hooks.stream.filter(|s| s.streams_ffn());
-
-        // Phase 1: act(gate·x) `[n, ffn]`; in RAM, up·x too, from the same prepared input.
-        let streamed_gate = match stream {
-            Some(s) => s.gate(l)?,
-            None => None,
-        };
-        let gate_w = streamed_gate.as_deref().unwrap_or(&w.gate);
-        let (mut gate, up_with_gate) = match stream {
-            None => {
-                let mut gu = dev.matmul(&[gate_w, &w.up], xn);
-                let up = gu.pop().expect("up");
-                (gu.pop().expect("gate"), Some(up))
-            }
-            Some(_) => (dev.matmul(&[gate_w], xn).remove(0), None),
-        };
-        // In RAM, no mask, nothing watching: act(gate)·up in one operation (phase 3).
+        let (h, f, n) = (cfg.hidden, w.gate.rows, xn.rows);
         let plain = matches!((stream, hooks.mask, hooks.observe), (None, None, None));
-        if !plain {
-            dev.activate(&mut gate, cfg.activation);
-        }
-        drop(streamed_gate);
-        // The hybrid executor: the rows the device does not keep computed by the host's CPU where
-        // they lie, for a pass the stream's cost model gives it (a dense pass, or a decode step
-        // whose mask decides from the input and gate alone).
-        let hybrid = match (stream, hooks.observe) {
-            (Some(s), None)
-                if !dev.host_memory()
-                    && hooks
-                        .mask
-                        .is_none_or(|m| n == 1 && m.decides_from_input() && m.decides_before_up()) =>
-            {
-                // (A mask takes it where the rows are in place: a masked step that reads rows has
-                // the decode path's lookahead and reads as they land.)
-                s.cold_on_host(l, n)
-                    .filter(|c| hooks.mask.is_none() || c.rows.is_some())
-                    .map(|c| (s, c))
-            }
-            _ => None,
-        };
-        if let Some((s, cold)) = hybrid {
-            return self.ffn_hybrid(l, xn, &gate, hooks.mask, s, cold);
-        }
-        // A masked, streamed decode step: on the host (the CPU device) each row is computed where
-        // it lands; a device with memory of its own gets the rows staged in neuron order instead
-        // (below), computed by its own products.
-        let decode = match (stream, hooks.mask, n) {
-            (Some(s), Some(mask), 1) => Some((s, mask)),
-            _ => None,
-        };
-        if let Some((s, mask)) = decode.filter(|_| dev.host_memory()) {
-            let d = self.ffn_decode_streamed(l, w, &dev.to_host(xn), &dev.to_host(&gate), mask, hooks, s)?;
-            return Ok(dev.upload(1, h, d));
-        }
+        // A masked decode step on a device with memory of its own (its rows read in place where
+        // the stream holds them so).
+        let decode = path == FfnPath::InPlace;
 
         // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
         // down columns staged with it when the mask decides before up (one read batch); the
@@ -349,14 +454,14 @@ impl Model {
                     // A mask whose up set does not read the input is handed none (it is
                     // fetched later; see `scores`).
                     let (xh, gh) = scores.as_ref().map_or((&[][..], &[][..]), |(x, g)| (&x[..], &g[..]));
-                    if decode.is_some() {
+                    if decode {
                         s.begin_decode(l)?;
                         self.predict_next(l, xh, m, s)?;
                     }
                     m.up_needed(l, xh, gh, &mut need);
                 }
                 let one_pass = hooks.mask.is_none_or(|m| m.decides_before_up());
-                let (up, st) = self.up_streamed(l, w, xn, s, decode.is_some(), &need, one_pass)?;
+                let (up, st) = self.up_streamed(l, w, xn, s, decode, &need, one_pass)?;
                 streamed = Some(st);
                 up
             }
@@ -370,7 +475,7 @@ impl Model {
         // and gate alone and reads up only for the neurons it keeps (a hot or streamed set, up
         // zero elsewhere): the device makes act(gate)·up, and phase 4 takes exactly that set,
         // so up is never fetched (one sync a layer fewer). Nothing watches the activations.
-        let on_device = decode.is_some()
+        let on_device = decode
             && !dev.host_memory()
             && hooks.observe.is_none()
             && hooks.mask.is_some_and(|m| m.decides_from_input())
@@ -1185,6 +1290,53 @@ mod tests {
     use super::*;
     use crate::backend::standin::HostStandIn;
     use crate::quant::GgmlType;
+
+    /// One case per row of [`ffn_path`]'s table, and the cases beside each row that fall to
+    /// the next.
+    #[test]
+    fn the_ffn_path_is_the_first_row_of_its_table_that_holds() {
+        let gate_mask = MaskFacts {
+            from_input: true,
+            before_up: true,
+        };
+        let late_mask = MaskFacts {
+            from_input: false,
+            before_up: false,
+        };
+        let facts = |streamed, host_memory, tokens, mask, observed, cold| FfnFacts {
+            streamed,
+            host_memory,
+            tokens,
+            mask,
+            observed,
+            cold,
+        };
+        use FfnPath::*;
+        let rows = [
+            // Not streamed: in RAM, whatever else holds.
+            (facts(false, true, 1, Some(gate_mask), true, Some(true)), InRam),
+            (facts(false, false, 8, None, false, Some(true)), InRam),
+            // Hybrid: a device of its own, cold rows planned; a mask only on one token deciding
+            // from the input before up, with the rows held on the host.
+            (facts(true, false, 8, None, false, Some(false)), Hybrid),
+            (facts(true, false, 1, Some(gate_mask), false, Some(true)), Hybrid),
+            (facts(true, false, 1, Some(gate_mask), false, Some(false)), InPlace),
+            (facts(true, false, 1, Some(late_mask), false, Some(true)), InPlace),
+            (facts(true, false, 8, Some(gate_mask), false, Some(true)), Staged),
+            (facts(true, false, 8, None, true, Some(true)), Staged),
+            (facts(true, false, 8, None, false, None), Staged),
+            // On the CPU device: a masked decode step computes rows where they land.
+            (facts(true, true, 1, Some(gate_mask), false, Some(true)), DecodeOnHost),
+            (facts(true, true, 1, Some(late_mask), true, None), DecodeOnHost),
+            (facts(true, true, 1, None, false, None), Staged),
+            (facts(true, true, 4, Some(gate_mask), false, None), Staged),
+            // A device of its own, a masked decode step without the hybrid: in place.
+            (facts(true, false, 1, Some(late_mask), true, None), InPlace),
+        ];
+        for (f, want) in rows {
+            assert_eq!(ffn_path(&f), want, "{f:?}");
+        }
+    }
 
     /// An F32 matrix of 10 rows of 4 values (16-byte rows); row r's values are r*4 .. r*4+3.
     fn matrix() -> Weight {
