@@ -50,11 +50,35 @@ unsafe fn signs(negative: u32) -> __m256i {
     _mm256_or_si256(bits_to_byte_mask(negative), _mm256_set1_epi8(1))
 }
 
-/// The four sign bytes of an IQ2_XXS / IQ3_XXS sub-block's `aux` word, as 32 bits.
+/// Each 7-bit sign index's eight signs as bytes, 0xFF where negative: `KSIGNS_IQ2XS` spread
+/// out, so a group of eight takes its sign mask in one load.
+static SIGN_MASKS: [u64; 128] = {
+    let mut masks = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let mut j = 0;
+        while j < 8 {
+            if KSIGNS_IQ2XS[i] >> j & 1 == 1 {
+                masks[i] |= 0xff << (8 * j);
+            }
+            j += 1;
+        }
+        i += 1;
+    }
+    masks
+};
+
+/// ±1 per byte for four groups of eight given by their 7-bit sign indices.
 #[inline(always)]
-unsafe fn ksigns4(aux: u32) -> u32 {
-    let k = |l: u32| u32::from(*KSIGNS_IQ2XS.get_unchecked(((aux >> (7 * l)) & 127) as usize));
-    k(0) | k(1) << 8 | k(2) << 16 | k(3) << 24
+unsafe fn signs_of(index: [usize; 4]) -> __m256i {
+    let m = |l: usize| *SIGN_MASKS.get_unchecked(index[l]) as i64;
+    _mm256_or_si256(_mm256_set_epi64x(m(3), m(2), m(1), m(0)), _mm256_set1_epi8(1))
+}
+
+/// The sign indices of an IQ2_XXS / IQ3_XXS sub-block's `aux` word.
+#[inline(always)]
+fn ksigns4(aux: u32) -> [usize; 4] {
+    std::array::from_fn(|l| ((aux >> (7 * l)) & 127) as usize)
 }
 
 /// Scales `lo` for elements 0..16, `hi` for 16..32.
@@ -99,7 +123,7 @@ unsafe fn iq2_xxs(block: *const u8, s: usize) -> Sub {
     let ls = 2 * (aux >> 28) as i16 + 1;
     Sub {
         w_abs: grid4(&IQ2XXS_GRID, std::array::from_fn(|l| byte(block, at + l))),
-        sign: signs(ksigns4(aux)),
+        sign: signs_of(ksigns4(aux)),
         scales: _mm256_set1_epi16(ls),
     }
 }
@@ -107,11 +131,10 @@ unsafe fn iq2_xxs(block: *const u8, s: usize) -> Sub {
 #[inline(always)]
 unsafe fn iq2_xs(block: *const u8, s: usize) -> Sub {
     let q: [u16; 4] = std::array::from_fn(|l| u16_at(block, 2 + 2 * (4 * s + l)));
-    let k = |l: usize| u32::from(*KSIGNS_IQ2XS.get_unchecked(usize::from(q[l] >> 9)));
     let sc = *block.add(66 + s);
     Sub {
         w_abs: grid4(&IQ2XS_GRID, std::array::from_fn(|l| usize::from(q[l] & 511))),
-        sign: signs(k(0) | k(1) << 8 | k(2) << 16 | k(3) << 24),
+        sign: signs_of(std::array::from_fn(|l| usize::from(q[l] >> 9))),
         scales: halves(2 * i16::from(sc & 15) + 1, 2 * i16::from(sc >> 4) + 1),
     }
 }
@@ -135,7 +158,7 @@ unsafe fn iq3_xxs(block: *const u8, s: usize) -> Sub {
     let aux = u32_at(block, 66 + 4 * s);
     Sub {
         w_abs: grid8(&IQ3XXS_GRID, std::array::from_fn(|k| byte(block, 2 + 8 * s + k))),
-        sign: signs(ksigns4(aux)),
+        sign: signs_of(ksigns4(aux)),
         scales: _mm256_set1_epi16(2 * (aux >> 28) as i16 + 1),
     }
 }
