@@ -1,6 +1,6 @@
 //! The CPU kernels at the shapes and tensor types of the three models here (SmolLM2-135M Q4_1,
 //! Gemma-3-270M Q4_K_M, Qwen2.5-1.5B Q4_K_M), and the smaller types (Q2_K, Q3_K, Q5_1, IQ4_NL,
-//! IQ4_XS, MXFP4) at Qwen's shapes, one thread, in GB/s of weight bytes, beside the memory read
+//! IQ4_XS, MXFP4, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M) at Qwen's shapes, one thread, in GB/s of weight bytes, beside the memory read
 //! bandwidth of one thread measured in the same run (`memory/read`):
 //!
 //!     cargo bench --bench kernels [-- FILTER]
@@ -45,6 +45,16 @@ const SHAPES: &[(&str, &str, GgmlType, usize, usize)] = &[
     ("qwen", "ffn_up", GgmlType::MXFP4, 8960, 1536),
     ("qwen", "output", GgmlType::Q2_K, 151936, 1536),
     ("qwen", "output", GgmlType::IQ4_XS, 151936, 1536),
+    // The grid types (IQ2_*, IQ3_*, IQ1_*), at the same shapes.
+    ("qwen", "ffn_up", GgmlType::IQ2_XXS, 8960, 1536),
+    ("qwen", "ffn_up", GgmlType::IQ2_XS, 8960, 1536),
+    ("qwen", "ffn_up", GgmlType::IQ2_S, 8960, 1536),
+    ("qwen", "ffn_up", GgmlType::IQ3_XXS, 8960, 1536),
+    ("qwen", "ffn_up", GgmlType::IQ3_S, 8960, 1536),
+    ("qwen", "ffn_up", GgmlType::IQ1_S, 8960, 1536),
+    ("qwen", "ffn_up", GgmlType::IQ1_M, 8960, 1536),
+    ("qwen", "output", GgmlType::IQ2_XXS, 151936, 1536),
+    ("qwen", "output", GgmlType::IQ3_XXS, 151936, 1536),
 ];
 
 /// Where each block of the types without a quantizer here keeps its f16 scales (byte offsets),
@@ -55,6 +65,14 @@ fn scale_fields(ty: GgmlType) -> &'static [usize] {
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
         GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ1_S => &[0],
+        // IQ1_M's f16 scale is the top nibbles of its four u16 scales (bytes 48..56).
+        GgmlType::IQ1_M => &[48, 50, 52, 54],
         GgmlType::MXFP4 => &[0],
         _ => &[],
     }
@@ -94,7 +112,12 @@ fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
         for block in r.chunks_exact_mut(ty.block_bytes()) {
             for &at in scale_fields(ty) {
                 match ty {
-                    GgmlType::MXFP4 => block[at] = 120,                               // 2^-7
+                    GgmlType::MXFP4 => block[at] = 120, // 2^-7
+                    GgmlType::IQ1_M => {
+                        // Nibble (at - 48) / 2 of 0x2c00 (0.0625) on top of the u16 at `at`.
+                        let nibble = (0x2c00u16 >> (2 * (at - 48))) & 0xf;
+                        block[at + 1] = (block[at + 1] & 0x0f) | (nibble << 4) as u8;
+                    }
                     _ => block[at..at + 2].copy_from_slice(&0x2c00u16.to_le_bytes()), // 0.0625
                 }
             }

@@ -72,10 +72,13 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
     let e = load_bytes(&stories_gguf(Breakage::UnsupportedType)).err().unwrap();
     assert!(matches!(e, Error::UnsupportedTensorType { .. }), "{e:?}");
     let m = message(&e);
-    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("IQ2_XXS"), "{m}");
-    assert!(m.contains("ggml type id 16"), "{m}");
+    assert!(m.contains("blk.0.ffn_up.weight") && m.contains("TQ1_0"), "{m}");
+    assert!(m.contains("ggml type id 34"), "{m}");
     // The list of supported types names every one, the newer ones included.
-    for name in ["Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K"] {
+    for name in [
+        "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q4_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+        "IQ1_S", "IQ1_M",
+    ] {
         assert!(m.contains(name), "{name} missing from {m}");
     }
 }

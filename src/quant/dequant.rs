@@ -153,6 +153,17 @@ pub fn dequantize_row(ty: GgmlType, row: &[u8], out: &mut [f32]) {
                 dequantize_q6_k_block(block, dst);
             }
         }
+        GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ1_S
+        | GgmlType::IQ1_M => {
+            for (dst, block) in out.chunks_exact_mut(QK_K).zip(blocks) {
+                super::iq::dequantize_block(ty, block, dst);
+            }
+        }
     }
 }
 

@@ -17,6 +17,13 @@
 //! | Q5_K | 256 | 176 | as Q4_K, then `qh: [u8; 32]` @16, `qs: [u8; 128]` @48 | as Q4_K with 5-bit `q` |
 //! | Q6_K | 256 | 210 | `ql: [u8; 128]` @0, `qh: [u8; 64]` @128, `scales: [i8; 16]` @192, `d: f16` @208 | `d * sc[e / 16] * (q - 32)` |
 //! | IQ4_XS | 256 | 136 | `d: f16` @0, `scales_h: u16` @2, `scales_l: [u8; 4]` @4, `qs: [u8; 128]` @8 | `d * (sc[s] - 32) * IQ4_VALUES[q]` |
+//! | IQ2_XXS | 256 | 66 | `d: f16` @0, `qs: [u16; 32]` @2 | `d * ls * grid * sign / 8` |
+//! | IQ2_XS | 256 | 74 | `d: f16` @0, `qs: [u16; 32]` @2, `scales: [u8; 8]` @66 | `d * ls * grid * sign / 8` |
+//! | IQ2_S | 256 | 82 | `d: f16` @0, `qs: [u8; 32]` @2, `signs: [u8; 32]` @34, `qh: [u8; 8]` @66, `scales: [u8; 8]` @74 | `d * ls * grid * sign / 8` |
+//! | IQ3_XXS | 256 | 98 | `d: f16` @0, `qs: [u8; 64]` @2, `scales_and_signs: [u32; 8]` @66 | `d * ls * grid * sign / 4` |
+//! | IQ3_S | 256 | 110 | `d: f16` @0, `qs: [u8; 64]` @2, `qh: [u8; 8]` @66, `signs: [u8; 32]` @74, `scales: [u8; 4]` @106 | `d * ls * grid * sign` |
+//! | IQ1_S | 256 | 50 | `d: f16` @0, `qs: [u8; 32]` @2, `qh: [u16; 8]` @34 | `d * ls * (grid ± 1/8)` |
+//! | IQ1_M | 256 | 56 | `qs: [u8; 32]` @0, `qh: [u8; 16]` @32, `scales: [u16; 4]` @48 (`d: f16` in their top nibbles) | `d * ls * (grid ± 1/8)` |
 //!
 //! Nibble order of the 32-element types: byte `j` of `qs` holds element `j` in its low nibble and
 //! element `j + 16` in its high nibble. Q5_0's fifth bit of element `e` is bit `e` of `qh`.
@@ -45,6 +52,11 @@
 //! IQ4_XS (eight sub-blocks of 32): sub-block `s` reads its 16 index bytes at `qs[16s..]` in the
 //! Q4_0 nibble order; its 6-bit scale is nibble `s % 2` of `scales_l[s / 2]` (low 4 bits) with
 //! bits `2s..2s + 2` of `scales_h` on top.
+
+//! The grid types (IQ2_*, IQ3_*, IQ1_*) store each group of eight (IQ3: four) elements as an index
+//! into a fixed grid of magnitudes ([`super::grids`]), with a sign per element, and an odd integer
+//! scale `ls` per group of 16 or 32; [`super::iq`] states each one's bit positions and decodes a
+//! sub-block of 32 to signed integers, the form both the dequantization and the dot products use.
 
 /// Elements per block of the 32-element ("legacy") quant types.
 pub(crate) const QK_LEGACY: usize = 32;

@@ -8,7 +8,7 @@
 //!
 //! Dot products follow llama.cpp: the activation vector is quantized once per matvec into a
 //! [`PreparedInput`] (Q8_0-style blocks of 32 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, IQ4_NL and MXFP4
-//! weights, Q8_K blocks of 256 for the K-quants and IQ4_XS, plain `f32` for float weights), and each row is then an integer dot product
+//! weights, Q8_K blocks of 256 for the K-quants, IQ4_XS and the grid types, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
 //! same integer dot per block and differs only in float arithmetic (the order of the summation;
 //! the wide K-quant kernels close each block's exact integers in scalar float), and the tests
@@ -22,6 +22,9 @@
 
 mod axpy;
 mod dequant;
+#[rustfmt::skip]
+mod grids;
+mod iq;
 mod lanes;
 mod layout;
 mod prepare;
@@ -68,11 +71,18 @@ pub enum GgmlType {
     IQ4_NL,
     IQ4_XS,
     MXFP4,
+    IQ2_XXS,
+    IQ2_XS,
+    IQ2_S,
+    IQ3_XXS,
+    IQ3_S,
+    IQ1_S,
+    IQ1_M,
 }
 
 impl GgmlType {
     /// Every supported type, in GGUF id order (handy for tests and for error messages).
-    pub const ALL: [GgmlType; 16] = [
+    pub const ALL: [GgmlType; 23] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -85,8 +95,15 @@ impl GgmlType {
         GgmlType::Q4_K,
         GgmlType::Q5_K,
         GgmlType::Q6_K,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ1_S,
         GgmlType::IQ4_NL,
+        GgmlType::IQ3_S,
+        GgmlType::IQ2_S,
         GgmlType::IQ4_XS,
+        GgmlType::IQ1_M,
         GgmlType::BF16,
         GgmlType::MXFP4,
     ];
@@ -112,7 +129,14 @@ impl GgmlType {
             GgmlType::Q5_K => 13,
             GgmlType::Q6_K => 14,
             GgmlType::IQ4_NL => 20,
+            GgmlType::IQ2_XXS => 16,
+            GgmlType::IQ2_XS => 17,
+            GgmlType::IQ3_XXS => 18,
+            GgmlType::IQ1_S => 19,
+            GgmlType::IQ3_S => 21,
+            GgmlType::IQ2_S => 22,
             GgmlType::IQ4_XS => 23,
+            GgmlType::IQ1_M => 29,
             GgmlType::BF16 => 30,
             GgmlType::MXFP4 => 39,
         }
@@ -124,7 +148,7 @@ impl GgmlType {
     }
 
     /// Elements per block: 1 for float types, 32 for the legacy quants, IQ4_NL and MXFP4, 256
-    /// for the K-quants and IQ4_XS.
+    /// for the K-quants, IQ4_XS and the grid types (IQ2_*, IQ3_*, IQ1_*).
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
@@ -135,9 +159,19 @@ impl GgmlType {
             | GgmlType::Q8_0
             | GgmlType::IQ4_NL
             | GgmlType::MXFP4 => layout::QK_LEGACY,
-            GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::IQ4_XS => {
-                layout::QK_K
-            }
+            GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+            | GgmlType::IQ4_XS
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ2_S
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+            | GgmlType::IQ1_M => layout::QK_K,
         }
     }
 
@@ -159,6 +193,13 @@ impl GgmlType {
             GgmlType::IQ4_NL => layout::IQ4_NL_BLOCK_BYTES,
             GgmlType::IQ4_XS => layout::IQ4_XS_BLOCK_BYTES,
             GgmlType::MXFP4 => layout::MXFP4_BLOCK_BYTES,
+            GgmlType::IQ2_XXS => iq::IQ2_XXS_BLOCK_BYTES,
+            GgmlType::IQ2_XS => iq::IQ2_XS_BLOCK_BYTES,
+            GgmlType::IQ2_S => iq::IQ2_S_BLOCK_BYTES,
+            GgmlType::IQ3_XXS => iq::IQ3_XXS_BLOCK_BYTES,
+            GgmlType::IQ3_S => iq::IQ3_S_BLOCK_BYTES,
+            GgmlType::IQ1_S => iq::IQ1_S_BLOCK_BYTES,
+            GgmlType::IQ1_M => iq::IQ1_M_BLOCK_BYTES,
         }
     }
 
@@ -396,6 +437,13 @@ mod tests {
             (GgmlType::IQ4_NL, 32, 18),
             (GgmlType::IQ4_XS, 256, 136),
             (GgmlType::MXFP4, 32, 17),
+            (GgmlType::IQ2_XXS, 256, 66),
+            (GgmlType::IQ2_XS, 256, 74),
+            (GgmlType::IQ2_S, 256, 82),
+            (GgmlType::IQ3_XXS, 256, 98),
+            (GgmlType::IQ3_S, 256, 110),
+            (GgmlType::IQ1_S, 256, 50),
+            (GgmlType::IQ1_M, 256, 56),
         ];
         for (ty, elems, bytes) in sizes {
             assert_eq!((ty.block_elems(), ty.block_bytes()), (elems, bytes), "{ty:?}");
@@ -407,15 +455,22 @@ mod tests {
             (20, "IQ4_NL"),
             (23, "IQ4_XS"),
             (39, "MXFP4"),
+            (16, "IQ2_XXS"),
+            (17, "IQ2_XS"),
+            (18, "IQ3_XXS"),
+            (19, "IQ1_S"),
+            (21, "IQ3_S"),
+            (22, "IQ2_S"),
+            (29, "IQ1_M"),
         ];
         for (id, name) in ids {
             assert_eq!(GgmlType::from_ggml_id(id).map(GgmlType::name), Some(name));
         }
-        // Still unsupported: the grid types, ternary types, Q8_1/Q8_K.
-        for id in [9, 15, 16, 17, 18, 19, 21, 22, 29, 34, 35] {
+        // Still unsupported: the ternary types, Q8_1/Q8_K, the integer and F64 types.
+        for id in [9, 15, 24, 25, 26, 27, 28, 34, 35] {
             assert_eq!(GgmlType::from_ggml_id(id), None, "{id}");
         }
-        assert_eq!(ggml_type_name(16), Some("IQ2_XXS"));
+        assert_eq!(ggml_type_name(34), Some("TQ1_0"));
         assert_eq!(ggml_type_name(4), None);
         assert_eq!(GgmlType::Q4_K.row_bytes(1536), Some(6 * 144));
         assert_eq!(GgmlType::Q4_K.row_bytes(100), None);

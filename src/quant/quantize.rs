@@ -46,8 +46,19 @@ pub fn quantize_row(ty: GgmlType, x: &[f32], out: &mut [u8]) -> bool {
         GgmlType::Q6_K => blocks.zip(x.chunks_exact(QK_K)).for_each(|(d, v)| q6_k(v, d)),
         GgmlType::Q5_1 => blocks.zip(x.chunks_exact(QK_LEGACY)).for_each(|(d, v)| q5_1(v, d)),
         GgmlType::MXFP4 => blocks.zip(x.chunks_exact(QK_LEGACY)).for_each(|(d, v)| mxfp4(v, d)),
-        // Read and computed with, not written: llama-quantize makes these.
-        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::IQ4_NL | GgmlType::IQ4_XS => return false,
+        // Read and computed with, not written: llama-quantize makes these (the grid types with
+        // an importance matrix, see `super::iq`).
+        GgmlType::Q2_K
+        | GgmlType::Q3_K
+        | GgmlType::IQ4_NL
+        | GgmlType::IQ4_XS
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ1_S
+        | GgmlType::IQ1_M => return false,
     }
     true
 }

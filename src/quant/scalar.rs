@@ -3,6 +3,7 @@
 //! scales it in `f32`; the SIMD kernels in [`super::x86`] compute the same integers and must agree
 //! with these up to the order of the float summation.
 
+use super::iq;
 use super::layout::{
     e8m0_half, iq4_xs_scale, q2_k_quant, q3_k_quant, q3_k_scale, read_f16, unpack_k_scales, FP4_VALUES, IQ4_VALUES,
     IQ4_XS_QS_OFFSET, Q2_K_D_OFFSET, Q2_K_QS_OFFSET, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET, Q5_K_QS_OFFSET,
@@ -76,6 +77,23 @@ pub fn vec_dot_scalar(ty: GgmlType, row: &[u8], x: &PreparedInput) -> f32 {
             for (b, block) in blocks.enumerate() {
                 let quants = &x.quants[QK_K * b..QK_K * (b + 1)];
                 sum += iq4_xs_block_dot(block, quants, x.block_scales[b]);
+            }
+            sum
+        }
+        GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ1_S
+        | GgmlType::IQ1_M => {
+            // The grid types: one exact integer per block (`iq`), scaled in f32 block by block.
+            let mult = iq::mult(ty);
+            let mut sum = 0.0f32;
+            for (b, block) in blocks.enumerate() {
+                let quants = &x.quants[QK_K * b..QK_K * (b + 1)];
+                let integer = iq::block_integer(ty, block, quants);
+                sum += iq::block_value(iq::block_d(ty, block), x.block_scales[b], integer, mult);
             }
             sum
         }

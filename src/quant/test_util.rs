@@ -61,7 +61,17 @@ pub(crate) fn random_row(rng: &mut Rng, ty: GgmlType, n_elems: usize) -> Vec<u8>
                 chunk.copy_from_slice(&half::bf16::from_f32(rng.normal()).to_bits().to_le_bytes());
             }
         }
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => {
+        GgmlType::Q4_0
+        | GgmlType::Q5_0
+        | GgmlType::Q8_0
+        | GgmlType::IQ4_NL
+        | GgmlType::IQ4_XS
+        | GgmlType::IQ2_XXS
+        | GgmlType::IQ2_XS
+        | GgmlType::IQ2_S
+        | GgmlType::IQ3_XXS
+        | GgmlType::IQ3_S
+        | GgmlType::IQ1_S => {
             for block in row.chunks_exact_mut(ty.block_bytes()) {
                 block[..2].copy_from_slice(&scale(rng));
             }
@@ -86,6 +96,18 @@ pub(crate) fn random_row(rng: &mut Rng, ty: GgmlType, n_elems: usize) -> Vec<u8>
         GgmlType::Q3_K => {
             for block in row.chunks_exact_mut(ty.block_bytes()) {
                 block[108..110].copy_from_slice(&scale(rng));
+            }
+        }
+        GgmlType::IQ1_M => {
+            // The f16 scale lives in the top nibbles of the four u16 scales (bytes 48..56).
+            for block in row.chunks_exact_mut(ty.block_bytes()) {
+                let d = u16::from_le_bytes(scale(rng));
+                for i in 0..4 {
+                    let at = 48 + 2 * i;
+                    let sc = u16::from_le_bytes([block[at], block[at + 1]]) & 0x0fff;
+                    let top = (d >> (4 * i)) & 0xf;
+                    block[at..at + 2].copy_from_slice(&(sc | (top << 12)).to_le_bytes());
+                }
             }
         }
         GgmlType::MXFP4 => {

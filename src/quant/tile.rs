@@ -11,7 +11,7 @@ use super::{check_rows, vec_dot_scalar, GgmlType, KernelFamily};
 
 impl KernelFamily {
     /// `out[t * n_rows + r] = dot(row r, token t)` with this family's kernels.
-    fn vec_dot_tile(self, ty: GgmlType, rows: &[u8], tile: &TokenTile, out: &mut [f32]) {
+    pub(super) fn vec_dot_tile(self, ty: GgmlType, rows: &[u8], tile: &TokenTile, out: &mut [f32]) {
         let xs = tile.tokens();
         let Some(first) = xs.first() else {
             assert!(out.is_empty(), "no inputs, but an output of {} values", out.len());

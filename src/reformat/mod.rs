@@ -156,7 +156,11 @@ fn convert(name: &str, x: &[f32], ty: GgmlType, out: &mut [u8]) -> Result<()> {
     if quantize_row(ty, x, out) {
         Ok(())
     } else {
-        Err(Error::Invalid(format!("{name}: cannot quantize to {}", ty.name())))
+        Err(Error::Invalid(format!(
+            "{name}: cannot quantize to {}: gatestream reads that type but has no quantizer for it \
+             (llama-quantize makes it); for down columns choose --down-type q8_0 or f16",
+            ty.name()
+        )))
     }
 }
 

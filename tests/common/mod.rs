@@ -67,7 +67,7 @@ pub fn read_llama2c_vocab(path: &Path) -> Vec<(Vec<u8>, f32)> {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Breakage {
     None,
-    /// Give `blk.0.ffn_up.weight` ggml type 16 (IQ2_XXS), which gatestream does not compute on.
+    /// Give `blk.0.ffn_up.weight` ggml type 34 (TQ1_0), which gatestream does not compute on.
     UnsupportedType,
     /// Store `blk.0.ffn_up.weight` as Q5_1 (ggml type 7): a type the CPU computes and the CUDA
     /// device refuses.
@@ -204,7 +204,7 @@ pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Ve
         }
         let mut type_id = 0;
         if breakage == Breakage::UnsupportedType && g == "blk.0.ffn_up.weight" {
-            type_id = 16;
+            type_id = 34;
         }
         if breakage == Breakage::CpuOnlyType && g == "blk.0.ffn_up.weight" {
             let ty = gatestream::quant::GgmlType::Q5_1;

@@ -103,6 +103,13 @@ pub fn type_suffix(ty: GgmlType) -> &'static str {
         GgmlType::IQ4_NL => "iq4_nl",
         GgmlType::IQ4_XS => "iq4_xs",
         GgmlType::MXFP4 => "mxfp4",
+        GgmlType::IQ2_XXS => "iq2_xxs",
+        GgmlType::IQ2_XS => "iq2_xs",
+        GgmlType::IQ2_S => "iq2_s",
+        GgmlType::IQ3_XXS => "iq3_xxs",
+        GgmlType::IQ3_S => "iq3_s",
+        GgmlType::IQ1_S => "iq1_s",
+        GgmlType::IQ1_M => "iq1_m",
     }
 }
 

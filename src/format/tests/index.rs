@@ -46,7 +46,7 @@ fn rejects_index_wrong_schema() {
         &["schema", "invalid value"],
     );
     // An unknown element type.
-    let bad = json.replacen("\"dtype\":\"F16\"", "\"dtype\":\"IQ2_XXS\"", 1);
+    let bad = json.replacen("\"dtype\":\"F16\"", "\"dtype\":\"TQ1_0\"", 1);
     assert_ne!(bad, json);
     assert_malformed(
         parse_with_index_bytes(data, bad.as_bytes()),

@@ -20,6 +20,7 @@
 
 mod exact32;
 mod float;
+mod grid;
 mod kquants;
 mod legacy;
 mod lowbit;
@@ -266,6 +267,13 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::IQ4_NL => each_row_tile1!(lowbit::dot_iq4_nl::<D, 1>),
         GgmlType::IQ4_XS => each_row_tile1!(lowbit::dot_iq4_xs::<D, 1>),
         GgmlType::MXFP4 => each_row_tile1!(lowbit::dot_mxfp4::<D, 1>),
+        GgmlType::IQ2_XXS => each_row_tile1!(grid::dot_iq2_xxs::<D, 1>),
+        GgmlType::IQ2_XS => each_row_tile1!(grid::dot_iq2_xs::<D, 1>),
+        GgmlType::IQ2_S => each_row_tile1!(grid::dot_iq2_s::<D, 1>),
+        GgmlType::IQ3_XXS => each_row_tile1!(grid::dot_iq3_xxs::<D, 1>),
+        GgmlType::IQ3_S => each_row_tile1!(grid::dot_iq3_s::<D, 1>),
+        GgmlType::IQ1_S => each_row_tile1!(grid::dot_iq1_s::<D, 1>),
+        GgmlType::IQ1_M => each_row_tile1!(grid::dot_iq1_m::<D, 1>),
     }
 }
 
@@ -478,6 +486,13 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::IQ4_NL => tiled!(lowbit::dot_iq4_nl),
         GgmlType::IQ4_XS => tiled!(lowbit::dot_iq4_xs),
         GgmlType::MXFP4 => tiled!(lowbit::dot_mxfp4),
+        GgmlType::IQ2_XXS => tiled!(grid::dot_iq2_xxs),
+        GgmlType::IQ2_XS => tiled!(grid::dot_iq2_xs),
+        GgmlType::IQ2_S => tiled!(grid::dot_iq2_s),
+        GgmlType::IQ3_XXS => tiled!(grid::dot_iq3_xxs),
+        GgmlType::IQ3_S => tiled!(grid::dot_iq3_s),
+        GgmlType::IQ1_S => tiled!(grid::dot_iq1_s),
+        GgmlType::IQ1_M => tiled!(grid::dot_iq1_m),
     }
 }
 
