@@ -1,0 +1,193 @@
+//! THE WGPU SUITE (`cargo test --release --features wgpu --test gpu_wgpu`): the portable GPU
+//! device (wgpu: Vulkan, Metal, DX12) against the CPU device. Not a CPU test: where wgpu finds no
+//! adapter it says so and runs nothing, and nothing counts as passed (it has its own `main`).
+//! CI runs it on Mesa's software Vulkan (lavapipe), which runs the kernels on the CPU: there the
+//! checks say what the kernels compute, and nothing about a GPU's speed.
+//!
+//! Checks (bodies shared with any device: tests/device_checks): every weight type the device
+//! multiplies — products of all rows and of row subsets, neuron-major products, embedding rows,
+//! one token and batches — against f64 sums; the elementwise ops, norms and moves, RoPE (both
+//! styles, norms, partial, factors), cache writes and attention (grouped heads, windows, sinks,
+//! two sequences) and argmax against the CPU device; types the device has no kernels for refused
+//! at load, naming the type; then real models — stories260K, SmolLM2-135M (Q4_1), Gemma 3 270M
+//! (Q5_0/Q8_0/Q4_K/Q6_K) and Qwen2.5-Coder-1.5B (Q4_K/Q6_K) — with the same greedy tokens as the
+//! CPU and perplexity within 0.1% of the CPU's. Arguments pick checks by name
+//! (`gpu_wgpu kernels stories`). The real models other than stories260K need
+//! `tools/fetch-models.sh all`; a missing one fails its check, naming the command.
+
+mod common;
+mod device_checks;
+
+use std::sync::Arc;
+
+use gatestream::backend::wgpu_device::{WgpuDevice, WGPU_TYPES};
+use gatestream::backend::Device;
+use gatestream::quant::GgmlType;
+
+type Check = fn(&Arc<WgpuDevice>) -> Result<String, String>;
+
+/// Greedy steps and perplexity windows of the real-model checks: on a software adapter
+/// (lavapipe, CI's 2 cores) fewer, so the suite stays within minutes.
+fn model_budget(dev: &WgpuDevice, big: bool) -> (usize, (usize, usize)) {
+    let software = dev.software();
+    match (software, big) {
+        (false, _) => (32, (256, 4)),
+        (true, false) => (16, (128, 1)),
+        (true, true) => (4, (64, 1)),
+    }
+}
+
+fn wiki_text(chars: usize) -> Result<String, String> {
+    let text =
+        std::fs::read_to_string(common::data_dir().join("wikitext-2/wiki.test.raw")).map_err(|e| e.to_string())?;
+    Ok(text.chars().take(chars).collect())
+}
+
+fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: bool) -> Result<String, String> {
+    let dir = std::env::var_os("GATESTREAM_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gatestream/models")
+        });
+    let path = dir.join(file);
+    if !path.exists() {
+        return Err(format!(
+            "{}: not found; fetch it with `tools/fetch-models.sh {fetch}`",
+            path.display()
+        ));
+    }
+    let (steps, ppl) = model_budget(dev, big);
+    device_checks::model_against_cpu(
+        name,
+        &path,
+        dev.clone(),
+        "The capital of France is",
+        steps,
+        &wiki_text(100_000)?,
+        ppl,
+    )
+}
+
+/// A model holding a type the device has no kernels for is refused at load, naming the type.
+fn refused_types(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    let missing: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| !WGPU_TYPES.contains(t)).collect();
+    let mut seen = Vec::new();
+    for ty in missing {
+        // A product asked directly records an error naming the type and the tensor (zero
+        // blocks: the bytes are never read).
+        let cols = ty.block_elems().max(32);
+        let bytes = vec![0u8; ty.row_bytes(cols).expect("row")];
+        let w =
+            gatestream::tensor::Weight::owned("blk.0.ffn_up.weight", ty, 1, cols, bytes).map_err(|e| e.to_string())?;
+        let x = dev.upload(1, cols, vec![1.0; cols]);
+        let _ = dev.matmul(&[&w], &x);
+        let e = dev.take_error().map(|e| e.to_string()).unwrap_or_default();
+        if dev.computes_type(ty) || !e.contains(ty.name()) || !e.contains("blk.0.ffn_up.weight") {
+            return Err(format!("{}: not refused as it should be (error: {e:?})", ty.name()));
+        }
+        seen.push(ty.name());
+    }
+    Ok(format!("  refused, naming the type and tensor: {}", seen.join(", ")))
+}
+
+fn main() {
+    let dev = match WgpuDevice::open() {
+        Ok(d) => Arc::new(d),
+        Err(e) => {
+            println!("gpu_wgpu: NO WGPU SUITE RUN — {e}. 0 wgpu checks ran; none passed.");
+            return;
+        }
+    };
+    println!("gpu_wgpu: {}", dev.name());
+    if dev.software() {
+        println!(
+            "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
+        );
+    }
+    let checks: [(&str, Check); 9] = [
+        ("kernels_per_type", |d| {
+            device_checks::products_per_type(d.as_ref(), &WGPU_TYPES, 1e-4)
+        }),
+        ("kernels_elementwise", |d| {
+            device_checks::elementwise_against_cpu(d.as_ref(), 1e-5)
+        }),
+        ("kernels_rope_attention", |d| {
+            device_checks::rope_attention_against_cpu(d.as_ref(), 1e-4)
+        }),
+        ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
+        ("refused_types", refused_types),
+        ("stories260k_wgpu_vs_cpu", |d| {
+            let (steps, ppl) = model_budget(d, false);
+            device_checks::model_against_cpu(
+                "stories260K",
+                &common::stories_dir(),
+                d.clone(),
+                "Once upon a time",
+                steps.max(32),
+                &wiki_text(200_000)?,
+                (256, ppl.1.max(2)),
+            )
+        }),
+        ("smollm2_wgpu_vs_cpu", |d| {
+            real_model(
+                d,
+                "SmolLM2-135M (Q4_1)",
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "smollm2",
+                false,
+            )
+        }),
+        ("gemma3_wgpu_vs_cpu", |d| {
+            real_model(d, "Gemma 3 270M (Q4_K_M)", "gemma-3-270m-q4_k_m.gguf", "gemma3", false)
+        }),
+        ("qwen1.5b_wgpu_vs_cpu", |d| {
+            real_model(
+                d,
+                "Qwen2.5-Coder-1.5B (Q4_K_M)",
+                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                "qwen1.5b",
+                true,
+            )
+        }),
+    ];
+    let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    if let Some(o) = only
+        .iter()
+        .find(|o| !checks.iter().any(|(n, _)| n.contains(o.as_str())))
+    {
+        println!("gpu_wgpu: no check is named like {o:?}");
+        std::process::exit(2);
+    }
+    let (mut ran, mut failed) = (0, Vec::new());
+    for (name, check) in checks {
+        if !only.is_empty() && !only.iter().any(|o| name.contains(o.as_str())) {
+            continue;
+        }
+        ran += 1;
+        let t0 = std::time::Instant::now();
+        let r = check(&dev).and_then(|msg| match dev.take_error() {
+            Some(e) => Err(format!("{msg}\n  device error: {e}")),
+            None => Ok(msg),
+        });
+        let secs = t0.elapsed().as_secs_f64();
+        match r {
+            Ok(msg) => println!("ok   {name} ({secs:.1} s)\n{msg}"),
+            Err(msg) => {
+                println!("FAIL {name} ({secs:.1} s)\n{msg}");
+                failed.push(name);
+            }
+        }
+    }
+    println!(
+        "gpu_wgpu: {ran} checks ran, {} passed, {} failed{}",
+        ran - failed.len(),
+        failed.len(),
+        match failed.is_empty() {
+            true => String::new(),
+            false => format!(": {}", failed.join(", ")),
+        }
+    );
+    if !failed.is_empty() {
+        std::process::exit(1);
+    }
+}
