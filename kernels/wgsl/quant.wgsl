@@ -211,3 +211,37 @@ fn accumulate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         y[(t0 + t) * p.cols + c] += acc[t];
     }
 }
+
+// As `matmul`, one thread a output row (64 rows a workgroup) and no workgroup memory or
+// barriers: what a software adapter (lavapipe, which runs a workgroup's threads in SIMD lanes
+// and pays for every barrier) runs fastest. The device picks it on software adapters.
+@compute @workgroup_size(64)
+fn matmul_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let g = group_index(wg);
+    let row_groups = (p.rows + 63u) / 64u;
+    let tiles = (p.ntok + TILE - 1u) / TILE;
+    if (g >= row_groups * tiles) {
+        return;
+    }
+    let i = (g % row_groups) * 64u + lid;
+    if (i >= p.rows) {
+        return;
+    }
+    let t0 = (g / row_groups) * TILE;
+    var r = i;
+    if (p.use_ids != 0u) {
+        r = ids[i];
+    }
+    let row = p.base + r * p.stride;
+    let nt = min(TILE, p.ntok - t0);
+    var acc: array<f32, 8>;
+    for (var e = 0u; e < p.cols; e += 1u) {
+        let v = deq(row, e);
+        for (var t = 0u; t < nt; t += 1u) {
+            acc[t] += v * x[(t0 + t) * p.cols + e];
+        }
+    }
+    for (var t = 0u; t < nt; t += 1u) {
+        y[(t0 + t) * p.rows + i] = acc[t];
+    }
+}

@@ -10,8 +10,8 @@
 //! the CPU does (so frequency factors and partial RoPE cost nothing more); attention reads the
 //! cache of each sequence with an online softmax (any context length, sliding windows, grouped
 //! heads, sinks). Types without a decoder here ([`WGPU_TYPES`] lists those with one) are
-//! refused at load, as is latent attention. Every operation is submitted as it comes (no
-//! recorded graphs) and the host waits only where it reads values back.
+//! refused at load, as is latent attention. Operations are recorded into one command buffer,
+//! submitted every few hundred and wherever the host reads values back (the only waits).
 //!
 //! Errors: an operation that cannot run (a weight larger than the adapter's largest buffer, a
 //! weight not in memory, a wgpu validation or out-of-memory error) is recorded, and the pass
@@ -106,6 +106,9 @@ struct Resident {
     _keep: Arc<dyn std::any::Any + Send + Sync>,
 }
 
+/// Commands recorded before they are submitted without a wait.
+const RECORDED_MAX: usize = 256;
+
 /// Largest workgroup grid side (WebGPU's limit on each dimension).
 const GRID_SIDE: u32 = 65535;
 
@@ -130,6 +133,11 @@ pub struct WgpuDevice {
     weights: Mutex<HashMap<(usize, usize, usize), Resident>>,
     error: Arc<Mutex<Option<String>>>,
     link: Mutex<LinkCounters>,
+    /// Commands recorded and not yet submitted, and how many.
+    pending: Mutex<Option<(wgpu::CommandEncoder, usize)>>,
+    /// Products one thread a row (`matmul_thread`: software adapters) or one workgroup a row
+    /// (`matmul`: GPUs). See [`WgpuDevice::set_row_per_thread`].
+    row_per_thread: std::sync::atomic::AtomicBool,
     /// Bound where a kernel's buffer is unused this launch (no ids, no norm, no sinks).
     empty: wgpu::Buffer,
 }
@@ -150,7 +158,7 @@ impl WgpuDevice {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
         desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
         desc.flags = wgpu::InstanceFlags::empty();
-        let instance = wgpu::Instance::new(desc.with_env());
+        let instance = wgpu::Instance::new(desc);
         let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
             power_preference: wgpu::PowerPreference::HighPerformance,
             force_fallback_adapter: false,
@@ -187,12 +195,14 @@ impl WgpuDevice {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             device,
             queue,
-            info,
+            info: info.clone(),
             limits,
             pipelines: Mutex::new(HashMap::new()),
             weights: Mutex::new(HashMap::new()),
             error,
             link: Mutex::new(LinkCounters::default()),
+            pending: Mutex::new(None),
+            row_per_thread: std::sync::atomic::AtomicBool::new(info.device_type == wgpu::DeviceType::Cpu),
             empty,
         })
     }
@@ -201,6 +211,17 @@ impl WgpuDevice {
     /// software renderer such as lavapipe).
     pub fn adapter_info(&self) -> &wgpu::AdapterInfo {
         &self.info
+    }
+
+    /// Whether products run one thread a row (`true`: the default on a software adapter, where
+    /// barriers are dear) or one workgroup a row (`false`: the default on a GPU). The suite checks
+    /// both kernels on whatever adapter it has.
+    pub fn set_row_per_thread(&self, on: bool) {
+        self.row_per_thread.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn row_per_thread(&self) -> bool {
+        self.row_per_thread.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether the adapter is a software renderer (lavapipe, WARP): the kernels run on the CPU.
@@ -291,10 +312,7 @@ impl WgpuDevice {
             layout: &pipeline.get_bind_group_layout(0),
             entries: &entries,
         });
-        let mut enc = self
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some(entry) });
-        {
+        self.record(|enc| {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some(entry),
                 timestamp_writes: None,
@@ -302,8 +320,32 @@ impl WgpuDevice {
             pass.set_pipeline(&pipeline);
             pass.set_bind_group(0, &group, &[]);
             pass.dispatch_workgroups(grid.0, grid.1, 1);
+        });
+    }
+
+    /// Records work into the pending command buffer (submitted every [`RECORDED_MAX`] commands
+    /// and wherever the host waits: one submission per few hundred launches, not one each).
+    fn record(&self, f: impl FnOnce(&mut wgpu::CommandEncoder)) {
+        let mut pending = self.pending.lock().expect("pending commands");
+        let (enc, n) = pending.get_or_insert_with(|| {
+            let enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("gatestream"),
+            });
+            (enc, 0)
+        });
+        f(enc);
+        *n += 1;
+        if *n >= RECORDED_MAX {
+            let (enc, _) = pending.take().expect("pending commands");
+            self.queue.submit([enc.finish()]);
         }
-        self.queue.submit([enc.finish()]);
+    }
+
+    /// Submits what is recorded.
+    fn flush(&self) {
+        if let Some((enc, _)) = self.pending.lock().expect("pending commands").take() {
+            self.queue.submit([enc.finish()]);
+        }
     }
 
     /// A new device buffer of `values` (activations, ids, tables).
@@ -364,11 +406,8 @@ impl WgpuDevice {
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("read back"),
-        });
-        enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size);
-        self.queue.submit([enc.finish()]);
+        self.record(|enc| enc.copy_buffer_to_buffer(buf, 0, &staging, 0, size));
+        self.flush();
         let slice = staging.slice(..);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
@@ -539,8 +578,12 @@ impl WgpuDevice {
             return self.act(x.rows, rows, out);
         };
         let id_buf = ids.map(|ids| self.u32_buffer("row ids", ids));
-        let groups = rows * x.rows.div_ceil(TILE);
-        let grid = Self::grid(groups);
+        let per_thread = self.row_per_thread.load(std::sync::atomic::Ordering::Relaxed);
+        let (entry, row_groups) = match per_thread {
+            true => ("matmul_thread", rows.div_ceil(64)),
+            false => ("matmul", rows),
+        };
+        let grid = Self::grid(row_groups * x.rows.div_ceil(TILE));
         let (Some(r), Some(c), Some(n), Some(s)) = (
             self.fits("rows", rows),
             self.fits("columns", w.cols),
@@ -551,7 +594,7 @@ impl WgpuDevice {
         };
         self.launch(
             Module::Quant(code),
-            "matmul",
+            entry,
             &[
                 (0, &wbuf),
                 (1, xq.unwrap_or(buf(x))),
@@ -730,6 +773,7 @@ impl HostLink for WgpuDevice {
                 self.weight(w);
             }
         }
+        self.flush();
         if let Err(e) = self.device.poll(wgpu::PollType::wait_indefinitely()) {
             self.fail(format!("wgpu: waiting for the device: {e}"));
         }
@@ -766,7 +810,12 @@ impl Device for WgpuDevice {
         f()
     }
 
+    fn launch_pending(&self) {
+        self.flush();
+    }
+
     fn take_error(&self) -> Option<Error> {
+        self.flush();
         self.error.lock().expect("error").take().map(Error::Invalid)
     }
 
@@ -785,11 +834,7 @@ impl Device for WgpuDevice {
     fn copy(&self, x: &Act) -> Act {
         let out = self.zeroed(x.rows * x.width);
         if x.rows * x.width > 0 {
-            let mut enc = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("copy") });
-            enc.copy_buffer_to_buffer(buf(x), 0, &out, 0, (x.rows * x.width * 4) as u64);
-            self.queue.submit([enc.finish()]);
+            self.record(|enc| enc.copy_buffer_to_buffer(buf(x), 0, &out, 0, (x.rows * x.width * 4) as u64));
         }
         self.act(x.rows, x.width, out)
     }
@@ -1016,9 +1061,7 @@ impl Device for WgpuDevice {
         }
         let kvd = k.width;
         let row = (kvd * 4) as u64;
-        let mut enc = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("kv write"),
-        });
+        let mut copies = Vec::with_capacity(positions.len());
         for (t, (&pos, &s)) in positions.iter().zip(seq_of_token).enumerate() {
             let cache = &mut *caches[s];
             if pos >= cache.capacity || kvd != cache.kv_dim {
@@ -1029,11 +1072,19 @@ impl Device for WgpuDevice {
                 return;
             }
             let kv = self.kv(cache);
-            let at = pos as u64 * row;
-            enc.copy_buffer_to_buffer(buf(k), t as u64 * row, &kv.k[layer], at, row);
-            enc.copy_buffer_to_buffer(buf(v), t as u64 * row, &kv.v[layer], at, row);
+            copies.push((
+                t as u64 * row,
+                pos as u64 * row,
+                kv.k[layer].clone(),
+                kv.v[layer].clone(),
+            ));
         }
-        self.queue.submit([enc.finish()]);
+        self.record(|enc| {
+            for (from, to, kc, vc) in &copies {
+                enc.copy_buffer_to_buffer(buf(k), *from, kc, *to, row);
+                enc.copy_buffer_to_buffer(buf(v), *from, vc, *to, row);
+            }
+        });
     }
 
     fn attention(
