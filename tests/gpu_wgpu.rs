@@ -49,12 +49,7 @@ fn wiki_text(chars: usize) -> Result<String, String> {
 }
 
 fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: bool) -> Result<String, String> {
-    let dir = std::env::var_os("GATESTREAM_MODELS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gatestream/models")
-        });
-    let path = dir.join(file);
+    let path = models_dir().join(file);
     if !path.exists() {
         return Err(format!(
             "{}: not found; fetch it with `tools/fetch-models.sh {fetch}`",
@@ -71,6 +66,50 @@ fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: b
         &wiki_text(100_000)?,
         ppl,
     )
+}
+
+/// The binary on SmolLM2: `run --device wgpu` in RAM and streamed under `--ram-budget 60M`
+/// (every weight streamed: the device copies the stream's buffers at each use) against
+/// `--device cpu`: the same greedy text, which starts " Paris.".
+fn smollm2_run_streamed(_dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    let model = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.exists() {
+        return Err(format!("{}: not found; fetch it with `tools/fetch-models.sh smollm2`", model.display()));
+    }
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gatestream"));
+    let bin = match std::env::current_exe() {
+        Ok(me) if !built.exists() => me.with_file_name("gatestream"),
+        _ => built,
+    };
+    let run = |extra: &[&str]| -> Result<String, String> {
+        let out = std::process::Command::new(&bin)
+            .args(["run", "--max-tokens", "8", "--model"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .map_err(|e| format!("{}: {e}", bin.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "gatestream run {extra:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let cpu = run(&["--device", "cpu"])?;
+    let in_ram = run(&["--device", "wgpu"])?;
+    let streamed = run(&["--device", "wgpu", "--ram-budget", "60M"])?;
+    let msg = format!("  8 greedy tokens: cpu {cpu:?}, wgpu {in_ram:?}, wgpu streamed under --ram-budget 60M {streamed:?}");
+    match cpu == in_ram && in_ram == streamed && cpu.starts_with(" Paris.") {
+        true => Ok(msg),
+        false => Err(msg),
+    }
+}
+
+fn models_dir() -> std::path::PathBuf {
+    std::env::var_os("GATESTREAM_MODELS").map(std::path::PathBuf::from).unwrap_or_else(|| {
+        std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gatestream/models")
+    })
 }
 
 /// A model holding a type the device has no kernels for is refused at load, naming the type.
@@ -109,7 +148,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 9] = [
+    let checks: [(&str, Check); 10] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -154,6 +193,7 @@ fn main() {
                 (256, ppl.1.max(2)),
             )
         }),
+        ("smollm2_run_streamed", smollm2_run_streamed),
         ("smollm2_wgpu_vs_cpu", |d| {
             real_model(
                 d,
