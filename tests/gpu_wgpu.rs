@@ -74,7 +74,10 @@ fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: b
 fn smollm2_run_streamed(_dev: &Arc<WgpuDevice>) -> Result<String, String> {
     let model = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !model.exists() {
-        return Err(format!("{}: not found; fetch it with `tools/fetch-models.sh smollm2`", model.display()));
+        return Err(format!(
+            "{}: not found; fetch it with `tools/fetch-models.sh smollm2`",
+            model.display()
+        ));
     }
     let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gatestream"));
     let bin = match std::env::current_exe() {
@@ -99,7 +102,8 @@ fn smollm2_run_streamed(_dev: &Arc<WgpuDevice>) -> Result<String, String> {
     let cpu = run(&["--device", "cpu"])?;
     let in_ram = run(&["--device", "wgpu"])?;
     let streamed = run(&["--device", "wgpu", "--ram-budget", "60M"])?;
-    let msg = format!("  8 greedy tokens: cpu {cpu:?}, wgpu {in_ram:?}, wgpu streamed under --ram-budget 60M {streamed:?}");
+    let msg =
+        format!("  8 greedy tokens: cpu {cpu:?}, wgpu {in_ram:?}, wgpu streamed under --ram-budget 60M {streamed:?}");
     match cpu == in_ram && in_ram == streamed && cpu.starts_with(" Paris.") {
         true => Ok(msg),
         false => Err(msg),
@@ -107,9 +111,113 @@ fn smollm2_run_streamed(_dev: &Arc<WgpuDevice>) -> Result<String, String> {
 }
 
 fn models_dir() -> std::path::PathBuf {
-    std::env::var_os("GATESTREAM_MODELS").map(std::path::PathBuf::from).unwrap_or_else(|| {
-        std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gatestream/models")
-    })
+    std::env::var_os("GATESTREAM_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gatestream/models")
+        })
+}
+
+/// The two product kernels (one workgroup a row, one thread a row) sum in the same order: the
+/// same bits for every type, one token and a batch, all rows and listed rows.
+fn kernels_agree(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    use device_checks::{quantized, Rng};
+    let mut rng = Rng(17);
+    let default = dev.row_per_thread();
+    let mut differ = Vec::new();
+    for ty in WGPU_TYPES {
+        let cols = ty.block_elems().max(32) * 3 * if ty.block_elems() == 1 { 8 } else { 1 };
+        let w = quantized(ty, 67, cols, &mut rng);
+        for n in [1, 19] {
+            let xa = dev.upload(n, cols, rng.values(n * cols));
+            let mut got = Vec::new();
+            for per_thread in [false, true] {
+                dev.set_row_per_thread(per_thread);
+                let all = dev.download(dev.matmul(&[&w], &xa).remove(0));
+                let listed = dev.download(dev.matmul_rows(&w, &[66, 0, 31, 31], &xa));
+                got.push((all, listed));
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            if bits(&got[0].0) != bits(&got[1].0) || bits(&got[0].1) != bits(&got[1].1) {
+                differ.push(format!("{} ({n} tokens)", ty.name()));
+            }
+        }
+    }
+    dev.set_row_per_thread(default);
+    match differ.is_empty() {
+        true => Ok(format!(
+            "  both product kernels give the same bits: {} types, 1 and 19 tokens, all and listed rows",
+            WGPU_TYPES.len()
+        )),
+        false => Err(format!("  the product kernels differ: {}", differ.join(", "))),
+    }
+}
+
+/// A weight larger than the adapter binds at once (Gemma's and Qwen's embeddings on lavapipe)
+/// is held in several buffers of whole rows: its products (all rows, one token and a batch, both
+/// kernels) are those of the weight in one buffer bit for bit, its neuron-major products within
+/// 1e-6 (each buffer's sum is added on its own), and a product of listed rows is refused naming
+/// the tensor. Checked on small weights by lowering the limit.
+fn split_weights(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    use device_checks::{quantized, rel_err, Rng};
+    let mut rng = Rng(5);
+    let mut worst = 0f64;
+    let default = dev.row_per_thread();
+    for ty in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16] {
+        let cols = 512;
+        for per_thread in [false, true] {
+            dev.set_row_per_thread(per_thread);
+            for n in [1, 11] {
+                // Each case its own weight (weights are kept by address once copied).
+                let w = quantized(ty, 67, cols, &mut rng);
+                let x = rng.values(n * cols);
+                let acts = rng.values(n * 67);
+                let whole = {
+                    dev.set_max_binding(None);
+                    let xa = dev.upload(n, cols, x.clone());
+                    let aa = dev.upload(n, 67, acts.clone());
+                    let mut out = dev.zeros(n, cols);
+                    dev.accumulate_rows(&w, None, &aa, &mut out);
+                    let p = dev.download(dev.matmul(&[&w], &xa).remove(0));
+                    (p, dev.download(out))
+                };
+                let w2 =
+                    gatestream::tensor::Weight::owned(&w.name, w.ty, w.rows, w.cols, w.rows_bytes(0, w.rows).to_vec())
+                        .map_err(|e| e.to_string())?;
+                dev.set_max_binding(Some(5 * w.row_bytes as u64 + 3));
+                let xa = dev.upload(n, cols, x.clone());
+                let aa = dev.upload(n, 67, acts.clone());
+                let mut out = dev.zeros(n, cols);
+                dev.accumulate_rows(&w2, None, &aa, &mut out);
+                let split = (dev.download(dev.matmul(&[&w2], &xa).remove(0)), dev.download(out));
+                let _ = dev.matmul_rows(&w2, &[3, 1], &xa);
+                let refused = dev.take_error().map(|e| e.to_string()).unwrap_or_default();
+                dev.set_max_binding(None);
+                if !refused.contains(&w.name) || !refused.contains("buffers") {
+                    dev.set_row_per_thread(default);
+                    return Err(format!(
+                        "{}: listed rows of a split weight not refused: {refused:?}",
+                        ty.name()
+                    ));
+                }
+                if split.0.iter().zip(&whole.0).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    dev.set_row_per_thread(default);
+                    return Err(format!("{}: the split product differs from the whole one", ty.name()));
+                }
+                worst = worst.max(rel_err(&split.1, &whole.1));
+            }
+        }
+    }
+    dev.set_row_per_thread(default);
+    let msg = format!(
+        "  weights in buffers of 5 rows (Q4_K, Q8_0, F16; 67 x 512; 1 and 11 tokens; both kernels): products the \
+         weight's in one buffer bit for bit, neuron-major products within {worst:.2e} of it (bar 1e-6); listed \
+         rows refused"
+    );
+    match worst <= 1e-6 {
+        true => Ok(msg),
+        false => Err(msg),
+    }
 }
 
 /// A model holding a type the device has no kernels for is refused at load, naming the type.
@@ -148,7 +256,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 10] = [
+    let checks: [(&str, Check); 12] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -180,6 +288,8 @@ fn main() {
             device_checks::rope_attention_against_cpu(d.as_ref(), 1e-4)
         }),
         ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
+        ("kernels_split_weights", split_weights),
+        ("kernels_agree", kernels_agree),
         ("refused_types", refused_types),
         ("stories260k_wgpu_vs_cpu", |d| {
             let (steps, ppl) = model_budget(d, false);

@@ -21,7 +21,10 @@ const T_Q6_K: u32 = 10u;
 // One launch's shape. `rows`: output rows (matmul: the weight's rows or the listed ids; the
 // neuron-major product: the rows summed over); `stride`: bytes from one weight row to the next;
 // `base`: row 0's byte in `w`; `groups_x`: workgroups per row of the dispatch grid (a grid is
-// at most 65535 wide); `act_width`: the neuron-major product's activation width.
+// at most 65535 wide); `act_width`: the neuron-major product's activation width; `out_width`:
+// the product's output rows (a weight split into several buffers is multiplied a buffer at a
+// time: `rows` of them from output row `first`); `first`: for the neuron-major product, the
+// buffer's first row (its activation).
 struct Params {
     rows: u32,
     cols: u32,
@@ -31,6 +34,10 @@ struct Params {
     groups_x: u32,
     base: u32,
     act_width: u32,
+    out_width: u32,
+    first: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 @group(0) @binding(0) var<storage, read> w: array<u32>;
@@ -176,7 +183,7 @@ fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         workgroupBarrier();
     }
     if (lid < nt) {
-        y[(t0 + lid) * p.rows + i] = red[lid * 64u];
+        y[(t0 + lid) * p.out_width + p.first + i] = red[lid * 64u];
     }
 }
 
@@ -204,7 +211,7 @@ fn accumulate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
         let v = deq(p.base + r * p.stride, c);
         for (var t = 0u; t < nt; t += 1u) {
-            acc[t] += x[(t0 + t) * p.act_width + r] * v;
+            acc[t] += x[(t0 + t) * p.act_width + p.first + r] * v;
         }
     }
     for (var t = 0u; t < nt; t += 1u) {
@@ -212,7 +219,7 @@ fn accumulate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     }
 }
 
-// As `matmul`, one thread a output row (64 rows a workgroup) and no workgroup memory or
+// As `matmul`, one thread an output row (64 rows a workgroup) and no workgroup memory or
 // barriers: what a software adapter (lavapipe, which runs a workgroup's threads in SIMD lanes
 // and pays for every barrier) runs fastest. The device picks it on software adapters.
 @compute @workgroup_size(64)
@@ -234,14 +241,29 @@ fn matmul_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation
     }
     let row = p.base + r * p.stride;
     let nt = min(TILE, p.ntok - t0);
-    var acc: array<f32, 8>;
+    // The workgroup kernel's sums in its order: 64 strided partial sums (element e into
+    // partial e % 64, in increasing e), then added in the same tree. The two kernels' results
+    // are then the same bits, so checking one model on either checks both.
+    var part: array<f32, 512>;
     for (var e = 0u; e < p.cols; e += 1u) {
         let v = deq(row, e);
+        let lane = (e & 63u) * TILE;
         for (var t = 0u; t < nt; t += 1u) {
-            acc[t] += v * x[(t0 + t) * p.cols + e];
+            part[lane + t] += v * x[(t0 + t) * p.cols + e];
         }
     }
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        for (var l = 0u; l < s; l += 1u) {
+            for (var t = 0u; t < nt; t += 1u) {
+                part[l * TILE + t] += part[(l + s) * TILE + t];
+            }
+        }
+    }
+    var acc: array<f32, 8>;
     for (var t = 0u; t < nt; t += 1u) {
-        y[(t0 + t) * p.rows + i] = acc[t];
+        acc[t] = part[t];
+    }
+    for (var t = 0u; t < nt; t += 1u) {
+        y[(t0 + t) * p.out_width + p.first + i] = acc[t];
     }
 }

@@ -99,10 +99,19 @@ struct WgpuKv {
     v: Vec<wgpu::Buffer>,
 }
 
+/// Rows `first..first + rows` of a weight in one device buffer (a weight larger than the
+/// adapter binds at once is in several).
+#[derive(Clone)]
+struct Part {
+    buf: wgpu::Buffer,
+    first: usize,
+    rows: usize,
+}
+
 /// A resident weight's copy and the host storage its key's address belongs to (kept alive so
 /// the address is not reused by other bytes while the copy is kept).
 struct Resident {
-    buf: wgpu::Buffer,
+    parts: Vec<Part>,
     _keep: Arc<dyn std::any::Any + Send + Sync>,
 }
 
@@ -135,6 +144,9 @@ pub struct WgpuDevice {
     link: Mutex<LinkCounters>,
     /// Commands recorded and not yet submitted, and how many.
     pending: Mutex<Option<(wgpu::CommandEncoder, usize)>>,
+    /// The most bytes of a weight one buffer holds: the adapter's largest storage binding, or
+    /// less for tests ([`WgpuDevice::set_max_binding`]).
+    max_binding: std::sync::atomic::AtomicU64,
     /// Products one thread a row (`matmul_thread`: software adapters) or one workgroup a row
     /// (`matmul`: GPUs). See [`WgpuDevice::set_row_per_thread`].
     row_per_thread: std::sync::atomic::AtomicBool,
@@ -196,12 +208,18 @@ impl WgpuDevice {
             device,
             queue,
             info: info.clone(),
-            limits,
+            limits: limits.clone(),
             pipelines: Mutex::new(HashMap::new()),
             weights: Mutex::new(HashMap::new()),
             error,
             link: Mutex::new(LinkCounters::default()),
             pending: Mutex::new(None),
+            max_binding: std::sync::atomic::AtomicU64::new(
+                limits
+                    .max_storage_buffer_binding_size
+                    .min(limits.max_buffer_size)
+                    .min(u32::MAX as u64),
+            ),
             row_per_thread: std::sync::atomic::AtomicBool::new(info.device_type == wgpu::DeviceType::Cpu),
             empty,
         })
@@ -218,6 +236,19 @@ impl WgpuDevice {
     /// both kernels on whatever adapter it has.
     pub fn set_row_per_thread(&self, on: bool) {
         self.row_per_thread.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Splits weights larger than `bytes` into buffers of whole rows (the adapter's own limit
+    /// when `None`), as weights larger than the adapter binds are: lets the suite check split
+    /// products on small weights. Weights already copied keep their buffers.
+    pub fn set_max_binding(&self, bytes: Option<u64>) {
+        let adapter = self
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
+            .min(u32::MAX as u64);
+        let v = bytes.map_or(adapter, |b| b.min(adapter));
+        self.max_binding.store(v, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn row_per_thread(&self) -> bool {
@@ -449,7 +480,7 @@ impl WgpuDevice {
 
     /// A weight's bytes on the device (copied on first use and kept by address; a volatile
     /// weight's at each use), and the code of its decoder.
-    fn weight(&self, w: &Weight) -> Option<(wgpu::Buffer, u32)> {
+    fn weight(&self, w: &Weight) -> Option<(Vec<Part>, u32)> {
         let Some(code) = type_code(w.ty) else {
             self.fail(refused_type_message(&w.name, w.ty));
             return None;
@@ -462,29 +493,36 @@ impl WgpuDevice {
             ));
             return None;
         };
-        let max = self
-            .limits
-            .max_storage_buffer_binding_size
-            .min(self.limits.max_buffer_size);
-        if bytes.len() as u64 > max || bytes.len() as u64 >= 1 << 32 {
+        // Rows per buffer: all, or as many as the adapter binds at once (a large embedding).
+        let max = self.max_binding.load(std::sync::atomic::Ordering::Relaxed) as usize;
+        let stride = w.row_stride_bytes.max(1);
+        let per_part = match bytes.len() <= max {
+            true => w.rows.max(1),
+            false => max.saturating_sub(w.row_bytes) / stride + 1,
+        };
+        if bytes.len() > max && (w.row_bytes > max || per_part == 0) {
             self.fail(format!(
-                "{}: {} bytes is more than the largest buffer the wgpu adapter {} binds ({max} bytes); run with \
-                 --device cpu",
-                w.name,
-                bytes.len(),
-                self.info.name
+                "{}: a row of {} bytes is more than the largest buffer the wgpu adapter {} binds ({max} bytes); run \
+                 with --device cpu",
+                w.name, w.row_bytes, self.info.name
             ));
             return None;
         }
-        let upload = |what: &str| {
+        let upload = |what: &str, first: usize, rows: usize| {
             let t0 = std::time::Instant::now();
+            let from = first * stride;
+            let to = match rows {
+                0 => from,
+                n => (first + n - 1) * stride + w.row_bytes,
+            };
+            let part = &bytes[from..to];
             let mut padded;
-            let contents = if bytes.len() % 4 != 0 || bytes.len() < 16 {
-                padded = bytes.to_vec();
-                padded.resize(bytes.len().div_ceil(4).max(4) * 4, 0);
+            let contents = if part.len() % 4 != 0 || part.len() < 16 {
+                padded = part.to_vec();
+                padded.resize(part.len().div_ceil(4).max(4) * 4, 0);
                 &padded[..]
             } else {
-                bytes
+                part
             };
             let buf = self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
                 label: Some(what),
@@ -494,30 +532,36 @@ impl WgpuDevice {
             let mut link = self.link.lock().expect("link counters");
             link.copy_ns += t0.elapsed().as_nanos() as u64;
             if w.is_volatile() {
-                link.volatile_bytes += bytes.len() as u64;
+                link.volatile_bytes += part.len() as u64;
                 link.volatile_copies += 1;
             } else {
-                link.resident_bytes += bytes.len() as u64;
+                link.resident_bytes += part.len() as u64;
             }
-            buf
+            Part { buf, first, rows }
+        };
+        let parts = |what: &str| -> Vec<Part> {
+            (0..w.rows.max(1))
+                .step_by(per_part)
+                .map(|first| upload(what, first, per_part.min(w.rows - first.min(w.rows))))
+                .collect()
         };
         if w.is_volatile() {
-            return Some((upload("streamed weight"), code));
+            return Some((parts("streamed weight"), code));
         }
         let key = (bytes.as_ptr() as usize, bytes.len(), w.row_stride_bytes);
         let mut cache = self.weights.lock().expect("weights");
         if let Some(r) = cache.get(&key) {
-            return Some((r.buf.clone(), code));
+            return Some((r.parts.clone(), code));
         }
-        let buf = upload(&w.name);
+        let made = parts(&w.name);
         cache.insert(
             key,
             Resident {
-                buf: buf.clone(),
+                parts: made.clone(),
                 _keep: keep,
             },
         );
-        Some((buf, code))
+        Some((made, code))
     }
 
     /// `u32` for a shader's index arithmetic, or a recorded error naming what is too large.
@@ -574,36 +618,46 @@ impl WgpuDevice {
             }
             return self.act(x.rows, rows, out);
         }
-        let Some((wbuf, code)) = self.weight(w) else {
+        let Some((parts, code)) = self.weight(w) else {
             return self.act(x.rows, rows, out);
         };
+        if ids.is_some() && parts.len() > 1 {
+            self.fail(split_refusal(w, parts.len()));
+            return self.act(x.rows, rows, out);
+        }
         let id_buf = ids.map(|ids| self.u32_buffer("row ids", ids));
         let per_thread = self.row_per_thread.load(std::sync::atomic::Ordering::Relaxed);
-        let (entry, row_groups) = match per_thread {
-            true => ("matmul_thread", rows.div_ceil(64)),
-            false => ("matmul", rows),
-        };
-        let grid = Self::grid(row_groups * x.rows.div_ceil(TILE));
-        let (Some(r), Some(c), Some(n), Some(s)) = (
-            self.fits("rows", rows),
-            self.fits("columns", w.cols),
-            self.fits("tokens", x.rows),
-            self.fits("row stride", w.row_stride_bytes),
-        ) else {
-            return self.act(x.rows, rows, out);
-        };
-        self.launch(
-            Module::Quant(code),
-            entry,
-            &[
-                (0, &wbuf),
-                (1, xq.unwrap_or(buf(x))),
-                (2, &out),
-                (3, id_buf.as_ref().unwrap_or(&self.empty)),
-            ],
-            (4, &[r, c, n, s, ids.is_some() as u32, grid.0, 0, 0]),
-            grid,
-        );
+        for part in &parts {
+            // Rows of this buffer: the listed ones (one buffer), or the part's own.
+            let part_rows = if ids.is_some() { rows } else { part.rows };
+            let (entry, row_groups) = match per_thread {
+                true => ("matmul_thread", part_rows.div_ceil(64)),
+                false => ("matmul", part_rows),
+            };
+            let grid = Self::grid(row_groups * x.rows.div_ceil(TILE));
+            let (Some(r), Some(c), Some(n), Some(s), Some(all), Some(off)) = (
+                self.fits("rows", part_rows),
+                self.fits("columns", w.cols),
+                self.fits("tokens", x.rows),
+                self.fits("row stride", w.row_stride_bytes),
+                self.fits("rows", rows),
+                self.fits("rows", part.first),
+            ) else {
+                return self.act(x.rows, rows, out);
+            };
+            self.launch(
+                Module::Quant(code),
+                entry,
+                &[
+                    (0, &part.buf),
+                    (1, xq.unwrap_or(buf(x))),
+                    (2, &out),
+                    (3, id_buf.as_ref().unwrap_or(&self.empty)),
+                ],
+                (4, &[r, c, n, s, ids.is_some() as u32, grid.0, 0, 0, all, off, 0, 0]),
+                grid,
+            );
+        }
         self.act(x.rows, rows, out)
     }
 
@@ -741,6 +795,15 @@ impl WgpuDevice {
             .and_then(|d| d.downcast_ref::<WgpuKv>())
             .expect("the cache's buffers on this device")
     }
+}
+
+/// Why a product over a row subset of a weight split into several buffers is not computed.
+fn split_refusal(w: &Weight, parts: usize) -> String {
+    format!(
+        "{}: a product of listed rows of a weight the wgpu device holds in {parts} buffers (larger than the \
+         adapter binds at once) is not computed; run with --device cpu",
+        w.name
+    )
 }
 
 fn buf(a: &Act) -> &wgpu::Buffer {
@@ -1000,29 +1063,53 @@ impl Device for WgpuDevice {
             ));
             return;
         }
-        let Some((wbuf, code)) = self.weight(w) else { return };
+        let Some((parts, code)) = self.weight(w) else { return };
+        if rows.is_some() && parts.len() > 1 {
+            self.fail(split_refusal(w, parts.len()));
+            return;
+        }
         let id_buf = rows.map(|ids| self.u32_buffer("row ids", ids));
         let grid = Self::grid(w.cols.div_ceil(64) * acts.rows.div_ceil(TILE));
-        let (Some(r), Some(c), Some(t), Some(s)) = (
-            self.fits("rows", n),
-            self.fits("columns", w.cols),
-            self.fits("tokens", acts.rows),
-            self.fits("row stride", w.row_stride_bytes),
-        ) else {
-            return;
-        };
-        self.launch(
-            Module::Quant(code),
-            "accumulate",
-            &[
-                (0, &wbuf),
-                (1, buf(acts)),
-                (2, buf(out)),
-                (3, id_buf.as_ref().unwrap_or(&self.empty)),
-            ],
-            (4, &[r, c, t, s, rows.is_some() as u32, grid.0, 0, w.rows as u32]),
-            grid,
-        );
+        for part in &parts {
+            let part_rows = if rows.is_some() { n } else { part.rows };
+            let (Some(r), Some(c), Some(t), Some(s), Some(off)) = (
+                self.fits("rows", part_rows),
+                self.fits("columns", w.cols),
+                self.fits("tokens", acts.rows),
+                self.fits("row stride", w.row_stride_bytes),
+                self.fits("rows", part.first),
+            ) else {
+                return;
+            };
+            self.launch(
+                Module::Quant(code),
+                "accumulate",
+                &[
+                    (0, &part.buf),
+                    (1, buf(acts)),
+                    (2, buf(out)),
+                    (3, id_buf.as_ref().unwrap_or(&self.empty)),
+                ],
+                (
+                    4,
+                    &[
+                        r,
+                        c,
+                        t,
+                        s,
+                        rows.is_some() as u32,
+                        grid.0,
+                        0,
+                        w.rows as u32,
+                        0,
+                        off,
+                        0,
+                        0,
+                    ],
+                ),
+                grid,
+            );
+        }
     }
 
     fn rope_qk(
