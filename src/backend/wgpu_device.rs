@@ -689,7 +689,14 @@ impl WgpuDevice {
     }
 
     /// A move kernel (select_rows, scatter_cols, gather_cols): `out` from `y` by `ids`.
-    fn moved(&self, entry: &'static str, y: &Act, ids: &[u32], n: usize, width: usize, m: usize, out: &wgpu::Buffer) {
+    fn moved(
+        &self,
+        entry: &'static str,
+        y: &Act,
+        ids: &[u32],
+        (n, width, m): (usize, usize, usize),
+        out: &wgpu::Buffer,
+    ) {
         if n == 0 {
             return;
         }
@@ -1012,19 +1019,19 @@ impl Device for WgpuDevice {
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {
         let out = self.zeroed(rows.len() * x.width);
         let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-        self.moved("select_rows", x, &ids, rows.len() * x.width, x.width, 0, &out);
+        self.moved("select_rows", x, &ids, (rows.len() * x.width, x.width, 0), &out);
         self.act(rows.len(), x.width, out)
     }
 
     fn scatter_cols(&self, x: &Act, cols: &[u32], width: usize) -> Act {
         let out = self.zeroed(x.rows * width);
-        self.moved("scatter_cols", x, cols, x.rows * cols.len(), width, cols.len(), &out);
+        self.moved("scatter_cols", x, cols, (x.rows * cols.len(), width, cols.len()), &out);
         self.act(x.rows, width, out)
     }
 
     fn gather_cols(&self, x: &Act, cols: &[u32]) -> Act {
         let out = self.zeroed(x.rows * cols.len());
-        self.moved("gather_cols", x, cols, x.rows * cols.len(), x.width, cols.len(), &out);
+        self.moved("gather_cols", x, cols, (x.rows * cols.len(), x.width, cols.len()), &out);
         self.act(x.rows, cols.len(), out)
     }
 
