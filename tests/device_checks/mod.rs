@@ -304,25 +304,27 @@ pub fn elementwise_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, Str
 pub fn rope_attention_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, String> {
     let cpu = CpuBackend::new(1);
     let mut rng = Rng(11);
-    let (hd, n_heads, n_kv) = (64, 6, 2);
-    let (qd, kvd) = (n_heads * hd, n_kv * hd);
+    let (n_heads, n_kv) = (6, 2);
     let cfg_layers = 2;
     // Two sequences: the first has 150 cached positions, the second 3; then a batch of 3 tokens
     // (two of the first sequence, one of the second).
     let prefill = [150usize, 3];
-    let q_norm = rng.values(hd);
-    let k_norm = rng.values(hd);
-    let factors: Vec<f32> = (0..hd / 2).map(|i| 1.0 + i as f32 / 8.0).collect();
     let sinks = rng.values(n_heads);
     let mut worst = 0f64;
     let mut cases = 0;
     let mut failed = Vec::new();
-    for (style, partial, normed, window, use_sinks, use_factors) in [
-        (RopeStyle::AdjacentPairs, false, false, None, false, false),
-        (RopeStyle::HalfSplit, false, true, Some(40), false, false),
-        (RopeStyle::HalfSplit, true, true, None, true, true),
-        (RopeStyle::AdjacentPairs, false, true, Some(3), true, false),
+    for (hd, style, partial, normed, window, use_sinks, use_factors) in [
+        (64, RopeStyle::AdjacentPairs, false, false, None, false, false),
+        (64, RopeStyle::HalfSplit, false, true, Some(40), false, false),
+        (64, RopeStyle::HalfSplit, true, true, None, true, true),
+        (64, RopeStyle::AdjacentPairs, false, true, Some(3), true, false),
+        // Gemma 3's heads: 256 wide (four values a thread in the attention kernel).
+        (256, RopeStyle::HalfSplit, false, true, Some(100), false, false),
     ] {
+        let (qd, kvd) = (n_heads * hd, n_kv * hd);
+        let q_norm = rng.values(hd);
+        let k_norm = rng.values(hd);
+        let factors: Vec<f32> = (0..hd / 2).map(|i| 1.0 + i as f32 / 8.0).collect();
         if (partial && !dev.rope_partial())
             || (use_sinks && !dev.attention_sinks())
             || (use_factors && !dev.rope_freq_factors())
@@ -392,14 +394,14 @@ pub fn rope_attention_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, 
         cases += 1;
         if e > tol {
             failed.push(format!(
-                "{style:?} partial={partial} norms={normed} window={window:?} sinks={use_sinks} factors={use_factors}: \
+                "head {hd} {style:?} partial={partial} norms={normed} window={window:?} sinks={use_sinks} factors={use_factors}: \
                  {e:.2e}"
             ));
         }
     }
     let msg = format!(
-        "  RoPE, cache writes and attention ({cases} cases: both styles, norms, partial, factors, windows, sinks, \
-         grouped heads, two sequences, 152 positions): worst |diff| / max against the CPU {worst:.2e} (bar {tol:.0e})"
+        "  RoPE, cache writes and attention ({cases} cases: heads of 64 and 256, both styles, norms, partial, \
+         factors, windows, sinks, grouped heads, two sequences, 152 positions): worst |diff| / max against the CPU {worst:.2e} (bar {tol:.0e})"
     );
     match failed.is_empty() {
         true => Ok(msg),
