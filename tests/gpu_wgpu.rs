@@ -163,19 +163,24 @@ fn split_weights(dev: &Arc<WgpuDevice>) -> Result<String, String> {
     let mut rng = Rng(5);
     let mut worst = 0f64;
     let default = dev.row_per_thread();
-    for ty in [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::F16] {
+    for (ty, rows, part_rows) in [
+        (GgmlType::Q4_K, 67, 5),
+        (GgmlType::Q8_0, 67, 5),
+        (GgmlType::F16, 67, 5),
+        (GgmlType::Q6_K, 300, 130),
+    ] {
         let cols = 512;
         for per_thread in [false, true] {
             dev.set_row_per_thread(per_thread);
             for n in [1, 11] {
                 // Each case its own weight (weights are kept by address once copied).
-                let w = quantized(ty, 67, cols, &mut rng);
+                let w = quantized(ty, rows, cols, &mut rng);
                 let x = rng.values(n * cols);
-                let acts = rng.values(n * 67);
+                let acts = rng.values(n * rows);
                 let whole = {
                     dev.set_max_binding(None);
                     let xa = dev.upload(n, cols, x.clone());
-                    let aa = dev.upload(n, 67, acts.clone());
+                    let aa = dev.upload(n, rows, acts.clone());
                     let mut out = dev.zeros(n, cols);
                     dev.accumulate_rows(&w, None, &aa, &mut out);
                     let p = dev.download(dev.matmul(&[&w], &xa).remove(0));
@@ -184,9 +189,9 @@ fn split_weights(dev: &Arc<WgpuDevice>) -> Result<String, String> {
                 let w2 =
                     gatestream::tensor::Weight::owned(&w.name, w.ty, w.rows, w.cols, w.rows_bytes(0, w.rows).to_vec())
                         .map_err(|e| e.to_string())?;
-                dev.set_max_binding(Some(5 * w.row_bytes as u64 + 3));
+                dev.set_max_binding(Some(part_rows * w.row_bytes as u64 + 3));
                 let xa = dev.upload(n, cols, x.clone());
-                let aa = dev.upload(n, 67, acts.clone());
+                let aa = dev.upload(n, rows, acts.clone());
                 let mut out = dev.zeros(n, cols);
                 dev.accumulate_rows(&w2, None, &aa, &mut out);
                 let split = (dev.download(dev.matmul(&[&w2], &xa).remove(0)), dev.download(out));
@@ -210,7 +215,7 @@ fn split_weights(dev: &Arc<WgpuDevice>) -> Result<String, String> {
     }
     dev.set_row_per_thread(default);
     let msg = format!(
-        "  weights in buffers of 5 rows (Q4_K, Q8_0, F16; 67 x 512; 1 and 11 tokens; both kernels): products the \
+        "  weights in buffers of 5 rows (Q4_K, Q8_0, F16; 67 x 512) and 130 rows (Q6_K, 300 x 512); 1 and 11 tokens; both kernels): products the \
          weight's in one buffer bit for bit, neuron-major products within {worst:.2e} of it (bar 1e-6); listed \
          rows refused"
     );
