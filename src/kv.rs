@@ -19,7 +19,7 @@ pub struct KvCache {
     pub len: usize,
     /// The keys and values on a device with memory of its own (the CUDA device puts its buffers
     /// here on first use; the host vectors above then stay untouched, and the OS never backs them).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
     pub(crate) device: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 

@@ -23,6 +23,8 @@ pub mod modes;
 pub mod ops;
 pub mod pick;
 pub mod standin;
+#[cfg(feature = "wgpu")]
+pub mod wgpu_device;
 
 use std::borrow::Cow;
 
@@ -41,6 +43,8 @@ pub enum DeviceKind {
     /// The host stand-in for a device with memory of its own ([`standin`]): tests of the paths
     /// that feed a GPU, run where there is none.
     HostStandIn,
+    /// The portable GPU device on wgpu (Vulkan, Metal, DX12): `wgpu_device`, cargo feature `wgpu`.
+    Wgpu,
 }
 
 /// Opens the device `kind` names (`threads`: the CPU device's pool, 0 = one per core). `var`
@@ -58,6 +62,7 @@ pub fn open_device(
         DeviceKind::Cpu => Ok((cpu(), None)),
         DeviceKind::HostStandIn => Ok((Arc::new(standin::HostStandIn::new(threads)), None)),
         DeviceKind::Cuda => open_cuda(var).map(|d| (d, None)),
+        DeviceKind::Wgpu => open_wgpu().map(|d| (d, None)),
         DeviceKind::Auto => match open_cuda(var) {
             Ok(d) => Ok((d, None)),
             Err(e) => Ok((cpu(), Some(format!("--device auto: running on the CPU ({e})")))),
@@ -76,6 +81,20 @@ fn open_cuda(_var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std:
     Err(crate::error::Error::Invalid(
         "CUDA: this gatestream was built without CUDA; rebuild with `cargo build --release --features cuda` \
          (use --device cpu to run on the CPU)"
+            .into(),
+    ))
+}
+
+#[cfg(feature = "wgpu")]
+fn open_wgpu() -> crate::error::Result<std::sync::Arc<dyn Device>> {
+    Ok(std::sync::Arc::new(wgpu_device::WgpuDevice::open()?))
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn open_wgpu() -> crate::error::Result<std::sync::Arc<dyn Device>> {
+    Err(crate::error::Error::Invalid(
+        "wgpu: this gatestream was built without the wgpu device; rebuild with `cargo build --release --features \
+         wgpu` (use --device cpu to run on the CPU)"
             .into(),
     ))
 }
@@ -106,6 +125,8 @@ enum ActData {
     Host(Vec<f32>),
     #[cfg(feature = "cuda")]
     Cuda(cuda::DevBuf),
+    #[cfg(feature = "wgpu")]
+    Wgpu(wgpu_device::WgpuBuf),
 }
 
 impl Act {
@@ -129,6 +150,8 @@ impl Act {
             ActData::Host(v) => Some(v),
             #[cfg(feature = "cuda")]
             ActData::Cuda(_) => None,
+            #[cfg(feature = "wgpu")]
+            ActData::Wgpu(_) => None,
         }
     }
 
@@ -137,6 +160,8 @@ impl Act {
             ActData::Host(v) => Some(v),
             #[cfg(feature = "cuda")]
             ActData::Cuda(_) => None,
+            #[cfg(feature = "wgpu")]
+            ActData::Wgpu(_) => None,
         }
     }
 
@@ -145,6 +170,8 @@ impl Act {
             ActData::Host(v) => Some(v),
             #[cfg(feature = "cuda")]
             ActData::Cuda(_) => None,
+            #[cfg(feature = "wgpu")]
+            ActData::Wgpu(_) => None,
         }
     }
 }
@@ -524,6 +551,11 @@ pub trait Device: HostLink {
     /// them is refused at load on a device that does not.
     fn attention_sinks(&self) -> bool {
         false
+    }
+    /// Why the device does not run a model of this configuration, if it does not (a device
+    /// checked against the CPU on some architectures only); the model is refused at load.
+    fn refuses_model(&self, _cfg: &crate::config::ModelConfig) -> Option<String> {
+        None
     }
     /// Whether the device multiplies weights of `ty`; a model holding a matrix of another type
     /// is refused at load on it (the CPU device computes every [`crate::quant::GgmlType`]).

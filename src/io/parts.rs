@@ -99,6 +99,9 @@ pub fn measure_read_rate(name: &Path, parts: &[FilePart], bytes: usize) -> Resul
     Ok((len as f64 / s, o.direct_io_active))
 }
 
+/// A part's ranges of a batch: the part, the ranges' indices in the batch, the ranges in its file.
+type PartRanges = (usize, Vec<usize>, Vec<Range>);
+
 /// Reads a byte space made of several files ([`FilePart`]s), each through a reader of its own.
 pub struct PartsReader {
     name: PathBuf,
@@ -161,8 +164,8 @@ impl PartsReader {
 
     /// Each range's part and place in its file, grouped by part (the parts in order, each with
     /// the ranges' batch indices).
-    fn group(&self, ranges: &[Range]) -> Result<Vec<(usize, Vec<usize>, Vec<Range>)>> {
-        let mut groups: Vec<(usize, Vec<usize>, Vec<Range>)> = Vec::new();
+    fn group(&self, ranges: &[Range]) -> Result<Vec<PartRanges>> {
+        let mut groups: Vec<PartRanges> = Vec::new();
         for (i, &r) in ranges.iter().enumerate() {
             let (part, local) = self.locate(r)?;
             match groups.iter_mut().find(|g| g.0 == part) {

@@ -250,6 +250,12 @@ impl Model {
                 device.name()
             )));
         }
+        if let Some(why) = device.refuses_model(&src.config) {
+            return Err(Error::Invalid(format!(
+                "{}: {why}; run it with --device cpu",
+                path.display()
+            )));
+        }
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if let Some(w) = weights.matrices().into_iter().find(|w| !device.computes_type(w.ty)) {

@@ -214,8 +214,8 @@ fn dense_parts(model: &Model, opts: &StreamOptions) -> Result<(Vec<LayerParts>, 
         // Every reader's reusable buffers (set with the plan below).
         reader_bytes: 0,
         lookahead: false,
-        context_bytes: crate::kv::KvCache::bytes_for(&cfg, opts.kv_positions)
-            + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(&cfg),
+        context_bytes: crate::kv::KvCache::bytes_for(cfg, opts.kv_positions)
+            + opts.batch_tokens_max.max(1) as u64 * activation_bytes_per_token(cfg),
         ffn_rows: None,
         prefetch_buffers: opts.prefetch_buffers.max(2),
     };

@@ -583,6 +583,11 @@ impl CudaDevice {
                 self.fail("CUDA: an activation in host memory was handed to the GPU device".into());
                 0
             }
+            #[cfg(feature = "wgpu")]
+            ActData::Wgpu(_) => {
+                self.fail("CUDA: an activation of the wgpu device was handed to the CUDA device".into());
+                0
+            }
         }
     }
 

@@ -65,6 +65,8 @@ pub(crate) enum DeviceArg {
     Cpu,
     Cuda,
     Auto,
+    /// The portable GPU device (Vulkan, Metal, DX12 through wgpu; build with --features wgpu).
+    Wgpu,
     /// For tests: the host stand-in for a device with memory of its own (computes on the CPU
     /// from its own copies of what it is handed, as a GPU would), so the paths that feed a GPU
     /// run end to end where there is none. Not a device to run models on; not listed.

@@ -439,6 +439,7 @@ fn open_named_device(arg: DeviceArg, threads: usize, cuda_opt: &[String]) -> any
         DeviceArg::Cpu => gatestream::backend::DeviceKind::Cpu,
         DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
         DeviceArg::Auto => gatestream::backend::DeviceKind::Auto,
+        DeviceArg::Wgpu => gatestream::backend::DeviceKind::Wgpu,
         DeviceArg::HostStandin => gatestream::backend::DeviceKind::HostStandIn,
     };
     // The CUDA device's settings: where its libraries are, from the environment; its modes from

@@ -1,0 +1,269 @@
+// Products of quantized weights with f32 activations (the wgpu device, src/backend/wgpu/).
+// The host prepends `const TYPE: u32 = ...;` (a GgmlType's code below) and compiles one module
+// per weight type, so each `deq` is one type's decoder. Weights are the host's bytes as they are
+// in the file, read as u32 words: rows start at any byte (an 18-byte Q4_0 block is not word
+// aligned), so every field is read by its byte address. Each element is decoded exactly as
+// src/quant/dequant.rs decodes it; products sum in f32 (the CPU's reference sums f64 or integer
+// dots: the suite compares within a tolerance, not bit for bit).
+
+const T_F32: u32 = 0u;
+const T_F16: u32 = 1u;
+const T_BF16: u32 = 2u;
+const T_Q4_0: u32 = 3u;
+const T_Q4_1: u32 = 4u;
+const T_Q5_0: u32 = 5u;
+const T_Q5_1: u32 = 6u;
+const T_Q8_0: u32 = 7u;
+const T_Q4_K: u32 = 8u;
+const T_Q5_K: u32 = 9u;
+const T_Q6_K: u32 = 10u;
+
+// One launch's shape. `rows`: output rows (matmul: the weight's rows or the listed ids; the
+// neuron-major product: the rows summed over); `stride`: bytes from one weight row to the next;
+// `base`: row 0's byte in `w`; `groups_x`: workgroups per row of the dispatch grid (a grid is
+// at most 65535 wide); `act_width`: the neuron-major product's activation width; `out_width`:
+// the product's output rows (a weight split into several buffers is multiplied a buffer at a
+// time: `rows` of them from output row `first`); `first`: for the neuron-major product, the
+// buffer's first row (its activation).
+struct Params {
+    rows: u32,
+    cols: u32,
+    ntok: u32,
+    stride: u32,
+    use_ids: u32,
+    groups_x: u32,
+    base: u32,
+    act_width: u32,
+    out_width: u32,
+    first: u32,
+    _pad0: u32,
+    _pad1: u32,
+}
+
+@group(0) @binding(0) var<storage, read> w: array<u32>;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(3) var<storage, read> ids: array<u32>;
+@group(0) @binding(4) var<uniform> p: Params;
+
+fn byte_at(a: u32) -> u32 {
+    return (w[a >> 2u] >> ((a & 3u) * 8u)) & 0xffu;
+}
+
+// A 16-bit field at an even byte address (never across two words).
+fn u16_at(a: u32) -> u32 {
+    return (w[a >> 2u] >> ((a & 2u) * 8u)) & 0xffffu;
+}
+
+fn f16_at(a: u32) -> f32 {
+    return unpack2x16float(u16_at(a)).x;
+}
+
+fn i8_of(b: u32) -> f32 {
+    return f32((i32(b) << 24u) >> 24u);
+}
+
+// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block whose packed scales start at `s`.
+fn k_scale_min(j: u32, s: u32) -> vec2<f32> {
+    if (j < 4u) {
+        return vec2<f32>(f32(byte_at(s + j) & 63u), f32(byte_at(s + j + 4u) & 63u));
+    }
+    let sc = (byte_at(s + j + 4u) & 15u) | ((byte_at(s + j - 4u) >> 6u) << 4u);
+    let m = (byte_at(s + j + 4u) >> 4u) | ((byte_at(s + j) >> 6u) << 4u);
+    return vec2<f32>(f32(sc), f32(m));
+}
+
+// Element `e` of the row starting at byte `row`.
+fn deq(row: u32, e: u32) -> f32 {
+    if (TYPE == T_F32) {
+        return bitcast<f32>(w[(row >> 2u) + e]);
+    }
+    if (TYPE == T_F16) {
+        return f16_at(row + 2u * e);
+    }
+    if (TYPE == T_BF16) {
+        return bitcast<f32>(u16_at(row + 2u * e) << 16u);
+    }
+    if (TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 || TYPE == T_Q5_1 || TYPE == T_Q8_0) {
+        let j = e & 31u;
+        if (TYPE == T_Q8_0) {
+            let blk = row + (e >> 5u) * 34u;
+            return i8_of(byte_at(blk + 2u + j)) * f16_at(blk);
+        }
+        var bb = 18u;
+        var qs = 2u;
+        if (TYPE == T_Q4_1) { bb = 20u; qs = 4u; }
+        if (TYPE == T_Q5_0) { bb = 22u; qs = 6u; }
+        if (TYPE == T_Q5_1) { bb = 24u; qs = 8u; }
+        let blk = row + (e >> 5u) * bb;
+        let byte = byte_at(blk + qs + (j & 15u));
+        var q = select(byte & 15u, byte >> 4u, j >= 16u);
+        let d = f16_at(blk);
+        if (TYPE == T_Q5_0 || TYPE == T_Q5_1) {
+            let hb = select(blk + 2u, blk + 4u, TYPE == T_Q5_1);
+            q = q | (((byte_at(hb + (j >> 3u)) >> (j & 7u)) & 1u) << 4u);
+        }
+        if (TYPE == T_Q4_0) {
+            return f32(i32(q) - 8) * d;
+        }
+        if (TYPE == T_Q5_0) {
+            return f32(i32(q) - 16) * d;
+        }
+        return f32(q) * d + f16_at(blk + 2u);
+    }
+    let k = e & 255u;
+    if (TYPE == T_Q6_K) {
+        let blk = row + (e >> 8u) * 210u;
+        let half = k >> 7u;
+        let within = k & 127u;
+        let quarter = within >> 5u;
+        let l = within & 31u;
+        let low_byte = byte_at(blk + 64u * half + l + 32u * (quarter & 1u));
+        let low = select(low_byte & 15u, low_byte >> 4u, quarter >= 2u);
+        let high = (byte_at(blk + 128u + 32u * half + l) >> (2u * quarter)) & 3u;
+        let q = i32(low | (high << 4u)) - 32;
+        return f16_at(blk + 208u) * i8_of(byte_at(blk + 192u + (k >> 4u))) * f32(q);
+    }
+    // Q4_K and Q5_K.
+    let bb = select(144u, 176u, TYPE == T_Q5_K);
+    let qs = select(16u, 48u, TYPE == T_Q5_K);
+    let blk = row + (e >> 8u) * bb;
+    let sub = k >> 5u;
+    let byte = byte_at(blk + qs + 32u * (k >> 6u) + (k & 31u));
+    var q = select(byte >> 4u, byte & 15u, (sub & 1u) == 0u);
+    if (TYPE == T_Q5_K) {
+        q = q | (((byte_at(blk + 16u + (k & 31u)) >> sub) & 1u) << 4u);
+    }
+    let sm = k_scale_min(sub, blk + 4u);
+    return f16_at(blk) * sm.x * f32(q) - f16_at(blk + 2u) * sm.y;
+}
+
+const TILE: u32 = 8u;
+var<workgroup> red: array<f32, 512>;
+
+fn group_index(wg: vec3<u32>) -> u32 {
+    return wg.x + wg.y * p.groups_x;
+}
+
+// y[t][i] = dot(w row r_i, x[t]) for a tile of up to 8 tokens: one workgroup per (output row,
+// token tile), its 64 threads over the row's elements, each element decoded once per tile.
+// r_i = ids[i] when use_ids (a row subset), else i.
+@compute @workgroup_size(64)
+fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let g = group_index(wg);
+    let tiles = (p.ntok + TILE - 1u) / TILE;
+    if (g >= p.rows * tiles) {
+        return;
+    }
+    let i = g % p.rows;
+    let t0 = (g / p.rows) * TILE;
+    var r = i;
+    if (p.use_ids != 0u) {
+        r = ids[i];
+    }
+    let row = p.base + r * p.stride;
+    let nt = min(TILE, p.ntok - t0);
+    var acc: array<f32, 8>;
+    for (var e = lid; e < p.cols; e += 64u) {
+        let v = deq(row, e);
+        for (var t = 0u; t < nt; t += 1u) {
+            acc[t] += v * x[(t0 + t) * p.cols + e];
+        }
+    }
+    for (var t = 0u; t < TILE; t += 1u) {
+        red[t * 64u + lid] = acc[t];
+    }
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            for (var t = 0u; t < TILE; t += 1u) {
+                red[t * 64u + lid] += red[t * 64u + lid + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lid < nt) {
+        y[(t0 + lid) * p.out_width + p.first + i] = red[lid * 64u];
+    }
+}
+
+// The neuron-major product: y[t][c] += sum over rows r (ids, or all) of x[t][r] * w[r][c]; one
+// workgroup per (64 columns, token tile), each thread one column, rows in order.
+@compute @workgroup_size(64)
+fn accumulate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let g = group_index(wg);
+    let col_groups = (p.cols + 63u) / 64u;
+    let tiles = (p.ntok + TILE - 1u) / TILE;
+    if (g >= col_groups * tiles) {
+        return;
+    }
+    let c = (g % col_groups) * 64u + lid;
+    let t0 = (g / col_groups) * TILE;
+    if (c >= p.cols) {
+        return;
+    }
+    let nt = min(TILE, p.ntok - t0);
+    var acc: array<f32, 8>;
+    for (var i = 0u; i < p.rows; i += 1u) {
+        var r = i;
+        if (p.use_ids != 0u) {
+            r = ids[i];
+        }
+        let v = deq(p.base + r * p.stride, c);
+        for (var t = 0u; t < nt; t += 1u) {
+            acc[t] += x[(t0 + t) * p.act_width + p.first + r] * v;
+        }
+    }
+    for (var t = 0u; t < nt; t += 1u) {
+        y[(t0 + t) * p.cols + c] += acc[t];
+    }
+}
+
+// As `matmul`, one thread an output row (64 rows a workgroup) and no workgroup memory or
+// barriers: what a software adapter (lavapipe, which runs a workgroup's threads in SIMD lanes
+// and pays for every barrier) runs fastest. The device picks it on software adapters.
+@compute @workgroup_size(64)
+fn matmul_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let g = group_index(wg);
+    let row_groups = (p.rows + 63u) / 64u;
+    let tiles = (p.ntok + TILE - 1u) / TILE;
+    if (g >= row_groups * tiles) {
+        return;
+    }
+    let i = (g % row_groups) * 64u + lid;
+    if (i >= p.rows) {
+        return;
+    }
+    let t0 = (g / row_groups) * TILE;
+    var r = i;
+    if (p.use_ids != 0u) {
+        r = ids[i];
+    }
+    let row = p.base + r * p.stride;
+    let nt = min(TILE, p.ntok - t0);
+    // The workgroup kernel's sums in its order: 64 strided partial sums (element e into
+    // partial e % 64, in increasing e), then added in the same tree. The two kernels' results
+    // are then the same bits, so checking one model on either checks both.
+    var part: array<f32, 512>;
+    for (var e = 0u; e < p.cols; e += 1u) {
+        let v = deq(row, e);
+        let lane = (e & 63u) * TILE;
+        for (var t = 0u; t < nt; t += 1u) {
+            part[lane + t] += v * x[(t0 + t) * p.cols + e];
+        }
+    }
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        for (var l = 0u; l < s; l += 1u) {
+            for (var t = 0u; t < nt; t += 1u) {
+                part[l * TILE + t] += part[(l + s) * TILE + t];
+            }
+        }
+    }
+    var acc: array<f32, 8>;
+    for (var t = 0u; t < nt; t += 1u) {
+        acc[t] = part[t];
+    }
+    for (var t = 0u; t < nt; t += 1u) {
+        y[(t0 + t) * p.out_width + p.first + i] = acc[t];
+    }
+}

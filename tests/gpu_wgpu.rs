@@ -1,0 +1,416 @@
+//! THE WGPU SUITE (`cargo test --release --features wgpu --test gpu_wgpu`): the portable GPU
+//! device (wgpu: Vulkan, Metal, DX12) against the CPU device. Not a CPU test: where wgpu finds no
+//! adapter it says so and runs nothing, and nothing counts as passed (it has its own `main`).
+//! CI runs it on Mesa's software Vulkan (lavapipe), which runs the kernels on the CPU: there the
+//! checks say what the kernels compute, and nothing about a GPU's speed.
+//!
+//! Checks (bodies shared with any device: tests/device_checks): every weight type the device
+//! multiplies — products of all rows and of row subsets, neuron-major products, embedding rows,
+//! one token and batches — against f64 sums; the elementwise ops, norms and moves, RoPE (both
+//! styles, norms, partial, factors), cache writes and attention (grouped heads, windows, sinks,
+//! two sequences) and argmax against the CPU device; types the device has no kernels for refused
+//! at load, naming the type; then real models — stories260K, SmolLM2-135M (Q4_1), Gemma 3 270M
+//! (Q5_0/Q8_0/Q4_K/Q6_K) and Qwen2.5-Coder-1.5B (Q4_K/Q6_K) — with the same greedy tokens as the
+//! CPU and perplexity within 0.1% of the CPU's. Arguments pick checks by name
+//! (`gpu_wgpu kernels stories`). The real models other than stories260K need
+//! `tools/fetch-models.sh all`; a missing one fails its check, naming the command. On a software
+//! adapter a run without names leaves those three out and says so (minutes each there).
+
+mod common;
+mod device_checks;
+
+use std::sync::Arc;
+
+use gatestream::backend::wgpu_device::{WgpuDevice, WGPU_TYPES};
+use gatestream::backend::Device;
+use gatestream::quant::GgmlType;
+
+type Check = fn(&Arc<WgpuDevice>) -> Result<String, String>;
+
+/// Checks a run without names leaves out on a software adapter (lavapipe: SmolLM2 takes about
+/// 4 minutes on 2 cores, the larger two longer), saying so; named, they run.
+const LONG_ON_SOFTWARE: [&str; 3] = ["smollm2_wgpu_vs_cpu", "gemma3_wgpu_vs_cpu", "qwen1.5b_wgpu_vs_cpu"];
+
+/// Greedy steps and perplexity windows of the real-model checks: on a software adapter
+/// (lavapipe, CI's 2 cores) fewer, so the suite stays within minutes.
+fn model_budget(dev: &WgpuDevice, big: bool) -> (usize, (usize, usize)) {
+    let software = dev.software();
+    match (software, big) {
+        (false, _) => (32, (256, 4)),
+        (true, false) => (16, (128, 1)),
+        (true, true) => (4, (64, 1)),
+    }
+}
+
+fn wiki_text(chars: usize) -> Result<String, String> {
+    let text =
+        std::fs::read_to_string(common::data_dir().join("wikitext-2/wiki.test.raw")).map_err(|e| e.to_string())?;
+    Ok(text.chars().take(chars).collect())
+}
+
+fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: bool) -> Result<String, String> {
+    let path = models_dir().join(file);
+    if !path.exists() {
+        return Err(format!(
+            "{}: not found; fetch it with `tools/fetch-models.sh {fetch}`",
+            path.display()
+        ));
+    }
+    let (steps, ppl) = model_budget(dev, big);
+    device_checks::model_against_cpu(
+        name,
+        &path,
+        dev.clone(),
+        "The capital of France is",
+        steps,
+        &wiki_text(100_000)?,
+        ppl,
+    )
+}
+
+/// Gemma 3 and Qwen2.5 (whose wgpu runs do not yet agree with the CPU's) are refused at load,
+/// naming `--device cpu`, unless GATESTREAM_WGPU_UNCHECKED asks to run them (their own checks
+/// below, to debug them).
+fn unchecked_refused(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    if std::env::var_os("GATESTREAM_WGPU_UNCHECKED").is_some() {
+        return Ok("GATESTREAM_WGPU_UNCHECKED is set: not refused".into());
+    }
+    let mut seen = Vec::new();
+    for (file, fetch) in [
+        ("gemma-3-270m-q4_k_m.gguf", "gemma3"),
+        ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen1.5b"),
+    ] {
+        let path = models_dir().join(file);
+        if !path.exists() {
+            return Err(format!(
+                "{}: not found; fetch it with `tools/fetch-models.sh {fetch}`",
+                path.display()
+            ));
+        }
+        let device: Arc<dyn gatestream::backend::Device> = dev.clone();
+        match gatestream::model::Model::load_on(&path, &Default::default(), device) {
+            Ok(_) => return Err(format!("{file}: loaded on the wgpu device; it should be refused")),
+            Err(e) if e.to_string().contains("--device cpu") => seen.push(file),
+            Err(e) => return Err(format!("{file}: refused for another reason: {e}")),
+        }
+    }
+    Ok(format!("refused, naming --device cpu: {}", seen.join(", ")))
+}
+
+/// The binary on SmolLM2: `run --device wgpu` in RAM and streamed under `--ram-budget 60M`
+/// (every weight streamed: the device copies the stream's buffers at each use) against
+/// `--device cpu`: the same greedy text, which starts " Paris.".
+fn smollm2_run_streamed(_dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    let model = models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.exists() {
+        return Err(format!(
+            "{}: not found; fetch it with `tools/fetch-models.sh smollm2`",
+            model.display()
+        ));
+    }
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gatestream"));
+    let bin = match std::env::current_exe() {
+        Ok(me) if !built.exists() => me.with_file_name("gatestream"),
+        _ => built,
+    };
+    let run = |extra: &[&str]| -> Result<String, String> {
+        let out = std::process::Command::new(&bin)
+            .args(["run", "--max-tokens", "8", "--model"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .map_err(|e| format!("{}: {e}", bin.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "gatestream run {extra:?} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let cpu = run(&["--device", "cpu"])?;
+    let in_ram = run(&["--device", "wgpu"])?;
+    let streamed = run(&["--device", "wgpu", "--ram-budget", "60M"])?;
+    let msg =
+        format!("  8 greedy tokens: cpu {cpu:?}, wgpu {in_ram:?}, wgpu streamed under --ram-budget 60M {streamed:?}");
+    match cpu == in_ram && in_ram == streamed && cpu.starts_with(" Paris.") {
+        true => Ok(msg),
+        false => Err(msg),
+    }
+}
+
+fn models_dir() -> std::path::PathBuf {
+    std::env::var_os("GATESTREAM_MODELS")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/gatestream/models")
+        })
+}
+
+/// The two product kernels (one workgroup a row, one thread a row) sum in the same order: the
+/// same bits for every type, one token and a batch, all rows and listed rows.
+fn kernels_agree(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    use device_checks::{quantized, Rng};
+    let mut rng = Rng(17);
+    let default = dev.row_per_thread();
+    let mut differ = Vec::new();
+    for ty in WGPU_TYPES {
+        let cols = ty.block_elems().max(32) * 3 * if ty.block_elems() == 1 { 8 } else { 1 };
+        let w = quantized(ty, 67, cols, &mut rng);
+        for n in [1, 19] {
+            let xa = dev.upload(n, cols, rng.values(n * cols));
+            let mut got = Vec::new();
+            for per_thread in [false, true] {
+                dev.set_row_per_thread(per_thread);
+                let all = dev.download(dev.matmul(&[&w], &xa).remove(0));
+                let listed = dev.download(dev.matmul_rows(&w, &[66, 0, 31, 31], &xa));
+                got.push((all, listed));
+            }
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            if bits(&got[0].0) != bits(&got[1].0) || bits(&got[0].1) != bits(&got[1].1) {
+                differ.push(format!("{} ({n} tokens)", ty.name()));
+            }
+        }
+    }
+    dev.set_row_per_thread(default);
+    match differ.is_empty() {
+        true => Ok(format!(
+            "  both product kernels give the same bits: {} types, 1 and 19 tokens, all and listed rows",
+            WGPU_TYPES.len()
+        )),
+        false => Err(format!("  the product kernels differ: {}", differ.join(", "))),
+    }
+}
+
+/// A weight larger than the adapter binds at once (Gemma's and Qwen's embeddings on lavapipe)
+/// is held in several buffers of whole rows: its products (all rows, one token and a batch, both
+/// kernels) are those of the weight in one buffer bit for bit, its neuron-major products within
+/// 1e-6 (each buffer's sum is added on its own), and a product of listed rows is refused naming
+/// the tensor. Checked on small weights by lowering the limit.
+fn split_weights(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    use device_checks::{quantized, rel_err, Rng};
+    let mut rng = Rng(5);
+    let mut worst = 0f64;
+    let default = dev.row_per_thread();
+    for (ty, rows, part_rows) in [
+        (GgmlType::Q4_K, 67, 5),
+        (GgmlType::Q8_0, 67, 5),
+        (GgmlType::F16, 67, 5),
+        (GgmlType::Q6_K, 300, 130),
+    ] {
+        let cols = 512;
+        for per_thread in [false, true] {
+            dev.set_row_per_thread(per_thread);
+            for n in [1, 11] {
+                // Each case its own weight (weights are kept by address once copied).
+                let w = quantized(ty, rows, cols, &mut rng);
+                let x = rng.values(n * cols);
+                let acts = rng.values(n * rows);
+                let whole = {
+                    dev.set_max_binding(None);
+                    let xa = dev.upload(n, cols, x.clone());
+                    let aa = dev.upload(n, rows, acts.clone());
+                    let mut out = dev.zeros(n, cols);
+                    dev.accumulate_rows(&w, None, &aa, &mut out);
+                    let p = dev.download(dev.matmul(&[&w], &xa).remove(0));
+                    (p, dev.download(out))
+                };
+                let w2 =
+                    gatestream::tensor::Weight::owned(&w.name, w.ty, w.rows, w.cols, w.rows_bytes(0, w.rows).to_vec())
+                        .map_err(|e| e.to_string())?;
+                dev.set_max_binding(Some(part_rows * w.row_bytes as u64 + 3));
+                let xa = dev.upload(n, cols, x.clone());
+                let aa = dev.upload(n, rows, acts.clone());
+                let mut out = dev.zeros(n, cols);
+                dev.accumulate_rows(&w2, None, &aa, &mut out);
+                let split = (dev.download(dev.matmul(&[&w2], &xa).remove(0)), dev.download(out));
+                let _ = dev.matmul_rows(&w2, &[3, 1], &xa);
+                let refused = dev.take_error().map(|e| e.to_string()).unwrap_or_default();
+                dev.set_max_binding(None);
+                if !refused.contains(&w.name) || !refused.contains("buffers") {
+                    dev.set_row_per_thread(default);
+                    return Err(format!(
+                        "{}: listed rows of a split weight not refused: {refused:?}",
+                        ty.name()
+                    ));
+                }
+                if split.0.iter().zip(&whole.0).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    dev.set_row_per_thread(default);
+                    return Err(format!("{}: the split product differs from the whole one", ty.name()));
+                }
+                worst = worst.max(rel_err(&split.1, &whole.1));
+            }
+        }
+    }
+    dev.set_row_per_thread(default);
+    let msg = format!(
+        "  weights in buffers of 5 rows (Q4_K, Q8_0, F16; 67 x 512) and 130 rows (Q6_K, 300 x 512); 1 and 11 tokens; both kernels): products the \
+         weight's in one buffer bit for bit, neuron-major products within {worst:.2e} of it (bar 1e-6); listed \
+         rows refused"
+    );
+    match worst <= 1e-6 {
+        true => Ok(msg),
+        false => Err(msg),
+    }
+}
+
+/// A model holding a type the device has no kernels for is refused at load, naming the type.
+fn refused_types(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    let missing: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| !WGPU_TYPES.contains(t)).collect();
+    let mut seen = Vec::new();
+    for ty in missing {
+        // A product asked directly records an error naming the type and the tensor (zero
+        // blocks: the bytes are never read).
+        let cols = ty.block_elems().max(32);
+        let bytes = vec![0u8; ty.row_bytes(cols).expect("row")];
+        let w =
+            gatestream::tensor::Weight::owned("blk.0.ffn_up.weight", ty, 1, cols, bytes).map_err(|e| e.to_string())?;
+        let x = dev.upload(1, cols, vec![1.0; cols]);
+        let _ = dev.matmul(&[&w], &x);
+        let e = dev.take_error().map(|e| e.to_string()).unwrap_or_default();
+        if dev.computes_type(ty) || !e.contains(ty.name()) || !e.contains("blk.0.ffn_up.weight") {
+            return Err(format!("{}: not refused as it should be (error: {e:?})", ty.name()));
+        }
+        seen.push(ty.name());
+    }
+    Ok(format!("  refused, naming the type and tensor: {}", seen.join(", ")))
+}
+
+fn main() {
+    let dev = match WgpuDevice::open() {
+        Ok(d) => Arc::new(d),
+        Err(e) => {
+            println!("gpu_wgpu: NO WGPU SUITE RUN — {e}. 0 wgpu checks ran; none passed.");
+            return;
+        }
+    };
+    println!("gpu_wgpu: {}", dev.name());
+    if dev.software() {
+        println!(
+            "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
+        );
+    }
+    let checks: [(&str, Check); 13] = [
+        // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
+        // takes by default.
+        ("kernels_per_type", |d| {
+            let default = d.row_per_thread();
+            let mut out = Vec::new();
+            for per_thread in [false, true] {
+                d.set_row_per_thread(per_thread);
+                let r = device_checks::products_per_type(d.as_ref(), &WGPU_TYPES, 1e-4);
+                let what = if per_thread {
+                    "one thread a row"
+                } else {
+                    "one workgroup a row"
+                };
+                match r {
+                    Ok(m) => out.push(format!("  [{what}]\n{m}")),
+                    Err(m) => {
+                        d.set_row_per_thread(default);
+                        return Err(format!("  [{what}]\n{m}"));
+                    }
+                }
+            }
+            d.set_row_per_thread(default);
+            Ok(out.join("\n"))
+        }),
+        ("kernels_elementwise", |d| {
+            device_checks::elementwise_against_cpu(d.as_ref(), 1e-5)
+        }),
+        ("kernels_rope_attention", |d| {
+            device_checks::rope_attention_against_cpu(d.as_ref(), 1e-4)
+        }),
+        ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
+        ("kernels_split_weights", split_weights),
+        ("kernels_agree", kernels_agree),
+        ("refused_types", refused_types),
+        ("stories260k_wgpu_vs_cpu", |d| {
+            let (steps, ppl) = model_budget(d, false);
+            device_checks::model_against_cpu(
+                "stories260K",
+                &common::stories_dir(),
+                d.clone(),
+                "Once upon a time",
+                steps.max(32),
+                &wiki_text(200_000)?,
+                (256, ppl.1.max(2)),
+            )
+        }),
+        ("smollm2_run_streamed", smollm2_run_streamed),
+        ("smollm2_wgpu_vs_cpu", |d| {
+            real_model(
+                d,
+                "SmolLM2-135M (Q4_1)",
+                "SmolLM2-135M-Instruct.Q4_1.gguf",
+                "smollm2",
+                false,
+            )
+        }),
+        ("unchecked_architectures_refused", unchecked_refused),
+        ("gemma3_wgpu_vs_cpu", |d| {
+            real_model(d, "Gemma 3 270M (Q4_K_M)", "gemma-3-270m-q4_k_m.gguf", "gemma3", false)
+        }),
+        ("qwen1.5b_wgpu_vs_cpu", |d| {
+            real_model(
+                d,
+                "Qwen2.5-Coder-1.5B (Q4_K_M)",
+                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                "qwen1.5b",
+                true,
+            )
+        }),
+    ];
+    let only: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    if let Some(o) = only
+        .iter()
+        .find(|o| !checks.iter().any(|(n, _)| n.contains(o.as_str())))
+    {
+        println!("gpu_wgpu: no check is named like {o:?}");
+        std::process::exit(2);
+    }
+    let (mut ran, mut failed, mut not_run) = (0, Vec::new(), Vec::new());
+    for (name, check) in checks {
+        let named = only.iter().any(|o| name.contains(o.as_str()));
+        if !only.is_empty() && !named {
+            continue;
+        }
+        // The larger real models take minutes each on a software adapter: run when named.
+        if dev.software() && LONG_ON_SOFTWARE.contains(&name) && !named {
+            not_run.push(name);
+            continue;
+        }
+        ran += 1;
+        let t0 = std::time::Instant::now();
+        let r = check(&dev).and_then(|msg| match dev.take_error() {
+            Some(e) => Err(format!("{msg}\n  device error: {e}")),
+            None => Ok(msg),
+        });
+        let secs = t0.elapsed().as_secs_f64();
+        match r {
+            Ok(msg) => println!("ok   {name} ({secs:.1} s)\n{msg}"),
+            Err(msg) => {
+                println!("FAIL {name} ({secs:.1} s)\n{msg}");
+                failed.push(name);
+            }
+        }
+    }
+    println!(
+        "gpu_wgpu: {ran} checks ran, {} passed, {} failed{}",
+        ran - failed.len(),
+        failed.len(),
+        match failed.is_empty() {
+            true => String::new(),
+            false => format!(": {}", failed.join(", ")),
+        }
+    );
+    if !not_run.is_empty() {
+        println!(
+            "gpu_wgpu: NOT RUN on this software adapter (minutes each; name them to run them): {}",
+            not_run.join(", ")
+        );
+    }
+    if !failed.is_empty() {
+        std::process::exit(1);
+    }
+}
