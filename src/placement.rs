@@ -143,6 +143,29 @@ pub struct Expected {
     pub direct_io: bool,
     /// `disk_bytes_per_s / bytes_per_token` (None: nothing is read a token).
     pub tok_per_s_max: Option<f64>,
+    /// On a GPU under a budget: what a token copies across the link, beside its rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub link: Option<LinkBound>,
+}
+
+/// The most a GPU under a budget can decode from the link's side: what a token copies from host
+/// memory (what the GPU does not keep), at the link's pinned rate measured at open.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkBound {
+    pub bytes_per_token: u64,
+    pub link_bytes_per_s: f64,
+    /// `link_bytes_per_s / bytes_per_token` (None: nothing is copied a token).
+    pub tok_per_s_max: Option<f64>,
+}
+
+impl LinkBound {
+    pub fn new(bytes_per_token: u64, link_bytes_per_s: f64) -> LinkBound {
+        LinkBound {
+            bytes_per_token,
+            link_bytes_per_s,
+            tok_per_s_max: (bytes_per_token > 0).then(|| link_bytes_per_s / bytes_per_token as f64),
+        }
+    }
 }
 
 impl Expected {
@@ -153,6 +176,15 @@ impl Expected {
             disk_bytes_per_s,
             direct_io,
             tok_per_s_max: (bytes_per_token > 0).then(|| disk_bytes_per_s / bytes_per_token as f64),
+            link: None,
+        }
+    }
+
+    /// The same, with the link's bound beside the disk's.
+    pub fn with_link(self, link: LinkBound) -> Expected {
+        Expected {
+            link: Some(link),
+            ..self
         }
     }
 
@@ -172,8 +204,19 @@ impl Expected {
                 self.disk_bytes_per_s / 1e9
             ),
         };
+        let link = match &self.link {
+            None => String::new(),
+            Some(l) => match l.tok_per_s_max {
+                None => "; the GPU copies nothing a token".into(),
+                Some(t) => format!(
+                    "; at most {t:.2} tok/s from the link: {:.1} MB copied to the GPU a token at the {:.2} GB/s it gave now",
+                    l.bytes_per_token as f64 / 1e6,
+                    l.link_bytes_per_s / 1e9
+                ),
+            },
+        };
         format!(
-            "expected: {bound}{}",
+            "expected: {bound}{}{link}",
             if self.direct_io {
                 ""
             } else {
@@ -395,6 +438,15 @@ mod tests {
         assert_eq!(
             Expected::new(0, false, 2.0e9, true).describe(),
             "expected: nothing is read from disk a token"
+        );
+        let gpu = Expected::new(0, false, 2.0e9, true).with_link(LinkBound::new(500_000_000, 25e9));
+        assert_eq!(gpu.link.as_ref().unwrap().tok_per_s_max, Some(50.0));
+        assert!(
+            gpu.describe().ends_with(
+                "; at most 50.00 tok/s from the link: 500.0 MB copied to the GPU a token at the 25.00 GB/s it gave now"
+            ),
+            "{}",
+            gpu.describe()
         );
     }
 

@@ -3638,7 +3638,16 @@ fn auto_vram_budget(
         if kind(&budget).as_deref() != Some("budget") {
             return Err(format!("with {memory} bytes: placement {}", budget["placement"]));
         }
-        msg += &format!("; with {memory} bytes: {}", budget["placement"]["gpu"]);
+        // What a token copies across the link, at the rate measured at open, bounds the speed.
+        let link = &budget["placement"]["expected"]["link"];
+        let (copied, rate) = (link["bytes_per_token"].as_u64(), link["link_bytes_per_s"].as_f64());
+        if !(copied.is_some_and(|b| b > 0) && rate.is_some_and(|r| r > 0.0)) {
+            return Err(format!("with {memory} bytes: no link bound in {}", budget["placement"]));
+        }
+        msg += &format!(
+            "; with {memory} bytes: {}, expected {}",
+            budget["placement"]["gpu"], budget["placement"]["expected"]
+        );
         texts.push(("budget", budget["text"].clone()));
     }
     for (what, text) in &texts {

@@ -2160,29 +2160,8 @@ fn moe_as_hf_folder(gguf: &Path, arch: Arch, dest: &Path, shards: usize) {
             }
         }
     }
-    let per = out.len().div_ceil(shards);
-    let mut weight_map = serde_json::Map::new();
-    for (i, chunk) in out.chunks(per).enumerate() {
-        let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
-        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
-        for (name, shape, bytes) in chunk {
-            let begin = data.len();
-            data.extend_from_slice(bytes);
-            header.insert(
-                name.clone(),
-                serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [begin, data.len()]}),
-            );
-            weight_map.insert(name.clone(), file.clone().into());
-        }
-        let mut h = serde_json::to_vec(&header).unwrap();
-        h.resize(h.len().div_ceil(8) * 8 + 8 * i, b' ');
-        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(h);
-        bytes.extend(data);
-        std::fs::write(dest.join(&file), bytes).unwrap();
-    }
-    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
-    std::fs::write(dest.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let out: Vec<(String, &str, Vec<usize>, Vec<u8>)> = out.into_iter().map(|(n, s, b)| (n, "F32", s, b)).collect();
+    write_safetensors_shards(dest, &out, shards, 8);
     let mut config = serde_json::json!({
         "model_type": match arch {
             Arch::Llama => "mixtral",

@@ -1645,34 +1645,18 @@ fn shard_safetensors(src: &Path, dest: &Path, shards: usize, pad: usize) {
     let m = SafetensorsModel::open_dir(src).unwrap();
     let mut tensors: Vec<_> = m.tensors.values().collect();
     tensors.sort_by_key(|t| (t.file, t.offset_bytes));
-    let per = tensors.len().div_ceil(shards);
-    let mut weight_map = serde_json::Map::new();
-    for (i, chunk) in tensors.chunks(per).enumerate() {
-        let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
-        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
-        for t in chunk {
+    let tensors: Vec<(String, &str, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|t| {
             let dtype = match t.ty {
                 gatestream::quant::GgmlType::F32 => "F32",
                 gatestream::quant::GgmlType::F16 => "F16",
                 _ => "BF16",
             };
-            let begin = data.len();
-            data.extend_from_slice(m.bytes(t));
-            header.insert(
-                t.name.clone(),
-                serde_json::json!({"dtype": dtype, "shape": t.shape, "data_offsets": [begin, data.len()]}),
-            );
-            weight_map.insert(t.name.clone(), file.clone().into());
-        }
-        let mut h = serde_json::to_vec(&header).unwrap();
-        h.resize(h.len() + pad * (i + 1), b' ');
-        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(h);
-        bytes.extend(data);
-        std::fs::write(dest.join(&file), bytes).unwrap();
-    }
-    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
-    std::fs::write(dest.join("model.safetensors.index.json"), index.to_string()).unwrap();
+            (t.name.clone(), dtype, t.shape.clone(), m.bytes(t).to_vec())
+        })
+        .collect();
+    write_safetensors_shards(dest, &tensors, shards, pad);
 }
 
 /// A Hugging Face folder streams directly, one file or several: its shards are one byte space

@@ -405,3 +405,38 @@ pub fn pread_stream(budget_bytes: u64, batch: usize) -> gatestream::runtime::Str
         hybrid: gatestream::stream::hybrid::HybridMode::Auto,
     }
 }
+
+/// Tensors `(name, dtype, shape, bytes)` written as a Hugging Face model's safetensors in
+/// `shards` files (`model-0000i-of-0000n.safetensors`, the tensors in order, about as many in
+/// each) with their `model.safetensors.index.json`; file i's header padded by `pad * (i + 1)`
+/// spaces, so each file's data starts at another offset.
+pub fn write_safetensors_shards(
+    dest: &Path,
+    tensors: &[(String, &str, Vec<usize>, Vec<u8>)],
+    shards: usize,
+    pad: usize,
+) {
+    let per = tensors.len().div_ceil(shards);
+    let mut weight_map = serde_json::Map::new();
+    for (i, chunk) in tensors.chunks(per).enumerate() {
+        let file = format!("model-{:05}-of-{shards:05}.safetensors", i + 1);
+        let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+        for (name, dtype, shape, bytes) in chunk {
+            let begin = data.len();
+            data.extend_from_slice(bytes);
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [begin, data.len()]}),
+            );
+            weight_map.insert(name.clone(), file.clone().into());
+        }
+        let mut h = serde_json::to_vec(&header).unwrap();
+        h.resize(h.len() + pad * (i + 1), b' ');
+        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(h);
+        bytes.extend(data);
+        std::fs::write(dest.join(&file), bytes).unwrap();
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dest.join("model.safetensors.index.json"), index.to_string()).unwrap();
+}

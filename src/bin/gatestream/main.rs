@@ -401,7 +401,19 @@ fn expected(rt: &gatestream::runtime::Runtime) -> Option<gatestream::placement::
     let s = rt.stream.as_ref()?;
     match gatestream::io::measure_read_rate(&rt.model.path, &rt.model.parts, 32 << 20) {
         Ok((rate, direct_io)) => {
-            let e = gatestream::placement::Expected::new(s.dense_bytes_per_token, s.experts.is_some(), rate, direct_io);
+            let mut e =
+                gatestream::placement::Expected::new(s.dense_bytes_per_token, s.experts.is_some(), rate, direct_io);
+            // Under a GPU budget, the link too: its pinned rate for 16 MiB copies.
+            if let Some(d) = &s.device_plan {
+                match rt.model.device.measure_link(&[16 << 20]) {
+                    Some(Ok(v)) if !v.is_empty() => {
+                        let rate = v[0].pinned_gb_per_s * 1e9;
+                        e = e.with_link(gatestream::placement::LinkBound::new(d.copied_bytes_per_token, rate));
+                    }
+                    Some(Err(err)) => eprintln!("warning: the link's rate could not be measured: {err}"),
+                    _ => {}
+                }
+            }
             eprintln!("{}", e.describe());
             Some(e)
         }
