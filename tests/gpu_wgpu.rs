@@ -97,6 +97,28 @@ fn unchecked_refused(dev: &Arc<WgpuDevice>) -> Result<String, String> {
     Ok(format!("refused, naming --device cpu: {}", seen.join(", ")))
 }
 
+/// `HostLink::measure_link` (what `bench --device wgpu` prints): a positive rate for each size
+/// asked, in order (on a software adapter a memcpy's, no GPU's).
+fn link_rates(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    let sizes = [4096, 1 << 20, 16 << 20];
+    let rates = gatestream::backend::HostLink::measure_link(dev.as_ref(), &sizes)
+        .ok_or("no link measurement")?
+        .map_err(|e| e.to_string())?;
+    let ok = rates.len() == sizes.len()
+        && rates
+            .iter()
+            .zip(sizes)
+            .all(|(r, s)| r.bytes == s && r.pinned_gb_per_s > 0.0 && r.copies >= 4);
+    let shown: Vec<String> = rates
+        .iter()
+        .map(|r| format!("{} B: {:.2} GB/s", r.bytes, r.pinned_gb_per_s))
+        .collect();
+    match ok {
+        true => Ok(format!("host to device through the queue: {}", shown.join(", "))),
+        false => Err(format!("rates {shown:?} for sizes {sizes:?}")),
+    }
+}
+
 /// The binary on SmolLM2: `run --device wgpu` in RAM and streamed under `--ram-budget 60M`
 /// (every weight streamed: the device copies the stream's buffers at each use) against
 /// `--device cpu`: the same greedy text, which starts " Paris.".
@@ -290,7 +312,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 13] = [
+    let checks: [(&str, Check); 14] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -348,6 +370,7 @@ fn main() {
             )
         }),
         ("unchecked_architectures_refused", unchecked_refused),
+        ("link_rates", link_rates),
         ("gemma3_wgpu_vs_cpu", |d| {
             real_model(d, "Gemma 3 270M (Q4_K_M)", "gemma-3-270m-q4_k_m.gguf", "gemma3", false)
         }),

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use wgpu::util::DeviceExt;
 
 use super::ops::rope_table;
-use super::{Act, ActData, AttnShape, Device, HostLink, LinkCounters, RopeShape};
+use super::{Act, ActData, AttnShape, Device, HostLink, LinkBandwidth, LinkCounters, RopeShape};
 use crate::config::{FfnActivation, RopeStyle};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
@@ -835,6 +835,51 @@ impl HostLink for WgpuDevice {
 
     fn link(&self) -> Option<LinkCounters> {
         Some(*self.link.lock().expect("link counters"))
+    }
+
+    /// Host-to-device copies of each size through the queue (`write_buffer`: wgpu stages the
+    /// host's bytes itself, so the pageable and pinned columns are the same copies), after one
+    /// untimed, as many as make 64 MiB (4 to 64), waited for.
+    fn measure_link(&self, sizes: &[usize]) -> Option<Result<Vec<LinkBandwidth>>> {
+        self.flush();
+        let wait = || {
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map(|_| ())
+                .map_err(|e| Error::Invalid(format!("wgpu: waiting for the device: {e}")))
+        };
+        let measure = || -> Result<Vec<LinkBandwidth>> {
+            let mut out = Vec::with_capacity(sizes.len());
+            for &bytes in sizes {
+                let size = (bytes.max(4) as u64).div_ceil(4) * 4;
+                let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("link"),
+                    size,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                let host = vec![1u8; size as usize];
+                self.queue.write_buffer(&buf, 0, &host);
+                self.queue.submit([]);
+                wait()?;
+                let copies = ((64usize << 20) / bytes.max(1)).clamp(4, 64);
+                let t = std::time::Instant::now();
+                for _ in 0..copies {
+                    self.queue.write_buffer(&buf, 0, &host);
+                }
+                self.queue.submit([]);
+                wait()?;
+                let gb_per_s = (copies * bytes) as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
+                out.push(LinkBandwidth {
+                    bytes,
+                    pageable_gb_per_s: gb_per_s,
+                    pinned_gb_per_s: gb_per_s,
+                    copies,
+                });
+            }
+            Ok(out)
+        };
+        Some(measure())
     }
 
     fn keep_resident(&self, ws: &[&Weight]) {

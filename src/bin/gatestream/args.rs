@@ -637,9 +637,11 @@ pub(crate) enum Command {
         /// (mixture-of-experts models: disk bytes per token against the expert cache's size).
         #[arg(long)]
         plot: Option<PathBuf>,
-        /// cuda: also measure the host-to-device link in the same run — copy bandwidth from
-        /// pageable and from pinned host memory, 4 KiB to 64 MiB per copy (--quick: 64 KiB,
-        /// 1 MiB, 16 MiB) — printed and written to --json (`link`). cpu (default): disk only.
+        /// cuda or wgpu: also measure the host-to-device link in the same run — copy bandwidth from
+        /// pageable and from pinned host memory (wgpu: through its queue, which stages the host's
+        /// bytes itself, so both columns are the same copies), 4 KiB to 64 MiB per copy (--quick:
+        /// 64 KiB, 1 MiB, 16 MiB) — printed and written to --json (`link`). cpu (default): disk
+        /// only.
         #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
         device: DeviceArg,
     },
