@@ -454,11 +454,22 @@ const LLAMA_CPP_SMOLLM2_PLAIN: f64 = 22.1792;
 /// nearly flat logits (a perplexity near the vocabulary's size, which hardly depends on
 /// anything), and the scaled norm makes them peaked. Written to `dir/name`.
 fn small_f32_model(shape: gatestream::synth::Shape, dir: &std::path::Path, name: &str) -> std::path::PathBuf {
-    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, TokenizerChoice};
+    small_model(shape, gatestream::synth::Mix::Q8_0, true, dir, name)
+}
+
+/// [`small_f32_model`] in the type mix `mix`, kept quantized unless `dequantize`.
+fn small_model(
+    shape: gatestream::synth::Shape,
+    mix: gatestream::synth::Mix,
+    dequantize: bool,
+    dir: &std::path::Path,
+    name: &str,
+) -> std::path::PathBuf {
+    use gatestream::synth::{write_model, MakeSpec, OutputFormat, TokenizerChoice};
     let spec = MakeSpec {
         shape,
-        mix: Mix::Q8_0,
-        dequantize: true,
+        mix,
+        dequantize,
         tokenizer: TokenizerChoice::From(model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2")),
         seed: 5,
         residual_gain: 1.0,
@@ -550,6 +561,118 @@ fn small_qwen3_matches_llama_cpp() {
     );
 }
 const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
+
+/// `make-model`'s small type mixes (Q2_K, Q3_K_M, IQ4_XS, IQ2_XXS) on a small random llama
+/// whose rows are whole 256-value blocks (so the K, IQ4_XS and grid types are used, with the
+/// mixes' Q4_K/Q5_K/Q6_K rows beside them), with Q4_K_M and Q8_0 as controls: each file holds
+/// the types llama.cpp's rules give, and its perplexity is within 1% of llama.cpp's on the same
+/// file. The figures are near 1e9 (random weights, the output norm scaled by 8: confident wrong
+/// guesses), where summation order and 8-bit activations move them by tenths of a percent
+/// (0.005 nats a token): the controls differ from llama.cpp by 0.6% and 0.3%, a wrong decoding
+/// by far more. (tests/stream.rs streams the same mixes.)
+#[test]
+fn small_type_mixes_match_llama_cpp() {
+    use gatestream::config::Arch;
+    use gatestream::perplexity::{perplexity, PerplexityOptions};
+    use gatestream::quant::GgmlType as T;
+    use gatestream::synth::{Mix, Shape};
+    let tmp = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        name: "custom".into(),
+        arch: Arch::Llama,
+        hidden: 512,
+        ffn: 1024,
+        layers: 2,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        vocab: 0,
+        context_len: 4096,
+        rope_theta: 1e4,
+        rms_eps: 1e-5,
+        tied: false,
+        experts: None,
+        rope_factors: None,
+        mla: None,
+        rope_dim: None,
+        routing: None,
+    };
+    let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
+    let opts = PerplexityOptions { ctx: 512, windows: 2 };
+    let mixes = [
+        (Mix::Q2K, T::Q2_K, LLAMA_CPP_SMALL_MIXES[0]),
+        (Mix::Q3KM, T::Q3_K, LLAMA_CPP_SMALL_MIXES[1]),
+        (Mix::IQ4XS, T::IQ4_XS, LLAMA_CPP_SMALL_MIXES[2]),
+        (Mix::IQ2XXS, T::IQ2_XXS, LLAMA_CPP_SMALL_MIXES[3]),
+        (Mix::Q4KM, T::Q4_K, LLAMA_CPP_SMALL_MIXES[4]),
+        (Mix::Q8_0, T::Q8_0, LLAMA_CPP_SMALL_MIXES[5]),
+    ];
+    let mut report = Vec::new();
+    for (mix, main_type, llama_cpp) in mixes {
+        let name = format!("llama-small-{}.gguf", mix.name());
+        let path = small_model(shape.clone(), mix, false, &kept_dir(&tmp), &name);
+        let g = gatestream::gguf::GgufFile::open(&path).unwrap();
+        let ty = |n: &str| g.tensor(n).unwrap().ty.unwrap();
+        for l in 0..2 {
+            for role in [
+                "attn_q",
+                "attn_k",
+                "attn_output",
+                "ffn_gate",
+                "ffn_up",
+                "attn_v",
+                "ffn_down",
+            ] {
+                let n = format!("blk.{l}.{role}.weight");
+                let want = match role {
+                    "attn_v" | "ffn_down" | "attn_output" => {
+                        mix.matrix_type(&shape, role_of(role), l, if role == "ffn_down" { 1024 } else { 512 })
+                    }
+                    _ => mix.matrix_type(&shape, role_of(role), l, 512),
+                };
+                assert_eq!(ty(&n), want, "{}: {n}", mix.name());
+            }
+        }
+        assert_eq!(ty("blk.1.ffn_gate.weight"), main_type, "{}", mix.name());
+        let m = Model::load(&path, &LoadOptions::default()).unwrap();
+        let ours = perplexity(&m, &text, &opts, &mut |_, _, _| {}).unwrap().perplexity;
+        let rel = (ours - llama_cpp).abs() / llama_cpp;
+        report.push((
+            rel < 0.01,
+            format!(
+                "{}: {ours:.4} vs llama.cpp {llama_cpp} ({:+.3}%)",
+                mix.name(),
+                100.0 * (ours / llama_cpp - 1.0)
+            ),
+        ));
+    }
+    let lines: Vec<&str> = report.iter().map(|(_, l)| l.as_str()).collect();
+    eprintln!("{}", lines.join("\n"));
+    assert!(report.iter().all(|(ok, _)| *ok), "{}", lines.join("; "));
+}
+// llama.cpp 0.3.36, `llama-perplexity -c 512 --chunks 2` on the files this test writes
+// (GATESTREAM_KEEP=DIR keeps them): Q2_K, Q3_K_M, IQ4_XS, IQ2_XXS, Q4_K_M, Q8_0.
+const LLAMA_CPP_SMALL_MIXES: [f64; 6] = [
+    233250642.8756,
+    414355279.0316,
+    613139425.2897,
+    1264228822.9054,
+    1421636828.6740,
+    75058176.1562,
+];
+
+fn role_of(role: &str) -> gatestream::synth::Role {
+    use gatestream::synth::Role;
+    match role {
+        "attn_q" => Role::AttnQ,
+        "attn_k" => Role::AttnK,
+        "attn_v" => Role::AttnV,
+        "attn_output" => Role::AttnOutput,
+        "ffn_gate" => Role::FfnGate,
+        "ffn_up" => Role::FfnUp,
+        _ => Role::FfnDown,
+    }
+}
 
 /// Small random DeepSeek-V2/V3-style models (multi-head latent attention; dense FFNs in every
 /// layer, `leading_dense_block_count` = the layer count), F32 ([`small_f32_model`]): one with

@@ -164,14 +164,16 @@ fn assert_bit_identical(path: &Path, text: &str) {
             // io_uring reads their whole blocks in place (most of the bytes; the count includes
             // the next pass's first layer, read ahead), the other engines copy.
             // The prefetch buffers are registered with its reader (fixed buffers), so those
-            // reads take the fixed-buffer opcode.
+            // reads take the fixed-buffer opcode. (A few kilobytes of dense reads, as a budget
+            // that leaves a small matrix or two out gives, may all be shorter than a block.)
             let st = s.read_stats();
             let in_place = st.bytes_in_place;
             match engine {
-                ReadEngine::Uring if c.dense_needed_bytes > 0 => assert!(
+                ReadEngine::Uring if c.dense_needed_bytes >= 1 << 20 => assert!(
                     2 * in_place > c.dense_needed_bytes && 2 * st.bytes_in_place_registered > c.dense_needed_bytes,
                     "{engine:?} at budget {budget} ({policy:?}): {st:?}: {c:?}"
                 ),
+                ReadEngine::Uring => {}
                 _ => assert_eq!(in_place, 0, "{engine:?} at budget {budget} ({policy:?})"),
             }
             if budget == all {
@@ -1565,17 +1567,20 @@ fn the_hybrid_executor_says_why_it_cannot_run() {
 /// aligned to 32 bytes, not the disk's blocks) and from make-model's Llama (Q4_K_M mix) and
 /// Qwen3. Logits equal the in-RAM model's bit for bit with every reader from the minimum budget
 /// to everything resident, and each budget reads what the `rows` `.gst` made from the same GGUF
-/// reads (the same plan); nothing is written.
+/// reads (the same plan); nothing is written. The same for make-model's Llama in the small type
+/// mixes (Q2_K, Q3_K_M, IQ4_XS, IQ2_XXS: the K, IQ4 and grid types beside Q4_K/Q5_K/Q6_K rows),
+/// whose split `.gst` (up rows as stored, down columns re-quantized) also streams bit-identical to
+/// its own in-RAM model with every reader and cache.
 #[test]
 fn a_gguf_streams_directly_like_the_in_ram_model_and_the_rows_gst() {
     use gatestream::config::Arch;
     use gatestream::synth::{MakeSpec, Mix, OutputFormat, TokenizerChoice};
     let tmp = tempfile::tempdir().unwrap();
     let text = "The capital of France is";
-    let make = |name: &str, arch: Arch| {
+    let make_mix = |name: &str, arch: Arch, mix: Mix, layers: usize| {
         let spec = MakeSpec {
-            shape: small_shape(arch, 2048, 12, None),
-            mix: Mix::Q4KM,
+            shape: small_shape(arch, 2048, layers, None),
+            mix,
             dequantize: false,
             tokenizer: TokenizerChoice::Synthetic,
             seed: 7,
@@ -1585,11 +1590,20 @@ fn a_gguf_streams_directly_like_the_in_ram_model_and_the_rows_gst() {
         gatestream::synth::write_model(&spec, &out, &OutputFormat::Gguf, false, &mut |_, _| {}).unwrap();
         out
     };
-    let ggufs = [
+    let make = |name: &str, arch: Arch| make_mix(name, arch, Mix::Q4KM, 12);
+    let small_mixes = [Mix::Q2K, Mix::Q3KM, Mix::IQ4XS, Mix::IQ2XXS]
+        .map(|mix| make_mix(&format!("llama-{}.gguf", mix.name()), Arch::Llama, mix, 4));
+    for gguf in &small_mixes {
+        let split = convert(gguf, tmp.path(), "split.gst", FfnLayout::Split);
+        assert_bit_identical(&split, text);
+        std::fs::remove_file(&split).unwrap();
+    }
+    let mut ggufs = vec![
         model_file("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2"),
         make("llama.gguf", Arch::Llama),
         make("qwen3.gguf", Arch::Qwen3),
     ];
+    ggufs.extend(small_mixes);
     for gguf in &ggufs {
         let rows = convert(gguf, tmp.path(), "rows.gst", FfnLayout::Rows);
         let reference = run(&load(gguf), None, None, text, 4);

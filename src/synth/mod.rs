@@ -19,7 +19,7 @@ pub mod tensors;
 pub mod write;
 
 pub use moe::{write_moe, MoeReport, MoeSpec, RandomShape, QK_LINEAR_EPS, QK_RESIDUAL_SCALE};
-pub use shapes::{Mix, RoutingShape, Shape, SHAPE_NAMES};
+pub use shapes::{Mix, Role, RoutingShape, Shape, SHAPE_NAMES};
 pub use write::{write_model, MakeReport, MakeSpec, OutputFormat, TokenizerChoice};
 
 /// A deterministic generator (splitmix64; Box-Muller normals).

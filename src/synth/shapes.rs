@@ -662,6 +662,21 @@ pub enum Mix {
     /// `MXFP4_MOE` (how gpt-oss is published): MXFP4 experts, Q8_0 for every other matrix
     /// (the embedding and output included).
     Mxfp4Moe,
+    /// `Q2_K`: Q2_K, with Q3_K `ffn_down` and `attn_output` (Q5_K for 8-expert models), Q4_K
+    /// `attn_v` where 4 or more query heads share a key head (Q3_K otherwise), Q6_K output.
+    Q2K,
+    /// `Q3_K_M`: Q3_K, with Q4_K `ffn_down` (Q5_K on the first sixteenth of the layers) and
+    /// `attn_output` (Q5_K for 8-expert models), Q5_K `attn_v` on the first two layers and Q4_K
+    /// after, Q6_K output.
+    Q3KM,
+    /// `IQ4_XS` (quantized without an importance matrix): IQ4_XS, with Q5_K `attn_v` where 4
+    /// or more query heads share a key head and Q5_K `ffn_down` on the first eighth of the
+    /// layers (and `attn_output` for 8-expert models), Q6_K output.
+    IQ4XS,
+    /// `IQ2_XXS`: IQ2_XXS, with Q2_K embedding and `ffn_down` on the first eighth of the layers,
+    /// Q4_K `attn_v` where 4 or more query heads share a key head or a layer has 4 or more
+    /// experts (Q2_K otherwise), Q5_K output (and `attn_output` for 8-expert models).
+    IQ2XXS,
 }
 
 /// What a matrix is, for the type rules.
@@ -685,6 +700,10 @@ impl Mix {
             Mix::Q6K => "Q6_K",
             Mix::Q8_0 => "Q8_0",
             Mix::Mxfp4Moe => "MXFP4_MOE",
+            Mix::Q2K => "Q2_K",
+            Mix::Q3KM => "Q3_K_M",
+            Mix::IQ4XS => "IQ4_XS",
+            Mix::IQ2XXS => "IQ2_XXS",
         }
     }
 
@@ -695,51 +714,111 @@ impl Mix {
             Mix::Q6K => 18,
             Mix::Q8_0 => 7,
             Mix::Mxfp4Moe => 38,
+            Mix::Q2K => 10,
+            Mix::Q3KM => 12,
+            Mix::IQ4XS => 30,
+            Mix::IQ2XXS => 19,
         }
     }
 
     /// The type of a matrix of `role` in layer `layer` (ignored for the embedding and output)
-    /// whose rows hold `cols` values, in a model of `shape`.
+    /// whose rows hold `cols` values, in a model of `shape`: llama.cpp's
+    /// `llama_tensor_get_type` for the mix's file type (llama-quant.cpp), then its fallback for
+    /// rows that are not whole blocks of the type.
     pub fn matrix_type(self, shape: &Shape, role: Role, layer: usize, cols: usize) -> GgmlType {
+        use GgmlType as T;
         let n = shape.layers;
         let more_bits = layer < n / 8 || layer >= 7 * n / 8 || (layer as isize - (n / 8) as isize).rem_euclid(3) == 2;
-        let eight_experts = shape.experts.is_some_and(|(e, _)| e == 8);
+        let experts = shape.experts.map_or(0, |(e, _)| e);
+        let eight_experts = experts == 8;
+        let gqa = shape.heads / shape.kv_heads.max(1);
+        let seventy_b = shape.arch == Arch::Llama && n == 80;
         let base = match self {
-            Mix::Q4KM => GgmlType::Q4_K,
-            Mix::Q6K => GgmlType::Q6_K,
-            Mix::Q8_0 => GgmlType::Q8_0,
-            // llama-quant.cpp: three-dimensional (expert) tensors MXFP4, the rest Q8_0.
+            Mix::Q4KM => T::Q4_K,
+            Mix::Q6K => T::Q6_K,
+            Mix::Q8_0 => T::Q8_0,
+            Mix::Q2K => T::Q2_K,
+            Mix::Q3KM => T::Q3_K,
+            Mix::IQ4XS => T::IQ4_XS,
+            Mix::IQ2XXS => T::IQ2_XXS,
+            // Three-dimensional (expert) tensors MXFP4, the rest Q8_0, the output included.
             Mix::Mxfp4Moe => {
                 let expert = shape.experts.is_some() && matches!(role, Role::FfnGate | Role::FfnUp | Role::FfnDown);
-                return if expert { GgmlType::MXFP4 } else { GgmlType::Q8_0 };
+                return if expert { T::MXFP4 } else { T::Q8_0 };
             }
         };
         let output_like = role == Role::Output || (role == Role::TokenEmbd && shape.tied);
-        let ty = match role {
-            _ if output_like => match self {
-                Mix::Q8_0 => GgmlType::Q8_0,
-                _ if !cols.is_multiple_of(256) => GgmlType::Q8_0,
-                _ => GgmlType::Q6_K,
-            },
-            Role::AttnV if eight_experts => GgmlType::Q8_0,
-            Role::AttnK if eight_experts && self != Mix::Q8_0 => GgmlType::Q8_0,
-            Role::AttnV if self == Mix::Q4KM => {
-                let seventy_b = shape.arch == Arch::Llama && n == 80;
-                match (more_bits, seventy_b) {
-                    (true, _) => GgmlType::Q6_K,
-                    (false, true) => GgmlType::Q5_K,
-                    (false, false) => GgmlType::Q4_K,
-                }
+        let ty = if output_like {
+            match self {
+                Mix::Q8_0 => T::Q8_0,
+                _ if !cols.is_multiple_of(256) => T::Q8_0,
+                Mix::IQ2XXS => T::Q5_K,
+                _ => T::Q6_K,
             }
-            Role::AttnOutput if eight_experts && self == Mix::Q4KM => GgmlType::Q5_K,
-            Role::FfnDown if self == Mix::Q4KM && more_bits => GgmlType::Q6_K,
-            _ => base,
+        } else if role == Role::TokenEmbd {
+            if self == Mix::IQ2XXS {
+                T::Q2_K
+            } else {
+                base
+            }
+        } else if self == Mix::IQ2XXS {
+            match role {
+                Role::AttnV if gqa >= 4 || experts >= 4 => T::Q4_K,
+                Role::AttnV => T::Q2_K,
+                Role::AttnK if eight_experts => T::Q4_K,
+                Role::FfnDown if layer < n / 8 => T::Q2_K,
+                Role::AttnOutput if eight_experts => T::Q5_K,
+                _ => base,
+            }
+        } else {
+            match role {
+                Role::AttnV => {
+                    let t = match self {
+                        Mix::Q2K if gqa >= 4 => T::Q4_K,
+                        Mix::Q2K => T::Q3_K,
+                        Mix::Q3KM if layer < 2 => T::Q5_K,
+                        Mix::Q3KM => T::Q4_K,
+                        Mix::IQ4XS if gqa >= 4 => T::Q5_K,
+                        Mix::Q4KM if more_bits => T::Q6_K,
+                        _ => base,
+                    };
+                    match t {
+                        _ if eight_experts => T::Q8_0,
+                        T::Q3_K | T::Q4_K if seventy_b => T::Q5_K,
+                        t => t,
+                    }
+                }
+                Role::AttnK if eight_experts => T::Q8_0,
+                Role::FfnDown => match self {
+                    Mix::Q2K => T::Q3_K,
+                    Mix::Q3KM if layer < n / 16 => T::Q5_K,
+                    Mix::Q3KM => T::Q4_K,
+                    Mix::Q4KM if more_bits => T::Q6_K,
+                    Mix::IQ4XS if layer < n / 8 => T::Q5_K,
+                    _ => base,
+                },
+                Role::AttnOutput if eight_experts => match self {
+                    Mix::Q2K | Mix::Q3KM | Mix::Q4KM | Mix::IQ4XS => T::Q5_K,
+                    _ => base,
+                },
+                Role::AttnOutput => match self {
+                    Mix::Q2K => T::Q3_K,
+                    Mix::Q3KM => T::Q4_K,
+                    _ => base,
+                },
+                _ => base,
+            }
         };
-        // llama.cpp's fallback for rows that are not whole 256-value blocks (Q5_K's would be
-        // Q5_1, which gatestream does not compute: Q8_0 there).
+        // llama.cpp's fallback for rows that are not whole blocks of the type.
+        if cols.is_multiple_of(ty.block_elems()) {
+            return ty;
+        }
         match ty {
-            GgmlType::Q4_K if !cols.is_multiple_of(256) => GgmlType::Q5_0,
-            GgmlType::Q5_K | GgmlType::Q6_K if !cols.is_multiple_of(256) => GgmlType::Q8_0,
+            T::IQ4_XS | T::IQ2_XXS => T::IQ4_NL,
+            T::Q2_K | T::Q3_K => T::Q4_0,
+            T::Q4_K => T::Q5_0,
+            T::Q5_K => T::Q5_1,
+            T::Q6_K => T::Q8_0,
             t => t,
         }
     }
@@ -778,6 +857,91 @@ mod tests {
         // Tied: the embedding is the output matrix and gets its type.
         let tied = Shape::named("qwen2.5-1.5b").unwrap();
         assert_eq!(m.matrix_type(&tied, Role::TokenEmbd, 0, 1536), GgmlType::Q6_K);
+    }
+
+    /// The types llama-quantize (llama.cpp of llama-cpp-python 0.3.36, tools/llama-cpp.sh) gave the real
+    /// Qwen2.5-Coder-1.5B (28 layers, 6 query heads a key head, untied) re-quantized to Q2_K,
+    /// Q3_K_M, IQ4_XS and IQ2_XXS (with an importance matrix), and SmolLM2-135M (576 columns:
+    /// the fallbacks; 3 query heads a key head) to Q2_K and IQ4_XS.
+    #[test]
+    fn the_small_mixes_follow_llama_cpp_on_real_files() {
+        use GgmlType as T;
+        let s = Shape {
+            tied: false,
+            ..Shape::named("qwen2.5-1.5b").unwrap()
+        };
+        let (h, f) = (1536, 8960);
+        let expect = |mix: Mix, embd: T, out: T, attn: T, v: fn(usize) -> T, o: T, down: fn(usize) -> T, ffn: T| {
+            assert_eq!(mix.matrix_type(&s, Role::TokenEmbd, 0, h), embd, "{mix:?}");
+            assert_eq!(mix.matrix_type(&s, Role::Output, 0, h), out, "{mix:?}");
+            for l in 0..28 {
+                assert_eq!(mix.matrix_type(&s, Role::AttnQ, l, h), attn, "{mix:?} {l}");
+                assert_eq!(mix.matrix_type(&s, Role::AttnK, l, h), attn, "{mix:?} {l}");
+                assert_eq!(mix.matrix_type(&s, Role::AttnV, l, h), v(l), "{mix:?} {l}");
+                assert_eq!(mix.matrix_type(&s, Role::AttnOutput, l, h), o, "{mix:?} {l}");
+                assert_eq!(mix.matrix_type(&s, Role::FfnGate, l, h), ffn, "{mix:?} {l}");
+                assert_eq!(mix.matrix_type(&s, Role::FfnUp, l, h), ffn, "{mix:?} {l}");
+                assert_eq!(mix.matrix_type(&s, Role::FfnDown, l, f), down(l), "{mix:?} {l}");
+            }
+        };
+        expect(
+            Mix::Q2K,
+            T::Q2_K,
+            T::Q6_K,
+            T::Q2_K,
+            |_| T::Q4_K,
+            T::Q3_K,
+            |_| T::Q3_K,
+            T::Q2_K,
+        );
+        expect(
+            Mix::Q3KM,
+            T::Q3_K,
+            T::Q6_K,
+            T::Q3_K,
+            |l| if l < 2 { T::Q5_K } else { T::Q4_K },
+            T::Q4_K,
+            |l| if l < 1 { T::Q5_K } else { T::Q4_K },
+            T::Q3_K,
+        );
+        expect(
+            Mix::IQ4XS,
+            T::IQ4_XS,
+            T::Q6_K,
+            T::IQ4_XS,
+            |_| T::Q5_K,
+            T::IQ4_XS,
+            |l| if l < 3 { T::Q5_K } else { T::IQ4_XS },
+            T::IQ4_XS,
+        );
+        expect(
+            Mix::IQ2XXS,
+            T::Q2_K,
+            T::Q5_K,
+            T::IQ2_XXS,
+            |_| T::Q4_K,
+            T::IQ2_XXS,
+            |l| if l < 3 { T::Q2_K } else { T::IQ2_XXS },
+            T::IQ2_XXS,
+        );
+        // SmolLM2's 576-column rows fall back to 32-value blocks; 3 query heads a key head.
+        let small = Shape {
+            name: "custom".into(),
+            hidden: 576,
+            ffn: 1536,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            ..s.clone()
+        };
+        for (mix, v, up) in [(Mix::Q2K, T::Q4_0, T::Q4_0), (Mix::IQ4XS, T::IQ4_NL, T::IQ4_NL)] {
+            assert_eq!(mix.matrix_type(&small, Role::AttnV, 5, 576), v, "{mix:?}");
+            assert_eq!(mix.matrix_type(&small, Role::AttnOutput, 5, 576), v, "{mix:?}");
+            assert_eq!(mix.matrix_type(&small, Role::FfnUp, 5, 576), up, "{mix:?}");
+        }
+        assert_eq!(Mix::Q2K.matrix_type(&small, Role::FfnDown, 0, 1536), T::Q3_K);
+        assert_eq!(Mix::IQ4XS.matrix_type(&small, Role::FfnDown, 0, 1536), T::Q5_K);
     }
 
     #[test]

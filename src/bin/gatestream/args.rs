@@ -322,7 +322,8 @@ pub(crate) enum Command {
     /// Write a model of a real architecture's shape with random weights — Llama-3-8B/70B,
     /// Qwen2.5-1.5B/7B/32B, Mixtral-8x7B, Qwen3-30B-A3B, OLMoE-1B-7B, GLM-4.5-Air,
     /// DeepSeek-V2-Lite/V3, Kimi-K2, gpt-oss-20b/120b, or custom dimensions — in the type mix
-    /// llama.cpp's quantizer gives it (Q4_K_M, Q6_K, Q8_0 or MXFP4_MOE), with a real
+    /// llama.cpp's quantizer gives it (Q4_K_M, Q6_K, Q8_0, Q3_K_M, Q2_K, IQ4_XS, IQ2_XXS or
+    /// MXFP4_MOE), with a real
     /// tokenizer, as a GGUF llama.cpp loads or as a .gst directly (a tensor at a time: memory
     /// stays at about one layer). Random weights make quality figures (perplexity, agreement,
     /// draft acceptance) meaningless; their bytes, shapes and types are real, so speeds, bytes
@@ -335,9 +336,10 @@ pub(crate) enum Command {
         /// optionally --head-dim, --vocab, --arch, --experts/--experts-used).
         #[arg(long)]
         shape: String,
-        /// The type mix: q4_k_m (llama.cpp's Q4_K_M rules: Q6_K output and some attn_v/ffn_down),
-        /// q6_k, q8_0 or mxfp4_moe (MXFP4 experts, Q8_0 elsewhere: how gpt-oss is published;
-        /// the default for the gpt-oss shapes).
+        /// The type mix, by llama.cpp's per-tensor rules for its file type: q4_k_m (Q6_K output
+        /// and some attn_v/ffn_down), q6_k, q8_0, q3_k_m, q2_k, iq4_xs, iq2_xxs, or mxfp4_moe
+        /// (MXFP4 experts, Q8_0 elsewhere: how gpt-oss is published; the default for the
+        /// gpt-oss shapes).
         #[arg(long, value_enum)]
         mix: Option<MixArg>,
         /// gguf or gst (default: from OUTPUT's extension).
@@ -692,6 +694,14 @@ pub(crate) enum MixArg {
     Q8_0,
     #[value(name = "mxfp4_moe")]
     Mxfp4Moe,
+    #[value(name = "q2_k")]
+    Q2K,
+    #[value(name = "q3_k_m")]
+    Q3KM,
+    #[value(name = "iq4_xs")]
+    IQ4XS,
+    #[value(name = "iq2_xxs")]
+    IQ2XXS,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -259,6 +259,10 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         Some(MixArg::Q6K) => Mix::Q6K,
         Some(MixArg::Q8_0) => Mix::Q8_0,
         Some(MixArg::Mxfp4Moe) => Mix::Mxfp4Moe,
+        Some(MixArg::Q2K) => Mix::Q2K,
+        Some(MixArg::Q3KM) => Mix::Q3KM,
+        Some(MixArg::IQ4XS) => Mix::IQ4XS,
+        Some(MixArg::IQ2XXS) => Mix::IQ2XXS,
     };
     let spec = MakeSpec {
         shape,
