@@ -355,14 +355,40 @@ fn cpu_only_types_refused(
     ))
 }
 
+/// `rows` random rows of `ty`: normal-ish values quantized, or for the types gatestream reads
+/// but does not write (Q2_K, Q3_K, IQ4_NL, IQ4_XS), random blocks ([`random_blocks`]).
 fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Weight {
     let row_bytes = ty.row_bytes(cols).unwrap();
     let mut bytes = vec![0u8; rows * row_bytes];
     for r in 0..rows {
         let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
-        assert!(quantize_row(ty, &x, &mut bytes[r * row_bytes..(r + 1) * row_bytes]));
+        let row = &mut bytes[r * row_bytes..(r + 1) * row_bytes];
+        if !quantize_row(ty, &x, row) {
+            random_blocks(ty, row, rng);
+        }
     }
     Weight::owned(&format!("test.{ty:?}"), ty, rows, cols, bytes).unwrap()
+}
+
+/// Blocks of `ty` with every quant and scale bit random (each bit pattern decodes), and each f16
+/// scale (Q2_K's d and dmin at 80 and 82, Q3_K's d at 108, IQ4_NL's and IQ4_XS's d at 0; the
+/// GGUF layouts of src/quant/layout.rs) a finite value of either sign within ±0.05.
+fn random_blocks(ty: GgmlType, row: &mut [u8], rng: &mut Rng) {
+    let f16_at: &[usize] = match ty {
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        other => panic!("{other:?}: no random blocks made here"),
+    };
+    for b in row.iter_mut() {
+        *b = (rng.next() >> 56) as u8;
+    }
+    for block in row.chunks_exact_mut(ty.block_bytes()) {
+        for &at in f16_at {
+            let d = half::f16::from_f32((rng.unit() - 0.5) * 0.1);
+            block[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+    }
 }
 
 fn dequantized(w: &Weight) -> Vec<Vec<f32>> {
