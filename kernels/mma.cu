@@ -260,6 +260,7 @@ MMA_KERNEL(mxfp4, TY_MXFP4)
 MMA_KERNEL(q2_k, TY_Q2_K)
 MMA_KERNEL(q3_k, TY_Q3_K)
 MMA_KERNEL(iq4_xs, TY_IQ4_XS)
+MMA_KERNEL(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
 // Integer tiles (llama.cpp's MMQ approach): batched products of Q4_K and Q6_K rows with the

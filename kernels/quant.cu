@@ -40,6 +40,7 @@ __device__ __forceinline__ void grid_dep() {
 #define TY_Q2_K 12
 #define TY_Q3_K 13
 #define TY_IQ4_XS 14
+#define TY_Q5_1 15
 
 // Tokens one matmul block multiplies with each decoded unit (grid.y tiles the batch).
 #define MM_TOKENS 8
@@ -117,6 +118,7 @@ template <> struct Layout<TY_MXFP4> { enum { BLOCK = 32, BYTES = 17 }; };
 template <> struct Layout<TY_Q2_K> { enum { BLOCK = 256, BYTES = 84 }; };
 template <> struct Layout<TY_Q3_K> { enum { BLOCK = 256, BYTES = 110 }; };
 template <> struct Layout<TY_IQ4_XS> { enum { BLOCK = 256, BYTES = 136 }; };
+template <> struct Layout<TY_Q5_1> { enum { BLOCK = 32, BYTES = 24 }; };
 
 // Values 32u..32u+31 of a row into w[].
 template <int TY> __device__ __forceinline__ void decode_unit(const u8* row, int u, float* w);
@@ -256,6 +258,21 @@ template <> __device__ __forceinline__ void decode_unit<TY_Q6_K>(const u8* row, 
     for (int l = 0; l < 32; l++) {
         int q = (int)(((ql[l] >> lshift) & 0x0f) | (((qh[l] >> hshift) & 3) << 4)) - 32;
         w[l] = (l < 16 ? d0 : d1) * (float)q;
+    }
+}
+
+// Q5_1: Q5_0's quants (a fifth bit per value in qh) with Q4_1's d and m.
+template <> __device__ __forceinline__ void decode_unit<TY_Q5_1>(const u8* row, int u, float* w) {
+    const u8* b = row + 24 * u;
+    float d = ldf16(b), m = ldf16(b + 2);
+    u32 qh = ld32(b + 4);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[8 + j];
+        u32 lo = (q & 0x0f) | (((qh >> j) & 1) << 4);
+        u32 hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        w[j] = (float)lo * d + m;
+        w[j + 16] = (float)hi * d + m;
     }
 }
 
@@ -598,6 +615,7 @@ QUANT_KERNELS(mxfp4, TY_MXFP4)
 QUANT_KERNELS(q2_k, TY_Q2_K)
 QUANT_KERNELS(q3_k, TY_Q3_K)
 QUANT_KERNELS(iq4_xs, TY_IQ4_XS)
+QUANT_KERNELS(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
 // Integer dot products (llama.cpp's approach): one-token products of K-quant rows with the

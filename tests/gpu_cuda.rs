@@ -309,7 +309,8 @@ fn glm4moe_refused(
     Ok(format!("refused at load: {m}"))
 }
 
-/// A model holding a type the device has no kernels for (stories260K with a Q5_1 `ffn_up`) is
+/// A model holding a type the device has no kernels for (the small Qwen2-built model with its
+/// layer-0 `ffn_up` as IQ2_XXS, a grid type; rows of 256, which the grid types' blocks need) is
 /// refused at load, naming the tensor and its type; a weight of each such type handed to a
 /// product directly fails the operation with the same words (no launch of a missing kernel).
 fn cpu_only_types_refused(
@@ -317,17 +318,25 @@ fn cpu_only_types_refused(
     _report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let path = tmp.path().join("q5_1-up.gguf");
-    std::fs::write(&path, common::stories_gguf(common::Breakage::CpuOnlyType)).map_err(|e| e.to_string())?;
+    let path = tmp.path().join("iq2_xxs-up.gguf");
+    let src = small_qwen_path();
+    let name = "blk.0.ffn_up.weight";
+    let g = gatestream::gguf::GgufFile::open(&src).map_err(|e| e.to_string())?;
+    let up = g
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or("the small Qwen2 model has no ffn_up")?;
+    let (ty, dims) = (GgmlType::IQ2_XXS, up.dims.clone());
+    let bytes = vec![0u8; ty.row_bytes(dims[0] as usize).unwrap() * dims[1] as usize];
+    let edited = common::gguf_edited(&src, Vec::new(), vec![(name.to_string(), dims, ty.ggml_id(), bytes)]);
+    std::fs::write(&path, edited).map_err(|e| e.to_string())?;
     let device: Arc<dyn Device> = dev.clone();
     let m = match Model::load_on(&path, &LoadOptions::default(), device) {
-        Ok(_) => return Err("a model with a Q5_1 tensor loaded on the CUDA device".into()),
+        Ok(_) => return Err("a model with an IQ2_XXS tensor loaded on the CUDA device".into()),
         Err(e) => e.to_string(),
     };
-    if !(m.contains("blk.0.ffn_up.weight")
-        && m.contains("Q5_1 is computed on the CPU only")
-        && m.contains("--device cpu"))
-    {
+    if !(m.contains(name) && m.contains("IQ2_XXS is computed on the CPU only") && m.contains("--device cpu")) {
         return Err(format!(
             "the refusal does not name the tensor, its type and the way out: {m}"
         ));

@@ -943,9 +943,12 @@ mod tests {
         }
         let distinct: std::collections::HashSet<_> = codes.iter().collect();
         assert_eq!(distinct.len(), codes.len(), "type codes repeat: {codes:?}");
-        // Q5_1 (the CPU-only type the suite's refusal at load uses) and the grid types.
+        // The grid types only (IQ2_*, IQ3_*, IQ1_*).
         let refused: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| !computes_type(*t)).collect();
-        assert_eq!(refused.len(), 8, "{refused:?}");
+        assert_eq!(refused.len(), 7, "{refused:?}");
+        assert!(refused
+            .iter()
+            .all(|t| t.name().starts_with("IQ") && t.block_elems() == 256));
         for ty in refused {
             let m = cpu_only_message("blk.0.ffn_up.weight", ty);
             let named = format!("blk.0.ffn_up.weight: {} is computed on the CPU only", ty.name());

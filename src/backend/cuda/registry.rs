@@ -56,10 +56,10 @@ pub(super) fn i8_type_code(ty: GgmlType) -> usize {
 }
 
 /// The weight types the device has kernels for (kernels/quant.cu: `decode_unit` and the
-/// `QUANT_KERNELS` and `MMA_KERNEL` families of each); a model holding another (Q5_1, the grid
-/// types IQ2_*, IQ3_*, IQ1_*) is refused at load ([`computes_type`], [`cpu_only_message`] naming the
+/// `QUANT_KERNELS` and `MMA_KERNEL` families of each); a model holding another (the grid types
+/// IQ2_*, IQ3_*, IQ1_*) is refused at load ([`computes_type`], [`cpu_only_message`] naming the
 /// tensor and its type), its types computed on the CPU only.
-pub const CUDA_TYPES: [GgmlType; 15] = [
+pub const CUDA_TYPES: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Q4_0,
@@ -75,6 +75,7 @@ pub const CUDA_TYPES: [GgmlType; 15] = [
     GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::IQ4_XS,
+    GgmlType::Q5_1,
 ];
 
 /// Whether the device has kernels for weights of `ty`.
