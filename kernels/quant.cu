@@ -1,8 +1,9 @@
-// Quantized products on the GPU: every GGML block type the CPU path reads, decoded 32 values at a
-// time ("a unit": one legacy block, or one sub-block of a K-quant super-block) into registers and
-// multiplied with f32 activations (dequantize-and-FMA). Compiled at run time by NVRTC with no
-// headers, so types and f16 conversion are spelled out here. The three files of kernels/ are one
-// translation unit in the order quant.cu, ops.cu, attention.cu.
+// Quantized products on the GPU: the GGML block types of CUDA_TYPES (src/backend/cuda/registry.rs:
+// every type the CPU path reads but the grid types IQ2_*, IQ3_*, IQ1_*), decoded 32 values at a
+// time ("a unit": one legacy block, or one sub-block of a K-quant or IQ4_XS super-block) into
+// registers and multiplied with f32 activations (dequantize-and-FMA). Compiled at run time by
+// NVRTC with no headers, so types and f16 conversion are spelled out here. The three files of
+// kernels/ are one translation unit in the order quant.cu, ops.cu, attention.cu.
 
 typedef unsigned char u8;
 typedef signed char i8;
