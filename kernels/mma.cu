@@ -255,6 +255,12 @@ MMA_KERNEL(q8_0, TY_Q8_0)
 MMA_KERNEL(q4_k, TY_Q4_K)
 MMA_KERNEL(q5_k, TY_Q5_K)
 MMA_KERNEL(q6_k, TY_Q6_K)
+MMA_KERNEL(iq4_nl, TY_IQ4_NL)
+MMA_KERNEL(mxfp4, TY_MXFP4)
+MMA_KERNEL(q2_k, TY_Q2_K)
+MMA_KERNEL(q3_k, TY_Q3_K)
+MMA_KERNEL(iq4_xs, TY_IQ4_XS)
+MMA_KERNEL(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
 // Integer tiles (llama.cpp's MMQ approach): batched products of Q4_K and Q6_K rows with the

@@ -1,8 +1,9 @@
-// Quantized products on the GPU: every GGML block type the CPU path reads, decoded 32 values at a
-// time ("a unit": one legacy block, or one sub-block of a K-quant super-block) into registers and
-// multiplied with f32 activations (dequantize-and-FMA). Compiled at run time by NVRTC with no
-// headers, so types and f16 conversion are spelled out here. The three files of kernels/ are one
-// translation unit in the order quant.cu, ops.cu, attention.cu.
+// Quantized products on the GPU: the GGML block types of CUDA_TYPES (src/backend/cuda/registry.rs:
+// every type the CPU path reads but the grid types IQ2_*, IQ3_*, IQ1_*), decoded 32 values at a
+// time ("a unit": one legacy block, or one sub-block of a K-quant or IQ4_XS super-block) into
+// registers and multiplied with f32 activations (dequantize-and-FMA). Compiled at run time by
+// NVRTC with no headers, so types and f16 conversion are spelled out here. The three files of
+// kernels/ are one translation unit in the order quant.cu, ops.cu, attention.cu.
 
 typedef unsigned char u8;
 typedef signed char i8;
@@ -35,6 +36,12 @@ __device__ __forceinline__ void grid_dep() {
 #define TY_Q4_K 7
 #define TY_Q5_K 8
 #define TY_Q6_K 9
+#define TY_IQ4_NL 10
+#define TY_MXFP4 11
+#define TY_Q2_K 12
+#define TY_Q3_K 13
+#define TY_IQ4_XS 14
+#define TY_Q5_1 15
 
 // Tokens one matmul block multiplies with each decoded unit (grid.y tiles the batch).
 #define MM_TOKENS 8
@@ -107,6 +114,12 @@ template <> struct Layout<TY_Q8_0> { enum { BLOCK = 32, BYTES = 34 }; };
 template <> struct Layout<TY_Q4_K> { enum { BLOCK = 256, BYTES = 144 }; };
 template <> struct Layout<TY_Q5_K> { enum { BLOCK = 256, BYTES = 176 }; };
 template <> struct Layout<TY_Q6_K> { enum { BLOCK = 256, BYTES = 210 }; };
+template <> struct Layout<TY_IQ4_NL> { enum { BLOCK = 32, BYTES = 18 }; };
+template <> struct Layout<TY_MXFP4> { enum { BLOCK = 32, BYTES = 17 }; };
+template <> struct Layout<TY_Q2_K> { enum { BLOCK = 256, BYTES = 84 }; };
+template <> struct Layout<TY_Q3_K> { enum { BLOCK = 256, BYTES = 110 }; };
+template <> struct Layout<TY_IQ4_XS> { enum { BLOCK = 256, BYTES = 136 }; };
+template <> struct Layout<TY_Q5_1> { enum { BLOCK = 32, BYTES = 24 }; };
 
 // Values 32u..32u+31 of a row into w[].
 template <int TY> __device__ __forceinline__ void decode_unit(const u8* row, int u, float* w);
@@ -246,6 +259,128 @@ template <> __device__ __forceinline__ void decode_unit<TY_Q6_K>(const u8* row, 
     for (int l = 0; l < 32; l++) {
         int q = (int)(((ql[l] >> lshift) & 0x0f) | (((qh[l] >> hshift) & 3) << 4)) - 32;
         w[l] = (l < 16 ? d0 : d1) * (float)q;
+    }
+}
+
+// Q5_1: Q5_0's quants (a fifth bit per value in qh) with Q4_1's d and m.
+template <> __device__ __forceinline__ void decode_unit<TY_Q5_1>(const u8* row, int u, float* w) {
+    const u8* b = row + 24 * u;
+    float d = ldf16(b), m = ldf16(b + 2);
+    u32 qh = ld32(b + 4);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[8 + j];
+        u32 lo = (q & 0x0f) | (((qh >> j) & 1) << 4);
+        u32 hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        w[j] = (float)lo * d + m;
+        w[j + 16] = (float)hi * d + m;
+    }
+}
+
+// Entry i (0..15) of a table of sixteen signed bytes held as two little-endian words, entries
+// 0..7 in lo and 8..15 in hi: selected in registers (no table in memory, no divergent loads).
+__device__ __forceinline__ float table16(u64 lo, u64 hi, u32 i) {
+    return (float)(i8)(u8)((i < 8 ? lo : hi) >> (8 * (i & 7)));
+}
+// The IQ4_NL / IQ4_XS values of a 4-bit index (ggml's kvalues_iq4nl: -127, -104, -83, -65, -49,
+// -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113).
+#define IQ4_LO 0xf6eaddcfbfad9881ull
+#define IQ4_HI 0x7159453526190d01ull
+// MXFP4's E2M1 values of a 4-bit index, doubled to integers (0, 1, 2, 3, 4, 6, 8, 12, then the
+// same negated; ggml's kvalues_mxfp4).
+#define FP4_LO 0x0c08060403020100ull
+#define FP4_HI 0xf4f8fafcfdfeff00ull
+
+template <> __device__ __forceinline__ void decode_unit<TY_IQ4_NL>(const u8* row, int u, float* w) {
+    const u8* b = row + 18 * u;
+    float d = ldf16(b);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[2 + j];
+        w[j] = d * table16(IQ4_LO, IQ4_HI, q & 0x0f);
+        w[j + 16] = d * table16(IQ4_LO, IQ4_HI, q >> 4);
+    }
+}
+
+// Half of the E8M0 scale e, 2^(e - 128), which multiplies the doubled FP4 values: exact for
+// every e (2^-128 and 2^-127 are f32 subnormals; 255 is 2^127, as ggml reads it, not NaN).
+__device__ __forceinline__ float e8m0_half(u32 e) {
+    return __int_as_float((int)(e < 2 ? 0x00200000u << e : (e - 1) << 23));
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_MXFP4>(const u8* row, int u, float* w) {
+    const u8* b = row + 17 * u;
+    float d = e8m0_half(b[0]);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u8 q = b[1 + j];
+        w[j] = table16(FP4_LO, FP4_HI, q & 0x0f) * d;
+        w[j + 16] = table16(FP4_LO, FP4_HI, q >> 4) * d;
+    }
+}
+
+// Q2_K and Q3_K: unit j (0..7) of a super-block is quarter j % 4 of half j / 4; its value l
+// (0..31) takes its two low bits from bits 2(j % 4).. of qs[32(j / 4) + l], and lies in group of
+// 16 g = 2j + l / 16.
+template <> __device__ __forceinline__ void decode_unit<TY_Q2_K>(const u8* row, int u, float* w) {
+    const u8* b = row + 84 * (u >> 3);
+    int j = u & 7, shift = 2 * (j & 3);
+    float d = ldf16(b + 80), dmin = ldf16(b + 82);
+    u32 q[8];
+    ld_words(b + 16 + 32 * (j >> 2), q);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        u8 sc = b[2 * j + h];
+        float scale = d * (float)(sc & 0x0f), m = dmin * (float)(sc >> 4);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            int l = 16 * h + i;
+            w[l] = scale * (float)((q[l >> 2] >> (8 * (l & 3) + shift)) & 3) - m;
+        }
+    }
+}
+
+// Q3_K's 6-bit scale of group g (0..15) from its 12 packed bytes, minus 32.
+__device__ __forceinline__ int q3_k_scale(int g, const u8* packed) {
+    int low = (packed[g & 7] >> (4 * (g >> 3))) & 0x0f;
+    int high = (packed[8 + (g & 3)] >> (2 * (g >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+template <> __device__ __forceinline__ void decode_unit<TY_Q3_K>(const u8* row, int u, float* w) {
+    const u8* b = row + 110 * (u >> 3);
+    int j = u & 7, shift = 2 * (j & 3);
+    float d = ldf16(b + 108);
+    u32 q[8], hm[8];
+    ld_words(b + 32 + 32 * (j >> 2), q);
+    ld_words(b, hm);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float scale = d * (float)q3_k_scale(2 * j + h, b + 96);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            int l = 16 * h + i, at = 8 * (l & 3);
+            int v = (int)(((q[l >> 2] >> (at + shift)) & 3) | (((hm[l >> 2] >> (at + j)) & 1) << 2));
+            w[l] = scale * (float)(v - 4);
+        }
+    }
+}
+
+// IQ4_XS: unit s (0..7) of a super-block reads 16 index bytes at qs[16s] in Q4_0's nibble order;
+// its 6-bit scale is nibble s % 2 of scales_l[s / 2] with bits 2s.. of scales_h on top.
+template <> __device__ __forceinline__ void decode_unit<TY_IQ4_XS>(const u8* row, int u, float* w) {
+    const u8* b = row + 136 * (u >> 3);
+    int s = u & 7;
+    u32 sh = ld16(b + 2);
+    int sc = (int)(((b[4 + (s >> 1)] >> (4 * (s & 1))) & 0x0f) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+    float scale = ldf16(b) * (float)sc;
+    u32 q[4];
+    ld_words(b + 8 + 16 * s, q);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 byte = (q[j >> 2] >> (8 * (j & 3))) & 0xff;
+        w[j] = scale * table16(IQ4_LO, IQ4_HI, byte & 0x0f);
+        w[j + 16] = scale * table16(IQ4_LO, IQ4_HI, byte >> 4);
     }
 }
 
@@ -476,6 +611,12 @@ QUANT_KERNELS(q8_0, TY_Q8_0)
 QUANT_KERNELS(q4_k, TY_Q4_K)
 QUANT_KERNELS(q5_k, TY_Q5_K)
 QUANT_KERNELS(q6_k, TY_Q6_K)
+QUANT_KERNELS(iq4_nl, TY_IQ4_NL)
+QUANT_KERNELS(mxfp4, TY_MXFP4)
+QUANT_KERNELS(q2_k, TY_Q2_K)
+QUANT_KERNELS(q3_k, TY_Q3_K)
+QUANT_KERNELS(iq4_xs, TY_IQ4_XS)
+QUANT_KERNELS(q5_1, TY_Q5_1)
 
 // ---------------------------------------------------------------------------------------------
 // Integer dot products (llama.cpp's approach): one-token products of K-quant rows with the

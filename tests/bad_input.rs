@@ -83,14 +83,14 @@ fn unsupported_tensor_type_names_the_tensor_and_type() {
     }
 }
 
-/// A tensor of a type the CPU computes and the CUDA device does not (Q5_1) loads on the CPU and
+/// A tensor of Q5_1 (a type the CPU computes without token-lane kernels) loads on the CPU and
 /// runs: a batch's logits equal the token-by-token ones (the tiled products against one-token
 /// ones) and stay near the all-F32 model's (the Q5_1 rounding of one matrix).
 #[test]
-fn cpu_only_type_loads_and_runs_on_the_cpu() {
+fn q5_1_tensor_loads_and_runs_on_the_cpu() {
     use gatestream::kv::KvCache;
     use gatestream::model::batch::Logits;
-    let model = load_bytes(&stories_gguf(Breakage::CpuOnlyType)).unwrap();
+    let model = load_bytes(&stories_gguf(Breakage::Q5_1Up)).unwrap();
     let f32_model = load_bytes(&stories_gguf(Breakage::None)).unwrap();
     let ids = model
         .tokenizer

@@ -309,7 +309,8 @@ fn glm4moe_refused(
     Ok(format!("refused at load: {m}"))
 }
 
-/// A model holding a type the device has no kernels for (stories260K with a Q5_1 `ffn_up`) is
+/// A model holding a type the device has no kernels for (the small Qwen2-built model with its
+/// layer-0 `ffn_up` as IQ2_XXS, a grid type; rows of 256, which the grid types' blocks need) is
 /// refused at load, naming the tensor and its type; a weight of each such type handed to a
 /// product directly fails the operation with the same words (no launch of a missing kernel).
 fn cpu_only_types_refused(
@@ -317,17 +318,25 @@ fn cpu_only_types_refused(
     _report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let path = tmp.path().join("q5_1-up.gguf");
-    std::fs::write(&path, common::stories_gguf(common::Breakage::CpuOnlyType)).map_err(|e| e.to_string())?;
+    let path = tmp.path().join("iq2_xxs-up.gguf");
+    let src = small_qwen_path();
+    let name = "blk.0.ffn_up.weight";
+    let g = gatestream::gguf::GgufFile::open(&src).map_err(|e| e.to_string())?;
+    let up = g
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .ok_or("the small Qwen2 model has no ffn_up")?;
+    let (ty, dims) = (GgmlType::IQ2_XXS, up.dims.clone());
+    let bytes = vec![0u8; ty.row_bytes(dims[0] as usize).unwrap() * dims[1] as usize];
+    let edited = common::gguf_edited(&src, Vec::new(), vec![(name.to_string(), dims, ty.ggml_id(), bytes)]);
+    std::fs::write(&path, edited).map_err(|e| e.to_string())?;
     let device: Arc<dyn Device> = dev.clone();
     let m = match Model::load_on(&path, &LoadOptions::default(), device) {
-        Ok(_) => return Err("a model with a Q5_1 tensor loaded on the CUDA device".into()),
+        Ok(_) => return Err("a model with an IQ2_XXS tensor loaded on the CUDA device".into()),
         Err(e) => e.to_string(),
     };
-    if !(m.contains("blk.0.ffn_up.weight")
-        && m.contains("Q5_1 is computed on the CPU only")
-        && m.contains("--device cpu"))
-    {
+    if !(m.contains(name) && m.contains("IQ2_XXS is computed on the CPU only") && m.contains("--device cpu")) {
         return Err(format!(
             "the refusal does not name the tensor, its type and the way out: {m}"
         ));
@@ -355,14 +364,40 @@ fn cpu_only_types_refused(
     ))
 }
 
+/// `rows` random rows of `ty`: normal-ish values quantized, or for the types gatestream reads
+/// but does not write (Q2_K, Q3_K, IQ4_NL, IQ4_XS), random blocks ([`random_blocks`]).
 fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Weight {
     let row_bytes = ty.row_bytes(cols).unwrap();
     let mut bytes = vec![0u8; rows * row_bytes];
     for r in 0..rows {
         let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
-        assert!(quantize_row(ty, &x, &mut bytes[r * row_bytes..(r + 1) * row_bytes]));
+        let row = &mut bytes[r * row_bytes..(r + 1) * row_bytes];
+        if !quantize_row(ty, &x, row) {
+            random_blocks(ty, row, rng);
+        }
     }
     Weight::owned(&format!("test.{ty:?}"), ty, rows, cols, bytes).unwrap()
+}
+
+/// Blocks of `ty` with every quant and scale bit random (each bit pattern decodes), and each f16
+/// scale (Q2_K's d and dmin at 80 and 82, Q3_K's d at 108, IQ4_NL's and IQ4_XS's d at 0; the
+/// GGUF layouts of src/quant/layout.rs) a finite value of either sign within ±0.05.
+fn random_blocks(ty: GgmlType, row: &mut [u8], rng: &mut Rng) {
+    let f16_at: &[usize] = match ty {
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        other => panic!("{other:?}: no random blocks made here"),
+    };
+    for b in row.iter_mut() {
+        *b = (rng.next() >> 56) as u8;
+    }
+    for block in row.chunks_exact_mut(ty.block_bytes()) {
+        for &at in f16_at {
+            let d = half::f16::from_f32((rng.unit() - 0.5) * 0.1);
+            block[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+    }
 }
 
 fn dequantized(w: &Weight) -> Vec<Vec<f32>> {

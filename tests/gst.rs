@@ -845,10 +845,10 @@ fn verify_reads_large_sections_and_finds_a_flipped_byte() {
 /// logits: bit for bit in the rows layout, to summation order with down columns kept as the
 /// source's (F32), to their rounding with Q8_0 down columns.
 #[test]
-fn cpu_only_type_rows_are_kept_in_every_layout() {
+fn q5_1_rows_are_kept_in_every_layout() {
     use gatestream::quant::GgmlType;
     let tmp = tempfile::tempdir().unwrap();
-    let gguf = write_temp(tmp.path(), "q5_1-up.gguf", &stories_gguf(Breakage::CpuOnlyType));
+    let gguf = write_temp(tmp.path(), "q5_1-up.gguf", &stories_gguf(Breakage::Q5_1Up));
     let text = "Once upon a time, there was a cat";
     let reference = logits(&load(&gguf), text);
     let scale = reference.iter().fold(0f32, |m, v| m.max(v.abs()));

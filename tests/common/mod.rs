@@ -69,9 +69,10 @@ pub enum Breakage {
     None,
     /// Give `blk.0.ffn_up.weight` ggml type 34 (TQ1_0), which gatestream does not compute on.
     UnsupportedType,
-    /// Store `blk.0.ffn_up.weight` as Q5_1 (ggml type 7): a type the CPU computes and the CUDA
-    /// device refuses.
-    CpuOnlyType,
+    /// Store `blk.0.ffn_up.weight` as Q5_1 (ggml type 7): a type of 32-value blocks (the rows of
+    /// 64 take no larger) that no other fixture holds and the CPU computes without token-lane
+    /// kernels.
+    Q5_1Up,
     /// Leave out `blk.1.ffn_down.weight`.
     MissingTensor,
     /// Swap the dimensions of `blk.0.attn_q.weight`'s neighbour: make ffn_gate [hidden, ffn+1].
@@ -206,7 +207,7 @@ pub fn stories_gguf_with(breakage: Breakage, rope_factors: Option<&[f32]>) -> Ve
         if breakage == Breakage::UnsupportedType && g == "blk.0.ffn_up.weight" {
             type_id = 34;
         }
-        if breakage == Breakage::CpuOnlyType && g == "blk.0.ffn_up.weight" {
+        if breakage == Breakage::Q5_1Up && g == "blk.0.ffn_up.weight" {
             let ty = gatestream::quant::GgmlType::Q5_1;
             let x: Vec<f32> = bytes
                 .chunks_exact(4)

@@ -393,7 +393,7 @@ static Kernel kernel(const char* name, void (*fn)(A...)) {
 #define TYPED(t) K(matmul_##t) K(matvec_##t) K(matvec2_##t) K(matvec4_##t) K(embed_##t) K(accumulate_##t) K(mma_##t)
 static const Kernel KERNELS[] = {
     TYPED(f32) TYPED(f16) TYPED(bf16) TYPED(q4_0) TYPED(q4_1) TYPED(q5_0) TYPED(q8_0) TYPED(q4_k) TYPED(q5_k)
-        TYPED(q6_k) K(accumulate_reduce) K(argmax_rows) K(top_k_rows) K(activate_mul) K(activate_mul_q8_k) K(add_rms_norm) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)
+        TYPED(q6_k) TYPED(iq4_nl) TYPED(mxfp4) TYPED(q2_k) TYPED(q3_k) TYPED(iq4_xs) TYPED(q5_1) K(accumulate_reduce) K(argmax_rows) K(top_k_rows) K(activate_mul) K(activate_mul_q8_k) K(add_rms_norm) K(act_q8_32) K(act_q8_k) K(rms_norm) K(add) K(mul) K(add_bias)
             K(activate) K(softcap) K(select_rows) K(scatter_cols) K(gather_cols) K(rope_norm) K(rope_norm_kv) K(kv_write)
                 K(attention) K(attention_split) K(attention_merge) K(attention_tiles) K(act_q8_k_blocks) K(matvec_i8_q4_k) K(matvec_i8_q6_k)
                     K(matvec_i8x3_q4_k) K(matvec_i8x3_q6_k) K(matvec_i8f_q4_k) K(matvec_i8f_q6_k) K(matvec_i8n_q4_k)

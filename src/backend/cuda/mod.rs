@@ -911,6 +911,54 @@ mod tests {
         assert_eq!(defined("ACT_GELU_TANH"), activation_code(FfnActivation::GeluTanh));
     }
 
+    /// Each type of [`CUDA_TYPES`] has its code, block layout (elements and bytes of a block, as
+    /// the CPU reads it) and `decode_unit` in kernels/quant.cu, and its float families from the
+    /// macros; every other type is refused with a message naming it.
+    #[test]
+    fn each_cuda_type_has_its_layout_and_decoder_in_the_source() {
+        let src = nvrtc::source();
+        let mut codes = Vec::new();
+        for ty in CUDA_TYPES {
+            let code = format!("TY_{}", type_suffix(ty).to_uppercase());
+            let define = src
+                .lines()
+                .find(|l| l.split_whitespace().take(2).eq(["#define", code.as_str()]))
+                .unwrap_or_else(|| panic!("kernels/ defines no {code}"));
+            codes.push(define.split_whitespace().nth(2).unwrap().to_string());
+            let layout = format!(
+                "template <> struct Layout<{code}> {{ enum {{ BLOCK = {}, BYTES = {} }}; }};",
+                ty.block_elems(),
+                ty.block_bytes()
+            );
+            assert!(src.contains(&layout), "{ty:?}: no `{layout}` in kernels/");
+            if ty.block_elems() > 1 {
+                assert!(
+                    src.contains(&format!("void decode_unit<{code}>(")),
+                    "{ty:?}: no decode_unit"
+                );
+            }
+            let suffix = type_suffix(ty);
+            assert!(src.contains(&format!("QUANT_KERNELS({suffix}, {code})")), "{ty:?}");
+            assert!(src.contains(&format!("MMA_KERNEL({suffix}, {code})")), "{ty:?}");
+        }
+        let distinct: std::collections::HashSet<_> = codes.iter().collect();
+        assert_eq!(distinct.len(), codes.len(), "type codes repeat: {codes:?}");
+        // The grid types only (IQ2_*, IQ3_*, IQ1_*).
+        let refused: Vec<GgmlType> = GgmlType::ALL.into_iter().filter(|t| !computes_type(*t)).collect();
+        assert_eq!(refused.len(), 7, "{refused:?}");
+        assert!(refused
+            .iter()
+            .all(|t| t.name().starts_with("IQ") && t.block_elems() == 256));
+        for ty in refused {
+            let m = cpu_only_message("blk.0.ffn_up.weight", ty);
+            let named = format!("blk.0.ffn_up.weight: {} is computed on the CPU only", ty.name());
+            assert!(
+                m.starts_with(&named) && m.contains("Q2_K, Q3_K, IQ4_XS") && m.ends_with("run with --device cpu"),
+                "{m}"
+            );
+        }
+    }
+
     #[test]
     fn every_kernel_name_is_defined_in_the_source() {
         let src = nvrtc::source();

@@ -55,9 +55,11 @@ pub(super) fn i8_type_code(ty: GgmlType) -> usize {
     }
 }
 
-/// The weight types the device has kernels for (kernels/quant.cu); a model holding another is
-/// refused at load ([`computes_type`]), its types computed on the CPU only.
-pub const CUDA_TYPES: [GgmlType; 10] = [
+/// The weight types the device has kernels for (kernels/quant.cu: `decode_unit` and the
+/// `QUANT_KERNELS` and `MMA_KERNEL` families of each); a model holding another (the grid types
+/// IQ2_*, IQ3_*, IQ1_*) is refused at load ([`computes_type`], [`cpu_only_message`] naming the
+/// tensor and its type), its types computed on the CPU only.
+pub const CUDA_TYPES: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Q4_0,
@@ -68,6 +70,12 @@ pub const CUDA_TYPES: [GgmlType; 10] = [
     GgmlType::Q5_K,
     GgmlType::Q6_K,
     GgmlType::BF16,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_XS,
+    GgmlType::Q5_1,
 ];
 
 /// Whether the device has kernels for weights of `ty`.
