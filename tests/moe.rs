@@ -2273,3 +2273,54 @@ fn a_mixture_of_experts_streams_from_its_hugging_face_folder() {
     let e = Model::load(&dir, &LoadOptions::default()).err().unwrap().to_string();
     assert!(e.contains("deepseek_v3") && e.contains("convert_hf_to_gguf"), "{e}");
 }
+
+/// On the CPU device the expert cache's buffers are made ahead, on a thread at idle priority,
+/// as many as the plan counts (the cache's slots; with lookahead, its reads in flight and as
+/// many spares) and no more: a pass then takes them instead of making its own. (A cache with
+/// fewer slots than a layer's experts in one pass needs one buffer more than its slots: the
+/// cache here holds more than a layer's six and fewer than the model's twelve.)
+#[test]
+fn expert_buffers_are_made_ahead_and_no_more_than_planned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = make(tmp.path(), &spec(Arch::Qwen3Moe, GgmlType::F32, true), "q.gguf");
+    let m = Model::load(&gguf, &on_disk()).unwrap();
+    let min = budget_in_refusal(
+        &Streamer::open(&m, &stream_options(0, ReadEngine::Pread, CachePolicy::Lru, false))
+            .err()
+            .unwrap()
+            .to_string(),
+    );
+    for lookahead in [false, true] {
+        let expert_bytes = Streamer::open(&m, &stream_options(min, ReadEngine::Pread, CachePolicy::Lru, false))
+            .unwrap()
+            .experts
+            .as_ref()
+            .unwrap()
+            .expert_bytes;
+        let budget = min_budget(&gguf, lookahead).max(min) + 7 * expert_bytes;
+        let s = Streamer::open(
+            &m,
+            &stream_options(budget, ReadEngine::Pread, CachePolicy::Lru, lookahead),
+        )
+        .unwrap();
+        let x = s.experts.as_ref().unwrap();
+        let target = x.cache_slots + if lookahead { 2 * x.ahead_max } else { 0 };
+        assert!((7..12).contains(&x.cache_slots), "{}", x.cache_slots);
+        let t = std::time::Instant::now();
+        while x.buffers_made() != (target, target) && t.elapsed().as_secs() < 20 {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(
+            x.buffers_made(),
+            (target, target),
+            "lookahead {lookahead}: made ahead, none used yet"
+        );
+        prompt_then_greedy(&m, Some(&s), None, "Once upon a time, there was a little dog", 4);
+        let (made, waiting) = x.buffers_made();
+        assert_eq!(made, target, "lookahead {lookahead}: the passes made none of their own");
+        assert!(
+            waiting < target,
+            "lookahead {lookahead}: the misses took the buffers made ahead"
+        );
+    }
+}

@@ -17,6 +17,7 @@
 //! pass computes on the experts it is handed) and no routing (the forward pass routes).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use std::time::Instant;
@@ -201,29 +202,37 @@ impl ExpertCache {
         }
     }
 
-    /// Makes room for one entry (evicting as the policy says, never `keep`); the evicted
-    /// buffer, when nothing else holds it, for reuse.
-    fn make_room(&mut self, keep: &[(usize, usize)]) -> Option<Vec<u8>> {
-        let mut spare = None;
-        while self.entries.len() >= self.slots {
+    /// Makes room for one entry besides `in_flight` buffers taken for entries not yet inserted
+    /// (evicting as the policy says, never `keep`). Every evicted buffer nothing else holds goes
+    /// to `freed`, for reuse (a buffer is never dropped here: on a device that page-locks them it
+    /// must be released, its lock first).
+    fn make_room(&mut self, keep: &[(usize, usize)], in_flight: usize, freed: &mut Vec<Vec<u8>>) {
+        while self.entries.len() + in_flight >= self.slots {
             let Some(k) = self.victim(keep) else { break };
             let e = self.entries.remove(&k).expect("victim present");
-            match Arc::try_unwrap(e.bytes) {
-                Ok(v) => spare = Some(v),
-                Err(held) => self.retired.push(held),
-            }
+            self.free(e.bytes, freed);
         }
-        spare
     }
 
+    /// A buffer out of the cache: to `freed` if nothing else holds it, else retired until then.
+    fn free(&mut self, bytes: Arc<Vec<u8>>, freed: &mut Vec<Vec<u8>>) {
+        match Arc::try_unwrap(bytes) {
+            Ok(v) => freed.push(v),
+            Err(held) => self.retired.push(held),
+        }
+    }
+
+    /// Caches `key`'s bytes, making room for them; when every entry is to be kept they are not
+    /// cached and their buffer is freed as an evicted one is.
     fn insert(
         &mut self,
         key: (usize, usize),
         (bytes, starts): Slot,
         step: u64,
         keep: &[(usize, usize)],
-    ) -> Option<Vec<u8>> {
-        let spare = self.make_room(keep);
+        freed: &mut Vec<Vec<u8>>,
+    ) {
+        self.make_room(keep, 0, freed);
         if self.entries.len() < self.slots {
             self.entries.insert(
                 key,
@@ -233,8 +242,9 @@ impl ExpertCache {
                     last_used: step,
                 },
             );
+        } else {
+            self.free(bytes, freed);
         }
-        spare
     }
 }
 
@@ -262,6 +272,51 @@ struct Pins {
     locks: HashMap<usize, crate::backend::PinnedHost>,
 }
 
+/// Expert buffers made ahead of need on a thread of their own, at idle priority where the
+/// system has one (Linux `SCHED_IDLE`: it runs only on a core that would otherwise wait), on a
+/// device computing in host memory. A filling cache's new buffers cost the kernel's zeroing of
+/// their fresh pages, which can take longer than reading the expert (most of gpt-oss-120b's
+/// time under a 16 GiB cap here, `clear_page_erms`); made ahead, that work overlaps the reads
+/// instead of delaying each miss. Every buffer the stream makes is counted in `made`, the
+/// thread's and `take_buf`'s alike, and the thread stops at `target` (the cache's slots and the
+/// lookahead's buffers: what the stream would make anyway), so memory stays as planned.
+struct Warm {
+    ready: Mutex<Vec<Vec<u8>>>,
+    made: AtomicUsize,
+    target: usize,
+    stop: AtomicBool,
+}
+
+impl Warm {
+    /// Counts one buffer made, unless `target` are: then `false`.
+    fn claim(&self) -> bool {
+        self.made
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.target).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// The thread's work: buffers of `bytes`, touched (so their pages are the kernel's to zero
+    /// now), until `target` are made or the stream stops.
+    fn run(&self, bytes: usize) {
+        #[cfg(target_os = "linux")]
+        {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: sets this thread's own policy (tid 0: the caller) from a valid parameter;
+            // failing leaves it at normal priority, which is only less polite.
+            let _ = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+        }
+        while !self.stop.load(Ordering::Acquire) && self.claim() {
+            let mut v = Vec::with_capacity(bytes);
+            // SAFETY: the spare capacity is memory the vector owns; it is only advised, not read.
+            crate::io::advise_huge_pages(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), bytes) });
+            v.resize(bytes, 0);
+            self.ready.lock().expect("warm buffers").push(v);
+        }
+    }
+}
+
 /// The expert half of a [`super::Streamer`] opened on a mixture-of-experts model. Per layer:
 /// the experts' places (none in a leading dense layer), and what stays resident — the router and
 /// score bias, the shared expert, or a leading dense layer's whole FFN.
@@ -285,6 +340,17 @@ pub struct ExpertStream {
     /// it covers are freed.
     pins: Mutex<Pins>,
     state: Mutex<ExpertState>,
+    warm: Arc<Warm>,
+    warm_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for ExpertStream {
+    fn drop(&mut self) {
+        self.warm.stop.store(true, Ordering::Release);
+        if let Some(t) = self.warm_thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// What an expert stream holds resident and how its cache is sized.
@@ -348,7 +414,33 @@ impl ExpertStream {
             .map(|p| crate::io::in_phase_len_max(p.pieces(), &[]))
             .max()
             .unwrap_or(0);
+        // Made ahead on a device computing in host memory (one that page-locks its buffers
+        // makes them as it needs them).
+        let warm = Arc::new(Warm {
+            ready: Mutex::new(Vec::new()),
+            made: AtomicUsize::new(0),
+            // (The plan's: the cache's slots, and with lookahead its reads in flight and as many
+            // spares.)
+            target: match (&plan.link, plan.lookahead) {
+                (None, true) => plan.cache_slots + 2 * plan.n_used,
+                (None, false) => plan.cache_slots,
+                (Some(_), _) => 0,
+            },
+            stop: AtomicBool::new(false),
+        });
+        let warm_thread = match (warm.target, buf_bytes) {
+            (0, _) | (_, 0) => None,
+            _ => {
+                let w = warm.clone();
+                std::thread::Builder::new()
+                    .name("gatestream-expert-buffers".into())
+                    .spawn(move || w.run(buf_bytes))
+                    .ok()
+            }
+        };
         Ok(ExpertStream {
+            warm,
+            warm_thread,
             parts,
             routers,
             score_bias,
@@ -383,17 +475,25 @@ impl ExpertStream {
         })
     }
 
-    /// A buffer for an expert's bytes: a spare one, an evicted one, or a new one (on a device
-    /// that copies from host memory: made at its largest and page-locked).
-    fn take_buf(&self, st: &mut ExpertState, evict: bool) -> Vec<u8> {
+    /// A buffer for an expert's bytes: a spare one, an evicted one (`evict`: the entries to
+    /// keep, and the buffers already taken for entries not yet inserted, so that the cache and
+    /// those stay within its slots), one made ahead, or a new one (on a device that copies from
+    /// host memory: made at its largest and page-locked).
+    fn take_buf(&self, st: &mut ExpertState, evict: Option<(&[(usize, usize)], usize)>) -> Vec<u8> {
         if let Some(v) = st.spare.pop() {
             return v;
         }
-        if evict {
-            if let Some(v) = st.cache.make_room(&[]) {
+        if let Some((keep, in_flight)) = evict {
+            st.cache.make_room(keep, in_flight, &mut st.spare);
+            if let Some(v) = st.spare.pop() {
                 return v;
             }
         }
+        if let Some(v) = self.warm.ready.lock().expect("warm buffers").pop() {
+            return v;
+        }
+        // (Counted with the warm thread's, which then makes fewer.)
+        self.warm.made.fetch_add(1, Ordering::AcqRel);
         let mut pins = self.pins.lock().expect("expert pins");
         // Made at the largest expert's size, so any expert fits it and it is never reallocated:
         // experts of other sizes (other layers' types) would otherwise free and allocate
@@ -475,9 +575,7 @@ impl ExpertStream {
             }
             let key = (job.layer, job.expert);
             // (Read ahead packed: the expert's pieces back to back from the buffer's first byte.)
-            if let Some(v) = st.cache.insert(key, (Arc::new(done.buf), done.starts), step, &keys) {
-                st.spare.push(v);
-            }
+            st.cache.insert(key, (Arc::new(done.buf), done.starts), step, &keys, &mut st.spare);
             landed.push(key);
         }
         let waited = t0.elapsed().as_nanos() as u64;
@@ -519,7 +617,7 @@ impl ExpertStream {
             // Every expert's pieces, and whose piece each is (expert i of the round, piece k).
             let (mut ranges, mut owner) = (Vec::new(), Vec::new());
             for (i, &e) in round.iter().enumerate() {
-                let mut v = self.take_buf(st, true);
+                let mut v = self.take_buf(st, Some((&keys, i)));
                 let p = &self.parts[l][e];
                 let starts = crate::io::lay_pieces_in_phase(&mut v, p.pieces());
                 bufs.push((v, starts));
@@ -602,16 +700,17 @@ impl ExpertStream {
             }
             for (b, &e) in ready.into_iter().zip(round) {
                 let b = b.expect("every read landed");
-                if let Some(v) = st.cache.insert((l, e), b, step, &keys) {
-                    st.spare.push(v);
-                }
+                st.cache.insert((l, e), b, step, &keys, &mut st.spare);
             }
         }
-        // Spare buffers for the lookahead's next reads; the rest go back to the allocator.
+        // Spare buffers for the lookahead's next reads; the rest back to the warm buffers, whose
+        // pages are already the process's (on a device that page-locks them: to the allocator).
         let keep = if self.lookahead { self.ahead_max } else { 0 };
         if st.spare.len() > keep {
-            for v in st.spare.split_off(keep) {
-                self.release(v);
+            let rest = st.spare.split_off(keep);
+            match self.warm_thread.is_some() {
+                true => self.warm.ready.lock().expect("warm buffers").extend(rest),
+                false => rest.into_iter().for_each(|v| self.release(v)),
             }
         }
         Ok(())
@@ -633,7 +732,7 @@ impl ExpertStream {
                 continue;
             }
             let p = &self.parts[layer][e];
-            let buf = self.take_buf(&mut st, false);
+            let buf = self.take_buf(&mut st, None);
             // Packed: the expert's pieces back to back from the buffer's first byte.
             prefetcher.submit(e, p.pieces().to_vec(), buf, super::prefetch::Placement::Packed)?;
             st.ahead.push_back(AheadJob { layer, expert: e });
@@ -641,6 +740,15 @@ impl ExpertStream {
             counters.ahead_bytes += p.len_bytes as u64;
         }
         Ok(())
+    }
+
+    /// Expert buffers made so far (by the warm thread and on demand), and how many of them wait
+    /// unused for a miss.
+    pub fn buffers_made(&self) -> (usize, usize) {
+        (
+            self.warm.made.load(Ordering::Acquire),
+            self.warm.ready.lock().expect("warm buffers").len(),
+        )
     }
 
     /// Experts in the model.
