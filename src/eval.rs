@@ -534,13 +534,98 @@ pub fn eval_with(
     progress: &mut dyn FnMut(&str, usize, usize),
 ) -> Result<Option<EvalReport>> {
     let t0 = Instant::now();
+    check_options(opts)?;
+    let tokens = model.tokenizer.encode(text, true)?;
+    let windows = window_count(&tokens, opts)?;
+    let expert_counts = expert_counts(model, opts)?;
+    let sketches = sketches_for(model, passes, opts)?;
+    check_calibration_room(opts, windows, tokens.len())?;
+    let pools = threshold_pools(model, passes, text, text_name, opts, sketches.as_ref())?;
+    let mut configs = Configs::uniform(model, &expert_counts, opts, sketches.as_ref(), pools.as_ref());
+    let (key, resumed) = checkpoint_of(model, text, text_name, opts)?;
+    if opts.per_layer_tokens > 0 {
+        if windows * opts.ctx + opts.per_layer_tokens > tokens.len() {
+            return Err(Error::Invalid(
+                "evaluation windows and the per-layer sensitivity tokens would overlap".into(),
+            ));
+        }
+        configs.add_per_layer(model, passes, text, opts, sketches.as_ref(), resumed.as_ref(), progress)?;
+    }
+    configs.add_jittered(opts.jitter_seeds);
+    let bytes = FfnBytes::of(model)?;
+    let mut tally = Tally::resumed(resumed, &configs, opts, windows)?;
+    let start = tally.windows_done;
+    let stop = opts.windows_this_run.map_or(windows, |n| (start + n).min(windows));
+    let mut cache = KvCache::new(&model.config, opts.ctx);
+    // Union masks run the window's first half dense and vote on it: that half is the dense pass's
+    // own first half, so it runs once, with every union mask voting, and each union mask then
+    // runs only the second half from the dense keys and values.
+    let voters = configs.voters();
+    progress("windows", start, windows);
+    for w in start..stop {
+        let window = Window::new(model, &tokens, w, opts.ctx);
+        eval_window(model, passes, &window, &voters, &configs, &mut cache, &mut tally)?;
+        tally.windows_done = w + 1;
+        if let Some(path) = &opts.checkpoint {
+            let seconds = tally.seconds_before + t0.elapsed().as_secs_f64();
+            save_checkpoint(path, &key, &configs, &tally, seconds)?;
+        }
+        progress("windows", w + 1, windows);
+    }
+    if stop < windows {
+        return Ok(None);
+    }
+    let dense_bytes = bytes.dense();
+    let rows = report_rows(model, &configs, &tally, &bytes, opts.jitter_seeds);
+    let best = frontier(&rows, opts.max_ppl_increase_pct);
+    Ok(Some(EvalReport {
+        max_ppl_increase_pct: opts.max_ppl_increase_pct,
+        frontier: best,
+        model: model.path.display().to_string(),
+        text: text_name.to_string(),
+        windows,
+        ctx: opts.ctx,
+        scored_positions: tally.dense.count as usize,
+        method: METHOD,
+        bytes_model: BYTES_MODEL,
+        calibration: pools.map(|p| p.text),
+        dense_ffn_bytes_per_token: dense_bytes,
+        experts_per_token: model.config.moe.as_ref().map(|m| m.n_used),
+        rows,
+        seconds: tally.seconds_before + t0.elapsed().as_secs_f64(),
+    }))
+}
+
+/// The checkpoint's key for this evaluation and what the checkpoint holds (nothing without a
+/// checkpoint file, or before it is first written).
+fn checkpoint_of(
+    model: &Model,
+    text: &str,
+    text_name: &str,
+    opts: &EvalOptions,
+) -> Result<(serde_json::Value, Option<Checkpoint>)> {
+    let Some(path) = &opts.checkpoint else {
+        return Ok((serde_json::Value::Null, None));
+    };
+    let key = checkpoint_key(model, text, text_name, opts)?;
+    let resumed = read_checkpoint(path, &key)?;
+    Ok((key, resumed))
+}
+
+/// Refuses a window too short to score and sparsity levels outside [0, 1).
+fn check_options(opts: &EvalOptions) -> Result<()> {
     if opts.ctx < 8 {
         return Err(Error::Invalid(format!("--ctx {} is too small", opts.ctx)));
     }
     if let Some(s) = opts.sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
         return Err(Error::Invalid(format!("sparsity {s} is outside [0, 1)")));
     }
-    let tokens = model.tokenizer.encode(text, true)?;
+    Ok(())
+}
+
+/// The windows to evaluate: `opts.windows` (0 = all) of those the text holds; refused when it
+/// holds none.
+fn window_count(tokens: &[u32], opts: &EvalOptions) -> Result<usize> {
     let available = tokens.len() / opts.ctx;
     let windows = if opts.windows == 0 {
         available
@@ -554,113 +639,172 @@ pub fn eval_with(
             opts.ctx
         )));
     }
-    let own_experts = model.config.moe.as_ref().map(|m| m.n_used);
-    let expert_counts: Vec<Option<usize>> = match (&model.config.moe, &opts.experts) {
+    Ok(windows)
+}
+
+/// The counts of experts per token to measure: `[None]` (the model's own) for a dense model;
+/// for a mixture of experts the model's own and then each other count asked for (or
+/// [`default_expert_counts`]), refusing what a mixture of experts cannot be evaluated with.
+fn expert_counts(model: &Model, opts: &EvalOptions) -> Result<Vec<Option<usize>>> {
+    let moe = match (&model.config.moe, &opts.experts) {
         (None, Some(_)) => {
             return Err(Error::Invalid(format!(
                 "{}: --experts measures mixture-of-experts models routed to fewer experts, and this model is dense",
                 model.path.display()
             )))
         }
-        (None, None) => vec![None],
-        (Some(moe), asked) => {
-            let asked = asked.clone().unwrap_or_else(|| default_expert_counts(moe.n_used));
-            if let Some(k) = asked.iter().find(|&&k| k == 0 || k > moe.n_experts) {
-                return Err(Error::Invalid(format!(
-                    "--experts {k}: this model has {} experts per layer; give counts from 1 to {}",
-                    moe.n_experts, moe.n_experts
-                )));
-            }
-            if let Some(st) = opts.strategies.iter().find(|&&st| st != Strategy::TopK) {
-                return Err(Error::Invalid(format!(
-                    "{}: a mixture-of-experts model takes top-K masks inside each routed expert; --strategy {} keeps \
-                     per-layer state over a dense layer's neurons: use --strategy topk",
-                    model.path.display(),
-                    st.name()
-                )));
-            }
-            if opts.criteria.contains(&Criterion::Sketch) || opts.per_layer_tokens > 0 {
-                return Err(Error::Invalid(format!(
-                    "{}: the sketch criterion and per-layer budgets are not available for mixture-of-experts models; \
-                     use --criterion gate, exact or candidates and no --per-layer-tokens",
-                    model.path.display()
-                )));
-            }
-            let mut counts = vec![None];
-            for k in asked {
-                if k != moe.n_used && !counts.contains(&Some(k)) {
-                    counts.push(Some(k));
-                }
-            }
-            counts
-        }
+        (None, None) => return Ok(vec![None]),
+        (Some(moe), _) => moe,
     };
-    let needs_sketch = opts.criteria.contains(&Criterion::Sketch);
-    let sketches = if needs_sketch {
-        let built = match passes.stream {
-            // A streamed model's up rows are read through its stream (counted in its reads).
-            Some(s) if model.placement == Placement::OnDisk => UpSketches::build_with(model, &|w| s.read_matrix(w))?,
-            _ => UpSketches::build(model),
-        };
-        Some(built.ok_or_else(|| Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into()))?)
-    } else {
-        None
-    };
-    let pools = if opts.strategies.contains(&Strategy::Threshold) {
-        if windows * opts.ctx + opts.calibrate_tokens > tokens.len() {
-            return Err(Error::Invalid(format!(
-                "evaluation windows ({} tokens) and calibration ({} tokens from the end) would overlap in a text of {} tokens",
-                windows * opts.ctx,
-                opts.calibrate_tokens,
-                tokens.len()
-            )));
-        }
-        Some(ScorePools::collect(
-            model,
-            passes,
-            text,
-            text_name,
-            opts.calibrate_tokens,
-            &opts.criteria,
-            sketches.as_ref(),
-        )?)
-    } else {
-        None
-    };
-    // Per count of experts per token (dense models: one, `None`): every neuron (a row of its
-    // own unless the count is the model's), then every mask.
-    let mut maskers: Vec<Masker> = Vec::new();
-    for &k in &expert_counts {
-        if k.is_some() {
-            maskers.push(Masker::new(model, Strategy::TopK, Criterion::Gate, 0.0, None, None).with_experts_used(k));
-        }
-        for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
-            for &st in &opts.strategies {
-                for &c in &opts.criteria {
-                    let th = (st == Strategy::Threshold).then(|| pools.as_ref().expect("pools").thresholds(c, s));
-                    maskers.push(Masker::new(model, st, c, s, sketches.as_ref(), th).with_experts_used(k));
-                }
-            }
+    let asked = opts
+        .experts
+        .clone()
+        .unwrap_or_else(|| default_expert_counts(moe.n_used));
+    if let Some(k) = asked.iter().find(|&&k| k == 0 || k > moe.n_experts) {
+        return Err(Error::Invalid(format!(
+            "--experts {k}: this model has {} experts per layer; give counts from 1 to {}",
+            moe.n_experts, moe.n_experts
+        )));
+    }
+    if let Some(st) = opts.strategies.iter().find(|&&st| st != Strategy::TopK) {
+        return Err(Error::Invalid(format!(
+            "{}: a mixture-of-experts model takes top-K masks inside each routed expert; --strategy {} keeps \
+             per-layer state over a dense layer's neurons: use --strategy topk",
+            model.path.display(),
+            st.name()
+        )));
+    }
+    if opts.criteria.contains(&Criterion::Sketch) || opts.per_layer_tokens > 0 {
+        return Err(Error::Invalid(format!(
+            "{}: the sketch criterion and per-layer budgets are not available for mixture-of-experts models; \
+             use --criterion gate, exact or candidates and no --per-layer-tokens",
+            model.path.display()
+        )));
+    }
+    let mut counts = vec![None];
+    for k in asked {
+        if k != moe.n_used && !counts.contains(&Some(k)) {
+            counts.push(Some(k));
         }
     }
-    let key = match &opts.checkpoint {
-        Some(_) => checkpoint_key(model, text, text_name, opts)?,
-        None => serde_json::Value::Null,
+    Ok(counts)
+}
+
+/// The up-row sketches the sketch criterion scores with (None when no criterion asks for them);
+/// a streamed model's up rows are read through its stream.
+fn sketches_for(model: &Model, passes: Passes, opts: &EvalOptions) -> Result<Option<UpSketches>> {
+    if !opts.criteria.contains(&Criterion::Sketch) {
+        return Ok(None);
+    }
+    let built = match passes.stream {
+        // A streamed model's up rows are read through its stream (counted in its reads).
+        Some(s) if model.placement == Placement::OnDisk => UpSketches::build_with(model, &|w| s.read_matrix(w))?,
+        _ => UpSketches::build(model),
     };
-    let resumed = match &opts.checkpoint {
-        Some(path) => read_checkpoint(path, &key)?,
-        None => None,
-    };
-    let mut allocations: Vec<Option<Allocation>> = maskers.iter().map(|_| None).collect();
-    if opts.per_layer_tokens > 0 {
-        if windows * opts.ctx + opts.per_layer_tokens > tokens.len() {
-            return Err(Error::Invalid(
-                "evaluation windows and the per-layer sensitivity tokens would overlap".into(),
-            ));
+    Ok(Some(built.ok_or_else(|| {
+        Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into())
+    })?))
+}
+
+/// With the threshold strategy: refuses calibration tokens (from the end of a text of
+/// `text_tokens`) that would overlap the evaluation windows.
+fn check_calibration_room(opts: &EvalOptions, windows: usize, text_tokens: usize) -> Result<()> {
+    if opts.strategies.contains(&Strategy::Threshold) && windows * opts.ctx + opts.calibrate_tokens > text_tokens {
+        return Err(Error::Invalid(format!(
+            "evaluation windows ({} tokens) and calibration ({} tokens from the end) would overlap in a text of {} tokens",
+            windows * opts.ctx,
+            opts.calibrate_tokens,
+            text_tokens
+        )));
+    }
+    Ok(())
+}
+
+/// The score pools threshold masks take their thresholds from, collected on
+/// `opts.calibrate_tokens` tokens from the end of the text (None without the threshold
+/// strategy).
+fn threshold_pools(
+    model: &Model,
+    passes: Passes,
+    text: &str,
+    text_name: &str,
+    opts: &EvalOptions,
+    sketches: Option<&UpSketches>,
+) -> Result<Option<ScorePools>> {
+    if !opts.strategies.contains(&Strategy::Threshold) {
+        return Ok(None);
+    }
+    Ok(Some(ScorePools::collect(
+        model,
+        passes,
+        text,
+        text_name,
+        opts.calibrate_tokens,
+        &opts.criteria,
+        sketches,
+    )?))
+}
+
+/// The configurations an evaluation runs, in the order of its rows after the dense one.
+struct Configs<'a> {
+    maskers: Vec<Masker<'a>>,
+    /// Per configuration: the per-layer allocation its levels came from (per-layer rows only).
+    allocations: Vec<Option<Allocation>>,
+    /// Configurations other than jittered copies: the first `base` (the rows of the report).
+    base: usize,
+    /// Per configuration: an earlier one whose mask equals its own by construction (union
+    /// candidates = union exact); it is not run and takes that one's results after every window.
+    copy_of: Vec<Option<usize>>,
+}
+
+impl<'a> Configs<'a> {
+    /// Per count of experts per token (dense models: one, `None`): every neuron (a row of its
+    /// own unless the count is the model's), then every (level, strategy, criterion) mask.
+    fn uniform(
+        model: &Model,
+        expert_counts: &[Option<usize>],
+        opts: &EvalOptions,
+        sketches: Option<&'a UpSketches>,
+        pools: Option<&ScorePools>,
+    ) -> Configs<'a> {
+        let mut maskers: Vec<Masker> = Vec::new();
+        for &k in expert_counts {
+            if k.is_some() {
+                maskers.push(Masker::new(model, Strategy::TopK, Criterion::Gate, 0.0, None, None).with_experts_used(k));
+            }
+            for &s in opts.sparsities.iter().filter(|&&s| s > 0.0) {
+                for &st in &opts.strategies {
+                    for &c in &opts.criteria {
+                        let th = (st == Strategy::Threshold).then(|| pools.expect("pools").thresholds(c, s));
+                        maskers.push(Masker::new(model, st, c, s, sketches, th).with_experts_used(k));
+                    }
+                }
+            }
         }
+        Configs {
+            allocations: maskers.iter().map(|_| None).collect(),
+            base: maskers.len(),
+            copy_of: Vec::new(),
+            maskers,
+        }
+    }
+
+    /// Adds top-K with per-layer levels for every (criterion, level): sensitivity measured on
+    /// `opts.per_layer_tokens` tokens, or the allocations a resumed run measured before, bit
+    /// for bit.
+    #[allow(clippy::too_many_arguments)] // the evaluation's inputs, as eval_with has them
+    fn add_per_layer(
+        &mut self,
+        model: &Model,
+        passes: Passes,
+        text: &str,
+        opts: &EvalOptions,
+        sketches: Option<&'a UpSketches>,
+        resumed: Option<&Checkpoint>,
+        progress: &mut dyn FnMut(&str, usize, usize),
+    ) -> Result<()> {
         let levels = opts.sparsities.iter().filter(|&&s| s > 0.0);
-        // A resumed run takes the allocations it measured before, bit for bit.
-        let uniform = maskers.len();
+        let uniform = self.maskers.len();
         let mut saved = resumed.iter().flat_map(|c| c.configs.iter().skip(uniform));
         for &c in &opts.criteria {
             let mut sens = None;
@@ -678,159 +822,226 @@ pub fn eval_with(
                                 text,
                                 opts.per_layer_tokens,
                                 c,
-                                sketches.as_ref(),
+                                sketches,
                                 &mut |d, n| progress(&stage, d, n),
                             )?;
                             sens = Some(m);
                         }
                         sens.as_ref()
                             .expect("measured")
-                            .allocate_checked(model, passes, s, sketches.as_ref())?
+                            .allocate_checked(model, passes, s, sketches)?
                     }
                 };
-                maskers.push(
-                    Masker::new(model, Strategy::TopK, c, s, sketches.as_ref(), None).with_per_layer(a.levels.clone()),
-                );
-                allocations.push(Some(a));
+                self.maskers
+                    .push(Masker::new(model, Strategy::TopK, c, s, sketches, None).with_per_layer(a.levels.clone()));
+                self.allocations.push(Some(a));
             }
         }
+        Ok(())
     }
-    // Jittered copies follow the configurations they copy, seed by seed.
-    let base = maskers.len();
-    for seed in 1..=opts.jitter_seeds as u64 {
-        for i in 0..base {
-            let m = maskers[i].jittered(seed);
-            maskers.push(m);
-            allocations.push(allocations[i].clone());
+
+    /// Adds `seeds` jittered copies of every configuration, seed by seed, and marks which
+    /// configurations copy an earlier one's mask.
+    fn add_jittered(&mut self, seeds: usize) {
+        self.base = self.maskers.len();
+        for seed in 1..=seeds as u64 {
+            for i in 0..self.base {
+                let m = self.maskers[i].jittered(seed);
+                self.maskers.push(m);
+                self.allocations.push(self.allocations[i].clone());
+            }
         }
+        let maskers = &self.maskers;
+        self.copy_of = (0..maskers.len())
+            .map(|i| (0..i).find(|&j| maskers[j].same_mask_as(&maskers[i])))
+            .collect();
     }
-    // A configuration whose mask equals an earlier one's by construction (union candidates =
-    // union exact) is not run: it takes that one's results after every window.
-    let copy_of: Vec<Option<usize>> = (0..maskers.len())
-        .map(|i| (0..i).find(|&j| maskers[j].same_mask_as(&maskers[i])))
-        .collect();
-    let bytes = FfnBytes::of(model)?;
-    let (half, vocab) = (opts.ctx / 2, model.config.vocab);
-    let mut dense_acc = Accum::default();
-    let mut accs: Vec<Accum> = maskers.iter().map(|_| Accum::default()).collect();
-    let (mut start, mut seconds_before) = (0, 0.0);
-    if let Some(c) = &resumed {
-        if c.configs.len() != maskers.len() || c.windows_done > windows {
+
+    /// The union masks that run, to vote on a window's dense first half.
+    fn voters(&self) -> Voters<'_> {
+        Voters(
+            self.maskers
+                .iter()
+                .zip(&self.copy_of)
+                .filter(|(m, copy)| m.strategy == Strategy::Union && copy.is_none())
+                .map(|(m, _)| m)
+                .collect(),
+        )
+    }
+}
+
+/// The sums so far: dense's and each configuration's, after `windows_done` windows that took
+/// `seconds_before` seconds in earlier runs.
+struct Tally {
+    dense: Accum,
+    configs: Vec<Accum>,
+    windows_done: usize,
+    seconds_before: f64,
+}
+
+impl Tally {
+    /// Nothing summed yet, or what the checkpoint `resumed` holds (the configurations' mask
+    /// counters restored too), checked to fit `configs` and `windows`.
+    fn resumed(resumed: Option<Checkpoint>, configs: &Configs, opts: &EvalOptions, windows: usize) -> Result<Tally> {
+        let mut t = Tally {
+            dense: Accum::default(),
+            configs: configs.maskers.iter().map(|_| Accum::default()).collect(),
+            windows_done: 0,
+            seconds_before: 0.0,
+        };
+        let Some(c) = resumed else {
+            return Ok(t);
+        };
+        if c.configs.len() != configs.maskers.len() || c.windows_done > windows {
             return Err(Error::Invalid(format!(
                 "{}: the checkpoint holds {} configurations after {} windows; this evaluation has {} and {} windows; remove it to start over",
                 opts.checkpoint.as_ref().expect("resumed from a file").display(),
                 c.configs.len(),
                 c.windows_done,
-                maskers.len(),
+                configs.maskers.len(),
                 windows
             )));
         }
-        dense_acc = Accum::load(c.dense);
-        for ((acc, m), state) in accs.iter_mut().zip(&maskers).zip(&c.configs) {
+        t.dense = Accum::load(c.dense);
+        for ((acc, m), state) in t.configs.iter_mut().zip(&configs.maskers).zip(&c.configs) {
             *acc = Accum::load(state.accum);
             m.restore_counters(&state.counters)?;
         }
-        (start, seconds_before) = (c.windows_done, c.seconds);
+        (t.windows_done, t.seconds_before) = (c.windows_done, c.seconds);
+        Ok(t)
     }
-    let stop = opts.windows_this_run.map_or(windows, |n| (start + n).min(windows));
-    let mut cache = KvCache::new(&model.config, opts.ctx);
-    // Union masks run the window's first half dense and vote on it: that half is the dense pass's
-    // own first half, so it runs once, with every union mask voting, and each union mask then
-    // runs only the second half from the dense keys and values.
-    let voters = Voters(
-        maskers
-            .iter()
-            .zip(&copy_of)
-            .filter(|(m, copy)| m.strategy == Strategy::Union && copy.is_none())
-            .map(|(m, _)| m)
-            .collect(),
-    );
+}
+
+/// One window of the text: its tokens as fed (BOS first), the text's tokens from its start (the
+/// targets), its unscored first half, and how many positions are scored.
+struct Window<'t> {
+    batch: Vec<u32>,
+    targets: &'t [u32],
+    half: usize,
+    scored: usize,
+}
+
+impl<'t> Window<'t> {
+    /// Window `w` of `ctx` tokens of the text's `tokens`.
+    fn new(model: &Model, tokens: &'t [u32], w: usize, ctx: usize) -> Window<'t> {
+        Window {
+            batch: window_tokens(model, tokens, w, ctx),
+            targets: &tokens[w * ctx..],
+            half: ctx / 2,
+            scored: ctx - 1 - ctx / 2,
+        }
+    }
+
+    /// The token position `j` of the window should predict.
+    fn target(&self, j: usize) -> usize {
+        self.targets[j + 1] as usize
+    }
+}
+
+/// Runs one window dense (its first half once, with every union mask voting) and then every
+/// configuration not copying another, and adds each one's scores against dense to `tally`.
+fn eval_window(
+    model: &Model,
+    passes: Passes,
+    window: &Window,
+    voters: &Voters,
+    configs: &Configs,
+    cache: &mut KvCache,
+    tally: &mut Tally,
+) -> Result<()> {
+    let (batch, half, vocab) = (&window.batch, window.half, model.config.vocab);
+    let batch_max = passes.batch_max();
     // Without union masks the first half runs with no mask at all (a mixture-of-experts model
     // takes only masks that run inside its experts).
-    let voting = passes.hooks((!voters.0.is_empty()).then_some(&voters as &dyn FfnMask), None);
-    let batch_max = passes.batch_max();
-    progress("windows", start, windows);
-    for w in start..stop {
-        let batch = window_tokens(model, &tokens, w, opts.ctx);
-        let target = |j: usize| tokens[w * opts.ctx + j + 1] as usize;
-        cache.clear();
-        for m in &voters.0 {
-            m.start_union_context(half);
-        }
-        model.forward_in_batches(&batch[..half], &mut cache, half - 1, &voting, batch_max)?;
-        let dense = model.forward_in_batches(&batch[half..], &mut cache, 0, &passes.hooks(None, None), batch_max)?;
-        let dense_lp: Vec<Vec<f64>> = dense.par_chunks(vocab).map(log_probs).collect();
-        let dense_top: Vec<u32> = dense.par_chunks(vocab).map(argmax).collect();
-        for (i, lp) in dense_lp.iter().enumerate().take(opts.ctx - 1 - half) {
-            dense_acc.nll -= lp[target(half + i)];
-            dense_acc.count += 1;
-        }
-        // Union masks first: they start from the dense first half still in the cache.
-        let mut order: Vec<usize> = (0..maskers.len()).filter(|&i| copy_of[i].is_none()).collect();
-        order.sort_by_key(|&i| maskers[i].strategy != Strategy::Union);
-        for i in order {
-            let (m, acc) = (&maskers[i], &mut accs[i]);
-            let hooks = passes.hooks(Some(m), None);
-            let sparse = if m.strategy == Strategy::Union {
-                // The context (first half) has voted in the dense pass; its keys stay.
-                m.set_union_context(0);
-                cache.truncate(half);
-                model.forward_in_batches(&batch[half..], &mut cache, 0, &hooks, batch_max)?
-            } else {
-                cache.clear();
-                model.forward_in_batches(&batch, &mut cache, half, &hooks, batch_max)?
-            };
-            // Each position is scored on its own (in parallel: with a large vocabulary this is a
-            // good share of the work) and the scores are summed in position order, as before.
-            let scores: Vec<(f64, bool, f64)> = sparse
-                .par_chunks(vocab)
-                .take(opts.ctx - 1 - half)
-                .enumerate()
-                .map(|(i, row)| {
-                    let lp = log_probs(row);
-                    let kl = dense_lp[i].iter().zip(&lp).map(|(d, s)| d.exp() * (d - s)).sum::<f64>();
-                    (lp[target(half + i)], argmax(row) == dense_top[i], kl)
-                })
-                .collect();
-            for (lp_target, agree, kl) in scores {
-                acc.nll -= lp_target;
-                acc.agree += agree as u64;
-                acc.kl += kl;
-                acc.count += 1;
-            }
-        }
-        for (i, j) in copy_of.iter().enumerate().filter_map(|(i, j)| j.map(|j| (i, j))) {
-            accs[i] = accs[j].clone();
-            maskers[i].restore_counters(&maskers[j].counters())?;
-        }
-        if let Some(path) = &opts.checkpoint {
-            let configs = maskers
-                .iter()
-                .zip(&accs)
-                .zip(&allocations)
-                .map(|((m, acc), a)| ConfigState {
-                    accum: acc.save(),
-                    counters: m.counters(),
-                    allocation: a.clone(),
-                })
-                .collect();
-            let c = Checkpoint {
-                format: CHECKPOINT_FORMAT.into(),
-                key: key.clone(),
-                windows_done: w + 1,
-                seconds: seconds_before + t0.elapsed().as_secs_f64(),
-                dense: dense_acc.save(),
-                configs,
-            };
-            let bytes = serde_json::to_vec(&c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
-            crate::io::write_replacing(path, &bytes)?;
-        }
-        progress("windows", w + 1, windows);
+    let voting = passes.hooks((!voters.0.is_empty()).then_some(voters as &dyn FfnMask), None);
+    cache.clear();
+    for m in &voters.0 {
+        m.start_union_context(half);
     }
-    if stop < windows {
-        return Ok(None);
+    model.forward_in_batches(&batch[..half], cache, half - 1, &voting, batch_max)?;
+    let dense = model.forward_in_batches(&batch[half..], cache, 0, &passes.hooks(None, None), batch_max)?;
+    let dense_lp: Vec<Vec<f64>> = dense.par_chunks(vocab).map(log_probs).collect();
+    let dense_top: Vec<u32> = dense.par_chunks(vocab).map(argmax).collect();
+    for (i, lp) in dense_lp.iter().enumerate().take(window.scored) {
+        tally.dense.nll -= lp[window.target(half + i)];
+        tally.dense.count += 1;
     }
-    let dense_ppl = (dense_acc.nll / dense_acc.count as f64).exp();
+    let maskers = &configs.maskers;
+    // Union masks first: they start from the dense first half still in the cache.
+    let mut order: Vec<usize> = (0..maskers.len()).filter(|&i| configs.copy_of[i].is_none()).collect();
+    order.sort_by_key(|&i| maskers[i].strategy != Strategy::Union);
+    for i in order {
+        let (m, acc) = (&maskers[i], &mut tally.configs[i]);
+        let hooks = passes.hooks(Some(m), None);
+        let sparse = if m.strategy == Strategy::Union {
+            // The context (first half) has voted in the dense pass; its keys stay.
+            m.set_union_context(0);
+            cache.truncate(half);
+            model.forward_in_batches(&batch[half..], cache, 0, &hooks, batch_max)?
+        } else {
+            cache.clear();
+            model.forward_in_batches(batch, cache, half, &hooks, batch_max)?
+        };
+        // Each position is scored on its own (in parallel: with a large vocabulary this is a
+        // good share of the work) and the scores are summed in position order, as before.
+        let scores: Vec<(f64, bool, f64)> = sparse
+            .par_chunks(vocab)
+            .take(window.scored)
+            .enumerate()
+            .map(|(i, row)| {
+                let lp = log_probs(row);
+                let kl = dense_lp[i].iter().zip(&lp).map(|(d, s)| d.exp() * (d - s)).sum::<f64>();
+                (lp[window.target(half + i)], argmax(row) == dense_top[i], kl)
+            })
+            .collect();
+        for (lp_target, agree, kl) in scores {
+            acc.nll -= lp_target;
+            acc.agree += agree as u64;
+            acc.kl += kl;
+            acc.count += 1;
+        }
+    }
+    for (i, j) in configs
+        .copy_of
+        .iter()
+        .enumerate()
+        .filter_map(|(i, j)| j.map(|j| (i, j)))
+    {
+        tally.configs[i] = tally.configs[j].clone();
+        maskers[i].restore_counters(&maskers[j].counters())?;
+    }
+    Ok(())
+}
+
+/// Writes the evaluation's progress (`seconds` in all so far) to the checkpoint at `path`.
+fn save_checkpoint(path: &Path, key: &serde_json::Value, configs: &Configs, tally: &Tally, seconds: f64) -> Result<()> {
+    let states = configs
+        .maskers
+        .iter()
+        .zip(&tally.configs)
+        .zip(&configs.allocations)
+        .map(|((m, acc), a)| ConfigState {
+            accum: acc.save(),
+            counters: m.counters(),
+            allocation: a.clone(),
+        })
+        .collect();
+    let c = Checkpoint {
+        format: CHECKPOINT_FORMAT.into(),
+        key: key.clone(),
+        windows_done: tally.windows_done,
+        seconds,
+        dense: tally.dense.save(),
+        configs: states,
+    };
+    let bytes = serde_json::to_vec(&c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
+    crate::io::write_replacing(path, &bytes)
+}
+
+/// The report's rows: dense first, then each configuration but the jittered copies, with its
+/// copies' spread (`jitter_seeds` of them).
+fn report_rows(model: &Model, configs: &Configs, tally: &Tally, bytes: &FfnBytes, jitter_seeds: usize) -> Vec<EvalRow> {
+    let dense_ppl = (tally.dense.nll / tally.dense.count as f64).exp();
     let dense_bytes = bytes.dense();
     let mut rows = vec![EvalRow {
         strategy: None,
@@ -849,11 +1060,19 @@ pub fn eval_with(
         ffn_bytes_rel_dense: 1.0,
         experts_used: None,
     }];
+    let (base, accs) = (configs.base, &tally.configs);
     let ppl_of = |acc: &Accum| (acc.nll / acc.count as f64).exp();
-    for (i, ((m, acc), allocation)) in maskers.iter().zip(&accs).zip(allocations).take(base).enumerate() {
+    for (i, ((m, acc), allocation)) in configs
+        .maskers
+        .iter()
+        .zip(accs)
+        .zip(&configs.allocations)
+        .take(base)
+        .enumerate()
+    {
         let ppl = ppl_of(acc);
-        let jitter = (opts.jitter_seeds > 0).then(|| {
-            let runs: Vec<&Accum> = (1..=opts.jitter_seeds).map(|s| &accs[s * base + i]).collect();
+        let jitter = (jitter_seeds > 0).then(|| {
+            let runs: Vec<&Accum> = (1..=jitter_seeds).map(|s| &accs[s * base + i]).collect();
             let ppl_increase_pct: Vec<f64> = runs.iter().map(|a| (ppl_of(a) / dense_ppl - 1.0) * 100.0).collect();
             let own = (ppl / dense_ppl - 1.0) * 100.0;
             let (lo, hi) = ppl_increase_pct
@@ -878,7 +1097,7 @@ pub fn eval_with(
             criterion: masked.then_some(m.criterion),
             sparsity: m.sparsity,
             per_layer: m.per_layer.clone(),
-            allocation,
+            allocation: allocation.clone(),
             jitter,
             perplexity: ppl,
             ppl_increase_pct: (ppl / dense_ppl - 1.0) * 100.0,
@@ -893,23 +1112,7 @@ pub fn eval_with(
             experts_used: m.experts_used,
         });
     }
-    let best = frontier(&rows, opts.max_ppl_increase_pct);
-    Ok(Some(EvalReport {
-        max_ppl_increase_pct: opts.max_ppl_increase_pct,
-        frontier: best,
-        model: model.path.display().to_string(),
-        text: text_name.to_string(),
-        windows,
-        ctx: opts.ctx,
-        scored_positions: dense_acc.count as usize,
-        method: METHOD,
-        bytes_model: BYTES_MODEL,
-        calibration: pools.map(|p| p.text),
-        dense_ffn_bytes_per_token: dense_bytes,
-        experts_per_token: own_experts,
-        rows,
-        seconds: seconds_before + t0.elapsed().as_secs_f64(),
-    }))
+    rows
 }
 
 /// The report as a table.

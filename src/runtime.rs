@@ -153,16 +153,19 @@ pub fn stored_mask(path: &Path) -> Result<Option<MaskConfig>> {
     if !is_gst(path) {
         return Ok(None);
     }
-    let g = GstFile::open(path)?;
-    Ok(g.index.recommended_sparse.as_ref().and_then(|r| {
-        Some(MaskConfig {
-            strategy: Strategy::from_name(&r.strategy)?,
-            criterion: Criterion::from_name(&r.criterion)?,
-            sparsity: r.sparsity,
-            per_layer: r.per_layer_sparsity.clone(),
-            stored: true,
-        })
-    }))
+    Ok(recommended_mask(&GstFile::open(path)?.index))
+}
+
+/// The sparse configuration a `.gst` file's `index` recommends, if it stores one.
+pub fn recommended_mask(index: &crate::format::Index) -> Option<MaskConfig> {
+    let r = index.recommended_sparse.as_ref()?;
+    Some(MaskConfig {
+        strategy: Strategy::from_name(&r.strategy)?,
+        criterion: Criterion::from_name(&r.criterion)?,
+        sparsity: r.sparsity,
+        per_layer: r.per_layer_sparsity.clone(),
+        stored: true,
+    })
 }
 
 /// Loads `path` and assembles what `opts` asks for (see the module docs), on a CPU device of
@@ -216,7 +219,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
         None => None,
         Some(ask) => {
             let stored = if ask.strategy.is_none() && ask.criterion.is_none() && ask.sparsity.is_none() {
-                stored_mask(path)?
+                model.gst_index.as_ref().and_then(recommended_mask)
             } else {
                 None
             };

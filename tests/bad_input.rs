@@ -520,6 +520,38 @@ fn command_line_mistakes_are_messages() {
     }
 }
 
+/// Sizes, budgets and engines are parsed with the arguments: a bad one is refused before
+/// anything is opened, naming the flag and what it takes.
+#[test]
+fn bad_budgets_and_engines_are_refused_with_the_arguments() {
+    let cases: [(&[&str], &str); 5] = [
+        (&["run", "--ram-budget", "12Q"], "auto or off"),
+        (&["run", "--vram-budget", "1Q"], "or auto"),
+        (
+            &["perplexity", "--text", "/nonexistent", "--ram-budget", "auto"],
+            "a share of the file",
+        ),
+        (
+            &["eval", "--text", "/nonexistent", "--ram-budget", "150%"],
+            "a share of the file",
+        ),
+        (
+            &["bench", "--model", "/nonexistent", "--engines", "uring,foo"],
+            "uring, pread, mmap",
+        ),
+    ];
+    for (args, says) in cases {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let flag = args[args.len() - 2];
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag) && err.contains(says), "{args:?}: {err}");
+    }
+}
+
 /// `run -h` fits a screen (one line a flag, grouped under headings); `--help` keeps every flag
 /// with its long text, the flags `-h` leaves out among them.
 #[test]

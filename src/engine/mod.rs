@@ -324,148 +324,20 @@ impl<'m> Engine<'m> {
     /// One pass over every active request (see the module docs); returns its events.
     pub fn step(&mut self) -> Result<Vec<Event>> {
         let mut events = Vec::new();
-        let cancelled = self.cancel.is_some_and(|c| c.load(Ordering::Relaxed));
-        // Cancelled requests, and those that may generate nothing, end before any work.
-        self.seqs.retain_mut(|s| {
-            let done = cancelled || s.cancelled || s.max_tokens == 0;
-            if done {
-                let finish = if cancelled || s.cancelled {
-                    Finish::Cancelled
-                } else {
-                    s.at_max
-                };
-                events.push(finished(s, finish));
-            }
-            !done
-        });
-        // The batch: decode tokens first, then prompt pieces while the budget lasts.
-        let mut batch = Batch::default();
-        let mut budget = self.step_tokens_max;
-        // The sequences whose logits the pass returns, in row order: each with its first row and
-        // its number of rows (a decoding sequence has one row for its token and one after each of
-        // its drafts; a prompt's last piece, one).
-        let mut rows: Vec<(usize, usize, usize)> = Vec::new();
-        let mut n_rows = 0;
-        let mut members: Vec<usize> = Vec::new(); // sequence index in `seqs` of each cache slot
-        let mut decode_fed = 0;
-        // Drafts only take what the step has left once every decoding request has its token and
-        // prompts waiting to be fed have up to half the step: no request waits for another's drafts.
-        let mut decoders_after = self.seqs.iter().filter(|s| s.next.is_some()).count();
-        let prompt_left: usize = self
-            .seqs
-            .iter()
-            .filter(|s| s.next.is_none())
-            .map(|s| s.prompt.len() - s.fed)
-            .sum();
-        let for_prompts = prompt_left.min(budget / 2);
+        self.end_before_work(&mut events);
+        let mut plan = StepPlan::new(self.step_tokens_max);
         let now = Instant::now();
-        for (i, s) in self.seqs.iter_mut().enumerate() {
-            s.drafts.clear();
-            if let (Some(t), true) = (s.next, budget > 0) {
-                let slot = members.len();
-                members.push(i);
-                s.pass_start = s.cache.len;
-                decoders_after -= 1;
-                // Drafts: within what is spare of the step and the tokens the request may still
-                // generate.
-                let spare = budget.saturating_sub(1 + decoders_after + for_prompts);
-                let room = spare.min(s.max_tokens - s.generated - 1);
-                s.drafts = match (self.drafter, s.draft.as_mut()) {
-                    (Some(d), Some(st)) => d.draft(st, &s.context, room)?,
-                    _ => lookup_draft(&s.context, s.lookup.min(room)),
-                };
-                batch.push(slot, t, s.cache.len, true);
-                for (j, &d) in s.drafts.iter().enumerate() {
-                    batch.push(slot, d, s.cache.len + 1 + j, true);
-                }
-                rows.push((i, n_rows, 1 + s.drafts.len()));
-                n_rows += 1 + s.drafts.len();
-                budget -= 1 + s.drafts.len();
-                decode_fed += 1 + s.drafts.len();
-                self.drafted += s.drafts.len() as u64;
-                s.stats.drafted += s.drafts.len();
-            }
-        }
-        for (i, s) in self.seqs.iter_mut().enumerate() {
-            if s.next.is_some() || budget == 0 {
-                continue;
-            }
-            let take = (s.prompt.len() - s.fed).min(budget);
-            let slot = members.len();
-            members.push(i);
-            s.started.get_or_insert(now);
-            for j in 0..take {
-                let last = s.fed + j + 1 == s.prompt.len();
-                batch.push(slot, s.prompt[s.fed + j], s.cache.len + j, last);
-                if last {
-                    rows.push((i, n_rows, 1));
-                    n_rows += 1;
-                }
-            }
-            budget -= take;
-        }
-        if batch.is_empty() {
+        self.add_decodes(&mut plan)?;
+        self.add_prompt_pieces(&mut plan, now);
+        if plan.batch.is_empty() {
             return Ok(events);
         }
-        let hooks = Passes {
-            stream: self.stream,
-            batch_tokens_max: self.step_tokens_max,
-            cancel: self.cancel,
-        }
-        .hooks(self.mask, None);
-        let stop_ids = self.model.tokenizer.stop_ids();
-        // Each row's argmax (greedy) or k most likely tokens (a draw with a top-k) is all a
-        // sequence samples from: the device finds them (see `Want::Greedy`, `Want::Top`; the
-        // largest k asked, a row's first k of them being its own k; and the argmax too when
-        // greedy sequences are among them). Log-probabilities need each row's log-sum-exp
-        // beside them, and top log-probabilities at least as many candidates. Only a draw from
-        // the whole vocabulary (top-k 0, or more than the device lists), or more top
-        // log-probabilities than it lists, needs the logits; so do rows that disagree on
-        // banning the stop tokens (`ignore_eos`: banned on the host then), and a request that
-        // asks for them (`logits_on_host`).
-        let (mut greedy, mut sampled, mut lse, mut top_k) = (0usize, 0usize, false, Some(1usize));
-        let (mut bans, mut on_host) = (0usize, false);
-        for &(i, _, _) in &rows {
-            let s = &self.seqs[i];
-            lse |= s.logprobs || s.top_logprobs > 0;
-            bans += s.ignore_eos as usize;
-            on_host |= s.logits_on_host;
-            let own = if s.sampler.is_greedy() {
-                greedy += 1;
-                Some(1)
-            } else {
-                sampled += 1;
-                s.sampler.device_top_k()
-            };
-            top_k = top_k
-                .zip(own)
-                .map(|(a, b)| a.max(b).max(s.top_logprobs))
-                .filter(|&k| k <= crate::model::batch::TOP_K_MAX);
-        }
-        let banned: &[u32] = if bans > 0 { stop_ids } else { &[] };
-        let want = match top_k {
-            _ if on_host || (bans > 0 && bans < rows.len()) => Want::Logits,
-            Some(_) if sampled == 0 && !lse => Want::Greedy { banned },
-            Some(k) => Want::Top {
-                k,
-                banned,
-                greedy: greedy > 0,
-                lse,
-            },
-            None => Want::Logits,
-        };
-        let prompt_fed = batch.len() - decode_fed;
+        let want = self.want(&plan.rows);
+        let prompt_fed = plan.batch.len() - plan.decode_fed;
         if let Some(m) = self.prompt_mask {
             m.prompt_tokens(prompt_fed);
         }
-        let pass = {
-            let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
-            let mut by_index: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
-            for &i in &members {
-                caches.push(&mut by_index[i].take().expect("one slot per sequence").cache);
-            }
-            self.model.forward_batch_want(&batch, &mut caches, &hooks, want)
-        };
+        let pass = self.forward(&plan, want);
         // A mask that learns from prompts is told when no prompt is left to feed (also when the
         // pass failed), so the next prompt votes from nothing.
         if let (Some(m), true) = (self.prompt_mask, pass.is_err()) {
@@ -483,13 +355,167 @@ impl<'m> Engine<'m> {
             }
             Err(e) => return Err(e),
         };
+        self.count_prompts_fed(&plan, prompt_fed);
+        self.ban_stop_tokens(&mut logits, &plan.rows);
+        self.sample(&logits, &plan.rows, &mut events);
+        Ok(events)
+    }
+
+    /// Ends, before any work, the requests cancelled (all of them when the engine is) and those
+    /// that may generate nothing.
+    fn end_before_work(&mut self, events: &mut Vec<Event>) {
+        let cancelled = self.cancel.is_some_and(|c| c.load(Ordering::Relaxed));
+        self.seqs.retain_mut(|s| {
+            let done = cancelled || s.cancelled || s.max_tokens == 0;
+            if done {
+                let finish = if cancelled || s.cancelled {
+                    Finish::Cancelled
+                } else {
+                    s.at_max
+                };
+                events.push(finished(s, finish));
+            }
+            !done
+        });
+    }
+
+    /// Puts the next token of every decoding sequence in the step's batch, each with its drafts:
+    /// drafts only take what the step has left once every decoding request has its token and
+    /// prompts waiting to be fed have up to half the step, so no request waits for another's
+    /// drafts.
+    fn add_decodes(&mut self, plan: &mut StepPlan) -> Result<()> {
+        let mut decoders_after = self.seqs.iter().filter(|s| s.next.is_some()).count();
+        let prompt_left: usize = self
+            .seqs
+            .iter()
+            .filter(|s| s.next.is_none())
+            .map(|s| s.prompt.len() - s.fed)
+            .sum();
+        let for_prompts = prompt_left.min(plan.budget / 2);
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            s.drafts.clear();
+            if let (Some(t), true) = (s.next, plan.budget > 0) {
+                let slot = plan.members.len();
+                plan.members.push(i);
+                s.pass_start = s.cache.len;
+                decoders_after -= 1;
+                // Drafts: within what is spare of the step and the tokens the request may still
+                // generate.
+                let spare = plan.budget.saturating_sub(1 + decoders_after + for_prompts);
+                let room = spare.min(s.max_tokens - s.generated - 1);
+                s.drafts = match (self.drafter, s.draft.as_mut()) {
+                    (Some(d), Some(st)) => d.draft(st, &s.context, room)?,
+                    _ => lookup_draft(&s.context, s.lookup.min(room)),
+                };
+                plan.batch.push(slot, t, s.cache.len, true);
+                for (j, &d) in s.drafts.iter().enumerate() {
+                    plan.batch.push(slot, d, s.cache.len + 1 + j, true);
+                }
+                plan.rows.push((i, plan.n_rows, 1 + s.drafts.len()));
+                plan.n_rows += 1 + s.drafts.len();
+                plan.budget -= 1 + s.drafts.len();
+                plan.decode_fed += 1 + s.drafts.len();
+                self.drafted += s.drafts.len() as u64;
+                s.stats.drafted += s.drafts.len();
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the next piece of every prompt still being prefilled in the step's batch while its
+    /// budget lasts (`now`: the step's start, a request's start if this is its first pass).
+    fn add_prompt_pieces(&mut self, plan: &mut StepPlan, now: Instant) {
+        for (i, s) in self.seqs.iter_mut().enumerate() {
+            if s.next.is_some() || plan.budget == 0 {
+                continue;
+            }
+            let take = (s.prompt.len() - s.fed).min(plan.budget);
+            let slot = plan.members.len();
+            plan.members.push(i);
+            s.started.get_or_insert(now);
+            for j in 0..take {
+                let last = s.fed + j + 1 == s.prompt.len();
+                plan.batch.push(slot, s.prompt[s.fed + j], s.cache.len + j, last);
+                if last {
+                    plan.rows.push((i, plan.n_rows, 1));
+                    plan.n_rows += 1;
+                }
+            }
+            plan.budget -= take;
+        }
+    }
+
+    /// What the pass hands back for the sequences of `rows` to sample from.
+    ///
+    /// Each row's argmax (greedy) or k most likely tokens (a draw with a top-k) is all a
+    /// sequence samples from: the device finds them (see `Want::Greedy`, `Want::Top`; the
+    /// largest k asked, a row's first k of them being its own k; and the argmax too when
+    /// greedy sequences are among them). Log-probabilities need each row's log-sum-exp
+    /// beside them, and top log-probabilities at least as many candidates. Only a draw from
+    /// the whole vocabulary (top-k 0, or more than the device lists), or more top
+    /// log-probabilities than it lists, needs the logits; so do rows that disagree on
+    /// banning the stop tokens (`ignore_eos`: banned on the host then), and a request that
+    /// asks for them (`logits_on_host`).
+    fn want(&self, rows: &[(usize, usize, usize)]) -> Want<'m> {
+        let stop_ids = self.model.tokenizer.stop_ids();
+        let (mut greedy, mut sampled, mut lse, mut top_k) = (0usize, 0usize, false, Some(1usize));
+        let (mut bans, mut on_host) = (0usize, false);
+        for &(i, _, _) in rows {
+            let s = &self.seqs[i];
+            lse |= s.logprobs || s.top_logprobs > 0;
+            bans += s.ignore_eos as usize;
+            on_host |= s.logits_on_host;
+            let own = if s.sampler.is_greedy() {
+                greedy += 1;
+                Some(1)
+            } else {
+                sampled += 1;
+                s.sampler.device_top_k()
+            };
+            top_k = top_k
+                .zip(own)
+                .map(|(a, b)| a.max(b).max(s.top_logprobs))
+                .filter(|&k| k <= crate::model::batch::TOP_K_MAX);
+        }
+        let banned: &[u32] = if bans > 0 { stop_ids } else { &[] };
+        match top_k {
+            _ if on_host || (bans > 0 && bans < rows.len()) => Want::Logits,
+            Some(_) if sampled == 0 && !lse => Want::Greedy { banned },
+            Some(k) => Want::Top {
+                k,
+                banned,
+                greedy: greedy > 0,
+                lse,
+            },
+            None => Want::Logits,
+        }
+    }
+
+    /// The step's forward pass over its batch, each member's KV cache in its slot.
+    fn forward(&mut self, plan: &StepPlan, want: Want) -> Result<PassOut> {
+        let hooks = Passes {
+            stream: self.stream,
+            batch_tokens_max: self.step_tokens_max,
+            cancel: self.cancel,
+        }
+        .hooks(self.mask, None);
+        let mut caches: Vec<&mut KvCache> = Vec::with_capacity(plan.members.len());
+        let mut by_index: Vec<Option<&mut Sequence>> = self.seqs.iter_mut().map(Some).collect();
+        for &i in &plan.members {
+            caches.push(&mut by_index[i].take().expect("one slot per sequence").cache);
+        }
+        self.model.forward_batch_want(&plan.batch, &mut caches, &hooks, want)
+    }
+
+    /// Counts the prompt tokens the pass fed (`prompt_fed` in all); tells the stream when a
+    /// prompt is done, and a mask that learns from prompts when none is left to feed.
+    fn count_prompts_fed(&mut self, plan: &StepPlan, prompt_fed: usize) {
         let done = Instant::now();
-        // Prompt tokens fed.
         let mut prompt_done = false;
-        for (slot, &i) in members.iter().enumerate() {
+        for (slot, &i) in plan.members.iter().enumerate() {
             let s = &mut self.seqs[i];
             if s.next.is_none() {
-                s.fed += batch.seq_of_token.iter().filter(|&&x| x == slot).count();
+                s.fed += plan.batch.seq_of_token.iter().filter(|&&x| x == slot).count();
                 s.stats.prefilled = s.fed;
                 if s.fed == s.prompt.len() {
                     s.prefilled_at = Some(done);
@@ -506,10 +532,14 @@ impl<'m> Engine<'m> {
         ) {
             m.prompt_tokens(0);
         }
-        let vocab = self.model.config.vocab;
-        // Rows of a request that bans the stop tokens, where the pass brought logits.
-        if let PassOut::Logits(l) = &mut logits {
-            for &(i, r0, n) in &rows {
+    }
+
+    /// Bans the stop tokens in the rows of a request that asks so, where the pass brought
+    /// logits.
+    fn ban_stop_tokens(&self, logits: &mut PassOut, rows: &[(usize, usize, usize)]) {
+        let (vocab, stop_ids) = (self.model.config.vocab, self.model.tokenizer.stop_ids());
+        if let PassOut::Logits(l) = logits {
+            for &(i, r0, n) in rows {
                 if self.seqs[i].ignore_eos {
                     for row in l[r0 * vocab..(r0 + n) * vocab].chunks_exact_mut(vocab) {
                         crate::model::sampler::ban(row, stop_ids);
@@ -517,11 +547,14 @@ impl<'m> Engine<'m> {
                 }
             }
         }
-        // Sample every sequence that got logits, its drafts verified (see `walk_rows`); the cache
-        // is rolled back past a rejected draft.
-        let tokenizer = &self.model.tokenizer;
+    }
+
+    /// Samples every sequence that got logits, its drafts verified (see `walk_rows`; the cache
+    /// is rolled back past a rejected draft), and ends those that finished.
+    fn sample(&mut self, logits: &PassOut, rows: &[(usize, usize, usize)], events: &mut Vec<Event>) {
+        let (tokenizer, vocab) = (&self.model.tokenizer, self.model.config.vocab);
         let mut ended = Vec::new();
-        for &(i, r0, n) in &rows {
+        for &(i, r0, n) in rows {
             let s = &mut self.seqs[i];
             let decoding = s.next.is_some();
             s.stats.decode_passes += decoding as usize;
@@ -573,7 +606,37 @@ impl<'m> Engine<'m> {
             let mut s = self.seqs.remove(i);
             events.push(finished(&mut s, finish));
         }
-        Ok(events)
+    }
+}
+
+/// One step's pass as it is assembled: decode tokens first, then prompt pieces while the
+/// budget lasts.
+struct StepPlan {
+    batch: Batch,
+    /// Tokens the step may still take.
+    budget: usize,
+    /// The sequences whose logits the pass returns, in row order: each with its first row and
+    /// its number of rows (a decoding sequence has one row for its token and one after each of
+    /// its drafts; a prompt's last piece, one).
+    rows: Vec<(usize, usize, usize)>,
+    n_rows: usize,
+    /// The sequence index in `seqs` of each cache slot.
+    members: Vec<usize>,
+    /// Tokens of decoding sequences (fed tokens and drafts); the rest are prompt tokens.
+    decode_fed: usize,
+}
+
+impl StepPlan {
+    /// Nothing yet, `budget` tokens to take.
+    fn new(budget: usize) -> StepPlan {
+        StepPlan {
+            batch: Batch::default(),
+            budget,
+            rows: Vec::new(),
+            n_rows: 0,
+            members: Vec::new(),
+            decode_fed: 0,
+        }
     }
 }
 

@@ -38,6 +38,9 @@ pub struct Model {
     pub placement: Placement,
     /// Where the forward pass computes (the CPU today; one device, one thread pool, per model).
     pub device: Arc<dyn Device>,
+    /// A `.gst` file's index as read at load (its calibration, its recommended mask), kept so
+    /// nothing opens the file again to read it; None for other formats.
+    pub gst_index: Option<crate::format::Index>,
 }
 
 /// Options for loading.
@@ -271,8 +274,14 @@ impl Model {
         if opts.placement == Placement::OnDisk {
             weights.leave_on_disk(&src.tensors);
         }
+        let parts = src.tensors.parts();
+        let gst_index = match src.tensors {
+            TensorSource::Gst(g) => Some(g.index),
+            _ => None,
+        };
         Ok(Model {
-            parts: src.tensors.parts(),
+            parts,
+            gst_index,
             placement: opts.placement,
             path: path.to_path_buf(),
             config: src.config,

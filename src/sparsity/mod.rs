@@ -354,11 +354,10 @@ impl<'a> Masker<'a> {
                     model.path.display()
                 ))
             };
-            if !crate::gstfile::is_gst(&model.path) {
+            let Some(index) = &model.gst_index else {
                 return Err(not_calibrated());
-            }
-            let g = crate::gstfile::GstFile::open(&model.path)?;
-            let cal = g.index.calibration.as_ref().ok_or_else(not_calibrated)?;
+            };
+            let cal = index.calibration.as_ref().ok_or_else(not_calibrated)?;
             // Each layer's threshold at the stored level nearest to `sparsity`; a level more than
             // half a point away would run a different configuration than asked, so it is refused.
             let mut t = Vec::with_capacity(cal.layers.len());

@@ -494,39 +494,60 @@ pub fn parse_budget(s: &str, file_bytes: u64) -> Result<u64> {
 
 /// As [`parse_budget`], for the flag `flag` (named in the error).
 pub fn parse_budget_for(flag: &str, s: &str, file_bytes: u64) -> Result<u64> {
-    let bad = || {
-        Error::Invalid(format!(
-            "{flag} {s:?}: give bytes with an optional suffix (700M, 1.5G, 512MiB) or a share of the file (40%)"
-        ))
-    };
-    let t = s.trim();
-    if let Some(p) = t.strip_suffix('%') {
-        let p: f64 = p.trim().parse().map_err(|_| bad())?;
-        if !(0.0..=100.0).contains(&p) {
-            return Err(bad());
+    let size = BudgetSize::parse(s).ok_or_else(|| Error::Invalid(format!("{flag} {s:?}: {}", BudgetSize::EXPECTED)))?;
+    Ok(size.bytes(file_bytes))
+}
+
+/// A budget as given, before the model's size is known: bytes, or a share of the model file.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BudgetSize {
+    Bytes(u64),
+    /// Percent of the file, 0 to 100.
+    Percent(f64),
+}
+
+impl BudgetSize {
+    /// What [`BudgetSize::parse`] takes, for messages.
+    pub const EXPECTED: &'static str =
+        "give bytes with an optional suffix (700M, 1.5G, 512MiB) or a share of the file (40%)";
+
+    /// Bytes with an optional K/M/G suffix (powers of 1000; KiB/MiB/GiB for powers of 1024), or
+    /// a percentage ("40%"); None when `s` is neither.
+    pub fn parse(s: &str) -> Option<BudgetSize> {
+        let t = s.trim();
+        if let Some(p) = t.strip_suffix('%') {
+            let p: f64 = p.trim().parse().ok()?;
+            return (0.0..=100.0).contains(&p).then_some(BudgetSize::Percent(p));
         }
-        return Ok((file_bytes as f64 * p / 100.0) as u64);
-    }
-    let units: [(&str, f64); 8] = [
-        ("KiB", 1024.0),
-        ("MiB", 1024.0 * 1024.0),
-        ("GiB", 1024.0 * 1024.0 * 1024.0),
-        ("K", 1e3),
-        ("M", 1e6),
-        ("G", 1e9),
-        ("B", 1.0),
-        ("", 1.0),
-    ];
-    for (suffix, mult) in units {
-        if let Some(num) = t.strip_suffix(suffix) {
-            if let Ok(v) = num.trim().parse::<f64>() {
-                if v >= 0.0 && v.is_finite() {
-                    return Ok((v * mult) as u64);
+        let units: [(&str, f64); 8] = [
+            ("KiB", 1024.0),
+            ("MiB", 1024.0 * 1024.0),
+            ("GiB", 1024.0 * 1024.0 * 1024.0),
+            ("K", 1e3),
+            ("M", 1e6),
+            ("G", 1e9),
+            ("B", 1.0),
+            ("", 1.0),
+        ];
+        for (suffix, mult) in units {
+            if let Some(num) = t.strip_suffix(suffix) {
+                if let Ok(v) = num.trim().parse::<f64>() {
+                    if v >= 0.0 && v.is_finite() {
+                        return Some(BudgetSize::Bytes((v * mult) as u64));
+                    }
                 }
             }
         }
+        None
     }
-    Err(bad())
+
+    /// The bytes this is of a model file of `file_bytes`.
+    pub fn bytes(self, file_bytes: u64) -> u64 {
+        match self {
+            BudgetSize::Bytes(b) => b,
+            BudgetSize::Percent(p) => (file_bytes as f64 * p / 100.0) as u64,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -732,6 +753,19 @@ mod tests {
         assert_eq!(parse_budget("40%", 1000).unwrap(), 400);
         for bad in ["", "abc", "-5M", "150%", "12Q"] {
             assert!(parse_budget(bad, 1000).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_budget_parsed_before_the_file_is_known_gives_the_same_bytes() {
+        assert_eq!(BudgetSize::parse("40%"), Some(BudgetSize::Percent(40.0)));
+        assert_eq!(BudgetSize::parse("1.5G"), Some(BudgetSize::Bytes(1_500_000_000)));
+        for s in ["700M", "1.5G", "512MiB", "4096", "40%", "0.5 %", " 3K "] {
+            let b = BudgetSize::parse(s).unwrap();
+            assert_eq!(b.bytes(123_456_789), parse_budget(s, 123_456_789).unwrap(), "{s}");
+        }
+        for bad in ["", "abc", "-5M", "150%", "12Q", "x%", "auto", "off"] {
+            assert_eq!(BudgetSize::parse(bad), None, "{bad}");
         }
     }
 }

@@ -2,8 +2,8 @@
 
 use super::*;
 
-pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
-    let Command::Bench {
+pub(crate) fn bench(c: BenchArgs) -> anyhow::Result<()> {
+    let BenchArgs {
         model,
         trace,
         text,
@@ -24,10 +24,7 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
         json,
         plot,
         device,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     use gatestream::bench::{bench, link_table, plot as bench_plot, table, BenchOptions, EngineConfig};
     if device_only {
         let mut bar = Progress::new();
@@ -119,8 +116,8 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
     let mut configs = Vec::new();
     let deepest = queue_depths.iter().copied().max().unwrap_or(64);
     for e in &engines {
-        match e.as_str() {
-            "uring" => {
+        match e {
+            IoArg::Uring => {
                 for &qd in &queue_depths {
                     configs.push(EngineConfig {
                         engine: "uring",
@@ -134,17 +131,16 @@ pub(crate) fn bench(c: Command) -> anyhow::Result<()> {
                     fixed_buffers: false,
                 });
             }
-            "pread" => configs.push(EngineConfig {
+            IoArg::Pread => configs.push(EngineConfig {
                 engine: "pread",
                 queue_depth: deepest,
                 fixed_buffers: false,
             }),
-            "mmap" => configs.push(EngineConfig {
+            IoArg::Mmap => configs.push(EngineConfig {
                 engine: "mmap",
                 queue_depth: 1,
                 fixed_buffers: false,
             }),
-            other => anyhow::bail!("--engines: unknown engine {other:?} (uring, pread, mmap)"),
         }
     }
     let opts = BenchOptions {

@@ -2,8 +2,8 @@
 
 use super::*;
 
-pub(crate) fn reformat(c: Command) -> anyhow::Result<()> {
-    let Command::Reformat {
+pub(crate) fn reformat(c: ReformatArgs) -> anyhow::Result<()> {
+    let ReformatArgs {
         input,
         output,
         ffn_layout,
@@ -16,10 +16,7 @@ pub(crate) fn reformat(c: Command) -> anyhow::Result<()> {
         force,
         threads,
         json,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     use gatestream::format::{NeuronOrder, UpSketch};
     use gatestream::quant::GgmlType;
     use gatestream::reformat::{reformat, ReformatOptions};
@@ -72,8 +69,8 @@ pub(crate) fn reformat(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn make_moe(c: Command) -> anyhow::Result<()> {
-    let Command::MakeMoe {
+pub(crate) fn make_moe(c: MakeMoeArgs) -> anyhow::Result<()> {
+    let MakeMoeArgs {
         model,
         output,
         arch,
@@ -85,10 +82,7 @@ pub(crate) fn make_moe(c: Command) -> anyhow::Result<()> {
         seed,
         force,
         json,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     use gatestream::config::Arch;
     use gatestream::quant::GgmlType;
     let dense = match model {
@@ -142,10 +136,8 @@ pub(crate) fn make_moe(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn inspect(c: Command) -> anyhow::Result<()> {
-    let Command::Inspect { file, json } = c else {
-        unreachable!("dispatched by name");
-    };
+pub(crate) fn inspect(c: InspectArgs) -> anyhow::Result<()> {
+    let InspectArgs { file, json } = c;
     let g = gatestream::gstfile::GstFile::open(&file)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&g.index)?);
@@ -155,10 +147,8 @@ pub(crate) fn inspect(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn verify(c: Command) -> anyhow::Result<()> {
-    let Command::Verify { file } = c else {
-        unreachable!("dispatched by name");
-    };
+pub(crate) fn verify(c: VerifyArgs) -> anyhow::Result<()> {
+    let VerifyArgs { file } = c;
     let g = gatestream::gstfile::GstFile::open(&file)?;
     let mut bar = Progress::new();
     let mb = |done: u64, total: u64| if done == total { total.div_ceil(1 << 20) } else { done >> 20 } as usize;

@@ -2,8 +2,8 @@
 
 use super::*;
 
-pub(crate) fn run(c: Command) -> anyhow::Result<()> {
-    let Command::Run {
+pub(crate) fn run(c: RunArgs) -> anyhow::Result<()> {
+    let RunArgs {
         model,
         prompt,
         max_tokens,
@@ -22,10 +22,7 @@ pub(crate) fn run(c: Command) -> anyhow::Result<()> {
         sparse,
         stream,
         json,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
         anyhow::bail!("--top-p {top_p} must be in (0, 1]");
     }

@@ -20,7 +20,7 @@ use gatestream::perplexity::{perplexity_with, PerplexityOptions};
 use gatestream::runtime::{KvPositions, OpenOptions, Outcome, SparseAsk, StreamAsk};
 use gatestream::sparsity::Masker;
 use gatestream::stream::cache::CachePolicy;
-use gatestream::stream::residency::{parse_budget, parse_budget_for, Priority};
+use gatestream::stream::residency::{BudgetSize, Priority};
 use gatestream::stream::CostSource;
 
 mod args;
@@ -202,7 +202,7 @@ fn auto_placement(
     context_positions: usize,
     device: Option<&dyn Device>,
 ) -> anyhow::Result<Option<gatestream::placement::Decision>> {
-    if !matches!(stream.ram_budget.as_deref(), None | Some("auto")) {
+    if !matches!(stream.ram_budget, None | Some(RamBudget::Auto)) {
         return Ok(None);
     }
     let given = match std::env::var("GATESTREAM_MEMORY_LIMIT") {
@@ -223,7 +223,7 @@ fn auto_placement(
         + 512 * gatestream::stream::activation_bytes_per_token(&cfg);
     let mut d = gatestream::placement::decide(model_bytes, context_bytes, &memory);
     let gpu = device.filter(|d| !d.host_memory());
-    if let (Some(gpu), None | Some("auto")) = (gpu, stream.vram_budget.as_deref()) {
+    if let (Some(gpu), None | Some(VramBudget::Auto)) = (gpu, stream.vram_budget) {
         if let Some(free) = gpu.memory_free() {
             let weights = match d.placed {
                 gatestream::placement::Placed::InRam => model_bytes,
@@ -253,9 +253,9 @@ fn stream_ask(
         }) => Some(*budget_bytes),
         _ => None,
     };
-    let budget = match (stream.ram_budget.as_deref(), &decision) {
-        (Some("off"), _) => None,
-        (Some(b), _) if b != "auto" => Some(parse_budget(b, gatestream::model::model_bytes(path)?)?),
+    let budget = match (stream.ram_budget, &decision) {
+        (Some(RamBudget::Off), _) => None,
+        (Some(RamBudget::Size(b)), _) => Some(b.bytes(gatestream::model::model_bytes(path)?)),
         (
             _,
             Some(gatestream::placement::Decision {
@@ -265,7 +265,10 @@ fn stream_ask(
         ) => Some(*budget_bytes),
         _ => None,
     };
-    let explicit_vram = stream.vram_budget.as_deref().filter(|v| *v != "auto");
+    let explicit_vram = match stream.vram_budget {
+        Some(VramBudget::Size(v)) => Some(v),
+        _ => None,
+    };
     if budget.is_none() && explicit_vram.is_none() && auto_vram.is_none() {
         return Ok((None, decision));
     }
@@ -275,7 +278,7 @@ fn stream_ask(
             // Only a GPU budget: the whole model in host RAM, streamed from there.
             budget_bytes: budget.unwrap_or(gatestream::stream::RAM_UNLIMITED),
             vram_budget_bytes: match explicit_vram {
-                Some(v) => Some(parse_budget_for("--vram-budget", v, file_bytes)?),
+                Some(v) => Some(v.bytes(file_bytes)),
                 None => auto_vram,
             },
             prefetch_buffers: stream.read_ahead as usize + 1,
@@ -468,7 +471,7 @@ fn open_named_device(arg: DeviceArg, threads: usize, cuda_opt: &[String]) -> any
 /// [`open_plain`] with what `--model`, `--device`, `--threads` and `--experts-used` say.
 fn open_for_passes(
     args: &ModelArgs,
-    ram_budget: Option<&str>,
+    ram_budget: Option<BudgetSize>,
     io: IoArg,
     kv_positions: usize,
 ) -> anyhow::Result<gatestream::runtime::Runtime> {
@@ -493,7 +496,7 @@ fn open_plain(
     path: &std::path::Path,
     device: Arc<dyn Device>,
     threads: usize,
-    ram_budget: Option<&str>,
+    ram_budget: Option<BudgetSize>,
     io: IoArg,
     kv_positions: usize,
     experts_used: Option<usize>,
@@ -501,7 +504,7 @@ fn open_plain(
     let stream = match ram_budget {
         None => None,
         Some(b) => Some(StreamAsk {
-            budget_bytes: parse_budget(b, gatestream::model::model_bytes(path)?)?,
+            budget_bytes: b.bytes(gatestream::model::model_bytes(path)?),
             engine: engine_of(io),
             reader: ReaderOptions::default(),
             cache: None,
@@ -563,7 +566,7 @@ fn tune_allocator() {
 /// Whether automatic placement will stream `cmd`'s model (decided again, with the run's own
 /// context, when it opens).
 fn placement_streams(cmd: &Command) -> bool {
-    let (Command::Run { model, stream, .. } | Command::Serve { model, stream, .. }) = cmd else {
+    let (Command::Run(RunArgs { model, stream, .. }) | Command::Serve(ServeArgs { model, stream, .. })) = cmd else {
         return false;
     };
     let Ok(path) = model_path(model) else { return false };
@@ -601,18 +604,18 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        c @ Command::Run { .. } => generate_cmd::run(c)?,
-        c @ Command::Serve { .. } => serve_cmd::serve(c)?,
-        c @ Command::Perplexity { .. } => quality_cmd::perplexity(c)?,
-        c @ Command::Reformat { .. } => files_cmd::reformat(c)?,
-        c @ Command::MakeModel { .. } => make::make_model(c)?,
-        c @ Command::MakeMoe { .. } => files_cmd::make_moe(c)?,
-        c @ Command::Bench { .. } => bench_cmd::bench(c)?,
-        c @ Command::Eval { .. } => quality_cmd::eval(c)?,
-        c @ Command::Recommend { .. } => quality_cmd::recommend(c)?,
-        c @ Command::Calibrate { .. } => quality_cmd::calibrate(c)?,
-        c @ Command::Inspect { .. } => files_cmd::inspect(c)?,
-        c @ Command::Verify { .. } => files_cmd::verify(c)?,
+        Command::Run(c) => generate_cmd::run(c)?,
+        Command::Serve(c) => serve_cmd::serve(c)?,
+        Command::Perplexity(c) => quality_cmd::perplexity(c)?,
+        Command::Reformat(c) => files_cmd::reformat(c)?,
+        Command::MakeModel(c) => make::make_model(c)?,
+        Command::MakeMoe(c) => files_cmd::make_moe(c)?,
+        Command::Bench(c) => bench_cmd::bench(c)?,
+        Command::Eval(c) => quality_cmd::eval(c)?,
+        Command::Recommend(c) => quality_cmd::recommend(c)?,
+        Command::Calibrate(c) => quality_cmd::calibrate(c)?,
+        Command::Inspect(c) => files_cmd::inspect(c)?,
+        Command::Verify(c) => files_cmd::verify(c)?,
     }
     Ok(())
 }

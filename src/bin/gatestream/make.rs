@@ -8,7 +8,7 @@ use gatestream::format::FfnLayout;
 use gatestream::reformat::{DownType, ReformatOptions};
 use gatestream::synth::{MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
 
-use crate::args::{Command, DownArg, LayoutArg, MakeArchArg, MixArg, ModelFormatArg};
+use crate::args::{DownArg, LayoutArg, MakeArchArg, MakeModelArgs, MixArg, ModelFormatArg};
 use crate::output::Progress;
 
 impl From<LayoutArg> for FfnLayout {
@@ -39,8 +39,8 @@ pub(crate) fn models_dir() -> anyhow::Result<PathBuf> {
         .ok_or_else(|| anyhow::anyhow!("neither GATESTREAM_MODELS nor HOME is set: give the model's path"))
 }
 
-pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
-    let Command::MakeModel {
+pub(crate) fn make_model(c: MakeModelArgs) -> anyhow::Result<()> {
+    let MakeModelArgs {
         output,
         shape,
         mix,
@@ -68,10 +68,7 @@ pub(crate) fn make_model(c: Command) -> anyhow::Result<()> {
         seed,
         force,
         json,
-    } = c
-    else {
-        unreachable!("called for make-model only");
-    };
+    } = c;
     let custom_flags = [
         hidden,
         ffn,

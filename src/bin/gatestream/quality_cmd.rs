@@ -3,8 +3,8 @@
 
 use super::*;
 
-pub(crate) fn perplexity(c: Command) -> anyhow::Result<()> {
-    let Command::Perplexity {
+pub(crate) fn perplexity(c: PerplexityArgs) -> anyhow::Result<()> {
+    let PerplexityArgs {
         model,
         text,
         ctx,
@@ -12,12 +12,9 @@ pub(crate) fn perplexity(c: Command) -> anyhow::Result<()> {
         json,
         ram_budget,
         io,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     let body = std::fs::read_to_string(&text).with_context(|| format!("reading {}", text.display()))?;
-    let rt = open_for_passes(&model, ram_budget.as_deref(), io, ctx)?;
+    let rt = open_for_passes(&model, ram_budget, io, ctx)?;
     let passes = gatestream::model::forward::Passes {
         stream: rt.layer_stream(),
         batch_tokens_max: 0,
@@ -42,8 +39,8 @@ pub(crate) fn perplexity(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn eval(c: Command) -> anyhow::Result<()> {
-    let Command::Eval {
+pub(crate) fn eval(c: EvalArgs) -> anyhow::Result<()> {
+    let EvalArgs {
         model,
         text,
         ctx,
@@ -64,10 +61,7 @@ pub(crate) fn eval(c: Command) -> anyhow::Result<()> {
         jitter_seeds,
         ram_budget,
         io,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     use gatestream::eval::{eval_with, table, EvalOptions};
     let checkpoint = checkpoint.or_else(|| {
         json.as_ref().map(|j| {
@@ -81,7 +75,7 @@ pub(crate) fn eval(c: Command) -> anyhow::Result<()> {
     }
     // KV positions: a window, a calibration window (512 + BOS), the sensitivity tokens.
     let kv = ctx.max(513).max(per_layer_tokens + 1);
-    let rt = open_for_passes(&model, ram_budget.as_deref(), io, kv)?;
+    let rt = open_for_passes(&model, ram_budget, io, kv)?;
     let passes = gatestream::model::forward::Passes {
         stream: rt.layer_stream(),
         batch_tokens_max: 0,
@@ -147,15 +141,12 @@ pub(crate) fn eval(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn recommend(c: Command) -> anyhow::Result<()> {
-    let Command::Recommend {
+pub(crate) fn recommend(c: RecommendArgs) -> anyhow::Result<()> {
+    let RecommendArgs {
         report,
         model,
         max_ppl_increase,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     let mut reports = Vec::with_capacity(report.len());
     for path in &report {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
@@ -176,16 +167,13 @@ pub(crate) fn recommend(c: Command) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub(crate) fn calibrate(c: Command) -> anyhow::Result<()> {
-    let Command::Calibrate {
+pub(crate) fn calibrate(c: CalibrateArgs) -> anyhow::Result<()> {
+    let CalibrateArgs {
         model,
         text,
         tokens,
         threads,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     let mut bar = Progress::new();
     let cal = gatestream::reformat::recalibrate(&model, &text, tokens, threads, &mut |stage, d, n| {
         bar.update(stage, d, n)

@@ -2,8 +2,8 @@
 
 use super::*;
 
-pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
-    let Command::Serve {
+pub(crate) fn serve(c: ServeArgs) -> anyhow::Result<()> {
+    let ServeArgs {
         model,
         host,
         port,
@@ -21,10 +21,7 @@ pub(crate) fn serve(c: Command) -> anyhow::Result<()> {
         shutdown_grace,
         no_webui,
         stream,
-    } = c
-    else {
-        unreachable!("dispatched by name");
-    };
+    } = c;
     if stream.record_trace.is_some() {
         anyhow::bail!("--record-trace records one run's neurons; it is not for serve (use `run`)");
     }
