@@ -572,14 +572,13 @@ const LLAMA_CPP_SMALL_QWEN3: f64 = 2814481.9355;
 /// by far more. (tests/stream.rs streams the same mixes.)
 #[test]
 fn small_type_mixes_match_llama_cpp() {
-    use gatestream::config::Arch;
     use gatestream::perplexity::{perplexity, PerplexityOptions};
     use gatestream::quant::GgmlType as T;
     use gatestream::synth::{Mix, Shape};
     let tmp = tempfile::tempdir().unwrap();
+    // A small llama: the named shape's settings at small dimensions.
     let shape = Shape {
         name: "custom".into(),
-        arch: Arch::Llama,
         hidden: 512,
         ffn: 1024,
         layers: 2,
@@ -589,13 +588,7 @@ fn small_type_mixes_match_llama_cpp() {
         vocab: 0,
         context_len: 4096,
         rope_theta: 1e4,
-        rms_eps: 1e-5,
-        tied: false,
-        experts: None,
-        rope_factors: None,
-        mla: None,
-        rope_dim: None,
-        routing: None,
+        ..Shape::named("llama3-8b").unwrap()
     };
     let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let opts = PerplexityOptions { ctx: 512, windows: 2 };

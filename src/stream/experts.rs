@@ -575,7 +575,8 @@ impl ExpertStream {
             }
             let key = (job.layer, job.expert);
             // (Read ahead packed: the expert's pieces back to back from the buffer's first byte.)
-            st.cache.insert(key, (Arc::new(done.buf), done.starts), step, &keys, &mut st.spare);
+            st.cache
+                .insert(key, (Arc::new(done.buf), done.starts), step, &keys, &mut st.spare);
             landed.push(key);
         }
         let waited = t0.elapsed().as_nanos() as u64;
