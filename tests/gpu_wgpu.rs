@@ -312,7 +312,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 14] = [
+    let checks: [(&str, Check); 15] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -321,6 +321,29 @@ fn main() {
             for per_thread in [false, true] {
                 d.set_row_per_thread(per_thread);
                 let r = device_checks::products_per_type(d.as_ref(), &WGPU_TYPES, 1e-4);
+                let what = if per_thread {
+                    "one thread a row"
+                } else {
+                    "one workgroup a row"
+                };
+                match r {
+                    Ok(m) => out.push(format!("  [{what}]\n{m}")),
+                    Err(m) => {
+                        d.set_row_per_thread(default);
+                        return Err(format!("  [{what}]\n{m}"));
+                    }
+                }
+            }
+            d.set_row_per_thread(default);
+            Ok(out.join("\n"))
+        }),
+        // Rows wider than one thread's loops reach on lavapipe (Qwen2.5-1.5B's FFN), both kernels.
+        ("kernels_wide_rows", |d| {
+            let default = d.row_per_thread();
+            let mut out = Vec::new();
+            for per_thread in [false, true] {
+                d.set_row_per_thread(per_thread);
+                let r = device_checks::wide_products_against_cpu(d.as_ref(), 1e-4);
                 let what = if per_thread {
                     "one thread a row"
                 } else {

@@ -175,6 +175,71 @@ pub fn products_per_type(dev: &dyn Device, types: &[GgmlType], tol: f64) -> Resu
     }
 }
 
+/// Products over the rows of real models' FFNs, wider than `products_per_type` takes: Qwen2.5-1.5B's
+/// down projection (8960 columns: 35 K blocks), Q4_K and Q6_K, one token, a part tile and two
+/// tiles of 8, against the CPU device; and the neuron-major product over 8960 rows (all, and
+/// every other one). On lavapipe a thread's loops end after 65535 iterations: a kernel that
+/// loops over a whole row of 8960 for 8 tokens in one thread stops part way, silently.
+pub fn wide_products_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, String> {
+    let cpu = CpuBackend::new(1);
+    let mut rng = Rng(66);
+    let (wide, narrow) = (8960, 64);
+    let mut worst = 0f64;
+    let mut failed = Vec::new();
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let w = quantized(ty, narrow, wide, &mut rng);
+        let tall = quantized(ty, wide, 256, &mut rng);
+        let d = dequantized(&tall);
+        for n in [1, 5, 8, 16] {
+            let x = rng.values(n * wide);
+            let got = dev.download(dev.matmul(&[&w], &dev.upload(n, wide, x.clone())).remove(0));
+            let want = cpu.download(cpu.matmul(&[&w], &cpu.upload(n, wide, x)).remove(0));
+            let e = rel_err(&got, &want);
+            if e > tol {
+                failed.push(format!("{} {narrow}x{wide}, {n} tokens: {e:.2e}", ty.name()));
+            }
+            worst = worst.max(e);
+            let acts = rng.values(n * wide);
+            let every_other: Vec<u32> = (0..wide as u32).step_by(2).collect();
+            for subset in [None, Some(&every_other[..])] {
+                let mut out = dev.zeros(n, 256);
+                dev.accumulate_rows(&tall, subset, &dev.upload(n, wide, acts.clone()), &mut out);
+                let got = dev.download(out);
+                let all: Vec<u32> = (0..wide as u32).collect();
+                let list = subset.unwrap_or(&all);
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|t| {
+                        let (acts, d) = (&acts, &d);
+                        (0..256).map(move |c| {
+                            list.iter()
+                                .map(|&r| acts[t * wide + r as usize] as f64 * d[r as usize][c] as f64)
+                                .sum::<f64>() as f32
+                        })
+                    })
+                    .collect();
+                let e = rel_err(&got, &want);
+                if e > tol {
+                    failed.push(format!(
+                        "{} neuron-major over {} of {wide} rows, {n} tokens: {e:.2e}",
+                        ty.name(),
+                        list.len()
+                    ));
+                }
+                worst = worst.max(e);
+            }
+        }
+        err_of(dev).map_err(|e| format!("{ty:?}: {e}"))?;
+    }
+    let msg = format!(
+        "  rows of 8960 (Qwen2.5-1.5B's FFN; Q4_K, Q6_K; 1, 5, 8 and 16 tokens) and neuron-major sums over 8960 \
+         rows: worst |diff| / max against the CPU or f64 {worst:.2e} (bar {tol:.0e})"
+    );
+    match failed.is_empty() {
+        true => Ok(msg),
+        false => Err(format!("{msg}\n  FAILED: {}", failed.join("; "))),
+    }
+}
+
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
