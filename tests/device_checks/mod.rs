@@ -591,6 +591,87 @@ pub fn model_against_cpu(
     }
 }
 
+/// `w` decoded to F32 (the same values, exactly).
+fn f32_matrix(w: &Weight) -> Weight {
+    let mut bytes = Vec::with_capacity(w.rows * w.cols * 4);
+    let mut row = vec![0f32; w.cols];
+    for r in 0..w.rows {
+        w.dequantize_row(r, &mut row);
+        bytes.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    Weight::owned(&w.name, GgmlType::F32, w.rows, w.cols, bytes).expect("an F32 matrix")
+}
+
+/// Every product's matrix of a dense model (attention, FFN, output; the embedding's rows are
+/// decoded on the host by every device) replaced by `f32s` in order, made on first use.
+fn with_f32_matrices(m: &mut Model, f32s: &mut Vec<Weight>) {
+    use gatestream::model::weights::{FfnDown, LayerFfn};
+    let mut i = 0;
+    let mut swap = |w: &mut Weight| {
+        if f32s.len() <= i {
+            f32s.push(f32_matrix(w));
+        }
+        *w = f32s[i].clone();
+        i += 1;
+    };
+    for l in m.weights.layers.iter_mut() {
+        for w in [&mut l.attn.wq, &mut l.attn.wk, &mut l.attn.wv, &mut l.attn.wo] {
+            swap(w);
+        }
+        if let LayerFfn::Dense(f) = &mut l.ffn {
+            swap(&mut f.gate);
+            swap(&mut f.up);
+            if let FfnDown::Rows(d) = &mut f.down {
+                swap(d);
+            }
+        }
+    }
+    swap(&mut m.weights.output);
+}
+
+/// As [`model_against_cpu`], with the model's matrices decoded to F32 on both devices: the
+/// products then multiply the f32 activations themselves, not the CPU's 8-bit blocks, so what
+/// separates the two is the device's arithmetic alone (no activation rounded to another 8-bit
+/// step, which moves a quantized model's logits by a few percent of their range). Passes when
+/// no step's token differs and the perplexities are within `bar` (relative) of each other.
+#[allow(clippy::too_many_arguments)]
+pub fn model_f32_against_cpu(
+    name: &str,
+    path: &std::path::Path,
+    dev: Arc<dyn Device>,
+    prompt: &str,
+    steps: usize,
+    text: &str,
+    (ctx, windows): (usize, usize),
+    bar: f64,
+) -> Result<String, String> {
+    let mut cpu = load(path, Arc::new(CpuBackend::new(0)))?;
+    let mut on_dev = load(path, dev)?;
+    let mut f32s = Vec::new();
+    with_f32_matrices(&mut cpu, &mut f32s);
+    with_f32_matrices(&mut on_dev, &mut f32s);
+    drop(f32s);
+    let tokens = cpu.tokenizer.encode(prompt, true).map_err(|e| e.to_string())?;
+    let (mismatches, worst) = compare_greedy(&cpu, &on_dev, &tokens, steps)?;
+    let opts = gatestream::perplexity::PerplexityOptions { ctx, windows };
+    let pc = gatestream::perplexity::perplexity(&cpu, text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+    let pd = gatestream::perplexity::perplexity(&on_dev, text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+    let rel = (pd.perplexity / pc.perplexity - 1.0).abs();
+    let msg = format!(
+        "  {name}, matrices decoded to F32: greedy argmax differs at {mismatches}/{steps} steps; max |dlogit| = \
+         {:.5}% of the range; perplexity ({windows} windows of {ctx}) cpu {:.6} device {:.6} (diff {:.5}%, bar {:.3}%)",
+        worst * 100.0,
+        pc.perplexity,
+        pd.perplexity,
+        rel * 100.0,
+        bar * 100.0
+    );
+    match mismatches == 0 && rel <= bar {
+        true => Ok(msg),
+        false => Err(msg),
+    }
+}
+
 /// Mean negative log-likelihood of the second half of `tokens` (one pass).
 pub fn nll(m: &Model, tokens: &[u32]) -> Result<f64, String> {
     let mut c = KvCache::new(&m.config, tokens.len());
