@@ -29,7 +29,13 @@ type Check = fn(&Arc<WgpuDevice>) -> Result<String, String>;
 
 /// Checks a run without names leaves out on a software adapter (lavapipe: SmolLM2 takes about
 /// 4 minutes on 2 cores, the larger two longer), saying so; named, they run.
-const LONG_ON_SOFTWARE: [&str; 3] = ["smollm2_wgpu_vs_cpu", "gemma3_wgpu_vs_cpu", "qwen1.5b_wgpu_vs_cpu"];
+const LONG_ON_SOFTWARE: [&str; 5] = [
+    "smollm2_wgpu_vs_cpu",
+    "gemma3_wgpu_vs_cpu",
+    "qwen1.5b_wgpu_vs_cpu",
+    "gemma3_f32_wgpu_vs_cpu",
+    "qwen1.5b_f32_wgpu_vs_cpu",
+];
 
 /// Greedy steps and perplexity windows of the real-model checks: on a software adapter
 /// (lavapipe, CI's 2 cores) fewer, so the suite stays within minutes.
@@ -68,14 +74,14 @@ fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: b
     )
 }
 
-/// Gemma 3 and Qwen2.5 (whose wgpu runs do not yet agree with the CPU's) are refused at load,
-/// naming `--device cpu`, unless GATESTREAM_WGPU_UNCHECKED asks to run them (their own checks
-/// below, to debug them).
+/// The architectures checked here (dense llama, qwen2, gemma3) load; another (a small random
+/// dense qwen3, written here) is refused at load, naming `--device cpu`, unless
+/// GATESTREAM_WGPU_UNCHECKED asks to run it anyway.
 fn unchecked_refused(dev: &Arc<WgpuDevice>) -> Result<String, String> {
     if std::env::var_os("GATESTREAM_WGPU_UNCHECKED").is_some() {
         return Ok("GATESTREAM_WGPU_UNCHECKED is set: not refused".into());
     }
-    let mut seen = Vec::new();
+    let mut loaded = Vec::new();
     for (file, fetch) in [
         ("gemma-3-270m-q4_k_m.gguf", "gemma3"),
         ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen1.5b"),
@@ -87,14 +93,81 @@ fn unchecked_refused(dev: &Arc<WgpuDevice>) -> Result<String, String> {
                 path.display()
             ));
         }
-        let device: Arc<dyn gatestream::backend::Device> = dev.clone();
-        match gatestream::model::Model::load_on(&path, &Default::default(), device) {
-            Ok(_) => return Err(format!("{file}: loaded on the wgpu device; it should be refused")),
-            Err(e) if e.to_string().contains("--device cpu") => seen.push(file),
-            Err(e) => return Err(format!("{file}: refused for another reason: {e}")),
+        let cpu: Arc<dyn gatestream::backend::Device> = Arc::new(gatestream::backend::cpu::CpuBackend::new(1));
+        let m = gatestream::model::Model::load_on(&path, &Default::default(), cpu).map_err(|e| e.to_string())?;
+        if let Some(why) = dev.refuses_model(&m.config) {
+            return Err(format!("{file}: refused: {why}"));
         }
+        loaded.push(file);
     }
-    Ok(format!("refused, naming --device cpu: {}", seen.join(", ")))
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
+    let path = std::env::temp_dir().join(format!("gatestream-wgpu-qwen3-{}.gguf", std::process::id()));
+    let spec = MakeSpec {
+        shape: Shape {
+            name: "small-qwen3".into(),
+            arch: gatestream::config::Arch::Qwen3,
+            hidden: 256,
+            ffn: 256,
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 128,
+            vocab: 512,
+            context_len: 4096,
+            rope_theta: 1e6,
+            rms_eps: 1e-6,
+            tied: false,
+            experts: None,
+            rope_factors: None,
+            mla: None,
+            rope_dim: None,
+            routing: None,
+        },
+        mix: Mix::Q4KM,
+        dequantize: false,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 1,
+        residual_gain: 0.1,
+    };
+    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    let device: Arc<dyn gatestream::backend::Device> = dev.clone();
+    let r = gatestream::model::Model::load_on(&path, &Default::default(), device);
+    let _ = std::fs::remove_file(&path);
+    match r {
+        Ok(_) => Err("a qwen3 model loaded on the wgpu device; it should be refused".into()),
+        Err(e) if e.to_string().contains("--device cpu") => Ok(format!(
+            "  not refused: {}; a qwen3 model refused, naming --device cpu",
+            loaded.join(", ")
+        )),
+        Err(e) => Err(format!("a qwen3 model refused for another reason: {e}")),
+    }
+}
+
+/// A real model with its matrices decoded to F32 on both devices (see
+/// `device_checks::model_f32_against_cpu`): the device's arithmetic against the CPU's exact path,
+/// within 0.01% in perplexity.
+fn real_model_f32(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, ctx: usize) -> Result<String, String> {
+    let path = models_dir().join(file);
+    if !path.exists() {
+        return Err(format!(
+            "{}: not found; fetch it with `tools/fetch-models.sh {fetch}`",
+            path.display()
+        ));
+    }
+    let (steps, (ctx, windows)) = match dev.software() {
+        true => (4, (ctx, 1)),
+        false => (32, (256, 4)),
+    };
+    device_checks::model_f32_against_cpu(
+        name,
+        &path,
+        dev.clone(),
+        "The capital of France is",
+        steps,
+        &wiki_text(100_000)?,
+        (ctx, windows),
+        1e-4,
+    )
 }
 
 /// `HostLink::measure_link` (what `bench --device wgpu` prints): a positive rate for each size
@@ -312,7 +385,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 14] = [
+    let checks: [(&str, Check); 17] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -321,6 +394,29 @@ fn main() {
             for per_thread in [false, true] {
                 d.set_row_per_thread(per_thread);
                 let r = device_checks::products_per_type(d.as_ref(), &WGPU_TYPES, 1e-4);
+                let what = if per_thread {
+                    "one thread a row"
+                } else {
+                    "one workgroup a row"
+                };
+                match r {
+                    Ok(m) => out.push(format!("  [{what}]\n{m}")),
+                    Err(m) => {
+                        d.set_row_per_thread(default);
+                        return Err(format!("  [{what}]\n{m}"));
+                    }
+                }
+            }
+            d.set_row_per_thread(default);
+            Ok(out.join("\n"))
+        }),
+        // Rows wider than one thread's loops reach on lavapipe (Qwen2.5-1.5B's FFN), both kernels.
+        ("kernels_wide_rows", |d| {
+            let default = d.row_per_thread();
+            let mut out = Vec::new();
+            for per_thread in [false, true] {
+                d.set_row_per_thread(per_thread);
+                let r = device_checks::wide_products_against_cpu(d.as_ref(), 1e-4);
                 let what = if per_thread {
                     "one thread a row"
                 } else {
@@ -381,6 +477,18 @@ fn main() {
                 "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
                 "qwen1.5b",
                 true,
+            )
+        }),
+        ("gemma3_f32_wgpu_vs_cpu", |d| {
+            real_model_f32(d, "Gemma 3 270M", "gemma-3-270m-q4_k_m.gguf", "gemma3", 128)
+        }),
+        ("qwen1.5b_f32_wgpu_vs_cpu", |d| {
+            real_model_f32(
+                d,
+                "Qwen2.5-Coder-1.5B",
+                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                "qwen1.5b",
+                32,
             )
         }),
     ];

@@ -24,7 +24,9 @@ const T_Q6_K: u32 = 10u;
 // at most 65535 wide); `act_width`: the neuron-major product's activation width; `out_width`:
 // the product's output rows (a weight split into several buffers is multiplied a buffer at a
 // time: `rows` of them from output row `first`); `first`: for the neuron-major product, the
-// buffer's first row (its activation).
+// buffer's first row (its activation); `row0`: for the neuron-major product, the first of the
+// `rows` summed over this launch (a software adapter bounds each thread's loops: lavapipe ends
+// them past 65535 iterations, so a long sum is cut into launches, each adding to `y`).
 struct Params {
     rows: u32,
     cols: u32,
@@ -36,7 +38,7 @@ struct Params {
     act_width: u32,
     out_width: u32,
     first: u32,
-    _pad0: u32,
+    row0: u32,
     _pad1: u32,
 }
 
@@ -204,7 +206,7 @@ fn accumulate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     }
     let nt = min(TILE, p.ntok - t0);
     var acc: array<f32, 8>;
-    for (var i = 0u; i < p.rows; i += 1u) {
+    for (var i = p.row0; i < p.row0 + p.rows; i += 1u) {
         var r = i;
         if (p.use_ids != 0u) {
             r = ids[i];

@@ -130,6 +130,28 @@ const MAX_HEAD_DIM: usize = 256;
 /// Widest head the RoPE kernel keeps in workgroup memory.
 const MAX_ROPE_HEAD: usize = 1024;
 
+/// Loop iterations one shader invocation may run on a software adapter. Mesa's lavapipe
+/// (gallivm) bounds every invocation's loops, all of them together, to 65535 iterations
+/// (`LP_MAX_TGSI_LOOP_ITERATIONS`) and past that ends them early, without an error: a kernel
+/// whose thread loops longer computes a partial result. The one-thread-a-row product over
+/// Qwen2.5-1.5B's FFN (8960 columns, a tile of 8 tokens: 80640 iterations) did, and gave wrong
+/// logits from 6 tokens on. Kernels are launched so that no invocation passes this (with room
+/// for the loops not counted here).
+const LOOP_BUDGET: usize = 60_000;
+
+/// Loop iterations of one `matmul_thread` invocation: each element of the row times the tile's
+/// tokens, then the 64 partial sums added in a tree (an upper bound).
+fn matmul_thread_loops(cols: usize, tokens: usize) -> usize {
+    (cols + 64) * (tokens.min(TILE) + 2)
+}
+
+/// Loop iterations of one `attention` invocation over `positions` cached positions: per tile of
+/// 64 positions, the query's dot product with a key, the tile's maximum and the value sums (an
+/// upper bound).
+fn attention_loops(head_dim: usize, positions: usize) -> usize {
+    positions.div_ceil(64) * (head_dim + 64 * 7 + 16) + head_dim
+}
+
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 pub struct WgpuDevice {
@@ -630,6 +652,9 @@ impl WgpuDevice {
         for part in &parts {
             // Rows of this buffer: the listed ones (one buffer), or the part's own.
             let part_rows = if ids.is_some() { rows } else { part.rows };
+            // On a software adapter a row too wide for one thread's loop budget is multiplied by a
+            // workgroup (the same sums in the same order: the same bits).
+            let per_thread = per_thread && matmul_thread_loops(w.cols, x.rows) <= LOOP_BUDGET;
             let (entry, row_groups) = match per_thread {
                 true => ("matmul_thread", part_rows.div_ceil(64)),
                 false => ("matmul", part_rows),
@@ -921,16 +946,19 @@ impl Device for WgpuDevice {
         type_code(ty).is_some()
     }
 
-    /// Checked against the CPU (tests/gpu_wgpu.rs): dense `llama`-architecture models
-    /// (stories260K, SmolLM2). Qwen2.5-Coder-1.5B computes wrong logits from prompts of 8 tokens
-    /// on, and Gemma-3-270M's perplexity is 0.43% off, causes not found: every other architecture
-    /// is refused until it is checked (`GATESTREAM_WGPU_UNCHECKED=1` runs it anyway, to debug).
+    /// Checked against the CPU (tests/gpu_wgpu.rs): dense `llama` (stories260K, SmolLM2),
+    /// `qwen2` (Qwen2.5-Coder-1.5B: Q/K/V biases, 6 query heads a key head, heads of 128) and
+    /// `gemma3` (Gemma-3-270M: heads of 256, per-head norms, post norms, GeGLU, sliding windows)
+    /// models, their matrices decoded to F32 within 0.01% of the CPU's perplexity. Every other
+    /// architecture is refused until it is checked (`GATESTREAM_WGPU_UNCHECKED=1` runs it
+    /// anyway, to debug).
     fn refuses_model(&self, cfg: &crate::config::ModelConfig) -> Option<String> {
-        let checked = cfg.arch == crate::config::Arch::Llama && cfg.moe.is_none();
+        use crate::config::Arch;
+        let checked = matches!(cfg.arch, Arch::Llama | Arch::Qwen2 | Arch::Gemma3) && cfg.moe.is_none();
         (!checked && std::env::var_os("GATESTREAM_WGPU_UNCHECKED").is_none()).then(|| {
             format!(
-                "the wgpu device is checked against the CPU on dense llama-architecture models only so far, and this \
-                 is a{} {} model (GATESTREAM_WGPU_UNCHECKED=1 runs it anyway)",
+                "the wgpu device is checked against the CPU on dense llama, qwen2 and gemma3 models only so far, and \
+                 this is a{} {} model (GATESTREAM_WGPU_UNCHECKED=1 runs it anyway)",
                 if cfg.moe.is_some() { " mixture-of-experts" } else { "" },
                 cfg.arch.name()
             )
@@ -1138,45 +1166,57 @@ impl Device for WgpuDevice {
         }
         let id_buf = rows.map(|ids| self.u32_buffer("row ids", ids));
         let grid = Self::grid(w.cols.div_ceil(64) * acts.rows.div_ceil(TILE));
+        // A thread sums its column over the rows, each row times the tile's tokens: on a software
+        // adapter, rows in launches short enough for its loop budget (see [`LOOP_BUDGET`]).
+        let chunk = match self.software() {
+            true => (LOOP_BUDGET / (acts.rows.min(TILE) + 2)).max(1),
+            false => usize::MAX,
+        };
         for part in &parts {
             let part_rows = if rows.is_some() { n } else { part.rows };
-            let (Some(r), Some(c), Some(t), Some(s), Some(off)) = (
-                self.fits("rows", part_rows),
-                self.fits("columns", w.cols),
-                self.fits("tokens", acts.rows),
-                self.fits("row stride", w.row_stride_bytes),
-                self.fits("rows", part.first),
-            ) else {
-                return;
-            };
-            self.launch(
-                Module::Quant(code),
-                "accumulate",
-                &[
-                    (0, &part.buf),
-                    (1, buf(acts)),
-                    (2, buf(out)),
-                    (3, id_buf.as_ref().unwrap_or(&self.empty)),
-                ],
-                (
-                    4,
+            let mut row0 = 0;
+            while row0 < part_rows {
+                let len = chunk.min(part_rows - row0);
+                let (Some(r), Some(c), Some(t), Some(s), Some(off), Some(r0)) = (
+                    self.fits("rows", len),
+                    self.fits("columns", w.cols),
+                    self.fits("tokens", acts.rows),
+                    self.fits("row stride", w.row_stride_bytes),
+                    self.fits("rows", part.first),
+                    self.fits("rows", row0),
+                ) else {
+                    return;
+                };
+                self.launch(
+                    Module::Quant(code),
+                    "accumulate",
                     &[
-                        r,
-                        c,
-                        t,
-                        s,
-                        rows.is_some() as u32,
-                        grid.0,
-                        0,
-                        w.rows as u32,
-                        0,
-                        off,
-                        0,
-                        0,
+                        (0, &part.buf),
+                        (1, buf(acts)),
+                        (2, buf(out)),
+                        (3, id_buf.as_ref().unwrap_or(&self.empty)),
                     ],
-                ),
-                grid,
-            );
+                    (
+                        4,
+                        &[
+                            r,
+                            c,
+                            t,
+                            s,
+                            rows.is_some() as u32,
+                            grid.0,
+                            0,
+                            w.rows as u32,
+                            0,
+                            off,
+                            r0,
+                            0,
+                        ],
+                    ),
+                    grid,
+                );
+                row0 += len;
+            }
         }
     }
 
@@ -1259,6 +1299,22 @@ impl Device for WgpuDevice {
             self.fail(format!(
                 "wgpu: attention over heads of {hd} (at most {MAX_HEAD_DIM}), {} query heads over {} key heads",
                 shape.n_heads, shape.n_kv_heads
+            ));
+            return self.act(q.rows, q.width, out);
+        }
+        // A software adapter ends a thread's loops past its budget (see [`LOOP_BUDGET`]): a
+        // context longer than one invocation's loops reach is refused, not cut short.
+        let longest = positions
+            .iter()
+            .map(|&p| shape.window.map_or(p + 1, |w| (p + 1).min(w)))
+            .max()
+            .unwrap_or(0);
+        if self.software() && attention_loops(hd, longest) > LOOP_BUDGET {
+            self.fail(format!(
+                "wgpu: attention over {longest} positions with heads of {hd} is past what one thread of the software \
+                 adapter {} loops over (lavapipe ends a thread's loops after 65535 iterations); run with --device cpu \
+                 or a shorter context",
+                self.info.name
             ));
             return self.act(q.rows, q.width, out);
         }

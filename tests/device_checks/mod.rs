@@ -175,6 +175,71 @@ pub fn products_per_type(dev: &dyn Device, types: &[GgmlType], tol: f64) -> Resu
     }
 }
 
+/// Products over the rows of real models' FFNs, wider than `products_per_type` takes: Qwen2.5-1.5B's
+/// down projection (8960 columns: 35 K blocks), Q4_K and Q6_K, one token, a part tile and two
+/// tiles of 8, against the CPU device; and the neuron-major product over 8960 rows (all, and
+/// every other one). On lavapipe a thread's loops end after 65535 iterations: a kernel that
+/// loops over a whole row of 8960 for 8 tokens in one thread stops part way, silently.
+pub fn wide_products_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, String> {
+    let cpu = CpuBackend::new(1);
+    let mut rng = Rng(66);
+    let (wide, narrow) = (8960, 64);
+    let mut worst = 0f64;
+    let mut failed = Vec::new();
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        let w = quantized(ty, narrow, wide, &mut rng);
+        let tall = quantized(ty, wide, 256, &mut rng);
+        let d = dequantized(&tall);
+        for n in [1, 5, 8, 16] {
+            let x = rng.values(n * wide);
+            let got = dev.download(dev.matmul(&[&w], &dev.upload(n, wide, x.clone())).remove(0));
+            let want = cpu.download(cpu.matmul(&[&w], &cpu.upload(n, wide, x)).remove(0));
+            let e = rel_err(&got, &want);
+            if e > tol {
+                failed.push(format!("{} {narrow}x{wide}, {n} tokens: {e:.2e}", ty.name()));
+            }
+            worst = worst.max(e);
+            let acts = rng.values(n * wide);
+            let every_other: Vec<u32> = (0..wide as u32).step_by(2).collect();
+            for subset in [None, Some(&every_other[..])] {
+                let mut out = dev.zeros(n, 256);
+                dev.accumulate_rows(&tall, subset, &dev.upload(n, wide, acts.clone()), &mut out);
+                let got = dev.download(out);
+                let all: Vec<u32> = (0..wide as u32).collect();
+                let list = subset.unwrap_or(&all);
+                let want: Vec<f32> = (0..n)
+                    .flat_map(|t| {
+                        let (acts, d) = (&acts, &d);
+                        (0..256).map(move |c| {
+                            list.iter()
+                                .map(|&r| acts[t * wide + r as usize] as f64 * d[r as usize][c] as f64)
+                                .sum::<f64>() as f32
+                        })
+                    })
+                    .collect();
+                let e = rel_err(&got, &want);
+                if e > tol {
+                    failed.push(format!(
+                        "{} neuron-major over {} of {wide} rows, {n} tokens: {e:.2e}",
+                        ty.name(),
+                        list.len()
+                    ));
+                }
+                worst = worst.max(e);
+            }
+        }
+        err_of(dev).map_err(|e| format!("{ty:?}: {e}"))?;
+    }
+    let msg = format!(
+        "  rows of 8960 (Qwen2.5-1.5B's FFN; Q4_K, Q6_K; 1, 5, 8 and 16 tokens) and neuron-major sums over 8960 \
+         rows: worst |diff| / max against the CPU or f64 {worst:.2e} (bar {tol:.0e})"
+    );
+    match failed.is_empty() {
+        true => Ok(msg),
+        false => Err(format!("{msg}\n  FAILED: {}", failed.join("; "))),
+    }
+}
+
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
@@ -521,6 +586,87 @@ pub fn model_against_cpu(
         rel * 100.0
     );
     match mismatches == 0 && rel <= 0.001 {
+        true => Ok(msg),
+        false => Err(msg),
+    }
+}
+
+/// `w` decoded to F32 (the same values, exactly).
+fn f32_matrix(w: &Weight) -> Weight {
+    let mut bytes = Vec::with_capacity(w.rows * w.cols * 4);
+    let mut row = vec![0f32; w.cols];
+    for r in 0..w.rows {
+        w.dequantize_row(r, &mut row);
+        bytes.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+    }
+    Weight::owned(&w.name, GgmlType::F32, w.rows, w.cols, bytes).expect("an F32 matrix")
+}
+
+/// Every product's matrix of a dense model (attention, FFN, output; the embedding's rows are
+/// decoded on the host by every device) replaced by `f32s` in order, made on first use.
+fn with_f32_matrices(m: &mut Model, f32s: &mut Vec<Weight>) {
+    use gatestream::model::weights::{FfnDown, LayerFfn};
+    let mut i = 0;
+    let mut swap = |w: &mut Weight| {
+        if f32s.len() <= i {
+            f32s.push(f32_matrix(w));
+        }
+        *w = f32s[i].clone();
+        i += 1;
+    };
+    for l in m.weights.layers.iter_mut() {
+        for w in [&mut l.attn.wq, &mut l.attn.wk, &mut l.attn.wv, &mut l.attn.wo] {
+            swap(w);
+        }
+        if let LayerFfn::Dense(f) = &mut l.ffn {
+            swap(&mut f.gate);
+            swap(&mut f.up);
+            if let FfnDown::Rows(d) = &mut f.down {
+                swap(d);
+            }
+        }
+    }
+    swap(&mut m.weights.output);
+}
+
+/// As [`model_against_cpu`], with the model's matrices decoded to F32 on both devices: the
+/// products then multiply the f32 activations themselves, not the CPU's 8-bit blocks, so what
+/// separates the two is the device's arithmetic alone (no activation rounded to another 8-bit
+/// step, which moves a quantized model's logits by a few percent of their range). Passes when
+/// no step's token differs and the perplexities are within `bar` (relative) of each other.
+#[allow(clippy::too_many_arguments)]
+pub fn model_f32_against_cpu(
+    name: &str,
+    path: &std::path::Path,
+    dev: Arc<dyn Device>,
+    prompt: &str,
+    steps: usize,
+    text: &str,
+    (ctx, windows): (usize, usize),
+    bar: f64,
+) -> Result<String, String> {
+    let mut cpu = load(path, Arc::new(CpuBackend::new(0)))?;
+    let mut on_dev = load(path, dev)?;
+    let mut f32s = Vec::new();
+    with_f32_matrices(&mut cpu, &mut f32s);
+    with_f32_matrices(&mut on_dev, &mut f32s);
+    drop(f32s);
+    let tokens = cpu.tokenizer.encode(prompt, true).map_err(|e| e.to_string())?;
+    let (mismatches, worst) = compare_greedy(&cpu, &on_dev, &tokens, steps)?;
+    let opts = gatestream::perplexity::PerplexityOptions { ctx, windows };
+    let pc = gatestream::perplexity::perplexity(&cpu, text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+    let pd = gatestream::perplexity::perplexity(&on_dev, text, &opts, &mut |_, _, _| {}).map_err(|e| e.to_string())?;
+    let rel = (pd.perplexity / pc.perplexity - 1.0).abs();
+    let msg = format!(
+        "  {name}, matrices decoded to F32: greedy argmax differs at {mismatches}/{steps} steps; max |dlogit| = \
+         {:.5}% of the range; perplexity ({windows} windows of {ctx}) cpu {:.6} device {:.6} (diff {:.5}%, bar {:.3}%)",
+        worst * 100.0,
+        pc.perplexity,
+        pd.perplexity,
+        rel * 100.0,
+        bar * 100.0
+    );
+    match mismatches == 0 && rel <= bar {
         true => Ok(msg),
         false => Err(msg),
     }
