@@ -21,7 +21,14 @@ pub(crate) const MIN_TOKENS: usize = 3;
 pub(crate) fn has_lane_kernel(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0
+        GgmlType::Q4_K
+            | GgmlType::Q6_K
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::IQ4_XS
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::Q8_0
     )
 }
 

@@ -24,6 +24,7 @@ mod grid;
 mod kquants;
 mod legacy;
 mod lowbit;
+mod lowwide;
 mod wide;
 
 use std::arch::x86_64::*;
@@ -262,9 +263,12 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q6_K if D::WIDE => each_row!(wide::dot_q6_k),
         GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
         GgmlType::Q5_1 => each_row_tile1!(lowbit::dot_q5_1::<D, 1>),
+        GgmlType::Q2_K if D::WIDE => each_row!(lowwide::dot_q2_k),
         GgmlType::Q2_K => each_row_tile1!(lowbit::dot_q2_k::<D, 1>),
+        GgmlType::Q3_K if D::WIDE => each_row!(lowwide::dot_q3_k),
         GgmlType::Q3_K => each_row_tile1!(lowbit::dot_q3_k::<D, 1>),
         GgmlType::IQ4_NL => each_row_tile1!(lowbit::dot_iq4_nl::<D, 1>),
+        GgmlType::IQ4_XS if D::WIDE => each_row!(lowwide::dot_iq4_xs),
         GgmlType::IQ4_XS => each_row_tile1!(lowbit::dot_iq4_xs::<D, 1>),
         GgmlType::MXFP4 => each_row_tile1!(lowbit::dot_mxfp4::<D, 1>),
         GgmlType::IQ2_XXS => each_row_tile1!(grid::dot_iq2_xxs::<D, 1>),
@@ -446,11 +450,11 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
     }
     // The K-quants: one sum per row; four blocks (16 KiB of the pack) per pass.
     macro_rules! lanes_k {
-        ($lanes:ident, $one:ident) => {
+        ($module:ident :: $lanes:ident, $one:ident) => {
             lanes!(
-                wide::$lanes::<2>,
-                wide::$lanes::<1>,
-                wide::$one,
+                $module::$lanes::<2>,
+                $module::$lanes::<1>,
+                $module::$one,
                 _mm512_setzero_ps(),
                 |sum: &__m512| *sum,
                 LANE_ROWS,
@@ -475,15 +479,18 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
         GgmlType::Q8_0 if D::WIDE => lanes32!(exact32::Q8_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
-        GgmlType::Q4_K if D::WIDE => lanes_k!(q4_k_lanes, dot_q4_k),
+        GgmlType::Q4_K if D::WIDE => lanes_k!(wide::q4_k_lanes, dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
-        GgmlType::Q6_K if D::WIDE => lanes_k!(q6_k_lanes, dot_q6_k),
+        GgmlType::Q6_K if D::WIDE => lanes_k!(wide::q6_k_lanes, dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
         GgmlType::Q5_1 => tiled!(lowbit::dot_q5_1),
+        GgmlType::Q2_K if D::WIDE => lanes_k!(lowwide::q2_k_lanes, dot_q2_k),
         GgmlType::Q2_K => tiled!(lowbit::dot_q2_k),
+        GgmlType::Q3_K if D::WIDE => lanes_k!(lowwide::q3_k_lanes, dot_q3_k),
         GgmlType::Q3_K => tiled!(lowbit::dot_q3_k),
         GgmlType::IQ4_NL => tiled!(lowbit::dot_iq4_nl),
+        GgmlType::IQ4_XS if D::WIDE => lanes_k!(lowwide::iq4_xs_lanes, dot_iq4_xs),
         GgmlType::IQ4_XS => tiled!(lowbit::dot_iq4_xs),
         GgmlType::MXFP4 => tiled!(lowbit::dot_mxfp4),
         GgmlType::IQ2_XXS => tiled!(grid::dot_iq2_xxs),
