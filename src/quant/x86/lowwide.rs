@@ -418,14 +418,15 @@ mod tests {
     }
 }
 
-/// Old (256-bit, [`super::lowbit`]) against new one-token kernels on Qwen's ffn_up shape, in
+/// Old (256-bit, [`super::lowbit`]) against new one-token kernels ([`super::exact32`] for IQ4_NL
+/// and MXFP4) on Qwen's ffn_up shape, in
 /// alternating passes of one process (`cargo test --release --lib lowwide::timing -- --ignored
 /// --nocapture`): a same-run A/B that the machine's drift moves alike.
 #[cfg(test)]
 mod timing {
     use super::super::super::test_util::{random_row, Rng};
     use super::super::super::GgmlType;
-    use super::super::lowbit;
+    use super::super::{exact32, lowbit};
     use super::*;
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -439,6 +440,10 @@ mod timing {
                 (GgmlType::Q3_K, true) => dot_q3_k(row, x),
                 (GgmlType::IQ4_XS, false) => lowbit::dot_iq4_xs::<VnniDot, 1>(row, &[x])[0],
                 (GgmlType::IQ4_XS, true) => dot_iq4_xs(row, x),
+                (GgmlType::IQ4_NL, false) => lowbit::dot_iq4_nl::<VnniDot, 1>(row, &[x])[0],
+                (GgmlType::IQ4_NL, true) => exact32::dot::<exact32::Iq4Nl>(row, x),
+                (GgmlType::MXFP4, false) => lowbit::dot_mxfp4::<VnniDot, 1>(row, &[x])[0],
+                (GgmlType::MXFP4, true) => exact32::dot::<exact32::Mxfp4>(row, x),
                 _ => unreachable!(),
             };
         }
@@ -452,7 +457,7 @@ mod timing {
         }
         let mut rng = Rng::new(3);
         let (n_rows, n_elems) = (8960, 1536);
-        for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS] {
+        for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4] {
             let distinct: Vec<u8> = (0..64).flat_map(|_| random_row(&mut rng, ty, n_elems)).collect();
             let rows: Vec<u8> = distinct.iter().copied().cycle().take(distinct.len() / 64 * n_rows).collect();
             let row_bytes = ty.row_bytes(n_elems).unwrap();

@@ -1,8 +1,8 @@
 //! x86-64 SIMD dot products, in two families chosen at run time: AVX2 (`vpmaddubsw` +
 //! `vpmaddwd`) and AVX-512 VNNI (`vpdpbusd`/`vpdpwssd`: on 256-bit vectors for the 32-element
 //! types, where one code path serves both families — a 512-bit form measured slower — and on
-//! 512-bit vectors for the K-quants ([`wide`]), whose batched form puts 16 tokens in the lanes
-//! of one vector).
+//! 512-bit vectors for the K-quants ([`wide`], and [`lowwide`] for Q2_K, Q3_K and IQ4_XS), whose
+//! batched form puts 16 tokens in the lanes of one vector).
 //! One-token products prefetch the weights a few KiB ahead ([`prefetch_block`]).
 //!
 //! The kernels are written once, generic over [`ByteDot`] (the only place the families differ),
@@ -267,9 +267,11 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q2_K => each_row_tile1!(lowbit::dot_q2_k::<D, 1>),
         GgmlType::Q3_K if D::WIDE => each_row!(lowwide::dot_q3_k),
         GgmlType::Q3_K => each_row_tile1!(lowbit::dot_q3_k::<D, 1>),
+        GgmlType::IQ4_NL if D::WIDE => each_row!(exact32::dot::<exact32::Iq4Nl>),
         GgmlType::IQ4_NL => each_row_tile1!(lowbit::dot_iq4_nl::<D, 1>),
         GgmlType::IQ4_XS if D::WIDE => each_row!(lowwide::dot_iq4_xs),
         GgmlType::IQ4_XS => each_row_tile1!(lowbit::dot_iq4_xs::<D, 1>),
+        GgmlType::MXFP4 if D::WIDE => each_row!(exact32::dot::<exact32::Mxfp4>),
         GgmlType::MXFP4 => each_row_tile1!(lowbit::dot_mxfp4::<D, 1>),
         GgmlType::IQ2_XXS => each_row_tile1!(grid::dot_iq2_xxs::<D, 1>),
         GgmlType::IQ2_XS => each_row_tile1!(grid::dot_iq2_xs::<D, 1>),
@@ -322,11 +324,12 @@ fn fits_l1(pack: &super::lanes::LanePack) -> bool {
     std::mem::size_of_val(pack.quants.as_slice()) <= 32 * 1024
 }
 
-/// The tile loop. The wide family's Q4_K/Q6_K run each packed group of [`LANES`] tokens through
-/// the token-lane kernels row by row, and a group left unpacked (fewer than
-/// [`super::lanes::MIN_TOKENS`] tokens) through the one-token kernels. The other kernels take
-/// tokens in groups of [`ByteDot::TILE_TOKENS`], then of four, then the remainder as one smaller
-/// group; within a group every row, so the group's activations stay in L1 while the rows stream past.
+/// The tile loop. The wide family's Q4_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q5_0, Q8_0, IQ4_NL and
+/// MXFP4 run each packed group of [`LANES`] tokens through the token-lane kernels row by row, and
+/// a group left unpacked (fewer than [`super::lanes::MIN_TOKENS`] tokens) through the one-token
+/// kernels. The other kernels take tokens in groups of [`ByteDot::TILE_TOKENS`], then of four,
+/// then the remainder as one smaller group; within a group every row, so the group's activations
+/// stay in L1 while the rows stream past.
 #[inline(always)]
 unsafe fn vec_dot_tile_generic<D: ByteDot>(
     ty: GgmlType,
@@ -448,7 +451,7 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             )
         };
     }
-    // The K-quants: one sum per row; four blocks (16 KiB of the pack) per pass.
+    // The K-quants and IQ4_XS: one sum per row; four blocks (16 KiB of the pack) per pass.
     macro_rules! lanes_k {
         ($module:ident :: $lanes:ident, $one:ident) => {
             lanes!(
@@ -489,9 +492,11 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q2_K => tiled!(lowbit::dot_q2_k),
         GgmlType::Q3_K if D::WIDE => lanes_k!(lowwide::q3_k_lanes, dot_q3_k),
         GgmlType::Q3_K => tiled!(lowbit::dot_q3_k),
+        GgmlType::IQ4_NL if D::WIDE => lanes32!(exact32::Iq4Nl),
         GgmlType::IQ4_NL => tiled!(lowbit::dot_iq4_nl),
         GgmlType::IQ4_XS if D::WIDE => lanes_k!(lowwide::iq4_xs_lanes, dot_iq4_xs),
         GgmlType::IQ4_XS => tiled!(lowbit::dot_iq4_xs),
+        GgmlType::MXFP4 if D::WIDE => lanes32!(exact32::Mxfp4),
         GgmlType::MXFP4 => tiled!(lowbit::dot_mxfp4),
         GgmlType::IQ2_XXS => tiled!(grid::dot_iq2_xxs),
         GgmlType::IQ2_XS => tiled!(grid::dot_iq2_xs),
