@@ -37,7 +37,10 @@ pub(super) trait OffsetType {
     /// of 32-bit loads (each inside its block).
     #[inline(always)]
     unsafe fn scales_8(first: *const u8, mask: u8) -> __m256 {
-        let offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(Self::BYTES as i32));
+        let offsets = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(Self::BYTES as i32),
+        );
         let words = _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, offsets, first as *const i32);
         _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words))
     }
@@ -97,7 +100,10 @@ impl OffsetType for Iq4Nl {
     const OFFSET_SHIFT: i32 = 7;
     #[inline(always)]
     unsafe fn unpack(block: *const u8) -> __m256i {
-        let values = _mm_xor_si128(_mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(-128));
+        let values = _mm_xor_si128(
+            _mm_loadu_si128(IQ4_VALUES.as_ptr() as *const __m128i),
+            _mm_set1_epi8(-128),
+        );
         _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(values), unpack_nibbles(block.add(2)))
     }
 }
@@ -110,7 +116,10 @@ impl OffsetType for Mxfp4 {
     const OFFSET_SHIFT: i32 = 4;
     #[inline(always)]
     unsafe fn unpack(block: *const u8) -> __m256i {
-        let values = _mm_add_epi8(_mm_loadu_si128(FP4_VALUES.as_ptr() as *const __m128i), _mm_set1_epi8(16));
+        let values = _mm_add_epi8(
+            _mm_loadu_si128(FP4_VALUES.as_ptr() as *const __m128i),
+            _mm_set1_epi8(16),
+        );
         _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(values), unpack_nibbles(block.add(1)))
     }
 
@@ -118,13 +127,19 @@ impl OffsetType for Mxfp4 {
     /// `0x0020_0000 << e` below.
     #[inline(always)]
     unsafe fn scales_8(first: *const u8, mask: u8) -> __m256 {
-        let offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(Self::BYTES as i32));
+        let offsets = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(Self::BYTES as i32),
+        );
         let words = _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, offsets, first as *const i32);
         let e = _mm256_and_si256(words, _mm256_set1_epi32(0xff));
         let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
         let tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
         let is_normal = _mm256_cmpge_epu32_mask(e, _mm256_set1_epi32(2));
-        _mm256_castsi256_ps(_mm256_maskz_mov_epi32(mask, _mm256_mask_blend_epi32(is_normal, tiny, normal)))
+        _mm256_castsi256_ps(_mm256_maskz_mov_epi32(
+            mask,
+            _mm256_mask_blend_epi32(is_normal, tiny, normal),
+        ))
     }
 
     #[inline(always)]

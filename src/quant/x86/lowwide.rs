@@ -42,12 +42,12 @@ use super::super::layout::{
     Q3_K_BLOCK_BYTES, Q3_K_D_OFFSET, Q3_K_QS_OFFSET, Q3_K_SCALES_OFFSET,
 };
 use super::super::PreparedInput;
+use super::kquants::load_y;
+use super::legacy::unpack_nibbles;
 use super::wide::{
     broadcast_32, broadcast_4, close_q4_k, close_q6_k, dot_scaled, i16_pair, load_lane_pairs, load_lanes, load_y64,
     spread_scales, sum_halves, Unpacked,
 };
-use super::kquants::load_y;
-use super::legacy::unpack_nibbles;
 use super::{prefetch_block, read_f16, ByteDot, VnniDot};
 
 /// Q3_K's sixteen signed scales (6-bit values minus 32) from the 12 bytes at `block + 96`, as
@@ -138,7 +138,12 @@ pub(super) unsafe fn dot_q3_k(row: *const u8, x: &PreparedInput) -> f32 {
         let sums = _mm256_loadu_si256(x.sums_16.as_ptr().add(16 * b) as *const __m256i);
         let offsets = _mm256_madd_epi16(scales, sums);
         let j = sum_256(_mm256_sub_epi32(fold(qy), _mm256_slli_epi32::<2>(offsets)));
-        acc = close_q6_k(acc, j, read_f16(block.add(Q3_K_D_OFFSET)), *x.block_scales.get_unchecked(b));
+        acc = close_q6_k(
+            acc,
+            j,
+            read_f16(block.add(Q3_K_D_OFFSET)),
+            *x.block_scales.get_unchecked(b),
+        );
     }
     acc
 }
@@ -168,7 +173,10 @@ pub(super) unsafe fn dot_q2_k(row: *const u8, x: &PreparedInput) -> f32 {
             _mm512_castsi256_si512(fold(qy)),
             _mm256_madd_epi16(mins, sums),
         ));
-        let (d, dmin) = (read_f16(block.add(Q2_K_D_OFFSET)), read_f16(block.add(Q2_K_D_OFFSET + 2)));
+        let (d, dmin) = (
+            read_f16(block.add(Q2_K_D_OFFSET)),
+            read_f16(block.add(Q2_K_D_OFFSET + 2)),
+        );
         acc = close_q4_k(acc, i, m, d, dmin, *x.block_scales.get_unchecked(b));
     }
     acc
@@ -179,8 +187,14 @@ pub(super) unsafe fn dot_q2_k(row: *const u8, x: &PreparedInput) -> f32 {
 unsafe fn iq4_xs_scales(block: *const u8) -> __m128i {
     let scales_h = std::ptr::read_unaligned(block.add(2) as *const u16);
     let scales_l = std::ptr::read_unaligned(block.add(4) as *const u32);
-    let low = _mm256_srlv_epi32(_mm256_set1_epi32(scales_l as i32), _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0));
-    let high = _mm256_srlv_epi32(_mm256_set1_epi32(i32::from(scales_h)), _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0));
+    let low = _mm256_srlv_epi32(
+        _mm256_set1_epi32(scales_l as i32),
+        _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0),
+    );
+    let high = _mm256_srlv_epi32(
+        _mm256_set1_epi32(i32::from(scales_h)),
+        _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0),
+    );
     let scales = _mm256_or_si256(
         _mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
         _mm256_slli_epi32::<4>(_mm256_and_si256(high, _mm256_set1_epi32(3))),
@@ -192,7 +206,9 @@ unsafe fn iq4_xs_scales(block: *const u8) -> __m128i {
 /// in element order: per sub-block the low nibbles of its 16 bytes, then the high nibbles.
 #[inline(always)]
 unsafe fn iq4_xs_indices(block: *const u8, pair: usize) -> __m512i {
-    let packed = _mm512_castsi256_si512(_mm256_loadu_si256(block.add(IQ4_XS_QS_OFFSET + 32 * pair) as *const __m256i));
+    let packed = _mm512_castsi256_si512(_mm256_loadu_si256(
+        block.add(IQ4_XS_QS_OFFSET + 32 * pair) as *const __m256i
+    ));
     // 128-bit lanes [a, a, b, b], shifted right by 0, 4, 0, 4 (under the nibble mask).
     let doubled = _mm512_shuffle_i64x2::<0b01_01_00_00>(packed, packed);
     let shifts = _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0);
@@ -457,9 +473,20 @@ mod timing {
         }
         let mut rng = Rng::new(3);
         let (n_rows, n_elems) = (8960, 1536);
-        for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS, GgmlType::IQ4_NL, GgmlType::MXFP4] {
+        for ty in [
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::IQ4_XS,
+            GgmlType::IQ4_NL,
+            GgmlType::MXFP4,
+        ] {
             let distinct: Vec<u8> = (0..64).flat_map(|_| random_row(&mut rng, ty, n_elems)).collect();
-            let rows: Vec<u8> = distinct.iter().copied().cycle().take(distinct.len() / 64 * n_rows).collect();
+            let rows: Vec<u8> = distinct
+                .iter()
+                .copied()
+                .cycle()
+                .take(distinct.len() / 64 * n_rows)
+                .collect();
             let row_bytes = ty.row_bytes(n_elems).unwrap();
             let mut x = PreparedInput::new();
             x.prepare(&(0..n_elems).map(|_| rng.normal()).collect::<Vec<_>>(), ty);
