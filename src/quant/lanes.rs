@@ -28,6 +28,7 @@ pub(crate) fn has_lane_kernel(ty: GgmlType) -> bool {
             | GgmlType::Q4_0
             | GgmlType::Q5_0
             | GgmlType::Q8_0
+            | GgmlType::Q5_1
             | GgmlType::IQ4_NL
             | GgmlType::MXFP4
     )

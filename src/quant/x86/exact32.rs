@@ -1,5 +1,5 @@
-//! The 32-element types with an offset (Q4_0, Q5_0, Q8_0) and the 32-element table types (IQ4_NL,
-//! MXFP4, their values stored plus an offset) for the AVX-512 VNNI family, in two
+//! The 32-element types with an offset (Q4_0, Q5_0, Q8_0), Q5_1 (a min instead) and the 32-element
+//! table types (IQ4_NL, MXFP4, their values stored plus an offset) for the AVX-512 VNNI family, in two
 //! forms that give the same bits, like [`super::wide`] for the K-quants:
 //!
 //! - one token ([`dot`]): eight blocks at a time, each block's `vpdpbusd` sums reduced together
@@ -31,6 +31,27 @@ pub(super) trait OffsetType {
     const OFFSET_SHIFT: i32;
     /// The block's 32 quants plus the offset, as unsigned bytes in element order.
     unsafe fn unpack(block: *const u8) -> __m256i;
+
+    /// Whether the block has a min `m` (an f16 at byte 2): its term `m * y_scale * sum(y)` is
+    /// added after `J`'s, with one more fused multiply-add.
+    const MIN: bool = false;
+
+    /// The mins of the eight blocks of [`OffsetType::scales_8`] (only read when `MIN`).
+    #[inline(always)]
+    unsafe fn mins_8(first: *const u8, mask: u8) -> __m256 {
+        let offsets = _mm256_mullo_epi32(
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            _mm256_set1_epi32(Self::BYTES as i32),
+        );
+        let words = _mm256_mmask_i32gather_epi32::<1>(_mm256_setzero_si256(), mask, offsets, first as *const i32);
+        _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(words)))
+    }
+
+    /// The min of the block at `block` in every lane (only read when `MIN`).
+    #[inline(always)]
+    unsafe fn min_16(block: *const u8) -> __m512 {
+        _mm512_cvtph_ps(_mm256_set1_epi16(std::ptr::read_unaligned(block.add(2) as *const i16)))
+    }
 
     /// The scales of the (up to) eight consecutive blocks from `first` that `mask` selects, as
     /// f32 lanes (0 elsewhere): here f16 `d`s at the blocks' starts, gathered as the low halves
@@ -89,6 +110,23 @@ impl OffsetType for Q8_0 {
         _mm256_xor_si256(
             _mm256_loadu_si256(block.add(2) as *const __m256i),
             _mm256_set1_epi8(-128),
+        )
+    }
+}
+
+/// Q5_1: `d`, the min `m`, the fifth bits (32 bits) and 16 bytes of nibbles; the quants are
+/// unsigned (0..32), so there is no offset (a shift of 32 makes it 0), and `m` adds its term.
+pub(super) struct Q5_1;
+impl OffsetType for Q5_1 {
+    const BYTES: usize = 24;
+    const OFFSET_SHIFT: i32 = 32;
+    const MIN: bool = true;
+    #[inline(always)]
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        let fifth_bits = std::ptr::read_unaligned(block.add(4) as *const u32);
+        _mm256_or_si256(
+            unpack_nibbles(block.add(8)),
+            _mm256_maskz_mov_epi8(fifth_bits, _mm256_set1_epi8(0x10)),
         )
     }
 }
@@ -195,6 +233,10 @@ pub(super) unsafe fn dot<T: OffsetType>(row: *const u8, x: &PreparedInput) -> f3
         let d = T::scales_8(row.add(b0 * T::BYTES), mask);
         let c = _mm256_mul_ps(d, y_scales);
         acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(j), c, acc, mask);
+        if T::MIN {
+            let m = _mm256_mul_ps(T::mins_8(row.add(b0 * T::BYTES), mask), y_scales);
+            acc = _mm256_mask3_fmadd_ps(_mm256_cvtepi32_ps(y_sums), m, acc, mask);
+        }
     }
     hsum_ps(acc)
 }
@@ -239,6 +281,11 @@ pub(super) unsafe fn lanes<T: OffsetType, const R: usize>(
             let d = T::scale_16(block[r]);
             let acc = &mut acc[r][b % 8];
             *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j), _mm512_mul_ps(d, y_scales), *acc);
+            if T::MIN {
+                let sums = _mm512_loadu_si512(p.block_sums.as_ptr().add(b * LANES) as *const __m512i);
+                let m = _mm512_mul_ps(T::min_16(block[r]), y_scales);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), m, *acc);
+            }
         }
     }
 }

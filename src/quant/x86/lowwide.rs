@@ -460,6 +460,8 @@ mod timing {
                 (GgmlType::IQ4_NL, true) => exact32::dot::<exact32::Iq4Nl>(row, x),
                 (GgmlType::MXFP4, false) => lowbit::dot_mxfp4::<VnniDot, 1>(row, &[x])[0],
                 (GgmlType::MXFP4, true) => exact32::dot::<exact32::Mxfp4>(row, x),
+                (GgmlType::Q5_1, false) => lowbit::dot_q5_1::<VnniDot, 1>(row, &[x])[0],
+                (GgmlType::Q5_1, true) => exact32::dot::<exact32::Q5_1>(row, x),
                 _ => unreachable!(),
             };
         }
@@ -479,6 +481,7 @@ mod timing {
             GgmlType::IQ4_XS,
             GgmlType::IQ4_NL,
             GgmlType::MXFP4,
+            GgmlType::Q5_1,
         ] {
             let distinct: Vec<u8> = (0..64).flat_map(|_| random_row(&mut rng, ty, n_elems)).collect();
             let rows: Vec<u8> = distinct

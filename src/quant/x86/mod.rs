@@ -262,6 +262,7 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q5_K => each_row_tile1!(kquants::dot_q5_k::<D, 1>),
         GgmlType::Q6_K if D::WIDE => each_row!(wide::dot_q6_k),
         GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
+        GgmlType::Q5_1 if D::WIDE => each_row!(exact32::dot::<exact32::Q5_1>),
         GgmlType::Q5_1 => each_row_tile1!(lowbit::dot_q5_1::<D, 1>),
         GgmlType::Q2_K if D::WIDE => each_row!(lowwide::dot_q2_k),
         GgmlType::Q2_K => each_row_tile1!(lowbit::dot_q2_k::<D, 1>),
@@ -324,8 +325,8 @@ fn fits_l1(pack: &super::lanes::LanePack) -> bool {
     std::mem::size_of_val(pack.quants.as_slice()) <= 32 * 1024
 }
 
-/// The tile loop. The wide family's Q4_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q5_0, Q8_0, IQ4_NL and
-/// MXFP4 run each packed group of [`LANES`] tokens through the token-lane kernels row by row, and
+/// The tile loop. The wide family's Q4_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q5_0, Q5_1, Q8_0, IQ4_NL
+/// and MXFP4 run each packed group of [`LANES`] tokens through the token-lane kernels row by row, and
 /// a group left unpacked (fewer than [`super::lanes::MIN_TOKENS`] tokens) through the one-token
 /// kernels. The other kernels take tokens in groups of [`ByteDot::TILE_TOKENS`], then of four,
 /// then the remainder as one smaller group; within a group every row, so the group's activations
@@ -487,6 +488,7 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
         GgmlType::Q6_K if D::WIDE => lanes_k!(wide::q6_k_lanes, dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
+        GgmlType::Q5_1 if D::WIDE => lanes32!(exact32::Q5_1),
         GgmlType::Q5_1 => tiled!(lowbit::dot_q5_1),
         GgmlType::Q2_K if D::WIDE => lanes_k!(lowwide::q2_k_lanes, dot_q2_k),
         GgmlType::Q2_K => tiled!(lowbit::dot_q2_k),
