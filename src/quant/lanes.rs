@@ -1,10 +1,9 @@
-//! Token-lane packing for the batched products (Q4_K, Q6_K, Q4_0, Q5_0, Q8_0 weights): up to
-//! [`LANES`] prepared inputs
-//! interleaved so one 64-byte load holds the same four consecutive activations of every token,
+//! Token-lane packing for the batched products (Q4_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q5_0, Q8_0,
+//! IQ4_NL, MXFP4 weights): up to [`LANES`] prepared inputs interleaved so one 64-byte load holds the same four consecutive activations of every token,
 //! one 32-bit lane per token. A weight row is then read four quants at a time, broadcast to all
 //! lanes, and one `vpdpbusd` multiplies them with all tokens at once: each lane holds one output,
 //! so a block's scales, offsets and float arithmetic are applied once per 16 tokens instead of
-//! once per token (`x86::wide` and `x86::exact32` have the kernels). Built once per batch of tokens and shared by
+//! once per token (`x86::wide`, `x86::lowwide` and `x86::exact32` have the kernels). Built once per batch of tokens and shared by
 //! every row chunk of a matrix product.
 
 use super::prepare::ActivationFormat;
@@ -21,7 +20,17 @@ pub(crate) const MIN_TOKENS: usize = 3;
 pub(crate) fn has_lane_kernel(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0
+        GgmlType::Q4_K
+            | GgmlType::Q6_K
+            | GgmlType::Q2_K
+            | GgmlType::Q3_K
+            | GgmlType::IQ4_XS
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::Q8_0
+            | GgmlType::Q5_1
+            | GgmlType::IQ4_NL
+            | GgmlType::MXFP4
     )
 }
 

@@ -11,7 +11,7 @@
 //! weights, Q8_K blocks of 256 for the K-quants, IQ4_XS and the grid types, plain `f32` for float weights), and each row is then an integer dot product
 //! per block scaled in `f32`. [`vec_dot_scalar`] is the reference: every SIMD family computes the
 //! same integer dot per block and differs only in float arithmetic (the order of the summation;
-//! the wide K-quant kernels close each block's exact integers in scalar float), and the tests
+//! the wide K-quant and IQ4_XS kernels close each block's exact integers in scalar float), and the tests
 //! check each family against it. [`vec_dot_tile`] is the batched form (several prepared inputs,
 //! a [`TokenTile`], against the same rows, each weight block unpacked once per few tokens, or
 //! read four quants at a time against 16 tokens in vector lanes); its results equal per-input

@@ -1,8 +1,8 @@
 //! x86-64 SIMD dot products, in two families chosen at run time: AVX2 (`vpmaddubsw` +
 //! `vpmaddwd`) and AVX-512 VNNI (`vpdpbusd`/`vpdpwssd`: on 256-bit vectors for the 32-element
 //! types, where one code path serves both families — a 512-bit form measured slower — and on
-//! 512-bit vectors for the K-quants ([`wide`]), whose batched form puts 16 tokens in the lanes
-//! of one vector).
+//! 512-bit vectors for the K-quants ([`wide`], and [`lowwide`] for Q2_K, Q3_K and IQ4_XS), whose
+//! batched form puts 16 tokens in the lanes of one vector).
 //! One-token products prefetch the weights a few KiB ahead ([`prefetch_block`]).
 //!
 //! The kernels are written once, generic over [`ByteDot`] (the only place the families differ),
@@ -24,6 +24,7 @@ mod grid;
 mod kquants;
 mod legacy;
 mod lowbit;
+mod lowwide;
 mod wide;
 
 use std::arch::x86_64::*;
@@ -261,11 +262,17 @@ unsafe fn vec_dot_rows_generic<D: ByteDot>(
         GgmlType::Q5_K => each_row_tile1!(kquants::dot_q5_k::<D, 1>),
         GgmlType::Q6_K if D::WIDE => each_row!(wide::dot_q6_k),
         GgmlType::Q6_K => each_row_tile1!(kquants::dot_q6_k::<D, 1>),
+        GgmlType::Q5_1 if D::WIDE => each_row!(exact32::dot::<exact32::Q5_1>),
         GgmlType::Q5_1 => each_row_tile1!(lowbit::dot_q5_1::<D, 1>),
+        GgmlType::Q2_K if D::WIDE => each_row!(lowwide::dot_q2_k),
         GgmlType::Q2_K => each_row_tile1!(lowbit::dot_q2_k::<D, 1>),
+        GgmlType::Q3_K if D::WIDE => each_row!(lowwide::dot_q3_k),
         GgmlType::Q3_K => each_row_tile1!(lowbit::dot_q3_k::<D, 1>),
+        GgmlType::IQ4_NL if D::WIDE => each_row!(exact32::dot::<exact32::Iq4Nl>),
         GgmlType::IQ4_NL => each_row_tile1!(lowbit::dot_iq4_nl::<D, 1>),
+        GgmlType::IQ4_XS if D::WIDE => each_row!(lowwide::dot_iq4_xs),
         GgmlType::IQ4_XS => each_row_tile1!(lowbit::dot_iq4_xs::<D, 1>),
+        GgmlType::MXFP4 if D::WIDE => each_row!(exact32::dot::<exact32::Mxfp4>),
         GgmlType::MXFP4 => each_row_tile1!(lowbit::dot_mxfp4::<D, 1>),
         GgmlType::IQ2_XXS => each_row_tile1!(grid::dot_iq2_xxs::<D, 1>),
         GgmlType::IQ2_XS => each_row_tile1!(grid::dot_iq2_xs::<D, 1>),
@@ -318,11 +325,12 @@ fn fits_l1(pack: &super::lanes::LanePack) -> bool {
     std::mem::size_of_val(pack.quants.as_slice()) <= 32 * 1024
 }
 
-/// The tile loop. The wide family's Q4_K/Q6_K run each packed group of [`LANES`] tokens through
-/// the token-lane kernels row by row, and a group left unpacked (fewer than
-/// [`super::lanes::MIN_TOKENS`] tokens) through the one-token kernels. The other kernels take
-/// tokens in groups of [`ByteDot::TILE_TOKENS`], then of four, then the remainder as one smaller
-/// group; within a group every row, so the group's activations stay in L1 while the rows stream past.
+/// The tile loop. The wide family's Q4_K, Q6_K, Q2_K, Q3_K, IQ4_XS, Q4_0, Q5_0, Q5_1, Q8_0, IQ4_NL
+/// and MXFP4 run each packed group of [`LANES`] tokens through the token-lane kernels row by row, and
+/// a group left unpacked (fewer than [`super::lanes::MIN_TOKENS`] tokens) through the one-token
+/// kernels. The other kernels take tokens in groups of [`ByteDot::TILE_TOKENS`], then of four,
+/// then the remainder as one smaller group; within a group every row, so the group's activations
+/// stay in L1 while the rows stream past.
 #[inline(always)]
 unsafe fn vec_dot_tile_generic<D: ByteDot>(
     ty: GgmlType,
@@ -444,13 +452,13 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
             )
         };
     }
-    // The K-quants: one sum per row; four blocks (16 KiB of the pack) per pass.
+    // The K-quants and IQ4_XS: one sum per row; four blocks (16 KiB of the pack) per pass.
     macro_rules! lanes_k {
-        ($lanes:ident, $one:ident) => {
+        ($module:ident :: $lanes:ident, $one:ident) => {
             lanes!(
-                wide::$lanes::<2>,
-                wide::$lanes::<1>,
-                wide::$one,
+                $module::$lanes::<2>,
+                $module::$lanes::<1>,
+                $module::$one,
                 _mm512_setzero_ps(),
                 |sum: &__m512| *sum,
                 LANE_ROWS,
@@ -475,16 +483,22 @@ unsafe fn vec_dot_tile_generic<D: ByteDot>(
         GgmlType::Q5_0 => tiled!(legacy::dot_q5_0),
         GgmlType::Q8_0 if D::WIDE => lanes32!(exact32::Q8_0),
         GgmlType::Q8_0 => tiled!(legacy::dot_q8_0),
-        GgmlType::Q4_K if D::WIDE => lanes_k!(q4_k_lanes, dot_q4_k),
+        GgmlType::Q4_K if D::WIDE => lanes_k!(wide::q4_k_lanes, dot_q4_k),
         GgmlType::Q4_K => tiled!(kquants::dot_q4_k),
         GgmlType::Q5_K => tiled!(kquants::dot_q5_k),
-        GgmlType::Q6_K if D::WIDE => lanes_k!(q6_k_lanes, dot_q6_k),
+        GgmlType::Q6_K if D::WIDE => lanes_k!(wide::q6_k_lanes, dot_q6_k),
         GgmlType::Q6_K => tiled!(kquants::dot_q6_k),
+        GgmlType::Q5_1 if D::WIDE => lanes32!(exact32::Q5_1),
         GgmlType::Q5_1 => tiled!(lowbit::dot_q5_1),
+        GgmlType::Q2_K if D::WIDE => lanes_k!(lowwide::q2_k_lanes, dot_q2_k),
         GgmlType::Q2_K => tiled!(lowbit::dot_q2_k),
+        GgmlType::Q3_K if D::WIDE => lanes_k!(lowwide::q3_k_lanes, dot_q3_k),
         GgmlType::Q3_K => tiled!(lowbit::dot_q3_k),
+        GgmlType::IQ4_NL if D::WIDE => lanes32!(exact32::Iq4Nl),
         GgmlType::IQ4_NL => tiled!(lowbit::dot_iq4_nl),
+        GgmlType::IQ4_XS if D::WIDE => lanes_k!(lowwide::iq4_xs_lanes, dot_iq4_xs),
         GgmlType::IQ4_XS => tiled!(lowbit::dot_iq4_xs),
+        GgmlType::MXFP4 if D::WIDE => lanes32!(exact32::Mxfp4),
         GgmlType::MXFP4 => tiled!(lowbit::dot_mxfp4),
         GgmlType::IQ2_XXS => tiled!(grid::dot_iq2_xxs),
         GgmlType::IQ2_XS => tiled!(grid::dot_iq2_xs),

@@ -30,27 +30,27 @@ use super::{prefetch_block, read_f16};
 
 /// The 64 activations starting at element `e` of the input.
 #[inline(always)]
-unsafe fn load_y64(x: &PreparedInput, e: usize) -> __m512i {
+pub(super) unsafe fn load_y64(x: &PreparedInput, e: usize) -> __m512i {
     _mm512_loadu_si512(x.quants.as_ptr().add(e) as *const __m512i)
 }
 
 /// The 32 bytes at `p` in both 256-bit halves.
 #[inline(always)]
-unsafe fn broadcast_32(p: *const u8) -> __m512i {
+pub(super) unsafe fn broadcast_32(p: *const u8) -> __m512i {
     _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i))
 }
 
 /// `acc + pair sums of q * y, each i16 pair sum multiplied by its lane's scale, quads summed`:
 /// the VNNI family's `dot_scaled` on 512 bits.
 #[inline(always)]
-unsafe fn dot_scaled(acc: __m512i, q: __m512i, y: __m512i, scales_i16: __m512i) -> __m512i {
+pub(super) unsafe fn dot_scaled(acc: __m512i, q: __m512i, y: __m512i, scales_i16: __m512i) -> __m512i {
     _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(q, y), scales_i16)
 }
 
 /// i16 lane `j` of the result is lane `first + (j >> LOG2_PER)` of `table` (16 i16 lanes in the
 /// low 256 bits): `1 << LOG2_PER` consecutive lanes share one scale.
 #[inline(always)]
-unsafe fn spread_scales<const LOG2_PER: u32>(table: __m512i, first: i16) -> __m512i {
+pub(super) unsafe fn spread_scales<const LOG2_PER: u32>(table: __m512i, first: i16) -> __m512i {
     let lane = _mm512_set_epi16(
         31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
         1, 0,
@@ -62,20 +62,20 @@ unsafe fn spread_scales<const LOG2_PER: u32>(table: __m512i, first: i16) -> __m5
 /// One Q4_K block closed in float: `acc + I * (d * y_scale) - M * (dmin * y_scale)`, each step
 /// rounded as the lane form's `vmulps` / `vfmadd` / `vfnmadd` round it.
 #[inline(always)]
-fn close_q4_k(acc: f32, i: i32, m: i32, d: f32, dmin: f32, y_scale: f32) -> f32 {
+pub(super) fn close_q4_k(acc: f32, i: i32, m: i32, d: f32, dmin: f32, y_scale: f32) -> f32 {
     let acc = (i as f32).mul_add(d * y_scale, acc);
     (-(m as f32)).mul_add(dmin * y_scale, acc)
 }
 
 /// One Q6_K block closed in float: `acc + J * (d * y_scale)`.
 #[inline(always)]
-fn close_q6_k(acc: f32, j: i32, d: f32, y_scale: f32) -> f32 {
+pub(super) fn close_q6_k(acc: f32, j: i32, d: f32, y_scale: f32) -> f32 {
     (j as f32).mul_add(d * y_scale, acc)
 }
 
 /// The sums of the eight i32 lanes of each 256-bit half of `v` (exact).
 #[inline(always)]
-unsafe fn sum_halves(v: __m512i) -> (i32, i32) {
+pub(super) unsafe fn sum_halves(v: __m512i) -> (i32, i32) {
     // Swap 128-bit lanes within each half, then 64-bit pairs, then 32-bit neighbours.
     let v = _mm512_add_epi32(v, _mm512_shuffle_i64x2::<0b10_11_00_01>(v, v));
     let v = _mm512_add_epi32(v, _mm512_shuffle_epi32::<0b01_00_11_10>(v));
@@ -180,25 +180,25 @@ pub(super) unsafe fn dot_q6_k(row: *const u8, x: &PreparedInput) -> f32 {
 
 /// The pack's 64 bytes of group `g` of 4 elements: four activation quants per lane.
 #[inline(always)]
-unsafe fn load_lanes(p: &LanePack, g: usize) -> __m512i {
+pub(super) unsafe fn load_lanes(p: &LanePack, g: usize) -> __m512i {
     _mm512_loadu_si512(p.quants.as_ptr().add(g * LANES) as *const __m512i)
 }
 
 /// The pack's `[i16; 2]` pair sums of `sums` at pair `i`, one pair per lane.
 #[inline(always)]
-unsafe fn load_lane_pairs(sums: &[[i16; 2]], i: usize) -> __m512i {
+pub(super) unsafe fn load_lane_pairs(sums: &[[i16; 2]], i: usize) -> __m512i {
     _mm512_loadu_si512(sums.as_ptr().add(i * LANES) as *const __m512i)
 }
 
 /// The 4 bytes at `p` in every 32-bit lane.
 #[inline(always)]
-unsafe fn broadcast_4(p: *const u8) -> __m512i {
+pub(super) unsafe fn broadcast_4(p: *const u8) -> __m512i {
     _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32))
 }
 
 /// Two i16 values in one i32 lane, `lo` in the low half, for `vpdpwssd` against pair sums.
 #[inline(always)]
-fn i16_pair(lo: i32, hi: i32) -> i32 {
+pub(super) fn i16_pair(lo: i32, hi: i32) -> i32 {
     (lo & 0xffff) | (hi << 16)
 }
 
@@ -255,7 +255,7 @@ pub(super) unsafe fn q4_k_lanes<const R: usize>(
 /// A block's 256 quants in element order, 64-byte aligned for the broadcast loads.
 #[repr(align(64))]
 #[derive(Clone, Copy)]
-struct Unpacked([u8; 256]);
+pub(super) struct Unpacked(pub(super) [u8; 256]);
 
 /// Q6_K against 16 tokens, `R` rows at a time over blocks `blocks`, added to `acc` as in
 /// [`q4_k_lanes`]: each row's block unpacked in element order once (512-bit operations, as in
