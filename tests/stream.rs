@@ -16,7 +16,7 @@ use gatestream::gstfile::GstFile;
 use gatestream::io::{open_reader, ReadEngine, Reader, ReaderOptions, ShortReads, SimFaults, SimReader};
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
-use gatestream::model::forward::FfnHooks;
+use gatestream::model::forward::{FfnHooks, LayerStream};
 use gatestream::model::{LoadOptions, Model, Placement};
 use gatestream::reformat::{reformat, ReformatOptions};
 use gatestream::sparsity::{up_set_reads_input, Criterion, Masker, Strategy};
@@ -1318,6 +1318,11 @@ fn make_model_models_stream_at_half_their_size() {
         for budget in [min, file_bytes / 2, 2 * file_bytes] {
             for engine in [ReadEngine::Uring, ReadEngine::Pread, ReadEngine::Mmap] {
                 let s = Streamer::open(&m, &opts(budget, engine)).unwrap();
+                // What the FFN asks of the stream is what it holds: a split file's rows, an
+                // expert file's experts, a rows layout's whole matrices (neither).
+                let narrowed = (s.ffn_rows().is_some(), s.expert_stream().is_some());
+                let holds = (!moe && *layout == FfnLayout::Split, moe);
+                assert_eq!(narrowed, holds, "{} ({layout:?})", p.display());
                 let got = run(&m, Some(&s), None, text, 4);
                 assert!(
                     got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),

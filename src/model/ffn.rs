@@ -1,5 +1,6 @@
 //! The FFN, once. Every path — in RAM or streamed, prefill or decode, dense or masked — runs
-//! its arithmetic here; a stream ([`LayerStream`]) only hands weights over: the gate (resident
+//! its arithmetic here; a stream only hands weights over ([`RowStream`] for a dense FFN's rows,
+//! [`crate::model::forward::ExpertStream`] for routed experts): the gate (resident
 //! or prefetched), staged up rows and down columns, or, for a streamed decode step, rows where
 //! they are (cache slots, and reads as they land). Phases:
 //! 1. the gate product and its activation;
@@ -18,7 +19,7 @@
 //! device's staging buffer (`HostLink::begin_upload`; page-locked on CUDA), handing each chunk to
 //! the device as soon as its last row lands so its copy overlaps the reads still in flight, and
 //! runs phases 2–4 with the device's products on those staged rows — unless the stream holds
-//! the whole layer in host memory the device mapped (`LayerStream::rows_in_place`: a neuron
+//! the whole layer in host memory the device mapped (`RowStream::rows_in_place`: a neuron
 //! cache of every neuron, as `--vram-budget` without `--ram-budget` plans), where the device's
 //! products read the needed up rows and the kept down columns by id, in place, across the link:
 //! nothing gathered, staged or copied.
@@ -37,7 +38,7 @@ use crate::backend::{Act, Device, Upload};
 use crate::config::{FfnActivation, Gating, MoeConfig};
 use crate::error::Error;
 use crate::error::Result;
-use crate::model::forward::{ColdRows, FfnHooks, FfnMask, LayerStream};
+use crate::model::forward::{ColdRows, FfnHooks, FfnMask, RowStream};
 use crate::model::weights::{ExpertWeights, FfnDown, FfnWeights, LayerFfn, LayerWeights};
 use crate::model::Model;
 use crate::quant::{axpy_row_f64, vec_dot, PreparedInput};
@@ -56,7 +57,7 @@ pub(crate) enum FfnPath {
     DecodeOnHost,
     /// A masked, streamed decode step on a device with memory of its own: its products read the
     /// step's rows in place where the stream holds the layer in memory the device mapped, else
-    /// the rows are staged ([`LayerStream::rows_in_place`]).
+    /// the rows are staged ([`RowStream::rows_in_place`]).
     InPlace,
     /// Any other streamed pass: the rows staged for the device's products (a dense step's as a
     /// view of the cache or the prefetch buffer where they lie in order).
@@ -153,8 +154,11 @@ impl Model {
     fn ffn_experts(&self, l: usize, e: &ExpertWeights, moe: &MoeConfig, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
         let n = xn.rows;
         // A stream that reads this layer's experts holds its router and shared expert too.
-        let stream = hooks.stream.and_then(|s| s.expert_layer(l).map(|x| (s, x)));
-        let streams_elsewhere = stream.is_none() && hooks.stream.is_some_and(|s| s.streams_ffn());
+        let stream = hooks
+            .stream
+            .and_then(|s| s.expert_stream())
+            .and_then(|s| s.expert_layer(l).map(|x| (s, x)));
+        let streams_elsewhere = stream.is_none() && hooks.stream.is_some_and(|s| s.ffn_rows().is_some());
         let mask = hooks.mask;
         if streams_elsewhere || hooks.observe.is_some() || mask.is_some_and(|m| !m.inside_experts()) {
             return Err(Error::Invalid(
@@ -345,7 +349,7 @@ impl Model {
     /// A dense FFN on the normalized input `xn` `[n, hidden]`: `down · (act(gate·x) · up·x)`
     /// `[n, hidden]`, by the path [`ffn_path`] chooses from the stream, the mask and the device.
     pub(crate) fn ffn_dense(&self, l: usize, w: &FfnWeights, xn: &Act, hooks: &FfnHooks) -> Result<Act> {
-        let stream = hooks.stream.filter(|s| s.streams_ffn());
+        let stream = hooks.stream.and_then(|s| s.ffn_rows());
         let cold = stream.and_then(|s| s.cold_on_host(l, xn.rows));
         let facts = FfnFacts {
             streamed: stream.is_some(),
@@ -388,7 +392,7 @@ impl Model {
         w: &FfnWeights,
         xn: &Act,
         hooks: &FfnHooks,
-        s: &dyn LayerStream,
+        s: &dyn RowStream,
         path: FfnPath,
         cold: Option<ColdRows>,
     ) -> Result<Act> {
@@ -422,7 +426,7 @@ impl Model {
         xn: &Act,
         mut gate: Act,
         up_with_gate: Option<Act>,
-        stream: Option<&dyn LayerStream>,
+        stream: Option<&dyn RowStream>,
         path: FfnPath,
         hooks: &FfnHooks,
     ) -> Result<Act> {
@@ -436,7 +440,7 @@ impl Model {
 
         // Phase 2: up·x `[n, ffn]` for the neurons that need it. Streamed: the up set, and the
         // down columns staged with it when the mask decides before up (one read batch); the
-        // device's hot neurons (`LayerStream::hot_rows`) from its own copy, the stream handing
+        // device's hot neurons (`RowStream::hot_rows`) from its own copy, the stream handing
         // over only the rest.
         let mut streamed: Option<Streamed> = None;
         // The mask's inputs on the host, once per layer (a sync where the device has its own
@@ -538,7 +542,7 @@ impl Model {
     }
 
     /// Phase 2 of a streamed step: up·x `[n, ffn]` for the neurons `need` names, the device's hot
-    /// ones from its own copy (`LayerStream::hot_rows`) and the rest as the stream hands them
+    /// ones from its own copy (`RowStream::hot_rows`) and the rest as the stream hands them
     /// over ([`UpRows`]), the down columns with them when `one_pass` allows (one read batch).
     #[allow(clippy::too_many_arguments)]
     fn up_streamed(
@@ -546,7 +550,7 @@ impl Model {
         l: usize,
         w: &FfnWeights,
         xn: &Act,
-        s: &dyn LayerStream,
+        s: &dyn RowStream,
         decode: bool,
         need: &[bool],
         one_pass: bool,
@@ -611,7 +615,7 @@ impl Model {
         &self,
         l: usize,
         w: &FfnWeights,
-        s: &dyn LayerStream,
+        s: &dyn RowStream,
         st: Streamed,
         hact: &Act,
         hact_host: Option<&[f32]>,
@@ -701,7 +705,7 @@ impl Model {
         xn: &Act,
         gate: &Act,
         mask: Option<&dyn FfnMask>,
-        s: &dyn LayerStream,
+        s: &dyn RowStream,
         cold: ColdRows,
     ) -> Result<Act> {
         let dev = &*self.device;
@@ -805,7 +809,7 @@ impl Model {
         gate: &[f32],
         mask: &dyn FfnMask,
         hooks: &FfnHooks,
-        s: &dyn LayerStream,
+        s: &dyn RowStream,
     ) -> Result<Vec<f32>> {
         let (h, f) = (self.config.hidden, self.config.ffn);
         s.begin_decode(l)?;
@@ -896,7 +900,7 @@ impl Model {
     /// over to the next layer's norm (`xn ÷ norm_l × norm_next`: the residual stream changes
     /// little from one layer to the next) and the next layer's resident gate — or, for masks
     /// whose up set does not read the input, exactly — handed to the stream to read ahead.
-    fn predict_next(&self, l: usize, xn: &[f32], mask: &dyn FfnMask, s: &dyn LayerStream) -> Result<()> {
+    fn predict_next(&self, l: usize, xn: &[f32], mask: &dyn FfnMask, s: &dyn RowStream) -> Result<()> {
         let reads_input = mask.up_needed_reads_input();
         let Some((next, gate_next)) = s.lookahead_target(l, reads_input) else {
             return Ok(());
@@ -936,7 +940,7 @@ enum UpRows {
     /// The device's hot neurons were all the step needed: the stream was not asked.
     HotOnly,
     /// A decode step's rows read by id where the device mapped the stream's copy of the layer
-    /// (`LayerStream::rows_in_place`): the kept neurons' down columns are read there too.
+    /// (`RowStream::rows_in_place`): the kept neurons' down columns are read there too.
     InPlace,
     /// A decode step's rows staged as they landed: the kept neurons' down columns are staged
     /// the same way.
@@ -962,11 +966,11 @@ fn nonzero_neurons(ha: &[f32], n: usize, f: usize) -> Vec<u32> {
 }
 
 /// A decode step's up rows of `set` (sorted) as the stream hands them over (cache hits, reads
-/// as they land: [`LayerStream::decode_up`]), staged for `dev` in `set`'s order: row i is the
+/// as they land: [`RowStream::decode_up`]), staged for `dev` in `set`'s order: row i is the
 /// set's i-th neuron. `like`: the layer's up matrix (its type and width).
 fn staged_decode_up(
     dev: &dyn Device,
-    s: &dyn LayerStream,
+    s: &dyn RowStream,
     l: usize,
     set: &[u32],
     with_down: bool,
@@ -980,9 +984,9 @@ fn staged_decode_up(
 }
 
 /// A decode step's down columns of the kept neurons `kept` (sorted, a subset of the up set),
-/// staged for `dev` in `kept`'s order ([`LayerStream::decode_down`]). `like`: the layer's down
+/// staged for `dev` in `kept`'s order ([`RowStream::decode_down`]). `like`: the layer's down
 /// matrix.
-fn staged_decode_down(dev: &dyn Device, s: &dyn LayerStream, l: usize, kept: &[u32], like: &Weight) -> Result<Weight> {
+fn staged_decode_down(dev: &dyn Device, s: &dyn RowStream, l: usize, kept: &[u32], like: &Weight) -> Result<Weight> {
     let staging = std::sync::Mutex::new(Staging::new(dev, like, kept)?);
     s.decode_down(
         l,

@@ -108,7 +108,10 @@ pub type RowLanded<'a> = dyn FnMut(u32, &[u8]) + Send + 'a;
 /// The weight provider of the streaming path: what the forward pass asks for instead of reading
 /// resident weights. It hands bytes over (views, staged rows, rows as their reads land) and
 /// never computes: the arithmetic is `model::ffn`'s. Implemented by `stream::Streamer`; each
-/// method may block on reads.
+/// method may block on reads. What the FFN's paths ask of it is narrower, by what the stream
+/// holds: a neuron-major file's rows ([`RowStream`], from [`Self::ffn_rows`]), a mixture of
+/// experts' routed experts ([`ExpertStream`], from [`Self::expert_stream`]), or a `rows`
+/// layout's whole matrices ([`Self::ffn_weights`]).
 pub trait LayerStream: Sync {
     /// Writes token `tok`'s embedding row (dequantized, unscaled) into `out`, or returns
     /// `Ok(false)` to use the resident embedding matrix.
@@ -116,15 +119,15 @@ pub trait LayerStream: Sync {
     /// Layer `l`'s attention matrices when they are streamed, or `None` when resident. Called in
     /// layer order; an implementation may start reading later layers' weights meanwhile.
     fn attention(&self, l: usize) -> Result<Option<Cow<'_, AttnWeights>>>;
-    /// Whether the FFN's rows come from this stream (its `gate`, `stage*`, `decode_*`); `false`:
-    /// from the model's own matrices.
-    fn streams_ffn(&self) -> bool {
-        false
+    /// The FFN rows this stream hands over (a neuron-major file): the dense FFN's streamed
+    /// paths ask it for their gate and rows. `None`: the FFN computes on the model's own
+    /// matrices, or on [`Self::ffn_weights`]'.
+    fn ffn_rows(&self) -> Option<&dyn RowStream> {
+        None
     }
-    /// Layer `l`'s gate matrix when the stream holds it (a resident copy, or the view of the
-    /// bytes prefetched with the layer); `None`: the model's own.
-    fn gate(&self, _l: usize) -> Result<Option<Cow<'_, Weight>>> {
-        Ok(None)
+    /// The routed experts this stream reads (a mixture of experts). `None`: the model's own.
+    fn expert_stream(&self) -> Option<&dyn ExpertStream> {
+        None
     }
     /// Layer `l`'s whole FFN (gate, up, down rows) when the stream hands its matrices over
     /// (a `.gst` in the `rows` layout: views of its prefetch buffer, or resident copies): the FFN
@@ -132,92 +135,6 @@ pub trait LayerStream: Sync {
     /// nothing.
     fn ffn_weights(&self, _l: usize) -> Result<Option<crate::model::weights::FfnWeights>> {
         Ok(None)
-    }
-    /// Layer `l`'s hot neurons the device keeps (`--vram-budget`'s plan): the up rows and the
-    /// down columns of the layer's first `k` neurons, row n = neuron n, resident on the device.
-    /// A step computes those neurons from them and asks the stream (`stage*`, `decode_*`,
-    /// `rows_in_place`) only for neurons from `k` on. `None`: none (the stream hands over all).
-    fn hot_rows(&self, _l: usize) -> Option<(&Weight, &Weight)> {
-        None
-    }
-    /// Counts what a step computed from layer `l`'s hot rows: `up` up rows, `down` down columns.
-    fn count_hot_rows(&self, _l: usize, _up: usize, _down: usize) {}
-    /// The hybrid executor (`--hybrid`): for a pass of `n` tokens, layer `l`'s FFN rows past the
-    /// device's hot ones (`hot_rows`), in host memory, for the host's CPU to compute — when the
-    /// stream holds them there and its cost model gives a pass of this width to the CPU.
-    /// `None`: the device computes every neuron (the rows are handed to it).
-    fn cold_on_host(&self, _l: usize, _n: usize) -> Option<ColdRows<'_>> {
-        None
-    }
-    /// The hybrid executor's CPU for a pass of `n` tokens of a mixture-of-experts model, when
-    /// its cost model gives the pass to the CPU: the routed experts the stream hands over (in
-    /// host memory) are then computed there, not copied to the device. `None`: the device.
-    fn host_cpu(&self, _n: usize) -> Option<&crate::backend::cpu::CpuBackend> {
-        None
-    }
-    /// Counts what the CPU computed of one layer for the hybrid executor: `bytes` of weights
-    /// in `ns` nanoseconds.
-    fn count_cold(&self, _bytes: u64, _ns: u64) {}
-    /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
-    /// device reads in place ([`crate::backend::HostLink::in_place`]), row n = neuron n (from the
-    /// first neuron past the device's hot ones, `hot_rows`: row i = neuron k + i), when the
-    /// stream holds the layer in memory the device mapped and every neuron of `set` (sorted)
-    /// there: a decode step's products then read `set`'s rows by id, nothing staged or copied.
-    /// Counts `set`'s rows as used. `None` (nothing done): use `decode_up` / `decode_down`.
-    fn rows_in_place(&self, _l: usize, _set: &[u32], _down: bool) -> Result<Option<Weight>> {
-        Ok(None)
-    }
-    /// Stages the up rows of `up_set` (sorted) and, when `with_down`, their down columns: row
-    /// i of each returned matrix is the set's i-th neuron. The cache serves what it holds.
-    fn stage(&self, l: usize, _up_set: &[u32], _with_down: bool) -> Result<(Weight, Option<Weight>)> {
-        Err(no_rows(l))
-    }
-    /// Stages the down columns of `down_set` (sorted); `staged_up`: the up set the last `stage`
-    /// staged (neurons now read whole go to the cache).
-    fn stage_down(&self, l: usize, _down_set: &[u32], _staged_up: &[u32]) -> Result<Weight> {
-        Err(no_rows(l))
-    }
-    /// A decode step (one token) starts layer `l`'s FFN: the lookahead read for it, if any, is
-    /// waited for.
-    fn begin_decode(&self, _l: usize) -> Result<()> {
-        Ok(())
-    }
-    /// Where a lookahead prediction made at layer `l` goes: the next layer (the next token's
-    /// first after the last, when the mask's up set does not read the input) and, when
-    /// `reads_input`, its resident gate to predict with; `None`: no lookahead there.
-    fn lookahead_target(&self, _l: usize, _reads_input: bool) -> Option<(usize, Option<&Weight>)> {
-        None
-    }
-    /// Reads the rows of the neurons `need` predicts for `layer` (with their down columns when
-    /// `with_down`) ahead, on the lookahead reader.
-    fn read_ahead(&self, _layer: usize, _need: &[bool], _with_down: bool) -> Result<()> {
-        Ok(())
-    }
-    /// A decode step's up rows where they are: `available` gets every row the cache holds
-    /// (on one pool thread) while `landed` gets each missed row as its read completes (on the
-    /// other), so reading overlaps computing; `with_down` reads the misses' down columns in
-    /// the same batch (kept for `decode_down`).
-    fn decode_up(
-        &self,
-        l: usize,
-        _up_set: &[u32],
-        _with_down: bool,
-        _available: &mut RowsInMemory<'_>,
-        _landed: &mut RowLanded<'_>,
-    ) -> Result<()> {
-        Err(no_rows(l))
-    }
-    /// The decode step's down columns of the neurons `kept` keeps: `available` gets those in
-    /// memory (cache hits first, then misses staged by `decode_up`) with `true` when reads are in
-    /// flight meanwhile on the other pool thread, `landed` each one read now.
-    fn decode_down(
-        &self,
-        l: usize,
-        _kept: &dyn Fn(u32) -> bool,
-        _available: &mut DownRowsInMemory<'_>,
-        _landed: &mut RowLanded<'_>,
-    ) -> Result<()> {
-        Err(no_rows(l))
     }
     /// A whole matrix of the model read into memory (to build sketches of a streamed model).
     fn read_matrix(&self, w: &Weight) -> Result<Weight> {
@@ -247,39 +164,112 @@ pub trait LayerStream: Sync {
     /// Generation calls this after the prompt's pass, before the first decode step (so
     /// per-token figures can leave the prompt out).
     fn prefill_done(&self) {}
-    /// A mixture-of-experts layer whose experts this stream reads: the router and shared
-    /// expert it holds; `None`: the model's own (in RAM).
-    fn expert_layer(&self, _l: usize) -> Option<ExpertLayer<'_>> {
-        None
-    }
+}
+
+/// The rows of a neuron-major FFN a stream hands over: what the dense FFN's streamed paths
+/// ([`crate::model::ffn`]: hybrid, decode on the host, in place, staged) ask for, and nothing
+/// else. Each method may block on reads.
+pub trait RowStream: Sync {
+    /// Layer `l`'s gate matrix when the stream holds it (a resident copy, or the view of the
+    /// bytes prefetched with the layer); `None`: the model's own.
+    fn gate(&self, l: usize) -> Result<Option<Cow<'_, Weight>>>;
+    /// Layer `l`'s hot neurons the device keeps (`--vram-budget`'s plan): the up rows and the
+    /// down columns of the layer's first `k` neurons, row n = neuron n, resident on the device.
+    /// A step computes those neurons from them and asks the stream (`stage*`, `decode_*`,
+    /// `rows_in_place`) only for neurons from `k` on. `None`: none (the stream hands over all).
+    fn hot_rows(&self, l: usize) -> Option<(&Weight, &Weight)>;
+    /// Counts what a step computed from layer `l`'s hot rows: `up` up rows, `down` down columns.
+    fn count_hot_rows(&self, l: usize, up: usize, down: usize);
+    /// The hybrid executor (`--hybrid`): for a pass of `n` tokens, layer `l`'s FFN rows past the
+    /// device's hot ones (`hot_rows`), in host memory, for the host's CPU to compute — when the
+    /// stream holds them there and its cost model gives a pass of this width to the CPU.
+    /// `None`: the device computes every neuron (the rows are handed to it).
+    fn cold_on_host(&self, l: usize, n: usize) -> Option<ColdRows<'_>>;
+    /// Counts what the CPU computed of one layer for the hybrid executor: `bytes` of weights
+    /// in `ns` nanoseconds.
+    fn count_cold(&self, bytes: u64, ns: u64);
+    /// Layer `l`'s whole up matrix (or, `down`, its neuron-major down columns) as a weight the
+    /// device reads in place ([`crate::backend::HostLink::in_place`]), row n = neuron n (from the
+    /// first neuron past the device's hot ones, `hot_rows`: row i = neuron k + i), when the
+    /// stream holds the layer in memory the device mapped and every neuron of `set` (sorted)
+    /// there: a decode step's products then read `set`'s rows by id, nothing staged or copied.
+    /// Counts `set`'s rows as used. `None` (nothing done): use `decode_up` / `decode_down`.
+    fn rows_in_place(&self, l: usize, set: &[u32], down: bool) -> Result<Option<Weight>>;
+    /// Stages the up rows of `up_set` (sorted) and, when `with_down`, their down columns: row
+    /// i of each returned matrix is the set's i-th neuron. The cache serves what it holds.
+    fn stage(&self, l: usize, up_set: &[u32], with_down: bool) -> Result<(Weight, Option<Weight>)>;
+    /// Stages the down columns of `down_set` (sorted); `staged_up`: the up set the last `stage`
+    /// staged (neurons now read whole go to the cache).
+    fn stage_down(&self, l: usize, down_set: &[u32], staged_up: &[u32]) -> Result<Weight>;
+    /// A decode step (one token) starts layer `l`'s FFN: the lookahead read for it, if any, is
+    /// waited for.
+    fn begin_decode(&self, l: usize) -> Result<()>;
+    /// Where a lookahead prediction made at layer `l` goes: the next layer (the next token's
+    /// first after the last, when the mask's up set does not read the input) and, when
+    /// `reads_input`, its resident gate to predict with; `None`: no lookahead there.
+    fn lookahead_target(&self, l: usize, reads_input: bool) -> Option<(usize, Option<&Weight>)>;
+    /// Reads the rows of the neurons `need` predicts for `layer` (with their down columns when
+    /// `with_down`) ahead, on the lookahead reader.
+    fn read_ahead(&self, layer: usize, need: &[bool], with_down: bool) -> Result<()>;
+    /// A decode step's up rows where they are: `available` gets every row the cache holds
+    /// (on one pool thread) while `landed` gets each missed row as its read completes (on the
+    /// other), so reading overlaps computing; `with_down` reads the misses' down columns in
+    /// the same batch (kept for `decode_down`).
+    fn decode_up(
+        &self,
+        l: usize,
+        up_set: &[u32],
+        with_down: bool,
+        available: &mut RowsInMemory<'_>,
+        landed: &mut RowLanded<'_>,
+    ) -> Result<()>;
+    /// The decode step's down columns of the neurons `kept` keeps: `available` gets those in
+    /// memory (cache hits first, then misses staged by `decode_up`) with `true` when reads are in
+    /// flight meanwhile on the other pool thread, `landed` each one read now.
+    fn decode_down(
+        &self,
+        l: usize,
+        kept: &dyn Fn(u32) -> bool,
+        available: &mut DownRowsInMemory<'_>,
+        landed: &mut RowLanded<'_>,
+    ) -> Result<()>;
+}
+
+/// The routed experts a stream reads: what the mixture-of-experts FFN asks for, and nothing
+/// else. Each method may block on reads.
+pub trait ExpertStream: Sync {
+    /// Layer `l`'s router and shared expert as the stream holds them; `None`: layer `l` has no
+    /// experts here (a leading dense layer).
+    fn expert_layer(&self, l: usize) -> Option<ExpertLayer<'_>>;
     /// Runs `compute` on each of layer `l`'s experts `ids` (distinct, any order): those in
     /// memory first, the rest as their reads land.
-    fn experts(&self, l: usize, _ids: &[usize], _compute: &mut ExpertCompute<'_>) -> Result<()> {
-        Err(no_rows(l))
-    }
+    fn experts(&self, l: usize, ids: &[usize], compute: &mut ExpertCompute<'_>) -> Result<()>;
     /// Where a lookahead from layer `l`'s FFN input goes: the next layer, its router and its
     /// score bias; `None`: no lookahead (or the next layer has no experts).
-    fn expert_lookahead(&self, _l: usize) -> Option<(usize, &Weight, Option<&[f32]>)> {
-        None
-    }
+    fn expert_lookahead(&self, l: usize) -> Option<(usize, &Weight, Option<&[f32]>)>;
     /// Reads the experts `ids` predicted for `layer` ahead.
-    fn read_experts_ahead(&self, _layer: usize, _ids: &[usize]) -> Result<()> {
-        Ok(())
-    }
+    fn read_experts_ahead(&self, layer: usize, ids: &[usize]) -> Result<()>;
+    /// The hybrid executor's CPU for a pass of `n` tokens, when its cost model gives the pass
+    /// to the CPU: the routed experts the stream hands over (in host memory) are then computed
+    /// there, not copied to the device. `None`: the device.
+    fn host_cpu(&self, n: usize) -> Option<&crate::backend::cpu::CpuBackend>;
+    /// Counts what the CPU computed of one layer for the hybrid executor: `bytes` of weights
+    /// in `ns` nanoseconds.
+    fn count_cold(&self, bytes: u64, ns: u64);
 }
 
 /// A layer's cold FFN rows in host memory and the CPU that computes them (see
-/// [`LayerStream::cold_on_host`]). `first` is the number of hot neurons the device keeps;
+/// [`RowStream::cold_on_host`]). `first` is the number of hot neurons the device keeps;
 /// `rows`, when the stream holds every cold neuron in place: up rows and down columns,
 /// neuron-major, row i = neuron `first + i`. `None`: the stream reads some of them (a RAM budget
-/// of its own), and the step stages the cold neurons it needs ([`LayerStream::stage`]).
+/// of its own), and the step stages the cold neurons it needs ([`RowStream::stage`]).
 pub struct ColdRows<'a> {
     pub first: usize,
     pub rows: Option<(&'a Weight, &'a Weight)>,
     pub cpu: &'a crate::backend::cpu::CpuBackend,
 }
 
-/// What a stream holds of a mixture-of-experts layer (see [`LayerStream::expert_layer`]).
+/// What a stream holds of a mixture-of-experts layer (see [`ExpertStream::expert_layer`]).
 pub struct ExpertLayer<'a> {
     pub router: &'a Weight,
     pub score_bias: Option<&'a [f32]>,
@@ -288,10 +278,6 @@ pub struct ExpertLayer<'a> {
 
 /// Computes one expert (its index, its weights).
 pub type ExpertCompute<'a> = dyn FnMut(usize, &crate::model::weights::FfnWeights) -> Result<()> + 'a;
-
-fn no_rows(l: usize) -> Error {
-    Error::Invalid(format!("layer {l}: this stream serves no FFN rows"))
-}
 
 impl FfnHooks<'_> {
     /// The dense model: every neuron, no observer, no mask.

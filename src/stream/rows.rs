@@ -1,4 +1,4 @@
-//! The weight provider (`impl LayerStream for Streamer`) and the FFN rows a layer needs,
+//! The weight provider (`LayerStream`, `RowStream` and `ExpertStream` for `Streamer`) and the FFN rows a layer needs,
 //! handed over as bytes: staged in neuron order for a pass over many tokens (`fetch`), or, for
 //! a decode step, where they are — cache slots, and reads as they land (`decode_up`,
 //! `decode_down`) — and the lookahead's reads of a predicted set. Plans reads with
@@ -16,7 +16,8 @@ use super::{unique, Part, State, Streamer};
 use crate::error::{Error, Result};
 use crate::io::Range;
 use crate::model::forward::{
-    AttnWeights, DownRowsInMemory, ExpertCompute, ExpertLayer, LayerStream, RowLanded, RowsInMemory,
+    AttnWeights, DownRowsInMemory, ExpertCompute, ExpertLayer, ExpertStream, LayerStream, RowLanded, RowStream,
+    RowsInMemory,
 };
 use crate::model::weights::{FfnDown, FfnWeights};
 use crate::tensor::Weight;
@@ -398,52 +399,6 @@ impl LayerStream for Streamer {
         }
     }
 
-    fn streams_ffn(&self) -> bool {
-        // Neuron-major files hand rows over; the `rows` layout hands whole matrices over
-        // (`ffn_weights`) and experts go through `experts`.
-        self.experts.is_none() && self.resident_ffn.is_empty()
-    }
-
-    fn expert_layer(&self, l: usize) -> Option<ExpertLayer<'_>> {
-        let x = self.experts.as_ref()?;
-        Some(ExpertLayer {
-            router: x.routers.get(l)?.as_ref()?,
-            score_bias: x.score_bias.get(l)?.as_deref(),
-            shared: x.shared.get(l)?.as_ref(),
-        })
-    }
-
-    fn experts(&self, l: usize, ids: &[usize], compute: &mut ExpertCompute<'_>) -> Result<()> {
-        let x = self
-            .experts
-            .as_ref()
-            .ok_or_else(|| Error::Invalid(format!("layer {l}: this stream reads no experts")))?;
-        let mut st = self.state.lock().expect("stream state");
-        x.run(
-            l,
-            ids,
-            self.fg.as_ref(),
-            &self.prefetcher,
-            // Misses are read in place: as large reads as the prefetch thread's.
-            self.read_bytes,
-            &mut st.counters,
-            compute,
-        )
-    }
-
-    fn expert_lookahead(&self, l: usize) -> Option<(usize, &Weight, Option<&[f32]>)> {
-        let x = self.experts.as_ref().filter(|x| x.lookahead)?;
-        let next = l + 1;
-        let router = x.routers.get(next)?.as_ref()?;
-        Some((next, router, x.score_bias[next].as_deref()))
-    }
-
-    fn read_experts_ahead(&self, layer: usize, ids: &[usize]) -> Result<()> {
-        let Some(x) = &self.experts else { return Ok(()) };
-        let mut st = self.state.lock().expect("stream state");
-        x.read_ahead(layer, ids, &self.prefetcher, &mut st.counters)
-    }
-
     /// Reads a whole matrix of the model (e.g. every up row, to build sketches) through the
     /// compute thread's reader into memory; strided rows (a bundled layout) come out contiguous.
     /// The read is counted like any other (`read_stats`).
@@ -457,18 +412,6 @@ impl LayerStream for Streamer {
             rows.extend_from_slice(&bytes[at..at + p.row_bytes]);
         }
         Weight::owned(&w.name, w.ty, w.rows, w.cols, rows)
-    }
-
-    fn gate(&self, l: usize) -> Result<Option<Cow<'_, Weight>>> {
-        let parts = &self.layers[l];
-        match &parts.gate {
-            Some(g) => {
-                let st = self.state.lock().expect("stream state");
-                // After the streamed attention matrices, if any.
-                Streamer::view(&st, g, parts.gate_index()).map(|w| Some(Cow::Owned(w)))
-            }
-            None => Ok(self.resident_gate[l].as_ref().map(Cow::Borrowed)),
-        }
     }
 
     /// The `rows` layout: the layer's gate, up and down matrices, each resident or a view of
@@ -515,6 +458,30 @@ impl LayerStream for Streamer {
         }))
     }
 
+    fn ffn_rows(&self) -> Option<&dyn RowStream> {
+        // Neuron-major files hand rows over; the `rows` layout hands whole matrices over
+        // (`ffn_weights`) and experts go through `expert_stream`.
+        (self.experts.is_none() && self.resident_ffn.is_empty()).then_some(self as &dyn RowStream)
+    }
+
+    fn expert_stream(&self) -> Option<&dyn ExpertStream> {
+        self.experts.as_ref().map(|_| self as &dyn ExpertStream)
+    }
+}
+
+impl RowStream for Streamer {
+    fn gate(&self, l: usize) -> Result<Option<Cow<'_, Weight>>> {
+        let parts = &self.layers[l];
+        match &parts.gate {
+            Some(g) => {
+                let st = self.state.lock().expect("stream state");
+                // After the streamed attention matrices, if any.
+                Streamer::view(&st, g, parts.gate_index()).map(|w| Some(Cow::Owned(w)))
+            }
+            None => Ok(self.resident_gate[l].as_ref().map(Cow::Borrowed)),
+        }
+    }
+
     fn hot_rows(&self, l: usize) -> Option<(&Weight, &Weight)> {
         self.hot.get(l)?.as_ref().map(|(u, d)| (u, d))
     }
@@ -529,16 +496,8 @@ impl LayerStream for Streamer {
         self.hybrid.as_ref()?.rows(l, n)
     }
 
-    fn host_cpu(&self, n: usize) -> Option<&crate::backend::cpu::CpuBackend> {
-        self.hybrid.as_ref().filter(|_| self.experts.is_some())?.cpu_for(n)
-    }
-
     fn count_cold(&self, bytes: u64, ns: u64) {
-        let mut st = self.state.lock().expect("stream state");
-        let c = &mut st.counters;
-        c.cold_cpu_bytes += bytes;
-        c.cold_cpu_ns += ns;
-        c.cold_cpu_layers += 1;
+        self.count_cold_cpu(bytes, ns);
     }
 
     fn rows_in_place(&self, l: usize, set: &[u32], down: bool) -> Result<Option<Weight>> {
@@ -662,7 +621,7 @@ impl LayerStream for Streamer {
         self.submit_ahead(&mut st, layer, need, with_down)
     }
 
-    /// The decode step's up phase (see [`LayerStream::decode_up`]): hits from their slots,
+    /// The decode step's up phase (see [`RowStream::decode_up`]): hits from their slots,
     /// misses read (with their down columns too when `with_down`), misses the lookahead read
     /// taken from its buffer as if their reads had landed. The two pool threads split the
     /// work: one submits the misses' reads and hands each up row over as it completes, the
@@ -777,7 +736,7 @@ impl LayerStream for Streamer {
         Ok(())
     }
 
-    /// The decode step's down phase (see [`LayerStream::decode_down`]).
+    /// The decode step's down phase (see [`RowStream::decode_down`]).
     fn decode_down(
         &self,
         l: usize,
@@ -879,5 +838,67 @@ impl LayerStream for Streamer {
             }
         }
         Ok(())
+    }
+}
+
+impl ExpertStream for Streamer {
+    fn expert_layer(&self, l: usize) -> Option<ExpertLayer<'_>> {
+        let x = self.experts.as_ref()?;
+        Some(ExpertLayer {
+            router: x.routers.get(l)?.as_ref()?,
+            score_bias: x.score_bias.get(l)?.as_deref(),
+            shared: x.shared.get(l)?.as_ref(),
+        })
+    }
+
+    fn experts(&self, l: usize, ids: &[usize], compute: &mut ExpertCompute<'_>) -> Result<()> {
+        let x = self
+            .experts
+            .as_ref()
+            .ok_or_else(|| Error::Invalid(format!("layer {l}: this stream reads no experts")))?;
+        let mut st = self.state.lock().expect("stream state");
+        x.run(
+            l,
+            ids,
+            self.fg.as_ref(),
+            &self.prefetcher,
+            // Misses are read in place: as large reads as the prefetch thread's.
+            self.read_bytes,
+            &mut st.counters,
+            compute,
+        )
+    }
+
+    fn expert_lookahead(&self, l: usize) -> Option<(usize, &Weight, Option<&[f32]>)> {
+        let x = self.experts.as_ref().filter(|x| x.lookahead)?;
+        let next = l + 1;
+        let router = x.routers.get(next)?.as_ref()?;
+        Some((next, router, x.score_bias[next].as_deref()))
+    }
+
+    fn read_experts_ahead(&self, layer: usize, ids: &[usize]) -> Result<()> {
+        let Some(x) = &self.experts else { return Ok(()) };
+        let mut st = self.state.lock().expect("stream state");
+        x.read_ahead(layer, ids, &self.prefetcher, &mut st.counters)
+    }
+
+    fn host_cpu(&self, n: usize) -> Option<&crate::backend::cpu::CpuBackend> {
+        self.hybrid.as_ref().filter(|_| self.experts.is_some())?.cpu_for(n)
+    }
+
+    fn count_cold(&self, bytes: u64, ns: u64) {
+        self.count_cold_cpu(bytes, ns);
+    }
+}
+
+impl Streamer {
+    /// Counts what the hybrid executor's CPU computed of one layer: `bytes` of weights in `ns`
+    /// nanoseconds.
+    fn count_cold_cpu(&self, bytes: u64, ns: u64) {
+        let mut st = self.state.lock().expect("stream state");
+        let c = &mut st.counters;
+        c.cold_cpu_bytes += bytes;
+        c.cold_cpu_ns += ns;
+        c.cold_cpu_layers += 1;
     }
 }
