@@ -119,10 +119,6 @@ pub enum Error {
     /// should not happen whatever the input, so it is a bug to report.
     #[error("internal error (a bug in gatestream): {0}")]
     Internal(String),
-
-    /// A request the caller made that cannot be honoured (prompt too long, bad option value).
-    #[error("{0}")]
-    Invalid(String),
 }
 
 impl Error {
