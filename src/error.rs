@@ -1,5 +1,9 @@
 //! The library's one error type. Every variant says what was wrong, where (file, offset, tensor),
 //! and, where there is one, what to do about it. The binary turns these into a message and exit code.
+//!
+//! The variants without structure say whose fault the error is: [`Error::Input`] (the user's:
+//! a flag, a request, a file that does not fit what was asked), [`Error::Device`] (the
+//! machine's: a GPU, its driver, the kernel) and [`Error::Internal`] (gatestream's own: a bug).
 
 use std::path::PathBuf;
 
@@ -95,9 +99,26 @@ pub enum Error {
     #[error("cancelled")]
     Cancelled,
 
-    /// A request the caller made that cannot be honoured (prompt too long, bad option value).
+    /// The user's input cannot be honoured: a flag or value out of range, options that do not go
+    /// together, a bad prompt, template or request, or a file or model that does not fit what
+    /// was asked (too small a budget, a feature the chosen device does not compute, a report or
+    /// checkpoint of another evaluation). The message names what to change. (A file whose bytes
+    /// do not parse is [`Error::Malformed`]; the structured variants above come first where one
+    /// fits.) The server answers these with 400.
     #[error("{0}")]
-    Invalid(String),
+    Input(String),
+
+    /// The machine under gatestream failed or lacks something: a CUDA driver or NVRTC call, the
+    /// wgpu adapter, device memory, the kernel's I/O (io_uring) or its resources (threads,
+    /// sockets). Neither the input nor gatestream is at fault; the message names the device or
+    /// facility ("CUDA: ...", "wgpu: ...") and, where there is one, the fix.
+    #[error("{0}")]
+    Device(String),
+
+    /// A broken invariant of gatestream itself (or of a library caller's contract with it): it
+    /// should not happen whatever the input, so it is a bug to report.
+    #[error("internal error (a bug in gatestream): {0}")]
+    Internal(String),
 }
 
 impl Error {
@@ -106,5 +127,27 @@ impl Error {
             path: path.into(),
             cause: source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn display_says_whose_fault_it_is() {
+        assert_eq!(
+            Error::Input("--ctx 2 is too small".into()).to_string(),
+            "--ctx 2 is too small"
+        );
+        assert_eq!(
+            Error::Device("CUDA: cuMemAlloc: out of memory".into()).to_string(),
+            "CUDA: cuMemAlloc: out of memory"
+        );
+        assert_eq!(
+            Error::Internal("layer 3: the stream served no rows".into()).to_string(),
+            "internal error (a bug in gatestream): layer 3: the stream served no rows"
+        );
+        assert_eq!(Error::Cancelled.to_string(), "cancelled");
     }
 }

@@ -197,7 +197,7 @@ const SAME_DENSE_REL: f64 = 1e-6;
 pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport> {
     let mut reports = reports.into_iter();
     let Some((first, mut merged)) = reports.next() else {
-        return Err(Error::Invalid("no report to merge".into()));
+        return Err(Error::Input("no report to merge".into()));
     };
     let same_file = |a: &str, b: &str| {
         a == b
@@ -233,7 +233,7 @@ pub fn merge_reports(reports: Vec<(String, SavedReport)>) -> Result<SavedReport>
             }
         }
         if !differs.is_empty() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{first} and {name} are reports of different evaluations ({}); only reports of the same model, text, windows and context can be merged",
                 differs.join("; ")
             )));
@@ -457,13 +457,13 @@ fn read_checkpoint(path: &Path, key: &serde_json::Value) -> Result<Option<Checkp
         Err(e) => return Err(Error::io(path, e)),
     };
     let c: Checkpoint = serde_json::from_slice(&bytes).map_err(|e| {
-        Error::Invalid(format!(
+        Error::Input(format!(
             "{}: not a readable eval checkpoint ({e}); remove it to start over",
             path.display()
         ))
     })?;
     if c.format != CHECKPOINT_FORMAT {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: checkpoint format `{}`, this build writes `{CHECKPOINT_FORMAT}`; remove it to start over",
             path.display(),
             c.format
@@ -484,7 +484,7 @@ fn read_checkpoint(path: &Path, key: &serde_json::Value) -> Result<Option<Checkp
                 .collect(),
             _ => vec!["its key".into()],
         };
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: a checkpoint of a different evaluation ({}); remove it, or pass another checkpoint file",
             path.display(),
             differs.join("; ")
@@ -545,7 +545,7 @@ pub fn eval_with(
     let (key, resumed) = checkpoint_of(model, text, text_name, opts)?;
     if opts.per_layer_tokens > 0 {
         if windows * opts.ctx + opts.per_layer_tokens > tokens.len() {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "evaluation windows and the per-layer sensitivity tokens would overlap".into(),
             ));
         }
@@ -615,10 +615,10 @@ fn checkpoint_of(
 /// Refuses a window too short to score and sparsity levels outside [0, 1).
 fn check_options(opts: &EvalOptions) -> Result<()> {
     if opts.ctx < 8 {
-        return Err(Error::Invalid(format!("--ctx {} is too small", opts.ctx)));
+        return Err(Error::Input(format!("--ctx {} is too small", opts.ctx)));
     }
     if let Some(s) = opts.sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
-        return Err(Error::Invalid(format!("sparsity {s} is outside [0, 1)")));
+        return Err(Error::Input(format!("sparsity {s} is outside [0, 1)")));
     }
     Ok(())
 }
@@ -633,7 +633,7 @@ fn window_count(tokens: &[u32], opts: &EvalOptions) -> Result<usize> {
         opts.windows.min(available)
     };
     if windows == 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "the text has {} tokens, fewer than one window of {}",
             tokens.len(),
             opts.ctx
@@ -648,7 +648,7 @@ fn window_count(tokens: &[u32], opts: &EvalOptions) -> Result<usize> {
 fn expert_counts(model: &Model, opts: &EvalOptions) -> Result<Vec<Option<usize>>> {
     let moe = match (&model.config.moe, &opts.experts) {
         (None, Some(_)) => {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: --experts measures mixture-of-experts models routed to fewer experts, and this model is dense",
                 model.path.display()
             )))
@@ -661,13 +661,13 @@ fn expert_counts(model: &Model, opts: &EvalOptions) -> Result<Vec<Option<usize>>
         .clone()
         .unwrap_or_else(|| default_expert_counts(moe.n_used));
     if let Some(k) = asked.iter().find(|&&k| k == 0 || k > moe.n_experts) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "--experts {k}: this model has {} experts per layer; give counts from 1 to {}",
             moe.n_experts, moe.n_experts
         )));
     }
     if let Some(st) = opts.strategies.iter().find(|&&st| st != Strategy::TopK) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: a mixture-of-experts model takes top-K masks inside each routed expert; --strategy {} keeps \
              per-layer state over a dense layer's neurons: use --strategy topk",
             model.path.display(),
@@ -675,7 +675,7 @@ fn expert_counts(model: &Model, opts: &EvalOptions) -> Result<Vec<Option<usize>>
         )));
     }
     if opts.criteria.contains(&Criterion::Sketch) || opts.per_layer_tokens > 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: the sketch criterion and per-layer budgets are not available for mixture-of-experts models; \
              use --criterion gate, exact or candidates and no --per-layer-tokens",
             model.path.display()
@@ -702,7 +702,7 @@ fn sketches_for(model: &Model, passes: Passes, opts: &EvalOptions) -> Result<Opt
         _ => UpSketches::build(model),
     };
     Ok(Some(built.ok_or_else(|| {
-        Error::Invalid("the sketch criterion needs hidden to be a multiple of 32".into())
+        Error::Input("the sketch criterion needs hidden to be a multiple of 32".into())
     })?))
 }
 
@@ -710,7 +710,7 @@ fn sketches_for(model: &Model, passes: Passes, opts: &EvalOptions) -> Result<Opt
 /// `text_tokens`) that would overlap the evaluation windows.
 fn check_calibration_room(opts: &EvalOptions, windows: usize, text_tokens: usize) -> Result<()> {
     if opts.strategies.contains(&Strategy::Threshold) && windows * opts.ctx + opts.calibrate_tokens > text_tokens {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "evaluation windows ({} tokens) and calibration ({} tokens from the end) would overlap in a text of {} tokens",
             windows * opts.ctx,
             opts.calibrate_tokens,
@@ -893,7 +893,7 @@ impl Tally {
             return Ok(t);
         };
         if c.configs.len() != configs.maskers.len() || c.windows_done > windows {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: the checkpoint holds {} configurations after {} windows; this evaluation has {} and {} windows; remove it to start over",
                 opts.checkpoint.as_ref().expect("resumed from a file").display(),
                 c.configs.len(),
@@ -1034,7 +1034,7 @@ fn save_checkpoint(path: &Path, key: &serde_json::Value, configs: &Configs, tall
         dense: tally.dense.save(),
         configs: states,
     };
-    let bytes = serde_json::to_vec(&c).map_err(|e| Error::Invalid(format!("checkpoint: {e}")))?;
+    let bytes = serde_json::to_vec(&c).map_err(|e| Error::Internal(format!("checkpoint: {e}")))?;
     crate::io::write_replacing(path, &bytes)
 }
 

@@ -68,12 +68,12 @@ pub fn perplexity_with(
     progress: &mut dyn FnMut(usize, usize, f64),
 ) -> Result<PerplexityReport> {
     if opts.ctx < 4 {
-        return Err(Error::Invalid(format!("--ctx {} is too small (at least 4)", opts.ctx)));
+        return Err(Error::Input(format!("--ctx {} is too small (at least 4)", opts.ctx)));
     }
     let tokens = model.tokenizer.encode(text, true)?;
     let available = tokens.len() / opts.ctx;
     if available == 0 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "the text has {} tokens, fewer than one window of --ctx {}",
             tokens.len(),
             opts.ctx

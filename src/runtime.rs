@@ -179,7 +179,7 @@ pub fn open(path: &Path, opts: &OpenOptions) -> Result<Runtime> {
 /// not lay out; the message gives the command that makes a `.gst` that does.
 pub fn check_streamed_mask(path: &Path, streamed: bool, sparse: bool) -> Result<()> {
     if streamed && sparse && crate::gguf::is_gguf(path) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: a neuron-sparse mask streams only the kept neurons' rows, which needs the FFN stored neuron-major, \
              as a .gst holds it; this GGUF stores it by rows (streamed whole). Make one with `gatestream reformat {} \
              MODEL.gst` (a second copy of the weights), or stream the GGUF dense (no --sparsity, --mode dense)",
@@ -300,9 +300,7 @@ pub fn open_on(path: &Path, opts: &OpenOptions, device: Arc<dyn Device>) -> Resu
             let mut s = match ask.batch_tokens_max {
                 // (Only the GPU budget's refusal, made before anything is read, is tried again.)
                 0 if wide > crate::stream::STREAM_BATCH_TOKENS => match open(wide) {
-                    Err(Error::Invalid(m)) if m.starts_with("--vram-budget") => {
-                        open(crate::stream::STREAM_BATCH_TOKENS)?
-                    }
+                    Err(Error::Input(m)) if m.starts_with("--vram-budget") => open(crate::stream::STREAM_BATCH_TOKENS)?,
                     r => r?,
                 },
                 0 => open(crate::stream::STREAM_BATCH_TOKENS)?,
@@ -380,7 +378,7 @@ impl Runtime {
     /// Refuses a request needing more KV positions than the stream's budget holds.
     pub fn check_positions(&self, needed: usize) -> Result<()> {
         match &self.stream {
-            Some(s) if needed > s.kv_positions => Err(Error::Invalid(format!(
+            Some(s) if needed > s.kv_positions => Err(Error::Input(format!(
                 "the request needs {needed} KV positions but the RAM budget was planned for {} \
                  (the KV cache is counted in --ram-budget)",
                 s.kv_positions

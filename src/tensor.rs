@@ -83,7 +83,7 @@ impl Weight {
     /// A weight held in memory (tests, converted tensors).
     pub fn owned(name: &str, ty: GgmlType, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Weight> {
         if ty.row_bytes(cols).and_then(|r| r.checked_mul(rows)) != Some(bytes.len()) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "{name}: {} bytes for {rows}x{cols} {ty:?}",
                 bytes.len()
             )));
@@ -152,7 +152,7 @@ impl Weight {
     ) -> Result<Weight> {
         let row_bytes = ty
             .row_bytes(cols)
-            .ok_or_else(|| Error::Invalid(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
+            .ok_or_else(|| Error::Internal(format!("{name}: {cols} columns do not fit {ty:?} blocks")))?;
         let extent = match rows {
             0 => Some(0),
             _ => (rows - 1)
@@ -162,7 +162,7 @@ impl Weight {
         match extent.and_then(|b| b.checked_add(offset_bytes)) {
             Some(end) if end <= len && row_stride_bytes >= row_bytes => {}
             _ => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "{name}: {rows}x{cols} {ty:?} at byte {offset_bytes} does not fit a {len}-byte buffer"
                 )))
             }

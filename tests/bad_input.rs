@@ -252,7 +252,9 @@ fn a_path_that_is_no_model_says_what_a_model_path_is() {
         tmp.path().join("missing.gguf"),
         tmp.path().join("notes.txt"),
     ] {
-        let m = message(&Model::load(&path, &LoadOptions::default()).err().unwrap());
+        let e = Model::load(&path, &LoadOptions::default()).err().unwrap();
+        assert!(matches!(e, Error::Input(_)), "{e:?}");
+        let m = message(&e);
         assert!(m.contains(&path.display().to_string()), "{m}");
         assert!(
             m.contains("a model path is a .gguf file, a .gst file") && m.contains("config.json"),

@@ -650,7 +650,7 @@ impl LayerStream for Broken {
         Ok(false)
     }
     fn attention(&self, l: usize) -> Result<Option<std::borrow::Cow<'_, AttnWeights>>> {
-        Err(Error::Invalid(format!("layer {l}: simulated read failure")))
+        Err(Error::Device(format!("layer {l}: simulated read failure")))
     }
 }
 

@@ -78,7 +78,7 @@ fn open_cuda(var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std::
 
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(_var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std::sync::Arc<dyn Device>> {
-    Err(crate::error::Error::Invalid(
+    Err(crate::error::Error::Input(
         "CUDA: this gatestream was built without CUDA; rebuild with `cargo build --release --features cuda` \
          (use --device cpu to run on the CPU)"
             .into(),
@@ -92,7 +92,7 @@ fn open_wgpu() -> crate::error::Result<std::sync::Arc<dyn Device>> {
 
 #[cfg(not(feature = "wgpu"))]
 fn open_wgpu() -> crate::error::Result<std::sync::Arc<dyn Device>> {
-    Err(crate::error::Error::Invalid(
+    Err(crate::error::Error::Input(
         "wgpu: this gatestream was built without the wgpu device; rebuild with `cargo build --release --features \
          wgpu` (use --device cpu to run on the CPU)"
             .into(),
@@ -347,7 +347,7 @@ pub fn join_rows(head: &Weight, tail: &Weight) -> crate::error::Result<Weight> {
 pub fn joinable(head: &Weight, tail: &Weight) -> crate::error::Result<()> {
     match head.ty == tail.ty && head.cols == tail.cols {
         true => Ok(()),
-        false => Err(crate::error::Error::Invalid(format!(
+        false => Err(crate::error::Error::Internal(format!(
             "{} and {}: rows of different types or widths ({:?} x {}, {:?} x {}) do not join",
             head.name, tail.name, head.ty, head.cols, tail.ty, tail.cols
         ))),

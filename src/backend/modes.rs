@@ -152,13 +152,13 @@ pub fn parse(items: &[String], from: &str) -> Result<Vec<(&'static str, String)>
         .map(|item| {
             let keys = || CUDA_MODES.iter().map(|m| m.key).collect::<Vec<_>>().join(", ");
             let (k, v) = item.split_once('=').ok_or_else(|| {
-                Error::Invalid(format!(
+                Error::Input(format!(
                     "{from} {item:?}: expected KEY=VALUE (keys: {}; `--cuda-opt help` lists their values)",
                     keys()
                 ))
             })?;
             let mode = CUDA_MODES.iter().find(|m| m.key == k.trim()).ok_or_else(|| {
-                Error::Invalid(format!(
+                Error::Input(format!(
                     "{from} {item:?}: no CUDA mode {:?} (keys: {}; `--cuda-opt help` lists their values)",
                     k.trim(),
                     keys()

@@ -474,7 +474,7 @@ impl Device for HostStandIn {
             .lock()
             .expect("error")
             .take()
-            .map(|m| crate::error::Error::Invalid(format!("host stand-in: {m}")))
+            .map(|m| crate::error::Error::Device(format!("host stand-in: {m}")))
     }
     fn attention_sinks(&self) -> bool {
         self.sinks && self.cpu.attention_sinks()

@@ -199,7 +199,7 @@ impl WgpuDevice {
             compatible_surface: None,
             apply_limit_buckets: false,
         }))
-        .map_err(|e| Error::Invalid(no_adapter_message(&e)))?;
+        .map_err(|e| Error::Device(no_adapter_message(&e)))?;
         let info = adapter.get_info();
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
@@ -210,7 +210,7 @@ impl WgpuDevice {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
-        .map_err(|e| Error::Invalid(format!("wgpu: adapter {} refused a device: {e}", info.name)))?;
+        .map_err(|e| Error::Device(format!("wgpu: adapter {} refused a device: {e}", info.name)))?;
         let error = Arc::new(Mutex::new(None::<String>));
         let sink = error.clone();
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
@@ -871,7 +871,7 @@ impl HostLink for WgpuDevice {
             self.device
                 .poll(wgpu::PollType::wait_indefinitely())
                 .map(|_| ())
-                .map_err(|e| Error::Invalid(format!("wgpu: waiting for the device: {e}")))
+                .map_err(|e| Error::Device(format!("wgpu: waiting for the device: {e}")))
         };
         let measure = || -> Result<Vec<LinkBandwidth>> {
             let mut out = Vec::with_capacity(sizes.len());
@@ -975,7 +975,7 @@ impl Device for WgpuDevice {
 
     fn take_error(&self) -> Option<Error> {
         self.flush();
-        self.error.lock().expect("error").take().map(Error::Invalid)
+        self.error.lock().expect("error").take().map(Error::Device)
     }
 
     fn upload(&self, rows: usize, width: usize, values: Vec<f32>) -> Act {

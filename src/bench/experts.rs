@@ -61,7 +61,7 @@ fn policy_name(p: CachePolicy, slots: usize) -> &'static str {
 /// The experts' places in a `.gst` file, per layer; the model (views of the file) they come from.
 fn expert_parts(path: &Path) -> Result<(Model, Vec<Vec<ExpertPart>>)> {
     crate::gstfile::GstFile::open(path).map_err(|e| {
-        Error::Invalid(format!(
+        Error::Input(format!(
             "{}: bench replays routing traces against a .gst file (gatestream reformat MODEL.gguf MODEL.gst): {e}",
             path.display()
         ))
@@ -76,7 +76,7 @@ fn expert_parts(path: &Path) -> Result<(Model, Vec<Vec<ExpertPart>>)> {
     )?;
     let mut parts = Vec::with_capacity(model.config.n_layers);
     if model.config.moe.is_none() {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: a dense model; routing traces replay mixture-of-experts files",
             path.display()
         )));
@@ -202,7 +202,7 @@ pub fn bench_experts(
     for t in traces {
         let h = &t.header;
         if h.n_layers != model.config.n_layers || h.n_experts != moe.n_experts {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "routing trace of {} ({} layers x {} experts) does not fit {} ({} x {})",
                 h.model,
                 h.n_layers,
@@ -213,12 +213,12 @@ pub fn bench_experts(
             )));
         }
         if h.tokens == 0 {
-            return Err(Error::Invalid(format!("routing trace of {} holds no tokens", h.model)));
+            return Err(Error::Input(format!("routing trace of {} holds no tokens", h.model)));
         }
     }
     let total_experts = model.config.expert_layers() * moe.n_experts;
     if let Some(&n) = x.cache_experts.iter().find(|&&n| n > total_experts) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "--cache-experts {n}: the model has {total_experts} experts ({} layers of experts x {})",
             model.config.expert_layers(),
             moe.n_experts

@@ -136,7 +136,7 @@ fn geometry(g: &GstFile) -> Result<Vec<LayerGeometry>> {
     let get = |name: String| -> Result<Part> {
         let w = g
             .weight(&name, c.ffn, c.hidden)?
-            .ok_or_else(|| Error::Invalid(format!("{}: no tensor {name}", g.path.display())))?;
+            .ok_or_else(|| Error::Input(format!("{}: no tensor {name}", g.path.display())))?;
         Part::of(&w)
     };
     (0..c.n_layers)
@@ -634,7 +634,7 @@ pub fn bench(
     let c = g.index.config.clone();
     for t in traces {
         if t.header.ffn != c.ffn || t.header.n_layers != c.n_layers {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "trace of {} ({} layers x {} neurons) does not fit {} ({} x {})",
                 t.header.model,
                 t.header.n_layers,
@@ -645,7 +645,7 @@ pub fn bench(
             )));
         }
         if t.header.tokens == 0 {
-            return Err(Error::Invalid(format!("trace of {} holds no tokens", t.header.model)));
+            return Err(Error::Input(format!("trace of {} holds no tokens", t.header.model)));
         }
     }
     let layers = geometry(&g)?;

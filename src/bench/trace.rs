@@ -132,7 +132,7 @@ impl Trace {
 
 /// A trace file's first bytes: magic, `version`, the header's length and the header as JSON.
 fn file_start(version: u32, header: &impl serde::Serialize) -> Result<Vec<u8>> {
-    let json = serde_json::to_vec(header).map_err(|e| Error::Invalid(format!("trace header: {e}")))?;
+    let json = serde_json::to_vec(header).map_err(|e| Error::Internal(format!("trace header: {e}")))?;
     let mut out = Vec::new();
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&version.to_le_bytes());
@@ -469,13 +469,13 @@ pub fn record_routes(
 ) -> Result<RouteTrace> {
     let c = &model.config;
     let Some(moe) = &c.moe else {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: routing traces are of mixture-of-experts models, and this model is dense",
             model.path.display()
         )));
     };
     if ids.is_empty() {
-        return Err(Error::Invalid("a trace needs at least one token".into()));
+        return Err(Error::Input("a trace needs at least one token".into()));
     }
     let rec = RouteRecorder::new(None, c.n_layers, moe.n_experts, moe.leading_dense);
     let mut cache = crate::kv::KvCache::new(c, ids.len());
@@ -516,7 +516,7 @@ pub fn record(
     text_name: &str,
 ) -> Result<Trace> {
     if ids.is_empty() {
-        return Err(Error::Invalid("a trace needs at least one token".into()));
+        return Err(Error::Input("a trace needs at least one token".into()));
     }
     let c = &model.config;
     let rec = TraceRecorder::new(Some(mask), c.n_layers, c.hidden, c.ffn);

@@ -213,7 +213,7 @@ impl<'m> Engine<'m> {
     /// Every token of every request through `mask` (see the module docs; union is refused).
     pub fn with_mask(mut self, mask: &'m Masker<'m>) -> Result<Engine<'m>> {
         if mask.strategy == Strategy::Union {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "the union mask learns one set from one prompt; the engine runs several requests at once, so it \
                  takes per-token masks (topk, threshold) only"
                     .into(),
@@ -252,12 +252,12 @@ impl<'m> Engine<'m> {
     pub fn submit(&mut self, req: Request) -> Result<RequestId> {
         let plan = check(self.model, &req, self.ctx)?;
         if self.drafter.is_some() && req.lookup > 0 {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "drafts come from prompt lookup (--lookup) or from a draft model (--draft), not both".into(),
             ));
         }
         if self.prompt_mask.is_some() && !self.seqs.is_empty() {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "this engine's mask learns from one prompt at a time (union, traces): one request runs at a time"
                     .into(),
             ));
@@ -266,7 +266,7 @@ impl<'m> Engine<'m> {
         if let Some(limit) = self.stream.and_then(|s| s.kv_positions()) {
             let in_use: usize = self.seqs.iter().map(|s| s.cache.capacity).sum();
             if in_use + positions > limit {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "the request needs {positions} KV positions and {in_use} are in use, but the RAM budget holds \
                      {limit} (the KV cache is counted in --ram-budget)"
                 )));
@@ -646,16 +646,16 @@ impl StepPlan {
 /// where the context is full.
 pub fn check(model: &Model, req: &Request, ctx: usize) -> Result<ContextPlan> {
     if req.prompt_ids.is_empty() {
-        return Err(Error::Invalid("a request needs at least one prompt token".into()));
+        return Err(Error::Input("a request needs at least one prompt token".into()));
     }
     if let Some(&t) = req.prompt_ids.iter().find(|&&t| t as usize >= model.config.vocab) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "prompt token {t} is outside the vocabulary of {}",
             model.config.vocab
         )));
     }
     if req.stop.iter().any(|s| s.is_empty()) {
-        return Err(Error::Invalid("a stop string may not be empty".into()));
+        return Err(Error::Input("a stop string may not be empty".into()));
     }
     model.context_plan(req.prompt_ids.len(), req.max_tokens, ctx)
 }

@@ -63,7 +63,7 @@ impl Model {
         on_token: &mut dyn FnMut(&TokenEvent),
     ) -> Result<Generation> {
         if prompt_ids.is_empty() {
-            return Err(Error::Invalid("generation needs at least one prompt token".into()));
+            return Err(Error::Input("generation needs at least one prompt token".into()));
         }
         let mut engine = Engine::new(self, stream, opts.batch_tokens_max).with_context(opts.ctx);
         if let Some(m) = mask {

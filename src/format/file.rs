@@ -113,14 +113,14 @@ pub struct Planned {
 /// from its JSON), so a writer never produces a file its reader rejects.
 pub fn plan_layout(index: &mut Index, section_lens: &[u64], section_checksums: &[String]) -> Result<Planned> {
     if section_lens.len() != index.sections.len() || section_checksums.len() != index.sections.len() {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Internal(format!(
             "plan_layout: {} sections in the index, {} lengths, {} checksums; they must match one to one",
             index.sections.len(),
             section_lens.len(),
             section_checksums.len()
         )));
     }
-    let overflow = || Error::Invalid("plan_layout: section lengths overflow a 64-bit file offset".into());
+    let overflow = || Error::Internal("plan_layout: section lengths overflow a 64-bit file offset".into());
     let mut cursor = HEADER_BYTES;
     let mut section_offsets = Vec::with_capacity(section_lens.len());
     for ((s, &len), xxh3) in index.sections.iter_mut().zip(section_lens).zip(section_checksums) {
@@ -150,7 +150,7 @@ pub fn plan_layout(index: &mut Index, section_lens: &[u64], section_checksums: &
         // serde_json writes floats in the shortest form that reads back exactly, so no known
         // index gets here; if one ever does, refuse rather than write a file that reads back
         // different from what the writer meant.
-        return Err(Error::Invalid(
+        return Err(Error::Internal(
             "plan_layout: the index does not read back equal to itself through JSON".into(),
         ));
     }

@@ -50,7 +50,7 @@ pub(crate) fn open_file(path: &Path, policy: DirectIo) -> Result<OpenedFile> {
                 });
             }
             Err(why) if policy == DirectIo::Required => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: direct I/O (O_DIRECT) is required but unavailable: {why}; put the file on \
                      a filesystem that supports it (not tmpfs) or allow buffered reads",
                     path.display()

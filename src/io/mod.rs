@@ -440,7 +440,7 @@ pub fn open_reader(path: impl AsRef<Path>, engine: ReadEngine, opts: &ReaderOpti
         let r = MmapReader::open(path)?;
         match opts.direct_io {
             DirectIo::Required => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: the mmap reader reads through the page cache and cannot honour \
                      direct I/O `required`; use the uring or pread engine, or direct I/O `optional`",
                     path.display()

@@ -51,7 +51,7 @@ pub fn open_parts_reader(
 ) -> Result<OpenedReader> {
     match parts {
         [one] if one.base_bytes == 0 => open_reader(&one.path, engine, opts),
-        [] => Err(Error::Invalid(format!("{}: no files to read", name.display()))),
+        [] => Err(Error::Internal(format!("{}: no files to read", name.display()))),
         _ => {
             let mut readers = Vec::with_capacity(parts.len());
             let (mut engine_used, mut direct_io_active, mut warnings) = (engine, true, Vec::new());
@@ -117,7 +117,7 @@ impl PartsReader {
             .windows(2)
             .all(|w| w[0].base_bytes + w[0].len_bytes <= w[1].base_bytes);
         if !ordered || readers.len() != parts.len() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "{}: file parts out of order or without readers",
                 name.display()
             )));

@@ -71,7 +71,7 @@ impl PreadReader {
     pub fn open(path: impl AsRef<Path>, opts: &PreadOptions) -> Result<Self> {
         let path = path.as_ref();
         if opts.threads == 0 || opts.threads > THREADS_MAX || opts.queue_depth == 0 {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "pread reader: threads must be 1..={THREADS_MAX} and queue depth >= 1 (got {} and {})",
                 opts.threads, opts.queue_depth
             )));

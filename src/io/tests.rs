@@ -392,12 +392,12 @@ fn callback_error_stops_the_batch_and_the_reader_stays_usable() {
             .read_each(&ranges, &mut |_, _| {
                 calls += 1;
                 if calls == 12 {
-                    return Err(Error::Invalid("stop here".into()));
+                    return Err(Error::Input("stop here".into()));
                 }
                 Ok(())
             })
             .unwrap_err();
-        assert!(matches!(&err, Error::Invalid(m) if m == "stop here"), "{name}: {err}");
+        assert!(matches!(&err, Error::Input(m) if m == "stop here"), "{name}: {err}");
         assert_eq!(calls, 12, "{name}: no callbacks after the error");
         r.reset_stats();
         check_reader(name, r.as_ref(), &ranges, &bytes);

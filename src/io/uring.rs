@@ -205,7 +205,7 @@ impl UringReader {
     pub fn open(path: impl AsRef<Path>, opts: &UringOptions) -> Result<Self> {
         let path = path.as_ref();
         if opts.queue_depth == 0 || opts.queue_depth > QUEUE_DEPTH_MAX {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "io_uring queue depth {} is out of range 1..={QUEUE_DEPTH_MAX}",
                 opts.queue_depth
             )));

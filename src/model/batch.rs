@@ -199,7 +199,7 @@ impl Batch {
             Logits::Last => n.saturating_sub(1),
             Logits::From(i) if i < n => i,
             Logits::From(i) => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "logits asked from position {i} of a batch of {n} tokens (the last is {})",
                     n.saturating_sub(1)
                 )))
@@ -236,7 +236,7 @@ impl Batch {
     pub(crate) fn check(&self, vocab: usize, cache_lens: &[(usize, usize)]) -> Result<Vec<usize>> {
         let n = self.ids.len();
         if self.positions.len() != n || self.seq_of_token.len() != n {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "a batch of {n} ids has {} positions and {} sequence indices",
                 self.positions.len(),
                 self.seq_of_token.len()
@@ -246,31 +246,31 @@ impl Batch {
         for t in 0..n {
             let (id, pos, s) = (self.ids[t], self.positions[t], self.seq_of_token[t]);
             if id as usize >= vocab {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "token id {id} is outside the vocabulary of {vocab}"
                 )));
             }
             let Some(&(_, capacity)) = cache_lens.get(s) else {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "token {t} of the batch belongs to sequence {s}, but the pass was given {} caches",
                     cache_lens.len()
                 )));
             };
             if pos != next[s] {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "token {t} of the batch is at position {pos} of sequence {s}, whose next position is {}",
                     next[s]
                 )));
             }
             if pos >= capacity {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "context full: sequence {s} needs position {pos} but its cache holds {capacity} positions (raise --ctx)"
                 )));
             }
             next[s] = pos + 1;
         }
         if let Some(&r) = self.logit_rows.iter().find(|&&r| r >= n) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "logits asked for token {r} of a batch of {n} tokens"
             )));
         }

@@ -39,7 +39,7 @@ impl Drafter {
     /// tokens).
     pub fn new(model: Model, target: &Model, max: usize) -> Result<Drafter> {
         if max == 0 {
-            return Err(Error::Invalid("--draft-max must be at least 1".into()));
+            return Err(Error::Input("--draft-max must be at least 1".into()));
         }
         let (a, b) = (&target.tokenizer, &model.tokenizer);
         let differs = if a.vocab_size() != b.vocab_size() {
@@ -56,7 +56,7 @@ impl Drafter {
                 .map(|id| format!("token {id} differs"))
         };
         if let Some(d) = differs {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: a draft model must share the target's vocabulary ({}): {d}",
                 model.path.display(),
                 target.path.display()

@@ -137,7 +137,7 @@ impl Model {
                 }
             }
             (LayerFfn::Experts(e), Some(moe)) => self.ffn_experts(l, e, moe, xn, hooks),
-            (LayerFfn::Experts(_), None) => Err(Error::Invalid(format!(
+            (LayerFfn::Experts(_), None) => Err(Error::Internal(format!(
                 "{}: layer {l} has experts but the configuration none",
                 self.path.display()
             ))),
@@ -161,7 +161,7 @@ impl Model {
         let streams_elsewhere = stream.is_none() && hooks.stream.is_some_and(|s| s.ffn_rows().is_some());
         let mask = hooks.mask;
         if streams_elsewhere || hooks.observe.is_some() || mask.is_some_and(|m| !m.inside_experts()) {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "mixture-of-experts models take top-K neuron masks inside each routed expert (--strategy topk with \
                  --criterion gate, exact or candidates); threshold and union masks, the sketch criterion and \
                  calibration keep per-layer state over a dense layer's neurons and are not available for them; \
@@ -172,7 +172,7 @@ impl Model {
         }
         let used = mask.and_then(|m| m.experts_used()).unwrap_or(moe.n_used);
         if used == 0 || used > moe.n_experts {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{} experts per token asked of a model with {} experts per layer",
                 used, moe.n_experts
             )));
@@ -244,7 +244,7 @@ impl Model {
         let mut one = |ex: usize, w: &FfnWeights| -> Result<()> {
             let tokens = &groups[ex].0;
             if masked.mask.is_some() && w.gate.rows != self.config.ffn {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: layer {l} expert {ex} has {} neurons, not the model's expert width {}; a neuron mask cannot run inside it",
                     self.path.display(),
                     w.gate.rows,
@@ -268,7 +268,7 @@ impl Model {
             let y = match e.biases.as_ref().filter(|_| moe.oai_experts) {
                 Some(b) if masked.mask.is_none() => self.ffn_oai_expert(w, b.of(ex), x),
                 Some(_) => {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::Input(format!(
                         "{}: neuron masks do not run inside {} experts (biased, clamped SwiGLU) yet; run it \
                          with --mode dense",
                         self.path.display(),
@@ -276,7 +276,7 @@ impl Model {
                     )))
                 }
                 None if moe.oai_experts => {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::Input(format!(
                         "{}: layer {l} has no expert biases (`ffn_gate_exps.bias`…), which its configuration needs",
                         self.path.display()
                     )))
@@ -404,7 +404,7 @@ impl Model {
         match (path, hooks.mask) {
             (FfnPath::Hybrid, mask) => {
                 let cold =
-                    cold.ok_or_else(|| Error::Invalid(format!("layer {l}: the hybrid path without cold rows")))?;
+                    cold.ok_or_else(|| Error::Internal(format!("layer {l}: the hybrid path without cold rows")))?;
                 self.ffn_hybrid(l, xn, &gate, mask, s, cold)
             }
             (FfnPath::DecodeOnHost, Some(mask)) => {
@@ -649,7 +649,7 @@ impl Model {
             UpRows::InPlace if rest.is_empty() => None,
             UpRows::InPlace => Some(DownTail::InPlace(s.rows_in_place(l, &rest, true)?.ok_or_else(
                 || {
-                    Error::Invalid(format!(
+                    Error::Internal(format!(
                         "layer {l}: the stream held the up rows in place but not the down columns"
                     ))
                 },
@@ -711,7 +711,7 @@ impl Model {
         let dev = &*self.device;
         let (n, h, f, k) = (xn.rows, self.config.hidden, gate.width, cold.first);
         if let Some((up, down)) = cold.rows.filter(|(u, d)| u.rows != f - k || d.rows != f - k) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "layer {l}: the stream's cold rows ({} up, {} down) are not the {} neurons past the {k} hot ones",
                 up.rows,
                 down.rows,
@@ -771,7 +771,7 @@ impl Model {
                         let ids: Vec<u32> = cold_set.iter().map(|&i| i + k as u32).collect();
                         let (up, down) = s.stage(l, &ids, true)?;
                         let down = down.ok_or_else(|| {
-                            Error::Invalid(format!(
+                            Error::Internal(format!(
                                 "layer {l}: the stream staged up rows without their down columns"
                             ))
                         })?;
@@ -1030,7 +1030,7 @@ struct Staging<'a> {
 impl<'a> Staging<'a> {
     fn new(dev: &dyn Device, like: &Weight, set: &'a [u32]) -> Result<Staging<'a>> {
         let row_bytes = like.ty.row_bytes(like.cols).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::Internal(format!(
                 "{}: {} values do not fill whole {:?} blocks",
                 like.name, like.cols, like.ty
             ))
@@ -1119,10 +1119,10 @@ impl<'a> Staging<'a> {
     /// The staged rows as a volatile weight of `like`'s type and width.
     fn finish(self, like: &Weight) -> Result<Weight> {
         if let Some(w) = self.wrong {
-            return Err(Error::Invalid(format!("{}: {w}", like.name)));
+            return Err(Error::Internal(format!("{}: {w}", like.name)));
         }
         if let Some(i) = self.filled.iter().position(|&f| !f) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "{}: the stream did not hand over neuron {}'s row",
                 like.name, self.set[i]
             )));

@@ -138,7 +138,7 @@ pub trait LayerStream: Sync {
     }
     /// A whole matrix of the model read into memory (to build sketches of a streamed model).
     fn read_matrix(&self, w: &Weight) -> Result<Weight> {
-        Err(Error::Invalid(format!(
+        Err(Error::Internal(format!(
             "{}: this stream reads no whole matrices",
             w.name
         )))
@@ -442,7 +442,7 @@ impl Model {
         batch_max: usize,
     ) -> Result<Vec<f32>> {
         if from >= tokens.len() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "logits asked from position {from} of {} tokens",
                 tokens.len()
             )));
@@ -476,7 +476,7 @@ impl Model {
         let lens: Vec<(usize, usize)> = caches.iter().map(|c| (c.len, c.capacity)).collect();
         let next = batch.check(self.config.vocab, &lens)?;
         if hooks.stream.is_none() && self.placement == Placement::OnDisk {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "{}: this model was opened for streaming (its matrices stay on disk), and the pass was given no \
                  stream to read them; pass the model's stream (a pass without it would read past the RAM budget)",
                 self.path.display()
@@ -490,7 +490,7 @@ impl Model {
         // caller's thread on a lock for every matrix (that cost ~10% of decode time).
         if let Some(max) = hooks.stream.and_then(|s| s.batch_tokens_max()) {
             if batch.len() > max {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "a pass of {} tokens exceeds the {max} whose activations the RAM budget holds; \
                      feed the prompt in batches of at most {max} tokens (generation does)",
                     batch.len()

@@ -197,7 +197,7 @@ impl Model {
             return self.encode_prompt(prompt, false);
         }
         if !self.tokenizer.has_chat_template() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: --chat given but the model has no chat template",
                 self.path.display()
             )));
@@ -216,7 +216,7 @@ impl Model {
     fn encode_prompt(&self, text: &str, chat: bool) -> Result<Vec<u32>> {
         let ids = self.tokenizer.encode(text, !chat)?;
         if ids.is_empty() {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "the prompt encodes to no tokens and the model has no BOS to start from".into(),
             ));
         }
@@ -237,7 +237,7 @@ impl Model {
                     self.config.context_len
                 )
             };
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "the prompt is {prompt_len} tokens, which leaves no room to generate in {whose}; shorten the prompt{}",
                 if ctx != 0 && ctx < self.config.context_len {
                     " or give a longer --ctx-size"
@@ -249,7 +249,7 @@ impl Model {
         let max_new = max_tokens.min(limit - prompt_len);
         let kv_bytes = crate::kv::KvCache::bytes_for(&self.config, prompt_len + max_new);
         if let Some(ram) = crate::kv::physical_memory_bytes().filter(|&ram| kv_bytes > ram) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "the KV cache for {} positions (prompt {prompt_len} + up to {max_new} generated) needs {:.1} GB, more than \
                  this machine's {:.1} GB of memory; give a smaller --max-tokens or --ctx-size",
                 prompt_len + max_new,

@@ -82,7 +82,7 @@ pub const MODEL_PATH_KINDS: &str = "a model path is a .gguf file, a .gst file (w
 /// Open a `.gguf` file, a `.gst` file (recognised by its magic) or a Hugging Face folder.
 pub fn open_source(path: &Path) -> Result<Source> {
     let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::Invalid(format!(
+        std::io::ErrorKind::NotFound => Error::Input(format!(
             "{}: no such file or folder; {MODEL_PATH_KINDS}",
             path.display()
         )),
@@ -90,7 +90,7 @@ pub fn open_source(path: &Path) -> Result<Source> {
     })?;
     if meta.is_dir() {
         if !path.join("config.json").exists() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: this folder has no config.json, so it is not a model; {MODEL_PATH_KINDS}",
                 path.display()
             )));
@@ -119,7 +119,7 @@ pub fn open_source(path: &Path) -> Result<Source> {
         });
     }
     if !head.starts_with(b"GGUF") {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: not a model file: bad magic {:?} at offset 0 (neither GGUF's nor a .gst file's); {MODEL_PATH_KINDS}",
             path.display(),
             String::from_utf8_lossy(&head[..head.len().min(4)])
@@ -198,13 +198,13 @@ impl Model {
     pub fn from_source(path: &Path, mut src: Source, opts: &LoadOptions, device: Arc<dyn Device>) -> Result<Model> {
         if let Some(k) = opts.experts_used {
             let Some(moe) = src.config.moe.as_mut() else {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: --experts-used applies to mixture-of-experts models, and this model is dense",
                     path.display()
                 )));
             };
             if k == 0 || k > moe.n_experts {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: --experts-used {k}: this model has {} experts per layer (it uses {} per token); \
                      give 1 to {}",
                     path.display(),
@@ -216,7 +216,7 @@ impl Model {
             moe.n_used = k;
         }
         if src.config.attn_sinks && !device.attention_sinks() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: a {} model: its attention sinks (`blk.N.attn_sinks`, an extra logit in each head's \
                  softmax) are not computed by the {} device yet (nor its YaRN RoPE or MXFP4 experts); run \
                  it with --device cpu",
@@ -226,7 +226,7 @@ impl Model {
             )));
         }
         if src.config.rope_freq_factors.is_some() && !device.rope_freq_factors() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: this model's RoPE has per-frequency factors (Llama 3.1+'s `rope_freqs.weight`, or YaRN \
                  scaling), which the {} device does not apply yet; run it with --device cpu",
                 path.display(),
@@ -234,7 +234,7 @@ impl Model {
             )));
         }
         if src.config.mla.is_some() && !device.latent_attention() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: this model has multi-head latent attention ({}), which the {} device does not compute \
                  yet; run it with --device cpu",
                 path.display(),
@@ -243,7 +243,7 @@ impl Model {
             )));
         }
         if src.config.rope_dims() < src.config.head_dim && !device.rope_partial() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: this {} model rotates {} of each head's {} dimensions (partial RoPE), which the {} device does \
                  not compute yet (its RoPE rotates whole heads); run it with --device cpu",
                 path.display(),
@@ -254,7 +254,7 @@ impl Model {
             )));
         }
         if let Some(why) = device.refuses_model(&src.config) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: {why}; run it with --device cpu",
                 path.display()
             )));
@@ -262,7 +262,7 @@ impl Model {
         let tokenizer = Tokenizer::from_spec(path, &src.tokenizer)?;
         let mut weights = ModelWeights::load(&src.tensors, &src.config)?;
         if let Some(w) = weights.matrices().into_iter().find(|w| !device.computes_type(w.ty)) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: tensor `{}` has type {ty}: {ty} is computed on the CPU only (the {} device has no kernels \
                  for it); run it with --device cpu",
                 path.display(),

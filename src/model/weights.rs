@@ -124,7 +124,7 @@ impl TensorSource {
                 let ty = t.ty.ok_or_else(|| gguf::unsupported_type_error(&g.path, t))?;
                 let row_bytes = ty
                     .row_bytes(cols)
-                    .ok_or_else(|| Error::Invalid(format!("{name}: bad vector length")))?;
+                    .ok_or_else(|| Error::Input(format!("{name}: bad vector length")))?;
                 Ok(Weight::mapped(
                     name,
                     ty,
@@ -197,7 +197,7 @@ impl TensorSource {
     /// view at its own offset.
     pub fn experts(&self, name: &str, n: usize, rows: usize, cols: usize, arch: Arch) -> Result<Vec<Weight>> {
         let TensorSource::Gguf(g) = self else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: `{name}`: experts are read from GGUF files only",
                 self.path().display()
             )));
@@ -306,7 +306,7 @@ fn latent_attention(
     let (arch, h, heads) = (cfg.arch, cfg.hidden, cfg.n_heads);
     let q = heads * m.q_head();
     if src.has(&n("attn_kv_b.weight")) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: `{}`: this file keeps the keys' and values' up-projection in one tensor, as converters \
              before llama.cpp's split of it wrote; convert the model again with a current convert_hf_to_gguf.py",
             src.source.path().display(),
@@ -478,7 +478,7 @@ impl LayerWeights {
     pub fn dense(&self, what: &str) -> Result<&FfnWeights> {
         match &self.ffn {
             LayerFfn::Dense(f) => Ok(f),
-            LayerFfn::Experts(_) => Err(Error::Invalid(format!(
+            LayerFfn::Experts(_) => Err(Error::Input(format!(
                 "{what} does not read mixture-of-experts models yet (dense FFNs only); `run`, \
                  `perplexity` and `serve` run them in RAM with --mode dense"
             ))),

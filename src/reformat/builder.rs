@@ -46,7 +46,7 @@ impl GstBuilder {
     /// choices that cannot go together.
     pub fn create(output: &Path, opts: &ReformatOptions) -> Result<GstBuilder> {
         if opts.ffn_layout == FfnLayout::Rows && opts.order == NeuronOrder::HotFirst {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "--ffn-layout rows keeps each FFN matrix as the checkpoint stores it (down as [hidden x ffn] rows, \
                  for dense streaming), so its neurons cannot be reordered; use --ffn-layout split or bundled for \
                  --order hot-first"
@@ -91,7 +91,7 @@ impl GstBuilder {
         output: Option<&Weight>,
         output_norm: &[f32],
     ) -> Result<()> {
-        let json = serde_json::to_vec(tokenizer).map_err(|e| Error::Invalid(e.to_string()))?;
+        let json = serde_json::to_vec(tokenizer).map_err(|e| Error::Internal(e.to_string()))?;
         self.w.section("tokenizer.json", &json)?;
         self.matrix("token_embd.weight", token_embd)?;
         if let Some(o) = output {
@@ -104,7 +104,7 @@ impl GstBuilder {
     pub fn layer(&mut self, l: usize, lw: &LayerWeights, order: &[u32]) -> Result<()> {
         let n = |what: &str| format!("blk.{l}.{what}");
         if lw.attn.mla.is_some() {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "a .gst does not hold latent attention (DeepSeek-V2/V3) yet: stream the GGUF itself \
                  (`run --model FILE.gguf --ram-budget SIZE`), which reads it without a second copy"
                     .into(),
@@ -158,9 +158,7 @@ impl GstBuilder {
         let (ffn, hidden) = (ffn_w.gate.rows, ffn_w.gate.cols);
         let to = self.to;
         let FfnDown::Rows(down) = &ffn_w.down else {
-            return Err(Error::Invalid(
-                "internal: a non-.gst source with neuron-major down".into(),
-            ));
+            return Err(Error::Internal("a non-.gst source with neuron-major down".into()));
         };
         if self.ffn_layout == FfnLayout::Rows {
             // As stored: gate and up rows, down as [hidden x ffn] rows (nothing re-quantized).
@@ -205,7 +203,7 @@ impl GstBuilder {
         }
         if self.up_sketch == UpSketch::TwoBit {
             let row_bytes = sketch_row_bytes(hidden).ok_or_else(|| {
-                Error::Invalid(format!(
+                Error::Input(format!(
                     "--up-sketch 2bit needs hidden ({hidden}) to be a multiple of 32"
                 ))
             })?;

@@ -130,7 +130,7 @@ fn rows_as_stored(w: &Weight, to: Option<GgmlType>) -> Result<(GgmlType, Vec<u8>
 fn rows_in_order(w: &Weight, order: &[u32], to: Option<GgmlType>) -> Result<(GgmlType, Vec<u8>)> {
     let ty = to.unwrap_or(w.ty);
     let row_bytes = ty.row_bytes(w.cols).ok_or_else(|| {
-        Error::Invalid(format!(
+        Error::Input(format!(
             "{}: {} columns are not a whole number of {} blocks",
             w.name,
             w.cols,
@@ -156,7 +156,7 @@ fn convert(name: &str, x: &[f32], ty: GgmlType, out: &mut [u8]) -> Result<()> {
     if quantize_row(ty, x, out) {
         Ok(())
     } else {
-        Err(Error::Invalid(format!(
+        Err(Error::Input(format!(
             "{name}: cannot quantize to {}: gatestream reads that type but has no quantizer for it \
              (llama-quantize makes it); for down columns choose --down-type q8_0 or f16",
             ty.name()
@@ -173,7 +173,7 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 fn down_columns(down: &Weight, order: &[u32], ty: GgmlType) -> Result<(Vec<u8>, f32)> {
     let (hidden, ffn) = (down.rows, down.cols);
     let row_bytes = ty.row_bytes(hidden).ok_or_else(|| {
-        Error::Invalid(format!(
+        Error::Input(format!(
             "{}: hidden size {hidden} is not a whole number of {} blocks; choose --down-type q8_0 or f16",
             down.name,
             ty.name()
@@ -214,9 +214,7 @@ pub(super) fn write_ffn_section(
     to: Option<GgmlType>,
 ) -> Result<()> {
     let FfnDown::Rows(down) = &f.down else {
-        return Err(Error::Invalid(
-            "internal: a non-.gst source with neuron-major down".into(),
-        ));
+        return Err(Error::Internal("a non-.gst source with neuron-major down".into()));
     };
     let mut bytes = Vec::new();
     let mut at = Vec::with_capacity(3);
@@ -364,7 +362,7 @@ pub fn store_recommendation(path: &Path, r: Recommendation, progress: Progress) 
 pub fn store_recommendation_from(path: &Path, evaluated: &Path, r: Recommendation, progress: Progress) -> Result<()> {
     if !same_file(path, evaluated)? {
         if crate::gstfile::is_gst(evaluated) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: the recommendation was measured on another .gst file ({}); evaluate this file, or the model it was converted from",
                 path.display(),
                 evaluated.display()
@@ -373,7 +371,7 @@ pub fn store_recommendation_from(path: &Path, evaluated: &Path, r: Recommendatio
         let recorded = GstFile::open(path)?.index.source.clone();
         let src = source_info(evaluated)?;
         if (src.len_bytes, &src.xxh3) != (recorded.len_bytes, &recorded.xxh3) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: converted from {} ({} bytes, xxh3 {}), not from the evaluated {} ({} bytes, xxh3 {}); evaluate the file it was converted from, or the .gst itself",
                 path.display(),
                 recorded.file_name,
@@ -428,23 +426,23 @@ pub fn reformat(input: &Path, output: &Path, opts: &ReformatOptions, progress: P
     let t0 = Instant::now();
     let src = open_source(input)?;
     if let TensorSource::Gst(_) = src.tensors {
-        return Err(Error::Invalid(format!("{} is already a .gst file", input.display())));
+        return Err(Error::Input(format!("{} is already a .gst file", input.display())));
     }
     let is_gguf = matches!(src.tensors, TensorSource::Gguf(_));
     if is_gguf && opts.matrix_type.is_some() {
-        return Err(Error::Invalid(
+        return Err(Error::Input(
             "--type applies to safetensors inputs; GGUF tensors keep their quantization".into(),
         ));
     }
     if opts.order == NeuronOrder::HotFirst && opts.calibrate_text.is_none() {
-        return Err(Error::Invalid(
+        return Err(Error::Input(
             "--order hot-first needs --calibrate TEXT to measure activation frequencies".into(),
         ));
     }
     let cfg = src.config.clone();
     let (n_layers, ffn) = (cfg.n_layers, cfg.ffn);
     if cfg.moe.is_some() && (opts.calibrate_text.is_some() || opts.up_sketch != UpSketch::None) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: a mixture-of-experts model is reformatted without --calibrate, --order hot-first or --up-sketch \
              (neuron statistics inside experts are not built yet); its experts keep their neurons in checkpoint order",
             input.display()

@@ -29,7 +29,7 @@ impl GstWriter {
     /// Start writing `target`; refuses to replace an existing file unless `force`.
     pub fn create(target: &Path, force: bool) -> Result<GstWriter> {
         if target.exists() && !force {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{} already exists; pass --force to replace it",
                 target.display()
             )));
@@ -41,7 +41,7 @@ impl GstWriter {
         let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("model.gst");
         let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
         let mut file = File::create(&tmp).map_err(|e| {
-            Error::Invalid(format!(
+            Error::Input(format!(
                 "cannot write {}: creating its temporary file in {} failed ({e}); is the folder there and writable?",
                 target.display(),
                 dir.display()
@@ -91,9 +91,9 @@ impl GstWriter {
     pub fn matrix(&mut self, name: &str, dtype: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<()> {
         let row_bytes = dtype
             .row_bytes(cols)
-            .ok_or_else(|| Error::Invalid(format!("{name}: bad row size")))?;
+            .ok_or_else(|| Error::Internal(format!("{name}: bad row size")))?;
         if bytes.len() != rows * row_bytes {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "{name}: {} bytes for {rows}x{cols} {}",
                 bytes.len(),
                 dtype.name()
@@ -133,8 +133,8 @@ impl GstWriter {
         index.tensors = std::mem::take(&mut self.tensors);
         let planned = format::plan_layout(&mut index, &self.lens, &self.checksums)?;
         if planned.section_offsets != self.offsets {
-            return Err(Error::Invalid(format!(
-                "internal: the layout plan placed sections at {:?}, the writer at {:?}",
+            return Err(Error::Internal(format!(
+                "the layout plan placed sections at {:?}, the writer at {:?}",
                 &planned.section_offsets[..planned.section_offsets.len().min(4)],
                 &self.offsets[..self.offsets.len().min(4)]
             )));

@@ -19,6 +19,12 @@ pub struct ApiError {
     pub code: Option<&'static str>,
 }
 
+impl From<crate::Error> for ApiError {
+    fn from(e: crate::Error) -> ApiError {
+        ApiError::of(&e, "")
+    }
+}
+
 impl ApiError {
     pub fn invalid(message: impl Into<String>) -> ApiError {
         ApiError {
@@ -44,6 +50,24 @@ impl ApiError {
             message: message.into(),
             kind: "server_error",
             code: None,
+        }
+    }
+
+    /// A library error as the API answers it, `what` (if any) before its message: 400 where the
+    /// request is at fault ([`Error::Input`](crate::Error::Input), and the model's tokenizer or
+    /// chat template refusing it), 500 where the device or gatestream itself is
+    /// ([`Error::Device`](crate::Error::Device), [`Error::Internal`](crate::Error::Internal), a
+    /// read that failed), 503 for cancelled work.
+    pub fn of(e: &crate::Error, what: &str) -> ApiError {
+        use crate::Error as E;
+        let message = match what {
+            "" => e.to_string(),
+            _ => format!("{what}: {e}"),
+        };
+        match e {
+            E::Device(_) | E::Internal(_) | E::Io { .. } | E::Read { .. } => ApiError::server(message),
+            E::Cancelled => ApiError::unavailable(message),
+            _ => ApiError::invalid(message),
         }
     }
 
@@ -453,5 +477,27 @@ mod tests {
         assert!(messages(&body).unwrap_err().message.contains("image_url"));
         let body: ChatBody = parse(br#"{"messages": []}"#).unwrap();
         assert!(messages(&body).is_err());
+    }
+
+    /// The request's fault is a 400, the device's or gatestream's a 500.
+    #[test]
+    fn library_errors_take_the_status_of_whose_fault_they_are() {
+        use crate::Error;
+        let status = |e: Error| ApiError::from(e).status;
+        assert_eq!(status(Error::Input("prompt too long".into())), 400);
+        assert_eq!(
+            status(Error::Tokenizer {
+                path: "m.gguf".into(),
+                what: "the model has no chat template".into()
+            }),
+            400
+        );
+        assert_eq!(status(Error::Device("CUDA: out of memory".into())), 500);
+        assert_eq!(status(Error::Internal("a broken invariant".into())), 500);
+        let e = ApiError::of(&Error::Input("too long".into()), "generation failed");
+        assert_eq!(
+            (e.status, e.kind, e.message.as_str()),
+            (400, "invalid_request_error", "generation failed: too long")
+        );
     }
 }

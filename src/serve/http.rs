@@ -55,7 +55,7 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, state: Arc<AppState
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown(state))
         .await
-        .map_err(|e| crate::Error::Invalid(format!("the HTTP server stopped: {e}")))
+        .map_err(|e| crate::Error::Device(format!("the HTTP server stopped: {e}")))
 }
 
 /// Resolves at SIGINT or SIGTERM: the listener closes and requests in flight may finish; after
@@ -157,7 +157,7 @@ fn submit(
             "this server has no sparse mask: start it with --mode sparse (or give --sparsity) to run sparse requests",
         ));
     }
-    crate::engine::check(&l.rt.model, &req, l.ctx).map_err(|e| ApiError::invalid(e.to_string()))?;
+    crate::engine::check(&l.rt.model, &req, l.ctx).map_err(ApiError::from)?;
     let Some(ticket) = Ticket::take(st) else {
         st.metrics.rejected.fetch_add(1, Ordering::Relaxed);
         return Err(ApiError::unavailable(format!(
@@ -411,7 +411,7 @@ async fn gather(rx: &mut UnboundedReceiver<Out>) -> Result<Gathered, ApiError> {
                 g.disk_bytes = disk_bytes;
                 return Ok(g);
             }
-            Some(Out::Failed(msg)) => return Err(ApiError::server(format!("generation failed: {msg}"))),
+            Some(Out::Failed(e)) => return Err(e),
             None => return Err(ApiError::unavailable("the server is shutting down")),
         }
     }
@@ -485,8 +485,8 @@ async fn answer(
                     };
                     Some((data(last), (reply, rx, ticket, next, offset, split)))
                 }
-                Some(Out::Failed(msg)) => {
-                    let ev = data(ApiError::server(format!("generation failed: {msg}")).body());
+                Some(Out::Failed(e)) => {
+                    let ev = data(e.body());
                     Some((ev, (reply, rx, ticket, At::Done, offset, split)))
                 }
                 None => {
@@ -571,12 +571,7 @@ async fn completions_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejectio
     let ids = match (text, &b.prompt) {
         (Some(t), _) => {
             let l = l.clone();
-            blocking(move || {
-                l.rt.model
-                    .prompt_ids(&t, false)
-                    .map_err(|e| ApiError::invalid(e.to_string()))
-            })
-            .await?
+            blocking(move || l.rt.model.prompt_ids(&t, false).map_err(ApiError::from)).await?
         }
         (None, api::Prompt::Ids(v)) => v.clone(),
         (None, _) => unreachable!("only token ids have no text"),
@@ -607,9 +602,7 @@ async fn chat_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) -> 
         let l = l.clone();
         blocking(move || {
             let borrowed: Vec<_> = messages.iter().map(|(r, t)| (*r, t.as_str())).collect();
-            l.rt.model
-                .chat_ids(&borrowed)
-                .map_err(|e| ApiError::invalid(e.to_string()))
+            l.rt.model.chat_ids(&borrowed).map_err(ApiError::from)
         })
         .await?
     };
@@ -634,12 +627,7 @@ async fn infer_inner(st: &Arc<AppState>, body: Result<Bytes, BytesRejection>) ->
     };
     let ids = {
         let (l, prompt, chat) = (l.clone(), b.prompt.clone(), b.chat);
-        blocking(move || {
-            l.rt.model
-                .prompt_ids(&prompt, chat)
-                .map_err(|e| ApiError::invalid(e.to_string()))
-        })
-        .await?
+        blocking(move || l.rt.model.prompt_ids(&prompt, chat).map_err(ApiError::from)).await?
     };
     let sampling = api::Sampling {
         max_tokens: Some(b.max_tokens),
@@ -724,7 +712,7 @@ async fn with_tokenizer<B: serde::de::DeserializeOwned + Send + 'static>(
 ) -> Result<Response, ApiError> {
     let l = st.loaded()?;
     let b: B = api::parse(&body_bytes(body, st.opts.max_body_bytes)?)?;
-    let v = blocking(move || f(&l.rt.model.tokenizer, b).map_err(|e| ApiError::invalid(e.to_string()))).await?;
+    let v = blocking(move || f(&l.rt.model.tokenizer, b).map_err(ApiError::from)).await?;
     Ok(Json(v).into_response())
 }
 

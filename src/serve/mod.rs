@@ -169,13 +169,13 @@ pub fn serve(
     on_listening: &mut dyn FnMut(SocketAddr),
 ) -> Result<()> {
     if opts.parallel == 0 {
-        return Err(Error::Invalid("--parallel must be at least 1".into()));
+        return Err(Error::Input("--parallel must be at least 1".into()));
     }
     let tokio_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(|e| Error::Invalid(format!("cannot start the HTTP runtime: {e}")))?;
+        .map_err(|e| Error::Device(format!("cannot start the HTTP runtime: {e}")))?;
     let (tx, rx) = crossbeam_channel::unbounded();
     let state = Arc::new(AppState {
         opts: opts.clone(),
@@ -188,13 +188,13 @@ pub fn serve(
     });
     let addr = format!("{}:{}", opts.host, opts.port);
     let listener = tokio_rt.block_on(tokio::net::TcpListener::bind(&addr)).map_err(|e| {
-        Error::Invalid(format!(
+        Error::Input(format!(
             "cannot listen on {addr}: {e} (is another server on that port?)"
         ))
     })?;
     let local = listener
         .local_addr()
-        .map_err(|e| Error::Invalid(format!("cannot read the bound address: {e}")))?;
+        .map_err(|e| Error::Device(format!("cannot read the bound address: {e}")))?;
     on_listening(local);
 
     let engine_state = state.clone();
@@ -209,7 +209,7 @@ pub fn serve(
                         .map(String::as_str)
                         .or_else(|| p.downcast_ref::<&str>().copied())
                         .unwrap_or("no message");
-                    Err(Error::Invalid(format!("the engine thread panicked: {what}")))
+                    Err(Error::Internal(format!("the engine thread panicked: {what}")))
                 });
             if let Err(e) = &r {
                 *st.phase.write().expect("phase") = Phase::Failed(e.to_string());
@@ -217,13 +217,13 @@ pub fn serve(
             st.engine_ended.notify_one();
             r
         })
-        .map_err(|e| Error::Invalid(format!("cannot start the engine thread: {e}")))?;
+        .map_err(|e| Error::Device(format!("cannot start the engine thread: {e}")))?;
 
     let served = tokio_rt.block_on(http::serve(listener, state.clone()));
     let _ = state.to_worker.send(worker::Command::Quit);
     let engine = engine_thread
         .join()
-        .unwrap_or_else(|_| Err(Error::Invalid("the engine thread panicked".into())));
+        .unwrap_or_else(|_| Err(Error::Internal("the engine thread panicked".into())));
     served?;
     engine
 }

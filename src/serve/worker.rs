@@ -10,7 +10,7 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::Mode;
+use super::api::{ApiError, Mode};
 use super::{Metrics, ReplyFigures};
 use crate::engine::{Engine, Event, Request, RequestId, RequestStats};
 use crate::error::{Error, Result};
@@ -54,8 +54,9 @@ pub(crate) enum Out {
         /// among the requests in it.
         disk_bytes: f64,
     },
-    /// The pass failed (the message says why); the request is over.
-    Failed(String),
+    /// The request was refused or its pass failed (the error says why, with the HTTP status its
+    /// kind of error takes); the request is over.
+    Failed(ApiError),
 }
 
 struct Client {
@@ -153,7 +154,7 @@ pub(crate) fn run(
     }
     let step = engines[0].as_ref().map_or(0, |e| e.step_tokens());
     if limits.parallel > step {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "--parallel {} is more than the {step} tokens a step takes (--step-tokens; 32 at most when streaming): \
              the requests beyond it would wait for steps that never have room; give --parallel {step} or less",
             limits.parallel
@@ -221,7 +222,9 @@ pub(crate) fn run(
             let Some(s) = waiting.pop_front() else { break };
             let e = slot(s.mode);
             let Some(engine) = engines[e].as_mut() else {
-                let _ = s.out.send(Out::Failed("the server has no sparse mask".into()));
+                let _ = s
+                    .out
+                    .send(Out::Failed(ApiError::invalid("the server has no sparse mask")));
                 continue;
             };
             let prompt_tokens = s.request.prompt_ids.len();
@@ -244,7 +247,7 @@ pub(crate) fn run(
                     );
                 }
                 Err(err) => {
-                    let _ = s.out.send(Out::Failed(err.to_string()));
+                    let _ = s.out.send(Out::Failed(ApiError::of(&err, "generation failed")));
                 }
             }
         }
@@ -299,13 +302,15 @@ pub(crate) fn run(
                     }
                 }
                 Err(err) => {
-                    // The pass failed: every request in this engine ends with the error and
-                    // the engine starts afresh (its sequences' caches are in an unknown state).
-                    let msg = err.to_string();
+                    // The pass failed: every request in this engine ends with the error (a
+                    // server error whatever its kind: the pass was shared, so no one request is
+                    // at fault) and the engine starts afresh (its sequences' caches are in an
+                    // unknown state).
+                    let failed = ApiError::server(format!("generation failed: {err}"));
                     metrics.failed.fetch_add(1, Ordering::Relaxed);
                     clients.retain(|&(ce, _), c| {
                         if ce == e {
-                            let _ = c.out.send(Out::Failed(msg.clone()));
+                            let _ = c.out.send(Out::Failed(failed.clone()));
                         }
                         ce != e
                     });

@@ -38,7 +38,7 @@ pub struct TextTail {
 pub fn text_tail(model: &Model, text: &str, text_name: &str, tokens: usize) -> Result<TextTail> {
     let mut all = model.tokenizer.encode(text, false)?;
     if tokens < 2 || all.len() < tokens {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "calibration text {text_name} has {} tokens; asked for the last {tokens} (at least 2)",
             all.len()
         )));

@@ -327,10 +327,10 @@ impl<'a> Masker<'a> {
     ) -> crate::error::Result<Masker<'a>> {
         use crate::error::Error;
         if !(0.0..1.0).contains(&sparsity) {
-            return Err(Error::Invalid(format!("--sparsity {sparsity} must be in [0, 1)")));
+            return Err(Error::Input(format!("--sparsity {sparsity} must be in [0, 1)")));
         }
         if model.config.moe.is_some() && !Masker::runs_inside_experts(strategy, criterion) {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: a mixture-of-experts model takes top-K masks inside each routed expert (--strategy topk with \
                  --criterion gate, exact or candidates), not --strategy {} --criterion {}",
                 model.path.display(),
@@ -339,17 +339,17 @@ impl<'a> Masker<'a> {
             )));
         }
         if criterion == Criterion::Sketch && sketches.is_none() {
-            return Err(Error::Invalid("the sketch criterion needs sketches of up".into()));
+            return Err(Error::Input("the sketch criterion needs sketches of up".into()));
         }
         let thresholds = if strategy == Strategy::Threshold {
             if criterion != Criterion::Exact {
-                return Err(Error::Invalid(
+                return Err(Error::Input(
                     "--strategy threshold uses the thresholds stored by `gatestream calibrate`, which are for --criterion exact"
                         .into(),
                 ));
             }
             let not_calibrated = || {
-                Error::Invalid(format!(
+                Error::Input(format!(
                     "{}: --strategy threshold needs a calibrated .gst file (gatestream reformat ... --calibrate TEXT, or gatestream calibrate)",
                     model.path.display()
                 ))
@@ -368,7 +368,7 @@ impl<'a> Masker<'a> {
                     .min_by(|a, b| (a.0 - sparsity).abs().total_cmp(&(b.0 - sparsity).abs()))
                     .ok_or_else(not_calibrated)?;
                 if (nearest.0 - sparsity).abs() > 0.005 {
-                    return Err(Error::Invalid(format!(
+                    return Err(Error::Input(format!(
                         "{}: layer {l} has calibrated thresholds for levels {}, none within 0.005 of --sparsity {sparsity}; \
                          recalibrate (`gatestream calibrate --model FILE --text TEXT` stores 0.01 … 0.99) or pass --sparsity {}",
                         model.path.display(),
@@ -506,7 +506,7 @@ impl<'a> Masker<'a> {
     pub fn restore_counters(&self, c: &MaskCounters) -> crate::error::Result<()> {
         let n = self.kept.len();
         if c.kept.len() != n || c.total.len() != n || c.up_rows.len() != n {
-            return Err(crate::error::Error::Invalid(format!(
+            return Err(crate::error::Error::Input(format!(
                 "saved mask counters are for {} layers, the model has {n}",
                 c.kept.len()
             )));

@@ -67,15 +67,15 @@ impl ExpertPart {
     /// slices of the three expert tensors.
     pub(crate) fn of(f: &FfnWeights) -> Result<ExpertPart> {
         let FfnDown::Rows(down) = &f.down else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: an expert's down matrix is stored as rows; this file's is not",
                 f.gate.name
             )));
         };
         let place = |w: &Weight| -> Result<(u64, u64)> {
-            let o = w
-                .file_offset()
-                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+            let o = w.file_offset().ok_or_else(|| {
+                Error::Internal(format!("{}: streaming needs the weight's place in the file", w.name))
+            })?;
             Ok((o, o + w.extent_bytes() as u64))
         };
         let spans = [place(&f.gate)?, place(&f.up)?, place(down)?];
@@ -764,7 +764,7 @@ impl ExpertStream {
             .parts
             .iter()
             .find_map(|p| p.first())
-            .ok_or_else(|| Error::Invalid("a mixture-of-experts stream without experts".into()))?;
+            .ok_or_else(|| Error::Internal("a mixture-of-experts stream without experts".into()))?;
         let mut bytes = Vec::with_capacity(part.len_bytes);
         for r in part.pieces() {
             bytes.extend(reader.read_vec(r.offset_bytes, r.len_bytes)?);
@@ -800,7 +800,7 @@ impl super::Streamer {
         let moe = cfg
             .moe
             .clone()
-            .ok_or_else(|| Error::Invalid("internal: not a mixture-of-experts model".into()))?;
+            .ok_or_else(|| Error::Internal("not a mixture-of-experts model".into()))?;
         let w = &model.weights;
         let tied = w.output.file_offset() == w.token_embd.file_offset();
         let span = |w: &Weight| w.extent_bytes() as u64;
@@ -855,7 +855,7 @@ impl super::Streamer {
         let slots = (opts.budget_bytes.saturating_sub(fixed) / expert_bytes.max(1)).min(total_experts as u64) as usize;
         if slots == 0 {
             let mb = |b: u64| b as f64 / 1e6;
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: --ram-budget {} is too small for this mixture-of-experts model: at least {} ({:.1} MB) is \
                  needed for resident attention {:.1} MB, routers, shared experts, dense FFNs, norms and output {:.1} MB, KV cache \
                  and batch {:.1} MB, read buffers {:.1} MB, and room for one {:.1} MB expert",
@@ -882,9 +882,9 @@ impl super::Streamer {
             p => p,
         };
         let load = |m: &Weight| -> Result<Weight> {
-            let offset = m
-                .file_offset()
-                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", m.name)))?;
+            let offset = m.file_offset().ok_or_else(|| {
+                Error::Internal(format!("{}: streaming needs the weight's place in the file", m.name))
+            })?;
             let (bytes, at) = crate::io::read_in_phase(fg.as_ref(), offset, span(m) as usize)?;
             Weight::shared_strided(&m.name, m.ty, m.rows, m.cols, Arc::new(bytes), at, m.row_stride_bytes)
         };

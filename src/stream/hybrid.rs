@@ -207,7 +207,7 @@ impl Hybrid {
         };
         let probe_bytes = probe.bytes() as f64;
         if probe_bytes == 0.0 || bytes_per_layer == 0.0 {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "the hybrid executor found nothing for the CPU to compute".into(),
             ));
         }

@@ -169,7 +169,7 @@ impl Part {
     pub(crate) fn of(w: &Weight) -> Result<Part> {
         let offset_bytes = w
             .file_offset()
-            .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+            .ok_or_else(|| Error::Internal(format!("{}: streaming needs the weight's place in the file", w.name)))?;
         Ok(Part {
             name: w.name.clone(),
             ty: w.ty,
@@ -553,7 +553,7 @@ impl Streamer {
         };
         if let Some(why) = why_not {
             return match mode {
-                HybridMode::CpuCold => Err(Error::Invalid(format!("--hybrid cpu-cold: {why}"))),
+                HybridMode::CpuCold => Err(Error::Input(format!("--hybrid cpu-cold: {why}"))),
                 _ => Ok(Some(format!("--hybrid auto: off, since {why}"))),
             };
         }
@@ -561,10 +561,11 @@ impl Streamer {
         let cap = self.batch_tokens_max;
         let hybrid = match &self.experts {
             Some(x) => {
-                let moe =
-                    model.config.moe.as_ref().ok_or_else(|| {
-                        Error::Invalid("internal: an expert stream for a model without experts".into())
-                    })?;
+                let moe = model
+                    .config
+                    .moe
+                    .as_ref()
+                    .ok_or_else(|| Error::Internal("an expert stream for a model without experts".into()))?;
                 let probe = x.probe_expert(self.fg.as_ref())?;
                 let per_layer = moe.n_used as f64 * x.expert_bytes as f64;
                 hybrid::Hybrid::new(
@@ -618,7 +619,7 @@ impl Streamer {
                         let p = self
                             .layers
                             .first()
-                            .ok_or_else(|| Error::Invalid("a model without layers".into()))?;
+                            .ok_or_else(|| Error::Internal("a model without layers".into()))?;
                         let rows = p.up.rows.min(4096);
                         let read = |part: &Part| -> Result<Weight> {
                             let r = part.range_of(rows);

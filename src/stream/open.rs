@@ -69,7 +69,7 @@ impl Streamer {
             return Streamer::open_experts(model, opts, Readers { fg, bg, ahead }, direct_io, warnings);
         }
         if opts.cache == super::cache::CachePolicy::Frequency {
-            return Err(Error::Invalid(
+            return Err(Error::Input(
                 "--cache frequency ranks whole experts of a mixture-of-experts model; a dense model's neuron cache \
                  is lru or pinned"
                     .into(),
@@ -167,7 +167,7 @@ impl Streamer {
 
 /// Why a model cannot stream: its file is none of those a stream reads.
 fn not_streamable(model: &Model) -> Error {
-    Error::Invalid(format!(
+    Error::Input(format!(
         "{}: streaming reads a GGUF file, a Hugging Face folder's safetensors or a .gst file; convert it \
          with `gatestream reformat`",
         model.path.display()
@@ -183,7 +183,7 @@ fn check_streamable(model: &Model, opts: &StreamOptions) -> Result<()> {
     }
     if let Some(v) = opts.vram_budget_bytes {
         if link.host_memory() {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "--vram-budget {v}: the model computes on the {}, which works in host memory; --vram-budget plans a \
                  GPU's memory (--device cuda)",
                 model.device.name()
@@ -260,7 +260,7 @@ fn dense_parts(model: &Model, opts: &StreamOptions) -> Result<(Vec<LayerParts>, 
         // Nothing of the FFN is read neuron by neuron.
         sizes.prefetch_ffn = false;
         if opts.lookahead != Lookahead::Off {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "{}: --lookahead reads a layer's predicted neurons ahead, and this file's FFN is in the rows \
                  layout (read whole); reformat with --ffn-layout split or bundled for neuron reads",
                 model.path.display()
@@ -406,15 +406,15 @@ impl Resident {
             _ => Vec::new(),
         };
         let load = |w: &Weight| -> Result<Weight> {
-            let offset = w
-                .file_offset()
-                .ok_or_else(|| Error::Invalid(format!("{}: streaming needs the weight's place in the file", w.name)))?;
+            let offset = w.file_offset().ok_or_else(|| {
+                Error::Internal(format!("{}: streaming needs the weight's place in the file", w.name))
+            })?;
             match maps.iter().rev().find(|(p, _)| p.base_bytes <= offset) {
                 Some((p, m)) => {
                     let at = (offset - p.base_bytes) as usize;
                     let end = at + w.len_bytes();
                     if end > m.len() {
-                        return Err(Error::Invalid(format!(
+                        return Err(Error::Input(format!(
                             "{}: {} ends at byte {end}, past the end of the file ({} bytes)",
                             p.path.display(),
                             w.name,
@@ -451,7 +451,7 @@ impl Resident {
             if residency.attention_resident[l] {
                 resident_attn.push(Some(a.try_map(&mut |w| Ok(on_device(load(w)?, attn_kept)))?));
             } else if a.mla.is_some() {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: latent attention is kept in memory when streaming, and this budget leaves no room for \
                      layer {l}'s; give a larger --ram-budget",
                     model.path.display()

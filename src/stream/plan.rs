@@ -123,7 +123,7 @@ impl CostModel {
     /// From a `gatestream bench --json` report's device baseline: its sequential 1 MiB
     /// bandwidth and its smallest random reads (4 KiB at queue depth 64 as bench runs them).
     pub fn from_bench_json(v: &serde_json::Value, align_bytes: u64, max_read_bytes: u64) -> Result<CostModel> {
-        let bad = |what: &str| Error::Invalid(format!("not a gatestream bench report: {what}"));
+        let bad = |what: &str| Error::Input(format!("not a gatestream bench report: {what}"));
         let b = v.get("baseline").ok_or_else(|| bad("no \"baseline\""))?;
         let seq = b["sequential_1mib_gb_per_s"]
             .as_f64()

@@ -233,7 +233,7 @@ fn serve(reader: &dyn Reader, jobs: Receiver<Job>, done_tx: Sender<Done>, chunk_
                 bytes: a.job.ranges.iter().map(|r| r.len_bytes).sum(),
                 buf: a.job.buf,
                 starts: a.starts,
-                result: Err(Error::Invalid(format!("the prefetch thread's reader failed: {msg}"))),
+                result: Err(Error::Device(format!("the prefetch thread's reader failed: {msg}"))),
                 read_time: a.t0.elapsed(),
             });
         }
@@ -273,7 +273,7 @@ impl Prefetcher {
         let thread = std::thread::Builder::new()
             .name("gatestream-prefetch".into())
             .spawn(move || serve(reader.as_ref(), job_rx, done_tx, chunk_bytes))
-            .map_err(|e| Error::Invalid(format!("cannot start the prefetch thread: {e}")))?;
+            .map_err(|e| Error::Device(format!("cannot start the prefetch thread: {e}")))?;
         Ok(Prefetcher {
             jobs: Some(job_tx),
             done: done_rx,
@@ -292,14 +292,14 @@ impl Prefetcher {
                 buf,
                 placement,
             })
-            .map_err(|_| Error::Invalid("the prefetch thread has stopped".into()))
+            .map_err(|_| Error::Internal("the prefetch thread has stopped".into()))
     }
 
     /// The next finished job, in submission order (blocks until it is done).
     pub fn next(&self) -> Result<Done> {
         self.done
             .recv()
-            .map_err(|_| Error::Invalid("the prefetch thread has stopped".into()))
+            .map_err(|_| Error::Internal("the prefetch thread has stopped".into()))
     }
 }
 

@@ -181,7 +181,7 @@ impl ModelSizes {
         let min = self.minimum_bytes();
         if budget_bytes < min {
             let mb = |b: u64| b as f64 / 1e6;
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "--ram-budget {} is too small for this model: at least {} ({:.1} MB) is needed for the output \
                  matrix and norms ({:.1} MB), the buffers one layer streams through ({:.1} MB), the KV cache and one \
                  batch's activations ({:.1} MB)",
@@ -412,7 +412,7 @@ impl ModelSizes {
         let base = vectors + self.context_bytes + layer_use;
         let minimum = vectors + self.context_bytes + layer_use.max(output_bytes);
         if budget_bytes < minimum {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "--vram-budget {} is too small for this model: at least {} ({:.1} MB) is needed on the device for \
                  norms, the KV cache and one batch's activations, and the largest set of weights copied for one \
                  use (one layer's attention, gate and FFN rows, or the output matrix)",
@@ -494,7 +494,7 @@ pub fn parse_budget(s: &str, file_bytes: u64) -> Result<u64> {
 
 /// As [`parse_budget`], for the flag `flag` (named in the error).
 pub fn parse_budget_for(flag: &str, s: &str, file_bytes: u64) -> Result<u64> {
-    let size = BudgetSize::parse(s).ok_or_else(|| Error::Invalid(format!("{flag} {s:?}: {}", BudgetSize::EXPECTED)))?;
+    let size = BudgetSize::parse(s).ok_or_else(|| Error::Input(format!("{flag} {s:?}: {}", BudgetSize::EXPECTED)))?;
     Ok(size.bytes(file_bytes))
 }
 

@@ -437,7 +437,7 @@ impl LayerStream for Streamer {
             (Some(g), _) => Streamer::view(&st, g, parts.gate_index())?,
             (None, Some(g)) => g.clone(),
             (None, None) => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Internal(format!(
                     "layer {l}: its gate is neither resident nor streamed"
                 )))
             }
@@ -446,7 +446,7 @@ impl LayerStream for Streamer {
             match (part, kept) {
                 (Some(p), _) => Streamer::view(&st, p, index),
                 (None, Some(w)) => Ok(w.clone()),
-                (None, None) => Err(Error::Invalid(format!(
+                (None, None) => Err(Error::Internal(format!(
                     "layer {l}: an FFN matrix is neither resident nor streamed"
                 ))),
             }
@@ -747,7 +747,7 @@ impl RowStream for Streamer {
         let mut guard = self.state.lock().expect("stream state");
         let st = &mut *guard;
         let Some(d) = st.decode.take().filter(|d| d.layer == l) else {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Internal(format!(
                 "layer {l}: the decode step's down phase came without its up phase"
             )));
         };
@@ -855,7 +855,7 @@ impl ExpertStream for Streamer {
         let x = self
             .experts
             .as_ref()
-            .ok_or_else(|| Error::Invalid(format!("layer {l}: this stream reads no experts")))?;
+            .ok_or_else(|| Error::Internal(format!("layer {l}: this stream reads no experts")))?;
         let mut st = self.state.lock().expect("stream state");
         x.run(
             l,

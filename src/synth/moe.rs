@@ -86,15 +86,12 @@ fn f32_tensor(name: String, v: &[f32]) -> Tensor {
 fn quantize_into(ty: GgmlType, rows: &[f32], cols: usize, out: &mut Vec<u8>) -> Result<()> {
     let rb = ty
         .row_bytes(cols)
-        .ok_or_else(|| Error::Invalid(format!("{cols} columns do not fit {} blocks", ty.name())))?;
+        .ok_or_else(|| Error::Input(format!("{cols} columns do not fit {} blocks", ty.name())))?;
     for row in rows.chunks_exact(cols) {
         let start = out.len();
         out.resize(start + rb, 0);
         if !quantize_row(ty, row, &mut out[start..]) {
-            return Err(Error::Invalid(format!(
-                "quantizing to {} is not implemented",
-                ty.name()
-            )));
+            return Err(Error::Input(format!("quantizing to {} is not implemented", ty.name())));
         }
     }
     Ok(())
@@ -180,20 +177,20 @@ pub fn write_moe(
 ) -> Result<MoeReport> {
     let arch = spec.arch;
     if !arch.is_moe() && arch != Arch::Llama {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{} is not a mixture-of-experts architecture; use llama, qwen2moe, qwen3moe or olmoe",
             arch.name()
         )));
     }
     if arch == Arch::GptOss {
-        return Err(Error::Invalid(
+        return Err(Error::Input(
             "make-moe does not write gpt-oss (its sinks, biases and clamped experts are not in a dense \
              model to upcycle); `make-model --arch gpt-oss --shape custom` writes one"
                 .into(),
         ));
     }
     if spec.used == 0 || spec.used > spec.experts || spec.experts > 256 {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{} experts with {} used per token: need 1 <= used <= experts <= 256",
             spec.experts, spec.used
         )));
@@ -202,7 +199,7 @@ pub fn write_moe(
     let g = GgufFile::open(dense)?;
     let cfg = &src.config;
     if cfg.arch != Arch::Llama || cfg.moe.is_some() {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{}: the source must be a dense llama-architecture GGUF (found {}{})",
             dense.display(),
             cfg.arch.name(),
@@ -228,7 +225,7 @@ pub fn write_moe(
         kv_heads,
     } = shape;
     if h == 0 || heads == 0 || kv_heads == 0 || !h.is_multiple_of(heads) || !heads.is_multiple_of(kv_heads) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "shape {shape:?}: heads must divide hidden, kv heads heads"
         )));
     }
@@ -237,7 +234,7 @@ pub fn write_moe(
     // (one per query head, which attends the same keys and values as before).
     let kv_heads = if arch == Arch::Olmoe {
         if spec.random.is_some() && kv_heads != heads {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "olmoe has no grouped-query attention: give as many KV heads as heads ({heads}), not {kv_heads}"
             )));
         }
@@ -432,7 +429,7 @@ pub fn write_moe(
             .map(|lw| -> Result<[Vec<f32>; 3]> {
                 let fw = lw.dense("upcycling")?;
                 let FfnDown::Rows(down) = &fw.down else {
-                    return Err(Error::Invalid("a GGUF source with neuron-major down".into()));
+                    return Err(Error::Internal("a GGUF source with neuron-major down".into()));
                 };
                 Ok([dequantized(&fw.gate), dequantized(&fw.up), dequantized(down)])
             })

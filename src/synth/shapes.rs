@@ -470,7 +470,7 @@ impl Shape {
                 )
             }
             other => {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "--shape {other}: not a shape this build knows; give one of {} or `custom` with its dimensions",
                     SHAPE_NAMES.join(", ")
                 )))
@@ -508,7 +508,7 @@ impl Shape {
     /// architectures that have them (and always in those), OLMoE without grouped-query
     /// attention, sizes within the format's limits.
     pub fn check(&self) -> Result<()> {
-        let bad = |what: String| Err(Error::Invalid(format!("shape {}: {what}", self.name)));
+        let bad = |what: String| Err(Error::Input(format!("shape {}: {what}", self.name)));
         let dims = [
             self.hidden,
             self.ffn,

@@ -178,7 +178,7 @@ pub const RANDOM_TYPES: [GgmlType; 13] = [
 /// parallel chunks of rows, each seeded from `seed` and its index.
 pub fn random_matrix(ty: GgmlType, rows: usize, cols: usize, gain: f32, seed: u64) -> Result<Vec<u8>> {
     if !RANDOM_TYPES.contains(&ty) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "random weights are made as {} blocks, not {}",
             RANDOM_TYPES.map(GgmlType::name).join(", "),
             ty.name()
@@ -186,11 +186,11 @@ pub fn random_matrix(ty: GgmlType, rows: usize, cols: usize, gain: f32, seed: u6
     }
     let row_bytes = ty
         .row_bytes(cols)
-        .ok_or_else(|| Error::Invalid(format!("{cols} columns are not a whole number of {} blocks", ty.name())))?;
+        .ok_or_else(|| Error::Input(format!("{cols} columns are not a whole number of {} blocks", ty.name())))?;
     let (block_elems, block_bytes) = (ty.block_elems(), ty.block_bytes());
     let len = rows
         .checked_mul(row_bytes)
-        .ok_or_else(|| Error::Invalid(format!("a {rows} x {cols} matrix does not fit in memory")))?;
+        .ok_or_else(|| Error::Input(format!("a {rows} x {cols} matrix does not fit in memory")))?;
     let mut out = vec![0u8; len];
     out.par_chunks_mut(ROWS_PER_CHUNK * row_bytes)
         .enumerate()

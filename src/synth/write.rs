@@ -417,7 +417,7 @@ fn vocabulary(choice: &TokenizerChoice, vocab: usize) -> Result<(GgufVocab, Stri
     match choice {
         TokenizerChoice::Synthetic => {
             if vocab < 259 {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "a synthetic tokenizer needs at least 259 tokens (3 control, 256 bytes); the shape has {vocab}"
                 )));
             }
@@ -586,7 +586,7 @@ impl Partial {
         let name = target.file_name().and_then(|n| n.to_str()).unwrap_or("model");
         let tmp = dir.join(format!(".{name}.partial-{}", std::process::id()));
         let f = std::fs::File::create(&tmp).map_err(|e| {
-            Error::Invalid(format!(
+            Error::Input(format!(
                 "cannot write {}: creating its temporary file in {} failed ({e}); is the folder there and writable?",
                 target.display(),
                 dir.display()
@@ -638,14 +638,14 @@ fn check_room(out: &Path, bytes: u64) -> Result<()> {
             _ => PathBuf::from("."),
         };
         let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
-            .map_err(|_| Error::Invalid(format!("{}: a path with a NUL byte", dir.display())))?;
+            .map_err(|_| Error::Input(format!("{}: a path with a NUL byte", dir.display())))?;
         // SAFETY: `c` is a NUL-terminated path and `st` a zeroed statvfs the call fills.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: as above: a NUL-terminated path, and `st` writable for one statvfs.
         if unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0 {
             let free = st.f_bavail as u64 * st.f_frsize as u64;
             if free < bytes + bytes / 100 {
-                return Err(Error::Invalid(format!(
+                return Err(Error::Input(format!(
                     "{}: the model needs {:.2} GB and {} has {:.2} GB free; free some room or write elsewhere",
                     out.display(),
                     bytes as f64 / 1e9,
@@ -669,13 +669,13 @@ pub fn write_model(
 ) -> Result<MakeReport> {
     let t0 = Instant::now();
     if out.exists() && !force {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "{} already exists; pass --force to replace it",
             out.display()
         )));
     }
     if !(spec.residual_gain.is_finite() && spec.residual_gain > 0.0) {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Input(format!(
             "residual gain {}: give a positive number",
             spec.residual_gain
         )));
@@ -879,7 +879,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             .iter()
             .position(|m| m.0 == k)
             .map(|i| matrices.swap_remove(i).1)
-            .ok_or_else(|| Error::Invalid(format!("internal: make-model planned no {k}")))
+            .ok_or_else(|| Error::Internal(format!("make-model planned no {k}")))
     };
     let attn = AttnWeights {
         wq: matrix("attn_q.weight")?,
@@ -901,7 +901,7 @@ fn layer_weights(tensors: &[Planned], made: &mut dyn FnMut(&Planned) -> Result<V
             let (name, bytes, n, rows, ty) = experts
                 .iter()
                 .find(|x| x.0 == k)
-                .ok_or_else(|| Error::Invalid(format!("internal: make-model planned no {k}")))?;
+                .ok_or_else(|| Error::Internal(format!("make-model planned no {k}")))?;
             let per = bytes.len() / n;
             let cols = per / rows / ty.block_bytes() * ty.block_elems();
             (0..*n)

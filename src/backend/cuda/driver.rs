@@ -7,7 +7,7 @@ use super::*;
 pub const LIBCUDA_ENV: &str = "GATESTREAM_LIBCUDA";
 
 pub(super) fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
-    move |e| Error::Invalid(format!("CUDA: {what}: {e}"))
+    move |e| Error::Device(format!("CUDA: {what}: {e}"))
 }
 
 /// Makes the driver library loadable by its standard name: `libcuda` ([`LIBCUDA_ENV`]) is loaded
@@ -26,11 +26,11 @@ pub(super) fn ensure_driver(libcuda: Option<&str>) -> Result<()> {
         None => Ok(None),
     });
     if let Err(e) = pre {
-        return Err(Error::Invalid(e.clone()));
+        return Err(Error::Device(e.clone()));
     }
     // SAFETY: only tries to load the library by its standard names.
     if !unsafe { sys::is_culib_present() } {
-        return Err(Error::Invalid(format!(
+        return Err(Error::Device(format!(
             "CUDA: the NVIDIA driver library (libcuda.so.1) was not found on the library path; this machine has \
              no NVIDIA driver. Install one, or set {LIBCUDA_ENV}=/path/to/libcuda.so.1 (use --device cpu to run on the CPU)"
         )));
@@ -44,7 +44,7 @@ pub(super) fn driver_version() -> Result<(i32, i32)> {
     // SAFETY: the driver library is present (checked by `ensure_driver`); the call writes one int.
     let r = unsafe { sys::cuDriverGetVersion(&mut v) };
     if r != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::Invalid(format!("CUDA: cuDriverGetVersion failed: {r:?}")));
+        return Err(Error::Device(format!("CUDA: cuDriverGetVersion failed: {r:?}")));
     }
     Ok((v / 1000, (v % 1000) / 10))
 }

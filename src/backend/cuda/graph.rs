@@ -66,7 +66,7 @@ pub fn graph_split_asked(value: Option<&str>) -> Result<usize> {
         None | Some("") => Ok(DEFAULT_GRAPH_SPLIT),
         Some(v) => match v.parse::<usize>() {
             Ok(n) if n == 0 || n >= MIN_GRAPH_OPS => Ok(n),
-            _ => Err(crate::error::Error::Invalid(format!(
+            _ => Err(crate::error::Error::Input(format!(
                 "{GRAPH_SPLIT_ENV}={v}: expected 0 (a segment recorded whole, then launched) or a number \
                  of operations, at least {MIN_GRAPH_OPS}, after which the recording so far is launched (default {DEFAULT_GRAPH_SPLIT})"
             ))),

@@ -152,24 +152,24 @@ impl CudaDevice {
         } = *opts;
         ensure_driver(opts.libcuda.as_deref())?;
         let count = CudaContext::device_count().map_err(|e| {
-            Error::Invalid(format!(
+            Error::Device(format!(
                 "CUDA: the driver did not start ({e}); is the NVIDIA kernel module loaded (nvidia-smi)?"
             ))
         })?;
         if count <= 0 {
-            return Err(Error::Invalid(
+            return Err(Error::Device(
                 "CUDA: the driver found no GPU (use --device cpu to run on the CPU)".into(),
             ));
         }
         if ordinal >= count as usize {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Input(format!(
                 "CUDA: GPU {ordinal} asked for, the driver found {count}"
             )));
         }
         let driver = driver_version()?;
         let nvrtc = nvrtc::Nvrtc::load_from(opts.nvrtc.clone(), &opts.cuda_homes)?;
         if nvrtc.version > driver {
-            return Err(Error::Invalid(format!(
+            return Err(Error::Device(format!(
                 "CUDA: NVRTC {}.{} ({}) is newer than the driver, which supports CUDA {}.{}; its code would not load. \
                  Point {} at an NVRTC no newer than {}.{}, or update the driver",
                 nvrtc.version.0,

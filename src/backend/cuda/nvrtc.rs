@@ -86,7 +86,7 @@ impl Nvrtc {
                 Err(e) => last = e.to_string(),
             }
         }
-        Err(Error::Invalid(if explicit {
+        Err(Error::Device(if explicit {
             format!("CUDA: {NVRTC_ENV}={} could not be loaded as NVRTC: {last}", tried[0])
         } else {
             format!(
@@ -100,7 +100,7 @@ impl Nvrtc {
     fn sym<T>(&self, name: &str) -> Result<libloading::Symbol<'_, T>> {
         // SAFETY: each caller names the NVRTC function whose C signature `T` spells out.
         unsafe { self.lib.get(name.as_bytes()) }
-            .map_err(|e| Error::Invalid(format!("CUDA: {} has no {name}: {e}", self.path)))
+            .map_err(|e| Error::Device(format!("CUDA: {} has no {name}: {e}", self.path)))
     }
 
     fn query_version(&self) -> Result<(i32, i32)> {
@@ -133,7 +133,7 @@ impl Nvrtc {
         let cubin_size = self.sym::<Size>("nvrtcGetCUBINSize")?;
         let get_cubin = self.sym::<Get>("nvrtcGetCUBIN")?;
         let destroy = self.sym::<Destroy>("nvrtcDestroyProgram")?;
-        let c_src = CString::new(src).map_err(|_| Error::Invalid("kernel source holds a NUL byte".into()))?;
+        let c_src = CString::new(src).map_err(|_| Error::Internal("kernel source holds a NUL byte".into()))?;
         let name = CString::new("gatestream.cu").expect("no NUL");
         let opts: Vec<CString> = compile_options(arch)
             .into_iter()
@@ -166,7 +166,7 @@ impl Nvrtc {
             CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
         };
         let result = if status != 0 {
-            Err(Error::Invalid(format!(
+            Err(Error::Device(format!(
                 "CUDA: NVRTC {}.{} failed to compile the kernels for sm_{arch}:\n{log}",
                 self.version.0, self.version.1
             )))
@@ -190,7 +190,7 @@ fn check(code: c_int, what: &str) -> Result<()> {
     if code == 0 {
         Ok(())
     } else {
-        Err(Error::Invalid(format!("CUDA: {what} failed with NVRTC error {code}")))
+        Err(Error::Device(format!("CUDA: {what} failed with NVRTC error {code}")))
     }
 }
 

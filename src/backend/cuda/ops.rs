@@ -32,7 +32,7 @@ impl Device for CudaDevice {
 
     fn take_error(&self) -> Option<Error> {
         self.end_segment();
-        self.error.lock().expect("error").take().map(Error::Invalid)
+        self.error.lock().expect("error").take().map(Error::Device)
     }
 
     fn launch_pending(&self) {

@@ -175,10 +175,10 @@ fn switch_with_default(name: &str, value: Option<&str>, default: bool, on: &str,
         None | Some("") => Ok(default),
         Some("1") | Some("on") => Ok(true),
         Some("0") | Some("off") => Ok(false),
-        Some(other) if default => Err(Error::Invalid(format!(
+        Some(other) if default => Err(Error::Input(format!(
             "{name}={other}: expected 1 or on (the default: {on}), or 0 or off ({off})"
         ))),
-        Some(other) => Err(Error::Invalid(format!(
+        Some(other) => Err(Error::Input(format!(
             "{name}={other}: expected 0 or off (the default: {off}), or 1 or on ({on})"
         ))),
     }
@@ -197,7 +197,7 @@ pub fn activations_asked(value: Option<&str>) -> Result<Activations> {
         Some("f32") => Ok(Activations::F32),
         Some("q8") => Ok(Activations::Q8),
         Some("int8") => Ok(Activations::Int8),
-        Some(other) => Err(Error::Invalid(format!(
+        Some(other) => Err(Error::Input(format!(
             "{ACTIVATIONS_ENV}={other}: expected auto (the default: int8 for Q4_K and Q6_K weights, f32 for the \
              others), f32 (f32 activations), q8 (the CPU's 8-bit activation blocks) or int8 (those blocks in \
              integer products where a kernel does)"
@@ -218,7 +218,7 @@ pub fn matvec_rows_asked(value: Option<&str>) -> Result<usize> {
         None | Some("") => Ok(1),
         Some(v) => match v.parse::<usize>() {
             Ok(n @ (1 | 2 | 4)) => Ok(n),
-            _ => Err(Error::Invalid(format!(
+            _ => Err(Error::Input(format!(
                 "{MATVEC_ROWS_ENV}={v}: expected 1 (the default), 2 or 4 rows per warp of one-token products"
             ))),
         },
@@ -278,7 +278,7 @@ pub fn i8_wpr_asked(value: Option<&str>) -> Result<usize> {
         None | Some("") | Some("auto") => Ok(0),
         Some(v) => match v.parse::<usize>() {
             Ok(n @ (1 | 2 | 4 | 8)) => Ok(n),
-            _ => Err(Error::Invalid(format!(
+            _ => Err(Error::Input(format!(
                 "{I8_WPR_ENV}={v}: expected auto (the default: by the row's length), 1, 2, 4 or 8 warps per row of \
                  the integer products"
             ))),
@@ -301,7 +301,7 @@ pub fn int8_tokens_asked(value: Option<&str>) -> Result<usize> {
         None | Some("") => Ok(I8N_MAX),
         Some(v) => match v.parse::<usize>() {
             Ok(n @ 1..=I8N_MAX) => Ok(n),
-            _ => Err(Error::Invalid(format!(
+            _ => Err(Error::Input(format!(
                 "{INT8_TOKENS_ENV}={v}: expected 1 to {I8N_MAX} (the default {I8N_MAX}), the most tokens whose \
                  Q4_K and Q6_K products run as integers (1: single tokens only, batches on the tensor cores)"
             ))),

@@ -336,7 +336,7 @@ fn plan_layout_rejects_mismatched_section_counts() {
     let sums: Vec<String> = payloads.iter().map(|p| checksum_hex(p)).collect();
     let r = plan_layout(&mut index, &lens[1..], &sums);
     assert!(
-        matches!(&r, Err(Error::Invalid(m)) if m.contains("must match")),
+        matches!(&r, Err(Error::Internal(m)) if m.contains("must match")),
         "{r:?}"
     );
 }

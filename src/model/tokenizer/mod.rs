@@ -482,7 +482,7 @@ impl Tokenizer {
     /// The bytes token `id` stands for (a SentencePiece word start keeps its leading space).
     pub fn piece(&self, id: u32) -> Result<&[u8]> {
         self.pieces.get(id as usize).map(|p| &p[..]).ok_or_else(|| {
-            Error::Invalid(format!(
+            Error::Input(format!(
                 "token id {id} is outside the vocabulary of {} tokens",
                 self.pieces.len()
             ))
