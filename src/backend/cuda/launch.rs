@@ -11,9 +11,9 @@
 //! named and typed as the launcher takes it. A recorded launch's arguments read as a record
 //! (`from_args`: `None` for another count or kind of argument) give back the words they were
 //! read from (`words`: pointers and counts as they are, an `int` sign-extended, a float's bits),
-//! and a record launches through its launcher (`launch`), checked as any launch. A recorded
-//! launch taken back and launched again as a kernel that does more (`relaunch`: its parameters,
-//! then the others') goes through the same launcher, its count checked when it runs.
+//! and a record launches through its launcher (`launch`), checked as any launch. A fusion reads
+//! the launch it takes back as its kernel's record, matches on its fields, and launches the
+//! kernel that does more from that kernel's own record, built from the fields.
 
 use super::*;
 
@@ -134,6 +134,7 @@ macro_rules! weight_type {
 }
 
 /// The kernels a launcher launches: its own name, or those of its family.
+#[cfg(test)]
 macro_rules! names {
     ($launcher:ident) => { &[stringify!($launcher)] };
     ($launcher:ident [$($alt:literal),+]) => { &[$($alt),+] };
@@ -237,24 +238,6 @@ macro_rules! kernels {
                     self.0.launch(name, weight_type, cfg, &[$(arg::$kind(name, stringify!($arg), $arg)),*]);
                 }
             )*
-
-            /// Launches kernel `name` (weight type `ty` for a per-type one) with `words`, its
-            /// parameters as [`Arg::bits`] gives them back (a launch taken back, and the
-            /// parameters a kernel that does more takes after its own), through its launcher: the
-            /// count, the kinds and the conditions are checked as at first.
-            pub(super) fn relaunch(&self, name: &'static str, ty: Option<GgmlType>, cfg: LaunchConfig, words: &[u64]) {
-                $(
-                    if names!($launcher $([$($alt),+])?).contains(&name) {
-                        let count = [$(stringify!($arg)),*].len();
-                        assert_eq!(words.len(), count, "{name}: {} parameters for its {count}", words.len());
-                        let mut word = words.iter().copied();
-                        $(let $arg = from_word!($kind, word.next().unwrap_or_default());)*
-                        self.$launcher($(family_arg!(name; $($alt)+),)? $(typed_arg!(ty; $typed),)? cfg, $($arg),*);
-                        return;
-                    }
-                )*
-                panic!("{name}: no launcher of that kernel");
-            }
         }
     };
 }
@@ -262,25 +245,6 @@ macro_rules! kernels {
 /// A family launcher's `kernel` parameter: one of its names.
 macro_rules! kernel_name {
     ($($alt:literal),+) => { &'static str };
-}
-
-/// A parameter of kind `$kind` from its word ([`Arg::bits`]), as its launcher takes it.
-macro_rules! from_word {
-    (Ptr, $w:expr) => {
-        $w
-    };
-    (Opt, $w:expr) => {
-        $w
-    };
-    (U64, $w:expr) => {
-        $w
-    };
-    (I32, $w:expr) => {
-        $w as usize
-    };
-    (F32, $w:expr) => {
-        f32::from_bits($w as u32)
-    };
 }
 
 /// A record's field of kind `$kind` from a recorded launch's argument (`$a`, an [`Arg`]): `None`
@@ -336,12 +300,6 @@ macro_rules! to_word {
 macro_rules! family_arg {
     ($name:expr; $($alt:literal)+) => {
         $name
-    };
-}
-
-macro_rules! typed_arg {
-    ($ty:expr; $typed:ident) => {
-        $ty.expect("a per-type kernel's weight type")
     };
 }
 
