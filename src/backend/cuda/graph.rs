@@ -216,12 +216,17 @@ impl Graphs {
     }
 
     /// The operation recorded last, taken back (not to be launched) when it is a launch that
-    /// `wanted` accepts: what a launch that does its work and more (a fused one) replaces.
-    pub fn take_last_launch(&mut self, wanted: impl FnOnce(&'static str, &[Arg]) -> bool) -> Option<Op> {
-        match self.ops.last() {
-            Some(Op::Launch { name, args, .. }) if self.recording() && wanted(name, args) => self.ops.pop(),
-            _ => None,
-        }
+    /// `read` makes something of (from its kernel, weight type and arguments): what a launch that
+    /// does its work and more (a fused one) replaces, and what `read` made of it.
+    pub fn take_last_launch<R>(
+        &mut self,
+        read: impl FnOnce(&'static str, Option<GgmlType>, &[Arg]) -> Option<R>,
+    ) -> Option<(Op, R)> {
+        let Some(Op::Launch { name, ty, args, .. }) = self.ops.last().filter(|_| self.recording()) else {
+            return None;
+        };
+        let r = read(name, *ty, args)?;
+        Some((self.ops.pop()?, r))
     }
 
     /// Holds `x` until the recorded operations are launched.

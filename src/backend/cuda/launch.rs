@@ -5,9 +5,15 @@
 //! the kernel takes for granted: a grid of at least one block, every pointer the kernel reads
 //! or writes non-null (those it may take as 0, "none", are declared `Opt`), every `int` within
 //! an `i32` (a wrapped count would read the wrong memory), and each kernel's own conditions
-//! (`if`). A test holds every list to the signatures in the source. A recorded launch taken back
-//! and launched again as a kernel that does more (`relaunch`: its parameters, then the others')
-//! goes through the same launcher, its count checked when it runs.
+//! (`if`). A test holds every list to the signatures in the source.
+//!
+//! Each launcher has a record too ([`params`], named as the launcher): one field per parameter,
+//! named and typed as the launcher takes it. A recorded launch's arguments read as a record
+//! (`from_args`: `None` for another count or kind of argument) give back the words they were
+//! read from (`words`: pointers and counts as they are, an `int` sign-extended, a float's bits),
+//! and a record launches through its launcher (`launch`), checked as any launch. A fusion reads
+//! the launch it takes back as its kernel's record, matches on its fields, and launches the
+//! kernel that does more from that kernel's own record, built from the fields.
 
 use super::*;
 
@@ -128,6 +134,7 @@ macro_rules! weight_type {
 }
 
 /// The kernels a launcher launches: its own name, or those of its family.
+#[cfg(test)]
 macro_rules! names {
     ($launcher:ident) => { &[stringify!($launcher)] };
     ($launcher:ident [$($alt:literal),+]) => { &[$($alt),+] };
@@ -143,6 +150,71 @@ macro_rules! kernels {
         /// Each launcher's kernels and their parameter kinds, in order (the test's table).
         #[cfg(test)]
         pub(super) const SIGNATURES: &[(&[&str], &[Kind])] = &[$((names!($launcher $([$($alt),+])?), &[$(Kind::$kind),*])),*];
+
+        /// Each launcher's record, its parameters' kinds, and its record's words from a launch's
+        /// arguments (the test's table: a record gives back the words it was read from).
+        #[cfg(test)]
+        pub(super) const RECORDS: &[(&str, &[Kind], fn(&[Arg]) -> Option<Vec<u64>>)] = &[$((
+            stringify!($launcher),
+            &[$(Kind::$kind),*],
+            (|args| params::$launcher::from_args(args).map(|p| p.words())) as fn(&[Arg]) -> Option<Vec<u64>>,
+        )),*];
+
+        /// Each launcher's parameters as a record (see the module docs): one field per parameter,
+        /// named as the launcher names it, of the type it takes.
+        pub(super) mod params {
+            // (Every launcher has its record, whether a fusion reads it or not.)
+            #![allow(dead_code)]
+            use super::*;
+            $(
+                #[doc = concat!("`", stringify!($launcher), "`'s parameters, in order.")]
+                #[allow(non_camel_case_types)]
+                #[derive(Clone, Copy, Debug, PartialEq)]
+                pub(in super::super) struct $launcher {
+                    $(pub(in super::super) $arg: rust_type!($kind)),*
+                }
+
+                impl $launcher {
+                    /// How many parameters the kernel takes.
+                    pub(in super::super) const COUNT: usize = [$(stringify!($arg)),*].len();
+
+                    /// The record of a recorded launch's arguments: `None` unless they are as many
+                    /// as the kernel takes, each of its parameter's kind.
+                    pub(in super::super) fn from_args(args: &[Arg]) -> Option<Self> {
+                        if args.len() != Self::COUNT {
+                            return None;
+                        }
+                        let mut args = args.iter().copied();
+                        Some(Self { $($arg: from_arg!($kind, args.next()?)?),* })
+                    }
+
+                    /// The parameters as words (see the module docs), in the kernel's order, after
+                    /// `out`'s.
+                    pub(in super::super) fn push_words(&self, out: &mut Vec<u64>) {
+                        $(out.push(to_word!($kind, self.$arg));)*
+                    }
+
+                    /// The parameters as words (see the module docs), in the kernel's order.
+                    pub(in super::super) fn words(&self) -> Vec<u64> {
+                        let mut out = Vec::with_capacity(Self::COUNT);
+                        self.push_words(&mut out);
+                        out
+                    }
+
+                    /// Launches the kernel (`kernel` of a family; weight type `ty` of a per-type
+                    /// one) with these parameters through its launcher, checked as a launch.
+                    pub(in super::super) fn launch(
+                        &self,
+                        kernels: &Kernels<'_>,
+                        $(kernel: kernel_name!($($alt),+),)?
+                        $($typed: GgmlType,)?
+                        cfg: LaunchConfig,
+                    ) {
+                        kernels.$launcher($(family_arg!(kernel; $($alt)+),)? $($typed,)? cfg, $(self.$arg),*);
+                    }
+                }
+            )*
+        }
 
         impl Kernels<'_> {
             $(
@@ -166,24 +238,6 @@ macro_rules! kernels {
                     self.0.launch(name, weight_type, cfg, &[$(arg::$kind(name, stringify!($arg), $arg)),*]);
                 }
             )*
-
-            /// Launches kernel `name` (weight type `ty` for a per-type one) with `words`, its
-            /// parameters as [`Arg::bits`] gives them back (a launch taken back, and the
-            /// parameters a kernel that does more takes after its own), through its launcher: the
-            /// count, the kinds and the conditions are checked as at first.
-            pub(super) fn relaunch(&self, name: &'static str, ty: Option<GgmlType>, cfg: LaunchConfig, words: &[u64]) {
-                $(
-                    if names!($launcher $([$($alt),+])?).contains(&name) {
-                        let count = [$(stringify!($arg)),*].len();
-                        assert_eq!(words.len(), count, "{name}: {} parameters for its {count}", words.len());
-                        let mut word = words.iter().copied();
-                        $(let $arg = from_word!($kind, word.next().unwrap_or_default());)*
-                        self.$launcher($(family_arg!(name; $($alt)+),)? $(typed_arg!(ty; $typed),)? cfg, $($arg),*);
-                        return;
-                    }
-                )*
-                panic!("{name}: no launcher of that kernel");
-            }
         }
     };
 }
@@ -193,34 +247,59 @@ macro_rules! kernel_name {
     ($($alt:literal),+) => { &'static str };
 }
 
-/// A parameter of kind `$kind` from its word ([`Arg::bits`]), as its launcher takes it.
-macro_rules! from_word {
-    (Ptr, $w:expr) => {
-        $w
+/// A record's field of kind `$kind` from a recorded launch's argument (`$a`, an [`Arg`]): `None`
+/// when the argument is of another kind.
+macro_rules! from_arg {
+    (Ptr, $a:expr) => {
+        match $a {
+            Arg::U64(v) => Some(v),
+            _ => None,
+        }
     };
-    (Opt, $w:expr) => {
-        $w
+    (Opt, $a:expr) => {
+        from_arg!(Ptr, $a)
     };
-    (U64, $w:expr) => {
-        $w
+    (U64, $a:expr) => {
+        from_arg!(Ptr, $a)
     };
-    (I32, $w:expr) => {
-        $w as usize
+    (I32, $a:expr) => {
+        match $a {
+            Arg::I32(v) => Some(v as usize),
+            _ => None,
+        }
     };
-    (F32, $w:expr) => {
-        f32::from_bits($w as u32)
+    (F32, $a:expr) => {
+        match $a {
+            Arg::F32(v) => Some(v),
+            _ => None,
+        }
     };
 }
 
-/// `relaunch`'s first arguments to a family's launcher (`$name`) or a per-type one (`$ty`).
+/// A record's field of kind `$kind` as a word: what the argument it was read from was, an `int`
+/// sign-extended, a float's bits.
+macro_rules! to_word {
+    (Ptr, $v:expr) => {
+        $v
+    };
+    (Opt, $v:expr) => {
+        $v
+    };
+    (U64, $v:expr) => {
+        $v
+    };
+    (I32, $v:expr) => {
+        $v as u64
+    };
+    (F32, $v:expr) => {
+        u64::from($v.to_bits())
+    };
+}
+
+/// A record's first argument to a family's launcher: the kernel of the family it was given.
 macro_rules! family_arg {
     ($name:expr; $($alt:literal)+) => {
         $name
-    };
-}
-macro_rules! typed_arg {
-    ($ty:expr; $typed:ident) => {
-        $ty.expect("a per-type kernel's weight type")
     };
 }
 
@@ -456,6 +535,52 @@ mod tests {
                 "{name}: a kernel without a launcher"
             );
         }
+    }
+
+    /// Every launcher's record reads a launch's arguments back as the words they were (each
+    /// kind's argument: pointers and counts, negative ints, floats by their bits), and refuses
+    /// one argument too few or too many, or an argument of another kind.
+    #[test]
+    fn records_give_back_the_words_they_were_read_from() {
+        assert_eq!(RECORDS.len(), SIGNATURES.len());
+        for (name, kinds, words) in RECORDS {
+            let args: Vec<Arg> = kinds
+                .iter()
+                .enumerate()
+                .map(|(i, kind)| match kind {
+                    Kind::Ptr | Kind::Opt | Kind::U64 => Arg::U64(0x7f00_0000_0000 + 256 * i as u64),
+                    Kind::I32 if i % 2 == 0 => Arg::I32(i as i32 + 1),
+                    Kind::I32 => Arg::I32(-(i as i32) - 1),
+                    Kind::F32 => Arg::F32(i as f32 + 0.25),
+                })
+                .collect();
+            let bits: Vec<u64> = args.iter().map(|a| a.bits()).collect();
+            assert_eq!(words(&args).as_deref(), Some(&bits[..]), "{name}");
+            assert_eq!(words(&args[1..]), None, "{name}: one argument too few");
+            assert_eq!(
+                words(&[&args[..], &[Arg::U64(1)]].concat()),
+                None,
+                "{name}: one too many"
+            );
+            for (i, kind) in kinds.iter().enumerate() {
+                let mut other = args.clone();
+                other[i] = match kind {
+                    Kind::I32 => Arg::F32(1.0),
+                    _ => Arg::I32(1),
+                };
+                assert_eq!(words(&other), None, "{name}: argument {i} of another kind");
+            }
+        }
+        let p = params::add_bias::from_args(&[Arg::U64(16), Arg::U64(32), Arg::I32(8), Arg::U64(64)]);
+        assert_eq!(
+            p,
+            Some(params::add_bias {
+                x: 16,
+                b: 32,
+                width: 8,
+                len: 64
+            })
+        );
     }
 
     /// The checks a launcher makes before it queues anything.

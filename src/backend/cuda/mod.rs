@@ -843,9 +843,10 @@ enum Arg {
     F32(f32),
 }
 
+#[cfg(test)]
 impl Arg {
-    /// The value as a launcher takes it again: a pointer or count, an `int` (non-negative where
-    /// a launcher reads it back), a float's bits.
+    /// The value as a launcher's record gives it back (`words`): a pointer or count, an `int`
+    /// (sign-extended), a float's bits.
     fn bits(self) -> u64 {
         match self {
             Arg::U64(v) => v,

@@ -1,7 +1,17 @@
 //! The layer program's operations on the CUDA device ([`Device`]), and the launches they share
 //! (RoPE, norms, products: float, integer and by rows).
 
+use super::launch::params;
 use super::*;
+
+/// Record `$to` of [`params`]: after each `from`, the fields named there, each that value's field
+/// of the same name; after `set`, the fields given. A field left out, named twice or of another
+/// type does not compile.
+macro_rules! record {
+    ($to:ident $(from $from:ident: $($f:ident),+;)+ $(set $($g:ident: $v:expr),+)?) => {
+        params::$to { $($($f: $from.$f,)+)+ $($($g: $v,)+)? }
+    };
+}
 
 impl Device for CudaDevice {
     fn rope_freq_factors(&self) -> bool {
@@ -729,22 +739,15 @@ impl CudaDevice {
         out.into_iter().map(|o| o.expect("every product made")).collect()
     }
 
-    /// The launch recorded last, taken back (not to be launched) when `wanted` accepts its
-    /// kernel and parameters (see [`FUSE_ENV`]): its name, weight type, geometry and parameters
-    /// as a launcher takes them again ([`Arg::bits`]).
-    fn take_back(
+    /// The launch recorded last, taken back (not to be launched) when `read` makes something of
+    /// its kernel, weight type and arguments (its record, matched: see [`FUSE_ENV`]): its
+    /// geometry and what `read` made of it.
+    fn take_back<R>(
         &self,
-        wanted: impl FnOnce(&'static str, &[Arg]) -> bool,
-    ) -> Option<(&'static str, Option<GgmlType>, LaunchConfig, Vec<u64>)> {
-        let op = self.graphs.lock().expect("graphs").take_last_launch(wanted)?;
-        let graph::Op::Launch {
-            name,
-            ty,
-            grid,
-            block,
-            args,
-        } = op
-        else {
+        read: impl FnOnce(&'static str, Option<GgmlType>, &[Arg]) -> Option<R>,
+    ) -> Option<(LaunchConfig, R)> {
+        let (op, r) = self.graphs.lock().expect("graphs").take_last_launch(read)?;
+        let graph::Op::Launch { grid, block, .. } = op else {
             return None;
         };
         let cfg = LaunchConfig {
@@ -752,7 +755,7 @@ impl CudaDevice {
             block_dim: block,
             shared_mem_bytes: 0,
         };
-        Some((name, ty, cfg, args.iter().map(|a| a.bits()).collect()))
+        Some((cfg, r))
     }
 
     /// Counts a launch whose last blocks took on the next one's work.
@@ -776,39 +779,23 @@ impl CudaDevice {
         if tokens > 1 {
             return self.batch_rope_after_products(qkv, widths, tokens, r, vt, done);
         }
-        // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
-        // for each of three weights; `matvec_i8x3_mixed` has each weight's type before its w.
-        let is = |args: &[Arg], i: usize, v: u64| args.get(i).is_some_and(|a| a.bits() == v);
-        let Some((name, ty, cfg, args)) = self.take_back(|name, args| {
-            let step = match name {
-                "matvec_i8x3" => 5,
-                "matvec_i8x3_mixed" => 6,
-                _ => return false,
+        let Some((cfg, p)) = self.take_back(|name, ty, args| {
+            let p = match name {
+                "matvec_i8x3" => params::matvec_i8x3::from_args(args)?.mixed(i8_type_code(ty?)),
+                "matvec_i8x3_mixed" => params::matvec_i8x3_mixed::from_args(args)?,
+                _ => return None,
             };
-            let wpr = args.get(2).map_or(0, |a| a.bits()) as usize;
-            let rows = MATMUL_WARPS as usize / wpr.max(1);
-            wpr > 0
-                && r.hd.is_multiple_of(rows)
-                && (0..3).all(|i| is(args, 4 + step * (i + 1), qkv[i]))
-                && is(args, 4 + step - 2, widths[0] as u64)
-                && is(args, 4 + 2 * step - 2, widths[1] as u64)
+            let rows = MATMUL_WARPS as usize / p.wpr.max(1);
+            let wanted = p.wpr > 0 && r.hd.is_multiple_of(rows) && [p.y0, p.y1, p.y2] == qkv && [p.r0, p.r1] == widths;
+            wanted.then_some(p)
         }) else {
             return false;
         };
-        // As `matvec_i8x3_mixed`'s: each weight's type before its parameters.
-        let mut words: Vec<u64> = if name == "matvec_i8x3" {
-            let code = i8_type_code(ty.expect("a typed launch")) as u64;
-            let mut w = args[..5].to_vec();
-            for seg in args[5..].chunks(5) {
-                w.push(code);
-                w.extend(seg);
-            }
-            w
-        } else {
-            args
-        };
-        words.extend(r.words(vt, done));
-        self.k().relaunch("matvec_i8x3_rope_kv", None, cfg, &words);
+        record!(matvec_i8x3_rope_kv
+            from p: xq, cols, wpr, nb0, nb01, t0, w0, s0, r0, b0, y0, t1, w1, s1, r1, b1, y1, t2, w2, s2, r2, b2, y2;
+            from r: q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer;
+            set vt: vt, done: done)
+        .launch(&self.k(), cfg);
         self.fused_into_last_blocks();
         true
     }
@@ -824,25 +811,23 @@ impl CudaDevice {
         vt: usize,
         done: u64,
     ) -> bool {
-        // `matvec_i8nx3`'s parameters: xq, n, cols, wpr, nb0, nb01, then (type, w, stride, rows,
-        // bias, y) for each of three weights.
-        let is = |args: &[Arg], i: usize, v: u64| args.get(i).is_some_and(|a| a.bits() == v);
-        let Some((_, None, cfg, args)) = self.take_back(|name, args| {
-            let wpr = args.get(3).map_or(0, |a| a.bits()) as usize;
-            let rows = MATMUL_WARPS as usize / wpr.max(1);
-            name == "matvec_i8nx3"
-                && wpr > 0
+        let Some((cfg, p)) = self.take_back(|name, _, args| {
+            let p = params::matvec_i8nx3::from_args(args).filter(|_| name == "matvec_i8nx3")?;
+            let rows = MATMUL_WARPS as usize / p.wpr.max(1);
+            let wanted = p.wpr > 0
                 && r.hd.is_multiple_of(rows)
-                && is(args, 1, Arg::I32(tokens as i32).bits())
-                && (0..3).all(|i| is(args, 11 + 6 * i, qkv[i]))
-                && is(args, 9, Arg::I32(widths[0] as i32).bits())
-                && is(args, 15, Arg::I32(widths[1] as i32).bits())
+                && p.n == tokens
+                && [p.y0, p.y1, p.y2] == qkv
+                && [p.r0, p.r1] == widths;
+            wanted.then_some(p)
         }) else {
             return false;
         };
-        let mut words = args;
-        words.extend(r.words(vt, done));
-        self.k().relaunch("matvec_i8nx3_rope_kv", None, cfg, &words);
+        record!(matvec_i8nx3_rope_kv
+            from p: xq, n, cols, wpr, nb0, nb01, t0, w0, s0, r0, b0, y0, t1, w1, s1, r1, b1, y1, t2, w2, s2, r2, b2, y2;
+            from r: q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer;
+            set vt: vt, done: done)
+        .launch(&self.k(), cfg);
         self.fused_into_last_blocks();
         true
     }
@@ -860,23 +845,17 @@ impl CudaDevice {
         if tokens > 1 {
             return self.batch_activation_after_products(gate, up, f, out, n, tokens, done);
         }
-        // `matvec_i8x3`'s parameters: xq, cols, wpr, nb0, nb01, then (w, stride, rows, bias, y)
-        // for each of three weights.
-        let rows = Arg::I32(i32::try_from(256 * n).unwrap_or(-1));
-        let Some((_, Some(ty), cfg, args)) = self.take_back(|name, args| {
-            let same = |i: usize, v: Arg| args.get(i).is_some_and(|a| a.bits() == v.bits());
-            name == "matvec_i8x3"
-                && same(9, Arg::U64(gate))
-                && same(14, Arg::U64(up))
-                && same(15, Arg::U64(0))
-                && same(7, rows)
-                && same(12, rows)
+        let Some((cfg, (ty, p))) = self.take_back(|name, ty, args| {
+            let p = params::matvec_i8x3::from_args(args).filter(|_| name == "matvec_i8x3")?;
+            let wanted = [p.y0, p.y1, p.w2] == [gate, up, 0] && [p.r0, p.r1] == [256 * n; 2];
+            wanted.then_some((ty?, p))
         }) else {
             return false;
         };
-        let mut words = args;
-        words.extend([f as u64, out, done]);
-        self.k().relaunch("matvec_i8x3_act", Some(ty), cfg, &words);
+        record!(matvec_i8x3_act
+            from p: xq, cols, wpr, nb0, nb01, w0, s0, r0, b0, y0, w1, s1, r1, b1, y1, w2, s2, r2, b2, y2;
+            set f: f, out: out, done: done)
+        .launch(&self.k(), ty, cfg);
         self.fused_into_last_blocks();
         true
     }
@@ -894,24 +873,17 @@ impl CudaDevice {
         tokens: usize,
         done: u64,
     ) -> bool {
-        // `matvec_i8nx3`'s parameters: xq, n, cols, wpr, nb0, nb01, then (type, w, stride, rows,
-        // bias, y) for each of three weights.
-        let rows = Arg::I32(i32::try_from(256 * n).unwrap_or(-1));
-        let Some((_, None, cfg, args)) = self.take_back(|name, args| {
-            let same = |i: usize, v: Arg| args.get(i).is_some_and(|a| a.bits() == v.bits());
-            name == "matvec_i8nx3"
-                && same(1, Arg::I32(tokens as i32))
-                && same(11, Arg::U64(gate))
-                && same(17, Arg::U64(up))
-                && same(19, Arg::U64(0))
-                && same(9, rows)
-                && same(15, rows)
+        let Some((cfg, p)) = self.take_back(|name, _, args| {
+            let p = params::matvec_i8nx3::from_args(args).filter(|_| name == "matvec_i8nx3")?;
+            let wanted = p.n == tokens && [p.y0, p.y1, p.w2] == [gate, up, 0] && [p.r0, p.r1] == [256 * n; 2];
+            wanted.then_some(p)
         }) else {
             return false;
         };
-        let mut words = args;
-        words.extend([f as u64, out, done]);
-        self.k().relaunch("matvec_i8nx3_act", None, cfg, &words);
+        record!(matvec_i8nx3_act
+            from p: xq, n, cols, wpr, nb0, nb01, t0, w0, s0, r0, b0, y0, t1, w1, s1, r1, b1, y1, t2, w2, s2, r2, b2, y2;
+            set f: f, out: out, done: done)
+        .launch(&self.k(), cfg);
         self.fused_into_last_blocks();
         true
     }
@@ -928,36 +900,30 @@ impl CudaDevice {
         if done == 0 {
             return false;
         }
-        // The product's parameters (`product_i8`'s launcher): its tokens are the seventh, its
-        // output the tenth.
-        let Some((name, Some(ty), cfg, args)) = self.take_back(|name, args| {
-            let kernel = if n == 1 {
-                matches!(name, "matvec_i8" | "matvec_i8f")
-            } else {
-                name == "matvec_i8n"
+        let Some((cfg, (name, ty, p))) = self.take_back(|name, ty, args| {
+            let kernel = match n {
+                1 => matches!(name, "matvec_i8" | "matvec_i8f"),
+                _ => name == "matvec_i8n",
             };
-            kernel
-                && args.get(6).is_some_and(|p| p.bits() == Arg::I32(n as i32).bits())
-                && args.get(9).is_some_and(|p| p.bits() == Arg::U64(a).bits())
+            let p = params::product_i8::from_args(args).filter(|p| kernel && p.n == n && p.y == a)?;
+            Some((name, ty?, p))
         }) else {
             return false;
         };
-        let fused = match name {
-            "matvec_i8n" => "matvec_i8n_norm",
-            "matvec_i8" => "matvec_i8_norm",
-            _ => "matvec_i8f_norm",
-        };
-        let mut words = args;
-        words.extend([
-            res,
-            w,
-            y,
-            u64::from(eps.to_bits()),
-            q8,
-            u64::from(norm_threads(width)),
-            done,
-        ]);
-        self.k().relaunch(fused, Some(ty), cfg, &words);
+        let vt = norm_threads(width) as usize;
+        macro_rules! fused {
+            ($to:ident) => {
+                record!($to
+                    from p: w, row_stride, rows_out, row_ids, cols, x, n, bias, wpr, y;
+                    set res: res, nw: w, out: y, eps: eps, q8: q8, vt: vt, done: done)
+            };
+        }
+        let k = self.k();
+        match name {
+            "matvec_i8n" => fused!(matvec_i8n_norm).launch(&k, ty, cfg),
+            "matvec_i8" => fused!(product_i8_norm).launch(&k, "matvec_i8_norm", ty, cfg),
+            _ => fused!(product_i8_norm).launch(&k, "matvec_i8f_norm", ty, cfg),
+        }
         self.fused_into_last_blocks();
         true
     }
@@ -1282,25 +1248,13 @@ struct RopeArgs {
     layer: usize,
 }
 
-impl RopeArgs {
-    /// The parameters a product with RoPE in its last blocks takes after the product's own
-    /// (`matvec_i8x3_rope_kv`, `matvec_i8nx3_rope_kv`), as [`Arg::bits`] gives them: these, the
-    /// virtual thread count `vt` and the counters `done`.
-    fn words(&self, vt: usize, done: u64) -> [u64; 12] {
-        let f = |v: f32| u64::from(v.to_bits());
-        [
-            self.q_norm,
-            self.k_norm,
-            self.hd as u64,
-            self.positions,
-            f(self.base),
-            f(self.pos_scale),
-            self.style as u64,
-            f(self.eps),
-            self.info,
-            self.layer as u64,
-            vt as u64,
-            done,
-        ]
+impl params::matvec_i8x3 {
+    /// The same products as `matvec_i8x3_mixed`'s record: each weight's type `code`
+    /// ([`i8_type_code`]) with its parameters.
+    fn mixed(&self, code: usize) -> params::matvec_i8x3_mixed {
+        let p = *self;
+        record!(matvec_i8x3_mixed
+            from p: xq, cols, wpr, nb0, nb01, w0, s0, r0, b0, y0, w1, s1, r1, b1, y1, w2, s2, r2, b2, y2;
+            set t0: code, t1: code, t2: code)
     }
 }
