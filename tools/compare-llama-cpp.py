@@ -2,11 +2,12 @@
 """gatestream beside llama.cpp on this machine, in one run, as docs/RESULTS.md section 3 reports it.
 
     tools/compare-llama-cpp.py [--pairs 3] [--windows 10] [--models smollm2,gemma,qwen]
-                               [--caps 504M:400M,881M:800M] [--skip ram,prefill,ppl,capped]
-                               [--json FILE]
+                               [--model-file NAME=PATH ...] [--caps 504M:400M,881M:800M]
+                               [--skip ram,prefill,ppl,capped] [--json FILE]
 
 Cases, each on the same GGUF, 2 threads, release build:
-  decode   in RAM, 64 tokens: llama-bench -p 0 -n 64 -r 1 vs `gatestream run --max-tokens 64 --json`
+  decode   in RAM, 64 tokens: llama-bench -p 0 -n 64 -r 1 vs `gatestream run --max-tokens 64
+           --ignore-eos --json`
   prefill  in RAM, a 512-token prompt: llama-bench -p 512 -n 0 -r 1 vs `run --max-tokens 1` on a
            prompt of wikitext that encodes to about 512 tokens (prefill_tok_per_s)
   ppl      perplexity, wikitext-2 test, ctx 512, the first --windows windows: llama-perplexity vs
@@ -21,6 +22,7 @@ Timings alternate A B A B (--pairs pairs) so drift on this noisy machine hits bo
 line prints both medians and the median of the per-pair ratios (gatestream / llama.cpp for
 speeds: above 1 is gatestream faster). Needs llama.cpp built (`tools/llama-cpp.sh
 build`; this script builds it when missing) and the models (`tools/fetch-models.sh all`).
+GATESTREAM_BIN=PATH times that binary instead of building target/release/gatestream.
 """
 
 import argparse
@@ -56,6 +58,8 @@ def sh(cmd, **kw):
 
 
 def gatestream_bin():
+    if os.environ.get("GATESTREAM_BIN"):
+        return Path(os.environ["GATESTREAM_BIN"])
     b = ROOT / "target/release/gatestream"
     print("building gatestream (release)...", file=sys.stderr)
     sh(["cargo", "build", "--release", "--quiet"], cwd=ROOT)
@@ -140,7 +144,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=3, help="A/B pairs per timed case (default 3)")
     ap.add_argument("--windows", type=int, default=10, help="perplexity windows of 512 tokens (default 10)")
-    ap.add_argument("--models", default="smollm2,gemma,qwen", help="comma-separated: smollm2, gemma, qwen")
+    ap.add_argument("--models", default="smollm2,gemma,qwen", help="comma-separated: smollm2, gemma, qwen ('' for none)")
+    ap.add_argument("--model-file", action="append", default=[], metavar="NAME=PATH",
+                    help="also compare this GGUF, named NAME in the table (repeatable; e.g. a make-model file)")
     ap.add_argument("--caps", default="504M:400M,881M:800M", help="CAP:BUDGET pairs for the capped case (Qwen)")
     ap.add_argument("--skip", default="", help="cases to leave out: ram, prefill, ppl, capped")
     ap.add_argument("--work", default="/tmp/gatestream-compare", help="where Qwen's .gst is written")
@@ -152,10 +158,15 @@ def main():
         print("building llama.cpp with tools/llama-cpp.sh build (once; minutes)...", file=sys.stderr)
         sh(["bash", PEER, "build"])
     gs = gatestream_bin()
-    models = {k: MODELS_DIR / MODELS[k] for k in a.models.split(",")}
+    models = {k: MODELS_DIR / MODELS[k] for k in filter(None, a.models.split(","))}
     for k, p in models.items():
         if not p.exists():
             sys.exit(f"{p} is missing: run tools/fetch-models.sh {k}")
+    for spec in a.model_file:
+        name, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            sys.exit(f"--model-file {spec}: expected NAME=PATH of an existing GGUF")
+        models[name] = Path(path)
     version = sh([PEER_BIN / "llama-completion", "--version"])[1].strip().splitlines()[0]
     commit = sh(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT)[0].strip()
     print(f"gatestream {commit} vs llama.cpp ({version}); 2 threads; {a.pairs} A/B pairs per timed case; "
@@ -167,7 +178,7 @@ def main():
     if "ram" not in skip:
         for k, m in models.items():
             g, l = alternate(a.pairs,
-                             lambda: gs_run(gs, m, "--max-tokens", "64", "--prompt", PROMPT)[0]["decode_tok_per_s"],
+                             lambda: gs_run(gs, m, "--max-tokens", "64", "--ignore-eos", "--prompt", PROMPT)[0]["decode_tok_per_s"],
                              lambda: llama_bench(m, 0, 64))
             line(results, "decode", k, "tok/s", g, l)
     if "prefill" not in skip:
