@@ -651,24 +651,14 @@ fn glm4moe_without_its_score_bias_is_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = MakeSpec {
         shape: Shape {
-            name: "custom".into(),
-            arch: Arch::Glm4Moe,
-            hidden: 64,
-            ffn: 64,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
             vocab: 300,
             context_len: 256,
             rope_theta: 10000.0,
             rms_eps: 1e-5,
-            tied: false,
             experts: Some((4, 2)),
-            rope_factors: None,
             rope_dim: Some(8),
-            mla: None,
             routing: Some(RoutingShape::glm(128)),
+            ..Shape::custom(Arch::Glm4Moe, 64, 64, 2, 4, 2, 16)
         },
         mix: Mix::Q8_0,
         dequantize: false,
@@ -709,24 +699,10 @@ fn gpt_oss_without_attention_sinks_is_refused_naming_the_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let spec = MakeSpec {
         shape: Shape {
-            name: "custom".into(),
-            arch: Arch::GptOss,
-            hidden: 64,
-            ffn: 64,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 32,
             vocab: 300,
             context_len: 512,
-            rope_theta: 150_000.0,
-            rms_eps: 1e-5,
-            tied: false,
             experts: Some((4, 2)),
-            rope_factors: None,
-            rope_dim: None,
-            routing: None,
-            mla: None,
+            ..Shape::custom(Arch::GptOss, 64, 64, 2, 4, 2, 32)
         },
         mix: Mix::Mxfp4Moe,
         dequantize: false,

@@ -546,26 +546,19 @@ fn a_stored_per_layer_budget_is_what_run_sparse_applies() {
 
 /// A small shape `make-model` writes: `arch` with `experts`, a synthetic vocabulary of 512.
 fn small_shape(arch: gatestream::config::Arch, experts: Option<(usize, usize)>) -> gatestream::synth::Shape {
+    let glm = arch == gatestream::config::Arch::Glm4Moe;
+    let kv_heads = if arch == gatestream::config::Arch::Olmoe { 4 } else { 2 };
+    let ffn = if experts.is_some() { 256 } else { 512 };
     gatestream::synth::Shape {
-        name: "custom".into(),
-        arch,
-        hidden: 256,
-        ffn: if experts.is_some() { 256 } else { 512 },
-        layers: 3,
-        heads: 4,
-        kv_heads: if arch == gatestream::config::Arch::Olmoe { 4 } else { 2 },
-        head_dim: 64,
         vocab: 512,
         context_len: 256,
         rope_theta: 10000.0,
         rms_eps: 1e-6,
-        tied: false,
         experts,
-        rope_factors: None,
-        mla: None,
         // glm4moe: half of each head rotated, the first layer dense, a shared expert.
-        rope_dim: (arch == gatestream::config::Arch::Glm4Moe).then_some(32),
-        routing: (arch == gatestream::config::Arch::Glm4Moe).then_some(gatestream::synth::RoutingShape::glm(512)),
+        rope_dim: glm.then_some(32),
+        routing: glm.then_some(gatestream::synth::RoutingShape::glm(512)),
+        ..gatestream::synth::Shape::custom(arch, 256, ffn, 3, 4, kv_heads, 64)
     }
 }
 

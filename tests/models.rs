@@ -509,26 +509,7 @@ fn small_qwen3_matches_llama_cpp() {
     use gatestream::perplexity::{perplexity, PerplexityOptions};
     use gatestream::synth::Shape;
     let tmp = tempfile::tempdir().unwrap();
-    let shape = Shape {
-        name: "custom".into(),
-        arch: Arch::Qwen3,
-        hidden: 256,
-        ffn: 512,
-        layers: 3,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 128,
-        vocab: 0,
-        context_len: 4096,
-        rope_theta: 1e6,
-        rms_eps: 1e-6,
-        tied: false,
-        experts: None,
-        rope_factors: None,
-        mla: None,
-        rope_dim: None,
-        routing: None,
-    };
+    let shape = Shape::custom(Arch::Qwen3, 256, 512, 3, 4, 2, 128);
     let path = small_f32_model(shape, &kept_dir(&tmp), "qwen3-small-f32.gguf");
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
     assert!(m.config.qk_norm && !m.config.attn_bias && m.config.head_dim == 128);
@@ -718,24 +699,19 @@ fn small_deepseek2_latent_attention_matches_llama_cpp() {
             v_head: 64,
         };
         let shape = Shape {
-            name: "custom".into(),
-            arch: Arch::Deepseek2,
-            hidden: 256,
-            ffn: if routing.is_some() { 128 } else { 512 },
-            layers: 3,
-            heads: 4,
-            kv_heads: 1,
-            head_dim: mla.latent(),
-            vocab: 0,
-            context_len: 4096,
             rope_theta: 10000.0,
-            rms_eps: 1e-6,
-            tied: false,
             experts: routing.as_ref().map(|_| (8, 2)),
-            rope_factors: None,
-            rope_dim: None,
-            routing: routing.clone(),
             mla: Some(mla),
+            routing: routing.clone(),
+            ..Shape::custom(
+                Arch::Deepseek2,
+                256,
+                if routing.is_some() { 128 } else { 512 },
+                3,
+                4,
+                1,
+                mla.latent(),
+            )
         };
         let path = small_f32_model(shape, &kept_dir(&tmp), name);
         let m = Model::load(&path, &LoadOptions::default()).unwrap();
@@ -852,24 +828,11 @@ fn small_glm4moe_matches_llama_cpp() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = kept_dir(&tmp);
     let shape = Shape {
-        name: "custom".into(),
-        arch: Arch::Glm4Moe,
-        hidden: 256,
-        ffn: 128,
-        layers: 3,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 64,
-        vocab: 0,
-        context_len: 4096,
-        rope_theta: 1e6,
         rms_eps: 1e-5,
-        tied: false,
         experts: Some((8, 2)),
-        rope_factors: None,
-        mla: None,
         rope_dim: Some(32),
         routing: Some(RoutingShape::glm(512)),
+        ..Shape::custom(Arch::Glm4Moe, 256, 128, 3, 4, 2, 64)
     };
     let path = small_f32_model(shape, &dir, "glm4moe-small-f32.gguf");
     let m = Model::load(&path, &LoadOptions::default()).unwrap();
@@ -989,24 +952,8 @@ fn small_gpt_oss(dir: &std::path::Path, mxfp4_experts: bool) -> std::path::PathB
     use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
     let spec = MakeSpec {
         shape: Shape {
-            name: "custom".into(),
-            arch: Arch::GptOss,
-            hidden: 256,
-            ffn: 256,
-            layers: 4,
-            heads: 8,
-            kv_heads: 2,
-            head_dim: 64,
-            vocab: 0,
-            context_len: 4096,
-            rope_theta: 150_000.0,
-            rms_eps: 1e-5,
-            tied: false,
             experts: Some((8, 4)),
-            rope_factors: None,
-            rope_dim: None,
-            routing: None,
-            mla: None,
+            ..Shape::custom(Arch::GptOss, 256, 256, 4, 8, 2, 64)
         },
         mix: Mix::Mxfp4Moe,
         dequantize: true,

@@ -75,24 +75,14 @@ fn random_f32_models(dir: &Path) -> Vec<(Arch, PathBuf)> {
 /// sigmoid scores with a score bias, renormalized; heads of 16 of which 8 rotate; Q/K/V biases.
 fn glm_shape(used: usize) -> gatestream::synth::Shape {
     gatestream::synth::Shape {
-        name: "custom".into(),
-        arch: Arch::Glm4Moe,
-        hidden: 64,
-        ffn: 64,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
         vocab: 512,
         context_len: 256,
         rope_theta: 10000.0,
         rms_eps: 1e-5,
-        tied: false,
         experts: Some((6, used)),
-        rope_factors: None,
         rope_dim: Some(8),
-        mla: None,
         routing: Some(gatestream::synth::RoutingShape::glm(128)),
+        ..gatestream::synth::Shape::custom(Arch::Glm4Moe, 64, 64, 2, 4, 2, 16)
     }
 }
 
@@ -1779,24 +1769,10 @@ fn gpt_oss_model(dir: &Path, name: &str, mix: gatestream::synth::Mix, dequantize
     use gatestream::synth::{write_model, MakeSpec, OutputFormat, Shape, TokenizerChoice};
     let spec = MakeSpec {
         shape: Shape {
-            name: "custom".into(),
-            arch: Arch::GptOss,
-            hidden: 64,
-            ffn: 64,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 32,
             vocab: 320,
             context_len: 512,
-            rope_theta: 150_000.0,
-            rms_eps: 1e-5,
-            tied: false,
             experts: Some((6, 3)),
-            rope_factors: None,
-            rope_dim: None,
-            routing: None,
-            mla: None,
+            ..Shape::custom(Arch::GptOss, 64, 64, 2, 4, 2, 32)
         },
         mix,
         dequantize,

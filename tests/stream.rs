@@ -1207,24 +1207,11 @@ fn small_shape(
     experts: Option<(usize, usize)>,
 ) -> gatestream::synth::Shape {
     gatestream::synth::Shape {
-        name: "custom".into(),
-        arch,
-        hidden: 512,
-        ffn,
-        layers,
-        heads: 8,
-        kv_heads: 2,
-        head_dim: 64,
         vocab: 1024,
         context_len: 512,
         rope_theta: 10000.0,
-        rms_eps: 1e-6,
-        tied: false,
         experts,
-        rope_factors: None,
-        mla: None,
-        rope_dim: None,
-        routing: None,
+        ..gatestream::synth::Shape::custom(arch, 512, ffn, layers, 8, 2, 64)
     }
 }
 
@@ -1749,24 +1736,11 @@ fn a_mixture_of_experts_gguf_streams_directly_like_the_in_ram_model() {
     let make = |name: &str, arch: Arch, experts: (usize, usize)| {
         let spec = MakeSpec {
             shape: Shape {
-                name: "custom".into(),
-                arch,
-                hidden: 256,
-                ffn: 256,
-                layers: 4,
-                heads: 4,
-                kv_heads: if arch == Arch::Olmoe { 4 } else { 2 },
-                head_dim: 64,
                 vocab: 512,
                 context_len: 512,
                 rope_theta: 10000.0,
-                rms_eps: 1e-6,
-                tied: false,
                 experts: Some(experts),
-                rope_factors: None,
-                mla: None,
-                rope_dim: None,
-                routing: None,
+                ..Shape::custom(arch, 256, 256, 4, 4, if arch == Arch::Olmoe { 4 } else { 2 }, 64)
             },
             mix: Mix::Q4KM,
             dequantize: false,

@@ -227,6 +227,45 @@ pub const GPT_OSS_SLIDING_WINDOW: usize = 128;
 pub const GPT_OSS_YARN: (f32, usize) = (32.0, 4096);
 
 impl Shape {
+    /// A custom shape (`make-model --shape custom`): `arch` at these dimensions, the rest as that
+    /// command sets it — the tokenizer's vocabulary (`vocab` 0), a 4096-token context, the
+    /// architecture's RoPE base and norm epsilon, untied, dense, whole heads rotated, no RoPE
+    /// frequency factors, latent attention or routing beyond a top-k softmax.
+    pub fn custom(
+        arch: Arch,
+        hidden: usize,
+        ffn: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Shape {
+        Shape {
+            name: "custom".into(),
+            arch,
+            hidden,
+            ffn,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            vocab: 0,
+            context_len: 4096,
+            rope_theta: match arch {
+                Arch::Llama => 10000.0,
+                Arch::GptOss => 150_000.0,
+                _ => 1e6,
+            },
+            rms_eps: if arch == Arch::GptOss { 1e-5 } else { 1e-6 },
+            tied: false,
+            experts: None,
+            rope_factors: None,
+            mla: None,
+            rope_dim: None,
+            routing: None,
+        }
+    }
+
     /// A named shape (the dimensions of the released model's config).
     pub fn named(name: &str) -> Result<Shape> {
         if name == "llama3.1-8b" {

@@ -150,31 +150,14 @@ pub(crate) fn make_model(c: MakeModelArgs) -> anyhow::Result<()> {
                 "--leading-dense, --dense-ffn and --shared-experts go with --arch glm4moe, or deepseek2 with --experts"
             );
         }
+        let kv_heads = match mla {
+            Some(_) => 1,
+            None => need(kv_heads, "--kv-heads")?,
+        };
+        let head_dim = mla.as_ref().map_or(head_dim, |m| m.latent());
         Shape {
-            name: "custom".into(),
-            arch,
-            hidden,
-            ffn,
-            layers: need(layers, "--layers")?,
-            heads,
-            kv_heads: match mla {
-                Some(_) => 1,
-                None => need(kv_heads, "--kv-heads")?,
-            },
-            head_dim: match mla {
-                Some(m) => m.latent(),
-                None => head_dim,
-            },
             // 0: the tokenizer's (a vocabulary padded to 0 tokens is the tokenizer's own).
             vocab: vocab.unwrap_or(0),
-            context_len: 4096,
-            rope_theta: match arch {
-                Arch::Llama => 10000.0,
-                Arch::GptOss => 150_000.0,
-                _ => 1e6,
-            },
-            rms_eps: if arch == Arch::GptOss { 1e-5 } else { 1e-6 },
-            tied: false,
             experts: match (experts, experts_used) {
                 (None, None) => None,
                 (Some(e), Some(k)) => Some((e, k)),
@@ -193,6 +176,7 @@ pub(crate) fn make_model(c: MakeModelArgs) -> anyhow::Result<()> {
                 routed_scale: 1.0,
                 groups: None,
             }),
+            ..Shape::custom(arch, hidden, ffn, need(layers, "--layers")?, heads, kv_heads, head_dim)
         }
     } else {
         if custom_flags.iter().any(|f| f.is_some()) || rope_factors.is_some() || mla.is_some() {
