@@ -108,13 +108,6 @@ pub const CUDA_MODES: &[CudaMode] = &[
         what: "warps per row of one-token integer products",
     },
     CudaMode {
-        key: "pdl",
-        var: "GATESTREAM_CUDA_PDL",
-        values: "1, 0",
-        default: "0",
-        what: "programmatic dependent launches (0.99x on an H200)",
-    },
-    CudaMode {
         key: "mmq-prefetch",
         var: "GATESTREAM_CUDA_MMQ_PREFETCH",
         values: "1, 0",
@@ -214,7 +207,7 @@ mod tests {
         assert_eq!(var("GATESTREAM_CUDA_GRAPHS").as_deref(), Some("1"));
         assert_eq!(var("GATESTREAM_CUDA_INT8_TOKENS").as_deref(), Some("4"));
         assert_eq!(var("GATESTREAM_CUDA_MMA").as_deref(), Some("0"));
-        assert_eq!(var("GATESTREAM_CUDA_PDL"), None);
+        assert_eq!(var("GATESTREAM_CUDA_ATTN_SPLIT"), None);
         let e = with_opts(&["fusion=1".to_string()], &env).err().unwrap().to_string();
         assert!(
             e.contains("--cuda-opt") && e.contains("\"fusion\"") && e.contains("fuse"),
@@ -257,7 +250,6 @@ mod tests {
             FUSE_ENV,
             MATVEC_ROWS_ENV,
             I8_WPR_ENV,
-            PDL_ENV,
             MMQ_PREFETCH_ENV,
         ];
         assert_eq!(vars.len(), CUDA_MODES.len());
