@@ -116,7 +116,7 @@ pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
 /// CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them as integers
 /// (`dp4a`, llama.cpp's approach) in products of Q4_K and Q6_K rows with up to
 /// [`INT8_TOKENS_ENV`] tokens, and as integer tiles on the tensor cores past that ([`MMQ_ENV`]),
-/// the rest as `q8`.
+/// the rest as `q8`. The binary's `--activations` flag sets it (and wins over the variable).
 pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
 
 /// What the GPU's quantized products multiply the weights with (see [`ACTIVATIONS_ENV`]).
