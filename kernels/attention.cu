@@ -11,7 +11,6 @@ struct TokenKv {
 
 // Row t of k and v into its sequence's cache at its position, layer `layer`.
 extern "C" __global__ void kv_write(const float* k, const float* v, const TokenKv* info, int layer, int kvd) {
-    grid_dep();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= kvd) return;
     int t = blockIdx.y;
@@ -61,7 +60,6 @@ __device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q
 extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_norm, float* k, int k_width,
                                         const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
                                         int style, float eps, const float* v, const TokenKv* info, int layer) {
-    grid_dep();
     rope_kv_head(blockIdx.x, blockIdx.y, q, q_width, q_norm, k, k_width, k_norm, hd, positions, base, pos_scale,
                  style, eps, v, info, layer, blockDim.x);
 }
@@ -108,7 +106,6 @@ extern "C" __global__ void matvec_i8nx3_rope_kv(
     float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
     const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
     float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
-    grid_dep();
     qkv_rope_kv<true>(Xq, n, cols, wpr, nb0, nb01, t0, W0, s0, r0, b0, y0, t1, W1, s1, r1, b1, y1, t2, W2, s2, r2, b2,
                       y2, q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer, vt, done);
 }
@@ -118,7 +115,6 @@ extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_rope_kv(
     float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
     const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
     float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
-    grid_dep();
     qkv_rope_kv<false>(Xq, 1, cols, wpr, nb0, nb01, t0, W0, s0, r0, b0, y0, t1, W1, s1, r1, b1, y1, t2, W2, s2, r2, b2,
                        y2, q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer, vt, done);
 }
@@ -130,7 +126,6 @@ extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_rope_kv(
 // sum of values, each output dimension summed in position order.
 extern "C" __global__ void attention(const float* q, const TokenKv* info, int layer, int n_heads, int n_kv_heads,
                                      int hd, float scale, int window, float* scores, int max_len, float* out) {
-    grid_dep();
     __shared__ float qs[ATTN_MAX_HEAD_DIM];
     int head = blockIdx.x, t = blockIdx.y;
     TokenKv ti = info[t];
@@ -213,7 +208,6 @@ __device__ void head_q8_k_blocks(const float* orow, int head, int hd, u8* q8row,
 extern "C" __global__ void attention_split(const float* q, const TokenKv* info, int layer, int n_heads,
                                            int n_kv_heads, int hd, float scale, int window, int chunk, float* part,
                                            u32* done, float* out, u8* q8, u32* q8done) {
-    grid_dep();
     __shared__ float sc[ATTN_SPLIT_SUB];
     __shared__ float sums[ATTN_SPLIT_WARPS][ATTN_MAX_HEAD_DIM];
     int head = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -351,7 +345,6 @@ __device__ void merge_splits(const float* pr, int hd, int splits, float* o) {
 
 // One block per (query head, token).
 extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, float* out) {
-    grid_dep();
     u64 row = (u64)blockIdx.y * n_heads + blockIdx.x;
     merge_splits(part + row * splits * (hd + 2), hd, splits, out + row * hd);
 }
@@ -368,7 +361,6 @@ extern "C" __global__ void attention_merge(const float* part, int n_heads, int h
 
 extern "C" __global__ void attention_tiles(const float* q, const TokenKv* info, const u32* tiles, int layer,
                                            int n_heads, int n_kv_heads, int hd, float scale, int window, float* out) {
-    grid_dep();
     __shared__ float qs[ATTN_TILE_Q][ATTN_TILE_MAX_HD + 1];
     __shared__ float kv[ATTN_TILE_K][ATTN_TILE_MAX_HD + 1];  // the chunk's keys, then its values
     __shared__ float p[ATTN_TILE_Q][ATTN_TILE_K];

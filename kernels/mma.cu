@@ -75,7 +75,6 @@ __device__ __forceinline__ void mma_tiles(float (&d)[2][4][4], const u32 (&a)[2]
 // row t's values divided by scale[t], a power of two that brings its largest |x| to [2^13,
 // 2^14) (1 for a row of zeros), split as hi + lo. One block a row; cols even.
 extern "C" __global__ void act_f16_rows(const float* X, int cols, int n, u16* out) {
-    grid_dep();
     __shared__ float part[MMA_THREADS];
     int t = blockIdx.x;
     const float* x = X + (u64)t * cols;
@@ -241,7 +240,6 @@ __device__ void mma_body(const u8* W, u64 row_stride, int rows_out, const u32* r
 #define MMA_KERNEL(NAME, TY)                                                                             \
     extern "C" __global__ void mma_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
                                           int cols, const u16* Xh, int n, float* Y) {                    \
-        grid_dep();                                                                                      \
         mma_body<TY>(W, row_stride, rows_out, row_ids, cols, Xh, n, Y);                                  \
     }
 
@@ -591,12 +589,10 @@ __device__ void mmq_body(const u8* W, u64 row_stride, int rows_out, const u32* r
 #define MMQ_KERNEL(t, TY)                                                                                   \
     extern "C" __global__ void mmq_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,       \
                                        int cols, const u8* Xq, int n, float* Y) {                           \
-        grid_dep();                                                                                         \
         mmq_body<TY, true>(W, row_stride, rows_out, row_ids, cols, Xq, n, Y);                               \
     }                                                                                                       \
     extern "C" __global__ void mmq_plain_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
                                              int cols, const u8* Xq, int n, float* Y) {                     \
-        grid_dep();                                                                                         \
         mmq_body<TY, false>(W, row_stride, rows_out, row_ids, cols, Xq, n, Y);                              \
     }
 

@@ -147,7 +147,6 @@ __device__ void norm_row_q8_k(const float* yr, u8* q8, int width) {
 // y[row] = x[row] / rms(x[row]) * w. One block per row; y may be x. With `q8` (not null; width
 // a multiple of 256), y's rows as Q8_K blocks there too (`norm_row_q8_k`).
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int width, float eps, u8* q8) {
-    grid_dep();
     u64 off = (u64)blockIdx.x * width;
     norm_row<false>((float*)x + off, 0, w, y + off, width, eps, blockDim.x);
     if (q8) norm_row_q8_k(y + off, q8 + (u64)blockIdx.x * (width / 256) * Q8K_BLOCK_BYTES, width);
@@ -156,26 +155,22 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
 // x[row] += a[row], then y[row] = x[row] / rms(x[row]) * w: `add` then `rms_norm` in one pass,
 // the same values. One block per row; `q8` as in `rms_norm`.
 extern "C" __global__ void add_rms_norm(float* x, const float* a, const float* w, float* y, int width, float eps, u8* q8) {
-    grid_dep();
     u64 off = (u64)blockIdx.x * width;
     norm_row<true>(x + off, a + off, w, y + off, width, eps, blockDim.x);
     if (q8) norm_row_q8_k(y + off, q8 + (u64)blockIdx.x * (width / 256) * Q8K_BLOCK_BYTES, width);
 }
 
 extern "C" __global__ void add(float* x, const float* y, u64 len) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += y[i];
 }
 
 extern "C" __global__ void mul(float* x, const float* y, u64 len) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] *= y[i];
 }
 
 extern "C" __global__ void add_bias(float* x, const float* b, int width, u64 len) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] += b[i % width];
 }
@@ -187,14 +182,12 @@ __device__ __forceinline__ float act_fn(float v, int f) {
 }
 
 extern "C" __global__ void activate(float* x, int f, u64 len) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = act_fn(x[i], f);
 }
 
 // up[i] = up[i] * f(gate[i]): `activate` then `mul` in one pass, the same values.
 extern "C" __global__ void activate_mul(float* up, const float* gate, int f, u64 len) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     float a = act_fn(gate[i], f);
@@ -202,14 +195,12 @@ extern "C" __global__ void activate_mul(float* up, const float* gate, int f, u64
 }
 
 extern "C" __global__ void softcap(float* x, float cap, u64 len) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) x[i] = cap * tanhf(x[i] / cap);
 }
 
 // out[i] = x[rows[i]] (rows of `width`). grid.y = output row.
 extern "C" __global__ void select_rows(const float* x, const u32* rows, int width, float* out) {
-    grid_dep();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= width) return;
     out[(u64)blockIdx.y * width + c] = x[(u64)rows[blockIdx.y] * width + c];
@@ -217,7 +208,6 @@ extern "C" __global__ void select_rows(const float* x, const u32* rows, int widt
 
 // out [n, width] is zero; out[t][cols[i]] = x[t][i]. grid.y = token.
 extern "C" __global__ void scatter_cols(const float* x, const u32* cols, int m, int width, float* out) {
-    grid_dep();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= m) return;
     u64 t = blockIdx.y;
@@ -226,7 +216,6 @@ extern "C" __global__ void scatter_cols(const float* x, const u32* cols, int m, 
 
 // out[t][i] = x[t][cols[i]]. grid.y = token.
 extern "C" __global__ void gather_cols(const float* x, const u32* cols, int m, int width, float* out) {
-    grid_dep();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= m) return;
     u64 t = blockIdx.y;
@@ -248,7 +237,6 @@ __device__ __forceinline__ void argmax_take(float& bv, u32& bi, float v, u32 i) 
 // blockDim.x a multiple of 32 (at most 1024). The reduction's order is fixed and its rule picks
 // one answer whatever the order, so the result does not depend on scheduling.
 extern "C" __global__ void argmax_rows(const float* x, int width, const u32* banned, int n_banned, u32* out) {
-    grid_dep();
     const float* xr = x + (u64)blockIdx.x * width;
     const float neg_inf = __int_as_float((int)0xff800000u);
     float bv = neg_inf;
@@ -325,7 +313,6 @@ __device__ __forceinline__ u64 top_k_key(const float* xr, int i, const u32* bann
 // not depend on scheduling.
 extern "C" __global__ void top_k_rows(const float* x, int width, const u32* banned, int n_banned, int k, int lse,
                                       u32* out) {
-    grid_dep();
     const float* xr = x + (u64)blockIdx.x * width;
     u32* row_out = out + (u64)blockIdx.x * (2 * k + (lse ? 2 : 0));
     if (lse) {
@@ -468,7 +455,6 @@ __device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position
 extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm, float* k, int k_width,
                                      const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
                                      int style, float eps) {
-    grid_dep();
     int q_heads = q_width / hd, t = blockIdx.y;
     bool is_q = (int)blockIdx.x < q_heads;
     int head = is_q ? blockIdx.x : blockIdx.x - q_heads;
@@ -484,7 +470,6 @@ extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm,
 // Blocks of 32 (Q4_0/Q4_1/Q5_0/Q8_0 weights): scale = absmax / 127, quants rounded half away
 // from zero (roundf).
 extern "C" __global__ void act_q8_32(const float* x, float* y, u64 blocks) {
-    grid_dep();
     u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= blocks) return;  // the whole warp (b depends on the warp only)
     int lane = threadIdx.x & 31;
@@ -537,7 +522,6 @@ __device__ __forceinline__ int q8_k_quant(float iscale, float v) {
 
 // The blocks as the float values they stand for. One warp per block.
 extern "C" __global__ void act_q8_k(const float* x, float* y, u64 blocks) {
-    grid_dep();
     u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= blocks) return;
     int lane = threadIdx.x & 31;
@@ -575,7 +559,6 @@ template <bool CG> __device__ void q8_k_block(const float* xb, u8* ob, int lane)
 
 // One warp per block.
 extern "C" __global__ void act_q8_k_blocks(const float* x, u8* out, u64 blocks) {
-    grid_dep();
     u64 b = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= blocks) return;
     q8_k_block(x + b * 256, out + b * Q8K_BLOCK_BYTES, threadIdx.x & 31);
@@ -627,14 +610,12 @@ __device__ void then_add_rms_norm_rows(const float* Y, int width, int n, float* 
     extern "C" __global__ void I8_ONE_BOUNDS matvec_i8f_##t(const u8* W, u64 row_stride, int rows_out,         \
                                                             const u32* row_ids, int cols, const float* X, int n, \
                                                             const float* bias, int wpr, float* Y) {              \
-        grid_dep();                                                                                              \
         matvec_i8f_body<TY>(W, row_stride, rows_out, row_ids, cols, X, bias, wpr, Y);                           \
     }                                                                                                           \
     extern "C" __global__ void I8_ONE_BOUNDS matvec_i8_norm_##t(                                                \
         const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u8* Xq, int n,           \
         const float* bias, int wpr, float* Y, float* res, const float* nw, float* out, float eps, u8* q8, int vt, \
         u32* done) {                                                                                            \
-        grid_dep();                                                                                             \
         matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, Xq, 1, bias, wpr, Y, blockIdx.x);       \
         then_add_rms_norm(Y, rows_out, res, nw, out, eps, q8, vt, done);                                        \
     }                                                                                                           \
@@ -642,7 +623,6 @@ __device__ void then_add_rms_norm_rows(const float* Y, int width, int n, float* 
         const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const float* X, int n,         \
         const float* bias, int wpr, float* Y, float* res, const float* nw, float* out, float eps, u8* q8, int vt, \
         u32* done) {                                                                                            \
-        grid_dep();                                                                                             \
         matvec_i8f_body<TY>(W, row_stride, rows_out, row_ids, cols, X, bias, wpr, Y);                           \
         then_add_rms_norm(Y, rows_out, res, nw, out, eps, q8, vt, done);                                        \
     }                                                                                                           \
@@ -650,7 +630,6 @@ __device__ void then_add_rms_norm_rows(const float* Y, int width, int n, float* 
         const u8* W, u64 row_stride, int rows_out, const u32* row_ids, int cols, const u8* Xq, int n,           \
         const float* bias, int wpr, float* Y, float* res, const float* nw, float* out, float eps, u8* q8, int vt, \
         u32* done) {                                                                                            \
-        grid_dep();                                                                                             \
         matvec_i8_rows<TY, I8N_MAX>(W, row_stride, rows_out, row_ids, cols, Xq, n, bias, wpr, Y, blockIdx.x);   \
         then_add_rms_norm_rows(Y, rows_out, n, res, nw, out, eps, q8, vt, done);                                \
     }
@@ -688,7 +667,6 @@ __device__ void activate_mul_q8_k_block(float* up, const float* gate, int f, u8*
 // busy rather than 35 warps (H100, Qwen2.5-1.5B's 8960 values, ncu: 11.0 µs a launch with a warp
 // a block, 3.6 µs so).
 extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f, u8* out, u64 blocks) {
-    grid_dep();
     if (blockIdx.x >= blocks) return;
     activate_mul_q8_k_block(up, gate, f, out, blockIdx.x);
 }
@@ -703,7 +681,6 @@ extern "C" __global__ void activate_mul_q8_k(float* up, const float* gate, int f
         const u8* Xq, int cols, int wpr, int nb0, int nb01, const u8* W0, u64 s0, int r0, const float* b0,   \
         float* y0, const u8* W1, u64 s1, int r1, const float* b1, float* y1, const u8* W2, u64 s2, int r2,   \
         const float* b2, float* y2, int f, u8* out, u32* done) {                                             \
-        grid_dep();                                                                                          \
         int b = blockIdx.x, up = b >= nb0;                                                                   \
         if (!up)                                                                                             \
             matvec_i8_rows<TY, 1>(W0, s0, r0, 0, cols, Xq, 1, b0, wpr, y0, b);                               \
@@ -728,7 +705,6 @@ extern "C" __global__ void matvec_i8nx3_act(const u8* Xq, int n, int cols, int w
                                             const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2,
                                             const u8* W2, u64 s2, int r2, const float* b2, float* y2, int f, u8* out,
                                             u32* done) {
-    grid_dep();
     int b = blockIdx.x, up = b >= nb0;
     if (!up)
         matvec_i8n_rows_of(t0, W0, s0, r0, cols, Xq, n, b0, wpr, y0, b);

@@ -11,21 +11,6 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-// Programmatic dependent launch (GATESTREAM_CUDA_PDL; sm_90 and later): a kernel launched so may
-// be scheduled while the kernel before it on the stream still runs. Every kernel calls this
-// first, before it reads or writes any memory: it waits until the kernel before it has finished
-// and its writes are seen (griddepcontrol.wait; at once when not launched so), then lets the
-// kernel after it be scheduled (griddepcontrol.launch_dependents), whose blocks then wait in
-// their turn. Only launching overlaps, never two kernels' memory accesses.
-__device__ __forceinline__ void grid_dep() {
-#ifdef GATESTREAM_HOST_EMULATION
-    gsemu::grid_dep();
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 #define TY_F32 0
 #define TY_F16 1
 #define TY_BF16 2
@@ -570,33 +555,27 @@ __device__ void accumulate_body(const u8* W, u64 row_stride, int w_rows, const u
 #define QUANT_KERNELS(NAME, TY)                                                                              \
     extern "C" __global__ void matmul_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
                                              int cols, const float* X, int n, float* Y) {                   \
-        grid_dep();                                                                                         \
         matmul_body<TY, MM_TOKENS>(W, row_stride, rows_out, row_ids, cols, X, n, Y);                         \
     }                                                                                                        \
     extern "C" __global__ void matvec_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
                                              int cols, const float* X, int n, float* Y) {                   \
-        grid_dep();                                                                                         \
         matmul_body<TY, 1>(W, row_stride, rows_out, row_ids, cols, X, n, Y);                                 \
     }                                                                                                        \
     extern "C" __global__ void matvec2_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,\
                                               int cols, const float* X, int n, float* Y) {                  \
-        grid_dep();                                                                                         \
         matvec_rows_body<TY, 2>(W, row_stride, rows_out, row_ids, cols, X, Y);                               \
     }                                                                                                        \
     extern "C" __global__ void matvec4_##NAME(const u8* W, u64 row_stride, int rows_out, const u32* row_ids,\
                                               int cols, const float* X, int n, float* Y) {                  \
-        grid_dep();                                                                                         \
         matvec_rows_body<TY, 4>(W, row_stride, rows_out, row_ids, cols, X, Y);                               \
     }                                                                                                        \
     extern "C" __global__ void embed_##NAME(const u8* W, u64 row_stride, const u32* ids, int cols,          \
                                             float scale, float* out) {                                       \
-        grid_dep();                                                                                          \
         embed_body<TY>(W, row_stride, ids, cols, scale, out);                                                \
     }                                                                                                        \
     extern "C" __global__ void accumulate_##NAME(const u8* W, u64 row_stride, int w_rows, const u32* rows,  \
                                                  int n_rows, int cols, const float* acts, int n,             \
                                                  float* partial, const u8* W2, u64 row_stride2, int split) { \
-        grid_dep();                                                                                          \
         accumulate_body<TY>(W, row_stride, w_rows, rows, n_rows, cols, acts, n, partial, W2, row_stride2,    \
                             split);                                                                          \
     }
@@ -835,20 +814,17 @@ __device__ void matvec_i8_rows(const u8* W, u64 row_stride, int rows_out, const 
     extern "C" __global__ void I8_ONE_BOUNDS matvec_i8_##t(const u8* W, u64 row_stride, int rows_out,       \
                                                            const u32* row_ids, int cols, const u8* Xq, int n, \
                                                            const float* bias, int wpr, float* Y) {           \
-        grid_dep();                                                                                          \
         matvec_i8_rows<TY, 1>(W, row_stride, rows_out, row_ids, cols, Xq, 1, bias, wpr, Y, blockIdx.x);      \
     }                                                                                                        \
     extern "C" __global__ void matvec_i8n_##t(const u8* W, u64 row_stride, int rows_out, const u32* row_ids, \
                                               int cols, const u8* Xq, int n, const float* bias, int wpr,     \
                                               float* Y) {                                                    \
-        grid_dep();                                                                                          \
         matvec_i8_rows<TY, I8N_MAX>(W, row_stride, rows_out, row_ids, cols, Xq, n, bias, wpr, Y, blockIdx.x); \
     }                                                                                                        \
     extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_##t(                                                          \
         const u8* Xq, int cols, int wpr, int nb0, int nb01, const u8* W0, u64 s0, int r0, const float* b0,   \
         float* y0, const u8* W1, u64 s1, int r1, const float* b1, float* y1, const u8* W2, u64 s2, int r2,   \
         const float* b2, float* y2) {                                                                        \
-        grid_dep();                                                                                          \
         int b = blockIdx.x;                                                                                  \
         if (b < nb0)                                                                                         \
             matvec_i8_rows<TY, 1>(W0, s0, r0, 0, cols, Xq, 1, b0, wpr, y0, b);                               \
@@ -887,7 +863,6 @@ extern "C" __global__ void matvec_i8nx3(const u8* Xq, int n, int cols, int wpr, 
                                         const u8* W0, u64 s0, int r0, const float* b0, float* y0, int t1,
                                         const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2,
                                         const u8* W2, u64 s2, int r2, const float* b2, float* y2) {
-    grid_dep();
     int b = blockIdx.x;
     if (b < nb0)
         matvec_i8n_rows_of(t0, W0, s0, r0, cols, Xq, n, b0, wpr, y0, b);
@@ -905,7 +880,6 @@ extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_mixed(const u8* Xq, int col
                                                            float* y0, int t1, const u8* W1, u64 s1, int r1,
                                                            const float* b1, float* y1, int t2, const u8* W2, u64 s2,
                                                            int r2, const float* b2, float* y2) {
-    grid_dep();
     int b = blockIdx.x;
     if (b < nb0)
         matvec_i8_rows_of(t0, W0, s0, r0, cols, Xq, b0, wpr, y0, b);
@@ -917,7 +891,6 @@ extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_mixed(const u8* Xq, int col
 
 // out[t][c] += sum_p partial[p][t][c], p in order. One thread per (t, c).
 extern "C" __global__ void accumulate_reduce(const float* partial, int parts, u64 len, float* out) {
-    grid_dep();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     float s = 0.f;

@@ -554,6 +554,66 @@ fn bad_budgets_and_engines_are_refused_with_the_arguments() {
     }
 }
 
+/// `--activations` and `--map-host` are flags of their own: they parse (the run then stops at
+/// the missing model, not at its arguments), a bad value is refused listing the values, and as
+/// `--cuda-opt` keys they are refused naming the flag to use instead, before any model is read.
+#[test]
+fn activations_and_map_host_are_flags_not_cuda_opts() {
+    let gs = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+            .args(args)
+            .env_remove("GATESTREAM_CUDA_OPTS")
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = gs(&[
+        "run",
+        "--model",
+        "/nonexistent.gguf",
+        "--activations",
+        "int8",
+        "--map-host",
+        "off",
+    ]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("/nonexistent.gguf"), "{err}");
+    let (code, err) = gs(&["run", "--model", "/nonexistent.gguf", "--activations", "i8"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--activations") && err.contains("int8"), "{err}");
+    for (opt, flag) in [
+        ("activations=int8", "--activations int8"),
+        ("map-host=off", "--map-host off"),
+    ] {
+        for cmd in [&["run"][..], &["perplexity", "--text", "/nonexistent.txt"]] {
+            let args = [cmd, &["--model", "/nonexistent.gguf", "--cuda-opt", opt]].concat();
+            let (code, err) = gs(&args);
+            assert_eq!(code, Some(1), "{args:?}: {err}");
+            assert!(
+                err.contains(flag) && err.contains("flag of its own") && !err.contains("/nonexistent.gguf"),
+                "{args:?}: {err}"
+            );
+        }
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gatestream"))
+        .args(["run", "--cuda-opt", "help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    assert!(
+        help.lines()
+            .any(|l| l.starts_with("--activations") && l.contains("auto, f32, q8, int8"))
+            && help
+                .lines()
+                .any(|l| l.starts_with("--map-host") && l.contains("on, off"))
+            && !help
+                .lines()
+                .any(|l| l.starts_with("activations ") || l.starts_with("map-host ")),
+        "{help}"
+    );
+}
+
 /// `run -h` fits a screen (one line a flag, grouped under headings); `--help` keeps every flag
 /// with its long text, the flags `-h` leaves out among them.
 #[test]
@@ -575,7 +635,15 @@ fn run_short_help_fits_a_screen_and_long_help_keeps_every_flag() {
     for heading in ["Model and device:", "Generation:", "Sparsity:", "Streaming and GPU:"] {
         assert!(short.contains(heading), "{heading} missing from run -h");
     }
-    for flag in ["--ram-budget", "--vram-budget", "--mode", "--temperature", "--device"] {
+    for flag in [
+        "--ram-budget",
+        "--vram-budget",
+        "--mode",
+        "--temperature",
+        "--device",
+        "--activations",
+        "--map-host",
+    ] {
         assert!(short.contains(flag), "{flag} missing from run -h");
     }
     // Left out of -h, kept in --help with the long text.

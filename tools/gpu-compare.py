@@ -39,9 +39,6 @@ is gatestream faster; each line gives both medians and the median of the per-pai
   fuse     (not a llama.cpp row) the same decode with launches fused (GATESTREAM_CUDA_FUSE=1:
            norms, activations, merges in the last blocks of the launch before) and each in a
            launch of its own (=0, the default), A B A B
-  pdl      (not a llama.cpp row) the same decode with every kernel launched as a programmatic
-           dependent of the one before (GATESTREAM_CUDA_PDL=1: its blocks scheduled while that one
-           finishes) and plainly (=0, the default), A B A B
   profile  (not timed against anything) per-kernel GPU time of that prefill under `ncu --metrics
            gpu__time_duration.sum` (upper bounds), summed by kernel into OUT/profile.txt, and of 16
            decode steps after a 6-token prompt (each kernel's time a step) into OUT/profile-decode.txt
@@ -193,7 +190,7 @@ def profile(a, gguf, prompt, tokens=1, what="prefill", name="profile"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,pdl,profile")
+    ap.add_argument("--cases", default="decode,prefill,depth,batched,served,mma,prefetch,int8,split,fuse,profile")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--shape", default="qwen2.5-1.5b", help="make-model's shape (written once into --models)")
     ap.add_argument("--model", help="a GGUF to use instead of making one")
@@ -339,8 +336,6 @@ def main():
         switch_ab("decode at depth 512, split / a block a head", "ATTN_SPLIT", 128, "decode_tok_per_s")
     if "fuse" in cases and not late(a):
         switch_ab("decode at depth 512, fused / not", "FUSE", 128, "decode_tok_per_s")
-    if "pdl" in cases and not late(a):
-        switch_ab("decode at depth 512, PDL / not", "PDL", 128, "decode_tok_per_s")
     if "profile" in cases and not late(a):
         profile(a, gguf, p512)
         profile(a, gguf, "The capital of France is", 17, "decode", "profile-decode")

@@ -19,7 +19,6 @@
 #      int8_batches           GATESTREAM_CUDA_INT8_TOKENS=1 (batches of 2-8 on the tensor cores)
 #      attention_tiles        GATESTREAM_CUDA_ATTN_TILES=0
 #      attention_split        GATESTREAM_CUDA_ATTN_SPLIT=0
-#      small_qwen2_pdl        gpu-compare's pdl case left out (GATESTREAM_CUDA_PDL is off by default)
 #    A failed small_qwen2* or qwen_shaped* check is reported, not mapped: read suite.txt.
 # 2. compare: `tools/gpu-compare.py --cases CASES --deadline DEADLINE` (default CASES
 #    decode,prefill,depth,batched,served,profile; DEADLINE 95 s: no case starts later), killed where the
@@ -109,7 +108,6 @@ failed int8_batches && off+=(GATESTREAM_CUDA_INT8_TOKENS=1)
 failed attention_tiles && off+=(GATESTREAM_CUDA_ATTN_TILES=0)
 failed attention_split && off+=(GATESTREAM_CUDA_ATTN_SPLIT=0)
 CASES=${CASES:-decode,prefill,depth,batched,served,profile}
-failed small_qwen2_pdl && CASES=$(echo "$CASES" | sed 's/,pdl//; s/^pdl,//')
 log "turned off for what follows: ${off[*]:-nothing}"
 for kv in "${off[@]}"; do export "${kv?}"; done
 if [ -n "$maker" ]; then

@@ -1,8 +1,10 @@
 //! The CUDA device's modes in one place. Each is set by `--cuda-opt KEY=VALUE` (repeatable, on
 //! every command that opens a device), or for scripts and CI by one variable,
 //! `GATESTREAM_CUDA_OPTS=KEY=VALUE,KEY=VALUE`; a mode's own variable (`GATESTREAM_CUDA_<KEY>`)
-//! still works, and `--cuda-opt` wins over `GATESTREAM_CUDA_OPTS`, which wins over it.
-//! `--cuda-opt help` prints the table below: each mode's values and default. The device parses
+//! still works, and `--cuda-opt` wins over `GATESTREAM_CUDA_OPTS`, which wins over it. Two
+//! settings are ordinary flags instead ([`CUDA_FLAGS`]: `--activations`, `--map-host`), which
+//! win over their variables; `--cuda-opt` refuses their keys naming the flag.
+//! `--cuda-opt help` prints the tables below: each mode's values and default. The device parses
 //! and checks the values (`cuda::CudaOptions::from_vars`), so a bad value is refused with what
 //! the mode's values mean; this module only routes them. Built with or without the `cuda`
 //! feature (the help is the same).
@@ -18,25 +20,43 @@ pub struct CudaMode {
     pub what: &'static str,
 }
 
-/// The variable holding several modes at once.
-pub const CUDA_OPTS_ENV: &str = "GATESTREAM_CUDA_OPTS";
+/// A device setting that is a flag of its own on every command that opens a device, not a
+/// `--cuda-opt` key: the key `--cuda-opt` refuses for it, the flag, the variable it sets (still
+/// read when the flag is not given), its values and its default.
+pub struct CudaFlag {
+    pub key: &'static str,
+    pub flag: &'static str,
+    pub var: &'static str,
+    pub values: &'static str,
+    pub default: &'static str,
+    pub what: &'static str,
+}
 
-/// Every mode, in the order `--cuda-opt help` prints them.
-pub const CUDA_MODES: &[CudaMode] = &[
-    CudaMode {
+/// The settings that are flags of their own, in the order `--cuda-opt help` prints them.
+pub const CUDA_FLAGS: &[CudaFlag] = &[
+    CudaFlag {
         key: "activations",
+        flag: "--activations",
         var: "GATESTREAM_CUDA_ACTIVATIONS",
         values: "auto, f32, q8, int8",
         default: "auto",
         what: "what quantized products multiply: auto = int8 for Q4_K/Q6_K, f32 for the rest",
     },
-    CudaMode {
+    CudaFlag {
         key: "map-host",
+        flag: "--map-host",
         var: "GATESTREAM_CUDA_MAP_HOST",
-        values: "1, 0",
-        default: "1",
+        values: "on, off",
+        default: "on",
         what: "--vram-budget's neuron cache mapped: masked decode reads kept rows in place",
     },
+];
+
+/// The variable holding several modes at once.
+pub const CUDA_OPTS_ENV: &str = "GATESTREAM_CUDA_OPTS";
+
+/// Every mode, in the order `--cuda-opt help` prints them.
+pub const CUDA_MODES: &[CudaMode] = &[
     CudaMode {
         key: "graphs",
         var: "GATESTREAM_CUDA_GRAPHS",
@@ -108,13 +128,6 @@ pub const CUDA_MODES: &[CudaMode] = &[
         what: "warps per row of one-token integer products",
     },
     CudaMode {
-        key: "pdl",
-        var: "GATESTREAM_CUDA_PDL",
-        values: "1, 0",
-        default: "0",
-        what: "programmatic dependent launches (0.99x on an H200)",
-    },
-    CudaMode {
         key: "mmq-prefetch",
         var: "GATESTREAM_CUDA_MMQ_PREFETCH",
         values: "1, 0",
@@ -140,6 +153,28 @@ pub fn help() -> String {
     for m in CUDA_MODES {
         s += &format!("{:kw$}  {:vw$}  {:dw$}  {}\n", m.key, m.values, m.default, m.what);
     }
+    let fw = CUDA_FLAGS
+        .iter()
+        .map(|f| f.flag.len())
+        .max()
+        .unwrap_or(0)
+        .max("flag".len());
+    let vw = CUDA_FLAGS
+        .iter()
+        .map(|f| f.values.len())
+        .max()
+        .unwrap_or(0)
+        .max("values".len());
+    s += &format!(
+        "\nFlags of their own (not --cuda-opt keys; each over its variable):\n\n{:fw$}  {:vw$}  {:dw$}  what\n",
+        "flag", "values", "default"
+    );
+    for f in CUDA_FLAGS {
+        s += &format!(
+            "{:fw$}  {:vw$}  {:dw$}  {} ({})\n",
+            f.flag, f.values, f.default, f.what, f.var
+        );
+    }
     s
 }
 
@@ -157,6 +192,17 @@ pub fn parse(items: &[String], from: &str) -> Result<Vec<(&'static str, String)>
                     keys()
                 ))
             })?;
+            if let Some(f) = CUDA_FLAGS.iter().find(|f| f.key == k.trim()) {
+                return Err(Error::Input(format!(
+                    "{from} {item:?}: {} is not a --cuda-opt mode but a flag of its own: {} {} (values: {}; or {}={})",
+                    f.key,
+                    f.flag,
+                    flag_value(f, v.trim()),
+                    f.values,
+                    f.var,
+                    v.trim()
+                )));
+            }
             let mode = CUDA_MODES.iter().find(|m| m.key == k.trim()).ok_or_else(|| {
                 Error::Input(format!(
                     "{from} {item:?}: no CUDA mode {:?} (keys: {}; `--cuda-opt help` lists their values)",
@@ -169,10 +215,27 @@ pub fn parse(items: &[String], from: &str) -> Result<Vec<(&'static str, String)>
         .collect()
 }
 
-/// The variables the CUDA device reads, with `cli` (`--cuda-opt` items) and
-/// `GATESTREAM_CUDA_OPTS` (read through `env`) over the modes' own variables.
+/// What to give flag `f` for `value` (a `--cuda-opt` item's): the value as such where the flag
+/// takes it (a switch's `1` and `0` as `on` and `off`), else the flag's values.
+fn flag_value(f: &CudaFlag, value: &str) -> String {
+    let value = match (f.values, value) {
+        ("on, off", "1") => "on",
+        ("on, off", "0") => "off",
+        _ => value,
+    };
+    if f.values.split(", ").any(|v| v == value) {
+        value.to_string()
+    } else {
+        format!("<{}>", f.values.replace(", ", "|"))
+    }
+}
+
+/// The variables the CUDA device reads, with `flags` (the [`CUDA_FLAGS`] given: key and value)
+/// over `cli` (`--cuda-opt` items) over `GATESTREAM_CUDA_OPTS` (read through `env`) over the
+/// modes' own variables.
 pub fn with_opts<'a>(
     cli: &[String],
+    flags: &[(&str, String)],
     env: &'a dyn Fn(&str) -> Option<String>,
 ) -> Result<impl Fn(&str) -> Option<String> + 'a> {
     let from_env: Vec<String> = env(CUDA_OPTS_ENV)
@@ -187,6 +250,13 @@ pub fn with_opts<'a>(
     let mut set = parse(&from_env, CUDA_OPTS_ENV)?;
     // (Later entries win: --cuda-opt after the variable's.)
     set.extend(parse(cli, "--cuda-opt")?);
+    for (key, value) in flags {
+        let f = CUDA_FLAGS
+            .iter()
+            .find(|f| f.key == *key)
+            .ok_or_else(|| Error::Input(format!("no CUDA flag {key:?}")))?;
+        set.push((f.var, value.clone()));
+    }
     Ok(move |name: &str| {
         set.iter()
             .rev()
@@ -209,22 +279,65 @@ mod tests {
             _ => None,
         };
         let cli = vec!["graphs=1".to_string(), "int8-tokens=4".to_string()];
-        let var = with_opts(&cli, &env).unwrap();
+        let var = with_opts(&cli, &[], &env).unwrap();
         assert_eq!(var("GATESTREAM_CUDA_FUSE").as_deref(), Some("1"));
         assert_eq!(var("GATESTREAM_CUDA_GRAPHS").as_deref(), Some("1"));
         assert_eq!(var("GATESTREAM_CUDA_INT8_TOKENS").as_deref(), Some("4"));
         assert_eq!(var("GATESTREAM_CUDA_MMA").as_deref(), Some("0"));
-        assert_eq!(var("GATESTREAM_CUDA_PDL"), None);
-        let e = with_opts(&["fusion=1".to_string()], &env).err().unwrap().to_string();
+        assert_eq!(var("GATESTREAM_CUDA_ATTN_SPLIT"), None);
+        let e = with_opts(&["fusion=1".to_string()], &[], &env)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("--cuda-opt") && e.contains("\"fusion\"") && e.contains("fuse"),
             "{e}"
         );
-        let e = with_opts(&["fuse".to_string()], &env).err().unwrap().to_string();
+        let e = with_opts(&["fuse".to_string()], &[], &env).err().unwrap().to_string();
         assert!(e.contains("KEY=VALUE"), "{e}");
         let bad = |n: &str| (n == CUDA_OPTS_ENV).then(|| "mma=1,x=2".to_string());
-        let e = with_opts(&[], &bad).err().unwrap().to_string();
+        let e = with_opts(&[], &[], &bad).err().unwrap().to_string();
         assert!(e.contains(CUDA_OPTS_ENV) && e.contains("\"x\""), "{e}");
+    }
+
+    /// `--activations` and `--map-host` win over their variables; unset, the variables still
+    /// count; as `--cuda-opt` keys (or in `GATESTREAM_CUDA_OPTS`) they are refused naming the flag.
+    #[test]
+    fn flags_win_over_their_variables_and_are_no_cuda_opt_keys() {
+        let env = |name: &str| match name {
+            "GATESTREAM_CUDA_ACTIVATIONS" => Some("q8".to_string()),
+            "GATESTREAM_CUDA_MAP_HOST" => Some("0".to_string()),
+            _ => None,
+        };
+        let var = with_opts(&[], &[], &env).unwrap();
+        assert_eq!(var("GATESTREAM_CUDA_ACTIVATIONS").as_deref(), Some("q8"));
+        assert_eq!(var("GATESTREAM_CUDA_MAP_HOST").as_deref(), Some("0"));
+        let flags = [("activations", "int8".to_string()), ("map-host", "on".to_string())];
+        let var = with_opts(&[], &flags, &env).unwrap();
+        assert_eq!(var("GATESTREAM_CUDA_ACTIVATIONS").as_deref(), Some("int8"));
+        assert_eq!(var("GATESTREAM_CUDA_MAP_HOST").as_deref(), Some("on"));
+        for (item, flag) in [
+            ("activations=int8", "--activations int8"),
+            ("map-host=0", "--map-host off"),
+            ("activations=i8", "--activations <auto|f32|q8|int8>"),
+        ] {
+            let e = with_opts(&[item.to_string()], &[], &env).err().unwrap().to_string();
+            assert!(
+                e.contains("--cuda-opt") && e.contains(flag) && e.contains("flag of its own"),
+                "{e}"
+            );
+        }
+        let opts = |n: &str| (n == CUDA_OPTS_ENV).then(|| "graphs=1,activations=f32".to_string());
+        let e = with_opts(&[], &[], &opts).err().unwrap().to_string();
+        assert!(
+            e.contains(CUDA_OPTS_ENV)
+                && e.contains("--activations f32")
+                && e.contains("GATESTREAM_CUDA_ACTIVATIONS=f32"),
+            "{e}"
+        );
+        assert!(CUDA_FLAGS
+            .iter()
+            .all(|f| CUDA_MODES.iter().all(|m| m.key != f.key && m.var != f.var)));
     }
 
     #[test]
@@ -237,6 +350,14 @@ mod tests {
                 m.key
             );
         }
+        for f in CUDA_FLAGS {
+            assert!(
+                h.lines()
+                    .any(|l| l.starts_with(f.flag) && l.contains(f.values) && l.contains(f.default)),
+                "{}",
+                f.flag
+            );
+        }
     }
 
     /// The table names the variables the device reads, and its defaults are the device's.
@@ -245,8 +366,6 @@ mod tests {
     fn the_table_matches_the_device_s_variables_and_defaults() {
         use crate::backend::cuda::*;
         let vars = [
-            ACTIVATIONS_ENV,
-            MAP_HOST_ENV,
             GRAPHS_ENV,
             GRAPH_SPLIT_ENV,
             MMA_ENV,
@@ -257,18 +376,25 @@ mod tests {
             FUSE_ENV,
             MATVEC_ROWS_ENV,
             I8_WPR_ENV,
-            PDL_ENV,
             MMQ_PREFETCH_ENV,
         ];
         assert_eq!(vars.len(), CUDA_MODES.len());
         for (m, v) in CUDA_MODES.iter().zip(vars) {
             assert_eq!(m.var, v, "{}", m.key);
         }
+        let flag_vars = [ACTIVATIONS_ENV, MAP_HOST_ENV];
+        assert_eq!(flag_vars.len(), CUDA_FLAGS.len());
+        for (f, v) in CUDA_FLAGS.iter().zip(flag_vars) {
+            assert_eq!(f.var, v, "{}", f.flag);
+        }
         // Each default, given explicitly, opens the options the unset variables give.
         let unset = CudaOptions::from_vars(&|_| None).unwrap();
-        let explicit =
-            CudaOptions::from_vars(&|name| CUDA_MODES.iter().find(|m| m.var == name).map(|m| m.default.to_string()))
-                .unwrap();
+        let explicit = CudaOptions::from_vars(&|name| {
+            let mode = CUDA_MODES.iter().find(|m| m.var == name).map(|m| m.default);
+            mode.or_else(|| CUDA_FLAGS.iter().find(|f| f.var == name).map(|f| f.default))
+                .map(String::from)
+        })
+        .unwrap();
         assert_eq!(format!("{unset:?}"), format!("{explicit:?}"));
     }
 }

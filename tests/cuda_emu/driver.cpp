@@ -12,10 +12,7 @@
 //
 // Checks the real driver makes and this one makes too (errors, not crashes): copies and frees
 // must stay inside an allocation, a host range is registered once and unregistered once, an
-// event made without timing cannot be timed, a launch needs 1..1024 threads per block; a kernel
-// launched as a programmatic dependent (cuLaunchKernelEx, programmatic stream serialization:
-// GATESTREAM_CUDA_PDL) fails unless every thread of every block first waited for the kernel
-// before it (grid_dep in kernels/quant.cu), which the GPU would not check. While a
+// event made without timing cannot be timed, a launch needs 1..1024 threads per block. While a
 // thread captures a stream (thread-local mode), any other call from it but a launch or memset
 // on that stream is refused and spoils the capture, as is work another thread puts on the
 // capturing stream — stricter than the driver, which also captures copies and event records.
@@ -27,8 +24,7 @@
 //
 // Build: tests/cuda_emu/build.sh DIR (gives DIR/libcuda.so.1; point GATESTREAM_LIBCUDA at it).
 //
-// GSEMU_TRACE=1 prints each kernel as it runs (name, grid, block; "programmatic" for a
-// programmatic dependent) to stderr: a step's launches.
+// GSEMU_TRACE=1 prints each kernel as it runs (name, grid, block) to stderr: a step's launches.
 //
 // GSEMU_SKIP_KERNELS=1 skips every kernel (launches, captured or not, do nothing; copies and
 // memsets still run): what is left of a run's time is the host's own work — gatestream's and
@@ -136,7 +132,6 @@ static void* sched_sp = nullptr;
 static void (*kernel_invoke)(void* fn, void** params) = nullptr;
 static void* kernel_fn = nullptr;
 static void** kernel_params = nullptr;
-static bool need_dep = false;  // the kernel was launched as a programmatic dependent
 
 }  // namespace gsemu
 
@@ -310,7 +305,6 @@ static bool run_grid() {
             f.bar = 0;
             f.shfl = 0;
             f.wait = 0;
-            f.dep = false;
             // Tops staggered so that the threads' frames do not all fall in the same cache sets.
             f.sp = fresh_stack((char*)f.stack + STACK_BYTES + PAGE - (size_t)(i % 61) * 208, fiber_entry);
         }
@@ -336,14 +330,6 @@ static bool run_grid() {
             }
         }
         current = nullptr;
-        // A programmatic dependent may start before the kernel before it ends: each thread must
-        // wait for it (grid_dep) before touching memory.
-        for (int i = 0; i < n && need_dep; i++)
-            if (!fibers[i].dep) {
-                fail("launched as a programmatic dependent, but thread " + std::to_string(i) + " of " +
-                     where_block() + " never waited for the kernel before it (grid_dep)");
-                return false;
-            }
     }
     grids_run++;
     return launch_error.empty();
@@ -433,7 +419,6 @@ struct Module {
 // A recorded operation: a launch with its parameters copied, or a memset.
 struct Node {
     const Kernel* kernel;  // null: memset
-    bool programmatic;     // launched as a programmatic dependent (cuLaunchKernelEx)
     dim3 grid, block;
     SavedParams params;
     CUdeviceptr dst;
@@ -449,7 +434,6 @@ enum TaskKind { T_KERNEL, T_MEMSET, T_HTOD, T_DTOH, T_DTOD, T_FREE, T_RECORD, T_
 struct Task {
     TaskKind kind;
     const Kernel* kernel;
-    bool programmatic;
     dim3 grid, block;
     SavedParams params;
     CUdeviceptr dst, src;  // device addresses
@@ -722,7 +706,7 @@ API CUresult cuModuleGetFunction(CUfunction* f, CUmodule m, const char* name) {
 
 // Runs kernel k now (the lock held).
 static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                           unsigned bz, void** params, bool programmatic) {
+                           unsigned bz, void** params) {
     static const bool skip = [] {
         const char* v = std::getenv("GSEMU_SKIP_KERNELS");
         return v && std::strcmp(v, "1") == 0;
@@ -732,8 +716,7 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
         return v && std::strcmp(v, "1") == 0;
     }();
     if (trace)
-        std::fprintf(stderr, "cuda_emu: launch %s grid %u,%u,%u block %u,%u,%u%s\n", k->name, gx, gy, gz, bx, by, bz,
-                     programmatic ? " programmatic" : "");
+        std::fprintf(stderr, "cuda_emu: launch %s grid %u,%u,%u block %u,%u,%u\n", k->name, gx, gy, gz, bx, by, bz);
     if (skip) {
         // Greedy tokens and candidates still come back (token 0 for every row; ids 0 to k - 1,
         // values 0), so a greedy or sampled run goes on.
@@ -766,7 +749,6 @@ static CUresult run_kernel(const Kernel* k, unsigned gx, unsigned gy, unsigned g
     gsemu::kernel_invoke = k->invoke;
     gsemu::kernel_fn = k->fn;
     gsemu::kernel_params = params;
-    gsemu::need_dep = programmatic;
     gsemu::launch_error.clear();
     if (!gsemu::run_grid()) {
         std::fprintf(stderr, "cuda_emu: kernel %s (grid %u,%u,%u block %u,%u,%u): %s\n", k->name, gx, gy, gz, bx, by,
@@ -832,7 +814,7 @@ static void run_task(Task& t) {
     switch (t.kind) {
         case T_KERNEL:
             fail_async(run_kernel(t.kernel, t.grid.x, t.grid.y, t.grid.z, t.block.x, t.block.y, t.block.z,
-                                  t.params.ptrs.data(), t.programmatic));
+                                  t.params.ptrs.data()));
             break;
         case T_MEMSET:
             if (!device_range(t.dst, t.bytes)) return fail_async(CUDA_ERROR_LAUNCH_FAILED);  // freed since
@@ -917,7 +899,7 @@ static CUresult capture_target(CUstream s, Stream** into) {
 }
 
 static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                       unsigned shared, CUstream s, void** params, void** extra, bool programmatic) {
+                       unsigned shared, CUstream s, void** params, void** extra) {
     const Kernel* k = (const Kernel*)f;
     if (!k || extra) return CUDA_ERROR_INVALID_VALUE;
     unsigned long long threads = (unsigned long long)bx * by * bz;
@@ -927,12 +909,11 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
     if (CUresult r = capture_target(s, &into)) return r;
     if (into) {
         into->capture->nodes.push_back(
-            Node{k, programmatic, dim3{gx, gy, gz}, dim3{bx, by, bz}, k->save(params), 0, 0, 0});
+            Node{k, dim3{gx, gy, gz}, dim3{bx, by, bz}, k->save(params), 0, 0, 0});
         return CUDA_SUCCESS;
     }
     Task t = task(T_KERNEL);
     t.kernel = k;
-    t.programmatic = programmatic;
     t.grid = dim3{gx, gy, gz};
     t.block = dim3{bx, by, bz};
     t.params = k->save(params);
@@ -944,38 +925,7 @@ API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                             unsigned bz, unsigned shared, CUstream s, void** params, void** extra) {
     GUARD_IN_CAPTURE
     NEED_CTX
-    return launch(f, gx, gy, gz, bx, by, bz, shared, s, params, extra, false);
-}
-
-// cuLaunchKernelEx's configuration (cuda.h's layout): the one attribute taken is programmatic
-// stream serialization (id 6), whose value (an int) 1 launches the kernel as a programmatic
-// dependent of the kernel before it on the stream; any other attribute is refused.
-struct LaunchAttribute {
-    int id;
-    char pad[4];
-    union {
-        char bytes[64];
-        int programmatic;
-    } value;
-};
-struct LaunchConfig {
-    unsigned gx, gy, gz, bx, by, bz, shared;
-    CUstream stream;
-    LaunchAttribute* attrs;
-    unsigned n_attrs;
-};
-static_assert(sizeof(LaunchAttribute) == 72, "CUlaunchAttribute is 72 bytes");
-
-API CUresult cuLaunchKernelEx(const LaunchConfig* c, CUfunction f, void** params, void** extra) {
-    GUARD_IN_CAPTURE
-    NEED_CTX
-    if (!c || (c->n_attrs > 0 && !c->attrs)) return CUDA_ERROR_INVALID_VALUE;
-    bool programmatic = false;
-    for (unsigned i = 0; i < c->n_attrs; i++) {
-        if (c->attrs[i].id != 6) return CUDA_ERROR_INVALID_VALUE;
-        programmatic = c->attrs[i].value.programmatic != 0;
-    }
-    return launch(f, c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shared, c->stream, params, extra, programmatic);
+    return launch(f, gx, gy, gz, bx, by, bz, shared, s, params, extra);
 }
 
 API CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t n) {
@@ -1086,7 +1036,7 @@ API CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstrea
     Stream* into;
     if (CUresult r = capture_target(s, &into)) return r;
     if (into) {
-        into->capture->nodes.push_back(Node{nullptr, false, dim3{}, dim3{}, SavedParams{}, dst, v, n});
+        into->capture->nodes.push_back(Node{nullptr, dim3{}, dim3{}, SavedParams{}, dst, v, n});
         return CUDA_SUCCESS;
     }
     Task t = task(T_MEMSET);
@@ -1309,7 +1259,6 @@ API CUresult cuGraphLaunch(CUgraphExec exec, CUstream s) {
     for (const Node& n : ((Graph*)exec)->nodes) {
         Task t = task(n.kernel ? T_KERNEL : T_MEMSET);
         t.kernel = n.kernel;
-        t.programmatic = n.programmatic;
         t.grid = n.grid;
         t.block = n.block;
         t.params = n.params;  // shared: the values captured

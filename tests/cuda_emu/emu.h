@@ -44,7 +44,6 @@ struct Fiber {
     unsigned bar;              // block barriers entered
     unsigned shfl;             // warp exchanges entered
     int wait;                  // 0 running, 1 at barrier bar - 1, 2 at exchange shfl - 1
-    bool dep;                  // called grid_dep (see kernels/quant.cu)
 };
 
 extern Fiber* current;
@@ -53,11 +52,6 @@ extern dim3 grid_dim, block_dim, block_idx;
 // A block barrier from source line `line` (a block's threads must meet at the same one).
 void sync_threads(int line);
 unsigned shfl_xor(unsigned bits, int lane_mask);
-
-// A kernel's wait for the kernel before it (griddepcontrol; see grid_dep in kernels/quant.cu):
-// blocks run one kernel after another here, so only noted — a kernel launched as a programmatic
-// dependent whose threads never call it fails its launch (driver.cpp, run_grid).
-inline void grid_dep() { current->dep = true; }
 
 // __dp4a with signed operands: c plus the four products of a's and b's signed bytes.
 inline int dp4a(int a, int b, int c) {

@@ -76,12 +76,8 @@ pub struct CudaDevice {
     matvec_rows: std::sync::atomic::AtomicUsize,
     /// Warps per row of the integer products, 0 for by the row (see [`I8_WPR_ENV`]).
     i8_wpr: std::sync::atomic::AtomicUsize,
-    /// Whether kernels launch as programmatic dependents (see [`PDL_ENV`]).
-    pdl: std::sync::atomic::AtomicBool,
     /// Whether the integer tiles load the next super-block ahead (see [`MMQ_PREFETCH_ENV`]).
     mmq_prefetch: std::sync::atomic::AtomicBool,
-    /// Kernels launched as programmatic dependents so far.
-    pdl_launches: std::sync::atomic::AtomicU64,
     /// Weight copies from the host (see [`HostLink::link`]).
     link: Arc<Mutex<super::LinkCounters>>,
     /// Recorded launches and CUDA graphs (see [`GRAPHS_ENV`]).
@@ -143,7 +139,6 @@ impl CudaDevice {
             mma,
             int8_tokens,
             i8_wpr,
-            pdl,
             mmq_prefetch,
             mmq,
             attn_tiles,
@@ -242,9 +237,7 @@ impl CudaDevice {
             activations: std::sync::atomic::AtomicU8::new(activations as u8),
             matvec_rows: std::sync::atomic::AtomicUsize::new(matvec_rows),
             i8_wpr: std::sync::atomic::AtomicUsize::new(i8_wpr),
-            pdl: std::sync::atomic::AtomicBool::new(pdl),
             mmq_prefetch: std::sync::atomic::AtomicBool::new(mmq_prefetch),
-            pdl_launches: std::sync::atomic::AtomicU64::new(0),
             link,
             graphs: Mutex::new(graph::Graphs::default()),
             fuse: std::sync::atomic::AtomicBool::new(fuse),
@@ -497,21 +490,6 @@ impl CudaDevice {
         self.mmq_prefetch.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Sets whether kernels launched from now on are programmatic dependents (see [`PDL_ENV`]).
-    pub fn set_pdl(&self, on: bool) {
-        self.pdl.store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub fn pdl(&self) -> bool {
-        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Kernels launched as programmatic dependents so far (each launch of a graph's recording,
-    /// and its capture, counted once).
-    pub fn pdl_launches(&self) -> u64 {
-        self.pdl_launches.load(std::sync::atomic::Ordering::Relaxed)
-    }
-
     /// Sets the warps per row of the integer products launched from now on (see
     /// [`I8_WPR_ENV`]): 1, 2, 4 or 8, or 0 for by the row's length (the default).
     pub fn set_i8_wpr(&self, wpr: usize) -> Result<()> {
@@ -713,11 +691,6 @@ impl CudaDevice {
             self.fail(format!("CUDA: no kernel {name} for {ty:?}"));
             return;
         };
-        if self.pdl() {
-            let r = self.launch_programmatic(f, cfg, args);
-            self.check(name, r);
-            return;
-        }
         let mut b = self.stream.launch_builder(f);
         for a in args {
             match a {
@@ -731,52 +704,6 @@ impl CudaDevice {
         // is a live device buffer of the size it reads.
         let r = unsafe { b.launch(cfg) };
         self.check(name, r);
-    }
-
-    /// `f` launched as a programmatic dependent of the kernel before it on the stream (see
-    /// [`PDL_ENV`]): `cuLaunchKernelEx` with programmatic stream serialization allowed.
-    fn launch_programmatic(
-        &self,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        args: &[Arg],
-    ) -> std::result::Result<(), cudarc::driver::DriverError> {
-        self.stream.context().bind_to_thread()?;
-        // Each parameter's value where the driver reads it, and the array of their addresses.
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::U64(v) => v,
-                Arg::I32(v) => v as u32 as u64,
-                Arg::F32(v) => v.to_bits() as u64,
-            })
-            .collect();
-        let mut params: Vec<*mut std::ffi::c_void> = values
-            .iter_mut()
-            .map(|v| v as *mut u64 as *mut std::ffi::c_void)
-            .collect();
-        // SAFETY: zeroed is a valid attribute (id 0, "ignore") before it is set.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
-        let config = sys::CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        // SAFETY: as `launch_now`'s: each parameter is the value its kernel takes, the 4-byte
-        // ones (int, float) in the low bytes of their u64 (little-endian), read in place.
-        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()?;
-        self.pdl_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
     }
 
     /// `accumulate_rows` over `w`'s rows, then `tail`'s when given (joined: see
@@ -993,31 +920,6 @@ mod tests {
             });
             assert!(direct || by_macro || int8, "{name} is not in kernels/");
         }
-    }
-
-    /// Every kernel waits for the kernel before it (`grid_dep`) before anything else, so that
-    /// launched as a programmatic dependent ([`PDL_ENV`]) it never touches memory the kernel
-    /// before it still reads or writes.
-    #[test]
-    fn every_kernel_calls_grid_dep_first() {
-        let src = nvrtc::source();
-        let mut kernels = 0;
-        for (at, _) in src.match_indices("extern \"C\" __global__") {
-            let def = &src[at..];
-            let body = &def[def.find('{').expect("a kernel's body") + 1..];
-            let first = body.trim_start_matches(|c: char| c.is_whitespace() || c == '\\');
-            assert!(
-                first.starts_with("grid_dep();"),
-                "a kernel does not call grid_dep() first: {}",
-                &def[..def.len().min(120)]
-            );
-            kernels += 1;
-        }
-        assert!(kernels >= 40, "{kernels} kernel definitions found");
-        assert!(!pdl_asked(None).unwrap());
-        assert!(pdl_asked(Some(" on")).unwrap());
-        let e = pdl_asked(Some("2")).unwrap_err().to_string();
-        assert!(e.contains(PDL_ENV) && e.contains("0 or off"), "{e}");
     }
 
     /// Split attention's Q8_K blocks of its output: groups of heads that fill whole blocks.

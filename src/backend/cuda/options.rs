@@ -116,7 +116,7 @@ pub fn fuse_asked(value: Option<&str>) -> Result<bool> {
 /// CPU path (and llama.cpp) computes, to rounding; `int8` also multiplies them as integers
 /// (`dp4a`, llama.cpp's approach) in products of Q4_K and Q6_K rows with up to
 /// [`INT8_TOKENS_ENV`] tokens, and as integer tiles on the tensor cores past that ([`MMQ_ENV`]),
-/// the rest as `q8`.
+/// the rest as `q8`. The binary's `--activations` flag sets it (and wins over the variable).
 pub const ACTIVATIONS_ENV: &str = "GATESTREAM_CUDA_ACTIVATIONS";
 
 /// What the GPU's quantized products multiply the weights with (see [`ACTIVATIONS_ENV`]).
@@ -243,27 +243,6 @@ pub fn mmq_prefetch_asked(value: Option<&str>) -> Result<bool> {
     )
 }
 
-/// `GATESTREAM_CUDA_PDL`: `1` (or `on`) launches every kernel as a programmatic dependent of
-/// the kernel before it on the stream (`cuLaunchKernelEx` with programmatic stream
-/// serialization; in a CUDA graph, programmatic edges): on sm_90 and later a kernel's blocks may
-/// be scheduled while the kernel before it finishes, and wait (`grid_dep` in kernels/quant.cu,
-/// each kernel's first statement) until it has ended and its writes are seen — the gap between
-/// two launches of a decode step is then the wait, not a launch. The same bytes either way.
-/// `0` (`off`, the default while it has not been timed on a GPU): each kernel launched after
-/// the one before it ends.
-pub const PDL_ENV: &str = "GATESTREAM_CUDA_PDL";
-
-/// Whether [`PDL_ENV`] asks for programmatic dependent launches (`value`: the variable's value).
-pub fn pdl_asked(value: Option<&str>) -> Result<bool> {
-    switch_off_asked(
-        PDL_ENV,
-        value,
-        "each kernel launched after the one before it ends",
-        "programmatic dependent launches: a kernel's blocks scheduled while the one before it finishes, \
-         waiting for it first",
-    )
-}
-
 /// `GATESTREAM_CUDA_I8_WPR`: warps per weight row of the integer products (`matvec_i8*`), 1, 2, 4
 /// or 8 (of a block's 8) for every such product, instead of the default (`auto`:
 /// [`i8_warps_per_row`], the most, at most 8, that leave each warp's 4 lane groups 2 super-blocks
@@ -339,8 +318,6 @@ pub struct CudaOptions {
     pub int8_tokens: usize,
     /// Warps per row of the integer products, 0 for by the row ([`I8_WPR_ENV`]).
     pub i8_wpr: usize,
-    /// Whether kernels launch as programmatic dependents ([`PDL_ENV`]).
-    pub pdl: bool,
     /// Whether the integer tiles load the next super-block ahead ([`MMQ_PREFETCH_ENV`]).
     pub mmq_prefetch: bool,
     /// Whether wider batches of Q4_K and Q6_K rows run as integer tiles ([`MMQ_ENV`]).
@@ -376,7 +353,6 @@ impl CudaOptions {
             mma: mma_asked(var(MMA_ENV).as_deref())?,
             int8_tokens: int8_tokens_asked(var(INT8_TOKENS_ENV).as_deref())?,
             i8_wpr: i8_wpr_asked(var(I8_WPR_ENV).as_deref())?,
-            pdl: pdl_asked(var(PDL_ENV).as_deref())?,
             mmq_prefetch: mmq_prefetch_asked(var(MMQ_PREFETCH_ENV).as_deref())?,
             mmq: mmq_asked(var(MMQ_ENV).as_deref())?,
             attn_tiles: attn_tiles_asked(var(ATTN_TILES_ENV).as_deref())?,

@@ -472,7 +472,8 @@ pub(crate) fn copy_pinned(
 /// `GATESTREAM_CUDA_MAP_HOST`: `1` (or `on`, the default) maps the stream's neuron cache into
 /// the GPU's address space (`HostLink::map_host`), so a masked decode step's products read the kept
 /// rows in place across the link instead of having them gathered into staging and copied; `0`
-/// (`off`) only page-locks it (the rows are then staged, as from disk).
+/// (`off`) only page-locks it (the rows are then staged, as from disk). The binary's `--map-host`
+/// flag sets it (and wins over the variable).
 pub const MAP_HOST_ENV: &str = "GATESTREAM_CUDA_MAP_HOST";
 
 /// Whether [`MAP_HOST_ENV`] asks for mapping (`value`: the variable's value).

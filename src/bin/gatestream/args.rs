@@ -59,6 +59,72 @@ pub(crate) struct ModelArgs {
     /// (GATESTREAM_CUDA_<KEY>); `--cuda-opt help` prints every mode with its values and default.
     #[arg(help_heading = "Model and device", long = "cuda-opt", value_name = "KEY=VALUE")]
     pub(crate) cuda_opt: Vec<String>,
+    /// With --device cuda: what the GPU's quantized products multiply [default: auto]
+    ///
+    /// With --device cuda: what the GPU's quantized products multiply the weights with. auto (the
+    /// default): Q4_K and Q6_K weights with the CPU's 8-bit activation blocks, as integers; the
+    /// other types with the f32 activations. f32: the f32 activations, weights decoded to f32. q8:
+    /// the CPU's 8-bit activation blocks decoded to f32, so the GPU computes what the CPU path
+    /// (and llama.cpp) computes, to rounding. int8: those blocks multiplied as integers where a
+    /// kernel does (Q4_K, Q6_K), as q8 elsewhere. Over GATESTREAM_CUDA_ACTIVATIONS. [default: auto]
+    #[arg(
+        help_heading = "Model and device",
+        long,
+        value_enum,
+        value_name = "auto|f32|q8|int8",
+        hide_possible_values = true
+    )]
+    pub(crate) activations: Option<ActivationsArg>,
+    /// With --device cuda and --vram-budget: map the neuron cache for the GPU [default: on]
+    ///
+    /// With --device cuda and --vram-budget: on (the default) maps the neuron cache the host
+    /// keeps for the GPU, so masked decode steps read its kept rows in place, across the link;
+    /// off: only page-locked, the kept rows staged and copied. Over GATESTREAM_CUDA_MAP_HOST.
+    /// [default: on]
+    #[arg(
+        help_heading = "Model and device",
+        long,
+        value_enum,
+        value_name = "on|off",
+        hide_possible_values = true
+    )]
+    pub(crate) map_host: Option<MapHostArg>,
+}
+
+impl ModelArgs {
+    /// The CUDA settings given as flags of their own (`--activations`, `--map-host`), as
+    /// `gatestream::backend::modes::CUDA_FLAGS` keys and values.
+    pub(crate) fn cuda_flags(&self) -> Vec<(&'static str, String)> {
+        fn name(v: &impl clap::ValueEnum) -> String {
+            v.to_possible_value()
+                .map(|p| p.get_name().to_string())
+                .unwrap_or_default()
+        }
+        let mut flags = Vec::new();
+        if let Some(a) = &self.activations {
+            flags.push(("activations", name(a)));
+        }
+        if let Some(m) = &self.map_host {
+            flags.push(("map-host", name(m)));
+        }
+        flags
+    }
+}
+
+/// `--activations`: what the GPU's quantized products multiply.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ActivationsArg {
+    Auto,
+    F32,
+    Q8,
+    Int8,
+}
+
+/// `--map-host`: whether `--vram-budget`'s neuron cache is mapped for the GPU.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum MapHostArg {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -1046,7 +1112,7 @@ pub(crate) struct StreamArgs {
     /// copied while the rest is still being read. Without --ram-budget the whole model is held
     /// in host RAM (the FFN rows page-locked and mapped for the GPU) and streams from there:
     /// dense steps copy each layer's rows, sparse decode steps' products read only the kept rows,
-    /// in place, across the link (GATESTREAM_CUDA_MAP_HOST=0: staged and copied instead); with
+    /// in place, across the link (--map-host off: staged and copied instead); with
     /// it, from disk as --ram-budget plans. Refused, with the minimum, when too small, and for
     /// the CPU device. auto (or absent, with automatic host placement): the GPU holds every
     /// weight the host holds when they, the context and a reserve (a twentieth of its free

@@ -48,7 +48,7 @@ pub(crate) fn bench(c: BenchArgs) -> anyhow::Result<()> {
     let link = match device {
         DeviceArg::Cpu => None,
         kind => {
-            let dev = open_named_device(kind, 0, &[])?;
+            let dev = open_named_device(kind, 0, &[], &[])?;
             let sizes: Vec<usize> = if quick {
                 vec![64 << 10, 1 << 20, 16 << 20]
             } else {

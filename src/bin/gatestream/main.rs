@@ -444,12 +444,18 @@ fn default_model() -> anyhow::Result<PathBuf> {
 
 /// The device `--device` names (a notice on stderr when `auto` falls back to the CPU).
 fn device_of(args: &ModelArgs) -> anyhow::Result<Arc<dyn Device>> {
-    open_named_device(args.device, args.threads, &args.cuda_opt)
+    open_named_device(args.device, args.threads, &args.cuda_opt, &args.cuda_flags())
 }
 
-/// Opens the device `arg` names with `threads` CPU threads and the CUDA modes `cuda_opt`
-/// (`--cuda-opt`), printing `auto`'s fallback notice.
-fn open_named_device(arg: DeviceArg, threads: usize, cuda_opt: &[String]) -> anyhow::Result<Arc<dyn Device>> {
+/// Opens the device `arg` names with `threads` CPU threads, the CUDA modes `cuda_opt`
+/// (`--cuda-opt`) and the CUDA settings given as flags (`cuda_flags`: `--activations`,
+/// `--map-host`), printing `auto`'s fallback notice.
+fn open_named_device(
+    arg: DeviceArg,
+    threads: usize,
+    cuda_opt: &[String],
+    cuda_flags: &[(&str, String)],
+) -> anyhow::Result<Arc<dyn Device>> {
     let kind = match arg {
         DeviceArg::Cpu => gatestream::backend::DeviceKind::Cpu,
         DeviceArg::Cuda => gatestream::backend::DeviceKind::Cuda,
@@ -458,9 +464,9 @@ fn open_named_device(arg: DeviceArg, threads: usize, cuda_opt: &[String]) -> any
         DeviceArg::HostStandin => gatestream::backend::DeviceKind::HostStandIn,
     };
     // The CUDA device's settings: where its libraries are, from the environment; its modes from
-    // --cuda-opt, GATESTREAM_CUDA_OPTS and their own variables.
+    // --activations and --map-host, --cuda-opt, GATESTREAM_CUDA_OPTS and their own variables.
     let env = |name: &str| std::env::var(name).ok();
-    let var = gatestream::backend::modes::with_opts(cuda_opt, &env)?;
+    let var = gatestream::backend::modes::with_opts(cuda_opt, cuda_flags, &env)?;
     let (device, notice) = gatestream::backend::open_device(kind, threads, &var)?;
     if let Some(n) = notice {
         eprintln!("{n}");
@@ -584,6 +590,11 @@ fn main() -> ExitCode {
     if cli.command.cuda_opts().iter().any(|o| o == "help") {
         print!("{}", gatestream::backend::modes::help());
         return ExitCode::SUCCESS;
+    }
+    // A bad --cuda-opt is refused before any model is read.
+    if let Err(e) = gatestream::backend::modes::parse(cli.command.cuda_opts(), "--cuda-opt") {
+        eprintln!("error: {e}");
+        return ExitCode::FAILURE;
     }
     if !cli.command.streams() && !placement_streams(&cli.command) {
         tune_allocator();
