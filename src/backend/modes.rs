@@ -138,12 +138,10 @@ pub const CUDA_MODES: &[CudaMode] = &[
 
 /// The table `--cuda-opt help` prints.
 pub fn help() -> String {
-    let w =
-        |f: fn(&CudaMode) -> &str, head: &str| CUDA_MODES.iter().map(|m| f(m).len()).max().unwrap_or(0).max(head.len());
     let (kw, vw, dw) = (
-        w(|m| m.key, "mode"),
-        w(|m| m.values, "values"),
-        w(|m| m.default, "default"),
+        width(CUDA_MODES, |m| m.key, "mode"),
+        width(CUDA_MODES, |m| m.values, "values"),
+        width(CUDA_MODES, |m| m.default, "default"),
     );
     let mut s = format!(
         "CUDA device modes: --cuda-opt KEY=VALUE (repeatable), or {CUDA_OPTS_ENV}=KEY=VALUE,KEY=VALUE\n\n\
@@ -153,18 +151,10 @@ pub fn help() -> String {
     for m in CUDA_MODES {
         s += &format!("{:kw$}  {:vw$}  {:dw$}  {}\n", m.key, m.values, m.default, m.what);
     }
-    let fw = CUDA_FLAGS
-        .iter()
-        .map(|f| f.flag.len())
-        .max()
-        .unwrap_or(0)
-        .max("flag".len());
-    let vw = CUDA_FLAGS
-        .iter()
-        .map(|f| f.values.len())
-        .max()
-        .unwrap_or(0)
-        .max("values".len());
+    let (fw, vw) = (
+        width(CUDA_FLAGS, |f| f.flag, "flag"),
+        width(CUDA_FLAGS, |f| f.values, "values"),
+    );
     s += &format!(
         "\nFlags of their own (not --cuda-opt keys; each over its variable):\n\n{:fw$}  {:vw$}  {:dw$}  what\n",
         "flag", "values", "default"
@@ -213,6 +203,11 @@ pub fn parse(items: &[String], from: &str) -> Result<Vec<(&'static str, String)>
             Ok((mode.var, v.trim().to_string()))
         })
         .collect()
+}
+
+/// The width of a help table's column: its longest `field` in `rows`, or its `head`.
+fn width<T>(rows: &[T], field: fn(&T) -> &str, head: &str) -> usize {
+    rows.iter().map(|r| field(r).len()).max().unwrap_or(0).max(head.len())
 }
 
 /// What to give flag `f` for `value` (a `--cuda-opt` item's): the value as such where the flag
