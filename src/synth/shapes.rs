@@ -517,23 +517,13 @@ impl Shape {
         };
         Ok(Shape {
             name: name.into(),
-            arch,
-            hidden,
-            ffn,
-            layers,
-            heads,
-            kv_heads,
-            head_dim,
             vocab,
             context_len,
             rope_theta,
             rms_eps,
             tied,
             experts,
-            rope_factors: None,
-            mla: None,
-            rope_dim: None,
-            routing: None,
+            ..Shape::custom(arch, hidden, ffn, layers, heads, kv_heads, head_dim)
         })
     }
 
