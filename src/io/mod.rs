@@ -226,8 +226,13 @@ pub fn lay_pieces_in_phase(v: &mut Vec<u8>, pieces: &[Range]) -> Vec<usize> {
         advise_huge_pages(spare);
     }
     let (starts, end) = in_phase_starts(v.as_ptr() as usize, pieces, &[]);
-    v.clear();
-    v.resize(end, 0);
+    // A reused buffer keeps its old bytes (the reads overwrite every piece; the gaps between
+    // pieces are never read): zeroing it again would cost a pass over memory each expert.
+    if v.len() < end {
+        v.resize(end, 0);
+    } else {
+        v.truncate(end);
+    }
     starts
 }
 
