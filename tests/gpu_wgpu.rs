@@ -370,7 +370,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 17] = [
+    let checks: [(&str, Check); 18] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -439,6 +439,11 @@ fn main() {
                 &wiki_text(200_000)?,
                 (256, ppl.1.max(2)),
             )
+        }),
+        ("stories260k_gpu_budget", |d| {
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            let gst = device_checks::budget::stories_gst(dir.path())?;
+            device_checks::budget::gpu_budget_against_whole(d.clone(), &gst, 0.5, 1e-4)
         }),
         ("smollm2_run_streamed", smollm2_run_streamed),
         ("smollm2_wgpu_vs_cpu", |d| {

@@ -3,6 +3,8 @@
 //! line saying what it compared and the worst difference, or why it failed.
 #![allow(dead_code)]
 
+pub mod budget;
+
 use std::sync::Arc;
 
 use gatestream::backend::cpu::CpuBackend;

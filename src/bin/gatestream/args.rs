@@ -1097,9 +1097,10 @@ pub(crate) struct StreamArgs {
     /// over a token's reads: `expected: …`, `placement.expected`). off: in RAM.
     #[arg(help_heading = "Streaming and GPU", long, value_parser = ram_budget_arg)]
     pub(crate) ram_budget: Option<RamBudget>,
-    /// With --device cuda: the GPU memory the model may use (auto: what fits its free memory).
+    /// With --device cuda or wgpu: the GPU memory the model may use (auto, on CUDA: what fits
+    /// its free memory).
     ///
-    /// With --device cuda: the GPU memory the model may use, as --ram-budget's sizes (40% is a
+    /// With --device cuda or wgpu: the GPU memory the model may use, as --ram-budget's sizes (40% is a
     /// share of the file). Required on the GPU: norms, the KV cache and one batch's
     /// activations, room for one layer's weights copied for one use; then, while the budget
     /// lasts, the output matrix, attention and gate matrices (only those the host keeps
@@ -1117,7 +1118,8 @@ pub(crate) struct StreamArgs {
     /// the CPU device. auto (or absent, with automatic host placement): the GPU holds every
     /// weight the host holds when they, the context and a reserve (a twentieth of its free
     /// memory, 256 MiB to 2 GiB) fit in its free memory, else a budget of its free memory less
-    /// the reserve; the choice is printed and in --json (`placement.gpu`).
+    /// the reserve; the choice is printed and in --json (`placement.gpu`). wgpu tells no free
+    /// memory: there auto holds the whole model on the device.
     #[arg(help_heading = "Streaming and GPU", long, value_parser = vram_budget_arg)]
     pub(crate) vram_budget: Option<VramBudget>,
     /// Where what the GPU does not keep computes.
