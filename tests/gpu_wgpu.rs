@@ -370,7 +370,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 18] = [
+    let checks: [(&str, Check); 20] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -423,6 +423,18 @@ fn main() {
         }),
         ("kernels_rope_attention", |d| {
             device_checks::rope_attention_against_cpu(d.as_ref(), 1e-4)
+        }),
+        ("kernels_attention_split", |d| {
+            // Spans past 64 positions split over workgroups, then joined: the same bar.
+            d.set_attention_chunk(Some(64));
+            let r = device_checks::rope_attention_against_cpu(d.as_ref(), 1e-4).and_then(|a| {
+                device_checks::long::long_attention_against_cpu(d.as_ref(), 300, 64, 1e-4).map(|b| format!("{a}\n{b}"))
+            });
+            d.set_attention_chunk(None);
+            r.map(|m| format!("  (split every 64 positions)\n{m}"))
+        }),
+        ("attention_long_context", |d| {
+            device_checks::long::long_attention_against_cpu(d.as_ref(), 7000, 128, 1e-4)
         }),
         ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
         ("kernels_split_weights", split_weights),

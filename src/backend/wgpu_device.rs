@@ -145,6 +145,17 @@ fn matmul_thread_loops(cols: usize, tokens: usize) -> usize {
     (cols + 64) * (tokens.min(TILE) + 2)
 }
 
+/// Positions one attention workgroup takes: a (token, head) whose span is longer is split over
+/// several (`attention_part`, then `attention_join`). A decoding token's heads alone are too few
+/// workgroups to fill a GPU over a long context, and a software adapter's thread loops over
+/// 1024 positions within its budget (heads of 256: 11776 iterations).
+const ATTENTION_CHUNK: usize = 1024;
+
+/// Loop iterations of one `attention_join` invocation over `splits` partials (an upper bound).
+fn join_loops(splits: usize) -> usize {
+    splits * 8 + 16
+}
+
 /// Loop iterations of one `attention` invocation over `positions` cached positions: per tile of
 /// 64 positions, the query's dot product with a key, the tile's maximum and the value sums (an
 /// upper bound).
@@ -174,6 +185,9 @@ pub struct WgpuDevice {
     row_per_thread: std::sync::atomic::AtomicBool,
     /// Bound where a kernel's buffer is unused this launch (no ids, no norm, no sinks).
     empty: wgpu::Buffer,
+    /// Positions one attention workgroup takes ([`ATTENTION_CHUNK`], or fewer for tests:
+    /// [`WgpuDevice::set_attention_chunk`]).
+    attention_chunk: std::sync::atomic::AtomicUsize,
 }
 
 /// Whether an adapter can run at all, and the reason when not: the adapters wgpu found here.
@@ -244,6 +258,7 @@ impl WgpuDevice {
             ),
             row_per_thread: std::sync::atomic::AtomicBool::new(info.device_type == wgpu::DeviceType::Cpu),
             empty,
+            attention_chunk: std::sync::atomic::AtomicUsize::new(ATTENTION_CHUNK),
         })
     }
 
@@ -271,6 +286,13 @@ impl WgpuDevice {
             .min(u32::MAX as u64);
         let v = bytes.map_or(adapter, |b| b.min(adapter));
         self.max_binding.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Splits attention spans longer than `positions` over several workgroups
+    /// ([`ATTENTION_CHUNK`] when `None`): lets the suite check split attention on short ones.
+    pub fn set_attention_chunk(&self, positions: Option<usize>) {
+        let v = positions.map_or(ATTENTION_CHUNK, |n| n.clamp(1, ATTENTION_CHUNK));
+        self.attention_chunk.store(v, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn row_per_thread(&self) -> bool {
@@ -1302,14 +1324,14 @@ impl Device for WgpuDevice {
             ));
             return self.act(q.rows, q.width, out);
         }
+        let chunk = self.attention_chunk.load(std::sync::atomic::Ordering::Relaxed);
+        let span = |p: usize| shape.window.map_or(p + 1, |w| (p + 1).min(w));
         // A software adapter ends a thread's loops past its budget (see [`LOOP_BUDGET`]): a
-        // context longer than one invocation's loops reach is refused, not cut short.
-        let longest = positions
-            .iter()
-            .map(|&p| shape.window.map_or(p + 1, |w| (p + 1).min(w)))
-            .max()
-            .unwrap_or(0);
-        if self.software() && attention_loops(hd, longest) > LOOP_BUDGET {
+        // span a join would loop over past it is refused, not cut short (millions of positions).
+        let longest = positions.iter().map(|&p| span(p)).max().unwrap_or(0);
+        if self.software()
+            && (attention_loops(hd, chunk) > LOOP_BUDGET || join_loops(longest.div_ceil(chunk)) > LOOP_BUDGET)
+        {
             self.fail(format!(
                 "wgpu: attention over {longest} positions with heads of {hd} is past what one thread of the software \
                  adapter {} loops over (lavapipe ends a thread's loops after 65535 iterations); run with --device cpu \
@@ -1319,6 +1341,7 @@ impl Device for WgpuDevice {
             return self.act(q.rows, q.width, out);
         }
         let sinks = shape.sinks.map(|s| self.f32_buffer("sinks", s));
+        let sinks = sinks.as_ref().unwrap_or(&self.empty);
         let mut seqs: Vec<usize> = seq_of_token.to_vec();
         seqs.sort_unstable();
         seqs.dedup();
@@ -1335,38 +1358,47 @@ impl Device for WgpuDevice {
                 return self.act(q.rows, q.width, out);
             };
             let tokens = at.len() / 2;
+            let splits = at
+                .chunks_exact(2)
+                .map(|t| span(t[1] as usize).div_ceil(chunk))
+                .max()
+                .unwrap_or(1);
             let at_buf = self.u32_buffer("token positions", &at);
+            let params = |groups_x: u32| {
+                [
+                    tokens as u32,
+                    shape.n_heads as u32,
+                    (shape.n_heads / shape.n_kv_heads) as u32,
+                    hd as u32,
+                    (shape.n_kv_heads * hd) as u32,
+                    q.width as u32,
+                    shape.window.unwrap_or(0) as u32,
+                    shape.sinks.is_some() as u32,
+                    groups_x,
+                    shape.scale.to_bits(),
+                    chunk as u32,
+                    splits as u32,
+                ]
+            };
+            let (k, v) = (&kv.k[shape.layer], &kv.v[shape.layer]);
             let grid = Self::grid(tokens * shape.n_heads);
+            if splits <= 1 {
+                let binds = [(0, buf(q)), (1, k), (2, v), (3, &at_buf), (4, sinks), (6, &out)];
+                self.launch(Module::Attention, "attention", &binds, (5, &params(grid.0)), grid);
+                continue;
+            }
+            let part = self.zeroed(tokens * shape.n_heads * splits * (hd + 2));
+            let part_grid = Self::grid(tokens * shape.n_heads * splits);
+            let binds = [(0, buf(q)), (1, k), (2, v), (3, &at_buf), (4, sinks), (7, &part)];
             self.launch(
                 Module::Attention,
-                "attention",
-                &[
-                    (0, buf(q)),
-                    (1, &kv.k[shape.layer]),
-                    (2, &kv.v[shape.layer]),
-                    (3, &at_buf),
-                    (4, sinks.as_ref().unwrap_or(&self.empty)),
-                    (6, &out),
-                ],
-                (
-                    5,
-                    &[
-                        tokens as u32,
-                        shape.n_heads as u32,
-                        (shape.n_heads / shape.n_kv_heads) as u32,
-                        hd as u32,
-                        (shape.n_kv_heads * hd) as u32,
-                        q.width as u32,
-                        shape.window.unwrap_or(0) as u32,
-                        shape.sinks.is_some() as u32,
-                        grid.0,
-                        shape.scale.to_bits(),
-                        0,
-                        0,
-                    ],
-                ),
-                grid,
+                "attention_part",
+                &binds,
+                (5, &params(part_grid.0)),
+                part_grid,
             );
+            let binds = [(3, &at_buf), (4, sinks), (6, &out), (7, &part)];
+            self.launch(Module::Attention, "attention_join", &binds, (5, &params(grid.0)), grid);
         }
         self.act(q.rows, q.width, out)
     }

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod budget;
+pub mod long;
 
 use std::sync::Arc;
 
@@ -80,7 +81,7 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     max_abs_diff(a.iter().copied(), b.iter().copied()) / scale
 }
 
-fn err_of(dev: &dyn Device) -> Result<(), String> {
+pub fn err_of(dev: &dyn Device) -> Result<(), String> {
     match dev.take_error() {
         Some(e) => Err(e.to_string()),
         None => Ok(()),
@@ -477,7 +478,7 @@ pub fn rope_attention_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, 
 }
 
 /// A cache of `layers` layers of `kv_dim` for `capacity` positions.
-fn kv_cache(layers: usize, kv_dim: usize, capacity: usize) -> KvCache {
+pub fn kv_cache(layers: usize, kv_dim: usize, capacity: usize) -> KvCache {
     use std::sync::OnceLock;
     static BASE: OnceLock<gatestream::config::ModelConfig> = OnceLock::new();
     let mut cfg = BASE

@@ -1,0 +1,70 @@
+//! Attention over a long context: one query token at the end of a cache of many positions
+//! (written in one batch), with and without a window and sinks, against the CPU device. One body
+//! for any device.
+
+use gatestream::backend::cpu::CpuBackend;
+use gatestream::backend::{AttnShape, Device};
+use gatestream::kv::KvCache;
+
+use super::{err_of, kv_cache, rel_err, Rng};
+
+/// `positions` cached positions of heads of `hd` (8 query heads over 2 key heads), then the last
+/// position's query: its attention over all of them, over a window of a third of them, and with
+/// sinks, on `dev` and on the CPU device. Passes within `tol` of the largest value.
+pub fn long_attention_against_cpu(dev: &dyn Device, positions: usize, hd: usize, tol: f64) -> Result<String, String> {
+    let cpu = CpuBackend::new(1);
+    let (n_heads, n_kv) = (8, 2);
+    let (qd, kvd) = (n_heads * hd, n_kv * hd);
+    let mut rng = Rng(29);
+    let sinks = rng.values(n_heads);
+    let seed = rng.next();
+    let mut worst = 0f64;
+    let mut failed = Vec::new();
+    for (window, use_sinks) in [(None, false), (Some(positions / 3), false), (None, true)] {
+        if use_sinks && !dev.attention_sinks() {
+            continue;
+        }
+        let run = |d: &dyn Device| -> Vec<f32> {
+            let mut rng = Rng(seed);
+            let mut caches: Vec<KvCache> = vec![kv_cache(1, kvd, positions)];
+            let all: Vec<usize> = (0..positions).collect();
+            let k = d.upload(positions, kvd, rng.values(positions * kvd));
+            let v = d.upload(positions, kvd, rng.values(positions * kvd));
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            d.kv_write(0, &k, &v, &all, &vec![0; positions], &mut refs);
+            let q = d.upload(1, qd, rng.values(qd));
+            let a = d.attention(
+                &q,
+                &[positions - 1],
+                &[0],
+                &refs,
+                AttnShape {
+                    layer: 0,
+                    n_heads,
+                    n_kv_heads: n_kv,
+                    head_dim: hd,
+                    scale: 1.0 / (hd as f32).sqrt(),
+                    window,
+                    sinks: use_sinks.then_some(&sinks[..]),
+                },
+            );
+            d.to_host(&a).into_owned()
+        };
+        let got = run(dev);
+        err_of(dev)?;
+        let want = run(&cpu);
+        let e = rel_err(&got, &want);
+        worst = worst.max(e);
+        if e > tol {
+            failed.push(format!("window={window:?} sinks={use_sinks}: {e:.2e}"));
+        }
+    }
+    let msg = format!(
+        "  attention of the last of {positions} positions (heads of {hd}, 8 over 2; whole, a window of a third, \
+         sinks): worst |diff| / max against the CPU {worst:.2e} (bar {tol:.0e})"
+    );
+    match failed.is_empty() {
+        true => Ok(msg),
+        false => Err(format!("{msg}\n  FAILED: {}", failed.join("; "))),
+    }
+}
