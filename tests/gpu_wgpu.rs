@@ -370,7 +370,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 20] = [
+    let checks: [(&str, Check); 21] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -437,6 +437,9 @@ fn main() {
             device_checks::long::long_attention_against_cpu(d.as_ref(), 7000, 128, 1e-4)
         }),
         ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
+        ("kernels_top_k", |d| {
+            device_checks::long::top_k_against_cpu(d.as_ref(), 1e-5)
+        }),
         ("kernels_split_weights", split_weights),
         ("kernels_agree", kernels_agree),
         ("refused_types", refused_types),

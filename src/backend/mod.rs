@@ -196,7 +196,14 @@ fn host_argmax_rows(values: &[f32], rows: usize, width: usize, banned: &[u32]) -
 }
 
 /// [`Device::top_k_rows`] of rows of `width` values on the host.
-fn host_top_k_rows(values: &[f32], width: usize, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
+pub(crate) fn host_top_k_rows(
+    values: &[f32],
+    width: usize,
+    k: usize,
+    banned: &[u32],
+    lse: bool,
+    greedy: bool,
+) -> TopRows {
     let rows = values.len() / width.max(1);
     let mut out = TopRows {
         pairs: Vec::with_capacity(rows * k),

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use wgpu::util::DeviceExt;
 
 use super::ops::rope_table;
-use super::{Act, ActData, AttnShape, Device, HostLink, LinkBandwidth, LinkCounters, RopeShape};
+use super::{Act, ActData, AttnShape, Device, HostLink, LinkBandwidth, LinkCounters, RopeShape, TopRows, TOP_K_MAX};
 use crate::config::{FfnActivation, RopeStyle};
 use crate::error::{Error, Result};
 use crate::kv::KvCache;
@@ -66,6 +66,7 @@ const OPS_WGSL: &str = include_str!("../../kernels/wgsl/ops.wgsl");
 const NORMS_WGSL: &str = include_str!("../../kernels/wgsl/norms.wgsl");
 const ROPE_WGSL: &str = include_str!("../../kernels/wgsl/rope.wgsl");
 const ATTENTION_WGSL: &str = include_str!("../../kernels/wgsl/attention.wgsl");
+const TOPK_WGSL: &str = include_str!("../../kernels/wgsl/topk.wgsl");
 
 /// A shader module: one of the op families, or the products for one weight type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -75,6 +76,7 @@ enum Module {
     Norms,
     Rope,
     Attention,
+    TopK,
 }
 
 impl Module {
@@ -85,6 +87,7 @@ impl Module {
             Module::Norms => Cow::Borrowed(NORMS_WGSL),
             Module::Rope => Cow::Borrowed(ROPE_WGSL),
             Module::Attention => Cow::Borrowed(ATTENTION_WGSL),
+            Module::TopK => Cow::Borrowed(TOPK_WGSL),
         }
     }
 }
@@ -1125,6 +1128,79 @@ impl Device for WgpuDevice {
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect()
+    }
+
+    /// Each row's k largest values on the device (`top_k` in topk.wgsl): k pairs and two
+    /// numbers a row come back, not the row. The pairs are sorted here (ties: lower id first),
+    /// the log-sum-exp is the row's maximum plus the log of its f32 sum of exponentials. A
+    /// software adapter whose loop budget the row (and its banned ids) would pass, or a k past
+    /// [`TOP_K_MAX`], takes the host's path.
+    fn top_k_rows(&self, x: &Act, k: usize, banned: &[u32], lse: bool, greedy: bool) -> TopRows {
+        let k = k.min(x.width);
+        let loops = 9 * x.width.div_ceil(256) * (banned.len() + 1) + 1400;
+        if x.rows == 0 || k == 0 || k > TOP_K_MAX || (self.software() && loops > LOOP_BUDGET) {
+            return super::host_top_k_rows(&self.to_host(x), x.width, k, banned, lse, greedy);
+        }
+        let storage = |label: &str, bytes: usize| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes.max(16) as u64,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            })
+        };
+        let (pairs, sums) = (
+            storage("top-k pairs", x.rows * k * 8),
+            storage("top-k sums", x.rows * 8),
+        );
+        let bb = self.u32_buffer("banned", banned);
+        let grid = Self::grid(x.rows);
+        self.launch(
+            Module::TopK,
+            "top_k",
+            &[(0, buf(x)), (1, &bb), (3, &pairs), (4, &sums)],
+            (
+                2,
+                &[
+                    x.rows as u32,
+                    x.width as u32,
+                    k as u32,
+                    banned.len() as u32,
+                    grid.0,
+                    0,
+                    0,
+                    0,
+                ],
+            ),
+            grid,
+        );
+        let word = |b: &[u8]| u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let mut out = TopRows {
+            pairs: self
+                .read_back(&pairs, x.rows * k * 8)
+                .chunks_exact(8)
+                .map(|b| (word(&b[..4]), f32::from_bits(word(&b[4..]))))
+                .collect(),
+            lse: Vec::new(),
+            tokens: Vec::new(),
+        };
+        for row in out.pairs.chunks_exact_mut(k) {
+            row.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        }
+        if lse {
+            out.lse = self
+                .read_back(&sums, x.rows * 8)
+                .chunks_exact(8)
+                .map(|b| {
+                    let (max, sum) = (f32::from_bits(word(&b[..4])), f32::from_bits(word(&b[4..])));
+                    max as f64 + (sum as f64).ln()
+                })
+                .collect();
+        }
+        if greedy {
+            out.tokens = self.argmax_rows(x, banned);
+        }
+        out
     }
 
     fn select_rows(&self, x: &Act, rows: &[usize]) -> Act {

@@ -68,3 +68,61 @@ pub fn long_attention_against_cpu(dev: &dyn Device, positions: usize, hd: usize,
         false => Err(format!("{msg}\n  FAILED: {}", failed.join("; "))),
     }
 }
+
+/// Each row's k largest values with their ids, log-sum-exp and greedy token on `dev` against the
+/// CPU device's: rows of 100, 49152 and 151936 values (many of them tied: values on a grid of
+/// 1/8, so the k-th value is tied across the cut), with and without banned ids, k of 1, 40 and
+/// 1024 (past a short row: all of it). Pairs and tokens must be the same; log-sum-exp within
+/// `tol` (the device sums in f32).
+pub fn top_k_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, String> {
+    let cpu = CpuBackend::new(1);
+    let mut rng = Rng(41);
+    let (mut cases, mut worst) = (0, 0f64);
+    let mut failed = Vec::new();
+    for width in [100usize, 49152, 151936] {
+        let rows = 3;
+        let values: Vec<f32> = (0..rows * width)
+            .map(|_| (rng.normalish() * 16.0).round() / 8.0)
+            .collect();
+        for banned in [&[][..], &[0u32, 7, 99][..]] {
+            for k in [1usize, 40, 1024] {
+                let (xd, xc) = (
+                    dev.upload(rows, width, values.clone()),
+                    cpu.upload(rows, width, values.clone()),
+                );
+                let got = dev.top_k_rows(&xd, k, banned, true, true);
+                err_of(dev)?;
+                let want = cpu.top_k_rows(&xc, k, banned, true, true);
+                cases += 1;
+                let lse = got
+                    .lse
+                    .iter()
+                    .zip(&want.lse)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f64, f64::max);
+                worst = worst.max(lse);
+                if got.pairs != want.pairs || got.tokens != want.tokens || got.lse.len() != want.lse.len() || lse > tol
+                {
+                    let at = got.pairs.iter().zip(&want.pairs).position(|(a, b)| a != b);
+                    failed.push(format!(
+                        "width {width}, k {k}, {} banned: pairs differ at {at:?} ({} vs {} pairs), tokens {:?} vs {:?}, \
+                         lse off by {lse:.2e}",
+                        banned.len(),
+                        got.pairs.len(),
+                        want.pairs.len(),
+                        got.tokens,
+                        want.tokens
+                    ));
+                }
+            }
+        }
+    }
+    let msg = format!(
+        "  top-k ({cases} cases: rows of 100 to 151936 tied values, banned ids, k 1 to 1024): pairs and greedy tokens \
+         equal to the CPU's, log-sum-exp within {worst:.2e} (bar {tol:.0e})"
+    );
+    match failed.is_empty() {
+        true => Ok(msg),
+        false => Err(format!("{msg}\n  FAILED: {}", failed.join("; "))),
+    }
+}
