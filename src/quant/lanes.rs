@@ -145,7 +145,8 @@ impl<'a> TokenTile<'a> {
         self.xs.is_empty()
     }
 
-    /// The pack of tokens `LANES * group ..`, if that group is packed.
+    /// The pack of tokens `LANES * group ..`, if that group is packed (read by the x86 kernels).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn pack(&self, group: usize) -> Option<&LanePack> {
         self.packs.get(group)
     }

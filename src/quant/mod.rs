@@ -27,6 +27,8 @@ mod grids;
 mod iq;
 mod lanes;
 mod layout;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod prepare;
 mod quantize;
 mod scalar;
@@ -279,6 +281,9 @@ enum KernelFamily {
     /// AVX2 `vpmaddubsw`/`vpmaddwd` plus FMA/F16C.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// NEON (every aarch64 CPU) for Q4_0, Q8_0, Q4_K and Q6_K; the scalar code for the rest.
+    #[cfg(target_arch = "aarch64")]
+    Neon,
     Scalar,
 }
 
@@ -289,6 +294,8 @@ impl KernelFamily {
             KernelFamily::Avx512Vnni => "avx512vnni",
             #[cfg(target_arch = "x86_64")]
             KernelFamily::Avx2 => "avx2",
+            #[cfg(target_arch = "aarch64")]
+            KernelFamily::Neon => "neon",
             KernelFamily::Scalar => "scalar",
         }
     }
@@ -315,6 +322,9 @@ impl KernelFamily {
                     return KernelFamily::Avx2;
                 }
             }
+            #[cfg(target_arch = "aarch64")]
+            return KernelFamily::Neon;
+            #[allow(unreachable_code)]
             KernelFamily::Scalar
         })
     }
@@ -332,6 +342,8 @@ impl KernelFamily {
                 families.push(KernelFamily::Avx2);
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        families.push(KernelFamily::Neon);
         families.push(KernelFamily::Scalar);
         families
     }
@@ -357,6 +369,8 @@ impl KernelFamily {
                 // SAFETY: as above, with `x86::avx2_supported()`.
                 unsafe { x86::vec_dot_rows_avx2(ty, rows, row_bytes, x, out) }
             }
+            #[cfg(target_arch = "aarch64")]
+            KernelFamily::Neon => neon::vec_dot_rows(ty, rows, row_bytes, x, out),
             KernelFamily::Scalar => {
                 for (row, dst) in rows.chunks_exact(row_bytes).zip(out.iter_mut()) {
                     *dst = vec_dot_scalar(ty, row, x);
@@ -388,7 +402,7 @@ fn check_rows(ty: GgmlType, rows: &[u8], x: &PreparedInput, n_rows: usize) -> us
     row_bytes
 }
 
-/// Which kernel family [`vec_dot`] uses on this CPU: "avx512vnni", "avx2" or "scalar".
+/// Which kernel family [`vec_dot`] uses on this CPU: "avx512vnni", "avx2", "neon" or "scalar".
 /// (There is no separate "avx512" family without VNNI: such CPUs run the AVX2 kernels.)
 pub fn kernel_name() -> &'static str {
     KernelFamily::detected().name()
@@ -506,7 +520,7 @@ mod tests {
                 assert!((single - reference).abs() <= tol, "{ty:?}: {single} vs {reference}");
             }
         }
-        assert!(["avx512vnni", "avx2", "scalar"].contains(&kernel_name()));
+        assert!(["avx512vnni", "avx2", "neon", "scalar"].contains(&kernel_name()));
     }
 
     #[test]

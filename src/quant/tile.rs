@@ -49,6 +49,12 @@ impl KernelFamily {
                 // SAFETY: as above, with `x86::avx2_supported()`.
                 unsafe { super::x86::vec_dot_tile_avx2(ty, rows, row_bytes, tile, out) }
             }
+            #[cfg(target_arch = "aarch64")]
+            KernelFamily::Neon => {
+                for (x, out_t) in xs.iter().zip(out.chunks_exact_mut(n_rows)) {
+                    super::neon::vec_dot_rows(ty, rows, row_bytes, x, out_t);
+                }
+            }
             KernelFamily::Scalar => {
                 for (x, out_t) in xs.iter().zip(out.chunks_exact_mut(n_rows)) {
                     for (row, dst) in rows.chunks_exact(row_bytes).zip(out_t) {
