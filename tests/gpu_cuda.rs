@@ -18,6 +18,10 @@
 //! active: the in-device model's logits), with decode tok/s beside the in-device model's; and
 //! held in host RAM under a GPU budget of 40% of the file (`--vram-budget`): the same equality,
 //! decode tok/s dense and with 50% masks, copies per token against the link measured here.
+//! Tiny random-weight models of the architectures whose attention needs more than whole-head
+//! RoPE and a plain softmax (`arch_*`: Llama 3.1's RoPE frequency factors, glm4moe's partial
+//! RoPE, gpt-oss's sinks, qwen3's per-head QK-norm) meet the same bar; deepseek2 (latent
+//! attention) is refused at load.
 //! `GATESTREAM_GPU_REPORT=FILE` writes the figures as JSON. Arguments pick checks by name
 //! (`gpu_cuda kernels stories260k`). The stories260K checks of the streamed paths and a small
 //! model built like the Qwen-shaped one (`small_qwen2_*`: 8 layers, hidden 256) are small enough
@@ -66,7 +70,7 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 50] = [
+    let checks: [(&str, Check); 51] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
@@ -193,6 +197,7 @@ fn main() {
         ("arch_glm4moe_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Glm4Moe)),
         ("arch_gpt_oss_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::GptOss)),
         ("arch_qwen3_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Qwen3)),
+        ("deepseek2_refused", deepseek2_refused),
         // Last: it leaves (and takes back) an error on the device.
         ("cpu_only_types_refused", cpu_only_types_refused),
     ];
@@ -358,6 +363,53 @@ fn arch_model(
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
     );
     judged(mismatches, worst, rel, msg)
+}
+
+/// A deepseek2 model (multi-head latent attention: the values are the cached latents' first
+/// numbers) is refused at load by the CUDA device, whose attention kernels read values from a
+/// cache of their own, naming the architecture and what is missing.
+fn deepseek2_refused(
+    dev: &Arc<CudaDevice>,
+    _report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let mla = gatestream::config::Mla {
+        q_lora_rank: 32,
+        kv_lora_rank: 64,
+        qk_nope: 32,
+        qk_rope: 16,
+        v_head: 32,
+    };
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = tmp.path().join("deepseek2.gguf");
+    let spec = MakeSpec {
+        shape: Shape {
+            vocab: 300,
+            context_len: 256,
+            rope_theta: 10000.0,
+            experts: Some((4, 2)),
+            routing: Some(RoutingShape::glm(128)),
+            mla: Some(mla),
+            ..Shape::custom(Arch::Deepseek2, 64, 64, 2, 4, 1, mla.latent())
+        },
+        mix: Mix::Q8_0,
+        dequantize: false,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 3,
+        residual_gain: 1.0,
+    };
+    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    let device: Arc<dyn Device> = dev.clone();
+    let m = match Model::load_on(&path, &LoadOptions::default(), device) {
+        Ok(_) => return Err("a deepseek2 model (latent attention) loaded on the CUDA device".into()),
+        Err(e) => e.to_string(),
+    };
+    if !(m.contains("deepseek2") && m.contains("latent attention") && m.contains("--device cpu")) {
+        return Err(format!(
+            "the refusal does not name the architecture and what is missing: {m}"
+        ));
+    }
+    Ok(format!("refused at load: {m}"))
 }
 
 /// A model holding a type the device has no kernels for (the small Qwen2-built model with its
