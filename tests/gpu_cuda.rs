@@ -272,14 +272,14 @@ impl Rng {
 
 /// The architectures whose attention needs more than whole-head RoPE and a plain softmax: a tiny
 /// random-weight model of each (`make-model`'s code, a synthetic vocabulary) on both devices,
-/// against the same bar as stories260K. `llama31`: Llama 3.1's RoPE frequency factors (Q4_K_M:
-/// RoPE in the integer products' last blocks, one token and a batch); `glm4moe`: GLM-4.5's
-/// partial RoPE (8 of each head's 16 dimensions), routed and shared experts (F32, as the MoE
-/// checks' experts: Q8_0's products, in f32 on the GPU and in 8-bit on the CPU, move its
-/// sigmoid router's near ties); `gpt_oss`:
-/// attention sinks, YaRN's frequency factors, sliding-window layers, biases and MXFP4 experts;
-/// `qwen3`: per-head QK-norm before RoPE (Q4_K_M: the norm in the integer products' last
-/// blocks too). One check an architecture (`arch_` selects all four).
+/// against the same bar as stories260K, fused launches on (RoPE in `rope_norm_kv`, and with
+/// graphs a decode step's in the integer products' last blocks, `matvec_i8x3_rope_kv`).
+/// `llama31`: Llama 3.1's RoPE frequency factors (Q4_K_M); `glm4moe`: GLM-4.5's partial RoPE (8
+/// of each head's 16 dimensions), routed and shared experts (F32, as the MoE checks' experts:
+/// Q8_0's products, in f32 on the GPU and in 8-bit on the CPU, move its sigmoid router's near
+/// ties); `gpt_oss`: attention sinks, YaRN's frequency factors, sliding-window layers, biases
+/// and MXFP4 experts; `qwen3`: per-head QK-norm before RoPE (Q4_K_M). One check an architecture
+/// (`arch_` selects all four).
 fn arch_model(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
@@ -349,7 +349,13 @@ fn arch_model(
         residual_gain: 1.0,
     };
     write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
-    let (mismatches, worst, pc, pg) = cpu_vs_cuda(&path, dev, &wiki_text(20_000)?)?;
+    // Fused launches on, whatever the default: RoPE then runs in the kernels that write the KV
+    // cache too (`rope_norm_kv`; with graphs, the integer products' `*_rope_kv`).
+    let was = dev.fuse();
+    dev.set_fuse(true);
+    let r = cpu_vs_cuda(&path, dev, &wiki_text(20_000)?);
+    dev.set_fuse(was);
+    let (mismatches, worst, pc, pg) = r?;
     let rel = (pg / pc - 1.0).abs();
     let msg = format!(
         "  {what}: greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the range; \
