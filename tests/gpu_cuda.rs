@@ -2565,12 +2565,13 @@ fn fused_last_blocks_in(
     }
     // RoPE (per-head norms or not) and the KV write after a token's Q, K and V products in one
     // launch: the rotated queries and keys, and attention over the cache they were written to.
+    // `more`: half of each head rotated, with frequency factors, and attention with sinks.
     let mut rope_cases = 0usize;
     let base_cfg = load(&common::stories_dir(), Arc::new(CpuBackend::new(0)))?
         .config
         .clone();
-    // (..., tokens: one, or a batch of integer products at consecutive positions)
-    for (tys, n_heads, n_kv_heads, hd, cols, norms, style, n) in [
+    // (..., tokens: one, or a batch of integer products at consecutive positions, more)
+    for (tys, n_heads, n_kv_heads, hd, cols, norms, style, n, more) in [
         (
             [Q4_K, Q4_K, Q6_K],
             12usize,
@@ -2580,11 +2581,64 @@ fn fused_last_blocks_in(
             false,
             RopeStyle::HalfSplit,
             1usize,
+            false,
         ),
-        ([Q4_K, Q4_K, Q4_K], 8, 8, 64, 512, true, RopeStyle::AdjacentPairs, 1),
-        ([Q6_K, Q6_K, Q6_K], 4, 2, 256, 4096, true, RopeStyle::HalfSplit, 1),
-        ([Q4_K, Q4_K, Q6_K], 12, 2, 128, 1536, false, RopeStyle::HalfSplit, 8),
-        ([Q4_K, Q6_K, Q4_K], 2, 1, 256, 768, true, RopeStyle::AdjacentPairs, 3),
+        (
+            [Q4_K, Q4_K, Q4_K],
+            8,
+            8,
+            64,
+            512,
+            true,
+            RopeStyle::AdjacentPairs,
+            1,
+            false,
+        ),
+        (
+            [Q6_K, Q6_K, Q6_K],
+            4,
+            2,
+            256,
+            4096,
+            true,
+            RopeStyle::HalfSplit,
+            1,
+            false,
+        ),
+        (
+            [Q4_K, Q4_K, Q6_K],
+            12,
+            2,
+            128,
+            1536,
+            false,
+            RopeStyle::HalfSplit,
+            8,
+            false,
+        ),
+        (
+            [Q4_K, Q6_K, Q4_K],
+            2,
+            1,
+            256,
+            768,
+            true,
+            RopeStyle::AdjacentPairs,
+            3,
+            false,
+        ),
+        ([Q4_K, Q4_K, Q6_K], 4, 2, 128, 512, true, RopeStyle::HalfSplit, 1, true),
+        (
+            [Q4_K, Q6_K, Q4_K],
+            4,
+            2,
+            64,
+            512,
+            false,
+            RopeStyle::AdjacentPairs,
+            3,
+            true,
+        ),
     ] {
         let (wq, wk, wv) = (
             quantized(tys[0], n_heads * hd, cols, &mut rng),
@@ -2602,13 +2656,20 @@ fn fused_last_blocks_in(
         cfg.n_heads = n_heads;
         cfg.n_kv_heads = n_kv_heads;
         cfg.head_dim = hd;
+        let rope_dims = if more { hd / 2 } else { hd };
+        let factors: Vec<f32> = (0..rope_dims / 2).map(|i| 1.0 + i as f32 / 4.0).collect();
+        // (drawn only for `more`, so the other cases' inputs stay the same)
+        let sinks: Vec<f32> = match more {
+            true => (0..n_heads).map(|_| rng.normalish()).collect(),
+            false => Vec::new(),
+        };
         let rope = RopeShape {
             head_dim: hd,
-            rope_dims: hd,
+            rope_dims,
             base: 10000.0,
             pos_scale: 1.0,
             style,
-            factors: None,
+            factors: more.then_some(&factors[..]),
         };
         let attn = AttnShape {
             layer: 1,
@@ -2617,9 +2678,11 @@ fn fused_last_blocks_in(
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             window: None,
-            sinks: None,
+            sinks: more.then_some(&sinks[..]),
         };
-        let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}, {n} tokens");
+        let what = format!(
+            "{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}, {n} tokens, partial+factors+sinks {more}"
+        );
         let names = ["queries", "keys", "attention over the cache"];
         let positions: Vec<usize> = (7..7 + n).collect();
         let seqs = vec![0usize; n];
@@ -2662,8 +2725,8 @@ fn fused_last_blocks_in(
          of 1 to 64 super-blocks; SiLU, GELU; a token, batches of 3 and 8) bit-identical to the launches apart, each \
          fused once\n  \
          RoPE and the KV write in the last blocks of the Q, K and V products: {rope_cases} cases (types mixed and not; \
-         heads of 64/128/256, grouped and not; per-head norms and not; both pair styles; a token, batches of 3 and 8) \
-         bit-identical to the launches apart (queries, keys, attention over the cache), each fused once"
+         heads of 64/128/256, grouped and not; per-head norms and not; both pair styles; a token, batches of 3 and 8; \
+         half of each head rotated with frequency factors and attention with sinks, a token and a batch) bit-identical to the launches apart (queries, keys, attention over the cache), each fused once"
     ))
 }
 
