@@ -24,16 +24,19 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const TokenK
 // (`rope_head`); WARP: by one warp of a block, as that block would (`rope_head_warp`).
 template <bool WARP = false>
 __device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q_norm, float* k, int k_width,
-                             const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
-                             int style, float eps, const float* v, const TokenKv* info, int layer, int vt) {
+                             const float* k_norm, int hd, int rd, const u32* positions, float base,
+                             float pos_scale, int style, const float* factors, float eps, const float* v,
+                             const TokenKv* info, int layer, int vt) {
     int q_heads = q_width / hd, kv_heads = k_width / hd;
     int tid = WARP ? threadIdx.x & 31 : threadIdx.x + blockDim.x * threadIdx.y;
     int threads = WARP ? 32 : blockDim.x * blockDim.y;
     auto rope = [&](float* head) {
         if (WARP)
-            rope_head_warp(head, h < q_heads ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps, vt, tid);
+            rope_head_warp(head, h < q_heads ? q_norm : k_norm, hd, rd, positions[t], base, pos_scale, style, factors,
+                           eps, vt, tid);
         else
-            rope_head(head, h < q_heads ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps, vt);
+            rope_head(head, h < q_heads ? q_norm : k_norm, hd, rd, positions[t], base, pos_scale, style, factors, eps,
+                      vt);
     };
     if (h < q_heads) {
         rope(q + (u64)t * q_width + (u64)h * hd);
@@ -58,10 +61,11 @@ __device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q
 // the query and key heads copy the value heads (as many as the key heads) into the cache; each
 // key head is copied there once rotated. positions[t] is token t's position in `info`.
 extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_norm, float* k, int k_width,
-                                        const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
-                                        int style, float eps, const float* v, const TokenKv* info, int layer) {
-    rope_kv_head(blockIdx.x, blockIdx.y, q, q_width, q_norm, k, k_width, k_norm, hd, positions, base, pos_scale,
-                 style, eps, v, info, layer, blockDim.x);
+                                        const float* k_norm, int hd, int rd, const u32* positions, float base,
+                                        float pos_scale, int style, const float* factors, float eps, const float* v,
+                                        const TokenKv* info, int layer) {
+    rope_kv_head(blockIdx.x, blockIdx.y, q, q_width, q_norm, k, k_width, k_norm, hd, rd, positions, base, pos_scale,
+                 style, factors, eps, v, info, layer, blockDim.x);
 }
 
 // The Q, K and V products of n tokens (BATCH: `matvec_i8nx3`'s, n up to the block's warps; else
@@ -75,8 +79,9 @@ template <bool BATCH>
 __device__ void qkv_rope_kv(const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0,
                             int r0, const float* b0, float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1,
                             float* y1, int t2, const u8* W2, u64 s2, int r2, const float* b2, float* y2,
-                            const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
-                            float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
+                            const float* q_norm, const float* k_norm, int hd, int rd, const u32* positions,
+                            float base, float pos_scale, int style, const float* factors, float eps,
+                            const TokenKv* info, int layer, int vt, u32* done) {
     auto rows_of = [&](int ty, const u8* W, u64 s, int r, const float* bias, float* y, int lb) {
         if (BATCH)
             matvec_i8n_rows_of(ty, W, s, r, cols, Xq, n, bias, wpr, y, lb);
@@ -97,35 +102,42 @@ __device__ void qkv_rope_kv(const u8* Xq, int n, int cols, int wpr, int nb0, int
     if (!last_arrival(done + h, hd / rows)) return;
     int t = BATCH ? (threadIdx.x + blockDim.x * threadIdx.y) >> 5 : 0;
     if (t < n)
-        rope_kv_head<BATCH>(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, positions, base, pos_scale, style, eps, y2, info,
-                            layer, vt);
+        rope_kv_head<BATCH>(h, t, y0, r0, q_norm, y1, r1, k_norm, hd, rd, positions, base, pos_scale, style, factors,
+                            eps, y2, info, layer, vt);
 }
 
 extern "C" __global__ void matvec_i8nx3_rope_kv(
     const u8* Xq, int n, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0, int r0, const float* b0,
     float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
-    const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
-    float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
+    const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, int rd, const u32* positions,
+    float base, float pos_scale, int style, const float* factors, float eps, const TokenKv* info, int layer, int vt,
+    u32* done) {
     qkv_rope_kv<true>(Xq, n, cols, wpr, nb0, nb01, t0, W0, s0, r0, b0, y0, t1, W1, s1, r1, b1, y1, t2, W2, s2, r2, b2,
-                      y2, q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer, vt, done);
+                      y2, q_norm, k_norm, hd, rd, positions, base, pos_scale, style, factors, eps, info, layer, vt,
+                      done);
 }
 
 extern "C" __global__ void I8_ONE_BOUNDS matvec_i8x3_rope_kv(
     const u8* Xq, int cols, int wpr, int nb0, int nb01, int t0, const u8* W0, u64 s0, int r0, const float* b0,
     float* y0, int t1, const u8* W1, u64 s1, int r1, const float* b1, float* y1, int t2, const u8* W2, u64 s2, int r2,
-    const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, const u32* positions, float base,
-    float pos_scale, int style, float eps, const TokenKv* info, int layer, int vt, u32* done) {
+    const float* b2, float* y2, const float* q_norm, const float* k_norm, int hd, int rd, const u32* positions,
+    float base, float pos_scale, int style, const float* factors, float eps, const TokenKv* info, int layer, int vt,
+    u32* done) {
     qkv_rope_kv<false>(Xq, 1, cols, wpr, nb0, nb01, t0, W0, s0, r0, b0, y0, t1, W1, s1, r1, b1, y1, t2, W2, s2, r2, b2,
-                       y2, q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer, vt, done);
+                       y2, q_norm, k_norm, hd, rd, positions, base, pos_scale, style, factors, eps, info, layer, vt,
+                       done);
 }
 
 // One block per (query head, token): scores over the token's cached positions
 // (max(0, pos + 1 - window) ..= pos; window 0 = all) into `scores` (one row of `max_len` per
 // block) — each warp takes every (warps)-th position, its lanes a stride of the head's
 // dimensions, so a key row is read whole by one warp in one go — then softmax, then the weighted
-// sum of values, each output dimension summed in position order.
+// sum of values, each output dimension summed in position order. Given `sinks` (one logit a query
+// head: gpt-oss), the head's sink joins the softmax's maximum and sum and adds no value
+// (ops::softmax_sink).
 extern "C" __global__ void attention(const float* q, const TokenKv* info, int layer, int n_heads, int n_kv_heads,
-                                     int hd, float scale, int window, float* scores, int max_len, float* out) {
+                                     int hd, float scale, int window, const float* sinks, float* scores, int max_len,
+                                     float* out) {
     __shared__ float qs[ATTN_MAX_HEAD_DIM];
     int head = blockIdx.x, t = blockIdx.y;
     TokenKv ti = info[t];
@@ -152,6 +164,7 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
     }
     // (block_max's barrier also makes the scores written above visible to the whole block.)
     m = block_max(m);
+    if (sinks) m = fmaxf(m, sinks[head]);
     float sum = 0.f;
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         float e = expf(sc[j] - m);
@@ -159,6 +172,7 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
         sum += e;
     }
     sum = block_sum(sum);
+    if (sinks) sum += expf(sinks[head] - m);
     __syncthreads();
     float inv = 1.f / sum;
     float* o = out + (u64)t * qd + (u64)head * hd;
@@ -184,12 +198,23 @@ extern "C" __global__ void attention(const float* q, const TokenKv* info, int la
 // or `done`), each token's output is written as its Q8_K blocks there as well (the bytes
 // `act_q8_k_blocks` makes, which the output product takes as its input): the block writing the
 // last head of a group of whole Q8_K blocks (`head_q8_k_blocks`) makes that group's blocks.
+// Given `sinks`, the head's sink joins the softmax where its output is written: by the one split
+// (`sink_weights`), or in the merge (`merge_splits`; `attention_merge` takes them too).
 #define ATTN_SPLIT_SUB 128
 #define ATTN_SPLIT_ROWS 4
 #define ATTN_SPLIT_WARPS 4
 #define ATTN_SPLIT_LANE_DIMS (ATTN_MAX_HEAD_DIM / 32)
 
-__device__ void merge_splits(const float* pr, int hd, int splits, float* o);
+__device__ void merge_splits(const float* pr, int hd, int splits, const float* sink, float* o);
+
+// A sink's share of a softmax whose other logits have maximum m and sum of exponentials l (taken
+// at m): the scale of their weighted sum of values (e^(m - M)) and its divisor (l e^(m - M) +
+// e^(sink - M)), M the larger of m and the sink, as ops::softmax_sink takes its maximum.
+__device__ __forceinline__ void sink_weights(float m, float l, float sink, float* scale, float* divisor) {
+    float mx = fmaxf(m, sink), a = expf(m - mx);
+    *scale = a;
+    *divisor = l * a + expf(sink - mx);
+}
 
 // After the block has written head `head` (`hd` values) of a token's output row `orow`: the heads
 // of whole Q8_K blocks group together (256 / hd heads a group when hd divides 256, else each head
@@ -206,8 +231,8 @@ __device__ void head_q8_k_blocks(const float* orow, int head, int hd, u8* q8row,
 }
 
 extern "C" __global__ void attention_split(const float* q, const TokenKv* info, int layer, int n_heads,
-                                           int n_kv_heads, int hd, float scale, int window, int chunk, float* part,
-                                           u32* done, float* out, u8* q8, u32* q8done) {
+                                           int n_kv_heads, int hd, float scale, int window, const float* sinks,
+                                           int chunk, float* part, u32* done, float* out, u8* q8, u32* q8done) {
     __shared__ float sc[ATTN_SPLIT_SUB];
     __shared__ float sums[ATTN_SPLIT_WARPS][ATTN_MAX_HEAD_DIM];
     int head = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -292,11 +317,13 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
     __syncthreads();
     float* dst = splits == 1 ? out + (u64)t * qd + (u64)head * hd
                              : part + (((u64)t * n_heads + head) * splits + split) * (hd + 2) + 2;
+    float mul = 1.f, div = l;
+    if (splits == 1 && sinks) sink_weights(m, l, sinks[head], &mul, &div);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < ATTN_SPLIT_WARPS; w++) s += sums[w][d];
-        dst[d] = splits == 1 ? s / l : s;
+        dst[d] = splits == 1 ? s * mul / div : s;
     }
     if (splits > 1 && threadIdx.x == 0) {
         dst[-2] = m;
@@ -306,7 +333,7 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
     u64 row = (u64)t * n_heads + head;
     bool wrote = splits == 1;
     if (splits > 1 && done && last_arrival(done + row, splits)) {
-        merge_splits(part + row * splits * (hd + 2), hd, splits, out + row * hd);
+        merge_splits(part + row * splits * (hd + 2), hd, splits, sinks ? sinks + head : nullptr, out + row * hd);
         wrote = true;
     }
     if (q8 && wrote) {
@@ -319,11 +346,12 @@ extern "C" __global__ void attention_split(const float* q, const TokenKv* info, 
 // The splits of `attention_split` into each head's output: one block per (query head, token);
 // out = sum_z sums_z · w_z / sum_z l_z · w_z, w_z = e^(m_z − M) (0 for a split without positions),
 // M the largest m_z of the splits that had positions; each split's weight computed once, every
-// sum in split order. At most ATTN_SPLIT_MAX splits.
+// sum in split order; given the head's `sink`, it joins M and the divisor (`sink_weights`). At
+// most ATTN_SPLIT_MAX splits.
 #define ATTN_SPLIT_MAX 256
 
 // Splits `pr` (splits × (m, l, hd sums)) into one head's output `o`, by a block.
-__device__ void merge_splits(const float* pr, int hd, int splits, float* o) {
+__device__ void merge_splits(const float* pr, int hd, int splits, const float* sink, float* o) {
     __shared__ float wz[ATTN_SPLIT_MAX];
     float mx = -3.402823466e38f;
     for (int z = 0; z < splits; z++)
@@ -335,18 +363,21 @@ __device__ void merge_splits(const float* pr, int hd, int splits, float* o) {
     __syncthreads();
     float total = 0.f;
     for (int z = 0; z < splits; z++) total += __ldcg(pr + z * (hd + 2) + 1) * wz[z];
+    float mul = 1.f;
+    if (sink) sink_weights(mx, total, *sink, &mul, &total);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float s = 0.f;
         for (int z = 0; z < splits; z++)
             if (wz[z] > 0.f) s += __ldcg(pr + z * (hd + 2) + 2 + d) * wz[z];
-        o[d] = s / total;
+        o[d] = s * mul / total;
     }
 }
 
 // One block per (query head, token).
-extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, float* out) {
+extern "C" __global__ void attention_merge(const float* part, int n_heads, int hd, int splits, const float* sinks,
+                                           float* out) {
     u64 row = (u64)blockIdx.y * n_heads + blockIdx.x;
-    merge_splits(part + row * splits * (hd + 2), hd, splits, out + row * hd);
+    merge_splits(part + row * splits * (hd + 2), hd, splits, sinks ? sinks + blockIdx.x : nullptr, out + row * hd);
 }
 
 // Flash-style attention for runs of one sequence's consecutive tokens (a prompt, a draft): one
@@ -354,17 +385,19 @@ extern "C" __global__ void attention_merge(const float* part, int n_heads, int h
 // positions at a time into shared memory once for all its tokens, with a running maximum and sum
 // per token (the softmax rescaled as the maximum grows), instead of a block per token reading
 // every key and value again. `tiles` holds (first token, tokens) pairs: tokens of one sequence at
-// consecutive positions. Heads of at most ATTN_TILE_MAX_HD values; four warps.
+// consecutive positions. Heads of at most ATTN_TILE_MAX_HD values; four warps. Given `sinks`, the
+// head's sink joins each token's softmax at the end (`sink_weights`).
 #define ATTN_TILE_Q 16
 #define ATTN_TILE_K 16
 #define ATTN_TILE_MAX_HD 256
 
 extern "C" __global__ void attention_tiles(const float* q, const TokenKv* info, const u32* tiles, int layer,
-                                           int n_heads, int n_kv_heads, int hd, float scale, int window, float* out) {
+                                           int n_heads, int n_kv_heads, int hd, float scale, int window,
+                                           const float* sinks, float* out) {
     __shared__ float qs[ATTN_TILE_Q][ATTN_TILE_MAX_HD + 1];
     __shared__ float kv[ATTN_TILE_K][ATTN_TILE_MAX_HD + 1];  // the chunk's keys, then its values
     __shared__ float p[ATTN_TILE_Q][ATTN_TILE_K];
-    __shared__ float rescale[ATTN_TILE_Q], total[ATTN_TILE_Q];
+    __shared__ float rescale[ATTN_TILE_Q], total[ATTN_TILE_Q], final_scale[ATTN_TILE_Q];
     int head = blockIdx.x, t0 = (int)tiles[2 * blockIdx.y], nt = (int)tiles[2 * blockIdx.y + 1];
     int tid = threadIdx.x;
     TokenKv ti = info[t0];
@@ -438,12 +471,19 @@ extern "C" __global__ void attention_tiles(const float* q, const TokenKv* info, 
             }
         }
     }
-    if ((tid & 7) == 0) total[qi] = l;
+    if ((tid & 7) == 0) {
+        float mul = 1.f, div = l;
+        // (a token past the tile's has no positions: its m is no score, and it is not written)
+        if (sinks && qi < nt) sink_weights(m, l, sinks[head], &mul, &div);
+        total[qi] = div;
+        final_scale[qi] = mul;
+    }
     __syncthreads();
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int d = tid + h * blockDim.x;
         if (d >= hd) continue;
-        for (int r = 0; r < nt; r++) out[(u64)(t0 + r) * qd + (u64)head * hd + d] = o[r][h] / total[r];
+        for (int r = 0; r < nt; r++)
+            out[(u64)(t0 + r) * qd + (u64)head * hd + d] = o[r][h] * final_scale[r] / total[r];
     }
 }

@@ -391,14 +391,17 @@ extern "C" __global__ void top_k_rows(const float* x, int width, const u32* bann
     o[1] = bits;
 }
 
-// Pair i of the head at `v` (hd wide) rotated to `position`: angles in f64 as on the CPU
-// (ops::rope_table); style 0: adjacent pairs, 1: halves. Read past the L1 cache (other blocks or
-// threads may have written the head).
-__device__ __forceinline__ void rope_pair(float* v, int i, int hd, u32 position, float base, float pos_scale,
-                                          int style) {
-    int half = hd / 2;
+// Pair i of the head at `v` rotated to `position`, of its leading `rd` dimensions (partial RoPE:
+// rd < the head's size, the rest passing through; the angles take rd as the head's size): angles
+// in f64 as on the CPU (ops::rope_table), each divided by factors[i] where given (Llama 3.1+'s
+// frequency factors, YaRN's); style 0: adjacent pairs, 1: halves of the rd dimensions. Read past
+// the L1 cache (other blocks or threads may have written the head).
+__device__ __forceinline__ void rope_pair(float* v, int i, int rd, u32 position, float base, float pos_scale,
+                                          int style, const float* factors) {
+    int half = rd / 2;
     double p = (double)position / (double)pos_scale;
-    double theta = p * pow((double)base, -2.0 * (double)i / (double)hd);
+    double theta = p * pow((double)base, -2.0 * (double)i / (double)rd);
+    if (factors) theta /= (double)factors[i];
     float c = (float)cos(theta), s = (float)sin(theta);
     int a = style == 0 ? 2 * i : i;
     int b = style == 0 ? 2 * i + 1 : i + half;
@@ -407,15 +410,14 @@ __device__ __forceinline__ void rope_pair(float* v, int i, int hd, u32 position,
     v[b] = x0 * s + x1 * c;
 }
 
-// Per-head RMSNorm (when `norm` is given), then RoPE at `position`, of the head at `v` (hd wide),
-// as a block of `vt` threads (hd/2 rounded up to a warp: `rope_threads`) computes it; every thread
-// of the running block (one or two dimensions, at least `vt` threads) calls it, those past `vt`
-// adding nothing to the norm's sum (so it is the same sum). Angles in f64 as on the CPU
-// (ops::rope_table). style 0: adjacent pairs, 1: halves. `v` is read past the L1 cache (other
-// blocks of a launch may have written it: `last_arrival`).
-__device__ void rope_head(float* v, const float* norm, int hd, u32 position, float base, float pos_scale, int style,
-                          float eps, int vt) {
-    int half = hd / 2;
+// Per-head RMSNorm (when `norm` is given, over all hd dimensions), then RoPE at `position` of its
+// leading `rd` dimensions (`rope_pair`), of the head at `v` (hd wide), as a block of `vt` threads
+// (hd/2 rounded up to a warp: `rope_threads`) computes it; every thread of the running block (one
+// or two dimensions, at least `vt` threads) calls it, those past `vt` adding nothing to the norm's
+// sum (so it is the same sum). `v` is read past the L1 cache (other blocks of a launch may have
+// written it: `last_arrival`).
+__device__ void rope_head(float* v, const float* norm, int hd, int rd, u32 position, float base, float pos_scale,
+                          int style, const float* factors, float eps, int vt) {
     int i = threadIdx.x + blockDim.x * threadIdx.y;
     if (norm) {
         float ss = 0.f;
@@ -430,14 +432,13 @@ __device__ void rope_head(float* v, const float* norm, int hd, u32 position, flo
             for (int j = i; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
         __syncthreads();
     }
-    if (i < half) rope_pair(v, i, hd, position, base, pos_scale, style);
+    if (i < rd / 2) rope_pair(v, i, rd, position, base, pos_scale, style, factors);
 }
 
 // `rope_head` by one warp (lane `lane`), the same values: the per-head norm's sum as the head's
 // block of `vt` threads sums it (`warp_vt_sum_sq`), then pairs lane, lane + 32, ...
-__device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position, float base, float pos_scale,
-                               int style, float eps, int vt, int lane) {
-    int half = hd / 2;
+__device__ void rope_head_warp(float* v, const float* norm, int hd, int rd, u32 position, float base, float pos_scale,
+                               int style, const float* factors, float eps, int vt, int lane) {
     if (norm) {
         float total = warp_vt_sum_sq(hd, vt, lane, [&](int j) { return __ldcg(v + j); });
         float scale = rsqrtf(total / (float)hd + eps);
@@ -445,21 +446,22 @@ __device__ void rope_head_warp(float* v, const float* norm, int hd, u32 position
             for (int j = 32 * k + lane; j < hd; j += vt) v[j] = __ldcg(v + j) * scale * norm[j];
         __syncwarp();
     }
-    for (int i = lane; i < half; i += 32) rope_pair(v, i, hd, position, base, pos_scale, style);
+    for (int i = lane; i < rd / 2; i += 32) rope_pair(v, i, rd, position, base, pos_scale, style, factors);
     __syncwarp();
 }
 
 // `rope_head` of the query heads (q, rows of q_width) and then the key heads (k, rows of
-// k_width) at positions[t]: one launch for both. One block per (head, token): blockIdx.x below
+// k_width) at positions[t] (`rd` dimensions of each rotated, `factors` or none): one launch for
+// both. One block per (head, token): blockIdx.x below
 // q_width / hd is a query head, the rest key heads.
 extern "C" __global__ void rope_norm(float* q, int q_width, const float* q_norm, float* k, int k_width,
-                                     const float* k_norm, int hd, const u32* positions, float base, float pos_scale,
-                                     int style, float eps) {
+                                     const float* k_norm, int hd, int rd, const u32* positions, float base,
+                                     float pos_scale, int style, const float* factors, float eps) {
     int q_heads = q_width / hd, t = blockIdx.y;
     bool is_q = (int)blockIdx.x < q_heads;
     int head = is_q ? blockIdx.x : blockIdx.x - q_heads;
     float* v = is_q ? q + (u64)t * q_width + (u64)head * hd : k + (u64)t * k_width + (u64)head * hd;
-    rope_head(v, is_q ? q_norm : k_norm, hd, positions[t], base, pos_scale, style, eps, blockDim.x);
+    rope_head(v, is_q ? q_norm : k_norm, hd, rd, positions[t], base, pos_scale, style, factors, eps, blockDim.x);
 }
 
 // The activations the CPU's quantized products see (src/quant/prepare.rs,

@@ -18,6 +18,10 @@
 //! active: the in-device model's logits), with decode tok/s beside the in-device model's; and
 //! held in host RAM under a GPU budget of 40% of the file (`--vram-budget`): the same equality,
 //! decode tok/s dense and with 50% masks, copies per token against the link measured here.
+//! Tiny random-weight models of the architectures whose attention needs more than whole-head
+//! RoPE and a plain softmax (`arch_*`: Llama 3.1's RoPE frequency factors, glm4moe's partial
+//! RoPE, gpt-oss's sinks, qwen3's per-head QK-norm) meet the same bar; deepseek2 (latent
+//! attention) is refused at load.
 //! `GATESTREAM_GPU_REPORT=FILE` writes the figures as JSON. Arguments pick checks by name
 //! (`gpu_cuda kernels stories260k`). The stories260K checks of the streamed paths and a small
 //! model built like the Qwen-shaped one (`small_qwen2_*`: 8 layers, hidden 256) are small enough
@@ -25,6 +29,8 @@
 //! the suite says so, and its figures are the kernels' values, never a GPU's speed.
 
 mod common;
+// (The bodies the wgpu suite shares; this suite runs some of them.)
+mod device_checks;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -64,11 +70,13 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 45] = [
+    let checks: [(&str, Check); 51] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
         ("attention_split", attention_split),
+        ("attention_sinks", attention_sinks),
+        ("kernels_rope_attention", kernels_rope_attention),
         ("i8_geometry", i8_geometry),
         ("fused_q8_blocks", fused_q8_blocks),
         ("fused_last_blocks", fused_last_blocks),
@@ -185,7 +193,11 @@ fn main() {
         }),
         ("qwen_shaped_vram_budget", qwen_vram),
         ("qwen_shaped_vram_budget_70", qwen_vram_hot),
-        ("glm4moe_refused", glm4moe_refused),
+        ("arch_llama31_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Llama)),
+        ("arch_glm4moe_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Glm4Moe)),
+        ("arch_gpt_oss_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::GptOss)),
+        ("arch_qwen3_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Qwen3)),
+        ("deepseek2_refused", deepseek2_refused),
         // Last: it leaves (and takes back) an error on the device.
         ("cpu_only_types_refused", cpu_only_types_refused),
     ];
@@ -258,25 +270,133 @@ impl Rng {
     }
 }
 
-/// A glm4moe model (GLM-4.5: half of each head rotated) is refused at load by the CUDA device,
-/// whose RoPE rotates whole heads, naming the architecture and what is missing.
-fn glm4moe_refused(
+/// The architectures whose attention needs more than whole-head RoPE and a plain softmax: a tiny
+/// random-weight model of each (`make-model`'s code, a synthetic vocabulary) on both devices,
+/// against the same bar as stories260K, fused launches on (RoPE in `rope_norm_kv`, and with
+/// graphs a decode step's in the integer products' last blocks, `matvec_i8x3_rope_kv`).
+/// `llama31`: Llama 3.1's RoPE frequency factors (Q4_K_M); `glm4moe`: GLM-4.5's partial RoPE (8
+/// of each head's 16 dimensions), routed and shared experts (F32, as the MoE checks' experts:
+/// Q8_0's products, in f32 on the GPU and in 8-bit on the CPU, move its sigmoid router's near
+/// ties); `gpt_oss`: attention sinks, YaRN's frequency factors, sliding-window layers, biases
+/// and MXFP4 experts; `qwen3`: per-head QK-norm before RoPE (Q4_K_M). One check an architecture
+/// (`arch_` selects all four).
+fn arch_model(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    arch: Arch,
+) -> Result<String, String> {
+    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let (shape, mix, dequantize, what) = match arch {
+        Arch::Llama => (
+            Shape {
+                vocab: 300,
+                context_len: 512,
+                rope_theta: 500_000.0,
+                // Llama 3.1's: factor 8, low and high frequency factors 1 and 4, context 8192.
+                rope_factors: Some([8.0, 1.0, 4.0, 8192.0]),
+                ..Shape::custom(Arch::Llama, 256, 512, 2, 4, 2, 64)
+            },
+            Mix::Q4KM,
+            false,
+            "llama with Llama 3.1's RoPE frequency factors, Q4_K_M",
+        ),
+        Arch::Glm4Moe => (
+            Shape {
+                vocab: 300,
+                context_len: 512,
+                rope_theta: 10000.0,
+                rms_eps: 1e-5,
+                experts: Some((4, 2)),
+                rope_dim: Some(8),
+                routing: Some(RoutingShape::glm(128)),
+                ..Shape::custom(Arch::Glm4Moe, 64, 64, 2, 4, 2, 16)
+            },
+            Mix::Q8_0,
+            true,
+            "glm4moe, partial RoPE (8 of 16), 4 experts (2 used) and a shared one, F32",
+        ),
+        Arch::GptOss => (
+            Shape {
+                vocab: 320,
+                context_len: 512,
+                experts: Some((6, 3)),
+                ..Shape::custom(Arch::GptOss, 64, 64, 2, 4, 2, 32)
+            },
+            Mix::Mxfp4Moe,
+            false,
+            "gpt-oss, sinks, YaRN, a sliding window, biases, 6 MXFP4 experts (3 used)",
+        ),
+        Arch::Qwen3 => (
+            Shape {
+                vocab: 300,
+                context_len: 512,
+                ..Shape::custom(Arch::Qwen3, 256, 512, 2, 4, 2, 64)
+            },
+            Mix::Q4KM,
+            false,
+            "qwen3, per-head QK-norm, Q4_K_M",
+        ),
+        _ => return Err(format!("no tiny model of {} here", arch.name())),
+    };
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = tmp.path().join(format!("{}.gguf", arch.name()));
+    let spec = MakeSpec {
+        shape,
+        mix,
+        dequantize,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 3,
+        residual_gain: 1.0,
+    };
+    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    // Fused launches on, whatever the default: RoPE then runs in the kernels that write the KV
+    // cache too (`rope_norm_kv`; with graphs, the integer products' `*_rope_kv`).
+    let was = dev.fuse();
+    dev.set_fuse(true);
+    let r = cpu_vs_cuda(&path, dev, &wiki_text(20_000)?);
+    dev.set_fuse(was);
+    let (mismatches, worst, pc, pg) = r?;
+    let rel = (pg / pc - 1.0).abs();
+    let msg = format!(
+        "  {what}: greedy argmax differs at {mismatches}/32 steps; max |dlogit| = {:.4}% of the range; \
+         perplexity ({windows} windows of 256) cpu {pc:.4} cuda {pg:.4} (diff {:.4}%)",
+        worst * 100.0,
+        rel * 100.0,
+        windows = ppl_windows(dev),
+    );
+    report.insert(
+        format!("arch_{}", arch.name()),
+        serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
+    );
+    judged(mismatches, worst, rel, msg)
+}
+
+/// A deepseek2 model (multi-head latent attention: the values are the cached latents' first
+/// numbers) is refused at load by the CUDA device, whose attention kernels read values from a
+/// cache of their own, naming the architecture and what is missing.
+fn deepseek2_refused(
     dev: &Arc<CudaDevice>,
     _report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
     use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
+    let mla = gatestream::config::Mla {
+        q_lora_rank: 32,
+        kv_lora_rank: 64,
+        qk_nope: 32,
+        qk_rope: 16,
+        v_head: 32,
+    };
     let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let path = tmp.path().join("glm4moe.gguf");
+    let path = tmp.path().join("deepseek2.gguf");
     let spec = MakeSpec {
         shape: Shape {
             vocab: 300,
             context_len: 256,
             rope_theta: 10000.0,
-            rms_eps: 1e-5,
             experts: Some((4, 2)),
-            rope_dim: Some(8),
             routing: Some(RoutingShape::glm(128)),
-            ..Shape::custom(Arch::Glm4Moe, 64, 64, 2, 4, 2, 16)
+            mla: Some(mla),
+            ..Shape::custom(Arch::Deepseek2, 64, 64, 2, 4, 1, mla.latent())
         },
         mix: Mix::Q8_0,
         dequantize: false,
@@ -287,10 +407,10 @@ fn glm4moe_refused(
     write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
     let device: Arc<dyn Device> = dev.clone();
     let m = match Model::load_on(&path, &LoadOptions::default(), device) {
-        Ok(_) => return Err("a glm4moe model (partial RoPE) loaded on the CUDA device".into()),
+        Ok(_) => return Err("a deepseek2 model (latent attention) loaded on the CUDA device".into()),
         Err(e) => e.to_string(),
     };
-    if !(m.contains("glm4moe") && m.contains("partial RoPE") && m.contains("--device cpu")) {
+    if !(m.contains("deepseek2") && m.contains("latent attention") && m.contains("--device cpu")) {
         return Err(format!(
             "the refusal does not name the architecture and what is missing: {m}"
         ));
@@ -659,7 +779,7 @@ fn attention_tiles(
         (2, 2, 256, None),
         (8, 4, 8, Some(5)),
     ];
-    let (vs_blocks, vs_cpu) = attention_against_blocks(dev, &hist, &batch, 96, &shapes, (true, false), "tiles")?;
+    let (vs_blocks, vs_cpu) = attention_against_blocks(dev, &hist, &batch, 96, &shapes, (true, false, false), "tiles")?;
     report.insert("attention_tiles_max_rel_err".into(), vs_blocks.max(vs_cpu).into());
     let msg = format!(
         "  attention in tiles of 16 tokens: max relative error {vs_blocks:.2e} against a block per token, \
@@ -697,7 +817,8 @@ fn attention_split(
         (1, 1, 512, None),
         (32, 8, 8, Some(300)),
     ];
-    let (vs_blocks, vs_cpu) = attention_against_blocks(dev, &hist, &batch, 1024, &shapes, (false, true), "splits")?;
+    let (vs_blocks, vs_cpu) =
+        attention_against_blocks(dev, &hist, &batch, 1024, &shapes, (false, true, false), "splits")?;
     report.insert("attention_split_max_rel_err".into(), vs_blocks.max(vs_cpu).into());
     let msg = format!(
         "  decode attention split over positions: max relative error {vs_blocks:.2e} against a block per token, \
@@ -711,9 +832,89 @@ fn attention_split(
     Ok(msg)
 }
 
+/// Attention with sinks (gpt-oss: one logit a query head in each softmax, no value) on every
+/// path: in tiles of a prompt's tokens (the batch of [`attention_tiles`]) and split over positions
+/// (the decode batch of [`attention_split`]: one split and several, merged by the last split or
+/// by `attention_merge`, and the fused output's Q8_K blocks), each against a block per token and
+/// head and the CPU, within 1e-5 of each output row's largest value.
+fn attention_sinks(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let hist: Vec<(usize, usize)> = (0..40).map(|p| (0, p)).chain((0..50).map(|p| (1, p))).collect();
+    let batch: Vec<(usize, usize)> = (40..77).map(|p| (0, p)).chain([(1, 50)]).collect();
+    let shapes = [
+        (4usize, 2usize, 64usize, None),
+        (8, 4, 8, Some(5)),
+        (2, 2, 256, Some(20)),
+    ];
+    let tiles = attention_against_blocks(dev, &hist, &batch, 96, &shapes, (true, false, true), "tiles")?;
+    let hist: Vec<(usize, usize)> = [(0, 700), (1, 130), (2, 63)]
+        .iter()
+        .flat_map(|&(s, n)| (0..n).map(move |p| (s, p)))
+        .collect();
+    let batch = [(0, 700), (1, 130), (2, 63), (3, 0)];
+    let shapes = [
+        (8usize, 2usize, 64usize, None),
+        (2, 1, 128, Some(300)),
+        (32, 8, 8, Some(100)),
+    ];
+    let split = attention_against_blocks(dev, &hist, &batch, 1024, &shapes, (false, true, true), "splits")?;
+    let worst = [tiles.0, tiles.1, split.0, split.1].into_iter().fold(0f64, f64::max);
+    report.insert("attention_sinks_max_rel_err".into(), worst.into());
+    let msg = format!(
+        "  attention with sinks: in tiles, max relative error {:.2e} against a block per token, {:.2e} against \
+         the CPU (38 tokens of two sequences, heads of 8/64/256, windows 5 and 20); split over positions, \
+         {:.2e} and {:.2e} (decode after 700, 130, 63 and 0, 1 to 16 splits, merged by the last split and by \
+         attention_merge, Q8_K blocks of the output; windows 100 and 300)",
+        tiles.0, tiles.1, split.0, split.1
+    );
+    if worst > 1e-5 {
+        return Err(format!("{msg}: over 1e-5"));
+    }
+    Ok(msg)
+}
+
+/// RoPE (frequency factors, partial, both styles, per-head norms), cache writes and attention
+/// (sinks, windows, grouped heads, two sequences) against the CPU device: the body the wgpu suite
+/// runs (`device_checks::rope_attention_against_cpu`), once with a prompt's attention in tiles
+/// and decode's split over positions (its splits merged by the last of them), once with both off
+/// (a block per token and head), and once split and merged by `attention_merge`.
+fn kernels_rope_attention(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let was = (dev.attn_tiles(), dev.attn_split(), dev.fuse());
+    let mut lines = Vec::new();
+    let mut outcome = Ok(());
+    for (what, tiles, split, fuse) in [
+        ("tiles and splits merged by the last split", true, true, true),
+        ("a block per token and head", false, false, true),
+        ("splits merged by attention_merge", false, true, false),
+    ] {
+        dev.set_attn_tiles(tiles);
+        dev.set_attn_split(split);
+        dev.set_fuse(fuse);
+        match device_checks::rope_attention_against_cpu(dev.as_ref(), 1e-5) {
+            Ok(m) => lines.push(format!("  [{what}]\n{m}")),
+            Err(m) => {
+                outcome = Err(format!("  [{what}]\n{m}"));
+                break;
+            }
+        }
+    }
+    dev.set_attn_tiles(was.0);
+    dev.set_attn_split(was.1);
+    dev.set_fuse(was.2);
+    outcome?;
+    report.insert("kernels_rope_attention".into(), true.into());
+    Ok(lines.join("\n"))
+}
+
 /// Attention of `batch` (sequence, position) tokens over caches of `capacity` positions holding
-/// `hist`, on random keys, values and queries, for each (heads, key heads, head size, window) of
-/// `shapes`: with `(tiles, split)` on against both off (a block per token and head) and against
+/// `hist`, on random keys, values and queries (and a random sink a query head with `with_sinks`),
+/// for each (heads, key heads, head size, window) of `shapes`: with `(tiles, split)` on against
+/// both off (a block per token and head) and against
 /// the CPU; with `split`, fused launches on and off (the last split of a head merging, or
 /// `attention_merge`) must agree to the bit, and some head must have been merged by its last
 /// split. Returns the worst relative error of each comparison; an error where the two device
@@ -724,7 +925,7 @@ fn attention_against_blocks(
     batch: &[(usize, usize)],
     capacity: usize,
     shapes: &[(usize, usize, usize, Option<usize>)],
-    (tiles, split): (bool, bool),
+    (tiles, split, with_sinks): (bool, bool, bool),
     what: &str,
 ) -> Result<(f64, f64), String> {
     use gatestream::backend::AttnShape;
@@ -752,6 +953,9 @@ fn attention_against_blocks(
         let (hk, hv) = (draw(hist.len() * kvd), draw(hist.len() * kvd));
         let (bk, bv) = (draw(batch.len() * kvd), draw(batch.len() * kvd));
         let q = draw(batch.len() * n_heads * head_dim);
+        // (about as large as the scores: the sink takes a share of each softmax, not all of it;
+        // drawn only when asked for, so the other checks' inputs stay the same)
+        let sinks = if with_sinks { draw(n_heads) } else { Vec::new() };
         let shape = AttnShape {
             layer: 0,
             n_heads,
@@ -759,7 +963,7 @@ fn attention_against_blocks(
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             window,
-            sinks: None,
+            sinks: with_sinks.then_some(&sinks[..]),
         };
         // The attention of `batch` on `d`, given to `f` while its caches live.
         let run_with = |d: &dyn Device, f: &mut dyn FnMut(gatestream::backend::Act)| {
@@ -2361,12 +2565,13 @@ fn fused_last_blocks_in(
     }
     // RoPE (per-head norms or not) and the KV write after a token's Q, K and V products in one
     // launch: the rotated queries and keys, and attention over the cache they were written to.
+    // `more`: half of each head rotated, with frequency factors, and attention with sinks.
     let mut rope_cases = 0usize;
     let base_cfg = load(&common::stories_dir(), Arc::new(CpuBackend::new(0)))?
         .config
         .clone();
-    // (..., tokens: one, or a batch of integer products at consecutive positions)
-    for (tys, n_heads, n_kv_heads, hd, cols, norms, style, n) in [
+    // (..., tokens: one, or a batch of integer products at consecutive positions, more)
+    for (tys, n_heads, n_kv_heads, hd, cols, norms, style, n, more) in [
         (
             [Q4_K, Q4_K, Q6_K],
             12usize,
@@ -2376,11 +2581,64 @@ fn fused_last_blocks_in(
             false,
             RopeStyle::HalfSplit,
             1usize,
+            false,
         ),
-        ([Q4_K, Q4_K, Q4_K], 8, 8, 64, 512, true, RopeStyle::AdjacentPairs, 1),
-        ([Q6_K, Q6_K, Q6_K], 4, 2, 256, 4096, true, RopeStyle::HalfSplit, 1),
-        ([Q4_K, Q4_K, Q6_K], 12, 2, 128, 1536, false, RopeStyle::HalfSplit, 8),
-        ([Q4_K, Q6_K, Q4_K], 2, 1, 256, 768, true, RopeStyle::AdjacentPairs, 3),
+        (
+            [Q4_K, Q4_K, Q4_K],
+            8,
+            8,
+            64,
+            512,
+            true,
+            RopeStyle::AdjacentPairs,
+            1,
+            false,
+        ),
+        (
+            [Q6_K, Q6_K, Q6_K],
+            4,
+            2,
+            256,
+            4096,
+            true,
+            RopeStyle::HalfSplit,
+            1,
+            false,
+        ),
+        (
+            [Q4_K, Q4_K, Q6_K],
+            12,
+            2,
+            128,
+            1536,
+            false,
+            RopeStyle::HalfSplit,
+            8,
+            false,
+        ),
+        (
+            [Q4_K, Q6_K, Q4_K],
+            2,
+            1,
+            256,
+            768,
+            true,
+            RopeStyle::AdjacentPairs,
+            3,
+            false,
+        ),
+        ([Q4_K, Q4_K, Q6_K], 4, 2, 128, 512, true, RopeStyle::HalfSplit, 1, true),
+        (
+            [Q4_K, Q6_K, Q4_K],
+            4,
+            2,
+            64,
+            512,
+            false,
+            RopeStyle::AdjacentPairs,
+            3,
+            true,
+        ),
     ] {
         let (wq, wk, wv) = (
             quantized(tys[0], n_heads * hd, cols, &mut rng),
@@ -2398,13 +2656,20 @@ fn fused_last_blocks_in(
         cfg.n_heads = n_heads;
         cfg.n_kv_heads = n_kv_heads;
         cfg.head_dim = hd;
+        let rope_dims = if more { hd / 2 } else { hd };
+        let factors: Vec<f32> = (0..rope_dims / 2).map(|i| 1.0 + i as f32 / 4.0).collect();
+        // (drawn only for `more`, so the other cases' inputs stay the same)
+        let sinks: Vec<f32> = match more {
+            true => (0..n_heads).map(|_| rng.normalish()).collect(),
+            false => Vec::new(),
+        };
         let rope = RopeShape {
             head_dim: hd,
-            rope_dims: hd,
+            rope_dims,
             base: 10000.0,
             pos_scale: 1.0,
             style,
-            factors: None,
+            factors: more.then_some(&factors[..]),
         };
         let attn = AttnShape {
             layer: 1,
@@ -2413,9 +2678,11 @@ fn fused_last_blocks_in(
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             window: None,
-            sinks: None,
+            sinks: more.then_some(&sinks[..]),
         };
-        let what = format!("{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}, {n} tokens");
+        let what = format!(
+            "{tys:?}, {n_heads}/{n_kv_heads} heads of {hd}, norms {norms}, {n} tokens, partial+factors+sinks {more}"
+        );
         let names = ["queries", "keys", "attention over the cache"];
         let positions: Vec<usize> = (7..7 + n).collect();
         let seqs = vec![0usize; n];
@@ -2458,8 +2725,8 @@ fn fused_last_blocks_in(
          of 1 to 64 super-blocks; SiLU, GELU; a token, batches of 3 and 8) bit-identical to the launches apart, each \
          fused once\n  \
          RoPE and the KV write in the last blocks of the Q, K and V products: {rope_cases} cases (types mixed and not; \
-         heads of 64/128/256, grouped and not; per-head norms and not; both pair styles; a token, batches of 3 and 8) \
-         bit-identical to the launches apart (queries, keys, attention over the cache), each fused once"
+         heads of 64/128/256, grouped and not; per-head norms and not; both pair styles; a token, batches of 3 and 8; \
+         half of each head rotated with frequency factors and attention with sinks, a token and a batch) bit-identical to the launches apart (queries, keys, attention over the cache), each fused once"
     ))
 }
 

@@ -1655,7 +1655,7 @@ fn glm4moe_nextn_layers_are_not_run() {
     assert!(e.contains("nextn"), "{e}");
 }
 
-/// A device whose RoPE rotates whole heads (the CUDA device's; here the host stand-in told so)
+/// A device whose RoPE rotates whole heads (here the host stand-in told so)
 /// refuses glm4moe at load, naming the architecture and what it lacks, rather than computing
 /// another model; the stand-in that rotates part of a head runs it as the CPU does.
 #[test]
@@ -1959,8 +1959,8 @@ fn gpt_oss_streams_from_gguf_and_gst_like_in_ram() {
         "make-model's .gst differs"
     );
     // A device with memory of its own (the host stand-in, whose attention is the CPU's)
-    // computes it alike; one that does not compute sinks (as the CUDA device) refuses it at
-    // load, naming the architecture and what it lacks.
+    // computes it alike; one that does not compute sinks refuses it at load, naming the
+    // architecture and what it lacks.
     let standin = Model::load_on(&gguf, &LoadOptions::default(), Arc::new(HostStandIn::new(0))).unwrap();
     assert!(
         same(&prompt_then_greedy(&standin, None, None, text, 4)),

@@ -68,8 +68,8 @@ pub struct HostStandIn {
     /// The first protocol error since the last `take_error`.
     error: Arc<Mutex<Option<String>>>,
     chunk_bytes: usize,
-    /// Whether attention computes sinks (as the CPU; `without_attention_sinks`: as the CUDA
-    /// device, which refuses such models at load).
+    /// Whether attention computes sinks (as the CPU; `without_attention_sinks`: as a device that
+    /// does not, which refuses such models at load).
     sinks: bool,
     /// Host ranges page-locked for copies (`pin_host`, `map_host`): (start address, length,
     /// whether mapped for reads in place).
@@ -92,8 +92,8 @@ pub struct HostStandIn {
     volatile_uses: Mutex<HashMap<String, u64>>,
     /// Uses of weights read in place from mapped memory (`in_place`), by weight name.
     in_place_uses: Mutex<HashMap<String, u64>>,
-    /// Whether it says it rotates part of a head ([`Device::rope_partial`]; the CUDA device's
-    /// RoPE rotates whole heads).
+    /// Whether it says it rotates part of a head ([`Device::rope_partial`]; `with_whole_head_rope`:
+    /// as a device whose RoPE rotates whole heads only).
     rope_partial: bool,
 }
 
@@ -121,8 +121,8 @@ impl HostStandIn {
         }
     }
 
-    /// A stand-in whose RoPE rotates whole heads only, as the CUDA device's: a model with
-    /// partial RoPE is refused at load on it.
+    /// A stand-in whose RoPE rotates whole heads only: a model with partial RoPE is refused at
+    /// load on it.
     pub fn with_whole_head_rope(mut self) -> HostStandIn {
         self.rope_partial = false;
         self
@@ -155,8 +155,8 @@ impl HostStandIn {
         self
     }
 
-    /// Says it does not compute attention sinks ([`Device::attention_sinks`]), as the CUDA
-    /// device: a model with them is refused at load.
+    /// Says it does not compute attention sinks ([`Device::attention_sinks`]): a model with them
+    /// is refused at load.
     pub fn without_attention_sinks(mut self) -> HostStandIn {
         self.sinks = false;
         self

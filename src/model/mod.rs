@@ -218,8 +218,7 @@ impl Model {
         if src.config.attn_sinks && !device.attention_sinks() {
             return Err(Error::Input(format!(
                 "{}: a {} model: its attention sinks (`blk.N.attn_sinks`, an extra logit in each head's \
-                 softmax) are not computed by the {} device yet (nor its YaRN RoPE or MXFP4 experts); run \
-                 it with --device cpu",
+                 softmax) are not computed by the {} device; run it with --device cpu",
                 path.display(),
                 src.config.arch.name(),
                 device.name()

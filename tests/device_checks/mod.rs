@@ -1,6 +1,7 @@
 //! Checks of any device against the CPU device (the reference), shared by the GPU suites: one
-//! body, several devices (`tests/gpu_wgpu.rs` runs them on the wgpu device). Each returns a
-//! line saying what it compared and the worst difference, or why it failed.
+//! body, several devices (`tests/gpu_wgpu.rs` runs them on the wgpu device, `tests/gpu_cuda.rs`
+//! some on the CUDA device). Each returns a line saying what it compared and the worst
+//! difference, or why it failed.
 #![allow(dead_code)]
 
 pub mod budget;

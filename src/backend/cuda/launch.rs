@@ -333,22 +333,24 @@ kernels! {
     /// Each row's `k` largest values with their ids (and with `lse`, the row's log-sum-exp).
     top_k_rows(x: Ptr, width: I32, banned: Opt, n_banned: I32, k: I32, lse: I32, out: Ptr)
         if (1..=TOP_K_THREADS as usize).contains(&k) && k <= width;
-    /// Rotary embedding of the query and key heads (each head normed first where given).
+    /// Rotary embedding of the query and key heads (each head normed first where given): the
+    /// leading `rd` dimensions of each, their angles divided by `factors` where given.
     rope_norm(
-        q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, positions: Ptr,
-        base: F32, pos_scale: F32, style: I32, eps: F32,
-    ) if hd > 0 && hd.is_multiple_of(2);
+        q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, rd: I32, positions: Ptr,
+        base: F32, pos_scale: F32, style: I32, factors: Opt, eps: F32,
+    ) if hd > 0 && hd.is_multiple_of(2) && rd > 0 && rd.is_multiple_of(2) && rd <= hd;
     /// As `rope_norm`, writing the keys and `v` into the KV cache (`info`, `layer`) too.
     rope_norm_kv(
-        q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, positions: Ptr,
-        base: F32, pos_scale: F32, style: I32, eps: F32, v: Ptr, info: Ptr, layer: I32,
-    ) if hd > 0 && hd.is_multiple_of(2);
+        q: Ptr, q_width: I32, q_norm: Opt, k: Ptr, k_width: I32, k_norm: Opt, hd: I32, rd: I32, positions: Ptr,
+        base: F32, pos_scale: F32, style: I32, factors: Opt, eps: F32, v: Ptr, info: Ptr, layer: I32,
+    ) if hd > 0 && hd.is_multiple_of(2) && rd > 0 && rd.is_multiple_of(2) && rd <= hd;
     /// Each token's keys and values into the KV cache.
     kv_write(k: Ptr, v: Ptr, info: Ptr, layer: I32, kvd: I32);
-    /// Attention of each token's query heads over its sequence's cache.
+    /// Attention of each token's query heads over its sequence's cache (with each head's sink in
+    /// its softmax where `sinks` are given).
     attention(
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
-        scores: Ptr, max_len: I32, out: Ptr,
+        sinks: Opt, scores: Ptr, max_len: I32, out: Ptr,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
     /// The same split over positions (`grid.z` splits of `chunk`): the output itself with one
     /// split, else each split's maximum, sum and sums into `part` for `attention_merge` — or,
@@ -357,16 +359,16 @@ kernels! {
     /// heads filling whole Q8_K blocks), the output's Q8_K blocks there too.
     attention_split(
         q: Ptr, info: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
-        chunk: I32, part: Opt, done: Opt, out: Ptr, q8: Opt, q8done: Opt,
+        sinks: Opt, chunk: I32, part: Opt, done: Opt, out: Ptr, q8: Opt, q8done: Opt,
     ) if hd <= ATTN_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && chunk > 0
         && (q8 == 0 || (q8done != 0 && attention_q8_groups(n_heads, hd).is_some()));
-    /// The splits of `attention_split` into each head's output.
-    attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, out: Ptr)
+    /// The splits of `attention_split` into each head's output (with its sink where given).
+    attention_merge(part: Ptr, n_heads: I32, hd: I32, splits: I32, sinks: Opt, out: Ptr)
         if splits > 1 && splits <= ATTN_SPLIT_TARGET_BLOCKS;
     /// The same for the tiles of runs of a sequence's tokens (`tiles`: (first, count) pairs).
     attention_tiles(
         q: Ptr, info: Ptr, tiles: Ptr, layer: I32, n_heads: I32, n_kv_heads: I32, hd: I32, scale: F32, window: I32,
-        out: Ptr,
+        sinks: Opt, out: Ptr,
     ) if hd <= ATTN_TILE_MAX_HEAD_DIM && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads);
     /// 8-bit activations: `blocks` blocks of 32 (Q8_0) or 256 (Q8_K) values of `x` into `y`.
     act_q8 ["act_q8_32", "act_q8_k"] (x: Ptr, y: Ptr, blocks: U64);
@@ -457,10 +459,11 @@ kernels! {
         t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
         t1: I32, w1: Ptr, s1: U64, r1: I32, b1: Opt, y1: Ptr,
         t2: I32, w2: Ptr, s2: U64, r2: I32, b2: Opt, y2: Ptr,
-        q_norm: Opt, k_norm: Opt, hd: I32, positions: Ptr, base: F32, pos_scale: F32, style: I32, eps: F32,
-        info: Ptr, layer: I32, vt: I32, done: Ptr,
+        q_norm: Opt, k_norm: Opt, hd: I32, rd: I32, positions: Ptr, base: F32, pos_scale: F32, style: I32,
+        factors: Opt, eps: F32, info: Ptr, layer: I32, vt: I32, done: Ptr,
     ) if xq.is_multiple_of(16) && (1..=I8N_MAX.min(MATMUL_WARPS as usize)).contains(&n) && hd > 0
-        && hd.is_multiple_of(2) && r0.is_multiple_of(hd) && r1 == r2 && r1.is_multiple_of(hd) && vt.is_multiple_of(32);
+        && hd.is_multiple_of(2) && rd > 0 && rd.is_multiple_of(2) && rd <= hd && r0.is_multiple_of(hd) && r1 == r2
+        && r1.is_multiple_of(hd) && vt.is_multiple_of(32);
     /// `matvec_i8x3_mixed` of a token's Q, K and V weights, then `rope_norm_kv` of their
     /// outputs (as a block of `vt` threads) by the last block of each head's rows; `done`: zeroed
     /// counters, one per query, key and value head.
@@ -469,10 +472,10 @@ kernels! {
         t0: I32, w0: Ptr, s0: U64, r0: I32, b0: Opt, y0: Ptr,
         t1: I32, w1: Ptr, s1: U64, r1: I32, b1: Opt, y1: Ptr,
         t2: I32, w2: Ptr, s2: U64, r2: I32, b2: Opt, y2: Ptr,
-        q_norm: Opt, k_norm: Opt, hd: I32, positions: Ptr, base: F32, pos_scale: F32, style: I32, eps: F32,
-        info: Ptr, layer: I32, vt: I32, done: Ptr,
-    ) if xq.is_multiple_of(16) && hd > 0 && hd.is_multiple_of(2) && r0.is_multiple_of(hd) && r1 == r2
-        && r1.is_multiple_of(hd) && vt.is_multiple_of(32) && vt <= 256;
+        q_norm: Opt, k_norm: Opt, hd: I32, rd: I32, positions: Ptr, base: F32, pos_scale: F32, style: I32,
+        factors: Opt, eps: F32, info: Ptr, layer: I32, vt: I32, done: Ptr,
+    ) if xq.is_multiple_of(16) && hd > 0 && hd.is_multiple_of(2) && rd > 0 && rd.is_multiple_of(2) && rd <= hd
+        && r0.is_multiple_of(hd) && r1 == r2 && r1.is_multiple_of(hd) && vt.is_multiple_of(32) && vt <= 256;
     /// `matvec_i8x3` of a gate (`w0`) and an up (`w1`) weight of `r0` rows (a multiple of 256),
     /// then `activate_mul_q8_k` of their outputs (`f`; the Q8_K blocks into `out`) by the last
     /// of each 256 rows' blocks; `done`: zeroed counters, one per 256 rows.

@@ -14,17 +14,12 @@ macro_rules! record {
 }
 
 impl Device for CudaDevice {
-    fn rope_freq_factors(&self) -> bool {
-        // (The RoPE kernels compute each angle from the base alone.)
-        false
-    }
     fn latent_attention(&self) -> bool {
         // (The attention kernels read values from a cache of their own.)
         false
     }
-    fn rope_partial(&self) -> bool {
-        // (The RoPE kernels rotate whole heads.)
-        false
+    fn attention_sinks(&self) -> bool {
+        true
     }
     fn computes_type(&self, ty: crate::quant::GgmlType) -> bool {
         computes_type(ty)
@@ -450,6 +445,15 @@ impl Device for CudaDevice {
             ));
             return out;
         }
+        if shape.sinks.is_some_and(|s| s.len() < shape.n_heads) {
+            self.fail(format!(
+                "CUDA: {} attention sinks for {} query heads",
+                shape.sinks.map_or(0, |s| s.len()),
+                shape.n_heads
+            ));
+            return out;
+        }
+        let sinks = shape.sinks.map_or(0, |s| self.vector(s));
         let info = self.token_kv(positions, seq_of_token, caches);
         // (fewer tokens than a run must average cannot make one: no tiles looked for)
         if self.attn_tiles() && shape.head_dim <= ATTN_TILE_MAX_HEAD_DIM && positions.len() >= ATTN_TILE_MIN_RUN {
@@ -472,6 +476,7 @@ impl Device for CudaDevice {
                     shape.head_dim,
                     shape.scale,
                     shape.window.unwrap_or(0),
+                    sinks,
                     self.buf(&out),
                 );
                 return out;
@@ -525,6 +530,7 @@ impl Device for CudaDevice {
                 shape.head_dim,
                 shape.scale,
                 shape.window.unwrap_or(0),
+                sinks,
                 max_len / splits,
                 part.as_ref().map_or(0, |p| self.buf(p)),
                 done,
@@ -546,6 +552,7 @@ impl Device for CudaDevice {
                     shape.n_heads,
                     shape.head_dim,
                     splits,
+                    sinks,
                     self.buf(&out),
                 );
             }
@@ -562,6 +569,7 @@ impl Device for CudaDevice {
             shape.head_dim,
             shape.scale,
             shape.window.unwrap_or(0),
+            sinks,
             self.buf(&scores),
             max_len,
             self.buf(&out),
@@ -602,6 +610,17 @@ impl CudaDevice {
     ) {
         let (shape, q_norm, k_norm, eps) = rope;
         let hd = shape.head_dim;
+        // Partial RoPE: the leading `rd` dimensions of each head rotate.
+        let rd = shape.rope_dims.min(hd);
+        let factors = shape.factors.map_or(0, |f| self.vector(f));
+        if shape.factors.is_some_and(|f| f.len() < rd / 2) {
+            self.fail(format!(
+                "CUDA: {} RoPE frequency factors for {rd} rotated dimensions (need {})",
+                shape.factors.map_or(0, |f| f.len()),
+                rd / 2
+            ));
+            return;
+        }
         let pos: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
         let pp = self.indices(&pos);
         let style = match shape.style {
@@ -632,10 +651,12 @@ impl CudaDevice {
                 q_norm: qn,
                 k_norm: kn,
                 hd,
+                rd,
                 positions: pp,
                 base,
                 pos_scale,
                 style,
+                factors,
                 eps,
                 info,
                 layer,
@@ -654,18 +675,20 @@ impl CudaDevice {
                 kw,
                 kn,
                 hd,
+                rd,
                 pp,
                 base,
                 pos_scale,
                 style,
+                factors,
                 eps,
                 self.buf(v),
                 info,
                 layer,
             ),
-            None => self
-                .k()
-                .rope_norm(cfg, qp, qw, qn, kp, kw, kn, hd, pp, base, pos_scale, style, eps),
+            None => self.k().rope_norm(
+                cfg, qp, qw, qn, kp, kw, kn, hd, rd, pp, base, pos_scale, style, factors, eps,
+            ),
         }
     }
 
@@ -793,7 +816,7 @@ impl CudaDevice {
         };
         record!(matvec_i8x3_rope_kv
             from p: xq, cols, wpr, nb0, nb01, t0, w0, s0, r0, b0, y0, t1, w1, s1, r1, b1, y1, t2, w2, s2, r2, b2, y2;
-            from r: q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer;
+            from r: q_norm, k_norm, hd, rd, positions, base, pos_scale, style, factors, eps, info, layer;
             set vt: vt, done: done)
         .launch(&self.k(), cfg);
         self.fused_into_last_blocks();
@@ -825,7 +848,7 @@ impl CudaDevice {
         };
         record!(matvec_i8nx3_rope_kv
             from p: xq, n, cols, wpr, nb0, nb01, t0, w0, s0, r0, b0, y0, t1, w1, s1, r1, b1, y1, t2, w2, s2, r2, b2, y2;
-            from r: q_norm, k_norm, hd, positions, base, pos_scale, style, eps, info, layer;
+            from r: q_norm, k_norm, hd, rd, positions, base, pos_scale, style, factors, eps, info, layer;
             set vt: vt, done: done)
         .launch(&self.k(), cfg);
         self.fused_into_last_blocks();
@@ -1232,17 +1255,19 @@ impl CudaDevice {
 }
 
 /// What `rope_norm_kv` takes besides its rows (see [`CudaDevice::launch_rope`]): the norms (0:
-/// none), the head size, the positions' device list, the rotation, the KV cache's token words and
-/// layer.
+/// none), the head size and its rotated dimensions, the positions' device list, the rotation (its
+/// frequency factors' device vector, 0: none), the KV cache's token words and layer.
 #[derive(Clone, Copy)]
 struct RopeArgs {
     q_norm: u64,
     k_norm: u64,
     hd: usize,
+    rd: usize,
     positions: u64,
     base: f32,
     pos_scale: f32,
     style: usize,
+    factors: u64,
     eps: f32,
     info: u64,
     layer: usize,
