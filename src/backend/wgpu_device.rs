@@ -33,7 +33,7 @@ use crate::tensor::Weight;
 
 /// The weight types the device's product kernels decode (kernels/wgsl/quant.wgsl); a model
 /// holding a matrix of any other type is refused at load.
-pub const WGPU_TYPES: [GgmlType; 11] = [
+pub const WGPU_TYPES: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -45,6 +45,11 @@ pub const WGPU_TYPES: [GgmlType; 11] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
 ];
 
 /// The type's code in quant.wgsl (`TYPE`).

@@ -37,15 +37,38 @@ impl Rng {
     }
 }
 
-/// `rows` random rows of `cols` quantized to `ty`.
+/// `rows` random rows of `cols` quantized to `ty`, or for the types gatestream reads but does
+/// not write (Q2_K, Q3_K, IQ4_NL, IQ4_XS) random blocks ([`random_blocks`]).
 pub fn quantized(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Weight {
     let row_bytes = ty.row_bytes(cols).expect("whole blocks");
     let mut bytes = vec![0u8; rows * row_bytes];
     for r in 0..rows {
         let x = rng.values(cols);
-        assert!(quantize_row(ty, &x, &mut bytes[r * row_bytes..(r + 1) * row_bytes]));
+        let row = &mut bytes[r * row_bytes..(r + 1) * row_bytes];
+        if !quantize_row(ty, &x, row) {
+            random_blocks(ty, row, rng);
+        }
     }
     Weight::owned(&format!("test.{ty:?}"), ty, rows, cols, bytes).expect("weight")
+}
+
+/// Blocks of `ty` whose quant and scale bits are all random (every bit pattern decodes) but for
+/// the f16 scales (Q2_K's d and dmin at bytes 80 and 82, Q3_K's d at 108, IQ4_NL's and IQ4_XS's
+/// d at 0, as src/quant/layout.rs places them), each finite, of either sign, within ±0.05.
+fn random_blocks(ty: GgmlType, row: &mut [u8], rng: &mut Rng) {
+    let f16_at: &[usize] = match ty {
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        other => panic!("{other:?}: neither quantized nor made at random here"),
+    };
+    row.iter_mut().for_each(|b| *b = (rng.next() >> 56) as u8);
+    for block in row.chunks_exact_mut(ty.block_bytes()) {
+        for &at in f16_at {
+            let d = half::f16::from_f32((rng.unit() - 0.5) * 0.1);
+            block[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+        }
+    }
 }
 
 /// Every row of `w`, decoded.
@@ -176,17 +199,18 @@ pub fn products_per_type(dev: &dyn Device, types: &[GgmlType], tol: f64) -> Resu
 }
 
 /// Products over the rows of real models' FFNs, wider than `products_per_type` takes: Qwen2.5-1.5B's
-/// down projection (8960 columns: 35 K blocks), Q4_K and Q6_K, one token, a part tile and two
-/// tiles of 8, against the CPU device; and the neuron-major product over 8960 rows (all, and
-/// every other one). On lavapipe a thread's loops end after 65535 iterations: a kernel that
+/// down projection (8960 columns: 35 K blocks), each of [`WIDE_TYPES`], one token, a part tile
+/// and two tiles of 8, against the CPU device; and the neuron-major product over 8960 rows
+/// (all, and every other one). On lavapipe a thread's loops end after 65535 iterations: a kernel that
 /// loops over a whole row of 8960 for 8 tokens in one thread stops part way, silently.
 pub fn wide_products_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, String> {
+    let types = WIDE_TYPES.map(GgmlType::name).join(", ");
     let cpu = CpuBackend::new(1);
     let mut rng = Rng(66);
     let (wide, narrow) = (8960, 64);
     let mut worst = 0f64;
     let mut failed = Vec::new();
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+    for ty in WIDE_TYPES {
         let w = quantized(ty, narrow, wide, &mut rng);
         let tall = quantized(ty, wide, 256, &mut rng);
         let d = dequantized(&tall);
@@ -231,7 +255,7 @@ pub fn wide_products_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, S
         err_of(dev).map_err(|e| format!("{ty:?}: {e}"))?;
     }
     let msg = format!(
-        "  rows of 8960 (Qwen2.5-1.5B's FFN; Q4_K, Q6_K; 1, 5, 8 and 16 tokens) and neuron-major sums over 8960 \
+        "  rows of 8960 (Qwen2.5-1.5B's FFN; {types}; 1, 5, 8 and 16 tokens) and neuron-major sums over 8960 \
          rows: worst |diff| / max against the CPU or f64 {worst:.2e} (bar {tol:.0e})"
     );
     match failed.is_empty() {
@@ -239,6 +263,19 @@ pub fn wide_products_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, S
         false => Err(format!("{msg}\n  FAILED: {}", failed.join("; "))),
     }
 }
+
+/// The types [`wide_products_against_cpu`] multiplies: Qwen2.5-1.5B's two, and each of the
+/// other block layouts (super-blocks of 256 with 2- and 3-bit quants and IQ4_XS's sub-block
+/// scales; IQ4_NL's and MXFP4's blocks of 32, MXFP4's of 17 bytes so that rows start at any byte).
+const WIDE_TYPES: [GgmlType; 7] = [
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_XS,
+    GgmlType::IQ4_NL,
+    GgmlType::MXFP4,
+];
 
 fn dot64(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
