@@ -289,6 +289,42 @@ fn synth_gpt_oss_mxfp4(dir: &std::path::Path) -> Result<std::path::PathBuf, Stri
     synth_model(dir, gpt_oss_shape(), gatestream::synth::Mix::Mxfp4Moe, false)
 }
 
+/// A random dense llama (2 layers of width 256, 4 heads of 64 over 2 KV heads) in each of the
+/// quantized mixes whose types only the newer kernels decode — `Q2_K` (Q2_K, Q3_K, Q6_K),
+/// `Q3_K_M` (Q3_K, Q4_K, Q5_K, Q6_K), `IQ4_XS` (IQ4_XS, Q6_K) — on both devices: the CPU's
+/// greedy tokens and perplexity within 0.1%, the logits reported (their activations are 8-bit
+/// blocks, as a quantized real model's).
+fn quant_mixes(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    use gatestream::config::Arch;
+    use gatestream::synth::{Mix, Shape};
+    let (steps, ppl) = small_budget(dev);
+    let text = wiki_text(100_000)?;
+    let mut lines = Vec::new();
+    let mut failed = false;
+    for mix in [Mix::Q2K, Mix::Q3KM, Mix::IQ4XS] {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let path = synth_model(
+            dir.path(),
+            Shape::custom(Arch::Llama, 256, 256, 2, 4, 2, 64),
+            mix,
+            false,
+        )?;
+        let name = format!("random llama ({})", mix.name());
+        let prompt = "The capital of France is";
+        match device_checks::model_against_cpu(&name, &path, dev.clone(), prompt, steps, &text, ppl, None) {
+            Ok(m) => lines.push(m),
+            Err(m) => {
+                failed = true;
+                lines.push(m)
+            }
+        }
+    }
+    match failed {
+        false => Ok(lines.join("\n")),
+        true => Err(lines.join("\n")),
+    }
+}
+
 /// 2 layers of width 64, 4 heads of 16 over 2 KV heads, 4 experts of 64, 2 used a token.
 fn gpt_oss_shape() -> gatestream::synth::Shape {
     use gatestream::config::Arch;
@@ -514,7 +550,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 26] = [
+    let checks: [(&str, Check); 27] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -631,6 +667,7 @@ fn main() {
                 None,
             )
         }),
+        ("quant_mixes_wgpu_vs_cpu", quant_mixes),
         ("smollm2_run_streamed", smollm2_run_streamed),
         ("smollm2_wgpu_vs_cpu", |d| {
             real_model(
