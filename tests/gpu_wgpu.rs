@@ -9,9 +9,11 @@
 //! one token and batches — against f64 sums; the elementwise ops, norms and moves, RoPE (both
 //! styles, norms, partial, factors), cache writes and attention (grouped heads, windows, sinks,
 //! two sequences) and argmax against the CPU device; types the device has no kernels for refused
-//! at load, naming the type; then real models — stories260K, SmolLM2-135M (Q4_1), Gemma 3 270M
-//! (Q5_0/Q8_0/Q4_K/Q6_K) and Qwen2.5-Coder-1.5B (Q4_K/Q6_K) — with the same greedy tokens as the
-//! CPU and perplexity within 0.1% of the CPU's. Arguments pick checks by name
+//! at load, naming the type; small models of each architecture the device runs (qwen3, Llama
+//! 3.1's RoPE factors, the mixtures of experts: llama, qwen2moe, qwen3moe, olmoe, glm4moe,
+//! gpt-oss) and one it refuses (deepseek2); then real models — stories260K, SmolLM2-135M
+//! (Q4_1), Gemma 3 270M (Q5_0/Q8_0/Q4_K/Q6_K) and Qwen2.5-Coder-1.5B (Q4_K/Q6_K) — with the same
+//! greedy tokens as the CPU and perplexity within 0.1% of the CPU's. Arguments pick checks by name
 //! (`gpu_wgpu kernels stories`). The real models other than stories260K need
 //! `tools/fetch-models.sh all`; a missing one fails its check, naming the command. On a software
 //! adapter a run without names leaves those three out and says so (minutes each there).
@@ -71,12 +73,13 @@ fn real_model(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, big: b
         steps,
         &wiki_text(100_000)?,
         ppl,
+        None,
     )
 }
 
-/// The architectures checked here (dense llama, qwen2, gemma3) load; another (a small random
-/// dense qwen3, written here) is refused at load, naming `--device cpu`, unless
-/// GATESTREAM_WGPU_UNCHECKED asks to run it anyway.
+/// The real models checked here (gemma3, qwen2) are not refused; an architecture not checked
+/// (a small random deepseek2, with latent attention, written here) is refused at load, naming
+/// `--device cpu`, unless GATESTREAM_WGPU_UNCHECKED asks to run it anyway.
 fn unchecked_refused(dev: &Arc<WgpuDevice>) -> Result<String, String> {
     if std::env::var_os("GATESTREAM_WGPU_UNCHECKED").is_some() {
         return Ok("GATESTREAM_WGPU_UNCHECKED is set: not refused".into());
@@ -100,31 +103,39 @@ fn unchecked_refused(dev: &Arc<WgpuDevice>) -> Result<String, String> {
         }
         loaded.push(file);
     }
+    use gatestream::config::{Arch, Mla};
     use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, Shape, TokenizerChoice};
-    let path = std::env::temp_dir().join(format!("gatestream-wgpu-qwen3-{}.gguf", std::process::id()));
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = dir.path().join("deepseek2.gguf");
+    let mla = Mla {
+        q_lora_rank: 0,
+        kv_lora_rank: 32,
+        qk_nope: 32,
+        qk_rope: 16,
+        v_head: 32,
+    };
     let spec = MakeSpec {
         shape: Shape {
-            name: "small-qwen3".into(),
-            vocab: 512,
-            ..Shape::custom(gatestream::config::Arch::Qwen3, 256, 256, 1, 2, 1, 128)
+            vocab: 300,
+            rope_theta: 10000.0,
+            mla: Some(mla),
+            ..Shape::custom(Arch::Deepseek2, 64, 64, 1, 2, 1, mla.latent())
         },
-        mix: Mix::Q4KM,
+        mix: Mix::Q8_0,
         dequantize: false,
         tokenizer: TokenizerChoice::Synthetic,
         seed: 1,
-        residual_gain: 0.1,
+        residual_gain: 1.0,
     };
     write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
     let device: Arc<dyn gatestream::backend::Device> = dev.clone();
-    let r = gatestream::model::Model::load_on(&path, &Default::default(), device);
-    let _ = std::fs::remove_file(&path);
-    match r {
-        Ok(_) => Err("a qwen3 model loaded on the wgpu device; it should be refused".into()),
+    match gatestream::model::Model::load_on(&path, &Default::default(), device) {
+        Ok(_) => Err("a deepseek2 model loaded on the wgpu device; it should be refused".into()),
         Err(e) if e.to_string().contains("--device cpu") => Ok(format!(
-            "  not refused: {}; a qwen3 model refused, naming --device cpu",
+            "  not refused: {}; a deepseek2 model (latent attention) refused: {e}",
             loaded.join(", ")
         )),
-        Err(e) => Err(format!("a qwen3 model refused for another reason: {e}")),
+        Err(e) => Err(format!("a deepseek2 model refused for another reason: {e}")),
     }
 }
 
@@ -153,6 +164,183 @@ fn real_model_f32(dev: &Arc<WgpuDevice>, name: &str, file: &str, fetch: &str, ct
         (ctx, windows),
         1e-4,
     )
+}
+
+/// Greedy steps and perplexity window of the small-model checks (random or upcycled weights):
+/// fewer on a software adapter.
+fn small_budget(dev: &WgpuDevice) -> (usize, (usize, usize)) {
+    match dev.software() {
+        true => (16, (128, 1)),
+        false => (32, (256, 2)),
+    }
+}
+
+/// A small model of an architecture the device runs beyond the real models', on both devices
+/// (see `device_checks::model_against_cpu`): the CPU's greedy tokens, perplexity within 0.1%,
+/// and every step's logits within 0.01% of their range of the CPU's. Its matrices are F32
+/// (stories260K's, or random ones), so the products multiply the f32 activations on both
+/// devices and nothing but the device's operations separates the two.
+fn small_model(dev: &Arc<WgpuDevice>, name: &str, prompt: &str, make: SmallModel) -> Result<String, String> {
+    small_model_judged(dev, name, prompt, make, Some(1e-4))
+}
+
+/// As [`small_model`], the logits judged by `dlogit_bar` (of their range): a quantized model's
+/// take [`QUANT_DLOGIT_BAR`].
+fn small_model_judged(
+    dev: &Arc<WgpuDevice>,
+    name: &str,
+    prompt: &str,
+    make: SmallModel,
+    dlogit_bar: Option<f64>,
+) -> Result<String, String> {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = make(dir.path())?;
+    let (steps, ppl) = small_budget(dev);
+    let text = wiki_text(100_000)?;
+    device_checks::model_against_cpu(name, &path, dev.clone(), prompt, steps, &text, ppl, dlogit_bar)
+}
+
+type SmallModel = fn(&std::path::Path) -> Result<std::path::PathBuf, String>;
+
+/// stories260K upcycled into 6 F32 experts, 2 used a token, of `arch` (Mixtral-style llama,
+/// qwen2moe with its gated shared expert, qwen3moe, olmoe), as a GGUF in `dir`.
+fn stories_moe(dir: &std::path::Path, arch: gatestream::config::Arch) -> Result<std::path::PathBuf, String> {
+    let dense = common::write_temp(dir, "stories.gguf", &common::stories_gguf(common::Breakage::None));
+    let spec = gatestream::synth::MoeSpec {
+        arch,
+        experts: 6,
+        used: 2,
+        ty: GgmlType::F32,
+        random: None,
+        perturb: 0.05,
+        seed: 3,
+    };
+    let path = dir.join(format!("{}.gguf", arch.name()));
+    gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
+/// stories260K with Llama 3.1's RoPE frequency factors (`rope_freqs.weight`: factor 8, low
+/// and high frequency factors 1 and 4, original context 64, so the factors span 1 to 8).
+fn stories_rope_factors(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let factors = gatestream::config::llama3_rope_factors(8, 10000.0, 8.0, 1.0, 4.0, 64.0);
+    let bytes = common::stories_gguf_with(common::Breakage::None, Some(&factors));
+    Ok(common::write_temp(dir, "stories-rope-freqs.gguf", &bytes))
+}
+
+/// A random model written by `make-model`'s code: `shape` with a vocabulary of 300 (the
+/// synthetic tokenizer: text in bytes), its matrices of `mix`, or with `dequantize` their
+/// values decoded to F32.
+fn synth_model(
+    dir: &std::path::Path,
+    shape: gatestream::synth::Shape,
+    mix: gatestream::synth::Mix,
+    dequantize: bool,
+) -> Result<std::path::PathBuf, String> {
+    use gatestream::synth::{write_model, MakeSpec, OutputFormat, Shape, TokenizerChoice};
+    let path = dir.join(format!("{}.gguf", shape.arch.name()));
+    let spec = MakeSpec {
+        shape: Shape {
+            vocab: 300,
+            context_len: 512,
+            ..shape
+        },
+        mix,
+        dequantize,
+        tokenizer: TokenizerChoice::Synthetic,
+        seed: 5,
+        residual_gain: 1.0,
+    };
+    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
+/// Dense qwen3: per-head Q/K norms before RoPE, no biases.
+fn synth_qwen3(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    use gatestream::config::Arch;
+    use gatestream::synth::{Mix, Shape};
+    synth_model(dir, Shape::custom(Arch::Qwen3, 64, 128, 2, 4, 2, 16), Mix::Q8_0, true)
+}
+
+/// glm4moe: a leading dense layer, sigmoid routing with a score bias, a shared expert not
+/// gated, Q/K/V biases, half of each head rotated.
+fn synth_glm4moe(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    use gatestream::config::Arch;
+    use gatestream::synth::{Mix, RoutingShape, Shape};
+    let shape = Shape {
+        experts: Some((4, 2)),
+        rope_dim: Some(8),
+        routing: Some(RoutingShape::glm(128)),
+        ..Shape::custom(Arch::Glm4Moe, 64, 64, 2, 4, 2, 16)
+    };
+    synth_model(dir, shape, Mix::Q8_0, true)
+}
+
+/// gpt-oss: attention sinks, Q/K/V/O biases, sliding-window layers, routed experts with
+/// biases and the clamped SwiGLU (the experts' MXFP4 values decoded to F32).
+fn synth_gpt_oss(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    use gatestream::synth::Mix;
+    synth_model(dir, gpt_oss_shape(), Mix::Mxfp4Moe, true)
+}
+
+/// The gpt-oss of [`synth_gpt_oss`] as gpt-oss is published: its experts MXFP4, every other
+/// matrix Q8_0 (both multiply activations in 8-bit blocks of 32).
+fn synth_gpt_oss_mxfp4(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    synth_model(dir, gpt_oss_shape(), gatestream::synth::Mix::Mxfp4Moe, false)
+}
+
+/// The worst |Δlogit| (of the range) the small quantized models may show. Their products
+/// multiply 8-bit activation blocks, where an activation that f32 rounding puts on the other
+/// side of a step moves the logits by more than the f32 sums do (a real model: percents), so
+/// the bar is wider than the F32 models' 0.01%; on these 2-layer models lavapipe gives 1e-7,
+/// and a wrong operation more (sinks' logits off by 0.5: 1%, with the tokens and perplexity
+/// still within their bars).
+const QUANT_DLOGIT_BAR: f64 = 1e-3;
+
+/// A random dense llama (2 layers of width 256, 4 heads of 64 over 2 KV heads) in each of the
+/// quantized mixes whose types only the newer kernels decode — `Q2_K` (Q2_K, Q3_K, Q6_K),
+/// `Q3_K_M` (Q3_K, Q4_K, Q5_K, Q6_K), `IQ4_XS` (IQ4_XS, Q6_K) — on both devices: the CPU's
+/// greedy tokens, perplexity within 0.1% and logits within [`QUANT_DLOGIT_BAR`].
+fn quant_mixes(dev: &Arc<WgpuDevice>) -> Result<String, String> {
+    use gatestream::config::Arch;
+    use gatestream::synth::{Mix, Shape};
+    let (steps, ppl) = small_budget(dev);
+    let text = wiki_text(100_000)?;
+    let mut lines = Vec::new();
+    let mut failed = false;
+    for mix in [Mix::Q2K, Mix::Q3KM, Mix::IQ4XS] {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let path = synth_model(
+            dir.path(),
+            Shape::custom(Arch::Llama, 256, 256, 2, 4, 2, 64),
+            mix,
+            false,
+        )?;
+        let name = format!("random llama ({})", mix.name());
+        let prompt = "The capital of France is";
+        let bar = Some(QUANT_DLOGIT_BAR);
+        match device_checks::model_against_cpu(&name, &path, dev.clone(), prompt, steps, &text, ppl, bar) {
+            Ok(m) => lines.push(m),
+            Err(m) => {
+                failed = true;
+                lines.push(m)
+            }
+        }
+    }
+    match failed {
+        false => Ok(lines.join("\n")),
+        true => Err(lines.join("\n")),
+    }
+}
+
+/// 2 layers of width 64, 4 heads of 16 over 2 KV heads, 4 experts of 64, 2 used a token.
+fn gpt_oss_shape() -> gatestream::synth::Shape {
+    use gatestream::config::Arch;
+    use gatestream::synth::Shape;
+    Shape {
+        experts: Some((4, 2)),
+        ..Shape::custom(Arch::GptOss, 64, 64, 2, 4, 2, 16)
+    }
 }
 
 /// `HostLink::measure_link` (what `bench --device wgpu` prints): a positive rate for each size
@@ -370,7 +558,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 21] = [
+    let checks: [(&str, Check); 31] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -453,6 +641,7 @@ fn main() {
                 steps.max(32),
                 &wiki_text(200_000)?,
                 (256, ppl.1.max(2)),
+                None,
             )
         }),
         ("stories260k_gpu_budget", |d| {
@@ -460,6 +649,53 @@ fn main() {
             let gst = device_checks::budget::stories_gst(dir.path())?;
             device_checks::budget::gpu_budget_against_whole(d.clone(), &gst, 0.5, 1e-4)
         }),
+        ("llama31_rope_factors_wgpu_vs_cpu", |d| {
+            small_model(
+                d,
+                "stories260K, Llama 3.1 RoPE factors",
+                "Once upon a time",
+                stories_rope_factors,
+            )
+        }),
+        ("qwen3_wgpu_vs_cpu", |d| {
+            small_model(d, "random qwen3 (F32)", "The capital of France is", synth_qwen3)
+        }),
+        ("moe_llama_wgpu_vs_cpu", |d| {
+            small_model(d, "stories260K, 6 experts (llama)", "Once upon a time", |p| {
+                stories_moe(p, gatestream::config::Arch::Llama)
+            })
+        }),
+        ("moe_qwen2moe_wgpu_vs_cpu", |d| {
+            small_model(d, "stories260K, 6 experts (qwen2moe)", "Once upon a time", |p| {
+                stories_moe(p, gatestream::config::Arch::Qwen2Moe)
+            })
+        }),
+        ("moe_qwen3moe_wgpu_vs_cpu", |d| {
+            small_model(d, "stories260K, 6 experts (qwen3moe)", "Once upon a time", |p| {
+                stories_moe(p, gatestream::config::Arch::Qwen3Moe)
+            })
+        }),
+        ("moe_olmoe_wgpu_vs_cpu", |d| {
+            small_model(d, "stories260K, 6 experts (olmoe)", "Once upon a time", |p| {
+                stories_moe(p, gatestream::config::Arch::Olmoe)
+            })
+        }),
+        ("moe_glm4moe_wgpu_vs_cpu", |d| {
+            small_model(d, "random glm4moe (F32)", "The capital of France is", synth_glm4moe)
+        }),
+        ("moe_gpt_oss_wgpu_vs_cpu", |d| {
+            small_model(d, "random gpt-oss (F32)", "The capital of France is", synth_gpt_oss)
+        }),
+        ("moe_gpt_oss_mxfp4_wgpu_vs_cpu", |d| {
+            small_model_judged(
+                d,
+                "random gpt-oss (MXFP4 experts, Q8_0)",
+                "The capital of France is",
+                synth_gpt_oss_mxfp4,
+                Some(QUANT_DLOGIT_BAR),
+            )
+        }),
+        ("quant_mixes_wgpu_vs_cpu", quant_mixes),
         ("smollm2_run_streamed", smollm2_run_streamed),
         ("smollm2_wgpu_vs_cpu", |d| {
             real_model(

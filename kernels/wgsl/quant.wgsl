@@ -17,6 +17,17 @@ const T_Q8_0: u32 = 7u;
 const T_Q4_K: u32 = 8u;
 const T_Q5_K: u32 = 9u;
 const T_Q6_K: u32 = 10u;
+const T_Q2_K: u32 = 11u;
+const T_Q3_K: u32 = 12u;
+const T_IQ4_NL: u32 = 13u;
+const T_IQ4_XS: u32 = 14u;
+const T_MXFP4: u32 = 15u;
+
+// Lookup tables as little-endian i8 bytes in four words (a vector indexes at run time where a
+// const array need not): IQ4_NL/IQ4_XS's sixteen values (ggml's `kvalues_iq4nl`) and MXFP4's
+// doubled FP4 values (`kvalues_mxfp4`), as src/quant/layout.rs lists them.
+const IQ4_TABLE: vec4<u32> = vec4<u32>(0xbfad9881u, 0xf6eaddcfu, 0x26190d01u, 0x71594535u);
+const FP4_TABLE: vec4<u32> = vec4<u32>(0x03020100u, 0x0c080604u, 0xfdfeff00u, 0xf4f8fafcu);
 
 // One launch's shape. `rows`: output rows (matmul: the weight's rows or the listed ids; the
 // neuron-major product: the rows summed over); `stride`: bytes from one weight row to the next;
@@ -65,6 +76,25 @@ fn i8_of(b: u32) -> f32 {
     return f32((i32(b) << 24u) >> 24u);
 }
 
+// Entry `q` (0..16) of a table of i8 bytes packed four to a word.
+fn table_at(t: vec4<u32>, q: u32) -> f32 {
+    return i8_of((t[q >> 2u] >> ((q & 3u) * 8u)) & 0xffu);
+}
+
+// Half of the E8M0 scale `e` (2^(e - 128)), which multiplies the doubled FP4 values: 2^-128 and
+// 2^-127 are subnormal (src/quant/layout.rs `e8m0_half`).
+fn e8m0_half(e: u32) -> f32 {
+    if (e < 2u) {
+        return bitcast<f32>(0x00200000u << e);
+    }
+    return bitcast<f32>((e - 1u) << 23u);
+}
+
+// The 2-bit quant of element `k` of a Q2_K/Q3_K block whose `qs` start at `qs`.
+fn k_low2(k: u32, qs: u32) -> u32 {
+    return (byte_at(qs + 32u * (k >> 7u) + (k & 31u)) >> (2u * ((k & 127u) >> 5u))) & 3u;
+}
+
 // The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block whose packed scales start at `s`.
 fn k_scale_min(j: u32, s: u32) -> vec2<f32> {
     if (j < 4u) {
@@ -85,6 +115,18 @@ fn deq(row: u32, e: u32) -> f32 {
     }
     if (TYPE == T_BF16) {
         return bitcast<f32>(u16_at(row + 2u * e) << 16u);
+    }
+    if (TYPE == T_IQ4_NL || TYPE == T_MXFP4) {
+        let j = e & 31u;
+        let bb = select(18u, 17u, TYPE == T_MXFP4);
+        let qs = select(2u, 1u, TYPE == T_MXFP4);
+        let blk = row + (e >> 5u) * bb;
+        let byte = byte_at(blk + qs + (j & 15u));
+        let q = select(byte & 15u, byte >> 4u, j >= 16u);
+        if (TYPE == T_MXFP4) {
+            return table_at(FP4_TABLE, q) * e8m0_half(byte_at(blk));
+        }
+        return f16_at(blk) * table_at(IQ4_TABLE, q);
     }
     if (TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 || TYPE == T_Q5_1 || TYPE == T_Q8_0) {
         let j = e & 31u;
@@ -114,6 +156,34 @@ fn deq(row: u32, e: u32) -> f32 {
         return f32(q) * d + f16_at(blk + 2u);
     }
     let k = e & 255u;
+    if (TYPE == T_Q2_K) {
+        // scales[16] at 0 (scale low nibble, min high), qs[64] at 16, d at 80, dmin at 82.
+        let blk = row + (e >> 8u) * 84u;
+        let sc = byte_at(blk + (k >> 4u));
+        let scale = f16_at(blk + 80u) * f32(sc & 15u);
+        return scale * f32(k_low2(k, blk + 16u)) - f16_at(blk + 82u) * f32(sc >> 4u);
+    }
+    if (TYPE == T_Q3_K) {
+        // hmask[32] at 0, qs[64] at 32, the sixteen 6-bit scales packed in 12 bytes at 96, d at 108.
+        let blk = row + (e >> 8u) * 110u;
+        let g = k >> 4u;
+        let low = (byte_at(blk + 96u + (g & 7u)) >> (4u * (g >> 3u))) & 15u;
+        let high = (byte_at(blk + 104u + (g & 3u)) >> (2u * (g >> 2u))) & 3u;
+        let scale = f16_at(blk + 108u) * f32(i32(low | (high << 4u)) - 32);
+        let hbit = (byte_at(blk + (k & 31u)) >> (k >> 5u)) & 1u;
+        return scale * f32(i32(k_low2(k, blk + 32u) | (hbit << 2u)) - 4);
+    }
+    if (TYPE == T_IQ4_XS) {
+        // d at 0, the scales' high bits (2 each) at 2, their low nibbles at 4, qs[128] at 8.
+        let blk = row + (e >> 8u) * 136u;
+        let s = k >> 5u;
+        let j = k & 31u;
+        let sl = (byte_at(blk + 4u + (s >> 1u)) >> (4u * (s & 1u))) & 15u;
+        let sh = (u16_at(blk + 2u) >> (2u * s)) & 3u;
+        let scale = f16_at(blk) * f32(i32(sl | (sh << 4u)) - 32);
+        let byte = byte_at(blk + 8u + 16u * s + (j & 15u));
+        return scale * table_at(IQ4_TABLE, select(byte & 15u, byte >> 4u, j >= 16u));
+    }
     if (TYPE == T_Q6_K) {
         let blk = row + (e >> 8u) * 210u;
         let half = k >> 7u;

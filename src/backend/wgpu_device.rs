@@ -33,7 +33,7 @@ use crate::tensor::Weight;
 
 /// The weight types the device's product kernels decode (kernels/wgsl/quant.wgsl); a model
 /// holding a matrix of any other type is refused at load.
-pub const WGPU_TYPES: [GgmlType; 11] = [
+pub const WGPU_TYPES: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -45,6 +45,11 @@ pub const WGPU_TYPES: [GgmlType; 11] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
 ];
 
 /// The type's code in quant.wgsl (`TYPE`).
@@ -971,19 +976,26 @@ impl Device for WgpuDevice {
         type_code(ty).is_some()
     }
 
-    /// Checked against the CPU (tests/gpu_wgpu.rs): dense `llama` (stories260K, SmolLM2),
-    /// `qwen2` (Qwen2.5-Coder-1.5B: Q/K/V biases, 6 query heads a key head, heads of 128) and
-    /// `gemma3` (Gemma-3-270M: heads of 256, per-head norms, post norms, GeGLU, sliding windows)
-    /// models, their matrices decoded to F32 within 0.01% of the CPU's perplexity. Every other
-    /// architecture is refused until it is checked (`GATESTREAM_WGPU_UNCHECKED=1` runs it
-    /// anyway, to debug).
+    /// Checked against the CPU (tests/gpu_wgpu.rs): dense `llama` (stories260K, SmolLM2; with
+    /// Llama 3.1's RoPE frequency factors), `qwen2` (Qwen2.5-Coder-1.5B: Q/K/V biases, 6 query
+    /// heads a key head, heads of 128), `gemma3` (Gemma-3-270M: heads of 256, per-head norms,
+    /// post norms, GeGLU, sliding windows), `qwen3`, and the mixtures of experts `llama`
+    /// (Mixtral-style), `qwen2moe`, `qwen3moe`, `olmoe`, `glm4moe` (partial RoPE, leading dense
+    /// layers, sigmoid routing) and `gpt-oss` (sinks, biases, the clamped SwiGLU on the host).
+    /// Every other architecture (`deepseek2`) is refused until it is checked
+    /// (`GATESTREAM_WGPU_UNCHECKED=1` runs it anyway, to debug).
     fn refuses_model(&self, cfg: &crate::config::ModelConfig) -> Option<String> {
         use crate::config::Arch;
-        let checked = matches!(cfg.arch, Arch::Llama | Arch::Qwen2 | Arch::Gemma3) && cfg.moe.is_none();
+        let checked = match cfg.arch {
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => true,
+            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe | Arch::GptOss => true,
+            Arch::Deepseek2 => false,
+        };
         (!checked && std::env::var_os("GATESTREAM_WGPU_UNCHECKED").is_none()).then(|| {
             format!(
-                "the wgpu device is checked against the CPU on dense llama, qwen2 and gemma3 models only so far, and \
-                 this is a{} {} model (GATESTREAM_WGPU_UNCHECKED=1 runs it anyway)",
+                "the wgpu device is checked against the CPU on llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe, \
+                 olmoe, glm4moe and gpt-oss models only so far, and this is a{} {} model \
+                 (GATESTREAM_WGPU_UNCHECKED=1 runs it anyway)",
                 if cfg.moe.is_some() { " mixture-of-experts" } else { "" },
                 cfg.arch.name()
             )
