@@ -4,7 +4,8 @@
 // threads a (token, query head); grouped heads read their key/value head (head / group). The
 // positions are taken 64 at a time (one score a thread) with a running maximum and sum
 // (online softmax), so any context length runs in the same workgroup memory; each thread keeps
-// the output values of dimensions lid, lid + 64, ... (head_dim at most 256). A span longer than
+// the output values of dimensions lid, lid + 64, ... (head_dim at most 640: DeepSeek's latent
+// heads are 576; their values are the keys, `vc` bound to the key cache). A span longer than
 // `chunk` positions is split over `splits` workgroups a (token, head), each writing its maximum,
 // sum and weighted values to `part` (`attention_part`), which `attention_join` merges: a long
 // context fills more of the GPU, and no invocation loops past a software adapter's budget.
@@ -36,7 +37,7 @@ struct Params {
 // Per (token, head, split): its maximum, sum, then head_dim weighted values.
 @group(0) @binding(7) var<storage, read_write> part: array<f32>;
 
-var<workgroup> qh: array<f32, 256>;
+var<workgroup> qh: array<f32, 640>;
 var<workgroup> sc: array<f32, 64>;
 var<workgroup> here: vec2<u32>;
 
@@ -48,7 +49,7 @@ const LOWEST: f32 = -3.4028235e38;
 struct Partial {
     m: f32,
     l: f32,
-    acc: array<f32, 4>,
+    acc: array<f32, 10>,
 }
 
 fn attend(g: u32, lid: u32, c: u32, with_sink: bool) -> Partial {
@@ -104,14 +105,14 @@ fn attend(g: u32, lid: u32, c: u32, with_sink: bool) -> Partial {
         }
         let alpha = exp(r.m - mt);
         r.l *= alpha;
-        for (var c = 0u; c < 4u; c += 1u) {
+        for (var c = 0u; c < 10u; c += 1u) {
             r.acc[c] *= alpha;
         }
         for (var i = 0u; i < n; i += 1u) {
             let e = exp(sc[i] - mt);
             r.l += e;
             let v = (j0 + i) * p.kv_dim + koff;
-            for (var c = 0u; c < 4u; c += 1u) {
+            for (var c = 0u; c < 10u; c += 1u) {
                 let dim = lid + 64u * c;
                 if (dim < p.head_dim) {
                     r.acc[c] += e * vc[v + dim];
@@ -134,7 +135,7 @@ fn attention(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_ind
     let r = attend(g, lid, 0u, p.has_sinks != 0u);
     let rp = at[g / p.n_heads];
     let qoff = rp.x * p.q_width + (g % p.n_heads) * p.head_dim;
-    for (var c = 0u; c < 4u; c += 1u) {
+    for (var c = 0u; c < 10u; c += 1u) {
         let dim = lid + 64u * c;
         if (dim < p.head_dim) {
             out[qoff + dim] = r.acc[c] / r.l;
@@ -156,7 +157,7 @@ fn attention_part(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
         part[base] = r.m;
         part[base + 1u] = r.l;
     }
-    for (var c = 0u; c < 4u; c += 1u) {
+    for (var c = 0u; c < 10u; c += 1u) {
         let dim = lid + 64u * c;
         if (dim < p.head_dim) {
             part[base + 2u + dim] = r.acc[c];
@@ -186,19 +187,19 @@ fn attention_join(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     if (p.has_sinks != 0u) {
         l = exp(sinks[h] - mx);
     }
-    var acc: array<f32, 4>;
+    var acc: array<f32, 10>;
     for (var s = 0u; s < p.splits; s += 1u) {
         let base = (g * p.splits + s) * stride;
         let w = exp(part[base] - mx);
         l += part[base + 1u] * w;
-        for (var c = 0u; c < 4u; c += 1u) {
+        for (var c = 0u; c < 10u; c += 1u) {
             let dim = lid + 64u * c;
             if (dim < p.head_dim) {
                 acc[c] += part[base + 2u + dim] * w;
             }
         }
     }
-    for (var c = 0u; c < 4u; c += 1u) {
+    for (var c = 0u; c < 10u; c += 1u) {
         let dim = lid + 64u * c;
         if (dim < p.head_dim) {
             out[qoff + dim] = acc[c] / l;

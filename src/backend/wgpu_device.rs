@@ -104,7 +104,8 @@ pub struct WgpuBuf(wgpu::Buffer);
 struct WgpuKv {
     device: u64,
     k: Vec<wgpu::Buffer>,
-    v: Vec<wgpu::Buffer>,
+    /// None for latent attention: its values are the keys' first numbers, read from `k`.
+    v: Option<Vec<wgpu::Buffer>>,
 }
 
 /// Rows `first..first + rows` of a weight in one device buffer (a weight larger than the
@@ -132,8 +133,9 @@ const GRID_SIDE: u32 = 65535;
 /// Tokens a product's workgroup multiplies together (`TILE` in quant.wgsl).
 const TILE: usize = 8;
 
-/// Widest head the attention kernel keeps (4 values a thread, 64 threads).
-const MAX_HEAD_DIM: usize = 256;
+/// Widest head the attention kernel keeps (10 values a thread, 64 threads): DeepSeek's latent
+/// heads are 576.
+const MAX_HEAD_DIM: usize = 640;
 
 /// Widest head the RoPE kernel keeps in workgroup memory.
 const MAX_ROPE_HEAD: usize = 1024;
@@ -156,7 +158,7 @@ fn matmul_thread_loops(cols: usize, tokens: usize) -> usize {
 /// Positions one attention workgroup takes: a (token, head) whose span is longer is split over
 /// several (`attention_part`, then `attention_join`). A decoding token's heads alone are too few
 /// workgroups to fill a GPU over a long context, and a software adapter's thread loops over
-/// 1024 positions within its budget (heads of 256: 11776 iterations).
+/// 1024 positions within its budget (heads of 640: 24448 iterations).
 const ATTENTION_CHUNK: usize = 1024;
 
 /// Loop iterations of one `attention_join` invocation over `splits` partials (an upper bound).
@@ -168,7 +170,7 @@ fn join_loops(splits: usize) -> usize {
 /// 64 positions, the query's dot product with a key, the tile's maximum and the value sums (an
 /// upper bound).
 fn attention_loops(head_dim: usize, positions: usize) -> usize {
-    positions.div_ceil(64) * (head_dim + 64 * 7 + 16) + head_dim
+    positions.div_ceil(64) * (head_dim + 64 * 13 + 16) + head_dim
 }
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -844,10 +846,12 @@ impl WgpuDevice {
                     })
                     .collect::<Vec<_>>()
             };
+            // (Latent attention's host cache has no values: nor has the device's.)
+            let latent = cache.v.first().is_some_and(|v| v.is_empty());
             let kv = WgpuKv {
                 device: self.id,
                 k: make("keys"),
-                v: make("values"),
+                v: (!latent).then(|| make("values")),
             };
             cache.device = Some(Box::new(kv));
         }
@@ -965,7 +969,7 @@ impl Device for WgpuDevice {
     }
 
     fn latent_attention(&self) -> bool {
-        false
+        true
     }
 
     fn attention_sinks(&self) -> bool {
@@ -974,32 +978,6 @@ impl Device for WgpuDevice {
 
     fn computes_type(&self, ty: GgmlType) -> bool {
         type_code(ty).is_some()
-    }
-
-    /// Checked against the CPU (tests/gpu_wgpu.rs): dense `llama` (stories260K, SmolLM2; with
-    /// Llama 3.1's RoPE frequency factors), `qwen2` (Qwen2.5-Coder-1.5B: Q/K/V biases, 6 query
-    /// heads a key head, heads of 128), `gemma3` (Gemma-3-270M: heads of 256, per-head norms,
-    /// post norms, GeGLU, sliding windows), `qwen3`, and the mixtures of experts `llama`
-    /// (Mixtral-style), `qwen2moe`, `qwen3moe`, `olmoe`, `glm4moe` (partial RoPE, leading dense
-    /// layers, sigmoid routing) and `gpt-oss` (sinks, biases, the clamped SwiGLU on the host).
-    /// Every other architecture (`deepseek2`) is refused until it is checked
-    /// (`GATESTREAM_WGPU_UNCHECKED=1` runs it anyway, to debug).
-    fn refuses_model(&self, cfg: &crate::config::ModelConfig) -> Option<String> {
-        use crate::config::Arch;
-        let checked = match cfg.arch {
-            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => true,
-            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Olmoe | Arch::Glm4Moe | Arch::GptOss => true,
-            Arch::Deepseek2 => false,
-        };
-        (!checked && std::env::var_os("GATESTREAM_WGPU_UNCHECKED").is_none()).then(|| {
-            format!(
-                "the wgpu device is checked against the CPU on llama, qwen2, qwen3, gemma3, qwen2moe, qwen3moe, \
-                 olmoe, glm4moe and gpt-oss models only so far, and this is a{} {} model \
-                 (GATESTREAM_WGPU_UNCHECKED=1 runs it anyway)",
-                if cfg.moe.is_some() { " mixture-of-experts" } else { "" },
-                cfg.arch.name()
-            )
-        })
     }
 
     fn run<'a>(&self, f: Box<dyn FnOnce() + Send + 'a>) {
@@ -1381,13 +1359,15 @@ impl Device for WgpuDevice {
                 t as u64 * row,
                 pos as u64 * row,
                 kv.k[layer].clone(),
-                kv.v[layer].clone(),
+                kv.v.as_ref().map(|v| v[layer].clone()),
             ));
         }
         self.record(|enc| {
             for (from, to, kc, vc) in &copies {
                 enc.copy_buffer_to_buffer(buf(k), *from, kc, *to, row);
-                enc.copy_buffer_to_buffer(buf(v), *from, vc, *to, row);
+                if let Some(vc) = vc {
+                    enc.copy_buffer_to_buffer(buf(v), *from, vc, *to, row);
+                }
             }
         });
     }
@@ -1468,7 +1448,8 @@ impl Device for WgpuDevice {
                     splits as u32,
                 ]
             };
-            let (k, v) = (&kv.k[shape.layer], &kv.v[shape.layer]);
+            let k = &kv.k[shape.layer];
+            let v = kv.v.as_ref().map_or(k, |v| &v[shape.layer]);
             let grid = Self::grid(tokens * shape.n_heads);
             if splits <= 1 {
                 let binds = [(0, buf(q)), (1, k), (2, v), (3, &at_buf), (4, sinks), (6, &out)];

@@ -36,6 +36,7 @@ pub(crate) fn has_lane_kernel(ty: GgmlType) -> bool {
 
 /// Up to [`LANES`] inputs prepared alike (Q8_K blocks of 256, or Q8_0-style blocks of 32),
 /// interleaved. Lanes past `tokens` are zero (their results are computed and dropped).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) struct LanePack {
     /// How many of the lanes hold a token.
     pub(crate) tokens: usize,

@@ -12,7 +12,8 @@ use super::scalar::vec_dot_scalar;
 use super::{GgmlType, PreparedInput};
 
 /// Whether [`vec_dot_rows`] has a NEON kernel for rows of `ty` (else it runs the scalar one).
-pub(super) fn has_kernel(ty: GgmlType) -> bool {
+#[cfg(test)]
+fn has_kernel(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q4_0 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K)
 }
 
