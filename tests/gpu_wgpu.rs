@@ -530,7 +530,7 @@ fn main() {
             "gpu_wgpu: a software adapter (the kernels run on the CPU): its results are checked, its speed is no GPU's"
         );
     }
-    let checks: [(&str, Check); 32] = [
+    let checks: [(&str, Check); 33] = [
         // Both product kernels (one workgroup a row, one thread a row), whichever the adapter
         // takes by default.
         ("kernels_per_type", |d| {
@@ -671,6 +671,12 @@ fn main() {
             )
         }),
         ("quant_mixes_wgpu_vs_cpu", quant_mixes),
+        ("moe_qwen3moe_gpu_budget", |d| {
+            // The routed experts copied at each use, or computed by the CPU where they lie.
+            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+            let gguf = stories_moe(dir.path(), gatestream::config::Arch::Qwen3Moe)?;
+            device_checks::budget::gpu_budget_against_whole(d.clone(), &gguf, 0.5, 1e-4)
+        }),
         ("smollm2_run_streamed", smollm2_run_streamed),
         ("smollm2_wgpu_vs_cpu", |d| {
             real_model(

@@ -71,17 +71,18 @@ fn greedy_streamed(
     Ok((mismatches, worst))
 }
 
-/// `gst` on `dev` under a GPU budget of `share` of the file, the rest in host RAM: the rows the
-/// device does not keep copied at each use (`gpu-stream`), and computed by the CPU (`cpu-cold`,
+/// `file` (a neuron-major `.gst`, or a mixture of experts' GGUF: its routed experts are what the
+/// device does not keep) on `dev` under a GPU budget of `share` of the file, the rest in host RAM:
+/// the rows the device does not keep copied at each use (`gpu-stream`), and computed by the CPU (`cpu-cold`,
 /// and `auto`, which the cost model measures on this device's link), against the model held
 /// whole in the device's memory. Passes when no step's token differs and the logits are within
 /// `tol` of the range (the CPU sums a cold row's share in another order than the device).
-pub fn gpu_budget_against_whole(dev: Arc<dyn Device>, gst: &Path, share: f64, tol: f64) -> Result<String, String> {
+pub fn gpu_budget_against_whole(dev: Arc<dyn Device>, file: &Path, share: f64, tol: f64) -> Result<String, String> {
     let steps = 16;
-    let file_bytes = std::fs::metadata(gst).map_err(|e| e.to_string())?.len();
-    let whole = Model::load_on(gst, &LoadOptions::default(), dev.clone()).map_err(|e| e.to_string())?;
+    let file_bytes = std::fs::metadata(file).map_err(|e| e.to_string())?.len();
+    let whole = Model::load_on(file, &LoadOptions::default(), dev.clone()).map_err(|e| e.to_string())?;
     let on_disk = Model::load_on(
-        gst,
+        file,
         &LoadOptions {
             placement: Placement::OnDisk,
             ..LoadOptions::default()
