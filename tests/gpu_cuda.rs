@@ -3006,7 +3006,7 @@ fn moe(
 ) -> Result<String, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let text = wiki_text(100_000)?;
-    let path = stories_moe(dir.path(), arch)?;
+    let path = common::stories_moe(dir.path(), arch)?;
     let (mismatches, worst, pc, pg) = cpu_vs_cuda(&path, dev, &text)?;
     let rel = (pg / pc - 1.0).abs();
     let msg = format!(
@@ -3022,23 +3022,6 @@ fn moe(
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
     );
     judged(mismatches, worst, rel, msg)
-}
-
-/// stories260K upcycled into 6 F32 experts, 2 used a token, of `arch`, as a GGUF in `dir`.
-fn stories_moe(dir: &std::path::Path, arch: gatestream::config::Arch) -> Result<std::path::PathBuf, String> {
-    let dense = common::write_temp(dir, "stories.gguf", &common::stories_gguf(common::Breakage::None));
-    let spec = gatestream::synth::MoeSpec {
-        arch,
-        experts: 6,
-        used: 2,
-        ty: GgmlType::F32,
-        random: None,
-        perturb: 0.05,
-        seed: 3,
-    };
-    let path = dir.join(format!("{}.gguf", arch.name()));
-    gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
-    Ok(path)
 }
 
 /// The MoE of [`moe`] as a `.gst` streamed from host RAM under a GPU budget (a quarter of the
@@ -3057,7 +3040,7 @@ fn moe_hybrid(
     use gatestream::stream::residency::Priority;
     use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer, RAM_UNLIMITED};
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let gst = gst_beside(&stories_moe(dir.path(), arch)?)?;
+    let gst = gst_beside(&common::stories_moe(dir.path(), arch)?)?;
     let (file_bytes, in_device, on_disk) = gst_models(dev, &gst)?;
     let opts = |vram: u64| StreamOptions {
         budget_bytes: RAM_UNLIMITED,

@@ -140,24 +140,6 @@ fn small_model_judged(
 
 type SmallModel = fn(&std::path::Path) -> Result<std::path::PathBuf, String>;
 
-/// stories260K upcycled into 6 F32 experts, 2 used a token, of `arch` (Mixtral-style llama,
-/// qwen2moe with its gated shared expert, qwen3moe, olmoe), as a GGUF in `dir`.
-fn stories_moe(dir: &std::path::Path, arch: gatestream::config::Arch) -> Result<std::path::PathBuf, String> {
-    let dense = common::write_temp(dir, "stories.gguf", &common::stories_gguf(common::Breakage::None));
-    let spec = gatestream::synth::MoeSpec {
-        arch,
-        experts: 6,
-        used: 2,
-        ty: GgmlType::F32,
-        random: None,
-        perturb: 0.05,
-        seed: 3,
-    };
-    let path = dir.join(format!("{}.gguf", arch.name()));
-    gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
-    Ok(path)
-}
-
 /// stories260K with Llama 3.1's RoPE frequency factors (`rope_freqs.weight`: factor 8, low
 /// and high frequency factors 1 and 4, original context 64, so the factors span 1 to 8).
 fn stories_rope_factors(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
@@ -637,22 +619,22 @@ fn main() {
         }),
         ("moe_llama_wgpu_vs_cpu", |d| {
             small_model(d, "stories260K, 6 experts (llama)", "Once upon a time", |p| {
-                stories_moe(p, gatestream::config::Arch::Llama)
+                common::stories_moe(p, gatestream::config::Arch::Llama)
             })
         }),
         ("moe_qwen2moe_wgpu_vs_cpu", |d| {
             small_model(d, "stories260K, 6 experts (qwen2moe)", "Once upon a time", |p| {
-                stories_moe(p, gatestream::config::Arch::Qwen2Moe)
+                common::stories_moe(p, gatestream::config::Arch::Qwen2Moe)
             })
         }),
         ("moe_qwen3moe_wgpu_vs_cpu", |d| {
             small_model(d, "stories260K, 6 experts (qwen3moe)", "Once upon a time", |p| {
-                stories_moe(p, gatestream::config::Arch::Qwen3Moe)
+                common::stories_moe(p, gatestream::config::Arch::Qwen3Moe)
             })
         }),
         ("moe_olmoe_wgpu_vs_cpu", |d| {
             small_model(d, "stories260K, 6 experts (olmoe)", "Once upon a time", |p| {
-                stories_moe(p, gatestream::config::Arch::Olmoe)
+                common::stories_moe(p, gatestream::config::Arch::Olmoe)
             })
         }),
         ("moe_glm4moe_wgpu_vs_cpu", |d| {
@@ -674,7 +656,7 @@ fn main() {
         ("moe_qwen3moe_gpu_budget", |d| {
             // The routed experts copied at each use, or computed by the CPU where they lie.
             let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-            let gguf = stories_moe(dir.path(), gatestream::config::Arch::Qwen3Moe)?;
+            let gguf = common::stories_moe(dir.path(), gatestream::config::Arch::Qwen3Moe)?;
             device_checks::budget::gpu_budget_against_whole(d.clone(), &gguf, 0.5, 1e-4)
         }),
         ("smollm2_run_streamed", smollm2_run_streamed),

@@ -441,3 +441,21 @@ pub fn write_safetensors_shards(
     let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(dest.join("model.safetensors.index.json"), index.to_string()).unwrap();
 }
+
+/// stories260K upcycled into 6 F32 experts, 2 used a token, of `arch` (Mixtral-style llama,
+/// qwen2moe with its gated shared expert, qwen3moe, olmoe), as a GGUF in `dir`.
+pub fn stories_moe(dir: &Path, arch: gatestream::config::Arch) -> Result<PathBuf, String> {
+    let dense = write_temp(dir, "stories.gguf", &stories_gguf(Breakage::None));
+    let spec = gatestream::synth::MoeSpec {
+        arch,
+        experts: 6,
+        used: 2,
+        ty: gatestream::quant::GgmlType::F32,
+        random: None,
+        perturb: 0.05,
+        seed: 3,
+    };
+    let path = dir.join(format!("{}.gguf", arch.name()));
+    gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    Ok(path)
+}

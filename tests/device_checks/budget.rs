@@ -7,17 +7,13 @@ use std::sync::Arc;
 
 use gatestream::backend::Device;
 use gatestream::io::{ReadEngine, ReaderOptions};
-use gatestream::kv::KvCache;
-use gatestream::model::batch::Logits;
-use gatestream::model::forward::{FfnHooks, LayerStream};
-use gatestream::model::sampler::argmax;
 use gatestream::model::{LoadOptions, Model, Placement};
 use gatestream::stream::cache::CachePolicy;
 use gatestream::stream::hybrid::HybridMode;
 use gatestream::stream::residency::Priority;
 use gatestream::stream::{CostSource, Lookahead, StreamOptions, Streamer, RAM_UNLIMITED};
 
-use super::max_abs_diff;
+use super::compare_greedy_through;
 
 /// stories260K (F32) as a `.gst` in `dir` (neuron-major rows: the hybrid executor's cold rows
 /// lie where the CPU computes them).
@@ -30,45 +26,6 @@ pub fn stories_gst(dir: &Path) -> Result<PathBuf, String> {
     let gst = dir.join("stories.gst");
     gatestream::reformat::reformat(&gguf, &gst, &Default::default(), &mut |_, _, _| {}).map_err(|e| e.to_string())?;
     Ok(gst)
-}
-
-/// Greedy steps from `prompt` on `whole` (in the device's memory) and on `streamed` through
-/// `stream`, `whole`'s token fed to both: the steps whose argmax differs, and the worst
-/// |Δlogit| over the logits' range.
-fn greedy_streamed(
-    whole: &Model,
-    streamed: &Model,
-    stream: &dyn LayerStream,
-    prompt: &[u32],
-    steps: usize,
-) -> Result<(usize, f64), String> {
-    let cap = prompt.len() + steps + 1;
-    let (mut cw, mut cs) = (KvCache::new(&whole.config, cap), KvCache::new(&streamed.config, cap));
-    let hooks = FfnHooks {
-        observe: None,
-        mask: None,
-        stream: Some(stream),
-        cancel: None,
-    };
-    let mut lw = whole
-        .forward(prompt, &mut cw, Logits::Last)
-        .map_err(|e| e.to_string())?;
-    let mut ls = streamed
-        .forward_with(prompt, &mut cs, Logits::Last, &hooks)
-        .map_err(|e| e.to_string())?;
-    let (mut mismatches, mut worst) = (0, 0f64);
-    for _ in 0..steps {
-        let (min, max) = lw.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
-        worst = worst.max(max_abs_diff(lw.iter().copied(), ls.iter().copied()) / (max - min) as f64);
-        let (tw, ts) = (argmax(&lw), argmax(&ls));
-        mismatches += usize::from(tw != ts);
-        let t = [tw];
-        lw = whole.forward(&t, &mut cw, Logits::Last).map_err(|e| e.to_string())?;
-        ls = streamed
-            .forward_with(&t, &mut cs, Logits::Last, &hooks)
-            .map_err(|e| e.to_string())?;
-    }
-    Ok((mismatches, worst))
 }
 
 /// `file` (a neuron-major `.gst`, or a mixture of experts' GGUF: its routed experts are what the
@@ -116,7 +73,7 @@ pub fn gpu_budget_against_whole(dev: Arc<dyn Device>, file: &Path, share: f64, t
         let note = s
             .enable_hybrid(&on_disk, mode, 0)
             .map_err(|e| format!("  hybrid {}: {e}", mode.name()))?;
-        let (mismatches, worst) = greedy_streamed(&whole, &on_disk, &s, &prompt, steps)?;
+        let (mismatches, worst) = compare_greedy_through(&whole, &on_disk, Some(&s), &prompt, steps)?;
         if let Some(e) = dev.take_error() {
             return Err(format!("  {}: {e}", mode.name()));
         }

@@ -15,6 +15,7 @@ use gatestream::backend::{AttnShape, Device, RopeShape};
 use gatestream::config::{FfnActivation, RopeStyle};
 use gatestream::kv::KvCache;
 use gatestream::model::batch::Logits;
+use gatestream::model::forward::{FfnHooks, LayerStream};
 use gatestream::model::sampler::argmax;
 use gatestream::model::{LoadOptions, Model};
 use gatestream::quant::{quantize_row, GgmlType};
@@ -574,23 +575,46 @@ pub fn load(path: &std::path::Path, device: Arc<dyn Device>) -> Result<Model, St
 /// Greedy decoding on both models from the same prompt, the first model's token fed to both:
 /// the steps whose argmax differs, and the worst |Δlogit| over the logits' range.
 pub fn compare_greedy(cpu: &Model, dev: &Model, prompt: &[u32], steps: usize) -> Result<(usize, f64), String> {
+    compare_greedy_through(cpu, dev, None, prompt, steps)
+}
+
+/// As [`compare_greedy`], the second model's passes through `stream` when given (its weights
+/// read from disk or host memory as the stream plans).
+pub fn compare_greedy_through(
+    first: &Model,
+    second: &Model,
+    stream: Option<&dyn LayerStream>,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<(usize, f64), String> {
     let cap = prompt.len() + steps + 1;
-    let (mut cc, mut cd) = (KvCache::new(&cpu.config, cap), KvCache::new(&dev.config, cap));
-    let last =
-        |m: &Model, tokens: &[u32], c: &mut KvCache| m.forward(tokens, c, Logits::Last).map_err(|e| e.to_string());
-    let (mut lc, mut ld) = (last(cpu, prompt, &mut cc)?, last(dev, prompt, &mut cd)?);
+    let (mut cf, mut cs) = (KvCache::new(&first.config, cap), KvCache::new(&second.config, cap));
+    let hooks = FfnHooks {
+        observe: None,
+        mask: None,
+        stream,
+        cancel: None,
+    };
+    let last = |m: &Model, tokens: &[u32], c: &mut KvCache, h: &FfnHooks| {
+        m.forward_with(tokens, c, Logits::Last, h).map_err(|e| e.to_string())
+    };
+    let none = FfnHooks::dense();
+    let (mut lf, mut ls) = (
+        last(first, prompt, &mut cf, &none)?,
+        last(second, prompt, &mut cs, &hooks)?,
+    );
     let (mut mismatches, mut worst) = (0, 0f64);
     for _ in 0..steps {
-        let (min, max) = lc.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
-        let d = max_abs_diff(lc.iter().copied(), ld.iter().copied());
+        let (min, max) = lf.iter().fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+        let d = max_abs_diff(lf.iter().copied(), ls.iter().copied());
         worst = worst.max(d / (max - min) as f64);
-        let (tc, td) = (argmax(&lc), argmax(&ld));
-        if tc != td {
+        let (tf, ts) = (argmax(&lf), argmax(&ls));
+        if tf != ts {
             mismatches += 1;
         }
-        let t = [tc];
-        lc = last(cpu, &t, &mut cc)?;
-        ld = last(dev, &t, &mut cd)?;
+        let t = [tf];
+        lf = last(first, &t, &mut cf, &none)?;
+        ls = last(second, &t, &mut cs, &hooks)?;
     }
     Ok((mismatches, worst))
 }
