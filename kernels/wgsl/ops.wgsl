@@ -18,6 +18,7 @@ struct Params {
 @group(0) @binding(3) var<uniform> p: Params;
 @group(0) @binding(4) var<storage, read_write> out: array<f32>;
 @group(0) @binding(5) var<storage, read_write> tokens: array<u32>;
+@group(0) @binding(6) var<storage, read_write> packed: array<u32>;
 
 fn index(wg: vec3<u32>, lid: u32) -> u32 {
     return (wg.x + wg.y * p.groups_x) * 256u + lid;
@@ -192,18 +193,11 @@ fn argmax(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
 }
 
 // The activations as the CPU prepares them for products with quantized weights
-// (src/quant/prepare.rs), decoded back to f32: blocks of `m` values (n blocks) in 8 bits. m = 32
-// (legacy types): scale max|x| / 127, quants rounded half away from zero; m = 256 (K types,
-// ggml's Q8_K): the scale of the first value of largest magnitude (signed), quants rounded half
-// to even and capped at 127. The products then multiply the weights with the values the CPU's
-// integer dot products multiply them with.
-@compute @workgroup_size(256)
-fn quantize_q8(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let b = index(wg, lid);
-    if (b >= p.n) {
-        return;
-    }
-    let off = b * p.m;
+// (src/quant/prepare.rs): blocks of `m` values (n blocks) in 8 bits. m = 32 (legacy types):
+// scale max|x| / 127, quants rounded half away from zero; m = 256 (K types, ggml's Q8_K): the
+// scale of the first value of largest magnitude (signed), quants rounded half to even and capped
+// at 127. `q8_scale` gives a block's (scale, 1 / scale), `q8_quant` one value's quant.
+fn q8_scale(off: u32) -> vec2<f32> {
     var amax = 0.0;
     var first = 0.0;
     for (var i = 0u; i < p.m; i += 1u) {
@@ -215,27 +209,63 @@ fn quantize_q8(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     }
     if (p.m == 32u) {
         let scale = amax / 127.0;
-        var inv = 0.0;
-        if (scale != 0.0) {
-            inv = 1.0 / scale;
-        }
-        for (var i = 0u; i < 32u; i += 1u) {
-            let s = y[off + i] * inv;
-            let t = trunc(s);
-            let q = t + select(0.0, 1.0, s - t >= 0.5) - select(0.0, 1.0, s - t <= -0.5);
-            out[off + i] = q * scale;
-        }
-        return;
+        return vec2<f32>(scale, select(0.0, 1.0 / scale, scale != 0.0));
     }
     if (amax == 0.0) {
-        for (var i = 0u; i < p.m; i += 1u) {
-            out[off + i] = 0.0;
-        }
-        return;
+        return vec2<f32>(0.0, 0.0);
     }
     let inv = -127.0 / first;
-    let scale = 1.0 / inv;
+    return vec2<f32>(1.0 / inv, inv);
+}
+
+fn q8_quant(v: f32, inv: f32) -> f32 {
+    if (p.m == 32u) {
+        let s = v * inv;
+        let t = trunc(s);
+        return t + select(0.0, 1.0, s - t >= 0.5) - select(0.0, 1.0, s - t <= -0.5);
+    }
+    return min(round(inv * v), 127.0);
+}
+
+// The quants decoded back to f32 (`out`): the f32 products then multiply the weights with the
+// values the CPU's integer dot products multiply them with.
+@compute @workgroup_size(256)
+fn quantize_q8(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let b = index(wg, lid);
+    if (b >= p.n) {
+        return;
+    }
+    let off = b * p.m;
+    let s = q8_scale(off);
     for (var i = 0u; i < p.m; i += 1u) {
-        out[off + i] = min(round(inv * y[off + i]), 127.0) * scale;
+        out[off + i] = q8_quant(y[off + i], s.y) * s.x;
+    }
+}
+
+// The quants as they are, for the packed 8-bit products (kernels/wgsl/quant.wgsl
+// `matmul_q8`), in `packed` as u32 words: the n * m quants four to a word (little-endian i8,
+// in order), then the n scales (f32 bits), then the sum of each 16 quants (i32 bits).
+@compute @workgroup_size(256)
+fn quantize_q8_packed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let b = index(wg, lid);
+    if (b >= p.n) {
+        return;
+    }
+    let off = b * p.m;
+    let total = p.n * p.m;
+    let s = q8_scale(off);
+    packed[total / 4u + b] = bitcast<u32>(s.x);
+    for (var g = off / 16u; g < (off + p.m) / 16u; g += 1u) {
+        var sum = 0i;
+        for (var k = 0u; k < 4u; k += 1u) {
+            var word = 0u;
+            for (var i = 0u; i < 4u; i += 1u) {
+                let q = i32(q8_quant(y[g * 16u + k * 4u + i], s.y));
+                sum += q;
+                word |= (u32(q) & 0xffu) << (8u * i);
+            }
+            packed[g * 4u + k] = word;
+        }
+        packed[total / 4u + p.n + g] = bitcast<u32>(sum);
     }
 }

@@ -339,3 +339,294 @@ fn matmul_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation
         y[(t0 + t) * p.out_width + p.first + i] = acc[t];
     }
 }
+
+// ---- Packed 8-bit products: weights times the activations' 8-bit quants (ops.wgsl
+// `quantize_q8_packed`), four byte products a `dot4I8Packed`, as the CPU's integer dot products
+// (src/quant/scalar.rs) compute them: integer sums over each 16 or 32 quants, then scaled in f32.
+// A row is taken 32 elements (a chunk) at a time: the weight's quants unpacked into eight words
+// of i8 bytes (`qw`), dotted with the activation's eight words.
+
+@group(0) @binding(5) var<storage, read> xq: array<u32>;
+
+// The activations' blocks: 32 for the legacy types (Q8_0-like), 256 for the K types (Q8_K).
+const XB: u32 = select(256u, 32u, TYPE < T_Q4_K || TYPE == T_IQ4_NL || TYPE == T_MXFP4);
+
+var<private> qw: array<u32, 8>;
+
+// A chunk's weight side: its value over one token is
+// `xs * (da * dot(a, (qy0, qy1, s0, s1)) + db * dot(b, (s0, s1)))`, qy0 and qy1 the integer
+// products over its two halves of 16, s0 and s1 the activation quants' sums over them, xs the
+// activation block's scale.
+struct Chunk {
+    a: vec4<i32>,
+    b: vec2<i32>,
+    da: f32,
+    db: f32,
+}
+
+// Four bytes from byte address `a` (any alignment), as one word.
+fn word_at(a: u32) -> u32 {
+    let i = a >> 2u;
+    let sh = (a & 3u) * 8u;
+    if (sh == 0u) {
+        return w[i];
+    }
+    return (w[i] >> sh) | (w[i + 1u] << (32u - sh));
+}
+
+// Four 4-bit indices (the low nibble of each byte of `n`) through a table of i8 bytes.
+fn table4(t: vec4<u32>, n: u32) -> u32 {
+    var r = 0u;
+    for (var i = 0u; i < 4u; i += 1u) {
+        let q = (n >> (8u * i)) & 15u;
+        r |= ((t[q >> 2u] >> ((q & 3u) * 8u)) & 0xffu) << (8u * i);
+    }
+    return r;
+}
+
+// Bits 0..3 of `b` to bit 0 of bytes 0..3.
+fn spread4(b: u32) -> u32 {
+    return (b & 1u) | ((b & 2u) << 7u) | ((b & 4u) << 14u) | ((b & 8u) << 21u);
+}
+
+// Sixteen 4-bit quants from 16 bytes at `qs`, low nibbles first (elements 0..15), then high.
+fn nibbles16(qs: u32) {
+    for (var k = 0u; k < 4u; k += 1u) {
+        let l = word_at(qs + 4u * k);
+        qw[k] = l & 0x0f0f0f0fu;
+        qw[k + 4u] = (l >> 4u) & 0x0f0f0f0fu;
+    }
+}
+
+// Chunk `c` of the row starting at byte `row`: fills `qw` and returns its scales.
+fn chunk(row: u32, c: u32) -> Chunk {
+    var ch = Chunk(vec4<i32>(1, 1, 0, 0), vec2<i32>(0, 0), 0.0, 0.0);
+    if (TYPE == T_Q8_0) {
+        let blk = row + c * 34u;
+        for (var k = 0u; k < 8u; k += 1u) {
+            qw[k] = word_at(blk + 2u + 4u * k);
+        }
+        ch.da = f16_at(blk);
+        return ch;
+    }
+    if (TYPE == T_IQ4_NL || TYPE == T_MXFP4) {
+        let mx = TYPE == T_MXFP4;
+        let blk = row + c * select(18u, 17u, mx);
+        nibbles16(blk + select(2u, 1u, mx));
+        let t = select(IQ4_TABLE, FP4_TABLE, mx);
+        for (var k = 0u; k < 8u; k += 1u) {
+            qw[k] = table4(t, qw[k]);
+        }
+        ch.da = select(f16_at(blk), e8m0_half(byte_at(blk)), mx);
+        return ch;
+    }
+    if (TYPE == T_Q4_0 || TYPE == T_Q4_1 || TYPE == T_Q5_0 || TYPE == T_Q5_1) {
+        // Unsigned quants; Q4_0's and Q5_0's offset is taken off through the activation sums,
+        // Q4_1's and Q5_1's min added through them.
+        var bb = 18u;
+        var qs = 2u;
+        if (TYPE == T_Q4_1) { bb = 20u; qs = 4u; }
+        if (TYPE == T_Q5_0) { bb = 22u; qs = 6u; }
+        if (TYPE == T_Q5_1) { bb = 24u; qs = 8u; }
+        let blk = row + c * bb;
+        nibbles16(blk + qs);
+        if (TYPE == T_Q5_0 || TYPE == T_Q5_1) {
+            let qh = word_at(blk + qs - 4u);
+            for (var k = 0u; k < 4u; k += 1u) {
+                qw[k] |= spread4((qh >> (4u * k)) & 15u) << 4u;
+                qw[k + 4u] |= spread4((qh >> (16u + 4u * k)) & 15u) << 4u;
+            }
+        }
+        ch.da = f16_at(blk);
+        if (TYPE == T_Q4_0) {
+            ch.a = vec4<i32>(1, 1, -8, -8);
+        }
+        if (TYPE == T_Q5_0) {
+            ch.a = vec4<i32>(1, 1, -16, -16);
+        }
+        if (TYPE == T_Q4_1 || TYPE == T_Q5_1) {
+            ch.b = vec2<i32>(1, 1);
+            ch.db = f16_at(blk + 2u);
+        }
+        return ch;
+    }
+    // The K types and IQ4_XS: sub-block `s` (of 32) of super-block `c / 8`.
+    let s = c & 7u;
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        let blk = row + (c >> 3u) * select(144u, 176u, TYPE == T_Q5_K);
+        let qs = blk + select(16u, 48u, TYPE == T_Q5_K) + 32u * (s >> 1u);
+        for (var k = 0u; k < 8u; k += 1u) {
+            qw[k] = (word_at(qs + 4u * k) >> (4u * (s & 1u))) & 0x0f0f0f0fu;
+            if (TYPE == T_Q5_K) {
+                qw[k] |= ((word_at(blk + 16u + 4u * k) >> s) & 0x01010101u) << 4u;
+            }
+        }
+        let sm = vec2<i32>(k_scale_min(s, blk + 4u));
+        ch.a = vec4<i32>(sm.x, sm.x, 0, 0);
+        ch.b = vec2<i32>(sm.y, sm.y);
+        ch.da = f16_at(blk);
+        ch.db = -f16_at(blk + 2u);
+        return ch;
+    }
+    if (TYPE == T_Q6_K) {
+        let blk = row + (c >> 3u) * 210u;
+        let half = s >> 2u;
+        let quarter = s & 3u;
+        let ql = blk + 64u * half + 32u * (quarter & 1u);
+        let qh = blk + 128u + 32u * half;
+        for (var k = 0u; k < 8u; k += 1u) {
+            let low = (word_at(ql + 4u * k) >> (4u * (quarter >> 1u))) & 0x0f0f0f0fu;
+            let high = (word_at(qh + 4u * k) >> (2u * quarter)) & 0x03030303u;
+            qw[k] = low | (high << 4u);
+        }
+        let s0 = i32(i8_of(byte_at(blk + 192u + 2u * s)));
+        let s1 = i32(i8_of(byte_at(blk + 193u + 2u * s)));
+        ch.a = vec4<i32>(s0, s1, -32 * s0, -32 * s1);
+        ch.da = f16_at(blk + 208u);
+        return ch;
+    }
+    if (TYPE == T_Q2_K || TYPE == T_Q3_K) {
+        let q3 = TYPE == T_Q3_K;
+        let blk = row + (c >> 3u) * select(84u, 110u, q3);
+        let qs = blk + select(16u, 32u, q3) + 32u * (s >> 2u);
+        for (var k = 0u; k < 8u; k += 1u) {
+            qw[k] = (word_at(qs + 4u * k) >> (2u * (s & 3u))) & 0x03030303u;
+            if (q3) {
+                qw[k] |= ((word_at(blk + 4u * k) >> s) & 0x01010101u) << 2u;
+            }
+        }
+        if (q3) {
+            var sc = vec2<i32>(0, 0);
+            for (var h = 0u; h < 2u; h += 1u) {
+                let g = 2u * s + h;
+                let low = (byte_at(blk + 96u + (g & 7u)) >> (4u * (g >> 3u))) & 15u;
+                let high = (byte_at(blk + 104u + (g & 3u)) >> (2u * (g >> 2u))) & 3u;
+                sc[h] = i32(low | (high << 4u)) - 32;
+            }
+            ch.a = vec4<i32>(sc.x, sc.y, -4 * sc.x, -4 * sc.y);
+            ch.da = f16_at(blk + 108u);
+            return ch;
+        }
+        let b0 = byte_at(blk + 2u * s);
+        let b1 = byte_at(blk + 2u * s + 1u);
+        ch.a = vec4<i32>(i32(b0 & 15u), i32(b1 & 15u), 0, 0);
+        ch.b = vec2<i32>(i32(b0 >> 4u), i32(b1 >> 4u));
+        ch.da = f16_at(blk + 80u);
+        ch.db = -f16_at(blk + 82u);
+        return ch;
+    }
+    // IQ4_XS.
+    let blk = row + (c >> 3u) * 136u;
+    nibbles16(blk + 8u + 16u * s);
+    for (var k = 0u; k < 8u; k += 1u) {
+        qw[k] = table4(IQ4_TABLE, qw[k]);
+    }
+    let sl = (byte_at(blk + 4u + (s >> 1u)) >> (4u * (s & 1u))) & 15u;
+    let sh = (u16_at(blk + 2u) >> (2u * s)) & 3u;
+    let sc = i32(sl | (sh << 4u)) - 32;
+    ch.a = vec4<i32>(sc, sc, 0, 0);
+    ch.da = f16_at(blk);
+    return ch;
+}
+
+// The chunk's value (in `qw`, scales `ch`) over token `t`'s chunk `c`.
+fn chunk_dot(ch: Chunk, t: u32, c: u32) -> f32 {
+    let words = p.ntok * p.cols / 4u;
+    let xw = t * p.cols / 4u + 8u * c;
+    var q0 = 0i;
+    var q1 = 0i;
+    for (var k = 0u; k < 4u; k += 1u) {
+        q0 += dot4I8Packed(qw[k], xq[xw + k]);
+        q1 += dot4I8Packed(qw[k + 4u], xq[xw + 4u + k]);
+    }
+    let e = t * p.cols + 32u * c;
+    let xs = bitcast<f32>(xq[words + e / XB]);
+    let sums = words + p.ntok * p.cols / XB + e / 16u;
+    let s = vec2<i32>(bitcast<i32>(xq[sums]), bitcast<i32>(xq[sums + 1u]));
+    return xs * (ch.da * f32(dot(ch.a, vec4<i32>(q0, q1, s.x, s.y))) + ch.db * f32(dot(ch.b, s)));
+}
+
+// As `matmul`, on the packed 8-bit activations: its 64 threads over the row's chunks.
+@compute @workgroup_size(64)
+fn matmul_q8(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let g = group_index(wg);
+    let tiles = (p.ntok + TILE - 1u) / TILE;
+    if (g >= p.rows * tiles) {
+        return;
+    }
+    let i = g % p.rows;
+    let t0 = (g / p.rows) * TILE;
+    var r = i;
+    if (p.use_ids != 0u) {
+        r = ids[i];
+    }
+    let row = p.base + r * p.stride;
+    let nt = min(TILE, p.ntok - t0);
+    var acc: array<f32, 8>;
+    for (var c = lid; c < p.cols / 32u; c += 64u) {
+        let ch = chunk(row, c);
+        for (var t = 0u; t < nt; t += 1u) {
+            acc[t] += chunk_dot(ch, t0 + t, c);
+        }
+    }
+    for (var t = 0u; t < TILE; t += 1u) {
+        red[t * 64u + lid] = acc[t];
+    }
+    workgroupBarrier();
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        if (lid < s) {
+            for (var t = 0u; t < TILE; t += 1u) {
+                red[t * 64u + lid] += red[t * 64u + lid + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (lid < nt) {
+        y[(t0 + lid) * p.out_width + p.first + i] = red[lid * 64u];
+    }
+}
+
+// As `matmul_thread`, on the packed 8-bit activations: the sums of `matmul_q8` in its order
+// (chunk c into partial c % 64), so the two give the same bits.
+@compute @workgroup_size(64)
+fn matmul_q8_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let g = group_index(wg);
+    let row_groups = (p.rows + 63u) / 64u;
+    let tiles = (p.ntok + TILE - 1u) / TILE;
+    if (g >= row_groups * tiles) {
+        return;
+    }
+    let i = (g % row_groups) * 64u + lid;
+    if (i >= p.rows) {
+        return;
+    }
+    let t0 = (g / row_groups) * TILE;
+    var r = i;
+    if (p.use_ids != 0u) {
+        r = ids[i];
+    }
+    let row = p.base + r * p.stride;
+    let nt = min(TILE, p.ntok - t0);
+    var part: array<f32, 512>;
+    for (var c = 0u; c < p.cols / 32u; c += 1u) {
+        let ch = chunk(row, c);
+        let lane = (c & 63u) * TILE;
+        for (var t = 0u; t < nt; t += 1u) {
+            part[lane + t] += chunk_dot(ch, t0 + t, c);
+        }
+    }
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        for (var l = 0u; l < s; l += 1u) {
+            for (var t = 0u; t < nt; t += 1u) {
+                part[l * TILE + t] += part[(l + s) * TILE + t];
+            }
+        }
+    }
+    var acc: array<f32, 8>;
+    for (var t = 0u; t < nt; t += 1u) {
+        acc[t] = part[t];
+    }
+    for (var t = 0u; t < nt; t += 1u) {
+        y[(t0 + t) * p.out_width + p.first + i] = acc[t];
+    }
+}

@@ -62,7 +62,7 @@ pub fn open_device(
         DeviceKind::Cpu => Ok((cpu(), None)),
         DeviceKind::HostStandIn => Ok((Arc::new(standin::HostStandIn::new(threads)), None)),
         DeviceKind::Cuda => open_cuda(var).map(|d| (d, None)),
-        DeviceKind::Wgpu => open_wgpu().map(|d| (d, None)),
+        DeviceKind::Wgpu => open_wgpu(var).map(|d| (d, None)),
         DeviceKind::Auto => match open_cuda(var) {
             Ok(d) => Ok((d, None)),
             Err(e) => Ok((cpu(), Some(format!("--device auto: running on the CPU ({e})")))),
@@ -85,13 +85,38 @@ fn open_cuda(_var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std:
     ))
 }
 
+/// `--activations` (through its variable) for the wgpu device: `Some(true)` packed 8-bit
+/// products (int8), `Some(false)` the 8-bit blocks decoded to f32 (q8), `None` the device's
+/// default (auto). f32 is refused: the wgpu device multiplies quantized weights with the CPU's
+/// 8-bit activation blocks only.
+pub fn wgpu_packed_dots(var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<Option<bool>> {
+    let Some(v) = var(modes::CUDA_FLAGS[0].var) else {
+        return Ok(None);
+    };
+    match v.trim() {
+        "" | "auto" => Ok(None),
+        "int8" => Ok(Some(true)),
+        "q8" => Ok(Some(false)),
+        other => Err(crate::error::Error::Input(format!(
+            "--activations {other} with --device wgpu: the wgpu device multiplies quantized weights with the CPU's \
+             8-bit activation blocks, as packed integers (int8, the default where the adapter's WGSL has \
+             dot4I8Packed) or decoded to f32 (q8); use auto, int8 or q8"
+        ))),
+    }
+}
+
 #[cfg(feature = "wgpu")]
-fn open_wgpu() -> crate::error::Result<std::sync::Arc<dyn Device>> {
-    Ok(std::sync::Arc::new(wgpu_device::WgpuDevice::open()?))
+fn open_wgpu(var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std::sync::Arc<dyn Device>> {
+    let packed = wgpu_packed_dots(var)?;
+    let dev = wgpu_device::WgpuDevice::open()?;
+    if let Some(on) = packed {
+        dev.set_packed_dots(on);
+    }
+    Ok(std::sync::Arc::new(dev))
 }
 
 #[cfg(not(feature = "wgpu"))]
-fn open_wgpu() -> crate::error::Result<std::sync::Arc<dyn Device>> {
+fn open_wgpu(_var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std::sync::Arc<dyn Device>> {
     Err(crate::error::Error::Input(
         "wgpu: this gatestream was built without the wgpu device; rebuild with `cargo build --release --features \
          wgpu` (use --device cpu to run on the CPU)"
@@ -751,4 +776,31 @@ pub trait Device: HostLink {
         caches: &[&mut KvCache],
         shape: AttnShape<'_>,
     ) -> Act;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wgpu_packed_dots;
+
+    /// `--activations` (through its variable) for the wgpu device: int8 and q8 set the products,
+    /// auto and nothing leave the device's default, f32 and anything else are refused naming the
+    /// values it takes.
+    #[test]
+    fn wgpu_activations_values() {
+        let with = |v: Option<&str>| {
+            let v = v.map(str::to_string);
+            wgpu_packed_dots(&move |name: &str| (name == "GATESTREAM_CUDA_ACTIVATIONS").then(|| v.clone()).flatten())
+        };
+        assert_eq!(with(None).unwrap(), None);
+        assert_eq!(with(Some("auto")).unwrap(), None);
+        assert_eq!(with(Some("int8")).unwrap(), Some(true));
+        assert_eq!(with(Some("q8")).unwrap(), Some(false));
+        for bad in ["f32", "i8"] {
+            let e = with(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(bad) && e.contains("int8") && e.contains("q8") && e.contains("--device wgpu"),
+                "{e}"
+            );
+        }
+    }
 }

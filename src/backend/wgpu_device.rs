@@ -155,6 +155,14 @@ fn matmul_thread_loops(cols: usize, tokens: usize) -> usize {
     (cols + 64) * (tokens.min(TILE) + 2)
 }
 
+/// Loop iterations of one `matmul_q8_thread` invocation: per chunk of 32 elements, its eight
+/// words unpacked (table types: four lookups each) and each token's four dot steps; then the
+/// tree (an upper bound).
+fn matmul_q8_thread_loops(cols: usize, tokens: usize) -> usize {
+    let nt = tokens.min(TILE);
+    (cols / 32) * (48 + 6 * nt) + 64 * (nt + 2)
+}
+
 /// Positions one attention workgroup takes: a (token, head) whose span is longer is split over
 /// several (`attention_part`, then `attention_join`). A decoding token's heads alone are too few
 /// workgroups to fill a GPU over a long context, and a software adapter's thread loops over
@@ -198,6 +206,20 @@ pub struct WgpuDevice {
     /// Positions one attention workgroup takes ([`ATTENTION_CHUNK`], or fewer for tests:
     /// [`WgpuDevice::set_attention_chunk`]).
     attention_chunk: std::sync::atomic::AtomicUsize,
+    /// Products of quantized weights on packed 8-bit activations (`matmul_q8`: where WGSL has
+    /// `dot4I8Packed`) or on the activations decoded back to f32 (`matmul`). See
+    /// [`WgpuDevice::set_packed_dots`].
+    packed_dots: std::sync::atomic::AtomicBool,
+    /// Whether this WGSL has `dot4I8Packed` at all.
+    packed_available: bool,
+}
+
+/// How [`WgpuDevice::prepared`] left the activations for a product.
+enum Prepared {
+    /// Decoded back to f32 (the `matmul` kernels).
+    Decoded(wgpu::Buffer),
+    /// Packed 8-bit quants, scales and sums (the `matmul_q8` kernels).
+    Packed(wgpu::Buffer),
 }
 
 /// Whether an adapter can run at all, and the reason when not: the adapters wgpu found here.
@@ -217,6 +239,9 @@ impl WgpuDevice {
         desc.backends = wgpu::Backends::VULKAN | wgpu::Backends::METAL | wgpu::Backends::DX12;
         desc.flags = wgpu::InstanceFlags::empty();
         let instance = wgpu::Instance::new(desc);
+        let packed_available = instance
+            .wgsl_language_features()
+            .contains(wgpu::WgslLanguageFeatures::Packed4x8IntegerDotProduct);
         let adapter = pollster::block_on(instance.request_adapter(&wgpu::RequestAdapterOptions {
             power_preference: wgpu::PowerPreference::HighPerformance,
             force_fallback_adapter: false,
@@ -269,6 +294,8 @@ impl WgpuDevice {
             row_per_thread: std::sync::atomic::AtomicBool::new(info.device_type == wgpu::DeviceType::Cpu),
             empty,
             attention_chunk: std::sync::atomic::AtomicUsize::new(ATTENTION_CHUNK),
+            packed_dots: std::sync::atomic::AtomicBool::new(packed_available),
+            packed_available,
         })
     }
 
@@ -303,6 +330,38 @@ impl WgpuDevice {
     pub fn set_attention_chunk(&self, positions: Option<usize>) {
         let v = positions.map_or(ATTENTION_CHUNK, |n| n.clamp(1, ATTENTION_CHUNK));
         self.attention_chunk.store(v, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether products of quantized weights take the activations as packed 8-bit quants and
+    /// sum four byte products a `dot4I8Packed` (`true`: the default where WGSL has it; a GPU
+    /// with integer dot products runs it as one instruction, others as the shader compiler's
+    /// own four multiplies) or decode the quants back to f32 and multiply in f32 (`false`).
+    /// Both multiply the same 8-bit activations the CPU's integer products do; the suite checks
+    /// both on whatever adapter it has. Asking for packed products where WGSL lacks them leaves
+    /// them off.
+    pub fn set_packed_dots(&self, on: bool) {
+        self.packed_dots
+            .store(on && self.packed_available, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn packed_dots(&self) -> bool {
+        self.packed_dots.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The widest row (columns, a multiple of 256) one thread a row multiplies for a batch of
+    /// `tokens` on a software adapter, on the products [`WgpuDevice::packed_dots`] picks: wider
+    /// rows go to one workgroup a row, within the adapter's loop budget ([`LOOP_BUDGET`]). Lets
+    /// the suite check the widest rows a thread takes.
+    pub fn widest_thread_row(&self, tokens: usize) -> usize {
+        let loops = |cols| match self.packed_dots() {
+            true => matmul_q8_thread_loops(cols, tokens),
+            false => matmul_thread_loops(cols, tokens),
+        };
+        let mut cols = 256;
+        while loops(cols + 256) <= LOOP_BUDGET {
+            cols += 256;
+        }
+        cols
     }
 
     pub fn row_per_thread(&self) -> bool {
@@ -630,9 +689,9 @@ impl WgpuDevice {
     }
 
     /// `x`'s values as the CPU prepares them for products with weights of `ty` (8-bit blocks
-    /// for the quantized types, decoded back; the values themselves for F32, F16, BF16), so
-    /// the products multiply what the CPU's multiply. `None`: `x` as it is.
-    fn prepared(&self, x: &Act, ty: GgmlType) -> Option<wgpu::Buffer> {
+    /// for the quantized types, packed or decoded back; the values themselves for F32, F16,
+    /// BF16), so the products multiply what the CPU's multiply. `None`: `x` as it is.
+    fn prepared(&self, x: &Act, ty: GgmlType) -> Option<Prepared> {
         let m = ty.block_elems();
         if m == 1 || x.rows * x.width == 0 {
             return None;
@@ -645,22 +704,36 @@ impl WgpuDevice {
             ));
             return None;
         }
-        let out = self.zeroed(x.rows * x.width);
-        let blocks = x.rows * x.width / m;
+        let n = x.rows * x.width;
+        let blocks = n / m;
         let grid = Self::grid(blocks.div_ceil(256));
+        let params = [blocks as u32, x.width as u32, m as u32, grid.0, 0, 0, 0, 0];
+        if self.packed_dots() {
+            // Quants four to a word, a scale a block, a sum each 16 quants.
+            let out = self.zeroed(n / 4 + blocks + n / 16);
+            self.launch(
+                Module::Ops,
+                "quantize_q8_packed",
+                &[(1, buf(x)), (6, &out)],
+                (3, &params),
+                grid,
+            );
+            return Some(Prepared::Packed(out));
+        }
+        let out = self.zeroed(n);
         self.launch(
             Module::Ops,
             "quantize_q8",
             &[(1, buf(x)), (4, &out)],
-            (3, &[blocks as u32, x.width as u32, m as u32, grid.0, 0, 0, 0, 0]),
+            (3, &params),
             grid,
         );
-        Some(out)
+        Some(Prepared::Decoded(out))
     }
 
     /// `x` (`[n, x.width]`) times `w`'s rows (`ids`, or all), into `[n, rows]`; `xq`: `x` as
     /// [`WgpuDevice::prepared`] made it for `w`'s type.
-    fn product(&self, w: &Weight, ids: Option<&[u32]>, x: &Act, xq: Option<&wgpu::Buffer>) -> Act {
+    fn product(&self, w: &Weight, ids: Option<&[u32]>, x: &Act, xq: Option<&Prepared>) -> Act {
         let rows = ids.map_or(w.rows, <[u32]>::len);
         let out = self.zeroed(x.rows * rows);
         if x.rows == 0 || rows == 0 || x.width != w.cols {
@@ -686,10 +759,17 @@ impl WgpuDevice {
             let part_rows = if ids.is_some() { rows } else { part.rows };
             // On a software adapter a row too wide for one thread's loop budget is multiplied by a
             // workgroup (the same sums in the same order: the same bits).
-            let per_thread = per_thread && matmul_thread_loops(w.cols, x.rows) <= LOOP_BUDGET;
-            let (entry, row_groups) = match per_thread {
-                true => ("matmul_thread", part_rows.div_ceil(64)),
-                false => ("matmul", part_rows),
+            let packed = matches!(xq, Some(Prepared::Packed(_)));
+            let loops = match packed {
+                true => matmul_q8_thread_loops(w.cols, x.rows),
+                false => matmul_thread_loops(w.cols, x.rows),
+            };
+            let per_thread = per_thread && loops <= LOOP_BUDGET;
+            let (entry, row_groups) = match (packed, per_thread) {
+                (false, true) => ("matmul_thread", part_rows.div_ceil(64)),
+                (false, false) => ("matmul", part_rows),
+                (true, true) => ("matmul_q8_thread", part_rows.div_ceil(64)),
+                (true, false) => ("matmul_q8", part_rows),
             };
             let grid = Self::grid(row_groups * x.rows.div_ceil(TILE));
             let (Some(r), Some(c), Some(n), Some(s), Some(all), Some(off)) = (
@@ -707,7 +787,11 @@ impl WgpuDevice {
                 entry,
                 &[
                     (0, &part.buf),
-                    (1, xq.unwrap_or(buf(x))),
+                    match xq {
+                        Some(Prepared::Packed(b)) => (5, b),
+                        Some(Prepared::Decoded(b)) => (1, b),
+                        None => (1, buf(x)),
+                    },
                     (2, &out),
                     (3, id_buf.as_ref().unwrap_or(&self.empty)),
                 ],
@@ -957,13 +1041,17 @@ impl HostLink for WgpuDevice {
 impl Device for WgpuDevice {
     fn name(&self) -> String {
         format!(
-            "wgpu ({}, {:?}, {:?}{})",
+            "wgpu ({}, {:?}, {:?}{}; {} products)",
             self.info.name,
             self.info.backend,
             self.info.device_type,
             match self.info.driver_info.is_empty() {
                 true => String::new(),
                 false => format!(", {}", self.info.driver_info),
+            },
+            match self.packed_dots() {
+                true => "packed 8-bit",
+                false => "f32",
             }
         )
     }
@@ -1214,7 +1302,7 @@ impl Device for WgpuDevice {
 
     fn matmul(&self, ws: &[&Weight], x: &Act) -> Vec<Act> {
         // One preparation of the input per block size (weights of one size share it).
-        let mut prepared: Vec<(usize, Option<wgpu::Buffer>)> = Vec::new();
+        let mut prepared: Vec<(usize, Option<Prepared>)> = Vec::new();
         ws.iter()
             .map(|w| {
                 let m = w.ty.block_elems();

@@ -59,14 +59,16 @@ pub(crate) struct ModelArgs {
     /// (GATESTREAM_CUDA_<KEY>); `--cuda-opt help` prints every mode with its values and default.
     #[arg(help_heading = "Model and device", long = "cuda-opt", value_name = "KEY=VALUE")]
     pub(crate) cuda_opt: Vec<String>,
-    /// With --device cuda: what the GPU's quantized products multiply [default: auto]
+    /// With --device cuda or wgpu: what the GPU's quantized products multiply [default: auto]
     ///
     /// With --device cuda: what the GPU's quantized products multiply the weights with. auto (the
     /// default): Q4_K and Q6_K weights with the CPU's 8-bit activation blocks, as integers; the
     /// other types with the f32 activations. f32: the f32 activations, weights decoded to f32. q8:
     /// the CPU's 8-bit activation blocks decoded to f32, so the GPU computes what the CPU path
     /// (and llama.cpp) computes, to rounding. int8: those blocks multiplied as integers where a
-    /// kernel does (Q4_K, Q6_K), as q8 elsewhere. Over GATESTREAM_CUDA_ACTIVATIONS. [default: auto]
+    /// kernel does (Q4_K, Q6_K), as q8 elsewhere. With --device wgpu: int8 (packed 8-bit dot
+    /// products, every quantized type) or q8; auto is int8 where the adapter's WGSL has
+    /// dot4I8Packed, and f32 is refused. Over GATESTREAM_CUDA_ACTIVATIONS. [default: auto]
     #[arg(
         help_heading = "Model and device",
         long,
