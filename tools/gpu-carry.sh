@@ -1,7 +1,8 @@
 #!/bin/bash
 # Prepares what a lent GPU machine needs to run the GPU suite (that machine has the driver, nvcc
-# and NVRTC, but no Rust toolchain and no registry): the release binary and the GPU suite built
-# here with `--features cuda`, stripped, and `run.sh`, into DIR (default gpucarry; added to
+# and NVRTC, but no Rust toolchain and no registry): the release binary built here with
+# `--features cuda,wgpu` and the GPU suite with `--features cuda`, stripped, Vulkan's loader (for
+# tools/gpu-wgpu.sh, where that machine has none) and `run.sh`, into DIR (default gpucarry; added to
 # .git/info/exclude, so it travels with the working tree only when named in the device tool's
 # `carry`). The test data (`data/`) travels with the working tree itself.
 #
@@ -16,7 +17,7 @@ dir=${1:-gpucarry}
 exclude="$(git rev-parse --git-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 grep -qx "$dir/" "$exclude" 2>/dev/null || echo "$dir/" >> "$exclude"
-cargo build --release --features cuda
+cargo build --release --features cuda,wgpu
 suite=$(cargo test --release --features cuda --test gpu_cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
 for line in sys.stdin:
@@ -29,6 +30,12 @@ mkdir -p "$dir"
 cp target/release/gatestream "$suite" "$dir/"
 mv "$dir/$(basename "$suite")" "$dir/gpu_cuda"
 strip "$dir/gatestream" "$dir/gpu_cuda"
+vulkan=$(ldconfig -p | awk '/libvulkan\.so\.1 / {print $NF; exit}')
+if [ -n "$vulkan" ]; then
+    cp -L "$vulkan" "$dir/libvulkan.so.1"
+else
+    echo "gpu-carry: no Vulkan loader here (apt-get install libvulkan1): tools/gpu-wgpu.sh then needs the GPU machine's" >&2
+fi
 git rev-parse HEAD > "$dir/BUILT_FROM"
 git status --short >> "$dir/BUILT_FROM"
 cat > "$dir/run.sh" <<EOF

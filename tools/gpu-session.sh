@@ -9,7 +9,8 @@
 #   tools/gpu-carry.sh && cp -r ../shared/peer/cuda gpupeer    # here (or tools/llama-cpp.sh build-cuda gpupeer)
 #   OUT=/tmp/gs PACK=$OUT/logs.tgz bash tools/gpu-session.sh   # there; carry ["gpucarry", "gpupeer"]
 #
-# PARTS (default "checks compare hybrid"; add "disk" to measure the machine's disk), in this order:
+# PARTS (default "checks compare wgpu hybrid"; add "disk" to measure the machine's disk), in this
+# order:
 # 0. While the checks run, the hybrid's and the disk's models are written in the background
 #    (`make-model`, niced: DENSE_SHAPE, default qwen2.5-7b; MOE_SHAPE, default qwen3-30b-a3b; each
 #    as a GGUF and a split .gst under MODELS, default /tmp/gsm), MoE only where the disk has room.
@@ -23,6 +24,9 @@
 # 2. compare: `tools/gpu-compare.py --cases CASES --deadline DEADLINE` (default CASES
 #    decode,prefill,depth,batched,served,profile; DEADLINE 95 s: no case starts later), killed where the
 #    hybrid's and the disk's parts (220 s) would not fit.
+# 2b. wgpu: `tools/gpu-wgpu.sh` on gpu-compare's model: `--device wgpu` (Vulkan) beside `--device
+#    cuda`, and its packed 8-bit products beside its f32 ones, decode and prefill; about 40 s,
+#    nothing measured (said in the table) where Vulkan finds no NVIDIA adapter.
 # 3. hybrid: `tools/gpu-hybrid.sh dense:DENSE_SHAPE:25 moe:MOE_SHAPE:25 dense:DENSE_SHAPE:50`, no
 #    run starting after HYBRID_S seconds (default 130), killed where the disk's part would not fit.
 # 4. disk: `bench --device-only --quick`, then DENSE_SHAPE's .gst streamed from disk on the CPU
@@ -48,7 +52,7 @@ log() { echo "[$(date +%T) +$((SECONDS - START))s] $*" | tee -a "$OUT/session.tx
 TOTAL=${TOTAL_S:-540}
 # (seconds left before TOTAL_S, less $1 kept for the parts after)
 left() { local l=$((TOTAL - (SECONDS - START) - ${1:-0})); echo $((l > 1 ? l : 1)); }
-PARTS=${PARTS:-checks compare hybrid}
+PARTS=${PARTS:-checks compare wgpu hybrid}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 SUITE=${SUITE:-gpucarry/gpu_cuda}
 G=${GATESTREAM:-gpucarry/gatestream}
@@ -122,9 +126,16 @@ fi
 if part compare; then
     compare=${COMPARE:-python3 tools/gpu-compare.py}
     # shellcheck disable=SC2086
-    OUT="$OUT/compare" timeout "$(left 220)" $compare --cases "$CASES" --deadline "${DEADLINE:-95}" \
+    OUT="$OUT/compare" timeout "$(left $((220 + $(part wgpu && echo 45 || echo 0))))" $compare --cases "$CASES" --deadline "${DEADLINE:-95}" \
         > "$OUT/compare.txt" 2>&1
     log "gpu-compare: exit $? (log: compare.txt, rows: compare/compare.json)"
+fi
+
+# 2b. The portable device beside CUDA.
+if part wgpu; then
+    OUT="$OUT/wgpu" BASE=$DEV DEADLINE=25 timeout "$(left 220)" bash tools/gpu-wgpu.sh "$M/qwen2.5-1.5b.gguf" \
+        > "$OUT/wgpu.txt" 2>&1
+    log "gpu-wgpu: exit $? (log: wgpu.txt, wgpu/)"
 fi
 
 # 3. The hybrid.
@@ -184,6 +195,7 @@ fi
     [ -f "$OUT/suite.txt" ] && sed -n '/i8 geometry:/,/^gpu_cuda:/p' "$OUT/suite.txt" | grep -v "^gpu_cuda:" | sed 's/^ */  /'
     echo "== gpu-compare (gatestream / llama.cpp)"
     [ -f "$OUT/compare.txt" ] && sed -n '/^case  /,$p' "$OUT/compare.txt"
+    [ -f "$OUT/wgpu/wgpu-table.txt" ] && cat "$OUT/wgpu/wgpu-table.txt"
     echo "== hybrid"
     [ -f "$OUT/hybrid.txt" ] && sed -n '/^case  /,$p' "$OUT/hybrid.txt"
     echo "== disk ($DENSE, --ram-budget ${DISK_BUDGET:-2G}, CPU)"
