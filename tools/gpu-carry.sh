@@ -1,7 +1,7 @@
 #!/bin/bash
 # Prepares what a lent GPU machine needs to run the GPU suite (that machine has the driver, nvcc
 # and NVRTC, but no Rust toolchain and no registry): the release binary built here with
-# `--features cuda,wgpu` and the GPU suite with `--features cuda`, stripped, Vulkan's loader (for
+# `--features cuda,wgpu` and the GPU suite (one build), stripped, Vulkan's loader (for
 # tools/gpu-wgpu.sh, where that machine has none) and `run.sh`, into DIR (default gpucarry; added to
 # .git/info/exclude, so it travels with the working tree only when named in the device tool's
 # `carry`). The test data (`data/`) travels with the working tree itself.
@@ -18,7 +18,7 @@ exclude="$(git rev-parse --git-dir)/info/exclude"
 mkdir -p "$(dirname "$exclude")"
 grep -qx "$dir/" "$exclude" 2>/dev/null || echo "$dir/" >> "$exclude"
 cargo build --release --features cuda,wgpu
-suite=$(cargo test --release --features cuda --test gpu_cuda --no-run --message-format=json 2>/dev/null |
+suite=$(cargo test --release --features cuda,wgpu --test gpu_cuda --no-run --message-format=json 2>/dev/null |
     python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
