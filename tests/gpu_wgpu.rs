@@ -834,7 +834,7 @@ fn main() {
     );
     if !not_run.is_empty() {
         println!(
-            "gpu_wgpu: NOT RUN on this software adapter (minutes each; name them to run them): {}",
+            "gpu_wgpu: NOT RUN on this software adapter (the quantized models judged against the CPU's 8-bit activations, the larger F32 ones minutes each: docs/WGPU.md; name them to run them): {}",
             not_run.join(", ")
         );
     }
