@@ -6,6 +6,7 @@
 
 pub mod budget;
 pub mod long;
+pub mod tiny;
 
 use std::sync::Arc;
 
