@@ -591,10 +591,12 @@ fn main() {
             r.map(|m| format!("  (split every 64 positions)\n{m}"))
         }),
         ("attention_long_context", |d| {
-            // Heads of 128 past lavapipe's one-thread budget, and DeepSeek's latent heads of 576.
+            // Heads of 128 past lavapipe's one-thread budget, and DeepSeek's latent heads of 576,
+            // as any heads and as a latent cache (the values read from the keys).
             let a = device_checks::long::long_attention_against_cpu(d.as_ref(), 7000, 128, 1e-4)?;
             let b = device_checks::long::long_attention_against_cpu(d.as_ref(), 1500, 576, 1e-4)?;
-            Ok(format!("{a}\n{b}"))
+            let c = device_checks::long::latent_attention_against_cpu(d.as_ref(), 1500, 576, 1e-4)?;
+            Ok(format!("{a}\n{b}\n{c}"))
         }),
         ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
         ("kernels_top_k", |d| {
