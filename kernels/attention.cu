@@ -1,15 +1,22 @@
 // The KV cache in device memory and attention over it. A sequence's cache is two allocations
 // (keys, values), each [layer][capacity][kv_dim] f32. Every token of a batch carries four u64s:
 // its sequence's key and value base addresses, its position and the cache's capacity, so one
-// launch serves a batch of several sequences.
+// launch serves a batch of several sequences. A latent-attention cache (DeepSeek-V2/V3, Kimi-K2:
+// one latent and its rotated part a position) is the keys alone: its value base is its key base,
+// so attention reads each value as its key's first numbers (the same row stride), and a write
+// of values there writes nothing (`latent`).
 
-#define ATTN_MAX_HEAD_DIM 512
+// The widest head: DeepSeek's latent heads are 576 (a latent of 512 and a rotated part of 64).
+#define ATTN_MAX_HEAD_DIM 576
 
 struct TokenKv {
     u64 k, v, pos, cap;
 };
 
-// Row t of k and v into its sequence's cache at its position, layer `layer`.
+// Whether the token's cache holds no values of its own (latent attention: they are its keys).
+__device__ __forceinline__ bool latent(const TokenKv& ti) { return ti.v == ti.k; }
+
+// Row t of k and v into its sequence's cache at its position, layer `layer` (v not, latent).
 extern "C" __global__ void kv_write(const float* k, const float* v, const TokenKv* info, int layer, int kvd) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= kvd) return;
@@ -17,7 +24,7 @@ extern "C" __global__ void kv_write(const float* k, const float* v, const TokenK
     TokenKv ti = info[t];
     u64 at = ((u64)layer * ti.cap + ti.pos) * kvd + c;
     ((float*)ti.k)[at] = k[(u64)t * kvd + c];
-    ((float*)ti.v)[at] = v[(u64)t * kvd + c];
+    if (!latent(ti)) ((float*)ti.v)[at] = v[(u64)t * kvd + c];
 }
 
 // Block `h` of `rope_norm_kv` for token t, run by a block of at least `vt` threads
@@ -52,14 +59,16 @@ __device__ void rope_kv_head(int h, int t, float* q, int q_width, const float* q
         for (int j = tid; j < hd; j += threads) ((float*)ti.k)[at + (u64)head * hd + j] = kh[j];
         return;
     }
+    if (latent(ti)) return;  // (no values: the rotated keys written above are them)
     int head = h - q_heads - kv_heads;
     const float* vh = v + (u64)t * k_width + (u64)head * hd;
     for (int j = tid; j < hd; j += threads) ((float*)ti.v)[at + (u64)head * hd + j] = __ldcg(vh + j);
 }
 
 // `rope_norm`, then `kv_write` of its keys and `v`, in one launch (the same values): blocks past
-// the query and key heads copy the value heads (as many as the key heads) into the cache; each
-// key head is copied there once rotated. positions[t] is token t's position in `info`.
+// the query and key heads copy the value heads (as many as the key heads) into the cache (into
+// a latent cache none); each key head is copied there once rotated. positions[t] is token t's
+// position in `info`.
 extern "C" __global__ void rope_norm_kv(float* q, int q_width, const float* q_norm, float* k, int k_width,
                                         const float* k_norm, int hd, int rd, const u32* positions, float base,
                                         float pos_scale, int style, const float* factors, float eps, const float* v,

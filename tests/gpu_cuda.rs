@@ -20,8 +20,8 @@
 //! decode tok/s dense and with 50% masks, copies per token against the link measured here.
 //! Tiny random-weight models of the architectures whose attention needs more than whole-head
 //! RoPE and a plain softmax (`arch_*`: Llama 3.1's RoPE frequency factors, glm4moe's partial
-//! RoPE, gpt-oss's sinks, qwen3's per-head QK-norm) meet the same bar; deepseek2 (latent
-//! attention) is refused at load.
+//! RoPE, gpt-oss's sinks, qwen3's per-head QK-norm, deepseek2's latent attention, alone and with
+//! V3's routing) meet the same bar.
 //! `GATESTREAM_GPU_REPORT=FILE` writes the figures as JSON. Arguments pick checks by name
 //! (`gpu_cuda kernels stories260k`). The stories260K checks of the streamed paths and a small
 //! model built like the Qwen-shaped one (`small_qwen2_*`: 8 layers, hidden 256) are small enough
@@ -70,12 +70,13 @@ fn main() {
     // The driver may be tests/cuda_emu's host emulation (CI): the checks then show what the
     // kernels and the device's host code compute, nothing about a GPU.
     let emulated = emulated(&dev);
-    let checks: [(&str, Check); 51] = [
+    let checks: [(&str, Check); 53] = [
         ("kernels_per_type", kernels_per_type),
         ("int8_batches", int8_batches),
         ("attention_tiles", attention_tiles),
         ("attention_split", attention_split),
         ("attention_sinks", attention_sinks),
+        ("attention_latent", attention_latent),
         ("kernels_rope_attention", kernels_rope_attention),
         ("i8_geometry", i8_geometry),
         ("fused_q8_blocks", fused_q8_blocks),
@@ -197,7 +198,8 @@ fn main() {
         ("arch_glm4moe_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Glm4Moe)),
         ("arch_gpt_oss_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::GptOss)),
         ("arch_qwen3_cuda_vs_cpu", |d, r| arch_model(d, r, Arch::Qwen3)),
-        ("deepseek2_refused", deepseek2_refused),
+        ("arch_deepseek2_cuda_vs_cpu", |d, r| arch_deepseek2(d, r, false)),
+        ("arch_deepseek2_v3_cuda_vs_cpu", |d, r| arch_deepseek2(d, r, true)),
         // Last: it leaves (and takes back) an error on the device.
         ("cpu_only_types_refused", cpu_only_types_refused),
     ];
@@ -279,7 +281,7 @@ impl Rng {
 /// Q8_0's products, in f32 on the GPU and in 8-bit on the CPU, move its sigmoid router's near
 /// ties); `gpt_oss`: attention sinks, YaRN's frequency factors, sliding-window layers, biases
 /// and MXFP4 experts; `qwen3`: per-head QK-norm before RoPE (Q4_K_M). One check an architecture
-/// (`arch_` selects all four).
+/// (`arch_` selects these four and [`arch_deepseek2`]'s two).
 fn arch_model(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
@@ -349,11 +351,49 @@ fn arch_model(
         residual_gain: 1.0,
     };
     write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
+    tiny_against_cpu(dev, report, &format!("arch_{}", arch.name()), what, &path)
+}
+
+/// deepseek2 (`arch_deepseek2`): multi-head latent attention, its cache one latent of 160 a
+/// position (128 and a rotated part of 32) with no values, attention reading them from the keys
+/// (a prompt's in tiles, decode's split over positions); with `moe` (`arch_deepseek2_v3`), V3's
+/// routing (sigmoid scores with a bias, grouped top-k, a shared expert, a leading dense layer).
+/// The wgpu suite's models (`device_checks::tiny::synth_deepseek2`: F32), against the same bar
+/// as the others.
+fn arch_deepseek2(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    moe: bool,
+) -> Result<String, String> {
+    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let path = device_checks::tiny::synth_deepseek2(tmp.path(), moe)?;
+    let (key, what) = match moe {
+        false => (
+            "arch_deepseek2",
+            "deepseek2, latent attention (a latent of 160 a position), F32",
+        ),
+        true => (
+            "arch_deepseek2_v3",
+            "deepseek2, latent attention, V3's grouped sigmoid routing, 8 experts (2 used) and a shared one, F32",
+        ),
+    };
+    tiny_against_cpu(dev, report, key, what, &path)
+}
+
+/// The tiny model at `path` on both devices, fused launches on (see [`arch_model`]): the
+/// figures under `key` in the report, the line saying `what` it is.
+fn tiny_against_cpu(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+    key: &str,
+    what: &str,
+    path: &std::path::Path,
+) -> Result<String, String> {
     // Fused launches on, whatever the default: RoPE then runs in the kernels that write the KV
     // cache too (`rope_norm_kv`; with graphs, the integer products' `*_rope_kv`).
     let was = dev.fuse();
     dev.set_fuse(true);
-    let r = cpu_vs_cuda(&path, dev, &wiki_text(20_000)?);
+    let r = cpu_vs_cuda(path, dev, &wiki_text(20_000)?);
     dev.set_fuse(was);
     let (mismatches, worst, pc, pg) = r?;
     let rel = (pg / pc - 1.0).abs();
@@ -365,57 +405,10 @@ fn arch_model(
         windows = ppl_windows(dev),
     );
     report.insert(
-        format!("arch_{}", arch.name()),
+        key.to_string(),
         serde_json::json!({"mismatched_steps": mismatches, "max_dlogit_of_range": worst, "ppl_cpu": pc, "ppl_cuda": pg}),
     );
     judged(mismatches, worst, rel, msg)
-}
-
-/// A deepseek2 model (multi-head latent attention: the values are the cached latents' first
-/// numbers) is refused at load by the CUDA device, whose attention kernels read values from a
-/// cache of their own, naming the architecture and what is missing.
-fn deepseek2_refused(
-    dev: &Arc<CudaDevice>,
-    _report: &mut serde_json::Map<String, serde_json::Value>,
-) -> Result<String, String> {
-    use gatestream::synth::{write_model, MakeSpec, Mix, OutputFormat, RoutingShape, Shape, TokenizerChoice};
-    let mla = gatestream::config::Mla {
-        q_lora_rank: 32,
-        kv_lora_rank: 64,
-        qk_nope: 32,
-        qk_rope: 16,
-        v_head: 32,
-    };
-    let tmp = tempfile::tempdir().map_err(|e| e.to_string())?;
-    let path = tmp.path().join("deepseek2.gguf");
-    let spec = MakeSpec {
-        shape: Shape {
-            vocab: 300,
-            context_len: 256,
-            rope_theta: 10000.0,
-            experts: Some((4, 2)),
-            routing: Some(RoutingShape::glm(128)),
-            mla: Some(mla),
-            ..Shape::custom(Arch::Deepseek2, 64, 64, 2, 4, 1, mla.latent())
-        },
-        mix: Mix::Q8_0,
-        dequantize: false,
-        tokenizer: TokenizerChoice::Synthetic,
-        seed: 3,
-        residual_gain: 1.0,
-    };
-    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
-    let device: Arc<dyn Device> = dev.clone();
-    let m = match Model::load_on(&path, &LoadOptions::default(), device) {
-        Ok(_) => return Err("a deepseek2 model (latent attention) loaded on the CUDA device".into()),
-        Err(e) => e.to_string(),
-    };
-    if !(m.contains("deepseek2") && m.contains("latent attention") && m.contains("--device cpu")) {
-        return Err(format!(
-            "the refusal does not name the architecture and what is missing: {m}"
-        ));
-    }
-    Ok(format!("refused at load: {m}"))
 }
 
 /// A model holding a type the device has no kernels for (the small Qwen2-built model with its
@@ -875,6 +868,42 @@ fn attention_sinks(
     Ok(msg)
 }
 
+/// Latent attention (deepseek2: a cache of keys alone, each value its key) against the CPU: the
+/// body the wgpu suite runs (`device_checks::long::latent_attention_against_cpu`: the first 16
+/// positions written with RoPE, the rest by `kv_write`, each given other values the cache must
+/// not take; the last position's query, then a run of 16), over 1100 positions with DeepSeek's
+/// heads of 576 and over 300 with the small models' 160 — split over positions (one token: 16
+/// splits, merged by the last of them; the run: one split a head at 576, tiles at 160), merged by
+/// `attention_merge` with RoPE and the cache write in launches apart, and a block per token and
+/// head; within 1e-5.
+fn attention_latent(
+    dev: &Arc<CudaDevice>,
+    report: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<String, String> {
+    let paths = [
+        (
+            "splits merged by the last split, RoPE writing the cache",
+            true,
+            true,
+            true,
+        ),
+        (
+            "splits merged by attention_merge, RoPE and the cache write apart",
+            true,
+            true,
+            false,
+        ),
+        ("a block per token and head", true, false, true),
+    ];
+    let lines = on_attention_paths(dev, &paths, &|| {
+        let a = device_checks::long::latent_attention_against_cpu(dev.as_ref(), 1100, 576, 1e-5)?;
+        let b = device_checks::long::latent_attention_against_cpu(dev.as_ref(), 300, 160, 1e-5)?;
+        Ok(format!("{a}\n{b}"))
+    })?;
+    report.insert("attention_latent".into(), true.into());
+    Ok(lines)
+}
+
 /// RoPE (frequency factors, partial, both styles, per-head norms), cache writes and attention
 /// (sinks, windows, grouped heads, two sequences) against the CPU device: the body the wgpu suite
 /// runs (`device_checks::rope_attention_against_cpu`), once with a prompt's attention in tiles
@@ -884,18 +913,34 @@ fn kernels_rope_attention(
     dev: &Arc<CudaDevice>,
     report: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<String, String> {
-    let was = (dev.attn_tiles(), dev.attn_split(), dev.fuse());
-    let mut lines = Vec::new();
-    let mut outcome = Ok(());
-    for (what, tiles, split, fuse) in [
+    let paths = [
         ("tiles and splits merged by the last split", true, true, true),
         ("a block per token and head", false, false, true),
         ("splits merged by attention_merge", false, true, false),
-    ] {
+    ];
+    let lines = on_attention_paths(dev, &paths, &|| {
+        device_checks::rope_attention_against_cpu(dev.as_ref(), 1e-5)
+    })?;
+    report.insert("kernels_rope_attention".into(), true.into());
+    Ok(lines)
+}
+
+/// `check` under each of `paths` (what it is; attention in tiles, split over positions, fused
+/// launches: the device's switches), its lines under `[what]`, until one fails. The switches
+/// are restored.
+fn on_attention_paths(
+    dev: &CudaDevice,
+    paths: &[(&str, bool, bool, bool)],
+    check: &dyn Fn() -> Result<String, String>,
+) -> Result<String, String> {
+    let was = (dev.attn_tiles(), dev.attn_split(), dev.fuse());
+    let mut lines = Vec::new();
+    let mut outcome = Ok(());
+    for &(what, tiles, split, fuse) in paths {
         dev.set_attn_tiles(tiles);
         dev.set_attn_split(split);
         dev.set_fuse(fuse);
-        match device_checks::rope_attention_against_cpu(dev.as_ref(), 1e-5) {
+        match check() {
             Ok(m) => lines.push(format!("  [{what}]\n{m}")),
             Err(m) => {
                 outcome = Err(format!("  [{what}]\n{m}"));
@@ -906,9 +951,7 @@ fn kernels_rope_attention(
     dev.set_attn_tiles(was.0);
     dev.set_attn_split(was.1);
     dev.set_fuse(was.2);
-    outcome?;
-    report.insert("kernels_rope_attention".into(), true.into());
-    Ok(lines.join("\n"))
+    outcome.map(|()| lines.join("\n"))
 }
 
 /// Attention of `batch` (sequence, position) tokens over caches of `capacity` positions holding

@@ -11,7 +11,7 @@
 //! two sequences) and argmax against the CPU device; types the device has no kernels for refused
 //! at load, naming the type; small models of each architecture the device runs (qwen3, Llama
 //! 3.1's RoPE factors, the mixtures of experts: llama, qwen2moe, qwen3moe, olmoe, glm4moe,
-//! gpt-oss) and one it refuses (deepseek2); then real models — stories260K, SmolLM2-135M
+//! gpt-oss, and deepseek2's latent attention); then real models — stories260K, SmolLM2-135M
 //! (Q4_1), Gemma 3 270M (Q5_0/Q8_0/Q4_K/Q6_K) and Qwen2.5-Coder-1.5B (Q4_K/Q6_K) — with the same
 //! greedy tokens as the CPU and perplexity within 0.1% of the CPU's, and each with its matrices
 //! decoded to F32 on both devices, within 0.01%. Arguments pick checks by name
@@ -24,6 +24,7 @@ mod device_checks;
 
 use std::sync::Arc;
 
+use device_checks::tiny::{synth_deepseek2, synth_model};
 use gatestream::backend::wgpu_device::{WgpuDevice, WGPU_TYPES};
 use gatestream::backend::Device;
 use gatestream::quant::GgmlType;
@@ -150,67 +151,6 @@ fn stories_rope_factors(dir: &std::path::Path) -> Result<std::path::PathBuf, Str
     let factors = gatestream::config::llama3_rope_factors(8, 10000.0, 8.0, 1.0, 4.0, 64.0);
     let bytes = common::stories_gguf_with(common::Breakage::None, Some(&factors));
     Ok(common::write_temp(dir, "stories-rope-freqs.gguf", &bytes))
-}
-
-/// A random model written by `make-model`'s code: `shape` with a vocabulary of 300 (the
-/// synthetic tokenizer: text in bytes), its matrices of `mix`, or with `dequantize` their
-/// values decoded to F32.
-fn synth_model(
-    dir: &std::path::Path,
-    shape: gatestream::synth::Shape,
-    mix: gatestream::synth::Mix,
-    dequantize: bool,
-) -> Result<std::path::PathBuf, String> {
-    use gatestream::synth::{write_model, MakeSpec, OutputFormat, Shape, TokenizerChoice};
-    let path = dir.join(format!("{}.gguf", shape.arch.name()));
-    let spec = MakeSpec {
-        shape: Shape {
-            vocab: 300,
-            context_len: 512,
-            ..shape
-        },
-        mix,
-        dequantize,
-        tokenizer: TokenizerChoice::Synthetic,
-        seed: 5,
-        residual_gain: 1.0,
-    };
-    write_model(&spec, &path, &OutputFormat::Gguf, true, &mut |_, _| {}).map_err(|e| e.to_string())?;
-    Ok(path)
-}
-
-/// deepseek2: multi-head latent attention (the cache one latent and its rotated part a
-/// position, 160 wide; values read from the keys), DeepSeek-V2-Lite's unfactored queries; with
-/// `moe`, V3's routing: sigmoid scores with a bias, 4 groups of which 2 are used, a shared expert,
-/// the first layer dense.
-fn synth_deepseek2(dir: &std::path::Path, moe: bool) -> Result<std::path::PathBuf, String> {
-    use gatestream::config::{Arch, Mla};
-    use gatestream::synth::{Mix, RoutingShape, Shape};
-    let mla = Mla {
-        q_lora_rank: if moe { 64 } else { 0 },
-        kv_lora_rank: 128,
-        qk_nope: 64,
-        qk_rope: 32,
-        v_head: 64,
-    };
-    let routing = RoutingShape {
-        leading_dense: 1,
-        dense_ffn: 256,
-        shared_experts: 1,
-        sigmoid: true,
-        score_bias: true,
-        normalize: true,
-        routed_scale: 2.5,
-        groups: Some((4, 2)),
-    };
-    let shape = Shape {
-        rope_theta: 10000.0,
-        experts: moe.then_some((8, 2)),
-        mla: Some(mla),
-        routing: moe.then_some(routing),
-        ..Shape::custom(Arch::Deepseek2, 128, if moe { 64 } else { 256 }, 2, 4, 1, mla.latent())
-    };
-    synth_model(dir, shape, Mix::Q8_0, true)
 }
 
 /// Dense qwen3: per-head Q/K norms before RoPE, no biases.
@@ -651,10 +591,12 @@ fn main() {
             r.map(|m| format!("  (split every 64 positions)\n{m}"))
         }),
         ("attention_long_context", |d| {
-            // Heads of 128 past lavapipe's one-thread budget, and DeepSeek's latent heads of 576.
+            // Heads of 128 past lavapipe's one-thread budget, and DeepSeek's latent heads of 576,
+            // as any heads and as a latent cache (the values read from the keys).
             let a = device_checks::long::long_attention_against_cpu(d.as_ref(), 7000, 128, 1e-4)?;
             let b = device_checks::long::long_attention_against_cpu(d.as_ref(), 1500, 576, 1e-4)?;
-            Ok(format!("{a}\n{b}"))
+            let c = device_checks::long::latent_attention_against_cpu(d.as_ref(), 1500, 576, 1e-4)?;
+            Ok(format!("{a}\n{b}\n{c}"))
         }),
         ("kernels_argmax", |d| device_checks::argmax_against_host(d.as_ref())),
         ("kernels_top_k", |d| {

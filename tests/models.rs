@@ -656,25 +656,16 @@ fn role_of(role: &str) -> gatestream::synth::Role {
 /// latent's norm matters (the figure changes without it).
 #[test]
 fn small_deepseek2_latent_attention_matches_llama_cpp() {
-    use gatestream::config::{Arch, Gating, Mla};
+    use gatestream::config::{Arch, Gating};
     use gatestream::gguf::MetaValue;
     use gatestream::perplexity::{perplexity, PerplexityOptions};
     use gatestream::synth::{RoutingShape, Shape};
     let tmp = tempfile::tempdir().unwrap();
     let text = std::fs::read_to_string(data_dir().join("wikitext-2/wiki.test.raw")).unwrap();
     let opts = PerplexityOptions { ctx: 512, windows: 4 };
-    // V3's routing: sigmoid scores with a bias, 4 groups of which 2 are used, renormalized,
-    // scaled by 2.5, a shared expert, the first layer dense.
-    let v3 = RoutingShape {
-        leading_dense: 1,
-        dense_ffn: 512,
-        shared_experts: 1,
-        sigmoid: true,
-        score_bias: true,
-        normalize: true,
-        routed_scale: 2.5,
-        groups: Some((4, 2)),
-    };
+    // V3's routing (sigmoid scores with a bias, grouped top-k, a shared expert, the first
+    // layer dense).
+    let v3 = RoutingShape::deepseek_v3(512);
     // V2-Lite's: softmax, no bias or groups, not renormalized, two shared experts.
     let v2 = RoutingShape {
         sigmoid: false,
@@ -691,13 +682,7 @@ fn small_deepseek2_latent_attention_matches_llama_cpp() {
         (64, Some(v3), "deepseek2-v3-moe-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[3]),
         (0, Some(v2), "deepseek2-v2-moe-f32.gguf", LLAMA_CPP_SMALL_DEEPSEEK2[4]),
     ] {
-        let mla = Mla {
-            q_lora_rank,
-            kv_lora_rank: 128,
-            qk_nope: 64,
-            qk_rope: 32,
-            v_head: 64,
-        };
+        let mla = small_mla(q_lora_rank);
         let shape = Shape {
             rope_theta: 10000.0,
             experts: routing.as_ref().map(|_| (8, 2)),

@@ -83,6 +83,17 @@ impl RoutingShape {
             groups: None,
         }
     }
+
+    /// DeepSeek-V3's routing at a small model's scale: the first layer dense (of `dense_ffn`
+    /// neurons), one shared expert, sigmoid scores with a score bias, renormalized, scaled by
+    /// 2.5, the experts in 4 groups of which 2 are used (V3's own: 8 and 4).
+    pub fn deepseek_v3(dense_ffn: usize) -> RoutingShape {
+        RoutingShape {
+            routed_scale: 2.5,
+            groups: Some((4, 2)),
+            ..RoutingShape::glm(dense_ffn)
+        }
+    }
 }
 
 /// The named shapes, as `--shape` spells them.

@@ -459,3 +459,16 @@ pub fn stories_moe(dir: &Path, arch: gatestream::config::Arch) -> Result<PathBuf
     gatestream::synth::write_moe(&dense, &spec, &path, &mut |_, _| {}).map_err(|e| e.to_string())?;
     Ok(path)
 }
+
+/// The small deepseek2 models' latent attention (the tests' and the device suites'): a latent of
+/// 128 and a rotated key part of 32 a position, heads of 64 + 32 query dimensions and 64 values;
+/// `q_lora_rank` 0 projects the query from the input directly (V2-Lite).
+pub fn small_mla(q_lora_rank: usize) -> gatestream::config::Mla {
+    gatestream::config::Mla {
+        q_lora_rank,
+        kv_lora_rank: 128,
+        qk_nope: 64,
+        qk_rope: 32,
+        v_head: 64,
+    }
+}

@@ -6,6 +6,7 @@
 
 pub mod budget;
 pub mod long;
+pub mod tiny;
 
 use std::sync::Arc;
 
@@ -518,6 +519,26 @@ pub fn rope_attention_against_cpu(dev: &dyn Device, tol: f64) -> Result<String, 
 
 /// A cache of `layers` layers of `kv_dim` for `capacity` positions.
 pub fn kv_cache(layers: usize, kv_dim: usize, capacity: usize) -> KvCache {
+    let c = cache_of(layers, kv_dim, capacity, None);
+    assert_eq!(c.bytes(), 2 * 4 * layers * capacity * kv_dim, "the test's cache shape");
+    c
+}
+
+/// A latent attention cache (DeepSeek-V2/V3, Kimi-K2) of `layers` layers for `capacity`
+/// positions: one key of `width` a position (the latent and its rotated part) and no values,
+/// which attention reads from the keys.
+pub fn latent_kv_cache(layers: usize, width: usize, capacity: usize) -> KvCache {
+    // (Only that the model has latent attention shapes the cache, not its ranks.)
+    let c = cache_of(layers, width, capacity, Some(crate::common::small_mla(0)));
+    assert_eq!(
+        c.bytes(),
+        4 * layers * capacity * width,
+        "the test's latent cache shape"
+    );
+    c
+}
+
+fn cache_of(layers: usize, kv_dim: usize, capacity: usize, mla: Option<gatestream::config::Mla>) -> KvCache {
     use std::sync::OnceLock;
     static BASE: OnceLock<gatestream::config::ModelConfig> = OnceLock::new();
     let mut cfg = BASE
@@ -528,13 +549,11 @@ pub fn kv_cache(layers: usize, kv_dim: usize, capacity: usize) -> KvCache {
                 .clone()
         })
         .clone();
-    cfg.mla = None;
+    cfg.mla = mla;
     cfg.n_layers = layers;
     cfg.n_kv_heads = 1;
     cfg.head_dim = kv_dim;
-    let c = KvCache::new(&cfg, capacity);
-    assert_eq!(c.bytes(), 2 * 4 * layers * capacity * kv_dim, "the test's cache shape");
-    c
+    KvCache::new(&cfg, capacity)
 }
 
 /// Each row's greedy token on the device against the host's argmax (ties to the lower id,

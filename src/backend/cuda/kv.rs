@@ -3,9 +3,13 @@
 
 use super::*;
 
-/// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each.
+/// A sequence's keys and values on the device: `[layer][capacity][kv_dim]` each. A latent
+/// attention cache (the host cache's values empty: [`KvCache`]) has keys alone, and its value
+/// address is its key address: the kernels read its values from the keys and write none
+/// (kernels/attention.cu).
 pub(super) struct DevKv {
-    pub(super) slices: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+    /// The keys, and the values unless the cache is latent.
+    pub(super) slices: Option<(CudaSlice<f32>, Option<CudaSlice<f32>>)>,
     pub(super) k: u64,
     pub(super) v: u64,
     pub(super) shape: (usize, usize, usize),
@@ -20,7 +24,7 @@ impl Drop for DevKv {
         if let Some((k, v)) = self.slices.take() {
             if let Some(held) = self.pool.held.lock().expect("pool").as_mut() {
                 held.push(k);
-                held.push(v);
+                held.extend(v);
             }
         }
     }
@@ -55,10 +59,18 @@ impl CudaDevice {
             return;
         }
         let len = (shape.0 * shape.1 * shape.2).max(1);
+        // (Latent attention's host cache has no values: nor has the device's.)
+        let latent = cache.v.first().is_some_and(|v| v.is_empty());
         let k = self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len));
-        let v = self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len));
+        let v = if latent {
+            Some(None)
+        } else {
+            self.check("allocating the KV cache", self.stream.alloc_zeros::<f32>(len))
+                .map(Some)
+        };
         if let (Some(k), Some(v)) = (k, v) {
-            let (kp, vp) = (self.raw(&k), self.raw(&v));
+            let kp = self.raw(&k);
+            let vp = v.as_ref().map_or(kp, |v| self.raw(v));
             cache.device = Some(Box::new(DevKv {
                 slices: Some((k, v)),
                 k: kp,

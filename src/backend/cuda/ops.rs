@@ -15,8 +15,8 @@ macro_rules! record {
 
 impl Device for CudaDevice {
     fn latent_attention(&self) -> bool {
-        // (The attention kernels read values from a cache of their own.)
-        false
+        // (A latent cache's values are its keys: see `DevKv`.)
+        true
     }
     fn attention_sinks(&self) -> bool {
         true

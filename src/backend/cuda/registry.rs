@@ -19,8 +19,9 @@ pub(super) const ARGMAX_THREADS: u32 = 1024;
 /// Threads of the block that finds one row's top-k (`TOPK_MAX` in kernels/ops.cu: one a
 /// candidate when they are ranked).
 pub(super) const TOP_K_THREADS: u32 = crate::backend::TOP_K_MAX as u32;
-/// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`).
-pub(super) const ATTN_MAX_HEAD_DIM: usize = 512;
+/// The largest head the attention kernel's shared query holds (`ATTN_MAX_HEAD_DIM`): DeepSeek's
+/// latent heads are 576.
+pub(super) const ATTN_MAX_HEAD_DIM: usize = 576;
 /// Tokens of a tile of tiled attention (`ATTN_TILE_Q`) and the largest head it takes
 /// (`ATTN_TILE_MAX_HD`; its blocks have [`ATTENTION_THREADS`] threads).
 pub(super) const ATTN_TILE_TOKENS: usize = 16;
