@@ -217,31 +217,38 @@ fn group_index(wg: vec3<u32>) -> u32 {
     return wg.x + wg.y * p.groups_x;
 }
 
-// y[t][i] = dot(w row r_i, x[t]) for a tile of up to 8 tokens: one workgroup per (output row,
-// token tile), its 64 threads over the row's elements, each element decoded once per tile.
-// r_i = ids[i] when use_ids (a row subset), else i.
-@compute @workgroup_size(64)
-fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+// What one invocation of a row product computes: output row `i` (weight row ids[i] when
+// use_ids, a row subset, else i; it starts at byte `row`) for the `nt` tokens from `t0`; `ok`
+// false past the last (row, token tile).
+struct RowJob {
+    i: u32,
+    row: u32,
+    t0: u32,
+    nt: u32,
+    ok: bool,
+}
+
+// The job of the `rows_a_group` rows' group, thread `lane` of it, that workgroup `wg` takes
+// (one row a workgroup: rows_a_group 1, lane 0; one a thread: 64 and the thread's index).
+fn row_job(wg: vec3<u32>, rows_a_group: u32, lane: u32) -> RowJob {
     let g = group_index(wg);
+    let groups = (p.rows + rows_a_group - 1u) / rows_a_group;
     let tiles = (p.ntok + TILE - 1u) / TILE;
-    if (g >= p.rows * tiles) {
-        return;
+    let i = (g % groups) * rows_a_group + lane;
+    if (g >= groups * tiles || i >= p.rows) {
+        return RowJob(0u, 0u, 0u, 0u, false);
     }
-    let i = g % p.rows;
-    let t0 = (g / p.rows) * TILE;
     var r = i;
     if (p.use_ids != 0u) {
         r = ids[i];
     }
-    let row = p.base + r * p.stride;
-    let nt = min(TILE, p.ntok - t0);
-    var acc: array<f32, 8>;
-    for (var e = lid; e < p.cols; e += 64u) {
-        let v = deq(row, e);
-        for (var t = 0u; t < nt; t += 1u) {
-            acc[t] += v * x[(t0 + t) * p.cols + e];
-        }
-    }
+    let t0 = (g / groups) * TILE;
+    return RowJob(i, p.base + r * p.stride, t0, min(TILE, p.ntok - t0), true);
+}
+
+// The workgroup kernels' end: each token's 64 partial sums (one a thread) added in a tree in
+// workgroup memory, and written as output row `j.i`.
+fn reduce_store(acc: array<f32, 8>, lid: u32, j: RowJob) {
     for (var t = 0u; t < TILE; t += 1u) {
         red[t * 64u + lid] = acc[t];
     }
@@ -254,9 +261,42 @@ fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         workgroupBarrier();
     }
-    if (lid < nt) {
-        y[(t0 + lid) * p.out_width + p.first + i] = red[lid * 64u];
+    if (lid < j.nt) {
+        y[(j.t0 + lid) * p.out_width + p.first + j.i] = red[lid * 64u];
     }
+}
+
+// The one-thread kernels' end: each token's 64 partial sums (`part[lane * TILE + t]`) added in
+// the workgroup kernels' tree, so the two give the same bits, and written as output row `j.i`.
+fn tree_store(part: ptr<function, array<f32, 512>>, j: RowJob) {
+    for (var s = 32u; s > 0u; s >>= 1u) {
+        for (var l = 0u; l < s; l += 1u) {
+            for (var t = 0u; t < j.nt; t += 1u) {
+                (*part)[l * TILE + t] += (*part)[(l + s) * TILE + t];
+            }
+        }
+    }
+    for (var t = 0u; t < j.nt; t += 1u) {
+        y[(j.t0 + t) * p.out_width + p.first + j.i] = (*part)[t];
+    }
+}
+
+// y[t][i] = dot(w row r_i, x[t]) for a tile of up to 8 tokens: one workgroup per (output row,
+// token tile), its 64 threads over the row's elements, each element decoded once per tile.
+@compute @workgroup_size(64)
+fn matmul(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let j = row_job(wg, 1u, 0u);
+    if (!j.ok) {
+        return;
+    }
+    var acc: array<f32, 8>;
+    for (var e = lid; e < p.cols; e += 64u) {
+        let v = deq(j.row, e);
+        for (var t = 0u; t < j.nt; t += 1u) {
+            acc[t] += v * x[(j.t0 + t) * p.cols + e];
+        }
+    }
+    reduce_store(acc, lid, j);
 }
 
 // The neuron-major product: y[t][c] += sum over rows r (ids, or all) of x[t][r] * w[r][c]; one
@@ -293,51 +333,25 @@ fn accumulate(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
 
 // As `matmul`, one thread an output row (64 rows a workgroup) and no workgroup memory or
 // barriers: what a software adapter (lavapipe, which runs a workgroup's threads in SIMD lanes
-// and pays for every barrier) runs fastest. The device picks it on software adapters.
+// and pays for every barrier) runs fastest. The device picks it on software adapters. It sums
+// in the workgroup kernel's order: 64 strided partial sums (element e into partial e % 64, in
+// increasing e), then added in the same tree. The two kernels' results are then the same bits,
+// so checking one model on either checks both.
 @compute @workgroup_size(64)
 fn matmul_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let g = group_index(wg);
-    let row_groups = (p.rows + 63u) / 64u;
-    let tiles = (p.ntok + TILE - 1u) / TILE;
-    if (g >= row_groups * tiles) {
+    let j = row_job(wg, 64u, lid);
+    if (!j.ok) {
         return;
     }
-    let i = (g % row_groups) * 64u + lid;
-    if (i >= p.rows) {
-        return;
-    }
-    let t0 = (g / row_groups) * TILE;
-    var r = i;
-    if (p.use_ids != 0u) {
-        r = ids[i];
-    }
-    let row = p.base + r * p.stride;
-    let nt = min(TILE, p.ntok - t0);
-    // The workgroup kernel's sums in its order: 64 strided partial sums (element e into
-    // partial e % 64, in increasing e), then added in the same tree. The two kernels' results
-    // are then the same bits, so checking one model on either checks both.
     var part: array<f32, 512>;
     for (var e = 0u; e < p.cols; e += 1u) {
-        let v = deq(row, e);
+        let v = deq(j.row, e);
         let lane = (e & 63u) * TILE;
-        for (var t = 0u; t < nt; t += 1u) {
-            part[lane + t] += v * x[(t0 + t) * p.cols + e];
+        for (var t = 0u; t < j.nt; t += 1u) {
+            part[lane + t] += v * x[(j.t0 + t) * p.cols + e];
         }
     }
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        for (var l = 0u; l < s; l += 1u) {
-            for (var t = 0u; t < nt; t += 1u) {
-                part[l * TILE + t] += part[(l + s) * TILE + t];
-            }
-        }
-    }
-    var acc: array<f32, 8>;
-    for (var t = 0u; t < nt; t += 1u) {
-        acc[t] = part[t];
-    }
-    for (var t = 0u; t < nt; t += 1u) {
-        y[(t0 + t) * p.out_width + p.first + i] = acc[t];
-    }
+    tree_store(&part, j);
 }
 
 // ---- Packed 8-bit products: weights times the activations' 8-bit quants (ops.wgsl
@@ -549,84 +563,35 @@ fn chunk_dot(ch: Chunk, t: u32, c: u32) -> f32 {
 // As `matmul`, on the packed 8-bit activations: its 64 threads over the row's chunks.
 @compute @workgroup_size(64)
 fn matmul_q8(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let g = group_index(wg);
-    let tiles = (p.ntok + TILE - 1u) / TILE;
-    if (g >= p.rows * tiles) {
+    let j = row_job(wg, 1u, 0u);
+    if (!j.ok) {
         return;
     }
-    let i = g % p.rows;
-    let t0 = (g / p.rows) * TILE;
-    var r = i;
-    if (p.use_ids != 0u) {
-        r = ids[i];
-    }
-    let row = p.base + r * p.stride;
-    let nt = min(TILE, p.ntok - t0);
     var acc: array<f32, 8>;
     for (var c = lid; c < p.cols / 32u; c += 64u) {
-        let ch = chunk(row, c);
-        for (var t = 0u; t < nt; t += 1u) {
-            acc[t] += chunk_dot(ch, t0 + t, c);
+        let ch = chunk(j.row, c);
+        for (var t = 0u; t < j.nt; t += 1u) {
+            acc[t] += chunk_dot(ch, j.t0 + t, c);
         }
     }
-    for (var t = 0u; t < TILE; t += 1u) {
-        red[t * 64u + lid] = acc[t];
-    }
-    workgroupBarrier();
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        if (lid < s) {
-            for (var t = 0u; t < TILE; t += 1u) {
-                red[t * 64u + lid] += red[t * 64u + lid + s];
-            }
-        }
-        workgroupBarrier();
-    }
-    if (lid < nt) {
-        y[(t0 + lid) * p.out_width + p.first + i] = red[lid * 64u];
-    }
+    reduce_store(acc, lid, j);
 }
 
 // As `matmul_thread`, on the packed 8-bit activations: the sums of `matmul_q8` in its order
 // (chunk c into partial c % 64), so the two give the same bits.
 @compute @workgroup_size(64)
 fn matmul_q8_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let g = group_index(wg);
-    let row_groups = (p.rows + 63u) / 64u;
-    let tiles = (p.ntok + TILE - 1u) / TILE;
-    if (g >= row_groups * tiles) {
+    let j = row_job(wg, 64u, lid);
+    if (!j.ok) {
         return;
     }
-    let i = (g % row_groups) * 64u + lid;
-    if (i >= p.rows) {
-        return;
-    }
-    let t0 = (g / row_groups) * TILE;
-    var r = i;
-    if (p.use_ids != 0u) {
-        r = ids[i];
-    }
-    let row = p.base + r * p.stride;
-    let nt = min(TILE, p.ntok - t0);
     var part: array<f32, 512>;
     for (var c = 0u; c < p.cols / 32u; c += 1u) {
-        let ch = chunk(row, c);
+        let ch = chunk(j.row, c);
         let lane = (c & 63u) * TILE;
-        for (var t = 0u; t < nt; t += 1u) {
-            part[lane + t] += chunk_dot(ch, t0 + t, c);
+        for (var t = 0u; t < j.nt; t += 1u) {
+            part[lane + t] += chunk_dot(ch, j.t0 + t, c);
         }
     }
-    for (var s = 32u; s > 0u; s >>= 1u) {
-        for (var l = 0u; l < s; l += 1u) {
-            for (var t = 0u; t < nt; t += 1u) {
-                part[l * TILE + t] += part[(l + s) * TILE + t];
-            }
-        }
-    }
-    var acc: array<f32, 8>;
-    for (var t = 0u; t < nt; t += 1u) {
-        acc[t] = part[t];
-    }
-    for (var t = 0u; t < nt; t += 1u) {
-        y[(t0 + t) * p.out_width + p.first + i] = acc[t];
-    }
+    tree_store(&part, j);
 }
