@@ -313,12 +313,12 @@ fn models_dir() -> std::path::PathBuf {
         })
 }
 
-/// Runs `body` with the device's products set each way `modes` lists (packed 8-bit or f32, one
-/// thread or one workgroup a row), each result under its heading; the device's own settings
-/// are put back after.
+/// Runs `body` with the device's products set each way `modes` lists (packed 8-bit or f32; one
+/// thread or one workgroup a row, or `None`: as the body sets it), each result under its
+/// heading; the device's own settings are put back after.
 fn in_modes(
     d: &WgpuDevice,
-    modes: &[(bool, bool)],
+    modes: &[(bool, Option<bool>)],
     body: impl Fn() -> Result<String, String>,
 ) -> Result<String, String> {
     let own = (d.packed_dots(), d.row_per_thread());
@@ -326,16 +326,17 @@ fn in_modes(
     let mut ok = true;
     for &(packed, per_thread) in modes {
         d.set_packed_dots(packed);
-        d.set_row_per_thread(per_thread);
+        d.set_row_per_thread(per_thread.unwrap_or(own.1));
         let what = format!(
-            "[{} products, {}]",
+            "[{} products{}]",
             match d.packed_dots() {
                 true => "packed 8-bit",
                 false => "f32",
             },
             match per_thread {
-                true => "one thread a row",
-                false => "one workgroup a row",
+                Some(true) => ", one thread a row",
+                Some(false) => ", one workgroup a row",
+                None => "",
             }
         );
         let r = body();
@@ -355,7 +356,12 @@ fn in_modes(
 
 /// Every way the device multiplies: packed 8-bit and f32 products, each one thread and one
 /// workgroup a row.
-const ALL_MODES: [(bool, bool); 4] = [(true, false), (true, true), (false, false), (false, true)];
+const ALL_MODES: [(bool, Option<bool>); 4] = [
+    (true, Some(false)),
+    (true, Some(true)),
+    (false, Some(false)),
+    (false, Some(true)),
+];
 
 /// The widest rows one thread takes (IQ4_XS: the most loop steps a chunk of the packed
 /// products; Q5_K, Q3_K), one token and a tile of 8, against the CPU: on lavapipe, whose loop
@@ -395,24 +401,7 @@ fn widest_thread_rows(dev: &Arc<WgpuDevice>) -> Result<String, String> {
 /// same bits for every type, one token and a batch, all rows and listed rows; packed 8-bit
 /// products and f32 ones each.
 fn kernels_agree(dev: &Arc<WgpuDevice>) -> Result<String, String> {
-    let own = dev.packed_dots();
-    let mut out = Vec::new();
-    for packed in [true, false] {
-        dev.set_packed_dots(packed);
-        let what = match dev.packed_dots() {
-            true => "[packed 8-bit products]",
-            false => "[f32 products]",
-        };
-        let r = kernels_agree_now(dev);
-        let failed = r.is_err();
-        out.push(format!("  {what}\n{}", r.unwrap_or_else(|e| e)));
-        if failed {
-            dev.set_packed_dots(own);
-            return Err(out.join("\n"));
-        }
-    }
-    dev.set_packed_dots(own);
-    Ok(out.join("\n"))
+    in_modes(dev, &[(true, None), (false, None)], || kernels_agree_now(dev))
 }
 
 fn kernels_agree_now(dev: &Arc<WgpuDevice>) -> Result<String, String> {
@@ -562,7 +551,7 @@ fn main() {
         // Packed 8-bit products on both kernels; f32 ones on the kernel the adapter takes
         // (`kernels_agree` holds the other to its bits).
         ("kernels_per_type", |d| {
-            in_modes(d, &[(true, false), (true, true), (false, d.row_per_thread())], || {
+            in_modes(d, &[(true, Some(false)), (true, Some(true)), (false, None)], || {
                 device_checks::products_per_type(d.as_ref(), &WGPU_TYPES, 1e-4)
             })
         }),
@@ -573,7 +562,7 @@ fn main() {
             })
         }),
         ("kernels_widest_thread_rows", |d| {
-            in_modes(d, &[(true, true), (false, true)], || widest_thread_rows(d))
+            in_modes(d, &[(true, Some(true)), (false, Some(true))], || widest_thread_rows(d))
         }),
         ("kernels_elementwise", |d| {
             device_checks::elementwise_against_cpu(d.as_ref(), 1e-5)

@@ -365,6 +365,9 @@ fn matmul_thread(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation
 // The activations' blocks: 32 for the legacy types (Q8_0-like), 256 for the K types (Q8_K).
 const XB: u32 = select(256u, 32u, TYPE < T_Q4_K || TYPE == T_IQ4_NL || TYPE == T_MXFP4);
 
+// Whether a type's chunks take the activation sums (offsets, mins); the others skip reading them.
+const SUMS: bool = !(TYPE == T_Q8_0 || TYPE == T_IQ4_NL || TYPE == T_IQ4_XS || TYPE == T_MXFP4);
+
 var<private> qw: array<u32, 8>;
 
 // A chunk's weight side: its value over one token is
@@ -555,8 +558,11 @@ fn chunk_dot(ch: Chunk, t: u32, c: u32) -> f32 {
     }
     let e = t * p.cols + 32u * c;
     let xs = bitcast<f32>(xq[words + e / XB]);
-    let sums = words + p.ntok * p.cols / XB + e / 16u;
-    let s = vec2<i32>(bitcast<i32>(xq[sums]), bitcast<i32>(xq[sums + 1u]));
+    var s = vec2<i32>(0, 0);
+    if (SUMS) {
+        let sums = words + p.ntok * p.cols / XB + e / 16u;
+        s = vec2<i32>(bitcast<i32>(xq[sums]), bitcast<i32>(xq[sums + 1u]));
+    }
     return xs * (ch.da * f32(dot(ch.a, vec4<i32>(q0, q1, s.x, s.y))) + ch.db * f32(dot(ch.b, s)));
 }
 

@@ -90,7 +90,8 @@ fn open_cuda(_var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<std:
 /// default (auto). f32 is refused: the wgpu device multiplies quantized weights with the CPU's
 /// 8-bit activation blocks only.
 pub fn wgpu_packed_dots(var: &dyn Fn(&str) -> Option<String>) -> crate::error::Result<Option<bool>> {
-    let Some(v) = var(modes::CUDA_FLAGS[0].var) else {
+    let flag = modes::CUDA_FLAGS.iter().find(|f| f.key == "activations");
+    let Some(v) = flag.and_then(|f| var(f.var)) else {
         return Ok(None);
     };
     match v.trim() {

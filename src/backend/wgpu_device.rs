@@ -163,6 +163,14 @@ fn matmul_q8_thread_loops(cols: usize, tokens: usize) -> usize {
     (cols / 32) * (48 + 6 * nt) + 64 * (nt + 2)
 }
 
+/// Loop iterations of one thread a row's product: packed or f32.
+fn thread_loops(packed: bool, cols: usize, tokens: usize) -> usize {
+    match packed {
+        true => matmul_q8_thread_loops(cols, tokens),
+        false => matmul_thread_loops(cols, tokens),
+    }
+}
+
 /// Positions one attention workgroup takes: a (token, head) whose span is longer is split over
 /// several (`attention_part`, then `attention_join`). A decoding token's heads alone are too few
 /// workgroups to fill a GPU over a long context, and a software adapter's thread loops over
@@ -353,12 +361,8 @@ impl WgpuDevice {
     /// rows go to one workgroup a row, within the adapter's loop budget ([`LOOP_BUDGET`]). Lets
     /// the suite check the widest rows a thread takes.
     pub fn widest_thread_row(&self, tokens: usize) -> usize {
-        let loops = |cols| match self.packed_dots() {
-            true => matmul_q8_thread_loops(cols, tokens),
-            false => matmul_thread_loops(cols, tokens),
-        };
         let mut cols = 256;
-        while loops(cols + 256) <= LOOP_BUDGET {
+        while thread_loops(self.packed_dots(), cols + 256, tokens) <= LOOP_BUDGET {
             cols += 256;
         }
         cols
@@ -753,24 +757,21 @@ impl WgpuDevice {
             return self.act(x.rows, rows, out);
         }
         let id_buf = ids.map(|ids| self.u32_buffer("row ids", ids));
-        let per_thread = self.row_per_thread.load(std::sync::atomic::Ordering::Relaxed);
+        // On a software adapter a row too wide for one thread's loop budget is multiplied by a
+        // workgroup (the same sums in the same order: the same bits).
+        let packed = matches!(xq, Some(Prepared::Packed(_)));
+        let per_thread = self.row_per_thread.load(std::sync::atomic::Ordering::Relaxed)
+            && thread_loops(packed, w.cols, x.rows) <= LOOP_BUDGET;
+        let (entry, rows_a_group) = match (packed, per_thread) {
+            (false, true) => ("matmul_thread", 64),
+            (false, false) => ("matmul", 1),
+            (true, true) => ("matmul_q8_thread", 64),
+            (true, false) => ("matmul_q8", 1),
+        };
         for part in &parts {
             // Rows of this buffer: the listed ones (one buffer), or the part's own.
             let part_rows = if ids.is_some() { rows } else { part.rows };
-            // On a software adapter a row too wide for one thread's loop budget is multiplied by a
-            // workgroup (the same sums in the same order: the same bits).
-            let packed = matches!(xq, Some(Prepared::Packed(_)));
-            let loops = match packed {
-                true => matmul_q8_thread_loops(w.cols, x.rows),
-                false => matmul_thread_loops(w.cols, x.rows),
-            };
-            let per_thread = per_thread && loops <= LOOP_BUDGET;
-            let (entry, row_groups) = match (packed, per_thread) {
-                (false, true) => ("matmul_thread", part_rows.div_ceil(64)),
-                (false, false) => ("matmul", part_rows),
-                (true, true) => ("matmul_q8_thread", part_rows.div_ceil(64)),
-                (true, false) => ("matmul_q8", part_rows),
-            };
+            let row_groups = part_rows.div_ceil(rows_a_group);
             let grid = Self::grid(row_groups * x.rows.div_ceil(TILE));
             let (Some(r), Some(c), Some(n), Some(s), Some(all), Some(off)) = (
                 self.fits("rows", part_rows),
